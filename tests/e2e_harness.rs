@@ -1,0 +1,45 @@
+//! The harness itself, on real processes: Envoy without the filter routes to the counting upstream,
+//! Redis answers PING, the gate forwards, refuses and black-holes as told.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+#[test]
+fn envoy_without_filter_reaches_the_counting_upstream() {
+    let c = Components::get();
+    let dir = TempDir::new("harness");
+    let upstream = Upstream::start();
+    let spec = EnvoySpec::new(None, closed_port(), upstream.port);
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let client = Client::new();
+    for _ in 0..5 {
+        let r = client.get(&envoy.url("/x"), &[("x-test", "1")]);
+        assert_eq!(r.status, 200);
+        assert_eq!(r.body, "upstream\n");
+    }
+    assert_eq!(upstream.requests(), 5);
+    assert!(upstream.heads()[0].starts_with("GET /x HTTP/1.1"));
+    let stats = envoy.stats("cluster.upstream.upstream_rq_total");
+    assert_eq!(stats.get("cluster.upstream.upstream_rq_total"), Some(&5));
+}
+
+#[test]
+fn redis_and_gate_modes() {
+    let c = Components::get();
+    let dir = TempDir::new("harness-redis");
+    let mut redis = Redis::start(&c, &dir);
+    assert!(redis_ping(redis.port));
+    let gate = Gate::start(GateMode::Forward, redis.port);
+    assert!(redis_ping(gate.port), "forwarded PING");
+    gate.set_mode(GateMode::Refuse);
+    assert!(!redis_ping(gate.port), "refused");
+    gate.set_mode(GateMode::BlackHole);
+    let t = std::time::Instant::now();
+    assert!(!redis_ping(gate.port), "black hole answers nothing");
+    assert!(t.elapsed() >= Duration::from_millis(400));
+    assert_eq!(gate.accepted(), 3);
+    redis.stop();
+    assert!(!redis_ping(redis.port));
+}
