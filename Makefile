@@ -46,6 +46,10 @@ bench: build ## Benchmarks recorded in BENCHMARKS.md (ratios measured side by si
 	@bash scripts/tools.sh bench
 	@bash scripts/bench.sh
 
+demo: build ## N proxies, one limit: 4 Envoys with Envoy's local_ratelimit, Tollgate, and its fallback, side by side
+	@bash scripts/tools.sh demo
+	@PYTHONPATH=$(CURDIR)/.tools/py-demo python3 scripts/demo.py
+
 lint: ## clippy (panics denied in the filter) and rustfmt
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings

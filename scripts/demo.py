@@ -1,0 +1,513 @@
+#!/usr/bin/env python3
+"""N proxies, one limit: what "100 per minute" means behind four Envoys, in three setups side by side.
+
+`make demo` runs this after `make build`. It starts, on free 127.0.0.1 ports:
+
+    client (this script, a steady ~40 req/s)
+      -> front Envoy (ROUND_ROBIN over the fleet)
+        -> 4 Envoys, --concurrency 2 each, running the limiter under test
+          -> upstream (an HTTP server thread in this script that counts what reaches it)
+
+and, for the filter, Redis and tollgate-server. The same client load runs against three setups:
+
+  1. each Envoy with Envoy's own local_ratelimit at 100/min: four buckets, about 4 x (100 + refill) get
+     through;
+  2. the Tollgate filter, global mode: one bucket in Redis, 100 plus the refill get through;
+  3. the same filter with the service stopped: each Envoy falls back to its share, 100/4 plus a quarter
+     of the refill, so the fleet as a whole still stays within 100 plus the refill.
+
+It prints a table (admitted, expected bound, limited) and writes a chart of cumulative admitted
+requests over time (.run/demo/demo.png, when matplotlib from `scripts/tools.sh demo` is importable).
+Everything it starts it stops, by PID, also on Ctrl-C.
+
+Layout: `Procs` (children and their shutdown), `Upstream` (the counting server), `envoy_*` (generated
+configurations), `drive` (the paced client), `run_mode` (one setup end to end), `main` (table, chart).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / ".run" / "demo"
+
+N_ENVOYS = 4
+CAPACITY = 100  # tokens
+RATE = 100  # tokens per PERIOD_S
+PERIOD_S = 60
+DURATION_S = float(os.environ.get("DEMO_DURATION_S", "20"))
+REQ_PER_S = float(os.environ.get("DEMO_RPS", "40"))
+CLIENT_THREADS = 8
+ENVOY_HEADER = "x-demo-envoy"
+
+
+def component(var: str, default_rel: str) -> str:
+    path = os.environ.get(var) or str(ROOT / default_rel)
+    if not os.path.isfile(path):
+        sys.exit(f"demo: {var}={path} is missing; run `make build` (or set {var})")
+    return path
+
+
+def free_port() -> int:
+    """A port the kernel says is free now (it could be taken before we bind it: good enough locally)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(what: str, check, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s (logs in {RUN})")
+
+
+def http_get(url: str, timeout: float = 1.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+
+
+# ------------------------------------------------------------------------------------------------
+# Child processes
+
+
+class Procs:
+    """The processes this demo started; `stop` ends one by PID, `stop_all` ends the rest."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(RUN / f"{name}.log", "wb")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **(env or {})})
+        log.close()
+        self.children[name] = p
+        return p
+
+    def stop(self, name: str) -> None:
+        p = self.children.pop(name, None)
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()  # SIGTERM to this PID only
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+    def check_alive(self, name: str) -> None:
+        p = self.children[name]
+        if p.poll() is not None:
+            raise RuntimeError(f"{name} exited with {p.returncode}; see {RUN / (name + '.log')}")
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.children)):
+            self.stop(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# The upstream: counts every request that got through, per mode, per Envoy, with its time.
+
+
+class Upstream:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.mode = "idle"
+        self.t0 = time.monotonic()
+        self.hits: dict[str, list[tuple[float, str]]] = {}
+        upstream = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as Envoy's connection pool expects
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                envoy = self.headers.get(ENVOY_HEADER, "?")
+                with upstream.lock:
+                    upstream.hits.setdefault(upstream.mode, []).append(
+                        (time.monotonic() - upstream.t0, envoy))
+                body = b"ok\n"
+                self.send_response(200)
+                self.send_header("content-type", "text/plain")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def begin(self, mode: str) -> None:
+        with self.lock:
+            self.mode = mode
+            self.t0 = time.monotonic()
+            self.hits[mode] = []
+
+    def end(self) -> list[tuple[float, str]]:
+        with self.lock:
+            hits = self.hits.get(self.mode, [])
+            self.mode = "idle"
+            return hits
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Envoy configurations (JSON is YAML, so Envoy reads these files as they are)
+
+
+def static_cluster(name: str, ports: list[int], http2: bool = False) -> dict:
+    c = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+                for p in ports
+            ]}],
+        },
+    }
+    if http2:
+        c["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return c
+
+
+def listener(port: int, cluster: str, http_filters: list[dict], add_header: str | None = None) -> dict:
+    route = {"match": {"prefix": "/"}, "route": {"cluster": cluster}}
+    vhost = {"name": "all", "domains": ["*"], "routes": [route]}
+    if add_header is not None:
+        vhost["request_headers_to_add"] = [{"header": {"key": ENVOY_HEADER, "value": add_header}}]
+    return {
+        "name": "ingress",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                         ".HttpConnectionManager",
+                "stat_prefix": "ingress",
+                "route_config": {"name": "local", "virtual_hosts": [vhost]},
+                "http_filters": http_filters + [{
+                    "name": "envoy.filters.http.router",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                }],
+            },
+        }]}],
+    }
+
+
+def local_ratelimit_filter() -> dict:
+    """Envoy's own limiter: one token bucket per Envoy (shared by its workers), 100 per minute."""
+    always = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+            "stat_prefix": "local_rate_limit",
+            "token_bucket": {"max_tokens": CAPACITY, "tokens_per_fill": RATE, "fill_interval": f"{PERIOD_S}s"},
+            "filter_enabled": {**always, "runtime_key": "local_rate_limit_enabled"},
+            "filter_enforced": {**always, "runtime_key": "local_rate_limit_enforced"},
+        },
+    }
+
+
+def tollgate_filter(wasm: str) -> dict:
+    """The Tollgate filter: one global bucket for every request (key `literal:demo`)."""
+    plugin = {
+        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 100},
+        "rules": [{"name": "demo", "key": ["literal:demo"], "capacity": CAPACITY, "rate": RATE,
+                   "period_ms": PERIOD_S * 1000}],
+        "failure_mode": "fallback",
+        # Four Envoys: each one's fallback bucket holds a quarter of the limit and refills at a quarter rate.
+        "fallback": {"instances": N_ENVOYS, "max_keys": 1000},
+        "response": {"status": 429, "headers": ["draft"]},
+    }
+    return {
+        "name": "envoy.filters.http.wasm",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "tollgate",
+                "vm_config": {"vm_id": "tollgate", "runtime": "envoy.wasm.runtime.v8",
+                              "code": {"local": {"filename": wasm}}},
+                "failure_policy": "FAIL_RELOAD",
+                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                  "value": json.dumps(plugin)},
+            },
+        },
+    }
+
+
+def envoy_config(listen: int, upstream_cluster: dict, filters: list[dict], extra_clusters: list[dict],
+                 envoy_id: str | None) -> dict:
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+        "static_resources": {
+            "listeners": [listener(listen, upstream_cluster["name"], filters, envoy_id)],
+            "clusters": [upstream_cluster] + extra_clusters,
+        },
+    }
+
+
+class Envoy:
+    def __init__(self, procs: Procs, envoy_bin: str, name: str, config: dict, concurrency: int) -> None:
+        self.name = name
+        cfg = RUN / f"{name}.json"
+        cfg.write_text(json.dumps(config, indent=1))
+        self.admin_file = RUN / f"{name}.admin"
+        self.admin_file.unlink(missing_ok=True)
+        procs.start(name, [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--concurrency",
+                           str(concurrency), "--log-level", "warn", "--admin-address-path",
+                           str(self.admin_file)])
+        self.procs = procs
+        self.admin = ""
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            self.procs.check_alive(self.name)
+            if not self.admin and self.admin_file.exists():
+                self.admin = self.admin_file.read_text().strip()
+            return bool(self.admin) and http_get(f"http://{self.admin}/ready")[0] == 200
+
+        wait_until(self.name, ready)
+
+    def tollgate_stats(self) -> dict[str, int]:
+        status, text = http_get(f"http://{self.admin}/stats?filter=tollgate")
+        out: dict[str, int] = {}
+        for line in text.splitlines() if status == 200 else []:
+            name, _, value = line.partition(": ")
+            if value.strip().isdigit():
+                out[name.removeprefix("wasmcustom.")] = int(value)
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The client: a steady, bounded request rate over keep-alive connections
+
+
+def drive(port: int, duration_s: float, rps: float) -> tuple[Counter, float]:
+    """Sends round(duration_s * rps) GETs at a steady pace; returns the status counts and elapsed time."""
+    total = int(round(duration_s * rps))
+    statuses: Counter = Counter()
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def worker(k: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        for i in range(k, total, CLIENT_THREADS):
+            delay = t0 + i / rps - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                conn.request("GET", f"/demo/{i}")
+                resp = conn.getresponse()
+                resp.read()
+                code = str(resp.status)
+            except (OSError, http.client.HTTPException) as e:
+                code = type(e).__name__
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            with lock:
+                statuses[code] += 1
+        conn.close()
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(CLIENT_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=duration_s + 30)
+    return statuses, time.monotonic() - t0
+
+
+# ------------------------------------------------------------------------------------------------
+# One setup, end to end
+
+
+def run_mode(procs: Procs, envoy_bin: str, upstream: Upstream, mode: str, filters: list[dict],
+             extra_clusters: list[dict]) -> dict:
+    fleet_ports = [free_port() for _ in range(N_ENVOYS)]
+    up = static_cluster("upstream", [upstream.port])
+    fleet = [Envoy(procs, envoy_bin, f"{mode}-envoy{i + 1}",
+                   envoy_config(port, up, filters, extra_clusters, str(i + 1)), concurrency=2)
+             for i, port in enumerate(fleet_ports)]
+    front_port = free_port()
+    front = Envoy(procs, envoy_bin, f"{mode}-front",
+                  envoy_config(front_port, static_cluster("fleet", fleet_ports), [], [], None), concurrency=1)
+    for e in fleet + [front]:
+        e.wait_ready()
+
+    print(f"  {mode}: {N_ENVOYS} Envoys + front up; {int(DURATION_S * REQ_PER_S)} requests over "
+          f"{DURATION_S:.0f} s ...", flush=True)
+    upstream.begin(mode)
+    statuses, elapsed = drive(front_port, DURATION_S, REQ_PER_S)
+    time.sleep(0.2)  # the last admitted requests reach the upstream
+    hits = upstream.end()
+    stats = Counter()
+    for e in fleet:
+        stats.update(e.tollgate_stats())
+    for e in [front] + fleet:
+        procs.stop(e.name)
+    return {"mode": mode, "statuses": statuses, "elapsed": elapsed, "hits": hits, "stats": stats}
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def chart(results: list[dict], labels: dict[str, str], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not importable (run `bash scripts/tools.sh demo`)"
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for r in results:
+        times = sorted(t for t, _ in r["hits"])
+        ax.step([0.0] + times, range(len(times) + 1), where="post", label=labels[r["mode"]], linewidth=2)
+    xs = [i * DURATION_S / 100 for i in range(101)]
+    ax.plot(xs, [CAPACITY + RATE * x / PERIOD_S for x in xs], "k--", linewidth=1,
+            label=f"the limit: {CAPACITY} + refill ({RATE}/min)")
+    ax.set_xlabel("seconds since the first request")
+    ax.set_ylabel("requests that reached the upstream (cumulative)")
+    ax.set_title(f"{N_ENVOYS} Envoys behind a round-robin balancer, one limit of {CAPACITY}/min, "
+                 f"{REQ_PER_S:.0f} req/s offered", fontsize=10)
+    ax.set_xlim(0, DURATION_S)
+    ax.set_ylim(0, None)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return f"chart: {path.relative_to(ROOT)}"
+
+
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    envoy_bin = component("TOLLGATE_ENVOY", ".tools/envoy")
+    redis_bin = component("TOLLGATE_REDIS_SERVER", ".tools/redis-server")
+    server_bin = component("TOLLGATE_SERVER", "dist/tollgate-server")
+    wasm = component("TOLLGATE_WASM", "dist/tollgate.wasm")
+    RUN.mkdir(parents=True, exist_ok=True)
+
+    procs = Procs()
+    upstream = Upstream()
+    # SIGTERM ends the demo like Ctrl-C does: through the `finally` below.
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = time.monotonic()
+    try:
+        redis_port, service_port = free_port(), free_port()
+        procs.start("redis", [redis_bin, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no"])
+        procs.start("service", [server_bin, "--listen", f"127.0.0.1:{service_port}", "--redis-url",
+                                f"redis://127.0.0.1:{redis_port}", "--log-format", "text"])
+
+        def service_ready() -> bool:
+            procs.check_alive("service")
+            return http_get(f"http://127.0.0.1:{service_port}/readyz")[0] == 200
+
+        wait_until("tollgate-server (and Redis behind it)", service_ready)
+        service_cluster = static_cluster("tollgate", [service_port], http2=True)
+        print(f"demo: {N_ENVOYS} Envoys, limit {CAPACITY} per {PERIOD_S} s, the same client in each setup",
+              flush=True)
+
+        results = [run_mode(procs, envoy_bin, upstream, "local", [local_ratelimit_filter()], [])]
+        results.append(run_mode(procs, envoy_bin, upstream, "global", [tollgate_filter(wasm)],
+                                [service_cluster]))
+        procs.stop("service")  # nothing listens on the service's port any more
+        results.append(run_mode(procs, envoy_bin, upstream, "fallback", [tollgate_filter(wasm)],
+                                [service_cluster]))
+    except KeyboardInterrupt:
+        print("\ndemo: interrupted, stopping everything", file=sys.stderr)
+        return 130
+    finally:
+        procs.stop_all()
+        upstream.close()
+
+    share = CAPACITY / N_ENVOYS
+    labels = {
+        "local": f"1. Envoy local_ratelimit {CAPACITY}/min on each Envoy",
+        "global": "2. Tollgate, global (Redis)",
+        "fallback": f"3. Tollgate, service stopped: fallback {share:g}/min per Envoy",
+    }
+    rows = []
+    for r in results:
+        refill = RATE * r["elapsed"] / PERIOD_S
+        if r["mode"] == "local":
+            # Envoy 1.40's local_ratelimit refills continuously (tokens_per_fill / fill_interval), per Envoy.
+            per = math.floor(refill)
+            bound = f"~ {N_ENVOYS} x ({CAPACITY} + {per}) = {N_ENVOYS * (CAPACITY + per)}"
+        elif r["mode"] == "global":
+            bound = f"= {CAPACITY} + {math.floor(refill)} refill = {CAPACITY + math.floor(refill)}"
+        else:
+            bound = f"<= {N_ENVOYS} x ({share:g} + {refill / N_ENVOYS:.1f}) = {math.floor(CAPACITY + refill)}"
+        other = sum(v for k, v in r["statuses"].items() if k not in ("200", "429"))
+        rows.append((labels[r["mode"]], str(len(r["hits"])), bound, str(r["statuses"]["429"]), str(other)))
+
+    head = ("setup", "admitted", "expected", "limited (429)", "errors")
+    widths = [max(len(x[i]) for x in rows + [head]) for i in range(len(head))]
+    line = "  ".join("-" * w for w in widths)
+    print()
+    print(f"What reached the upstream: {int(DURATION_S * REQ_PER_S)} requests in {DURATION_S:.0f} s per setup, "
+          f"round-robin over {N_ENVOYS} Envoys, limit {CAPACITY}/min")
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print(line)
+    for row in rows:
+        print("  ".join(c.ljust(w) if i == 0 or i == 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print()
+    for r in results:
+        per_envoy = Counter(e for _, e in r["hits"])
+        split = ", ".join(f"{per_envoy[str(i + 1)]}" for i in range(N_ENVOYS))
+        s = r["stats"]
+        decided = ""
+        if r["mode"] != "local":
+            decided = (f"; decided by the service {s['tollgate.allowed'] + s['tollgate.limited']}, "
+                       f"by the fallback {s['tollgate.fallback.allowed'] + s['tollgate.fallback.limited']}")
+        print(f"  {r['mode']:>8}: per Envoy {split}{decided}")
+    print(f"  {chart(results, labels, RUN / 'demo.png')}")
+    print(f"demo: done in {time.monotonic() - started:.0f} s; logs in {RUN.relative_to(ROOT)}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
