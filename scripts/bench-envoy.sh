@@ -1,0 +1,215 @@
+#!/usr/bin/env bash
+# Envoy with Tollgate, side by side in one run on 127.0.0.1 (BENCHMARKS.md, "Envoy with Tollgate").
+#
+# Each variant is a fresh Envoy (--concurrency 2) whose edge listener routes to the same trivial upstream
+# (a second Envoy, --concurrency 1, direct_response). Load: wrk -t1 -c16 -d${DURATION}s after a 1 s warm-up.
+#   none      no rate limit filter
+#   http      Tollgate, JSON over HTTP/2 to tollgate-server, Redis Lua bucket
+#   grpc      Tollgate, gRPC to tollgate-server, Redis Lua bucket
+#   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
+# The limit is high enough that every request is admitted, so what is measured is the per-request path.
+# CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (ms of CPU per 1k requests).
+#
+#   scripts/bench-envoy.sh            # DURATION=5 CONNECTIONS=16
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+ENVOY=${TOLLGATE_ENVOY:-$ROOT/.tools/envoy}
+REDIS_SERVER=${TOLLGATE_REDIS_SERVER:-$ROOT/.tools/redis-server}
+REDIS_CLI=${TOLLGATE_REDIS_CLI:-$ROOT/.tools/redis-cli}
+SERVER=${TOLLGATE_SERVER:-$ROOT/dist/tollgate-server}
+WASM=${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}
+DURATION=${DURATION:-5}
+CONNECTIONS=${CONNECTIONS:-16}
+VARIANTS=${VARIANTS:-none http grpc fallback}
+OUT=$ROOT/bench-out/envoy
+WASM=$(readlink -f "$WASM")
+
+say() { printf 'bench-envoy: %s\n' "$*" >&2; }
+die() { say "$*"; exit 1; }
+for f in "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"; do
+  [ -f "$f" ] || die "missing $f (make build; make tools)"
+done
+command -v wrk >/dev/null || die "wrk missing (scripts/tools.sh bench)"
+
+rm -rf "$OUT" && mkdir -p "$OUT"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+TCK=$(getconf CLK_TCK)
+# utime+stime of a process, in clock ticks.
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT INT TERM
+
+wait_for() {
+  local what=$1 pid=$2; shift 2
+  for _ in $(seq 300); do
+    "$@" >/dev/null 2>&1 && return 0
+    kill -0 "$pid" 2>/dev/null || die "$what exited (logs in $OUT)"
+    sleep 0.05
+  done
+  die "$what not ready (logs in $OUT)"
+}
+
+# Shared pieces: Redis, the service, the upstream Envoy.
+REDIS_PORT=$(free_port)
+"$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$OUT" >"$OUT/redis.log" 2>&1 &
+REDIS_PID=$!; PIDS+=($REDIS_PID)
+wait_for redis $REDIS_PID "$REDIS_CLI" -p "$REDIS_PORT" ping
+
+SVC_PORT=$(free_port)
+"$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
+  >"$OUT/service.log" 2>&1 &
+SVC_PID=$!; PIDS+=($SVC_PID)
+wait_for tollgate-server $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
+
+UP_PORT=$(free_port); UP_ADMIN=$(free_port)
+cat >"$OUT/upstream.yaml" <<EOF
+admin: {address: {socket_address: {address: 127.0.0.1, port_value: $UP_ADMIN}}}
+static_resources:
+  listeners:
+  - name: upstream
+    address: {socket_address: {address: 127.0.0.1, port_value: $UP_PORT}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: upstream
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {prefix: "/"}
+                direct_response: {status: 200, body: {inline_string: "hello from the upstream\n"}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+EOF
+"$ENVOY" -c "$OUT/upstream.yaml" --disable-hot-restart --concurrency 1 --log-level warn >"$OUT/upstream.log" 2>&1 &
+UP_PID=$!; PIDS+=($UP_PID)
+wait_for "upstream envoy" $UP_PID curl -fsS "http://127.0.0.1:$UP_ADMIN/ready"
+
+CLOSED_PORT=$(free_port)
+
+# The Envoy under test. $1 = variant.
+envoy_yaml() {
+  local variant=$1 port=$2 admin=$3 filter="" svc_port=$SVC_PORT transport=http
+  case $variant in
+    grpc) transport=grpc ;;
+    fallback) svc_port=$CLOSED_PORT ;;
+  esac
+  if [ "$variant" != none ]; then
+    filter=$(cat <<EOF
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: tollgate
+                vm_config:
+                  vm_id: tollgate
+                  runtime: envoy.wasm.runtime.v8
+                  code: {local: {filename: "$WASM"}}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: |
+                    {"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100},
+                     "rules": [{"name": "per-ip", "key": ["client_ip"],
+                                "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000}],
+                     "response": {"headers": ["draft"], "on_allowed": false}}
+EOF
+)
+  fi
+  cat <<EOF
+admin: {address: {socket_address: {address: 127.0.0.1, port_value: $admin}}}
+static_resources:
+  listeners:
+  - name: edge
+    address: {socket_address: {address: 127.0.0.1, port_value: $port}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: edge
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {prefix: "/"}
+                route: {cluster: upstream}
+          http_filters:
+$filter
+          - name: envoy.filters.http.router
+            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+  clusters:
+  - name: tollgate
+    type: STATIC
+    connect_timeout: 0.25s
+    load_assignment:
+      cluster_name: tollgate
+      endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $svc_port}}}}]}]
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {http2_protocol_options: {}}
+  - name: upstream
+    type: STATIC
+    connect_timeout: 0.25s
+    load_assignment:
+      cluster_name: upstream
+      endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $UP_PORT}}}}]}]
+EOF
+}
+
+# Converts wrk's latency ("1.23ms", "850.00us", "1.01s") to milliseconds.
+to_ms() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) n /= 1000; else if (v ~ /ms$/) n += 0; else if (v ~ /s$/) n *= 1000; printf "%.2f", n }'; }
+
+RESULTS=$OUT/results.tsv
+: >"$RESULTS"
+for variant in $VARIANTS; do
+  port=$(free_port); admin=$(free_port)
+  envoy_yaml "$variant" "$port" "$admin" >"$OUT/envoy-$variant.yaml"
+  "$ENVOY" -c "$OUT/envoy-$variant.yaml" --disable-hot-restart --concurrency 2 --log-level warn \
+    >"$OUT/envoy-$variant.log" 2>&1 &
+  epid=$!; PIDS+=($epid)
+  wait_for "envoy ($variant)" $epid curl -fsS "http://127.0.0.1:$admin/ready"
+  code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/")
+  [ "$code" = 200 ] || die "$variant: a first request got $code, not 200"
+  wrk -t1 -c"$CONNECTIONS" -d1s "http://127.0.0.1:$port/" >/dev/null 2>&1 || true
+  e0=$(cpu_ticks $epid); s0=$(cpu_ticks $SVC_PID); r0=$(cpu_ticks $REDIS_PID); u0=$(cpu_ticks $UP_PID)
+  wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --timeout 2s --latency "http://127.0.0.1:$port/" >"$OUT/wrk-$variant.txt"
+  e1=$(cpu_ticks $epid); s1=$(cpu_ticks $SVC_PID); r1=$(cpu_ticks $REDIS_PID); u1=$(cpu_ticks $UP_PID)
+  rps=$(awk '/^Requests\/sec:/ {print $2}' "$OUT/wrk-$variant.txt")
+  p99=$(to_ms "$(awk '$1 == "99%" {print $2}' "$OUT/wrk-$variant.txt")")
+  total=$(awk '/requests in/ {print $1}' "$OUT/wrk-$variant.txt")
+  non2xx=$(awk '/Non-2xx/ {print $5}' "$OUT/wrk-$variant.txt"); non2xx=${non2xx:-0}
+  errors=$(awk '/Socket errors/ {print $0}' "$OUT/wrk-$variant.txt")
+  [ "$non2xx" = 0 ] || say "WARNING: $variant had $non2xx non-2xx responses (the limit should admit all)"
+  [ -z "$errors" ] || say "WARNING: $variant: $errors"
+  cpu() { awk -v a="$1" -v b="$2" -v n="$total" -v t="$TCK" 'BEGIN { printf "%.1f", (b - a) * 1000 / t * 1000 / n }'; }
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$variant" "$rps" "$p99" "$total" "$non2xx" \
+    "$(cpu $e0 $e1)" "$(cpu $s0 $s1)" "$(cpu $r0 $r1)" "$(cpu $u0 $u1)" >>"$RESULTS"
+  say "$variant: $rps req/s, p99 $p99 ms, $non2xx non-2xx"
+  kill $epid 2>/dev/null || true; wait $epid 2>/dev/null || true
+done
+
+base=$(awk -F'\t' '$1 == "none" {print $2}' "$RESULTS")
+size=$(stat -c %s "$WASM")
+{
+  echo "wrk -t1 -c$CONNECTIONS -d${DURATION}s, Envoy --concurrency 2, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "module: $size bytes"
+  echo
+  echo "| path | req/s | ratio vs no filter | p99 ms | non-2xx | CPU ms per 1k req: Envoy | service | Redis | upstream |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  awk -F'\t' -v base="${base:-0}" '{
+    ratio = (base > 0) ? sprintf("%.2f", $2 / base) : "-";
+    printf "| %s | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", $1, $2, ratio, $3, $5, $6, $7, $8, $9 }' "$RESULTS"
+} | tee "$OUT/summary.md"

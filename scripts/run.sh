@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Starts the whole stack on 127.0.0.1 and waits; Ctrl-C stops it. `make run` builds first, then calls this.
+#
+#   Redis            :6390 (or a free port)  data and logs in .run/
+#   tollgate-server  :8081                   --redis-url to that Redis
+#   Envoy            :10000 edge (Tollgate), :10001 demo upstream, :9901 admin  (envoy.yaml)
+#
+# This script stays in the foreground on purpose: Envoy dies when its parent exits, so the parent must
+# live as long as the stack does.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+ENVOY=${TOLLGATE_ENVOY:-$ROOT/.tools/envoy}
+REDIS_SERVER=${TOLLGATE_REDIS_SERVER:-$ROOT/.tools/redis-server}
+REDIS_CLI=${TOLLGATE_REDIS_CLI:-$ROOT/.tools/redis-cli}
+SERVER=${TOLLGATE_SERVER:-$ROOT/dist/tollgate-server}
+WASM=${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}
+RUN=$ROOT/.run
+
+say() { printf 'run: %s\n' "$*" >&2; }
+die() { say "$*"; exit 1; }
+
+for f in "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"; do
+  [ -x "$f" ] || [ -f "$f" ] || die "missing $f (run \`make build\`, or \`make tools\`)"
+done
+# envoy.yaml names the module relative to the repository root.
+[ "$WASM" -ef "$ROOT/dist/tollgate.wasm" ] || die "envoy.yaml loads dist/tollgate.wasm; TOLLGATE_WASM=$WASM differs"
+
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+for p in 8081 10000 10001 9901; do
+  port_busy "$p" && die "port 127.0.0.1:$p is in use (envoy.yaml and the service need it); stop what holds it"
+done
+REDIS_PORT=6390
+port_busy "$REDIS_PORT" && REDIS_PORT=$(free_port)
+
+mkdir -p "$RUN"
+PIDS=()
+stop() {
+  local rc=${1:-0}
+  trap - INT TERM EXIT
+  say "stopping"
+  # Reverse order of start: Envoy, the service, Redis. Each by its own PID.
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+    kill "${PIDS[i]}" 2>/dev/null || true
+  done
+  for pid in "${PIDS[@]}"; do
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+  done
+  exit "$rc"
+}
+trap 'stop 0' INT TERM
+trap 'stop $?' EXIT
+
+# Waits up to 15 s for "$@" to succeed; shows the log and gives up otherwise.
+wait_for() {
+  local what=$1 log=$2 pid=$3; shift 3
+  for _ in $(seq 300); do
+    if "$@" >/dev/null 2>&1; then say "$what ready"; return 0; fi
+    kill -0 "$pid" 2>/dev/null || { tail -n 40 "$log" >&2; die "$what exited (log: $log)"; }
+    sleep 0.05
+  done
+  tail -n 40 "$log" >&2
+  die "$what not ready after 15 s (log: $log)"
+}
+
+"$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$RUN" \
+  >"$RUN/redis.log" 2>&1 &
+PIDS+=($!)
+wait_for "redis on :$REDIS_PORT" "$RUN/redis.log" "${PIDS[-1]}" "$REDIS_CLI" -p "$REDIS_PORT" ping
+
+"$SERVER" --listen 127.0.0.1:8081 --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
+  >"$RUN/service.log" 2>&1 &
+PIDS+=($!)
+wait_for "tollgate-server on :8081" "$RUN/service.log" "${PIDS[-1]}" curl -fsS http://127.0.0.1:8081/healthz
+
+"$ENVOY" -c envoy.yaml --disable-hot-restart --concurrency 2 --component-log-level wasm:info \
+  >"$RUN/envoy.log" 2>&1 &
+PIDS+=($!)
+wait_for "envoy on :10000" "$RUN/envoy.log" "${PIDS[-1]}" curl -fsS http://127.0.0.1:9901/ready
+
+cat <<EOF
+
+Tollgate is running (rule "per-ip": 5 requests burst per client IP, refilling 1 per second).
+
+  for i in \$(seq 7); do curl -si localhost:10000/ | grep -iE '^(HTTP|ratelimit|x-ratelimit|retry-after)'; done
+      five 200s, then 429 with Retry-After, RateLimit-Policy/RateLimit and X-RateLimit-*
+  curl -s 'localhost:9901/stats?filter=tollgate'     the filter's counters (Envoy admin)
+  curl -s localhost:8081/metrics                     the service's metrics
+  curl -s localhost:8081/readyz                      the service sees Redis (redis-cli -p $REDIS_PORT)
+
+Logs: .run/envoy.log .run/service.log .run/redis.log      Ctrl-C stops everything.
+EOF
+
+# Stay the parent of all three; if one dies, stop the rest.
+while :; do
+  for pid in "${PIDS[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then say "process $pid exited; see .run/*.log"; stop 1; fi
+  done
+  sleep 1
+done
