@@ -11,7 +11,10 @@
 //! - [`Gate`]: a TCP listener in the test process in front of the service that forwards, refuses
 //!   (accept then close) or black-holes (accept, read, never answer), and counts connections.
 //! - [`Client`]: requests through Envoy (ureq) returning status, headers and body.
+//! - [`config`]: plugin configurations as JSON, and `both_transports!` (one test per transport).
 #![allow(dead_code)]
+
+pub mod config;
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -78,11 +81,8 @@ impl TempDir {
     pub fn new(label: &str) -> TempDir {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!(
-            "tollgate-e2e-{}-{}-{label}",
-            std::process::id(),
-            n
-        ));
+        let path =
+            std::env::temp_dir().join(format!("tollgate-e2e-{}-{}-{label}", std::process::id(), n));
         let _ = fs::remove_dir_all(&path);
         fs::create_dir_all(&path).expect("create temp dir");
         TempDir { path }
@@ -310,7 +310,9 @@ impl Service {
 
     /// The service's Prometheus text.
     pub fn metrics(&self) -> String {
-        http_get(self.port, "/metrics").map(|r| r.1).unwrap_or_default()
+        http_get(self.port, "/metrics")
+            .map(|r| r.1)
+            .unwrap_or_default()
     }
 }
 
@@ -525,10 +527,13 @@ impl Envoy {
     /// the stat does not exist (yet).
     pub fn tg(&self, name: &str) -> u64 {
         let full = format!("wasmcustom.tollgate.{name}");
-        self.stats(&format!("^wasmcustom\\.tollgate\\.{}$", name.replace('.', "\\.")))
-            .get(&full)
-            .copied()
-            .unwrap_or(0)
+        self.stats(&format!(
+            "^wasmcustom\\.tollgate\\.{}$",
+            name.replace('.', "\\.")
+        ))
+        .get(&full)
+        .copied()
+        .unwrap_or(0)
     }
 
     /// All Tollgate stats (names without the `wasmcustom.tollgate.` prefix).
@@ -718,7 +723,11 @@ impl Upstream {
 
     /// The request heads received so far (request line and headers).
     pub fn heads(&self) -> Vec<String> {
-        self.state.heads.lock().map(|h| h.clone()).unwrap_or_default()
+        self.state
+            .heads
+            .lock()
+            .map(|h| h.clone())
+            .unwrap_or_default()
     }
 }
 

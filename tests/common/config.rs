@@ -1,0 +1,55 @@
+//! Plugin configurations for the end-to-end tests, built as JSON values.
+
+use super::Transport;
+use serde_json::{json, Value};
+
+/// A refill so slow that it never matters within a test: one token per hour.
+pub const SLOW_PERIOD_MS: u64 = 3_600_000;
+
+/// A rule named `name` keyed by `key`, holding `capacity` tokens that refill one per hour.
+pub fn rule(name: &str, key: &[&str], capacity: u64) -> Value {
+    json!({"name": name, "key": key, "capacity": capacity, "rate": 1, "period_ms": SLOW_PERIOD_MS})
+}
+
+/// A full plugin configuration: `rules` over `transport` with a generous callout timeout (1 s),
+/// then every field of `extra` merged in at top level (`service` fields are merged one level down).
+pub fn plugin(transport: Transport, rules: Vec<Value>, extra: Value) -> String {
+    let mut cfg = json!({
+        "service": {"cluster": "tollgate", "transport": transport.name(), "timeout_ms": 1000},
+        "rules": rules,
+    });
+    if let (Some(obj), Value::Object(extra)) = (cfg.as_object_mut(), extra) {
+        for (k, v) in extra {
+            match (k.as_str(), v) {
+                ("service", Value::Object(s)) => {
+                    if let Some(Value::Object(svc)) = obj.get_mut("service") {
+                        for (sk, sv) in s {
+                            svc.insert(sk, sv);
+                        }
+                    }
+                }
+                (_, v) => {
+                    obj.insert(k, v);
+                }
+            }
+        }
+    }
+    serde_json::to_string_pretty(&cfg).unwrap_or_default()
+}
+
+/// Expands `$name(Transport)` into a module `$name` with tests `http` and `grpc`.
+#[macro_export]
+macro_rules! both_transports {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn http() {
+                super::$name($crate::common::Transport::Http)
+            }
+            #[test]
+            fn grpc() {
+                super::$name($crate::common::Transport::Grpc)
+            }
+        }
+    )*};
+}

@@ -1,0 +1,124 @@
+//! End to end: Envoy refuses a bad plugin configuration, and its log names the offending field.
+
+mod common;
+
+use common::*;
+use std::time::Duration;
+
+/// Starts Envoy with `config` as the plugin configuration; it must exit with an error (or never
+/// become ready) and its log must name `field`.
+fn refused(label: &str, config: &str, field: &str) {
+    let c = Components::get();
+    let dir = TempDir::new(label);
+    let spec = EnvoySpec::new(Some(config.to_string()), closed_port(), closed_port());
+    match Envoy::try_start(&c, &dir, &spec, Duration::from_secs(15)) {
+        Ok(mut envoy) => {
+            let log = envoy.proc.log_text();
+            envoy.proc.kill();
+            panic!("Envoy accepted a bad configuration ({label}):\n{config}\n{log}");
+        }
+        Err(f) => {
+            if let Some(st) = f.status {
+                assert!(!st.success(), "Envoy exited with success: {st}");
+            }
+            assert!(
+                f.log.contains(field),
+                "Envoy's log names `{field}` ({label}):\n{}",
+                f.log
+            );
+        }
+    }
+}
+
+const GOOD_RULE: &str = r#"{"name": "r", "key": ["client_ip"], "capacity": 5, "period_ms": 1000}"#;
+
+fn with(service: &str, rules: &str, rest: &str) -> String {
+    format!(r#"{{"service": {service}, "rules": [{rules}]{rest}}}"#)
+}
+
+#[test]
+fn a_good_configuration_is_accepted() {
+    let c = Components::get();
+    let dir = TempDir::new("good-config");
+    let cfg = with(r#"{"cluster": "tollgate"}"#, GOOD_RULE, "");
+    let spec = EnvoySpec::new(Some(cfg), closed_port(), closed_port());
+    let envoy = Envoy::try_start(&c, &dir, &spec, Duration::from_secs(15));
+    assert!(envoy.is_ok(), "{:?}", envoy.err().map(|f| f.log));
+}
+
+#[test]
+fn zero_capacity() {
+    let rule = r#"{"name": "r", "key": ["client_ip"], "capacity": 0, "period_ms": 1000}"#;
+    refused(
+        "capacity",
+        &with(r#"{"cluster": "tollgate"}"#, rule, ""),
+        "rules[0].capacity",
+    );
+}
+
+#[test]
+fn unknown_field() {
+    let rule =
+        r#"{"name": "r", "key": ["client_ip"], "capacity": 5, "period_ms": 1000, "burst": 3}"#;
+    refused(
+        "unknown-field",
+        &with(r#"{"cluster": "tollgate"}"#, rule, ""),
+        "burst",
+    );
+}
+
+#[test]
+fn bad_transport() {
+    refused(
+        "transport",
+        &with(
+            r#"{"cluster": "tollgate", "transport": "tcp"}"#,
+            GOOD_RULE,
+            "",
+        ),
+        "service.transport",
+    );
+}
+
+#[test]
+fn missing_cluster() {
+    refused("cluster", &with("{}", GOOD_RULE, ""), "cluster");
+}
+
+#[test]
+fn bad_failure_mode() {
+    refused(
+        "failure-mode",
+        &with(
+            r#"{"cluster": "tollgate"}"#,
+            GOOD_RULE,
+            r#", "failure_mode": "sometimes""#,
+        ),
+        "failure_mode",
+    );
+}
+
+#[test]
+fn bad_key_part() {
+    let rule = r#"{"name": "r", "key": ["cookie:sid"], "capacity": 5, "period_ms": 1000}"#;
+    refused(
+        "key",
+        &with(r#"{"cluster": "tollgate"}"#, rule, ""),
+        "rules[0].key",
+    );
+}
+
+#[test]
+fn duplicate_rule_names() {
+    let rules = format!("{GOOD_RULE}, {GOOD_RULE}");
+    refused(
+        "dup",
+        &with(r#"{"cluster": "tollgate"}"#, &rules, ""),
+        "rules[1].name",
+    );
+}
+
+#[test]
+fn not_json() {
+    refused("not-json", "service: tollgate", "tollgate");
+}

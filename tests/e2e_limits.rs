@@ -1,0 +1,267 @@
+//! End to end, service up: limits enforced through real Envoy, the real module, the real service and
+//! real Redis, over both transports. What is checked is what a client sees and what reaches the
+//! upstream.
+
+mod common;
+
+use common::config::{plugin, rule, SLOW_PERIOD_MS};
+use common::*;
+use serde_json::json;
+
+both_transports!(
+    limit_enforced_with_headers,
+    response_options,
+    cost_fixed,
+    cost_from_header,
+    two_rules_all_or_nothing,
+    key_from_header,
+    key_from_header_shared_when_missing,
+    key_from_client_ip_trusted_hop,
+    key_from_peer_ignores_x_forwarded_for,
+    match_limits_only_matching_requests,
+);
+
+fn header_u64(r: &Reply, name: &str) -> u64 {
+    r.header(name)
+        .unwrap_or_else(|| panic!("no {name} in {r:?}"))
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{name} is not an integer in {r:?}"))
+}
+
+/// Capacity 3: exactly three 200s, then 429s with Retry-After, both header families on every
+/// response (on_allowed), the configured body; the upstream sees the three admitted requests only.
+fn limit_enforced_with_headers(t: Transport) {
+    let cfg = plugin(
+        t,
+        vec![rule("per-ip", &["client_ip"], 3)],
+        json!({"response": {"headers": ["draft", "x-ratelimit"], "on_allowed": true,
+                            "body": "slow down\n"}}),
+    );
+    let s = Stack::start("limit", &cfg);
+    for i in 0..3u64 {
+        let r = s.get("/", &[]);
+        assert_eq!(r.status, 200, "request {i}: {r:?}");
+        assert_eq!(r.body, "upstream\n");
+        assert_eq!(header_u64(&r, "x-ratelimit-limit"), 3, "{r:?}");
+        assert_eq!(header_u64(&r, "x-ratelimit-remaining"), 2 - i, "{r:?}");
+        assert!(r.header("x-ratelimit-reset").is_some(), "{r:?}");
+        let policy = r.header("ratelimit-policy").unwrap_or_default();
+        assert!(
+            policy.contains("per-ip"),
+            "RateLimit-Policy names the rule: {r:?}"
+        );
+        assert!(r.header("ratelimit").is_some(), "{r:?}");
+        assert!(
+            r.header("retry-after").is_none(),
+            "no Retry-After when allowed: {r:?}"
+        );
+    }
+    for _ in 0..4 {
+        let r = s.get("/", &[]);
+        assert_eq!(r.status, 429, "{r:?}");
+        assert_eq!(r.body, "slow down\n");
+        let retry = header_u64(&r, "retry-after");
+        assert!(
+            (1..=SLOW_PERIOD_MS / 1000).contains(&retry),
+            "Retry-After within one refill period: {r:?}"
+        );
+        assert_eq!(header_u64(&r, "x-ratelimit-limit"), 3, "{r:?}");
+        assert_eq!(header_u64(&r, "x-ratelimit-remaining"), 0, "{r:?}");
+        assert!(r.header("x-ratelimit-reset").is_some(), "{r:?}");
+        assert!(
+            r.header("ratelimit-policy")
+                .unwrap_or_default()
+                .contains("per-ip"),
+            "{r:?}"
+        );
+        assert!(r.header("ratelimit").is_some(), "{r:?}");
+    }
+    assert_eq!(
+        s.upstream.requests(),
+        3,
+        "denied requests never reach the upstream"
+    );
+    assert_eq!(s.envoy.tg("allowed"), 3);
+    assert_eq!(s.envoy.tg("limited"), 4);
+}
+
+/// A configured status and only the X-RateLimit family, on denials only (on_allowed false).
+fn response_options(t: Transport) {
+    let cfg = plugin(
+        t,
+        vec![rule("tight", &["literal:all"], 1)],
+        json!({"response": {"status": 503, "body": "{\"error\":\"limited\"}",
+                            "content_type": "application/json", "headers": ["x-ratelimit"]}}),
+    );
+    let s = Stack::start("response", &cfg);
+    let ok = s.get("/", &[]);
+    assert_eq!(ok.status, 200);
+    assert!(
+        ok.header("x-ratelimit-limit").is_none(),
+        "on_allowed is false: {ok:?}"
+    );
+    assert!(ok.header("ratelimit-policy").is_none(), "{ok:?}");
+    let r = s.get("/", &[]);
+    assert_eq!(r.status, 503, "{r:?}");
+    assert_eq!(r.body, "{\"error\":\"limited\"}");
+    assert_eq!(r.header("content-type"), Some("application/json"), "{r:?}");
+    assert!(
+        r.header("retry-after").is_some(),
+        "Retry-After always on a denial: {r:?}"
+    );
+    assert_eq!(header_u64(&r, "x-ratelimit-limit"), 1);
+    assert!(
+        r.header("ratelimit-policy").is_none(),
+        "draft headers not configured: {r:?}"
+    );
+    assert!(r.header("ratelimit").is_none(), "{r:?}");
+    assert_eq!(s.upstream.requests(), 1);
+}
+
+/// cost 4 from capacity 10: two requests pass (8 tokens), the third cannot pay 4 of the 2 left.
+fn cost_fixed(t: Transport) {
+    let mut r = rule("heavy", &["literal:x"], 10);
+    r["cost"] = json!(4);
+    let s = Stack::start("cost-fixed", &plugin(t, vec![r], json!({})));
+    let st = s.client.statuses(&s.url("/"), &[], 5);
+    assert_eq!(st, vec![200, 200, 429, 429, 429]);
+    assert_eq!(s.upstream.requests(), 2);
+}
+
+/// Cost from a header (default 1, max 1000): capacity 10 pays 6, not 5 of the 4 left, then 4, then
+/// the default 1 finds nothing left. A denied request takes nothing, so the 4 is still there.
+fn cost_from_header(t: Transport) {
+    let mut r = rule("weighted", &["literal:x"], 10);
+    r["cost"] = json!({"header": "x-cost", "default": 1, "max": 1000});
+    let s = Stack::start("cost-header", &plugin(t, vec![r], json!({})));
+    let url = s.url("/");
+    assert_eq!(s.client.get(&url, &[("x-cost", "6")]).status, 200);
+    assert_eq!(s.client.get(&url, &[("x-cost", "5")]).status, 429);
+    assert_eq!(s.client.get(&url, &[("x-cost", "4")]).status, 200);
+    assert_eq!(
+        s.client.get(&url, &[]).status,
+        429,
+        "default cost 1, none left"
+    );
+    assert_eq!(s.upstream.requests(), 2);
+}
+
+/// Rule A (shared, capacity 5) and rule B (per user, capacity 2) on every request. Requests denied
+/// by B must not spend A's tokens: after user 1's three denials, users 2 and 3 still get A's
+/// remaining three tokens, and only then does A deny.
+fn two_rules_all_or_nothing(t: Transport) {
+    let s = Stack::start(
+        "two-rules",
+        &plugin(
+            t,
+            vec![
+                rule("global", &["literal:all"], 5),
+                rule("per-user", &["header:x-user"], 2),
+            ],
+            json!({"response": {"headers": ["draft"]}}),
+        ),
+    );
+    let url = s.url("/");
+    let u = |user: &str| s.client.get(&url, &[("x-user", user)]);
+    let u1: Vec<u16> = (0..5).map(|_| u("u1").status).collect();
+    assert_eq!(u1, vec![200, 200, 429, 429, 429], "B limits user 1");
+    assert_eq!(u("u2").status, 200, "A not charged by B's denials");
+    assert_eq!(u("u2").status, 200);
+    assert_eq!(u("u3").status, 200, "A's fifth token");
+    let denied = u("u3");
+    assert_eq!(denied.status, 429, "A is empty: {denied:?}");
+    assert!(
+        denied
+            .header("ratelimit-policy")
+            .unwrap_or_default()
+            .contains("global"),
+        "the denying rule is named: {denied:?}"
+    );
+    assert_eq!(s.upstream.requests(), 5);
+}
+
+/// `header:x-api-key` keys, on_missing skip (the default): each key has its own bucket; requests
+/// without the header are not limited by this rule.
+fn key_from_header(t: Transport) {
+    let s = Stack::start(
+        "key-header",
+        &plugin(
+            t,
+            vec![rule("per-key", &["header:x-api-key"], 2)],
+            json!({}),
+        ),
+    );
+    let url = s.url("/");
+    let a = s.client.statuses(&url, &[("x-api-key", "a")], 3);
+    let b = s.client.statuses(&url, &[("x-api-key", "b")], 3);
+    let none = s.client.statuses(&url, &[], 5);
+    assert_eq!(a, vec![200, 200, 429]);
+    assert_eq!(b, vec![200, 200, 429]);
+    assert_eq!(none, vec![200; 5], "skipped when the header is missing");
+    assert_eq!(s.upstream.requests(), 9);
+}
+
+/// on_missing shared: every request without the header shares one bucket.
+fn key_from_header_shared_when_missing(t: Transport) {
+    let mut r = rule("per-key", &["header:x-api-key"], 2);
+    r["on_missing"] = json!("shared");
+    let s = Stack::start("key-shared", &plugin(t, vec![r], json!({})));
+    let url = s.url("/");
+    assert_eq!(s.client.statuses(&url, &[], 3), vec![200, 200, 429]);
+    assert_eq!(s.client.statuses(&url, &[("x-api-key", "a")], 1), vec![200]);
+    assert_eq!(s.upstream.requests(), 3);
+}
+
+/// trusted_hops 1: the client address comes from x-forwarded-for, so two clients behind one
+/// trusted proxy (same peer address) have separate buckets.
+fn key_from_client_ip_trusted_hop(t: Transport) {
+    let s = Stack::start(
+        "key-xff",
+        &plugin(
+            t,
+            vec![rule("per-ip", &["client_ip"], 2)],
+            json!({"trusted_hops": 1}),
+        ),
+    );
+    let url = s.url("/");
+    let one = s
+        .client
+        .statuses(&url, &[("x-forwarded-for", "203.0.113.1")], 3);
+    let two = s
+        .client
+        .statuses(&url, &[("x-forwarded-for", "203.0.113.2")], 3);
+    assert_eq!(one, vec![200, 200, 429]);
+    assert_eq!(two, vec![200, 200, 429], "another client, another bucket");
+    assert_eq!(s.upstream.requests(), 4);
+}
+
+/// trusted_hops 0: the peer address is the client; a forged x-forwarded-for changes nothing.
+fn key_from_peer_ignores_x_forwarded_for(t: Transport) {
+    let s = Stack::start(
+        "key-peer",
+        &plugin(t, vec![rule("per-ip", &["client_ip"], 2)], json!({})),
+    );
+    let url = s.url("/");
+    let st: Vec<u16> = (0..4)
+        .map(|i| {
+            let xff = format!("198.51.100.{i}");
+            s.client.get(&url, &[("x-forwarded-for", &xff)]).status
+        })
+        .collect();
+    assert_eq!(st, vec![200, 200, 429, 429]);
+    assert_eq!(s.upstream.requests(), 2);
+}
+
+/// A rule with `match` limits only the requests it matches.
+fn match_limits_only_matching_requests(t: Transport) {
+    let mut r = rule("login", &["literal:login"], 1);
+    r["match"] = json!({"path_exact": "/login", "methods": ["GET"]});
+    let s = Stack::start("match", &plugin(t, vec![r], json!({})));
+    assert_eq!(
+        s.client.statuses(&s.url("/login?x=1"), &[], 2),
+        vec![200, 429]
+    );
+    assert_eq!(s.client.statuses(&s.url("/other"), &[], 3), vec![200; 3]);
+    assert_eq!(s.upstream.requests(), 4);
+}
