@@ -1,0 +1,1264 @@
+//! N proxies, one limit: end-to-end tests across several Envoys.
+//!
+//! Real Envoys (each `--concurrency 2`, each running the real module), the real `tollgate-server`, real
+//! Redis, and an upstream inside the test that counts what reaches it. The test client spreads its
+//! requests round-robin over the Envoys, as a load balancer in front of a fleet would, so a limiter that
+//! kept one bucket per proxy (or per worker) would admit a multiple of the limit and fail here.
+//!
+//! Counts are compared exactly. The only slack is what the refill rate allows over the elapsed time the
+//! test measures itself (`floor(rate × elapsed)`), plus one token where a comment says why.
+//!
+//! Layout:
+//! - `fleet`: a small self-contained launcher: components, child processes killed by PID on drop, Redis,
+//!   the service (optionally under a skewed clock), N Envoys, the counting upstream, a load driver and a
+//!   stats sampler for the Envoys' `tollgate.*` counters.
+//! - the tests: `global_mode_is_one_bucket_across_envoys`, `fallback_splits_the_limit_across_envoys`,
+//!   `service_killed_under_load_falls_back_then_resumes`, `redis_killed_under_load_falls_back_then_resumes`,
+//!   `skewed_service_clock_still_one_bucket`.
+// A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
+#![allow(
+    clippy::panic,
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::indexing_slicing
+)]
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use fleet::*;
+
+/// The tests in this file each start several Envoys; they run one at a time so that their timings are
+/// not distorted by each other on a small machine.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A plugin configuration with one rule over one shared key (every request, every Envoy, one bucket).
+fn plugin(key: &str, capacity: u64, rate: u64, period_ms: u64, extra: serde_json::Value) -> String {
+    let mut cfg = serde_json::json!({
+        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 1000},
+        "rules": [{"name": "fleet", "key": [format!("literal:{key}")], "capacity": capacity,
+                   "rate": rate, "period_ms": period_ms}],
+        "response": {"status": 429, "headers": ["x-ratelimit"]},
+    });
+    if let (Some(obj), Some(extra)) = (cfg.as_object_mut(), extra.as_object()) {
+        for (k, v) in extra {
+            obj.insert(k.clone(), v.clone());
+        }
+    }
+    cfg.to_string()
+}
+
+/// Global mode through three Envoys hit round-robin by 16 concurrent clients: what reaches the upstream
+/// is exactly the capacity plus the tokens refilled while the test ran.
+#[test]
+fn global_mode_is_one_bucket_across_envoys() {
+    let _serial = serial();
+    const N: usize = 3;
+    const CAPACITY: u64 = 150;
+    // A slow refill (2 tokens per second) against a demand of thousands per second: every refilled token
+    // is spent at once, so the count is capacity + floor(rate × elapsed).
+    const RATE: u64 = 2;
+    const PERIOD_MS: u64 = 1000;
+
+    let c = Components::get();
+    let dir = Scratch::new("global");
+    let redis = Redis::start(&c, &dir, free_port());
+    let service = Service::start(&c, &dir, free_port(), redis.port, &[]);
+    let upstream = Upstream::start();
+    // Failing closed here: a failed callout must show up as a missing admission, never hide behind a
+    // fallback admission.
+    let cfg = plugin(
+        "global",
+        CAPACITY,
+        RATE,
+        PERIOD_MS,
+        serde_json::json!({"failure_mode": "deny"}),
+    );
+    let envoys = Envoy::start_fleet(&c, &dir, N, &cfg, &[service.port], upstream.port);
+
+    let run = Load::run(&envoys, 16, Duration::from_secs(3), 30_000, Duration::ZERO);
+    let admitted = upstream.total();
+    let elapsed = run.elapsed.as_secs_f64();
+    let refill = (RATE as f64 * elapsed * 1000.0 / PERIOD_MS as f64).floor() as u64;
+    let expected = CAPACITY + refill;
+    let stats = fleet_stats(&envoys);
+    eprintln!(
+        "global: {} requests in {elapsed:.3} s, admitted {admitted} (expected {expected} = {CAPACITY} + \
+         floor({RATE}/s × {elapsed:.3} s)), per Envoy {:?}, statuses {:?}, filter stats {stats:?}",
+        run.sent(),
+        upstream.per_envoy(),
+        run.statuses
+    );
+
+    assert_eq!(
+        run.other(),
+        0,
+        "only 200 and 429 may reach the client: {:?}",
+        run.statuses
+    );
+    assert!(
+        run.sent() > 4 * expected,
+        "demand must exceed the limit by far: {}",
+        run.sent()
+    );
+    assert_eq!(
+        run.count(200),
+        admitted,
+        "a 200 at the client is a request at the upstream and back"
+    );
+    // The bucket starts full at the first take and refills continuously; every client keeps asking, so
+    // each token is spent within milliseconds of its arrival. All takes happen inside the measured
+    // window, hence at most `expected`. The window also includes the first request's way in and the last
+    // response's way out (a few ms, worth 2/s × a few ms ≪ 1 token): if a refill boundary falls into
+    // those ms, the token arriving there is not taken, so the count may be one below, never more.
+    assert!(
+        admitted <= expected && admitted + 1 >= expected,
+        "admitted {admitted}, expected {expected} (or one less, for the token in flight at the boundary)"
+    );
+    assert_eq!(
+        stat(&stats, "failure_closed.limited"),
+        0,
+        "no callout may fail: {stats:?}"
+    );
+    // Every Envoy took part: the one bucket is shared, not merely one Envoy's.
+    let per = upstream.per_envoy();
+    assert_eq!(per.len(), N, "every Envoy admitted some: {per:?}");
+}
+
+/// The service unreachable (its cluster points at a closed port): each Envoy falls back to a local
+/// bucket of capacity/N refilling at rate/N, so the fleet stays within capacity + refill, and each Envoy
+/// within its share.
+#[test]
+fn fallback_splits_the_limit_across_envoys() {
+    let _serial = serial();
+    const N: usize = 3;
+    const CAPACITY: u64 = 60;
+    const RATE: u64 = 3;
+    const PERIOD_MS: u64 = 1000;
+
+    let c = Components::get();
+    let dir = Scratch::new("fallback");
+    let upstream = Upstream::start();
+    let closed = free_port(); // nothing listens there: every callout is refused
+    let cfg = plugin(
+        "fallback",
+        CAPACITY,
+        RATE,
+        PERIOD_MS,
+        serde_json::json!({"failure_mode": "fallback", "fallback": {"instances": N, "max_keys": 100}}),
+    );
+    let envoys = Envoy::start_fleet(&c, &dir, N, &cfg, &[closed], upstream.port);
+
+    let run = Load::run(&envoys, 16, Duration::from_secs(2), 20_000, Duration::ZERO);
+    let elapsed = run.elapsed.as_secs_f64();
+    let total = upstream.total();
+    let per = upstream.per_envoy();
+    let share = CAPACITY / N as u64;
+    let total_bound = CAPACITY + (RATE as f64 * elapsed * 1000.0 / PERIOD_MS as f64).floor() as u64;
+    let share_bound =
+        share + (RATE as f64 / N as f64 * elapsed * 1000.0 / PERIOD_MS as f64).floor() as u64;
+    let stats = fleet_stats(&envoys);
+    eprintln!(
+        "fallback: {} requests in {elapsed:.3} s, admitted {total} (bound {total_bound}), per Envoy {per:?} \
+         (each bound {share_bound}, share {share}), statuses {:?}, filter stats {stats:?}",
+        run.sent(),
+        run.statuses
+    );
+
+    assert_eq!(
+        run.other(),
+        0,
+        "only 200 and 429 may reach the client: {:?}",
+        run.statuses
+    );
+    assert_eq!(run.count(200), total);
+    assert!(
+        total <= total_bound,
+        "fleet admitted {total} > {total_bound}"
+    );
+    assert_eq!(per.len(), N, "every Envoy admitted some: {per:?}");
+    for (envoy, n) in &per {
+        assert!(
+            *n <= share_bound,
+            "Envoy {envoy} admitted {n} > its share {share_bound}"
+        );
+        // The fallback is a limit, not a kill switch: each Envoy spends its whole share under this demand.
+        assert!(
+            *n >= share,
+            "Envoy {envoy} admitted {n} < its share {share}"
+        );
+    }
+    assert!(
+        stat(&stats, "fallback.limited") > 0 && stat(&stats, "fallback.allowed") >= total,
+        "the decisions were the fallback's: {stats:?}"
+    );
+}
+
+/// What a recovery run kills and brings back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Victim {
+    Service,
+    Redis,
+}
+
+/// The callout timeout used while killing things: the fallback must engage within it.
+const RECOVERY_TIMEOUT_MS: u64 = 100;
+/// The breaker's longest open period: once the service is back, the next probe comes within it.
+const RECOVERY_MAX_OPEN_MS: u64 = 400;
+
+fn recovery(victim: Victim) {
+    const N: usize = 3;
+    let c = Components::get();
+    let dir = Scratch::new(&format!("recovery-{victim:?}").to_lowercase());
+    let mut redis = Redis::start(&c, &dir, free_port());
+    let service_port = free_port();
+    let mut service = Service::start(&c, &dir, service_port, redis.port, &[]);
+    let upstream = Upstream::start();
+    let cfg = plugin(
+        &format!("recovery-{victim:?}"),
+        200,
+        200,
+        1000,
+        serde_json::json!({
+            "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": RECOVERY_TIMEOUT_MS},
+            "failure_mode": "fallback",
+            "fallback": {"instances": N, "max_keys": 100},
+            "breaker": {"failures": 3, "open_ms": 100, "max_open_ms": RECOVERY_MAX_OPEN_MS},
+        }),
+    );
+    let envoys = Envoy::start_fleet(&c, &dir, N, &cfg, &[service_port], upstream.port);
+
+    // 12 clients, each pausing 3 ms between requests: steady load that leaves the machine room to
+    // measure the transitions.
+    let load = Load::start(
+        &envoys,
+        12,
+        Duration::from_secs(20),
+        100_000,
+        Duration::from_millis(3),
+    );
+    let sampler = Sampler::start(&envoys);
+    std::thread::sleep(Duration::from_millis(800));
+    let before = sampler.last();
+    assert!(
+        before.decided > 0 && before.fallback == 0,
+        "steady state before the kill is global: {before:?}"
+    );
+
+    // Kill.
+    let t_kill = Instant::now();
+    match victim {
+        Victim::Service => service.proc.kill(),
+        Victim::Redis => redis.proc.kill(),
+    }
+    let fb_at = sampler.wait_for(Duration::from_secs(3), |s| s.fallback > before.fallback);
+    let fb_at =
+        fb_at.unwrap_or_else(|| panic!("no fallback decision within 3 s of killing {victim:?}"));
+    let to_fallback = fb_at.saturating_duration_since(t_kill);
+
+    // Stay down long enough for the breaker to open and back off to its longest period.
+    std::thread::sleep(Duration::from_millis(1200));
+
+    // Back, on the same port.
+    let t_back = match victim {
+        Victim::Service => {
+            service = Service::start(&c, &dir, service_port, redis.port, &[]);
+            Instant::now()
+        }
+        Victim::Redis => {
+            redis = Redis::start(&c, &dir, redis.port);
+            Instant::now()
+        }
+    };
+    let at_back = sampler.last();
+    let global_at = sampler.wait_for(Duration::from_secs(5), |s| {
+        // A sample interval with more decisions than fallback decisions had some made by the service.
+        s.decided.saturating_sub(at_back.decided) > s.fallback.saturating_sub(at_back.fallback)
+    });
+    let global_at = global_at
+        .unwrap_or_else(|| panic!("global decisions did not resume within 5 s ({victim:?})"));
+    let to_global = global_at.saturating_duration_since(t_back);
+    std::thread::sleep(Duration::from_millis(300));
+    let run = load.finish();
+    let samples = sampler.finish();
+    let after = samples.last().copied().unwrap_or(at_back);
+
+    eprintln!(
+        "recovery ({victim:?}): kill -> first fallback decision {:.1} ms (callout timeout \
+         {RECOVERY_TIMEOUT_MS} ms); {victim:?} ready again -> first global decision {:.1} ms; {} \
+         requests, statuses {:?}; samples {}; counters before {before:?}, at return {at_back:?}, end {after:?}",
+        to_fallback.as_secs_f64() * 1000.0,
+        to_global.as_secs_f64() * 1000.0,
+        run.sent(),
+        run.statuses,
+        samples.len(),
+    );
+    drop(service);
+    drop(redis);
+
+    assert_eq!(
+        run.other(),
+        0,
+        "only 200 and 429 may reach the client: {:?}",
+        run.statuses
+    );
+    // The sample that first showed a fallback decision was taken this long after the kill: the decision
+    // itself came no later.
+    assert!(
+        to_fallback <= Duration::from_millis(RECOVERY_TIMEOUT_MS),
+        "fallback engaged {to_fallback:?} after the kill, more than the callout timeout"
+    );
+    assert!(
+        to_global <= Duration::from_secs(1),
+        "global limiting resumed {to_global:?} after {victim:?} returned (limit 1 s)"
+    );
+    assert!(
+        after.decided > at_back.decided,
+        "decisions went on after the return"
+    );
+}
+
+/// The service is killed while clients keep sending, then restarted on the same port.
+#[test]
+fn service_killed_under_load_falls_back_then_resumes() {
+    let _serial = serial();
+    recovery(Victim::Service);
+}
+
+/// Redis is killed while clients keep sending (the service stays up and answers 503), then restarted.
+#[test]
+fn redis_killed_under_load_falls_back_then_resumes() {
+    let _serial = serial();
+    recovery(Victim::Redis);
+}
+
+/// Two service replicas over one Redis, one of them an hour ahead (libfaketime), the Envoys alternating
+/// between them: still one bucket, because the bucket reads only Redis TIME. Were the replica's clock
+/// used, its hour of skew would refill the whole bucket (rate = capacity per hour) and about twice the
+/// capacity would pass.
+#[test]
+fn skewed_service_clock_still_one_bucket() {
+    let _serial = serial();
+    const N: usize = 3;
+    const CAPACITY: u64 = 40;
+    const RATE: u64 = 40;
+    const PERIOD_MS: u64 = 3_600_000;
+    const SKEW_S: i64 = 3600;
+
+    let c = Components::get();
+    let faketime = libfaketime();
+    let dir = Scratch::new("clock");
+    let redis = Redis::start(&c, &dir, free_port());
+    let honest = Service::start(&c, &dir, free_port(), redis.port, &[]);
+    let skew = format!("+{SKEW_S}s");
+    let skewed = Service::start(
+        &c,
+        &dir,
+        free_port(),
+        redis.port,
+        &[
+            ("LD_PRELOAD", faketime.as_str()),
+            ("FAKETIME", skew.as_str()),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+            ("DONT_FAKE_MONOTONIC", "1"),
+        ],
+    );
+    // The skew is real: the replica's own HTTP Date header is an hour ahead of the honest one's.
+    let d_honest = http_date(honest.port).expect("Date header from the honest replica");
+    let d_skewed = http_date(skewed.port).expect("Date header from the skewed replica");
+    let measured_skew = d_skewed - d_honest;
+    assert!(
+        (measured_skew - SKEW_S).abs() <= 5,
+        "the skewed replica's clock is {measured_skew} s ahead, wanted {SKEW_S}"
+    );
+
+    let upstream = Upstream::start();
+    let cfg = plugin(
+        "clock",
+        CAPACITY,
+        RATE,
+        PERIOD_MS,
+        serde_json::json!({"failure_mode": "deny"}),
+    );
+    // One `tollgate` cluster with both replicas, ROUND_ROBIN: consecutive decisions alternate.
+    let envoys = Envoy::start_fleet(
+        &c,
+        &dir,
+        N,
+        &cfg,
+        &[honest.port, skewed.port],
+        upstream.port,
+    );
+    let run = Load::run(&envoys, 16, Duration::from_secs(5), 600, Duration::ZERO);
+    let admitted = upstream.total();
+    let elapsed = run.elapsed.as_secs_f64();
+    let refill_f = RATE as f64 * elapsed * 1000.0 / PERIOD_MS as f64;
+    let expected = CAPACITY + refill_f.floor() as u64;
+    let per_replica = replica_requests(&envoys, &[honest.port, skewed.port]);
+    eprintln!(
+        "clock: replica skew {measured_skew} s; {} requests in {elapsed:.3} s, admitted {admitted} \
+         (expected {expected}, refill {refill_f:.4} tokens), decisions per replica {per_replica:?}, \
+         statuses {:?}, retry-after {:?}..{:?} s, x-ratelimit-reset up to {:?} s",
+        run.sent(),
+        run.statuses,
+        run.retry_after.iter().min(),
+        run.retry_after.iter().max(),
+        run.reset.iter().max(),
+    );
+
+    assert!(
+        refill_f < 1.0,
+        "the refill over the run must be negligible: {refill_f}"
+    );
+    assert_eq!(run.other(), 0, "only 200 and 429: {:?}", run.statuses);
+    assert_eq!(run.count(200), admitted);
+    assert_eq!(admitted, expected, "one bucket: exactly the capacity");
+    for (port, n) in &per_replica {
+        assert!(
+            *n >= 50,
+            "replica on port {port} decided only {n} requests: {per_replica:?}"
+        );
+    }
+    // Sane timing values: a denied client is told to wait for one token (one per 90 s) at most, and the
+    // bucket is full again within one period. A skewed clock leaking into the math would show here as
+    // a wait of about zero or of an hour more.
+    let per_token_s = PERIOD_MS.div_ceil(RATE) / 1000;
+    assert_eq!(
+        run.retry_after.len() as u64,
+        run.count(429),
+        "every 429 carries Retry-After"
+    );
+    for ra in &run.retry_after {
+        assert!(
+            (1..=per_token_s).contains(ra),
+            "Retry-After {ra} s outside 1..={per_token_s}"
+        );
+    }
+    for reset in &run.reset {
+        assert!(
+            *reset <= PERIOD_MS / 1000,
+            "X-RateLimit-Reset {reset} s > one period"
+        );
+    }
+}
+
+/// Requests each `tollgate` cluster endpoint received from all Envoys (admin `/clusters`, `rq_total`).
+fn replica_requests(envoys: &[Envoy], ports: &[u16]) -> BTreeMap<u16, u64> {
+    let mut out: BTreeMap<u16, u64> = ports.iter().map(|p| (*p, 0)).collect();
+    for e in envoys {
+        let (_, body) = http_get(e.admin_port, "/clusters").unwrap_or_default();
+        for line in body.lines() {
+            // tollgate::127.0.0.1:PORT::rq_total::N
+            let parts: Vec<&str> = line.split("::").collect();
+            if parts.len() == 4 && parts[0] == "tollgate" && parts[2] == "rq_total" {
+                let port = parts[1]
+                    .rsplit(':')
+                    .next()
+                    .and_then(|p| p.parse::<u16>().ok());
+                if let (Some(port), Ok(n)) = (port, parts[3].trim().parse::<u64>()) {
+                    *out.entry(port).or_default() += n;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The `Date` header of `GET /healthz` as Unix seconds.
+fn http_date(port: u16) -> Option<i64> {
+    let head = http_head(port, "/healthz")?;
+    let line = head
+        .lines()
+        .find(|l| l.to_ascii_lowercase().starts_with("date:"))?;
+    parse_http_date(line.split_once(':')?.1.trim())
+}
+
+/// Parses an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`) to Unix seconds.
+fn parse_http_date(s: &str) -> Option<i64> {
+    let f: Vec<&str> = s.split_whitespace().collect();
+    if f.len() != 6 {
+        return None;
+    }
+    let day: i64 = f[1].parse().ok()?;
+    let months = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let month = months.iter().position(|m| *m == f[2])? as i64 + 1;
+    let year: i64 = f[3].parse().ok()?;
+    let hms: Vec<i64> = f[4].split(':').filter_map(|x| x.parse().ok()).collect();
+    if hms.len() != 3 {
+        return None;
+    }
+    // Days from the civil date (proleptic Gregorian), after H. Hinnant's algorithm.
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + hms[0] * 3600 + hms[1] * 60 + hms[2])
+}
+
+#[test]
+fn http_dates_parse() {
+    assert_eq!(
+        parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT"),
+        Some(784_111_777)
+    );
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    assert!(now > 784_111_777);
+}
+
+/// libfaketime, for running one replica under a skewed clock (Debian package `faketime`, installed by
+/// `scripts/tools.sh`; `TOLLGATE_LIBFAKETIME` overrides the path).
+fn libfaketime() -> String {
+    if let Ok(p) = std::env::var("TOLLGATE_LIBFAKETIME") {
+        return p;
+    }
+    let candidates = [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/faketime/libfaketimeMT.so.1",
+    ];
+    candidates
+        .iter()
+        .find(|p| std::path::Path::new(p).is_file())
+        .map(|p| p.to_string())
+        .unwrap_or_else(|| {
+            panic!(
+                "libfaketime is missing (looked in {candidates:?}): run `bash scripts/tools.sh` \
+                 (Debian package faketime) or set TOLLGATE_LIBFAKETIME"
+            )
+        })
+}
+
+fn stat(stats: &BTreeMap<String, u64>, name: &str) -> u64 {
+    stats.get(name).copied().unwrap_or(0)
+}
+
+mod fleet {
+    //! The launcher behind the fleet tests: real processes on free 127.0.0.1 ports, killed by PID on
+    //! drop, each logging to a file in a scratch directory that is kept (and its path printed) when a
+    //! test fails.
+
+    use std::collections::BTreeMap;
+    use std::fs::{self, File};
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::path::PathBuf;
+    use std::process::{Child, Command, Stdio};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::thread::{self, JoinHandle};
+    use std::time::{Duration, Instant};
+
+    const READY: Duration = Duration::from_secs(30);
+
+    /// Where the real components are (the env vars the Makefile exports, else workspace defaults).
+    pub struct Components {
+        pub envoy: PathBuf,
+        pub redis_server: PathBuf,
+        pub server: PathBuf,
+        pub wasm: PathBuf,
+    }
+
+    fn component(var: &str, rel: &str) -> PathBuf {
+        let p = std::env::var_os(var)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel));
+        assert!(
+            p.is_file(),
+            "{var}: {} is missing; run `make build` or set {var} (end-to-end tests do not skip)",
+            p.display()
+        );
+        p
+    }
+
+    impl Components {
+        pub fn get() -> Components {
+            Components {
+                envoy: component("TOLLGATE_ENVOY", ".tools/envoy"),
+                redis_server: component("TOLLGATE_REDIS_SERVER", ".tools/redis-server"),
+                server: component("TOLLGATE_SERVER", "dist/tollgate-server"),
+                wasm: component("TOLLGATE_WASM", "dist/tollgate.wasm"),
+            }
+        }
+    }
+
+    /// A scratch directory for configs and logs; removed on drop unless the test is failing.
+    pub struct Scratch(PathBuf);
+
+    impl Scratch {
+        pub fn new(label: &str) -> Scratch {
+            static SEQ: AtomicU64 = AtomicU64::new(0);
+            let p = std::env::temp_dir().join(format!(
+                "tollgate-fleet-{label}-{}-{}",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::Relaxed)
+            ));
+            let _ = fs::remove_dir_all(&p);
+            fs::create_dir_all(&p).expect("create scratch dir");
+            Scratch(p)
+        }
+
+        pub fn file(&self, name: &str) -> PathBuf {
+            self.0.join(name)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            if thread::panicking() {
+                eprintln!("logs kept in {}", self.0.display());
+            } else {
+                let _ = fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    pub fn free_port() -> u16 {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        l.local_addr().expect("local addr").port()
+    }
+
+    /// A child process, killed (SIGKILL, by its PID) and reaped on drop.
+    pub struct Proc {
+        name: String,
+        child: Child,
+        log: PathBuf,
+    }
+
+    impl Proc {
+        fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> Proc {
+            let out = File::create(&log).expect("create log");
+            let err = out.try_clone().expect("clone log");
+            cmd.stdin(Stdio::null())
+                .stdout(Stdio::from(out))
+                .stderr(Stdio::from(err));
+            let child = cmd
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot start {name} ({:?}): {e}", cmd.get_program()));
+            Proc {
+                name: name.to_string(),
+                child,
+                log,
+            }
+        }
+
+        pub fn kill(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+
+        fn wait_ready(&mut self, mut ready: impl FnMut() -> bool) {
+            let deadline = Instant::now() + READY;
+            while !ready() {
+                if let Ok(Some(st)) = self.child.try_wait() {
+                    self.print_log();
+                    panic!("{} exited before it was ready: {st}", self.name);
+                }
+                if Instant::now() > deadline {
+                    self.print_log();
+                    panic!("{} not ready after {READY:?}", self.name);
+                }
+                thread::sleep(Duration::from_millis(20));
+            }
+        }
+
+        fn print_log(&self) {
+            let text = fs::read_to_string(&self.log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let from = lines.len().saturating_sub(60);
+            eprintln!("----- {} ({}) -----", self.name, self.log.display());
+            for l in &lines[from..] {
+                eprintln!("{l}");
+            }
+        }
+    }
+
+    impl Drop for Proc {
+        fn drop(&mut self) {
+            self.kill();
+            if thread::panicking() {
+                self.print_log();
+            }
+        }
+    }
+
+    /// A private redis-server on `port`, no persistence.
+    pub struct Redis {
+        pub port: u16,
+        pub proc: Proc,
+    }
+
+    impl Redis {
+        pub fn start(c: &Components, dir: &Scratch, port: u16) -> Redis {
+            let mut cmd = Command::new(&c.redis_server);
+            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"]);
+            let mut proc = Proc::spawn("redis", cmd, dir.file(&format!("redis-{port}.log")));
+            proc.wait_ready(|| redis_ping(port));
+            Redis { port, proc }
+        }
+    }
+
+    fn redis_ping(port: u16) -> bool {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut buf = [0u8; 8];
+        s.write_all(b"PING\r\n").is_ok()
+            && matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+    }
+
+    /// `tollgate-server` on `port` over the Redis on `redis_port`, with extra environment variables.
+    pub struct Service {
+        pub port: u16,
+        pub proc: Proc,
+    }
+
+    impl Service {
+        pub fn start(
+            c: &Components,
+            dir: &Scratch,
+            port: u16,
+            redis_port: u16,
+            env: &[(&str, &str)],
+        ) -> Service {
+            let mut cmd = Command::new(&c.server);
+            cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(["--redis-url", &format!("redis://127.0.0.1:{redis_port}")])
+                .args(["--log-format", "text"])
+                .env_remove("TOLLGATE_REDIS_CLUSTER")
+                .env_remove("TOLLGATE_TOKEN");
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let seq = {
+                static SEQ: AtomicU64 = AtomicU64::new(0);
+                SEQ.fetch_add(1, Ordering::Relaxed)
+            };
+            let mut proc = Proc::spawn(
+                "tollgate-server",
+                cmd,
+                dir.file(&format!("service-{port}-{seq}.log")),
+            );
+            proc.wait_ready(|| http_status(port, "/healthz") == Some(200));
+            Service { port, proc }
+        }
+    }
+
+    /// An Envoy of the fleet: a listener with the filter, routing to the counting upstream and adding
+    /// `x-fleet-envoy: <index>` so the upstream can tell who admitted what.
+    pub struct Envoy {
+        pub port: u16,
+        pub admin_port: u16,
+        proc: Proc,
+    }
+
+    fn cluster(name: &str, ports: &[u16], http2: bool) -> serde_json::Value {
+        let endpoints: Vec<serde_json::Value> = ports
+            .iter()
+            .map(|p| {
+                serde_json::json!({"endpoint": {"address": {"socket_address":
+                    {"address": "127.0.0.1", "port_value": p}}}})
+            })
+            .collect();
+        let mut c = serde_json::json!({
+            "name": name, "type": "STATIC", "connect_timeout": "0.25s", "lb_policy": "ROUND_ROBIN",
+            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+        });
+        if http2 {
+            c["typed_extension_protocol_options"] = serde_json::json!({
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}}});
+        }
+        c
+    }
+
+    impl Envoy {
+        /// Starts `n` Envoys at once (`--concurrency 2` each) and waits until all are ready.
+        pub fn start_fleet(
+            c: &Components,
+            dir: &Scratch,
+            n: usize,
+            plugin_json: &str,
+            service_ports: &[u16],
+            upstream_port: u16,
+        ) -> Vec<Envoy> {
+            let mut fleet: Vec<Envoy> = (0..n)
+                .map(|i| Envoy::spawn(c, dir, i, plugin_json, service_ports, upstream_port))
+                .collect();
+            for e in &mut fleet {
+                let admin = e.admin_port;
+                e.proc
+                    .wait_ready(|| http_status(admin, "/ready") == Some(200));
+            }
+            fleet
+        }
+
+        fn spawn(
+            c: &Components,
+            dir: &Scratch,
+            index: usize,
+            plugin_json: &str,
+            service_ports: &[u16],
+            upstream_port: u16,
+        ) -> Envoy {
+            let port = free_port();
+            let admin_port = free_port();
+            let config = serde_json::json!({
+                "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+                "static_resources": {
+                    "listeners": [{
+                        "name": "edge",
+                        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+                        "filter_chains": [{"filters": [{
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                                "stat_prefix": "edge",
+                                "route_config": {"virtual_hosts": [{
+                                    "name": "all", "domains": ["*"],
+                                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "upstream", "timeout": "5s"}}],
+                                    "request_headers_to_add": [{"header": {"key": "x-fleet-envoy", "value": index.to_string()}}],
+                                }]},
+                                "http_filters": [
+                                    {"name": "envoy.filters.http.wasm", "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                                        "config": {
+                                            "name": "tollgate",
+                                            "vm_config": {"vm_id": "tollgate", "runtime": "envoy.wasm.runtime.v8",
+                                                          "code": {"local": {"filename": c.wasm.display().to_string()}}},
+                                            "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                                              "value": plugin_json}}}},
+                                    {"name": "envoy.filters.http.router", "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
+                                ],
+                            },
+                        }]}],
+                    }],
+                    "clusters": [cluster("tollgate", service_ports, true), cluster("upstream", &[upstream_port], false)],
+                },
+            });
+            let cfg = dir.file(&format!("envoy-{index}.json"));
+            fs::write(&cfg, config.to_string()).expect("write envoy config");
+            let mut cmd = Command::new(&c.envoy);
+            cmd.arg("-c")
+                .arg(&cfg)
+                .args(["--concurrency", "2", "--disable-hot-restart"])
+                .args(["--log-level", "warn"]);
+            let proc = Proc::spawn(
+                &format!("envoy-{index}"),
+                cmd,
+                dir.file(&format!("envoy-{index}.log")),
+            );
+            Envoy {
+                port,
+                admin_port,
+                proc,
+            }
+        }
+
+        /// The `tollgate.*` counters (without the `wasmcustom.tollgate.` prefix).
+        pub fn tollgate_stats(&self) -> BTreeMap<String, u64> {
+            let (_, body) =
+                http_get(self.admin_port, "/stats?filter=wasmcustom.tollgate").unwrap_or_default();
+            body.lines()
+                .filter_map(|l| {
+                    let (k, v) = l.split_once(": ")?;
+                    let k = k.trim().strip_prefix("wasmcustom.tollgate.")?;
+                    Some((k.to_string(), v.trim().parse().ok()?))
+                })
+                .collect()
+        }
+    }
+
+    /// The `tollgate.*` counters summed over the fleet.
+    pub fn fleet_stats(envoys: &[Envoy]) -> BTreeMap<String, u64> {
+        let mut sum: BTreeMap<String, u64> = BTreeMap::new();
+        for e in envoys {
+            for (k, v) in e.tollgate_stats() {
+                *sum.entry(k).or_default() += v;
+            }
+        }
+        sum
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // Plain HTTP/1.1 GETs for admin and health endpoints
+
+    /// The response head (status line and headers) of GET `path`.
+    pub fn http_head(port: u16, path: &str) -> Option<String> {
+        let (head, _) = http_exchange(port, path)?;
+        Some(head)
+    }
+
+    pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+        let (head, body) = http_exchange(port, path)?;
+        let status = head.split_whitespace().nth(1)?.parse().ok()?;
+        Some((status, body))
+    }
+
+    pub fn http_status(port: u16, path: &str) -> Option<u16> {
+        http_get(port, path).map(|r| r.0)
+    }
+
+    fn http_exchange(port: u16, path: &str) -> Option<(String, String)> {
+        let addr = format!("127.0.0.1:{port}").parse().ok()?;
+        let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+        )
+        .ok()?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).ok()?;
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        Some((head.to_string(), body.to_string()))
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // The upstream: counts what reached it, per Envoy
+
+    pub struct Upstream {
+        pub port: u16,
+        stop: Arc<AtomicBool>,
+        total: Arc<AtomicU64>,
+        per_envoy: Arc<Mutex<BTreeMap<String, u64>>>,
+    }
+
+    impl Upstream {
+        pub fn start() -> Upstream {
+            let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+            let port = listener.local_addr().expect("addr").port();
+            let up = Upstream {
+                port,
+                stop: Arc::new(AtomicBool::new(false)),
+                total: Arc::new(AtomicU64::new(0)),
+                per_envoy: Arc::new(Mutex::new(BTreeMap::new())),
+            };
+            let (stop, total, per) = (up.stop.clone(), up.total.clone(), up.per_envoy.clone());
+            thread::spawn(move || {
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let (stop, total, per) = (stop.clone(), total.clone(), per.clone());
+                    thread::spawn(move || serve(conn, &stop, &total, &per));
+                }
+            });
+            up
+        }
+
+        pub fn total(&self) -> u64 {
+            self.total.load(Ordering::SeqCst)
+        }
+
+        pub fn per_envoy(&self) -> BTreeMap<String, u64> {
+            self.per_envoy.lock().map(|m| m.clone()).unwrap_or_default()
+        }
+    }
+
+    impl Drop for Upstream {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::SeqCst);
+            let _ = TcpStream::connect(("127.0.0.1", self.port));
+        }
+    }
+
+    /// Answers every request on one keep-alive connection with 200, counting it (GETs without bodies:
+    /// that is all the fleet tests send).
+    fn serve(
+        mut conn: TcpStream,
+        stop: &AtomicBool,
+        total: &AtomicU64,
+        per: &Mutex<BTreeMap<String, u64>>,
+    ) {
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+        let mut buf: Vec<u8> = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !stop.load(Ordering::SeqCst) {
+            let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                match conn.read(&mut chunk) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+                continue;
+            };
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            buf.drain(..end + 4);
+            let envoy = head
+                .lines()
+                .find_map(|l| l.strip_prefix("x-fleet-envoy:"))
+                .map(|v| v.trim().to_string())
+                .unwrap_or_else(|| "?".to_string());
+            total.fetch_add(1, Ordering::SeqCst);
+            if let Ok(mut m) = per.lock() {
+                *m.entry(envoy).or_default() += 1;
+            }
+            let resp =
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 3\r\n\r\nok\n";
+            if conn.write_all(resp.as_bytes()).is_err() {
+                return;
+            }
+        }
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // The load: concurrent clients, each sending round-robin over the Envoys
+
+    /// What the clients saw.
+    #[derive(Debug, Default)]
+    pub struct Tally {
+        /// Status -> count; 0 stands for a transport error (no HTTP response).
+        pub statuses: BTreeMap<u16, u64>,
+        /// `Retry-After` of every 429, in seconds.
+        pub retry_after: Vec<u64>,
+        /// `X-RateLimit-Reset` of every response that had one, in seconds.
+        pub reset: Vec<u64>,
+        pub elapsed: Duration,
+    }
+
+    impl Tally {
+        pub fn count(&self, status: u16) -> u64 {
+            self.statuses.get(&status).copied().unwrap_or(0)
+        }
+        pub fn sent(&self) -> u64 {
+            self.statuses.values().sum()
+        }
+        /// Anything but 200 and 429 (5xx, transport errors).
+        pub fn other(&self) -> u64 {
+            self.sent() - self.count(200) - self.count(429)
+        }
+    }
+
+    pub struct Load {
+        stop: Arc<AtomicBool>,
+        started: Instant,
+        clients: Vec<JoinHandle<Tally>>,
+    }
+
+    impl Load {
+        /// Starts `clients` threads; client `c` sends its `j`-th request to Envoy `(c + j) % n`, pausing
+        /// `pause` between requests, until stopped, `max_total` requests were sent in all, or `limit`
+        /// has passed.
+        pub fn start(
+            envoys: &[Envoy],
+            clients: usize,
+            limit: Duration,
+            max_total: u64,
+            pause: Duration,
+        ) -> Load {
+            let ports: Arc<Vec<u16>> = Arc::new(envoys.iter().map(|e| e.port).collect());
+            let stop = Arc::new(AtomicBool::new(false));
+            let sent = Arc::new(AtomicU64::new(0));
+            let started = Instant::now();
+            let deadline = started + limit;
+            let clients = (0..clients)
+                .map(|c| {
+                    let (ports, stop, sent) = (ports.clone(), stop.clone(), sent.clone());
+                    thread::spawn(move || {
+                        let agent: ureq::Agent = ureq::Agent::config_builder()
+                            .http_status_as_error(false)
+                            .timeout_global(Some(Duration::from_secs(10)))
+                            .build()
+                            .into();
+                        let mut t = Tally::default();
+                        let mut j = 0usize;
+                        while !stop.load(Ordering::SeqCst)
+                            && Instant::now() < deadline
+                            && sent.fetch_add(1, Ordering::SeqCst) < max_total
+                        {
+                            let port = ports[(c + j) % ports.len()];
+                            j += 1;
+                            let url = format!("http://127.0.0.1:{port}/fleet/{c}/{j}");
+                            match agent.get(&url).call() {
+                                Ok(mut resp) => {
+                                    let status = resp.status().as_u16();
+                                    let num = |name: &str| {
+                                        resp.headers()
+                                            .get(name)
+                                            .and_then(|v| v.to_str().ok())
+                                            .and_then(|v| v.trim().parse::<u64>().ok())
+                                    };
+                                    if status == 429 {
+                                        if let Some(ra) = num("retry-after") {
+                                            t.retry_after.push(ra);
+                                        }
+                                    }
+                                    if let Some(r) = num("x-ratelimit-reset") {
+                                        t.reset.push(r);
+                                    }
+                                    let _ = resp.body_mut().read_to_string();
+                                    *t.statuses.entry(status).or_default() += 1;
+                                }
+                                Err(_) => *t.statuses.entry(0).or_default() += 1,
+                            }
+                            if !pause.is_zero() {
+                                thread::sleep(pause);
+                            }
+                        }
+                        t
+                    })
+                })
+                .collect();
+            Load {
+                stop,
+                started,
+                clients,
+            }
+        }
+
+        /// Runs a load to its end (count or time) and returns the tally.
+        pub fn run(
+            envoys: &[Envoy],
+            clients: usize,
+            limit: Duration,
+            max_total: u64,
+            pause: Duration,
+        ) -> Tally {
+            Load::start(envoys, clients, limit, max_total, pause).join()
+        }
+
+        /// Stops the clients and returns what they saw.
+        pub fn finish(self) -> Tally {
+            self.stop.store(true, Ordering::SeqCst);
+            self.join()
+        }
+
+        fn join(self) -> Tally {
+            let mut all = Tally::default();
+            for h in self.clients {
+                let t = h.join().expect("client thread");
+                for (k, v) in t.statuses {
+                    *all.statuses.entry(k).or_default() += v;
+                }
+                all.retry_after.extend(t.retry_after);
+                all.reset.extend(t.reset);
+            }
+            // From before the first request was sent to after the last response arrived.
+            all.elapsed = self.started.elapsed();
+            all
+        }
+    }
+
+    // --------------------------------------------------------------------------------------------
+    // Sampling the fleet's decision counters over time
+
+    /// The fleet's decision counters at one moment.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Sample {
+        pub at: Instant,
+        /// `allowed + limited`. Whether these also count the fallback's decisions or only the
+        /// service's, an interval in which they grew by more than `fallback` had service decisions.
+        pub decided: u64,
+        /// `fallback.allowed + fallback.limited`.
+        pub fallback: u64,
+    }
+
+    pub struct Sampler {
+        stop: Arc<AtomicBool>,
+        samples: Arc<Mutex<Vec<Sample>>>,
+        handle: JoinHandle<()>,
+    }
+
+    impl Sampler {
+        /// Polls every Envoy's admin `/stats` back to back (a few ms per round), for at most 60 s.
+        pub fn start(envoys: &[Envoy]) -> Sampler {
+            let admins: Vec<u16> = envoys.iter().map(|e| e.admin_port).collect();
+            let stop = Arc::new(AtomicBool::new(false));
+            let samples = Arc::new(Mutex::new(Vec::new()));
+            let (st, sm) = (stop.clone(), samples.clone());
+            let handle = thread::spawn(move || {
+                let end = Instant::now() + Duration::from_secs(60);
+                while !st.load(Ordering::SeqCst) && Instant::now() < end {
+                    let mut decided = 0;
+                    let mut fallback = 0;
+                    for port in &admins {
+                        let (_, body) = http_get(*port, "/stats?filter=wasmcustom.tollgate")
+                            .unwrap_or_default();
+                        for l in body.lines() {
+                            let Some((k, v)) = l.split_once(": ") else {
+                                continue;
+                            };
+                            let v: u64 = v.trim().parse().unwrap_or(0);
+                            match k.trim() {
+                                "wasmcustom.tollgate.allowed" | "wasmcustom.tollgate.limited" => {
+                                    decided += v
+                                }
+                                "wasmcustom.tollgate.fallback.allowed"
+                                | "wasmcustom.tollgate.fallback.limited" => fallback += v,
+                                _ => {}
+                            }
+                        }
+                    }
+                    // The sample is stamped when its round ended: every decision it shows happened
+                    // no later than that.
+                    let s = Sample {
+                        at: Instant::now(),
+                        decided,
+                        fallback,
+                    };
+                    if let Ok(mut v) = sm.lock() {
+                        v.push(s);
+                    }
+                    thread::sleep(Duration::from_millis(2));
+                }
+            });
+            Sampler {
+                stop,
+                samples,
+                handle,
+            }
+        }
+
+        /// The latest sample (waits for the first one).
+        pub fn last(&self) -> Sample {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                if let Some(s) = self.samples.lock().ok().and_then(|v| v.last().copied()) {
+                    return s;
+                }
+                assert!(Instant::now() < deadline, "no stats sample within 5 s");
+                thread::sleep(Duration::from_millis(5));
+            }
+        }
+
+        /// The time of the first sample taken from now on that satisfies `cond`, waiting up to `limit`.
+        pub fn wait_for(&self, limit: Duration, cond: impl Fn(&Sample) -> bool) -> Option<Instant> {
+            let from = self.samples.lock().map(|v| v.len()).unwrap_or(0);
+            let deadline = Instant::now() + limit;
+            while Instant::now() < deadline {
+                if let Ok(v) = self.samples.lock() {
+                    if let Some(s) = v.iter().skip(from).find(|s| cond(s)) {
+                        return Some(s.at);
+                    }
+                }
+                thread::sleep(Duration::from_millis(2));
+            }
+            None
+        }
+
+        pub fn finish(self) -> Vec<Sample> {
+            self.stop.store(true, Ordering::SeqCst);
+            let _ = self.handle.join();
+            self.samples.lock().map(|v| v.clone()).unwrap_or_default()
+        }
+    }
+}
