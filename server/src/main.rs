@@ -1,1 +1,102 @@
-fn main(){}
+//! The `tollgate-server` binary: flags, tracing, bind, store, [`tollgate_server::run`].
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tollgate_server::cli::{Cli, LogFormat};
+use tollgate_server::store::memory::MemoryStore;
+use tollgate_server::store::redis::{redact_url, RedisConfig, RedisStore};
+use tollgate_server::store::Store;
+use tollgate_server::{run, ServiceConfig};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match cli.log_format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.enable_all();
+    if cli.worker_threads > 0 {
+        rt.worker_threads(cli.worker_threads);
+    }
+    let rt = match rt.build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the runtime");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(serve(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "exiting");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve(cli: Cli) -> Result<(), String> {
+    let store: Arc<dyn Store> = if cli.redis_url.is_some() || !cli.redis_cluster.is_empty() {
+        let config = RedisConfig {
+            url: cli.redis_url.clone(),
+            cluster: cli.redis_cluster.clone(),
+            key_prefix: cli.key_prefix.clone(),
+            timeout: Duration::from_millis(cli.redis_timeout_ms.max(1)),
+        };
+        let store = RedisStore::new(config)?;
+        match &cli.redis_url {
+            Some(u) if cli.redis_cluster.is_empty() => {
+                tracing::info!(url = %redact_url(u), "using Redis")
+            }
+            _ => tracing::info!(nodes = cli.redis_cluster.len(), "using Redis Cluster"),
+        }
+        if let Err(e) = store.ping().await {
+            tracing::warn!(error = %e, "Redis does not answer yet; takes fail with 503 until it does");
+        }
+        Arc::new(store)
+    } else {
+        tracing::info!("no Redis configured: buckets are kept in memory (one replica only)");
+        Arc::new(MemoryStore::new())
+    };
+    let listener = tokio::net::TcpListener::bind(cli.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
+    let config = ServiceConfig {
+        token: cli.token.clone(),
+        max_in_flight: cli.max_in_flight,
+    };
+    run(listener, store, config, shutdown_signal())
+        .await
+        .map_err(|e| format!("server error: {e}"))
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down");
+}

@@ -1,0 +1,16 @@
+//! Generates the gRPC types and service from `contract/tollgate.proto`.
+//!
+//! The proto is parsed by `protox` (pure Rust), so building the service needs no `protoc`.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let proto_dir = "../contract";
+    let proto = "../contract/tollgate.proto";
+    println!("cargo:rerun-if-changed={proto}");
+    let fds = protox::compile([proto], [proto_dir])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        // Malformed protobuf must be INVALID_ARGUMENT, not the INTERNAL that prost's codec gives.
+        .codec_path("crate::api::grpc::StrictCodec")
+        .compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,129 @@
+//! HTTP routes and the one-port switch between HTTP/JSON and gRPC.
+//!
+//! A request whose `content-type` starts with `application/grpc` goes to the tonic service (which
+//! answers unknown methods with gRPC `UNIMPLEMENTED`); everything else to the JSON routes. Both
+//! share one listener, served by hyper-util's auto builder (HTTP/1.1, and HTTP/2 with prior
+//! knowledge, which gRPC uses).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use tower::ServiceExt;
+
+use super::grpc::{pb::rate_limiter_server::RateLimiterServer, RateLimiterService};
+use super::json::{decode_request, error_body, JsonTakeResponse};
+use super::{Api, ApiError};
+
+/// Largest accepted `POST /v1/take` body: 16 buckets of 4 KiB keys fit with room to spare.
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
+
+fn error_response(e: &ApiError) -> Response {
+    let (status, field, message) = match e {
+        ApiError::Invalid(inv) => (
+            StatusCode::BAD_REQUEST,
+            Some(inv.field.as_str()),
+            inv.to_string(),
+        ),
+        ApiError::Unauthenticated => (
+            StatusCode::UNAUTHORIZED,
+            None,
+            "missing or wrong bearer token".to_string(),
+        ),
+        ApiError::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, None, m.clone()),
+    };
+    let field = field.filter(|f| !f.is_empty());
+    let mut resp = (status, Json(error_body(e.code(), field, &message))).into_response();
+    if matches!(e, ApiError::Unauthenticated) {
+        resp.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+    }
+    resp
+}
+
+async fn take(State(api): State<Arc<Api>>, headers: HeaderMap, body: Bytes) -> Response {
+    let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    match api.take(auth, decode_request(&body)).await {
+        Ok(d) => {
+            api.metrics.request("http", "ok");
+            Json(JsonTakeResponse::from(&d)).into_response()
+        }
+        Err(e) => {
+            api.metrics.request("http", e.code());
+            error_response(&e)
+        }
+    }
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(api): State<Arc<Api>>) -> Response {
+    match api.store.ping().await {
+        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("store not ready: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(State(api): State<Arc<Api>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        api.metrics.encode(),
+    )
+        .into_response()
+}
+
+fn is_grpc(req: &Request) -> bool {
+    req.headers()
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.as_bytes().starts_with(b"application/grpc"))
+        .unwrap_or(false)
+}
+
+/// The whole application: JSON routes, the gRPC service, and at most `max_in_flight` requests
+/// being handled at once (more wait for a slot).
+pub fn router(api: Arc<Api>, max_in_flight: usize) -> Router {
+    let http = Router::new()
+        .route("/v1/take", post(take))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(api.clone());
+    let grpc = tonic::service::Routes::new(RateLimiterServer::new(RateLimiterService::new(api)))
+        .into_axum_router();
+    let switch = tower::service_fn(move |req: Request| {
+        let (http, grpc) = (http.clone(), grpc.clone());
+        async move {
+            let resp = if is_grpc(&req) {
+                grpc.oneshot(req).await
+            } else {
+                http.oneshot(req).await
+            };
+            Ok::<Response, Infallible>(match resp {
+                Ok(r) => r,
+                Err(never) => match never {},
+            })
+        }
+    });
+    Router::new()
+        .fallback_service(switch)
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+            max_in_flight.max(1),
+        ))
+}

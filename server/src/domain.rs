@@ -1,0 +1,295 @@
+//! The domain: what a take asks for, what it answers, and the one validation both transports share.
+//!
+//! Both wire forms (JSON in `api::http`, protobuf in `api::grpc`) decode into a [`RawTake`] and go
+//! through [`validate`]; only a validated [`BucketSpec`] list ever reaches a store, so a bad request
+//! can never write anything.
+
+use std::fmt;
+
+/// Most buckets one request may name (contract/README.md).
+pub const MAX_BUCKETS: usize = 16;
+/// Longest bucket key, in bytes.
+pub const MAX_KEY_BYTES: usize = 4096;
+/// Upper bound of `capacity`, `rate` and `cost`.
+pub const MAX_AMOUNT: u64 = 1_000_000_000;
+/// Upper bound of `period_ms`: one year.
+pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
+
+/// How a bucket counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Refills continuously at `rate / period_ms`, holds at most `capacity`, starts full.
+    TokenBucket,
+    /// At most `capacity` per window `floor(now / period_ms)`; `rate` is ignored.
+    FixedWindow,
+}
+
+impl Algorithm {
+    /// The short tag used in store keys and scripts.
+    pub fn tag(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "tb",
+            Algorithm::FixedWindow => "fw",
+        }
+    }
+}
+
+/// One validated bucket of a take: every field is within the contract's bounds.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BucketSpec {
+    /// Bucket identity, 1..=4096 bytes.
+    pub key: String,
+    /// Burst size, 1..=1e9.
+    pub capacity: u64,
+    /// Tokens added per period, 1..=1e9 (equal to capacity when the caller left it out).
+    pub rate: u64,
+    /// Period length in milliseconds, 1..=one year.
+    pub period_ms: u64,
+    /// Tokens this request takes, 1..=1e9. Above capacity it is denied, never an error.
+    pub cost: u64,
+    /// Counting scheme.
+    pub algorithm: Algorithm,
+}
+
+/// The answer for one bucket, in the contract's units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketDecision {
+    /// This bucket alone could pay its cost.
+    pub allowed: bool,
+    /// The bucket's capacity.
+    pub limit: u64,
+    /// Whole tokens left: after the charge when the whole request was allowed, otherwise as the
+    /// bucket stands (nothing was charged).
+    pub remaining: u64,
+    /// Milliseconds until the bucket is full again (token bucket) or the window ends (fixed window).
+    pub reset_ms: u64,
+    /// When this bucket denied: milliseconds until it could pay its cost; 0 when it allowed.
+    pub retry_after_ms: u64,
+}
+
+/// The answer to a take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakeDecision {
+    /// Every bucket could pay and all were charged; `false`: none was charged.
+    pub allowed: bool,
+    /// One decision per request bucket, in request order.
+    pub buckets: Vec<BucketDecision>,
+}
+
+impl TakeDecision {
+    /// Builds the overall decision from per-bucket ones: allowed only if every bucket allowed.
+    pub fn from_buckets(buckets: Vec<BucketDecision>) -> Self {
+        let allowed = !buckets.is_empty() && buckets.iter().all(|b| b.allowed);
+        TakeDecision { allowed, buckets }
+    }
+}
+
+/// A bucket as decoded from either wire form, before validation. `None` means "absent".
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RawBucket {
+    /// `key`, absent when missing from JSON (protobuf cannot tell absent from empty).
+    pub key: Option<String>,
+    /// `capacity`.
+    pub capacity: Option<u64>,
+    /// `rate`; absent means equal to capacity.
+    pub rate: Option<u64>,
+    /// `period_ms`.
+    pub period_ms: Option<u64>,
+    /// `cost`; absent means 1.
+    pub cost: Option<u64>,
+    /// `algorithm`; absent means token bucket.
+    pub algorithm: Option<Algorithm>,
+}
+
+/// A take as decoded from either wire form.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RawTake {
+    /// `buckets`, absent when missing from JSON.
+    pub buckets: Option<Vec<RawBucket>>,
+}
+
+/// A rejected request: which field, and why. Becomes 400 / `INVALID_ARGUMENT`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidArgument {
+    /// The offending field, e.g. `buckets[0].capacity` (empty when the body as a whole is bad).
+    pub field: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl InvalidArgument {
+    /// A new error about `field`.
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        InvalidArgument {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for InvalidArgument {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.field.is_empty() {
+            write!(f, "{}", self.message)
+        } else {
+            write!(f, "{}: {}", self.field, self.message)
+        }
+    }
+}
+
+impl std::error::Error for InvalidArgument {}
+
+fn bounded(field: String, value: Option<u64>, max: u64) -> Result<u64, InvalidArgument> {
+    match value {
+        None => Err(InvalidArgument::new(field, "is required")),
+        Some(0) => Err(InvalidArgument::new(field, "must be at least 1")),
+        Some(v) if v > max => Err(InvalidArgument::new(
+            field,
+            format!("must be at most {max}, got {v}"),
+        )),
+        Some(v) => Ok(v),
+    }
+}
+
+/// Checks a decoded take against the contract and applies its defaults.
+///
+/// The one validation function of the service: both transports call it, and stores only ever see
+/// its output.
+pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
+    let buckets = raw
+        .buckets
+        .ok_or_else(|| InvalidArgument::new("buckets", "is required"))?;
+    if buckets.is_empty() {
+        return Err(InvalidArgument::new(
+            "buckets",
+            "must hold at least 1 bucket",
+        ));
+    }
+    if buckets.len() > MAX_BUCKETS {
+        return Err(InvalidArgument::new(
+            "buckets",
+            format!(
+                "must hold at most {MAX_BUCKETS} buckets, got {}",
+                buckets.len()
+            ),
+        ));
+    }
+    buckets
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let f = |name: &str| format!("buckets[{i}].{name}");
+            let key = b
+                .key
+                .ok_or_else(|| InvalidArgument::new(f("key"), "is required"))?;
+            if key.is_empty() {
+                return Err(InvalidArgument::new(f("key"), "must not be empty"));
+            }
+            if key.len() > MAX_KEY_BYTES {
+                return Err(InvalidArgument::new(
+                    f("key"),
+                    format!("must be at most {MAX_KEY_BYTES} bytes, got {}", key.len()),
+                ));
+            }
+            let capacity = bounded(f("capacity"), b.capacity, MAX_AMOUNT)?;
+            let rate = bounded(f("rate"), Some(b.rate.unwrap_or(capacity)), MAX_AMOUNT)?;
+            let period_ms = bounded(f("period_ms"), b.period_ms, MAX_PERIOD_MS)?;
+            let cost = bounded(f("cost"), Some(b.cost.unwrap_or(1)), MAX_AMOUNT)?;
+            Ok(BucketSpec {
+                key,
+                capacity,
+                rate,
+                period_ms,
+                cost,
+                algorithm: b.algorithm.unwrap_or(Algorithm::TokenBucket),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(key: &str) -> RawBucket {
+        RawBucket {
+            key: Some(key.to_string()),
+            capacity: Some(10),
+            rate: None,
+            period_ms: Some(1000),
+            cost: None,
+            algorithm: None,
+        }
+    }
+
+    fn err(buckets: Vec<RawBucket>) -> InvalidArgument {
+        match validate(RawTake {
+            buckets: Some(buckets),
+        }) {
+            Err(e) => e,
+            Ok(v) => unreachable!("expected an error, got {v:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let specs = validate(RawTake {
+            buckets: Some(vec![raw("k")]),
+        })
+        .unwrap_or_default();
+        assert_eq!(
+            specs,
+            vec![BucketSpec {
+                key: "k".into(),
+                capacity: 10,
+                rate: 10,
+                period_ms: 1000,
+                cost: 1,
+                algorithm: Algorithm::TokenBucket
+            }]
+        );
+    }
+
+    #[test]
+    fn names_the_field() {
+        assert_eq!(err(vec![]).field, "buckets");
+        assert_eq!(err(vec![raw("a"); 17]).field, "buckets");
+        let mut b = raw("a");
+        b.capacity = Some(0);
+        assert_eq!(err(vec![raw("x"), b]).field, "buckets[1].capacity");
+        let mut b = raw("a");
+        b.rate = Some(MAX_AMOUNT + 1);
+        assert_eq!(err(vec![b]).field, "buckets[0].rate");
+        let mut b = raw("a");
+        b.period_ms = None;
+        assert_eq!(err(vec![b]).field, "buckets[0].period_ms");
+        let mut b = raw("a");
+        b.period_ms = Some(MAX_PERIOD_MS + 1);
+        assert_eq!(err(vec![b]).field, "buckets[0].period_ms");
+        let mut b = raw("a");
+        b.cost = Some(0);
+        assert_eq!(err(vec![b]).field, "buckets[0].cost");
+        assert_eq!(err(vec![raw("")]).field, "buckets[0].key");
+        assert_eq!(err(vec![raw(&"k".repeat(4097))]).field, "buckets[0].key");
+        let mut b = raw("a");
+        b.key = None;
+        assert_eq!(err(vec![b]).field, "buckets[0].key");
+        assert!(validate(RawTake { buckets: None }).is_err());
+    }
+
+    #[test]
+    fn accepts_the_bounds() {
+        let b = RawBucket {
+            key: Some("k".repeat(4096)),
+            capacity: Some(MAX_AMOUNT),
+            rate: Some(MAX_AMOUNT),
+            period_ms: Some(MAX_PERIOD_MS),
+            cost: Some(MAX_AMOUNT),
+            algorithm: Some(Algorithm::FixedWindow),
+        };
+        assert!(validate(RawTake {
+            buckets: Some(vec![b; 16])
+        })
+        .is_ok());
+    }
+}

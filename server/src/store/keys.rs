@@ -1,0 +1,152 @@
+//! Redis key layout and Redis Cluster hash slots. Pure functions, unit-tested.
+//!
+//! A bucket key is `<prefix><alg>:{<tag>}:<capacity>:<rate>:<period_ms>` where `<tag>` is the
+//! caller's key with `%`, `{`, `}` and `#` percent-escaped, or `#` + hex SHA-256 of the key when it
+//! is longer than [`HASH_ABOVE`] bytes. The escaped form never contains `}` nor starts with `#`, so
+//! the layout is injective over `(algorithm, key, capacity, rate, period_ms)`, and the braces make the
+//! whole `<tag>` the Redis Cluster hash tag: every key derived from one bucket (the fixed window's
+//! `:<window>` suffix) stays in its slot.
+
+use sha2::{Digest, Sha256};
+
+use crate::domain::BucketSpec;
+
+/// Keys longer than this many bytes are replaced by their SHA-256 in the Redis key.
+pub const HASH_ABOVE: usize = 100;
+
+/// Checks a key prefix can be used: braces would move the hash tag into the prefix.
+pub fn check_prefix(prefix: &str) -> Result<(), String> {
+    if prefix.contains('{') || prefix.contains('}') {
+        return Err("the key prefix must not contain '{' or '}'".into());
+    }
+    Ok(())
+}
+
+fn tag(key: &str) -> String {
+    if key.len() > HASH_ABOVE {
+        let digest = Sha256::digest(key.as_bytes());
+        let mut s = String::with_capacity(65);
+        s.push('#');
+        for b in digest {
+            s.push_str(&format!("{b:02x}"));
+        }
+        return s;
+    }
+    let mut s = String::with_capacity(key.len());
+    for c in key.chars() {
+        match c {
+            '%' => s.push_str("%25"),
+            '{' => s.push_str("%7B"),
+            '}' => s.push_str("%7D"),
+            '#' => s.push_str("%23"),
+            c => s.push(c),
+        }
+    }
+    s
+}
+
+/// The Redis key of a bucket.
+pub fn redis_key(prefix: &str, b: &BucketSpec) -> String {
+    format!(
+        "{prefix}{}:{{{}}}:{}:{}:{}",
+        b.algorithm.tag(),
+        tag(&b.key),
+        b.capacity,
+        b.rate,
+        b.period_ms
+    )
+}
+
+/// CRC16/XMODEM, the checksum Redis Cluster uses for slots.
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The Redis Cluster hash slot of a key (0..16384), honouring `{hash tags}`.
+pub fn slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let hashed = match bytes.iter().position(|&c| c == b'{') {
+        Some(open) => match bytes[open + 1..].iter().position(|&c| c == b'}') {
+            Some(len) if len > 0 => &bytes[open + 1..open + 1 + len],
+            _ => bytes,
+        },
+        None => bytes,
+    };
+    crc16(hashed) % 16384
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::Algorithm;
+
+    fn spec(key: &str) -> BucketSpec {
+        BucketSpec {
+            key: key.into(),
+            capacity: 10,
+            rate: 5,
+            period_ms: 1000,
+            cost: 1,
+            algorithm: Algorithm::TokenBucket,
+        }
+    }
+
+    #[test]
+    fn layout() {
+        assert_eq!(redis_key("tg:", &spec("ip:1")), "tg:tb:{ip:1}:10:5:1000");
+        assert_eq!(
+            redis_key("tg:", &spec("user:{alice}%#")),
+            "tg:tb:{user:%7Balice%7D%25%23}:10:5:1000"
+        );
+        let mut fw = spec("a");
+        fw.algorithm = Algorithm::FixedWindow;
+        assert_eq!(redis_key("", &fw), "fw:{a}:10:5:1000");
+        let long = "x".repeat(101);
+        let k = redis_key("", &spec(&long));
+        assert!(k.starts_with("tb:{#") && k.len() < 100, "{k}");
+        assert_eq!(redis_key("", &spec(&"x".repeat(100))).len(), 100 + 15);
+    }
+
+    #[test]
+    fn injective_on_tricky_keys() {
+        let keys = [
+            "a}b", "a%7Db", "a%b", "a%25b", "#x", "%23x", "a", "a:10", "{", "}",
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for k in keys {
+            assert!(seen.insert(redis_key("", &spec(k))), "{k}");
+        }
+        let mut other = spec("a");
+        other.capacity = 11;
+        assert!(seen.insert(redis_key("", &other)));
+    }
+
+    #[test]
+    fn slots_match_redis() {
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("foo{}{bar}"), slot("foo{}{bar}"));
+        assert_eq!(slot("foo{{bar}}zap"), slot("{bar"));
+        let k = redis_key("tg:", &spec("a}b"));
+        assert_eq!(slot(&k), slot(&format!("{k}:123")));
+    }
+
+    #[test]
+    fn prefix_without_braces() {
+        assert!(check_prefix("tollgate:").is_ok());
+        assert!(check_prefix("x{y}").is_err());
+    }
+}

@@ -1,0 +1,80 @@
+-- Shared by take.lua and refund.lua (concatenated in front of them by server/src/store/redis.rs).
+--
+-- Exact integer arithmetic on Lua 5.1 numbers (IEEE doubles). Integers below 2^53 are exact, so
+-- every quantity here is an integer: micro-tokens, microseconds, milliseconds. Products that may
+-- pass 2^53 (elapsed time x rate, deficit x period) go through muldivmod, which never rounds.
+-- Numbers handed to redis.call are formatted with fmt(): Lua's own tostring uses "%.14g" and
+-- would silently round integers above 10^14.
+
+local TWO52 = 4503599627370496
+local B16 = 65536
+local MICRO = 1000000
+-- Reset and retry times are clamped here (about 285,000 years) so every reply is an exact integer.
+local MAX_MS = 9007199254740991
+-- Extra lifetime of a key beyond the moment it would be full again / its window ends.
+local TTL_MARGIN_MS = 1000
+
+local function fmt(n)
+  return string.format('%.0f', n)
+end
+
+local POW2 = {}
+do
+  local p = 1
+  for i = 0, 15 do POW2[i] = p; p = p * 2 end
+end
+
+-- floor((a * b + add) / c) and the remainder, exactly, for integers 0 <= a, b < 2^53,
+-- 0 <= add < 2^52, 0 < c < 2^52. A quotient above 2^53 is approximate: callers compare it with a
+-- capacity (at most 10^15 micro-tokens) or clamp it, so only its size matters then.
+local function muldivmod(a, b, add, c)
+  local x = a * b + add
+  if x < TWO52 then
+    -- x is exact; q may be off by one after the division's rounding, r fixes it.
+    local q = math.floor(x / c)
+    local r = x - q * c
+    if r < 0 then q = q - 1; r = r + c elseif r >= c then q = q + 1; r = r - c end
+    return q, r
+  end
+  -- Schoolbook product in base 2^16 limbs, then binary long division (r < c < 2^52 keeps 2r+1 exact).
+  local al, bl, p = {}, {}, {}
+  for i = 0, 3 do
+    al[i] = a % B16; a = (a - al[i]) / B16
+    bl[i] = b % B16; b = (b - bl[i]) / B16
+  end
+  for k = 0, 7 do p[k] = 0 end
+  for i = 0, 3 do
+    for j = 0, 3 do p[i + j] = p[i + j] + al[i] * bl[j] end
+  end
+  p[0] = p[0] + add
+  for k = 0, 6 do
+    local carry = math.floor(p[k] / B16)
+    p[k] = p[k] - carry * B16
+    p[k + 1] = p[k + 1] + carry
+  end
+  local q, r = 0, 0
+  for k = 7, 0, -1 do
+    local limb = p[k]
+    for bit = 15, 0, -1 do
+      local d = math.floor(limb / POW2[bit]) % 2
+      r = r * 2 + d
+      q = q * 2
+      if r >= c then r = r - c; q = q + 1 end
+    end
+  end
+  return q, r
+end
+
+-- ceil(a * b / c), exact, clamped to MAX_MS.
+local function ceil_ms(a, b, c)
+  local q, r = muldivmod(a, b, 0, c)
+  if r > 0 then q = q + 1 end
+  if q > MAX_MS then q = MAX_MS end
+  return q
+end
+
+-- The clock: Redis TIME, in microseconds. Never the caller's clock nor the service's.
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * MICRO + tonumber(t[2])
+end

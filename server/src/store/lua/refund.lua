@@ -1,0 +1,25 @@
+-- refund: give back what take.lua charged, after another Redis Cluster slot of the same request
+-- denied (or failed). Preceded by prelude.lua, token_bucket.lua and fixed_window.lua.
+--
+-- KEYS:  the keys of the buckets that were charged (one slot).
+-- ARGV:  6 integers per bucket, at 6*(i-1)+1 ..: algorithm, capacity, rate, period_ms, cost, mark
+--        (mark = the charged fixed window index from take.lua's reply).
+-- Reply: the number of buckets given back (an integer). A bucket whose key has expired meanwhile
+--        is already full (token bucket) or in a past window (fixed window): nothing to give back.
+-- Clock: Redis TIME (the token bucket refills up to now before the cost is added back, capped at
+--        capacity, so a refund never leaves more than the bucket would hold had it not been charged).
+
+local now = now_us()
+local n = 0
+for i = 1, #KEYS do
+  local b = 6 * (i - 1)
+  local alg = tonumber(ARGV[b + 1])
+  local cap, rate, period, cost, mark = tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]),
+    tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
+  if alg == 0 then
+    n = n + tb_refund(KEYS[i], cap, rate, period, cost, now)
+  else
+    n = n + fw_refund(KEYS[i], mark, cost)
+  end
+end
+return n

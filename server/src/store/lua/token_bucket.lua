@@ -1,0 +1,76 @@
+-- Token bucket (algorithm 0): holds at most `capacity` tokens, refills continuously at
+-- `rate` per `period_ms`, starts full.
+--
+-- KEYS:  the bucket's hash, e.g. `tollgate:tb:{<key>}:<capacity>:<rate>:<period_ms>`.
+-- ARGV:  capacity, rate, period_ms, cost (integers, validated by the service: 1..1e9, period <= 1 year).
+-- State: HSET fields, all integers formatted exactly:
+--          t  = micro-tokens held (0 ..= capacity * 10^6)
+--          ts = Redis TIME of the last charge, microseconds
+--          f  = refill remainder, in 1/(period_ms * 1000) of a micro-token, so no fraction of a
+--               token is ever lost between charges: the refill is exact, not rounded per call
+--        A missing hash is a full bucket; that is why expiry (PEXPIRE = time until full + margin,
+--        set on every write) can never admit more than the limit.
+-- Clock: Redis TIME. If it steps back (a failover), the bucket does not refill until it passes `ts`.
+-- These are functions used by take.lua and refund.lua; the reply is built there.
+
+local function tb_load(key, cap, now)
+  local v = redis.call('HMGET', key, 't', 'ts', 'f')
+  local t, ts, f = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
+  if t == nil or ts == nil or f == nil then
+    return { t = cap * MICRO, ts = now, f = 0, exists = false }
+  end
+  return { t = t, ts = ts, f = f, exists = true }
+end
+
+-- Adds the tokens earned between s.ts and now: floor((elapsed_us * rate * 10^6 + f) / period_us).
+local function tb_refill(s, cap, rate, period, now)
+  if now <= s.ts then return end
+  local cap_m = cap * MICRO
+  if s.t >= cap_m then
+    s.t = cap_m; s.f = 0
+  else
+    local add, f = muldivmod(now - s.ts, rate * MICRO, s.f, period * 1000)
+    if add >= cap_m - s.t then s.t = cap_m; s.f = 0 else s.t = s.t + add; s.f = f end
+  end
+  s.ts = now
+end
+
+-- Milliseconds until the bucket is full again.
+local function tb_reset_ms(s, cap, rate, period)
+  local missing = cap * MICRO - s.t
+  if missing <= 0 then return 0 end
+  return ceil_ms(missing, period, rate * MICRO)
+end
+
+-- Charges `cost` to the (refilled) state when it can pay. Returns allowed, remaining, reset, retry.
+local function tb_take(s, cap, rate, period, cost)
+  local cost_m = cost * MICRO
+  local allowed = cost <= cap and s.t >= cost_m
+  local retry = 0
+  if allowed then
+    s.t = s.t - cost_m
+    s.dirty = true
+  elseif cost > cap then
+    retry = period -- can never be paid; a full period is the honest "not soon"
+  else
+    retry = ceil_ms(cost_m - s.t, period, rate * MICRO)
+  end
+  local remaining = muldivmod(s.t, 1, 0, MICRO)
+  return allowed, remaining, tb_reset_ms(s, cap, rate, period), retry
+end
+
+local function tb_store(key, s, cap, rate, period)
+  redis.call('HSET', key, 't', fmt(s.t), 'ts', fmt(s.ts), 'f', fmt(s.f))
+  redis.call('PEXPIRE', key, fmt(tb_reset_ms(s, cap, rate, period) + TTL_MARGIN_MS))
+end
+
+-- Gives `cost` back after a charge that must be undone (Redis Cluster, another slot denied).
+-- A missing hash is already full: nothing to give back.
+local function tb_refund(key, cap, rate, period, cost, now)
+  local s = tb_load(key, cap, now)
+  if not s.exists then return 0 end
+  tb_refill(s, cap, rate, period, now)
+  s.t = math.min(cap * MICRO, s.t + cost * MICRO)
+  tb_store(key, s, cap, rate, period)
+  return 1
+end

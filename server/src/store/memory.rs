@@ -1,0 +1,330 @@
+//! The in-process store: the same semantics as the Redis scripts, for one instance.
+//!
+//! Used when no Redis is configured (a single replica, development, tests). One mutex guards a
+//! map of bucket states, so a take is atomic. Arithmetic mirrors `lua/token_bucket.lua` and
+//! `lua/fixed_window.lua` exactly (integer micro-tokens, a carried refill remainder), in `u128`.
+//! The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
+//! Memory is bounded by expiry: a bucket is dropped once it would be full again (or its window
+//! has ended) plus a margin, exactly like the Redis keys' PEXPIRE; a sweep runs at most once a second.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::{Store, StoreError};
+use crate::domain::{Algorithm, BucketDecision, BucketSpec, TakeDecision};
+
+const MICRO: u128 = 1_000_000;
+/// Same clamp as the scripts' `MAX_MS`.
+const MAX_MS: u128 = 9_007_199_254_740_991;
+const TTL_MARGIN_MS: u64 = 1000;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Id {
+    algorithm: Algorithm,
+    key: String,
+    capacity: u64,
+    rate: u64,
+    period_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum State {
+    /// Micro-tokens, last charge (µs), refill remainder (1/period_us of a micro-token).
+    Token { t: u128, ts: u64, f: u128 },
+    /// Window index and count in it.
+    Window { w: u64, count: u64 },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    state: State,
+    expires_us: u64,
+}
+
+struct Inner {
+    buckets: HashMap<Id, Entry>,
+    next_sweep_us: u64,
+}
+
+/// In-memory [`Store`].
+pub struct MemoryStore {
+    epoch: Instant,
+    inner: Mutex<Inner>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// An empty store whose clock starts now.
+    pub fn new() -> Self {
+        MemoryStore {
+            epoch: Instant::now(),
+            inner: Mutex::new(Inner {
+                buckets: HashMap::new(),
+                next_sweep_us: 0,
+            }),
+        }
+    }
+
+    /// Number of buckets held (for tests of expiry).
+    pub fn len(&self) -> usize {
+        match self.inner.lock() {
+            Ok(g) => g.buckets.len(),
+            Err(p) => p.into_inner().buckets.len(),
+        }
+    }
+
+    /// Whether no bucket is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn now_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// Decides and charges at the given clock reading (µs since the store's epoch).
+    fn take_at(&self, specs: &[BucketSpec], now: u64) -> TakeDecision {
+        // A poisoned lock only means another take panicked mid-way; the map itself is consistent
+        // because it is written only after all decisions are made.
+        let mut inner = match self.inner.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        if now >= inner.next_sweep_us {
+            inner.buckets.retain(|_, e| e.expires_us > now);
+            inner.next_sweep_us = now + 1_000_000;
+        }
+        let mut scratch: HashMap<Id, (State, bool)> = HashMap::new();
+        let mut out = Vec::with_capacity(specs.len());
+        for b in specs {
+            let id = Id {
+                algorithm: b.algorithm,
+                key: b.key.clone(),
+                capacity: b.capacity,
+                rate: b.rate,
+                period_ms: b.period_ms,
+            };
+            let stored = inner
+                .buckets
+                .get(&id)
+                .filter(|e| e.expires_us > now)
+                .map(|e| e.state);
+            let entry = scratch
+                .entry(id)
+                .or_insert_with(|| (load(b, stored, now), false));
+            let (decision, charged) = decide(b, &mut entry.0, now);
+            entry.1 |= charged;
+            out.push(decision);
+        }
+        let decision = TakeDecision::from_buckets(out);
+        if decision.allowed {
+            for (id, (state, dirty)) in scratch {
+                if dirty {
+                    let ttl_ms = ttl_ms(&id, &state, now);
+                    let expires_us = now.saturating_add(ttl_ms.saturating_mul(1000));
+                    inner.buckets.insert(id, Entry { state, expires_us });
+                }
+            }
+        }
+        decision
+    }
+}
+
+fn cap_ms(v: u128) -> u64 {
+    u64::try_from(v.min(MAX_MS)).unwrap_or(u64::MAX)
+}
+
+fn ceil_div(a: u128, b: u128) -> u128 {
+    a.div_ceil(b.max(1))
+}
+
+/// The state as of `now`: refilled token bucket, or the current window.
+fn load(b: &BucketSpec, stored: Option<State>, now: u64) -> State {
+    let cap_m = u128::from(b.capacity) * MICRO;
+    match b.algorithm {
+        Algorithm::TokenBucket => {
+            let (mut t, mut ts, mut f) = match stored {
+                Some(State::Token { t, ts, f }) => (t, ts, f),
+                _ => (cap_m, now, 0),
+            };
+            if now > ts {
+                if t >= cap_m {
+                    t = cap_m;
+                    f = 0;
+                } else {
+                    let period_us = u128::from(b.period_ms) * 1000;
+                    let x = u128::from(now - ts) * u128::from(b.rate) * MICRO + f;
+                    let add = x / period_us;
+                    if add >= cap_m - t {
+                        t = cap_m;
+                        f = 0;
+                    } else {
+                        t += add;
+                        f = x % period_us;
+                    }
+                }
+                ts = now;
+            }
+            State::Token { t, ts, f }
+        }
+        Algorithm::FixedWindow => {
+            let w = now / 1000 / b.period_ms;
+            match stored {
+                Some(State::Window { w: sw, count }) if sw == w => State::Window { w, count },
+                _ => State::Window { w, count: 0 },
+            }
+        }
+    }
+}
+
+fn tb_reset_ms(b: &BucketSpec, t: u128) -> u64 {
+    let missing = (u128::from(b.capacity) * MICRO).saturating_sub(t);
+    cap_ms(ceil_div(
+        missing * u128::from(b.period_ms),
+        u128::from(b.rate) * MICRO,
+    ))
+}
+
+fn window_reset_ms(b: &BucketSpec, w: u64, now: u64) -> u64 {
+    (w + 1) * b.period_ms - now / 1000
+}
+
+/// Decides one bucket on its scratch state, charging it when it can pay.
+fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool) {
+    match state {
+        State::Token { t, .. } => {
+            let cost_m = u128::from(b.cost) * MICRO;
+            let allowed = b.cost <= b.capacity && *t >= cost_m;
+            let retry = if allowed {
+                *t -= cost_m;
+                0
+            } else if b.cost > b.capacity {
+                b.period_ms
+            } else {
+                cap_ms(ceil_div(
+                    (cost_m - *t) * u128::from(b.period_ms),
+                    u128::from(b.rate) * MICRO,
+                ))
+            };
+            let d = BucketDecision {
+                allowed,
+                limit: b.capacity,
+                remaining: u64::try_from(*t / MICRO).unwrap_or(u64::MAX),
+                reset_ms: tb_reset_ms(b, *t),
+                retry_after_ms: retry,
+            };
+            (d, allowed)
+        }
+        State::Window { w, count } => {
+            let reset = window_reset_ms(b, *w, now);
+            let allowed = *count + b.cost <= b.capacity;
+            let retry = if allowed {
+                *count += b.cost;
+                0
+            } else if b.cost > b.capacity {
+                b.period_ms
+            } else {
+                reset
+            };
+            let d = BucketDecision {
+                allowed,
+                limit: b.capacity,
+                remaining: b.capacity.saturating_sub(*count),
+                reset_ms: reset,
+                retry_after_ms: retry,
+            };
+            (d, allowed)
+        }
+    }
+}
+
+fn ttl_ms(id: &Id, state: &State, now: u64) -> u64 {
+    let b = BucketSpec {
+        key: String::new(),
+        capacity: id.capacity,
+        rate: id.rate,
+        period_ms: id.period_ms,
+        cost: 1,
+        algorithm: id.algorithm,
+    };
+    let until = match state {
+        State::Token { t, .. } => tb_reset_ms(&b, *t),
+        State::Window { w, .. } => window_reset_ms(&b, *w, now),
+    };
+    until.saturating_add(TTL_MARGIN_MS)
+}
+
+#[async_trait::async_trait]
+impl Store for MemoryStore {
+    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
+        Ok(self.take_at(buckets, self.now_us()))
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+}
+
+/// How long an idle bucket is kept at most, for a given spec (tests use it to wait for expiry).
+pub fn max_idle(b: &BucketSpec) -> Duration {
+    let full = tb_reset_ms(b, 0).max(b.period_ms);
+    Duration::from_millis(full.saturating_add(TTL_MARGIN_MS))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tb(cap: u64, rate: u64, period: u64, cost: u64) -> BucketSpec {
+        BucketSpec {
+            key: "k".into(),
+            capacity: cap,
+            rate,
+            period_ms: period,
+            cost,
+            algorithm: Algorithm::TokenBucket,
+        }
+    }
+
+    #[test]
+    fn refill_fraction_is_carried_between_charges() {
+        // 1 token per 3 ms. At 4 ms there are 1.333... tokens: a charge keeps 0.333...; at 6 ms
+        // exactly 2 tokens were earned in all, so a second token must be there. Rounding each
+        // charge to whole micro-tokens would leave 0.999999 and deny.
+        let s = MemoryStore::new();
+        assert!(s.take_at(&[tb(10, 1, 3, 10)], 0).allowed);
+        assert!(s.take_at(&[tb(10, 1, 3, 1)], 4000).allowed);
+        assert!(!s.take_at(&[tb(10, 1, 3, 1)], 5999).allowed);
+        assert!(s.take_at(&[tb(10, 1, 3, 1)], 6000).allowed);
+        assert!(!s.take_at(&[tb(10, 1, 3, 1)], 6000).allowed);
+    }
+
+    #[test]
+    fn cost_above_capacity_is_denied_with_a_period() {
+        let s = MemoryStore::new();
+        let d = s.take_at(&[tb(5, 5, 1000, 6)], 0);
+        assert!(!d.allowed);
+        assert_eq!(d.buckets[0].retry_after_ms, 1000);
+        assert_eq!(d.buckets[0].remaining, 5);
+    }
+
+    #[test]
+    fn large_values_do_not_overflow() {
+        let s = MemoryStore::new();
+        let b = tb(1_000_000_000, 1, 31_536_000_000, 1_000_000_000);
+        let d = s.take_at(std::slice::from_ref(&b), 0);
+        assert!(d.allowed);
+        assert_eq!(d.buckets[0].reset_ms, MAX_MS as u64);
+        assert!(s.is_empty() || s.len() == 1);
+    }
+}

@@ -1,0 +1,66 @@
+//! Where buckets live. Handlers speak to a [`Store`] in domain terms and never see Redis types.
+//!
+//! | file | what |
+//! |---|---|
+//! | `memory.rs` | in-process store: one mutex, monotonic clock, idle buckets expire |
+//! | `redis.rs` | Redis standalone or Cluster: Lua scripts, slot grouping, refunds |
+//! | `keys.rs` | Redis key layout and hash slots (pure) |
+//! | `lua/*.lua` | the scripts, one file per algorithm plus the take and refund drivers |
+
+pub mod keys;
+pub mod memory;
+pub mod redis;
+
+use crate::domain::{BucketSpec, TakeDecision};
+
+/// A store failure. Every one of them becomes 503 / gRPC `UNAVAILABLE`: the service never answers
+/// "allowed" when it could not decide.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// No answer within the configured timeout.
+    #[error("store timed out after {0} ms")]
+    Timeout(u64),
+    /// Could not connect, or the connection broke.
+    #[error("store unreachable: {0}")]
+    Connection(String),
+    /// The store answered with an error (e.g. a script error, OOM, cluster down).
+    #[error("store error: {0}")]
+    Server(String),
+    /// The store answered something the service cannot read.
+    #[error("unexpected store reply: {0}")]
+    Protocol(String),
+}
+
+impl StoreError {
+    /// Whether retrying later may succeed (an outage) rather than a defect (a bad reply).
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Timeout(_) | StoreError::Connection(_) | StoreError::Server(_)
+        )
+    }
+
+    /// A short label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Connection(_) => "connection",
+            StoreError::Server(_) => "server",
+            StoreError::Protocol(_) => "protocol",
+        }
+    }
+}
+
+/// Bucket storage that decides takes atomically.
+#[async_trait::async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Charges `cost` to every bucket, or to none: `allowed` is true only if all could pay.
+    /// `buckets` is validated (1..=16 entries, fields within the contract's bounds).
+    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError>;
+
+    /// Checks the store answers (readiness).
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// A short name for logs: `memory`, `redis` or `redis-cluster`.
+    fn kind(&self) -> &'static str;
+}

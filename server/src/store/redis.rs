@@ -1,0 +1,521 @@
+//! The Redis store: standalone (`redis://`, `rediss://`) or Redis Cluster (seed nodes).
+//!
+//! # What is guaranteed
+//!
+//! * **Standalone Redis**: one call of `take.lua` decides and charges every bucket of a request.
+//!   Redis runs a script start to finish with nothing interleaved, so a take is atomic and
+//!   all-or-nothing: a denied request writes nothing. Concurrent takes from any number of service
+//!   replicas never admit more than the limit.
+//! * **Redis Cluster**: the buckets of one request may hash to different slots, and one script can
+//!   only touch one slot. Buckets are grouped by slot; each group is taken atomically by its own
+//!   `take.lua` call (the groups run concurrently). When any group denies or fails, every group
+//!   that was charged is given back with `refund.lua`. The limit is never exceeded. The price:
+//!   between a charge and its refund (one round trip), a concurrent request may find those tokens
+//!   spent and be denied (a rare false denial, never a false admission). If the refund itself fails
+//!   (Redis unreachable), those tokens stay spent until they refill: again a denial, never an
+//!   admission. A request whose buckets share a slot (one key, or keys of one `{hash tag}`) is as
+//!   atomic as on standalone Redis.
+//! * **Outages**: every round trip is bounded by the configured timeout (connect and response); a
+//!   take that cannot complete is a [`StoreError`], which the service answers with 503 /
+//!   `UNAVAILABLE`, never "allowed". A script whose reply was lost to a timeout may still have
+//!   charged its buckets: again a possible false denial only. Connections are multiplexed
+//!   (a `ConnectionManager`, or the cluster client) and reconnect by themselves when Redis is back.
+//!
+//! # Scripts
+//!
+//! `take.lua` (and `refund.lua`) are built by concatenating `prelude.lua` (exact integer
+//! arithmetic, the TIME clock), `token_bucket.lua` and `fixed_window.lua` (one file per algorithm)
+//! and the driver. One script handles a mix of algorithms so that all buckets of a slot are taken in
+//! one call. They are sent with EVALSHA; on `NOSCRIPT` (after a restart or `SCRIPT FLUSH`)
+//! `redis::Script` loads them (`SCRIPT LOAD`, sent to every primary on a cluster) and retries.
+//! Keys are laid out by [`super::keys`]. The reply is turned into decisions by [`decode_take`], a
+//! pure function.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Script};
+use tokio::sync::OnceCell;
+
+use super::keys::{redis_key, slot};
+use super::{Store, StoreError};
+use crate::domain::{Algorithm, BucketDecision, BucketSpec, TakeDecision};
+
+const PRELUDE: &str = include_str!("lua/prelude.lua");
+const TOKEN_BUCKET: &str = include_str!("lua/token_bucket.lua");
+const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
+const TAKE: &str = include_str!("lua/take.lua");
+const REFUND: &str = include_str!("lua/refund.lua");
+
+/// The full source of the take script (prelude, algorithms, driver), e.g. for `redis-benchmark`.
+pub fn take_script_source() -> String {
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, TAKE].join("\n")
+}
+
+/// The full source of the refund script.
+pub fn refund_script_source() -> String {
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, REFUND].join("\n")
+}
+
+/// Where Redis is and how long to wait for it.
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port[/db]` or `rediss://...` for standalone Redis.
+    pub url: Option<String>,
+    /// Seed node URLs of a Redis Cluster (takes precedence over `url`).
+    pub cluster: Vec<String>,
+    /// Prepended to every key (must not contain braces).
+    pub key_prefix: String,
+    /// Bound of one connect or one command round trip.
+    pub timeout: Duration,
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &self.url.as_deref().map(redact_url))
+            .field(
+                "cluster",
+                &self
+                    .cluster
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>(),
+            )
+            .field("key_prefix", &self.key_prefix)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// Replaces the password of a Redis URL by `***` (for logs and `Debug`).
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_string();
+    };
+    let rest = &url[scheme_end + 3..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_string();
+    };
+    let userinfo = &rest[..at];
+    let user = match userinfo.find(':') {
+        Some(colon) => &userinfo[..colon],
+        None => "",
+    };
+    format!("{}://{}:***@{}", &url[..scheme_end], user, &rest[at + 1..])
+}
+
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(Box<ClusterConn>),
+}
+
+struct ClusterConn {
+    client: redis::cluster::ClusterClient,
+    conn: OnceCell<ClusterConnection>,
+}
+
+/// The Redis [`Store`]. Cheap to share behind an `Arc`.
+pub struct RedisStore {
+    conn: Conn,
+    config: RedisConfig,
+    take: Arc<Script>,
+    refund: Arc<Script>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn map_err(e: RedisError) -> StoreError {
+    if e.is_timeout() {
+        StoreError::Timeout(0)
+    } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
+        StoreError::Connection(e.to_string())
+    } else {
+        StoreError::Server(e.to_string())
+    }
+}
+
+/// One slot's share of a request: indexes into the request's buckets.
+struct Group {
+    idx: Vec<usize>,
+}
+
+/// What one `take.lua` call answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupReply {
+    /// Every bucket of the call could pay, and they were charged.
+    pub charged: bool,
+    /// Per bucket: the decision and the fixed window index charged (0 for token buckets).
+    pub buckets: Vec<(BucketDecision, u64)>,
+}
+
+/// Turns a `take.lua` reply (see its header) into decisions for `specs` (the call's buckets).
+pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, StoreError> {
+    if reply.len() != 1 + 5 * specs.len() {
+        return Err(StoreError::Protocol(format!(
+            "take reply has {} integers, expected {}",
+            reply.len(),
+            1 + 5 * specs.len()
+        )));
+    }
+    let num = |v: i64, what: &str| {
+        u64::try_from(v).map_err(|_| StoreError::Protocol(format!("negative {what}: {v}")))
+    };
+    let flag = |v: i64| match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        v => Err(StoreError::Protocol(format!(
+            "flag is {v}, expected 0 or 1"
+        ))),
+    };
+    let charged = flag(reply[0])?;
+    let mut buckets = Vec::with_capacity(specs.len());
+    for (i, spec) in specs.iter().enumerate() {
+        let r = &reply[1 + 5 * i..1 + 5 * (i + 1)];
+        let d = BucketDecision {
+            allowed: flag(r[0])?,
+            limit: spec.capacity,
+            remaining: num(r[1], "remaining")?,
+            reset_ms: num(r[2], "reset_ms")?,
+            retry_after_ms: num(r[3], "retry_after_ms")?,
+        };
+        buckets.push((d, num(r[4], "mark")?));
+    }
+    if charged != buckets.iter().all(|(d, _)| d.allowed) {
+        return Err(StoreError::Protocol(
+            "take reply's overall flag disagrees with its buckets".into(),
+        ));
+    }
+    Ok(GroupReply { charged, buckets })
+}
+
+impl RedisStore {
+    /// Creates the store. Connects lazily: the service starts (and reports not ready) while Redis
+    /// is down, and every take fails fast until it is back.
+    pub fn new(config: RedisConfig) -> Result<Self, String> {
+        super::keys::check_prefix(&config.key_prefix)?;
+        let t = config.timeout;
+        let conn = if !config.cluster.is_empty() {
+            let client = redis::cluster::ClusterClient::builder(config.cluster.clone())
+                .connection_timeout(t)
+                .response_timeout(t)
+                .retries(1)
+                .min_retry_wait(5)
+                .max_retry_wait(u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(5))
+                .build()
+                .map_err(|e| format!("bad Redis Cluster seed nodes: {e}"))?;
+            Conn::Cluster(Box::new(ClusterConn {
+                client,
+                conn: OnceCell::new(),
+            }))
+        } else {
+            let url = config
+                .url
+                .as_deref()
+                .ok_or_else(|| "no Redis URL given".to_string())?;
+            let client = redis::Client::open(url)
+                .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(url)))?;
+            let cm = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(t))
+                .set_response_timeout(Some(t))
+                .set_number_of_retries(1)
+                .set_min_delay(Duration::from_millis(5))
+                .set_max_delay(t);
+            let manager = ConnectionManager::new_lazy_with_config(client, cm)
+                .map_err(|e| format!("Redis connection manager: {e}"))?;
+            Conn::Single(manager)
+        };
+        Ok(RedisStore {
+            conn,
+            config,
+            take: Arc::new(Script::new(&take_script_source())),
+            refund: Arc::new(Script::new(&refund_script_source())),
+        })
+    }
+
+    fn timeout_ms(&self) -> u64 {
+        u64::try_from(self.config.timeout.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Runs `script` with keys and integer args on the right connection, within the timeout.
+    async fn invoke(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        args: &[u64],
+    ) -> Result<Vec<i64>, StoreError> {
+        let mut inv = script.prepare_invoke();
+        for k in keys {
+            inv.key(*k);
+        }
+        for a in args {
+            inv.arg(*a);
+        }
+        let call = async {
+            match &self.conn {
+                Conn::Single(m) => {
+                    let mut m = m.clone();
+                    inv.invoke_async::<Vec<i64>>(&mut m).await.map_err(map_err)
+                }
+                Conn::Cluster(cc) => {
+                    let (client, conn) = (&cc.client, &cc.conn);
+                    let c = conn
+                        .get_or_try_init(|| async {
+                            client.get_async_connection().await.map_err(map_err)
+                        })
+                        .await?;
+                    let mut c = c.clone();
+                    inv.invoke_async::<Vec<i64>>(&mut c).await.map_err(map_err)
+                }
+            }
+        };
+        match tokio::time::timeout(self.config.timeout, call).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(self.timeout_ms())),
+            Ok(Err(e)) => Err(e),
+        }
+    }
+
+    async fn take_group(
+        &self,
+        group: &Group,
+        keys: &[String],
+        specs: &[BucketSpec],
+    ) -> Result<GroupReply, StoreError> {
+        let ks: Vec<&str> = group.idx.iter().map(|&i| keys[i].as_str()).collect();
+        let mut args = Vec::with_capacity(5 * group.idx.len());
+        let mut these = Vec::with_capacity(group.idx.len());
+        for &i in &group.idx {
+            let b = &specs[i];
+            args.extend([
+                alg_code(b.algorithm),
+                b.capacity,
+                b.rate,
+                b.period_ms,
+                b.cost,
+            ]);
+            these.push(b);
+        }
+        let reply = self.invoke(&self.take, &ks, &args).await?;
+        decode_take(&reply, &these)
+    }
+
+    async fn refund_group(
+        &self,
+        group: &Group,
+        keys: &[String],
+        specs: &[BucketSpec],
+        reply: &GroupReply,
+    ) -> Result<(), StoreError> {
+        let ks: Vec<&str> = group.idx.iter().map(|&i| keys[i].as_str()).collect();
+        let mut args = Vec::with_capacity(6 * group.idx.len());
+        for (&i, (_, mark)) in group.idx.iter().zip(&reply.buckets) {
+            let b = &specs[i];
+            args.extend([
+                alg_code(b.algorithm),
+                b.capacity,
+                b.rate,
+                b.period_ms,
+                b.cost,
+                *mark,
+            ]);
+        }
+        self.invoke(&self.refund, &ks, &args).await.map(|_| ())
+    }
+}
+
+fn alg_code(a: Algorithm) -> u64 {
+    match a {
+        Algorithm::TokenBucket => 0,
+        Algorithm::FixedWindow => 1,
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for RedisStore {
+    async fn take(&self, specs: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
+        let keys: Vec<String> = specs
+            .iter()
+            .map(|b| redis_key(&self.config.key_prefix, b))
+            .collect();
+        let groups: Vec<Group> = match self.conn {
+            Conn::Single(_) => vec![Group {
+                idx: (0..specs.len()).collect(),
+            }],
+            Conn::Cluster(_) => {
+                let mut groups: Vec<(u16, Group)> = Vec::new();
+                for (i, k) in keys.iter().enumerate() {
+                    let s = slot(k);
+                    match groups.iter_mut().find(|(gs, _)| *gs == s) {
+                        Some((_, g)) => g.idx.push(i),
+                        None => groups.push((s, Group { idx: vec![i] })),
+                    }
+                }
+                groups.into_iter().map(|(_, g)| g).collect()
+            }
+        };
+        if let [group] = groups.as_slice() {
+            let reply = self.take_group(group, &keys, specs).await?;
+            return Ok(TakeDecision::from_buckets(
+                reply.buckets.into_iter().map(|(d, _)| d).collect(),
+            ));
+        }
+        let replies =
+            futures_util::future::join_all(groups.iter().map(|g| self.take_group(g, &keys, specs)))
+                .await;
+        let all_charged = replies.iter().all(|r| matches!(r, Ok(g) if g.charged));
+        if !all_charged {
+            let refunds = groups.iter().zip(&replies).filter_map(|(g, r)| match r {
+                Ok(reply) if reply.charged => Some(self.refund_group(g, &keys, specs, reply)),
+                _ => None,
+            });
+            for r in futures_util::future::join_all(refunds).await {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "refund failed; those tokens stay spent until they refill");
+                }
+            }
+        }
+        let mut out: Vec<Option<BucketDecision>> = vec![None; specs.len()];
+        for (g, r) in groups.iter().zip(replies) {
+            let reply = r?;
+            for (&i, (d, _)) in g.idx.iter().zip(reply.buckets) {
+                out[i] = Some(d);
+            }
+        }
+        let buckets: Option<Vec<BucketDecision>> = out.into_iter().collect();
+        let buckets =
+            buckets.ok_or_else(|| StoreError::Protocol("a bucket got no decision".into()))?;
+        Ok(TakeDecision::from_buckets(buckets))
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let call = async {
+            match &self.conn {
+                Conn::Single(m) => {
+                    let mut m = m.clone();
+                    redis::cmd("PING")
+                        .query_async::<String>(&mut m)
+                        .await
+                        .map_err(map_err)
+                }
+                Conn::Cluster(cc) => {
+                    let (client, conn) = (&cc.client, &cc.conn);
+                    let c = conn
+                        .get_or_try_init(|| async {
+                            client.get_async_connection().await.map_err(map_err)
+                        })
+                        .await?;
+                    let mut c = c.clone();
+                    redis::cmd("PING")
+                        .query_async::<String>(&mut c)
+                        .await
+                        .map_err(map_err)
+                }
+            }
+        };
+        match tokio::time::timeout(self.config.timeout, call).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(self.timeout_ms())),
+            Ok(Err(e)) => Err(e),
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.conn {
+            Conn::Single(_) => "redis",
+            Conn::Cluster(_) => "redis-cluster",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(cap: u64) -> BucketSpec {
+        BucketSpec {
+            key: "k".into(),
+            capacity: cap,
+            rate: cap,
+            period_ms: 1000,
+            cost: 1,
+            algorithm: Algorithm::TokenBucket,
+        }
+    }
+
+    #[test]
+    fn decodes_a_reply() {
+        let (a, b) = (spec(10), spec(3));
+        let g = decode_take(&[0, 1, 9, 100, 0, 0, 0, 2, 5, 7, 42], &[&a, &b]).unwrap_or_else(|e| {
+            unreachable!("{e}");
+        });
+        assert!(!g.charged);
+        assert_eq!(
+            g.buckets,
+            vec![
+                (
+                    BucketDecision {
+                        allowed: true,
+                        limit: 10,
+                        remaining: 9,
+                        reset_ms: 100,
+                        retry_after_ms: 0
+                    },
+                    0
+                ),
+                (
+                    BucketDecision {
+                        allowed: false,
+                        limit: 3,
+                        remaining: 2,
+                        reset_ms: 5,
+                        retry_after_ms: 7
+                    },
+                    42
+                )
+            ]
+        );
+    }
+
+    #[test]
+    fn rejects_bad_replies() {
+        let a = spec(10);
+        assert!(decode_take(&[1, 1, 9, 100, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 1, -9, 100, 0, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 2, 9, 100, 0, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 0, 9, 100, 0, 0], &[&a]).is_err());
+        assert!(decode_take(&[0, 1, 9, 100, 0, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 1, 9, 100, 0, 0], &[&a]).is_ok());
+    }
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact_url("redis://:s3cret@h:6379/0"),
+            "redis://:***@h:6379/0"
+        );
+        assert_eq!(
+            redact_url("rediss://user:p@ss@h:6380"),
+            "rediss://user:***@h:6380"
+        );
+        assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
+        let c = RedisConfig {
+            url: Some("redis://u:topsecret@h".into()),
+            cluster: vec!["redis://:pw2@a:1".into()],
+            key_prefix: "t:".into(),
+            timeout: Duration::from_millis(50),
+        };
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains("topsecret") && !dbg.contains("pw2"), "{dbg}");
+    }
+}
