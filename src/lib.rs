@@ -1,1 +1,35 @@
+//! Tollgate: global rate limiting for Envoy and Istio, as a proxy-wasm HTTP filter.
+//!
+//! The filter asks the Tollgate decision service, once per request, to take tokens from every bucket
+//! the request's matching rules name (all or none), and denies the request locally when the service
+//! says so. When the service cannot answer, one configurable failure mode decides (a local fallback
+//! bucket shared by the worker threads, allow, or deny), and a circuit breaker keeps a dead service
+//! from costing a timeout per request.
+//!
+//! Layout:
+//! - [`core`]: everything that decides, plain Rust without proxy-wasm, unit-tested natively.
+//!   - `config`: the plugin configuration, parsed and validated once.
+//!   - `rules`: rule matching and key building (`rules::keys`).
+//!   - `wire`: the contract codec (JSON, and hand-written protobuf for gRPC).
+//!   - `decide`: the per-request decision: plan a callout, interpret its result, build the verdict.
+//!   - `bucket`, `fallback`: local token bucket math and its CAS-updated shared store.
+//!   - `breaker`: the circuit breaker over a serialisable shared state.
+//!   - `headers`: `Retry-After`, `RateLimit` / `RateLimit-Policy`, `X-RateLimit-*`.
+//!   - `hash`: SHA-256 for bounding long key parts and for fallback slot identities.
+//! - `host` (wasm only): the thin adapter, the only module that calls proxy-wasm.
 
+// Tests may unwrap and index: a failing test is the point.
+#![cfg_attr(
+    test,
+    allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )
+)]
+
+pub mod core;
+
+#[cfg(target_family = "wasm")]
+mod host;

@@ -1,0 +1,321 @@
+//! The circuit breaker, over a small serialisable state kept in shared data (one entry,
+//! `tollgate.breaker`, updated with CAS), so every worker sees the same breaker.
+//!
+//! Closed: every request calls the service; `failures` consecutive failed callouts open it.
+//! Open: requests skip the callout and go straight to the failure mode, for `interval_ms`.
+//! When the interval is over, the first request to notice becomes the probe: it re-arms the
+//! interval (so the others keep skipping while it is in flight) and calls. Its success closes the
+//! breaker; its failure doubles the interval, up to `max_open_ms`. A dead service then costs one
+//! callout timeout per interval instead of one per request. Failures of callouts that started
+//! before the breaker opened do not extend it: only the probe's result counts while open.
+
+use crate::core::config::Breaker;
+use crate::core::store::{update, CasStore, Step};
+
+/// Shared-data key of the breaker state.
+pub const KEY: &str = "tollgate.breaker";
+
+/// The breaker state. Closed when `open_until_ms == 0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct State {
+    /// Consecutive failures while closed.
+    pub failures: u32,
+    /// While open: until when (ms since the epoch).
+    pub open_until_ms: u64,
+    /// Current open interval (doubles after each failed probe).
+    pub interval_ms: u64,
+}
+
+impl State {
+    /// Serialised form (20 bytes, little endian).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(20);
+        v.extend_from_slice(&self.failures.to_le_bytes());
+        v.extend_from_slice(&self.open_until_ms.to_le_bytes());
+        v.extend_from_slice(&self.interval_ms.to_le_bytes());
+        v
+    }
+
+    /// Parses [`State::encode`]'s output; anything else reads as a fresh, closed breaker.
+    pub fn decode(b: Option<&[u8]>) -> State {
+        let Some(b) = b else { return State::default() };
+        let (Some(f), Some(o), Some(i)) = (b.get(0..4), b.get(4..12), b.get(12..20)) else {
+            return State::default();
+        };
+        let mut f4 = [0u8; 4];
+        f4.copy_from_slice(f);
+        let mut o8 = [0u8; 8];
+        o8.copy_from_slice(o);
+        let mut i8 = [0u8; 8];
+        i8.copy_from_slice(i);
+        State {
+            failures: u32::from_le_bytes(f4),
+            open_until_ms: u64::from_le_bytes(o8),
+            interval_ms: u64::from_le_bytes(i8),
+        }
+    }
+
+    /// Whether the breaker is open (or half-open with a probe in flight).
+    pub fn is_open(&self) -> bool {
+        self.open_until_ms != 0
+    }
+}
+
+/// May this request call the service?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Closed: call.
+    Call,
+    /// The open interval is over and this request is the probe: call.
+    Probe,
+    /// Open: do not call; apply the failure mode (cause `breaker`).
+    Reject,
+}
+
+/// A state change worth a metric or a log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// Nothing changed that matters.
+    None,
+    /// Closed → open.
+    Opened,
+    /// A probe failed: open again, for a longer interval.
+    Reopened,
+    /// Open → closed.
+    Closed,
+}
+
+/// Admission at `now_ms`, and the state to store (for a probe).
+pub fn admit(cfg: &Breaker, s: State, now_ms: u64) -> (Admission, Option<State>) {
+    if cfg.failures == 0 || !s.is_open() {
+        return (Admission::Call, None);
+    }
+    if now_ms < s.open_until_ms {
+        return (Admission::Reject, None);
+    }
+    let rearmed = State {
+        open_until_ms: now_ms.saturating_add(s.interval_ms.max(1)),
+        ..s
+    };
+    (Admission::Probe, Some(rearmed))
+}
+
+/// The state after a successful callout (`None`: nothing to store).
+pub fn on_success(s: State) -> (Option<State>, Event) {
+    if s.is_open() {
+        (Some(State::default()), Event::Closed)
+    } else if s.failures != 0 {
+        (Some(State::default()), Event::None)
+    } else {
+        (None, Event::None)
+    }
+}
+
+/// The state after a failed callout (`None`: nothing to store). `probe` says whether this callout
+/// was the probe.
+pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<State>, Event) {
+    if cfg.failures == 0 {
+        return (None, Event::None);
+    }
+    if s.is_open() {
+        if !probe {
+            return (None, Event::None);
+        }
+        let interval = s
+            .interval_ms
+            .saturating_mul(2)
+            .clamp(cfg.open_ms, cfg.max_open_ms);
+        let next = State {
+            failures: s.failures,
+            open_until_ms: now_ms.saturating_add(interval),
+            interval_ms: interval,
+        };
+        return (Some(next), Event::Reopened);
+    }
+    let failures = s.failures.saturating_add(1);
+    if failures >= cfg.failures {
+        let next = State {
+            failures,
+            open_until_ms: now_ms.saturating_add(cfg.open_ms),
+            interval_ms: cfg.open_ms,
+        };
+        (Some(next), Event::Opened)
+    } else {
+        (
+            Some(State {
+                failures,
+                ..State::default()
+            }),
+            Event::None,
+        )
+    }
+}
+
+/// [`admit`] against the shared state. A probe is granted to exactly one caller: the CAS write
+/// that re-arms the interval succeeds for one worker; the others re-read and see it open.
+pub fn admit_shared<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -> Admission {
+    if cfg.failures == 0 {
+        return Admission::Call;
+    }
+    let u = update(store, KEY, |cur| {
+        match admit(cfg, State::decode(cur), now_ms) {
+            (a, Some(next)) => Step::Write(next.encode(), a),
+            (a, None) => Step::Keep(a),
+        }
+    });
+    if u.stored {
+        u.value
+    } else {
+        // Could not claim the probe: someone else is probing.
+        Admission::Reject
+    }
+}
+
+/// Records a callout's result against the shared state.
+pub fn record_shared<S: CasStore + ?Sized>(
+    store: &S,
+    cfg: &Breaker,
+    now_ms: u64,
+    success: bool,
+    probe: bool,
+) -> Event {
+    if cfg.failures == 0 {
+        return Event::None;
+    }
+    let u = update(store, KEY, |cur| {
+        let s = State::decode(cur);
+        let (next, event) = if success {
+            on_success(s)
+        } else {
+            on_failure(cfg, s, now_ms, probe)
+        };
+        match next {
+            Some(n) => Step::Write(n.encode(), event),
+            None => Step::Keep(event),
+        }
+    });
+    if u.stored {
+        u.value
+    } else {
+        Event::None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::store::fake::FakeStore;
+
+    const CFG: Breaker = Breaker {
+        failures: 3,
+        open_ms: 100,
+        max_open_ms: 350,
+    };
+
+    #[test]
+    fn opens_after_consecutive_failures_and_success_resets_the_count() {
+        let s = FakeStore::default();
+        assert_eq!(record_shared(&s, &CFG, 0, false, false), Event::None);
+        assert_eq!(record_shared(&s, &CFG, 0, false, false), Event::None);
+        assert_eq!(
+            record_shared(&s, &CFG, 0, true, false),
+            Event::None,
+            "success resets"
+        );
+        assert_eq!(record_shared(&s, &CFG, 0, false, false), Event::None);
+        assert_eq!(record_shared(&s, &CFG, 0, false, false), Event::None);
+        assert_eq!(admit_shared(&s, &CFG, 0), Admission::Call);
+        assert_eq!(record_shared(&s, &CFG, 1000, false, false), Event::Opened);
+        assert_eq!(admit_shared(&s, &CFG, 1000), Admission::Reject);
+        assert_eq!(admit_shared(&s, &CFG, 1099), Admission::Reject);
+    }
+
+    #[test]
+    fn one_probe_per_interval_and_backoff_doubles_to_the_cap() {
+        let s = FakeStore::default();
+        for _ in 0..3 {
+            record_shared(&s, &CFG, 0, false, false);
+        }
+        // open until 100
+        assert_eq!(admit_shared(&s, &CFG, 100), Admission::Probe);
+        assert_eq!(
+            admit_shared(&s, &CFG, 101),
+            Admission::Reject,
+            "one probe at a time"
+        );
+        // A late failure of an older callout does not extend the interval.
+        assert_eq!(record_shared(&s, &CFG, 150, false, false), Event::None);
+        assert_eq!(record_shared(&s, &CFG, 150, false, true), Event::Reopened);
+        let st = State::decode(s.get(KEY).map(|v| v.0).as_deref());
+        assert_eq!((st.interval_ms, st.open_until_ms), (200, 350));
+        assert_eq!(admit_shared(&s, &CFG, 349), Admission::Reject);
+        assert_eq!(admit_shared(&s, &CFG, 350), Admission::Probe);
+        record_shared(&s, &CFG, 350, false, true);
+        let st = State::decode(s.get(KEY).map(|v| v.0).as_deref());
+        assert_eq!(st.interval_ms, 350, "capped at max_open_ms");
+        assert_eq!(admit_shared(&s, &CFG, 700), Admission::Probe);
+        assert_eq!(record_shared(&s, &CFG, 701, true, true), Event::Closed);
+        assert_eq!(admit_shared(&s, &CFG, 702), Admission::Call);
+        // After closing, it takes `failures` failures again, and starts from open_ms.
+        for _ in 0..2 {
+            assert_eq!(record_shared(&s, &CFG, 800, false, false), Event::None);
+        }
+        assert_eq!(record_shared(&s, &CFG, 800, false, false), Event::Opened);
+        let st = State::decode(s.get(KEY).map(|v| v.0).as_deref());
+        assert_eq!(st.interval_ms, 100);
+    }
+
+    #[test]
+    fn a_stuck_probe_is_replaced_after_an_interval() {
+        let s = FakeStore::default();
+        for _ in 0..3 {
+            record_shared(&s, &CFG, 0, false, false);
+        }
+        assert_eq!(admit_shared(&s, &CFG, 100), Admission::Probe);
+        // The probe never reports (its VM died); the next interval gives another probe.
+        assert_eq!(admit_shared(&s, &CFG, 200), Admission::Probe);
+    }
+
+    #[test]
+    fn disabled_breaker_never_writes() {
+        let off = Breaker { failures: 0, ..CFG };
+        let s = FakeStore::default();
+        for _ in 0..10 {
+            assert_eq!(record_shared(&s, &off, 0, false, false), Event::None);
+            assert_eq!(admit_shared(&s, &off, 0), Admission::Call);
+        }
+        assert_eq!(s.writes.get(), 0);
+    }
+
+    #[test]
+    fn steady_success_does_not_write() {
+        let s = FakeStore::default();
+        for _ in 0..10 {
+            admit_shared(&s, &CFG, 0);
+            record_shared(&s, &CFG, 0, true, false);
+        }
+        assert_eq!(s.writes.get(), 0, "the hot path only reads");
+    }
+
+    #[test]
+    fn probe_claim_under_conflict_goes_to_one_caller() {
+        let s = FakeStore::default();
+        for _ in 0..3 {
+            record_shared(&s, &CFG, 0, false, false);
+        }
+        s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
+        assert_eq!(admit_shared(&s, &CFG, 100), Admission::Reject);
+    }
+
+    #[test]
+    fn state_round_trips_and_garbage_is_closed() {
+        let st = State {
+            failures: 7,
+            open_until_ms: u64::MAX,
+            interval_ms: 3,
+        };
+        assert_eq!(State::decode(Some(&st.encode())), st);
+        assert_eq!(State::decode(Some(&[1, 2, 3])), State::default());
+        assert_eq!(State::decode(None), State::default());
+    }
+}

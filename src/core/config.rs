@@ -1,0 +1,928 @@
+//! The plugin configuration (docs/filter-config.md is the user-facing reference).
+//!
+//! Parsed and validated once, in `on_configure`; the result is immutable and shared by every
+//! request. Two layers: `Raw*` types mirror the JSON exactly (`deny_unknown_fields`, so a typo is
+//! an error rather than a silently ignored limit), and [`Config`] holds the validated values with
+//! every default resolved. Every error names the offending field, e.g.
+//! `rules[1].capacity: must be between 1 and 1000000000`. The numeric bounds are the contract's
+//! (contract/README.md), so the service never rejects what the filter accepted.
+
+use serde::Deserialize;
+use std::fmt;
+
+/// Largest capacity, rate and cost the contract accepts.
+pub const MAX_TOKENS: u64 = 1_000_000_000;
+/// Longest period the contract accepts (one year, in ms).
+pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
+/// The contract accepts at most this many buckets per request.
+pub const MAX_RULES: usize = 16;
+/// Key parts per rule; with [`crate::core::rules::keys::MAX_PART_BYTES`] this bounds a key well
+/// below the contract's 4096 bytes.
+pub const MAX_KEY_PARTS: usize = 8;
+/// Longest rule name (it appears in keys, logs and the `RateLimit-Policy` header).
+pub const MAX_NAME_LEN: usize = 64;
+
+/// A configuration error: the field path and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Path of the offending field, e.g. `rules[1].capacity`.
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+fn err<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError {
+        field: field.into(),
+        message: message.into(),
+    })
+}
+
+fn in_range(field: &str, v: u64, lo: u64, hi: u64) -> Result<u64, ConfigError> {
+    if v < lo || v > hi {
+        return err(field, format!("must be between {lo} and {hi}"));
+    }
+    Ok(v)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validated configuration
+
+/// How the filter talks to the decision service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Transport {
+    /// JSON over HTTP: `POST <path>`.
+    Http,
+    /// Protobuf over gRPC: `tollgate.v1.RateLimiter/Take`.
+    Grpc,
+}
+
+/// What decides when the service cannot (see [`crate::core::decide`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// A local bucket per key, shared by the worker threads, at capacity/instances.
+    #[default]
+    Fallback,
+    /// Let the request through.
+    Allow,
+    /// Deny the request.
+    Deny,
+}
+
+/// What to do with a rule when a key part is absent (e.g. the header is missing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMissing {
+    /// The rule does not apply to this request.
+    #[default]
+    Skip,
+    /// All requests missing that part share one bucket.
+    Shared,
+}
+
+/// The bucket algorithm (contract: `token_bucket` | `fixed_window`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Refills continuously at `rate / period_ms`, holds at most `capacity`.
+    #[default]
+    TokenBucket,
+    /// At most `capacity` tokens per window of `period_ms`.
+    FixedWindow,
+}
+
+/// Which rate limit headers the filter writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum HeaderStyle {
+    /// IETF draft `RateLimit-Policy` and `RateLimit` (structured fields).
+    #[serde(rename = "draft")]
+    Draft,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`.
+    #[serde(rename = "x-ratelimit")]
+    XRateLimit,
+}
+
+/// The validated configuration. Immutable once built.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The decision service.
+    pub service: Service,
+    /// How many x-forwarded-for entries (from the right) were written by trusted proxies.
+    pub trusted_hops: u32,
+    /// Rules, in configuration order (also the order of buckets in a callout).
+    pub rules: Vec<Rule>,
+    /// What decides when the service cannot.
+    pub failure_mode: FailureMode,
+    /// Local fallback buckets.
+    pub fallback: Fallback,
+    /// Circuit breaker.
+    pub breaker: Breaker,
+    /// Evaluate and count, never deny.
+    pub shadow: bool,
+    /// The denial response and rate limit headers.
+    pub response: Response,
+    /// Whether some rule uses `client_ip` with `trusted_hops == 0` (then the adapter reads the
+    /// peer address property, otherwise it does not pay for that host call).
+    pub needs_peer_address: bool,
+}
+
+/// The decision service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Service {
+    /// Envoy cluster name.
+    pub cluster: String,
+    /// `:authority` of the callout.
+    pub authority: String,
+    /// HTTP+JSON or gRPC.
+    pub transport: Transport,
+    /// Callout timeout.
+    pub timeout_ms: u64,
+    /// Request path (HTTP transport).
+    pub path: String,
+    /// Bearer token, if the service requires one.
+    pub token: Option<String>,
+}
+
+/// One rate limit rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    /// Unique name: key prefix, logs, `RateLimit-Policy` item.
+    pub name: String,
+    /// Conditions; all must hold.
+    pub matcher: Match,
+    /// Key parts, in order.
+    pub key: Vec<KeyPart>,
+    /// What a missing key part does.
+    pub on_missing: OnMissing,
+    /// Burst size.
+    pub capacity: u64,
+    /// Tokens per period.
+    pub rate: u64,
+    /// Period length.
+    pub period_ms: u64,
+    /// Tokens a request costs.
+    pub cost: Cost,
+    /// Bucket algorithm.
+    pub algorithm: Algorithm,
+}
+
+/// Request conditions of a rule. Empty = every request.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Match {
+    /// Path (without query string) condition.
+    pub path: Option<PathMatch>,
+    /// Allowed methods (upper case); empty = any.
+    pub methods: Vec<String>,
+    /// Header conditions.
+    pub headers: Vec<HeaderMatch>,
+}
+
+/// A path condition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    /// The path equals this.
+    Exact(String),
+    /// The path starts with this.
+    Prefix(String),
+}
+
+/// A header condition (names are lower case).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderMatch {
+    /// The header is present (`true`) or absent (`false`).
+    Present(String, bool),
+    /// The header's (first) value equals this, byte for byte.
+    Equals(String, String),
+}
+
+/// One part of a bucket key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPart {
+    /// Fixed text.
+    Literal(String),
+    /// A request header's value (lower-case name).
+    Header(String),
+    /// The client address (peer, or x-forwarded-for with `trusted_hops`).
+    ClientIp,
+    /// The request path without query string.
+    Path,
+    /// The request method.
+    Method,
+    /// The request authority (host).
+    Authority,
+}
+
+/// What a request costs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    /// Always this many tokens.
+    Fixed(u64),
+    /// Read from a header; `default` when absent or not a positive integer; clamped to `max`.
+    Header {
+        /// Lower-case header name.
+        name: String,
+        /// Cost when the header is absent or invalid.
+        default: u64,
+        /// Upper bound.
+        max: u64,
+    },
+}
+
+/// Local fallback buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fallback {
+    /// Proxies sharing the global limit: each local bucket gets capacity/instances, rate/instances.
+    pub instances: u64,
+    /// Slots in the shared fallback table (a bound on memory).
+    pub max_keys: u32,
+}
+
+/// Circuit breaker settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Breaker {
+    /// Consecutive failures that open the breaker; 0 disables it.
+    pub failures: u32,
+    /// First open interval.
+    pub open_ms: u64,
+    /// Longest open interval (the interval doubles after each failed probe).
+    pub max_open_ms: u64,
+}
+
+/// The denial response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    /// Status of a denial.
+    pub status: u32,
+    /// Body of a denial.
+    pub body: String,
+    /// Content type of the body.
+    pub content_type: String,
+    /// Header styles.
+    pub headers: Vec<HeaderStyle>,
+    /// Add the headers to allowed responses too.
+    pub on_allowed: bool,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw JSON shape
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    service: RawService,
+    #[serde(default)]
+    trusted_hops: u32,
+    rules: Vec<RawRule>,
+    #[serde(default)]
+    failure_mode: FailureMode,
+    #[serde(default)]
+    fallback: RawFallback,
+    #[serde(default)]
+    breaker: RawBreaker,
+    #[serde(default)]
+    shadow: bool,
+    #[serde(default)]
+    response: RawResponse,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawService {
+    cluster: String,
+    authority: Option<String>,
+    transport: Option<Transport>,
+    timeout_ms: Option<u64>,
+    path: Option<String>,
+    token: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: String,
+    #[serde(rename = "match")]
+    matcher: Option<RawMatch>,
+    #[serde(default)]
+    key: Vec<String>,
+    #[serde(default)]
+    on_missing: OnMissing,
+    capacity: u64,
+    rate: Option<u64>,
+    period_ms: u64,
+    cost: Option<RawCost>,
+    #[serde(default)]
+    algorithm: Algorithm,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMatch {
+    path_exact: Option<String>,
+    path_prefix: Option<String>,
+    methods: Option<Vec<String>>,
+    #[serde(default)]
+    headers: Vec<RawHeaderMatch>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHeaderMatch {
+    name: String,
+    present: Option<bool>,
+    equals: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawCost {
+    Fixed(u64),
+    Header(RawCostHeader),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCostHeader {
+    header: String,
+    default: Option<u64>,
+    max: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawFallback {
+    instances: Option<u64>,
+    max_keys: Option<u32>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawBreaker {
+    failures: Option<u32>,
+    open_ms: Option<u64>,
+    max_open_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawResponse {
+    status: Option<u32>,
+    body: Option<String>,
+    content_type: Option<String>,
+    headers: Option<Vec<HeaderStyle>>,
+    #[serde(default)]
+    on_allowed: bool,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing and validation
+
+impl Config {
+    /// Parses and validates the plugin configuration (JSON bytes).
+    pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_slice(bytes);
+        let raw: RawConfig = match serde_path_to_error::deserialize(de) {
+            Ok(raw) => raw,
+            Err(e) => {
+                let field = e.path().to_string();
+                let field = if field == "." {
+                    "config".to_string()
+                } else {
+                    field
+                };
+                return err(field, e.into_inner().to_string());
+            }
+        };
+        validate(raw)
+    }
+}
+
+fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+    let service = validate_service(raw.service)?;
+    if raw.trusted_hops > 16 {
+        return err("trusted_hops", "must be between 0 and 16");
+    }
+    if raw.rules.is_empty() || raw.rules.len() > MAX_RULES {
+        return err(
+            "rules",
+            format!("must hold between 1 and {MAX_RULES} rules"),
+        );
+    }
+    let mut rules: Vec<Rule> = Vec::with_capacity(raw.rules.len());
+    for (i, r) in raw.rules.into_iter().enumerate() {
+        let rule = validate_rule(&format!("rules[{i}]"), r)?;
+        if rules.iter().any(|o| o.name == rule.name) {
+            return err(
+                format!("rules[{i}].name"),
+                format!("duplicate rule name {:?}", rule.name),
+            );
+        }
+        rules.push(rule);
+    }
+    let fallback = Fallback {
+        instances: in_range(
+            "fallback.instances",
+            raw.fallback.instances.unwrap_or(1),
+            1,
+            10_000,
+        )?,
+        max_keys: in_range(
+            "fallback.max_keys",
+            u64::from(raw.fallback.max_keys.unwrap_or(10_000)),
+            1,
+            1_000_000,
+        )? as u32,
+    };
+    let failures = raw.breaker.failures.unwrap_or(5);
+    if failures > 10_000 {
+        return err("breaker.failures", "must be between 0 and 10000");
+    }
+    let open_ms = in_range(
+        "breaker.open_ms",
+        raw.breaker.open_ms.unwrap_or(250),
+        1,
+        3_600_000,
+    )?;
+    let max_open_ms = match raw.breaker.max_open_ms {
+        Some(m) => in_range("breaker.max_open_ms", m, open_ms, 3_600_000)?,
+        None => open_ms.max(5_000),
+    };
+    let response = validate_response(raw.response)?;
+    let needs_peer_address =
+        raw.trusted_hops == 0 && rules.iter().any(|r| r.key.contains(&KeyPart::ClientIp));
+    Ok(Config {
+        service,
+        trusted_hops: raw.trusted_hops,
+        rules,
+        failure_mode: raw.failure_mode,
+        fallback,
+        breaker: Breaker {
+            failures,
+            open_ms,
+            max_open_ms,
+        },
+        shadow: raw.shadow,
+        response,
+        needs_peer_address,
+    })
+}
+
+/// Text that goes into a header value or a header name must not smuggle a line break or other
+/// control characters into the response.
+fn header_safe(s: &str) -> bool {
+    s.bytes().all(|b| (0x20..0x7f).contains(&b) || b == b'\t')
+}
+
+fn is_token_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+fn header_name(field: &str, name: &str) -> Result<String, ConfigError> {
+    if name.is_empty() || name.len() > 256 || !name.bytes().all(is_token_char) {
+        return err(field, "must be a header name (1..=256 token characters)");
+    }
+    Ok(name.to_ascii_lowercase())
+}
+
+fn validate_service(s: RawService) -> Result<Service, ConfigError> {
+    if s.cluster.is_empty() || !header_safe(&s.cluster) {
+        return err("service.cluster", "must be a non-empty cluster name");
+    }
+    let authority = s.authority.unwrap_or_else(|| s.cluster.clone());
+    if authority.is_empty() || !header_safe(&authority) {
+        return err("service.authority", "must be a non-empty host name");
+    }
+    let timeout_ms = in_range("service.timeout_ms", s.timeout_ms.unwrap_or(20), 1, 60_000)?;
+    let path = s.path.unwrap_or_else(|| "/v1/take".to_string());
+    if !path.starts_with('/') || !header_safe(&path) || path.contains(' ') {
+        return err(
+            "service.path",
+            "must start with '/' and hold no spaces or control characters",
+        );
+    }
+    if let Some(t) = &s.token {
+        if t.is_empty() || t.len() > 4096 || !header_safe(t) {
+            return err("service.token", "must be 1..=4096 printable characters");
+        }
+    }
+    Ok(Service {
+        cluster: s.cluster,
+        authority,
+        transport: s.transport.unwrap_or(Transport::Http),
+        timeout_ms,
+        path,
+        token: s.token,
+    })
+}
+
+fn validate_rule(at: &str, r: RawRule) -> Result<Rule, ConfigError> {
+    let name_ok = !r.name.is_empty()
+        && r.name.len() <= MAX_NAME_LEN
+        && r.name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:/".contains(&b));
+    if !name_ok {
+        return err(
+            format!("{at}.name"),
+            format!("must be 1..={MAX_NAME_LEN} characters from A-Z a-z 0-9 - _ . : /"),
+        );
+    }
+    let matcher = match r.matcher {
+        None => Match::default(),
+        Some(m) => validate_match(&format!("{at}.match"), m)?,
+    };
+    if r.key.len() > MAX_KEY_PARTS {
+        return err(
+            format!("{at}.key"),
+            format!("must hold at most {MAX_KEY_PARTS} parts"),
+        );
+    }
+    let mut key = Vec::with_capacity(r.key.len());
+    for (j, p) in r.key.iter().enumerate() {
+        key.push(parse_key_part(&format!("{at}.key[{j}]"), p)?);
+    }
+    let capacity = in_range(&format!("{at}.capacity"), r.capacity, 1, MAX_TOKENS)?;
+    let rate = in_range(
+        &format!("{at}.rate"),
+        r.rate.unwrap_or(capacity),
+        1,
+        MAX_TOKENS,
+    )?;
+    let period_ms = in_range(&format!("{at}.period_ms"), r.period_ms, 1, MAX_PERIOD_MS)?;
+    let cost = match r.cost {
+        None => Cost::Fixed(1),
+        Some(RawCost::Fixed(c)) => Cost::Fixed(in_range(&format!("{at}.cost"), c, 1, MAX_TOKENS)?),
+        Some(RawCost::Header(h)) => {
+            let name = header_name(&format!("{at}.cost.header"), &h.header)?;
+            let max = in_range(
+                &format!("{at}.cost.max"),
+                h.max.unwrap_or(capacity),
+                1,
+                MAX_TOKENS,
+            )?;
+            let default = in_range(
+                &format!("{at}.cost.default"),
+                h.default.unwrap_or(1),
+                1,
+                max,
+            )?;
+            Cost::Header { name, default, max }
+        }
+    };
+    Ok(Rule {
+        name: r.name,
+        matcher,
+        key,
+        on_missing: r.on_missing,
+        capacity,
+        rate,
+        period_ms,
+        cost,
+        algorithm: r.algorithm,
+    })
+}
+
+fn validate_match(at: &str, m: RawMatch) -> Result<Match, ConfigError> {
+    let path = match (m.path_exact, m.path_prefix) {
+        (Some(_), Some(_)) => {
+            return err(
+                format!("{at}.path_prefix"),
+                "path_exact and path_prefix exclude each other",
+            )
+        }
+        (Some(p), None) => {
+            if !p.starts_with('/') {
+                return err(format!("{at}.path_exact"), "must start with '/'");
+            }
+            Some(PathMatch::Exact(p))
+        }
+        (None, Some(p)) => {
+            if !p.starts_with('/') {
+                return err(format!("{at}.path_prefix"), "must start with '/'");
+            }
+            Some(PathMatch::Prefix(p))
+        }
+        (None, None) => None,
+    };
+    let mut methods = Vec::new();
+    if let Some(ms) = m.methods {
+        if ms.is_empty() {
+            return err(
+                format!("{at}.methods"),
+                "must not be empty (omit it to match any method)",
+            );
+        }
+        for (k, method) in ms.iter().enumerate() {
+            if method.is_empty() || method.len() > 32 || !method.bytes().all(is_token_char) {
+                return err(format!("{at}.methods[{k}]"), "must be an HTTP method");
+            }
+            methods.push(method.to_ascii_uppercase());
+        }
+    }
+    let mut headers = Vec::with_capacity(m.headers.len());
+    for (k, h) in m.headers.into_iter().enumerate() {
+        let hat = format!("{at}.headers[{k}]");
+        let name = header_name(&format!("{hat}.name"), &h.name)?;
+        headers.push(match (h.present, h.equals) {
+            (Some(p), None) => HeaderMatch::Present(name, p),
+            (None, Some(v)) => HeaderMatch::Equals(name, v),
+            _ => return err(hat, "needs exactly one of `present` or `equals`"),
+        });
+    }
+    Ok(Match {
+        path,
+        methods,
+        headers,
+    })
+}
+
+fn parse_key_part(at: &str, p: &str) -> Result<KeyPart, ConfigError> {
+    if let Some(lit) = p.strip_prefix("literal:") {
+        if lit.len() > crate::core::rules::keys::MAX_PART_BYTES {
+            return err(at, "literal too long (at most 256 bytes)");
+        }
+        return Ok(KeyPart::Literal(lit.to_string()));
+    }
+    if let Some(h) = p.strip_prefix("header:") {
+        return Ok(KeyPart::Header(header_name(at, h)?));
+    }
+    match p {
+        "client_ip" => Ok(KeyPart::ClientIp),
+        "path" => Ok(KeyPart::Path),
+        "method" => Ok(KeyPart::Method),
+        "authority" => Ok(KeyPart::Authority),
+        _ => err(
+            at,
+            format!(
+                "unknown key part {p:?} (expected literal:<text>, header:<name>, client_ip, path, method or authority)"
+            ),
+        ),
+    }
+}
+
+fn validate_response(r: RawResponse) -> Result<Response, ConfigError> {
+    let status = r.status.unwrap_or(429);
+    if !(400..=599).contains(&status) {
+        return err("response.status", "must be between 400 and 599");
+    }
+    let body = r.body.unwrap_or_else(|| "rate limited\n".to_string());
+    if body.len() > 65_536 {
+        return err("response.body", "must be at most 65536 bytes");
+    }
+    let content_type = r.content_type.unwrap_or_else(|| "text/plain".to_string());
+    if content_type.is_empty() || !header_safe(&content_type) {
+        return err(
+            "response.content_type",
+            "must be a non-empty printable header value",
+        );
+    }
+    let mut headers = r.headers.unwrap_or_else(|| vec![HeaderStyle::Draft]);
+    headers.dedup();
+    Ok(Response {
+        status,
+        body,
+        content_type,
+        headers,
+        on_allowed: r.on_allowed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"{"service":{"cluster":"tollgate"},
+        "rules":[{"name":"per-ip","key":["client_ip"],"capacity":100,"period_ms":60000}]}"#;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::parse(s.as_bytes())
+    }
+
+    fn error_of(s: &str) -> ConfigError {
+        match parse(s) {
+            Ok(_) => ConfigError {
+                field: "<accepted>".into(),
+                message: String::new(),
+            },
+            Err(e) => e,
+        }
+    }
+
+    /// A full config with one substitution: `"rules":[R0, R1]` where R1 is given.
+    fn with_rule1(rule1: &str) -> String {
+        format!(
+            r#"{{"service":{{"cluster":"c"}},"rules":[
+              {{"name":"a","capacity":1,"period_ms":1000}}, {rule1}]}}"#
+        )
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.service.authority, "tollgate");
+        assert_eq!(c.service.transport, Transport::Http);
+        assert_eq!(c.service.timeout_ms, 20);
+        assert_eq!(c.service.path, "/v1/take");
+        assert_eq!(c.service.token, None);
+        assert_eq!(c.trusted_hops, 0);
+        assert_eq!(c.failure_mode, FailureMode::Fallback);
+        assert_eq!(
+            c.fallback,
+            Fallback {
+                instances: 1,
+                max_keys: 10_000
+            }
+        );
+        assert_eq!(
+            c.breaker,
+            Breaker {
+                failures: 5,
+                open_ms: 250,
+                max_open_ms: 5000
+            }
+        );
+        assert!(!c.shadow);
+        assert_eq!(c.response.status, 429);
+        assert_eq!(c.response.body, "rate limited\n");
+        assert_eq!(c.response.content_type, "text/plain");
+        assert_eq!(c.response.headers, vec![HeaderStyle::Draft]);
+        assert!(!c.response.on_allowed);
+        let r = &c.rules[0];
+        assert_eq!(r.rate, 100);
+        assert_eq!(r.cost, Cost::Fixed(1));
+        assert_eq!(r.algorithm, Algorithm::TokenBucket);
+        assert_eq!(r.on_missing, OnMissing::Skip);
+        assert!(c.needs_peer_address);
+    }
+
+    #[test]
+    fn full_config_from_the_docs_parses() {
+        let full = r#"{
+          "service": {"cluster": "tollgate", "authority": "tollgate.local", "transport": "grpc",
+                      "timeout_ms": 50, "path": "/v1/take", "token": "secret"},
+          "trusted_hops": 1,
+          "rules": [{
+            "name": "per-ip",
+            "match": {"path_prefix": "/api/", "methods": ["get", "POST"],
+                      "headers": [{"name": "X-Tenant", "present": true}, {"name": "x-plan", "equals": "free"}]},
+            "key": ["literal:api", "header:x-api-key", "client_ip", "path", "method", "authority"],
+            "on_missing": "shared",
+            "capacity": 100, "rate": 10, "period_ms": 60000,
+            "cost": {"header": "x-cost", "default": 2, "max": 50},
+            "algorithm": "fixed_window"
+          }],
+          "failure_mode": "deny",
+          "fallback": {"instances": 3, "max_keys": 100},
+          "breaker": {"failures": 3, "open_ms": 100, "max_open_ms": 1000},
+          "shadow": true,
+          "response": {"status": 503, "body": "slow down", "content_type": "text/html",
+                       "headers": ["draft", "x-ratelimit"], "on_allowed": true}
+        }"#;
+        let c = parse(full).unwrap();
+        assert_eq!(c.service.transport, Transport::Grpc);
+        assert_eq!(c.service.token.as_deref(), Some("secret"));
+        let r = &c.rules[0];
+        assert_eq!(r.matcher.methods, vec!["GET", "POST"]);
+        assert_eq!(
+            r.matcher.headers,
+            vec![
+                HeaderMatch::Present("x-tenant".into(), true),
+                HeaderMatch::Equals("x-plan".into(), "free".into())
+            ]
+        );
+        assert_eq!(r.key.len(), 6);
+        assert_eq!(
+            r.cost,
+            Cost::Header {
+                name: "x-cost".into(),
+                default: 2,
+                max: 50
+            }
+        );
+        assert_eq!(r.algorithm, Algorithm::FixedWindow);
+        assert_eq!(c.failure_mode, FailureMode::Deny);
+        assert_eq!(
+            c.response.headers,
+            vec![HeaderStyle::Draft, HeaderStyle::XRateLimit]
+        );
+        assert!(
+            !c.needs_peer_address,
+            "trusted_hops > 0 reads x-forwarded-for instead"
+        );
+    }
+
+    #[test]
+    fn the_docs_example_parses() {
+        let doc = include_str!("../../docs/filter-config.md");
+        let start = doc.find("```json").map(|i| i + 7).unwrap();
+        let end = start + doc[start..].find("```").unwrap();
+        parse(&doc[start..end]).unwrap();
+    }
+
+    #[test]
+    fn errors_name_their_field() {
+        let cases: Vec<(String, &str)> = vec![
+            (with_rule1(r#"{"name":"b","capacity":0,"period_ms":1}"#), "rules[1].capacity"),
+            (with_rule1(r#"{"name":"b","capacity":1000000001,"period_ms":1}"#), "rules[1].capacity"),
+            (with_rule1(r#"{"name":"b","capacity":5,"rate":0,"period_ms":1}"#), "rules[1].rate"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":0}"#), "rules[1].period_ms"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":31536000001}"#), "rules[1].period_ms"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":0}"#), "rules[1].cost"),
+            (with_rule1(r#"{"name":"a","capacity":5,"period_ms":1}"#), "rules[1].name"),
+            (with_rule1(r#"{"name":"","capacity":5,"period_ms":1}"#), "rules[1].name"),
+            (with_rule1(r#"{"name":"b c","capacity":5,"period_ms":1}"#), "rules[1].name"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":["cookie"]}"#), "rules[1].key[0]"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":["path","header:"]}"#), "rules[1].key[1]"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":["path","path","path","path","path","path","path","path","path"]}"#), "rules[1].key"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"path_exact":"/a","path_prefix":"/b"}}"#), "rules[1].match.path_prefix"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"path_exact":"a"}}"#), "rules[1].match.path_exact"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"methods":[]}}"#), "rules[1].match.methods"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"headers":[{"name":"x"}]}}"#), "rules[1].match.headers[0]"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"headers":[{"name":"x y","present":true}]}}"#), "rules[1].match.headers[0].name"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"header":"x","max":10,"default":11}}"#), "rules[1].cost.default"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"on_missing":"ignore"}"#), "rules[1].on_missing"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"algorithm":"leaky"}"#), "rules[1].algorithm"),
+            (with_rule1(r#"{"name":"b","capacity":-5,"period_ms":1}"#), "rules[1].capacity"),
+            (with_rule1(r#"{"name":"b","capacity":1.5,"period_ms":1}"#), "rules[1].capacity"),
+            (with_rule1(r#"{"name":"b","period_ms":1}"#), "rules[1]"),
+            (r#"{"service":{"cluster":"c"},"rules":[]}"#.into(), "rules"),
+            (r#"{"rules":[]}"#.into(), "config"),
+            (r#"{"service":{"cluster":""},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.cluster"),
+            (r#"{"service":{"cluster":"c","transport":"udp"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.transport"),
+            (r#"{"service":{"cluster":"c","timeout_ms":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.timeout_ms"),
+            (r#"{"service":{"cluster":"c","path":"v1"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.path"),
+            (r#"{"service":{"cluster":"c","token":"a\nb"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.token"),
+            (r#"{"service":{"cluster":"c"},"trusted_hops":17,"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "trusted_hops"),
+            (r#"{"service":{"cluster":"c"},"failure_mode":"open","rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "failure_mode"),
+            (r#"{"service":{"cluster":"c"},"fallback":{"instances":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "fallback.instances"),
+            (r#"{"service":{"cluster":"c"},"fallback":{"max_keys":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "fallback.max_keys"),
+            (r#"{"service":{"cluster":"c"},"breaker":{"open_ms":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "breaker.open_ms"),
+            (r#"{"service":{"cluster":"c"},"breaker":{"open_ms":100,"max_open_ms":50},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "breaker.max_open_ms"),
+            (r#"{"service":{"cluster":"c"},"response":{"status":200},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "response.status"),
+            (r#"{"service":{"cluster":"c"},"response":{"headers":["ietf"]},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "response.headers[0]"),
+            (r#"{"service":{"cluster":"c"},"response":{"content_type":"a\r\nb: c"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "response.content_type"),
+        ];
+        for (json, field) in cases {
+            let e = error_of(&json);
+            assert_eq!(e.field, field, "config {json}: got error `{e}`");
+            assert!(!e.message.is_empty());
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_errors_that_name_them() {
+        for (json, needle) in [
+            (r#"{"service":{"cluster":"c"},"rulez":[]}"#, "rulez"),
+            (
+                r#"{"service":{"cluster":"c","timeout":5},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#,
+                "timeout",
+            ),
+            (
+                &with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"burst":3}"#)[..],
+                "burst",
+            ),
+            (
+                &with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"path":"/x"}}"#)[..],
+                "path",
+            ),
+            (
+                r#"{"service":{"cluster":"c"},"breaker":{"failure":3},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#,
+                "failure",
+            ),
+        ] {
+            let e = error_of(json);
+            assert_ne!(e.field, "<accepted>", "{json} was accepted");
+            assert!(e.to_string().contains(needle), "{json}: {e}");
+        }
+        let e = error_of(&with_rule1(
+            r#"{"name":"b","capacity":5,"period_ms":1,"burst":3}"#,
+        ));
+        assert!(e.field.starts_with("rules[1]"), "{e}");
+    }
+
+    #[test]
+    fn bounds_are_inclusive() {
+        let c = parse(&with_rule1(
+            r#"{"name":"b","capacity":1000000000,"rate":1000000000,"period_ms":31536000000,"cost":1000000000}"#,
+        ))
+        .unwrap();
+        assert_eq!(c.rules[1].capacity, MAX_TOKENS);
+        assert_eq!(c.rules[1].period_ms, MAX_PERIOD_MS);
+    }
+
+    #[test]
+    fn display_is_field_colon_message() {
+        let e = error_of(&with_rule1(r#"{"name":"b","capacity":0,"period_ms":1}"#));
+        assert_eq!(
+            e.to_string(),
+            "rules[1].capacity: must be between 1 and 1000000000"
+        );
+    }
+}

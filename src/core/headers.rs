@@ -1,0 +1,202 @@
+//! Rate limit response headers.
+//!
+//! - `retry-after`: delay-seconds (RFC 9110), rounded up and at least 1, on every denial.
+//! - `draft`: draft-ietf-httpapi-ratelimit-headers (the structured-field form of drafts 09+):
+//!   `RateLimit-Policy: "per-ip";q=100;w=60` (the policy: quota `q` per window of `w` seconds)
+//!   and `RateLimit: "per-ip";r=99;t=1` (the live state: `r` remaining, `t` seconds until the
+//!   quota is restored), one list member per rule that applied, the member being a quoted string.
+//!   A token bucket's window is the time it takes to refill from empty,
+//!   `ceil(capacity × period / rate)`.
+//! - `x-ratelimit`: the de-facto `X-RateLimit-Limit`, `-Remaining`, `-Reset` (seconds), for the
+//!   most restrictive bucket (least remaining).
+
+use crate::core::config::{Algorithm, HeaderStyle, Rule};
+use crate::core::wire::BucketResult;
+use std::fmt::Write as _;
+
+fn ceil_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// The `retry-after` value for a wait of `ms`.
+pub fn retry_after(ms: u64) -> String {
+    ceil_secs(ms).max(1).to_string()
+}
+
+/// The policy window of a rule, in seconds (at least 1).
+pub fn window_secs(rule: &Rule) -> u64 {
+    let ms = match rule.algorithm {
+        Algorithm::FixedWindow => u128::from(rule.period_ms),
+        Algorithm::TokenBucket => (u128::from(rule.capacity) * u128::from(rule.period_ms))
+            .div_ceil(u128::from(rule.rate.max(1))),
+    };
+    u64::try_from(ms.div_ceil(1000)).unwrap_or(u64::MAX).max(1)
+}
+
+/// A structured-field string (RFC 8941 §3.3.3): printable ASCII, `"` and `\` escaped.
+fn push_sf_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' '..='~' => out.push(c),
+            _ => out.push('?'),
+        }
+    }
+    out.push('"');
+}
+
+/// The headers of `styles` for the buckets of a decision, as (lower-case name, value) pairs.
+pub fn rate_limit_headers(
+    styles: &[HeaderStyle],
+    items: &[(&Rule, &BucketResult)],
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    if items.is_empty() {
+        return out;
+    }
+    for style in styles {
+        match style {
+            HeaderStyle::Draft => {
+                let mut policy = String::new();
+                let mut state = String::new();
+                for (i, (rule, r)) in items.iter().enumerate() {
+                    if i > 0 {
+                        policy.push_str(", ");
+                        state.push_str(", ");
+                    }
+                    push_sf_string(&mut policy, &rule.name);
+                    let _ = write!(policy, ";q={};w={}", r.limit, window_secs(rule));
+                    push_sf_string(&mut state, &rule.name);
+                    let _ = write!(state, ";r={};t={}", r.remaining, ceil_secs(r.reset_ms));
+                }
+                out.push(("ratelimit-policy".to_string(), policy));
+                out.push(("ratelimit".to_string(), state));
+            }
+            HeaderStyle::XRateLimit => {
+                let tightest = items.iter().min_by(|a, b| {
+                    a.1.remaining
+                        .cmp(&b.1.remaining)
+                        .then(b.1.reset_ms.cmp(&a.1.reset_ms))
+                });
+                if let Some((_, r)) = tightest {
+                    out.push(("x-ratelimit-limit".to_string(), r.limit.to_string()));
+                    out.push(("x-ratelimit-remaining".to_string(), r.remaining.to_string()));
+                    out.push((
+                        "x-ratelimit-reset".to_string(),
+                        ceil_secs(r.reset_ms).to_string(),
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::config::{Cost, Match, OnMissing};
+
+    fn rule(name: &str, capacity: u64, rate: u64, period_ms: u64, algorithm: Algorithm) -> Rule {
+        Rule {
+            name: name.into(),
+            matcher: Match::default(),
+            key: vec![],
+            on_missing: OnMissing::Skip,
+            capacity,
+            rate,
+            period_ms,
+            cost: Cost::Fixed(1),
+            algorithm,
+        }
+    }
+
+    fn res(limit: u64, remaining: u64, reset_ms: u64) -> BucketResult {
+        BucketResult {
+            allowed: true,
+            limit,
+            remaining,
+            reset_ms,
+            retry_after_ms: 0,
+        }
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one() {
+        assert_eq!(retry_after(41_250), "42");
+        assert_eq!(retry_after(1_000), "1");
+        assert_eq!(retry_after(1_001), "2");
+        assert_eq!(retry_after(0), "1");
+        assert_eq!(retry_after(u64::MAX), (u64::MAX / 1000 + 1).to_string());
+    }
+
+    #[test]
+    fn draft_headers_list_every_rule() {
+        let a = rule("per-ip", 100, 100, 60_000, Algorithm::TokenBucket);
+        let b = rule("burst", 10, 1, 1_000, Algorithm::TokenBucket);
+        let (ra, rb) = (res(100, 99, 600), res(10, 0, 10_000));
+        let h = rate_limit_headers(&[HeaderStyle::Draft], &[(&a, &ra), (&b, &rb)]);
+        assert_eq!(
+            h,
+            vec![
+                (
+                    "ratelimit-policy".into(),
+                    "\"per-ip\";q=100;w=60, \"burst\";q=10;w=10".into()
+                ),
+                (
+                    "ratelimit".into(),
+                    "\"per-ip\";r=99;t=1, \"burst\";r=0;t=10".into()
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn x_ratelimit_reports_the_tightest_bucket() {
+        let a = rule("a", 100, 100, 60_000, Algorithm::TokenBucket);
+        let b = rule("b", 10, 10, 1_000, Algorithm::FixedWindow);
+        let (ra, rb) = (res(100, 50, 30_000), res(10, 3, 400));
+        let h = rate_limit_headers(&[HeaderStyle::XRateLimit], &[(&a, &ra), (&b, &rb)]);
+        assert_eq!(
+            h,
+            vec![
+                ("x-ratelimit-limit".into(), "10".into()),
+                ("x-ratelimit-remaining".into(), "3".into()),
+                ("x-ratelimit-reset".into(), "1".into()),
+            ]
+        );
+        assert!(rate_limit_headers(&[], &[(&a, &ra)]).is_empty());
+        assert!(rate_limit_headers(&[HeaderStyle::Draft], &[]).is_empty());
+    }
+
+    #[test]
+    fn windows() {
+        assert_eq!(
+            window_secs(&rule("a", 100, 100, 60_000, Algorithm::TokenBucket)),
+            60
+        );
+        assert_eq!(
+            window_secs(&rule("a", 100, 10, 1_000, Algorithm::TokenBucket)),
+            10
+        );
+        assert_eq!(
+            window_secs(&rule("a", 1, 1000, 1_000, Algorithm::TokenBucket)),
+            1
+        );
+        assert_eq!(
+            window_secs(&rule("a", 5, 1, 1_500, Algorithm::FixedWindow)),
+            2
+        );
+    }
+
+    #[test]
+    fn sf_strings_are_escaped() {
+        let mut s = String::new();
+        push_sf_string(&mut s, "a\"b\\c\né");
+        assert_eq!(s, "\"a\\\"b\\\\c??\"");
+    }
+}

@@ -1,0 +1,13 @@
+//! The pure core: no proxy-wasm import; every function here is deterministic given its inputs
+//! (time is passed in), so it is unit-tested on the host target.
+
+pub mod breaker;
+pub mod bucket;
+pub mod config;
+pub mod decide;
+pub mod fallback;
+pub mod hash;
+pub mod headers;
+pub mod rules;
+pub mod store;
+pub mod wire;

@@ -1,0 +1,320 @@
+//! Bucket keys: `<rule>|<part>|<part>...`, built so that distinct inputs never give equal keys.
+//!
+//! Why each step:
+//! - Every part is percent-escaped: bytes outside a small safe set (the separator `|`, `%`, `#`,
+//!   braces, spaces, controls, non-ASCII and non-UTF-8 bytes) become `%XX`. Escaping is injective
+//!   and never produces `|`, so joining with `|` is unambiguous: `a:b`+`c` ≠ `a`+`b:c`, and any
+//!   header value yields valid UTF-8 (the contract requires it).
+//! - A part whose escaped form exceeds [`MAX_PART_BYTES`] is replaced by `#` + SHA-256 (hex) of
+//!   the raw bytes; `#` never starts an escaped value, so a hashed part cannot equal a plain one.
+//!   With at most [`crate::core::config::MAX_KEY_PARTS`] parts and a 64-byte rule name a key stays
+//!   under the contract's 4096 bytes whatever the client sends.
+//! - An absent part (with `on_missing: shared`) is `%-`, which escaping never produces, so "header
+//!   missing" differs from "header empty" and from every value.
+//! - The rule name leads, so two rules never share a bucket by accident.
+
+use crate::core::config::{Cost, KeyPart, OnMissing, Rule};
+use crate::core::hash::{hex_digit, sha256_hex};
+use crate::core::rules::Request;
+use std::net::{IpAddr, SocketAddr};
+
+/// Longest escaped part kept verbatim; longer parts are hashed.
+pub const MAX_PART_BYTES: usize = 256;
+/// The contract's bound on a key.
+pub const MAX_KEY_BYTES: usize = 4096;
+/// Marker of an absent part.
+const MISSING: &str = "%-";
+
+fn is_safe(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~/:@!$&'()*+,;=".contains(&b)
+}
+
+/// Appends the escaped (or hashed, when long) form of one part.
+pub fn push_part(out: &mut String, value: &[u8]) {
+    let escaped_len: usize = value.iter().map(|&b| if is_safe(b) { 1 } else { 3 }).sum();
+    if escaped_len > MAX_PART_BYTES {
+        out.push('#');
+        out.push_str(&sha256_hex(value));
+        return;
+    }
+    for &b in value {
+        if is_safe(b) {
+            out.push(char::from(b));
+        } else {
+            out.push('%');
+            out.push(hex_digit(b >> 4, true));
+            out.push(hex_digit(b, true));
+        }
+    }
+}
+
+/// The client address: with `trusted_hops == 0` the peer address (port stripped); otherwise the
+/// `trusted_hops`-th x-forwarded-for entry from the right (the rightmost entries were written by
+/// the trusted proxies in front of Envoy, the one they saw connect is the client). Returned in
+/// canonical form, so `::1` and `0:0::1` are one client. `None` when absent or not an address.
+pub fn client_ip(req: &Request, trusted_hops: u32) -> Option<String> {
+    if trusted_hops == 0 {
+        return parse_addr(req.peer.as_deref()?.as_bytes());
+    }
+    let hops = usize::try_from(trusted_hops).ok()?;
+    let mut entries: Vec<&[u8]> = Vec::new();
+    for v in req.header_all("x-forwarded-for") {
+        entries.extend(v.split(|&b| b == b','));
+    }
+    let idx = entries.len().checked_sub(hops)?;
+    parse_addr(entries.get(idx)?)
+}
+
+fn parse_addr(raw: &[u8]) -> Option<String> {
+    let s = std::str::from_utf8(raw).ok()?.trim();
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Some(ip.to_string());
+    }
+    s.parse::<SocketAddr>().ok().map(|a| a.ip().to_string())
+}
+
+/// The key of `rule` for `req`, or `None` when a part is absent and the rule says `skip`.
+pub fn build_key(rule: &Rule, req: &Request, trusted_hops: u32) -> Option<String> {
+    let mut key = String::with_capacity(64);
+    key.push_str(&rule.name);
+    for part in &rule.key {
+        key.push('|');
+        let value: Option<Vec<u8>> = match part {
+            KeyPart::Literal(s) => Some(s.as_bytes().to_vec()),
+            KeyPart::Header(h) => req.header(h).map(<[u8]>::to_vec),
+            KeyPart::ClientIp => client_ip(req, trusted_hops).map(String::into_bytes),
+            KeyPart::Path => Some(req.path().to_vec()),
+            KeyPart::Method => Some(req.method().to_vec()),
+            KeyPart::Authority => req.authority().map(<[u8]>::to_vec),
+        };
+        match value {
+            Some(v) => push_part(&mut key, &v),
+            None => match rule.on_missing {
+                OnMissing::Skip => return None,
+                OnMissing::Shared => key.push_str(MISSING),
+            },
+        }
+    }
+    // Cannot happen with validated rules (64 + 8 × 65 < 4096), kept as a last guard.
+    if key.len() > MAX_KEY_BYTES {
+        let h = sha256_hex(key.as_bytes());
+        key = format!("{}|#{h}", rule.name);
+    }
+    Some(key)
+}
+
+/// The cost of `req` under `rule`: fixed, or read from a header (`default` when absent or not a
+/// positive decimal integer, clamped to `max`).
+pub fn cost(rule: &Rule, req: &Request) -> u64 {
+    match &rule.cost {
+        Cost::Fixed(c) => *c,
+        Cost::Header { name, default, max } => match req.header(name).and_then(parse_u64) {
+            Some(0) | None => *default,
+            Some(c) => c.min(*max),
+        },
+    }
+}
+
+fn parse_u64(raw: &[u8]) -> Option<u64> {
+    let s = std::str::from_utf8(raw).ok()?.trim();
+    if s.is_empty() || s.len() > 20 || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    // Values above u64::MAX saturate: they are clamped to `max` anyway.
+    Some(s.parse::<u64>().unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::config::{Algorithm, Match};
+    use std::collections::HashSet;
+
+    fn rule(parts: Vec<KeyPart>, on_missing: OnMissing) -> Rule {
+        Rule {
+            name: "r".into(),
+            matcher: Match::default(),
+            key: parts,
+            on_missing,
+            capacity: 10,
+            rate: 10,
+            period_ms: 1000,
+            cost: Cost::Fixed(1),
+            algorithm: Algorithm::TokenBucket,
+        }
+    }
+
+    fn req(pairs: &[(&str, &[u8])]) -> Request {
+        Request {
+            headers: pairs
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_vec()))
+                .collect(),
+            peer: None,
+        }
+    }
+
+    fn two_headers() -> Rule {
+        rule(
+            vec![KeyPart::Header("a".into()), KeyPart::Header("b".into())],
+            OnMissing::Shared,
+        )
+    }
+
+    fn key2(a: Option<&[u8]>, b: Option<&[u8]>) -> String {
+        let mut h: Vec<(&str, &[u8])> = Vec::new();
+        if let Some(a) = a {
+            h.push(("a", a));
+        }
+        if let Some(b) = b {
+            h.push(("b", b));
+        }
+        build_key(&two_headers(), &req(&h), 0).unwrap()
+    }
+
+    #[test]
+    fn crafted_pairs_never_collide() {
+        let long_a = vec![b'a'; 300];
+        let long_b = vec![b'a'; 301];
+        let huge = vec![b'{'; 70_000];
+        let pairs: Vec<(Option<&[u8]>, Option<&[u8]>)> = vec![
+            (Some(b"a:b"), Some(b"c")),
+            (Some(b"a"), Some(b"b:c")),
+            (Some(b"a|b"), Some(b"c")),
+            (Some(b"a"), Some(b"b|c")),
+            (Some(b"a%7Cb"), Some(b"c")),
+            (Some(b"a%"), Some(b"7Cb|c")),
+            (Some(b""), Some(b"")),
+            (None, Some(b"")),
+            (Some(b""), None),
+            (None, None),
+            (Some(b"%-"), None),
+            (Some(b"{x}"), Some(b"}")),
+            (Some(b"{x"), Some(b"}}")),
+            (Some(&[0xff, 0xfe]), Some(b"")),
+            (Some(&[0xff]), Some(&[0xfe])),
+            (Some("é".as_bytes()), Some(b"")),
+            (Some(&long_a), Some(b"")),
+            (Some(&long_b), Some(b"")),
+            (Some(b"#"), Some(b"")),
+            (Some(&huge), Some(&huge)),
+            (Some(&huge), None),
+            (Some(b"a b"), Some(b"")),
+            (Some(b"a\nb"), Some(b"")),
+        ];
+        let mut seen = HashSet::new();
+        for (a, b) in &pairs {
+            let k = key2(*a, *b);
+            assert!(k.len() <= MAX_KEY_BYTES, "{} bytes", k.len());
+            assert!(!k.contains('{') && !k.contains('}') && !k.contains('\n'));
+            assert!(seen.insert(k.clone()), "collision on {k}");
+        }
+    }
+
+    #[test]
+    fn separators_and_braces_are_escaped() {
+        assert_eq!(key2(Some(b"a:b"), Some(b"c")), "r|a:b|c");
+        assert_eq!(key2(Some(b"a|b"), Some(b"{c}")), "r|a%7Cb|%7Bc%7D");
+        assert_eq!(key2(Some(&[0xff]), None), "r|%FF|%-");
+    }
+
+    #[test]
+    fn long_parts_are_hashed_and_the_key_is_bounded() {
+        let long = vec![b'x'; 10_000];
+        let r = rule(vec![KeyPart::Header("a".into()); 8], OnMissing::Skip);
+        let k = build_key(&r, &req(&[("a", &long)]), 0).unwrap();
+        assert!(k.len() <= MAX_KEY_BYTES);
+        assert!(k.starts_with("r|#"));
+        // Exactly at the limit: verbatim; one more: hashed.
+        let mut s = String::new();
+        push_part(&mut s, &[b'x'; MAX_PART_BYTES]);
+        assert_eq!(s.len(), MAX_PART_BYTES);
+        let mut s = String::new();
+        push_part(&mut s, &[b'x'; MAX_PART_BYTES + 1]);
+        assert_eq!(s.len(), 65);
+    }
+
+    #[test]
+    fn missing_part_skips_or_shares() {
+        let skip = rule(vec![KeyPart::Header("x-api-key".into())], OnMissing::Skip);
+        assert_eq!(build_key(&skip, &req(&[]), 0), None);
+        let shared = rule(vec![KeyPart::Header("x-api-key".into())], OnMissing::Shared);
+        assert_eq!(build_key(&shared, &req(&[]), 0).as_deref(), Some("r|%-"));
+        assert_eq!(
+            build_key(&shared, &req(&[("x-api-key", b"")]), 0).as_deref(),
+            Some("r|")
+        );
+    }
+
+    #[test]
+    fn all_part_kinds() {
+        let r = rule(
+            vec![
+                KeyPart::Literal("api".into()),
+                KeyPart::Method,
+                KeyPart::Authority,
+                KeyPart::Path,
+                KeyPart::ClientIp,
+            ],
+            OnMissing::Skip,
+        );
+        let mut q = req(&[
+            (":method", b"GET"),
+            (":authority", b"ex.com"),
+            (":path", b"/a/b?q=1"),
+        ]);
+        q.peer = Some("10.1.2.3:4567".into());
+        assert_eq!(
+            build_key(&r, &q, 0).unwrap(),
+            "r|api|GET|ex.com|/a/b|10.1.2.3"
+        );
+        let empty = rule(vec![], OnMissing::Skip);
+        assert_eq!(build_key(&empty, &q, 0).unwrap(), "r");
+    }
+
+    #[test]
+    fn client_ip_from_peer_and_forwarded_for() {
+        let mut q = req(&[("x-forwarded-for", b"6.6.6.6, 1.1.1.1 , 2.2.2.2")]);
+        q.peer = Some("[::0:1]:80".into());
+        assert_eq!(client_ip(&q, 0).as_deref(), Some("::1"));
+        assert_eq!(client_ip(&q, 1).as_deref(), Some("2.2.2.2"));
+        assert_eq!(client_ip(&q, 2).as_deref(), Some("1.1.1.1"));
+        assert_eq!(client_ip(&q, 3).as_deref(), Some("6.6.6.6"));
+        assert_eq!(client_ip(&q, 4), None, "fewer entries than trusted hops");
+        let bad = req(&[("x-forwarded-for", b"not-an-ip")]);
+        assert_eq!(client_ip(&bad, 1), None);
+        let two = req(&[
+            ("x-forwarded-for", b"1.1.1.1"),
+            ("x-forwarded-for", b"2.2.2.2"),
+        ]);
+        assert_eq!(client_ip(&two, 2).as_deref(), Some("1.1.1.1"));
+        let mut p = req(&[]);
+        p.peer = Some("10.0.0.1".into());
+        assert_eq!(client_ip(&p, 0).as_deref(), Some("10.0.0.1"));
+    }
+
+    #[test]
+    fn cost_from_header_is_bounded() {
+        let mut r = rule(vec![], OnMissing::Skip);
+        r.cost = Cost::Header {
+            name: "x-cost".into(),
+            default: 2,
+            max: 50,
+        };
+        let c = |v: &[u8]| cost(&r, &req(&[("x-cost", v)]));
+        assert_eq!(cost(&r, &req(&[])), 2);
+        assert_eq!(c(b"7"), 7);
+        assert_eq!(c(b" 7 "), 7);
+        assert_eq!(c(b"51"), 50);
+        assert_eq!(
+            c(b"99999999999999999999999"),
+            2,
+            "too long: not a number we accept"
+        );
+        assert_eq!(c(b"18446744073709551616"), 50, "saturates, then clamps");
+        assert_eq!(c(b"0"), 2);
+        assert_eq!(c(b"-3"), 2);
+        assert_eq!(c(b"1e3"), 2);
+        assert_eq!(c(&[0xff]), 2);
+    }
+}

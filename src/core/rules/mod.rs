@@ -1,0 +1,153 @@
+//! Rules: which rules a request matches ([`matches`]) and the request view they read ([`Request`]).
+//! Key building lives in [`keys`].
+
+pub mod keys;
+
+use crate::core::config::{HeaderMatch, Match, PathMatch};
+
+/// What the core sees of a request: its headers as bytes (pseudo-headers `:method`, `:path`,
+/// `:authority` included) and, when some rule needs it, the peer address.
+///
+/// Header values are bytes, not strings: a hostile client can send any octet, and the filter must
+/// neither fail on nor confuse them.
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    /// Header (name, value) pairs; names are lower case as Envoy delivers them.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The `source.address` property (`ip:port` or `[ipv6]:port`), when read.
+    pub peer: Option<String>,
+}
+
+impl Request {
+    /// The first value of a header.
+    pub fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// Every value of a header, in order.
+    pub fn header_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.headers
+            .iter()
+            .filter(move |(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+    }
+
+    /// The path without its query string (and without a fragment, should a client send one).
+    pub fn path(&self) -> &[u8] {
+        let p = self.header(":path").unwrap_or(b"/");
+        let end = p
+            .iter()
+            .position(|&b| b == b'?' || b == b'#')
+            .unwrap_or(p.len());
+        p.get(..end).unwrap_or(p)
+    }
+
+    /// The method.
+    pub fn method(&self) -> &[u8] {
+        self.header(":method").unwrap_or(b"")
+    }
+
+    /// The authority (host).
+    pub fn authority(&self) -> Option<&[u8]> {
+        self.header(":authority").or_else(|| self.header("host"))
+    }
+}
+
+/// Whether every condition of `m` holds for `req`.
+pub fn matches(m: &Match, req: &Request) -> bool {
+    if let Some(pm) = &m.path {
+        let path = req.path();
+        let ok = match pm {
+            PathMatch::Exact(p) => path == p.as_bytes(),
+            PathMatch::Prefix(p) => path.starts_with(p.as_bytes()),
+        };
+        if !ok {
+            return false;
+        }
+    }
+    if !m.methods.is_empty() {
+        let method = req.method();
+        if !m.methods.iter().any(|x| x.as_bytes() == method) {
+            return false;
+        }
+    }
+    m.headers.iter().all(|h| match h {
+        HeaderMatch::Present(name, want) => req.header(name).is_some() == *want,
+        HeaderMatch::Equals(name, value) => req.header(name) == Some(value.as_bytes()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn req(pairs: &[(&str, &[u8])]) -> Request {
+        Request {
+            headers: pairs
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_vec()))
+                .collect(),
+            peer: None,
+        }
+    }
+
+    #[test]
+    fn path_ignores_query_string() {
+        let r = req(&[(":path", b"/login?next=/x")]);
+        assert_eq!(r.path(), b"/login");
+        let m = Match {
+            path: Some(PathMatch::Exact("/login".into())),
+            ..Match::default()
+        };
+        assert!(matches(&m, &r));
+        let r2 = req(&[(":path", b"/login/x")]);
+        assert!(!matches(&m, &r2));
+    }
+
+    #[test]
+    fn prefix_methods_and_headers_all_must_hold() {
+        let m = Match {
+            path: Some(PathMatch::Prefix("/api/".into())),
+            methods: vec!["GET".into(), "POST".into()],
+            headers: vec![
+                HeaderMatch::Present("x-tenant".into(), true),
+                HeaderMatch::Equals("x-plan".into(), "free".into()),
+                HeaderMatch::Present("x-internal".into(), false),
+            ],
+        };
+        let good: Vec<(&str, &[u8])> = vec![
+            (":path", b"/api/v1"),
+            (":method", b"POST"),
+            ("x-tenant", b"t1"),
+            ("x-plan", b"free"),
+        ];
+        assert!(matches(&m, &req(&good)));
+        for (i, bad) in [
+            (":path", &b"/apix"[..]),
+            (":method", b"DELETE"),
+            ("x-plan", b"Free"),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let mut h = good.clone();
+            h.retain(|(n, _)| *n != bad.0);
+            h.push(*bad);
+            assert!(!matches(&m, &req(&h)), "case {i}");
+        }
+        let mut h = good.clone();
+        h.push(("x-internal", b"1"));
+        assert!(!matches(&m, &req(&h)));
+        let mut h = good.clone();
+        h.retain(|(n, _)| *n != "x-tenant");
+        assert!(!matches(&m, &req(&h)));
+    }
+
+    #[test]
+    fn empty_match_matches_everything() {
+        assert!(matches(&Match::default(), &req(&[])));
+    }
+}

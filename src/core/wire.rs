@@ -1,0 +1,472 @@
+//! The wire contract codec (contract/README.md, contract/tollgate.proto): a `TakeRequest` out, a
+//! `TakeResponse` back, as JSON for the HTTP transport or protobuf for gRPC.
+//!
+//! The protobuf codec is hand-written (a varint and length-delimited encoder and a skipping
+//! decoder): the messages are tiny and fixed, and a generated codec would cost more bytes in the
+//! module than the whole filter logic. Both encodings are tested byte for byte against
+//! contract/fixtures/cases.json, the same fixtures the service is tested with.
+
+use crate::core::config::Algorithm;
+use serde::Deserialize;
+use std::fmt::Write as _;
+
+/// One bucket of a take request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    /// Bucket key (1..=4096 bytes of UTF-8).
+    pub key: String,
+    /// Burst size.
+    pub capacity: u64,
+    /// Tokens per period; `None` = capacity (not encoded).
+    pub rate: Option<u64>,
+    /// Period length in ms.
+    pub period_ms: u64,
+    /// Tokens to take; `None` = 1 (not encoded).
+    pub cost: Option<u64>,
+    /// `None` = token bucket (not encoded).
+    pub algorithm: Option<Algorithm>,
+}
+
+/// The request: take from every bucket, or from none.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TakeRequest {
+    /// 1..=16 buckets.
+    pub buckets: Vec<Bucket>,
+}
+
+/// The result for one bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub struct BucketResult {
+    /// This bucket alone could pay.
+    pub allowed: bool,
+    /// The bucket's capacity.
+    #[serde(default)]
+    pub limit: u64,
+    /// Whole tokens left.
+    #[serde(default)]
+    pub remaining: u64,
+    /// ms until full (token bucket) or until the window ends (fixed window).
+    #[serde(default)]
+    pub reset_ms: u64,
+    /// When denied: ms until it could pay; 0 otherwise.
+    #[serde(default)]
+    pub retry_after_ms: u64,
+}
+
+/// The response.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+pub struct TakeResponse {
+    /// Every bucket could pay, and all were charged.
+    pub allowed: bool,
+    /// One result per request bucket, in request order.
+    pub buckets: Vec<BucketResult>,
+}
+
+/// A body that is not a valid response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeError(pub String);
+
+fn algorithm_name(a: Algorithm) -> &'static str {
+    match a {
+        Algorithm::TokenBucket => "token_bucket",
+        Algorithm::FixedWindow => "fixed_window",
+    }
+}
+
+fn push_json_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Encodes a request as JSON (`POST /v1/take`). Absent optional fields are omitted.
+pub fn encode_json(req: &TakeRequest) -> Vec<u8> {
+    let mut s = String::with_capacity(64 + 128 * req.buckets.len());
+    s.push_str("{\"buckets\":[");
+    for (i, b) in req.buckets.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str("{\"key\":");
+        push_json_string(&mut s, &b.key);
+        let _ = write!(s, ",\"capacity\":{}", b.capacity);
+        if let Some(r) = b.rate {
+            let _ = write!(s, ",\"rate\":{r}");
+        }
+        let _ = write!(s, ",\"period_ms\":{}", b.period_ms);
+        if let Some(c) = b.cost {
+            let _ = write!(s, ",\"cost\":{c}");
+        }
+        if let Some(a) = b.algorithm {
+            let _ = write!(s, ",\"algorithm\":\"{}\"", algorithm_name(a));
+        }
+        s.push('}');
+    }
+    s.push_str("]}");
+    s.into_bytes()
+}
+
+/// Decodes a JSON response.
+pub fn decode_json(body: &[u8]) -> Result<TakeResponse, DecodeError> {
+    serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Protobuf
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn put_tag(out: &mut Vec<u8>, field: u32, wire_type: u8) {
+    put_varint(out, (u64::from(field) << 3) | u64::from(wire_type));
+}
+
+fn put_bytes(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
+    put_tag(out, field, 2);
+    put_varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+/// A proto3 scalar: zero is not encoded.
+fn put_u64(out: &mut Vec<u8>, field: u32, v: u64) {
+    if v != 0 {
+        put_tag(out, field, 0);
+        put_varint(out, v);
+    }
+}
+
+/// A proto3 `optional` scalar: encoded whenever present, even if zero.
+fn put_opt_u64(out: &mut Vec<u8>, field: u32, v: Option<u64>) {
+    if let Some(v) = v {
+        put_tag(out, field, 0);
+        put_varint(out, v);
+    }
+}
+
+/// Encodes a request as protobuf (`tollgate.v1.TakeRequest`).
+pub fn encode_proto(req: &TakeRequest) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + 64 * req.buckets.len());
+    let mut b = Vec::with_capacity(64);
+    for bucket in &req.buckets {
+        b.clear();
+        if !bucket.key.is_empty() {
+            put_bytes(&mut b, 1, bucket.key.as_bytes());
+        }
+        put_u64(&mut b, 2, bucket.capacity);
+        put_opt_u64(&mut b, 3, bucket.rate);
+        put_u64(&mut b, 4, bucket.period_ms);
+        put_opt_u64(&mut b, 5, bucket.cost);
+        if let Some(Algorithm::FixedWindow) = bucket.algorithm {
+            put_u64(&mut b, 6, 1);
+        }
+        put_bytes(&mut out, 1, &b);
+    }
+    out
+}
+
+/// A protobuf reader over a byte slice; every read is bounds-checked.
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+/// A decoded field value.
+enum Value<'a> {
+    Varint(u64),
+    Bytes(&'a [u8]),
+    Fixed,
+}
+
+impl<'a> Reader<'a> {
+    fn varint(&mut self) -> Result<u64, DecodeError> {
+        let mut v: u64 = 0;
+        for i in 0..10 {
+            let (&byte, rest) = self
+                .buf
+                .split_first()
+                .ok_or_else(|| DecodeError("truncated varint".into()))?;
+            self.buf = rest;
+            v |= u64::from(byte & 0x7f) << (7 * i);
+            if byte < 0x80 {
+                return Ok(v);
+            }
+        }
+        Err(DecodeError("varint too long".into()))
+    }
+
+    fn take(&mut self, n: u64) -> Result<&'a [u8], DecodeError> {
+        let n = usize::try_from(n).map_err(|_| DecodeError("length too large".into()))?;
+        if n > self.buf.len() {
+            return Err(DecodeError("truncated field".into()));
+        }
+        let (head, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(head)
+    }
+
+    /// The next (field number, value), or `None` at the end.
+    fn field(&mut self) -> Result<Option<(u64, Value<'a>)>, DecodeError> {
+        if self.buf.is_empty() {
+            return Ok(None);
+        }
+        let tag = self.varint()?;
+        let value = match tag & 7 {
+            0 => Value::Varint(self.varint()?),
+            1 => {
+                self.take(8)?;
+                Value::Fixed
+            }
+            2 => {
+                let n = self.varint()?;
+                Value::Bytes(self.take(n)?)
+            }
+            5 => {
+                self.take(4)?;
+                Value::Fixed
+            }
+            t => return Err(DecodeError(format!("unsupported wire type {t}"))),
+        };
+        Ok(Some((tag >> 3, value)))
+    }
+}
+
+fn decode_bucket_result(buf: &[u8]) -> Result<BucketResult, DecodeError> {
+    let mut r = Reader { buf };
+    let mut out = BucketResult::default();
+    while let Some((field, value)) = r.field()? {
+        if let Value::Varint(v) = value {
+            match field {
+                1 => out.allowed = v != 0,
+                2 => out.limit = v,
+                3 => out.remaining = v,
+                4 => out.reset_ms = v,
+                5 => out.retry_after_ms = v,
+                _ => {}
+            }
+        } else if (1..=5).contains(&field) {
+            return Err(DecodeError(format!(
+                "BucketResult field {field}: wrong wire type"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Decodes a protobuf response (`tollgate.v1.TakeResponse`). Unknown fields are skipped, as
+/// protobuf requires.
+pub fn decode_proto(body: &[u8]) -> Result<TakeResponse, DecodeError> {
+    let mut r = Reader { buf: body };
+    let mut out = TakeResponse::default();
+    while let Some((field, value)) = r.field()? {
+        match (field, value) {
+            (1, Value::Varint(v)) => out.allowed = v != 0,
+            (2, Value::Bytes(b)) => out.buckets.push(decode_bucket_result(b)?),
+            (1 | 2, _) => {
+                return Err(DecodeError(format!(
+                    "TakeResponse field {field}: wrong wire type"
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value as Json;
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    fn cases() -> Vec<Json> {
+        let text = include_str!("../../contract/fixtures/cases.json");
+        let v: Json = serde_json::from_str(text).unwrap();
+        v["cases"].as_array().unwrap().clone()
+    }
+
+    fn request_from_json(v: &Json) -> TakeRequest {
+        TakeRequest {
+            buckets: v["buckets"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| Bucket {
+                    key: b["key"].as_str().unwrap().to_string(),
+                    capacity: b["capacity"].as_u64().unwrap(),
+                    rate: b.get("rate").map(|x| x.as_u64().unwrap()),
+                    period_ms: b["period_ms"].as_u64().unwrap(),
+                    cost: b.get("cost").map(|x| x.as_u64().unwrap()),
+                    algorithm: b.get("algorithm").map(|x| match x.as_str().unwrap() {
+                        "token_bucket" => Algorithm::TokenBucket,
+                        "fixed_window" => Algorithm::FixedWindow,
+                        other => panic!("unknown algorithm {other}"),
+                    }),
+                })
+                .collect(),
+        }
+    }
+
+    /// Test-side inverse codecs, to check "both ways" against the fixtures.
+    fn decode_request_proto(buf: &[u8]) -> TakeRequest {
+        let mut r = Reader { buf };
+        let mut out = TakeRequest::default();
+        while let Some((f, v)) = r.field().unwrap() {
+            let (1, Value::Bytes(b)) = (f, v) else {
+                panic!("unexpected field {f}")
+            };
+            let mut br = Reader { buf: b };
+            let mut bucket = Bucket {
+                key: String::new(),
+                capacity: 0,
+                rate: None,
+                period_ms: 0,
+                cost: None,
+                algorithm: None,
+            };
+            while let Some((f, v)) = br.field().unwrap() {
+                match (f, v) {
+                    (1, Value::Bytes(k)) => bucket.key = String::from_utf8(k.to_vec()).unwrap(),
+                    (2, Value::Varint(x)) => bucket.capacity = x,
+                    (3, Value::Varint(x)) => bucket.rate = Some(x),
+                    (4, Value::Varint(x)) => bucket.period_ms = x,
+                    (5, Value::Varint(x)) => bucket.cost = Some(x),
+                    (6, Value::Varint(1)) => bucket.algorithm = Some(Algorithm::FixedWindow),
+                    _ => panic!("unexpected bucket field {f}"),
+                }
+            }
+            out.buckets.push(bucket);
+        }
+        out
+    }
+
+    fn encode_response_proto(resp: &TakeResponse) -> Vec<u8> {
+        let mut out = Vec::new();
+        put_u64(&mut out, 1, u64::from(resp.allowed));
+        for b in &resp.buckets {
+            let mut m = Vec::new();
+            put_u64(&mut m, 1, u64::from(b.allowed));
+            put_u64(&mut m, 2, b.limit);
+            put_u64(&mut m, 3, b.remaining);
+            put_u64(&mut m, 4, b.reset_ms);
+            put_u64(&mut m, 5, b.retry_after_ms);
+            put_bytes(&mut out, 2, &m);
+        }
+        out
+    }
+
+    #[test]
+    fn fixtures_both_ways() {
+        let all = cases();
+        assert!(all.len() >= 4);
+        for case in all {
+            let name = case["name"].as_str().unwrap();
+            let req = request_from_json(&case["request_json"]);
+            let req_pb = hex(case["request_pb_hex"].as_str().unwrap());
+            assert_eq!(encode_proto(&req), req_pb, "{name}: request protobuf");
+            // proto3 cannot tell an absent enum from its zero value (token_bucket).
+            let mut normalised = req.clone();
+            for b in &mut normalised.buckets {
+                if b.algorithm == Some(Algorithm::TokenBucket) {
+                    b.algorithm = None;
+                }
+            }
+            assert_eq!(
+                decode_request_proto(&req_pb),
+                normalised,
+                "{name}: request protobuf decode"
+            );
+            let ours: Json = serde_json::from_slice(&encode_json(&req)).unwrap();
+            assert_eq!(ours, case["request_json"], "{name}: request JSON");
+
+            let resp_json = serde_json::to_vec(&case["response_json"]).unwrap();
+            let from_json = decode_json(&resp_json).unwrap();
+            let resp_pb = hex(case["response_pb_hex"].as_str().unwrap());
+            let from_pb = decode_proto(&resp_pb).unwrap();
+            assert_eq!(from_json, from_pb, "{name}: response JSON vs protobuf");
+            assert_eq!(
+                encode_response_proto(&from_pb),
+                resp_pb,
+                "{name}: response protobuf"
+            );
+        }
+    }
+
+    #[test]
+    fn json_key_escaping() {
+        let req = TakeRequest {
+            buckets: vec![Bucket {
+                key: "a\"b\\c\u{1}é{}".into(),
+                capacity: 1,
+                rate: None,
+                period_ms: 1,
+                cost: None,
+                algorithm: None,
+            }],
+        };
+        let v: Json = serde_json::from_slice(&encode_json(&req)).unwrap();
+        assert_eq!(v["buckets"][0]["key"], "a\"b\\c\u{1}é{}");
+    }
+
+    #[test]
+    fn proto_decoder_rejects_garbage_without_panicking() {
+        for bad in [
+            &[0x08][..],               // truncated varint value
+            &[0x12, 0x05, 0x08],       // length beyond the end
+            &[0xff; 11],               // varint too long
+            &[0x0b],                   // group wire type
+            &[0x0a, 0x00],             // field 1 with wrong wire type
+            &[0x12, 0x02, 0x0a, 0x00], // BucketResult field 1 with wrong wire type
+        ] {
+            assert!(decode_proto(bad).is_err(), "{bad:?}");
+        }
+        // Unknown fields of every wire type are skipped.
+        let ok = [
+            0x08, 0x01, 0x18, 0x05, 0x21, 0, 0, 0, 0, 0, 0, 0, 0, 0x2d, 0, 0, 0, 0, 0x32, 0x00,
+        ];
+        assert_eq!(
+            decode_proto(&ok).unwrap(),
+            TakeResponse {
+                allowed: true,
+                buckets: vec![]
+            }
+        );
+        assert_eq!(decode_proto(&[]).unwrap(), TakeResponse::default());
+    }
+
+    #[test]
+    fn json_decoder_rejects_wrong_shapes() {
+        for bad in [
+            &b""[..],
+            b"{}",
+            b"{\"allowed\":true}",
+            b"{\"allowed\":\"yes\",\"buckets\":[]}",
+            b"{\"allowed\":true,\"buckets\":[{\"allowed\":true,\"limit\":-1}]}",
+            b"<html>",
+        ] {
+            assert!(
+                decode_json(bad).is_err(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+}
