@@ -72,23 +72,40 @@ fn run(mut cmd: Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// The static (musl) service binary the server image is built from.
-fn static_server() -> PathBuf {
-    let path = std::env::var_os("TOLLGATE_SERVER_STATIC")
+/// A real component (env var, else the workspace default); missing = test failure.
+fn required(var: &str, default_rel: &str) -> PathBuf {
+    let path = std::env::var_os(var)
         .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("dist/tollgate-server-static"));
+        .unwrap_or_else(|| workspace_root().join(default_rel));
     assert!(
         path.is_file(),
-        "TOLLGATE_SERVER_STATIC: {} is missing. Run `make image` (it builds the musl binary).",
+        "{var}: {} is missing: run `make image` (it builds the module and the static binary). \
+         Image tests need the real component and do not skip.",
         path.display()
     );
     path
 }
 
+/// The static (musl) service binary the server image is built from.
+fn static_server() -> PathBuf {
+    required("TOLLGATE_SERVER_STATIC", "dist/tollgate-server-static")
+}
+
+/// The module, and Envoy to run it (the other harness components are not used here).
+fn components() -> Components {
+    let wasm = required("TOLLGATE_WASM", "dist/tollgate.wasm");
+    Components {
+        envoy: required("TOLLGATE_ENVOY", ".tools/envoy"),
+        redis_server: PathBuf::new(),
+        server: static_server(),
+        wasm,
+    }
+}
+
 /// `scripts/image.sh OUT` from the real module and binary at a fixed SOURCE_DATE_EPOCH; returns
 /// digests.txt as name -> (digest, manifest size).
 fn build_images(out: &Path, epoch: u64) -> Vec<(String, String, u64)> {
-    let c = Components::get();
+    let c = components();
     let mut cmd = tool("bash");
     cmd.arg(workspace_root().join("scripts/image.sh"))
         .arg(out)
@@ -447,7 +464,7 @@ fn images_are_reproducible() {
 /// unreachable: the fallback bucket answers 200, then 429).
 #[test]
 fn filter_images_pull_like_istio_and_limit_in_envoy() {
-    let c = Components::get();
+    let c = components();
     let want = fs::read(&c.wasm).expect("read module");
     let dir = TempDir::new("image-filter");
     let layouts = dir.path().join("layouts");

@@ -1,0 +1,440 @@
+//! The deployment files: every Kubernetes manifest under deploy/ against the published schemas, and
+//! every Envoy configuration the project ships through `envoy --mode validate` with the real module
+//! (validate mode loads the module and runs its `on_configure`, so a plugin configuration the module
+//! would refuse fails here too).
+//!
+//! Layout:
+//! - [`Validators`]: kubernetes-validate (Kubernetes' own OpenAPI schemas, strict: unknown fields are
+//!   errors) and deploy/check/crds.mjs (Istio's and Envoy Gateway's CRD schemas, from the pinned
+//!   @kubernetes-models packages), both installed into .tools/ by `make images`
+//! - [`manifests`], [`envoy_configs`]: what the project ships, found by walking the tree
+//! - tests: all manifests valid; a typo'd field fails each validator; Envoy configs valid; the plugin
+//!   configurations inside WasmPlugin / EnvoyExtensionPolicy accepted by the real module.
+//!
+//! A missing validator, Envoy or module fails the test (`make images`, `make build`).
+
+// A test fails by panicking; the workspace lints deny that for the module, not here.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use common::*;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+// ---------------------------------------------------------------------------------------------
+// Validators
+
+struct Validators {
+    /// .tools/kubernetes-validate (a pip --target directory).
+    kubernetes_validate: PathBuf,
+    /// .tools/crd-schemas (an npm prefix holding the @kubernetes-models packages).
+    crd_schemas: PathBuf,
+}
+
+impl Validators {
+    fn get() -> Validators {
+        let tools = workspace_root().join(".tools");
+        let v = Validators {
+            kubernetes_validate: tools.join("kubernetes-validate"),
+            crd_schemas: tools.join("crd-schemas"),
+        };
+        assert!(
+            v.kubernetes_validate.join("kubernetes_validate").is_dir(),
+            "{} is missing: run `make images`. Validation does not skip.",
+            v.kubernetes_validate.display()
+        );
+        assert!(
+            v.crd_schemas
+                .join("node_modules/@kubernetes-models/istio")
+                .is_dir()
+                && v.crd_schemas
+                    .join("node_modules/@kubernetes-models/envoy-gateway")
+                    .is_dir(),
+            "{} is missing: run `make images`. Validation does not skip.",
+            v.crd_schemas.display()
+        );
+        v
+    }
+
+    /// kubernetes-validate --strict over `files`.
+    fn core(&self, files: &[PathBuf]) -> Output {
+        Command::new("python3")
+            .args(["-m", "kubernetes_validate", "--strict"])
+            .args(files)
+            .env("PYTHONPATH", &self.kubernetes_validate)
+            .output()
+            .expect("python3 is required to run kubernetes-validate")
+    }
+
+    /// deploy/check/crds.mjs over `files` (optionally writing the plugin configurations).
+    fn crds(&self, files: &[PathBuf], plugin_configs: Option<&Path>) -> Output {
+        let mut cmd = Command::new("node");
+        cmd.arg(workspace_root().join("deploy/check/crds.mjs"))
+            .arg(&self.crd_schemas);
+        if let Some(dir) = plugin_configs {
+            cmd.arg("--plugin-configs").arg(dir);
+        }
+        cmd.args(files)
+            .output()
+            .expect("node is required to run deploy/check/crds.mjs")
+    }
+}
+
+/// A real component (env var, else the workspace default); missing = test failure.
+fn required(var: &str, default_rel: &str) -> PathBuf {
+    let path = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(default_rel));
+    assert!(
+        path.is_file(),
+        "{var}: {} is missing: run `make build`. Validation needs the real component and does not skip.",
+        path.display()
+    );
+    path
+}
+
+/// (Envoy, the module).
+fn envoy_and_module() -> (PathBuf, PathBuf) {
+    (
+        required("TOLLGATE_ENVOY", ".tools/envoy"),
+        required("TOLLGATE_WASM", "dist/tollgate.wasm"),
+    )
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the project ships
+
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries {
+        let p = e.expect("dir entry").path();
+        if p.is_dir() {
+            yaml_files(&p, out);
+        } else if matches!(p.extension().and_then(|x| x.to_str()), Some("yaml" | "yml")) {
+            out.push(p);
+        }
+    }
+}
+
+fn is_envoy_config(path: &Path) -> bool {
+    fs::read_to_string(path)
+        .map(|t| t.lines().any(|l| l.starts_with("static_resources:")))
+        .unwrap_or(false)
+}
+
+/// Every Kubernetes manifest under deploy/ (YAML that is not an Envoy configuration).
+fn manifests() -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    yaml_files(&workspace_root().join("deploy"), &mut files);
+    files.retain(|f| !is_envoy_config(f));
+    files.sort();
+    assert!(files.len() >= 5, "manifests under deploy/: {files:?}");
+    files
+}
+
+/// Every Envoy configuration shipped: envoy.yaml at the top, and any under deploy/ or tests/fixtures/.
+fn envoy_configs() -> Vec<PathBuf> {
+    let root = workspace_root();
+    let mut files = Vec::new();
+    for f in ["envoy.yaml", "envoy.yml"] {
+        if root.join(f).is_file() {
+            files.push(root.join(f));
+        }
+    }
+    yaml_files(&root.join("deploy"), &mut files);
+    yaml_files(&root.join("tests/fixtures"), &mut files);
+    files.retain(|f| is_envoy_config(f));
+    files.sort();
+    files.dedup();
+    files
+}
+
+/// The configuration with every `filename: <...>.wasm` pointing at the module under test, so
+/// validate mode can load it wherever the real deployment keeps it.
+fn with_module(yaml: &str, wasm: &Path) -> String {
+    let mut out = String::new();
+    for line in yaml.split_inclusive('\n') {
+        let Some(at) = line.find("filename:") else {
+            out.push_str(line);
+            continue;
+        };
+        let start = at + "filename:".len();
+        let rest = &line[start..];
+        let lead = rest.len() - rest.trim_start().len();
+        let token_end = rest[lead..]
+            .find(['}', ',', '\n', ' '])
+            .map(|i| lead + i)
+            .unwrap_or(rest.len());
+        let token = rest[lead..token_end].trim_matches(['"', '\'']);
+        if token.ends_with(".wasm") {
+            out.push_str(&line[..start]);
+            out.push_str(&format!(" \"{}\"", wasm.display()));
+            out.push_str(&rest[token_end..]);
+        } else {
+            out.push_str(line);
+        }
+    }
+    out
+}
+
+/// `envoy --mode validate`: Ok, or Err with Envoy's output.
+fn envoy_validate(envoy: &Path, config: &Path) -> Result<(), String> {
+    let out = Command::new(envoy)
+        .args([
+            "--mode",
+            "validate",
+            "--disable-hot-restart",
+            "--log-level",
+            "warn",
+            "-c",
+        ])
+        .arg(config)
+        .output()
+        .expect("run envoy --mode validate");
+    let t = text(&out);
+    if out.status.success() && t.contains("OK") {
+        Ok(())
+    } else {
+        Err(t)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+/// Every manifest is valid: custom resources against Istio's / Envoy Gateway's / Gateway API's CRD
+/// schemas with no unknown field, every other document against Kubernetes' schemas (strict), and no
+/// document left unchecked.
+#[test]
+fn manifests_match_published_schemas() {
+    let v = Validators::get();
+    let files = manifests();
+    let crds = v.crds(&files, None);
+    let crd_text = text(&crds);
+    assert!(crds.status.success(), "CRD validation failed:\n{crd_text}");
+    let checked = crd_text.lines().filter(|l| l.starts_with("ok ")).count();
+    let core = crd_text.lines().filter(|l| l.starts_with("core ")).count();
+    for kind in ["WasmPlugin/", "EnvoyExtensionPolicy/", "HTTPRoute/"] {
+        assert!(
+            crd_text
+                .lines()
+                .any(|l| l.starts_with("ok ") && l.contains(kind)),
+            "no {kind} checked:\n{crd_text}"
+        );
+    }
+
+    let k8s = v.core(&files);
+    let k8s_text = text(&k8s);
+    assert!(
+        k8s.status.success(),
+        "kubernetes-validate failed:\n{k8s_text}"
+    );
+    let passed = k8s_text
+        .lines()
+        .filter(|l| l.contains(" passed for resource "))
+        .count();
+    assert_eq!(
+        passed, core,
+        "every core document validated by kubernetes-validate:\n{k8s_text}\n{crd_text}"
+    );
+    for kind in [
+        "deployment/",
+        "service/",
+        "poddisruptionbudget/",
+        "secret/",
+        "namespace/",
+    ] {
+        assert!(
+            k8s_text.contains(kind),
+            "no {kind} in the manifests:\n{k8s_text}"
+        );
+    }
+    eprintln!(
+        "{checked} custom resources and {core} core resources valid in {} files",
+        files.len()
+    );
+}
+
+/// The validators are not rubber stamps: one typo'd field in a copy of each kind of manifest fails,
+/// and the failure names the field.
+#[test]
+fn a_typo_fails_validation() {
+    let v = Validators::get();
+    let dir = TempDir::new("deploy-typo");
+    let root = workspace_root();
+    let cases = [
+        (
+            "deploy/istio/wasmplugin.yaml",
+            "  failStrategy:",
+            "  failStrategie:",
+            "failStrategie",
+            true,
+        ),
+        (
+            "deploy/envoy-gateway/envoyextensionpolicy.yaml",
+            "    failOpen:",
+            "    failopen:",
+            "failopen",
+            true,
+        ),
+        (
+            "deploy/envoy-gateway/tollgate-route.yaml",
+            "    backendRefs:",
+            "    backendRef:",
+            "backendRef",
+            true,
+        ),
+        (
+            "deploy/kubernetes/tollgate.yaml",
+            "        readinessProbe:",
+            "        readinesProbe:",
+            "readinesProbe",
+            false,
+        ),
+    ];
+    for (file, from, to, field, crd) in cases {
+        let original = fs::read_to_string(root.join(file)).expect("read manifest");
+        assert!(original.contains(from), "{file} has {from:?}");
+        let bad = dir.path().join(Path::new(file).file_name().expect("name"));
+        fs::write(&bad, original.replacen(from, to, 1)).expect("write");
+        let out = if crd {
+            v.crds(std::slice::from_ref(&bad), None)
+        } else {
+            v.core(std::slice::from_ref(&bad))
+        };
+        let t = text(&out);
+        assert!(!out.status.success(), "{file} with {to:?} passed:\n{t}");
+        assert!(t.contains(field), "{file}: the failure names {field}:\n{t}");
+    }
+}
+
+/// Every Envoy configuration shipped passes `envoy --mode validate` with the real module in place.
+#[test]
+fn envoy_configs_validate() {
+    let (envoy, wasm) = envoy_and_module();
+    let dir = TempDir::new("deploy-envoy");
+    let configs = envoy_configs();
+    assert!(
+        configs
+            .iter()
+            .any(|p| p.starts_with(workspace_root().join("deploy"))),
+        "an Envoy configuration under deploy/: {configs:?}"
+    );
+    for (i, cfg) in configs.iter().enumerate() {
+        let yaml = fs::read_to_string(cfg).expect("read config");
+        let path = dir.path().join(format!("envoy-{i}.yaml"));
+        fs::write(&path, with_module(&yaml, &wasm)).expect("write");
+        if let Err(out) = envoy_validate(&envoy, &path) {
+            panic!("{} does not validate:\n{out}", cfg.display());
+        }
+        eprintln!("{}: OK", cfg.display());
+    }
+}
+
+/// The plugin configurations inside the WasmPlugins and the EnvoyExtensionPolicy are accepted by the
+/// real module (its `on_configure`, run by Envoy's validate mode, refuses a bad one).
+#[test]
+fn shipped_plugin_configs_load_in_the_module() {
+    let (envoy, wasm) = envoy_and_module();
+    let v = Validators::get();
+    let dir = TempDir::new("deploy-plugin-configs");
+    let out_dir = dir.path().join("configs");
+    fs::create_dir_all(&out_dir).expect("mkdir");
+    let out = v.crds(&manifests(), Some(&out_dir));
+    assert!(out.status.success(), "{}", text(&out));
+    let mut configs: Vec<PathBuf> = fs::read_dir(&out_dir)
+        .expect("configs")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    configs.sort();
+    assert!(
+        configs.len() >= 3,
+        "plugin configurations found: {configs:?}"
+    );
+    for cfg in &configs {
+        let json = fs::read_to_string(cfg).expect("read");
+        let parsed: serde_json::Value = serde_json::from_str(&json).expect("JSON");
+        let cluster = parsed["service"]["cluster"]
+            .as_str()
+            .expect("service.cluster");
+        let yaml = module_config(&wasm, &json, cluster);
+        let path = dir.path().join("envoy.yaml");
+        fs::write(&path, yaml).expect("write");
+        if let Err(out) = envoy_validate(&envoy, &path) {
+            panic!("the module refuses {}:\n{json}\n{out}", cfg.display());
+        }
+        eprintln!("{}: accepted by the module", cfg.display());
+    }
+}
+
+/// A minimal Envoy configuration running the module with `plugin_json`, calling a cluster of the
+/// name the deployment generates (Istio's `outbound|...`, Envoy Gateway's `httproute/...`).
+fn module_config(wasm: &Path, plugin_json: &str, cluster: &str) -> String {
+    let escaped = serde_json::to_string(plugin_json).expect("escape");
+    format!(
+        r#"static_resources:
+  listeners:
+  - name: l
+    address: {{socket_address: {{address: 127.0.0.1, port_value: 1}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: l
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                direct_response: {{status: 200}}
+          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: tollgate
+                vm_config:
+                  vm_id: tollgate
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{local: {{filename: "{wasm}"}}}}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: {escaped}
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: "{cluster}"
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: "{cluster}"
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: 1}}}}}}
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+"#,
+        wasm = wasm.display()
+    )
+}
