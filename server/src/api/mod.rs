@@ -73,7 +73,17 @@ impl Auth {
         let Some(expected) = &self.expected else {
             return true;
         };
-        let got: [u8; 32] = Sha256::digest(header.unwrap_or_default()).into();
+        let header = header.unwrap_or_default();
+        // The scheme is case-insensitive (RFC 9110); the token is compared exactly.
+        let mut h = Sha256::new();
+        match header.get(..7) {
+            Some(scheme) if scheme.eq_ignore_ascii_case(b"bearer ") => {
+                h.update(b"Bearer ");
+                h.update(&header[7..]);
+            }
+            _ => h.update(header),
+        }
+        let got: [u8; 32] = h.finalize().into();
         bool::from(got.ct_eq(expected))
     }
 }
@@ -125,7 +135,8 @@ mod tests {
         let a = Auth::new(Some("s3cret"));
         assert!(a.check(Some(b"Bearer s3cret")));
         assert!(!a.check(Some(b"Bearer s3cre")));
-        assert!(!a.check(Some(b"bearer s3cret")));
+        assert!(a.check(Some(b"bearer s3cret")));
+        assert!(!a.check(Some(b"Bearer s3cret ")));
         assert!(!a.check(None));
         assert!(Auth::new(None).check(None));
         assert!(!format!("{a:?}").contains("s3cret"));

@@ -1,0 +1,215 @@
+//! One behavioural suite, run against every store: the memory store and real Redis.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate_server::domain::{Algorithm, BucketSpec};
+use tollgate_server::store::Store;
+
+fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketSpec {
+    BucketSpec {
+        key: key.into(),
+        capacity,
+        rate,
+        period_ms,
+        cost,
+        algorithm: Algorithm::TokenBucket,
+    }
+}
+
+fn fw(key: &str, capacity: u64, period_ms: u64, cost: u64) -> BucketSpec {
+    BucketSpec {
+        algorithm: Algorithm::FixedWindow,
+        ..tb(key, capacity, capacity, period_ms, cost)
+    }
+}
+
+/// A long period makes refill negligible during a test.
+const HOUR: u64 = 3_600_000;
+
+async fn take(s: &dyn Store, b: &[BucketSpec]) -> tollgate_server::domain::TakeDecision {
+    s.take(b).await.expect("store answers")
+}
+
+async fn starts_full_and_counts_down(s: Arc<dyn Store>) {
+    let b = tb(&common::unique("full"), 3, 3, HOUR, 1);
+    for left in [2, 1, 0] {
+        let d = take(&*s, std::slice::from_ref(&b)).await;
+        assert!(d.allowed);
+        assert_eq!(d.buckets[0].remaining, left);
+        assert_eq!(d.buckets[0].limit, 3);
+        assert_eq!(d.buckets[0].retry_after_ms, 0);
+    }
+    let d = take(&*s, std::slice::from_ref(&b)).await;
+    assert!(!d.allowed);
+    assert_eq!(d.buckets[0].remaining, 0);
+    // One token per 20 minutes is missing.
+    let r = d.buckets[0].retry_after_ms;
+    assert!((1_199_000..=1_200_000).contains(&r), "retry_after_ms {r}");
+    let reset = d.buckets[0].reset_ms;
+    assert!((3_599_000..=3_600_000).contains(&reset), "reset_ms {reset}");
+}
+
+async fn all_or_nothing(s: Arc<dyn Store>) {
+    let a = tb(&common::unique("a"), 10, 10, HOUR, 3);
+    let b = tb(&common::unique("b"), 2, 2, HOUR, 3);
+    let d = take(&*s, &[a.clone(), b.clone()]).await;
+    assert!(!d.allowed);
+    assert!(d.buckets[0].allowed && !d.buckets[1].allowed);
+    // Nothing was charged: `a` still holds 10.
+    let probe = tb(&a.key, 10, 10, HOUR, 10);
+    let d = take(&*s, &[probe]).await;
+    assert!(d.allowed, "{d:?}");
+    assert_eq!(d.buckets[0].remaining, 0);
+}
+
+async fn same_key_twice_is_charged_twice(s: Arc<dyn Store>) {
+    let k = common::unique("dup");
+    let d = take(&*s, &[tb(&k, 3, 3, HOUR, 2), tb(&k, 3, 3, HOUR, 2)]).await;
+    assert!(!d.allowed, "4 tokens from a bucket of 3: {d:?}");
+    let d = take(&*s, &[tb(&k, 4, 4, HOUR, 2), tb(&k, 4, 4, HOUR, 2)]).await;
+    assert!(d.allowed);
+    assert_eq!(d.buckets[1].remaining, 0);
+}
+
+async fn cost_above_capacity_is_denied(s: Arc<dyn Store>) {
+    let d = take(&*s, &[tb(&common::unique("big"), 5, 5, 1000, 6)]).await;
+    assert!(!d.allowed);
+    assert_eq!(d.buckets[0].retry_after_ms, 1000);
+    assert_eq!(d.buckets[0].remaining, 5);
+}
+
+async fn limits_are_part_of_identity(s: Arc<dyn Store>) {
+    let k = common::unique("id");
+    assert!(take(&*s, &[tb(&k, 1, 1, HOUR, 1)]).await.allowed);
+    assert!(!take(&*s, &[tb(&k, 1, 1, HOUR, 1)]).await.allowed);
+    assert!(take(&*s, &[tb(&k, 2, 1, HOUR, 1)]).await.allowed);
+    assert!(take(&*s, &[fw(&k, 1, HOUR, 1)]).await.allowed);
+    // Braces and long keys are ordinary keys.
+    for key in [format!("{k}{{x}}"), format!("{k}}}"), "é{".repeat(60) + &k] {
+        assert!(take(&*s, &[tb(&key, 1, 1, HOUR, 1)]).await.allowed, "{key}");
+        assert!(
+            !take(&*s, &[tb(&key, 1, 1, HOUR, 1)]).await.allowed,
+            "{key}"
+        );
+    }
+}
+
+async fn refills_over_time(s: Arc<dyn Store>) {
+    // 1 token per 100 ms.
+    let b = tb(&common::unique("refill"), 2, 1, 100, 1);
+    assert!(take(&*s, std::slice::from_ref(&b)).await.allowed);
+    assert!(take(&*s, std::slice::from_ref(&b)).await.allowed);
+    let d = take(&*s, std::slice::from_ref(&b)).await;
+    assert!(!d.allowed);
+    assert!(d.buckets[0].retry_after_ms <= 100 && d.buckets[0].retry_after_ms > 0);
+    tokio::time::sleep(Duration::from_millis(110)).await;
+    assert!(take(&*s, std::slice::from_ref(&b)).await.allowed);
+    assert!(!take(&*s, std::slice::from_ref(&b)).await.allowed);
+}
+
+async fn fixed_window(s: Arc<dyn Store>) {
+    let b = fw(&common::unique("fw"), 2, 200, 1);
+    // Align to the start of a window so the three takes fall in one window.
+    let mut d = take(&*s, std::slice::from_ref(&b)).await;
+    if d.buckets[0].reset_ms < 100 {
+        tokio::time::sleep(Duration::from_millis(d.buckets[0].reset_ms + 5)).await;
+        d = take(&*s, std::slice::from_ref(&b)).await;
+    }
+    assert!(d.allowed);
+    assert!(take(&*s, std::slice::from_ref(&b)).await.allowed);
+    let d = take(&*s, std::slice::from_ref(&b)).await;
+    assert!(!d.allowed);
+    let r = d.buckets[0];
+    assert_eq!(r.remaining, 0);
+    assert!(r.reset_ms <= 200 && r.retry_after_ms == r.reset_ms, "{r:?}");
+    tokio::time::sleep(Duration::from_millis(r.reset_ms + 5)).await;
+    assert!(take(&*s, std::slice::from_ref(&b)).await.allowed);
+}
+
+async fn large_values(s: Arc<dyn Store>) {
+    let b = tb(
+        &common::unique("large"),
+        1_000_000_000,
+        1_000_000_000,
+        31_536_000_000,
+        1_000_000_000,
+    );
+    let d = take(&*s, std::slice::from_ref(&b)).await;
+    assert!(d.allowed);
+    assert_eq!(d.buckets[0].remaining, 0);
+    assert_eq!(d.buckets[0].reset_ms, 31_536_000_000);
+    let d = take(&*s, std::slice::from_ref(&b)).await;
+    assert!(!d.allowed);
+    assert!(d.buckets[0].retry_after_ms > 31_535_000_000);
+    // Slow refill, huge capacity: times are clamped to an exact integer, not wrapped.
+    let b = tb(
+        &common::unique("slow"),
+        1_000_000_000,
+        1,
+        31_536_000_000,
+        1_000_000_000,
+    );
+    let d = take(&*s, std::slice::from_ref(&b)).await;
+    assert!(d.allowed);
+    assert_eq!(d.buckets[0].reset_ms, 9_007_199_254_740_991);
+}
+
+async fn sixteen_buckets_mixed(s: Arc<dyn Store>) {
+    let k = common::unique("mix");
+    let buckets: Vec<BucketSpec> = (0..16)
+        .map(|i| {
+            if i % 2 == 0 {
+                tb(&format!("{k}-{i}"), 5, 5, HOUR, 1)
+            } else {
+                fw(&format!("{k}-{i}"), 5, HOUR, 1)
+            }
+        })
+        .collect();
+    for _ in 0..5 {
+        assert!(take(&*s, &buckets).await.allowed);
+    }
+    let d = take(&*s, &buckets).await;
+    assert!(!d.allowed);
+    assert!(d.buckets.iter().all(|b| !b.allowed && b.remaining == 0));
+}
+
+macro_rules! suite {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(Arc::new(tollgate_server::store::memory::MemoryStore::new())).await;
+                }
+            )*
+        }
+        mod redis {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let r = common::RedisProc::start();
+                    super::$case(Arc::new(common::redis_store(&r.url(), 500))).await;
+                    drop(r);
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    starts_full_and_counts_down,
+    all_or_nothing,
+    same_key_twice_is_charged_twice,
+    cost_above_capacity_is_denied,
+    limits_are_part_of_identity,
+    refills_over_time,
+    fixed_window,
+    large_values,
+    sixteen_buckets_mixed,
+);

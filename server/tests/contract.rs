@@ -1,0 +1,91 @@
+//! contract/fixtures/cases.json: every message decodes and encodes identically in JSON (serde)
+//! and protobuf (prost), in both directions.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use prost::Message;
+use serde_json::Value;
+use tollgate_server::api::grpc::{self, pb};
+use tollgate_server::api::json::{self, JsonTakeResponse};
+use tollgate_server::domain::{validate, TakeDecision};
+
+fn hex_decode(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+fn hex_encode(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn cases() -> Vec<Value> {
+    let path = common::workspace().join("contract/fixtures/cases.json");
+    let text = std::fs::read_to_string(&path).expect("read cases.json");
+    let v: Value = serde_json::from_str(&text).expect("parse cases.json");
+    let cases = v["cases"].as_array().expect("cases").clone();
+    assert!(cases.len() >= 4);
+    cases
+}
+
+#[test]
+fn requests_agree_in_both_encodings() {
+    for case in cases() {
+        let name = case["name"].as_str().unwrap();
+        // JSON -> domain -> JSON.
+        let body = serde_json::to_vec(&case["request_json"]).unwrap();
+        let raw_json = json::decode_request(&body).expect(name);
+        assert_eq!(
+            json::encode_request(&raw_json),
+            case["request_json"],
+            "{name}"
+        );
+        // protobuf bytes -> domain -> bytes.
+        let bytes = hex_decode(case["request_pb_hex"].as_str().unwrap());
+        let msg = pb::TakeRequest::decode(bytes.as_slice()).expect(name);
+        let raw_pb = grpc::raw_from_pb(&msg).expect(name);
+        assert_eq!(
+            hex_encode(&grpc::pb_from_raw(&raw_pb).encode_to_vec()),
+            case["request_pb_hex"],
+            "{name}"
+        );
+        // JSON -> protobuf bytes.
+        assert_eq!(
+            hex_encode(&grpc::pb_from_raw(&raw_json).encode_to_vec()),
+            case["request_pb_hex"],
+            "{name}"
+        );
+        // Both mean the same validated request.
+        assert_eq!(
+            validate(raw_json).expect(name),
+            validate(raw_pb).expect(name),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn responses_agree_in_both_encodings() {
+    for case in cases() {
+        let name = case["name"].as_str().unwrap();
+        let from_json: JsonTakeResponse =
+            serde_json::from_value(case["response_json"].clone()).expect(name);
+        let decision = TakeDecision::from(from_json);
+        // domain -> JSON.
+        assert_eq!(
+            serde_json::to_value(JsonTakeResponse::from(&decision)).unwrap(),
+            case["response_json"],
+            "{name}"
+        );
+        // domain -> protobuf bytes, and back.
+        let bytes = grpc::pb_from_decision(&decision).encode_to_vec();
+        assert_eq!(hex_encode(&bytes), case["response_pb_hex"], "{name}");
+        let back = pb::TakeResponse::decode(
+            hex_decode(case["response_pb_hex"].as_str().unwrap()).as_slice(),
+        )
+        .expect(name);
+        assert_eq!(grpc::decision_from_pb(&back), decision, "{name}");
+    }
+}

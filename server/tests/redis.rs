@@ -1,0 +1,362 @@
+//! Redis-specific behaviour with real redis-server processes: the race the script prevents, TTLs,
+//! outages and recovery, NOSCRIPT recovery, and a real 3-master Redis Cluster.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{bucket, post_take, RedisProc, Service};
+use serde_json::json;
+use tollgate_server::api::grpc::pb;
+use tollgate_server::domain::{Algorithm, BucketSpec};
+use tollgate_server::store::keys;
+use tollgate_server::store::redis::{RedisConfig, RedisStore};
+use tollgate_server::store::Store;
+
+fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketSpec {
+    BucketSpec {
+        key: key.into(),
+        capacity,
+        rate,
+        period_ms,
+        cost,
+        algorithm: Algorithm::TokenBucket,
+    }
+}
+
+/// The seed's exercise, literally. Servers A and B share a bucket with one token left.
+/// Naive two-step (HMGET, then HSET) through the bad interleaving: two admissions on one token.
+/// The Lua script through the same steps: one.
+#[tokio::test]
+async fn naive_two_step_races_and_the_script_does_not() {
+    let r = RedisProc::start();
+    let (mut a, mut b) = (r.conn(), r.conn());
+    let key = "naive:{bucket}";
+    redis::cmd("HSET")
+        .arg(key)
+        .arg("tokens")
+        .arg(1)
+        .arg("last")
+        .arg(0)
+        .query::<()>(&mut a)
+        .unwrap();
+    let read = |c: &mut redis::Connection| -> f64 {
+        let (tokens, _last): (f64, f64) = redis::cmd("HMGET")
+            .arg(key)
+            .arg("tokens")
+            .arg("last")
+            .query(c)
+            .unwrap();
+        tokens
+    };
+    // A: HMGET -> 1; B: HMGET -> 1; A: HSET 0, allow; B: HSET 0, allow.
+    let ta = read(&mut a);
+    let tb_ = read(&mut b);
+    let mut admitted = 0;
+    for (c, tokens) in [(&mut a, ta), (&mut b, tb_)] {
+        if tokens >= 1.0 {
+            redis::cmd("HSET")
+                .arg(key)
+                .arg("tokens")
+                .arg(tokens - 1.0)
+                .arg("last")
+                .arg(0)
+                .query::<()>(c)
+                .unwrap();
+            admitted += 1;
+        }
+    }
+    assert_eq!(
+        admitted, 2,
+        "the naive read-modify-write admits twice on one token"
+    );
+
+    // The script: servers A and B are two store instances (two connections). One token
+    // (capacity 1, refill once an hour), A's call then B's call, and then both at once many times.
+    let sa = common::redis_store(&r.url(), 1000);
+    let sb = common::redis_store(&r.url(), 1000);
+    let one = tb("seed", 1, 1, 3_600_000, 1);
+    let da = sa.take(std::slice::from_ref(&one)).await.unwrap();
+    let db = sb.take(std::slice::from_ref(&one)).await.unwrap();
+    assert!(da.allowed);
+    assert!(!db.allowed, "the script serializes: B sees 0 tokens");
+    for i in 0..50 {
+        let b = tb(&format!("seed-{i}"), 1, 1, 3_600_000, 1);
+        let (x, y) = tokio::join!(
+            sa.take(std::slice::from_ref(&b)),
+            sb.take(std::slice::from_ref(&b))
+        );
+        let n = [x.unwrap().allowed, y.unwrap().allowed]
+            .iter()
+            .filter(|a| **a)
+            .count();
+        assert_eq!(n, 1, "round {i}");
+    }
+}
+
+fn keys_of(r: &RedisProc) -> Vec<String> {
+    let mut c = r.conn();
+    redis::cmd("KEYS").arg("*").query(&mut c).unwrap()
+}
+
+#[tokio::test]
+async fn every_key_has_a_ttl_and_idle_buckets_vanish() {
+    let r = RedisProc::start();
+    let s = common::redis_store(&r.url(), 1000);
+    let fw = BucketSpec {
+        algorithm: Algorithm::FixedWindow,
+        ..tb("w", 5, 5, 100, 1)
+    };
+    let d = s
+        .take(&[tb("a", 2, 2, 100, 1), tb("b{x}", 1, 1, 100, 1), fw])
+        .await
+        .unwrap();
+    assert!(d.allowed);
+    let ks = keys_of(&r);
+    assert_eq!(ks.len(), 3, "{ks:?}");
+    let mut c = r.conn();
+    for k in &ks {
+        let pttl: i64 = redis::cmd("PTTL").arg(k).query(&mut c).unwrap();
+        // Full again within 100 ms, plus the 1 s margin.
+        assert!(pttl > 0 && pttl <= 1100, "{k}: PTTL {pttl}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !keys_of(&r).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "keys did not expire: {:?}",
+            keys_of(&r)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn script_flush_is_recovered() {
+    let r = RedisProc::start();
+    let s = common::redis_store(&r.url(), 1000);
+    let b = tb("flush", 3, 3, 3_600_000, 1);
+    assert!(s.take(std::slice::from_ref(&b)).await.unwrap().allowed);
+    assert_eq!(r.cmd(&["SCRIPT", "FLUSH"]).as_deref(), Some("OK"));
+    let d = s
+        .take(std::slice::from_ref(&b))
+        .await
+        .expect("NOSCRIPT is recovered");
+    assert_eq!(d.buckets[0].remaining, 1);
+}
+
+/// A dead or hung Redis is a 503 / UNAVAILABLE within the configured timeout, and the service
+/// recovers by itself when Redis is back on the same port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outage_is_503_within_the_timeout_and_recovers() {
+    const TIMEOUT_MS: u64 = 100;
+    let mut r = RedisProc::start();
+    let svc = Service::start(Arc::new(common::redis_store(&r.url(), TIMEOUT_MS)), None).await;
+    let client = reqwest::Client::new();
+    let body = json!({"buckets": [bucket("outage", 1000, 1000, 3_600_000, 1)]});
+    assert_eq!(post_take(&client, &svc, &body).await.0, 200);
+
+    // Hung: Redis accepts nothing for 2 s (CLIENT PAUSE): the response timeout must fire.
+    assert_eq!(
+        r.cmd(&["CLIENT", "PAUSE", "2000", "ALL"]).as_deref(),
+        Some("OK")
+    );
+    let t = Instant::now();
+    let (status, v) = post_take(&client, &svc, &body).await;
+    let hung = t.elapsed();
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "unavailable");
+    assert!(
+        hung < Duration::from_millis(TIMEOUT_MS + 150),
+        "hung Redis answered after {hung:?}"
+    );
+    assert!(hung >= Duration::from_millis(TIMEOUT_MS - 5), "{hung:?}");
+    r.cmd(&["CLIENT", "UNPAUSE"]);
+
+    // Killed.
+    r.kill();
+    let mut g = svc.grpc().await;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let (status, _) = post_take(&client, &svc, &body).await;
+        let dead = t.elapsed();
+        assert_eq!(status, 503);
+        assert!(
+            dead < Duration::from_millis(TIMEOUT_MS + 150),
+            "dead Redis answered after {dead:?}"
+        );
+        let t = Instant::now();
+        let e = g
+            .take(pb::TakeRequest {
+                buckets: vec![pb::Bucket {
+                    key: "outage".into(),
+                    capacity: 1000,
+                    rate: Some(1000),
+                    period_ms: 3_600_000,
+                    cost: None,
+                    algorithm: 0,
+                }],
+            })
+            .await
+            .expect_err("no Redis");
+        assert_eq!(e.code(), tonic::Code::Unavailable);
+        assert!(t.elapsed() < Duration::from_millis(TIMEOUT_MS + 150));
+    }
+
+    // Back on the same port: success again without restarting the service.
+    r.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (status, v) = post_take(&client, &svc, &body).await;
+        if status == 200 {
+            assert_eq!(v["allowed"], true);
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recovery: {status} {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    svc.stop().await;
+}
+
+/// Three masters, started here, on free ports.
+struct Cluster {
+    nodes: Vec<RedisProc>,
+}
+
+impl Cluster {
+    fn start() -> Self {
+        let nodes: Vec<RedisProc> = (0..3)
+            .map(|_| {
+                let port = common::free_port();
+                let conf = format!("nodes-{port}.conf");
+                RedisProc::start_on(
+                    port,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        &conf,
+                        "--cluster-node-timeout",
+                        "2000",
+                    ],
+                )
+            })
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new(common::redis_cli_bin())
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for n in &nodes {
+            loop {
+                let info = n.cmd(&["CLUSTER", "INFO"]).unwrap_or_default();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "cluster not ok: {info}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Cluster { nodes }
+    }
+
+    fn store(&self) -> RedisStore {
+        RedisStore::new(RedisConfig {
+            url: None,
+            cluster: vec![self.nodes[0].url()],
+            key_prefix: "test:".into(),
+            timeout: Duration::from_millis(1000),
+        })
+        .unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_slots_and_all_or_nothing() {
+    let cluster = Cluster::start();
+    let s = cluster.store();
+    assert_eq!(s.kind(), "redis-cluster");
+    s.ping().await.expect("cluster answers");
+
+    // Two keys in different slots (and, with 3 masters, usually on different nodes).
+    let a = tb("cluster-a", 10, 10, 3_600_000, 3);
+    let mut b = tb("cluster-b", 2, 2, 3_600_000, 3);
+    let mut i = 0;
+    while keys::slot(&keys::redis_key("test:", &a)) / 5462
+        == keys::slot(&keys::redis_key("test:", &b)) / 5462
+    {
+        i += 1;
+        b.key = format!("cluster-b{i}");
+    }
+
+    // b cannot pay 3: the request is denied and a keeps its 10 tokens.
+    let d = s.take(&[a.clone(), b.clone()]).await.unwrap();
+    assert!(!d.allowed);
+    assert!(d.buckets[0].allowed && !d.buckets[1].allowed, "{d:?}");
+    let all_of_a = tb(&a.key, 10, 10, 3_600_000, 10);
+    let d = s.take(std::slice::from_ref(&all_of_a)).await.unwrap();
+    assert!(d.allowed, "a was refunded: {d:?}");
+
+    // Buckets on different slots both charged when both can pay.
+    let c = tb(&format!("{}-c", a.key), 4, 4, 3_600_000, 1);
+    let b2 = tb(&b.key, 2, 2, 3_600_000, 1);
+    let d = s.take(&[c.clone(), b2.clone()]).await.unwrap();
+    assert!(d.allowed);
+    assert_eq!((d.buckets[0].remaining, d.buckets[1].remaining), (3, 1));
+
+    // NOSCRIPT recovery on every node.
+    for n in &cluster.nodes {
+        assert_eq!(n.cmd(&["SCRIPT", "FLUSH"]).as_deref(), Some("OK"));
+    }
+    let d = s
+        .take(&[c, b2])
+        .await
+        .expect("NOSCRIPT recovered on the cluster");
+    assert!(d.allowed);
+    assert_eq!((d.buckets[0].remaining, d.buckets[1].remaining), (2, 0));
+
+    // Exactness across slots under concurrency: 16 tasks race for a 2-slot request.
+    let s = Arc::new(s);
+    let x = tb("race-x", 20, 1, 3_600_000, 1);
+    let mut y = tb("race-y", 5, 1, 3_600_000, 1);
+    let mut j = 0;
+    while keys::slot(&keys::redis_key("test:", &x)) == keys::slot(&keys::redis_key("test:", &y)) {
+        j += 1;
+        y.key = format!("race-y{j}");
+    }
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (s, x, y) = (s.clone(), x.clone(), y.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0;
+            for _ in 0..4 {
+                if s.take(&[x.clone(), y.clone()]).await.unwrap().allowed {
+                    n += 1;
+                }
+            }
+            n
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert!(admitted <= 5, "never over-admits across slots: {admitted}");
+    assert!(admitted >= 1);
+}
