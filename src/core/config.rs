@@ -1,13 +1,13 @@
 //! The plugin configuration (docs/filter-config.md is the user-facing reference).
 //!
 //! Parsed and validated once, in `on_configure`; the result is immutable and shared by every
-//! request. Two layers: `Raw*` types mirror the JSON exactly (`deny_unknown_fields`, so a typo is
-//! an error rather than a silently ignored limit), and [`Config`] holds the validated values with
-//! every default resolved. Every error names the offending field, e.g.
+//! request: [`Config`] holds the validated values with every default resolved. Unknown fields
+//! are errors (a typo must not silently leave a limit unset), and every error names the offending
+//! field, e.g.
 //! `rules[1].capacity: must be between 1 and 1000000000`. The numeric bounds are the contract's
 //! (contract/README.md), so the service never rejects what the filter accepted.
 
-use serde::Deserialize;
+use serde_json::{Map, Value};
 use std::fmt;
 
 /// Largest capacity, rate and cost the contract accepts.
@@ -44,19 +44,11 @@ fn err<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, Con
     })
 }
 
-fn in_range(field: &str, v: u64, lo: u64, hi: u64) -> Result<u64, ConfigError> {
-    if v < lo || v > hi {
-        return err(field, format!("must be between {lo} and {hi}"));
-    }
-    Ok(v)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Validated configuration
 
 /// How the filter talks to the decision service.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
     /// JSON over HTTP: `POST <path>`.
     Http,
@@ -65,8 +57,7 @@ pub enum Transport {
 }
 
 /// What decides when the service cannot (see [`crate::core::decide`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FailureMode {
     /// A local bucket per key, shared by the worker threads, at capacity/instances.
     #[default]
@@ -78,8 +69,7 @@ pub enum FailureMode {
 }
 
 /// What to do with a rule when a key part is absent (e.g. the header is missing).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnMissing {
     /// The rule does not apply to this request.
     #[default]
@@ -89,8 +79,7 @@ pub enum OnMissing {
 }
 
 /// The bucket algorithm (contract: `token_bucket` | `fixed_window`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Algorithm {
     /// Refills continuously at `rate / period_ms`, holds at most `capacity`.
     #[default]
@@ -100,13 +89,11 @@ pub enum Algorithm {
 }
 
 /// Which rate limit headers the filter writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeaderStyle {
     /// IETF draft `RateLimit-Policy` and `RateLimit` (structured fields).
-    #[serde(rename = "draft")]
     Draft,
     /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`.
-    #[serde(rename = "x-ratelimit")]
     XRateLimit,
 }
 
@@ -272,206 +259,226 @@ pub struct Response {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Raw JSON shape
+// Reading the JSON
+//
+// The document is parsed into a `serde_json::Value` and walked by hand: each object is checked
+// against its list of known fields, and each value is read with its full path at hand, so every
+// error (unknown field, wrong type, out of range) names the field. A derive with
+// `deny_unknown_fields` plus a path-tracking wrapper did the same for about 60 KiB more module.
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawConfig {
-    service: RawService,
-    #[serde(default)]
-    trusted_hops: u32,
-    rules: Vec<RawRule>,
-    #[serde(default)]
-    failure_mode: FailureMode,
-    #[serde(default)]
-    fallback: RawFallback,
-    #[serde(default)]
-    breaker: RawBreaker,
-    #[serde(default)]
-    shadow: bool,
-    #[serde(default)]
-    response: RawResponse,
+/// One JSON object being read, with its path and its known fields.
+struct Obj<'a> {
+    at: String,
+    map: &'a Map<String, Value>,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawService {
-    cluster: String,
-    authority: Option<String>,
-    transport: Option<Transport>,
-    timeout_ms: Option<u64>,
-    path: Option<String>,
-    token: Option<String>,
+fn join(at: &str, field: &str) -> String {
+    if at.is_empty() {
+        field.to_string()
+    } else {
+        format!("{at}.{field}")
+    }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawRule {
-    name: String,
-    #[serde(rename = "match")]
-    matcher: Option<RawMatch>,
-    #[serde(default)]
-    key: Vec<String>,
-    #[serde(default)]
-    on_missing: OnMissing,
-    capacity: u64,
-    rate: Option<u64>,
-    period_ms: u64,
-    cost: Option<RawCost>,
-    #[serde(default)]
-    algorithm: Algorithm,
+impl<'a> Obj<'a> {
+    /// `v` must be an object whose fields are all in `known`.
+    fn new(v: &'a Value, at: &str, known: &[&str]) -> Result<Obj<'a>, ConfigError> {
+        let Value::Object(map) = v else {
+            return err(
+                if at.is_empty() { "config" } else { at },
+                "must be an object",
+            );
+        };
+        for k in map.keys() {
+            if !known.contains(&k.as_str()) {
+                return err(
+                    join(at, k),
+                    format!("unknown field (expected one of: {})", known.join(", ")),
+                );
+            }
+        }
+        Ok(Obj {
+            at: at.to_string(),
+            map,
+        })
+    }
+
+    fn path(&self, f: &str) -> String {
+        join(&self.at, f)
+    }
+
+    /// A field's value; JSON `null` counts as absent.
+    fn get(&self, f: &str) -> Option<&'a Value> {
+        self.map.get(f).filter(|v| !v.is_null())
+    }
+
+    fn required(&self, f: &str) -> Result<&'a Value, ConfigError> {
+        match self.get(f) {
+            Some(v) => Ok(v),
+            None => err(self.path(f), "missing (required)"),
+        }
+    }
+
+    /// An integer in `lo..=hi`, or `default` when absent.
+    fn int(&self, f: &str, default: Option<u64>, lo: u64, hi: u64) -> Result<u64, ConfigError> {
+        let v = match (self.get(f), default) {
+            (Some(v), _) => v,
+            (None, Some(d)) => return Ok(d),
+            (None, None) => return err(self.path(f), "missing (required)"),
+        };
+        int_value(&self.path(f), v, lo, hi)
+    }
+
+    fn string(&self, f: &str) -> Result<Option<String>, ConfigError> {
+        match self.get(f) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => err(self.path(f), "must be a string"),
+        }
+    }
+
+    fn boolean(&self, f: &str) -> Result<bool, ConfigError> {
+        match self.get(f) {
+            None => Ok(false),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => err(self.path(f), "must be true or false"),
+        }
+    }
+
+    fn array(&self, f: &str) -> Result<Option<&'a Vec<Value>>, ConfigError> {
+        match self.get(f) {
+            None => Ok(None),
+            Some(Value::Array(a)) => Ok(Some(a)),
+            Some(_) => err(self.path(f), "must be a list"),
+        }
+    }
+
+    /// One of fixed names, or `default` when absent.
+    fn choice<T: Copy>(
+        &self,
+        f: &str,
+        options: &[(&str, T)],
+        default: T,
+    ) -> Result<T, ConfigError> {
+        match self.get(f) {
+            None => Ok(default),
+            Some(v) => choice_value(&self.path(f), v, options),
+        }
+    }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawMatch {
-    path_exact: Option<String>,
-    path_prefix: Option<String>,
-    methods: Option<Vec<String>>,
-    #[serde(default)]
-    headers: Vec<RawHeaderMatch>,
+fn int_value(at: &str, v: &Value, lo: u64, hi: u64) -> Result<u64, ConfigError> {
+    match v.as_u64() {
+        Some(n) if (lo..=hi).contains(&n) => Ok(n),
+        _ => err(at, format!("must be between {lo} and {hi}")),
+    }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawHeaderMatch {
-    name: String,
-    present: Option<bool>,
-    equals: Option<String>,
+fn choice_value<T: Copy>(at: &str, v: &Value, options: &[(&str, T)]) -> Result<T, ConfigError> {
+    if let Some(s) = v.as_str() {
+        if let Some((_, t)) = options.iter().find(|(name, _)| *name == s) {
+            return Ok(*t);
+        }
+    }
+    let names: Vec<String> = options.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+    err(at, format!("must be one of {}", names.join(", ")))
 }
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum RawCost {
-    Fixed(u64),
-    Header(RawCostHeader),
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawCostHeader {
-    header: String,
-    default: Option<u64>,
-    max: Option<u64>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RawFallback {
-    instances: Option<u64>,
-    max_keys: Option<u32>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RawBreaker {
-    failures: Option<u32>,
-    open_ms: Option<u64>,
-    max_open_ms: Option<u64>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RawResponse {
-    status: Option<u32>,
-    body: Option<String>,
-    content_type: Option<String>,
-    headers: Option<Vec<HeaderStyle>>,
-    #[serde(default)]
-    on_allowed: bool,
-}
-
-// ---------------------------------------------------------------------------------------------
-// Parsing and validation
 
 impl Config {
     /// Parses and validates the plugin configuration (JSON bytes).
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
-        let de = &mut serde_json::Deserializer::from_slice(bytes);
-        let raw: RawConfig = match serde_path_to_error::deserialize(de) {
-            Ok(raw) => raw,
-            Err(e) => {
-                let field = e.path().to_string();
-                let field = if field == "." {
-                    "config".to_string()
-                } else {
-                    field
-                };
-                return err(field, e.into_inner().to_string());
-            }
+        let doc: Value = match serde_json::from_slice(bytes) {
+            Ok(v) => v,
+            Err(e) => return err("config", format!("not valid JSON: {e}")),
         };
-        validate(raw)
-    }
-}
-
-fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
-    let service = validate_service(raw.service)?;
-    if raw.trusted_hops > 16 {
-        return err("trusted_hops", "must be between 0 and 16");
-    }
-    if raw.rules.is_empty() || raw.rules.len() > MAX_RULES {
-        return err(
-            "rules",
-            format!("must hold between 1 and {MAX_RULES} rules"),
-        );
-    }
-    let mut rules: Vec<Rule> = Vec::with_capacity(raw.rules.len());
-    for (i, r) in raw.rules.into_iter().enumerate() {
-        let rule = validate_rule(&format!("rules[{i}]"), r)?;
-        if rules.iter().any(|o| o.name == rule.name) {
+        let root = Obj::new(
+            &doc,
+            "",
+            &[
+                "service",
+                "trusted_hops",
+                "rules",
+                "failure_mode",
+                "fallback",
+                "breaker",
+                "shadow",
+                "response",
+            ],
+        )?;
+        let service = read_service(&root)?;
+        let trusted_hops = root.int("trusted_hops", Some(0), 0, 16)? as u32;
+        let raw_rules = root.array("rules")?.ok_or_else(|| ConfigError {
+            field: "rules".into(),
+            message: "missing (required)".into(),
+        })?;
+        if raw_rules.is_empty() || raw_rules.len() > MAX_RULES {
             return err(
-                format!("rules[{i}].name"),
-                format!("duplicate rule name {:?}", rule.name),
+                "rules",
+                format!("must hold between 1 and {MAX_RULES} rules"),
             );
         }
-        rules.push(rule);
+        let mut rules: Vec<Rule> = Vec::with_capacity(raw_rules.len());
+        for (i, r) in raw_rules.iter().enumerate() {
+            let rule = read_rule(&format!("rules[{i}]"), r)?;
+            if rules.iter().any(|o| o.name == rule.name) {
+                return err(
+                    format!("rules[{i}].name"),
+                    format!("duplicate rule name {:?}", rule.name),
+                );
+            }
+            rules.push(rule);
+        }
+        let failure_mode = root.choice(
+            "failure_mode",
+            &[
+                ("fallback", FailureMode::Fallback),
+                ("allow", FailureMode::Allow),
+                ("deny", FailureMode::Deny),
+            ],
+            FailureMode::Fallback,
+        )?;
+        let empty = Value::Object(Map::new());
+        let fb = Obj::new(
+            root.get("fallback").unwrap_or(&empty),
+            "fallback",
+            &["instances", "max_keys"],
+        )?;
+        let fallback = Fallback {
+            instances: fb.int("instances", Some(1), 1, 10_000)?,
+            max_keys: fb.int("max_keys", Some(10_000), 1, 1_000_000)? as u32,
+        };
+        let br = Obj::new(
+            root.get("breaker").unwrap_or(&empty),
+            "breaker",
+            &["failures", "open_ms", "max_open_ms"],
+        )?;
+        let failures = br.int("failures", Some(5), 0, 10_000)? as u32;
+        let open_ms = br.int("open_ms", Some(250), 1, 3_600_000)?;
+        let max_open_ms = br.int("max_open_ms", Some(open_ms.max(5_000)), open_ms, 3_600_000)?;
+        let shadow = root.boolean("shadow")?;
+        let response = read_response(&Obj::new(
+            root.get("response").unwrap_or(&empty),
+            "response",
+            &["status", "body", "content_type", "headers", "on_allowed"],
+        )?)?;
+        let needs_peer_address =
+            trusted_hops == 0 && rules.iter().any(|r| r.key.contains(&KeyPart::ClientIp));
+        Ok(Config {
+            service,
+            trusted_hops,
+            rules,
+            failure_mode,
+            fallback,
+            breaker: Breaker {
+                failures,
+                open_ms,
+                max_open_ms,
+            },
+            shadow,
+            response,
+            needs_peer_address,
+        })
     }
-    let fallback = Fallback {
-        instances: in_range(
-            "fallback.instances",
-            raw.fallback.instances.unwrap_or(1),
-            1,
-            10_000,
-        )?,
-        max_keys: in_range(
-            "fallback.max_keys",
-            u64::from(raw.fallback.max_keys.unwrap_or(10_000)),
-            1,
-            1_000_000,
-        )? as u32,
-    };
-    let failures = raw.breaker.failures.unwrap_or(5);
-    if failures > 10_000 {
-        return err("breaker.failures", "must be between 0 and 10000");
-    }
-    let open_ms = in_range(
-        "breaker.open_ms",
-        raw.breaker.open_ms.unwrap_or(250),
-        1,
-        3_600_000,
-    )?;
-    let max_open_ms = match raw.breaker.max_open_ms {
-        Some(m) => in_range("breaker.max_open_ms", m, open_ms, 3_600_000)?,
-        None => open_ms.max(5_000),
-    };
-    let response = validate_response(raw.response)?;
-    let needs_peer_address =
-        raw.trusted_hops == 0 && rules.iter().any(|r| r.key.contains(&KeyPart::ClientIp));
-    Ok(Config {
-        service,
-        trusted_hops: raw.trusted_hops,
-        rules,
-        failure_mode: raw.failure_mode,
-        fallback,
-        breaker: Breaker {
-            failures,
-            open_ms,
-            max_open_ms,
-        },
-        shadow: raw.shadow,
-        response,
-        needs_peer_address,
-    })
 }
 
 /// Text that goes into a header value or a header name must not smuggle a line break or other
@@ -491,146 +498,209 @@ fn header_name(field: &str, name: &str) -> Result<String, ConfigError> {
     Ok(name.to_ascii_lowercase())
 }
 
-fn validate_service(s: RawService) -> Result<Service, ConfigError> {
-    if s.cluster.is_empty() || !header_safe(&s.cluster) {
+fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
+    let s = Obj::new(
+        root.required("service")?,
+        "service",
+        &[
+            "cluster",
+            "authority",
+            "transport",
+            "timeout_ms",
+            "path",
+            "token",
+        ],
+    )?;
+    let cluster = s.string("cluster")?.unwrap_or_default();
+    if cluster.is_empty() || !header_safe(&cluster) {
         return err("service.cluster", "must be a non-empty cluster name");
     }
-    let authority = s.authority.unwrap_or_else(|| s.cluster.clone());
+    let authority = s.string("authority")?.unwrap_or_else(|| cluster.clone());
     if authority.is_empty() || !header_safe(&authority) {
         return err("service.authority", "must be a non-empty host name");
     }
-    let timeout_ms = in_range("service.timeout_ms", s.timeout_ms.unwrap_or(20), 1, 60_000)?;
-    let path = s.path.unwrap_or_else(|| "/v1/take".to_string());
+    let transport = s.choice(
+        "transport",
+        &[("http", Transport::Http), ("grpc", Transport::Grpc)],
+        Transport::Http,
+    )?;
+    let timeout_ms = s.int("timeout_ms", Some(20), 1, 60_000)?;
+    let path = s.string("path")?.unwrap_or_else(|| "/v1/take".to_string());
     if !path.starts_with('/') || !header_safe(&path) || path.contains(' ') {
         return err(
             "service.path",
             "must start with '/' and hold no spaces or control characters",
         );
     }
-    if let Some(t) = &s.token {
+    let token = s.string("token")?;
+    if let Some(t) = &token {
         if t.is_empty() || t.len() > 4096 || !header_safe(t) {
             return err("service.token", "must be 1..=4096 printable characters");
         }
     }
     Ok(Service {
-        cluster: s.cluster,
+        cluster,
         authority,
-        transport: s.transport.unwrap_or(Transport::Http),
+        transport,
         timeout_ms,
         path,
-        token: s.token,
+        token,
     })
 }
 
-fn validate_rule(at: &str, r: RawRule) -> Result<Rule, ConfigError> {
-    let name_ok = !r.name.is_empty()
-        && r.name.len() <= MAX_NAME_LEN
-        && r.name
+fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
+    let r = Obj::new(
+        v,
+        at,
+        &[
+            "name",
+            "match",
+            "key",
+            "on_missing",
+            "capacity",
+            "rate",
+            "period_ms",
+            "cost",
+            "algorithm",
+        ],
+    )?;
+    let name = match r.required("name")? {
+        Value::String(s) => s.clone(),
+        _ => String::new(),
+    };
+    let name_ok = !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.:/".contains(&b));
     if !name_ok {
         return err(
-            format!("{at}.name"),
+            r.path("name"),
             format!("must be 1..={MAX_NAME_LEN} characters from A-Z a-z 0-9 - _ . : /"),
         );
     }
-    let matcher = match r.matcher {
+    let matcher = match r.get("match") {
         None => Match::default(),
-        Some(m) => validate_match(&format!("{at}.match"), m)?,
+        Some(m) => read_match(&r.path("match"), m)?,
     };
-    if r.key.len() > MAX_KEY_PARTS {
+    let raw_key = r.array("key")?.map(Vec::as_slice).unwrap_or(&[]);
+    if raw_key.len() > MAX_KEY_PARTS {
         return err(
-            format!("{at}.key"),
+            r.path("key"),
             format!("must hold at most {MAX_KEY_PARTS} parts"),
         );
     }
-    let mut key = Vec::with_capacity(r.key.len());
-    for (j, p) in r.key.iter().enumerate() {
-        key.push(parse_key_part(&format!("{at}.key[{j}]"), p)?);
+    let mut key = Vec::with_capacity(raw_key.len());
+    for (j, p) in raw_key.iter().enumerate() {
+        let at = format!("{}[{j}]", r.path("key"));
+        match p.as_str() {
+            Some(p) => key.push(parse_key_part(&at, p)?),
+            None => return err(at, "must be a string"),
+        }
     }
-    let capacity = in_range(&format!("{at}.capacity"), r.capacity, 1, MAX_TOKENS)?;
-    let rate = in_range(
-        &format!("{at}.rate"),
-        r.rate.unwrap_or(capacity),
-        1,
-        MAX_TOKENS,
+    let on_missing = r.choice(
+        "on_missing",
+        &[("skip", OnMissing::Skip), ("shared", OnMissing::Shared)],
+        OnMissing::Skip,
     )?;
-    let period_ms = in_range(&format!("{at}.period_ms"), r.period_ms, 1, MAX_PERIOD_MS)?;
-    let cost = match r.cost {
+    let capacity = r.int("capacity", None, 1, MAX_TOKENS)?;
+    let rate = r.int("rate", Some(capacity), 1, MAX_TOKENS)?;
+    let period_ms = r.int("period_ms", None, 1, MAX_PERIOD_MS)?;
+    let cost = match r.get("cost") {
         None => Cost::Fixed(1),
-        Some(RawCost::Fixed(c)) => Cost::Fixed(in_range(&format!("{at}.cost"), c, 1, MAX_TOKENS)?),
-        Some(RawCost::Header(h)) => {
-            let name = header_name(&format!("{at}.cost.header"), &h.header)?;
-            let max = in_range(
-                &format!("{at}.cost.max"),
-                h.max.unwrap_or(capacity),
-                1,
-                MAX_TOKENS,
+        Some(Value::Object(_)) => {
+            let c = Obj::new(
+                r.required("cost")?,
+                &r.path("cost"),
+                &["header", "default", "max"],
             )?;
-            let default = in_range(
-                &format!("{at}.cost.default"),
-                h.default.unwrap_or(1),
-                1,
-                max,
-            )?;
+            let name = header_name(&c.path("header"), &c.string("header")?.unwrap_or_default())?;
+            let max = c.int("max", Some(capacity), 1, MAX_TOKENS)?;
+            let default = c.int("default", Some(1), 1, max)?;
             Cost::Header { name, default, max }
         }
+        Some(v) => Cost::Fixed(int_value(&r.path("cost"), v, 1, MAX_TOKENS)?),
     };
+    let algorithm = r.choice(
+        "algorithm",
+        &[
+            ("token_bucket", Algorithm::TokenBucket),
+            ("fixed_window", Algorithm::FixedWindow),
+        ],
+        Algorithm::TokenBucket,
+    )?;
     Ok(Rule {
-        name: r.name,
+        name,
         matcher,
         key,
-        on_missing: r.on_missing,
+        on_missing,
         capacity,
         rate,
         period_ms,
         cost,
-        algorithm: r.algorithm,
+        algorithm,
     })
 }
 
-fn validate_match(at: &str, m: RawMatch) -> Result<Match, ConfigError> {
-    let path = match (m.path_exact, m.path_prefix) {
+fn read_match(at: &str, v: &Value) -> Result<Match, ConfigError> {
+    let m = Obj::new(v, at, &["path_exact", "path_prefix", "methods", "headers"])?;
+    let path = match (m.string("path_exact")?, m.string("path_prefix")?) {
         (Some(_), Some(_)) => {
             return err(
-                format!("{at}.path_prefix"),
+                m.path("path_prefix"),
                 "path_exact and path_prefix exclude each other",
             )
         }
         (Some(p), None) => {
             if !p.starts_with('/') {
-                return err(format!("{at}.path_exact"), "must start with '/'");
+                return err(m.path("path_exact"), "must start with '/'");
             }
             Some(PathMatch::Exact(p))
         }
         (None, Some(p)) => {
             if !p.starts_with('/') {
-                return err(format!("{at}.path_prefix"), "must start with '/'");
+                return err(m.path("path_prefix"), "must start with '/'");
             }
             Some(PathMatch::Prefix(p))
         }
         (None, None) => None,
     };
     let mut methods = Vec::new();
-    if let Some(ms) = m.methods {
+    if let Some(ms) = m.array("methods")? {
         if ms.is_empty() {
             return err(
-                format!("{at}.methods"),
+                m.path("methods"),
                 "must not be empty (omit it to match any method)",
             );
         }
         for (k, method) in ms.iter().enumerate() {
+            let method = method.as_str().unwrap_or_default();
             if method.is_empty() || method.len() > 32 || !method.bytes().all(is_token_char) {
-                return err(format!("{at}.methods[{k}]"), "must be an HTTP method");
+                return err(
+                    format!("{}[{k}]", m.path("methods")),
+                    "must be an HTTP method",
+                );
             }
             methods.push(method.to_ascii_uppercase());
         }
     }
-    let mut headers = Vec::with_capacity(m.headers.len());
-    for (k, h) in m.headers.into_iter().enumerate() {
-        let hat = format!("{at}.headers[{k}]");
-        let name = header_name(&format!("{hat}.name"), &h.name)?;
-        headers.push(match (h.present, h.equals) {
+    let mut headers = Vec::new();
+    for (k, h) in m
+        .array("headers")?
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+        .iter()
+        .enumerate()
+    {
+        let hat = format!("{}[{k}]", m.path("headers"));
+        let o = Obj::new(h, &hat, &["name", "present", "equals"])?;
+        let name = header_name(&o.path("name"), &o.string("name")?.unwrap_or_default())?;
+        let present = match o.get("present") {
+            None => None,
+            Some(Value::Bool(b)) => Some(*b),
+            Some(_) => return err(o.path("present"), "must be true or false"),
+        };
+        headers.push(match (present, o.string("equals")?) {
             (Some(p), None) => HeaderMatch::Present(name, p),
             (None, Some(v)) => HeaderMatch::Equals(name, v),
             _ => return err(hat, "needs exactly one of `present` or `equals`"),
@@ -667,30 +737,48 @@ fn parse_key_part(at: &str, p: &str) -> Result<KeyPart, ConfigError> {
     }
 }
 
-fn validate_response(r: RawResponse) -> Result<Response, ConfigError> {
-    let status = r.status.unwrap_or(429);
-    if !(400..=599).contains(&status) {
-        return err("response.status", "must be between 400 and 599");
-    }
-    let body = r.body.unwrap_or_else(|| "rate limited\n".to_string());
+fn read_response(r: &Obj<'_>) -> Result<Response, ConfigError> {
+    let status = r.int("status", Some(429), 400, 599)? as u32;
+    let body = r
+        .string("body")?
+        .unwrap_or_else(|| "rate limited\n".to_string());
     if body.len() > 65_536 {
         return err("response.body", "must be at most 65536 bytes");
     }
-    let content_type = r.content_type.unwrap_or_else(|| "text/plain".to_string());
+    let content_type = r
+        .string("content_type")?
+        .unwrap_or_else(|| "text/plain".to_string());
     if content_type.is_empty() || !header_safe(&content_type) {
         return err(
             "response.content_type",
             "must be a non-empty printable header value",
         );
     }
-    let mut headers = r.headers.unwrap_or_else(|| vec![HeaderStyle::Draft]);
-    headers.dedup();
+    let mut headers = Vec::new();
+    match r.array("headers")? {
+        None => headers.push(HeaderStyle::Draft),
+        Some(list) => {
+            for (i, v) in list.iter().enumerate() {
+                let style = choice_value(
+                    &format!("response.headers[{i}]"),
+                    v,
+                    &[
+                        ("draft", HeaderStyle::Draft),
+                        ("x-ratelimit", HeaderStyle::XRateLimit),
+                    ],
+                )?;
+                if !headers.contains(&style) {
+                    headers.push(style);
+                }
+            }
+        }
+    }
     Ok(Response {
         status,
         body,
         content_type,
         headers,
-        on_allowed: r.on_allowed,
+        on_allowed: r.boolean("on_allowed")?,
     })
 }
 
@@ -851,9 +939,19 @@ mod tests {
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"algorithm":"leaky"}"#), "rules[1].algorithm"),
             (with_rule1(r#"{"name":"b","capacity":-5,"period_ms":1}"#), "rules[1].capacity"),
             (with_rule1(r#"{"name":"b","capacity":1.5,"period_ms":1}"#), "rules[1].capacity"),
-            (with_rule1(r#"{"name":"b","period_ms":1}"#), "rules[1]"),
+            (with_rule1(r#"{"name":"b","period_ms":1}"#), "rules[1].capacity"),
+            (with_rule1(r#"{"name":"b","capacity":"5","period_ms":1}"#), "rules[1].capacity"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":"path"}"#), "rules[1].key"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":[1]}"#), "rules[1].key[0]"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":"x"}"#), "rules[1].cost"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"max":3}}"#), "rules[1].cost.header"),
+            (with_rule1(r#"{"capacity":5,"period_ms":1}"#), "rules[1].name"),
+            (r#"[1]"#.into(), "config"),
+            (r#"{"service":{"cluster":"c"},"rules":[{"name":"a","capacity":1,"period_ms":1}],"shadow":"yes"}"#.into(), "shadow"),
+            (r#"{"service":{"cluster":"c"},"rules":[{"name":"a","capacity":1,"period_ms":1}],"response":{"on_allowed":1}}"#.into(), "response.on_allowed"),
             (r#"{"service":{"cluster":"c"},"rules":[]}"#.into(), "rules"),
-            (r#"{"rules":[]}"#.into(), "config"),
+            (r#"{"rules":[]}"#.into(), "service"),
+            (r#"{"service":{"cluster":"c"}"#.into(), "config"),
             (r#"{"service":{"cluster":""},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.cluster"),
             (r#"{"service":{"cluster":"c","transport":"udp"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.transport"),
             (r#"{"service":{"cluster":"c","timeout_ms":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.timeout_ms"),

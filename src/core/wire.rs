@@ -7,7 +7,7 @@
 //! contract/fixtures/cases.json, the same fixtures the service is tested with.
 
 use crate::core::config::Algorithm;
-use serde::Deserialize;
+use serde_json::Value as Json;
 use std::fmt::Write as _;
 
 /// One bucket of a take request.
@@ -35,26 +35,22 @@ pub struct TakeRequest {
 }
 
 /// The result for one bucket.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct BucketResult {
     /// This bucket alone could pay.
     pub allowed: bool,
     /// The bucket's capacity.
-    #[serde(default)]
     pub limit: u64,
     /// Whole tokens left.
-    #[serde(default)]
     pub remaining: u64,
     /// ms until full (token bucket) or until the window ends (fixed window).
-    #[serde(default)]
     pub reset_ms: u64,
     /// When denied: ms until it could pay; 0 otherwise.
-    #[serde(default)]
     pub retry_after_ms: u64,
 }
 
 /// The response.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TakeResponse {
     /// Every bucket could pay, and all were charged.
     pub allowed: bool,
@@ -115,9 +111,45 @@ pub fn encode_json(req: &TakeRequest) -> Vec<u8> {
     s.into_bytes()
 }
 
-/// Decodes a JSON response.
+fn json_bool(v: &Json, field: &str) -> Result<bool, DecodeError> {
+    v.get(field)
+        .and_then(Json::as_bool)
+        .ok_or_else(|| DecodeError(format!("`{field}` missing or not a boolean")))
+}
+
+/// An optional non-negative integer (absent = 0, as in protobuf).
+fn json_u64(v: &Json, field: &str) -> Result<u64, DecodeError> {
+    match v.get(field) {
+        None | Some(Json::Null) => Ok(0),
+        Some(x) => x
+            .as_u64()
+            .ok_or_else(|| DecodeError(format!("`{field}` is not a non-negative integer"))),
+    }
+}
+
+/// Decodes a JSON response. `allowed` is required at both levels, and `buckets`; the numbers
+/// default to 0; unknown fields are ignored (the service may add some).
+///
+/// Read through `serde_json::Value` rather than a derive: the derive's error paths pull float
+/// formatting into the module, about 20 KiB for nothing.
 pub fn decode_json(body: &[u8]) -> Result<TakeResponse, DecodeError> {
-    serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))
+    let v: Json = serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))?;
+    let allowed = json_bool(&v, "allowed")?;
+    let list = v
+        .get("buckets")
+        .and_then(Json::as_array)
+        .ok_or_else(|| DecodeError("`buckets` missing or not a list".into()))?;
+    let mut buckets = Vec::with_capacity(list.len());
+    for b in list {
+        buckets.push(BucketResult {
+            allowed: json_bool(b, "allowed")?,
+            limit: json_u64(b, "limit")?,
+            remaining: json_u64(b, "remaining")?,
+            reset_ms: json_u64(b, "reset_ms")?,
+            retry_after_ms: json_u64(b, "retry_after_ms")?,
+        });
+    }
+    Ok(TakeResponse { allowed, buckets })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -288,7 +320,6 @@ pub fn decode_proto(body: &[u8]) -> Result<TakeResponse, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::Value as Json;
 
     fn hex(s: &str) -> Vec<u8> {
         (0..s.len())

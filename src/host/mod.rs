@@ -32,7 +32,7 @@ proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     // Replaces the SDK's hook, which unwraps its own log call.
     std::panic::set_hook(Box::new(|info| {
-        let _ = hostcalls::log(LogLevel::Critical, &format!("tollgate: panic: {info}"));
+        let _ = hostcalls::log(LogLevel::Critical, &format!("panic: {info}"));
     }));
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
@@ -121,12 +121,12 @@ impl Metrics {
             Event::Opened => {
                 let _ = hostcalls::increment_metric(self.breaker_opened, 1);
                 let _ = hostcalls::record_metric(self.breaker_open, 1);
-                warn!("tollgate: circuit breaker opened: the decision service is failing, using the failure mode");
+                warn!("circuit breaker opened: the decision service is failing, using the failure mode");
             }
-            Event::Reopened => debug!("tollgate: breaker probe failed, staying open"),
+            Event::Reopened => debug!("breaker probe failed, staying open"),
             Event::Closed => {
                 let _ = hostcalls::record_metric(self.breaker_open, 0);
-                info!("tollgate: circuit breaker closed: the decision service answers again");
+                info!("circuit breaker closed: the decision service answers again");
             }
             Event::None => {}
         }
@@ -161,21 +161,21 @@ impl RootContext for Root {
         ) {
             Ok(Some(b)) if !b.is_empty() => b,
             _ => {
-                error!("tollgate: invalid configuration: config: missing (put the JSON in a google.protobuf.StringValue)");
+                error!("invalid configuration: config: missing (put the JSON in a google.protobuf.StringValue)");
                 return false;
             }
         };
         let config = match Config::parse(&bytes) {
             Ok(c) => c,
             Err(e) => {
-                error!("tollgate: invalid configuration: {e}");
+                error!("invalid configuration: {e}");
                 return false;
             }
         };
         let metrics = match Metrics::define() {
             Ok(m) => m,
             Err(e) => {
-                error!("tollgate: could not define metrics: {e:?}");
+                error!("could not define metrics: {e:?}");
                 return false;
             }
         };
@@ -183,14 +183,14 @@ impl RootContext for Root {
             for r in &config.rules {
                 if r.capacity < config.fallback.instances {
                     warn!(
-                        "tollgate: rule {}: capacity {} < fallback.instances {}: its fallback bucket admits nothing",
+                        "rule {}: capacity {} < fallback.instances {}: its fallback bucket admits nothing",
                         r.name, r.capacity, config.fallback.instances
                     );
                 }
             }
         }
         info!(
-            "tollgate: configured {} rule(s), service cluster {:?} over {}, failure_mode {:?}{}",
+            "configured {} rule(s), service cluster {:?} over {}, failure_mode {:?}{}",
             config.rules.len(),
             config.service.cluster,
             match config.service.transport {
@@ -303,7 +303,7 @@ impl Filter {
             }
             Err(status) => {
                 warn!(
-                    "tollgate: callout to cluster {:?} failed to dispatch: {status:?}",
+                    "callout to cluster {:?} failed to dispatch: {status:?}",
                     cfg.service.cluster
                 );
                 self.after_callout(
@@ -350,7 +350,7 @@ impl Filter {
         metrics.decision(verdict.decision);
         if let Outcome::Failed(cause) = outcome {
             debug!(
-                "tollgate: no answer from the service ({}): {}",
+                "no answer from the service ({}): {}",
                 cause.name(),
                 verdict.decision.metric()
             );
@@ -363,10 +363,7 @@ impl Filter {
                     .and_then(|r| cfg.rules.get(*r))
                     .map_or("?", |r| r.name.as_str());
                 let key = plan.request.buckets.get(*i).map_or("?", |b| b.key.as_str());
-                debug!(
-                    "tollgate: {} rule={rule} key={key}",
-                    verdict.decision.metric()
-                );
+                debug!("{} rule={rule} key={key}", verdict.decision.metric());
             }
         }
         self.phase = Phase::Done;
@@ -375,7 +372,7 @@ impl Filter {
                 self.response_headers = headers;
                 if paused {
                     if let Err(e) = hostcalls::resume_http_request() {
-                        warn!("tollgate: could not resume the request: {e:?}");
+                        warn!("could not resume the request: {e:?}");
                     }
                 }
                 Action::Continue
@@ -391,7 +388,7 @@ impl Filter {
                     headers,
                     Some(reply.body.as_bytes()),
                 ) {
-                    warn!("tollgate: could not send the denial: {e:?}");
+                    warn!("could not send the denial: {e:?}");
                 }
                 Action::Pause
             }

@@ -177,7 +177,8 @@ mod tests {
         let long_a = vec![b'a'; 300];
         let long_b = vec![b'a'; 301];
         let huge = vec![b'{'; 70_000];
-        let pairs: Vec<(Option<&[u8]>, Option<&[u8]>)> = vec![
+        type Pair<'a> = (Option<&'a [u8]>, Option<&'a [u8]>);
+        let pairs: Vec<Pair> = vec![
             (Some(b"a:b"), Some(b"c")),
             (Some(b"a"), Some(b"b:c")),
             (Some(b"a|b"), Some(b"c")),
