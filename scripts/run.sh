@@ -88,7 +88,7 @@ Tollgate is running (rule "per-ip": 5 requests burst per client IP, refilling 1 
 
   for i in \$(seq 7); do curl -si localhost:10000/ | grep -iE '^(HTTP|ratelimit|x-ratelimit|retry-after)'; done
       five 200s, then 429 with Retry-After, RateLimit-Policy/RateLimit and X-RateLimit-*
-  curl -s 'localhost:9901/stats?filter=tollgate'     the filter's counters (Envoy admin)
+  curl -s 'localhost:9901/stats?filter=wasmcustom'   the filter's counters (Envoy admin)
   curl -s localhost:8081/metrics                     the service's metrics
   curl -s localhost:8081/readyz                      the service sees Redis (redis-cli -p $REDIS_PORT)
 
