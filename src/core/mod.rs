@@ -8,6 +8,7 @@ pub mod decide;
 pub mod fallback;
 pub mod hash;
 pub mod headers;
+pub mod hostmap;
 pub mod rules;
 pub mod store;
 pub mod wire;
