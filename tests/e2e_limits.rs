@@ -214,15 +214,17 @@ fn key_from_header_shared_when_missing(t: Transport) {
 }
 
 /// trusted_hops 1: the client address comes from x-forwarded-for, so two clients behind one
-/// trusted proxy (same peer address) have separate buckets.
+/// trusted proxy (same peer address) have separate buckets. Envoy is configured as behind a proxy
+/// (`use_remote_address: false`: it leaves x-forwarded-for as the proxy wrote it).
 fn key_from_client_ip_trusted_hop(t: Transport) {
-    let s = Stack::start(
+    let s = Stack::start_with(
         "key-xff",
         &plugin(
             t,
             vec![rule("per-ip", &["client_ip"], 2)],
             json!({"trusted_hops": 1}),
         ),
+        |spec| spec.use_remote_address = false,
     );
     let url = s.url("/");
     let one = s
@@ -237,6 +239,8 @@ fn key_from_client_ip_trusted_hop(t: Transport) {
 }
 
 /// trusted_hops 0: the peer address is the client; a forged x-forwarded-for changes nothing.
+/// Envoy is an edge proxy here (`use_remote_address: true`); with Envoy's default (false) Envoy
+/// itself takes the downstream address, which the filter reads, from x-forwarded-for.
 fn key_from_peer_ignores_x_forwarded_for(t: Transport) {
     let s = Stack::start(
         "key-peer",

@@ -334,6 +334,11 @@ pub struct EnvoySpec {
     pub direct_response: bool,
     /// `--component-log-level` (e.g. `wasm:debug`).
     pub log_level: String,
+    /// The edge connection manager's `use_remote_address`. True (an edge proxy): Envoy appends the
+    /// peer to x-forwarded-for and the `source.address` the filter reads is the real peer. False
+    /// (Envoy's default): Envoy leaves x-forwarded-for alone and takes `source.address` from its
+    /// rightmost entry.
+    pub use_remote_address: bool,
 }
 
 impl EnvoySpec {
@@ -345,6 +350,7 @@ impl EnvoySpec {
             concurrency: 2,
             direct_response: false,
             log_level: "wasm:debug".to_string(),
+            use_remote_address: true,
         }
     }
 
@@ -393,6 +399,7 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: edge
+          use_remote_address: {use_remote_address}
           route_config:
             virtual_hosts:
             - name: all
@@ -427,6 +434,7 @@ static_resources:
 "#,
             service_port = self.service_port,
             upstream_port = self.upstream_port,
+            use_remote_address = self.use_remote_address,
         )
     }
 }
@@ -936,12 +944,22 @@ impl Stack {
     /// Starts Redis, the service on it, a counting upstream and Envoy whose `tollgate` cluster points
     /// at the service. `plugin_config` is the JSON of the plugin configuration.
     pub fn start(label: &str, plugin_config: &str) -> Stack {
+        Stack::start_with(label, plugin_config, |_| {})
+    }
+
+    /// As [`Stack::start`], with `adjust` applied to the Envoy spec first.
+    pub fn start_with(
+        label: &str,
+        plugin_config: &str,
+        adjust: impl FnOnce(&mut EnvoySpec),
+    ) -> Stack {
         let c = Components::get();
         let dir = TempDir::new(label);
         let redis = Redis::start(&c, &dir);
         let service = Service::start(&c, &dir, Some(&redis.url()));
         let upstream = Upstream::start();
-        let spec = EnvoySpec::new(Some(plugin_config.to_string()), service.port, upstream.port);
+        let mut spec = EnvoySpec::new(Some(plugin_config.to_string()), service.port, upstream.port);
+        adjust(&mut spec);
         let envoy = Envoy::start(&c, &dir, &spec);
         Stack {
             envoy,
