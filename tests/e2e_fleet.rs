@@ -256,7 +256,7 @@ fn recovery(victim: Victim) {
         Victim::Service => service.proc.kill(),
         Victim::Redis => redis.proc.kill(),
     }
-    let fb_at = sampler.wait_for(Duration::from_secs(3), |s| s.fallback > before.fallback);
+    let fb_at = sampler.wait_for(Duration::from_secs(3), |_, s| s.fallback > before.fallback);
     let fb_at =
         fb_at.unwrap_or_else(|| panic!("no fallback decision within 3 s of killing {victim:?}"));
     let to_fallback = fb_at.saturating_duration_since(t_kill);
@@ -276,9 +276,10 @@ fn recovery(victim: Victim) {
         }
     };
     let at_back = sampler.last();
-    let global_at = sampler.wait_for(Duration::from_secs(5), |s| {
-        // A sample interval with more decisions than fallback decisions had some made by the service.
-        s.decided.saturating_sub(at_back.decided) > s.fallback.saturating_sub(at_back.fallback)
+    let global_at = sampler.wait_for(Duration::from_secs(5), |prev, s| {
+        // A sampling interval (a few ms) with more decisions than fallback decisions had some made by
+        // the service.
+        s.decided.saturating_sub(prev.decided) > s.fallback.saturating_sub(prev.fallback)
     });
     let global_at = global_at
         .unwrap_or_else(|| panic!("global decisions did not resume within 5 s ({victim:?})"));
@@ -1240,14 +1241,22 @@ mod fleet {
             }
         }
 
-        /// The time of the first sample taken from now on that satisfies `cond`, waiting up to `limit`.
-        pub fn wait_for(&self, limit: Duration, cond: impl Fn(&Sample) -> bool) -> Option<Instant> {
-            let from = self.samples.lock().map(|v| v.len()).unwrap_or(0);
+        /// The time of the first sample taken from now on that satisfies `cond(previous, sample)`,
+        /// waiting up to `limit`.
+        pub fn wait_for(
+            &self,
+            limit: Duration,
+            cond: impl Fn(&Sample, &Sample) -> bool,
+        ) -> Option<Instant> {
+            let from = self.samples.lock().map(|v| v.len()).unwrap_or(0).max(1);
             let deadline = Instant::now() + limit;
             while Instant::now() < deadline {
                 if let Ok(v) = self.samples.lock() {
-                    if let Some(s) = v.iter().skip(from).find(|s| cond(s)) {
-                        return Some(s.at);
+                    if let Some(w) = v
+                        .get(from - 1..)
+                        .and_then(|tail| tail.windows(2).find(|w| cond(&w[0], &w[1])))
+                    {
+                        return Some(w[1].at);
                     }
                 }
                 thread::sleep(Duration::from_millis(2));
