@@ -21,9 +21,20 @@ fn refused(label: &str, config: &str, field: &str) {
             if let Some(st) = f.status {
                 assert!(!st.success(), "Envoy exited with success: {st}");
             }
+            // The filter's own error line, not just any mention in Envoy's log.
+            let line = f
+                .log
+                .lines()
+                .find(|l| l.contains("invalid configuration"))
+                .unwrap_or_else(|| panic!("no configuration error logged ({label}):\n{}", f.log));
+            eprintln!("{label}: {line}");
             assert!(
-                f.log.contains(field),
-                "Envoy's log names `{field}` ({label}):\n{}",
+                line.contains(field),
+                "the error names `{field}` ({label}): {line}"
+            );
+            assert!(
+                f.log.contains("Unable to create Wasm"),
+                "Envoy refused the plugin ({label}):\n{}",
                 f.log
             );
         }
@@ -82,7 +93,7 @@ fn bad_transport() {
 
 #[test]
 fn missing_cluster() {
-    refused("cluster", &with("{}", GOOD_RULE, ""), "cluster");
+    refused("cluster", &with("{}", GOOD_RULE, ""), "service.cluster");
 }
 
 #[test]
@@ -120,5 +131,5 @@ fn duplicate_rule_names() {
 
 #[test]
 fn not_json() {
-    refused("not-json", "service: tollgate", "tollgate");
+    refused("not-json", "service: tollgate", "not valid JSON");
 }
