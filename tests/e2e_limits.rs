@@ -2,6 +2,14 @@
 //! real Redis, over both transports. What is checked is what a client sees and what reaches the
 //! upstream.
 
+// A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
+#![allow(
+    clippy::panic,
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::indexing_slicing
+)]
+
 mod common;
 
 use common::config::{plugin, rule, SLOW_PERIOD_MS};
