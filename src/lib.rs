@@ -12,10 +12,12 @@
 //!   - `rules`: rule matching and key building (`rules::keys`).
 //!   - `wire`: the contract codec (JSON, and hand-written protobuf for gRPC).
 //!   - `decide`: the per-request decision: plan a callout, interpret its result, build the verdict.
+//!   - `flow`: the per-request state machine (pause only after a dispatch, resume only if paused).
 //!   - `bucket`, `fallback`: local token bucket math and its CAS-updated shared store.
 //!   - `breaker`: the circuit breaker over a serialisable shared state.
 //!   - `headers`: `Retry-After`, `RateLimit` / `RateLimit-Policy`, `X-RateLimit-*`.
 //!   - `hash`: SHA-256 for bounding long key parts and for fallback slot identities.
+//!   - `hostmap`, `store`: the host's header map format; the CAS storage trait.
 //! - `host` (wasm only): the thin adapter, the only module that calls proxy-wasm.
 
 // Tests may unwrap and index: a failing test is the point.

@@ -6,6 +6,7 @@ pub mod bucket;
 pub mod config;
 pub mod decide;
 pub mod fallback;
+pub mod flow;
 pub mod hash;
 pub mod headers;
 pub mod hostmap;

@@ -1,19 +1,18 @@
-//! The proxy-wasm adapter: the only module that talks to the host. It reads what the core needs,
-//! performs what the core decided, and keeps the per-request state machine:
+//! The proxy-wasm adapter: the only module that talks to the host. It reads what the core needs
+//! (headers, peer address, callout replies), and implements the core's [`Host`] port (callouts,
+//! resume, local replies, metrics, shared data). The per-request state machine itself is
+//! [`crate::core::flow`]. Calls go through `proxy_wasm::hostcalls` (which return `Result`), never
+//! through the SDK's trait helpers that unwrap.
 //!
-//! `Idle → (no rule) Done`, `Idle → (dispatched) Calling{token} → Done`, `Idle → (reply) Done`.
-//!
-//! The stream is paused only after a dispatch succeeded, and resumed only from `Calling`; every
-//! other path answers synchronously. Calls go through `proxy_wasm::hostcalls` (which return
-//! `Result`), never through the SDK's trait helpers that unwrap.
+//! - `mod.rs`: root context (configuration, metrics), HTTP context, the [`Host`] implementation.
+//! - `raw.rs`: the two host calls done by hand (header maps, gRPC status message).
 
 mod raw;
 
-use crate::core::breaker::{self, Admission, Event};
+use crate::core::breaker::Event;
 use crate::core::config::{Config, Transport};
-use crate::core::decide::{
-    self, Action as Act, CalloutResult, Cause, Decision, Outcome, Plan, Step,
-};
+use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan};
+use crate::core::flow::{Flow, Host, Next, Phase};
 use crate::core::rules::Request;
 use crate::core::store::{CasStore, SetError};
 use crate::core::wire;
@@ -211,8 +210,7 @@ impl RootContext for Root {
         Some(Box::new(Filter {
             config: self.config.clone(),
             metrics: self.metrics.clone(),
-            phase: Phase::Idle,
-            response_headers: Vec::new(),
+            flow: Flow::default(),
         }))
     }
 
@@ -221,43 +219,27 @@ impl RootContext for Root {
     }
 }
 
-/// Where a request is in its life.
-enum Phase {
-    /// Headers not seen yet.
-    Idle,
-    /// Paused, waiting for callout `token`.
-    Calling { token: u32, plan: Plan, probe: bool },
-    /// Decided (and resumed, if it was paused).
-    Done,
+/// The proxy side of [`Host`]: metrics, shared data, callouts, replies.
+struct Proxy<'a> {
+    metrics: &'a Metrics,
 }
 
-struct Filter {
-    config: Option<Arc<Config>>,
-    metrics: Option<Rc<Metrics>>,
-    phase: Phase,
-    /// Rate limit headers for the upstream's response (`response.on_allowed`).
-    response_headers: Vec<(String, String)>,
-}
+impl Host for Proxy<'_> {
+    type Store = SharedData;
 
-impl Filter {
-    fn read_request(cfg: &Config) -> Request {
-        let headers = raw::get_map(raw::REQUEST_HEADERS).unwrap_or_default();
-        let peer = if cfg.needs_peer_address {
-            match hostcalls::get_property(vec!["source", "address"]) {
-                Ok(Some(b)) => String::from_utf8(b).ok(),
-                _ => None,
-            }
-        } else {
-            None
-        };
-        Request { headers, peer }
+    fn store(&self) -> &SharedData {
+        &SharedData
     }
 
-    fn dispatch(cfg: &Config, plan: &Plan) -> Result<u32, Status> {
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+
+    fn dispatch(&mut self, cfg: &Config, plan: &Plan) -> Result<u32, String> {
         let svc = &cfg.service;
         let timeout = Duration::from_millis(svc.timeout_ms);
         let bearer = svc.token.as_ref().map(|t| format!("Bearer {t}"));
-        match svc.transport {
+        let sent = match svc.transport {
             Transport::Http => {
                 let body = wire::encode_json(&plan.request);
                 let mut headers = vec![
@@ -286,139 +268,88 @@ impl Filter {
                     timeout,
                 )
             }
-        }
-    }
-
-    /// A callout is needed: ask the breaker, dispatch, pause only if the dispatch succeeded.
-    fn start(&mut self, cfg: &Config, metrics: &Metrics, plan: Plan) -> Action {
-        let admission = breaker::admit_shared(&SharedData, &cfg.breaker, now_ms());
-        if admission == Admission::Reject {
-            return self.conclude(cfg, metrics, &plan, &Outcome::Failed(Cause::Breaker), false);
-        }
-        let probe = admission == Admission::Probe;
-        match Self::dispatch(cfg, &plan) {
-            Ok(token) => {
-                self.phase = Phase::Calling { token, plan, probe };
-                Action::Pause
-            }
-            Err(status) => {
-                warn!(
-                    "callout to cluster {:?} failed to dispatch: {status:?}",
-                    cfg.service.cluster
-                );
-                self.after_callout(
-                    cfg,
-                    metrics,
-                    &plan,
-                    probe,
-                    Outcome::Failed(Cause::Dispatch),
-                    false,
-                )
-            }
-        }
-    }
-
-    /// A callout ended (or failed to start): count, update the breaker, conclude.
-    fn after_callout(
-        &mut self,
-        cfg: &Config,
-        metrics: &Metrics,
-        plan: &Plan,
-        probe: bool,
-        outcome: Outcome,
-        paused: bool,
-    ) -> Action {
-        let success = !matches!(outcome, Outcome::Failed(_));
-        if let Outcome::Failed(cause) = outcome {
-            metrics.failure(cause);
-        }
-        let event = breaker::record_shared(&SharedData, &cfg.breaker, now_ms(), success, probe);
-        metrics.breaker(event);
-        self.conclude(cfg, metrics, plan, &outcome, paused)
-    }
-
-    /// Applies the verdict: let through (resuming if paused) or answer locally.
-    fn conclude(
-        &mut self,
-        cfg: &Config,
-        metrics: &Metrics,
-        plan: &Plan,
-        outcome: &Outcome,
-        paused: bool,
-    ) -> Action {
-        let verdict = decide::resolve(cfg, plan, outcome, &SharedData, now_ms());
-        metrics.decision(verdict.decision);
-        if let Outcome::Failed(cause) = outcome {
-            debug!(
-                "no answer from the service ({}): {}",
-                cause.name(),
-                verdict.decision.metric()
+        };
+        sent.map_err(|status| {
+            warn!(
+                "callout to cluster {:?} failed to dispatch: {status:?}",
+                svc.cluster
             );
-        }
-        if !verdict.denied_by.is_empty() && log::log_enabled!(log::Level::Debug) {
-            for i in &verdict.denied_by {
-                let rule = plan
-                    .rules
-                    .get(*i)
-                    .and_then(|r| cfg.rules.get(*r))
-                    .map_or("?", |r| r.name.as_str());
-                let key = plan.request.buckets.get(*i).map_or("?", |b| b.key.as_str());
-                debug!("{} rule={rule} key={key}", verdict.decision.metric());
-            }
-        }
-        self.phase = Phase::Done;
-        match verdict.action {
-            Act::Allow(headers) => {
-                self.response_headers = headers;
-                if paused {
-                    if let Err(e) = hostcalls::resume_http_request() {
-                        warn!("could not resume the request: {e:?}");
-                    }
-                }
-                Action::Continue
-            }
-            Act::Deny(reply) => {
-                let headers: Vec<(&str, &str)> = reply
-                    .headers
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), v.as_str()))
-                    .collect();
-                if let Err(e) = hostcalls::send_http_response(
-                    reply.status,
-                    headers,
-                    Some(reply.body.as_bytes()),
-                ) {
-                    warn!("could not send the denial: {e:?}");
-                }
-                Action::Pause
-            }
+            format!("{status:?}")
+        })
+    }
+
+    fn resume(&mut self) {
+        if let Err(e) = hostcalls::resume_http_request() {
+            warn!("could not resume the request: {e:?}");
         }
     }
 
-    /// The plan and probe flag of the callout `token`, if it is ours and pending.
-    fn take_pending(&mut self, token: u32) -> Option<(Plan, bool)> {
-        match std::mem::replace(&mut self.phase, Phase::Done) {
-            Phase::Calling {
-                token: t,
-                plan,
-                probe,
-            } if t == token => Some((plan, probe)),
-            other => {
-                self.phase = other;
-                None
-            }
+    fn reply(&mut self, reply: &LocalReply) {
+        let headers: Vec<(&str, &str)> = reply
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        if let Err(e) =
+            hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes()))
+        {
+            warn!("could not send the denial: {e:?}");
         }
     }
 
-    fn finish(&mut self, token: u32, result: impl FnOnce() -> CalloutResult) {
+    fn count(&mut self, decision: Decision) {
+        self.metrics.decision(decision);
+    }
+
+    fn count_failure(&mut self, cause: Cause) {
+        self.metrics.failure(cause);
+    }
+
+    fn breaker_event(&mut self, event: Event) {
+        self.metrics.breaker(event);
+    }
+}
+
+/// One request: the core's [`Flow`] plus what it needs.
+struct Filter {
+    config: Option<Arc<Config>>,
+    metrics: Option<Rc<Metrics>>,
+    flow: Flow,
+}
+
+impl Filter {
+    fn read_request(cfg: &Config) -> Request {
+        let headers = raw::get_map(raw::REQUEST_HEADERS).unwrap_or_default();
+        let peer = if cfg.needs_peer_address {
+            match hostcalls::get_property(vec!["source", "address"]) {
+                Ok(Some(b)) => String::from_utf8(b).ok(),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        Request { headers, peer }
+    }
+
+    /// Hands a callout result to the flow, if this request waits for `token`. `read` runs only
+    /// then, so a stray callback costs no host calls.
+    fn finish(&mut self, token: u32, read: impl FnOnce() -> CalloutResult) {
+        if !self.flow.waits_for(token) {
+            return;
+        }
         let (Some(cfg), Some(metrics)) = (self.config.clone(), self.metrics.clone()) else {
             return;
         };
-        let Some((plan, probe)) = self.take_pending(token) else {
-            return;
-        };
-        let outcome = decide::interpret(&plan, result());
-        self.after_callout(&cfg, &metrics, &plan, probe, outcome, true);
+        let result = read();
+        self.flow
+            .on_callout_result(&cfg, token, result, &mut Proxy { metrics: &metrics });
+    }
+}
+
+fn action(next: Next) -> Action {
+    match next {
+        Next::Continue => Action::Continue,
+        Next::Pause => Action::Pause,
     }
 }
 
@@ -469,6 +400,7 @@ impl Context for Filter {
                 };
             }
             let body = if response_size > MAX_RESPONSE_BYTES {
+                // Not a valid message (a truncated varint): decoded as a failure.
                 vec![0xff]
             } else {
                 hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, response_size)
@@ -487,43 +419,29 @@ impl Context for Filter {
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        if !matches!(self.phase, Phase::Idle) {
-            return Action::Continue;
-        }
         let (Some(cfg), Some(metrics)) = (self.config.clone(), self.metrics.clone()) else {
-            self.phase = Phase::Done;
             return Action::Continue;
         };
-        let req = Self::read_request(&cfg);
-        match decide::decide(&cfg, &req) {
-            Step::Continue => {
-                self.phase = Phase::Done;
-                Action::Continue
-            }
-            Step::Callout(plan) => self.start(&cfg, &metrics, plan),
+        if self.flow.phase != Phase::Idle {
+            return Action::Continue;
         }
+        let req = Self::read_request(&cfg);
+        action(
+            self.flow
+                .on_request_headers(&cfg, &req, &mut Proxy { metrics: &metrics }),
+        )
     }
 
-    // While the callout is in flight, body and trailers must wait too: returning Continue here
-    // would let Envoy forward the request before the decision.
     fn on_http_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        if matches!(self.phase, Phase::Calling { .. }) {
-            Action::Pause
-        } else {
-            Action::Continue
-        }
+        action(self.flow.on_request_data())
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        if matches!(self.phase, Phase::Calling { .. }) {
-            Action::Pause
-        } else {
-            Action::Continue
-        }
+        action(self.flow.on_request_data())
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        for (k, v) in std::mem::take(&mut self.response_headers) {
+        for (k, v) in std::mem::take(&mut self.flow.response_headers) {
             let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, &k, &v);
         }
         Action::Continue

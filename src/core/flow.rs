@@ -1,0 +1,448 @@
+//! The per-request state machine, over a [`Host`] port the adapter implements with proxy-wasm
+//! (and the tests with a recording fake).
+//!
+//! ```text
+//! Idle ──no rule──────────────────────────────▶ Done            (Continue, no callout)
+//! Idle ──breaker open / dispatch error──▶ verdict ▶ Done        (Continue or reply, never paused)
+//! Idle ──dispatch ok──▶ Calling{token} ──reply for token──▶ verdict ▶ Done (resume or reply)
+//! ```
+//!
+//! The stream is paused only after a dispatch succeeded, and resumed only from `Calling`: a
+//! synchronous failure is decided on the spot, and a stream that was never paused is never
+//! resumed. A reply for another token (or a second reply) is ignored.
+
+use crate::core::breaker::{self, Admission, Event};
+use crate::core::config::Config;
+use crate::core::decide::{
+    self, Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, Step,
+};
+use crate::core::rules::Request;
+use crate::core::store::CasStore;
+use log::debug;
+
+/// What the state machine needs from the proxy.
+pub trait Host {
+    /// The shared store (fallback buckets, breaker).
+    type Store: CasStore + ?Sized;
+    /// The shared store.
+    fn store(&self) -> &Self::Store;
+    /// Wall-clock time in ms since the epoch.
+    fn now_ms(&self) -> u64;
+    /// Starts the callout; its token, or why it could not start.
+    fn dispatch(&mut self, cfg: &Config, plan: &Plan) -> Result<u32, String>;
+    /// Resumes the paused request.
+    fn resume(&mut self);
+    /// Sends a local reply (the request ends there).
+    fn reply(&mut self, reply: &LocalReply);
+    /// Counts a decision.
+    fn count(&mut self, decision: Decision);
+    /// Counts a failed callout.
+    fn count_failure(&mut self, cause: Cause);
+    /// Reports a breaker transition (metrics, log).
+    fn breaker_event(&mut self, event: Event);
+}
+
+/// What to tell the proxy about the current callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Go on.
+    Continue,
+    /// Stop iteration (waiting for a callout, or a local reply was sent).
+    Pause,
+}
+
+/// Where a request is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// Headers not seen yet.
+    Idle,
+    /// Paused, waiting for callout `token`; `probe` if it is the breaker's probe.
+    Calling {
+        /// Callout token.
+        token: u32,
+        /// What was asked.
+        plan: Plan,
+        /// Whether this callout is the breaker's probe.
+        probe: bool,
+    },
+    /// Decided.
+    Done,
+}
+
+/// One request's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Flow {
+    /// Where the request is.
+    pub phase: Phase,
+    /// Headers to add to the upstream's response (`response.on_allowed`).
+    pub response_headers: Vec<(String, String)>,
+}
+
+impl Default for Flow {
+    fn default() -> Self {
+        Flow {
+            phase: Phase::Idle,
+            response_headers: Vec::new(),
+        }
+    }
+}
+
+impl Flow {
+    /// The request headers arrived.
+    pub fn on_request_headers<H: Host>(
+        &mut self,
+        cfg: &Config,
+        req: &Request,
+        host: &mut H,
+    ) -> Next {
+        if self.phase != Phase::Idle {
+            return Next::Continue;
+        }
+        let plan = match decide::decide(cfg, req) {
+            Step::Continue => {
+                self.phase = Phase::Done;
+                return Next::Continue;
+            }
+            Step::Callout(plan) => plan,
+        };
+        let admission = breaker::admit_shared(host.store(), &cfg.breaker, host.now_ms());
+        if admission == Admission::Reject {
+            return self.conclude(cfg, &plan, &Outcome::Failed(Cause::Breaker), false, host);
+        }
+        let probe = admission == Admission::Probe;
+        match host.dispatch(cfg, &plan) {
+            Ok(token) => {
+                self.phase = Phase::Calling { token, plan, probe };
+                Next::Pause
+            }
+            Err(why) => {
+                debug!(
+                    "callout to cluster {:?} not dispatched: {why}",
+                    cfg.service.cluster
+                );
+                self.after_callout(
+                    cfg,
+                    &plan,
+                    probe,
+                    Outcome::Failed(Cause::Dispatch),
+                    false,
+                    host,
+                )
+            }
+        }
+    }
+
+    /// Body or trailers arrived: they wait while the callout is in flight (letting them through
+    /// would let Envoy forward the request before the decision).
+    pub fn on_request_data(&self) -> Next {
+        if matches!(self.phase, Phase::Calling { .. }) {
+            Next::Pause
+        } else {
+            Next::Continue
+        }
+    }
+
+    /// Whether `token` is the callout this request waits for.
+    pub fn waits_for(&self, token: u32) -> bool {
+        matches!(self.phase, Phase::Calling { token: t, .. } if t == token)
+    }
+
+    /// The callout `token` ended with `result`. Ignored unless this request is paused on it.
+    pub fn on_callout_result<H: Host>(
+        &mut self,
+        cfg: &Config,
+        token: u32,
+        result: CalloutResult,
+        host: &mut H,
+    ) {
+        if !self.waits_for(token) {
+            return;
+        }
+        let Phase::Calling { plan, probe, .. } = std::mem::replace(&mut self.phase, Phase::Done)
+        else {
+            return;
+        };
+        let outcome = decide::interpret(&plan, result);
+        self.after_callout(cfg, &plan, probe, outcome, true, host);
+    }
+
+    /// A callout ended or could not start: count it, feed the breaker, conclude.
+    fn after_callout<H: Host>(
+        &mut self,
+        cfg: &Config,
+        plan: &Plan,
+        probe: bool,
+        outcome: Outcome,
+        paused: bool,
+        host: &mut H,
+    ) -> Next {
+        let success = !matches!(outcome, Outcome::Failed(_));
+        if let Outcome::Failed(cause) = outcome {
+            host.count_failure(cause);
+        }
+        let event =
+            breaker::record_shared(host.store(), &cfg.breaker, host.now_ms(), success, probe);
+        if event != Event::None {
+            host.breaker_event(event);
+        }
+        self.conclude(cfg, plan, &outcome, paused, host)
+    }
+
+    /// Applies the verdict: let through (resuming only if paused) or reply locally.
+    fn conclude<H: Host>(
+        &mut self,
+        cfg: &Config,
+        plan: &Plan,
+        outcome: &Outcome,
+        paused: bool,
+        host: &mut H,
+    ) -> Next {
+        let verdict = decide::resolve(cfg, plan, outcome, host.store(), host.now_ms());
+        host.count(verdict.decision);
+        if let Outcome::Failed(cause) = outcome {
+            debug!(
+                "no answer from the service ({}): {}",
+                cause.name(),
+                verdict.decision.metric()
+            );
+        }
+        if log::log_enabled!(log::Level::Debug) {
+            for i in &verdict.denied_by {
+                let rule = plan
+                    .rules
+                    .get(*i)
+                    .and_then(|r| cfg.rules.get(*r))
+                    .map_or("?", |r| r.name.as_str());
+                let key = plan.request.buckets.get(*i).map_or("?", |b| b.key.as_str());
+                debug!("{} rule={rule} key={key}", verdict.decision.metric());
+            }
+        }
+        self.phase = Phase::Done;
+        match verdict.action {
+            Action::Allow(headers) => {
+                self.response_headers = headers;
+                if paused {
+                    host.resume();
+                }
+                Next::Continue
+            }
+            Action::Deny(reply) => {
+                host.reply(&reply);
+                Next::Pause
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::store::fake::FakeStore;
+
+    #[derive(Default)]
+    struct FakeHost {
+        store: FakeStore,
+        now: u64,
+        dispatch_fails: bool,
+        next_token: u32,
+        dispatched: u32,
+        resumed: u32,
+        replies: Vec<LocalReply>,
+        counts: Vec<Decision>,
+        failures: Vec<Cause>,
+        events: Vec<Event>,
+    }
+
+    impl Host for FakeHost {
+        type Store = FakeStore;
+        fn store(&self) -> &FakeStore {
+            &self.store
+        }
+        fn now_ms(&self) -> u64 {
+            self.now
+        }
+        fn dispatch(&mut self, _: &Config, _: &Plan) -> Result<u32, String> {
+            if self.dispatch_fails {
+                return Err("BadArgument".into());
+            }
+            self.dispatched += 1;
+            self.next_token += 1;
+            Ok(self.next_token)
+        }
+        fn resume(&mut self) {
+            self.resumed += 1;
+        }
+        fn reply(&mut self, reply: &LocalReply) {
+            self.replies.push(reply.clone());
+        }
+        fn count(&mut self, d: Decision) {
+            self.counts.push(d);
+        }
+        fn count_failure(&mut self, c: Cause) {
+            self.failures.push(c);
+        }
+        fn breaker_event(&mut self, e: Event) {
+            self.events.push(e);
+        }
+    }
+
+    fn cfg(extra: &str) -> Config {
+        let json = format!(
+            r#"{{"service":{{"cluster":"svc"}},
+                 "rules":[{{"name":"r","match":{{"path_prefix":"/api"}},"key":["literal:k"],"capacity":2,"period_ms":60000}}],
+                 "breaker":{{"failures":2,"open_ms":100}} {extra}}}"#
+        );
+        Config::parse(json.as_bytes()).unwrap()
+    }
+
+    fn req(path: &str) -> Request {
+        Request {
+            headers: vec![(":path".into(), path.as_bytes().to_vec())],
+            peer: None,
+        }
+    }
+
+    fn answer(allowed: bool) -> CalloutResult {
+        let body = format!(
+            r#"{{"allowed":{allowed},"buckets":[{{"allowed":{allowed},"limit":2,"remaining":0,"reset_ms":1000,"retry_after_ms":{}}}]}}"#,
+            if allowed { 0 } else { 1000 }
+        );
+        CalloutResult::Http {
+            status: Some(200),
+            body: body.into_bytes(),
+        }
+    }
+
+    #[test]
+    fn no_rule_no_callout_no_pause() {
+        let (c, mut h, mut f) = (cfg(""), FakeHost::default(), Flow::default());
+        assert_eq!(
+            f.on_request_headers(&c, &req("/other"), &mut h),
+            Next::Continue
+        );
+        assert_eq!(
+            (h.dispatched, h.resumed, f.phase.clone()),
+            (0, 0, Phase::Done)
+        );
+        assert!(h.counts.is_empty());
+    }
+
+    #[test]
+    fn pause_on_dispatch_then_resume_on_allowed() {
+        let (c, mut h, mut f) = (cfg(""), FakeHost::default(), Flow::default());
+        assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
+        assert_eq!(
+            f.on_request_data(),
+            Next::Pause,
+            "body waits for the decision"
+        );
+        assert!(f.waits_for(1));
+        f.on_callout_result(&c, 1, answer(true), &mut h);
+        assert_eq!((h.resumed, h.replies.len()), (1, 0));
+        assert_eq!(h.counts, vec![Decision::Allowed]);
+        assert_eq!(f.on_request_data(), Next::Continue);
+        // A duplicate or stale reply changes nothing.
+        f.on_callout_result(&c, 1, answer(false), &mut h);
+        assert_eq!((h.resumed, h.replies.len(), h.counts.len()), (1, 0, 1));
+    }
+
+    #[test]
+    fn limited_replies_without_resuming() {
+        let (c, mut h, mut f) = (cfg(""), FakeHost::default(), Flow::default());
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        f.on_callout_result(&c, 2, answer(false), &mut h);
+        assert!(f.waits_for(1), "another token is not ours");
+        f.on_callout_result(&c, 1, answer(false), &mut h);
+        assert_eq!((h.resumed, h.replies.len()), (0, 1));
+        assert_eq!(h.replies[0].status, 429);
+        assert_eq!(h.counts, vec![Decision::Limited]);
+    }
+
+    #[test]
+    fn dispatch_error_decides_synchronously_and_never_resumes() {
+        let c = cfg(r#","failure_mode":"allow""#);
+        let mut h = FakeHost {
+            dispatch_fails: true,
+            ..FakeHost::default()
+        };
+        let mut f = Flow::default();
+        assert_eq!(
+            f.on_request_headers(&c, &req("/api"), &mut h),
+            Next::Continue
+        );
+        assert_eq!(h.resumed, 0, "never paused, so never resumed");
+        assert_eq!(h.failures, vec![Cause::Dispatch]);
+        assert_eq!(h.counts, vec![Decision::FailureOpenAllowed]);
+
+        let c = cfg(r#","failure_mode":"deny""#);
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
+        assert_eq!((h.resumed, h.replies.len()), (0, 1));
+    }
+
+    #[test]
+    fn every_failure_goes_through_the_failure_mode_and_the_breaker() {
+        let c = cfg("");
+        let mut h = FakeHost::default();
+        let failures = [
+            CalloutResult::Http {
+                status: Some(504),
+                body: vec![],
+            },
+            CalloutResult::Http {
+                status: None,
+                body: vec![],
+            },
+        ];
+        for (i, r) in failures.into_iter().enumerate() {
+            let mut f = Flow::default();
+            assert_eq!(
+                f.on_request_headers(&c, &req("/api"), &mut h),
+                Next::Pause,
+                "request {i}"
+            );
+            f.on_callout_result(&c, h.next_token, r, &mut h);
+        }
+        assert_eq!(h.failures, vec![Cause::Timeout, Cause::Reset]);
+        assert_eq!(
+            h.counts,
+            vec![Decision::FallbackAllowed, Decision::FallbackAllowed]
+        );
+        assert_eq!(h.resumed, 2);
+        assert_eq!(h.events, vec![Event::Opened]);
+        // Open: no callout, the failure mode decides synchronously (fallback bucket now empty).
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
+        assert_eq!(h.dispatched, 2);
+        assert_eq!(h.counts.last(), Some(&Decision::FallbackLimited));
+        assert_eq!(h.replies.len(), 1);
+        // After the interval one request probes; its success closes the breaker.
+        h.now = 100;
+        let mut probe = Flow::default();
+        assert_eq!(
+            probe.on_request_headers(&c, &req("/api"), &mut h),
+            Next::Pause
+        );
+        let mut other = Flow::default();
+        other.on_request_headers(&c, &req("/api"), &mut h);
+        assert_eq!(h.dispatched, 3, "only the probe calls");
+        probe.on_callout_result(&c, 3, answer(true), &mut h);
+        assert_eq!(h.events, vec![Event::Opened, Event::Closed]);
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        assert_eq!(h.dispatched, 4, "closed: calls again");
+    }
+
+    #[test]
+    fn shadow_resumes_instead_of_denying() {
+        let (c, mut h, mut f) = (
+            cfg(r#","shadow":true"#),
+            FakeHost::default(),
+            Flow::default(),
+        );
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        f.on_callout_result(&c, 1, answer(false), &mut h);
+        assert_eq!((h.resumed, h.replies.len()), (1, 0));
+        assert_eq!(h.counts, vec![Decision::ShadowLimited]);
+    }
+}
