@@ -37,7 +37,8 @@ wasm:
 
 server:
 	$(CARGO) build --locked --release -p tollgate-server
-	@mkdir -p $(DIST) && cp $(SERVER_OUT) $(DIST)/tollgate-server
+	@# Copy, then rename: a running dist/tollgate-server (another shell, a test) would make cp fail.
+	@mkdir -p $(DIST) && cp $(SERVER_OUT) $(DIST)/.tollgate-server.tmp && mv -f $(DIST)/.tollgate-server.tmp $(DIST)/tollgate-server
 
 server-static:
 	$(CARGO) build --locked --release --target $(MUSL_TARGET) -p tollgate-server
