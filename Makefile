@@ -42,7 +42,7 @@ server:
 
 server-static:
 	$(CARGO) build --locked --release --target $(MUSL_TARGET) -p tollgate-server
-	@mkdir -p $(DIST) && cp $(STATIC_OUT) $(DIST)/tollgate-server-static
+	@mkdir -p $(DIST) && strip -o $(DIST)/tollgate-server-static $(STATIC_OUT)
 
 image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; static service) in dist/images/
 	@bash scripts/image.sh $(DIST)/images
