@@ -42,7 +42,8 @@ server:
 
 server-static:
 	$(CARGO) build --locked --release --target $(MUSL_TARGET) -p tollgate-server
-	@mkdir -p $(DIST) && strip -o $(DIST)/tollgate-server-static $(STATIC_OUT)
+	@mkdir -p $(DIST) && strip -o $(DIST)/.tollgate-server-static.tmp $(STATIC_OUT) \
+	  && mv -f $(DIST)/.tollgate-server-static.tmp $(DIST)/tollgate-server-static
 
 image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; static service) in dist/images/
 	@bash scripts/image.sh $(DIST)/images
