@@ -51,19 +51,30 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Proxy-wasm shared data: process-wide, shared by every worker's VM.
-struct SharedData;
+/// Proxy-wasm shared data: process-wide, shared by every worker's VM of the same `vm_id`.
+/// Keys are prefixed with a digest of the plugin configuration, so two plugins with different
+/// configurations in one VM never share a breaker or fallback buckets (and a new configuration
+/// starts from a clean state).
+struct SharedData {
+    prefix: String,
+}
+
+impl SharedData {
+    fn key(&self, key: &str) -> String {
+        format!("{}{key}", self.prefix)
+    }
+}
 
 impl CasStore for SharedData {
     fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        match hostcalls::get_shared_data(key) {
+        match hostcalls::get_shared_data(&self.key(key)) {
             Ok((Some(v), cas)) => Some((v, cas.unwrap_or(0))),
             _ => None,
         }
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        match hostcalls::set_shared_data(key, Some(value), cas) {
+        match hostcalls::set_shared_data(&self.key(key), Some(value), cas) {
             Ok(()) => Ok(()),
             Err(Status::CasMismatch) => Err(SetError::CasMismatch),
             Err(_) => Err(SetError::Other),
@@ -136,6 +147,7 @@ impl Metrics {
 struct Root {
     config: Option<Arc<Config>>,
     metrics: Option<Rc<Metrics>>,
+    shared: Option<Rc<SharedData>>,
 }
 
 impl Context for Root {}
@@ -199,6 +211,10 @@ impl RootContext for Root {
             config.failure_mode,
             if config.shadow { ", shadow mode" } else { "" }
         );
+        let digest = crate::core::hash::sha256_hex(&bytes);
+        self.shared = Some(Rc::new(SharedData {
+            prefix: format!("{}/", digest.get(..12).unwrap_or(&digest)),
+        }));
         self.config = Some(Arc::new(config));
         self.metrics = Some(Rc::new(metrics));
         true
@@ -208,8 +224,10 @@ impl RootContext for Root {
         // Never `None`: the SDK would panic. Without a configuration (which Envoy does not allow
         // to happen) the filter passes everything through.
         Some(Box::new(Filter {
-            config: self.config.clone(),
-            metrics: self.metrics.clone(),
+            state: match (&self.config, &self.metrics, &self.shared) {
+                (Some(c), Some(m), Some(s)) => Some((c.clone(), m.clone(), s.clone())),
+                _ => None,
+            },
             flow: Flow::default(),
         }))
     }
@@ -222,13 +240,14 @@ impl RootContext for Root {
 /// The proxy side of [`Host`]: metrics, shared data, callouts, replies.
 struct Proxy<'a> {
     metrics: &'a Metrics,
+    shared: &'a SharedData,
 }
 
 impl Host for Proxy<'_> {
     type Store = SharedData;
 
     fn store(&self) -> &SharedData {
-        &SharedData
+        self.shared
     }
 
     fn now_ms(&self) -> u64 {
@@ -312,8 +331,8 @@ impl Host for Proxy<'_> {
 
 /// One request: the core's [`Flow`] plus what it needs.
 struct Filter {
-    config: Option<Arc<Config>>,
-    metrics: Option<Rc<Metrics>>,
+    /// Configuration, metrics and shared store; `None` only if the root was never configured.
+    state: Option<(Arc<Config>, Rc<Metrics>, Rc<SharedData>)>,
     flow: Flow,
 }
 
@@ -337,12 +356,15 @@ impl Filter {
         if !self.flow.waits_for(token) {
             return;
         }
-        let (Some(cfg), Some(metrics)) = (self.config.clone(), self.metrics.clone()) else {
+        let Some((cfg, metrics, shared)) = self.state.clone() else {
             return;
         };
         let result = read();
-        self.flow
-            .on_callout_result(&cfg, token, result, &mut Proxy { metrics: &metrics });
+        let mut proxy = Proxy {
+            metrics: &metrics,
+            shared: &shared,
+        };
+        self.flow.on_callout_result(&cfg, token, result, &mut proxy);
     }
 }
 
@@ -419,17 +441,18 @@ impl Context for Filter {
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let (Some(cfg), Some(metrics)) = (self.config.clone(), self.metrics.clone()) else {
+        let Some((cfg, metrics, shared)) = self.state.clone() else {
             return Action::Continue;
         };
         if self.flow.phase != Phase::Idle {
             return Action::Continue;
         }
         let req = Self::read_request(&cfg);
-        action(
-            self.flow
-                .on_request_headers(&cfg, &req, &mut Proxy { metrics: &metrics }),
-        )
+        let mut proxy = Proxy {
+            metrics: &metrics,
+            shared: &shared,
+        };
+        action(self.flow.on_request_headers(&cfg, &req, &mut proxy))
     }
 
     fn on_http_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
