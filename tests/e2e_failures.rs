@@ -199,7 +199,7 @@ fn breaker_opens_and_closes(t: Transport) {
         t,
         vec![rule("per-user", &["header:x-user"], 4)],
         json!({"fallback": {"instances": 2},
-               "breaker": {"failures": 3, "open_ms": 1500, "max_open_ms": 1500}}),
+               "breaker": {"failures": 3, "open_ms": 3000, "max_open_ms": 3000}}),
     );
     let upstream = Upstream::start();
     let envoy = Envoy::start(
@@ -226,7 +226,7 @@ fn breaker_opens_and_closes(t: Transport) {
     let more = client.statuses(&url, &[("x-user", "b")], 20);
     assert_eq!(count(&more, 200), 2, "{more:?}");
     assert!(
-        opened_at.elapsed() < Duration::from_millis(1200),
+        opened_at.elapsed() < Duration::from_millis(2500),
         "test too slow to observe the open breaker"
     );
     assert_eq!(gate.accepted(), calls, "no calls while the breaker is open");
@@ -235,7 +235,7 @@ fn breaker_opens_and_closes(t: Transport) {
 
     // Close: the service is reachable again; after the open period a probe succeeds.
     gate.set_mode(GateMode::Forward);
-    std::thread::sleep(Duration::from_millis(1800).saturating_sub(opened_at.elapsed()));
+    std::thread::sleep(Duration::from_millis(3300).saturating_sub(opened_at.elapsed()));
     let mut recovered = false;
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut probes = 0;
