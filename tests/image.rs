@@ -658,6 +658,33 @@ fn server_image_is_static_nonroot_and_runs() {
         assert!(Instant::now() < deadline, "/healthz not 200 within 10 s");
         std::thread::sleep(Duration::from_millis(50));
     }
+
+    // What a container runtime would run: umoci converts the image config to an OCI runtime
+    // spec (and refuses a malformed layout).
+    let bundle = dir.path().join("bundle");
+    let mut unpack = tool("umoci");
+    unpack
+        .args(["unpack", "--rootless", "--image"])
+        .arg(format!("{}:{TAG}", layouts.join(name).display()))
+        .arg(&bundle);
+    run(unpack);
+    let spec: Value =
+        serde_json::from_slice(&fs::read(bundle.join("config.json")).expect("runtime spec"))
+            .expect("runtime spec JSON");
+    assert_eq!(spec["process"]["user"]["uid"], uid, "runtime uid: {spec}");
+    assert_eq!(
+        spec["process"]["args"],
+        json!(["/usr/local/bin/tollgate-server"])
+    );
+    let env = spec["process"]["env"].to_string();
+    assert!(
+        env.contains("TOLLGATE_LISTEN=0.0.0.0:8081"),
+        "listens beyond loopback in a pod: {env}"
+    );
+    assert!(
+        !bundle.join("rootfs/bin/sh").exists(),
+        "a shell in the image"
+    );
     eprintln!("{name}: {pushed}, uid {uid}, static, {} bytes", elf.len());
 }
 
