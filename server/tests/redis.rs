@@ -135,6 +135,23 @@ async fn every_key_has_a_ttl_and_idle_buckets_vanish() {
 }
 
 #[tokio::test]
+async fn password_in_the_url_is_used_and_never_shown() {
+    let r = RedisProc::start_on(common::free_port(), &["--requirepass", "hunter2-secret"]);
+    let good = common::redis_store(
+        &format!("redis://:hunter2-secret@127.0.0.1:{}", r.port),
+        1000,
+    );
+    assert!(!format!("{good:?}").contains("hunter2"), "{good:?}");
+    assert!(good.take(&[tb("pw", 1, 1, 1000, 1)]).await.unwrap().allowed);
+    let bad = common::redis_store(&format!("redis://:wrong@127.0.0.1:{}", r.port), 1000);
+    let e = bad
+        .take(&[tb("pw", 1, 1, 1000, 1)])
+        .await
+        .expect_err("wrong password");
+    assert!(!e.to_string().contains("wrong@"), "{e}");
+}
+
+#[tokio::test]
 async fn script_flush_is_recovered() {
     let r = RedisProc::start();
     let s = common::redis_store(&r.url(), 1000);

@@ -108,7 +108,13 @@ impl Api {
         if !self.auth.check(authorization) {
             return Err(ApiError::Unauthenticated);
         }
-        let specs = validate(raw.map_err(ApiError::Invalid)?).map_err(ApiError::Invalid)?;
+        let specs = match raw.and_then(validate) {
+            Ok(specs) => specs,
+            Err(e) => {
+                tracing::debug!(error = %e, "invalid take");
+                return Err(ApiError::Invalid(e));
+            }
+        };
         let start = Instant::now();
         let result = self.store.take(&specs).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());

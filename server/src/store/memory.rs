@@ -310,6 +310,20 @@ mod tests {
     }
 
     #[test]
+    fn idle_buckets_expire() {
+        let s = MemoryStore::new();
+        // Full again 100 ms after the charge; kept 1 s longer (the margin), then swept.
+        assert!(s.take_at(&[tb(1, 1, 100, 1)], 0).allowed);
+        let mut other = tb(1, 1, 100, 1);
+        other.key = "other".into();
+        assert!(s.take_at(std::slice::from_ref(&other), 1_000_000).allowed);
+        assert_eq!(s.len(), 2);
+        // Sweeps run at most once a second.
+        assert!(s.take_at(std::slice::from_ref(&other), 2_000_000).allowed);
+        assert_eq!(s.len(), 1, "the idle bucket is gone, the busy one stays");
+    }
+
+    #[test]
     fn cost_above_capacity_is_denied_with_a_period() {
         let s = MemoryStore::new();
         let d = s.take_at(&[tb(5, 5, 1000, 6)], 0);

@@ -105,7 +105,11 @@ impl RedisProc {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if self.cmd(&["PING"]).map(|s| s == "PONG").unwrap_or(false) {
+            if self
+                .cmd(&["PING"])
+                .map(|s| s == "PONG" || s.contains("NOAUTH"))
+                .unwrap_or(false)
+            {
                 return;
             }
             assert!(

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Decision service throughput vs Redis alone, side by side in one run, on one Redis.
+#
+#   scripts/bench-service.sh            # defaults: concurrency 32, 5 s per measurement
+#   CONCURRENCY=64 SECONDS_PER_RUN=10 scripts/bench-service.sh
+#
+# 1. redis-benchmark runs the service's own take script (EVALSHA, one token-bucket key) at the
+#    given concurrency: the ceiling, Redis alone.
+# 2. The service (dist/tollgate-server or target/release/tollgate-server) on the same Redis, driven
+#    at the same concurrency by server/examples/loadgen.rs over gRPC (HTTP/2) and JSON over HTTP/2,
+#    and by wrk (JSON over HTTP/1.1, one connection per in-flight request).
+# Prints decisions/s, the ratio to Redis alone, p50/p99 latency of a take, and the CPU each
+# process used (2 cores are shared by the load generator, the service and Redis).
+# Everything listens on 127.0.0.1 (free ports) and is stopped at exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+CONCURRENCY=${CONCURRENCY:-32}
+SECS=${SECONDS_PER_RUN:-5}
+REDIS_SERVER=${TOLLGATE_REDIS_SERVER:-$ROOT/.tools/redis-server}
+REDIS_CLI=${TOLLGATE_REDIS_CLI:-$ROOT/.tools/redis-cli}
+OUT=${OUT:-$ROOT/bench-out}
+mkdir -p "$OUT"
+
+say() { printf 'bench-service: %s\n' "$*" >&2; }
+die() { say "$*"; exit 1; }
+[ -x "$REDIS_SERVER" ] || die "redis-server not found at $REDIS_SERVER (bash scripts/tools.sh)"
+[ -x "$REDIS_CLI" ] || die "redis-cli not found at $REDIS_CLI"
+command -v redis-benchmark >/dev/null || die "redis-benchmark not found (apt-get install redis-tools)"
+command -v wrk >/dev/null || die "wrk not found (bash scripts/tools.sh bench)"
+
+if [ -x dist/tollgate-server ]; then SERVER=$ROOT/dist/tollgate-server
+elif [ -x target/release/tollgate-server ]; then SERVER=$ROOT/target/release/tollgate-server
+else
+  say "building the service (release)"
+  cargo build --release -p tollgate-server
+  SERVER=$ROOT/target/release/tollgate-server
+fi
+say "building the load generator (release)"
+cargo build --release -p tollgate-server --example loadgen 2>&1 | tail -1 >&2
+LOADGEN=$ROOT/target/release/examples/loadgen
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+RP=$(free_port); SP=$(free_port)
+
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+# CPU seconds used so far by a process (utime + stime).
+cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+
+"$REDIS_SERVER" --port "$RP" --bind 127.0.0.1 --save '' --appendonly no --daemonize no >"$OUT/redis.log" 2>&1 &
+REDIS_PID=$!; PIDS+=("$REDIS_PID")
+for _ in $(seq 100); do "$REDIS_CLI" -p "$RP" PING >/dev/null 2>&1 && break; sleep 0.05; done
+
+# The exact script the service runs: prelude, token bucket, fixed window, take driver.
+SCRIPT=$(python3 - <<'EOF'
+import pathlib
+d = pathlib.Path("server/src/store/lua")
+print("\n".join((d / f).read_text() for f in ["prelude.lua", "token_bucket.lua", "fixed_window.lua", "take.lua"]), end="")
+EOF
+)
+SHA=$("$REDIS_CLI" -p "$RP" SCRIPT LOAD "$SCRIPT")
+CAP=1000000000
+RKEY="bench:tb:{redis-alone}:$CAP:$CAP:1000"
+N=$((SECS * 80000))
+say "redis-benchmark: EVALSHA take script, -c $CONCURRENCY, -n $N"
+redis-benchmark -h 127.0.0.1 -p "$RP" -c "$CONCURRENCY" -n "$N" --csv \
+  EVALSHA "$SHA" 1 "$RKEY" 0 "$CAP" "$CAP" 1000 1 >"$OUT/redis-benchmark.csv"
+# "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"
+read -r REDIS_RPS REDIS_P50 REDIS_P99 < <(tail -1 "$OUT/redis-benchmark.csv" | tr -d '"' | awk -F, '{print $2, $5, $7}')
+say "redis alone: $REDIS_RPS/s p50 ${REDIS_P50}ms p99 ${REDIS_P99}ms"
+
+"$SERVER" --listen "127.0.0.1:$SP" --redis-url "redis://127.0.0.1:$RP" --redis-timeout-ms 1000 \
+  --key-prefix "bench:" >"$OUT/service.log" 2>&1 &
+SERVICE_PID=$!; PIDS+=("$SERVICE_PID")
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$SP/readyz" >/dev/null 2>&1 && break; sleep 0.05; done
+curl -sf "http://127.0.0.1:$SP/readyz" >/dev/null || die "service not ready (see $OUT/service.log)"
+
+# Warm-up: connections, script cache.
+"$LOADGEN" --addr "127.0.0.1:$SP" --mode grpc --concurrency 8 --connections 2 --seconds 1 >/dev/null
+
+RESULTS=()
+measure() { # name, command...; the command prints decisions/s p50 p99 on its last line
+  local name=$1; shift
+  local s0 r0 s1 r1 l0 l1
+  s0=$(cpu_s "$SERVICE_PID"); r0=$(cpu_s "$REDIS_PID")
+  local line
+  line=$("$@" | tail -1)
+  s1=$(cpu_s "$SERVICE_PID"); r1=$(cpu_s "$REDIS_PID")
+  local rps p50 p99
+  read -r rps p50 p99 <<<"$line"
+  local ratio; ratio=$(awk -v a="$rps" -v b="$REDIS_RPS" 'BEGIN{printf "%.2f", a/b}')
+  local scpu rcpu
+  scpu=$(awk -v a="$s0" -v b="$s1" -v t="$SECS" 'BEGIN{printf "%.0f%%", 100*(b-a)/t}')
+  rcpu=$(awk -v a="$r0" -v b="$r1" -v t="$SECS" 'BEGIN{printf "%.0f%%", 100*(b-a)/t}')
+  RESULTS+=("$(printf '| %-34s | %9.0f | %5s | %7s | %7s | %7s | %7s |' "$name" "$rps" "$ratio" "$p50" "$p99" "$scpu" "$rcpu")")
+  say "$name: $rps/s (x$ratio of Redis alone), p50 ${p50}ms p99 ${p99}ms, service CPU $scpu, redis CPU $rcpu"
+}
+
+lg() { # mode connections -> "rps p50 p99"
+  "$LOADGEN" --addr "127.0.0.1:$SP" --mode "$1" --connections "$2" --concurrency "$CONCURRENCY" --seconds "$SECS" \
+    | tee -a "$OUT/loadgen.txt" \
+    | sed -E 's/.*decisions_per_s=([0-9.]+) p50_ms=([0-9.]+) p99_ms=([0-9.]+).*/\1 \2 \3/'
+}
+wrk_h1() {
+  cat >"$OUT/take.lua" <<EOF
+wrk.method = "POST"
+wrk.headers["content-type"] = "application/json"
+wrk.body = '{"buckets":[{"key":"bench-wrk","capacity":$CAP,"rate":$CAP,"period_ms":1000,"cost":1}]}'
+EOF
+  wrk -t1 -c"$CONCURRENCY" -d"${SECS}s" --latency -s "$OUT/take.lua" "http://127.0.0.1:$SP/v1/take" >"$OUT/wrk.txt"
+  local rps p50 p99 non2xx
+  non2xx=$(awk '/Non-2xx/{print $NF}' "$OUT/wrk.txt"); [ -z "$non2xx" ] || die "wrk saw $non2xx non-2xx answers"
+  rps=$(awk '/Requests\/sec/{print $2}' "$OUT/wrk.txt")
+  to_ms() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us/,"",v); print v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v); print v+0} else {sub(/s/,"",v); print v*1000} }'; }
+  p50=$(to_ms "$(awk '$1=="50%"{print $2}' "$OUT/wrk.txt")")
+  p99=$(to_ms "$(awk '$1=="99%"{print $2}' "$OUT/wrk.txt")")
+  echo "$rps $p50 $p99"
+}
+
+measure "service, gRPC (loadgen, 4 h2 conns)" lg grpc 4
+measure "service, JSON over h2 (loadgen)" lg h2 4
+measure "service, JSON over HTTP/1.1 (wrk)" wrk_h1
+
+{
+  echo "concurrency $CONCURRENCY, $SECS s per run, $(nproc) cores shared by load generator, service and Redis"
+  echo
+  echo "| path | decisions/s | ratio | p50 ms | p99 ms | service CPU | redis CPU |"
+  echo "|---|---|---|---|---|---|---|"
+  printf '| %-34s | %9.0f | %5s | %7s | %7s | %7s | %7s |\n' "Redis alone (redis-benchmark EVALSHA)" "$REDIS_RPS" "1.00" "$REDIS_P50" "$REDIS_P99" "-" "-"
+  printf '%s\n' "${RESULTS[@]}"
+} | tee "$OUT/service-bench.md"
