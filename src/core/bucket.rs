@@ -99,7 +99,7 @@ fn take_token_bucket(
             // A clock that steps back refills nothing (and does not refill twice later).
             let elapsed = now_ms.saturating_sub(s.stamp);
             let refill = u128::from(elapsed) * u128::from(l.rate) * u128::from(MICRO)
-                / (u128::from(l.period_ms) * u128::from(l.divisor));
+                / (u128::from(l.period_ms) * u128::from(l.divisor)).max(1);
             ((u128::from(s.level) + refill).min(cap), s.stamp.max(now_ms))
         }
     };
@@ -138,7 +138,8 @@ fn take_fixed_window(
     now_ms: u64,
     cost: u64,
 ) -> (State, BucketResult) {
-    let window = now_ms / l.period_ms;
+    let period = l.period_ms.max(1);
+    let window = now_ms / period;
     let mut used = match state {
         Some(s) if s.stamp == window => s.level,
         _ => 0,
@@ -147,8 +148,9 @@ fn take_fixed_window(
     if allowed {
         used += cost;
     }
-    let reset_ms = (window + 1)
-        .saturating_mul(l.period_ms)
+    let reset_ms = window
+        .saturating_add(1)
+        .saturating_mul(period)
         .saturating_sub(now_ms)
         .max(1);
     let result = BucketResult {
@@ -275,6 +277,23 @@ mod tests {
         let l = tb(1, 1, 1, 1);
         let (_, r) = take(&l, Some(State { level: 0, stamp: 0 }), u64::MAX, 1);
         assert!(r.allowed);
+    }
+
+    #[test]
+    fn hand_built_zero_limits_do_not_panic() {
+        for algorithm in [Algorithm::TokenBucket, Algorithm::FixedWindow] {
+            let l = Limits {
+                capacity: 0,
+                rate: 0,
+                period_ms: 0,
+                divisor: 0,
+                algorithm,
+            };
+            let (s, r) = take(&l, None, u64::MAX, 1);
+            assert!(!r.allowed);
+            take(&l, Some(s), u64::MAX, u64::MAX);
+            refund(&l, s, u64::MAX);
+        }
     }
 
     #[test]
