@@ -377,3 +377,69 @@ async fn redis_cluster_slots_and_all_or_nothing() {
     assert!(admitted <= 5, "never over-admits across slots: {admitted}");
     assert!(admitted >= 1);
 }
+
+/// The scripts' exact arithmetic (prelude.lua's muldivmod) against u128, on all three paths:
+/// below 2^52 (float division, corrected), limb division (divisor < 2^37), bit division.
+#[tokio::test]
+async fn lua_integer_arithmetic_is_exact() {
+    let r = RedisProc::start();
+    let prelude = include_str!("../src/store/lua/prelude.lua");
+    let script = redis::Script::new(&format!(
+        "{prelude}\nlocal q, r = muldivmod(tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))\nreturn {{fmt(q), fmt(r)}}"
+    ));
+    let mut c = redis::Client::open(r.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |bits: u32| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed >> (64 - bits)).max(1)
+    };
+    let mut cases: Vec<(u64, u64, u64, u64)> = vec![
+        (1, 1, 0, 1),
+        ((1 << 53) - 1, 1, 0, 3),
+        (31_536_000_000, 1_000_000_000_000, 999, 31_536_000_000),
+        (
+            1_000_000_000_000_000,
+            31_536_000_000,
+            0,
+            1_000_000_000_000_000,
+        ),
+        (4_500_000, 1_000_000_000_000, 12_345, 1000),
+    ];
+    for _ in 0..300 {
+        let c_bits = [30, 36, 37, 45, 51][(next(8) % 5) as usize];
+        let c = next(c_bits);
+        let a = next(53);
+        let b_bits = 53 - (next(6) % 40) as u32;
+        let b = next(b_bits);
+        cases.push((a, b, next(63) % c, c));
+    }
+    let mut checked = 0;
+    for (a, b, add, cc) in cases {
+        let x = u128::from(a) * u128::from(b) + u128::from(add);
+        let (q, rem) = (x / u128::from(cc), x % u128::from(cc));
+        if q >= 1 << 53 {
+            continue; // outside the documented exact range
+        }
+        let got: Vec<String> = script
+            .arg(a)
+            .arg(b)
+            .arg(add)
+            .arg(cc)
+            .invoke_async(&mut c)
+            .await
+            .unwrap();
+        assert_eq!(
+            got,
+            vec![q.to_string(), rem.to_string()],
+            "muldivmod({a}, {b}, {add}, {cc})"
+        );
+        checked += 1;
+    }
+    assert!(checked > 150, "only {checked} cases in range");
+}

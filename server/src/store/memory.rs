@@ -30,7 +30,7 @@ struct Id {
 
 #[derive(Debug, Clone, Copy)]
 enum State {
-    /// Micro-tokens, last charge (µs), refill remainder (1/period_us of a micro-token).
+    /// Micro-tokens, last charge (µs), refill remainder (1/period_ms of a micro-token).
     Token { t: u128, ts: u64, f: u128 },
     /// Window index and count in it.
     Window { w: u64, count: u64 },
@@ -158,15 +158,16 @@ fn load(b: &BucketSpec, stored: Option<State>, now: u64) -> State {
                     t = cap_m;
                     f = 0;
                 } else {
-                    let period_us = u128::from(b.period_ms) * 1000;
-                    let x = u128::from(now - ts) * u128::from(b.rate) * MICRO + f;
-                    let add = x / period_us;
+                    // Same units as token_bucket.lua: f is in 1/period_ms of a micro-token.
+                    let period = u128::from(b.period_ms);
+                    let x = u128::from(now - ts) * u128::from(b.rate) * 1000 + f;
+                    let add = x / period;
                     if add >= cap_m - t {
                         t = cap_m;
                         f = 0;
                     } else {
                         t += add;
-                        f = x % period_us;
+                        f = x % period;
                     }
                 }
                 ts = now;

@@ -18,11 +18,7 @@ local function fmt(n)
   return string.format('%.0f', n)
 end
 
-local POW2 = {}
-do
-  local p = 1
-  for i = 0, 15 do POW2[i] = p; p = p * 2 end
-end
+local TWO37 = 137438953472
 
 -- floor((a * b + add) / c) and the remainder, exactly, for integers 0 <= a, b < 2^53,
 -- 0 <= add < 2^52, 0 < c < 2^52. A quotient above 2^53 is approximate: callers compare it with a
@@ -36,7 +32,7 @@ local function muldivmod(a, b, add, c)
     if r < 0 then q = q - 1; r = r + c elseif r >= c then q = q + 1; r = r - c end
     return q, r
   end
-  -- Schoolbook product in base 2^16 limbs, then binary long division (r < c < 2^52 keeps 2r+1 exact).
+  -- Schoolbook product in base 2^16 limbs (p[0] lowest), then long division.
   local al, bl, p = {}, {}, {}
   for i = 0, 3 do
     al[i] = a % B16; a = (a - al[i]) / B16
@@ -53,13 +49,28 @@ local function muldivmod(a, b, add, c)
     p[k + 1] = p[k + 1] + carry
   end
   local q, r = 0, 0
+  if c < TWO37 then
+    -- One limb per step: r < c < 2^37 keeps r * 2^16 + limb below 2^53.
+    for k = 7, 0, -1 do
+      local y = r * B16 + p[k]
+      local d = math.floor(y / c)
+      r = y - d * c
+      if r < 0 then d = d - 1; r = r + c elseif r >= c then d = d + 1; r = r - c end
+      q = q * B16 + d
+    end
+    return q, r
+  end
+  -- One bit per step: r < c < 2^52 keeps 2r + 1 exact.
   for k = 7, 0, -1 do
     local limb = p[k]
-    for bit = 15, 0, -1 do
-      local d = math.floor(limb / POW2[bit]) % 2
+    local bit = 32768
+    while bit >= 1 do
+      local d = 0
+      if limb >= bit then d = 1; limb = limb - bit end
       r = r * 2 + d
       q = q * 2
       if r >= c then r = r - c; q = q + 1 end
+      bit = bit / 2
     end
   end
   return q, r

@@ -6,8 +6,9 @@
 -- State: HSET fields, all integers formatted exactly:
 --          t  = micro-tokens held (0 ..= capacity * 10^6)
 --          ts = Redis TIME of the last charge, microseconds
---          f  = refill remainder, in 1/(period_ms * 1000) of a micro-token, so no fraction of a
---               token is ever lost between charges: the refill is exact, not rounded per call
+--          f  = refill remainder, in 1/period_ms of a micro-token (0 .. period_ms - 1), so no
+--               fraction of a token is ever lost between charges: the refill is exact, not
+--               rounded per call
 --        A missing hash is a full bucket; that is why expiry (PEXPIRE = time until full + margin,
 --        set on every write) can never admit more than the limit.
 -- Clock: Redis TIME. If it steps back (a failover), the bucket does not refill until it passes `ts`.
@@ -22,14 +23,15 @@ local function tb_load(key, cap, now)
   return { t = t, ts = ts, f = f, exists = true }
 end
 
--- Adds the tokens earned between s.ts and now: floor((elapsed_us * rate * 10^6 + f) / period_us).
+-- Adds the micro-tokens earned between s.ts and now: elapsed_us * rate * 10^6 / (period_ms * 1000)
+-- = floor((elapsed_us * rate * 1000 + f) / period_ms), the remainder kept in f.
 local function tb_refill(s, cap, rate, period, now)
   if now <= s.ts then return end
   local cap_m = cap * MICRO
   if s.t >= cap_m then
     s.t = cap_m; s.f = 0
   else
-    local add, f = muldivmod(now - s.ts, rate * MICRO, s.f, period * 1000)
+    local add, f = muldivmod(now - s.ts, rate * 1000, s.f, period)
     if add >= cap_m - s.t then s.t = cap_m; s.f = 0 else s.t = s.t + add; s.f = f end
   end
   s.ts = now
