@@ -27,6 +27,7 @@ both_transports!(
     failure_mode_deny,
     shadow_never_denies,
     breaker_opens_and_closes,
+    service_token_required,
 );
 
 /// Capacity 10 split over 3 instances: the fallback bucket holds floor(10 / 3) = 3.
@@ -258,4 +259,42 @@ fn breaker_opens_and_closes(t: Transport) {
         "global limit (4), not the fallback's 2"
     );
     assert_eq!(upstream.requests(), 2 + 2 + probes as u64 + 4);
+}
+
+/// The service requires a bearer token: the filter's configured token is accepted (global limit);
+/// a wrong one is refused (401 / UNAUTHENTICATED), which is a failed callout like any other.
+fn service_token_required(t: Transport) {
+    let c = Components::get();
+    let dir = TempDir::new("token");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start_with(&c, &dir, Some(&redis.url()), &["--token", "s3cret"]);
+    let upstream = Upstream::start();
+    let client = Client::new();
+    for (token, expect) in [("s3cret", "global"), ("wrong", "fallback")] {
+        let mut extra = json!({"fallback": {"instances": 2}});
+        extra["service"] = json!({"token": token});
+        let cfg = plugin(t, vec![rule("per-ip", &["client_ip"], 4)], extra);
+        // A fresh Envoy per token; both share the service and Redis, so the rule key differs.
+        let cfg = cfg.replace("\"per-ip\"", &format!("\"per-ip-{token}\""));
+        let envoy = Envoy::start(
+            &c,
+            &dir,
+            &EnvoySpec::new(Some(cfg), service.port, upstream.port),
+        );
+        let st = client.statuses(&envoy.url("/"), &[], 5);
+        let stats = envoy.tg_all();
+        let get = |k: &str| stats.get(k).copied().unwrap_or(0);
+        if expect == "global" {
+            assert_eq!(st, vec![200, 200, 200, 200, 429], "{stats:?}");
+            assert_eq!(get("allowed"), 4, "{stats:?}");
+        } else {
+            assert_eq!(st, vec![200, 200, 429, 429, 429], "fallback: floor(4/2)");
+            let cause = match t {
+                Transport::Http => "callout_failure.status",
+                Transport::Grpc => "callout_failure.grpc_status",
+            };
+            assert!(get(cause) >= 1, "{stats:?}");
+            assert_eq!(get("allowed"), 0, "{stats:?}");
+        }
+    }
 }

@@ -27,6 +27,7 @@ both_transports!(
     key_from_client_ip_trusted_hop,
     key_from_peer_ignores_x_forwarded_for,
     match_limits_only_matching_requests,
+    fixed_window_and_refill,
 );
 
 fn header_u64(r: &Reply, name: &str) -> u64 {
@@ -276,4 +277,33 @@ fn match_limits_only_matching_requests(t: Transport) {
     );
     assert_eq!(s.client.statuses(&s.url("/other"), &[], 3), vec![200; 3]);
     assert_eq!(s.upstream.requests(), 4);
+}
+
+/// fixed_window counts per window; a token bucket refills continuously (here 2 per second, so a
+/// denied client is admitted again after half a second).
+fn fixed_window_and_refill(t: Transport) {
+    let mut fw = rule("window", &["literal:w"], 3);
+    fw["algorithm"] = json!("fixed_window");
+    fw["match"] = json!({"path_prefix": "/fw"});
+    let refill = json!({"name": "refill", "match": {"path_prefix": "/tb"}, "key": ["literal:t"],
+                        "capacity": 2, "rate": 2, "period_ms": 1000});
+    let s = Stack::start("algorithms", &plugin(t, vec![fw, refill], json!({})));
+    assert_eq!(
+        s.client.statuses(&s.url("/fw"), &[], 5),
+        vec![200, 200, 200, 429, 429]
+    );
+    assert_eq!(s.client.statuses(&s.url("/tb"), &[], 3)[..2], [200, 200]);
+    let denied = s.get("/tb", &[]);
+    assert_eq!(denied.status, 429, "{denied:?}");
+    assert_eq!(
+        denied.header("retry-after"),
+        Some("1"),
+        "100 ms rounded up to 1 s"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(250));
+    assert_eq!(
+        s.get("/tb", &[]).status,
+        200,
+        "refilled after 250 ms at 10/s"
+    );
 }
