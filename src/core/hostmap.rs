@@ -34,6 +34,28 @@ pub fn parse(b: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
     Some(out)
 }
 
+/// Serialises header pairs in the host's map format.
+pub fn serialize(pairs: &[(String, String)]) -> Vec<u8> {
+    let size: usize = 4 + pairs
+        .iter()
+        .map(|(k, v)| 10 + k.len() + v.len())
+        .sum::<usize>();
+    let mut out = Vec::with_capacity(size);
+    let len = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
+    out.extend_from_slice(&len(pairs.len()));
+    for (k, v) in pairs {
+        out.extend_from_slice(&len(k.len()));
+        out.extend_from_slice(&len(v.len()));
+    }
+    for (k, v) in pairs {
+        out.extend_from_slice(k.as_bytes());
+        out.push(0);
+        out.extend_from_slice(v.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -65,6 +87,21 @@ mod tests {
         assert_eq!(m[1].1, vec![0xff, 0, 0xfe]);
         assert_eq!(m[2].0, "\u{fffd}");
         assert_eq!(parse(&[]).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn serialize_round_trips_through_parse() {
+        let pairs = vec![
+            ("retry-after".to_string(), "3".to_string()),
+            ("ratelimit".to_string(), "\"a\";r=0;t=3".to_string()),
+            (String::new(), String::new()),
+        ];
+        let back = parse(&serialize(&pairs)).unwrap();
+        let back: Vec<(String, String)> = back
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8(v).unwrap()))
+            .collect();
+        assert_eq!(back, pairs);
     }
 
     #[test]

@@ -304,15 +304,10 @@ impl Host for Proxy<'_> {
     }
 
     fn reply(&mut self, reply: &LocalReply) {
-        let headers: Vec<(&str, &str)> = reply
-            .headers
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.as_str()))
-            .collect();
-        if let Err(e) =
-            hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes()))
+        if let Err(status) =
+            raw::send_local_response(reply.status, &reply.headers, reply.body.as_bytes())
         {
-            warn!("could not send the denial: {e:?}");
+            warn!("could not send the denial: host status {status}");
         }
     }
 
@@ -465,7 +460,9 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         for (k, v) in std::mem::take(&mut self.flow.response_headers) {
-            let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, &k, &v);
+            if let Err(status) = raw::add_header(raw::RESPONSE_HEADERS, &k, &v) {
+                debug!("could not add {k} to the response: host status {status}");
+            }
         }
         Action::Continue
     }

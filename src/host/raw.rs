@@ -1,6 +1,7 @@
-//! Two host calls done by hand, because the SDK's wrappers can panic on data a client or a
-//! service controls: the header map deserialiser unwraps `String::from_utf8` on header names, and
-//! `get_grpc_status` unwraps it on the status message. Here both are parsed with bounds checks and
+//! Host calls done by hand, because the SDK's wrappers panic where we want an error: the header
+//! map deserialiser unwraps `String::from_utf8` on header names, `get_grpc_status` unwraps it on
+//! the status message, and `send_http_response` / `add_map_value` panic on any status but `Ok`
+//! (a host that refuses must cost a log line, not the VM). Here both are parsed with bounds checks and
 //! lossy UTF-8 ([`crate::core::hostmap`]). The memory the host returns was allocated through the SDK's exported allocator,
 //! so it is taken back with `Vec::from_raw_parts`, exactly as the SDK does.
 
@@ -18,10 +19,29 @@ extern "C" {
         return_message_data: *mut *mut u8,
         return_message_size: *mut usize,
     ) -> u32;
+    fn proxy_add_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+    fn proxy_send_local_response(
+        status_code: u32,
+        status_code_details_data: *const u8,
+        status_code_details_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> u32;
 }
 
 /// `MapType::HttpRequestHeaders`.
 pub const REQUEST_HEADERS: u32 = 0;
+/// `MapType::HttpResponseHeaders`.
+pub const RESPONSE_HEADERS: u32 = 2;
 
 /// Takes ownership of a host-allocated buffer.
 fn owned(data: *mut u8, size: usize) -> Vec<u8> {
@@ -58,4 +78,51 @@ pub fn grpc_status_message() -> Option<String> {
         return None;
     }
     Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// Adds a header to a map; the host's status on refusal.
+pub fn add_header(map_type: u32, name: &str, value: &str) -> Result<(), u32> {
+    // SAFETY: plain host call with pointers into live borrowed strings.
+    let status = unsafe {
+        proxy_add_header_map_value(
+            map_type,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    };
+    if status == 0 {
+        Ok(())
+    } else {
+        Err(status)
+    }
+}
+
+/// Sends a local reply (Envoy turns it into a trailers-only gRPC reply for gRPC clients); the
+/// host's status on refusal.
+pub fn send_local_response(
+    status: u32,
+    headers: &[(String, String)],
+    body: &[u8],
+) -> Result<(), u32> {
+    let map = crate::core::hostmap::serialize(headers);
+    // SAFETY: plain host call with pointers into live local buffers; -1 = no explicit gRPC status.
+    let rc = unsafe {
+        proxy_send_local_response(
+            status,
+            std::ptr::null(),
+            0,
+            body.as_ptr(),
+            body.len(),
+            map.as_ptr(),
+            map.len(),
+            -1,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(rc)
+    }
 }
