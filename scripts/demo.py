@@ -251,7 +251,7 @@ def local_ratelimit_filter() -> dict:
 def tollgate_filter(wasm: str) -> dict:
     """The Tollgate filter: one global bucket for every request (key `literal:demo`)."""
     plugin = {
-        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 100},
+        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 250},
         "rules": [{"name": "demo", "key": ["literal:demo"], "capacity": CAPACITY, "rate": RATE,
                    "period_ms": PERIOD_S * 1000}],
         "failure_mode": "fallback",
@@ -401,7 +401,12 @@ def chart(results: list[dict], labels: dict[str, str], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     for r in results:
         times = sorted(t for t, _ in r["hits"])
-        ax.step([0.0] + times, range(len(times) + 1), where="post", label=labels[r["mode"]], linewidth=2)
+        # Held flat to the end of the run: nothing more got through after the last admission.
+        xs_mode = [0.0] + times + [max(r["elapsed"], times[-1] if times else 0.0)]
+        ys_mode = list(range(len(times) + 1)) + [len(times)]
+        # The global and fallback lines nearly coincide: the wider, paler one underneath stays visible.
+        width, alpha = {"global": (5.0, 0.55)}.get(r["mode"], (1.8, 1.0))
+        ax.step(xs_mode, ys_mode, where="post", label=labels[r["mode"]], linewidth=width, alpha=alpha)
     xs = [i * DURATION_S / 100 for i in range(101)]
     ax.plot(xs, [CAPACITY + RATE * x / PERIOD_S for x in xs], "k--", linewidth=1,
             label=f"the limit: {CAPACITY} + refill ({RATE}/min)")
@@ -412,7 +417,7 @@ def chart(results: list[dict], labels: dict[str, str], path: Path) -> str:
     ax.set_xlim(0, DURATION_S)
     ax.set_ylim(0, None)
     ax.grid(alpha=0.3)
-    ax.legend(loc="center right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -503,6 +508,10 @@ def main() -> int:
         if r["mode"] != "local":
             decided = (f"; decided by the service {s['tollgate.allowed'] + s['tollgate.limited']}, "
                        f"by the fallback {s['tollgate.fallback.allowed'] + s['tollgate.fallback.limited']}")
+            failures = {k.removeprefix("tollgate.callout_failure."): v for k, v in s.items()
+                        if k.startswith("tollgate.callout_failure.") and v}
+            if failures:
+                decided += f" (failed callouts: {failures})"
         print(f"  {r['mode']:>8}: per Envoy {split}{decided}")
     print(f"  {chart(results, labels, RUN / 'demo.png')}")
     print(f"demo: done in {time.monotonic() - started:.0f} s; logs in {RUN.relative_to(ROOT)}/")
