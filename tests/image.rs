@@ -511,6 +511,14 @@ fn filter_images_pull_like_istio_and_limit_in_envoy() {
                 let cfg: Value =
                     serde_json::from_slice(&reg.blob(&dir, name, &layers[0])).expect("config");
                 assert_eq!(cfg["type"], "envoy_proxy", "runtime config {cfg}");
+                // The ABI the config announces is the one the module exports.
+                for abi in cfg["abiVersions"].as_array().expect("abiVersions") {
+                    let abi = abi.as_str().expect("string").as_bytes();
+                    assert!(
+                        want.windows(abi.len()).any(|w| w == abi),
+                        "the module does not export {cfg}"
+                    );
+                }
             }
         }
         let (found, module) = extract_wasm(&dir, &reg, name, &m)
