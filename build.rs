@@ -1,16 +1,38 @@
 //! Stamps the filter with the git commit it was built from, logged at VM start.
+//!
+//! `TOLLGATE_GIT_HASH` in the environment wins (builds from a source tarball or a container
+//! context without `.git`); otherwise `git rev-parse`, with `-dirty` when the tree has local
+//! changes; otherwise `unknown`.
 use std::process::Command;
 
-fn main() {
-    let hash = Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
+fn git(args: &[&str]) -> Option<String> {
+    Command::new("git")
+        .args(args)
         .output()
         .ok()
         .filter(|o| o.status.success())
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .map(|s| s.trim().to_string())
-        .unwrap_or_else(|| "unknown".to_string());
-    println!("cargo:rustc-env=TOLLGATE_GIT_HASH={hash}");
+}
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=TOLLGATE_GIT_HASH");
     println!("cargo:rerun-if-changed=.git/HEAD");
     println!("cargo:rerun-if-changed=.git/refs/heads");
+    println!("cargo:rerun-if-changed=.git/packed-refs");
+    println!("cargo:rerun-if-changed=.git/index");
+    println!("cargo:rerun-if-changed=src");
+    println!("cargo:rerun-if-changed=Cargo.toml");
+    let hash = std::env::var("TOLLGATE_GIT_HASH")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            let head = git(&["rev-parse", "--short=12", "HEAD"])?;
+            // Only files of the filter count: a change elsewhere does not make the module dirty.
+            let dirty = git(&["status", "--porcelain", "--", "src", "Cargo.toml", "build.rs"])
+                .is_some_and(|s| !s.is_empty());
+            Some(if dirty { format!("{head}-dirty") } else { head })
+        })
+        .unwrap_or_else(|| "unknown".to_string());
+    println!("cargo:rustc-env=TOLLGATE_GIT_HASH={hash}");
 }
