@@ -105,10 +105,24 @@ impl Drop for TempDir {
 
 /// A free 127.0.0.1 port: bound, then released for the child to take. Ports are handed out from a
 /// process-wide sequence of OS-assigned ports; the small window before the child binds is accepted.
+/// A port is never handed out twice by one test process; a clash with another process (the bind fails
+/// and the child exits) is retried by the `start` functions.
 pub fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local addr").port()
+    static HANDED: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    for _ in 0..100 {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        let port = l.local_addr().expect("local addr").port();
+        let mut handed = HANDED.lock().unwrap_or_else(|e| e.into_inner());
+        if !handed.contains(&port) {
+            handed.push(port);
+            return port;
+        }
+    }
+    panic!("no free port found");
 }
+
+/// How many times a component is started on a new port after it exited at start (port clash).
+const START_ATTEMPTS: usize = 3;
 
 /// A 127.0.0.1 port where nothing listens (connections are refused).
 pub fn closed_port() -> u16 {
@@ -201,15 +215,18 @@ impl Drop for Proc {
     }
 }
 
-fn wait_until(what: &str, proc: &mut Proc, mut ready: impl FnMut() -> bool) {
+/// Waits for `ready`. `Err(true)` when the process exited first (e.g. its port was taken: worth a
+/// retry on another port), panics with the log when it is not ready in time.
+fn wait_until(what: &str, proc: &mut Proc, mut ready: impl FnMut() -> bool) -> Result<(), bool> {
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
-        if ready() {
-            return;
-        }
         if let Some(st) = proc.exited() {
+            eprintln!("{what} exited before it was ready: {st}");
             proc.print_log();
-            panic!("{what} exited before it was ready: {st}");
+            return Err(true);
+        }
+        if ready() {
+            return Ok(());
         }
         if Instant::now() > deadline {
             proc.print_log();
@@ -230,15 +247,19 @@ pub struct Redis {
 
 impl Redis {
     pub fn start(c: &Components, dir: &TempDir) -> Redis {
-        let port = free_port();
-        let mut cmd = Command::new(&c.redis_server);
-        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir.path());
-        let mut proc = Proc::spawn("redis", cmd, dir.path().join(format!("redis-{port}.log")));
-        wait_until("redis-server", &mut proc, || redis_ping(port));
-        Redis { port, proc }
+        for _ in 0..START_ATTEMPTS {
+            let port = free_port();
+            let mut cmd = Command::new(&c.redis_server);
+            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir.path());
+            let mut proc = Proc::spawn("redis", cmd, dir.path().join(format!("redis-{port}.log")));
+            if wait_until("redis-server", &mut proc, || redis_ping(port)).is_ok() {
+                return Redis { port, proc };
+            }
+        }
+        panic!("redis-server did not start in {START_ATTEMPTS} attempts");
     }
 
     pub fn url(&self) -> String {
@@ -285,27 +306,32 @@ impl Service {
         redis_url: Option<&str>,
         extra: &[&str],
     ) -> Service {
-        let port = free_port();
-        let mut cmd = Command::new(&c.server);
-        cmd.args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--log-format", "text"])
-            .args(extra)
-            .env_remove("TOLLGATE_REDIS_URL")
-            .env_remove("TOLLGATE_REDIS_CLUSTER")
-            .env_remove("TOLLGATE_TOKEN")
-            .env_remove("TOLLGATE_LISTEN");
-        if let Some(url) = redis_url {
-            cmd.args(["--redis-url", url]);
+        for _ in 0..START_ATTEMPTS {
+            let port = free_port();
+            let mut cmd = Command::new(&c.server);
+            cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(["--log-format", "text"])
+                .args(extra)
+                .env_remove("TOLLGATE_REDIS_URL")
+                .env_remove("TOLLGATE_REDIS_CLUSTER")
+                .env_remove("TOLLGATE_TOKEN")
+                .env_remove("TOLLGATE_LISTEN");
+            if let Some(url) = redis_url {
+                cmd.args(["--redis-url", url]);
+            }
+            let mut proc = Proc::spawn(
+                "tollgate-server",
+                cmd,
+                dir.path().join(format!("service-{port}.log")),
+            );
+            let up = wait_until("tollgate-server", &mut proc, || {
+                http_get_status(port, "/healthz") == Some(200)
+            });
+            if up.is_ok() {
+                return Service { port, proc };
+            }
         }
-        let mut proc = Proc::spawn(
-            "tollgate-server",
-            cmd,
-            dir.path().join(format!("service-{port}.log")),
-        );
-        wait_until("tollgate-server", &mut proc, || {
-            http_get_status(port, "/healthz") == Some(200)
-        });
-        Service { port, proc }
+        panic!("tollgate-server did not start in {START_ATTEMPTS} attempts");
     }
 
     /// The service's Prometheus text.
@@ -472,6 +498,23 @@ impl Envoy {
         spec: &EnvoySpec,
         limit: Duration,
     ) -> Result<Envoy, EnvoyFailure> {
+        let mut attempt = 1;
+        loop {
+            match Envoy::try_start_once(c, dir, spec, limit) {
+                Err(f) if attempt < START_ATTEMPTS && f.log.contains("Address already in use") => {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn try_start_once(
+        c: &Components,
+        dir: &TempDir,
+        spec: &EnvoySpec,
+        limit: Duration,
+    ) -> Result<Envoy, EnvoyFailure> {
         let port = free_port();
         let admin_port = free_port();
         let cfg = dir.path().join(format!("envoy-{port}.yaml"));
@@ -486,19 +529,20 @@ impl Envoy {
         let mut proc = Proc::spawn("envoy", cmd, dir.path().join(format!("envoy-{port}.log")));
         let deadline = Instant::now() + limit;
         loop {
-            if http_get_status(admin_port, "/ready") == Some(200) {
-                return Ok(Envoy {
-                    port,
-                    admin_port,
-                    proc,
-                });
-            }
+            // Exit first: a port clash must not pass for readiness of someone else's Envoy.
             if let Some(st) = proc.exited() {
                 let log = proc.log_text();
                 // Already exited: dropping does not print the log unless panicking.
                 return Err(EnvoyFailure {
                     status: Some(st),
                     log,
+                });
+            }
+            if http_get_status(admin_port, "/ready") == Some(200) && proc.exited().is_none() {
+                return Ok(Envoy {
+                    port,
+                    admin_port,
+                    proc,
                 });
             }
             if Instant::now() > deadline {
