@@ -29,8 +29,15 @@ fn main() {
         .or_else(|| {
             let head = git(&["rev-parse", "--short=12", "HEAD"])?;
             // Only files of the filter count: a change elsewhere does not make the module dirty.
-            let dirty = git(&["status", "--porcelain", "--", "src", "Cargo.toml", "build.rs"])
-                .is_some_and(|s| !s.is_empty());
+            let dirty = git(&[
+                "status",
+                "--porcelain",
+                "--",
+                "src",
+                "Cargo.toml",
+                "build.rs",
+            ])
+            .is_some_and(|s| !s.is_empty());
             Some(if dirty { format!("{head}-dirty") } else { head })
         })
         .unwrap_or_else(|| "unknown".to_string());

@@ -5,7 +5,8 @@
 //! through the SDK's trait helpers that unwrap.
 //!
 //! - `mod.rs`: root context (configuration, metrics), HTTP context, the [`Host`] implementation.
-//! - `raw.rs`: the two host calls done by hand (header maps, gRPC status message).
+//! - `raw.rs`: host calls done by hand where the SDK would panic (header maps, gRPC status
+//!   message, local replies, adding response headers).
 
 mod raw;
 
