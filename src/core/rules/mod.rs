@@ -1,4 +1,4 @@
-//! Rules: which rules a request matches ([`matches`]) and the request view they read ([`Request`]).
+//! Rules: which rules a request matches ([`matches()`]) and the request view they read ([`Request`]).
 //! Key building lives in [`keys`].
 
 pub mod keys;
