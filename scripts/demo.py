@@ -437,7 +437,9 @@ def main() -> int:
 
     procs = Procs()
     upstream = Upstream()
-    # SIGTERM ends the demo like Ctrl-C does: through the `finally` below.
+    # Ctrl-C and SIGTERM end the demo through the `finally` below. SIGINT is set explicitly: a shell
+    # that starts the demo in the background would otherwise have it ignored.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.monotonic()
     try:
@@ -465,6 +467,9 @@ def main() -> int:
     except KeyboardInterrupt:
         print("\ndemo: interrupted, stopping everything", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # a component did not come up: say which, and where its log is
+        print(f"demo: {e}", file=sys.stderr)
+        return 1
     finally:
         procs.stop_all()
         upstream.close()
