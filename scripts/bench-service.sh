@@ -30,7 +30,8 @@ die() { say "$*"; exit 1; }
 command -v redis-benchmark >/dev/null || die "redis-benchmark not found (apt-get install redis-tools)"
 command -v wrk >/dev/null || die "wrk not found (bash scripts/tools.sh bench)"
 
-if [ -x dist/tollgate-server ]; then SERVER=$ROOT/dist/tollgate-server
+if [ -n "${TOLLGATE_SERVER:-}" ] && [ -x "${TOLLGATE_SERVER}" ]; then SERVER=$TOLLGATE_SERVER
+elif [ -x dist/tollgate-server ]; then SERVER=$ROOT/dist/tollgate-server
 elif [ -x target/release/tollgate-server ]; then SERVER=$ROOT/target/release/tollgate-server
 else
   say "building the service (release)"
@@ -66,9 +67,12 @@ SHA=$("$REDIS_CLI" -p "$RP" SCRIPT LOAD "$SCRIPT")
 CAP=1000000000
 RKEY="bench:tb:{redis-alone}:$CAP:$CAP:1000"
 N=$((SECS * 80000))
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
 say "redis-benchmark: EVALSHA take script, -c $CONCURRENCY, -n $N"
+R0=$(cpu_s "$REDIS_PID")
 redis-benchmark -h 127.0.0.1 -p "$RP" -c "$CONCURRENCY" -n "$N" --csv \
   EVALSHA "$SHA" 1 "$RKEY" 0 "$CAP" "$CAP" 1000 1 >"$OUT/redis-benchmark.csv"
+REDIS_US=$(awk -v a="$R0" -v b="$(cpu_s "$REDIS_PID")" -v n="$N" 'BEGIN{printf "%.0f", 1e6*(b-a)/n}')
 # "test","rps","avg_latency_ms","min_latency_ms","p50_latency_ms","p95_latency_ms","p99_latency_ms","max_latency_ms"
 read -r REDIS_RPS REDIS_P50 REDIS_P99 < <(tail -1 "$OUT/redis-benchmark.csv" | tr -d '"' | awk -F, '{print $2, $5, $7}')
 say "redis alone: $REDIS_RPS/s p50 ${REDIS_P50}ms p99 ${REDIS_P99}ms"
@@ -83,21 +87,23 @@ curl -sf "http://127.0.0.1:$SP/readyz" >/dev/null || die "service not ready (see
 "$LOADGEN" --addr "127.0.0.1:$SP" --mode grpc --concurrency 8 --connections 2 --seconds 1 >/dev/null
 
 RESULTS=()
-measure() { # name, command...; the command prints decisions/s p50 p99 on its last line
+measure() { # name, command...; the command prints "decisions/s p50 p99" on its last line
   local name=$1; shift
-  local s0 r0 s1 r1 l0 l1
+  local s0 r0 s1 r1
   s0=$(cpu_s "$SERVICE_PID"); r0=$(cpu_s "$REDIS_PID")
-  local line
-  line=$("$@" | tail -1)
+  local TIMEFORMAT='%U %S'
+  { time "$@" >"$OUT/line.txt"; } 2>"$OUT/time.txt"
   s1=$(cpu_s "$SERVICE_PID"); r1=$(cpu_s "$REDIS_PID")
   local rps p50 p99
-  read -r rps p50 p99 <<<"$line"
+  read -r rps p50 p99 < <(tail -1 "$OUT/line.txt")
+  local gen; gen=$(tail -1 "$OUT/time.txt" | awk '{print $1 + $2}')
   local ratio; ratio=$(awk -v a="$rps" -v b="$REDIS_RPS" 'BEGIN{printf "%.2f", a/b}')
-  local scpu rcpu
-  scpu=$(awk -v a="$s0" -v b="$s1" -v t="$SECS" 'BEGIN{printf "%.0f%%", 100*(b-a)/t}')
-  rcpu=$(awk -v a="$r0" -v b="$r1" -v t="$SECS" 'BEGIN{printf "%.0f%%", 100*(b-a)/t}')
-  RESULTS+=("$(printf '| %-34s | %9.0f | %5s | %7s | %7s | %7s | %7s |' "$name" "$rps" "$ratio" "$p50" "$p99" "$scpu" "$rcpu")")
-  say "$name: $rps/s (x$ratio of Redis alone), p50 ${p50}ms p99 ${p99}ms, service CPU $scpu, redis CPU $rcpu"
+  # CPU time per decision, in microseconds: robust to other load on the machine, unlike rates.
+  local per
+  per=$(awk -v s="$(awk -v a="$s0" -v b="$s1" 'BEGIN{print b-a}')" -v r="$(awk -v a="$r0" -v b="$r1" 'BEGIN{print b-a}')" \
+            -v g="$gen" -v n="$rps" -v t="$SECS" 'BEGIN{d=n*t; printf "%.0f / %.0f / %.0f", 1e6*s/d, 1e6*r/d, 1e6*g/d}')
+  RESULTS+=("$(printf '| %-36s | %9.0f | %5s | %7s | %7s | %-16s |' "$name" "$rps" "$ratio" "$p50" "$p99" "$per")")
+  say "$name: $rps/s (x$ratio of Redis alone), p50 ${p50}ms p99 ${p99}ms, CPU us/decision service/redis/loadgen $per"
 }
 
 lg() { # mode connections -> "rps p50 p99"
@@ -128,8 +134,10 @@ measure "service, JSON over HTTP/1.1 (wrk)" wrk_h1
 {
   echo "concurrency $CONCURRENCY, $SECS s per run, $(nproc) cores shared by load generator, service and Redis"
   echo
-  echo "| path | decisions/s | ratio | p50 ms | p99 ms | service CPU | redis CPU |"
-  echo "|---|---|---|---|---|---|---|"
-  printf '| %-34s | %9.0f | %5s | %7s | %7s | %7s | %7s |\n' "Redis alone (redis-benchmark EVALSHA)" "$REDIS_RPS" "1.00" "$REDIS_P50" "$REDIS_P99" "-" "-"
+  echo "load average before: $LOAD0"
+  echo
+  echo "| path | decisions/s | ratio | p50 ms | p99 ms | CPU µs/decision: service / redis / load gen |"
+  echo "|---|---|---|---|---|---|"
+  printf '| %-36s | %9.0f | %5s | %7s | %7s | %-16s |\n' "Redis alone (redis-benchmark EVALSHA)" "$REDIS_RPS" "1.00" "$REDIS_P50" "$REDIS_P99" "- / $REDIS_US / -"
   printf '%s\n' "${RESULTS[@]}"
 } | tee "$OUT/service-bench.md"

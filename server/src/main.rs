@@ -11,11 +11,19 @@ use tollgate_server::store::redis::{redact_url, RedisConfig, RedisStore};
 use tollgate_server::store::Store;
 use tollgate_server::{run, ServiceConfig};
 
+/// mimalloc: about a tenth of the service's CPU went to glibc malloc/free under load.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colours only on a terminal: log collectors would store the escape codes.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi);
     match cli.log_format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),
