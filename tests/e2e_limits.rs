@@ -307,3 +307,40 @@ fn fixed_window_and_refill(t: Transport) {
         "refilled after 600 ms at 2/s"
     );
 }
+
+/// The JSON transport also works over an HTTP/1.1 cluster.
+#[test]
+fn http_transport_over_an_http1_cluster() {
+    let s = Stack::start_with(
+        "http1",
+        &plugin(
+            Transport::Http,
+            vec![rule("per-ip", &["client_ip"], 2)],
+            json!({}),
+        ),
+        |spec| spec.service_http2 = false,
+    );
+    assert_eq!(s.client.statuses(&s.url("/"), &[], 3), vec![200, 200, 429]);
+    assert_eq!(s.envoy.tg("allowed"), 2);
+    assert_eq!(s.upstream.requests(), 2);
+}
+
+/// gRPC over a cluster without HTTP/2 cannot work; Envoy accepts the configuration and every call
+/// fails. The filter treats that as a failed callout (here: the fallback), not as an answer.
+#[test]
+fn grpc_transport_over_an_http1_cluster_falls_back() {
+    let s = Stack::start_with(
+        "grpc-http1",
+        &plugin(
+            Transport::Grpc,
+            vec![rule("per-ip", &["client_ip"], 4)],
+            json!({"fallback": {"instances": 2}}),
+        ),
+        |spec| spec.service_http2 = false,
+    );
+    assert_eq!(s.client.statuses(&s.url("/"), &[], 3), vec![200, 200, 429]);
+    let stats = s.envoy.tg_all();
+    assert_eq!(stats.get("allowed").copied().unwrap_or(0), 0, "{stats:?}");
+    assert_eq!(stats.get("fallback.allowed"), Some(&2), "{stats:?}");
+    assert_eq!(s.upstream.requests(), 2);
+}

@@ -365,6 +365,8 @@ pub struct EnvoySpec {
     /// (Envoy's default): Envoy leaves x-forwarded-for alone and takes `source.address` from its
     /// rightmost entry.
     pub use_remote_address: bool,
+    /// The `tollgate` cluster speaks HTTP/2 (required for gRPC). False: HTTP/1.1.
+    pub service_http2: bool,
 }
 
 impl EnvoySpec {
@@ -377,6 +379,7 @@ impl EnvoySpec {
             direct_response: false,
             log_level: "wasm:debug".to_string(),
             use_remote_address: true,
+            service_http2: true,
         }
     }
 
@@ -445,11 +448,7 @@ static_resources:
       endpoints:
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {service_port}}}}}}}
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-  - name: upstream
+{service_protocol}  - name: upstream
     type: STATIC
     connect_timeout: 1s
     load_assignment:
@@ -461,6 +460,15 @@ static_resources:
             service_port = self.service_port,
             upstream_port = self.upstream_port,
             use_remote_address = self.use_remote_address,
+            service_protocol = if self.service_http2 {
+                "    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {http2_protocol_options: {}}
+"
+            } else {
+                ""
+            },
         )
     }
 }
