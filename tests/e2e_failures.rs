@@ -42,7 +42,11 @@ fn fallback_extra() -> serde_json::Value {
 /// Sends 8 requests and checks the fallback's verdicts and counters: 3 admitted, 5 limited, only the
 /// admitted ones at the upstream, and a callout failure of one of `causes` counted.
 fn assert_fallback(s: &Stack, causes: &[&str]) {
-    let st = s.client.statuses(&s.url("/"), &[], 8);
+    let replies: Vec<Reply> = (0..8).map(|_| s.get("/", &[])).collect();
+    for r in replies.iter().filter(|r| r.status == 429) {
+        assert!(r.header("retry-after").is_some(), "fallback denial: {r:?}");
+    }
+    let st: Vec<u16> = replies.iter().map(|r| r.status).collect();
     assert_eq!(
         st,
         vec![200, 200, 200, 429, 429, 429, 429, 429],

@@ -145,7 +145,17 @@ fn cost_from_header(t: Transport) {
     r["cost"] = json!({"header": "x-cost", "default": 1, "max": 1000});
     let s = Stack::start("cost-header", &plugin(t, vec![r], json!({})));
     let url = s.url("/");
-    assert_eq!(s.client.get(&url, &[("x-cost", "6")]).status, 200);
+    let never = s.client.get(&url, &[("x-cost", "50")]);
+    assert_eq!(
+        never.status, 429,
+        "a cost above capacity is denied: {never:?}"
+    );
+    assert!(never.header("retry-after").is_some(), "{never:?}");
+    assert_eq!(
+        s.client.get(&url, &[("x-cost", "6")]).status,
+        200,
+        "nothing was charged"
+    );
     assert_eq!(s.client.get(&url, &[("x-cost", "5")]).status, 429);
     assert_eq!(s.client.get(&url, &[("x-cost", "4")]).status, 200);
     assert_eq!(
@@ -154,6 +164,18 @@ fn cost_from_header(t: Transport) {
         "default cost 1, none left"
     );
     assert_eq!(s.upstream.requests(), 2);
+    let stats = s.envoy.tg_all();
+    assert_eq!(
+        stats.get("limited"),
+        Some(&3),
+        "denied by the service: {stats:?}"
+    );
+    let failures: u64 = stats
+        .iter()
+        .filter(|(k, _)| k.starts_with("callout_failure."))
+        .map(|(_, v)| v)
+        .sum();
+    assert_eq!(failures, 0, "no request was an error: {stats:?}");
 }
 
 /// Rule A (shared, capacity 5) and rule B (per user, capacity 2) on every request. Requests denied
