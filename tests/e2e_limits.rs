@@ -28,6 +28,8 @@ both_transports!(
     key_from_peer_ignores_x_forwarded_for,
     match_limits_only_matching_requests,
     fixed_window_and_refill,
+    request_body_passes_intact,
+    long_keys_stay_distinct,
 );
 
 fn header_u64(r: &Reply, name: &str) -> u64 {
@@ -365,4 +367,52 @@ fn grpc_transport_over_an_http1_cluster_falls_back() {
     assert_eq!(stats.get("allowed").copied().unwrap_or(0), 0, "{stats:?}");
     assert_eq!(stats.get("fallback.allowed"), Some(&2), "{stats:?}");
     assert_eq!(s.upstream.requests(), 2);
+}
+
+/// A POST body waits while the filter asks the service and reaches the upstream intact; a denied
+/// POST reaches nothing.
+fn request_body_passes_intact(t: Transport) {
+    let s = Stack::start(
+        "body",
+        &plugin(t, vec![rule("per-ip", &["client_ip"], 1)], json!({})),
+    );
+    let body: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let r = s.client.post(&s.url("/upload"), &[], &body);
+    assert_eq!(r.status, 200, "{r:?}");
+    let r = s.client.post(&s.url("/upload"), &[], &body);
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(s.upstream.requests(), 1);
+    let got = s.upstream.bodies();
+    assert_eq!(got.len(), 1);
+    assert!(
+        got[0] == body,
+        "body of {} bytes arrived as {} bytes",
+        body.len(),
+        got[0].len()
+    );
+}
+
+/// Keys far longer than the service accepts (header values of 6000 bytes, differing only at the
+/// end) are still one bucket per value.
+fn long_keys_stay_distinct(t: Transport) {
+    let s = Stack::start(
+        "long-keys",
+        &plugin(
+            t,
+            vec![rule("per-key", &["header:x-api-key"], 2)],
+            json!({}),
+        ),
+    );
+    let url = s.url("/");
+    let base = "k".repeat(6000);
+    let (a, b) = (format!("{base}a"), format!("{base}b"));
+    assert_eq!(
+        s.client.statuses(&url, &[("x-api-key", &a)], 3),
+        vec![200, 200, 429]
+    );
+    assert_eq!(
+        s.client.statuses(&url, &[("x-api-key", &b)], 3),
+        vec![200, 200, 429]
+    );
+    assert_eq!(s.envoy.tg("allowed"), 4, "{:?}", s.envoy.tg_all());
 }

@@ -676,6 +676,28 @@ impl Reply {
     }
 }
 
+impl From<ureq::http::Response<ureq::Body>> for Reply {
+    fn from(mut resp: ureq::http::Response<ureq::Body>) -> Reply {
+        let status = resp.status().as_u16();
+        let mut map: BTreeMap<String, String> = BTreeMap::new();
+        for (k, v) in resp.headers() {
+            let v = v.to_str().unwrap_or("").to_string();
+            map.entry(k.as_str().to_ascii_lowercase())
+                .and_modify(|e| {
+                    e.push_str(", ");
+                    e.push_str(&v)
+                })
+                .or_insert(v);
+        }
+        let body = resp.body_mut().read_to_string().unwrap_or_default();
+        Reply {
+            status,
+            headers: map,
+            body,
+        }
+    }
+}
+
 /// An HTTP client with keep-alive that never turns a status into an error.
 #[derive(Clone)]
 pub struct Client {
@@ -704,26 +726,22 @@ impl Client {
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let mut resp = req
+        let resp = req
             .call()
             .unwrap_or_else(|e| panic!("GET {url} failed: {e}"));
-        let status = resp.status().as_u16();
-        let mut map: BTreeMap<String, String> = BTreeMap::new();
-        for (k, v) in resp.headers() {
-            let v = v.to_str().unwrap_or("").to_string();
-            map.entry(k.as_str().to_ascii_lowercase())
-                .and_modify(|e| {
-                    e.push_str(", ");
-                    e.push_str(&v)
-                })
-                .or_insert(v);
+        Reply::from(resp)
+    }
+
+    /// POST `body` to `url` with `headers`.
+    pub fn post(&self, url: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+        let mut req = self.agent.post(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
         }
-        let body = resp.body_mut().read_to_string().unwrap_or_default();
-        Reply {
-            status,
-            headers: map,
-            body,
-        }
+        let resp = req
+            .send(body)
+            .unwrap_or_else(|e| panic!("POST {url} failed: {e}"));
+        Reply::from(resp)
     }
 
     /// `n` sequential GETs, returning the statuses.
@@ -751,6 +769,7 @@ struct UpstreamState {
     stop: AtomicBool,
     requests: AtomicU64,
     heads: Mutex<Vec<String>>,
+    bodies: Mutex<Vec<Vec<u8>>>,
 }
 
 impl Upstream {
@@ -761,6 +780,7 @@ impl Upstream {
             stop: AtomicBool::new(false),
             requests: AtomicU64::new(0),
             heads: Mutex::new(Vec::new()),
+            bodies: Mutex::new(Vec::new()),
         });
         let st = state.clone();
         thread::spawn(move || {
@@ -787,6 +807,15 @@ impl Upstream {
             .heads
             .lock()
             .map(|h| h.clone())
+            .unwrap_or_default()
+    }
+
+    /// The request bodies received so far (those of the first 100 requests).
+    pub fn bodies(&self) -> Vec<Vec<u8>> {
+        self.state
+            .bodies
+            .lock()
+            .map(|b| b.clone())
             .unwrap_or_default()
     }
 }
@@ -829,7 +858,12 @@ fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
             }
         }
-        buf.drain(..head_end + body_len);
+        let body: Vec<u8> = buf.drain(..head_end + body_len).skip(head_end).collect();
+        if let Ok(mut b) = st.bodies.lock() {
+            if b.len() < 100 {
+                b.push(body);
+            }
+        }
         st.requests.fetch_add(1, Ordering::SeqCst);
         if let Ok(mut h) = st.heads.lock() {
             if h.len() < 10_000 {
