@@ -28,6 +28,7 @@ both_transports!(
     shadow_never_denies,
     breaker_opens_and_closes,
     service_token_required,
+    breaker_backs_off,
 );
 
 /// Capacity 10 split over 3 instances: the fallback bucket holds floor(10 / 3) = 3.
@@ -301,4 +302,61 @@ fn service_token_required(t: Transport) {
             assert_eq!(get("allowed"), 0, "{stats:?}");
         }
     }
+}
+
+/// While the service stays down, each failed probe doubles the open period up to `max_open_ms`:
+/// the calls reaching the (refusing) service thin out, 300 → 600 → 1200 → 1200 ms apart.
+fn breaker_backs_off(t: Transport) {
+    let gate = Gate::start(GateMode::Refuse, 0);
+    let cfg = plugin(
+        t,
+        vec![rule("per-ip", &["client_ip"], 1_000_000)],
+        json!({"breaker": {"failures": 1, "open_ms": 300, "max_open_ms": 1200}}),
+    );
+    let s = Stack::start_without_service("backoff", &cfg, gate.port);
+    let started = Instant::now();
+    let mut calls: Vec<Duration> = Vec::new();
+    let mut seen = 0;
+    for _ in 0..400 {
+        if started.elapsed() > Duration::from_millis(3700) {
+            break;
+        }
+        assert_eq!(s.get("/", &[]).status, 200);
+        let now = gate.accepted();
+        if now > seen {
+            // Connection attempts within 100 ms of each other belong to one call.
+            let at = started.elapsed();
+            if calls
+                .last()
+                .is_none_or(|l| at - *l > Duration::from_millis(100))
+            {
+                calls.push(at);
+            }
+            seen = now;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let gaps: Vec<u128> = calls
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_millis())
+        .collect();
+    eprintln!("calls at {calls:?}, {gaps:?} ms apart");
+    assert!(gaps.len() >= 3, "calls at {calls:?}");
+    assert!(
+        (250..=800).contains(&gaps[0]),
+        "first open period ~300 ms: {gaps:?}"
+    );
+    assert!(
+        (500..=1100).contains(&gaps[1]),
+        "doubled to ~600 ms: {gaps:?}"
+    );
+    assert!(
+        (1000..=1700).contains(&gaps[2]),
+        "doubled to ~1200 ms: {gaps:?}"
+    );
+    assert!(
+        gaps.iter().all(|g| *g <= 1700),
+        "capped at max_open_ms: {gaps:?}"
+    );
+    assert!(s.envoy.tg("breaker.opened") >= 1);
 }
