@@ -1,5 +1,6 @@
 //! End to end under contention: 32 clients at once against one bucket. The service's atomic take
-//! must admit exactly the capacity, counted at the upstream.
+//! must admit exactly the capacity, counted at the upstream; so must the fallback's bucket, which
+//! Envoy's worker threads share.
 
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
@@ -17,20 +18,17 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-both_transports!(exactly_capacity_admitted_under_32_parallel_clients);
+both_transports!(
+    exactly_capacity_admitted_under_32_parallel_clients,
+    fallback_exact_under_32_parallel_clients,
+);
 
-fn exactly_capacity_admitted_under_32_parallel_clients(t: Transport) {
-    const CLIENTS: usize = 32;
-    const PER_CLIENT: usize = 8;
-    const CAPACITY: u64 = 50;
-    let s = Arc::new(Stack::start(
-        "concurrency",
-        &plugin(
-            t,
-            vec![rule("shared", &["literal:all"], CAPACITY)],
-            json!({}),
-        ),
-    ));
+const CLIENTS: usize = 32;
+const PER_CLIENT: usize = 8;
+
+/// 32 clients, each on its own connection (so spread over Envoy's workers), `PER_CLIENT` requests
+/// each, all started together; returns every status. Bounded by a 60 s deadline.
+fn hammer(s: &Arc<Stack>) -> Vec<u16> {
     let deadline = Instant::now() + Duration::from_secs(60);
     let barrier = Arc::new(std::sync::Barrier::new(CLIENTS));
     let handles: Vec<_> = (0..CLIENTS)
@@ -38,7 +36,6 @@ fn exactly_capacity_admitted_under_32_parallel_clients(t: Transport) {
             let s = s.clone();
             let barrier = barrier.clone();
             std::thread::spawn(move || {
-                // Each client its own connection, so requests spread over Envoy's workers.
                 let client = Client::new();
                 let url = s.url("/");
                 barrier.wait();
@@ -62,6 +59,39 @@ fn exactly_capacity_admitted_under_32_parallel_clients(t: Transport) {
         CLIENTS * PER_CLIENT,
         "every request answered in time"
     );
+    all
+}
+
+/// The service is down: the fallback bucket, shared by Envoy's workers through CAS-updated shared
+/// data, admits exactly floor(60 / 2) = 30 however the requests interleave.
+fn fallback_exact_under_32_parallel_clients(t: Transport) {
+    let s = Arc::new(Stack::start_without_service(
+        "fallback-concurrency",
+        &plugin(
+            t,
+            vec![rule("shared", &["literal:all"], 60)],
+            json!({"fallback": {"instances": 2}}),
+        ),
+        closed_port(),
+    ));
+    let all = hammer(&s);
+    assert_eq!(count(&all, 200), 30, "admitted");
+    assert_eq!(count(&all, 429), all.len() - 30, "the rest limited");
+    assert_eq!(s.upstream.requests(), 30, "at the upstream");
+    assert_eq!(s.envoy.tg("fallback.allowed"), 30);
+}
+
+fn exactly_capacity_admitted_under_32_parallel_clients(t: Transport) {
+    const CAPACITY: u64 = 50;
+    let s = Arc::new(Stack::start(
+        "concurrency",
+        &plugin(
+            t,
+            vec![rule("shared", &["literal:all"], CAPACITY)],
+            json!({}),
+        ),
+    ));
+    let all = hammer(&s);
     assert_eq!(count(&all, 200) as u64, CAPACITY, "admitted");
     assert_eq!(
         count(&all, 429),
