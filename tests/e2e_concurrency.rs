@@ -99,5 +99,5 @@ fn exactly_capacity_admitted_under_32_parallel_clients(t: Transport) {
         "the rest limited"
     );
     assert_eq!(s.upstream.requests(), CAPACITY, "at the upstream");
-    assert_eq!(s.envoy.tg("allowed"), CAPACITY);
+    assert_eq!(s.envoy.tg("allowed"), CAPACITY, "{:?}", s.envoy.tg_all());
 }
