@@ -309,8 +309,11 @@ impl Service {
         for _ in 0..START_ATTEMPTS {
             let port = free_port();
             let mut cmd = Command::new(&c.server);
+            // A store timeout a busy 2-core machine does not trip (the default, 50 ms, was seen to
+            // time out on the first burst of 32 concurrent takes); below the filter's 1 s callouts.
             cmd.args(["--listen", &format!("127.0.0.1:{port}")])
                 .args(["--log-format", "text"])
+                .args(["--redis-timeout-ms", "500"])
                 .args(extra)
                 .env_remove("TOLLGATE_REDIS_URL")
                 .env_remove("TOLLGATE_REDIS_CLUSTER")
