@@ -8,7 +8,8 @@
 #    given concurrency: the ceiling, Redis alone.
 # 2. The service (dist/tollgate-server or target/release/tollgate-server) on the same Redis, driven
 #    at the same concurrency by server/examples/loadgen.rs over gRPC (HTTP/2) and JSON over HTTP/2,
-#    and by wrk (JSON over HTTP/1.1, one connection per in-flight request).
+#    by h2load (nghttp2-client; C, cheap per request) over gRPC and JSON over HTTP/2 when it is
+#    installed, and by wrk (JSON over HTTP/1.1, one connection per in-flight request).
 # Prints decisions/s, the ratio to Redis alone, p50/p99 latency of a take, and the CPU each
 # process used (2 cores are shared by the load generator, the service and Redis).
 # Everything listens on 127.0.0.1 (free ports) and is stopped at exit.
@@ -102,7 +103,7 @@ measure() { # name, command...; the command prints "decisions/s p50 p99" on its 
   local per
   per=$(awk -v s="$(awk -v a="$s0" -v b="$s1" 'BEGIN{print b-a}')" -v r="$(awk -v a="$r0" -v b="$r1" 'BEGIN{print b-a}')" \
             -v g="$gen" -v n="$rps" -v t="$SECS" 'BEGIN{d=n*t; printf "%.0f / %.0f / %.0f", 1e6*s/d, 1e6*r/d, 1e6*g/d}')
-  RESULTS+=("$(printf '| %-36s | %9.0f | %5s | %7s | %7s | %-16s |' "$name" "$rps" "$ratio" "$p50" "$p99" "$per")")
+  RESULTS+=("$(printf '| %-40s | %9.0f | %5s | %10s | %10s | %-16s |' "$name" "$rps" "$ratio" "$p50" "$p99" "$per")")
   say "$name: $rps/s (x$ratio of Redis alone), p50 ${p50}ms p99 ${p99}ms, CPU us/decision service/redis/loadgen $per"
 }
 
@@ -121,12 +122,67 @@ EOF
   local rps p50 p99 non2xx
   non2xx=$(awk '/Non-2xx/{print $NF}' "$OUT/wrk.txt"); [ -z "$non2xx" ] || die "wrk saw $non2xx non-2xx answers"
   rps=$(awk '/Requests\/sec/{print $2}' "$OUT/wrk.txt")
-  to_ms() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us/,"",v); print v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v); print v+0} else {sub(/s/,"",v); print v*1000} }'; }
   p50=$(to_ms "$(awk '$1=="50%"{print $2}' "$OUT/wrk.txt")")
   p99=$(to_ms "$(awk '$1=="99%"{print $2}' "$OUT/wrk.txt")")
   echo "$rps $p50 $p99"
 }
 
+allowed_total() { curl -sf "http://127.0.0.1:$SP/metrics" | awk '/^tollgate_decisions_total\{outcome="allowed"\}/{print $2}'; }
+to_ms() { awk -v v="$1" 'BEGIN{ if (v ~ /us$/) {sub(/us/,"",v); print v/1000} else if (v ~ /ms$/) {sub(/ms/,"",v); print v+0} else {sub(/s/,"",v); print v*1000} }'; }
+h2l() { # content-type body-file path -> "rps mean max" (h2load reports no percentiles)
+  local before after ok rps mean max
+  before=$(allowed_total); before=${before:-0}
+  h2load -D "$SECS" -c 4 -m $((CONCURRENCY / 4)) -t 1 -d "$2" -H "content-type: $1" -H 'te: trailers' \
+    "http://127.0.0.1:$SP$3" >"$OUT/h2load.txt" 2>&1
+  after=$(allowed_total)
+  ok=$(awk '/^requests:/{print $8}' "$OUT/h2load.txt")
+  # gRPC errors arrive as HTTP 200 with a grpc-status trailer: count decisions on the service side.
+  awk -v a="$before" -v b="$after" -v n="$ok" 'BEGIN{exit !(b - a >= n && n > 0)}' \
+    || die "h2load: $ok answers but $((after - before)) allowed decisions (see $OUT/h2load.txt)"
+  rps=$(awk '/^finished in/{print $4}' "$OUT/h2load.txt")
+  mean=$(to_ms "$(awk '/^time for request:/{print $6}' "$OUT/h2load.txt")")
+  max=$(to_ms "$(awk '/^time for request:/{print $5}' "$OUT/h2load.txt")")
+  echo "$rps mean:$mean max:$max"
+}
+
+if command -v h2load >/dev/null; then
+  python3 - "$OUT/grpc-body.bin" "$OUT/json-body.txt" "$CAP" <<'PY'
+"""Request bodies for h2load in scripts/bench-service.sh: a gRPC-framed tollgate.v1.TakeRequest and
+the same take as JSON. Usage: bench-bodies.py GRPC_OUT JSON_OUT CAPACITY"""
+import sys
+
+
+def varint(n):
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        if n:
+            out += bytes([b | 0x80])
+        else:
+            return out + bytes([b])
+
+
+def field(num, wire, payload):
+    return varint((num << 3) | wire) + payload
+
+
+cap = int(sys.argv[3])
+key = b"bench-h2load"
+# Bucket{key=1, capacity=2, rate=3, period_ms=4, cost=5} in TakeRequest{buckets=1}, then the
+# 5-byte gRPC frame header (uncompressed flag, big-endian length).
+bucket = (field(1, 2, varint(len(key)) + key) + field(2, 0, varint(cap)) + field(3, 0, varint(cap))
+          + field(4, 0, varint(1000)) + field(5, 0, varint(1)))
+req = field(1, 2, varint(len(bucket)) + bucket)
+with open(sys.argv[1], "wb") as f:
+    f.write(b"\x00" + len(req).to_bytes(4, "big") + req)
+with open(sys.argv[2], "w") as f:
+    f.write('{"buckets":[{"key":"bench-h2load-json","capacity":%d,"rate":%d,"period_ms":1000,"cost":1}]}' % (cap, cap))
+PY
+  measure "service, gRPC (h2load, 4 conns)" h2l application/grpc "$OUT/grpc-body.bin" /tollgate.v1.RateLimiter/Take
+  measure "service, JSON over h2 (h2load, 4 conns)" h2l application/json "$OUT/json-body.txt" /v1/take
+else
+  say "h2load not installed (apt-get install nghttp2-client): skipping the h2load rows"
+fi
 measure "service, gRPC (loadgen, 4 h2 conns)" lg grpc 4
 measure "service, JSON over h2 (loadgen)" lg h2 4
 measure "service, JSON over HTTP/1.1 (wrk)" wrk_h1
@@ -136,8 +192,8 @@ measure "service, JSON over HTTP/1.1 (wrk)" wrk_h1
   echo
   echo "load average before: $LOAD0"
   echo
-  echo "| path | decisions/s | ratio | p50 ms | p99 ms | CPU µs/decision: service / redis / load gen |"
+  echo "| path | decisions/s | ratio | p50 ms (h2load: mean) | p99 ms (h2load: max) | CPU µs/decision: service / redis / load gen |"
   echo "|---|---|---|---|---|---|"
-  printf '| %-36s | %9.0f | %5s | %7s | %7s | %-16s |\n' "Redis alone (redis-benchmark EVALSHA)" "$REDIS_RPS" "1.00" "$REDIS_P50" "$REDIS_P99" "- / $REDIS_US / -"
+  printf '| %-40s | %9.0f | %5s | %10s | %10s | %-16s |\n' "Redis alone (redis-benchmark EVALSHA)" "$REDIS_RPS" "1.00" "$REDIS_P50" "$REDIS_P99" "- / $REDIS_US / -"
   printf '%s\n' "${RESULTS[@]}"
 } | tee "$OUT/service-bench.md"

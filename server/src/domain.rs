@@ -58,12 +58,14 @@ pub struct BucketDecision {
     pub allowed: bool,
     /// The bucket's capacity.
     pub limit: u64,
-    /// Whole tokens left: after the charge when the whole request was allowed, otherwise as the
-    /// bucket stands (nothing was charged).
+    /// Whole tokens left after this bucket's own charge when it could pay (even if another bucket
+    /// denied the request and nothing was charged in the end); otherwise as the bucket stands.
     pub remaining: u64,
     /// Milliseconds until the bucket is full again (token bucket) or the window ends (fixed window).
     pub reset_ms: u64,
-    /// When this bucket denied: milliseconds until it could pay its cost; 0 when it allowed.
+    /// When this bucket denied: milliseconds until it could pay its cost (an upper bound, rounded
+    /// up); 0 when it allowed. A cost above capacity can never be paid: then it is `period_ms`.
+    /// Times are clamped to 2^53 - 1 ms so both stores answer the same exact integers.
     pub retry_after_ms: u64,
 }
 

@@ -84,6 +84,12 @@ pub async fn run(
     });
     let app = api::http::router(api, config.max_in_flight);
     tracing::info!(%addr, store = store.kind(), auth = config.token.is_some(), "listening on {addr}");
+    // Responses are small and latency-bound: no Nagle delay on accepted connections.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;
