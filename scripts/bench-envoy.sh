@@ -11,8 +11,8 @@
 # The limit is high enough that every request is admitted, so what is measured is the per-request path.
 # CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (ms of CPU per 1k requests).
 #
-#   scripts/bench-envoy.sh                    # DURATION=5 CONNECTIONS=16 ROUNDS=1
-#   ROUNDS=3 scripts/bench-envoy.sh           # the median of three interleaved rounds per variant
+#   scripts/bench-envoy.sh                    # DURATION=5 CONNECTIONS=16 ROUNDS=3
+#   ROUNDS=1 scripts/bench-envoy.sh           # a single round
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -25,7 +25,7 @@ WASM=${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
 VARIANTS=${VARIANTS:-none http grpc fallback nomatch}
-ROUNDS=${ROUNDS:-1}
+ROUNDS=${ROUNDS:-3}
 OUT=$ROOT/bench-out/envoy
 WASM=$(readlink -f "$WASM")
 
