@@ -26,6 +26,7 @@ both_transports!(
     key_from_header_shared_when_missing,
     key_from_client_ip_trusted_hop,
     key_from_peer_ignores_x_forwarded_for,
+    key_from_client_ip_resolved_by_envoy,
     match_limits_only_matching_requests,
     fixed_window_and_refill,
     request_body_passes_intact,
@@ -269,6 +270,27 @@ fn key_from_client_ip_trusted_hop(t: Transport) {
     assert_eq!(one, vec![200, 200, 429]);
     assert_eq!(two, vec![200, 200, 429], "another client, another bucket");
     assert_eq!(s.upstream.requests(), 4);
+}
+
+/// An edge Envoy that trusts one proxy in front (`use_remote_address: true`,
+/// `xff_num_trusted_hops: 1`) resolves the client address itself; with trusted_hops 0 the filter keys
+/// on that address. (Note: `trusted_hops` counts x-forwarded-for entries as the filter sees them,
+/// after Envoy appended its own, so the filter-side equivalent here would be trusted_hops 2.)
+fn key_from_client_ip_resolved_by_envoy(t: Transport) {
+    let s = Stack::start_with(
+        "key-envoy-xff",
+        &plugin(t, vec![rule("per-ip", &["client_ip"], 2)], json!({})),
+        |spec| spec.xff_num_trusted_hops = 1,
+    );
+    let url = s.url("/");
+    let one = s
+        .client
+        .statuses(&url, &[("x-forwarded-for", "203.0.113.1")], 3);
+    let two = s
+        .client
+        .statuses(&url, &[("x-forwarded-for", "203.0.113.2")], 3);
+    assert_eq!(one, vec![200, 200, 429]);
+    assert_eq!(two, vec![200, 200, 429], "another client, another bucket");
 }
 
 /// trusted_hops 0: the peer address is the client; a forged x-forwarded-for changes nothing.

@@ -370,6 +370,9 @@ pub struct EnvoySpec {
     pub use_remote_address: bool,
     /// The `tollgate` cluster speaks HTTP/2 (required for gRPC). False: HTTP/1.1.
     pub service_http2: bool,
+    /// The edge connection manager's `xff_num_trusted_hops`: with it Envoy itself resolves the client
+    /// address from x-forwarded-for and `source.address` is that address.
+    pub xff_num_trusted_hops: u32,
 }
 
 impl EnvoySpec {
@@ -383,6 +386,7 @@ impl EnvoySpec {
             log_level: "wasm:debug".to_string(),
             use_remote_address: true,
             service_http2: true,
+            xff_num_trusted_hops: 0,
         }
     }
 
@@ -432,6 +436,7 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: edge
           use_remote_address: {use_remote_address}
+          xff_num_trusted_hops: {xff_num_trusted_hops}
           route_config:
             virtual_hosts:
             - name: all
@@ -463,6 +468,7 @@ static_resources:
             service_port = self.service_port,
             upstream_port = self.upstream_port,
             use_remote_address = self.use_remote_address,
+            xff_num_trusted_hops = self.xff_num_trusted_hops,
             service_protocol = if self.service_http2 {
                 "    typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
