@@ -31,6 +31,7 @@ both_transports!(
     fixed_window_and_refill,
     request_body_passes_intact,
     long_keys_stay_distinct,
+    key_from_authority_path_and_method,
 );
 
 fn header_u64(r: &Reply, name: &str) -> u64 {
@@ -437,4 +438,38 @@ fn long_keys_stay_distinct(t: Transport) {
         vec![200, 200, 429]
     );
     assert_eq!(s.envoy.tg("allowed"), 4, "{:?}", s.envoy.tg_all());
+}
+
+/// Keys from the request itself: authority, path (without query) and method.
+fn key_from_authority_path_and_method(t: Transport) {
+    let s = Stack::start(
+        "key-request",
+        &plugin(
+            t,
+            vec![rule("per-route", &["authority", "path", "method"], 1)],
+            json!({}),
+        ),
+    );
+    let get = |host: &str, path: &str| s.client.get(&s.url(path), &[("host", host)]).status;
+    assert_eq!(get("a.example", "/x?q=1"), 200);
+    assert_eq!(
+        get("a.example", "/x?q=2"),
+        429,
+        "the query string is not part of the path"
+    );
+    assert_eq!(get("b.example", "/x"), 200, "another authority");
+    assert_eq!(get("a.example", "/y"), 200, "another path");
+    let post = s.client.post(&s.url("/x"), &[("host", "a.example")], b"");
+    assert_eq!(post.status, 200, "another method: {post:?}");
+    assert_eq!(s.upstream.requests(), 4);
+    let hosts: Vec<bool> = s
+        .upstream
+        .heads()
+        .iter()
+        .map(|h| h.to_ascii_lowercase().contains("host: b.example"))
+        .collect();
+    assert!(
+        hosts.contains(&true),
+        "the host header was sent as given: {hosts:?}"
+    );
 }
