@@ -11,6 +11,7 @@
 //! - [`Gate`]: a TCP listener in the test process in front of the service that forwards, refuses
 //!   (accept then close) or black-holes (accept, read, never answer), and counts connections.
 //! - [`Client`]: requests through Envoy (ureq) returning status, headers and body.
+//! - [`Stack`]: Redis + service + upstream + Envoy for one plugin configuration, the usual test setup.
 //! - [`config`]: plugin configurations as JSON, and `both_transports!` (one test per transport).
 #![allow(dead_code)]
 
