@@ -16,6 +16,9 @@
 //! | [`metrics`] | Prometheus metrics |
 //! | [`cli`] | flags and environment variables |
 //! | `main.rs` | parse flags, set up tracing, bind, build the store, call [`run`] |
+//! | `build.rs` | protobuf/gRPC code from `contract/tollgate.proto` (protox, no `protoc`) |
+//! | `tests/` | behaviour suite over both stores, contract fixtures, the service over HTTP and gRPC, Redis outages and Cluster, the real binary (each test starts its own `redis-server`) |
+//! | `examples/loadgen.rs` | load generator used by `scripts/bench-service.sh` |
 //!
 //! # Design choices
 //!
