@@ -8,6 +8,7 @@
 #   grpc      Tollgate, gRPC to tollgate-server, Redis Lua bucket
 #   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
 #   nomatch   Tollgate loaded, its rule matches no request (no callout): the module's fixed cost
+#   lease     as http, with lease mode (lease size 100): most requests spend a local pool, no callout
 # The limit is high enough that every request is admitted, so what is measured is the per-request path.
 # CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (ms of CPU per 1k requests).
 #
@@ -24,7 +25,7 @@ SERVER=${TOLLGATE_SERVER:-$ROOT/dist/tollgate-server}
 WASM=${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
-VARIANTS=${VARIANTS:-none http grpc fallback nomatch}
+VARIANTS=${VARIANTS:-none http grpc fallback nomatch lease}
 ROUNDS=${ROUNDS:-3}
 OUT=$ROOT/bench-out/envoy
 WASM=$(readlink -f "$WASM")
@@ -103,11 +104,12 @@ CLOSED_PORT=$(free_port)
 
 # The Envoy under test. $1 = variant.
 envoy_yaml() {
-  local variant=$1 port=$2 admin=$3 filter="" svc_port=$SVC_PORT transport=http match=""
+  local variant=$1 port=$2 admin=$3 filter="" svc_port=$SVC_PORT transport=http match="" lease=""
   case $variant in
     grpc) transport=grpc ;;
     fallback) svc_port=$CLOSED_PORT ;;
     nomatch) match='"match": {"path_exact": "/never"},' ;;
+    lease) lease=', "lease": {"size": 100}' ;;
   esac
   if [ "$variant" != none ]; then
     filter=$(cat <<EOF
@@ -125,7 +127,7 @@ envoy_yaml() {
                   value: |
                     {"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100},
                      "rules": [{"name": "per-ip", $match "key": ["client_ip"],
-                                "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000}],
+                                "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000$lease}],
                      "response": {"headers": ["draft"], "on_allowed": false}}
 EOF
 )
