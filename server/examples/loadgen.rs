@@ -117,6 +117,7 @@ async fn main() {
                             period_ms: 1000,
                             cost: Some(1),
                             algorithm: 0,
+                            lease: None,
                         }],
                     };
                     matches!(g.take(req).await, Ok(r) if r.get_ref().allowed)

@@ -49,6 +49,9 @@ pub struct BucketSpec {
     pub cost: u64,
     /// Counting scheme.
     pub algorithm: Algorithm,
+    /// Lease mode: take up to this many tokens (cost..=1e9) when the request is allowed, as many as
+    /// the bucket holds but never fewer than `cost`. Equal to `cost` when the caller left it out.
+    pub lease: u64,
 }
 
 /// The answer for one bucket, in the contract's units.
@@ -67,6 +70,9 @@ pub struct BucketDecision {
     /// up); 0 when it allowed. A cost above capacity can never be paid: then it is `period_ms`.
     /// Times are clamped to 2^53 - 1 ms so both stores answer the same exact integers.
     pub retry_after_ms: u64,
+    /// Tokens charged to this bucket by this decision: 0 when the request was denied, `cost`
+    /// without a lease, `cost..=lease` with one.
+    pub granted: u64,
 }
 
 /// The answer to a take.
@@ -80,8 +86,14 @@ pub struct TakeDecision {
 
 impl TakeDecision {
     /// Builds the overall decision from per-bucket ones: allowed only if every bucket allowed.
-    pub fn from_buckets(buckets: Vec<BucketDecision>) -> Self {
+    /// A denied request charged nothing, so every `granted` is then 0.
+    pub fn from_buckets(mut buckets: Vec<BucketDecision>) -> Self {
         let allowed = !buckets.is_empty() && buckets.iter().all(|b| b.allowed);
+        if !allowed {
+            for b in &mut buckets {
+                b.granted = 0;
+            }
+        }
         TakeDecision { allowed, buckets }
     }
 }
@@ -101,6 +113,8 @@ pub struct RawBucket {
     pub cost: Option<u64>,
     /// `algorithm`; absent means token bucket.
     pub algorithm: Option<Algorithm>,
+    /// `lease`; absent means exactly `cost`.
+    pub lease: Option<u64>,
 }
 
 /// A take as decoded from either wire form.
@@ -197,6 +211,13 @@ pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
             let rate = bounded(f("rate"), Some(b.rate.unwrap_or(capacity)), MAX_AMOUNT)?;
             let period_ms = bounded(f("period_ms"), b.period_ms, MAX_PERIOD_MS)?;
             let cost = bounded(f("cost"), Some(b.cost.unwrap_or(1)), MAX_AMOUNT)?;
+            let lease = bounded(f("lease"), Some(b.lease.unwrap_or(cost)), MAX_AMOUNT)?;
+            if lease < cost {
+                return Err(InvalidArgument::new(
+                    f("lease"),
+                    format!("must be at least cost ({cost}), got {lease}"),
+                ));
+            }
             Ok(BucketSpec {
                 key,
                 capacity,
@@ -204,6 +225,7 @@ pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
                 period_ms,
                 cost,
                 algorithm: b.algorithm.unwrap_or(Algorithm::TokenBucket),
+                lease,
             })
         })
         .collect()
@@ -221,6 +243,7 @@ mod tests {
             period_ms: Some(1000),
             cost: None,
             algorithm: None,
+            lease: None,
         }
     }
 
@@ -247,7 +270,8 @@ mod tests {
                 rate: 10,
                 period_ms: 1000,
                 cost: 1,
-                algorithm: Algorithm::TokenBucket
+                algorithm: Algorithm::TokenBucket,
+                lease: 1,
             }]
         );
     }
@@ -271,6 +295,13 @@ mod tests {
         let mut b = raw("a");
         b.cost = Some(0);
         assert_eq!(err(vec![b]).field, "buckets[0].cost");
+        let mut b = raw("a");
+        b.cost = Some(3);
+        b.lease = Some(2);
+        assert_eq!(err(vec![b]).field, "buckets[0].lease");
+        let mut b = raw("a");
+        b.lease = Some(MAX_AMOUNT + 1);
+        assert_eq!(err(vec![b]).field, "buckets[0].lease");
         assert_eq!(err(vec![raw("")]).field, "buckets[0].key");
         assert_eq!(err(vec![raw(&"k".repeat(4097))]).field, "buckets[0].key");
         let mut b = raw("a");
@@ -288,6 +319,7 @@ mod tests {
             period_ms: Some(MAX_PERIOD_MS),
             cost: Some(MAX_AMOUNT),
             algorithm: Some(Algorithm::FixedWindow),
+            lease: Some(MAX_AMOUNT),
         };
         assert!(validate(RawTake {
             buckets: Some(vec![b; 16])

@@ -17,6 +17,7 @@ fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketS
         period_ms,
         cost,
         algorithm: Algorithm::TokenBucket,
+        lease: cost,
     }
 }
 
@@ -177,6 +178,68 @@ async fn sixteen_buckets_mixed(s: Arc<dyn Store>) {
     assert!(d.buckets.iter().all(|b| !b.allowed && b.remaining == 0));
 }
 
+/// Lease mode: grants as many as held up to the lease (at least cost); a denied request grants 0.
+async fn lease_grants_what_is_there(s: Arc<dyn Store>) {
+    let k = common::unique("lease");
+    let leased = |cost: u64, lease: u64| BucketSpec {
+        lease,
+        ..tb(&k, 100, 100, HOUR, cost)
+    };
+    let d = take(&*s, &[leased(2, 50)]).await;
+    assert!(d.allowed);
+    assert_eq!((d.buckets[0].granted, d.buckets[0].remaining), (50, 50));
+    let d = take(&*s, &[leased(2, 70)]).await;
+    assert_eq!(
+        (d.buckets[0].granted, d.buckets[0].remaining),
+        (50, 0),
+        "partial grant"
+    );
+    let d = take(&*s, &[leased(1, 10)]).await;
+    assert!(!d.allowed);
+    assert_eq!(d.buckets[0].granted, 0);
+    // Without a lease, granted == cost.
+    let d = take(&*s, &[tb(&common::unique("nolease"), 5, 5, HOUR, 2)]).await;
+    assert_eq!(d.buckets[0].granted, 2);
+    // Fixed window: what the window has left, at least cost; a denied request grants nothing.
+    let w = fw(&common::unique("lease-fw"), 20, HOUR, 2);
+    let d = take(
+        &*s,
+        &[BucketSpec {
+            lease: 14,
+            ..w.clone()
+        }],
+    )
+    .await;
+    assert_eq!((d.buckets[0].granted, d.buckets[0].remaining), (14, 6));
+    let d = take(
+        &*s,
+        &[BucketSpec {
+            lease: 50,
+            ..w.clone()
+        }],
+    )
+    .await;
+    assert_eq!((d.buckets[0].granted, d.buckets[0].remaining), (6, 0));
+    let other = tb(&common::unique("lease-other"), 10, 10, HOUR, 1);
+    let d = take(&*s, &[other.clone(), BucketSpec { lease: 50, ..w }]).await;
+    assert!(!d.allowed);
+    assert!(d.buckets.iter().all(|b| b.granted == 0), "{d:?}");
+    assert_eq!(
+        take(
+            &*s,
+            &[BucketSpec {
+                cost: 10,
+                lease: 10,
+                ..other
+            }]
+        )
+        .await
+        .buckets[0]
+            .granted,
+        10
+    );
+}
+
 macro_rules! suite {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -212,4 +275,5 @@ suite!(
     fixed_window,
     large_values,
     sixteen_buckets_mixed,
+    lease_grants_what_is_there,
 );

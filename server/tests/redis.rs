@@ -24,6 +24,7 @@ fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketS
         period_ms,
         cost,
         algorithm: Algorithm::TokenBucket,
+        lease: cost,
     }
 }
 
@@ -215,6 +216,7 @@ async fn outage_is_503_within_the_timeout_and_recovers() {
                     period_ms: 3_600_000,
                     cost: None,
                     algorithm: 0,
+                    lease: None,
                 }],
             })
             .await

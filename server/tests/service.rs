@@ -167,6 +167,7 @@ async fn http1_h2_prior_knowledge_and_grpc_share_one_port() {
                 period_ms: 3_600_000,
                 cost: Some(1),
                 algorithm: 0,
+                lease: None,
             }],
         })
         .await
@@ -325,6 +326,7 @@ async fn bad_input_is_rejected(store: Arc<dyn Store>, redis: Option<&RedisProc>)
         period_ms: 1000,
         cost: None,
         algorithm: 0,
+        lease: None,
     };
     let grpc_cases: Vec<(&str, Vec<pb::Bucket>, &str)> = vec![
         ("empty buckets", vec![], "buckets"),
@@ -484,6 +486,7 @@ async fn token_is_required_when_configured() {
             period_ms: 1000,
             cost: None,
             algorithm: 0,
+            lease: None,
         }],
     };
     let e = g.take(req()).await.expect_err("no token");

@@ -91,6 +91,7 @@ pub fn raw_from_pb(req: &pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
             period_ms: Some(b.period_ms),
             cost: b.cost,
             algorithm: Some(algorithm),
+            lease: b.lease,
         });
     }
     Ok(RawTake {
@@ -115,6 +116,7 @@ pub fn pb_from_raw(raw: &RawTake) -> pb::TakeRequest {
                     Algorithm::TokenBucket => pb::Algorithm::TokenBucket as i32,
                     Algorithm::FixedWindow => pb::Algorithm::FixedWindow as i32,
                 },
+                lease: b.lease,
             })
             .collect(),
     }
@@ -133,6 +135,7 @@ pub fn pb_from_decision(d: &TakeDecision) -> pb::TakeResponse {
                 remaining: b.remaining,
                 reset_ms: b.reset_ms,
                 retry_after_ms: b.retry_after_ms,
+                granted: b.granted,
             })
             .collect(),
     }
@@ -151,6 +154,7 @@ pub fn decision_from_pb(r: &pb::TakeResponse) -> TakeDecision {
                 remaining: b.remaining,
                 reset_ms: b.reset_ms,
                 retry_after_ms: b.retry_after_ms,
+                granted: b.granted,
             })
             .collect(),
     }

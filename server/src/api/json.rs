@@ -52,7 +52,15 @@ pub fn decode_request(body: &[u8]) -> Result<RawTake, InvalidArgument> {
                 };
                 no_unknown(
                     b,
-                    &["key", "capacity", "rate", "period_ms", "cost", "algorithm"],
+                    &[
+                        "key",
+                        "capacity",
+                        "rate",
+                        "period_ms",
+                        "cost",
+                        "algorithm",
+                        "lease",
+                    ],
                     &at,
                 )?;
                 let key = match b.get("key") {
@@ -80,6 +88,7 @@ pub fn decode_request(body: &[u8]) -> Result<RawTake, InvalidArgument> {
                     period_ms: uint(b, "period_ms", &at)?,
                     cost: uint(b, "cost", &at)?,
                     algorithm,
+                    lease: uint(b, "lease", &at)?,
                 });
             }
             Some(out)
@@ -104,6 +113,8 @@ struct JsonBucket<'a> {
     cost: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     algorithm: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease: Option<u64>,
 }
 
 /// Encodes a request (used by tests and the load generator).
@@ -119,6 +130,7 @@ pub fn encode_request(raw: &RawTake) -> Value {
             period_ms: b.period_ms,
             cost: b.cost,
             algorithm: b.algorithm.map(algorithm_name),
+            lease: b.lease,
         })
         .collect();
     serde_json::json!({ "buckets": buckets })
@@ -138,6 +150,8 @@ pub struct JsonBucketResult {
     pub reset_ms: u64,
     /// Ms until it could pay (0 when allowed).
     pub retry_after_ms: u64,
+    /// Tokens charged by this decision (0 when the request was denied).
+    pub granted: u64,
 }
 
 /// The response body of `POST /v1/take`.
@@ -163,6 +177,7 @@ impl From<&TakeDecision> for JsonTakeResponse {
                     remaining: b.remaining,
                     reset_ms: b.reset_ms,
                     retry_after_ms: b.retry_after_ms,
+                    granted: b.granted,
                 })
                 .collect(),
         }
@@ -182,6 +197,7 @@ impl From<JsonTakeResponse> for TakeDecision {
                     remaining: b.remaining,
                     reset_ms: b.reset_ms,
                     retry_after_ms: b.retry_after_ms,
+                    granted: b.granted,
                 })
                 .collect(),
         }

@@ -99,6 +99,7 @@ mod tests {
             period_ms: 1000,
             cost: 1,
             algorithm: Algorithm::TokenBucket,
+            lease: 1,
         }
     }
 

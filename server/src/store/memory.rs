@@ -202,8 +202,12 @@ fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool)
         State::Token { t, .. } => {
             let cost_m = u128::from(b.cost) * MICRO;
             let allowed = b.cost <= b.capacity && *t >= cost_m;
+            let mut granted = 0;
             let retry = if allowed {
-                *t -= cost_m;
+                // Lease: as many whole tokens as held, up to `lease`, at least `cost`.
+                let whole = u64::try_from(*t / MICRO).unwrap_or(u64::MAX);
+                granted = b.lease.min(whole).max(b.cost);
+                *t -= u128::from(granted) * MICRO;
                 0
             } else if b.cost > b.capacity {
                 b.period_ms
@@ -219,14 +223,17 @@ fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool)
                 remaining: u64::try_from(*t / MICRO).unwrap_or(u64::MAX),
                 reset_ms: tb_reset_ms(b, *t),
                 retry_after_ms: retry,
+                granted,
             };
             (d, allowed)
         }
         State::Window { w, count } => {
             let reset = window_reset_ms(b, *w, now);
             let allowed = *count + b.cost <= b.capacity;
+            let mut granted = 0;
             let retry = if allowed {
-                *count += b.cost;
+                granted = b.lease.min(b.capacity - *count).max(b.cost);
+                *count += granted;
                 0
             } else if b.cost > b.capacity {
                 b.period_ms
@@ -239,6 +246,7 @@ fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool)
                 remaining: b.capacity.saturating_sub(*count),
                 reset_ms: reset,
                 retry_after_ms: retry,
+                granted,
             };
             (d, allowed)
         }
@@ -253,6 +261,7 @@ fn ttl_ms(id: &Id, state: &State, now: u64) -> u64 {
         period_ms: id.period_ms,
         cost: 1,
         algorithm: id.algorithm,
+        lease: 1,
     };
     let until = match state {
         State::Token { t, .. } => tb_reset_ms(&b, *t),
@@ -294,6 +303,7 @@ mod tests {
             period_ms: period,
             cost,
             algorithm: Algorithm::TokenBucket,
+            lease: cost,
         }
     }
 

@@ -155,17 +155,23 @@ struct Group {
 pub struct GroupReply {
     /// Every bucket of the call could pay, and they were charged.
     pub charged: bool,
-    /// Per bucket: the decision and the fixed window index charged (0 for token buckets).
+    /// Per bucket: the decision (with the tokens charged if the call charged) and the fixed window
+    /// index charged (0 for token buckets).
     pub buckets: Vec<(BucketDecision, u64)>,
 }
 
+/// Integers per bucket in a `take.lua` reply (and per bucket of its ARGV).
+const PER_BUCKET: usize = 6;
+
 /// Turns a `take.lua` reply (see its header) into decisions for `specs` (the call's buckets).
+/// `granted` is kept as the script charged it (a refund needs it); [`TakeDecision::from_buckets`]
+/// reports 0 for a denied request.
 pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, StoreError> {
-    if reply.len() != 1 + 5 * specs.len() {
+    if reply.len() != 1 + PER_BUCKET * specs.len() {
         return Err(StoreError::Protocol(format!(
             "take reply has {} integers, expected {}",
             reply.len(),
-            1 + 5 * specs.len()
+            1 + PER_BUCKET * specs.len()
         )));
     }
     let num = |v: i64, what: &str| {
@@ -181,15 +187,22 @@ pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, S
     let charged = flag(reply[0])?;
     let mut buckets = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
-        let r = &reply[1 + 5 * i..1 + 5 * (i + 1)];
+        let r = &reply[1 + PER_BUCKET * i..1 + PER_BUCKET * (i + 1)];
         let d = BucketDecision {
             allowed: flag(r[0])?,
             limit: spec.capacity,
             remaining: num(r[1], "remaining")?,
             reset_ms: num(r[2], "reset_ms")?,
             retry_after_ms: num(r[3], "retry_after_ms")?,
+            granted: num(r[4], "granted")?,
         };
-        buckets.push((d, num(r[4], "mark")?));
+        if d.allowed && !(spec.cost..=spec.lease).contains(&d.granted) {
+            return Err(StoreError::Protocol(format!(
+                "granted {} outside {}..={}",
+                d.granted, spec.cost, spec.lease
+            )));
+        }
+        buckets.push((d, num(r[5], "mark")?));
     }
     if charged != buckets.iter().all(|(d, _)| d.allowed) {
         return Err(StoreError::Protocol(
@@ -298,7 +311,7 @@ impl RedisStore {
         specs: &[BucketSpec],
     ) -> Result<GroupReply, StoreError> {
         let ks: Vec<&str> = group.idx.iter().map(|&i| keys[i].as_str()).collect();
-        let mut args = Vec::with_capacity(5 * group.idx.len());
+        let mut args = Vec::with_capacity(PER_BUCKET * group.idx.len());
         let mut these = Vec::with_capacity(group.idx.len());
         for &i in &group.idx {
             let b = &specs[i];
@@ -308,6 +321,7 @@ impl RedisStore {
                 b.rate,
                 b.period_ms,
                 b.cost,
+                b.lease,
             ]);
             these.push(b);
         }
@@ -324,14 +338,15 @@ impl RedisStore {
     ) -> Result<(), StoreError> {
         let ks: Vec<&str> = group.idx.iter().map(|&i| keys[i].as_str()).collect();
         let mut args = Vec::with_capacity(6 * group.idx.len());
-        for (&i, (_, mark)) in group.idx.iter().zip(&reply.buckets) {
+        for (&i, (d, mark)) in group.idx.iter().zip(&reply.buckets) {
             let b = &specs[i];
+            // Give back exactly what was charged: the grant, which is more than cost with a lease.
             args.extend([
                 alg_code(b.algorithm),
                 b.capacity,
                 b.rate,
                 b.period_ms,
-                b.cost,
+                d.granted,
                 *mark,
             ]);
         }
@@ -465,15 +480,18 @@ mod tests {
             period_ms: 1000,
             cost: 1,
             algorithm: Algorithm::TokenBucket,
+            lease: 1,
         }
     }
 
     #[test]
     fn decodes_a_reply() {
         let (a, b) = (spec(10), spec(3));
-        let g = decode_take(&[0, 1, 9, 100, 0, 0, 0, 2, 5, 7, 42], &[&a, &b]).unwrap_or_else(|e| {
-            unreachable!("{e}");
-        });
+        let g = decode_take(&[0, 1, 9, 100, 0, 1, 0, 0, 2, 5, 7, 0, 42], &[&a, &b]).unwrap_or_else(
+            |e| {
+                unreachable!("{e}");
+            },
+        );
         assert!(!g.charged);
         assert_eq!(
             g.buckets,
@@ -484,7 +502,8 @@ mod tests {
                         limit: 10,
                         remaining: 9,
                         reset_ms: 100,
-                        retry_after_ms: 0
+                        retry_after_ms: 0,
+                        granted: 1
                     },
                     0
                 ),
@@ -494,7 +513,8 @@ mod tests {
                         limit: 3,
                         remaining: 2,
                         reset_ms: 5,
-                        retry_after_ms: 7
+                        retry_after_ms: 7,
+                        granted: 0
                     },
                     42
                 )
@@ -505,12 +525,16 @@ mod tests {
     #[test]
     fn rejects_bad_replies() {
         let a = spec(10);
-        assert!(decode_take(&[1, 1, 9, 100, 0], &[&a]).is_err());
-        assert!(decode_take(&[1, 1, -9, 100, 0, 0], &[&a]).is_err());
-        assert!(decode_take(&[1, 2, 9, 100, 0, 0], &[&a]).is_err());
-        assert!(decode_take(&[1, 0, 9, 100, 0, 0], &[&a]).is_err());
-        assert!(decode_take(&[0, 1, 9, 100, 0, 0], &[&a]).is_err());
-        assert!(decode_take(&[1, 1, 9, 100, 0, 0], &[&a]).is_ok());
+        assert!(decode_take(&[1, 1, 9, 100, 0, 1], &[&a]).is_err());
+        assert!(decode_take(&[1, 1, -9, 100, 0, 1, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 2, 9, 100, 0, 1, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 0, 9, 100, 0, 0, 0], &[&a]).is_err());
+        assert!(decode_take(&[0, 1, 9, 100, 0, 1, 0], &[&a]).is_err());
+        assert!(
+            decode_take(&[1, 1, 9, 100, 0, 2, 0], &[&a]).is_err(),
+            "granted above lease"
+        );
+        assert!(decode_take(&[1, 1, 9, 100, 0, 1, 0], &[&a]).is_ok());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 --        counter lives at `<base key>:<window index>`, derived here, inside the script: the suffix
 --        comes after the `{hash tag}`, so it is in the same Redis Cluster slot as KEYS[i] (Redis
 --        does not check undeclared keys of a script; the slot is what matters).
--- ARGV:  capacity, period_ms, cost (integers validated by the service).
+-- ARGV:  capacity, period_ms, cost, lease (integers validated by the service; cost <= lease).
 -- State: a string counter (INCRBY). PEXPIRE when the counter is created: the window's end plus a
 --        margin. A leaked counter could not matter anyway: the next window uses another key.
 -- Clock: Redis TIME, in milliseconds.
@@ -21,13 +21,15 @@ local function fw_load(wkey)
   return { count = tonumber(v) or 0, delta = 0 }
 end
 
--- Returns allowed, remaining, reset, retry; charges the scratch state when allowed.
-local function fw_take(s, cap, period, cost, reset)
+-- Returns allowed, remaining, reset, retry, granted; when allowed, charges the scratch state
+-- granted = min(lease, what the window has left), at least cost.
+local function fw_take(s, cap, period, cost, reset, lease)
   local allowed = s.count + cost <= cap
-  local retry = 0
+  local retry, granted = 0, 0
   if allowed then
-    s.count = s.count + cost
-    s.delta = s.delta + cost
+    granted = math.max(cost, math.min(lease, cap - s.count))
+    s.count = s.count + granted
+    s.delta = s.delta + granted
     s.dirty = true
   elseif cost > cap then
     retry = period
@@ -36,7 +38,7 @@ local function fw_take(s, cap, period, cost, reset)
   end
   local remaining = cap - s.count
   if remaining < 0 then remaining = 0 end
-  return allowed, remaining, reset, retry
+  return allowed, remaining, reset, retry, granted
 end
 
 local function fw_store(wkey, s, reset)

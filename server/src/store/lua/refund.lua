@@ -2,8 +2,8 @@
 -- denied (or failed). Preceded by prelude.lua, token_bucket.lua and fixed_window.lua.
 --
 -- KEYS:  the keys of the buckets that were charged (one slot).
--- ARGV:  6 integers per bucket, at 6*(i-1)+1 ..: algorithm, capacity, rate, period_ms, cost, mark
---        (mark = the charged fixed window index from take.lua's reply).
+-- ARGV:  6 integers per bucket, at 6*(i-1)+1 ..: algorithm, capacity, rate, period_ms, amount, mark
+--        (amount = the `granted` tokens take.lua charged; mark = the charged fixed window index).
 -- Reply: the number of buckets given back (an integer). A bucket whose key has expired meanwhile
 --        is already full (token bucket) or in a past window (fixed window): nothing to give back.
 -- Clock: Redis TIME (the token bucket refills up to now before the cost is added back, capped at

@@ -2,7 +2,8 @@
 -- `rate` per `period_ms`, starts full.
 --
 -- KEYS:  the bucket's hash, e.g. `tollgate:tb:{<key>}:<capacity>:<rate>:<period_ms>`.
--- ARGV:  capacity, rate, period_ms, cost (integers, validated by the service: 1..1e9, period <= 1 year).
+-- ARGV:  capacity, rate, period_ms, cost, lease (integers validated by the service: 1..1e9,
+--        period <= 1 year, cost <= lease; lease = cost when the caller asked for no lease).
 -- State: HSET fields, all integers formatted exactly:
 --          t  = micro-tokens held (0 ..= capacity * 10^6)
 --          ts = Redis TIME of the last charge, microseconds
@@ -44,13 +45,19 @@ local function tb_reset_ms(s, cap, rate, period)
   return ceil_ms(missing, period, rate * MICRO)
 end
 
--- Charges `cost` to the (refilled) state when it can pay. Returns allowed, remaining, reset, retry.
-local function tb_take(s, cap, rate, period, cost)
+-- Charges the (refilled) state when it can pay `cost`: granted = min(lease, whole tokens held),
+-- at least cost. Returns allowed, remaining, reset, retry, granted.
+local function tb_take(s, cap, rate, period, cost, lease)
   local cost_m = cost * MICRO
   local allowed = cost <= cap and s.t >= cost_m
-  local retry = 0
+  local retry, granted = 0, 0
   if allowed then
-    s.t = s.t - cost_m
+    granted = cost
+    if lease > cost then
+      local whole = muldivmod(s.t, 1, 0, MICRO)
+      granted = math.max(cost, math.min(lease, whole))
+    end
+    s.t = s.t - granted * MICRO
     s.dirty = true
   elseif cost > cap then
     retry = period -- can never be paid; a full period is the honest "not soon"
@@ -58,7 +65,7 @@ local function tb_take(s, cap, rate, period, cost)
     retry = ceil_ms(cost_m - s.t, period, rate * MICRO)
   end
   local remaining = muldivmod(s.t, 1, 0, MICRO)
-  return allowed, remaining, tb_reset_ms(s, cap, rate, period), retry
+  return allowed, remaining, tb_reset_ms(s, cap, rate, period), retry, granted
 end
 
 local function tb_store(key, s, cap, rate, period)
