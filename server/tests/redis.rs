@@ -328,6 +328,14 @@ async fn redis_cluster_slots_and_all_or_nothing() {
     let d = s.take(&[a.clone(), b.clone()]).await.unwrap();
     assert!(!d.allowed);
     assert!(d.buckets[0].allowed && !d.buckets[1].allowed, "{d:?}");
+    // The same with a lease on a: the whole grant (10, not the cost 3) is given back.
+    let leased_a = BucketSpec {
+        lease: 10,
+        ..a.clone()
+    };
+    let d = s.take(&[leased_a, b.clone()]).await.unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.buckets[0].granted, 0);
     let all_of_a = tb(&a.key, 10, 10, 3_600_000, 10);
     let d = s.take(std::slice::from_ref(&all_of_a)).await.unwrap();
     assert!(d.allowed, "a was refunded: {d:?}");
