@@ -14,6 +14,7 @@
 //!   - `decide`: the per-request decision: plan a callout, interpret its result, build the verdict.
 //!   - `flow`: the per-request state machine (pause only after a dispatch, resume only if paused).
 //!   - `bucket`, `fallback`: local token bucket math and its CAS-updated shared store.
+//!   - `lease`: lease mode, pools of tokens granted by the service, spent by every worker.
 //!   - `breaker`: the circuit breaker over a serialisable shared state.
 //!   - `headers`: `Retry-After`, `RateLimit` / `RateLimit-Policy`, `X-RateLimit-*`.
 //!   - `hash`: SHA-256 for bounding long key parts and for fallback slot identities.

@@ -122,6 +122,7 @@ fn take_token_bucket(
         remaining: to_u64(tokens / u128::from(MICRO)),
         reset_ms: to_u64(refill_time(l, cap - tokens)),
         retry_after_ms,
+        granted: if allowed { cost } else { 0 },
     };
     (
         State {
@@ -159,6 +160,7 @@ fn take_fixed_window(
         remaining: l.capacity.saturating_sub(used),
         reset_ms,
         retry_after_ms: if allowed { 0 } else { reset_ms },
+        granted: if allowed { cost } else { 0 },
     };
     (
         State {

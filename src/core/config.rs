@@ -159,7 +159,22 @@ pub struct Rule {
     pub cost: Cost,
     /// Bucket algorithm.
     pub algorithm: Algorithm,
+    /// Lease mode (`None`: one callout per request).
+    pub lease: Option<Lease>,
 }
+
+/// Lease mode of a rule: the proxy asks the service for up to `size` tokens at once and admits
+/// later requests from that local pool, shared by its worker threads (see [`crate::core::lease`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// Most tokens a proxy holds for one key (1..=capacity).
+    pub size: u64,
+    /// How long leased tokens may be spent after the grant; then they are dropped.
+    pub max_age_ms: u64,
+}
+
+/// Longest `lease.max_age_ms` (one minute: leased tokens are meant to be spent soon).
+pub const MAX_LEASE_AGE_MS: u64 = 60_000;
 
 /// Request conditions of a rule. Empty = every request.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -562,6 +577,7 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
             "period_ms",
             "cost",
             "algorithm",
+            "lease",
         ],
     )?;
     let name = match r.required("name")? {
@@ -629,6 +645,16 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
         ],
         Algorithm::TokenBucket,
     )?;
+    let lease = match r.get("lease") {
+        None => None,
+        Some(v) => {
+            let l = Obj::new(v, &r.path("lease"), &["size", "max_age_ms"])?;
+            Some(Lease {
+                size: l.int("size", None, 1, capacity)?,
+                max_age_ms: l.int("max_age_ms", Some(1000), 1, MAX_LEASE_AGE_MS)?,
+            })
+        }
+    };
     Ok(Rule {
         name,
         matcher,
@@ -639,6 +665,7 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
         period_ms,
         cost,
         algorithm,
+        lease,
     })
 }
 
@@ -847,7 +874,35 @@ mod tests {
         assert_eq!(r.cost, Cost::Fixed(1));
         assert_eq!(r.algorithm, Algorithm::TokenBucket);
         assert_eq!(r.on_missing, OnMissing::Skip);
+        assert_eq!(r.lease, None);
         assert!(c.needs_peer_address);
+    }
+
+    #[test]
+    fn lease_defaults_and_bounds() {
+        let c = parse(&with_rule1(
+            r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":50}}"#,
+        ))
+        .unwrap();
+        assert_eq!(
+            c.rules[1].lease,
+            Some(Lease {
+                size: 50,
+                max_age_ms: 1000
+            })
+        );
+        let c = parse(&with_rule1(
+            r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":1,"max_age_ms":60000}}"#,
+        ))
+        .unwrap();
+        assert_eq!(c.rules[1].lease.map(|l| l.max_age_ms), Some(60_000));
+        assert_eq!(
+            error_of(&with_rule1(
+                r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":51}}"#
+            ))
+            .to_string(),
+            "rules[1].lease.size: must be between 1 and 50"
+        );
     }
 
     #[test]
@@ -946,6 +1001,13 @@ mod tests {
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":"x"}"#), "rules[1].cost"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"max":3}}"#), "rules[1].cost.header"),
             (with_rule1(r#"{"capacity":5,"period_ms":1}"#), "rules[1].name"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":6}}"#), "rules[1].lease.size"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":0}}"#), "rules[1].lease.size"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{}}"#), "rules[1].lease.size"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"max_age_ms":0}}"#), "rules[1].lease.max_age_ms"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"max_age_ms":60001}}"#), "rules[1].lease.max_age_ms"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"ttl":5}}"#), "rules[1].lease.ttl"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":50}"#), "rules[1].lease"),
             (r#"[1]"#.into(), "config"),
             (r#"{"service":{"cluster":"c"},"rules":[{"name":"a","capacity":1,"period_ms":1}],"shadow":"yes"}"#.into(), "shadow"),
             (r#"{"service":{"cluster":"c"},"rules":[{"name":"a","capacity":1,"period_ms":1}],"response":{"on_allowed":1}}"#.into(), "response.on_allowed"),

@@ -55,6 +55,8 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
             period_ms: rule.period_ms,
             cost: Some(keys::cost(rule, req)),
             algorithm: Some(rule.algorithm),
+            // Set by the lease pools when this request is the one that refills (core::lease).
+            lease: None,
         });
         plan.rules.push(i);
     }

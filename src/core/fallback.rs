@@ -28,8 +28,14 @@ pub struct Slot {
     pub id: [u8; 16],
 }
 
-/// The slot of a bucket.
+/// The slot of a fallback bucket (table `tollgate.fb`).
 pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
+    slot_in("tollgate.fb", key, l, max_keys)
+}
+
+/// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The lease pools
+/// ([`crate::core::lease`]) use the same scheme in a table of their own.
+pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
     let mut material = Vec::with_capacity(key.len() + 48);
     material.extend_from_slice(key.as_bytes());
     material.push(0);
@@ -47,7 +53,7 @@ pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
     idx.copy_from_slice(h.get(16..24).unwrap_or(&[0u8; 8]));
     let n = u64::from_le_bytes(idx) % u64::from(max_keys.max(1));
     Slot {
-        name: format!("tollgate.fb.{n}"),
+        name: format!("{table}.{n}"),
         id,
     }
 }
@@ -166,6 +172,7 @@ mod tests {
             period_ms: 1000,
             cost: Some(1),
             algorithm: Some(Algorithm::TokenBucket),
+            lease: None,
         }
     }
 

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! Idle ──no rule──────────────────────────────▶ Done            (Continue, no callout)
+//! Idle ──lease pools decide──────────▶ verdict ▶ Done           (Continue or reply, no callout)
 //! Idle ──breaker open / dispatch error──▶ verdict ▶ Done        (Continue or reply, never paused)
 //! Idle ──dispatch ok──▶ Calling{token} ──reply for token──▶ verdict ▶ Done (resume or reply)
 //! ```
@@ -10,12 +11,19 @@
 //! The stream is paused only after a dispatch succeeded, and resumed only from `Calling`: a
 //! synchronous failure is decided on the spot, and a stream that was never paused is never
 //! resumed. A reply for another token (or a second reply) is ignored.
+//!
+//! Lease mode ([`crate::core::lease`]) sits in front of the callout: when the pools of every
+//! bucket can pay (or one holds a cached denial) the request is decided on the spot; otherwise the
+//! callout carries `lease` on the buckets this request refills, and its outcome (whatever it is,
+//! the breaker's refusal and a dispatch error included) is settled into the pools before the
+//! verdict.
 
 use crate::core::breaker::{self, Admission, Event};
 use crate::core::config::Config;
 use crate::core::decide::{
     self, Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, Step,
 };
+use crate::core::lease::{self, Count, Local};
 use crate::core::rules::Request;
 use crate::core::store::CasStore;
 use log::debug;
@@ -40,6 +48,8 @@ pub trait Host {
     fn count_failure(&mut self, cause: Cause);
     /// Reports a breaker transition (metrics, log).
     fn breaker_event(&mut self, event: Event);
+    /// Adds `n` to a lease counter.
+    fn count_lease(&mut self, count: Count, n: u64);
 }
 
 /// What to tell the proxy about the current callback.
@@ -98,16 +108,30 @@ impl Flow {
         if self.phase != Phase::Idle {
             return Next::Continue;
         }
-        let plan = match decide::decide(cfg, req) {
+        let mut plan = match decide::decide(cfg, req) {
             Step::Continue => {
                 self.phase = Phase::Done;
                 return Next::Continue;
             }
             Step::Callout(plan) => plan,
         };
-        let admission = breaker::admit_shared(host.store(), &cfg.breaker, host.now_ms());
+        let now = host.now_ms();
+        let (local, expired) = lease::local(cfg, &mut plan, host.store(), now);
+        if expired > 0 {
+            host.count_lease(Count::Expired, expired);
+        }
+        if let Local::Answer(outcome) = local {
+            let count = match outcome {
+                Outcome::Allowed(_) => Count::Local,
+                _ => Count::LocalLimited,
+            };
+            host.count_lease(count, 1);
+            return self.conclude(cfg, &plan, &outcome, false, host);
+        }
+        let admission = breaker::admit_shared(host.store(), &cfg.breaker, now);
         if admission == Admission::Reject {
-            return self.conclude(cfg, &plan, &Outcome::Failed(Cause::Breaker), false, host);
+            let outcome = settle(cfg, &plan, Outcome::Failed(Cause::Breaker), host);
+            return self.conclude(cfg, &plan, &outcome, false, host);
         }
         let probe = admission == Admission::Probe;
         match host.dispatch(cfg, &plan) {
@@ -185,6 +209,7 @@ impl Flow {
         if event != Event::None {
             host.breaker_event(event);
         }
+        let outcome = settle(cfg, plan, outcome, host);
         self.conclude(cfg, plan, &outcome, paused, host)
     }
 
@@ -234,6 +259,27 @@ impl Flow {
     }
 }
 
+/// Settles a callout's outcome (or why none was made) into the lease pools, and counts it. A
+/// failure that the pools can still pay (granted tokens stay good) becomes an admission from the
+/// pools; any other outcome is returned as is.
+fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) -> Outcome {
+    let now = host.now_ms();
+    let (granted, dropped) = lease::settle(cfg, plan, &outcome, host.store(), now);
+    if granted > 0 {
+        host.count_lease(Count::Granted, granted);
+    }
+    if dropped > 0 {
+        host.count_lease(Count::Expired, dropped);
+    }
+    if let Outcome::Failed(_) = outcome {
+        if let Some(paid) = lease::rescue(cfg, plan, host.store(), now) {
+            host.count_lease(Count::Local, 1);
+            return paid;
+        }
+    }
+    outcome
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,6 +297,8 @@ mod tests {
         counts: Vec<Decision>,
         failures: Vec<Cause>,
         events: Vec<Event>,
+        leases: Vec<(Count, u64)>,
+        sent: Vec<Plan>,
     }
 
     impl Host for FakeHost {
@@ -261,7 +309,8 @@ mod tests {
         fn now_ms(&self) -> u64 {
             self.now
         }
-        fn dispatch(&mut self, _: &Config, _: &Plan) -> Result<u32, String> {
+        fn dispatch(&mut self, _: &Config, plan: &Plan) -> Result<u32, String> {
+            self.sent.push(plan.clone());
             if self.dispatch_fails {
                 return Err("BadArgument".into());
             }
@@ -283,6 +332,9 @@ mod tests {
         }
         fn breaker_event(&mut self, e: Event) {
             self.events.push(e);
+        }
+        fn count_lease(&mut self, c: Count, n: u64) {
+            self.leases.push((c, n));
         }
     }
 
@@ -444,5 +496,168 @@ mod tests {
         f.on_callout_result(&c, 1, answer(false), &mut h);
         assert_eq!((h.resumed, h.replies.len()), (1, 0));
         assert_eq!(h.counts, vec![Decision::ShadowLimited]);
+    }
+
+    fn lease_cfg(extra: &str) -> Config {
+        let json = format!(
+            r#"{{"service":{{"cluster":"svc"}},
+                 "rules":[{{"name":"r","key":["literal:k"],"capacity":100,"period_ms":60000,
+                            "lease":{{"size":8,"max_age_ms":1000}}}}] {extra}}}"#
+        );
+        Config::parse(json.as_bytes()).unwrap()
+    }
+
+    fn lease_answer(allowed: bool, granted: u64, retry: u64) -> CalloutResult {
+        let body = format!(
+            r#"{{"allowed":{allowed},"buckets":[{{"allowed":{allowed},"limit":100,"remaining":40,"reset_ms":1000,"retry_after_ms":{retry},"granted":{granted}}}]}}"#
+        );
+        CalloutResult::Http {
+            status: Some(200),
+            body: body.into_bytes(),
+        }
+    }
+
+    #[test]
+    fn lease_pool_admits_without_a_callout_or_a_pause() {
+        let c = lease_cfg(r#","response":{"on_allowed":true}"#);
+        let mut h = FakeHost::default();
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
+        assert_eq!(h.sent[0].request.buckets[0].lease, Some(8));
+        f.on_callout_result(&c, 1, lease_answer(true, 8, 0), &mut h);
+        assert_eq!(h.leases, vec![(Count::Granted, 8)]);
+        // 7 in the pool; 5 can be spent before the refill mark (8 / 4 = 2).
+        for i in 0..5 {
+            let mut f = Flow::default();
+            assert_eq!(
+                f.on_request_headers(&c, &req("/"), &mut h),
+                Next::Continue,
+                "request {i}"
+            );
+            assert_eq!(f.phase, Phase::Done);
+            assert!(
+                f.response_headers
+                    .iter()
+                    .any(|(k, v)| k == "ratelimit" && v == &format!("\"r\";r={};t=1", 46 - i)),
+                "pool + last global remaining: {:?}",
+                f.response_headers
+            );
+        }
+        assert_eq!(
+            (h.dispatched, h.resumed),
+            (1, 1),
+            "no more callouts, nothing resumed"
+        );
+        assert_eq!(
+            h.counts,
+            vec![Decision::Allowed; 6],
+            "every decision counts"
+        );
+        assert_eq!(
+            h.leases.iter().filter(|(c, _)| *c == Count::Local).count(),
+            5
+        );
+        // The next one refills (for 8 - 2 = 6) while the last 2 are still spent locally.
+        let mut refill = Flow::default();
+        assert_eq!(
+            refill.on_request_headers(&c, &req("/"), &mut h),
+            Next::Pause
+        );
+        assert_eq!(h.sent[1].request.buckets[0].lease, Some(6));
+        for _ in 0..2 {
+            let mut f = Flow::default();
+            assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Continue);
+        }
+        // Pool empty, refill in flight: the next asks for its own cost only.
+        let mut plain = Flow::default();
+        assert_eq!(plain.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
+        assert_eq!(h.sent[2].request.buckets[0].lease, None);
+    }
+
+    #[test]
+    fn lease_denial_is_cached_until_retry_after() {
+        let c = lease_cfg("");
+        let mut h = FakeHost::default();
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/"), &mut h);
+        f.on_callout_result(&c, 1, lease_answer(false, 0, 2500), &mut h);
+        assert_eq!(h.counts, vec![Decision::Limited]);
+        h.now = 1000;
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
+        assert_eq!(h.dispatched, 1, "denied locally");
+        assert_eq!(h.replies.len(), 2);
+        assert!(h.replies[1]
+            .headers
+            .contains(&("retry-after".to_string(), "2".to_string())));
+        assert_eq!(h.counts, vec![Decision::Limited; 2]);
+        assert_eq!(h.leases, vec![(Count::LocalLimited, 1)]);
+        h.now = 2500;
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/"), &mut h);
+        assert_eq!(h.dispatched, 2, "asks again after retry_after");
+    }
+
+    #[test]
+    fn lease_failure_goes_to_the_failure_mode_and_the_pool_stays_spendable() {
+        let c = lease_cfg(r#","failure_mode":"deny""#);
+        let mut h = FakeHost::default();
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/"), &mut h);
+        f.on_callout_result(&c, 1, lease_answer(true, 8, 0), &mut h);
+        // The refill fails: the failure mode decides that request.
+        for _ in 0..5 {
+            Flow::default().on_request_headers(&c, &req("/"), &mut h);
+        }
+        let mut refill = Flow::default();
+        refill.on_request_headers(&c, &req("/"), &mut h);
+        refill.on_callout_result(
+            &c,
+            2,
+            CalloutResult::Http {
+                status: Some(504),
+                body: vec![],
+            },
+            &mut h,
+        );
+        assert_eq!(h.failures, vec![Cause::Timeout]);
+        // The failed request is paid from the 2 granted tokens left (they stay good)...
+        assert_eq!((h.resumed, h.replies.len()), (2, 0));
+        assert_eq!(h.counts.last(), Some(&Decision::Allowed));
+        // ... so is the next one whose refill fails; then the pool is empty: the failure mode.
+        for (token, want) in [(3, Decision::Allowed), (4, Decision::FailureClosedLimited)] {
+            let mut f = Flow::default();
+            assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
+            f.on_callout_result(
+                &c,
+                token,
+                CalloutResult::Http {
+                    status: None,
+                    body: vec![],
+                },
+                &mut h,
+            );
+            assert_eq!(h.counts.last(), Some(&want));
+        }
+        assert_eq!(h.replies.len(), 1);
+        // With the breaker refusing, the claim is released as well.
+        let c = lease_cfg(r#","failure_mode":"allow","breaker":{"failures":1,"open_ms":100}"#);
+        let mut h = FakeHost {
+            dispatch_fails: true,
+            ..FakeHost::default()
+        };
+        Flow::default().on_request_headers(&c, &req("/"), &mut h);
+        assert_eq!(h.events, vec![Event::Opened]);
+        Flow::default().on_request_headers(&c, &req("/"), &mut h);
+        assert_eq!(h.sent.len(), 1, "breaker open: no dispatch");
+        assert_eq!(h.counts, vec![Decision::FailureOpenAllowed; 2]);
+        h.now = 100;
+        h.dispatch_fails = false;
+        Flow::default().on_request_headers(&c, &req("/"), &mut h);
+        assert_eq!(
+            h.sent[1].request.buckets[0].lease,
+            Some(8),
+            "the probe refills"
+        );
     }
 }

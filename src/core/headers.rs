@@ -112,6 +112,7 @@ mod tests {
             period_ms,
             cost: Cost::Fixed(1),
             algorithm,
+            lease: None,
         }
     }
 
@@ -122,6 +123,7 @@ mod tests {
             remaining,
             reset_ms,
             retry_after_ms: 0,
+            granted: 1,
         }
     }
 

@@ -10,6 +10,7 @@ pub mod flow;
 pub mod hash;
 pub mod headers;
 pub mod hostmap;
+pub mod lease;
 pub mod rules;
 pub mod store;
 pub mod wire;

@@ -25,6 +25,9 @@ pub struct Bucket {
     pub cost: Option<u64>,
     /// `None` = token bucket (not encoded).
     pub algorithm: Option<Algorithm>,
+    /// Lease mode: ask for up to this many tokens at once (`cost..=1e9`); `None` = take exactly
+    /// `cost` (not encoded).
+    pub lease: Option<u64>,
 }
 
 /// The request: take from every bucket, or from none.
@@ -47,6 +50,9 @@ pub struct BucketResult {
     pub reset_ms: u64,
     /// When denied: ms until it could pay; 0 otherwise.
     pub retry_after_ms: u64,
+    /// Tokens charged to this bucket by this decision: 0 when denied, `cost` without a lease,
+    /// `cost..=lease` with one (0 from a service that predates lease mode).
+    pub granted: u64,
 }
 
 /// The response.
@@ -105,6 +111,9 @@ pub fn encode_json(req: &TakeRequest) -> Vec<u8> {
         if let Some(a) = b.algorithm {
             let _ = write!(s, ",\"algorithm\":\"{}\"", algorithm_name(a));
         }
+        if let Some(l) = b.lease {
+            let _ = write!(s, ",\"lease\":{l}");
+        }
         s.push('}');
     }
     s.push_str("]}");
@@ -147,6 +156,7 @@ pub fn decode_json(body: &[u8]) -> Result<TakeResponse, DecodeError> {
             remaining: json_u64(b, "remaining")?,
             reset_ms: json_u64(b, "reset_ms")?,
             retry_after_ms: json_u64(b, "retry_after_ms")?,
+            granted: json_u64(b, "granted")?,
         });
     }
     Ok(TakeResponse { allowed, buckets })
@@ -205,6 +215,7 @@ pub fn encode_proto(req: &TakeRequest) -> Vec<u8> {
         if let Some(Algorithm::FixedWindow) = bucket.algorithm {
             put_u64(&mut b, 6, 1);
         }
+        put_opt_u64(&mut b, 7, bucket.lease);
         put_bytes(&mut out, 1, &b);
     }
     out
@@ -286,9 +297,10 @@ fn decode_bucket_result(buf: &[u8]) -> Result<BucketResult, DecodeError> {
                 3 => out.remaining = v,
                 4 => out.reset_ms = v,
                 5 => out.retry_after_ms = v,
+                6 => out.granted = v,
                 _ => {}
             }
-        } else if (1..=5).contains(&field) {
+        } else if (1..=6).contains(&field) {
             return Err(DecodeError(format!(
                 "BucketResult field {field}: wrong wire type"
             )));
@@ -351,6 +363,7 @@ mod tests {
                         "fixed_window" => Algorithm::FixedWindow,
                         other => panic!("unknown algorithm {other}"),
                     }),
+                    lease: b.get("lease").map(|x| x.as_u64().unwrap()),
                 })
                 .collect(),
         }
@@ -372,6 +385,7 @@ mod tests {
                 period_ms: 0,
                 cost: None,
                 algorithm: None,
+                lease: None,
             };
             while let Some((f, v)) = br.field().unwrap() {
                 match (f, v) {
@@ -381,6 +395,7 @@ mod tests {
                     (4, Value::Varint(x)) => bucket.period_ms = x,
                     (5, Value::Varint(x)) => bucket.cost = Some(x),
                     (6, Value::Varint(1)) => bucket.algorithm = Some(Algorithm::FixedWindow),
+                    (7, Value::Varint(x)) => bucket.lease = Some(x),
                     _ => panic!("unexpected bucket field {f}"),
                 }
             }
@@ -399,6 +414,7 @@ mod tests {
             put_u64(&mut m, 3, b.remaining);
             put_u64(&mut m, 4, b.reset_ms);
             put_u64(&mut m, 5, b.retry_after_ms);
+            put_u64(&mut m, 6, b.granted);
             put_bytes(&mut out, 2, &m);
         }
         out
@@ -408,6 +424,11 @@ mod tests {
     fn fixtures_both_ways() {
         let all = cases();
         assert!(all.len() >= 4);
+        assert!(
+            all.iter()
+                .any(|c| c["request_json"]["buckets"][0].get("lease").is_some()),
+            "the fixtures cover lease mode"
+        );
         for case in all {
             let name = case["name"].as_str().unwrap();
             let req = request_from_json(&case["request_json"]);
@@ -442,6 +463,19 @@ mod tests {
     }
 
     #[test]
+    fn lease_fixture_carries_lease_and_granted() {
+        let case = cases()
+            .into_iter()
+            .find(|c| c["name"] == "lease_partial_grant")
+            .unwrap();
+        let req = request_from_json(&case["request_json"]);
+        assert_eq!(req.buckets[0].lease, Some(50));
+        let resp = decode_proto(&hex(case["response_pb_hex"].as_str().unwrap())).unwrap();
+        let granted: Vec<u64> = resp.buckets.iter().map(|b| b.granted).collect();
+        assert_eq!(granted, vec![50, 14]);
+    }
+
+    #[test]
     fn json_key_escaping() {
         let req = TakeRequest {
             buckets: vec![Bucket {
@@ -451,6 +485,7 @@ mod tests {
                 period_ms: 1,
                 cost: None,
                 algorithm: None,
+                lease: None,
             }],
         };
         let v: Json = serde_json::from_slice(&encode_json(&req)).unwrap();

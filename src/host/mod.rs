@@ -14,6 +14,7 @@ use crate::core::breaker::Event;
 use crate::core::config::{Config, Transport};
 use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan};
 use crate::core::flow::{Flow, Host, Next, Phase};
+use crate::core::lease;
 use crate::core::rules::Request;
 use crate::core::store::{CasStore, SetError};
 use crate::core::wire;
@@ -89,6 +90,7 @@ struct Metrics {
     failures: Vec<u32>,
     breaker_opened: u32,
     breaker_open: u32,
+    leases: Vec<u32>,
 }
 
 impl Metrics {
@@ -102,9 +104,14 @@ impl Metrics {
             let name = format!("tollgate.callout_failure.{}", c.name());
             failures.push(hostcalls::define_metric(MetricType::Counter, &name)?);
         }
+        let mut leases = Vec::with_capacity(lease::Count::ALL.len());
+        for c in lease::Count::ALL {
+            leases.push(hostcalls::define_metric(MetricType::Counter, c.metric())?);
+        }
         Ok(Metrics {
             decisions,
             failures,
+            leases,
             breaker_opened: hostcalls::define_metric(
                 MetricType::Counter,
                 "tollgate.breaker.opened",
@@ -124,6 +131,13 @@ impl Metrics {
         let idx = Cause::CALLOUT.iter().position(|x| *x == c);
         if let Some(&id) = idx.and_then(|i| self.failures.get(i)) {
             let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+
+    fn lease(&self, c: lease::Count, n: u64) {
+        let idx = lease::Count::ALL.iter().position(|x| *x == c);
+        if let Some(&id) = idx.and_then(|i| self.leases.get(i)) {
+            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 
@@ -322,6 +336,10 @@ impl Host for Proxy<'_> {
 
     fn breaker_event(&mut self, event: Event) {
         self.metrics.breaker(event);
+    }
+
+    fn count_lease(&mut self, count: lease::Count, n: u64) {
+        self.metrics.lease(count, n);
     }
 }
 

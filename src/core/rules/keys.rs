@@ -141,6 +141,7 @@ mod tests {
             period_ms: 1000,
             cost: Cost::Fixed(1),
             algorithm: Algorithm::TokenBucket,
+            lease: None,
         }
     }
 

@@ -1,0 +1,942 @@
+//! Lease mode: a proxy asks the service for a batch of tokens and admits later requests from a
+//! local pool, so most requests need no callout while the global limit is never exceeded.
+//!
+//! Why it is exact in the safe direction: every token in a pool was charged to the global bucket
+//! by the service first (`granted` in the answer), and a pool only ever loses tokens (spent,
+//! refunded within the same request, expired, evicted). Spending pooled tokens can therefore never
+//! admit more than the service charged. The cost is the other way: tokens a proxy holds and does
+//! not spend before `max_age_ms` are lost to the other proxies (at most `size` per proxy and key).
+//!
+//! One pool per (key, rule limits) and proxy, in shared data (so every worker of the proxy spends
+//! it), in a bounded hashed table of its own, `tollgate.lease.<n>`, built with the same slot scheme
+//! as the fallback buckets ([`fallback::slot_in`]). A pool also remembers:
+//! - a **refill in flight** (until when): only one request at a time asks the service for a batch;
+//!   the others spend what is left, or, if nothing is, ask for their own cost only. This keeps a
+//!   pool at most `size` tokens however many workers miss at once.
+//! - a **denial** (until when, and for which cost): when the service denied a cost because the
+//!   bucket could not pay it before `retry_after_ms`, no request of that cost or more can be
+//!   admitted sooner, so such requests are denied locally until then, without a callout.
+//! - the global `remaining` and `reset` of the last answer, for the rate limit headers.
+//!
+//! Refill policy: a request whose take would leave fewer than `size / 4` tokens (or that finds
+//! too few) asks the service instead, for its cost with `lease = size - pool` (it leaves the pool
+//! to the others meanwhile). The batch arrives while the pool still holds a quarter, so under
+//! steady load the pool rarely runs dry, and each callout brings about `3/4 × size` tokens.
+//!
+//! Layout: [`Pool`] and its encoding; [`take`], [`refund`], [`release`], [`deposit`],
+//! [`deny`] on one pool; [`local`] (before the callout) and [`settle`] (after it) over a
+//! request's [`Plan`].
+
+use crate::core::bucket::Limits;
+use crate::core::config::{Algorithm, Config, Lease, Rule};
+use crate::core::decide::{Outcome, Plan};
+use crate::core::fallback::{self, Slot};
+use crate::core::store::{update, CasStore, Step};
+use crate::core::wire::{BucketResult, TakeResponse};
+
+/// Shared-data table of the pools.
+pub const TABLE: &str = "tollgate.lease";
+/// Stored bytes per pool: format, 16-byte identity, seven u64.
+pub const POOL_BYTES: usize = 1 + 16 + 7 * 8;
+const FORMAT: u8 = 2;
+/// How long a refill claim outlives the callout timeout: a request whose context was destroyed
+/// before its answer (client gone) never settles, and its claim must lapse on its own.
+pub const CLAIM_MARGIN_MS: u64 = 50;
+
+/// One proxy's pool for one bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pool {
+    /// Tokens granted by the service and not spent yet.
+    pub tokens: u64,
+    /// When `tokens` are dropped (ms since the epoch).
+    pub expires_ms: u64,
+    /// A refill callout is in flight until then (0: none).
+    pub refill_until_ms: u64,
+    /// The service denied `denied_cost` until then (0: no denial known).
+    pub denied_until_ms: u64,
+    /// The cost that was denied: a request of this cost or more cannot be paid sooner.
+    pub denied_cost: u64,
+    /// The global bucket's remaining tokens, as of the last answer.
+    pub remaining: u64,
+    /// When the global bucket is full again (or its window ends), as of the last answer.
+    pub reset_at_ms: u64,
+}
+
+impl Pool {
+    fn encode(&self, id: &[u8; 16]) -> Vec<u8> {
+        let mut v = Vec::with_capacity(POOL_BYTES);
+        v.push(FORMAT);
+        v.extend_from_slice(id);
+        for n in [
+            self.tokens,
+            self.expires_ms,
+            self.refill_until_ms,
+            self.denied_until_ms,
+            self.denied_cost,
+            self.remaining,
+            self.reset_at_ms,
+        ] {
+            v.extend_from_slice(&n.to_le_bytes());
+        }
+        v
+    }
+
+    /// The pool stored in a slot, if it belongs to `id` (else: none yet, or evicted).
+    fn decode(id: &[u8; 16], bytes: Option<&[u8]>) -> Option<Pool> {
+        let b = bytes?;
+        if b.len() != POOL_BYTES || b.first() != Some(&FORMAT) || b.get(1..17)? != id {
+            return None;
+        }
+        let mut n = [0u64; 7];
+        for (i, chunk) in b.get(17..)?.chunks_exact(8).enumerate() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(chunk);
+            if let Some(slot) = n.get_mut(i) {
+                *slot = u64::from_le_bytes(w);
+            }
+        }
+        let [tokens, expires_ms, refill_until_ms, denied_until_ms, denied_cost, remaining, reset_at_ms] =
+            n;
+        Some(Pool {
+            tokens,
+            expires_ms,
+            refill_until_ms,
+            denied_until_ms,
+            denied_cost,
+            remaining,
+            reset_at_ms,
+        })
+    }
+
+    /// Drops tokens past their expiry; how many were dropped.
+    fn expire(&mut self, now_ms: u64) -> u64 {
+        if self.tokens > 0 && now_ms >= self.expires_ms {
+            return std::mem::take(&mut self.tokens);
+        }
+        0
+    }
+
+    /// What the headers report: the pool plus the global remaining, at most the capacity.
+    fn result(&self, capacity: u64, now_ms: u64) -> BucketResult {
+        BucketResult {
+            allowed: true,
+            limit: capacity,
+            remaining: self.tokens.saturating_add(self.remaining).min(capacity),
+            reset_ms: self.reset_at_ms.saturating_sub(now_ms),
+            retry_after_ms: 0,
+            granted: 0,
+        }
+    }
+}
+
+/// The pool slot of a rule's bucket `key`. The identity covers the key and the rule's global
+/// limits, so a changed limit is another pool.
+pub fn slot(rule: &Rule, key: &str, max_keys: u32) -> Slot {
+    let l = Limits::local(rule.capacity, rule.rate, rule.period_ms, rule.algorithm, 1);
+    fallback::slot_in(TABLE, key, &l, max_keys)
+}
+
+/// What one pool says about one request's cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Take {
+    /// Paid from the pool (stored).
+    Hit(BucketResult),
+    /// The service denied this cost until later: deny without asking.
+    Denied(BucketResult),
+    /// Ask the service. `Some(n)`: this request claimed the refill and asks for `lease = n`.
+    Ask(Option<u64>),
+}
+
+/// Tries to pay `cost` from the pool at `slot`. Also returns the tokens dropped at expiry.
+/// `claim_ms` is how long a refill claim holds (the callout timeout plus a margin).
+pub fn take<S: CasStore + ?Sized>(
+    store: &S,
+    slot: &Slot,
+    lease: &Lease,
+    capacity: u64,
+    cost: u64,
+    now_ms: u64,
+    claim_ms: u64,
+) -> (Take, u64) {
+    let low = lease.size / 4;
+    let done = update(store, &slot.name, |cur| {
+        let existing = Pool::decode(&slot.id, cur);
+        let mut p = existing.unwrap_or_default();
+        let expired = p.expire(now_ms);
+        let refilling = now_ms < p.refill_until_ms;
+        let want = lease.size.saturating_sub(p.tokens);
+        let claim = |mut p: Pool| {
+            p.refill_until_ms = now_ms.saturating_add(claim_ms);
+            Step::Write(p.encode(&slot.id), (Take::Ask(Some(want)), expired))
+        };
+        if p.tokens >= cost {
+            let left = p.tokens - cost;
+            if left >= low || refilling || want <= cost {
+                p.tokens = left;
+                let r = p.result(capacity, now_ms);
+                return Step::Write(p.encode(&slot.id), (Take::Hit(r), expired));
+            }
+            return claim(p);
+        }
+        if now_ms < p.denied_until_ms && cost >= p.denied_cost {
+            let r = BucketResult {
+                allowed: false,
+                retry_after_ms: p.denied_until_ms - now_ms,
+                ..p.result(capacity, now_ms)
+            };
+            return keep_or_write(&slot.id, &p, expired, Take::Denied(r));
+        }
+        if refilling || want <= cost {
+            return keep_or_write(&slot.id, &p, expired, Take::Ask(None));
+        }
+        claim(p)
+    });
+    match done.value {
+        // Not stored (CAS gave up under contention): the token was not taken, so it must not be
+        // spent, and a claim that was not stored is no claim. Ask the service, plainly.
+        (Take::Hit(_) | Take::Ask(Some(_)), expired) if !done.stored => (Take::Ask(None), expired),
+        v => v,
+    }
+}
+
+/// Writes the pool only if expiry changed it.
+fn keep_or_write(id: &[u8; 16], p: &Pool, expired: u64, t: Take) -> Step<(Take, u64)> {
+    if expired > 0 {
+        Step::Write(p.encode(id), (t, expired))
+    } else {
+        Step::Keep((t, expired))
+    }
+}
+
+/// Gives back `cost` taken from the pool earlier in the same request (the request went to the
+/// service or was denied after all). Tokens past their expiry are not given back.
+pub fn refund<S: CasStore + ?Sized>(store: &S, slot: &Slot, cost: u64, now_ms: u64) {
+    update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
+        Some(mut p) if now_ms < p.expires_ms => {
+            p.tokens = p.tokens.saturating_add(cost);
+            Step::Write(p.encode(&slot.id), ())
+        }
+        _ => Step::Keep(()),
+    });
+}
+
+/// Pays `cost` from the pool whatever the refill mark and claims say (the service could not
+/// be asked); `None` when the pool cannot pay.
+pub fn spend<S: CasStore + ?Sized>(
+    store: &S,
+    slot: &Slot,
+    capacity: u64,
+    cost: u64,
+    now_ms: u64,
+) -> Option<BucketResult> {
+    let done = update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
+        Some(mut p) if now_ms < p.expires_ms && p.tokens >= cost => {
+            p.tokens -= cost;
+            Step::Write(p.encode(&slot.id), Some(p.result(capacity, now_ms)))
+        }
+        _ => Step::Keep(None),
+    });
+    done.value.filter(|_| done.stored)
+}
+
+/// Ends a refill claim without a deposit (the callout failed or was not made).
+pub fn release<S: CasStore + ?Sized>(store: &S, slot: &Slot) {
+    update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
+        Some(mut p) if p.refill_until_ms != 0 => {
+            p.refill_until_ms = 0;
+            Step::Write(p.encode(&slot.id), ())
+        }
+        _ => Step::Keep(()),
+    });
+}
+
+/// After an allowed answer to a refill: adds `extra` tokens (granted − cost) to the pool, to be
+/// spent until `expires_ms`, ends the claim and any cached denial, and remembers the answer's
+/// global state. Returns the tokens dropped (expired, or another bucket's pool evicted).
+pub fn deposit<S: CasStore + ?Sized>(
+    store: &S,
+    slot: &Slot,
+    extra: u64,
+    answer: &BucketResult,
+    now_ms: u64,
+    expires_ms: u64,
+) -> u64 {
+    update(store, &slot.name, |cur| {
+        let (mut p, dropped) = match Pool::decode(&slot.id, cur) {
+            Some(mut p) => {
+                let d = p.expire(now_ms);
+                (p, d)
+            }
+            // Another bucket's pool in this slot is evicted: its unexpired tokens are lost.
+            None => (Pool::default(), evicted_tokens(cur, now_ms)),
+        };
+        p.tokens = p.tokens.saturating_add(extra);
+        // A deposit renews the pool's expiry: no token is spent later than `max_age_ms` after
+        // the latest grant (for a fixed window, never past the window it was granted in, since
+        // the caller caps `expires_ms` at the window's end and older tokens are from that window).
+        p.expires_ms = expires_ms;
+        p.refill_until_ms = 0;
+        p.denied_until_ms = 0;
+        p.denied_cost = 0;
+        p.remaining = answer.remaining;
+        p.reset_at_ms = now_ms.saturating_add(answer.reset_ms);
+        Step::Write(p.encode(&slot.id), dropped)
+    })
+    .value
+}
+
+/// Unexpired tokens of whatever pool occupies a slot (for the `expired` count on eviction).
+fn evicted_tokens(cur: Option<&[u8]>, now_ms: u64) -> u64 {
+    let Some(b) = cur else { return 0 };
+    let Some(id) = b.get(1..17) else { return 0 };
+    let mut other = [0u8; 16];
+    other.copy_from_slice(id);
+    match Pool::decode(&other, Some(b)) {
+        Some(p) if now_ms < p.expires_ms => p.tokens,
+        _ => 0,
+    }
+}
+
+/// After a denial: remembers that `cost` cannot be paid before `retry_after_ms` (if this bucket
+/// denied), and ends this request's claim if it held one.
+pub fn deny<S: CasStore + ?Sized>(
+    store: &S,
+    slot: &Slot,
+    cost: u64,
+    answer: &BucketResult,
+    claimed: bool,
+    now_ms: u64,
+) {
+    update(store, &slot.name, |cur| {
+        let mut p = Pool::decode(&slot.id, cur).unwrap_or_default();
+        p.expire(now_ms);
+        if claimed {
+            p.refill_until_ms = 0;
+        }
+        if !answer.allowed && answer.retry_after_ms > 0 {
+            p.denied_until_ms = now_ms.saturating_add(answer.retry_after_ms);
+            p.denied_cost = cost;
+        }
+        p.remaining = answer.remaining;
+        p.reset_at_ms = now_ms.saturating_add(answer.reset_ms);
+        Step::Write(p.encode(&slot.id), ())
+    });
+}
+
+/// Lease counters (metric names `tollgate.lease.<name>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// A request admitted from the pools, without a callout.
+    Local,
+    /// A request denied by a cached denial, without a callout.
+    LocalLimited,
+    /// Tokens granted by the service to lease requests.
+    Granted,
+    /// Tokens dropped unspent (expired, or evicted with their slot); best effort.
+    Expired,
+}
+
+impl Count {
+    /// Every counter, for defining the metrics.
+    pub const ALL: [Count; 4] = [
+        Count::Local,
+        Count::LocalLimited,
+        Count::Granted,
+        Count::Expired,
+    ];
+
+    /// The metric name.
+    pub fn metric(self) -> &'static str {
+        match self {
+            Count::Local => "tollgate.lease.local",
+            Count::LocalLimited => "tollgate.lease.local_limited",
+            Count::Granted => "tollgate.lease.granted",
+            Count::Expired => "tollgate.lease.expired",
+        }
+    }
+}
+
+/// What the pools decide before any callout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Local {
+    /// Decided locally: `Allowed` (every bucket paid from its pool) or `Limited` (a cached
+    /// denial). In the contract's shape, so the rest of the filter treats it like an answer.
+    Answer(Outcome),
+    /// Ask the service for every bucket; the plan's buckets that claimed a refill carry `lease`.
+    Call,
+}
+
+/// The lease-rule buckets of a plan: (bucket index, rule, lease).
+fn leased<'a>(cfg: &'a Config, plan: &Plan) -> Vec<(usize, &'a Rule, Lease)> {
+    plan.rules
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &r)| {
+            let rule = cfg.rules.get(r)?;
+            Some((i, rule, rule.lease?))
+        })
+        .collect()
+}
+
+fn claim_ms(cfg: &Config) -> u64 {
+    cfg.service.timeout_ms.saturating_add(CLAIM_MARGIN_MS)
+}
+
+/// Consults the pools of `plan`'s lease rules. All buckets paid locally → admitted; a cached
+/// denial on any bucket → denied (the service would deny the whole request: all or nothing);
+/// otherwise what was taken is given back and the whole request goes to the service, with
+/// `lease` set on the buckets whose refill this request claimed. A plan with a rule without
+/// lease always goes to the service. Returns the decision and the tokens found expired.
+pub fn local<S: CasStore + ?Sized>(
+    cfg: &Config,
+    plan: &mut Plan,
+    store: &S,
+    now_ms: u64,
+) -> (Local, u64) {
+    let lease_buckets = leased(cfg, plan);
+    let mut expired = 0;
+    if lease_buckets.is_empty() {
+        return (Local::Call, expired);
+    }
+    let all_leased = lease_buckets.len() == plan.request.buckets.len();
+    let mut results: Vec<Option<BucketResult>> = vec![None; plan.request.buckets.len()];
+    let mut hits: Vec<(Slot, u64)> = Vec::new();
+    let mut claims: Vec<(usize, Slot, u64)> = Vec::new();
+    let mut denied = false;
+    for (i, rule, lease) in &lease_buckets {
+        let Some(b) = plan.request.buckets.get(*i) else {
+            continue;
+        };
+        let cost = b.cost.unwrap_or(1);
+        let slot = slot(rule, &b.key, cfg.fallback.max_keys);
+        let (t, e) = take(
+            store,
+            &slot,
+            lease,
+            rule.capacity,
+            cost,
+            now_ms,
+            claim_ms(cfg),
+        );
+        expired += e;
+        match t {
+            Take::Hit(r) => {
+                hits.push((slot, cost));
+                if let Some(x) = results.get_mut(*i) {
+                    *x = Some(r);
+                }
+            }
+            Take::Denied(r) => {
+                denied = true;
+                if let Some(x) = results.get_mut(*i) {
+                    *x = Some(r);
+                }
+            }
+            Take::Ask(Some(n)) => claims.push((*i, slot, n)),
+            Take::Ask(None) => {}
+        }
+    }
+    if all_leased && !denied && hits.len() == plan.request.buckets.len() {
+        let buckets = results.into_iter().flatten().collect();
+        return (
+            Local::Answer(Outcome::Allowed(TakeResponse {
+                allowed: true,
+                buckets,
+            })),
+            expired,
+        );
+    }
+    for (slot, cost) in &hits {
+        refund(store, slot, *cost, now_ms);
+    }
+    if denied {
+        for (_, slot, _) in &claims {
+            release(store, slot);
+        }
+        // Buckets not denied: nothing is known or charged; report them as full so the headers'
+        // tightest bucket is the one that denied.
+        let buckets = plan
+            .rules
+            .iter()
+            .zip(results)
+            .map(|(&r, res)| {
+                res.unwrap_or_else(|| {
+                    let cap = cfg.rules.get(r).map_or(0, |rule| rule.capacity);
+                    BucketResult {
+                        allowed: true,
+                        limit: cap,
+                        remaining: cap,
+                        ..BucketResult::default()
+                    }
+                })
+            })
+            .collect();
+        return (
+            Local::Answer(Outcome::Limited(TakeResponse {
+                allowed: false,
+                buckets,
+            })),
+            expired,
+        );
+    }
+    for (i, _, n) in claims {
+        if let Some(b) = plan.request.buckets.get_mut(i) {
+            b.lease = Some(n);
+        }
+    }
+    (Local::Call, expired)
+}
+
+/// When the service could not be asked (a failed callout, the breaker open): the tokens already
+/// granted are still good, so a request every bucket of which its pool can pay is admitted from
+/// the pools; else `None` and the failure mode decides.
+pub fn rescue<S: CasStore + ?Sized>(
+    cfg: &Config,
+    plan: &Plan,
+    store: &S,
+    now_ms: u64,
+) -> Option<Outcome> {
+    let lease_buckets = leased(cfg, plan);
+    if lease_buckets.is_empty() || lease_buckets.len() != plan.request.buckets.len() {
+        return None;
+    }
+    let mut paid: Vec<(Slot, u64)> = Vec::new();
+    let mut results = Vec::with_capacity(lease_buckets.len());
+    for (i, rule, _) in &lease_buckets {
+        let b = plan.request.buckets.get(*i)?;
+        let cost = b.cost.unwrap_or(1);
+        let slot = slot(rule, &b.key, cfg.fallback.max_keys);
+        match spend(store, &slot, rule.capacity, cost, now_ms) {
+            Some(r) => {
+                results.push(r);
+                paid.push((slot, cost));
+            }
+            None => {
+                for (slot, cost) in &paid {
+                    refund(store, slot, *cost, now_ms);
+                }
+                return None;
+            }
+        }
+    }
+    Some(Outcome::Allowed(TakeResponse {
+        allowed: true,
+        buckets: results,
+    }))
+}
+
+/// Applies a callout's outcome to the pools of `plan`'s lease rules: an allowed refill deposits
+/// `granted − cost`; a bucket that denied caches its denial; a failure only ends the claims.
+/// Returns (tokens granted to refills, tokens found expired or evicted).
+pub fn settle<S: CasStore + ?Sized>(
+    cfg: &Config,
+    plan: &Plan,
+    outcome: &Outcome,
+    store: &S,
+    now_ms: u64,
+) -> (u64, u64) {
+    let (mut granted, mut dropped) = (0, 0);
+    for (i, rule, lease) in leased(cfg, plan) {
+        let Some(b) = plan.request.buckets.get(i) else {
+            continue;
+        };
+        let claimed = b.lease.is_some();
+        let cost = b.cost.unwrap_or(1);
+        let slot = slot(rule, &b.key, cfg.fallback.max_keys);
+        match outcome {
+            Outcome::Allowed(resp) => {
+                let Some(r) = resp.buckets.get(i) else {
+                    continue;
+                };
+                if !claimed {
+                    continue;
+                }
+                // Never more than asked for; an answer without `granted` deposits nothing.
+                let g = r.granted.min(b.lease.unwrap_or(cost));
+                granted += g;
+                let mut until = now_ms.saturating_add(lease.max_age_ms);
+                if rule.algorithm == Algorithm::FixedWindow {
+                    // A token of this window must not be spent in the next one.
+                    until = until.min(now_ms.saturating_add(r.reset_ms));
+                }
+                dropped += deposit(store, &slot, g.saturating_sub(cost), r, now_ms, until);
+            }
+            Outcome::Limited(resp) => {
+                if let Some(r) = resp.buckets.get(i) {
+                    deny(store, &slot, cost, r, claimed, now_ms);
+                }
+            }
+            Outcome::Failed(_) => {
+                if claimed {
+                    release(store, &slot);
+                }
+            }
+        }
+    }
+    (granted, dropped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::decide::{decide, Step as DecideStep};
+    use crate::core::rules::Request;
+    use crate::core::store::fake::FakeStore;
+
+    const L: Lease = Lease {
+        size: 8,
+        max_age_ms: 1000,
+    };
+
+    fn cfg(rules: &str) -> Config {
+        Config::parse(
+            format!(r#"{{"service":{{"cluster":"svc","timeout_ms":20}},"rules":[{rules}]}}"#)
+                .as_bytes(),
+        )
+        .unwrap()
+    }
+
+    fn one() -> Config {
+        cfg(
+            r#"{"name":"r","key":["literal:k"],"capacity":100,"period_ms":1000,"lease":{"size":8}}"#,
+        )
+    }
+
+    fn plan(c: &Config) -> Plan {
+        let req = Request {
+            headers: vec![(":path".into(), b"/".to_vec())],
+            peer: None,
+        };
+        match decide(c, &req) {
+            DecideStep::Callout(p) => p,
+            DecideStep::Continue => panic!("no rule matched"),
+        }
+    }
+
+    fn answer(allowed: bool, granted: u64, retry: u64) -> BucketResult {
+        BucketResult {
+            allowed,
+            limit: 100,
+            remaining: 50,
+            reset_ms: 500,
+            retry_after_ms: retry,
+            granted,
+        }
+    }
+
+    fn pool(s: &FakeStore, c: &Config) -> Pool {
+        let p = plan(c);
+        let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+        Pool::decode(&sl.id, s.map.borrow().get(&sl.name).map(|e| e.0.as_slice())).unwrap()
+    }
+
+    fn the_slot() -> Slot {
+        Slot {
+            name: "tollgate.lease.0".into(),
+            id: [7; 16],
+        }
+    }
+
+    #[test]
+    fn empty_pool_claims_the_refill_once() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        assert_eq!(take(&s, &sl, &L, 100, 1, 0, 70), (Take::Ask(Some(8)), 0));
+        // While the refill is in flight another request asks for its own cost only.
+        assert_eq!(take(&s, &sl, &L, 100, 1, 10, 70), (Take::Ask(None), 0));
+        // The claim lapses on its own (a request that never settled).
+        assert_eq!(take(&s, &sl, &L, 100, 1, 70, 70).0, Take::Ask(Some(8)));
+    }
+
+    #[test]
+    fn deposit_then_spend_until_the_low_mark_then_refill() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        take(&s, &sl, &L, 100, 1, 0, 70);
+        // Granted 8 for cost 1: 7 go to the pool.
+        assert_eq!(deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000), 0);
+        // size / 4 = 2: takes that leave 2 or more are local.
+        let mut hits = 0;
+        let last = loop {
+            match take(&s, &sl, &L, 100, 1, 5, 70) {
+                (Take::Hit(r), _) => {
+                    hits += 1;
+                    assert_eq!(r.remaining, 7 - hits + 50, "pool + global remaining");
+                    assert_eq!(r.reset_ms, 495);
+                }
+                (other, _) => break other,
+            }
+        };
+        assert_eq!(hits, 5);
+        // The request that would go below the mark refills, for size - pool = 6, leaving 2.
+        assert_eq!(last, Take::Ask(Some(6)));
+        // Meanwhile the rest of the pool is still spent locally.
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 7, 70).0, Take::Hit(_)));
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 7, 70).0, Take::Hit(_)));
+        assert_eq!(take(&s, &sl, &L, 100, 1, 7, 70).0, Take::Ask(None));
+        // The deposit adds to what is there and ends the claim.
+        deposit(&s, &sl, 5, &answer(true, 6, 0), 8, 1008);
+        let mut n = 0;
+        while let Take::Hit(_) = take(&s, &sl, &L, 100, 1, 9, 70).0 {
+            n += 1;
+        }
+        assert_eq!(n, 3, "5 deposited, 2 must stay above the mark");
+    }
+
+    #[test]
+    fn tokens_expire_and_are_counted() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 999, 70).0, Take::Hit(_)));
+        // At the expiry the 6 left are dropped, and this request refills.
+        assert_eq!(take(&s, &sl, &L, 100, 1, 1000, 70), (Take::Ask(Some(8)), 6));
+        // A refund after expiry does not bring them back.
+        refund(&s, &sl, 3, 1001);
+        assert_eq!(take(&s, &sl, &L, 100, 1, 1001, 70).0, Take::Ask(None));
+    }
+
+    #[test]
+    fn cached_denial_covers_the_cost_and_above_until_retry() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        take(&s, &sl, &L, 100, 3, 0, 70);
+        deny(&s, &sl, 3, &answer(false, 0, 400), true, 0);
+        let (t, _) = take(&s, &sl, &L, 100, 3, 100, 70);
+        let Take::Denied(r) = t else { panic!("{t:?}") };
+        assert_eq!((r.allowed, r.retry_after_ms), (false, 300));
+        assert!(matches!(
+            take(&s, &sl, &L, 100, 5, 100, 70).0,
+            Take::Denied(_)
+        ));
+        // A smaller cost might be payable: ask.
+        assert!(matches!(take(&s, &sl, &L, 100, 2, 100, 70).0, Take::Ask(_)));
+        // The claim of the denied request ended, so after the retry time the next one refills.
+        let s = FakeStore::default();
+        deny(&s, &sl, 3, &answer(false, 0, 400), true, 0);
+        assert_eq!(take(&s, &sl, &L, 100, 3, 400, 70).0, Take::Ask(Some(8)));
+    }
+
+    #[test]
+    fn pooled_tokens_are_spent_before_a_cached_denial_applies() {
+        // Granted tokens are already charged: spending them is always within the limit.
+        let s = FakeStore::default();
+        let sl = the_slot();
+        deposit(&s, &sl, 4, &answer(true, 5, 0), 0, 1000);
+        deny(&s, &sl, 1, &answer(false, 0, 500), false, 0);
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 1, 70).0, Take::Hit(_)));
+    }
+
+    #[test]
+    fn lost_cas_race_never_spends() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
+        assert_eq!(take(&s, &sl, &L, 100, 1, 1, 70).0, Take::Ask(None));
+        let mut n = 0;
+        while let Take::Hit(_) = take(&s, &sl, &L, 100, 1, 2, 70).0 {
+            n += 1;
+        }
+        assert_eq!(n, 5, "all 7 still there (5 above the mark)");
+    }
+
+    #[test]
+    fn eviction_by_another_key_drops_and_counts() {
+        let s = FakeStore::default();
+        let a = the_slot();
+        let b = Slot {
+            name: a.name.clone(),
+            id: [9; 16],
+        };
+        deposit(&s, &a, 7, &answer(true, 8, 0), 0, 1000);
+        assert_eq!(deposit(&s, &b, 3, &answer(true, 4, 0), 1, 1001), 7);
+        assert_eq!(take(&s, &a, &L, 100, 1, 2, 70).0, Take::Ask(Some(8)));
+        assert!(s.map.borrow().values().all(|(v, _)| v.len() == POOL_BYTES));
+    }
+
+    #[test]
+    fn local_admits_from_the_pool_without_a_callout() {
+        let c = one();
+        let s = FakeStore::default();
+        let mut p = plan(&c);
+        assert_eq!(local(&c, &mut p, &s, 0).0, Local::Call);
+        assert_eq!(p.request.buckets[0].lease, Some(8), "this request refills");
+        let resp = TakeResponse {
+            allowed: true,
+            buckets: vec![answer(true, 8, 0)],
+        };
+        assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 0), (8, 0));
+        assert_eq!(pool(&s, &c).tokens, 7);
+        assert_eq!(pool(&s, &c).expires_ms, 1000, "max_age_ms defaults to 1000");
+        for i in 0..5 {
+            let mut p = plan(&c);
+            let (l, _) = local(&c, &mut p, &s, 1);
+            assert!(
+                matches!(l, Local::Answer(Outcome::Allowed(_))),
+                "request {i}: {l:?}"
+            );
+            assert_eq!(p.request.buckets[0].lease, None);
+        }
+        assert_eq!(pool(&s, &c).tokens, 2);
+    }
+
+    #[test]
+    fn a_rule_without_lease_means_one_callout_and_the_pool_is_refunded() {
+        let c = cfg(
+            r#"{"name":"a","key":["literal:k"],"capacity":100,"period_ms":1000,"lease":{"size":8}},
+               {"name":"b","key":["literal:k"],"capacity":100,"period_ms":1000}"#,
+        );
+        let s = FakeStore::default();
+        let p = plan(&c);
+        let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        let mut p = plan(&c);
+        assert_eq!(local(&c, &mut p, &s, 1).0, Local::Call);
+        assert_eq!(pool(&s, &c).tokens, 7, "taken, then refunded");
+        assert_eq!(p.request.buckets[0].lease, None, "no refill needed");
+        assert_eq!(p.request.buckets[1].lease, None);
+    }
+
+    #[test]
+    fn partial_local_then_callout_refunds_and_claims() {
+        let c = cfg(
+            r#"{"name":"a","key":["literal:k"],"capacity":100,"period_ms":1000,"lease":{"size":8}},
+               {"name":"b","key":["literal:j"],"capacity":100,"period_ms":1000,"lease":{"size":4}}"#,
+        );
+        let s = FakeStore::default();
+        let p0 = plan(&c);
+        let sa = slot(&c.rules[0], &p0.request.buckets[0].key, c.fallback.max_keys);
+        deposit(&s, &sa, 7, &answer(true, 8, 0), 0, 1000);
+        let mut p = plan(&c);
+        assert_eq!(local(&c, &mut p, &s, 1).0, Local::Call);
+        assert_eq!(pool(&s, &c).tokens, 7, "bucket a refunded");
+        assert_eq!(p.request.buckets[0].lease, None);
+        assert_eq!(p.request.buckets[1].lease, Some(4), "bucket b refills");
+        // The service grants b 4 (3 to the pool); a's cost was charged at the service.
+        let resp = TakeResponse {
+            allowed: true,
+            buckets: vec![answer(true, 1, 0), answer(true, 4, 0)],
+        };
+        assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 2), (4, 0));
+        let mut p = plan(&c);
+        assert!(matches!(
+            local(&c, &mut p, &s, 3).0,
+            Local::Answer(Outcome::Allowed(_))
+        ));
+        assert_eq!(pool(&s, &c).tokens, 6);
+    }
+
+    #[test]
+    fn a_cached_denial_denies_the_request_without_a_callout() {
+        let c = cfg(
+            r#"{"name":"a","key":["literal:k"],"capacity":100,"period_ms":1000,"lease":{"size":8}},
+               {"name":"b","key":["literal:j"],"capacity":10,"period_ms":1000,"lease":{"size":4}}"#,
+        );
+        let s = FakeStore::default();
+        let p0 = plan(&c);
+        let sa = slot(&c.rules[0], &p0.request.buckets[0].key, c.fallback.max_keys);
+        deposit(&s, &sa, 7, &answer(true, 8, 0), 0, 1000);
+        // The service denied b (a could pay): b's denial is cached, a stays as it was.
+        let mut p = plan(&c);
+        local(&c, &mut p, &s, 0);
+        let resp = TakeResponse {
+            allowed: false,
+            buckets: vec![answer(true, 0, 0), answer(false, 0, 700)],
+        };
+        settle(&c, &p, &Outcome::Limited(resp), &s, 0);
+        let mut p = plan(&c);
+        let (l, _) = local(&c, &mut p, &s, 200);
+        let Local::Answer(Outcome::Limited(r)) = l else {
+            panic!("{l:?}")
+        };
+        assert!(!r.allowed && r.buckets[0].allowed && !r.buckets[1].allowed);
+        assert_eq!(r.buckets[1].retry_after_ms, 500);
+        assert_eq!(pool(&s, &c).tokens, 7, "a's local take refunded");
+        // After the retry time it asks again.
+        let mut p = plan(&c);
+        assert_eq!(local(&c, &mut p, &s, 700).0, Local::Call);
+    }
+
+    #[test]
+    fn failure_releases_the_claim_and_keeps_the_pool() {
+        let c = one();
+        let s = FakeStore::default();
+        let mut p = plan(&c);
+        local(&c, &mut p, &s, 0);
+        settle(
+            &c,
+            &p,
+            &Outcome::Failed(crate::core::decide::Cause::Timeout),
+            &s,
+            0,
+        );
+        let mut p = plan(&c);
+        local(&c, &mut p, &s, 1);
+        assert_eq!(
+            p.request.buckets[0].lease,
+            Some(8),
+            "claim released: refills again"
+        );
+    }
+
+    #[test]
+    fn rescue_spends_below_the_mark_and_is_all_or_nothing() {
+        let c = one();
+        let s = FakeStore::default();
+        let p = plan(&c);
+        let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000);
+        for _ in 0..2 {
+            assert!(matches!(rescue(&c, &p, &s, 1), Some(Outcome::Allowed(_))));
+        }
+        assert_eq!(rescue(&c, &p, &s, 1), None, "empty");
+        deposit(&s, &sl, 2, &answer(true, 3, 0), 2, 1000);
+        assert_eq!(rescue(&c, &p, &s, 1000), None, "expired");
+        // Two lease buckets, the second empty: the first is refunded.
+        let c = cfg(
+            r#"{"name":"a","key":["literal:k"],"capacity":100,"period_ms":1000,"lease":{"size":8}},
+               {"name":"b","key":["literal:j"],"capacity":100,"period_ms":1000,"lease":{"size":4}}"#,
+        );
+        let s = FakeStore::default();
+        let p = plan(&c);
+        let sa = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+        deposit(&s, &sa, 2, &answer(true, 3, 0), 0, 1000);
+        assert_eq!(rescue(&c, &p, &s, 1), None);
+        assert_eq!(pool(&s, &c).tokens, 2);
+    }
+
+    #[test]
+    fn fixed_window_tokens_do_not_outlive_their_window() {
+        let c = cfg(
+            r#"{"name":"r","key":["literal:k"],"capacity":100,"period_ms":1000,"algorithm":"fixed_window","lease":{"size":8,"max_age_ms":5000}}"#,
+        );
+        let s = FakeStore::default();
+        let mut p = plan(&c);
+        local(&c, &mut p, &s, 0);
+        let resp = TakeResponse {
+            allowed: true,
+            buckets: vec![answer(true, 8, 0)],
+        };
+        settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
+        assert_eq!(
+            pool(&s, &c).expires_ms,
+            500,
+            "the window's end, not max_age_ms"
+        );
+    }
+
+    #[test]
+    fn granted_beyond_the_lease_is_not_trusted() {
+        let c = one();
+        let s = FakeStore::default();
+        let mut p = plan(&c);
+        local(&c, &mut p, &s, 0);
+        let resp = TakeResponse {
+            allowed: true,
+            buckets: vec![answer(true, 1000, 0)],
+        };
+        assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 0).0, 8);
+        assert_eq!(pool(&s, &c).tokens, 7);
+    }
+}
