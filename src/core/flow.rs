@@ -260,8 +260,8 @@ impl Flow {
 }
 
 /// Settles a callout's outcome (or why none was made) into the lease pools, and counts it. A
-/// failure that the pools can still pay (granted tokens stay good) becomes an admission from the
-/// pools; any other outcome is returned as is.
+/// denial or failure that the pools can still pay (granted tokens stay good) becomes an admission
+/// from the pools; any other outcome is returned as is.
 fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) -> Outcome {
     let now = host.now_ms();
     let (granted, dropped) = lease::settle(cfg, plan, &outcome, host.store(), now);
@@ -271,7 +271,7 @@ fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) ->
     if dropped > 0 {
         host.count_lease(Count::Expired, dropped);
     }
-    if let Outcome::Failed(_) = outcome {
+    if !matches!(outcome, Outcome::Allowed(_)) {
         if let Some(paid) = lease::rescue(cfg, plan, host.store(), now) {
             host.count_lease(Count::Local, 1);
             return paid;

@@ -164,6 +164,8 @@ pub fn take<S: CasStore + ?Sized>(
         let mut p = existing.unwrap_or_default();
         let expired = p.expire(now_ms);
         let refilling = now_ms < p.refill_until_ms;
+        // The service just said it has nothing to give before then: spend what is here.
+        let denied = now_ms < p.denied_until_ms;
         let want = lease.size.saturating_sub(p.tokens);
         let claim = |mut p: Pool| {
             p.refill_until_ms = now_ms.saturating_add(claim_ms);
@@ -171,14 +173,14 @@ pub fn take<S: CasStore + ?Sized>(
         };
         if p.tokens >= cost {
             let left = p.tokens - cost;
-            if left >= low || refilling || want <= cost {
+            if left >= low || refilling || denied || want <= cost {
                 p.tokens = left;
                 let r = p.result(capacity, now_ms);
                 return Step::Write(p.encode(&slot.id), (Take::Hit(r), expired));
             }
             return claim(p);
         }
-        if now_ms < p.denied_until_ms && cost >= p.denied_cost {
+        if denied && cost >= p.denied_cost {
             let r = BucketResult {
                 allowed: false,
                 retry_after_ms: p.denied_until_ms - now_ms,
@@ -487,9 +489,10 @@ pub fn local<S: CasStore + ?Sized>(
     (Local::Call, expired)
 }
 
-/// When the service could not be asked (a failed callout, the breaker open): the tokens already
-/// granted are still good, so a request every bucket of which its pool can pay is admitted from
-/// the pools; else `None` and the failure mode decides.
+/// When the service did not admit a request (it denied, failed, or the breaker is open) the
+/// tokens already granted are still good: a request that every bucket's pool can pay is admitted
+/// from the pools (a refill request leaves the pool to the others, so its own denial may find
+/// tokens there); else `None`, and the denial or the failure mode stands.
 pub fn rescue<S: CasStore + ?Sized>(
     cfg: &Config,
     plan: &Plan,
@@ -739,6 +742,21 @@ mod tests {
             n += 1;
         }
         assert_eq!(n, 5, "all 7 still there (5 above the mark)");
+    }
+
+    #[test]
+    fn no_refill_is_claimed_while_a_denial_holds() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000);
+        deny(&s, &sl, 1, &answer(false, 0, 500), false, 0);
+        // Below the mark, but the service has nothing: spend the pool down to zero.
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 1, 70).0, Take::Hit(_)));
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 1, 70).0, Take::Hit(_)));
+        assert!(matches!(
+            take(&s, &sl, &L, 100, 1, 1, 70).0,
+            Take::Denied(_)
+        ));
     }
 
     #[test]

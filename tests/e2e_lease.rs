@@ -1,0 +1,316 @@
+//! End to end, lease mode: real Envoys (each `--concurrency 2`) running the real module, the real
+//! service and real Redis. What is checked is what clients see, what reaches the upstream, and how
+//! many decisions the service made (its `tollgate_decisions_total`).
+//!
+//! - `fleet_never_exceeds_the_limit` (both transports): three Envoys hit round-robin by concurrent
+//!   clients admit at most capacity + refill, at least that minus the tokens the pools can strand,
+//!   with a small fraction of the service decisions one callout per request would take.
+//! - `denials_are_cached_and_pools_spent`: after the service denies, further requests are denied
+//!   by the filter without a callout; granted tokens are all spent, none more.
+//! - `an_expired_pool_asks_again`: a pool unused for `max_age_ms` is dropped and the next request
+//!   asks the service again.
+//! - `service_down_falls_back`: with the service unreachable, lease rules use the fallback buckets.
+
+// A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
+#![allow(
+    clippy::panic,
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use common::config::{plugin, SLOW_PERIOD_MS};
+use common::*;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+both_transports!(fleet_never_exceeds_the_limit);
+
+/// The fleet test starts several Envoys and loads them; it runs alone so the timings hold.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A lease rule on one shared key (every request, every Envoy, one global bucket).
+fn lease_rule(
+    capacity: u64,
+    rate: u64,
+    period_ms: u64,
+    size: u64,
+    max_age_ms: u64,
+) -> serde_json::Value {
+    json!({"name": "lease", "key": ["literal:shared"], "capacity": capacity, "rate": rate,
+           "period_ms": period_ms, "lease": {"size": size, "max_age_ms": max_age_ms}})
+}
+
+/// The service's decisions so far (`tollgate_decisions_total`, all outcomes).
+fn decisions(service: &Service) -> u64 {
+    decisions_by(service, "")
+}
+
+/// The service's decisions so far whose `outcome` label contains `outcome` ("" = all).
+fn decisions_by(service: &Service, outcome: &str) -> u64 {
+    let text = service.metrics();
+    let total: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("tollgate_decisions_total"))
+        .filter(|l| l.contains(&format!("outcome=\"{outcome}")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    // The family appears with the first decision; before that the exposition still ends in EOF.
+    assert!(
+        text.contains("# EOF"),
+        "the service's /metrics did not answer:\n{text}"
+    );
+    total as u64
+}
+
+/// Statuses seen by the load's clients.
+#[derive(Default, Debug)]
+struct Tally {
+    statuses: BTreeMap<u16, u64>,
+}
+
+impl Tally {
+    fn count(&self, s: u16) -> u64 {
+        self.statuses.get(&s).copied().unwrap_or(0)
+    }
+    fn sent(&self) -> u64 {
+        self.statuses.values().sum()
+    }
+}
+
+/// `clients` threads send GETs round-robin over `urls` for `duration` (at most `max` requests
+/// each). Returns the tally and the elapsed time from the first send to the last answer.
+fn load(urls: &[String], clients: usize, duration: Duration, max: u64) -> (Tally, Duration) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let handles: Vec<_> = (0..clients)
+        .map(|k| {
+            let urls = urls.to_vec();
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let client = Client::new();
+                let mut t = Tally::default();
+                let mut i = k;
+                while !stop.load(Ordering::SeqCst) && t.sent() < max {
+                    let r = client.get(&urls[i % urls.len()], &[]);
+                    *t.statuses.entry(r.status).or_default() += 1;
+                    i += 1;
+                }
+                t
+            })
+        })
+        .collect();
+    thread::sleep(duration);
+    stop.store(true, Ordering::SeqCst);
+    let mut all = Tally::default();
+    for h in handles {
+        for (s, n) in h.join().expect("client thread").statuses {
+            *all.statuses.entry(s).or_default() += n;
+        }
+    }
+    (all, start.elapsed())
+}
+
+fn sum_stats(envoys: &[Envoy]) -> BTreeMap<String, u64> {
+    let mut all = BTreeMap::new();
+    for e in envoys {
+        for (k, v) in e.tg_all() {
+            *all.entry(k).or_default() += v;
+        }
+    }
+    all
+}
+
+fn stat(stats: &BTreeMap<String, u64>, name: &str) -> u64 {
+    stats.get(name).copied().unwrap_or(0)
+}
+
+/// Three Envoys, one limit, lease size 20: the upstream sees at most capacity + refill, never more,
+/// and the service is asked a small fraction of the times requests arrive.
+fn fleet_never_exceeds_the_limit(transport: Transport) {
+    let _serial = serial();
+    const N: u64 = 3;
+    const CAPACITY: u64 = 300;
+    const RATE: u64 = 4; // per second: slow against a demand of hundreds per second
+    const PERIOD_MS: u64 = 1000;
+    const L: u64 = 20;
+
+    let c = Components::get();
+    let dir = TempDir::new("lease-fleet");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let upstream = Upstream::start();
+    // Failing closed: a failed callout shows up as a missing admission, never as a fallback one.
+    let cfg = plugin(
+        transport,
+        vec![lease_rule(CAPACITY, RATE, PERIOD_MS, L, 1000)],
+        json!({"failure_mode": "deny"}),
+    );
+    let envoys: Vec<Envoy> = (0..N)
+        .map(|_| {
+            let mut spec = EnvoySpec::new(Some(cfg.clone()), service.port, upstream.port);
+            spec.log_level = "wasm:info".into();
+            Envoy::start(&c, &dir, &spec)
+        })
+        .collect();
+    let urls: Vec<String> = envoys.iter().map(|e| e.url("/")).collect();
+    let before = decisions(&service);
+    let allowed_before = decisions_by(&service, "allowed");
+
+    let (tally, elapsed) = load(&urls, 12, Duration::from_millis(3250), 200_000);
+    let admitted = upstream.requests();
+    let refill = (RATE as f64 * elapsed.as_secs_f64() * 1000.0 / PERIOD_MS as f64).floor() as u64;
+    let limit = CAPACITY + refill;
+    let asked = decisions(&service) - before;
+    let granting = decisions_by(&service, "allowed") - allowed_before;
+    let stats = sum_stats(&envoys);
+    eprintln!(
+        "lease fleet ({}): {} requests in {:.3} s, admitted {admitted} (limit {limit} = {CAPACITY} + {refill}), \
+         service decisions {asked} ({granting} allowed), statuses {:?}, filter stats {stats:?}",
+        transport.name(),
+        tally.sent(),
+        elapsed.as_secs_f64(),
+        tally.statuses
+    );
+
+    assert_eq!(
+        tally.count(200) + tally.count(429),
+        tally.sent(),
+        "only 200 and 429: {:?}",
+        tally.statuses
+    );
+    assert!(
+        tally.sent() > 3 * limit,
+        "demand must exceed the limit by far: {}",
+        tally.sent()
+    );
+    assert_eq!(
+        tally.count(200),
+        admitted,
+        "a 200 is a request at the upstream"
+    );
+    assert_eq!(
+        stat(&stats, "failure_closed.limited"),
+        0,
+        "no failed callout: {stats:?}"
+    );
+    // Every admitted request spent a token the service charged within the run: never more.
+    assert!(
+        admitted <= limit,
+        "admitted {admitted} > {limit}: the limit was exceeded"
+    );
+    // What can be charged and not spent: the tokens in a pool when the run ends (a pool holds at
+    // most L: one refill in flight per pool, asking for L minus what the pool holds) or expired
+    // (none here: every Envoy has demand throughout, and a pool lives 1 s), so at most N × L, one
+    // pool per Envoy, shared by its workers. One more for a refill falling in the last few ms.
+    let stranded = N * L + 1;
+    assert!(
+        admitted + stranded >= limit,
+        "admitted {admitted} < {limit} - {stranded}: more lost than the pools can hold"
+    );
+    // One callout per request would be `sent` decisions. The denial cache answers most 429s.
+    // When a cached denial ends (a token is due), every request then in flight on that Envoy asks
+    // (only one may refill, the others ask plainly and are mostly denied): that is where most of
+    // the decisions in the exhausted phase come from.
+    assert!(
+        asked * (L / 2) <= tally.sent(),
+        "{asked} service decisions for {} requests: more than one per L/2",
+        tally.sent()
+    );
+    // While tokens last, a granting decision brings about 3/4 L of them (the refill asks for L
+    // minus what is left); once exhausted each brings one. On average well above L/4.
+    assert!(
+        granting * (L / 4) <= admitted,
+        "{granting} granting decisions for {admitted} admissions: the pools are not used"
+    );
+    assert!(stat(&stats, "lease.local") > 0 && stat(&stats, "lease.local_limited") > 0);
+    assert_eq!(
+        stat(&stats, "allowed") + stat(&stats, "limited"),
+        tally.sent(),
+        "allowed/limited count every decision, local or not"
+    );
+}
+
+/// One Envoy, capacity 5 that never refills within the test, lease size 5: exactly 5 requests pass,
+/// the tokens granted in a batch are all spent (none lost, none extra), and after the service's
+/// denial the others are denied locally, with the service's Retry-After.
+#[test]
+fn denials_are_cached_and_pools_spent() {
+    let cfg = plugin(
+        Transport::Http,
+        vec![lease_rule(5, 1, SLOW_PERIOD_MS, 5, 60_000)],
+        json!({"failure_mode": "deny", "response": {"headers": ["x-ratelimit"]}}),
+    );
+    let s = Stack::start("lease-deny", &cfg);
+    let service = s.service.as_ref().unwrap();
+    let replies: Vec<Reply> = (0..12).map(|_| s.get("/", &[])).collect();
+    let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [vec![200; 5], vec![429; 7]].concat());
+    assert_eq!(s.upstream.requests(), 5);
+    let asked = decisions(service);
+    // The first request's lease (5 granted, 4 pooled), the refill that found the bucket empty
+    // (denied, its request paid from the pool), and nothing after: the denial is cached.
+    assert_eq!(asked, 2, "service decisions");
+    assert_eq!(s.envoy.tg("lease.local_limited"), 7);
+    assert_eq!(s.envoy.tg("lease.granted"), 5);
+    assert_eq!(s.envoy.tg("limited"), 7);
+    let last = replies.last().unwrap();
+    let retry: u64 = last.header("retry-after").unwrap().parse().unwrap();
+    // One token per hour: the service said about an hour, and the filter counts down from there.
+    assert!((3500..=3600).contains(&retry), "retry-after {retry}");
+    assert_eq!(last.header("x-ratelimit-remaining"), Some("0"));
+}
+
+/// A pool unused for max_age_ms is dropped (counted), and the next request asks the service.
+#[test]
+fn an_expired_pool_asks_again() {
+    let cfg = plugin(
+        Transport::Http,
+        vec![lease_rule(1000, 1000, SLOW_PERIOD_MS, 10, 300)],
+        json!({}),
+    );
+    let s = Stack::start("lease-expiry", &cfg);
+    let service = s.service.as_ref().unwrap();
+    assert_eq!(s.get("/", &[]).status, 200);
+    assert_eq!(decisions(service), 1);
+    // 9 pooled; 7 can be spent before the refill mark (10 / 4 = 2).
+    for _ in 0..4 {
+        assert_eq!(s.get("/", &[]).status, 200);
+    }
+    assert_eq!(decisions(service), 1, "spent from the pool");
+    assert_eq!(s.envoy.tg("lease.local"), 4);
+    thread::sleep(Duration::from_millis(450));
+    assert_eq!(s.get("/", &[]).status, 200);
+    assert_eq!(decisions(service), 2, "the expired pool asked again");
+    assert_eq!(s.envoy.tg("lease.expired"), 5, "the 5 left were dropped");
+    assert_eq!(s.envoy.tg("lease.granted"), 20);
+    assert_eq!(s.upstream.requests(), 6);
+}
+
+/// The service unreachable: lease rules go through the failure mode as before (fallback buckets).
+#[test]
+fn service_down_falls_back() {
+    let cfg = plugin(
+        Transport::Http,
+        vec![lease_rule(5, 1, SLOW_PERIOD_MS, 5, 1000)],
+        json!({"failure_mode": "fallback"}),
+    );
+    let s = Stack::start_without_service("lease-down", &cfg, closed_port());
+    let statuses = s.client.statuses(&s.url("/"), &[], 10);
+    assert_eq!(statuses, [vec![200; 5], vec![429; 5]].concat());
+    assert_eq!(s.upstream.requests(), 5);
+    assert_eq!(s.envoy.tg("fallback.allowed"), 5);
+    assert_eq!(s.envoy.tg("fallback.limited"), 5);
+    assert_eq!(s.envoy.tg("lease.local"), 0);
+    assert_eq!(s.envoy.tg("lease.granted"), 0);
+}
