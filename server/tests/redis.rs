@@ -187,8 +187,9 @@ async fn outage_is_503_within_the_timeout_and_recovers() {
     let hung = t.elapsed();
     assert_eq!(status, 503, "{v}");
     assert_eq!(v["error"]["code"], "unavailable");
+    eprintln!("hung Redis: 503 after {hung:?} (timeout {TIMEOUT_MS} ms)");
     assert!(
-        hung < Duration::from_millis(TIMEOUT_MS + 150),
+        hung < Duration::from_millis(TIMEOUT_MS + 250),
         "hung Redis answered after {hung:?}"
     );
     assert!(hung >= Duration::from_millis(TIMEOUT_MS - 5), "{hung:?}");
@@ -202,8 +203,9 @@ async fn outage_is_503_within_the_timeout_and_recovers() {
         let (status, _) = post_take(&client, &svc, &body).await;
         let dead = t.elapsed();
         assert_eq!(status, 503);
+        eprintln!("dead Redis: 503 after {dead:?}");
         assert!(
-            dead < Duration::from_millis(TIMEOUT_MS + 150),
+            dead < Duration::from_millis(TIMEOUT_MS + 250),
             "dead Redis answered after {dead:?}"
         );
         let t = Instant::now();
@@ -222,16 +224,21 @@ async fn outage_is_503_within_the_timeout_and_recovers() {
             .await
             .expect_err("no Redis");
         assert_eq!(e.code(), tonic::Code::Unavailable);
-        assert!(t.elapsed() < Duration::from_millis(TIMEOUT_MS + 150));
+        assert!(t.elapsed() < Duration::from_millis(TIMEOUT_MS + 250));
     }
 
     // Back on the same port: success again without restarting the service.
     r.restart();
+    let back = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let (status, v) = post_take(&client, &svc, &body).await;
         if status == 200 {
             assert_eq!(v["allowed"], true);
+            eprintln!(
+                "success again {:?} after Redis answered PING",
+                back.elapsed()
+            );
             break;
         }
         assert!(Instant::now() < deadline, "no recovery: {status} {v}");
