@@ -9,14 +9,15 @@
 //! * **Redis Cluster**: the buckets of one request may hash to different slots, and one script can
 //!   only touch one slot. Buckets are grouped by slot; each group is taken atomically by its own
 //!   `take.lua` call (the groups run concurrently). When any group denies or fails, every group
-//!   that was charged is given back with `refund.lua`. The limit is never exceeded. The price:
+//!   that was charged is given back with `refund.lua` (exactly what it granted, lease included). The limit is never exceeded. The price:
 //!   between a charge and its refund (one round trip), a concurrent request may find those tokens
 //!   spent and be denied (a rare false denial, never a false admission). If the refund itself fails
 //!   (Redis unreachable), those tokens stay spent until they refill: again a denial, never an
 //!   admission. A request whose buckets share a slot (one key, or keys of one `{hash tag}`) is as
 //!   atomic as on standalone Redis.
-//! * **Outages**: every round trip is bounded by the configured timeout (connect and response); a
-//!   take that cannot complete is a [`StoreError`], which the service answers with 503 /
+//! * **Outages**: every round trip is bounded by the configured timeout (connect and response; a
+//!   Cluster take that must refund makes two round trips); a take that cannot complete is a
+//!   [`StoreError`], which the service answers with 503 /
 //!   `UNAVAILABLE`, never "allowed". A script whose reply was lost to a timeout may still have
 //!   charged its buckets: again a possible false denial only. Connections are multiplexed
 //!   (a `ConnectionManager`, or the cluster client) and reconnect by themselves when Redis is back.
