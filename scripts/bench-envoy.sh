@@ -10,7 +10,7 @@
 #   nomatch   Tollgate loaded, its rule matches no request (no callout): the module's fixed cost
 #   lease     as http, with lease mode (lease size 100): most requests spend a local pool, no callout
 # The limit is high enough that every request is admitted, so what is measured is the per-request path.
-# CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (ms of CPU per 1k requests).
+# CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (µs of CPU per request).
 #
 #   scripts/bench-envoy.sh                    # DURATION=5 CONNECTIONS=16 ROUNDS=3
 #   ROUNDS=1 scripts/bench-envoy.sh           # a single round
@@ -215,26 +215,41 @@ measure() {
   say "round $round, $variant: $rps req/s, p99 $p99 ms, $non2xx non-2xx"
 }
 
-# ROUNDS > 1 repeats the whole sequence and reports, per variant, the round with the median req/s:
-# on a machine shared with other work this keeps one disturbed run from deciding a ratio.
+# ROUNDS > 1 repeats the whole sequence, interleaved: on a machine shared with other work this keeps
+# one disturbed run from deciding a ratio.
 for round in $(seq "$ROUNDS"); do
   for variant in $VARIANTS; do measure "$variant" "$round"; done
 done
-# One row per variant: the median round.
-sort -t$'\t' -k1,1 -k2,2g "$RESULTS" | awk -F'\t' -v r="$ROUNDS" '{ n[$1]++; if (n[$1] == int((r + 1) / 2)) print }' \
-  >"$OUT/median.tsv"
-ordered=$OUT/summary.tsv; : >"$ordered"
-for variant in $VARIANTS; do awk -F'\t' -v v="$variant" '$1 == v' "$OUT/median.tsv" >>"$ordered"; done
-
-base=$(awk -F'\t' '$1 == "none" {print $2}' "$ordered")
+# Each figure is the median over the rounds; the ratio is the median of per-round ratios (a variant's
+# req/s over the no-filter req/s of the same round), so a drift in machine load between rounds cancels.
 size=$(stat -c %s "$WASM")
 {
   echo "wrk -t1 -c$CONNECTIONS -d${DURATION}s, Envoy --concurrency 2, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), median of $ROUNDS round(s)"
   echo "module: $size bytes"
   echo
-  echo "| path | req/s | ratio vs no filter | p99 ms | non-2xx | CPU ms per 1k req: Envoy | service | Redis | upstream |"
-  echo "|---|---|---|---|---|---|---|---|---|"
-  awk -F'\t' -v base="${base:-0}" '{
-    ratio = (base > 0) ? sprintf("%.2f", $2 / base) : "-";
-    printf "| %s | %.0f | %s | %s | %s | %s | %s | %s | %s |\n", $1, $2, ratio, $3, $5, $6, $7, $8, $9 }' "$ordered"
+  python3 - "$RESULTS" $VARIANTS <<'PY'
+import statistics, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+variants = sys.argv[2:]
+by = {}
+for r in rows:
+    by.setdefault(r[0], {})[int(r[9])] = r
+def med(v, col):
+    return statistics.median(float(r[col]) for r in by[v].values())
+print("| path | req/s | ratio vs no filter | ratio per round | p99 ms | non-2xx | CPU µs per request: Envoy | service | Redis | upstream |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for v in variants:
+    if v not in by:
+        continue
+    per = []
+    for rnd, r in sorted(by[v].items()):
+        base = by.get("none", {}).get(rnd)
+        if base and float(base[1]) > 0:
+            per.append(float(r[1]) / float(base[1]))
+    ratio = f"{statistics.median(per):.2f}" if per else "-"
+    rounds = " / ".join(f"{x:.2f}" for x in per) if per else "-"
+    non2xx = sum(int(r[4]) for r in by[v].values())
+    print(f"| {v} | {med(v, 1):.0f} | {ratio} | {rounds} | {med(v, 2):.2f} | {non2xx} | "
+          f"{med(v, 5):.0f} | {med(v, 6):.0f} | {med(v, 7):.0f} | {med(v, 8):.0f} |")
+PY
 } | tee "$OUT/summary.md"
