@@ -4,7 +4,7 @@
 # (redis-server, wrk) go through apt-get because Debian ships them with their libraries.
 #
 #   scripts/tools.sh            # wasm target, Envoy, Redis
-#   scripts/tools.sh bench      # ... plus wrk and redis-benchmark
+#   scripts/tools.sh bench      # ... plus wrk and h2load (nghttp2-client); redis-benchmark comes with Redis
 #   scripts/tools.sh demo       # ... plus matplotlib (pinned, in .tools/py-demo) for the demo's chart
 #   scripts/tools.sh image      # ... plus the musl target, skopeo, umoci, docker-registry (an OCI
 #                               #     registry) and the pinned schema validators for deploy/
@@ -47,6 +47,7 @@ command -v redis-cli >/dev/null 2>&1 || apt_pkgs+=(redis-tools)
 command -v faketime >/dev/null 2>&1 || apt_pkgs+=(faketime)
 if [ "${1:-}" = bench ]; then
   command -v wrk >/dev/null 2>&1 || apt_pkgs+=(wrk)
+  command -v h2load >/dev/null 2>&1 || apt_pkgs+=(nghttp2-client)
 fi
 if [ "${1:-}" = image ]; then
   command -v skopeo >/dev/null 2>&1 || apt_pkgs+=(skopeo)
