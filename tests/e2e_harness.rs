@@ -51,3 +51,25 @@ fn redis_and_gate_modes() {
     redis.stop();
     assert!(!redis_ping(redis.port));
 }
+
+/// A module panic or trap in Envoy's log fails the test that ran that Envoy.
+#[test]
+#[should_panic(expected = "the module failed in Envoy")]
+fn a_module_failure_in_envoys_log_fails_the_test() {
+    use std::io::Write;
+    let c = Components::get();
+    let dir = TempDir::new("harness-panic");
+    let spec = EnvoySpec::new(None, closed_port(), closed_port());
+    let mut envoy = Envoy::start(&c, &dir, &spec);
+    envoy.proc.kill();
+    let mut log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&envoy.proc.log)
+        .expect("open envoy log");
+    writeln!(
+        log,
+        "[critical][wasm] wasm log tollgate: panic: injected by the test"
+    )
+    .expect("write");
+    drop(envoy);
+}

@@ -4,7 +4,8 @@
 //! Layout:
 //! - [`Components`]: where the binaries are (env vars with workspace defaults; missing = test failure).
 //! - [`Redis`], [`Service`], [`Envoy`]: started and waited for (PING, `/healthz`, admin `/ready`), killed
-//!   by PID on drop. Their logs go to files; when a test panics the logs are printed.
+//!   by PID on drop. Their logs go to files; when a test panics the logs are printed. Dropping an
+//!   [`Envoy`] fails the test if the module panicked or trapped in it.
 //! - [`EnvoySpec`]: the generated Envoy configuration (edge listener with Tollgate, the service
 //!   cluster over HTTP/2, an `upstream` cluster to a test-side server).
 //! - [`Upstream`]: a small HTTP/1.1 server in the test process that counts what reached it.
@@ -490,6 +491,19 @@ pub struct Envoy {
     pub proc: Proc,
 }
 
+/// Every test that ran Envoy also checks that the module never panicked or trapped.
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            return;
+        }
+        let failures = self.module_failures();
+        if !failures.is_empty() {
+            panic!("the module failed in Envoy:\n{}", failures.join("\n"));
+        }
+    }
+}
+
 /// Envoy refused to start or exited: its exit status (None = still running) and its log.
 #[derive(Debug)]
 pub struct EnvoyFailure {
@@ -572,6 +586,20 @@ impl Envoy {
             }
             thread::sleep(Duration::from_millis(25));
         }
+    }
+
+    /// Lines of Envoy's log that show the module failing: its panic hook's `panic:` line, or a V8
+    /// trap (`Uncaught RuntimeError`, e.g. `unreachable` after a panic with `panic = "abort"`).
+    pub fn module_failures(&self) -> Vec<String> {
+        self.proc
+            .log_text()
+            .lines()
+            .filter(|l| {
+                (l.contains("wasm log") && l.contains("panic: "))
+                    || l.contains("Uncaught RuntimeError")
+            })
+            .map(str::to_string)
+            .collect()
     }
 
     /// The base URL of the edge listener.
