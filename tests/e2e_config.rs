@@ -141,3 +141,34 @@ fn duplicate_rule_names() {
 fn not_json() {
     refused("not-json", "service: tollgate", "not valid JSON");
 }
+
+/// The top-level envoy.yaml (what `make run` starts) passes Envoy's validation, which also loads the
+/// module and configures it with the demo rule.
+#[test]
+fn the_demo_envoy_yaml_validates() {
+    let c = Components::get();
+    let root = workspace_root();
+    let module = root.join("dist/tollgate.wasm");
+    assert!(
+        module.is_file(),
+        "envoy.yaml loads {}; run `make build`",
+        module.display()
+    );
+    let out = std::process::Command::new(&c.envoy)
+        .current_dir(&root)
+        .args([
+            "--mode",
+            "validate",
+            "-c",
+            "envoy.yaml",
+            "--disable-hot-restart",
+        ])
+        .output()
+        .expect("run envoy --mode validate");
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "envoy.yaml does not validate:\n{log}");
+}
