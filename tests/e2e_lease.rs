@@ -276,7 +276,7 @@ fn denials_are_cached_and_pools_spent() {
 fn an_expired_pool_asks_again() {
     let cfg = plugin(
         Transport::Http,
-        vec![lease_rule(1000, 1000, SLOW_PERIOD_MS, 10, 300)],
+        vec![lease_rule(1000, 1000, SLOW_PERIOD_MS, 10, 1000)],
         json!({}),
     );
     let s = Stack::start("lease-expiry", &cfg);
@@ -289,7 +289,7 @@ fn an_expired_pool_asks_again() {
     }
     assert_eq!(decisions(service), 1, "spent from the pool");
     assert_eq!(s.envoy.tg("lease.local"), 4);
-    thread::sleep(Duration::from_millis(450));
+    thread::sleep(Duration::from_millis(1100));
     assert_eq!(s.get("/", &[]).status, 200);
     assert_eq!(decisions(service), 2, "the expired pool asked again");
     assert_eq!(s.envoy.tg("lease.expired"), 5, "the 5 left were dropped");
