@@ -2,7 +2,8 @@
 //!
 //! The filter asks the Tollgate decision service, once per request, to take tokens from every bucket
 //! the request's matching rules name (all or none), and denies the request locally when the service
-//! says so. When the service cannot answer, one configurable failure mode decides (a local fallback
+//! says so. Rules in lease mode ask for tokens in batches instead and admit most requests from a
+//! pool shared by the proxy's worker threads, without a callout. When the service cannot answer, one configurable failure mode decides (a local fallback
 //! bucket shared by the worker threads, allow, or deny), and a circuit breaker keeps a dead service
 //! from costing a timeout per request.
 //!

@@ -2,7 +2,9 @@
 //! service and real Redis. What is checked is what clients see, what reaches the upstream, and how
 //! many decisions the service made (its `tollgate_decisions_total`).
 //!
-//! - `fleet_never_exceeds_the_limit` (both transports): three Envoys hit round-robin by concurrent
+//! Each test but the last runs over both transports.
+//!
+//! - `fleet_never_exceeds_the_limit`: three Envoys hit round-robin by concurrent
 //!   clients admit at most capacity + refill, at least that minus the tokens the pools can strand,
 //!   with a small fraction of the service decisions one callout per request would take.
 //! - `denials_are_cached_and_pools_spent`: after the service denies, further requests are denied
@@ -30,7 +32,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-both_transports!(fleet_never_exceeds_the_limit);
+both_transports!(
+    fleet_never_exceeds_the_limit,
+    denials_are_cached_and_pools_spent,
+    an_expired_pool_asks_again,
+);
 
 /// The fleet test starts several Envoys and loads them; it runs alone so the timings hold.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -244,10 +250,9 @@ fn fleet_never_exceeds_the_limit(transport: Transport) {
 /// One Envoy, capacity 5 that never refills within the test, lease size 5: exactly 5 requests pass,
 /// the tokens granted in a batch are all spent (none lost, none extra), and after the service's
 /// denial the others are denied locally, with the service's Retry-After.
-#[test]
-fn denials_are_cached_and_pools_spent() {
+fn denials_are_cached_and_pools_spent(transport: Transport) {
     let cfg = plugin(
-        Transport::Http,
+        transport,
         vec![lease_rule(5, 1, SLOW_PERIOD_MS, 5, 60_000)],
         json!({"failure_mode": "deny", "response": {"headers": ["x-ratelimit"]}}),
     );
@@ -272,10 +277,9 @@ fn denials_are_cached_and_pools_spent() {
 }
 
 /// A pool unused for max_age_ms is dropped (counted), and the next request asks the service.
-#[test]
-fn an_expired_pool_asks_again() {
+fn an_expired_pool_asks_again(transport: Transport) {
     let cfg = plugin(
-        Transport::Http,
+        transport,
         vec![lease_rule(1000, 1000, SLOW_PERIOD_MS, 10, 1000)],
         json!({}),
     );
