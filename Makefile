@@ -17,6 +17,10 @@ export TOLLGATE_WASM ?= $(CURDIR)/$(DIST)/tollgate.wasm
 export TOLLGATE_SERVER ?= $(CURDIR)/$(DIST)/tollgate-server
 export TOLLGATE_SERVER_STATIC ?= $(CURDIR)/$(DIST)/tollgate-server-static
 
+# $(call publish,SRC,NAME): copy SRC to dist/NAME through a temporary file and a rename, so a process
+# that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.
+publish = mkdir -p $(DIST) && cp $(1) $(DIST)/.$(2).tmp && mv -f $(DIST)/.$(2).tmp $(DIST)/$(2)
+
 .PHONY: help tools images build wasm server server-static run test unit e2e bench demo image lint fmt clean
 
 help: ## List the targets
@@ -32,13 +36,12 @@ build: tools wasm server ## Build dist/tollgate.wasm and dist/tollgate-server
 
 wasm:
 	$(CARGO) build --locked --profile wasm-release --target $(WASM_TARGET) -p tollgate
-	@mkdir -p $(DIST) && cp $(WASM_OUT) $(DIST)/tollgate.wasm
+	@$(call publish,$(WASM_OUT),tollgate.wasm)
 	@ls -l $(DIST)/tollgate.wasm | awk '{printf "dist/tollgate.wasm: %d bytes\n", $$5}'
 
 server:
 	$(CARGO) build --locked --release -p tollgate-server
-	@# Copy, then rename: a running dist/tollgate-server (another shell, a test) would make cp fail.
-	@mkdir -p $(DIST) && cp $(SERVER_OUT) $(DIST)/.tollgate-server.tmp && mv -f $(DIST)/.tollgate-server.tmp $(DIST)/tollgate-server
+	@$(call publish,$(SERVER_OUT),tollgate-server)
 
 server-static:
 	$(CARGO) build --locked --release --target $(MUSL_TARGET) -p tollgate-server
