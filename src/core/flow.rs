@@ -261,7 +261,8 @@ impl Flow {
 
 /// Settles a callout's outcome (or why none was made) into the lease pools, and counts it. A
 /// denial or failure that the pools can still pay (granted tokens stay good) becomes an admission
-/// from the pools; any other outcome is returned as is.
+/// from the pools (counted as allowed, not as `lease.local`: it did make a callout); any other
+/// outcome is returned as is.
 fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) -> Outcome {
     let now = host.now_ms();
     let (granted, dropped) = lease::settle(cfg, plan, &outcome, host.store(), now);
@@ -273,7 +274,6 @@ fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) ->
     }
     if !matches!(outcome, Outcome::Allowed(_)) {
         if let Some(paid) = lease::rescue(cfg, plan, host.store(), now) {
-            host.count_lease(Count::Local, 1);
             return paid;
         }
     }

@@ -309,6 +309,10 @@ pub fn deny<S: CasStore + ?Sized>(
     claimed: bool,
     now_ms: u64,
 ) {
+    if answer.allowed && !claimed {
+        // This bucket could pay and this request held no claim: nothing to remember.
+        return;
+    }
     update(store, &slot.name, |cur| {
         let mut p = Pool::decode(&slot.id, cur).unwrap_or_default();
         p.expire(now_ms);
