@@ -23,9 +23,13 @@
 //! to the others meanwhile). The batch arrives while the pool still holds a quarter, so under
 //! steady load the pool rarely runs dry, and each callout brings about `3/4 × size` tokens.
 //!
-//! Layout: [`Pool`] and its encoding; [`take`], [`refund`], [`release`], [`deposit`],
-//! [`deny`] on one pool; [`local`] (before the callout) and [`settle`] (after it) over a
-//! request's [`Plan`].
+//! When the service denies or cannot answer, the tokens already granted are still good: a request
+//! its pools can pay is admitted from them ([`rescue`]); otherwise the denial or the failure mode
+//! stands, as without lease.
+//!
+//! Layout: [`Pool`] and its encoding; [`take`], [`spend`], [`refund`], [`release`], [`deposit`],
+//! [`deny`] on one pool; [`local`] (before the callout), [`settle`] and [`rescue`] (after it)
+//! over a request's [`Plan`]; [`Count`], the lease metrics.
 
 use crate::core::bucket::Limits;
 use crate::core::config::{Algorithm, Config, Lease, Rule};
