@@ -127,16 +127,6 @@ fn load(urls: &[String], clients: usize, duration: Duration, max: u64) -> (Tally
     (all, start.elapsed())
 }
 
-fn sum_stats(envoys: &[Envoy]) -> BTreeMap<String, u64> {
-    let mut all = BTreeMap::new();
-    for e in envoys {
-        for (k, v) in e.tg_all() {
-            *all.entry(k).or_default() += v;
-        }
-    }
-    all
-}
-
 fn stat(stats: &BTreeMap<String, u64>, name: &str) -> u64 {
     stats.get(name).copied().unwrap_or(0)
 }
@@ -179,7 +169,7 @@ fn fleet_never_exceeds_the_limit(transport: Transport) {
     let limit = CAPACITY + refill;
     let asked = decisions(&service) - before;
     let granting = decisions_by(&service, "allowed") - allowed_before;
-    let stats = sum_stats(&envoys);
+    let stats = tg_total(&envoys);
     eprintln!(
         "lease fleet ({}): {} requests in {:.3} s, admitted {admitted} (limit {limit} = {CAPACITY} + {refill}), \
          service decisions {asked} ({granting} allowed), statuses {:?}, filter stats {stats:?}",

@@ -5,10 +5,13 @@
 //! - [`Components`]: where the binaries are (env vars with workspace defaults; missing = test failure).
 //! - [`Redis`], [`Service`], [`Envoy`]: started and waited for (PING, `/healthz`, admin `/ready`), killed
 //!   by PID on drop. Their logs go to files; when a test panics the logs are printed. Dropping an
-//!   [`Envoy`] fails the test if the module panicked or trapped in it.
+//!   [`Envoy`] fails the test if the module panicked or trapped in it. Redis and the service can be
+//!   started again on the port they had (`start_on`), the service under a shifted clock
+//!   (`start_skewed`, libfaketime), several Envoys at once (`Envoy::start_all`).
 //! - [`EnvoySpec`]: the generated Envoy configuration (edge listener with Tollgate, the service
-//!   cluster over HTTP/2, an `upstream` cluster to a test-side server).
-//! - [`Upstream`]: a small HTTP/1.1 server in the test process that counts what reached it.
+//!   cluster over HTTP/2 with one or more endpoints, an `upstream` cluster to a test-side server).
+//! - [`Upstream`]: a small HTTP/1.1 server in the test process that counts what reached it, also per
+//!   value of a request header (e.g. one an Envoy adds, to tell which Envoy admitted what).
 //! - [`Gate`]: a TCP listener in the test process in front of the service that forwards, refuses
 //!   (accept then close) or black-holes (accept, read, never answer), and counts connections.
 //! - [`Client`]: requests through Envoy (ureq) returning status, headers and body.
@@ -74,6 +77,30 @@ impl Components {
     }
 }
 
+/// libfaketime, for running a service under a shifted clock (Debian package `faketime`, installed by
+/// `scripts/tools.sh`; `TOLLGATE_LIBFAKETIME` overrides the path). Missing = test failure.
+pub fn libfaketime() -> PathBuf {
+    if let Some(p) = std::env::var_os("TOLLGATE_LIBFAKETIME") {
+        return PathBuf::from(p);
+    }
+    let candidates = [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/faketime/libfaketimeMT.so.1",
+    ];
+    candidates
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "libfaketime is missing (looked in {candidates:?}): run `bash scripts/tools.sh` \
+                 (Debian package faketime) or set TOLLGATE_LIBFAKETIME"
+            )
+        })
+}
+
 /// A scratch directory, removed on drop unless the test is failing (its logs are then kept).
 pub struct TempDir {
     path: PathBuf,
@@ -92,6 +119,14 @@ impl TempDir {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A new log file path `<stem>-<n>.log`: a component started again on the same port does not
+    /// overwrite the log of its predecessor.
+    pub fn log_file(&self, stem: &str) -> PathBuf {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        self.path.join(format!("{stem}-{n}.log"))
     }
 }
 
@@ -250,18 +285,29 @@ pub struct Redis {
 impl Redis {
     pub fn start(c: &Components, dir: &TempDir) -> Redis {
         for _ in 0..START_ATTEMPTS {
-            let port = free_port();
-            let mut cmd = Command::new(&c.redis_server);
-            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .arg("--dir")
-                .arg(dir.path());
-            let mut proc = Proc::spawn("redis", cmd, dir.path().join(format!("redis-{port}.log")));
-            if wait_until("redis-server", &mut proc, || redis_ping(port)).is_ok() {
-                return Redis { port, proc };
+            if let Some(redis) = Redis::launch(c, dir, free_port()) {
+                return redis;
             }
         }
         panic!("redis-server did not start in {START_ATTEMPTS} attempts");
+    }
+
+    /// Starts Redis on `port` (e.g. the port of one that was stopped: clients reconnect to it).
+    pub fn start_on(c: &Components, dir: &TempDir, port: u16) -> Redis {
+        Redis::launch(c, dir, port)
+            .unwrap_or_else(|| panic!("redis-server did not start on port {port}"))
+    }
+
+    /// One start on `port`; None when the process exited before it answered PING.
+    fn launch(c: &Components, dir: &TempDir, port: u16) -> Option<Redis> {
+        let mut cmd = Command::new(&c.redis_server);
+        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path());
+        let mut proc = Proc::spawn("redis", cmd, dir.log_file(&format!("redis-{port}")));
+        wait_until("redis-server", &mut proc, || redis_ping(port)).ok()?;
+        Some(Redis { port, proc })
     }
 
     pub fn url(&self) -> String {
@@ -302,6 +348,8 @@ impl Service {
         Service::start_with(c, dir, redis_url, &[])
     }
 
+    /// As [`Service::start`], with `extra` flags. A `--redis-timeout-ms` among them replaces the
+    /// harness's default.
     pub fn start_with(
         c: &Components,
         dir: &TempDir,
@@ -309,34 +357,89 @@ impl Service {
         extra: &[&str],
     ) -> Service {
         for _ in 0..START_ATTEMPTS {
-            let port = free_port();
-            let mut cmd = Command::new(&c.server);
-            // A store timeout a busy 2-core machine does not trip (the default, 50 ms, was seen to
-            // time out on the first burst of 32 concurrent takes); below the filter's 1 s callouts.
-            cmd.args(["--listen", &format!("127.0.0.1:{port}")])
-                .args(["--log-format", "text"])
-                .args(["--redis-timeout-ms", "500"])
-                .args(extra)
-                .env_remove("TOLLGATE_REDIS_URL")
-                .env_remove("TOLLGATE_REDIS_CLUSTER")
-                .env_remove("TOLLGATE_TOKEN")
-                .env_remove("TOLLGATE_LISTEN");
-            if let Some(url) = redis_url {
-                cmd.args(["--redis-url", url]);
-            }
-            let mut proc = Proc::spawn(
-                "tollgate-server",
-                cmd,
-                dir.path().join(format!("service-{port}.log")),
-            );
-            let up = wait_until("tollgate-server", &mut proc, || {
-                http_get_status(port, "/healthz") == Some(200)
-            });
-            if up.is_ok() {
-                return Service { port, proc };
+            if let Some(service) = Service::launch(c, dir, free_port(), redis_url, extra, &[]) {
+                return service;
             }
         }
         panic!("tollgate-server did not start in {START_ATTEMPTS} attempts");
+    }
+
+    /// As [`Service::start_with`], on `port` (e.g. the port of one that was stopped: Envoy's cluster
+    /// still points there).
+    pub fn start_on(
+        c: &Components,
+        dir: &TempDir,
+        port: u16,
+        redis_url: Option<&str>,
+        extra: &[&str],
+    ) -> Service {
+        Service::launch(c, dir, port, redis_url, extra, &[])
+            .unwrap_or_else(|| panic!("tollgate-server did not start on port {port}"))
+    }
+
+    /// As [`Service::start_with`], with the process's wall clock shifted by `offset` (libfaketime
+    /// syntax, e.g. `+3600s`); its monotonic clock is left alone.
+    pub fn start_skewed(
+        c: &Components,
+        dir: &TempDir,
+        redis_url: Option<&str>,
+        extra: &[&str],
+        offset: &str,
+    ) -> Service {
+        let faketime = libfaketime();
+        let env = [
+            (
+                "LD_PRELOAD",
+                faketime.to_str().expect("libfaketime path is UTF-8"),
+            ),
+            ("FAKETIME", offset),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+            ("DONT_FAKE_MONOTONIC", "1"),
+        ];
+        for _ in 0..START_ATTEMPTS {
+            if let Some(service) = Service::launch(c, dir, free_port(), redis_url, extra, &env) {
+                return service;
+            }
+        }
+        panic!("tollgate-server (clock {offset}) did not start in {START_ATTEMPTS} attempts");
+    }
+
+    /// One start on `port` with `env` added; None when the process exited before `/healthz` answered.
+    fn launch(
+        c: &Components,
+        dir: &TempDir,
+        port: u16,
+        redis_url: Option<&str>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Option<Service> {
+        let mut cmd = Command::new(&c.server);
+        cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--log-format", "text"]);
+        if !extra.contains(&"--redis-timeout-ms") {
+            // A store timeout a busy 2-core machine does not trip (the default, 50 ms, was seen to
+            // time out on the first burst of 32 concurrent takes); below the filter's 1 s callouts.
+            cmd.args(["--redis-timeout-ms", "500"]);
+        }
+        cmd.args(extra)
+            .envs(env.iter().copied())
+            .env_remove("TOLLGATE_REDIS_URL")
+            .env_remove("TOLLGATE_REDIS_CLUSTER")
+            .env_remove("TOLLGATE_TOKEN")
+            .env_remove("TOLLGATE_LISTEN");
+        if let Some(url) = redis_url {
+            cmd.args(["--redis-url", url]);
+        }
+        let mut proc = Proc::spawn(
+            "tollgate-server",
+            cmd,
+            dir.log_file(&format!("service-{port}")),
+        );
+        wait_until("tollgate-server", &mut proc, || {
+            http_get_status(port, "/healthz") == Some(200)
+        })
+        .ok()?;
+        Some(Service { port, proc })
     }
 
     /// The service's Prometheus text.
@@ -355,8 +458,9 @@ impl Service {
 pub struct EnvoySpec {
     /// The plugin configuration (JSON). `None`: no Tollgate filter on the edge listener.
     pub plugin_config: Option<String>,
-    /// Port of the `tollgate` cluster's single endpoint (the service, a gate, or a closed port).
-    pub service_port: u16,
+    /// Ports of the `tollgate` cluster's endpoints (the service, a gate, or a closed port; several
+    /// replicas are taken in turn, round-robin).
+    pub service_ports: Vec<u16>,
     /// Port of the `upstream` cluster's endpoint.
     pub upstream_port: u16,
     /// `--concurrency`.
@@ -365,6 +469,13 @@ pub struct EnvoySpec {
     pub direct_response: bool,
     /// `--component-log-level` (e.g. `wasm:debug`).
     pub log_level: String,
+    /// `--log-level`, for every component not named in `log_level`.
+    pub base_log_level: String,
+    /// `connect_timeout` of both clusters, in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Headers the edge route adds to every request it forwards upstream (e.g. one naming the Envoy,
+    /// for [`Upstream::start_counting_by`]).
+    pub request_headers: Vec<(String, String)>,
     /// The edge connection manager's `use_remote_address`. True (an edge proxy): Envoy appends the
     /// peer to x-forwarded-for and the `source.address` the filter reads is the real peer. False
     /// (Envoy's default): Envoy leaves x-forwarded-for alone and takes `source.address` from its
@@ -381,11 +492,14 @@ impl EnvoySpec {
     pub fn new(plugin_config: Option<String>, service_port: u16, upstream_port: u16) -> EnvoySpec {
         EnvoySpec {
             plugin_config,
-            service_port,
+            service_ports: vec![service_port],
             upstream_port,
             concurrency: 2,
             direct_response: false,
             log_level: "wasm:debug".to_string(),
+            base_log_level: "info".to_string(),
+            connect_timeout_ms: 1000,
+            request_headers: Vec::new(),
             use_remote_address: true,
             service_http2: true,
             xff_num_trusted_hops: 0,
@@ -399,6 +513,26 @@ impl EnvoySpec {
         } else {
             "route: {cluster: upstream, timeout: 5s}".to_string()
         };
+        let request_headers: String = self
+            .request_headers
+            .iter()
+            .map(|(k, v)| format!("\n                - header: {{key: \"{k}\", value: \"{v}\"}}"))
+            .collect();
+        let request_headers = if request_headers.is_empty() {
+            String::new()
+        } else {
+            format!("\n                request_headers_to_add:{request_headers}")
+        };
+        let service_endpoints: String = self
+            .service_ports
+            .iter()
+            .map(|p| {
+                format!(
+                    "        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
+                )
+            })
+            .collect();
+        let connect_timeout = format!("{}s", self.connect_timeout_ms as f64 / 1000.0);
         let wasm_filter = match &self.plugin_config {
             None => String::new(),
             Some(json) => {
@@ -445,29 +579,27 @@ static_resources:
               domains: ["*"]
               routes:
               - match: {{prefix: "/"}}
-                {route}
+                {route}{request_headers}
           http_filters:
 {wasm_filter}          - name: envoy.filters.http.router
             typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
   clusters:
   - name: tollgate
     type: STATIC
-    connect_timeout: 1s
+    connect_timeout: {connect_timeout}
     load_assignment:
       cluster_name: tollgate
       endpoints:
       - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {service_port}}}}}}}
-{service_protocol}  - name: upstream
+{service_endpoints}{service_protocol}  - name: upstream
     type: STATIC
-    connect_timeout: 1s
+    connect_timeout: {connect_timeout}
     load_assignment:
       cluster_name: upstream
       endpoints:
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream_port}}}}}}}
 "#,
-            service_port = self.service_port,
             upstream_port = self.upstream_port,
             use_remote_address = self.use_remote_address,
             xff_num_trusted_hops = self.xff_num_trusted_hops,
@@ -523,6 +655,23 @@ impl Envoy {
         }
     }
 
+    /// Starts one Envoy per spec, all at once, and waits until every one is ready.
+    pub fn start_all(c: &Components, dir: &TempDir, specs: &[EnvoySpec]) -> Vec<Envoy> {
+        thread::scope(|s| {
+            let starting: Vec<_> = specs
+                .iter()
+                .map(|spec| s.spawn(move || Envoy::start(c, dir, spec)))
+                .collect();
+            starting
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| panic!("an Envoy did not start"))
+                })
+                .collect()
+        })
+    }
+
     /// Starts Envoy; `Err` when it exits or is not ready within `limit` (the process is then killed).
     pub fn try_start(
         c: &Components,
@@ -556,7 +705,7 @@ impl Envoy {
             .arg(&cfg)
             .args(["--concurrency", &spec.concurrency.to_string()])
             .arg("--disable-hot-restart")
-            .args(["--log-level", "info"])
+            .args(["--log-level", &spec.base_log_level])
             .args(["--component-log-level", &spec.log_level]);
         let mut proc = Proc::spawn("envoy", cmd, dir.path().join(format!("envoy-{port}.log")));
         let deadline = Instant::now() + limit;
@@ -613,12 +762,7 @@ impl Envoy {
         let (status, body) = http_get(self.admin_port, &format!("/stats?filter={filter}"))
             .expect("envoy admin /stats");
         assert_eq!(status, 200, "admin /stats: {body}");
-        body.lines()
-            .filter_map(|l| {
-                let (k, v) = l.split_once(": ")?;
-                Some((k.trim().to_string(), v.trim().parse().ok()?))
-            })
-            .collect()
+        parse_stats(&body)
     }
 
     /// One Tollgate counter or gauge by its name without prefix (e.g. `fallback.limited`); 0 when
@@ -636,11 +780,40 @@ impl Envoy {
 
     /// All Tollgate stats (names without the `wasmcustom.tollgate.` prefix).
     pub fn tg_all(&self) -> BTreeMap<String, u64> {
-        self.stats("wasmcustom.tollgate.")
-            .into_iter()
-            .filter_map(|(k, v)| Some((k.strip_prefix("wasmcustom.tollgate.")?.to_string(), v)))
-            .collect()
+        tollgate_stats(self.stats(TOLLGATE_STATS))
     }
+}
+
+/// The prefix Envoy gives the module's stats.
+pub const TOLLGATE_STATS: &str = "wasmcustom.tollgate.";
+
+/// Admin `/stats` text as name -> value; lines that are not a plain number (histograms) are skipped.
+pub fn parse_stats(text: &str) -> BTreeMap<String, u64> {
+    text.lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(": ")?;
+            Some((k.trim().to_string(), v.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The Tollgate stats among `stats`, by their names without [`TOLLGATE_STATS`].
+pub fn tollgate_stats(stats: BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+    stats
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix(TOLLGATE_STATS)?.to_string(), v)))
+        .collect()
+}
+
+/// The Tollgate stats of several Envoys, summed name by name.
+pub fn tg_total(envoys: &[Envoy]) -> BTreeMap<String, u64> {
+    let mut sum: BTreeMap<String, u64> = BTreeMap::new();
+    for e in envoys {
+        for (k, v) in e.tg_all() {
+            *sum.entry(k).or_default() += v;
+        }
+    }
+    sum
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -648,6 +821,18 @@ impl Envoy {
 
 /// GET http://127.0.0.1:port/path with a short timeout: (status, body).
 pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let (head, body) = http_exchange(port, path)?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body))
+}
+
+/// The response head (status line and headers) of GET http://127.0.0.1:port/path.
+pub fn http_head(port: u16, path: &str) -> Option<String> {
+    http_exchange(port, path).map(|r| r.0)
+}
+
+/// One GET on a fresh connection: (head, body), a chunked body joined.
+fn http_exchange(port: u16, path: &str) -> Option<(String, String)> {
     let mut s = TcpStream::connect_timeout(
         &format!("127.0.0.1:{port}").parse().ok()?,
         Duration::from_millis(500),
@@ -663,7 +848,6 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     s.read_to_end(&mut raw).ok()?;
     let text = String::from_utf8_lossy(&raw).into_owned();
     let (head, body) = text.split_once("\r\n\r\n")?;
-    let status = head.split_whitespace().nth(1)?.parse().ok()?;
     let chunked = head
         .to_ascii_lowercase()
         .contains("transfer-encoding: chunked");
@@ -672,7 +856,7 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     } else {
         body.to_string()
     };
-    Some((status, body))
+    Some((head.to_string(), body))
 }
 
 fn dechunk(mut s: &str) -> String {
@@ -760,14 +944,17 @@ impl Client {
 
     /// GET `url` with `headers`.
     pub fn get(&self, url: &str, headers: &[(&str, &str)]) -> Reply {
+        self.try_get(url, headers)
+            .unwrap_or_else(|e| panic!("GET {url} failed: {e}"))
+    }
+
+    /// GET `url` with `headers`; `Err` when no HTTP response came (connection, timeout).
+    pub fn try_get(&self, url: &str, headers: &[(&str, &str)]) -> Result<Reply, ureq::Error> {
         let mut req = self.agent.get(url);
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let resp = req
-            .call()
-            .unwrap_or_else(|e| panic!("GET {url} failed: {e}"));
-        Reply::from(resp)
+        req.call().map(Reply::from)
     }
 
     /// POST `body` to `url` with `headers`.
@@ -797,7 +984,8 @@ pub fn count(statuses: &[u16], code: u16) -> usize {
 // The upstream: counts what reached it
 
 /// A minimal HTTP/1.1 server (keep-alive, a thread per connection) answering 200 "upstream\n" and
-/// recording the head of every request it received.
+/// recording the head of every request it received (the first 10,000), and optionally counting the
+/// requests per value of one header.
 pub struct Upstream {
     pub port: u16,
     state: Arc<UpstreamState>,
@@ -808,10 +996,23 @@ struct UpstreamState {
     requests: AtomicU64,
     heads: Mutex<Vec<String>>,
     bodies: Mutex<Vec<Vec<u8>>>,
+    /// The header (lower case) whose values are counted, and the counts.
+    count_by: Option<String>,
+    counts: Mutex<BTreeMap<String, u64>>,
 }
 
 impl Upstream {
     pub fn start() -> Upstream {
+        Upstream::launch(None)
+    }
+
+    /// As [`Upstream::start`], also counting requests per value of `header` ("?" when absent); see
+    /// [`Upstream::counts`].
+    pub fn start_counting_by(header: &str) -> Upstream {
+        Upstream::launch(Some(header.to_ascii_lowercase()))
+    }
+
+    fn launch(count_by: Option<String>) -> Upstream {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
         let port = listener.local_addr().expect("addr").port();
         let state = Arc::new(UpstreamState {
@@ -819,6 +1020,8 @@ impl Upstream {
             requests: AtomicU64::new(0),
             heads: Mutex::new(Vec::new()),
             bodies: Mutex::new(Vec::new()),
+            count_by,
+            counts: Mutex::new(BTreeMap::new()),
         });
         let st = state.clone();
         thread::spawn(move || {
@@ -845,6 +1048,15 @@ impl Upstream {
             .heads
             .lock()
             .map(|h| h.clone())
+            .unwrap_or_default()
+    }
+
+    /// Requests received so far per value of the header named in [`Upstream::start_counting_by`].
+    pub fn counts(&self) -> BTreeMap<String, u64> {
+        self.state
+            .counts
+            .lock()
+            .map(|m| m.clone())
             .unwrap_or_default()
     }
 
@@ -903,6 +1115,17 @@ fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
             }
         }
         st.requests.fetch_add(1, Ordering::SeqCst);
+        if let Some(name) = &st.count_by {
+            let value = head
+                .lines()
+                .filter_map(|l| l.split_once(':'))
+                .find(|(k, _)| k.trim().eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.trim().to_string())
+                .unwrap_or_else(|| "?".to_string());
+            if let Ok(mut m) = st.counts.lock() {
+                *m.entry(value).or_default() += 1;
+            }
+        }
         if let Ok(mut h) = st.heads.lock() {
             if h.len() < 10_000 {
                 h.push(head);
