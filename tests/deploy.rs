@@ -89,15 +89,11 @@ impl Validators {
 
 /// A real component (env var, else the workspace default); missing = test failure.
 fn required(var: &str, default_rel: &str) -> PathBuf {
-    let path = std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(default_rel));
-    assert!(
-        path.is_file(),
-        "{var}: {} is missing: run `make build`. Validation needs the real component and does not skip.",
-        path.display()
-    );
-    path
+    required_component(
+        var,
+        default_rel,
+        ": run `make build`. Validation needs the real component and does not skip.",
+    )
 }
 
 /// (Envoy, the module).
@@ -387,54 +383,8 @@ fn shipped_plugin_configs_load_in_the_module() {
 /// A minimal Envoy configuration running the module with `plugin_json`, calling a cluster of the
 /// name the deployment generates (Istio's `outbound|...`, Envoy Gateway's `httproute/...`).
 fn module_config(wasm: &Path, plugin_json: &str, cluster: &str) -> String {
-    let escaped = serde_json::to_string(plugin_json).expect("escape");
-    format!(
-        r#"static_resources:
-  listeners:
-  - name: l
-    address: {{socket_address: {{address: 127.0.0.1, port_value: 1}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: l
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                direct_response: {{status: 200}}
-          http_filters:
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: tollgate
-                vm_config:
-                  vm_id: tollgate
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{local: {{filename: "{wasm}"}}}}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: {escaped}
-          - name: envoy.filters.http.router
-            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
-  clusters:
-  - name: "{cluster}"
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment:
-      cluster_name: "{cluster}"
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: 1}}}}}}
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-"#,
-        wasm = wasm.display()
-    )
+    let mut spec = EnvoySpec::new(Some(plugin_json.to_string()), closed_port(), closed_port());
+    spec.service_cluster = cluster.to_string();
+    spec.direct_response = true;
+    spec.yaml(wasm, closed_port(), closed_port())
 }

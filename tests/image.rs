@@ -74,16 +74,12 @@ fn run(mut cmd: Command) -> String {
 
 /// A real component (env var, else the workspace default); missing = test failure.
 fn required(var: &str, default_rel: &str) -> PathBuf {
-    let path = std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(default_rel));
-    assert!(
-        path.is_file(),
-        "{var}: {} is missing: run `make image` (it builds the module and the static binary). \
+    required_component(
+        var,
+        default_rel,
+        ": run `make image` (it builds the module and the static binary). \
          Image tests need the real component and do not skip.",
-        path.display()
-    );
-    path
+    )
 }
 
 /// The static (musl) service binary the server image is built from.
@@ -178,31 +174,8 @@ fn tree(dir: &Path) -> Vec<(String, String)> {
 /// test's directory. Killed on drop.
 struct Registry {
     port: u16,
-    _proc: Child,
+    _proc: Proc,
     agent: ureq::Agent,
-}
-
-/// A child process killed by PID and reaped on drop.
-struct Child {
-    child: std::process::Child,
-    log: PathBuf,
-}
-
-impl Child {
-    fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.try_wait().ok().flatten()
-    }
-
-    fn log_text(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Registry {
@@ -222,19 +195,13 @@ impl Registry {
         .expect("registry config");
         let mut cmd = tool("docker-registry");
         cmd.arg("serve").arg(&config);
-        let log = dir.path().join("registry.log");
-        let out = fs::File::create(&log).expect("log");
-        cmd.stdout(Stdio::from(out.try_clone().expect("clone")))
-            .stderr(Stdio::from(out));
-        let child = cmd.spawn().expect("start docker-registry");
-        let mut proc = Child { child, log };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while http_get_status(port, "/v2/") != Some(200) {
-            if let Some(st) = proc.exited() {
-                panic!("docker-registry exited: {st}\n{}", proc.log_text());
-            }
-            assert!(Instant::now() < deadline, "registry not ready");
-            std::thread::sleep(Duration::from_millis(50));
+        let mut proc = Proc::spawn("docker-registry", cmd, dir.path().join("registry.log"));
+        if wait_until("docker-registry", &mut proc, || {
+            http_get_status(port, "/v2/") == Some(200)
+        })
+        .is_err()
+        {
+            panic!("docker-registry exited before it was ready (log above)");
         }
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
@@ -652,14 +619,12 @@ fn server_image_is_static_nonroot_and_runs() {
     let port = free_port();
     let mut cmd = Command::new(&bin);
     cmd.env_clear()
-        .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    let child = cmd.spawn().expect("start the binary from the image");
-    let mut proc = Child {
-        child,
-        log: PathBuf::new(),
-    };
+        .env("TOLLGATE_LISTEN", format!("127.0.0.1:{port}"));
+    let mut proc = Proc::spawn(
+        "the binary from the image",
+        cmd,
+        dir.log_file("image-server"),
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     while http_get_status(port, "/healthz") != Some(200) {
         assert!(proc.exited().is_none(), "the binary from the image exited");

@@ -53,13 +53,25 @@ pub fn workspace_root() -> PathBuf {
 }
 
 fn component(var: &str, default_rel: &str) -> PathBuf {
+    required_component(
+        var,
+        default_rel,
+        &format!(
+            ". Run `make build` (and `make tools`), or set {var}. \
+             End-to-end tests need the real component and do not skip."
+        ),
+    )
+}
+
+/// The file named by env var `var`, else `default_rel` under the workspace root. A missing file
+/// fails the test with "`var`: `path` is missing`remedy`".
+pub fn required_component(var: &str, default_rel: &str, remedy: &str) -> PathBuf {
     let path = std::env::var_os(var)
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join(default_rel));
     assert!(
         path.is_file(),
-        "{var}: {} is missing. Run `make build` (and `make tools`), or set {var}. \
-         End-to-end tests need the real component and do not skip.",
+        "{var}: {} is missing{remedy}",
         path.display()
     );
     path
@@ -177,7 +189,8 @@ pub struct Proc {
 }
 
 impl Proc {
-    fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> Proc {
+    /// Starts `cmd` with stdin closed and stdout and stderr into `log`.
+    pub fn spawn(name: &str, mut cmd: Command, log: PathBuf) -> Proc {
         let out = File::create(&log).expect("create log file");
         let err = out.try_clone().expect("clone log file");
         cmd.stdin(Stdio::null())
@@ -254,7 +267,11 @@ impl Drop for Proc {
 
 /// Waits for `ready`. `Err(true)` when the process exited first (e.g. its port was taken: worth a
 /// retry on another port), panics with the log when it is not ready in time.
-fn wait_until(what: &str, proc: &mut Proc, mut ready: impl FnMut() -> bool) -> Result<(), bool> {
+pub fn wait_until(
+    what: &str,
+    proc: &mut Proc,
+    mut ready: impl FnMut() -> bool,
+) -> Result<(), bool> {
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         if let Some(st) = proc.exited() {
@@ -458,6 +475,9 @@ impl Service {
 pub struct EnvoySpec {
     /// The plugin configuration (JSON). `None`: no Tollgate filter on the edge listener.
     pub plugin_config: Option<String>,
+    /// The name of the cluster the plugin calls (`service.cluster`): `tollgate` unless a test copies
+    /// the name a deployment generates.
+    pub service_cluster: String,
     /// Ports of the `tollgate` cluster's endpoints (the service, a gate, or a closed port; several
     /// replicas are taken in turn, round-robin).
     pub service_ports: Vec<u16>,
@@ -492,6 +512,7 @@ impl EnvoySpec {
     pub fn new(plugin_config: Option<String>, service_port: u16, upstream_port: u16) -> EnvoySpec {
         EnvoySpec {
             plugin_config,
+            service_cluster: "tollgate".to_string(),
             service_ports: vec![service_port],
             upstream_port,
             concurrency: 2,
@@ -584,11 +605,11 @@ static_resources:
 {wasm_filter}          - name: envoy.filters.http.router
             typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
   clusters:
-  - name: tollgate
+  - name: "{service_cluster}"
     type: STATIC
     connect_timeout: {connect_timeout}
     load_assignment:
-      cluster_name: tollgate
+      cluster_name: "{service_cluster}"
       endpoints:
       - lb_endpoints:
 {service_endpoints}{service_protocol}  - name: upstream
@@ -601,6 +622,7 @@ static_resources:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream_port}}}}}}}
 "#,
             upstream_port = self.upstream_port,
+            service_cluster = self.service_cluster,
             use_remote_address = self.use_remote_address,
             xff_num_trusted_hops = self.xff_num_trusted_hops,
             service_protocol = if self.service_http2 {
