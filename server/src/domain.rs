@@ -6,6 +6,8 @@
 
 use std::fmt;
 
+use serde::{Deserialize, Serialize};
+
 /// Most buckets one request may name (contract/README.md).
 pub const MAX_BUCKETS: usize = 16;
 /// Longest bucket key, in bytes.
@@ -54,8 +56,10 @@ pub struct BucketSpec {
     pub lease: u64,
 }
 
-/// The answer for one bucket, in the contract's units.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The answer for one bucket, in the contract's units. Its serde form is the JSON wire form of a
+/// bucket result (contract/README.md); the protobuf one is mapped in `api::grpc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct BucketDecision {
     /// This bucket alone could pay its cost.
     pub allowed: bool,
@@ -75,8 +79,9 @@ pub struct BucketDecision {
     pub granted: u64,
 }
 
-/// The answer to a take.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The answer to a take. Its serde form is the JSON response body of `POST /v1/take`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TakeDecision {
     /// Every bucket could pay and all were charged; `false`: none was charged.
     pub allowed: bool,

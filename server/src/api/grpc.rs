@@ -175,9 +175,9 @@ impl RateLimiterService {
 /// A gRPC status for an API error.
 pub fn status_of(e: &ApiError) -> Status {
     match e {
-        ApiError::Invalid(inv) => Status::invalid_argument(inv.to_string()),
-        ApiError::Unauthenticated => Status::unauthenticated("missing or wrong bearer token"),
-        ApiError::Unavailable(m) => Status::unavailable(m.clone()),
+        ApiError::Invalid(_) => Status::invalid_argument(e.message()),
+        ApiError::Unauthenticated => Status::unauthenticated(e.message()),
+        ApiError::Unavailable(_) => Status::unavailable(e.message()),
     }
 }
 

@@ -17,28 +17,20 @@ use axum::{Json, Router};
 use tower::ServiceExt;
 
 use super::grpc::{pb::rate_limiter_server::RateLimiterServer, RateLimiterService};
-use super::json::{decode_request, error_body, JsonTakeResponse};
+use super::json::{decode_request, error_body};
 use super::{Api, ApiError};
 
 /// Largest accepted `POST /v1/take` body: 16 buckets of 4 KiB keys fit with room to spare.
 pub const MAX_BODY_BYTES: usize = 256 * 1024;
 
 fn error_response(e: &ApiError) -> Response {
-    let (status, field, message) = match e {
-        ApiError::Invalid(inv) => (
-            StatusCode::BAD_REQUEST,
-            Some(inv.field.as_str()),
-            inv.to_string(),
-        ),
-        ApiError::Unauthenticated => (
-            StatusCode::UNAUTHORIZED,
-            None,
-            "missing or wrong bearer token".to_string(),
-        ),
-        ApiError::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, None, m.clone()),
+    let (status, field) = match e {
+        ApiError::Invalid(inv) => (StatusCode::BAD_REQUEST, Some(inv.field.as_str())),
+        ApiError::Unauthenticated => (StatusCode::UNAUTHORIZED, None),
+        ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
     };
     let field = field.filter(|f| !f.is_empty());
-    let mut resp = (status, Json(error_body(e.code(), field, &message))).into_response();
+    let mut resp = (status, Json(error_body(e.code(), field, &e.message()))).into_response();
     if matches!(e, ApiError::Unauthenticated) {
         resp.headers_mut().insert(
             header::WWW_AUTHENTICATE,
@@ -53,7 +45,7 @@ async fn take(State(api): State<Arc<Api>>, headers: HeaderMap, body: Bytes) -> R
     match api.take(auth, decode_request(&body)).await {
         Ok(d) => {
             api.metrics.request("http", "ok");
-            Json(JsonTakeResponse::from(&d)).into_response()
+            Json(d).into_response()
         }
         Err(e) => {
             api.metrics.request("http", e.code());

@@ -1,10 +1,11 @@
 //! The JSON form of the contract. Decoding walks a `serde_json::Value` by hand so every error
-//! names its field (`buckets[0].capacity`) and unknown fields are refused; encoding uses serde.
+//! names its field (`buckets[0].capacity`) and unknown fields are refused; encoding uses serde. A
+//! response body is the serde form of [`crate::domain::TakeDecision`].
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::domain::{Algorithm, BucketDecision, InvalidArgument, RawBucket, RawTake, TakeDecision};
+use crate::domain::{Algorithm, InvalidArgument, RawBucket, RawTake};
 
 /// The JSON spelling of an algorithm.
 pub fn algorithm_name(a: Algorithm) -> &'static str {
@@ -134,74 +135,6 @@ pub fn encode_request(raw: &RawTake) -> Value {
         })
         .collect();
     serde_json::json!({ "buckets": buckets })
-}
-
-/// A bucket result as JSON.
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct JsonBucketResult {
-    /// This bucket alone could pay.
-    pub allowed: bool,
-    /// Capacity.
-    pub limit: u64,
-    /// Whole tokens left.
-    pub remaining: u64,
-    /// Ms until full / window end.
-    pub reset_ms: u64,
-    /// Ms until it could pay (0 when allowed).
-    pub retry_after_ms: u64,
-    /// Tokens charged by this decision (0 when the request was denied).
-    pub granted: u64,
-}
-
-/// The response body of `POST /v1/take`.
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct JsonTakeResponse {
-    /// All buckets were charged.
-    pub allowed: bool,
-    /// Per bucket, in request order.
-    pub buckets: Vec<JsonBucketResult>,
-}
-
-impl From<&TakeDecision> for JsonTakeResponse {
-    fn from(d: &TakeDecision) -> Self {
-        JsonTakeResponse {
-            allowed: d.allowed,
-            buckets: d
-                .buckets
-                .iter()
-                .map(|b| JsonBucketResult {
-                    allowed: b.allowed,
-                    limit: b.limit,
-                    remaining: b.remaining,
-                    reset_ms: b.reset_ms,
-                    retry_after_ms: b.retry_after_ms,
-                    granted: b.granted,
-                })
-                .collect(),
-        }
-    }
-}
-
-impl From<JsonTakeResponse> for TakeDecision {
-    fn from(r: JsonTakeResponse) -> Self {
-        TakeDecision {
-            allowed: r.allowed,
-            buckets: r
-                .buckets
-                .into_iter()
-                .map(|b| BucketDecision {
-                    allowed: b.allowed,
-                    limit: b.limit,
-                    remaining: b.remaining,
-                    reset_ms: b.reset_ms,
-                    retry_after_ms: b.retry_after_ms,
-                    granted: b.granted,
-                })
-                .collect(),
-        }
-    }
 }
 
 /// The error body: `{"error": {"code", "field", "message"}}`.

@@ -43,6 +43,15 @@ impl ApiError {
             ApiError::Unavailable(_) => "unavailable",
         }
     }
+
+    /// The message both transports send with the error.
+    pub fn message(&self) -> String {
+        match self {
+            ApiError::Invalid(inv) => inv.to_string(),
+            ApiError::Unauthenticated => "missing or wrong bearer token".to_string(),
+            ApiError::Unavailable(m) => m.clone(),
+        }
+    }
 }
 
 /// The bearer token check. Compares SHA-256 digests in constant time, so neither the content nor
