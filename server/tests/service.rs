@@ -194,9 +194,45 @@ async fn http1_h2_prior_knowledge_and_grpc_share_one_port() {
     svc.stop().await;
 }
 
+/// A valid protobuf bucket: capacity 5 per second, the other fields left to their defaults.
+fn pb_bucket(key: &str) -> pb::Bucket {
+    pb::Bucket {
+        key: key.into(),
+        capacity: 5,
+        rate: None,
+        period_ms: 1000,
+        cost: None,
+        algorithm: 0,
+        lease: None,
+    }
+}
+
+/// The status of GET `path`.
+async fn get_status(client: &reqwest::Client, svc: &Service, path: &str) -> u16 {
+    client
+        .get(svc.url(path))
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
 fn bad_http_bodies() -> Vec<(&'static str, String, &'static str)> {
     let ok = |extra: &str| {
         format!(r#"{{"buckets": [{{"key": "k", "capacity": 5, "period_ms": 1000{extra}}}]}}"#)
+    };
+    // The good body with the JSON text of one of its fields' values replaced.
+    let with = |field: &str, value: &str| {
+        let good = [("key", "\"k\""), ("capacity", "5"), ("period_ms", "1000")];
+        let (_, old) = good
+            .iter()
+            .find(|(f, _)| *f == field)
+            .expect("a field of the good body");
+        ok("").replace(
+            &format!("\"{field}\": {old}"),
+            &format!("\"{field}\": {value}"),
+        )
     };
     let many: Vec<Value> = (0..17)
         .map(|i| bucket(&format!("k{i}"), 1, 1, 1, 1))
@@ -224,27 +260,27 @@ fn bad_http_bodies() -> Vec<(&'static str, String, &'static str)> {
         ),
         (
             "zero capacity",
-            ok("").replace("\"capacity\": 5", "\"capacity\": 0"),
+            with("capacity", "0"),
             "buckets[0].capacity",
         ),
         (
             "huge capacity",
-            ok("").replace("\"capacity\": 5", "\"capacity\": 1000000001"),
+            with("capacity", "1000000001"),
             "buckets[0].capacity",
         ),
         (
             "negative capacity",
-            ok("").replace("\"capacity\": 5", "\"capacity\": -5"),
+            with("capacity", "-5"),
             "buckets[0].capacity",
         ),
         (
             "string capacity",
-            ok("").replace("\"capacity\": 5", "\"capacity\": \"5\""),
+            with("capacity", "\"5\""),
             "buckets[0].capacity",
         ),
         (
             "huge u64",
-            ok("").replace("\"capacity\": 5", "\"capacity\": 18446744073709551616"),
+            with("capacity", "18446744073709551616"),
             "buckets[0].capacity",
         ),
         (
@@ -255,12 +291,12 @@ fn bad_http_bodies() -> Vec<(&'static str, String, &'static str)> {
         ("zero rate", ok(r#", "rate": 0"#), "buckets[0].rate"),
         (
             "zero period",
-            ok("").replace("\"period_ms\": 1000", "\"period_ms\": 0"),
+            with("period_ms", "0"),
             "buckets[0].period_ms",
         ),
         (
             "huge period",
-            ok("").replace("\"period_ms\": 1000", "\"period_ms\": 31536000001"),
+            with("period_ms", "31536000001"),
             "buckets[0].period_ms",
         ),
         ("zero cost", ok(r#", "cost": 0"#), "buckets[0].cost"),
@@ -274,17 +310,10 @@ fn bad_http_bodies() -> Vec<(&'static str, String, &'static str)> {
             ok(r#", "algorithm": "leaky""#),
             "buckets[0].algorithm",
         ),
-        (
-            "empty key",
-            ok("").replace("\"key\": \"k\"", "\"key\": \"\""),
-            "buckets[0].key",
-        ),
+        ("empty key", with("key", "\"\""), "buckets[0].key"),
         (
             "long key",
-            ok("").replace(
-                "\"key\": \"k\"",
-                &format!("\"key\": \"{}\"", "k".repeat(4097)),
-            ),
+            with("key", &format!("\"{}\"", "k".repeat(4097))),
             "buckets[0].key",
         ),
         (
@@ -319,15 +348,7 @@ async fn bad_input_is_rejected(store: Arc<dyn Store>, redis: Option<&RedisProc>)
     }
     // gRPC: the same validation.
     let mut g = svc.grpc().await;
-    let good = pb::Bucket {
-        key: "k".into(),
-        capacity: 5,
-        rate: None,
-        period_ms: 1000,
-        cost: None,
-        algorithm: 0,
-        lease: None,
-    };
+    let good = pb_bucket("k");
     let grpc_cases: Vec<(&str, Vec<pb::Bucket>, &str)> = vec![
         ("empty buckets", vec![], "buckets"),
         ("too many", vec![good.clone(); 17], "buckets"),
@@ -479,15 +500,7 @@ async fn token_is_required_when_configured() {
     assert_eq!(r.status(), 200);
     let mut g = svc.grpc().await;
     let req = || pb::TakeRequest {
-        buckets: vec![pb::Bucket {
-            key: "auth".into(),
-            capacity: 5,
-            rate: None,
-            period_ms: 1000,
-            cost: None,
-            algorithm: 0,
-            lease: None,
-        }],
+        buckets: vec![pb_bucket("auth")],
     };
     let e = g.take(req()).await.expect_err("no token");
     assert_eq!(e.code(), tonic::Code::Unauthenticated);
@@ -496,15 +509,7 @@ async fn token_is_required_when_configured() {
         .insert("authorization", "Bearer s3cret".parse().unwrap());
     assert!(g.take(with).await.is_ok());
     // Probes need no token.
-    assert_eq!(
-        client
-            .get(svc.url("/healthz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(get_status(&client, &svc, "/healthz").await, 200);
     svc.stop().await;
 }
 
@@ -513,47 +518,15 @@ async fn health_readiness_and_metrics() {
     let mut r = RedisProc::start();
     let svc = Service::start(Arc::new(common::redis_store(&r.url(), 100)), None).await;
     let client = reqwest::Client::new();
-    assert_eq!(
-        client
-            .get(svc.url("/healthz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
-    assert_eq!(
-        client
-            .get(svc.url("/readyz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(get_status(&client, &svc, "/healthz").await, 200);
+    assert_eq!(get_status(&client, &svc, "/readyz").await, 200);
     let body = json!({"buckets": [bucket("m", 1, 1, 3_600_000, 1)]});
     assert_eq!(post_take(&client, &svc, &body).await.0, 200);
     assert_eq!(post_take(&client, &svc, &body).await.0, 200);
     assert_eq!(post_take(&client, &svc, &json!({})).await.0, 400);
     r.kill();
-    assert_eq!(
-        client
-            .get(svc.url("/readyz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        503
-    );
-    assert_eq!(
-        client
-            .get(svc.url("/healthz"))
-            .send()
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(get_status(&client, &svc, "/readyz").await, 503);
+    assert_eq!(get_status(&client, &svc, "/healthz").await, 200);
     assert_eq!(post_take(&client, &svc, &body).await.0, 503);
     let text = client
         .get(svc.url("/metrics"))
