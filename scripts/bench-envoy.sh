@@ -17,12 +17,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-
-ENVOY=${TOLLGATE_ENVOY:-$ROOT/.tools/envoy}
-REDIS_SERVER=${TOLLGATE_REDIS_SERVER:-$ROOT/.tools/redis-server}
-REDIS_CLI=${TOLLGATE_REDIS_CLI:-$ROOT/.tools/redis-cli}
-SERVER=${TOLLGATE_SERVER:-$ROOT/dist/tollgate-server}
-WASM=${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
 VARIANTS=${VARIANTS:-none http grpc fallback nomatch lease}
@@ -30,15 +26,10 @@ ROUNDS=${ROUNDS:-3}
 OUT=$ROOT/bench-out/envoy
 WASM=$(readlink -f "$WASM")
 
-say() { printf 'bench-envoy: %s\n' "$*" >&2; }
-die() { say "$*"; exit 1; }
-for f in "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"; do
-  [ -f "$f" ] || die "missing $f (make build; make tools)"
-done
+require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"
 command -v wrk >/dev/null || die "wrk missing (scripts/tools.sh bench)"
 
 rm -rf "$OUT" && mkdir -p "$OUT"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 TCK=$(getconf CLK_TCK)
 # utime+stime of a process, in clock ticks.
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
@@ -50,55 +41,53 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-wait_for() {
-  local what=$1 pid=$2; shift 2
-  for _ in $(seq 300); do
-    "$@" >/dev/null 2>&1 && return 0
-    kill -0 "$pid" 2>/dev/null || die "$what exited (logs in $OUT)"
-    sleep 0.05
-  done
-  die "$what not ready (logs in $OUT)"
-}
-
 # Shared pieces: Redis, the service, the upstream Envoy.
 REDIS_PORT=$(free_port)
 "$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$OUT" >"$OUT/redis.log" 2>&1 &
 REDIS_PID=$!; PIDS+=($REDIS_PID)
-wait_for redis $REDIS_PID "$REDIS_CLI" -p "$REDIS_PORT" ping
+wait_for redis "$OUT/redis.log" $REDIS_PID "$REDIS_CLI" -p "$REDIS_PORT" ping
 
 SVC_PORT=$(free_port)
 "$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
   >"$OUT/service.log" 2>&1 &
 SVC_PID=$!; PIDS+=($SVC_PID)
-wait_for tollgate-server $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
+wait_for tollgate-server "$OUT/service.log" $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
 
-UP_PORT=$(free_port); UP_ADMIN=$(free_port)
-cat >"$OUT/upstream.yaml" <<EOF
-admin: {address: {socket_address: {address: 127.0.0.1, port_value: $UP_ADMIN}}}
+# An Envoy bootstrap's admin and its one HTTP listener: $1 listener name (also the stat prefix),
+# $2 port, $3 admin port, $4 the route's action, $5 filters before the router (YAML lines, or empty).
+listener_yaml() {
+  local nl=$'\n'
+  cat <<EOF
+admin: {address: {socket_address: {address: 127.0.0.1, port_value: $3}}}
 static_resources:
   listeners:
-  - name: upstream
-    address: {socket_address: {address: 127.0.0.1, port_value: $UP_PORT}}
+  - name: $1
+    address: {socket_address: {address: 127.0.0.1, port_value: $2}}
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: upstream
+          stat_prefix: $1
           route_config:
             virtual_hosts:
             - name: all
               domains: ["*"]
               routes:
               - match: {prefix: "/"}
-                direct_response: {status: 200, body: {inline_string: "hello from the upstream\n"}}
+                $4
           http_filters:
-          - name: envoy.filters.http.router
+${5:+$5$nl}          - name: envoy.filters.http.router
             typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
 EOF
+}
+
+UP_PORT=$(free_port); UP_ADMIN=$(free_port)
+listener_yaml upstream "$UP_PORT" "$UP_ADMIN" \
+  'direct_response: {status: 200, body: {inline_string: "hello from the upstream\n"}}' "" >"$OUT/upstream.yaml"
 "$ENVOY" -c "$OUT/upstream.yaml" --disable-hot-restart --concurrency 1 --log-level warn >"$OUT/upstream.log" 2>&1 &
 UP_PID=$!; PIDS+=($UP_PID)
-wait_for "upstream envoy" $UP_PID curl -fsS "http://127.0.0.1:$UP_ADMIN/ready"
+wait_for "upstream envoy" "$OUT/upstream.log" $UP_PID curl -fsS "http://127.0.0.1:$UP_ADMIN/ready"
 
 CLOSED_PORT=$(free_port)
 
@@ -132,29 +121,8 @@ envoy_yaml() {
 EOF
 )
   fi
+  listener_yaml edge "$port" "$admin" 'route: {cluster: upstream}' "$filter"
   cat <<EOF
-admin: {address: {socket_address: {address: 127.0.0.1, port_value: $admin}}}
-static_resources:
-  listeners:
-  - name: edge
-    address: {socket_address: {address: 127.0.0.1, port_value: $port}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: edge
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {prefix: "/"}
-                route: {cluster: upstream}
-          http_filters:
-$filter
-          - name: envoy.filters.http.router
-            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
   clusters:
   - name: tollgate
     type: STATIC
@@ -188,7 +156,7 @@ for variant in $VARIANTS; do
   "$ENVOY" -c "$OUT/envoy-$variant.yaml" --disable-hot-restart --concurrency 2 --log-level warn \
     >"$OUT/envoy-$variant.log" 2>&1 &
   EPID[$variant]=$!; EPORT[$variant]=$port; PIDS+=($!)
-  wait_for "envoy ($variant)" "${EPID[$variant]}" curl -fsS "http://127.0.0.1:$admin/ready"
+  wait_for "envoy ($variant)" "$OUT/envoy-$variant.log" "${EPID[$variant]}" curl -fsS "http://127.0.0.1:$admin/ready"
   code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/")
   [ "$code" = 200 ] || die "$variant: a first request got $code, not 200"
 done

@@ -10,25 +10,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-
-ENVOY=${TOLLGATE_ENVOY:-$ROOT/.tools/envoy}
-REDIS_SERVER=${TOLLGATE_REDIS_SERVER:-$ROOT/.tools/redis-server}
-REDIS_CLI=${TOLLGATE_REDIS_CLI:-$ROOT/.tools/redis-cli}
-SERVER=${TOLLGATE_SERVER:-$ROOT/dist/tollgate-server}
-WASM=${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 RUN=$ROOT/.run
 
-say() { printf 'run: %s\n' "$*" >&2; }
-die() { say "$*"; exit 1; }
-
-for f in "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"; do
-  [ -x "$f" ] || [ -f "$f" ] || die "missing $f (run \`make build\`, or \`make tools\`)"
-done
+require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"
 # envoy.yaml names the module relative to the repository root.
 [ "$WASM" -ef "$ROOT/dist/tollgate.wasm" ] || die "envoy.yaml loads dist/tollgate.wasm; TOLLGATE_WASM=$WASM differs"
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 for p in 8081 10000 10001 9901; do
   port_busy "$p" && die "port 127.0.0.1:$p is in use (envoy.yaml and the service need it); stop what holds it"
@@ -54,18 +44,6 @@ stop() {
 }
 trap 'stop 0' INT TERM
 trap 'stop $?' EXIT
-
-# Waits up to 15 s for "$@" to succeed; shows the log and gives up otherwise.
-wait_for() {
-  local what=$1 log=$2 pid=$3; shift 3
-  for _ in $(seq 300); do
-    if "$@" >/dev/null 2>&1; then say "$what ready"; return 0; fi
-    kill -0 "$pid" 2>/dev/null || { tail -n 40 "$log" >&2; die "$what exited (log: $log)"; }
-    sleep 0.05
-  done
-  tail -n 40 "$log" >&2
-  die "$what not ready after 15 s (log: $log)"
-}
 
 "$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$RUN" \
   >"$RUN/redis.log" 2>&1 &
