@@ -55,7 +55,7 @@ run: build ## Start Redis, the service, Envoy with the filter and a demo upstrea
 	@bash scripts/run.sh
 
 test: build image ## Every test: unit, service against real Redis, end-to-end with real Envoy
-	$(CARGO) test --locked --workspace --all-targets --no-fail-fast -- --test-threads=2
+	@bash scripts/test-summary.sh $(CARGO) test --locked --workspace --all-targets --no-fail-fast -- --test-threads=2
 
 unit: ## Unit tests only (no processes started)
 	$(CARGO) test --locked --workspace --lib
