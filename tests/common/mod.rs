@@ -1035,8 +1035,6 @@ impl Upstream {
     }
 
     fn launch(count_by: Option<String>) -> Upstream {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
-        let port = listener.local_addr().expect("addr").port();
         let state = Arc::new(UpstreamState {
             stop: AtomicBool::new(false),
             requests: AtomicU64::new(0),
@@ -1045,17 +1043,15 @@ impl Upstream {
             count_by,
             counts: Mutex::new(BTreeMap::new()),
         });
-        let st = state.clone();
-        thread::spawn(move || {
-            for conn in listener.incoming() {
-                if st.stop.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
+        let (st, stop) = (state.clone(), state.clone());
+        let port = accept_on_free_port(
+            "upstream",
+            move || stop.stop.load(Ordering::SeqCst),
+            move |conn| {
                 let st = st.clone();
                 thread::spawn(move || serve_upstream(conn, st));
-            }
-        });
+            },
+        );
         Upstream { port, state }
     }
 
@@ -1164,6 +1160,28 @@ fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
     }
 }
 
+/// Binds a free 127.0.0.1 port and accepts on a thread of its own, handing each connection to
+/// `on_conn` (on that thread) until `stopped` says so. The owner stops it by making `stopped` true,
+/// then connecting once to wake the loop.
+fn accept_on_free_port(
+    what: &str,
+    stopped: impl Fn() -> bool + Send + 'static,
+    mut on_conn: impl FnMut(TcpStream) + Send + 'static,
+) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("bind {what}: {e}"));
+    let port = listener.local_addr().expect("addr").port();
+    thread::spawn(move || {
+        for conn in listener.incoming() {
+            if stopped() {
+                break;
+            }
+            let Ok(conn) = conn else { continue };
+            on_conn(conn);
+        }
+    });
+    port
+}
+
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
@@ -1199,8 +1217,6 @@ struct GateState {
 
 impl Gate {
     pub fn start(mode: GateMode, target: u16) -> Gate {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind gate");
-        let port = listener.local_addr().expect("addr").port();
         let state = Arc::new(GateState {
             mode: AtomicU8::new(mode as u8),
             target,
@@ -1208,13 +1224,11 @@ impl Gate {
             accepted: AtomicU64::new(0),
             conns: Mutex::new(Vec::new()),
         });
-        let st = state.clone();
-        thread::spawn(move || {
-            for conn in listener.incoming() {
-                if st.stop.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
+        let (st, stop) = (state.clone(), state.clone());
+        let port = accept_on_free_port(
+            "gate",
+            move || stop.stop.load(Ordering::SeqCst),
+            move |conn| {
                 st.accepted.fetch_add(1, Ordering::SeqCst);
                 let mode = st.mode.load(Ordering::SeqCst);
                 if let Ok(c) = conn.try_clone() {
@@ -1242,8 +1256,8 @@ impl Gate {
                         });
                     }
                 }
-            }
-        });
+            },
+        );
         Gate { port, state }
     }
 
