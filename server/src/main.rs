@@ -50,19 +50,25 @@ fn main() -> ExitCode {
 }
 
 async fn serve(cli: Cli) -> Result<(), String> {
+    let tls = cli.redis_tls()?;
     let store: Arc<dyn Store> = if cli.redis_url.is_some() || !cli.redis_cluster.is_empty() {
         let config = RedisConfig {
             url: cli.redis_url.clone(),
             cluster: cli.redis_cluster.clone(),
             key_prefix: cli.key_prefix.clone(),
             timeout: Duration::from_millis(cli.redis_timeout_ms.max(1)),
+            tls,
         };
         let store = RedisStore::new(config)?;
         match &cli.redis_url {
             Some(u) if cli.redis_cluster.is_empty() => {
-                tracing::info!(url = %redact_url(u), "using Redis")
+                tracing::info!(url = %redact_url(u), tls = ?store_tls(&cli), "using Redis")
             }
-            _ => tracing::info!(nodes = cli.redis_cluster.len(), "using Redis Cluster"),
+            _ => tracing::info!(
+                nodes = cli.redis_cluster.len(),
+                tls = ?store_tls(&cli),
+                "using Redis Cluster"
+            ),
         }
         if let Err(e) = store.ping().await {
             tracing::warn!(error = %e, "Redis does not answer yet; takes fail with 503 until it does");
@@ -82,6 +88,29 @@ async fn serve(cli: Cli) -> Result<(), String> {
     run(listener, store, config, shutdown_signal())
         .await
         .map_err(|e| format!("server error: {e}"))
+}
+
+/// How Redis's TLS is set up, for the startup line: off, public roots, or the private CA / client
+/// certificate files.
+fn store_tls(cli: &Cli) -> String {
+    let tls = match &cli.redis_url {
+        _ if !cli.redis_cluster.is_empty() => {
+            cli.redis_cluster.iter().all(|u| u.starts_with("rediss://"))
+        }
+        Some(u) => u.starts_with("rediss://"),
+        None => false,
+    };
+    if !tls {
+        return "off".into();
+    }
+    let ca = match &cli.redis_tls_ca {
+        Some(p) => format!("ca {}", p.display()),
+        None => "public roots".into(),
+    };
+    match &cli.redis_tls_cert {
+        Some(p) => format!("{ca}, client certificate {}", p.display()),
+        None => ca,
+    }
 }
 
 /// Completes on SIGINT or SIGTERM.

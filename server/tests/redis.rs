@@ -308,6 +308,7 @@ impl Cluster {
             cluster: vec![self.nodes[0].url()],
             key_prefix: "test:".into(),
             timeout: Duration::from_millis(1000),
+            tls: None,
         })
         .unwrap()
     }

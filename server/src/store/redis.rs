@@ -22,6 +22,16 @@
 //!   charged its buckets: again a possible false denial only. Connections are multiplexed
 //!   (a `ConnectionManager`, or the cluster client) and reconnect by themselves when Redis is back.
 //!
+//! # TLS
+//!
+//! `rediss://` URLs (standalone or every Cluster seed) connect with rustls. By default the server
+//! certificate must chain to a public (webpki) root; [`RedisTls`] replaces those roots by a private
+//! CA bundle (cert-manager, a cloud provider's managed Redis) and adds a client certificate for
+//! Redis with `tls-auth-clients yes`. The files are checked once, in [`RedisStore::new`]
+//! ([`RedisTls::check`]), so a bad bundle stops the service at startup instead of failing every
+//! connect. A failed handshake (unknown CA, missing client certificate) is a connection error like
+//! any other: 503 / `UNAVAILABLE`, and `/readyz` reports not ready.
+//!
 //! # Scripts
 //!
 //! `take.lua` (and `refund.lua`) are built by concatenating `prelude.lua` (exact integer
@@ -72,6 +82,116 @@ pub struct RedisConfig {
     pub key_prefix: String,
     /// Bound of one connect or one command round trip.
     pub timeout: Duration,
+    /// CA bundle and client certificate for `rediss://` URLs; `None` = public roots, no client
+    /// certificate. Only valid with `rediss://` URLs.
+    pub tls: Option<RedisTls>,
+}
+
+/// TLS material for `rediss://` connections, PEM as read from files.
+#[derive(Clone, Default)]
+pub struct RedisTls {
+    /// CA certificates to trust instead of the public (webpki) roots.
+    pub ca: Option<Vec<u8>>,
+    /// Client certificate (chain) and key, for Redis configured with `tls-auth-clients yes`.
+    pub client: Option<ClientIdentity>,
+}
+
+/// A client certificate chain and its private key, both PEM.
+#[derive(Clone)]
+pub struct ClientIdentity {
+    /// The client certificate first, then any intermediates.
+    pub cert: Vec<u8>,
+    /// The private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: Vec<u8>,
+}
+
+impl fmt::Debug for RedisTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisTls")
+            .field("ca", &self.ca.as_ref().map(|pem| pem.len()))
+            .field("client_cert", &self.client.is_some())
+            .finish()
+    }
+}
+
+/// Which TLS file is wrong, and why (the caller names the file or flag).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TlsFileError {
+    /// The CA bundle.
+    #[error("CA bundle: {0}")]
+    Ca(String),
+    /// The client certificate.
+    #[error("client certificate: {0}")]
+    Cert(String),
+    /// The client private key (unreadable, or not the certificate's key).
+    #[error("client key: {0}")]
+    Key(String),
+}
+
+impl RedisTls {
+    /// Checks the PEM: the CA bundle holds at least one certificate usable as a trust anchor;
+    /// the client chain holds at least one certificate, the key parses and belongs to the
+    /// certificate. What rustls would otherwise only find at the first handshake.
+    pub fn check(&self) -> Result<(), TlsFileError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        if let Some(pem) = &self.ca {
+            let certs = CertificateDer::pem_slice_iter(pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TlsFileError::Ca(format!("bad PEM: {e}")))?;
+            if certs.is_empty() {
+                return Err(TlsFileError::Ca("no PEM certificate in it".into()));
+            }
+            let mut roots = rustls::RootCertStore::empty();
+            for (i, c) in certs.into_iter().enumerate() {
+                roots
+                    .add(c)
+                    .map_err(|e| TlsFileError::Ca(format!("certificate {}: {e}", i + 1)))?;
+            }
+        }
+        if let Some(id) = &self.client {
+            let chain = CertificateDer::pem_slice_iter(&id.cert)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TlsFileError::Cert(format!("bad PEM: {e}")))?;
+            if chain.is_empty() {
+                return Err(TlsFileError::Cert("no PEM certificate in it".into()));
+            }
+            let key = PrivateKeyDer::from_pem_slice(&id.key)
+                .map_err(|e| TlsFileError::Key(format!("no usable PEM private key: {e}")))?;
+            let provider = rustls::crypto::ring::default_provider();
+            let signer = provider
+                .key_provider
+                .load_private_key(key)
+                .map_err(|e| TlsFileError::Key(e.to_string()))?;
+            match rustls::sign::CertifiedKey::new(chain, signer).keys_match() {
+                Ok(())
+                | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {}
+                Err(rustls::Error::InconsistentKeys(_)) => {
+                    return Err(TlsFileError::Key(
+                        "does not belong to the client certificate".into(),
+                    ))
+                }
+                Err(e) => return Err(TlsFileError::Cert(e.to_string())),
+            }
+        }
+        Ok(())
+    }
+
+    fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self.client.as_ref().map(|c| redis::ClientTlsConfig {
+                client_cert: c.cert.clone(),
+                client_key: c.key.clone(),
+            }),
+            root_cert: self.ca.clone(),
+        }
+    }
+}
+
+/// rustls needs a process-wide crypto provider before the first handshake, and the redis crate
+/// asks for the default one. Installing `ring` when one is already installed is a no-op.
+fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 impl fmt::Debug for RedisConfig {
@@ -88,6 +208,7 @@ impl fmt::Debug for RedisConfig {
             )
             .field("key_prefix", &self.key_prefix)
             .field("timeout", &self.timeout)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -218,6 +339,9 @@ impl RedisStore {
     /// is down, and every take fails fast until it is back.
     pub fn new(config: RedisConfig) -> Result<Self, String> {
         super::keys::check_prefix(&config.key_prefix)?;
+        if let Some(tls) = &config.tls {
+            tls.check().map_err(|e| e.to_string())?;
+        }
         let t = config.timeout;
         let conn = if !config.cluster.is_empty() {
             let nodes = config
@@ -225,7 +349,23 @@ impl RedisStore {
                 .iter()
                 .map(|u| connection_info(u))
                 .collect::<Result<Vec<_>, _>>()?;
-            let client = redis::cluster::ClusterClient::builder(nodes)
+            let tls_nodes = nodes.iter().filter(|n| is_tls(n)).count();
+            if tls_nodes != 0 && tls_nodes != nodes.len() {
+                return Err("Redis Cluster seed nodes mix redis:// and rediss://".into());
+            }
+            if tls_nodes == 0 && config.tls.is_some() {
+                return Err(
+                    "TLS certificates given for redis:// Cluster seed nodes (use rediss://)".into(),
+                );
+            }
+            if tls_nodes != 0 {
+                install_crypto_provider();
+            }
+            let mut builder = redis::cluster::ClusterClient::builder(nodes);
+            if let Some(tls) = &config.tls {
+                builder = builder.certs(tls.certificates());
+            }
+            let client = builder
                 .connection_timeout(t)
                 .response_timeout(t)
                 .retries(1)
@@ -242,8 +382,21 @@ impl RedisStore {
                 .url
                 .as_deref()
                 .ok_or_else(|| "no Redis URL given".to_string())?;
-            let client = redis::Client::open(connection_info(url)?)
-                .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(url)))?;
+            let info = connection_info(url)?;
+            if is_tls(&info) {
+                install_crypto_provider();
+            }
+            let client = match &config.tls {
+                Some(_) if !is_tls(&info) => {
+                    return Err(format!(
+                        "TLS certificates given for {} (use rediss://)",
+                        redact_url(url)
+                    ))
+                }
+                Some(tls) => redis::Client::build_with_tls(info, tls.certificates()),
+                None => redis::Client::open(info),
+            }
+            .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(url)))?;
             let cm = redis::aio::ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(t))
                 .set_response_timeout(Some(t))
@@ -363,6 +516,10 @@ fn connection_info(url: &str) -> Result<redis::ConnectionInfo, String> {
         .into_connection_info()
         .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(url)))?;
     Ok(info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true)))
+}
+
+fn is_tls(info: &redis::ConnectionInfo) -> bool {
+    matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. })
 }
 
 fn alg_code(a: Algorithm) -> u64 {
@@ -554,6 +711,7 @@ mod tests {
             cluster: vec!["redis://:pw2@a:1".into()],
             key_prefix: "t:".into(),
             timeout: Duration::from_millis(50),
+            tls: None,
         };
         let dbg = format!("{c:?}");
         assert!(!dbg.contains("topsecret") && !dbg.contains("pw2"), "{dbg}");

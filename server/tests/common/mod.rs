@@ -59,6 +59,8 @@ pub struct RedisProc {
     pub port: u16,
     child: Option<Child>,
     extra: Vec<String>,
+    /// Extra redis-cli arguments (`--tls --cacert ...` for a TLS-only server).
+    cli: Vec<String>,
     dir: PathBuf,
 }
 
@@ -70,6 +72,12 @@ impl RedisProc {
 
     /// Starts redis-server on `port` with extra arguments.
     pub fn start_on(port: u16, extra: &[&str]) -> Self {
+        Self::start_with_cli(port, extra, &[])
+    }
+
+    /// Starts redis-server on `port` with extra arguments; `cli` are extra redis-cli arguments
+    /// used to reach it (e.g. `--tls --cacert ca.pem` when it only listens with TLS on `port`).
+    pub fn start_with_cli(port: u16, extra: &[&str], cli: &[&str]) -> Self {
         let dir =
             std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
@@ -77,6 +85,7 @@ impl RedisProc {
             port,
             child: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            cli: cli.iter().map(|s| s.to_string()).collect(),
             dir,
         };
         p.spawn();
@@ -143,6 +152,7 @@ impl RedisProc {
     pub fn cmd(&self, args: &[&str]) -> Option<String> {
         let out = Command::new(redis_cli_bin())
             .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(&self.cli)
             .args(args)
             .stderr(Stdio::null())
             .output()
@@ -179,6 +189,7 @@ pub fn redis_store(url: &str, timeout_ms: u64) -> RedisStore {
         cluster: vec![],
         key_prefix: "test:".into(),
         timeout: Duration::from_millis(timeout_ms),
+        tls: None,
     })
     .expect("redis store")
 }
