@@ -266,6 +266,18 @@ async fn private_ca_makes_takes_work_and_exact() {
 
     three_then_denied(&client, &svc, "exact").await;
     assert_eq!(status_of(&client, &svc, "/readyz").await, 200);
+
+    // Redis restarts (same port, same certificates): the service reconnects, handshake included.
+    let mut r = r;
+    r.kill();
+    unavailable(&client, &svc, "TLS Redis down", None).await;
+    r.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while status_of(&client, &svc, "/readyz").await != 200 {
+        assert!(Instant::now() < deadline, "no recovery after the restart");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    three_then_denied(&client, &svc, "after-restart").await;
     svc.stop().await;
 }
 
@@ -689,6 +701,12 @@ async fn tls_redis_cluster_with_a_private_ca() {
     })
     .expect("cluster store");
     let svc = Service::start(Arc::new(store), None).await;
-    unavailable(&client, &svc, "cluster without client certificate", None).await;
+    unavailable(
+        &client,
+        &svc,
+        "cluster without client certificate",
+        Some("CertificateRequired"),
+    )
+    .await;
     svc.stop().await;
 }
