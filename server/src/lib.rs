@@ -14,10 +14,10 @@
 //! | [`api`] | JSON over HTTP (`POST /v1/take`), gRPC (`tollgate.v1.RateLimiter/Take`), health, metrics, auth, the one-port switch |
 //! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`] |
 //! | [`metrics`] | Prometheus metrics |
-//! | [`cli`] | flags and environment variables |
+//! | [`cli`] | flags and environment variables; reads and checks the `--redis-tls-*` files |
 //! | `main.rs` | parse flags, set up tracing, bind, build the store, call [`run`] |
 //! | `build.rs` | protobuf/gRPC code from `contract/tollgate.proto` (protox, no `protoc`) |
-//! | `tests/` | behaviour suite over both stores, contract fixtures, the service over HTTP and gRPC, Redis outages and Cluster, the real binary (each test starts its own `redis-server`) |
+//! | `tests/` | behaviour suite over both stores, contract fixtures, the service over HTTP and gRPC, Redis outages and Cluster, TLS to Redis (private CA, mutual TLS, TLS Cluster; certificates made with `openssl`), the real binary (each test starts its own `redis-server`) |
 //! | `examples/loadgen.rs` | load generator used by `scripts/bench-service.sh` |
 //!
 //! # Design choices

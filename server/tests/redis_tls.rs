@@ -267,6 +267,28 @@ async fn private_ca_makes_takes_work_and_exact() {
     three_then_denied(&client, &svc, "exact").await;
     assert_eq!(status_of(&client, &svc, "/readyz").await, 200);
 
+    // What a (re)connect costs: a fresh store's first PING (connect, handshake, PING), plain TCP
+    // against TLS; medians of 9.
+    let plain = RedisProc::start();
+    let cases = [
+        ("redis://", plain.url(), None),
+        ("rediss:// (private CA)", url.clone(), Some(pki.ca_only())),
+    ];
+    for (what, u, tls) in cases {
+        let mut t = Vec::new();
+        for _ in 0..9 {
+            let s = tls_store(&u, tls.clone(), 1000);
+            let start = Instant::now();
+            s.ping().await.expect("ping");
+            t.push(start.elapsed());
+        }
+        t.sort();
+        eprintln!(
+            "{what}: first PING on a fresh connection {:?} (median of 9)",
+            t[4]
+        );
+    }
+
     // Redis restarts (same port, same certificates): the service reconnects, handshake included.
     let mut r = r;
     r.kill();
