@@ -30,6 +30,7 @@ require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"
 command -v wrk >/dev/null || die "wrk missing (scripts/tools.sh bench)"
 
 rm -rf "$OUT" && mkdir -p "$OUT"
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
 TCK=$(getconf CLK_TCK)
 # utime+stime of a process, in clock ticks.
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
@@ -59,6 +60,7 @@ listener_yaml() {
   local nl=$'\n'
   cat <<EOF
 admin: {address: {socket_address: {address: 127.0.0.1, port_value: $3}}}
+stats_flush_interval: 1s
 static_resources:
   listeners:
   - name: $1
@@ -94,11 +96,16 @@ CLOSED_PORT=$(free_port)
 # The Envoy under test. $1 = variant.
 envoy_yaml() {
   local variant=$1 port=$2 admin=$3 filter="" svc_port=$SVC_PORT transport=http match="" lease=""
+  local key='"client_ip"' fallback=""
   case $variant in
     grpc) transport=grpc ;;
     fallback) svc_port=$CLOSED_PORT ;;
     nomatch) match='"match": {"path_exact": "/never"},' ;;
     lease) lease=', "lease": {"size": 100}' ;;
+    # Key churn (memory bound): one bucket per x-api-key, a table of N slots.
+    fbkeys-*) svc_port=$CLOSED_PORT ;;&
+    leasekeys-*) lease=', "lease": {"size": 100}' ;;&
+    fbkeys-* | leasekeys-*) key='"header:x-api-key"'; fallback="\"fallback\": {\"max_keys\": ${variant#*-}}," ;;
   esac
   if [ "$variant" != none ]; then
     filter=$(cat <<EOF
@@ -115,7 +122,7 @@ envoy_yaml() {
                   "@type": type.googleapis.com/google.protobuf.StringValue
                   value: |
                     {"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100},
-                     "rules": [{"name": "per-ip", $match "key": ["client_ip"],
+                     $fallback "rules": [{"name": "per-ip", $match "key": [$key],
                                 "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000$lease}],
                      "response": {"headers": ["draft"], "on_allowed": false}}
 EOF
@@ -149,16 +156,36 @@ to_ms() { awk -v v="$1" 'BEGIN { n = v + 0; if (v ~ /us$/) n /= 1000; else if (v
 RESULTS=$OUT/results.tsv
 : >"$RESULTS"
 # All variants' Envoys run at once (an idle Envoy costs next to nothing); the measurements take turns.
-declare -A EPID EPORT
-for variant in $VARIANTS; do
+declare -A EPID EPORT EADMIN
+start_envoy() {
+  local variant=$1 port admin code
   port=$(free_port); admin=$(free_port)
   envoy_yaml "$variant" "$port" "$admin" >"$OUT/envoy-$variant.yaml"
   "$ENVOY" -c "$OUT/envoy-$variant.yaml" --disable-hot-restart --concurrency 2 --log-level warn \
     >"$OUT/envoy-$variant.log" 2>&1 &
-  EPID[$variant]=$!; EPORT[$variant]=$port; PIDS+=($!)
+  EPID[$variant]=$!; EPORT[$variant]=$port; EADMIN[$variant]=$admin; PIDS+=($!)
   wait_for "envoy ($variant)" "$OUT/envoy-$variant.log" "${EPID[$variant]}" curl -fsS "http://127.0.0.1:$admin/ready"
-  code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/")
+  code=$(curl -s -o /dev/null -w '%{http_code}' -H 'x-api-key: first' "http://127.0.0.1:$port/")
   [ "$code" = 200 ] || die "$variant: a first request got $code, not 200"
+}
+
+# Memory of a variant's Envoy: "VmRSS VmHWM (kB) server.memory_allocated server.memory_heap_size (bytes)
+# v8-VMs", the last from the v8 runtime's `active` gauge (one VM per worker, plus the main thread's).
+# Envoy updates the server.memory_* gauges when it flushes stats (stats_flush_interval, 1 s here), so
+# this waits for one flush first.
+envoy_mem() {
+  local stats
+  sleep 1.1
+  stats=$(curl -fsS "http://127.0.0.1:${EADMIN[$1]}/stats?filter=server\.memory_|wasm\.runtime\.v8\.active") || stats=""
+  echo "$(proc_mem "${EPID[$1]}") $(awk -F': ' '
+    /^server\.memory_allocated:/ {a = $2} /^server\.memory_heap_size:/ {h = $2} /runtime\.v8\.active:/ {v = $2}
+    END {print a + 0, h + 0, v + 0}' <<<"$stats")"
+}
+MEM=$OUT/memory.tsv
+: >"$MEM"
+for variant in $VARIANTS; do
+  start_envoy "$variant"
+  printf '%s\tstart\t%s\n' "$variant" "$(envoy_mem "$variant" | tr ' ' '\t')" >>"$MEM"
 done
 
 measure() {
@@ -188,10 +215,43 @@ measure() {
 for round in $(seq "$ROUNDS"); do
   for variant in $VARIANTS; do measure "$variant" "$round"; done
 done
+for variant in $VARIANTS; do
+  printf '%s\tload\t%s\n' "$variant" "$(envoy_mem "$variant" | tr ' ' '\t')" >>"$MEM"
+done
+
+# Key churn: the bound on the filter's shared data. Each Envoy below keys its rule on x-api-key with
+# fallback.max_keys N (fbkeys-N: service down, every request in the local fallback buckets;
+# leasekeys-N: lease mode against the service, one local pool per key). After a 1 s warm-up on one
+# key, wrk sends KEYS distinct keys, then KEYS other ones; memory is read before and after each.
+KEYS=${KEYS:-20000}
+KEY_VARIANTS=${KEY_VARIANTS:-fbkeys-1000 fbkeys-10000 fbkeys-1000000 leasekeys-1000 leasekeys-10000}
+CHURN=$OUT/keys.tsv
+: >"$CHURN"
+if [ "$KEYS" -gt 0 ]; then
+  wrk_keys_lua "$OUT/keys.lua" GET / x-api-key ""
+  for variant in $KEY_VARIANTS; do
+    start_envoy "$variant"
+    wrk -t1 -c"$CONNECTIONS" -d1s -H 'x-api-key: warm' "http://127.0.0.1:${EPORT[$variant]}/" >/dev/null 2>&1 || true
+    printf '%s\t0\t0\t0\t%s\n' "$variant" "$(envoy_mem "$variant" | tr ' ' '\t')" >>"$CHURN"
+    for phase in 1 2; do
+      out=$OUT/wrk-$variant-keys$phase.txt
+      wrk_keys "$OUT/keys.lua" "$KEYS" "p$phase-" "$out" "$CONNECTIONS" "http://127.0.0.1:${EPORT[$variant]}/"
+      total=$(awk '/requests in/ {print $1}' "$out")
+      non2xx=$(awk '/Non-2xx/ {print $5}' "$out"); non2xx=${non2xx:-0}
+      [ "$non2xx" = 0 ] || say "WARNING: $variant had $non2xx non-2xx responses"
+      printf '%s\t%s\t%s\t%s\t%s\n' "$variant" "$phase" "$total" "$non2xx" "$(envoy_mem "$variant" | tr ' ' '\t')" >>"$CHURN"
+      say "keys, $variant, phase $phase: $total requests, RSS/HWM/allocated/heap/VMs $(envoy_mem "$variant")"
+    done
+    kill "${EPID[$variant]}" 2>/dev/null || true
+    wait "${EPID[$variant]}" 2>/dev/null || true
+  done
+fi
+
 # Each figure is the median over the rounds; the ratio is the median of per-round ratios (a variant's
 # req/s over the no-filter req/s of the same round), so a drift in machine load between rounds cancels.
 size=$(stat -c %s "$WASM")
 {
+  echo "load average before the run: $LOAD0; after: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "wrk -t1 -c$CONNECTIONS -d${DURATION}s, Envoy --concurrency 2, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), median of $ROUNDS round(s)"
   echo "module: $size bytes"
   echo
@@ -220,4 +280,58 @@ for v in variants:
     print(f"| {v} | {med(v, 1):.0f} | {ratio} | {rounds} | {med(v, 2):.2f} | {non2xx} | "
           f"{med(v, 5):.0f} | {med(v, 6):.0f} | {med(v, 7):.0f} | {med(v, 8):.0f} |")
 PY
+  echo
+  echo "Memory of each variant's Envoy: right after start (one request), and after its ${ROUNDS} round(s) of load"
+  echo
+  python3 - "$MEM" $VARIANTS <<'PY'
+import sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+m = {(r[0], r[1]): [float(x) for x in r[2:]] for r in rows}  # rss_kB hwm_kB alloc_B heap_B vms
+MiB = 1024 * 1024
+def vs(v, i, scale):
+    b = m.get(("none", "load"))
+    if not b or v == "none" or not b[i]:
+        return "–"
+    a = m[(v, "load")][i]
+    return f"+{(a - b[i]) * scale / MiB:.1f} MiB (×{a / b[i]:.2f})"
+print("| path | v8 VMs | RSS after start MiB | RSS after load MiB | peak RSS (VmHWM) MiB | RSS vs no filter | "
+      "memory_allocated MiB | memory_heap_size MiB | allocated vs no filter |")
+print("|---|---|---|---|---|---|---|---|---|")
+for v in sys.argv[2:]:
+    if (v, "load") not in m:
+        continue
+    s, l = m.get((v, "start"), [0] * 5), m[(v, "load")]
+    print(f"| {v} | {l[4]:.0f} | {s[0] / 1024:.1f} | {l[0] / 1024:.1f} | {l[1] / 1024:.1f} | {vs(v, 0, 1024)} | "
+          f"{l[2] / MiB:.1f} | {l[3] / MiB:.1f} | {vs(v, 2, 1)} |")
+PY
+  if [ -s "$CHURN" ]; then
+    echo
+    echo "Key churn: $KEYS distinct x-api-key values, then $KEYS other ones (wrk -t1 -c$CONNECTIONS), one Envoy per setting"
+    echo
+    python3 - "$CHURN" "$KEYS" <<'PY'
+import math, sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+keys = int(sys.argv[2])
+by = {}
+for r in rows:
+    by.setdefault(r[0], {})[int(r[1])] = r
+KiB, MiB = 1024, 1024 * 1024
+print("| Envoy | max_keys | allocated before MiB | + after keys 1–N KiB | + after keys N+1–2N KiB | slots in use (expected) | "
+      "bytes per new slot, 2nd pass | RSS before → after MiB | requests | non-2xx |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for v, ph in by.items():
+    if not all(p in ph for p in (0, 1, 2)):
+        continue
+    mk = int(v.split("-")[1])
+    a0, a1, a2 = (float(ph[p][6]) for p in (0, 1, 2))
+    r0, r2 = float(ph[0][4]), float(ph[2][4])
+    used = [mk * (1 - math.exp(-n * keys / mk)) for n in (1, 2)]  # n keys hashed into mk slots
+    # Bytes per slot from the second pass, where warm-up effects are over: only meaningful when it
+    # still fills many new slots (a bounded table is already full).
+    per = f"{(a2 - a1) / (used[1] - used[0]):.0f}" if used[1] - used[0] >= 5000 else "– (full)"
+    reqs = int(ph[1][2]) + int(ph[2][2]); non2xx = int(ph[1][3]) + int(ph[2][3])
+    print(f"| {v.split('-')[0]} | {mk:,} | {a0 / MiB:.1f} | {(a1 - a0) / KiB:+,.0f} | {(a2 - a1) / KiB:+,.0f} | "
+          f"{used[0]:,.0f} → {used[1]:,.0f} | {per} | {r0 / 1024:.1f} → {r2 / 1024:.1f} | {reqs:,} | {non2xx} |")
+PY
+  fi
 } | tee "$OUT/summary.md"

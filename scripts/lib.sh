@@ -40,3 +40,54 @@ wait_for() {
   tail -n 40 "$log" >&2
   die "$what not ready after 15 s (log: $log)"
 }
+
+# proc_mem PID: "VmRSS VmHWM" of a running process, in kB (from /proc/PID/status; "0 0" when gone).
+proc_mem() {
+  awk '/^VmRSS:/ {r = $2} /^VmHWM:/ {h = $2} END {print r + 0, h + 0}' "/proc/$1/status" 2>/dev/null || echo "0 0"
+}
+
+# wrk_keys_lua FILE METHOD PATH HEADER BODY: writes a wrk script whose request i carries the key
+# `<prefix><i mod n>` and which, after n responses, stops and creates a marker file (n, prefix and the
+# marker are wrk's arguments after `--`: `-- N PREFIX MARKER`; see wrk_keys). The key goes into the
+# request header HEADER, or, when HEADER is empty, replaces `KEY` in the JSON BODY. With `wrk -t1`
+# that is n distinct keys (requests still in flight at the stop repeat early keys). Used to measure
+# memory per key.
+wrk_keys_lua() {
+  local file=$1 method=$2 path=$3 header=$4 body=$5
+  cat >"$file" <<EOF
+local n, prefix, marker, sent, done = 1, "", nil, 0, 0
+function init(args) n = tonumber(args[1]); prefix = args[2] or ""; marker = args[3] end
+function request()
+  local key = prefix .. (sent % n)
+  sent = sent + 1
+  local headers, body = {}, nil
+  if "$header" ~= "" then headers["$header"] = key
+  else headers["content-type"] = "application/json"; body = string.gsub('$body', "KEY", key) end
+  return wrk.format("$method", "$path", headers, body)
+end
+function response(status, headers, body)
+  done = done + 1
+  if done == n then
+    if marker then local f = io.open(marker, "w"); if f then f:close() end end
+    wrk.thread:stop()
+  end
+end
+EOF
+}
+
+# wrk_keys LUA N PREFIX OUT CONNECTIONS URL: runs `wrk -t1` with a wrk_keys_lua script for N keys
+# into OUT. wrk itself waits out its whole -d even once its thread has stopped, so it is interrupted
+# (SIGINT: it still prints its report) as soon as the script has seen N responses; 60 s at most.
+wrk_keys() {
+  local lua=$1 n=$2 prefix=$3 out=$4 conns=$5 url=$6 pid
+  rm -f "$out.done"
+  wrk -t1 -c"$conns" -d60s --timeout 2s -s "$lua" "$url" -- "$n" "$prefix" "$out.done" >"$out" &
+  pid=$!
+  for _ in $(seq 1200); do
+    [ -e "$out.done" ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  kill -INT "$pid" 2>/dev/null || true
+  wait "$pid" || true
+}
