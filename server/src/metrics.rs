@@ -7,6 +7,8 @@
 //! | `tollgate_store_errors_total` | `kind` = timeout, connection, server, protocol | failed takes |
 //! | `tollgate_requests_total` | `transport` = http, grpc; `code` = ok, invalid_argument, unauthenticated, unavailable | API calls |
 
+use std::sync::OnceLock;
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -30,12 +32,28 @@ struct Call {
 }
 
 /// The service's metrics and their registry.
+///
+/// The label sets every successful take counts (`allowed`, `limited`, `http`/`grpc` + `ok`) are
+/// resolved once, on first use, and kept: `Family::get_or_create` hashes the labels and takes the
+/// family's lock on every call. A series still appears in the exposition only once counted.
 pub struct Metrics {
     registry: Registry,
     decisions: Family<Outcome, Counter>,
     store_duration: Histogram,
     store_errors: Family<Kind, Counter>,
     requests: Family<Call, Counter>,
+    allowed: OnceLock<Counter>,
+    limited: OnceLock<Counter>,
+    http_ok: OnceLock<Counter>,
+    grpc_ok: OnceLock<Counter>,
+}
+
+/// The counter of `labels` in `family`, looked up the first time only.
+fn cached<'a, L>(cell: &'a OnceLock<Counter>, family: &Family<L, Counter>, labels: L) -> &'a Counter
+where
+    L: Clone + std::hash::Hash + Eq,
+{
+    cell.get_or_init(|| family.get_or_create_owned(&labels))
 }
 
 impl Default for Metrics {
@@ -77,13 +95,21 @@ impl Metrics {
             store_duration,
             store_errors,
             requests,
+            allowed: OnceLock::new(),
+            limited: OnceLock::new(),
+            http_ok: OnceLock::new(),
+            grpc_ok: OnceLock::new(),
         }
     }
 
     /// Counts a decision.
     pub fn decision(&self, allowed: bool) {
-        let outcome = if allowed { "allowed" } else { "limited" };
-        self.decisions.get_or_create(&Outcome { outcome }).inc();
+        let (cell, outcome) = if allowed {
+            (&self.allowed, "allowed")
+        } else {
+            (&self.limited, "limited")
+        };
+        cached(cell, &self.decisions, Outcome { outcome }).inc();
     }
 
     /// Records the duration of one store take.
@@ -98,7 +124,15 @@ impl Metrics {
 
     /// Counts an API call.
     pub fn request(&self, transport: &'static str, code: &'static str) {
-        self.requests.get_or_create(&Call { transport, code }).inc();
+        let cell = match (transport, code) {
+            ("http", "ok") => &self.http_ok,
+            ("grpc", "ok") => &self.grpc_ok,
+            _ => {
+                self.requests.get_or_create(&Call { transport, code }).inc();
+                return;
+            }
+        };
+        cached(cell, &self.requests, Call { transport, code }).inc();
     }
 
     /// The Prometheus text exposition.
