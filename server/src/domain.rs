@@ -160,12 +160,18 @@ impl fmt::Display for InvalidArgument {
 
 impl std::error::Error for InvalidArgument {}
 
-fn bounded(field: String, value: Option<u64>, max: u64) -> Result<u64, InvalidArgument> {
+/// `field` names the value; it is only formatted when the value is rejected (a valid take
+/// allocates no field names).
+fn bounded(
+    field: impl FnOnce() -> String,
+    value: Option<u64>,
+    max: u64,
+) -> Result<u64, InvalidArgument> {
     match value {
-        None => Err(InvalidArgument::new(field, "is required")),
-        Some(0) => Err(InvalidArgument::new(field, "must be at least 1")),
+        None => Err(InvalidArgument::new(field(), "is required")),
+        Some(0) => Err(InvalidArgument::new(field(), "must be at least 1")),
         Some(v) if v > max => Err(InvalidArgument::new(
-            field,
+            field(),
             format!("must be at most {max}, got {v}"),
         )),
         Some(v) => Ok(v),
@@ -212,11 +218,11 @@ pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
                     format!("must be at most {MAX_KEY_BYTES} bytes, got {}", key.len()),
                 ));
             }
-            let capacity = bounded(f("capacity"), b.capacity, MAX_AMOUNT)?;
-            let rate = bounded(f("rate"), Some(b.rate.unwrap_or(capacity)), MAX_AMOUNT)?;
-            let period_ms = bounded(f("period_ms"), b.period_ms, MAX_PERIOD_MS)?;
-            let cost = bounded(f("cost"), Some(b.cost.unwrap_or(1)), MAX_AMOUNT)?;
-            let lease = bounded(f("lease"), Some(b.lease.unwrap_or(cost)), MAX_AMOUNT)?;
+            let capacity = bounded(|| f("capacity"), b.capacity, MAX_AMOUNT)?;
+            let rate = bounded(|| f("rate"), Some(b.rate.unwrap_or(capacity)), MAX_AMOUNT)?;
+            let period_ms = bounded(|| f("period_ms"), b.period_ms, MAX_PERIOD_MS)?;
+            let cost = bounded(|| f("cost"), Some(b.cost.unwrap_or(1)), MAX_AMOUNT)?;
+            let lease = bounded(|| f("lease"), Some(b.lease.unwrap_or(cost)), MAX_AMOUNT)?;
             if lease < cost {
                 return Err(InvalidArgument::new(
                     f("lease"),
