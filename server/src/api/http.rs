@@ -9,8 +9,9 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Request, State};
+use axum::http::request::Parts;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -40,8 +41,26 @@ fn error_response(e: &ApiError) -> Response {
     resp
 }
 
-async fn take(State(api): State<Arc<Api>>, headers: HeaderMap, body: Bytes) -> Response {
-    let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+/// The `authorization` header of a request, if any: the one header a take reads (the `HeaderMap`
+/// extractor would copy them all).
+struct Authorization(Option<HeaderValue>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Authorization {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Infallible> {
+        Ok(Authorization(
+            parts.headers.get(header::AUTHORIZATION).cloned(),
+        ))
+    }
+}
+
+async fn take(
+    State(api): State<Arc<Api>>,
+    Authorization(auth): Authorization,
+    body: Bytes,
+) -> Response {
+    let auth = auth.as_ref().map(|v| v.as_bytes());
     match api.take(auth, decode_request(&body)).await {
         Ok(d) => {
             api.metrics.request("http", "ok");
