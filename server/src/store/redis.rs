@@ -426,18 +426,18 @@ impl RedisStore {
         keys: &[&str],
         args: &[u64],
     ) -> Result<Vec<i64>, StoreError> {
-        let mut inv = script.prepare_invoke();
-        for k in keys {
-            inv.key(*k);
-        }
-        for a in args {
-            inv.arg(*a);
-        }
+        // EVALSHA written straight from the keys and integers: `ScriptInvocation` would first copy
+        // every key and argument into a buffer of its own, then into the command.
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash())
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
         let call = async {
             match &self.conn {
                 Conn::Single(m) => {
                     let mut m = m.clone();
-                    inv.invoke_async::<Vec<i64>>(&mut m).await.map_err(map_err)
+                    evalsha(script, &cmd, &mut m).await.map_err(map_err)
                 }
                 Conn::Cluster(cc) => {
                     let (client, conn) = (&cc.client, &cc.conn);
@@ -447,7 +447,7 @@ impl RedisStore {
                         })
                         .await?;
                     let mut c = c.clone();
-                    inv.invoke_async::<Vec<i64>>(&mut c).await.map_err(map_err)
+                    evalsha(script, &cmd, &mut c).await.map_err(map_err)
                 }
             }
         };
@@ -505,6 +505,22 @@ impl RedisStore {
             ]);
         }
         self.invoke(&self.refund, &ks, &args).await.map(|_| ())
+    }
+}
+
+/// Sends `cmd` (an EVALSHA of `script`); on `NOSCRIPT` (Redis restarted, or `SCRIPT FLUSH`) loads
+/// the script and sends it once more, as `redis::Script::invoke_async` does.
+async fn evalsha<C: redis::aio::ConnectionLike>(
+    script: &Script,
+    cmd: &redis::Cmd,
+    con: &mut C,
+) -> Result<Vec<i64>, RedisError> {
+    match cmd.query_async::<Vec<i64>>(con).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.load_async(con).await?;
+            cmd.query_async::<Vec<i64>>(con).await
+        }
+        r => r,
     }
 }
 
