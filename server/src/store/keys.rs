@@ -7,6 +7,8 @@
 //! whole `<tag>` the Redis Cluster hash tag: every key derived from one bucket (the fixed window's
 //! `:<window>` suffix) stays in its slot.
 
+use std::fmt::Write;
+
 use sha2::{Digest, Sha256};
 
 use crate::domain::BucketSpec;
@@ -22,39 +24,41 @@ pub fn check_prefix(prefix: &str) -> Result<(), String> {
     Ok(())
 }
 
-fn tag(key: &str) -> String {
+/// Appends the `<tag>` of `key` to `out`.
+fn push_tag(out: &mut String, key: &str) {
     if key.len() > HASH_ABOVE {
-        let digest = Sha256::digest(key.as_bytes());
-        let mut s = String::with_capacity(65);
-        s.push('#');
-        for b in digest {
-            s.push_str(&format!("{b:02x}"));
+        out.push('#');
+        for b in Sha256::digest(key.as_bytes()) {
+            let _ = write!(out, "{b:02x}");
         }
-        return s;
+        return;
     }
-    let mut s = String::with_capacity(key.len());
     for c in key.chars() {
         match c {
-            '%' => s.push_str("%25"),
-            '{' => s.push_str("%7B"),
-            '}' => s.push_str("%7D"),
-            '#' => s.push_str("%23"),
-            c => s.push(c),
+            '%' => out.push_str("%25"),
+            '{' => out.push_str("%7B"),
+            '}' => out.push_str("%7D"),
+            '#' => out.push_str("%23"),
+            c => out.push(c),
         }
     }
-    s
 }
 
-/// The Redis key of a bucket.
+/// The Redis key of a bucket, built in one allocation.
 pub fn redis_key(prefix: &str, b: &BucketSpec) -> String {
-    format!(
-        "{prefix}{}:{{{}}}:{}:{}:{}",
-        b.algorithm.tag(),
-        tag(&b.key),
-        b.capacity,
-        b.rate,
-        b.period_ms
-    )
+    // Room for the tag unescaped (or `#` and its hash) and three 20-digit numbers.
+    let tag = if b.key.len() > HASH_ABOVE {
+        65
+    } else {
+        b.key.len()
+    };
+    let mut out = String::with_capacity(prefix.len() + tag + 70);
+    out.push_str(prefix);
+    out.push_str(b.algorithm.tag());
+    out.push_str(":{");
+    push_tag(&mut out, &b.key);
+    let _ = write!(out, "}}:{}:{}:{}", b.capacity, b.rate, b.period_ms);
+    out
 }
 
 /// CRC16/XMODEM, the checksum Redis Cluster uses for slots.
