@@ -12,13 +12,20 @@
 #    installed, and by wrk (JSON over HTTP/1.1, one connection per in-flight request).
 # Prints decisions/s, the ratio to Redis alone, p50/p99 latency of a take, and the CPU each
 # process used (2 cores are shared by the load generator, the service and Redis).
+# 3. Memory: the service's RSS after that load (Redis store); Redis's used_memory per bucket (INFO
+#    memory before/after REDIS_BUCKETS distinct buckets taken through the service, token bucket and
+#    fixed window); a memory-store service's RSS before/after MEMORY_BUCKETS distinct buckets.
 # Everything listens on 127.0.0.1 (free ports) and is stopped at exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh # proc_mem, wrk_keys_lua, wrk_keys (the definitions below take precedence)
 
 CONCURRENCY=${CONCURRENCY:-32}
 SECS=${SECONDS_PER_RUN:-5}
+REDIS_BUCKETS=${REDIS_BUCKETS:-50000}
+MEMORY_BUCKETS=${MEMORY_BUCKETS:-100000}
 REDIS_SERVER=${TOLLGATE_REDIS_SERVER:-$ROOT/.tools/redis-server}
 REDIS_CLI=${TOLLGATE_REDIS_CLI:-$ROOT/.tools/redis-cli}
 OUT=${OUT:-$ROOT/bench-out}
@@ -197,8 +204,52 @@ fi
 measure "service, gRPC (loadgen, 4 h2 conns)" lg grpc 4
 measure "service, JSON over h2 (loadgen)" lg h2 4
 measure "service, JSON over HTTP/1.1 (wrk)" wrk_h1
+read -r SVC_RSS SVC_HWM < <(proc_mem "$SERVICE_PID")
 
 redis_alone
+
+# Memory per bucket. Each wrk_keys pass takes one token from each of N new buckets (keys mem-<i>),
+# with limits whose state outlives the measurement (a token bucket refills 1 of 10 tokens in 6 min; a
+# fixed window of one day), so none expires in between.
+MEM_ROWS=()
+redis_used() { "$REDIS_CLI" -p "$RP" INFO memory | awk -F: '/^used_memory:/ {print $2 + 0}'; }
+for alg in token_bucket fixed_window; do
+  [ "$REDIS_BUCKETS" -gt 0 ] || break
+  wrk_keys_lua "$OUT/keys-$alg.lua" POST /v1/take "" \
+    "{\"buckets\":[{\"key\":\"KEY\",\"capacity\":10,\"rate\":10,\"period_ms\":$([ $alg = token_bucket ] && echo 3600000 || echo 86400000),\"cost\":1,\"algorithm\":\"$alg\"}]}"
+  m0=$(redis_used); k0=$("$REDIS_CLI" -p "$RP" DBSIZE)
+  wrk_keys "$OUT/keys-$alg.lua" "$REDIS_BUCKETS" "mem-$alg-" "$OUT/wrk-keys-$alg.txt" "$CONCURRENCY" "http://127.0.0.1:$SP/v1/take"
+  m1=$(redis_used); k1=$("$REDIS_CLI" -p "$RP" DBSIZE)
+  sample=$("$REDIS_CLI" -p "$RP" KEYS "bench:*{mem-$alg-1}*" | head -1 || true)
+  non2xx=$(awk '/Non-2xx/{print $NF}' "$OUT/wrk-keys-$alg.txt"); [ -z "$non2xx" ] || die "wrk saw $non2xx non-2xx answers"
+  MEM_ROWS+=("$(awk -v a="$alg" -v m0="$m0" -v m1="$m1" -v k0="$k0" -v k1="$k1" -v s="$sample" 'BEGIN {
+    printf "| Redis used_memory, %s | %d keys | %+.1f MiB | **%.0f bytes** per bucket (key such as `%s`, %d bytes) |",
+      a, k1 - k0, (m1 - m0) / 1048576, (k1 > k0) ? (m1 - m0) / (k1 - k0) : 0, s, length(s) }')")
+  say "redis, $alg: $((k1 - k0)) new keys, used_memory $m0 -> $m1"
+done
+
+# The memory store: a second service without Redis.
+if [ "$MEMORY_BUCKETS" -gt 0 ]; then
+  MP=$(free_port)
+  "$SERVER" --listen "127.0.0.1:$MP" >"$OUT/service-memory.log" 2>&1 &
+  MEM_PID=$!; PIDS+=("$MEM_PID")
+  for _ in $(seq 100); do curl -sf "http://127.0.0.1:$MP/readyz" >/dev/null 2>&1 && break; sleep 0.05; done
+  curl -sf "http://127.0.0.1:$MP/readyz" >/dev/null || die "memory-store service not ready (see $OUT/service-memory.log)"
+  wrk_keys_lua "$OUT/keys-memory.lua" POST /v1/take "" \
+    '{"buckets":[{"key":"KEY","capacity":10,"rate":10,"period_ms":3600000,"cost":1}]}'
+  # Warm-up on 1,000 keys of their own (connections, tokio workers, the map's first growth).
+  wrk_keys "$OUT/keys-memory.lua" 1000 "warm-" "$OUT/wrk-keys-memory-warm.txt" "$CONCURRENCY" "http://127.0.0.1:$MP/v1/take"
+  read -r r0 _ < <(proc_mem "$MEM_PID")
+  d0=$(curl -sf "http://127.0.0.1:$MP/metrics" | awk '/^tollgate_decisions_total\{outcome="allowed"\}/{print $2}')
+  wrk_keys "$OUT/keys-memory.lua" "$MEMORY_BUCKETS" "mem-" "$OUT/wrk-keys-memory.txt" "$CONCURRENCY" "http://127.0.0.1:$MP/v1/take"
+  read -r r1 h1 < <(proc_mem "$MEM_PID")
+  d1=$(curl -sf "http://127.0.0.1:$MP/metrics" | awk '/^tollgate_decisions_total\{outcome="allowed"\}/{print $2}')
+  non2xx=$(awk '/Non-2xx/{print $NF}' "$OUT/wrk-keys-memory.txt"); [ -z "$non2xx" ] || die "wrk saw $non2xx non-2xx answers"
+  MEM_ROWS+=("$(awk -v n="$MEMORY_BUCKETS" -v d="$((${d1%.*} - ${d0%.*}))" -v r0="$r0" -v r1="$r1" -v h1="$h1" 'BEGIN {
+    printf "| service RSS, memory store | %d keys (%d takes) | %.1f → %.1f MiB (peak %.1f) | **%.0f bytes** per bucket |",
+      n, d, r0 / 1024, r1 / 1024, h1 / 1024, (r1 - r0) * 1024 / n }')")
+  say "memory store: RSS $r0 -> $r1 kB after $MEMORY_BUCKETS keys"
+fi
 
 ratio() { awk -v a="$1" -v b="$REDIS_BEST" 'BEGIN{printf "%.2f", a/b}'; }
 {
@@ -212,4 +263,11 @@ ratio() { awk -v a="$1" -v b="$REDIS_BEST" 'BEGIN{printf "%.2f", a/b}'; }
     printf '%s\n' "${RESULTS[$i]/RATIO/$(ratio "${RATES[$i]}")}"
   done
   printf '%s\n' "${REDIS_ROWS[1]/RATIO/$(ratio "$(echo "${REDIS_ROWS[1]}" | awk -F'|' '{print $3+0}')")}"
+  echo
+  echo "| memory | buckets | change | per bucket |"
+  echo "|---|---|---|---|"
+  printf '| service RSS, Redis store, after the runs above | – | %.1f MiB (peak %.1f) | – |\n' \
+    "$(awk -v k="$SVC_RSS" 'BEGIN{print k / 1024}')" "$(awk -v k="$SVC_HWM" 'BEGIN{print k / 1024}')"
+  [ ${#MEM_ROWS[@]} -eq 0 ] || printf '%s\n' "${MEM_ROWS[@]}"
+  echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 } | tee "$OUT/service-bench.md"
