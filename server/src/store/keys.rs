@@ -57,8 +57,26 @@ pub fn redis_key(prefix: &str, b: &BucketSpec) -> String {
     out.push_str(b.algorithm.tag());
     out.push_str(":{");
     push_tag(&mut out, &b.key);
-    let _ = write!(out, "}}:{}:{}:{}", b.capacity, b.rate, b.period_ms);
+    for (sep, n) in [("}:", b.capacity), (":", b.rate), (":", b.period_ms)] {
+        out.push_str(sep);
+        push_u64(&mut out, n);
+    }
     out
+}
+
+/// Appends `n` in decimal, without the `fmt` machinery (which cost more than the rest of the key).
+fn push_u64(out: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    for d in digits.iter_mut().rev() {
+        *d = b'0' + (n % 10) as u8;
+        start -= 1;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.push_str(std::str::from_utf8(digits.get(start..).unwrap_or_default()).unwrap_or_default());
 }
 
 /// CRC16/XMODEM, the checksum Redis Cluster uses for slots.
@@ -121,6 +139,12 @@ mod tests {
         let k = redis_key("", &spec(&long));
         assert!(k.starts_with("tb:{#") && k.len() < 100, "{k}");
         assert_eq!(redis_key("", &spec(&"x".repeat(100))).len(), 100 + 15);
+        let mut big = spec("n");
+        (big.capacity, big.rate, big.period_ms) = (u64::MAX, 0, 1_000_000_000);
+        assert_eq!(
+            redis_key("p:", &big),
+            format!("p:tb:{{n}}:{}:0:1000000000", u64::MAX)
+        );
     }
 
     #[test]
