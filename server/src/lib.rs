@@ -93,7 +93,7 @@ pub async fn run(
             tracing::debug!(error = %e, "TCP_NODELAY");
         }
     });
-    axum::serve(listener, app)
+    axum::serve(listener, axum::ServiceExt::into_make_service(app))
         .with_graceful_shutdown(shutdown)
         .await?;
     tracing::info!("stopped");

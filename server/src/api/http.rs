@@ -11,11 +11,12 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, FromRequestParts, Request, State};
 use axum::http::request::Parts;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use tower::ServiceExt;
+use tonic::server::NamedService;
+use tower::{Service, ServiceExt};
 
 use super::grpc::{pb::rate_limiter_server::RateLimiterServer, RateLimiterService};
 use super::json::{decode_request, error_body};
@@ -107,8 +108,15 @@ fn is_grpc(req: &Request) -> bool {
 }
 
 /// The whole application: JSON routes, the gRPC service, and at most `max_in_flight` requests
-/// being handled at once (more wait for a slot).
-pub fn router(api: Arc<Api>, max_in_flight: usize) -> Router {
+/// being handled at once (more wait for a slot). `axum::serve` runs it as it is (no outer
+/// `Router`): the switch is the only thing in front of the two services.
+pub fn router(
+    api: Arc<Api>,
+    max_in_flight: usize,
+) -> impl Service<Request, Response = Response, Error = Infallible, Future: Send + 'static>
+       + Clone
+       + Send
+       + 'static {
     let http = Router::new()
         .route("/v1/take", post(take))
         .route("/healthz", get(healthz))
@@ -116,25 +124,57 @@ pub fn router(api: Arc<Api>, max_in_flight: usize) -> Router {
         .route("/metrics", get(metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(api.clone());
-    let grpc = tonic::service::Routes::new(RateLimiterServer::new(RateLimiterService::new(api)))
-        .into_axum_router();
+    let server = RateLimiterServer::new(RateLimiterService::new(api));
+    // A call of one of our methods goes straight to the generated server, which dispatches on the
+    // full path itself (and answers an unknown method of the service with UNIMPLEMENTED). Any
+    // other gRPC path goes through tonic's router as before (UNIMPLEMENTED for unknown services):
+    // routing every call through it matched the path twice and captured it as a parameter.
+    let grpc = tonic::service::Routes::new(server.clone()).into_axum_router();
     let switch = tower::service_fn(move |req: Request| {
-        let (http, grpc) = (http.clone(), grpc.clone());
+        let (http, grpc, server) = (http.clone(), grpc.clone(), server.clone());
         async move {
-            let resp = if is_grpc(&req) {
-                grpc.oneshot(req).await
-            } else {
+            let head = req.method() == Method::HEAD;
+            let resp = if !is_grpc(&req) {
                 http.oneshot(req).await
+            } else if is_our_method(req.uri().path()) {
+                let resp = server.oneshot(req.map(tonic::body::Body::new)).await;
+                resp.map(|r| r.map(axum::body::Body::new))
+            } else {
+                grpc.oneshot(req).await
             };
             Ok::<Response, Infallible>(match resp {
-                Ok(r) => r,
+                Ok(r) => top_level(r, head),
                 Err(never) => match never {},
             })
         }
     });
-    Router::new()
-        .fallback_service(switch)
+    tower::ServiceBuilder::new()
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
             max_in_flight.max(1),
         ))
+        .service(switch)
+}
+
+/// What axum's `Router` did to every response when the switch was its fallback: a body of known
+/// size gets its `content-length`, and the answer to a `HEAD` has no body.
+fn top_level(mut resp: Response, head: bool) -> Response {
+    if !resp.headers().contains_key(header::CONTENT_LENGTH) {
+        if let Some(len) = axum::body::HttpBody::size_hint(resp.body()).exact() {
+            resp.headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        }
+    }
+    if head {
+        *resp.body_mut() = axum::body::Body::empty();
+    }
+    resp
+}
+
+/// `/tollgate.v1.RateLimiter/<method>` with a non-empty method: the paths tonic's router sends to
+/// the generated server.
+fn is_our_method(path: &str) -> bool {
+    path.strip_prefix('/')
+        .and_then(|p| p.strip_prefix(<RateLimiterServer<RateLimiterService> as NamedService>::NAME))
+        .and_then(|p| p.strip_prefix('/'))
+        .is_some_and(|method| !method.is_empty())
 }
