@@ -11,9 +11,13 @@
 #   lease     as http, with lease mode (lease size 100): most requests spend a local pool, no callout
 # The limit is high enough that every request is admitted, so what is measured is the per-request path.
 # CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (µs of CPU per request).
+# Memory: each variant's VmRSS/VmHWM and Envoy's server.memory_allocated/heap_size after start and after
+# the load. Then key churn: Envoys keyed on x-api-key with fallback.max_keys N (fbkeys-N: service down;
+# leasekeys-N: lease mode) take KEYS distinct keys twice over, memory read before and after each pass.
 #
-#   scripts/bench-envoy.sh                    # DURATION=5 CONNECTIONS=16 ROUNDS=3
-#   ROUNDS=1 scripts/bench-envoy.sh           # a single round
+#   scripts/bench-envoy.sh                    # DURATION=5 CONNECTIONS=16 ROUNDS=3 KEYS=20000
+#   ROUNDS=1 KEYS=0 scripts/bench-envoy.sh    # a single round, no key churn
+#   KEY_VARIANTS="fbkeys-500" scripts/bench-envoy.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
