@@ -54,7 +54,7 @@ image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; 
 run: build ## Start Redis, the service, Envoy with the filter and a demo upstream (Ctrl-C stops all)
 	@bash scripts/run.sh
 
-test: build image ## Every test: unit, service against real Redis, end-to-end with real Envoy
+test: build image lint ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
 	@bash scripts/test-summary.sh $(CARGO) test --locked --workspace --all-targets --no-fail-fast -- --test-threads=2
 
 unit: ## Unit tests only (no processes started)
