@@ -241,6 +241,17 @@ struct ClusterConn {
     conn: OnceCell<ClusterConnection>,
 }
 
+impl ClusterConn {
+    /// The cluster connection, made on first use (a handle to the shared, multiplexed one).
+    async fn get(&self) -> Result<ClusterConnection, StoreError> {
+        let c = self
+            .conn
+            .get_or_try_init(|| async { self.client.get_async_connection().await.map_err(map_err) })
+            .await?;
+        Ok(c.clone())
+    }
+}
+
 /// The Redis [`Store`]. Cheap to share behind an `Arc`.
 pub struct RedisStore {
     conn: Conn,
@@ -440,13 +451,7 @@ impl RedisStore {
                     evalsha(script, &cmd, &mut m).await.map_err(map_err)
                 }
                 Conn::Cluster(cc) => {
-                    let (client, conn) = (&cc.client, &cc.conn);
-                    let c = conn
-                        .get_or_try_init(|| async {
-                            client.get_async_connection().await.map_err(map_err)
-                        })
-                        .await?;
-                    let mut c = c.clone();
+                    let mut c = cc.get().await?;
                     evalsha(script, &cmd, &mut c).await.map_err(map_err)
                 }
             }
@@ -613,13 +618,7 @@ impl Store for RedisStore {
                         .map_err(map_err)
                 }
                 Conn::Cluster(cc) => {
-                    let (client, conn) = (&cc.client, &cc.conn);
-                    let c = conn
-                        .get_or_try_init(|| async {
-                            client.get_async_connection().await.map_err(map_err)
-                        })
-                        .await?;
-                    let mut c = c.clone();
+                    let mut c = cc.get().await?;
                     redis::cmd("PING")
                         .query_async::<String>(&mut c)
                         .await
