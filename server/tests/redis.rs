@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -271,34 +270,7 @@ impl Cluster {
                 )
             })
             .collect();
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let out = Command::new(common::redis_cli_bin())
-            .arg("--cluster")
-            .arg("create")
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "cluster create: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for n in &nodes {
-            loop {
-                let info = n.cmd(&["CLUSTER", "INFO"]).unwrap_or_default();
-                if info.contains("cluster_state:ok") {
-                    break;
-                }
-                assert!(Instant::now() < deadline, "cluster not ok: {info}");
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
+        common::create_cluster(&nodes, &[]);
         Cluster { nodes }
     }
 

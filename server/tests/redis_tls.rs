@@ -653,41 +653,15 @@ async fn tls_redis_cluster_with_a_private_ca() {
             )
         })
         .collect();
-    let addrs: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
-    let out = Command::new(common::redis_cli_bin())
-        .args(["--tls", "--cacert", &pki.path("ca.crt")])
-        .args([
-            "--cert",
-            &pki.path("node.crt"),
-            "--key",
-            &pki.path("node.key"),
-        ])
-        .args(["--cluster", "create"])
-        .args(&addrs)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("redis-cli --cluster create");
-    assert!(
-        out.status.success(),
-        "cluster create: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (ca, cert, key) = (
+        pki.path("ca.crt"),
+        pki.path("node.crt"),
+        pki.path("node.key"),
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    for n in &nodes {
-        loop {
-            let info = n.cmd(&["CLUSTER", "INFO"]).unwrap_or_default();
-            if info.contains("cluster_state:ok") {
-                break;
-            }
-            assert!(Instant::now() < deadline, "cluster not ok: {info}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
+    common::create_cluster(
+        &nodes,
+        &["--tls", "--cacert", &ca, "--cert", &cert, "--key", &key],
+    );
     let store = RedisStore::new(RedisConfig {
         url: None,
         cluster: vec![format!("rediss://127.0.0.1:{}", nodes[0].port)],

@@ -15,6 +15,41 @@ use tollgate_server::store::redis::{RedisConfig, RedisStore};
 use tollgate_server::store::Store;
 use tollgate_server::{run, ServiceConfig};
 
+/// Joins `nodes` (started with `--cluster-enabled yes`) into a cluster of masters with
+/// `redis-cli --cluster create` (`cli` goes before it, e.g. `--tls --cacert ...`), and waits until
+/// every node reports `cluster_state:ok`.
+pub fn create_cluster(nodes: &[RedisProc], cli: &[&str]) {
+    let addrs: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("127.0.0.1:{}", n.port))
+        .collect();
+    let out = Command::new(redis_cli_bin())
+        .args(cli)
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("redis-cli --cluster create");
+    assert!(
+        out.status.success(),
+        "cluster create: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for n in nodes {
+        loop {
+            let info = n.cmd(&["CLUSTER", "INFO"]).unwrap_or_default();
+            if info.contains("cluster_state:ok") {
+                break;
+            }
+            assert!(Instant::now() < deadline, "cluster not ok: {info}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
 /// The workspace root (server/..).
 pub fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
