@@ -24,15 +24,20 @@ pub struct State {
     pub open_until_ms: u64,
     /// Current open interval (doubles after each failed probe).
     pub interval_ms: u64,
+    /// Until when fallback debts may be outstanding (0: none): while it lasts, callouts carry
+    /// them ([`crate::core::fallback::attach_debts`]). Kept here because every request reads
+    /// this entry anyway.
+    pub debt_until_ms: u64,
 }
 
 impl State {
-    /// Serialised form (20 bytes, little endian).
+    /// Serialised form (28 bytes, little endian).
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(20);
+        let mut v = Vec::with_capacity(28);
         v.extend_from_slice(&self.failures.to_le_bytes());
         v.extend_from_slice(&self.open_until_ms.to_le_bytes());
         v.extend_from_slice(&self.interval_ms.to_le_bytes());
+        v.extend_from_slice(&self.debt_until_ms.to_le_bytes());
         v
     }
 
@@ -48,10 +53,15 @@ impl State {
         o8.copy_from_slice(o);
         let mut i8 = [0u8; 8];
         i8.copy_from_slice(i);
+        let mut d8 = [0u8; 8];
+        if let Some(d) = b.get(20..28) {
+            d8.copy_from_slice(d);
+        }
         State {
             failures: u32::from_le_bytes(f4),
             open_until_ms: u64::from_le_bytes(o8),
             interval_ms: u64::from_le_bytes(i8),
+            debt_until_ms: u64::from_le_bytes(d8),
         }
     }
 
@@ -102,10 +112,14 @@ pub fn admit(cfg: &Breaker, s: State, now_ms: u64) -> (Admission, Option<State>)
 
 /// The state after a successful callout (`None`: nothing to store).
 pub fn on_success(s: State) -> (Option<State>, Event) {
+    let closed = State {
+        debt_until_ms: s.debt_until_ms,
+        ..State::default()
+    };
     if s.is_open() {
-        (Some(State::default()), Event::Closed)
+        (Some(closed), Event::Closed)
     } else if s.failures != 0 {
-        (Some(State::default()), Event::None)
+        (Some(closed), Event::None)
     } else {
         (None, Event::None)
     }
@@ -129,6 +143,7 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             failures: s.failures,
             open_until_ms: now_ms.saturating_add(interval),
             interval_ms: interval,
+            debt_until_ms: s.debt_until_ms,
         };
         return (Some(next), Event::Reopened);
     }
@@ -138,12 +153,14 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             failures,
             open_until_ms: now_ms.saturating_add(cfg.open_ms),
             interval_ms: cfg.open_ms,
+            debt_until_ms: s.debt_until_ms,
         };
         (Some(next), Event::Opened)
     } else {
         (
             Some(State {
                 failures,
+                debt_until_ms: s.debt_until_ms,
                 ..State::default()
             }),
             Event::None,
@@ -151,24 +168,45 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
     }
 }
 
-/// [`admit`] against the shared state. A probe is granted to exactly one caller: the CAS write
-/// that re-arms the interval succeeds for one worker; the others re-read and see it open.
-pub fn admit_shared<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -> Admission {
-    if cfg.failures == 0 {
-        return Admission::Call;
-    }
+/// [`admit`] against the shared state, and whether fallback debts may be outstanding (one read
+/// answers both). A probe is granted to exactly one caller: the CAS write that re-arms the
+/// interval succeeds for one worker; the others re-read and see it open.
+pub fn admit_shared<S: CasStore + ?Sized>(
+    store: &S,
+    cfg: &Breaker,
+    now_ms: u64,
+) -> (Admission, bool) {
     let u = update(store, KEY, |cur| {
-        match admit(cfg, State::decode(cur), now_ms) {
-            (a, Some(next)) => Step::Write(next.encode(), a),
-            (a, None) => Step::Keep(a),
+        let s = State::decode(cur);
+        let debt = now_ms < s.debt_until_ms;
+        match admit(cfg, s, now_ms) {
+            (a, Some(next)) => Step::Write(next.encode(), (a, debt)),
+            (a, None) => Step::Keep((a, debt)),
         }
     });
     if u.stored {
         u.value
     } else {
         // Could not claim the probe: someone else is probing.
-        Admission::Reject
+        (Admission::Reject, u.value.1)
     }
+}
+
+/// Records that the fallback admitted on credit: debts may be outstanding until `until_ms`.
+/// Written only when it extends the mark by more than a second, so an outage costs about one
+/// write per second here.
+pub fn mark_debt<S: CasStore + ?Sized>(store: &S, until_ms: u64) {
+    update(store, KEY, |cur| {
+        let s = State::decode(cur);
+        if s.debt_until_ms.saturating_add(1000) >= until_ms {
+            return Step::Keep(());
+        }
+        let next = State {
+            debt_until_ms: until_ms,
+            ..s
+        };
+        Step::Write(next.encode(), ())
+    });
 }
 
 /// Records a callout's result against the shared state.
@@ -224,10 +262,10 @@ mod tests {
         );
         assert_eq!(record_shared(&s, &CFG, 0, false, false), Event::None);
         assert_eq!(record_shared(&s, &CFG, 0, false, false), Event::None);
-        assert_eq!(admit_shared(&s, &CFG, 0), Admission::Call);
+        assert_eq!(admit_shared(&s, &CFG, 0).0, Admission::Call);
         assert_eq!(record_shared(&s, &CFG, 1000, false, false), Event::Opened);
-        assert_eq!(admit_shared(&s, &CFG, 1000), Admission::Reject);
-        assert_eq!(admit_shared(&s, &CFG, 1099), Admission::Reject);
+        assert_eq!(admit_shared(&s, &CFG, 1000).0, Admission::Reject);
+        assert_eq!(admit_shared(&s, &CFG, 1099).0, Admission::Reject);
     }
 
     #[test]
@@ -237,9 +275,9 @@ mod tests {
             record_shared(&s, &CFG, 0, false, false);
         }
         // open until 100
-        assert_eq!(admit_shared(&s, &CFG, 100), Admission::Probe);
+        assert_eq!(admit_shared(&s, &CFG, 100).0, Admission::Probe);
         assert_eq!(
-            admit_shared(&s, &CFG, 101),
+            admit_shared(&s, &CFG, 101).0,
             Admission::Reject,
             "one probe at a time"
         );
@@ -248,14 +286,14 @@ mod tests {
         assert_eq!(record_shared(&s, &CFG, 150, false, true), Event::Reopened);
         let st = State::decode(s.get(KEY).map(|v| v.0).as_deref());
         assert_eq!((st.interval_ms, st.open_until_ms), (200, 350));
-        assert_eq!(admit_shared(&s, &CFG, 349), Admission::Reject);
-        assert_eq!(admit_shared(&s, &CFG, 350), Admission::Probe);
+        assert_eq!(admit_shared(&s, &CFG, 349).0, Admission::Reject);
+        assert_eq!(admit_shared(&s, &CFG, 350).0, Admission::Probe);
         record_shared(&s, &CFG, 350, false, true);
         let st = State::decode(s.get(KEY).map(|v| v.0).as_deref());
         assert_eq!(st.interval_ms, 350, "capped at max_open_ms");
-        assert_eq!(admit_shared(&s, &CFG, 700), Admission::Probe);
+        assert_eq!(admit_shared(&s, &CFG, 700).0, Admission::Probe);
         assert_eq!(record_shared(&s, &CFG, 701, true, true), Event::Closed);
-        assert_eq!(admit_shared(&s, &CFG, 702), Admission::Call);
+        assert_eq!(admit_shared(&s, &CFG, 702).0, Admission::Call);
         // After closing, it takes `failures` failures again, and starts from open_ms.
         for _ in 0..2 {
             assert_eq!(record_shared(&s, &CFG, 800, false, false), Event::None);
@@ -271,9 +309,9 @@ mod tests {
         for _ in 0..3 {
             record_shared(&s, &CFG, 0, false, false);
         }
-        assert_eq!(admit_shared(&s, &CFG, 100), Admission::Probe);
+        assert_eq!(admit_shared(&s, &CFG, 100).0, Admission::Probe);
         // The probe never reports (its VM died); the next interval gives another probe.
-        assert_eq!(admit_shared(&s, &CFG, 200), Admission::Probe);
+        assert_eq!(admit_shared(&s, &CFG, 200).0, Admission::Probe);
     }
 
     #[test]
@@ -282,7 +320,7 @@ mod tests {
         let s = FakeStore::default();
         for _ in 0..10 {
             assert_eq!(record_shared(&s, &off, 0, false, false), Event::None);
-            assert_eq!(admit_shared(&s, &off, 0), Admission::Call);
+            assert_eq!(admit_shared(&s, &off, 0).0, Admission::Call);
         }
         assert_eq!(s.writes.get(), 0);
     }
@@ -291,10 +329,33 @@ mod tests {
     fn steady_success_does_not_write() {
         let s = FakeStore::default();
         for _ in 0..10 {
-            admit_shared(&s, &CFG, 0);
+            let _ = admit_shared(&s, &CFG, 0);
             record_shared(&s, &CFG, 0, true, false);
         }
         assert_eq!(s.writes.get(), 0, "the hot path only reads");
+    }
+
+    #[test]
+    fn the_debt_mark_survives_transitions_and_lapses() {
+        let s = FakeStore::default();
+        assert!(!admit_shared(&s, &CFG, 0).1);
+        mark_debt(&s, 10_000);
+        let writes = s.writes.get();
+        mark_debt(&s, 10_500);
+        assert_eq!(s.writes.get(), writes, "less than a second later: no write");
+        for _ in 0..3 {
+            record_shared(&s, &CFG, 0, false, false);
+        }
+        assert_eq!(admit_shared(&s, &CFG, 50), (Admission::Reject, true));
+        record_shared(&s, &CFG, 200, true, true);
+        assert_eq!(admit_shared(&s, &CFG, 9_999), (Admission::Call, true));
+        assert_eq!(admit_shared(&s, &CFG, 10_000), (Admission::Call, false));
+        let off = Breaker { failures: 0, ..CFG };
+        mark_debt(&s, 20_000);
+        assert!(
+            admit_shared(&s, &off, 15_000).1,
+            "read with the breaker off too"
+        );
     }
 
     #[test]
@@ -304,7 +365,7 @@ mod tests {
             record_shared(&s, &CFG, 0, false, false);
         }
         s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
-        assert_eq!(admit_shared(&s, &CFG, 100), Admission::Reject);
+        assert_eq!(admit_shared(&s, &CFG, 100).0, Admission::Reject);
     }
 
     #[test]
@@ -313,6 +374,7 @@ mod tests {
             failures: 7,
             open_until_ms: u64::MAX,
             interval_ms: 3,
+            debt_until_ms: 9,
         };
         assert_eq!(State::decode(Some(&st.encode())), st);
         assert_eq!(State::decode(Some(&[1, 2, 3])), State::default());

@@ -17,6 +17,8 @@ pub const MICRO: u64 = 1_000_000;
 pub struct Limits {
     /// Local capacity in whole tokens (already divided by `instances`).
     pub capacity: u64,
+    /// The global capacity the local one was divided from (part of the bucket's identity).
+    pub global: u64,
     /// Global tokens per period (divided by `divisor` during refill).
     pub rate: u64,
     /// Period in ms.
@@ -39,6 +41,7 @@ impl Limits {
         let divisor = instances.max(1);
         Limits {
             capacity: capacity / divisor,
+            global: capacity,
             rate: rate.max(1),
             period_ms: period_ms.max(1),
             divisor,
@@ -96,11 +99,8 @@ fn take_token_bucket(
     let (mut tokens, stamp) = match state {
         None => (cap, now_ms),
         Some(s) => {
-            // A clock that steps back refills nothing (and does not refill twice later).
-            let elapsed = now_ms.saturating_sub(s.stamp);
-            let refill = u128::from(elapsed) * u128::from(l.rate) * u128::from(MICRO)
-                / (u128::from(l.period_ms) * u128::from(l.divisor)).max(1);
-            ((u128::from(s.level) + refill).min(cap), s.stamp.max(now_ms))
+            let s = project(l, s, now_ms);
+            (u128::from(s.level), s.stamp)
         }
     };
     let need = u128::from(cost) * u128::from(MICRO);
@@ -169,6 +169,77 @@ fn take_fixed_window(
         },
         result,
     )
+}
+
+/// The state at `now_ms` with nothing taken: a token bucket refilled (never above capacity), a
+/// fixed window moved to the current window (its count reset when the window changed). A clock
+/// that steps back refills nothing (and does not refill twice later).
+pub fn project(l: &Limits, s: State, now_ms: u64) -> State {
+    match l.algorithm {
+        Algorithm::TokenBucket => {
+            let cap = u128::from(l.capacity) * u128::from(MICRO);
+            let elapsed = now_ms.saturating_sub(s.stamp);
+            let refill = u128::from(elapsed) * u128::from(l.rate) * u128::from(MICRO)
+                / (u128::from(l.period_ms) * u128::from(l.divisor)).max(1);
+            State {
+                level: to_u64((u128::from(s.level) + refill).min(cap)),
+                stamp: s.stamp.max(now_ms),
+            }
+        }
+        Algorithm::FixedWindow => {
+            let window = now_ms / l.period_ms.max(1);
+            if s.stamp == window {
+                s
+            } else {
+                State {
+                    level: 0,
+                    stamp: window,
+                }
+            }
+        }
+    }
+}
+
+/// This proxy's share, at `now_ms`, of a global bucket that an answer reported holding
+/// `remaining` whole tokens, less `debt` tokens this proxy admitted on its own and still owes:
+/// `remaining / divisor − debt` tokens (token bucket), or the window's count that leaves that
+/// many (fixed window). Never more than the local capacity.
+pub fn share(l: &Limits, remaining: u64, debt: u64, now_ms: u64) -> State {
+    let share = (remaining / l.divisor.max(1)).min(l.capacity);
+    let left = share.saturating_sub(debt);
+    match l.algorithm {
+        Algorithm::TokenBucket => State {
+            level: left.saturating_mul(MICRO),
+            stamp: now_ms,
+        },
+        Algorithm::FixedWindow => State {
+            level: l.capacity - left,
+            stamp: now_ms / l.period_ms.max(1),
+        },
+    }
+}
+
+/// Whole tokens a state holds at `now_ms` (what a take of that many could pay).
+pub fn available(l: &Limits, s: State, now_ms: u64) -> u64 {
+    let p = project(l, s, now_ms);
+    match l.algorithm {
+        Algorithm::TokenBucket => p.level / MICRO,
+        Algorithm::FixedWindow => l.capacity.saturating_sub(p.level),
+    }
+}
+
+/// The stricter of two states of one bucket at `now_ms` (the one that holds fewer tokens).
+pub fn stricter(l: &Limits, a: State, b: State, now_ms: u64) -> State {
+    let (a, b) = (project(l, a, now_ms), project(l, b, now_ms));
+    let a_holds = match l.algorithm {
+        Algorithm::TokenBucket => a.level <= b.level,
+        Algorithm::FixedWindow => a.level >= b.level,
+    };
+    if a_holds {
+        a
+    } else {
+        b
+    }
 }
 
 /// Gives back `cost` tokens taken earlier (all-or-nothing across several buckets).
@@ -286,6 +357,7 @@ mod tests {
         for algorithm in [Algorithm::TokenBucket, Algorithm::FixedWindow] {
             let l = Limits {
                 capacity: 0,
+                global: 0,
                 rate: 0,
                 period_ms: 0,
                 divisor: 0,

@@ -24,6 +24,38 @@ pub struct Plan {
     pub request: TakeRequest,
     /// For bucket `i`, the index of its rule in `Config::rules`.
     pub rules: Vec<usize>,
+    /// For bucket `i`, the tokens it owes from the fallback and carries in its `lease` on top of
+    /// what it asks for itself (empty: none; see [`crate::core::fallback`]).
+    pub debt: Vec<u64>,
+}
+
+impl Plan {
+    /// The debt bucket `i` carries.
+    pub fn debt(&self, i: usize) -> u64 {
+        self.debt.get(i).copied().unwrap_or(0)
+    }
+
+    /// The `lease` bucket `i` asks for itself (its `lease` less the debt it carries; `None` when
+    /// it asks for its cost only).
+    pub fn own_lease(&self, i: usize) -> Option<u64> {
+        let b = self.request.buckets.get(i)?;
+        let cost = b.cost.unwrap_or(1);
+        b.lease
+            .map(|l| l.saturating_sub(self.debt(i)))
+            .filter(|&l| l > cost)
+    }
+
+    /// Of `granted` tokens charged to bucket `i`, those that repaid its debt: what was charged
+    /// beyond its cost, up to the debt (the debt is repaid before a lease is filled).
+    pub fn repaid(&self, i: usize, granted: u64) -> u64 {
+        let cost = self
+            .request
+            .buckets
+            .get(i)
+            .and_then(|b| b.cost)
+            .unwrap_or(1);
+        self.debt(i).min(granted.saturating_sub(cost))
+    }
 }
 
 /// What to do with a request's headers.
@@ -40,6 +72,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
     let mut plan = Plan {
         request: TakeRequest::default(),
         rules: Vec::new(),
+        debt: Vec::new(),
     };
     for (i, rule) in cfg.rules.iter().enumerate() {
         if !matches(&rule.matcher, req) {
@@ -625,6 +658,7 @@ mod tests {
         // Fallback: capacity 2 per key, shared through the store.
         let c = cfg(r#","failure_mode":"fallback""#);
         let store = FakeStore::default();
+        crate::core::fallback::prepare(&store, c.fallback.max_keys);
         let p = p_for(&c);
         let ds: Vec<Decision> = (0..3)
             .map(|_| resolve(&c, &p, &failed, &store, 0).decision)
@@ -652,6 +686,7 @@ mod tests {
         // instances divides the local capacity: 2 / 2 = 1.
         let c = cfg(r#","fallback":{"instances":2}"#);
         let store = FakeStore::default();
+        crate::core::fallback::prepare(&store, c.fallback.max_keys);
         let p = p_for(&c);
         let ds: Vec<Decision> = (0..2)
             .map(|_| resolve(&c, &p, &failed, &store, 0).decision)

@@ -1,23 +1,50 @@
-//! Local fallback buckets, shared by every worker thread through a [`CasStore`].
+//! Local fallback buckets, shared by every worker thread through a [`CasStore`]: what a proxy
+//! admits when the service cannot be asked, and what it remembers so that it never overshoots.
 //!
-//! Bounded by construction: a fixed table of `max_keys` slots, one shared-data entry per slot
-//! (`tollgate.fb.<n>`). A bucket lives in the slot its identity hashes to; a different bucket
-//! hashing to the same slot evicts it (and starts full). Memory is therefore at most `max_keys`
-//! entries of [`SLOT_BYTES`] bytes, whatever clients send. The identity is a SHA-256 of the key
-//! and the local limits, so a crafted key cannot pose as another bucket.
+//! **A share, not a fresh bucket.** Each bucket's slot holds this proxy's share of the global
+//! bucket: `capacity / N` tokens at most, refilled at `rate / N`. It is kept current from the
+//! service's answers ([`remember`]): after every answer the share is at most the answer's
+//! `remaining / N` (less what this proxy still owes), so when the service stops answering the
+//! fallback continues from what the fleet last knew, not from a full bucket. A key the proxy never
+//! saw starts from the static split (`capacity / N`, full).
 //!
-//! A request's buckets are taken one by one; if one denies, those already charged are refunded,
-//! which approximates the service's all-or-nothing take.
+//! **Debt.** Every token the fallback admits is also recorded as owed (`debt`): the global bucket
+//! never saw it. The next callouts for that bucket carry the debt as a lease (`lease = cost +
+//! debt`, [`attach_debts`]): the service then charges up to `debt` extra tokens from what the
+//! global bucket holds, and the answer's `granted − cost` is the part repaid ([`remember`]). So
+//! tokens admitted during an outage are charged to the global bucket once it answers again, and
+//! the fleet does not spend the same refill twice (once locally, once globally). A timed-out take
+//! that Redis applied anyway is charged twice (stricter, never looser).
+//!
+//! **Bounded, and collisions only make it stricter.** A fixed table of `max_keys` slots
+//! (`tollgate.fb.<n>`), created ahead of use by [`prepare`] (shared data has no "insert if
+//! absent", so a slot first written by two workers at once would lose one write). A bucket lives
+//! in the slot its identity hashes to; every write is a CAS on the slot's version. When another
+//! bucket holds the slot, a newcomer takes it over **starting empty** (it refills from then on),
+//! unless the holder still owes tokens, in which case the newcomer is denied and the holder keeps
+//! its slot. So no pattern of keys can produce a fresh full bucket for a key already in use: only
+//! a slot never used yet (vacant) starts full. A take whose charge could not be stored (CAS gave
+//! up, or the slot does not exist) is denied: nothing is admitted without a stored charge.
+//!
+//! Layout: the slot scheme ([`slot`], [`slot_in`], [`prepare`]); the record ([`Entry`]); the
+//! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
+//! ([`take_all`], [`attach_debts`], [`remember`]).
 
-use crate::core::bucket::{self, Limits, State};
-use crate::core::config::Algorithm;
+use crate::core::bucket::{self, Limits, State, MICRO};
+use crate::core::config::{Algorithm, Config, FailureMode};
+use crate::core::decide::{Outcome, Plan};
 use crate::core::hash::sha256;
 use crate::core::store::{update, CasStore, Step};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
-/// Stored bytes per slot: version, 16-byte identity, level, stamp.
-pub const SLOT_BYTES: usize = 1 + 16 + 8 + 8;
-const FORMAT: u8 = 1;
+/// Shared-data table of the fallback shares.
+pub const TABLE: &str = "tollgate.fb";
+/// Stored bytes per slot: format, flags, 16-byte identity, level, stamp, debt.
+pub const SLOT_BYTES: usize = 2 + 16 + 3 * 8;
+const FORMAT: u8 = 2;
+const OCCUPIED: u8 = 1;
+/// The largest debt a callout carries (the contract's bound on `lease` is 1e9).
+const MAX_LEASE: u64 = 1_000_000_000;
 
 /// One bucket's place in the table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,18 +55,19 @@ pub struct Slot {
     pub id: [u8; 16],
 }
 
-/// The slot of a fallback bucket (table `tollgate.fb`).
+/// The slot of a fallback bucket (table [`TABLE`]).
 pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
-    slot_in("tollgate.fb", key, l, max_keys)
+    slot_in(TABLE, key, l, max_keys)
 }
 
-/// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The lease pools
-/// ([`crate::core::lease`]) use the same scheme in a table of their own.
+/// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The identity
+/// covers the key and the global limits (not the number of proxies), like the service's bucket
+/// identity. The lease pools ([`crate::core::lease`]) use the same scheme in a table of their own.
 pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
     let mut material = Vec::with_capacity(key.len() + 48);
     material.extend_from_slice(key.as_bytes());
     material.push(0);
-    for v in [l.capacity, l.rate, l.period_ms, l.divisor] {
+    for v in [l.global, l.rate, l.period_ms] {
         material.extend_from_slice(&v.to_le_bytes());
     }
     material.push(match l.algorithm {
@@ -58,33 +86,139 @@ pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
     }
 }
 
-fn encode(id: &[u8; 16], s: State) -> Vec<u8> {
-    let mut v = Vec::with_capacity(SLOT_BYTES);
-    v.push(FORMAT);
-    v.extend_from_slice(id);
-    v.extend_from_slice(&s.level.to_le_bytes());
-    v.extend_from_slice(&s.stamp.to_le_bytes());
+/// Creates the slots `<table>.0 .. <table>.<max_keys - 1>` that do not exist yet, as vacant
+/// records (`vacant`, of the table's own format), so that every later write is a CAS on an
+/// existing entry. Called at configuration time by every VM; `<table>.ready` remembers the
+/// largest table prepared so later VMs skip the walk. Two VMs preparing at once both write the
+/// same vacant record, which is harmless; a worker only ever writes a slot that exists.
+pub fn prepare_table<S: CasStore + ?Sized>(store: &S, table: &str, max_keys: u32, vacant: &[u8]) {
+    let ready = format!("{table}.ready");
+    let done = store
+        .get(&ready)
+        .and_then(|(v, _)| {
+            v.get(..4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        })
+        .unwrap_or(0);
+    if done >= max_keys {
+        return;
+    }
+    for n in 0..max_keys {
+        let name = format!("{table}.{n}");
+        if store.get(&name).is_none() {
+            let _ = store.set(&name, vacant, None);
+        }
+    }
+    let _ = store.set(&ready, &max_keys.to_le_bytes(), None);
+}
+
+/// [`prepare_table`] for the fallback table.
+pub fn prepare<S: CasStore + ?Sized>(store: &S, max_keys: u32) {
+    prepare_table(store, TABLE, max_keys, &vacant());
+}
+
+/// Creates the tables a configuration uses (fallback shares, lease pools) before any request.
+pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) {
+    if enabled(cfg) {
+        prepare(store, cfg.fallback.max_keys);
+    }
+    if cfg.rules.iter().any(|r| r.lease.is_some()) {
+        // A lease pool decodes anything that is not one of its own records as an empty pool.
+        prepare_table(
+            store,
+            crate::core::lease::TABLE,
+            cfg.fallback.max_keys,
+            &[0],
+        );
+    }
+}
+
+/// The prefix of every shared-data name a configuration uses: a digest of the service cluster.
+/// Fallback shares, lease pools and the breaker describe that service's buckets (identified by key
+/// and limits, like the service's own), so a configuration push that keeps the cluster keeps them,
+/// and two plugins calling one service share them; memory stays bounded by the largest table.
+pub fn state_prefix(cfg: &Config) -> String {
+    let digest = crate::core::hash::sha256_hex(cfg.service.cluster.as_bytes());
+    format!("{}/", digest.get(..12).unwrap_or(&digest))
+}
+
+/// What a slot holds, as seen by bucket `id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Entry {
+    /// The slot does not exist (not prepared): nothing can be stored in it.
+    Missing,
+    /// Never used: a bucket starts here full.
+    Vacant,
+    /// This bucket's share and what it owes.
+    Ours(State, u64),
+    /// Another bucket's (or unreadable): a newcomer starts empty; `debt` is what the holder owes.
+    Other {
+        /// Tokens the holder still owes.
+        debt: u64,
+    },
+}
+
+fn vacant() -> Vec<u8> {
+    let mut v = vec![0u8; SLOT_BYTES];
+    if let Some(f) = v.first_mut() {
+        *f = FORMAT;
+    }
     v
 }
 
-/// The state stored in a slot, if it belongs to bucket `id` (else the bucket is new or evicted).
-fn decode(id: &[u8; 16], bytes: Option<&[u8]>) -> Option<State> {
-    let b = bytes?;
-    if b.len() != SLOT_BYTES || b.first() != Some(&FORMAT) || b.get(1..17)? != id {
-        return None;
-    }
-    let mut level = [0u8; 8];
-    level.copy_from_slice(b.get(17..25)?);
-    let mut stamp = [0u8; 8];
-    stamp.copy_from_slice(b.get(25..33)?);
-    Some(State {
-        level: u64::from_le_bytes(level),
-        stamp: u64::from_le_bytes(stamp),
-    })
+fn encode(id: &[u8; 16], s: State, debt: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(SLOT_BYTES);
+    v.push(FORMAT);
+    v.push(OCCUPIED);
+    v.extend_from_slice(id);
+    v.extend_from_slice(&s.level.to_le_bytes());
+    v.extend_from_slice(&s.stamp.to_le_bytes());
+    v.extend_from_slice(&debt.to_le_bytes());
+    v
 }
 
-/// Takes `cost` from one local bucket. When the CAS loop gives up under contention the computed
-/// decision is still returned (not stored): the fallback is an approximation by design.
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(b.get(at..at + 8)?);
+    Some(u64::from_le_bytes(w))
+}
+
+fn decode(id: &[u8; 16], bytes: Option<&[u8]>) -> Entry {
+    let Some(b) = bytes else {
+        return Entry::Missing;
+    };
+    if b.len() != SLOT_BYTES || b.first() != Some(&FORMAT) {
+        return Entry::Other { debt: 0 };
+    }
+    if b.get(1) != Some(&OCCUPIED) {
+        return Entry::Vacant;
+    }
+    let (Some(level), Some(stamp), Some(debt)) = (u64_at(b, 18), u64_at(b, 26), u64_at(b, 34))
+    else {
+        return Entry::Other { debt: 0 };
+    };
+    if b.get(2..18) == Some(id.as_slice()) {
+        Entry::Ours(State { level, stamp }, debt)
+    } else {
+        Entry::Other { debt }
+    }
+}
+
+/// A denial for a take that could not be stored or whose slot is held by a debtor: come back in
+/// a period, when the local share has refilled.
+fn unstored(l: &Limits) -> BucketResult {
+    BucketResult {
+        allowed: false,
+        limit: l.capacity,
+        remaining: 0,
+        reset_ms: l.period_ms,
+        retry_after_ms: l.period_ms.max(1),
+        granted: 0,
+    }
+}
+
+/// Takes `cost` from one bucket's local share; an admitted cost is added to the bucket's debt.
+/// Denied when the charge could not be stored.
 pub fn take<S: CasStore + ?Sized>(
     store: &S,
     key: &str,
@@ -94,21 +228,114 @@ pub fn take<S: CasStore + ?Sized>(
     cost: u64,
 ) -> BucketResult {
     let slot = slot(key, l, max_keys);
-    update(store, &slot.name, |cur| {
-        let (state, result) = bucket::take(l, decode(&slot.id, cur), now_ms, cost);
-        Step::Write(encode(&slot.id, state), result)
-    })
-    .value
+    let done = update(store, &slot.name, |cur| {
+        let (state, debt) = match decode(&slot.id, cur) {
+            Entry::Missing => return Step::Keep(None),
+            // The holder owes tokens: it keeps its slot, the newcomer gets nothing.
+            Entry::Other { debt } if debt > 0 => return Step::Keep(None),
+            Entry::Vacant => (None, 0),
+            // Taken over: the newcomer starts empty, never full.
+            Entry::Other { .. } => (
+                Some(State {
+                    level: 0,
+                    stamp: now_ms,
+                }),
+                0,
+            ),
+            Entry::Ours(s, d) => (Some(s), d),
+        };
+        let (state, result) = bucket::take(l, state, now_ms, cost);
+        let debt = if result.allowed {
+            debt.saturating_add(cost)
+        } else {
+            debt
+        };
+        Step::Write(encode(&slot.id, state, debt), Some(result))
+    });
+    match done.value {
+        Some(r) if done.stored => r,
+        _ => unstored(l),
+    }
 }
 
-/// Gives `cost` back to a bucket charged earlier in the same request (skipped if it was evicted
-/// meanwhile).
+/// Gives `cost` back to a bucket charged earlier in the same request (skipped if another bucket
+/// took the slot meanwhile), and forgives it in the debt.
 pub fn refund<S: CasStore + ?Sized>(store: &S, key: &str, l: &Limits, max_keys: u32, cost: u64) {
     let slot = slot(key, l, max_keys);
     update(store, &slot.name, |cur| match decode(&slot.id, cur) {
-        Some(s) => Step::Write(encode(&slot.id, bucket::refund(l, s, cost)), ()),
-        None => Step::Keep(()),
+        Entry::Ours(s, d) => Step::Write(
+            encode(&slot.id, bucket::refund(l, s, cost), d.saturating_sub(cost)),
+            (),
+        ),
+        _ => Step::Keep(()),
     });
+}
+
+/// What bucket `key` still owes the global bucket (0 when its slot holds another bucket).
+pub fn owed<S: CasStore + ?Sized>(store: &S, key: &str, l: &Limits, max_keys: u32) -> u64 {
+    let slot = slot(key, l, max_keys);
+    let cur = store.get(&slot.name);
+    match decode(&slot.id, cur.as_ref().map(|(v, _)| v.as_slice())) {
+        Entry::Ours(_, d) => d,
+        _ => 0,
+    }
+}
+
+/// Keeps one bucket's share in line with an answer from the service: the share becomes at most
+/// `remaining / N − debt` (after `repaid` tokens of the debt were charged by this answer), and is
+/// never raised by an answer (refill does that). Writes only when the share drops by more than a
+/// token or the debt changed, so a steady bucket costs one read per answer.
+pub fn remember_one<S: CasStore + ?Sized>(
+    store: &S,
+    key: &str,
+    l: &Limits,
+    max_keys: u32,
+    now_ms: u64,
+    remaining: u64,
+    repaid: u64,
+) {
+    let slot = slot(key, l, max_keys);
+    update(store, &slot.name, |cur| {
+        let (held, debt) = match decode(&slot.id, cur) {
+            Entry::Missing | Entry::Other { debt: 1.. } => return Step::Keep(()),
+            Entry::Vacant | Entry::Other { .. } => (None, 0),
+            Entry::Ours(s, d) => (Some(s), d),
+        };
+        let debt_left = debt.saturating_sub(repaid);
+        let known = bucket::share(l, remaining, debt_left, now_ms);
+        let next = match held {
+            Some(h) => bucket::stricter(l, h, known, now_ms),
+            None => known,
+        };
+        if let Some(h) = held {
+            let before = bucket::available(l, h, now_ms);
+            let after = bucket::available(l, next, now_ms);
+            let drop_micro = match l.algorithm {
+                Algorithm::TokenBucket => bucket::project(l, h, now_ms)
+                    .level
+                    .saturating_sub(next.level),
+                Algorithm::FixedWindow => before.saturating_sub(after).saturating_mul(MICRO),
+            };
+            if debt_left == debt && drop_micro < MICRO {
+                return Step::Keep(());
+            }
+        } else if debt_left == 0 && bucket::available(l, next, now_ms) >= l.capacity {
+            // A full share of a bucket not held yet is what a vacant slot means already.
+            return Step::Keep(());
+        }
+        Step::Write(encode(&slot.id, next, debt_left), ())
+    });
+}
+
+/// The local limits of a request bucket for `instances` proxies.
+fn limits_of(b: &crate::core::wire::Bucket, instances: u64) -> Limits {
+    Limits::local(
+        b.capacity,
+        b.rate.unwrap_or(b.capacity),
+        b.period_ms,
+        b.algorithm.unwrap_or_default(),
+        instances,
+    )
 }
 
 /// Takes every bucket of `req` locally, all or nothing, with capacity and rate divided by
@@ -125,13 +352,7 @@ pub fn take_all<S: CasStore + ?Sized>(
     let mut charged: Vec<(usize, Limits, u64)> = Vec::new();
     let mut allowed = true;
     for (i, b) in req.buckets.iter().enumerate() {
-        let l = Limits::local(
-            b.capacity,
-            b.rate.unwrap_or(b.capacity),
-            b.period_ms,
-            b.algorithm.unwrap_or_default(),
-            instances,
-        );
+        let l = limits_of(b, instances);
         let cost = b.cost.unwrap_or(1);
         let r = take(store, &b.key, &l, max_keys, now_ms, cost);
         if r.allowed {
@@ -154,6 +375,99 @@ pub fn take_all<S: CasStore + ?Sized>(
     }
 }
 
+/// Whether the fallback shares are in use at all (failure mode `fallback`).
+fn enabled(cfg: &Config) -> bool {
+    cfg.failure_mode == FailureMode::Fallback
+}
+
+/// Before a callout: every bucket that owes tokens carries its debt as a lease on top of what
+/// it asks (`lease = (lease or cost) + debt`, within the contract's bound), recorded in
+/// `plan.debt`. Call only when debt may exist ([`crate::core::breaker`] keeps that flag), since it
+/// reads one slot per bucket.
+pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: &S) {
+    if !enabled(cfg) {
+        return;
+    }
+    let n = plan.request.buckets.len();
+    let mut debts = vec![0u64; n];
+    let mut any = false;
+    for (i, b) in plan.request.buckets.iter_mut().enumerate() {
+        let l = limits_of(b, cfg.fallback.instances);
+        let d = owed(store, &b.key, &l, cfg.fallback.max_keys);
+        if d == 0 {
+            continue;
+        }
+        let cost = b.cost.unwrap_or(1);
+        let base = b.lease.unwrap_or(cost);
+        let d = d.min(MAX_LEASE.saturating_sub(base));
+        if d == 0 {
+            continue;
+        }
+        b.lease = Some(base + d);
+        if let Some(x) = debts.get_mut(i) {
+            *x = d;
+        }
+        any = true;
+    }
+    if any {
+        plan.debt = debts;
+    }
+}
+
+/// After an answer from the service: every bucket's share follows the answer ([`remember_one`]),
+/// and the debt it carried is reduced by what the service charged beyond the request's own
+/// lease or cost. Failures change nothing here (the failure mode charges the shares).
+pub fn remember<S: CasStore + ?Sized>(
+    cfg: &Config,
+    plan: &Plan,
+    outcome: &Outcome,
+    store: &S,
+    now_ms: u64,
+) {
+    if !enabled(cfg) {
+        return;
+    }
+    let (resp, allowed) = match outcome {
+        Outcome::Allowed(r) => (r, true),
+        Outcome::Limited(r) => (r, false),
+        Outcome::Failed(_) => return,
+    };
+    for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {
+        let l = limits_of(b, cfg.fallback.instances);
+        let repaid = if allowed {
+            plan.repaid(i, r.granted)
+        } else {
+            0
+        };
+        remember_one(
+            store,
+            &b.key,
+            &l,
+            cfg.fallback.max_keys,
+            now_ms,
+            r.remaining,
+            repaid,
+        );
+    }
+}
+
+/// How long a debt may wait for its bucket's next answer before it no longer matters: the
+/// longest time any rule's bucket takes to fill from empty, at least 10 s and at most an hour.
+/// Past that, the global bucket would have been full again anyway.
+pub fn debt_horizon_ms(cfg: &Config) -> u64 {
+    let fill = cfg
+        .rules
+        .iter()
+        .map(|r| {
+            let rate = r.rate.max(1);
+            u64::try_from(u128::from(r.capacity) * u128::from(r.period_ms) / u128::from(rate) + 1)
+                .unwrap_or(u64::MAX)
+        })
+        .max()
+        .unwrap_or(0);
+    fill.clamp(10_000, 3_600_000)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,6 +476,12 @@ mod tests {
 
     fn tb(cap: u64) -> Limits {
         Limits::local(cap, cap, 1000, Algorithm::TokenBucket, 1)
+    }
+
+    fn prepared(max_keys: u32) -> FakeStore {
+        let s = FakeStore::default();
+        prepare(&s, max_keys);
+        s
     }
 
     fn bucket(key: &str, cap: u64) -> Bucket {
@@ -178,7 +498,7 @@ mod tests {
 
     #[test]
     fn shared_across_callers_and_bounded() {
-        let s = FakeStore::default();
+        let s = prepared(100);
         for i in 0..3 {
             let r = take(&s, "k", &tb(3), 100, 0, 1);
             assert!(r.allowed, "take {i}");
@@ -187,39 +507,49 @@ mod tests {
         for i in 0..1000 {
             take(&s, &format!("key{i}"), &tb(3), 100, 0, 1);
         }
-        assert!(
-            s.map.borrow().len() <= 100,
-            "{} slots",
-            s.map.borrow().len()
-        );
-        assert!(s.map.borrow().values().all(|(v, _)| v.len() == SLOT_BYTES));
+        let map = s.map.borrow();
+        assert!(map.len() <= 101, "{} entries", map.len());
+        assert!(map
+            .iter()
+            .filter(|(k, _)| !k.ends_with(".ready"))
+            .all(|(_, (v, _))| v.len() == SLOT_BYTES));
     }
 
     #[test]
-    fn colliding_key_evicts_the_older_entry() {
-        let s = FakeStore::default();
-        // One slot: every key collides.
+    fn a_successor_starts_empty_and_a_debtor_keeps_its_slot() {
+        let s = prepared(1);
+        // One slot: every key collides. `a` starts full (vacant slot) and owes what it admits.
         assert!(take(&s, "a", &tb(1), 1, 0, 1).allowed);
-        assert!(!take(&s, "a", &tb(1), 1, 0, 1).allowed);
         assert!(
-            take(&s, "b", &tb(1), 1, 0, 1).allowed,
-            "b evicts a and starts full"
+            !take(&s, "b", &tb(1), 1, 0, 1).allowed,
+            "a owes: b gets nothing"
         );
+        assert_eq!(owed(&s, "a", &tb(1), 1), 1);
+        // a's debt is repaid by an answer: b may now take the slot over, but starts empty.
+        remember_one(&s, "a", &tb(1), 1, 0, 0, 1);
+        assert_eq!(owed(&s, "a", &tb(1), 1), 0);
+        assert!(!take(&s, "b", &tb(1), 1, 0, 1).allowed, "b starts empty");
         assert!(
-            take(&s, "a", &tb(1), 1, 0, 1).allowed,
-            "a was evicted: starts full again"
+            take(&s, "b", &tb(1), 1, 1000, 1).allowed,
+            "b refills at its rate"
         );
-        assert_eq!(s.map.borrow().len(), 1);
+        // a comes back: its slot was taken over, so it is a newcomer again, starting empty.
+        remember_one(&s, "b", &tb(1), 1, 1000, 0, 1);
+        assert!(!take(&s, "a", &tb(1), 1, 1000, 1).allowed);
     }
 
     #[test]
     fn other_limits_are_another_bucket() {
         assert_ne!(slot("k", &tb(1), 1).id, slot("k", &tb(2), 1).id);
+        // The number of proxies is not part of the identity: a resize keeps the bucket.
+        let two = Limits::local(10, 10, 1000, Algorithm::TokenBucket, 2);
+        let five = Limits::local(10, 10, 1000, Algorithm::TokenBucket, 5);
+        assert_eq!(slot("k", &two, 9).id, slot("k", &five, 9).id);
     }
 
     #[test]
     fn cas_conflicts_are_retried_and_nothing_is_lost() {
-        let s = FakeStore::default();
+        let s = prepared(10);
         take(&s, "k", &tb(5), 10, 0, 1);
         s.conflicts.set(3);
         assert!(take(&s, "k", &tb(5), 10, 0, 1).allowed);
@@ -228,8 +558,20 @@ mod tests {
     }
 
     #[test]
+    fn a_charge_that_cannot_be_stored_is_denied() {
+        let s = prepared(10);
+        s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
+        assert!(!take(&s, "k", &tb(5), 10, 0, 1).allowed, "CAS gave up");
+        assert_eq!(owed(&s, "k", &tb(5), 10), 0);
+        // A table that was never prepared stores nothing, so admits nothing.
+        let bare = FakeStore::default();
+        assert!(!take(&bare, "k", &tb(5), 10, 0, 1).allowed);
+        assert!(bare.map.borrow().is_empty(), "no unconditional first write");
+    }
+
+    #[test]
     fn all_or_nothing_refunds() {
-        let s = FakeStore::default();
+        let s = prepared(100);
         let req = TakeRequest {
             buckets: vec![bucket("wide", 10), bucket("narrow", 1)],
         };
@@ -244,11 +586,16 @@ mod tests {
             c.remaining, 8,
             "the denied request's charge on `wide` was refunded"
         );
+        assert_eq!(
+            owed(&s, "wide", &tb(10), 100),
+            2,
+            "and forgiven in the debt"
+        );
     }
 
     #[test]
     fn instances_divide_the_limit() {
-        let s = FakeStore::default();
+        let s = prepared(100);
         let req = TakeRequest {
             buckets: vec![bucket("k", 10)],
         };
@@ -259,12 +606,70 @@ mod tests {
     }
 
     #[test]
-    fn garbage_in_a_slot_is_a_new_bucket() {
-        let s = FakeStore::default();
+    fn the_share_follows_the_answers() {
+        let s = prepared(100);
+        let l = Limits::local(100, 100, 60_000, Algorithm::TokenBucket, 4);
+        // The service said 8 left: this proxy's share is 2, whatever the static split (25).
+        remember_one(&s, "k", &l, 100, 1_000, 8, 0);
+        let admitted = (0..10)
+            .filter(|_| take(&s, "k", &l, 100, 1_000, 1).allowed)
+            .count();
+        assert_eq!(admitted, 2);
+        // An answer never raises the share; refill at rate/N does (25 per minute here).
+        remember_one(&s, "k", &l, 100, 1_000, 100, 0);
+        assert!(!take(&s, "k", &l, 100, 1_000, 1).allowed);
+        assert!(
+            take(&s, "k", &l, 100, 3_400, 1).allowed,
+            "2.4 s × 25/min = 1 token"
+        );
+        assert_eq!(owed(&s, "k", &l, 100), 3);
+    }
+
+    #[test]
+    fn steady_answers_do_not_write() {
+        let s = prepared(10);
+        let l = Limits::local(100, 100, 1000, Algorithm::TokenBucket, 1);
+        remember_one(&s, "k", &l, 10, 0, 100, 0);
+        remember_one(&s, "k", &l, 10, 0, 50, 0);
+        let writes = s.writes.get();
+        remember_one(&s, "k", &l, 10, 0, 50, 0);
+        remember_one(&s, "k", &l, 10, 5, 50, 0);
+        assert_eq!(s.writes.get(), writes, "no change worth a write");
+        remember_one(&s, "k", &l, 10, 5, 10, 0);
+        assert_eq!(s.writes.get(), writes + 1);
+    }
+
+    #[test]
+    fn fixed_window_share_counts_the_window() {
+        let s = prepared(10);
+        let l = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 2);
+        remember_one(&s, "k", &l, 10, 5_100, 2, 0);
+        assert!(take(&s, "k", &l, 10, 5_200, 1).allowed);
+        assert!(!take(&s, "k", &l, 10, 5_300, 1).allowed, "share was 1");
+        assert!(
+            take(&s, "k", &l, 10, 6_000, 1).allowed,
+            "next window: 5 again"
+        );
+    }
+
+    #[test]
+    fn garbage_in_a_slot_is_another_bucket() {
+        let s = prepared(10);
         let sl = slot("k", &tb(2), 10);
         s.map
             .borrow_mut()
             .insert(sl.name.clone(), (vec![1, 2, 3], 7));
-        assert_eq!(take(&s, "k", &tb(2), 10, 0, 1).remaining, 1);
+        assert!(!take(&s, "k", &tb(2), 10, 0, 1).allowed, "starts empty");
+    }
+
+    #[test]
+    fn prepare_walks_once() {
+        let s = prepared(50);
+        let writes = s.writes.get();
+        prepare(&s, 50);
+        prepare(&s, 20);
+        assert_eq!(s.writes.get(), writes);
+        prepare(&s, 60);
+        assert_eq!(s.writes.get(), writes + 11, "10 new slots and the mark");
     }
 }

@@ -23,6 +23,7 @@ use crate::core::config::Config;
 use crate::core::decide::{
     self, Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, Step,
 };
+use crate::core::fallback;
 use crate::core::lease::{self, Count, Local};
 use crate::core::rules::Request;
 use crate::core::store::CasStore;
@@ -128,7 +129,11 @@ impl Flow {
             host.count_lease(count, 1);
             return self.conclude(cfg, &plan, &outcome, false, host);
         }
-        let admission = breaker::admit_shared(host.store(), &cfg.breaker, now);
+        let (admission, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
+        if debt {
+            // The fallback admitted on credit recently: this callout repays what its buckets owe.
+            fallback::attach_debts(cfg, &mut plan, host.store());
+        }
         if admission == Admission::Reject {
             let outcome = settle(cfg, &plan, Outcome::Failed(Cause::Breaker), host);
             return self.conclude(cfg, &plan, &outcome, false, host);
@@ -222,8 +227,16 @@ impl Flow {
         paused: bool,
         host: &mut H,
     ) -> Next {
-        let verdict = decide::resolve(cfg, plan, outcome, host.store(), host.now_ms());
+        let now = host.now_ms();
+        let verdict = decide::resolve(cfg, plan, outcome, host.store(), now);
         host.count(verdict.decision);
+        if verdict.decision == Decision::FallbackAllowed {
+            // Admitted on credit: the next callouts must carry the debt until it is repaid.
+            breaker::mark_debt(
+                host.store(),
+                now.saturating_add(fallback::debt_horizon_ms(cfg)),
+            );
+        }
         if let Outcome::Failed(cause) = outcome {
             debug!(
                 "no answer from the service ({}): {}",
@@ -265,6 +278,7 @@ impl Flow {
 /// outcome is returned as is.
 fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) -> Outcome {
     let now = host.now_ms();
+    fallback::remember(cfg, plan, &outcome, host.store(), now);
     let (granted, dropped) = lease::settle(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {
         host.count_lease(Count::Granted, granted);
@@ -285,7 +299,6 @@ mod tests {
     use super::*;
     use crate::core::store::fake::FakeStore;
 
-    #[derive(Default)]
     struct FakeHost {
         store: FakeStore,
         now: u64,
@@ -299,6 +312,29 @@ mod tests {
         events: Vec<Event>,
         leases: Vec<(Count, u64)>,
         sent: Vec<Plan>,
+    }
+
+    impl Default for FakeHost {
+        /// A host whose shared tables were prepared, as `on_configure` does.
+        fn default() -> Self {
+            let store = FakeStore::default();
+            crate::core::fallback::prepare(&store, 10_000);
+            crate::core::fallback::prepare_table(&store, crate::core::lease::TABLE, 10_000, &[0]);
+            FakeHost {
+                store,
+                now: 0,
+                dispatch_fails: false,
+                next_token: 0,
+                dispatched: 0,
+                resumed: 0,
+                replies: Vec::new(),
+                counts: Vec::new(),
+                failures: Vec::new(),
+                events: Vec::new(),
+                leases: Vec::new(),
+                sent: Vec::new(),
+            }
+        }
     }
 
     impl Host for FakeHost {

@@ -551,7 +551,8 @@ pub fn settle<S: CasStore + ?Sized>(
         let Some(b) = plan.request.buckets.get(i) else {
             continue;
         };
-        let claimed = b.lease.is_some();
+        // A lease that only carries a fallback debt is no refill claim.
+        let claimed = plan.own_lease(i).is_some();
         let cost = b.cost.unwrap_or(1);
         let slot = slot(rule, &b.key, cfg.fallback.max_keys);
         match outcome {
@@ -562,8 +563,12 @@ pub fn settle<S: CasStore + ?Sized>(
                 if !claimed {
                     continue;
                 }
-                // Never more than asked for; an answer without `granted` deposits nothing.
-                let g = r.granted.min(b.lease.unwrap_or(cost));
+                // Never more than asked for; an answer without `granted` deposits nothing. The
+                // debt is repaid first (fallback::remember), the rest fills the pool.
+                let g = r
+                    .granted
+                    .saturating_sub(plan.repaid(i, r.granted))
+                    .min(plan.own_lease(i).unwrap_or(cost));
                 granted += g;
                 let mut until = now_ms.saturating_add(lease.max_age_ms);
                 if rule.algorithm == Algorithm::FixedWindow {
