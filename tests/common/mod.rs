@@ -20,6 +20,7 @@
 #![allow(dead_code)]
 
 pub mod config;
+pub mod faults;
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};

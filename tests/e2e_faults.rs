@@ -1,0 +1,516 @@
+//! Bad days under load: one test per fault, real processes.
+//!
+//! Four Envoys (`--concurrency 2` each, the real module) behind an L4 round-robin front (64 client
+//! connections dealt to the Envoys in turn), the real `tollgate-server`, real Redis (standalone, a
+//! replica pair, or a Cluster of three masters with a replica each), and an upstream in the test that
+//! counts what was admitted. One key takes all the load, at about 30 times its refill rate. Half-way
+//! through, a fault is applied, held for a while and lifted:
+//!
+//! | test | fault | lifted by |
+//! |---|---|---|
+//! | `redis_sigstop` | Redis SIGSTOPped: connections hang, no RST | SIGCONT |
+//! | `redis_out_of_memory` | `CONFIG SET maxmemory 1` with `noeviction`: every take fails with OOM | `maxmemory 0` |
+//! | `redis_readonly` | the service's Redis demoted to a replica of its own replica: READONLY | `REPLICAOF NO ONE` |
+//! | `redis_cluster_failover` | the Cluster master holding the key SIGKILLed | its replica promoted |
+//! | `service_sigstop` | the service SIGSTOPped: callouts hang | SIGCONT |
+//! | `service_killed_and_restarted` | the service SIGKILLed | started again on its port |
+//! | `service_slow` | a proxy delays the service's answers, 150 ms and 30 ms in turns (timeouts and successes mixed) | no delay |
+//! | `clients_disconnect_mid_callout` | half the clients send a request and close the connection while its callout is in flight | they behave again |
+//!
+//! Each test asserts what the limiter promises on a bad day:
+//! - no 5xx (nor a missing answer) reaches a client;
+//! - the upstream saw at most `1.05 × (capacity + rate × elapsed) + N` requests, N the number of
+//!   Envoys, over the whole run (a window that contains the fault);
+//! - the fallback decided within 100 ms of the fault (the Envoys' `tollgate.fallback.*` counters,
+//!   sampled every few ms);
+//! - the service decided again within 1 s of the fault's end (`tollgate.allowed` + `tollgate.limited`).
+//!
+//! Times are measured from the moment just before the action that applies or lifts a fault (so they
+//! include that action), except where a test says otherwise. Each test prints one table row for
+//! BENCHMARKS.md ("Bad days: the fault matrix"): time to fallback, time back, admitted vs bound, p99
+//! latency during the fault. The callout timeout is 80 ms, so a hang is noticed in time; the breaker
+//! opens after 3 failures and probes at most 400 ms apart.
+// A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
+#![allow(
+    clippy::panic,
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use common::faults::delay::DelayProxy;
+use common::faults::fleet::{
+    first_growth_after, longest_stall, total_before, Fleet, Load, Marks, Sample, Sampler,
+};
+use common::faults::redis_ctl::{signal, wait_replica_in_sync, Cluster, RedisConn};
+use common::*;
+use std::sync::{Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// One test at a time: each runs five processes per Envoy-fleet and measures milliseconds.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Envoys in the fleet (and the fallback's `instances`).
+const N: usize = 4;
+/// Client connections.
+const CLIENTS: usize = 64;
+/// Each client's pause after an answer: about 600 requests a second in all when the path is fast.
+const PAUSE: Duration = Duration::from_millis(100);
+/// The key's bucket: 150 tokens, 20 a second. Over the ~6.5 s of a run the refill (~130) is
+/// comparable to the capacity, so a fleet that admitted a second capacity, or the refill twice over,
+/// would be well over the bound.
+const CAPACITY: u64 = 150;
+const RATE: u64 = 20;
+const PERIOD_MS: u64 = 1000;
+/// The callout timeout: a hung service is noticed within it.
+const CALLOUT_TIMEOUT_MS: u64 = 80;
+/// The service's Redis timeout, below the callout's: a hung Redis becomes a 503 from the service.
+const REDIS_TIMEOUT_MS: &str = "60";
+/// Load before the fault: the bucket's capacity is spent and the refill is being served.
+const WARM: Duration = Duration::from_millis(1500);
+/// How long a fault the test controls lasts.
+const OUTAGE: Duration = Duration::from_millis(2000);
+/// Load after the fault's end.
+const AFTER: Duration = Duration::from_millis(2500);
+/// The promises.
+const TO_FALLBACK_MAX: Duration = Duration::from_millis(100);
+const BACK_MAX: Duration = Duration::from_secs(1);
+
+fn plugin(key: &str) -> String {
+    serde_json::json!({
+        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": CALLOUT_TIMEOUT_MS},
+        "rules": [{"name": "faults", "key": [format!("literal:{key}")], "capacity": CAPACITY,
+                   "rate": RATE, "period_ms": PERIOD_MS}],
+        "failure_mode": "fallback",
+        "fallback": {"instances": N, "max_keys": 100},
+        "breaker": {"failures": 3, "open_ms": 100, "max_open_ms": 400},
+        "response": {"status": 429, "headers": ["x-ratelimit"]},
+    })
+    .to_string()
+}
+
+/// The service on `redis_url` with the short Redis timeout.
+fn service(c: &Components, dir: &TempDir, redis_url: &str) -> Service {
+    Service::start_with(
+        c,
+        dir,
+        Some(redis_url),
+        &["--redis-timeout-ms", REDIS_TIMEOUT_MS],
+    )
+}
+
+/// What a fault does to the decisions.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    /// The service cannot decide: the fallback takes over, the service comes back.
+    Fallback,
+    /// The service keeps deciding throughout (the fault is elsewhere).
+    Global,
+}
+
+/// Handed to a fault: marks its start and end, reaches the load.
+struct Fault<'a> {
+    marks: &'a Marks,
+    fleet: &'a Fleet,
+    load: &'a Load,
+}
+
+impl Fault<'_> {
+    /// Marks the fault's start (call just before applying it).
+    fn begin(&self) {
+        self.marks.mark("fault", self.fleet.upstream.requests());
+    }
+
+    /// Marks the fault's end (call just before lifting it, or when it is seen to be over).
+    fn end(&self) {
+        self.marks.mark("end", self.fleet.upstream.requests());
+    }
+}
+
+fn ms(d: Option<Duration>) -> String {
+    d.map(|d| format!("{}", d.as_millis()))
+        .unwrap_or_else(|| "–".to_string())
+}
+
+/// Runs the load over `fleet`, applies `fault` after [`WARM`], keeps the load for [`AFTER`] after the
+/// fault's end, then checks the promises (all of them, reporting every one that failed).
+fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fault)) {
+    let marks = Marks::default();
+    let sampler = Sampler::start(&fleet.admin_ports(), Duration::from_millis(5));
+    let load = Load::start(
+        &fleet.ports(),
+        CLIENTS,
+        PAUSE,
+        Duration::from_secs(40),
+        (2, 12),
+    );
+    thread::sleep(WARM);
+    fault(&Fault {
+        marks: &marks,
+        fleet,
+        load: &load,
+    });
+    let (t_fault, before) = marks.get("fault").expect("the fault marked its start");
+    let (t_end, during) = marks.get("end").expect("the fault marked its end");
+    thread::sleep(AFTER);
+    let seen = load.finish();
+    // Let answers on their way to the client reach the upstream's count (they were sent already).
+    thread::sleep(Duration::from_millis(100));
+    let admitted = fleet.upstream.requests();
+    let samples = sampler.finish();
+    let stats = tg_total(&fleet.envoys);
+
+    let elapsed = seen.elapsed.as_secs_f64();
+    let bound =
+        1.05 * (CAPACITY as f64 + RATE as f64 * elapsed * 1000.0 / PERIOD_MS as f64) + N as f64;
+    let fallback = |s: &Sample| s.fallback;
+    let decided = |s: &Sample| s.decided;
+    let to_fallback = first_growth_after(&samples, t_fault, fallback).map(|t| t - t_fault);
+    let back = first_growth_after(&samples, t_end, decided).map(|t| t - t_end);
+    let stall = longest_stall(&samples, t_fault, t_end, decided);
+    let fallback_before = total_before(&samples, t_fault, fallback);
+    let fallback_total: u64 = samples.iter().filter_map(|e| e.last().map(fallback)).sum();
+    let decided_total: u64 = samples.iter().filter_map(|e| e.last().map(decided)).sum();
+    let p99_fault = seen.latency_quantile(t_fault, t_end, 0.99);
+    let p99_before =
+        seen.latency_quantile(seen.started + Duration::from_millis(300), t_fault, 0.99);
+    let statuses = seen.statuses();
+    let outage = t_end - t_fault;
+
+    eprintln!(
+        "{name}: {} requests ({} abandoned) in {elapsed:.2} s, statuses {statuses:?}; admitted {admitted} \
+         (before the fault {before}, during {}, after {}), bound {bound:.1}; fault lasted {} ms; \
+         fallback decisions {fallback_total} ({fallback_before} before the fault), service decisions \
+         {decided_total}; longest stall of service decisions during the fault {} ms; filter stats {stats:?}",
+        seen.recs.len(),
+        seen.abandoned,
+        during - before,
+        admitted - during,
+        outage.as_millis(),
+        stall.as_millis(),
+    );
+    eprintln!(
+        "ROW | {name} | {} | {} | {admitted} / {:.0} | {} (before: {}) | {} |",
+        ms(to_fallback),
+        ms(back),
+        bound.floor(),
+        ms(p99_fault),
+        ms(p99_before),
+        outage.as_millis(),
+    );
+
+    let mut broken: Vec<String> = Vec::new();
+    if seen.bad() > 0 {
+        broken.push(format!("only 200 and 429 may reach a client: {statuses:?}"));
+    }
+    if admitted as f64 > bound {
+        broken.push(format!(
+            "admitted {admitted} > bound {bound:.1} = 1.05 × ({CAPACITY} + {RATE}/s × {elapsed:.2} s) + {N}"
+        ));
+    }
+    if (seen.recs.len() as f64) < 4.0 * bound {
+        broken.push(format!(
+            "the demand ({} requests) must exceed the limit by far",
+            seen.recs.len()
+        ));
+    }
+    match expect {
+        Expect::Fallback => {
+            match to_fallback {
+                Some(d) if d <= TO_FALLBACK_MAX => {}
+                other => broken.push(format!(
+                    "fallback decisions {} ms after the fault, wanted within {} ms",
+                    ms(other),
+                    TO_FALLBACK_MAX.as_millis()
+                )),
+            }
+            match back {
+                Some(d) if d <= BACK_MAX => {}
+                other => broken.push(format!(
+                    "service decisions {} ms after the fault's end, wanted within {} ms",
+                    ms(other),
+                    BACK_MAX.as_millis()
+                )),
+            }
+        }
+        Expect::Global => {
+            // The service never failed: it went on deciding, and the fallback had next to nothing
+            // to do (a stray callout timeout on a busy machine is not this fault).
+            if stall > Duration::from_millis(250) {
+                broken.push(format!(
+                    "service decisions stalled for {} ms during the fault",
+                    stall.as_millis()
+                ));
+            }
+            if fallback_total * 100 > decided_total {
+                broken.push(format!(
+                    "fallback decided {fallback_total} of {} requests: the service did not fail",
+                    decided_total + fallback_total
+                ));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "{name}: {}", broken.join("; "));
+}
+
+/// A fleet over one standalone Redis and one service replica.
+struct Standalone {
+    fleet: Fleet,
+    service: Service,
+    redis: Redis,
+    dir: TempDir,
+    c: Components,
+}
+
+fn standalone(label: &str) -> Standalone {
+    let c = Components::get();
+    let dir = TempDir::new(label);
+    let redis = Redis::start(&c, &dir);
+    let service = service(&c, &dir, &redis.url());
+    let fleet = Fleet::start(&c, &dir, N, &plugin(label), service.port);
+    Standalone {
+        fleet,
+        service,
+        redis,
+        dir,
+        c,
+    }
+}
+
+/// Redis stopped with SIGSTOP: the service's connection hangs (no RST); its Redis timeout turns each
+/// take into a 503.
+#[test]
+fn redis_sigstop() {
+    let _serial = serial();
+    let s = standalone("redis-sigstop");
+    let pid = s.redis.proc.pid();
+    under_load("Redis SIGSTOP", &s.fleet, Expect::Fallback, |f| {
+        f.begin();
+        signal(pid, "STOP");
+        thread::sleep(OUTAGE);
+        f.end();
+        signal(pid, "CONT");
+    });
+}
+
+/// Redis out of memory: `maxmemory` far below what it uses, `noeviction`: every take's write is
+/// refused (`OOM command not allowed`), reads and PING still work.
+#[test]
+fn redis_out_of_memory() {
+    let _serial = serial();
+    let s = standalone("redis-oom");
+    let mut conn = RedisConn::open(s.redis.port);
+    conn.ok(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+    under_load("Redis out of memory", &s.fleet, Expect::Fallback, |f| {
+        f.begin();
+        conn.ok(&["CONFIG", "SET", "maxmemory", "1"]);
+        thread::sleep(OUTAGE / 2);
+        let refused = conn.cmd(&["SET", "tollgate-test:probe", "1"]);
+        assert!(
+            refused.as_ref().is_err_and(|e| e.starts_with("OOM")),
+            "a write during the fault: {refused:?}"
+        );
+        thread::sleep(OUTAGE / 2);
+        f.end();
+        conn.ok(&["CONFIG", "SET", "maxmemory", "0"]);
+    });
+}
+
+/// The service's Redis demoted: its replica is promoted (`REPLICAOF NO ONE`, holding the bucket as it
+/// was) and the old master made a replica of it, so every take's write is refused with READONLY. The
+/// old master is then promoted back. (Data written to it between the two commands, a millisecond, is
+/// what a real failover loses too.)
+#[test]
+fn redis_readonly() {
+    let _serial = serial();
+    let s = standalone("redis-readonly");
+    let replica = Redis::start(&s.c, &s.dir);
+    let mut primary = RedisConn::open(s.redis.port);
+    let mut second = RedisConn::open(replica.port);
+    for conn in [&mut primary, &mut second] {
+        // Full syncs start at once (the default waits 5 s for more replicas).
+        conn.ok(&["CONFIG", "SET", "repl-diskless-sync-delay", "0"]);
+    }
+    second.ok(&["REPLICAOF", "127.0.0.1", &s.redis.port.to_string()]);
+    wait_replica_in_sync(replica.port, Duration::from_secs(10));
+    under_load("Redis READONLY", &s.fleet, Expect::Fallback, |f| {
+        f.begin();
+        second.ok(&["REPLICAOF", "NO", "ONE"]);
+        primary.ok(&["REPLICAOF", "127.0.0.1", &replica.port.to_string()]);
+        thread::sleep(OUTAGE / 2);
+        let refused = primary.cmd(&["SET", "tollgate-test:probe", "1"]);
+        assert!(
+            refused.as_ref().is_err_and(|e| e.starts_with("READONLY")),
+            "a write during the fault: {refused:?}"
+        );
+        thread::sleep(OUTAGE / 2);
+        f.end();
+        primary.ok(&["REPLICAOF", "NO", "ONE"]);
+    });
+}
+
+/// A Redis Cluster (three masters, a replica each, `cluster-node-timeout` 1 s): the master holding
+/// the key is killed (SIGKILL) and its replica takes over after the cluster agrees it failed. The
+/// fault ends when the replica reports itself master with the cluster ok (polled every 10 ms); the
+/// outage is as long as the failover takes.
+#[test]
+fn redis_cluster_failover() {
+    let _serial = serial();
+    let c = Components::get();
+    let dir = TempDir::new("redis-cluster");
+    let mut cluster = Cluster::start(&c, &dir, 3, 1000);
+    let service = Service::start_with(
+        &c,
+        &dir,
+        None,
+        &[
+            "--redis-cluster",
+            &cluster.seeds(),
+            "--redis-timeout-ms",
+            REDIS_TIMEOUT_MS,
+        ],
+    );
+    let fleet = Fleet::start(&c, &dir, N, &plugin("redis-cluster"), service.port);
+    under_load("Redis Cluster failover", &fleet, Expect::Fallback, |f| {
+        let victim = cluster
+            .master_with_keys()
+            .expect("a master holds the key under load");
+        let heir = cluster
+            .replica_of(victim)
+            .expect("the master of the key has a replica");
+        let mut heir_conn = RedisConn::open(cluster.nodes[heir].port);
+        f.begin();
+        cluster.nodes[victim].proc.kill();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !heir_conn.is_serving_master() {
+            assert!(
+                Instant::now() < deadline,
+                "the replica was not promoted within 15 s"
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+        f.end();
+    });
+    drop(service);
+}
+
+/// The service stopped with SIGSTOP: its connections stay open and callouts hang until they time out;
+/// the breaker then skips them.
+#[test]
+fn service_sigstop() {
+    let _serial = serial();
+    let s = standalone("service-sigstop");
+    let pid = s.service.proc.pid();
+    under_load("service SIGSTOP", &s.fleet, Expect::Fallback, |f| {
+        f.begin();
+        signal(pid, "STOP");
+        thread::sleep(OUTAGE);
+        f.end();
+        signal(pid, "CONT");
+    });
+}
+
+/// The service killed (SIGKILL: connections reset, then refused), and started again on its port. The
+/// fault ends when the new process answers `/healthz`.
+#[test]
+fn service_killed_and_restarted() {
+    let _serial = serial();
+    let mut s = standalone("service-restart");
+    let port = s.service.port;
+    let url = s.redis.url();
+    let (c, dir) = (&s.c, &s.dir);
+    let svc = &mut s.service;
+    under_load(
+        "service killed, restarted",
+        &s.fleet,
+        Expect::Fallback,
+        |f| {
+            f.begin();
+            svc.proc.kill();
+            thread::sleep(OUTAGE);
+            *svc = Service::start_on(
+                c,
+                dir,
+                port,
+                Some(&url),
+                &["--redis-timeout-ms", REDIS_TIMEOUT_MS],
+            );
+            f.end();
+        },
+    );
+}
+
+/// The service slow: a proxy between the Envoys and the service holds its answers back, 150 ms and
+/// 30 ms in turns of 250 ms, so callouts time out (80 ms) and succeed in a mix. Every take reaches
+/// the service and Redis at once: a timed-out take was still charged there.
+#[test]
+fn service_slow() {
+    let _serial = serial();
+    let c = Components::get();
+    let dir = TempDir::new("service-slow");
+    let redis = Redis::start(&c, &dir);
+    let service = service(&c, &dir, &redis.url());
+    let proxy = DelayProxy::start(service.port);
+    let fleet = Fleet::start(&c, &dir, N, &plugin("service-slow"), proxy.port);
+    under_load("service slow (mixed)", &fleet, Expect::Fallback, |f| {
+        f.begin();
+        let until = Instant::now() + OUTAGE;
+        let mut slow = true;
+        while Instant::now() < until {
+            proxy.set_delay(Duration::from_millis(if slow { 150 } else { 30 }));
+            slow = !slow;
+            thread::sleep(Duration::from_millis(250).min(until - Instant::now()));
+        }
+        f.end();
+        proxy.set_delay(Duration::ZERO);
+    });
+}
+
+/// Half the clients abandon their requests: each sends one on a new connection and closes it 2–12 ms
+/// later, while its callout (answers held back 20 ms by a proxy, for the whole run) is in flight. Envoy
+/// cancels such callouts without telling the module. The service never fails, so the service keeps
+/// deciding and the fallback stays idle; the module must stay healthy (no panic, no trap: checked when
+/// the Envoys stop) and the well-behaved clients see only 200 and 429.
+#[test]
+fn clients_disconnect_mid_callout() {
+    let _serial = serial();
+    let c = Components::get();
+    let dir = TempDir::new("disconnects");
+    let redis = Redis::start(&c, &dir);
+    let service = service(&c, &dir, &redis.url());
+    let proxy = DelayProxy::start(service.port);
+    proxy.set_delay(Duration::from_millis(20));
+    let fleet = Fleet::start(&c, &dir, N, &plugin("disconnects"), proxy.port);
+    let cancelled = "http.edge.downstream_cx_destroy_remote_active_rq";
+    let memory = "server.memory_allocated";
+    let (cancelled_before, memory_before) = (fleet.stat(cancelled), fleet.stat(memory));
+    under_load(
+        "clients disconnect mid-callout",
+        &fleet,
+        Expect::Global,
+        |f| {
+            f.begin();
+            f.load.set_abandon(true);
+            thread::sleep(OUTAGE);
+            f.end();
+            f.load.set_abandon(false);
+        },
+    );
+    let cancelled_n = fleet.stat(cancelled) - cancelled_before;
+    let memory_after = fleet.stat(memory);
+    eprintln!(
+        "disconnects: {cancelled_n} requests ended by their client while active; Envoy memory allocated \
+         (4 Envoys) {memory_before} -> {memory_after} bytes"
+    );
+    assert!(
+        cancelled_n >= 1000,
+        "requests really were abandoned while active: {cancelled_n}"
+    );
+}
