@@ -35,5 +35,6 @@
 
 pub mod core;
 
-#[cfg(target_family = "wasm")]
+// The adapter runs in the module; its dispatcher is also unit-tested natively against a fake host.
+#[cfg(any(target_family = "wasm", test))]
 mod host;

@@ -1,0 +1,676 @@
+//! The proxy-wasm ABI as Envoy drives it: contexts, callouts and their bookkeeping, over an [`Abi`]
+//! (Envoy's imports in the module, a fake in the tests).
+//!
+//! Envoy makes every callout on the plugin's root context: the reply comes back with the root's
+//! context id and the callout's token, so the dispatcher maps token → request context. A request
+//! whose client goes away while its callout is in flight is deleted (`proxy_on_delete`) without any
+//! word about the callout; its reply may come later, or never (Envoy cancels silently when the root
+//! context goes, e.g. on a configuration push). So:
+//!
+//! - a token is forgotten when its reply arrives **or** when its request context is deleted:
+//!   the map never holds more entries than there are live requests (at most one callout each);
+//! - a reply for a token nobody waits for (request gone, or a failed dispatch Envoy still reports)
+//!   is dropped;
+//! - a token Envoy hands out again (its callout ids wrap after 2^30 calls per VM) simply replaces
+//!   the entry: there is no "duplicate" to trip on.
+//!
+//! Nothing here panics: an unknown context id in any callback is a no-op.
+
+use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind, Status};
+use crate::core::breaker::Event;
+use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
+use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan};
+use crate::core::flow::{Flow, Host, Next, Phase};
+use crate::core::lease;
+use crate::core::rules::{matches, Request};
+use crate::core::store::{CasStore, SetError};
+use crate::core::wire;
+use log::{debug, error, info, warn};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// Largest callout response body read (a valid answer for 16 buckets is well under 2 KiB).
+const MAX_RESPONSE_BYTES: usize = 64 * 1024;
+
+/// A stream callback's answer: go on (`FilterHeadersStatus` / `FilterDataStatus` `Continue`).
+pub const CONTINUE: u32 = 0;
+/// A stream callback's answer: stop (`StopIteration` / `StopIterationAndBuffer`).
+pub const PAUSE: u32 = 1;
+
+fn status_code(next: Next) -> u32 {
+    match next {
+        Next::Continue => CONTINUE,
+        Next::Pause => PAUSE,
+    }
+}
+
+/// One configured plugin (a root context's configuration), shared by its requests.
+struct Plugin {
+    config: Config,
+    metrics: Metrics,
+    /// Shared-data key prefix ([`crate::core::fallback::state_prefix`]: a digest of the service
+    /// cluster), so a configuration push keeps the fallback shares, lease pools and breaker.
+    prefix: String,
+    /// `authorization` value of every callout.
+    bearer: Option<String>,
+    /// The gRPC target as a serialised `GrpcService { envoy_grpc { cluster_name } }`: Envoy tries
+    /// to parse the name it is given as that message first, and a cluster name whose bytes happen
+    /// to parse (e.g. `abcdefghi`) makes it abort the whole process. Sent serialised, the cluster
+    /// name is never read as protobuf.
+    grpc_service: Vec<u8>,
+    /// The headers whose first values decide whether any rule matches; `None` when some rule
+    /// matches every request. Lets a request no rule matches be passed after reading only these.
+    match_headers: Option<Vec<String>>,
+}
+
+/// Metric ids, defined once per configuration.
+struct Metrics {
+    decisions: Vec<u32>,
+    failures: Vec<u32>,
+    breaker_opened: u32,
+    breaker_open: u32,
+    leases: Vec<u32>,
+}
+
+impl Metrics {
+    fn define(abi: &impl Abi) -> Result<Metrics, Status> {
+        let mut decisions = Vec::with_capacity(Decision::ALL.len());
+        for d in Decision::ALL {
+            decisions.push(abi.define_metric(MetricKind::Counter, d.metric())?);
+        }
+        let mut failures = Vec::with_capacity(Cause::CALLOUT.len());
+        for c in Cause::CALLOUT {
+            let name = format!("tollgate.callout_failure.{}", c.name());
+            failures.push(abi.define_metric(MetricKind::Counter, &name)?);
+        }
+        let mut leases = Vec::with_capacity(lease::Count::ALL.len());
+        for c in lease::Count::ALL {
+            leases.push(abi.define_metric(MetricKind::Counter, c.metric())?);
+        }
+        Ok(Metrics {
+            decisions,
+            failures,
+            leases,
+            breaker_opened: abi.define_metric(MetricKind::Counter, "tollgate.breaker.opened")?,
+            breaker_open: abi.define_metric(MetricKind::Gauge, "tollgate.breaker.open")?,
+        })
+    }
+}
+
+/// Gauges of the VM itself (defined at the first configuration). Both are process-wide sums: each
+/// VM adds and subtracts its own share.
+struct VmGauges {
+    /// `tollgate.callouts.pending`: callouts whose request still waits for them.
+    pending: u32,
+    /// `tollgate.vm.memory_bytes`: linear memory of the VMs.
+    memory: u32,
+}
+
+fn nth<T: PartialEq>(all: &[T], x: &T) -> Option<usize> {
+    all.iter().position(|y| y == x)
+}
+
+/// The proxy side of the core's [`Host`] port.
+struct Proxy<'a, A: Abi> {
+    abi: &'a A,
+    plugin: &'a Plugin,
+    shared: Shared<'a, A>,
+}
+
+impl<'a, A: Abi> Proxy<'a, A> {
+    fn new(abi: &'a A, plugin: &'a Plugin) -> Self {
+        Proxy {
+            abi,
+            plugin,
+            shared: Shared {
+                abi,
+                prefix: &plugin.prefix,
+            },
+        }
+    }
+
+    fn counter(&self, ids: &[u32], idx: Option<usize>, n: i64) {
+        if let Some(&id) = idx.and_then(|i| ids.get(i)) {
+            self.abi.increment_metric(id, n);
+        }
+    }
+}
+
+/// Proxy-wasm shared data: process-wide, shared by every worker's VM of the same `vm_id`.
+struct Shared<'a, A: Abi> {
+    abi: &'a A,
+    prefix: &'a str,
+}
+
+impl<A: Abi> CasStore for Shared<'_, A> {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.abi.shared_get(&format!("{}{key}", self.prefix))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        self.abi
+            .shared_set(&format!("{}{key}", self.prefix), value, cas)
+    }
+}
+
+impl<'a, A: Abi> Host for Proxy<'a, A> {
+    type Store = Shared<'a, A>;
+
+    fn store(&self) -> &Shared<'a, A> {
+        &self.shared
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.abi.now_ms()
+    }
+
+    fn dispatch(&mut self, cfg: &Config, plan: &Plan) -> Result<u32, String> {
+        let svc = &cfg.service;
+        let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
+        let bearer = self.plugin.bearer.as_deref();
+        let sent = match svc.transport {
+            Transport::Http => {
+                let body = wire::encode_json(&plan.request);
+                let mut headers = vec![
+                    (":method", "POST"),
+                    (":path", svc.path.as_str()),
+                    (":authority", svc.authority.as_str()),
+                    ("content-type", "application/json"),
+                ];
+                if let Some(b) = bearer {
+                    headers.push(("authorization", b));
+                }
+                self.abi.http_call(&svc.cluster, &headers, &body, timeout)
+            }
+            Transport::Grpc => {
+                let body = wire::encode_proto(&plan.request);
+                let mut metadata: Vec<(&str, &str)> = Vec::new();
+                if let Some(b) = bearer {
+                    metadata.push(("authorization", b));
+                }
+                self.abi.grpc_call(
+                    &self.plugin.grpc_service,
+                    "tollgate.v1.RateLimiter",
+                    "Take",
+                    &metadata,
+                    &body,
+                    timeout,
+                )
+            }
+        };
+        sent.map_err(|status| {
+            warn!(
+                "callout to cluster {:?} failed to dispatch: {}",
+                svc.cluster,
+                abi::status_name(status)
+            );
+            abi::status_name(status).to_string()
+        })
+    }
+
+    fn resume(&mut self) {
+        if let Err(s) = self.abi.resume_request() {
+            warn!("could not resume the request: {}", abi::status_name(s));
+        }
+    }
+
+    fn reply(&mut self, reply: &LocalReply) {
+        if let Err(s) =
+            self.abi
+                .send_local_response(reply.status, &reply.headers, reply.body.as_bytes())
+        {
+            warn!("could not send the denial: {}", abi::status_name(s));
+        }
+    }
+
+    fn count(&mut self, decision: Decision) {
+        let m = &self.plugin.metrics;
+        self.counter(&m.decisions, nth(&Decision::ALL, &decision), 1);
+    }
+
+    fn count_failure(&mut self, cause: Cause) {
+        let m = &self.plugin.metrics;
+        self.counter(&m.failures, nth(&Cause::CALLOUT, &cause), 1);
+    }
+
+    fn breaker_event(&mut self, event: Event) {
+        let m = &self.plugin.metrics;
+        match event {
+            Event::Opened => {
+                self.abi.increment_metric(m.breaker_opened, 1);
+                self.abi.record_metric(m.breaker_open, 1);
+                warn!("circuit breaker opened: the decision service is failing, using the failure mode");
+            }
+            Event::Reopened => debug!("breaker probe failed, staying open"),
+            Event::Closed => {
+                self.abi.record_metric(m.breaker_open, 0);
+                info!("circuit breaker closed: the decision service answers again");
+            }
+            Event::None => {}
+        }
+    }
+
+    fn count_lease(&mut self, count: lease::Count, n: u64) {
+        let m = &self.plugin.metrics;
+        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        self.counter(&m.leases, nth(&lease::Count::ALL, &count), n);
+    }
+}
+
+/// One request: the core's [`Flow`] and the plugin it runs under (`None`: the root was never
+/// configured, which Envoy does not allow; the request then passes untouched).
+struct Filter {
+    plugin: Option<Rc<Plugin>>,
+    flow: Flow,
+}
+
+fn waiting_token(flow: &Flow) -> Option<u32> {
+    match flow.phase {
+        Phase::Calling { token, .. } => Some(token),
+        _ => None,
+    }
+}
+
+/// Every context of one VM and the callouts they wait for.
+pub struct Dispatcher<A: Abi> {
+    abi: A,
+    /// Root contexts and their plugin (`None` until configured).
+    roots: HashMap<u32, Option<Rc<Plugin>>>,
+    /// Request contexts.
+    filters: HashMap<u32, Filter>,
+    /// Callout token → the request context waiting for it.
+    callouts: HashMap<u32, u32>,
+    gauges: Option<VmGauges>,
+    /// Linear memory last added to `tollgate.vm.memory_bytes` by this VM.
+    memory_reported: u64,
+}
+
+impl<A: Abi> Dispatcher<A> {
+    pub fn new(abi: A) -> Self {
+        Dispatcher {
+            abi,
+            roots: HashMap::new(),
+            filters: HashMap::new(),
+            callouts: HashMap::new(),
+            gauges: None,
+            memory_reported: 0,
+        }
+    }
+
+    /// Callouts whose request still waits for them (the size of the token map).
+    #[cfg(test)]
+    pub fn pending_callouts(&self) -> usize {
+        self.callouts.len()
+    }
+
+    /// Live request contexts.
+    #[cfg(test)]
+    pub fn live_requests(&self) -> usize {
+        self.filters.len()
+    }
+
+    fn sync_log_level(&self) {
+        if let Some(level) = self.abi.log_level() {
+            log::set_max_level(level.filter());
+        }
+    }
+
+    pub fn on_context_create(&mut self, id: u32, root_id: u32) {
+        if root_id == 0 {
+            self.roots.insert(id, None);
+            return;
+        }
+        let plugin = self.roots.get(&root_id).cloned().flatten();
+        self.filters.insert(
+            id,
+            Filter {
+                plugin,
+                flow: Flow::default(),
+            },
+        );
+    }
+
+    pub fn on_vm_start(&mut self) -> bool {
+        self.sync_log_level();
+        info!(
+            "tollgate {} (git {}) starting",
+            env!("CARGO_PKG_VERSION"),
+            env!("TOLLGATE_GIT_HASH")
+        );
+        true
+    }
+
+    pub fn on_configure(&mut self, id: u32, size: usize) -> bool {
+        self.sync_log_level();
+        let bytes = self.abi.buffer(Buffer::PluginConfiguration, size);
+        if bytes.is_empty() {
+            error!("invalid configuration: config: missing (put the JSON in a google.protobuf.StringValue)");
+            return false;
+        }
+        let config = match Config::parse(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                error!("invalid configuration: {e}");
+                return false;
+            }
+        };
+        let metrics = match Metrics::define(&self.abi) {
+            Ok(m) => m,
+            Err(s) => {
+                error!("could not define metrics: {}", abi::status_name(s));
+                return false;
+            }
+        };
+        if self.gauges.is_none() {
+            let pending = self
+                .abi
+                .define_metric(MetricKind::Gauge, "tollgate.callouts.pending");
+            let memory = self
+                .abi
+                .define_metric(MetricKind::Gauge, "tollgate.vm.memory_bytes");
+            if let (Ok(pending), Ok(memory)) = (pending, memory) {
+                self.gauges = Some(VmGauges { pending, memory });
+            }
+        }
+        if config.failure_mode == FailureMode::Fallback {
+            for r in &config.rules {
+                if r.capacity < config.fallback.instances {
+                    warn!(
+                        "rule {}: capacity {} < fallback.instances {}: its fallback bucket admits nothing",
+                        r.name, r.capacity, config.fallback.instances
+                    );
+                }
+            }
+        }
+        info!(
+            "configured {} rule(s), service cluster {:?} over {}, failure_mode {:?}{}",
+            config.rules.len(),
+            config.service.cluster,
+            match config.service.transport {
+                Transport::Http => "http",
+                Transport::Grpc => "grpc",
+            },
+            config.failure_mode,
+            if config.shadow { ", shadow mode" } else { "" }
+        );
+        let prefix = crate::core::fallback::state_prefix(&config);
+        // Every slot exists before any request writes one (shared data has no insert-if-absent).
+        crate::core::fallback::prepare_for(
+            &config,
+            &Shared {
+                abi: &self.abi,
+                prefix: &prefix,
+            },
+        );
+        let plugin = Plugin {
+            prefix,
+            bearer: config.service.token.as_ref().map(|t| format!("Bearer {t}")),
+            grpc_service: grpc_service(&config.service.cluster),
+            match_headers: match_headers(&config),
+            config,
+            metrics,
+        };
+        self.roots.insert(id, Some(Rc::new(plugin)));
+        self.report_memory();
+        true
+    }
+
+    pub fn on_request_headers(&mut self, id: u32) -> u32 {
+        let Some(f) = self.filters.get_mut(&id) else {
+            return CONTINUE;
+        };
+        let Some(plugin) = f.plugin.clone() else {
+            return CONTINUE;
+        };
+        if f.flow.phase != Phase::Idle {
+            return CONTINUE;
+        }
+        if !may_match(&self.abi, &plugin) {
+            f.flow.phase = Phase::Done;
+            return CONTINUE;
+        }
+        let req = read_request(&self.abi, &plugin.config);
+        let mut proxy = Proxy::new(&self.abi, &plugin);
+        let next = f.flow.on_request_headers(&plugin.config, &req, &mut proxy);
+        if let Some(token) = waiting_token(&f.flow) {
+            self.track(token, id);
+        }
+        status_code(next)
+    }
+
+    /// Body or trailers: held while the callout is in flight.
+    pub fn on_request_data(&mut self, id: u32) -> u32 {
+        match self.filters.get(&id) {
+            Some(f) => status_code(f.flow.on_request_data()),
+            None => CONTINUE,
+        }
+    }
+
+    pub fn on_response_headers(&mut self, id: u32) -> u32 {
+        let Some(f) = self.filters.get_mut(&id) else {
+            return CONTINUE;
+        };
+        if f.flow.response_headers.is_empty() {
+            return CONTINUE;
+        }
+        for (k, v) in std::mem::take(&mut f.flow.response_headers) {
+            if let Err(s) = self.abi.add_header(HeaderMap::Response, &k, &v) {
+                debug!("could not add {k} to the response: {}", abi::status_name(s));
+            }
+        }
+        CONTINUE
+    }
+
+    /// A context is gone (request finished, client disconnected, or root removed). A callout its
+    /// request still waited for is forgotten here: Envoy will never report it to that request.
+    pub fn on_delete(&mut self, id: u32) {
+        if let Some(f) = self.filters.remove(&id) {
+            if let Some(token) = waiting_token(&f.flow) {
+                self.forget(token, id);
+            }
+            self.report_memory();
+        } else {
+            self.roots.remove(&id);
+        }
+    }
+
+    pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        self.deliver(token, |abi| {
+            if num_headers == 0 {
+                // Envoy reports a reset (and some other failures) as a response without headers.
+                return CalloutResult::Http {
+                    status: None,
+                    body: Vec::new(),
+                };
+            }
+            let status = abi
+                .header(HeaderMap::HttpCallResponse, ":status")
+                .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+            let body = if body_size > MAX_RESPONSE_BYTES {
+                b"(response too large)".to_vec()
+            } else {
+                abi.buffer(Buffer::HttpCallResponseBody, body_size)
+            };
+            CalloutResult::Http { status, body }
+        });
+    }
+
+    /// A unary gRPC callout ended: `status` 0 with the message (`proxy_on_grpc_receive`), or a
+    /// failure status without one (`proxy_on_grpc_close`).
+    pub fn on_grpc_response(&mut self, token: u32, status: u32, size: usize) {
+        self.deliver(token, |abi| {
+            if status != 0 {
+                return CalloutResult::Grpc {
+                    status,
+                    message: abi.grpc_status_message(),
+                    body: Vec::new(),
+                };
+            }
+            let body = if size > MAX_RESPONSE_BYTES {
+                // Not a valid message (a truncated varint): decoded as a failure.
+                vec![0xff]
+            } else {
+                abi.buffer(Buffer::GrpcReceive, size)
+            };
+            CalloutResult::Grpc {
+                status: 0,
+                message: None,
+                body,
+            }
+        });
+    }
+
+    /// Hands the result of callout `token` to the request waiting for it, if any. `read` runs
+    /// only then (so a stray reply costs no host calls), as the request's context.
+    fn deliver(&mut self, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
+        let Some(id) = self.callouts.remove(&token) else {
+            debug!("reply to callout {token}: no request waits for it");
+            return;
+        };
+        self.pending_changed(-1);
+        let Some(f) = self.filters.get_mut(&id) else {
+            return;
+        };
+        let Some(plugin) = f.plugin.clone() else {
+            return;
+        };
+        if !f.flow.waits_for(token) {
+            return;
+        }
+        // The reply arrives on the root context; resume / reply must act on the request's.
+        if let Err(s) = self.abi.set_effective_context(id) {
+            debug!(
+                "request of callout {token} is gone: {}",
+                abi::status_name(s)
+            );
+            return;
+        }
+        let result = read(&self.abi);
+        let mut proxy = Proxy::new(&self.abi, &plugin);
+        f.flow
+            .on_callout_result(&plugin.config, token, result, &mut proxy);
+    }
+
+    fn track(&mut self, token: u32, id: u32) {
+        match self.callouts.insert(token, id) {
+            None => self.pending_changed(1),
+            Some(old) if old != id => warn!(
+                "callout token {token} handed out again while request {old} still waits for it"
+            ),
+            Some(_) => {}
+        }
+    }
+
+    fn forget(&mut self, token: u32, id: u32) {
+        if self.callouts.get(&token) == Some(&id) {
+            self.callouts.remove(&token);
+            self.pending_changed(-1);
+        }
+    }
+
+    fn pending_changed(&self, delta: i64) {
+        if let Some(g) = &self.gauges {
+            self.abi.increment_metric(g.pending, delta);
+        }
+    }
+
+    fn report_memory(&mut self) {
+        let Some(g) = &self.gauges else {
+            return;
+        };
+        let now = self.abi.memory_bytes();
+        if now != self.memory_reported {
+            let delta = i64::try_from(now)
+                .unwrap_or(i64::MAX)
+                .saturating_sub(i64::try_from(self.memory_reported).unwrap_or(i64::MAX));
+            self.abi.increment_metric(g.memory, delta);
+            self.memory_reported = now;
+        }
+    }
+}
+
+/// `GrpcService { envoy_grpc: EnvoyGrpc { cluster_name } }`, serialised (both field 1, length
+/// delimited).
+fn grpc_service(cluster: &str) -> Vec<u8> {
+    fn field1(out: &mut Vec<u8>, bytes: &[u8]) {
+        out.push(0x0a);
+        let mut n = bytes.len();
+        loop {
+            let b = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                out.push(b);
+                break;
+            }
+            out.push(b | 0x80);
+        }
+        out.extend_from_slice(bytes);
+    }
+    let mut inner = Vec::with_capacity(cluster.len() + 4);
+    field1(&mut inner, cluster.as_bytes());
+    let mut out = Vec::with_capacity(inner.len() + 4);
+    field1(&mut out, &inner);
+    out
+}
+
+/// The header names the rules' match conditions read, or `None` if a rule matches everything.
+fn match_headers(cfg: &Config) -> Option<Vec<String>> {
+    let mut names: Vec<String> = Vec::new();
+    let mut add = |n: &str| {
+        if !names.iter().any(|x| x == n) {
+            names.push(n.to_string());
+        }
+    };
+    for r in &cfg.rules {
+        let m = &r.matcher;
+        if m.path.is_none() && m.methods.is_empty() && m.headers.is_empty() {
+            return None;
+        }
+        if m.path.is_some() {
+            add(":path");
+        }
+        if !m.methods.is_empty() {
+            add(":method");
+        }
+        for h in &m.headers {
+            match h {
+                HeaderMatch::Present(n, _) | HeaderMatch::Equals(n, _) => add(n),
+            }
+        }
+    }
+    Some(names)
+}
+
+/// Whether some rule may match, reading only the headers the conditions name.
+fn may_match(abi: &impl Abi, plugin: &Plugin) -> bool {
+    let Some(names) = &plugin.match_headers else {
+        return true;
+    };
+    let req = Request {
+        headers: names
+            .iter()
+            .filter_map(|n| abi.header(HeaderMap::Request, n).map(|v| (n.clone(), v)))
+            .collect(),
+        peer: None,
+    };
+    plugin
+        .config
+        .rules
+        .iter()
+        .any(|r| matches(&r.matcher, &req))
+}
+
+/// What the core reads of a request: every header, and the peer address when a rule needs it.
+fn read_request(abi: &impl Abi, cfg: &Config) -> Request {
+    let headers = abi.headers(HeaderMap::Request).unwrap_or_default();
+    let peer = if cfg.needs_peer_address {
+        abi.property(&["source", "address"])
+            .and_then(|b| String::from_utf8(b).ok())
+    } else {
+        None
+    };
+    Request { headers, peer }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,475 @@
+//! The dispatcher driven by a fake host that hands out callout tokens the way Envoy does
+//! (`+4` per call, HTTP ids ≡ 0 mod 4, gRPC ids ≡ 1 mod 4, wrapping at 2^32), deletes contexts
+//! without a word about their callouts, and delivers replies late or for tokens nobody knows.
+
+use super::*;
+use crate::core::decide::Decision;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+const ROOT: u32 = 1;
+
+#[derive(Default)]
+struct Fake {
+    config: Vec<u8>,
+    /// The current request's headers (every request context sees these).
+    request: RefCell<Vec<(String, Vec<u8>)>>,
+    next_http: Cell<u32>,
+    next_grpc: Cell<u32>,
+    /// Status every dispatch fails with, if set.
+    refuse: Cell<Option<Status>>,
+    /// Reply to the callout being reported: (`:status`, body).
+    reply: RefCell<(Option<Vec<u8>>, Vec<u8>)>,
+    effective: Cell<u32>,
+    /// Contexts Envoy still knows (set_effective_context fails for others).
+    known: RefCell<Vec<u32>>,
+    metrics: RefCell<Vec<(String, i64)>>,
+    shared: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    full_reads: Cell<u32>,
+    header_reads: Cell<u32>,
+    dispatched: RefCell<Vec<(u32, Vec<u8>)>>,
+    resumed: RefCell<Vec<u32>>,
+    replied: RefCell<Vec<(u32, u32)>>,
+}
+
+impl Fake {
+    fn new(config: &str) -> Fake {
+        let f = Fake {
+            config: config.as_bytes().to_vec(),
+            ..Fake::default()
+        };
+        f.next_grpc.set(1);
+        f
+    }
+
+    fn metric(&self, name: &str) -> i64 {
+        let m = self.metrics.borrow();
+        m.iter().find(|(n, _)| n == name).map_or(0, |(_, v)| *v)
+    }
+
+    fn set_request(&self, path: &str) {
+        *self.request.borrow_mut() = vec![
+            (":path".into(), path.as_bytes().to_vec()),
+            (":method".into(), b"GET".to_vec()),
+        ];
+    }
+}
+
+impl Abi for Fake {
+    fn log_level(&self) -> Option<abi::Level> {
+        Some(abi::Level::from_host(2))
+    }
+    fn memory_bytes(&self) -> u64 {
+        65_536
+    }
+    fn now_ms(&self) -> u64 {
+        1_000
+    }
+    fn buffer(&self, which: Buffer, size: usize) -> Vec<u8> {
+        match which {
+            Buffer::PluginConfiguration => self.config.clone(),
+            _ => {
+                let body = self.reply.borrow().1.clone();
+                body.get(..size).map(<[u8]>::to_vec).unwrap_or(body)
+            }
+        }
+    }
+    fn header(&self, map: HeaderMap, name: &str) -> Option<Vec<u8>> {
+        match map {
+            HeaderMap::HttpCallResponse if name == ":status" => self.reply.borrow().0.clone(),
+            HeaderMap::Request => {
+                self.header_reads.set(self.header_reads.get() + 1);
+                let r = self.request.borrow();
+                r.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+            }
+            _ => None,
+        }
+    }
+    fn headers(&self, _map: HeaderMap) -> Option<Vec<(String, Vec<u8>)>> {
+        self.full_reads.set(self.full_reads.get() + 1);
+        Some(self.request.borrow().clone())
+    }
+    fn add_header(&self, _: HeaderMap, _: &str, _: &str) -> Result<(), Status> {
+        Ok(())
+    }
+    fn property(&self, _: &[&str]) -> Option<Vec<u8>> {
+        Some(b"10.0.0.1:5555".to_vec())
+    }
+    fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.shared.borrow().get(key).cloned()
+    }
+    fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        let mut m = self.shared.borrow_mut();
+        let version = m.get(key).map_or(0, |(_, v)| *v);
+        if cas.is_some_and(|c| c != version) {
+            return Err(SetError::CasMismatch);
+        }
+        m.insert(key.to_string(), (value.to_vec(), version + 1));
+        Ok(())
+    }
+    fn define_metric(&self, _: MetricKind, name: &str) -> Result<u32, Status> {
+        let mut m = self.metrics.borrow_mut();
+        m.push((name.to_string(), 0));
+        Ok(u32::try_from(m.len() - 1).unwrap())
+    }
+    fn increment_metric(&self, id: u32, delta: i64) {
+        if let Some(m) = self.metrics.borrow_mut().get_mut(id as usize) {
+            m.1 += delta;
+        }
+    }
+    fn record_metric(&self, id: u32, value: u64) {
+        if let Some(m) = self.metrics.borrow_mut().get_mut(id as usize) {
+            m.1 = i64::try_from(value).unwrap();
+        }
+    }
+    fn http_call(&self, _: &str, _: &[(&str, &str)], body: &[u8], _: u32) -> Result<u32, Status> {
+        if let Some(s) = self.refuse.get() {
+            return Err(s);
+        }
+        let token = self.next_http.get().wrapping_add(4);
+        self.next_http.set(token);
+        self.dispatched.borrow_mut().push((token, body.to_vec()));
+        Ok(token)
+    }
+    fn grpc_call(
+        &self,
+        service: &[u8],
+        _: &str,
+        _: &str,
+        _: &[(&str, &str)],
+        _: &[u8],
+        _: u32,
+    ) -> Result<u32, Status> {
+        if let Some(s) = self.refuse.get() {
+            return Err(s);
+        }
+        let token = self.next_grpc.get().wrapping_add(4);
+        self.next_grpc.set(token);
+        self.dispatched.borrow_mut().push((token, service.to_vec()));
+        Ok(token)
+    }
+    fn grpc_status_message(&self) -> Option<String> {
+        Some("unavailable".into())
+    }
+    fn set_effective_context(&self, id: u32) -> Result<(), Status> {
+        if !self.known.borrow().contains(&id) {
+            return Err(abi::BAD_ARGUMENT);
+        }
+        self.effective.set(id);
+        Ok(())
+    }
+    fn resume_request(&self) -> Result<(), Status> {
+        self.resumed.borrow_mut().push(self.effective.get());
+        Ok(())
+    }
+    fn send_local_response(
+        &self,
+        status: u32,
+        _: &[(String, String)],
+        _: &[u8],
+    ) -> Result<(), Status> {
+        self.replied
+            .borrow_mut()
+            .push((self.effective.get(), status));
+        Ok(())
+    }
+}
+
+fn config(transport: &str, extra: &str) -> String {
+    format!(
+        r#"{{"service":{{"cluster":"svc","transport":"{transport}"}},
+             "rules":[{{"name":"r","match":{{"path_prefix":"/api"}},"key":["literal:k"],"capacity":5,"period_ms":60000}}],
+             "breaker":{{"failures":10000,"open_ms":100}}{extra}}}"#
+    )
+}
+
+fn dispatcher(cfg: &str) -> Dispatcher<Fake> {
+    let mut d = Dispatcher::new(Fake::new(cfg));
+    d.on_context_create(ROOT, 0);
+    assert!(d.on_vm_start());
+    assert!(d.on_configure(ROOT, cfg.len()));
+    d
+}
+
+/// A request context that reached its headers: `PAUSE` if it now waits for a callout.
+fn start(d: &mut Dispatcher<Fake>, id: u32, path: &str) -> u32 {
+    d.on_context_create(id, ROOT);
+    d.abi.known.borrow_mut().push(id);
+    d.abi.set_request(path);
+    d.on_request_headers(id)
+}
+
+/// The client went away: Envoy deletes the context and says nothing about its callout.
+fn disconnect(d: &mut Dispatcher<Fake>, id: u32) {
+    d.abi.known.borrow_mut().retain(|k| *k != id);
+    d.on_delete(id);
+}
+
+fn allowed_reply(d: &Dispatcher<Fake>) {
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        br#"{"allowed":true,"buckets":[{"allowed":true,"limit":5,"remaining":4,"reset_ms":1000,"retry_after_ms":0}]}"#.to_vec(),
+    );
+}
+
+fn last_token(d: &Dispatcher<Fake>) -> u32 {
+    d.abi.dispatched.borrow().last().map(|(t, _)| *t).unwrap()
+}
+
+#[test]
+fn callout_ids_wrap_around_without_a_leak_or_a_trap() {
+    let cfg = config("http", "");
+    let mut d = dispatcher(&cfg);
+    allowed_reply(&d);
+    // Envoy's counter after about 2^30 callouts: the next few ids wrap through 0.
+    d.abi.next_http.set(0u32.wrapping_sub(4 * 50));
+    let mut orphaned = Vec::new();
+    let mut id = 100;
+    // 200 requests: every other client disconnects while its callout is in flight.
+    for i in 0..200 {
+        id += 1;
+        assert_eq!(start(&mut d, id, "/api/x"), PAUSE);
+        let token = last_token(&d);
+        if i % 2 == 0 {
+            disconnect(&mut d, id);
+            orphaned.push(token);
+        } else {
+            d.on_http_call_response(token, 1, 1000);
+            assert_eq!(
+                d.abi.resumed.borrow().last(),
+                Some(&id),
+                "resumed its own request"
+            );
+            d.on_delete(id);
+        }
+        assert_eq!(
+            d.pending_callouts(),
+            0,
+            "nothing kept once the request is gone"
+        );
+    }
+    {
+        let sent = d.abi.dispatched.borrow();
+        assert_eq!(
+            sent.first().map(|s| s.0),
+            Some(u32::MAX - 195),
+            "started near the top"
+        );
+        assert!(sent.iter().any(|s| s.0 == 0), "and wrapped through 0");
+    }
+    // Late replies for requests that are gone: dropped.
+    for t in &orphaned {
+        d.on_http_call_response(*t, 1, 1000);
+    }
+    assert_eq!(d.abi.resumed.borrow().len(), 100);
+    // The counter comes round to the orphaned ids again: each is simply a new callout.
+    let first = orphaned[0];
+    d.abi.next_http.set(first.wrapping_sub(4));
+    id += 1;
+    assert_eq!(start(&mut d, id, "/api/x"), PAUSE);
+    assert_eq!(
+        last_token(&d),
+        first,
+        "an id whose request vanished is handed out again"
+    );
+    // A second request while the first still waits, with Envoy repeating the same id (it would
+    // take 2^30 callouts in flight): the newer request takes it, nothing panics.
+    d.abi.next_http.set(first.wrapping_sub(4));
+    let older = id;
+    id += 1;
+    assert_eq!(start(&mut d, id, "/api/x"), PAUSE);
+    assert_eq!(d.pending_callouts(), 1);
+    d.on_http_call_response(first, 1, 1000);
+    assert_eq!(d.abi.resumed.borrow().last(), Some(&id));
+    disconnect(&mut d, older);
+    d.on_delete(id);
+    assert_eq!((d.pending_callouts(), d.live_requests()), (0, 0));
+    assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
+    assert_eq!(d.abi.metric("tollgate.allowed"), 101);
+}
+
+#[test]
+fn bookkeeping_stays_bounded_by_live_requests() {
+    let cfg = config("grpc", "");
+    let mut d = dispatcher(&cfg);
+    for round in 0..50u32 {
+        let ids: Vec<u32> = (0..20).map(|i| 1_000 + round * 20 + i).collect();
+        for id in &ids {
+            assert_eq!(start(&mut d, *id, "/api"), PAUSE);
+        }
+        assert_eq!(d.pending_callouts(), 20);
+        assert_eq!(d.abi.metric("tollgate.callouts.pending"), 20);
+        for id in &ids {
+            disconnect(&mut d, *id);
+        }
+        assert_eq!((d.pending_callouts(), d.live_requests()), (0, 0));
+    }
+    assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
+    // gRPC ids are ≡ 1 mod 4 and every one of them went out.
+    let sent = d.abi.dispatched.borrow();
+    assert_eq!(sent.len(), 1_000);
+    assert!(sent.iter().all(|(t, _)| t % 4 == 1));
+}
+
+#[test]
+fn a_refused_grpc_dispatch_is_a_counted_failure_not_a_panic() {
+    for status in [abi::BAD_ARGUMENT, 4, 10, 6] {
+        let cfg = config("grpc", r#","failure_mode":"allow""#);
+        let mut d = dispatcher(&cfg);
+        d.abi.refuse.set(Some(status));
+        assert_eq!(start(&mut d, 7, "/api"), CONTINUE, "never paused");
+        assert_eq!(d.abi.metric("tollgate.callout_failure.dispatch"), 1);
+        assert_eq!(d.abi.metric(Decision::FailureOpenAllowed.metric()), 1);
+        assert_eq!(d.pending_callouts(), 0);
+        assert!(d.abi.resumed.borrow().is_empty());
+        d.on_delete(7);
+    }
+    // With failure_mode deny the same refusal answers locally.
+    let cfg = config("grpc", r#","failure_mode":"deny""#);
+    let mut d = dispatcher(&cfg);
+    d.abi.refuse.set(Some(abi::BAD_ARGUMENT));
+    assert_eq!(start(&mut d, 7, "/api"), PAUSE);
+    assert_eq!(d.abi.replied.borrow().len(), 1);
+}
+
+#[test]
+fn grpc_target_is_sent_as_a_serialised_grpc_service() {
+    let cfg = config("grpc", "").replace("\"svc\"", "\"abcdefghi\"");
+    let mut d = dispatcher(&cfg);
+    start(&mut d, 9, "/api");
+    let sent = d.abi.dispatched.borrow()[0].1.clone();
+    // GrpcService{ envoy_grpc(1){ cluster_name(1) } }
+    let mut want = vec![0x0a, 11, 0x0a, 9];
+    want.extend_from_slice(b"abcdefghi");
+    assert_eq!(sent, want);
+    let long = "c".repeat(200);
+    let enc = grpc_service(&long);
+    assert_eq!(&enc[..5], &[0x0a, 0xcb, 0x01, 0x0a, 0xc8]);
+    assert_eq!(enc.len(), 5 + 1 + 200);
+}
+
+#[test]
+fn grpc_replies_reach_their_request_and_failures_are_counted() {
+    let cfg = config("grpc", r#","failure_mode":"deny""#);
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 3, "/api"), PAUSE);
+    let token = last_token(&d);
+    // A status for an unknown token (a dispatch Envoy failed inline still reports one): dropped.
+    d.on_grpc_response(token + 4, 14, 0);
+    assert!(d.abi.replied.borrow().is_empty());
+    d.on_grpc_response(token, 14, 0);
+    assert_eq!(*d.abi.replied.borrow(), vec![(3, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.grpc_status"), 1);
+    // A second report for the same token changes nothing.
+    d.on_grpc_response(token, 0, 3);
+    assert_eq!(d.abi.replied.borrow().len(), 1);
+    assert!(d.abi.resumed.borrow().is_empty());
+}
+
+#[test]
+fn a_request_no_rule_matches_reads_only_the_match_headers() {
+    let cfg = config("http", "");
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 5, "/other"), CONTINUE);
+    assert_eq!(d.abi.full_reads.get(), 0, "the header map is not read");
+    assert_eq!(d.abi.header_reads.get(), 1, ":path only");
+    assert_eq!(d.on_request_data(5), CONTINUE);
+    assert!(d.abi.dispatched.borrow().is_empty());
+    assert_eq!(start(&mut d, 6, "/api/v1"), PAUSE);
+    assert_eq!(d.abi.full_reads.get(), 1);
+    assert_eq!(d.on_request_data(6), PAUSE, "body waits for the decision");
+}
+
+#[test]
+fn the_match_prefilter_agrees_with_the_core() {
+    let configs = [
+        r#"[{"name":"a","match":{"path_exact":"/login","methods":["POST"]},"key":["literal:x"],"capacity":1,"period_ms":1000},
+            {"name":"b","match":{"headers":[{"name":"x-tenant","present":true},{"name":"x-plan","equals":"free"}]},"key":["header:x-tenant"],"capacity":1,"period_ms":1000}]"#,
+        r#"[{"name":"a","match":{"path_prefix":"/api","headers":[{"name":"x-internal","present":false}]},"key":["path"],"capacity":1,"period_ms":1000}]"#,
+    ];
+    let requests: Vec<Vec<(&str, &[u8])>> = vec![
+        vec![(":path", b"/login"), (":method", b"POST")],
+        vec![(":path", b"/login?x=1"), (":method", b"GET")],
+        vec![(":path", b"/x"), ("x-tenant", b"t"), ("x-plan", b"free")],
+        vec![(":path", b"/x"), ("x-tenant", b"t"), ("x-plan", b"paid")],
+        vec![(":path", b"/api/v1")],
+        vec![(":path", b"/api/v1"), ("x-internal", b"1")],
+        vec![
+            (":path", b"/apix"),
+            ("x-plan", b"free"),
+            ("x-plan", b"paid"),
+        ],
+        vec![],
+    ];
+    for rules in configs {
+        let json = format!(r#"{{"service":{{"cluster":"svc"}},"rules":{rules}}}"#);
+        let cfg = Config::parse(json.as_bytes()).unwrap();
+        let names = match_headers(&cfg).unwrap();
+        for r in &requests {
+            let full = Request {
+                headers: r.iter().map(|(n, v)| (n.to_string(), v.to_vec())).collect(),
+                peer: Some("10.0.0.1:1".into()),
+            };
+            let fake = Fake::new("");
+            *fake.request.borrow_mut() = full.headers.clone();
+            let plugin = Plugin {
+                config: cfg.clone(),
+                metrics: Metrics::define(&fake).unwrap(),
+                prefix: String::new(),
+                bearer: None,
+                grpc_service: Vec::new(),
+                match_headers: Some(names.clone()),
+            };
+            let core = crate::core::decide::decide(&cfg, &full);
+            let pre = may_match(&fake, &plugin);
+            assert_eq!(
+                pre,
+                !matches!(core, crate::core::decide::Step::Continue),
+                "{r:?} under {rules}"
+            );
+        }
+    }
+    let every = r#"{"service":{"cluster":"svc"},"rules":[{"name":"a","key":["client_ip"],"capacity":1,"period_ms":1}]}"#;
+    assert_eq!(
+        match_headers(&Config::parse(every.as_bytes()).unwrap()),
+        None
+    );
+}
+
+#[test]
+fn unknown_contexts_and_tokens_are_no_ops() {
+    let cfg = config("http", "");
+    let mut d = dispatcher(&cfg);
+    assert_eq!(d.on_request_headers(42), CONTINUE);
+    assert_eq!(d.on_request_data(42), CONTINUE);
+    assert_eq!(d.on_response_headers(42), CONTINUE);
+    d.on_delete(42);
+    d.on_http_call_response(8, 0, 0);
+    d.on_grpc_response(9, 0, 10);
+    // A request whose root was never configured passes untouched.
+    d.on_context_create(50, 49);
+    assert_eq!(d.on_request_headers(50), CONTINUE);
+    // A root that is deleted while its requests live on: they keep their plugin.
+    assert_eq!(start(&mut d, 51, "/api"), PAUSE);
+    d.on_delete(ROOT);
+    allowed_reply(&d);
+    d.on_http_call_response(last_token(&d), 1, 1000);
+    assert_eq!(*d.abi.resumed.borrow(), vec![51]);
+    // Envoy no longer knows the request when its reply comes: nothing is resumed.
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 60, "/api"), PAUSE);
+    d.abi.known.borrow_mut().clear();
+    d.on_http_call_response(last_token(&d), 1, 1000);
+    assert!(d.abi.resumed.borrow().is_empty());
+    assert_eq!(d.pending_callouts(), 0);
+}
+
+#[test]
+fn a_configuration_envoy_must_refuse_is_refused() {
+    let mut d = Dispatcher::new(Fake::new(r#"{"service":{}}"#));
+    d.on_context_create(ROOT, 0);
+    assert!(!d.on_configure(ROOT, 14));
+    let mut d = Dispatcher::new(Fake::new(""));
+    d.on_context_create(ROOT, 0);
+    assert!(!d.on_configure(ROOT, 0));
+}
