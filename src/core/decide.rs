@@ -419,13 +419,8 @@ pub fn resolve<S: CasStore + ?Sized>(
         Outcome::Allowed(resp) | Outcome::Limited(resp) => from_answer(cfg, plan, resp, false),
         Outcome::Failed(_) => match cfg.failure_mode {
             FailureMode::Fallback => {
-                let resp = fallback::take_all(
-                    store,
-                    &plan.request,
-                    cfg.fallback.instances,
-                    cfg.fallback.max_keys,
-                    now_ms,
-                );
+                let resp =
+                    fallback::take_all(store, &fallback::Shares::of(cfg), &plan.request, now_ms);
                 from_answer(cfg, plan, &resp, true)
             }
             FailureMode::Allow => Verdict {

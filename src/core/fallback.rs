@@ -30,7 +30,7 @@
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
 //! ([`take_all`], [`attach_debts`], [`remember`]).
 
-use crate::core::bucket::{self, Limits, State, MICRO};
+use crate::core::bucket::{self, Limits, State};
 use crate::core::config::{Algorithm, Config, FailureMode};
 use crate::core::decide::{Outcome, Plan};
 use crate::core::hash::sha256;
@@ -39,12 +39,36 @@ use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
 /// Shared-data table of the fallback shares.
 pub const TABLE: &str = "tollgate.fb";
-/// Stored bytes per slot: format, flags, 16-byte identity, level, stamp, debt.
-pub const SLOT_BYTES: usize = 2 + 16 + 3 * 8;
+/// Stored bytes per slot: format, flags, 16-byte identity, level, stamp, debt, last write.
+pub const SLOT_BYTES: usize = 2 + 16 + 4 * 8;
 const FORMAT: u8 = 2;
 const OCCUPIED: u8 = 1;
 /// The largest debt a callout carries (the contract's bound on `lease` is 1e9).
 const MAX_LEASE: u64 = 1_000_000_000;
+
+/// How a configuration's shares are kept: the table size, the number of proxies, and how long an
+/// unpaid debt matters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shares {
+    /// Slots in the table (`fallback.max_keys`).
+    pub max_keys: u32,
+    /// Proxies sharing each limit (`fallback.instances`).
+    pub instances: u64,
+    /// A debt whose bucket saw no take or answer for this long is forgiven ([`debt_horizon_ms`]):
+    /// by then the global bucket would have refilled anyway, and its slot is free for others.
+    pub horizon_ms: u64,
+}
+
+impl Shares {
+    /// The shares of a configuration.
+    pub fn of(cfg: &Config) -> Shares {
+        Shares {
+            max_keys: cfg.fallback.max_keys,
+            instances: cfg.fallback.instances,
+            horizon_ms: debt_horizon_ms(cfg),
+        }
+    }
+}
 
 /// One bucket's place in the table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,7 +173,7 @@ enum Entry {
     Missing,
     /// Never used: a bucket starts here full.
     Vacant,
-    /// This bucket's share and what it owes.
+    /// This bucket's share and what it still owes.
     Ours(State, u64),
     /// Another bucket's (or unreadable): a newcomer starts empty; `debt` is what the holder owes.
     Other {
@@ -166,7 +190,7 @@ fn vacant() -> Vec<u8> {
     v
 }
 
-fn encode(id: &[u8; 16], s: State, debt: u64) -> Vec<u8> {
+fn encode(id: &[u8; 16], s: State, debt: u64, now_ms: u64) -> Vec<u8> {
     let mut v = Vec::with_capacity(SLOT_BYTES);
     v.push(FORMAT);
     v.push(OCCUPIED);
@@ -174,6 +198,7 @@ fn encode(id: &[u8; 16], s: State, debt: u64) -> Vec<u8> {
     v.extend_from_slice(&s.level.to_le_bytes());
     v.extend_from_slice(&s.stamp.to_le_bytes());
     v.extend_from_slice(&debt.to_le_bytes());
+    v.extend_from_slice(&now_ms.to_le_bytes());
     v
 }
 
@@ -183,7 +208,8 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(w))
 }
 
-fn decode(id: &[u8; 16], bytes: Option<&[u8]>) -> Entry {
+/// What a slot holds for bucket `id` at `now_ms`; a debt untouched for `horizon_ms` reads as 0.
+fn decode(id: &[u8; 16], bytes: Option<&[u8]>, now_ms: u64, horizon_ms: u64) -> Entry {
     let Some(b) = bytes else {
         return Entry::Missing;
     };
@@ -193,9 +219,15 @@ fn decode(id: &[u8; 16], bytes: Option<&[u8]>) -> Entry {
     if b.get(1) != Some(&OCCUPIED) {
         return Entry::Vacant;
     }
-    let (Some(level), Some(stamp), Some(debt)) = (u64_at(b, 18), u64_at(b, 26), u64_at(b, 34))
+    let (Some(level), Some(stamp), Some(debt), Some(touched)) =
+        (u64_at(b, 18), u64_at(b, 26), u64_at(b, 34), u64_at(b, 42))
     else {
         return Entry::Other { debt: 0 };
+    };
+    let debt = if now_ms.saturating_sub(touched) > horizon_ms {
+        0
+    } else {
+        debt
     };
     if b.get(2..18) == Some(id.as_slice()) {
         Entry::Ours(State { level, stamp }, debt)
@@ -221,15 +253,15 @@ fn unstored(l: &Limits) -> BucketResult {
 /// Denied when the charge could not be stored.
 pub fn take<S: CasStore + ?Sized>(
     store: &S,
+    sh: &Shares,
     key: &str,
     l: &Limits,
-    max_keys: u32,
     now_ms: u64,
     cost: u64,
 ) -> BucketResult {
-    let slot = slot(key, l, max_keys);
+    let slot = slot(key, l, sh.max_keys);
     let done = update(store, &slot.name, |cur| {
-        let (state, debt) = match decode(&slot.id, cur) {
+        let (state, debt) = match decode(&slot.id, cur, now_ms, sh.horizon_ms) {
             Entry::Missing => return Step::Keep(None),
             // The holder owes tokens: it keeps its slot, the newcomer gets nothing.
             Entry::Other { debt } if debt > 0 => return Step::Keep(None),
@@ -250,7 +282,7 @@ pub fn take<S: CasStore + ?Sized>(
         } else {
             debt
         };
-        Step::Write(encode(&slot.id, state, debt), Some(result))
+        Step::Write(encode(&slot.id, state, debt, now_ms), Some(result))
     });
     match done.value {
         Some(r) if done.stored => r,
@@ -260,22 +292,47 @@ pub fn take<S: CasStore + ?Sized>(
 
 /// Gives `cost` back to a bucket charged earlier in the same request (skipped if another bucket
 /// took the slot meanwhile), and forgives it in the debt.
-pub fn refund<S: CasStore + ?Sized>(store: &S, key: &str, l: &Limits, max_keys: u32, cost: u64) {
-    let slot = slot(key, l, max_keys);
-    update(store, &slot.name, |cur| match decode(&slot.id, cur) {
-        Entry::Ours(s, d) => Step::Write(
-            encode(&slot.id, bucket::refund(l, s, cost), d.saturating_sub(cost)),
-            (),
-        ),
-        _ => Step::Keep(()),
+pub fn refund<S: CasStore + ?Sized>(
+    store: &S,
+    sh: &Shares,
+    key: &str,
+    l: &Limits,
+    now_ms: u64,
+    cost: u64,
+) {
+    let slot = slot(key, l, sh.max_keys);
+    update(store, &slot.name, |cur| {
+        match decode(&slot.id, cur, now_ms, sh.horizon_ms) {
+            Entry::Ours(s, d) => Step::Write(
+                encode(
+                    &slot.id,
+                    bucket::refund(l, s, cost),
+                    d.saturating_sub(cost),
+                    now_ms,
+                ),
+                (),
+            ),
+            _ => Step::Keep(()),
+        }
     });
 }
 
 /// What bucket `key` still owes the global bucket (0 when its slot holds another bucket).
-pub fn owed<S: CasStore + ?Sized>(store: &S, key: &str, l: &Limits, max_keys: u32) -> u64 {
-    let slot = slot(key, l, max_keys);
+pub fn owed<S: CasStore + ?Sized>(
+    store: &S,
+    sh: &Shares,
+    key: &str,
+    l: &Limits,
+    now_ms: u64,
+) -> u64 {
+    let slot = slot(key, l, sh.max_keys);
     let cur = store.get(&slot.name);
-    match decode(&slot.id, cur.as_ref().map(|(v, _)| v.as_slice())) {
+    match decode(
+        &slot.id,
+        cur.as_ref().map(|(v, _)| v.as_slice()),
+        now_ms,
+        sh.horizon_ms,
+    ) {
         Entry::Ours(_, d) => d,
         _ => 0,
     }
@@ -283,20 +340,20 @@ pub fn owed<S: CasStore + ?Sized>(store: &S, key: &str, l: &Limits, max_keys: u3
 
 /// Keeps one bucket's share in line with an answer from the service: the share becomes at most
 /// `remaining / N − debt` (after `repaid` tokens of the debt were charged by this answer), and is
-/// never raised by an answer (refill does that). Writes only when the share drops by more than a
-/// token or the debt changed, so a steady bucket costs one read per answer.
+/// never raised by an answer (refill does that). Writes only when the share drops by a token or
+/// more, or the debt changed, so a steady bucket costs one read per answer.
 pub fn remember_one<S: CasStore + ?Sized>(
     store: &S,
+    sh: &Shares,
     key: &str,
     l: &Limits,
-    max_keys: u32,
     now_ms: u64,
     remaining: u64,
     repaid: u64,
 ) {
-    let slot = slot(key, l, max_keys);
+    let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
-        let (held, debt) = match decode(&slot.id, cur) {
+        let (held, debt) = match decode(&slot.id, cur, now_ms, sh.horizon_ms) {
             Entry::Missing | Entry::Other { debt: 1.. } => return Step::Keep(()),
             Entry::Vacant | Entry::Other { .. } => (None, 0),
             Entry::Ours(s, d) => (Some(s), d),
@@ -307,23 +364,21 @@ pub fn remember_one<S: CasStore + ?Sized>(
             Some(h) => bucket::stricter(l, h, known, now_ms),
             None => known,
         };
-        if let Some(h) = held {
-            let before = bucket::available(l, h, now_ms);
-            let after = bucket::available(l, next, now_ms);
-            let drop_micro = match l.algorithm {
-                Algorithm::TokenBucket => bucket::project(l, h, now_ms)
-                    .level
-                    .saturating_sub(next.level),
-                Algorithm::FixedWindow => before.saturating_sub(after).saturating_mul(MICRO),
-            };
-            if debt_left == debt && drop_micro < MICRO {
+        match held {
+            Some(h) if debt_left == debt => {
+                let drop = bucket::available(l, h, now_ms)
+                    .saturating_sub(bucket::available(l, next, now_ms));
+                if drop == 0 {
+                    return Step::Keep(());
+                }
+            }
+            // A full share of a bucket not held yet is what a vacant slot means already.
+            None if debt_left == 0 && bucket::available(l, next, now_ms) >= l.capacity => {
                 return Step::Keep(());
             }
-        } else if debt_left == 0 && bucket::available(l, next, now_ms) >= l.capacity {
-            // A full share of a bucket not held yet is what a vacant slot means already.
-            return Step::Keep(());
+            _ => {}
         }
-        Step::Write(encode(&slot.id, next, debt_left), ())
+        Step::Write(encode(&slot.id, next, debt_left, now_ms), ())
     });
 }
 
@@ -338,23 +393,22 @@ fn limits_of(b: &crate::core::wire::Bucket, instances: u64) -> Limits {
     )
 }
 
-/// Takes every bucket of `req` locally, all or nothing, with capacity and rate divided by
-/// `instances`. The answer has the contract's shape, so the rest of the filter treats it like the
-/// service's.
+/// Takes every bucket of `req` locally, all or nothing, with capacity and rate divided by the
+/// number of proxies. The answer has the contract's shape, so the rest of the filter treats it
+/// like the service's.
 pub fn take_all<S: CasStore + ?Sized>(
     store: &S,
+    sh: &Shares,
     req: &TakeRequest,
-    instances: u64,
-    max_keys: u32,
     now_ms: u64,
 ) -> TakeResponse {
     let mut results = Vec::with_capacity(req.buckets.len());
     let mut charged: Vec<(usize, Limits, u64)> = Vec::new();
     let mut allowed = true;
     for (i, b) in req.buckets.iter().enumerate() {
-        let l = limits_of(b, instances);
+        let l = limits_of(b, sh.instances);
         let cost = b.cost.unwrap_or(1);
-        let r = take(store, &b.key, &l, max_keys, now_ms, cost);
+        let r = take(store, sh, &b.key, &l, now_ms, cost);
         if r.allowed {
             charged.push((i, l, cost));
         } else {
@@ -365,7 +419,7 @@ pub fn take_all<S: CasStore + ?Sized>(
     if !allowed {
         for (i, l, cost) in charged {
             if let Some(b) = req.buckets.get(i) {
-                refund(store, &b.key, &l, max_keys, cost);
+                refund(store, sh, &b.key, &l, now_ms, cost);
             }
         }
     }
@@ -384,16 +438,17 @@ fn enabled(cfg: &Config) -> bool {
 /// it asks (`lease = (lease or cost) + debt`, within the contract's bound), recorded in
 /// `plan.debt`. Call only when debt may exist ([`crate::core::breaker`] keeps that flag), since it
 /// reads one slot per bucket.
-pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: &S) {
+pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: &S, now_ms: u64) {
     if !enabled(cfg) {
         return;
     }
+    let sh = Shares::of(cfg);
     let n = plan.request.buckets.len();
     let mut debts = vec![0u64; n];
     let mut any = false;
     for (i, b) in plan.request.buckets.iter_mut().enumerate() {
-        let l = limits_of(b, cfg.fallback.instances);
-        let d = owed(store, &b.key, &l, cfg.fallback.max_keys);
+        let l = limits_of(b, sh.instances);
+        let d = owed(store, &sh, &b.key, &l, now_ms);
         if d == 0 {
             continue;
         }
@@ -432,22 +487,15 @@ pub fn remember<S: CasStore + ?Sized>(
         Outcome::Limited(r) => (r, false),
         Outcome::Failed(_) => return,
     };
+    let sh = Shares::of(cfg);
     for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {
-        let l = limits_of(b, cfg.fallback.instances);
+        let l = limits_of(b, sh.instances);
         let repaid = if allowed {
             plan.repaid(i, r.granted)
         } else {
             0
         };
-        remember_one(
-            store,
-            &b.key,
-            &l,
-            cfg.fallback.max_keys,
-            now_ms,
-            r.remaining,
-            repaid,
-        );
+        remember_one(store, &sh, &b.key, &l, now_ms, r.remaining, repaid);
     }
 }
 
@@ -478,6 +526,14 @@ mod tests {
         Limits::local(cap, cap, 1000, Algorithm::TokenBucket, 1)
     }
 
+    fn sh(max_keys: u32) -> Shares {
+        Shares {
+            max_keys,
+            instances: 1,
+            horizon_ms: 60_000,
+        }
+    }
+
     fn prepared(max_keys: u32) -> FakeStore {
         let s = FakeStore::default();
         prepare(&s, max_keys);
@@ -500,12 +556,12 @@ mod tests {
     fn shared_across_callers_and_bounded() {
         let s = prepared(100);
         for i in 0..3 {
-            let r = take(&s, "k", &tb(3), 100, 0, 1);
+            let r = take(&s, &sh(100), "k", &tb(3), 0, 1);
             assert!(r.allowed, "take {i}");
         }
-        assert!(!take(&s, "k", &tb(3), 100, 0, 1).allowed);
+        assert!(!take(&s, &sh(100), "k", &tb(3), 0, 1).allowed);
         for i in 0..1000 {
-            take(&s, &format!("key{i}"), &tb(3), 100, 0, 1);
+            take(&s, &sh(100), &format!("key{i}"), &tb(3), 0, 1);
         }
         let map = s.map.borrow();
         assert!(map.len() <= 101, "{} entries", map.len());
@@ -517,25 +573,30 @@ mod tests {
 
     #[test]
     fn a_successor_starts_empty_and_a_debtor_keeps_its_slot() {
-        let s = prepared(1);
+        let (s, t) = (prepared(1), sh(1));
         // One slot: every key collides. `a` starts full (vacant slot) and owes what it admits.
-        assert!(take(&s, "a", &tb(1), 1, 0, 1).allowed);
+        assert!(take(&s, &t, "a", &tb(1), 0, 1).allowed);
         assert!(
-            !take(&s, "b", &tb(1), 1, 0, 1).allowed,
+            !take(&s, &t, "b", &tb(1), 0, 1).allowed,
             "a owes: b gets nothing"
         );
-        assert_eq!(owed(&s, "a", &tb(1), 1), 1);
+        assert_eq!(owed(&s, &t, "a", &tb(1), 0), 1);
         // a's debt is repaid by an answer: b may now take the slot over, but starts empty.
-        remember_one(&s, "a", &tb(1), 1, 0, 0, 1);
-        assert_eq!(owed(&s, "a", &tb(1), 1), 0);
-        assert!(!take(&s, "b", &tb(1), 1, 0, 1).allowed, "b starts empty");
+        remember_one(&s, &t, "a", &tb(1), 0, 0, 1);
+        assert_eq!(owed(&s, &t, "a", &tb(1), 0), 0);
+        assert!(!take(&s, &t, "b", &tb(1), 0, 1).allowed, "b starts empty");
         assert!(
-            take(&s, "b", &tb(1), 1, 1000, 1).allowed,
+            take(&s, &t, "b", &tb(1), 1000, 1).allowed,
             "b refills at its rate"
         );
-        // a comes back: its slot was taken over, so it is a newcomer again, starting empty.
-        remember_one(&s, "b", &tb(1), 1, 1000, 0, 1);
-        assert!(!take(&s, "a", &tb(1), 1, 1000, 1).allowed);
+        // a comes back: b owes now, so a gets nothing; once b's debt lapses a starts empty.
+        assert!(!take(&s, &t, "a", &tb(1), 1000, 1).allowed);
+        assert_eq!(owed(&s, &t, "b", &tb(1), 61_001), 0, "past the horizon");
+        assert!(
+            !take(&s, &t, "a", &tb(1), 61_001, 1).allowed,
+            "a starts empty"
+        );
+        assert!(take(&s, &t, "a", &tb(1), 62_001, 1).allowed);
     }
 
     #[test]
@@ -550,10 +611,10 @@ mod tests {
     #[test]
     fn cas_conflicts_are_retried_and_nothing_is_lost() {
         let s = prepared(10);
-        take(&s, "k", &tb(5), 10, 0, 1);
+        take(&s, &sh(10), "k", &tb(5), 0, 1);
         s.conflicts.set(3);
-        assert!(take(&s, "k", &tb(5), 10, 0, 1).allowed);
-        let r = take(&s, "k", &tb(5), 10, 0, 1);
+        assert!(take(&s, &sh(10), "k", &tb(5), 0, 1).allowed);
+        let r = take(&s, &sh(10), "k", &tb(5), 0, 1);
         assert_eq!(r.remaining, 2, "both takes stored despite the conflicts");
     }
 
@@ -561,11 +622,11 @@ mod tests {
     fn a_charge_that_cannot_be_stored_is_denied() {
         let s = prepared(10);
         s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
-        assert!(!take(&s, "k", &tb(5), 10, 0, 1).allowed, "CAS gave up");
-        assert_eq!(owed(&s, "k", &tb(5), 10), 0);
+        assert!(!take(&s, &sh(10), "k", &tb(5), 0, 1).allowed, "CAS gave up");
+        assert_eq!(owed(&s, &sh(10), "k", &tb(5), 0), 0);
         // A table that was never prepared stores nothing, so admits nothing.
         let bare = FakeStore::default();
-        assert!(!take(&bare, "k", &tb(5), 10, 0, 1).allowed);
+        assert!(!take(&bare, &sh(10), "k", &tb(5), 0, 1).allowed);
         assert!(bare.map.borrow().is_empty(), "no unconditional first write");
     }
 
@@ -575,19 +636,19 @@ mod tests {
         let req = TakeRequest {
             buckets: vec![bucket("wide", 10), bucket("narrow", 1)],
         };
-        let a = take_all(&s, &req, 1, 100, 0);
+        let a = take_all(&s, &sh(100), &req, 0);
         assert!(a.allowed);
         assert_eq!(a.buckets[0].remaining, 9);
-        let b = take_all(&s, &req, 1, 100, 0);
+        let b = take_all(&s, &sh(100), &req, 0);
         assert!(!b.allowed);
         assert!(b.buckets[0].allowed && !b.buckets[1].allowed);
-        let c = take(&s, "wide", &tb(10), 100, 0, 1);
+        let c = take(&s, &sh(100), "wide", &tb(10), 0, 1);
         assert_eq!(
             c.remaining, 8,
             "the denied request's charge on `wide` was refunded"
         );
         assert_eq!(
-            owed(&s, "wide", &tb(10), 100),
+            owed(&s, &sh(100), "wide", &tb(10), 0),
             2,
             "and forgiven in the debt"
         );
@@ -599,55 +660,77 @@ mod tests {
         let req = TakeRequest {
             buckets: vec![bucket("k", 10)],
         };
+        let three = Shares {
+            instances: 3,
+            ..sh(100)
+        };
         let admitted = (0..10)
-            .filter(|_| take_all(&s, &req, 3, 100, 0).allowed)
+            .filter(|_| take_all(&s, &three, &req, 0).allowed)
             .count();
         assert_eq!(admitted, 3);
     }
 
     #[test]
     fn the_share_follows_the_answers() {
-        let s = prepared(100);
+        let (s, t) = (prepared(100), sh(100));
         let l = Limits::local(100, 100, 60_000, Algorithm::TokenBucket, 4);
         // The service said 8 left: this proxy's share is 2, whatever the static split (25).
-        remember_one(&s, "k", &l, 100, 1_000, 8, 0);
+        remember_one(&s, &t, "k", &l, 1_000, 8, 0);
         let admitted = (0..10)
-            .filter(|_| take(&s, "k", &l, 100, 1_000, 1).allowed)
+            .filter(|_| take(&s, &t, "k", &l, 1_000, 1).allowed)
             .count();
         assert_eq!(admitted, 2);
         // An answer never raises the share; refill at rate/N does (25 per minute here).
-        remember_one(&s, "k", &l, 100, 1_000, 100, 0);
-        assert!(!take(&s, "k", &l, 100, 1_000, 1).allowed);
+        remember_one(&s, &t, "k", &l, 1_000, 100, 0);
+        assert!(!take(&s, &t, "k", &l, 1_000, 1).allowed);
         assert!(
-            take(&s, "k", &l, 100, 3_400, 1).allowed,
+            take(&s, &t, "k", &l, 3_400, 1).allowed,
             "2.4 s × 25/min = 1 token"
         );
-        assert_eq!(owed(&s, "k", &l, 100), 3);
+        assert_eq!(owed(&s, &t, "k", &l, 3_400), 3);
+        // The debt lowers the share an answer implies: 40 left / 4 = 10, less 3 owed.
+        remember_one(&s, &t, "k", &l, 3_400, 40, 0);
+        let admitted = (0..10)
+            .filter(|_| take(&s, &t, "k", &l, 3_400, 1).allowed)
+            .count();
+        assert_eq!(admitted, 0, "share 0 after the refill token was spent");
+    }
+
+    #[test]
+    fn an_answer_repays_the_debt() {
+        let (s, t) = (prepared(10), sh(10));
+        let l = tb(10);
+        for _ in 0..4 {
+            assert!(take(&s, &t, "k", &l, 0, 1).allowed);
+        }
+        assert_eq!(owed(&s, &t, "k", &l, 0), 4);
+        remember_one(&s, &t, "k", &l, 10, 3, 3);
+        assert_eq!(owed(&s, &t, "k", &l, 10), 1);
     }
 
     #[test]
     fn steady_answers_do_not_write() {
-        let s = prepared(10);
+        let (s, t) = (prepared(10), sh(10));
         let l = Limits::local(100, 100, 1000, Algorithm::TokenBucket, 1);
-        remember_one(&s, "k", &l, 10, 0, 100, 0);
-        remember_one(&s, "k", &l, 10, 0, 50, 0);
+        remember_one(&s, &t, "k", &l, 0, 100, 0);
+        remember_one(&s, &t, "k", &l, 0, 50, 0);
         let writes = s.writes.get();
-        remember_one(&s, "k", &l, 10, 0, 50, 0);
-        remember_one(&s, "k", &l, 10, 5, 50, 0);
+        remember_one(&s, &t, "k", &l, 0, 50, 0);
+        remember_one(&s, &t, "k", &l, 5, 50, 0);
         assert_eq!(s.writes.get(), writes, "no change worth a write");
-        remember_one(&s, "k", &l, 10, 5, 10, 0);
+        remember_one(&s, &t, "k", &l, 5, 10, 0);
         assert_eq!(s.writes.get(), writes + 1);
     }
 
     #[test]
     fn fixed_window_share_counts_the_window() {
-        let s = prepared(10);
+        let (s, t) = (prepared(10), sh(10));
         let l = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 2);
-        remember_one(&s, "k", &l, 10, 5_100, 2, 0);
-        assert!(take(&s, "k", &l, 10, 5_200, 1).allowed);
-        assert!(!take(&s, "k", &l, 10, 5_300, 1).allowed, "share was 1");
+        remember_one(&s, &t, "k", &l, 5_100, 2, 0);
+        assert!(take(&s, &t, "k", &l, 5_200, 1).allowed);
+        assert!(!take(&s, &t, "k", &l, 5_300, 1).allowed, "share was 1");
         assert!(
-            take(&s, "k", &l, 10, 6_000, 1).allowed,
+            take(&s, &t, "k", &l, 6_000, 1).allowed,
             "next window: 5 again"
         );
     }
@@ -659,7 +742,10 @@ mod tests {
         s.map
             .borrow_mut()
             .insert(sl.name.clone(), (vec![1, 2, 3], 7));
-        assert!(!take(&s, "k", &tb(2), 10, 0, 1).allowed, "starts empty");
+        assert!(
+            !take(&s, &sh(10), "k", &tb(2), 0, 1).allowed,
+            "starts empty"
+        );
     }
 
     #[test]

@@ -132,7 +132,7 @@ impl Flow {
         let (admission, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
         if debt {
             // The fallback admitted on credit recently: this callout repays what its buckets owe.
-            fallback::attach_debts(cfg, &mut plan, host.store());
+            fallback::attach_debts(cfg, &mut plan, host.store(), now);
         }
         if admission == Admission::Reject {
             let outcome = settle(cfg, &plan, Outcome::Failed(Cause::Breaker), host);
@@ -466,6 +466,79 @@ mod tests {
         let mut f = Flow::default();
         assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
         assert_eq!((h.resumed, h.replies.len()), (0, 1));
+    }
+
+    fn granted(allowed: bool, remaining: u64, granted: u64) -> CalloutResult {
+        let body = format!(
+            r#"{{"allowed":{allowed},"buckets":[{{"allowed":{allowed},"limit":2,"remaining":{remaining},"reset_ms":1000,"retry_after_ms":0,"granted":{granted}}}]}}"#
+        );
+        CalloutResult::Http {
+            status: Some(200),
+            body: body.into_bytes(),
+        }
+    }
+
+    #[test]
+    fn the_fallback_continues_from_the_last_answer_and_its_debt_is_repaid() {
+        // Capacity 2, no refill to speak of. The service said 1 left: the fallback admits 1, not 2.
+        let c = cfg(r#","breaker":{"failures":0}"#);
+        let mut h = FakeHost::default();
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        f.on_callout_result(&c, h.next_token, granted(true, 1, 1), &mut h);
+        let timeout = || CalloutResult::Http {
+            status: Some(504),
+            body: vec![],
+        };
+        for _ in 0..2 {
+            let mut f = Flow::default();
+            f.on_request_headers(&c, &req("/api"), &mut h);
+            f.on_callout_result(&c, h.next_token, timeout(), &mut h);
+        }
+        assert_eq!(
+            h.counts,
+            vec![
+                Decision::Allowed,
+                Decision::FallbackAllowed,
+                Decision::FallbackLimited
+            ]
+        );
+        // The service is back: the next callout carries the one token admitted on credit.
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        let sent = h.sent.last().unwrap();
+        assert_eq!(sent.request.buckets[0].lease, Some(2), "cost 1 + debt 1");
+        assert_eq!(sent.debt, vec![1]);
+        f.on_callout_result(&c, h.next_token, granted(true, 0, 2), &mut h);
+        // Repaid: the following callout asks for its cost only.
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, None);
+        assert_eq!(h.sent.last().unwrap().debt, Vec::<u64>::new());
+    }
+
+    #[test]
+    fn a_denied_callout_keeps_the_debt_for_the_next() {
+        let c = cfg(r#","breaker":{"failures":0}"#);
+        let mut h = FakeHost::default();
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        f.on_callout_result(
+            &c,
+            h.next_token,
+            CalloutResult::Http {
+                status: None,
+                body: vec![],
+            },
+            &mut h,
+        );
+        assert_eq!(h.counts, vec![Decision::FallbackAllowed]);
+        for _ in 0..2 {
+            let mut f = Flow::default();
+            f.on_request_headers(&c, &req("/api"), &mut h);
+            assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
+            f.on_callout_result(&c, h.next_token, answer(false), &mut h);
+        }
     }
 
     #[test]
