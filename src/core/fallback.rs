@@ -119,10 +119,8 @@ pub fn prepare_table<S: CasStore + ?Sized>(store: &S, table: &str, max_keys: u32
     let ready = format!("{table}.ready");
     let done = store
         .get(&ready)
-        .and_then(|(v, _)| {
-            v.get(..4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        })
+        .and_then(|(v, _)| <[u8; 4]>::try_from(v.get(..4)?).ok())
+        .map(u32::from_le_bytes)
         .unwrap_or(0);
     if done >= max_keys {
         return;
