@@ -67,16 +67,60 @@ pub struct Cli {
     pub redis_tls_key: Option<PathBuf>,
 
     /// Bearer token that every take must carry (`authorization: Bearer <token>`). Unset: no auth.
-    #[arg(long, env = "TOLLGATE_TOKEN", hide_env_values = true)]
+    /// A flag shows in `ps`: prefer the environment variable or --token-file.
+    #[arg(
+        long,
+        env = "TOLLGATE_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "token_file"
+    )]
     pub token: Option<String>,
+
+    /// File holding the bearer token (e.g. a mounted Kubernetes Secret); surrounding whitespace
+    /// (a trailing newline) is ignored. Read once at startup.
+    #[arg(long, env = "TOLLGATE_TOKEN_FILE", value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
 
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
 
-    /// Most requests handled at once; more wait for a slot.
-    #[arg(long, env = "TOLLGATE_MAX_IN_FLIGHT", default_value_t = 4096)]
+    /// Most takes decoded or decided at once (counted from when the body has arrived); a take
+    /// beyond it is answered 503 / UNAVAILABLE at once (`tollgate_shed_total`), never queued.
+    /// /healthz, /readyz and /metrics are not counted.
+    #[arg(long, env = "TOLLGATE_MAX_IN_FLIGHT", default_value_t = 1024)]
     pub max_in_flight: usize,
+
+    /// Most connections open at once; one more is closed on accept (`tollgate_connections_refused_total`).
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+
+    /// Milliseconds to receive a request's head. HTTP/1.1: also the longest idle time between
+    /// keep-alive requests. Any protocol: a new connection that sends no request by then is closed.
+    #[arg(long, env = "TOLLGATE_HEADER_TIMEOUT_MS", default_value_t = 5000)]
+    pub header_timeout_ms: u64,
+
+    /// Milliseconds to receive a take's whole body once its head has arrived; a slower one gets
+    /// 408 / DEADLINE_EXCEEDED and its connection is closed.
+    #[arg(long, env = "TOLLGATE_BODY_TIMEOUT_MS", default_value_t = 500)]
+    pub body_timeout_ms: u64,
+
+    /// Milliseconds a connection may stay open with no request in progress (HTTP/2: then GOAWAY).
+    #[arg(long, env = "TOLLGATE_IDLE_TIMEOUT_MS", default_value_t = 60_000)]
+    pub idle_timeout_ms: u64,
+
+    /// Concurrent streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS).
+    #[arg(long, env = "TOLLGATE_HTTP2_MAX_STREAMS", default_value_t = 128)]
+    pub http2_max_streams: u32,
+
+    /// Milliseconds between two store checks; /readyz answers from the last one.
+    #[arg(long, env = "TOLLGATE_READY_INTERVAL_MS", default_value_t = 1000)]
+    pub ready_interval_ms: u64,
+
+    /// Memory store only: most buckets held. A take that needs one more is answered 503 /
+    /// UNAVAILABLE ("store full") until idle buckets expire.
+    #[arg(long, env = "TOLLGATE_MEMORY_MAX_BUCKETS", default_value_t = 100_000)]
+    pub memory_max_buckets: usize,
 
     /// Tokio worker threads (0 = one per CPU).
     #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 0)]
@@ -103,14 +147,64 @@ impl std::fmt::Debug for Cli {
             .field("redis_tls_cert", &self.redis_tls_cert)
             .field("redis_tls_key", &self.redis_tls_key)
             .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("token_file", &self.token_file)
             .field("log_format", &self.log_format)
             .field("max_in_flight", &self.max_in_flight)
+            .field("max_connections", &self.max_connections)
+            .field("header_timeout_ms", &self.header_timeout_ms)
+            .field("body_timeout_ms", &self.body_timeout_ms)
+            .field("idle_timeout_ms", &self.idle_timeout_ms)
+            .field("http2_max_streams", &self.http2_max_streams)
+            .field("ready_interval_ms", &self.ready_interval_ms)
+            .field("memory_max_buckets", &self.memory_max_buckets)
             .field("worker_threads", &self.worker_threads)
             .finish()
     }
 }
 
 impl Cli {
+    /// The service's settings from the flags; reads --token-file. Errors name the flag.
+    pub fn service_config(&self) -> Result<crate::ServiceConfig, String> {
+        let ms = |v: u64| std::time::Duration::from_millis(v.max(1));
+        Ok(crate::ServiceConfig {
+            token: self.token()?,
+            max_in_flight: self.max_in_flight,
+            max_connections: self.max_connections,
+            header_timeout: ms(self.header_timeout_ms),
+            body_timeout: ms(self.body_timeout_ms),
+            idle_timeout: ms(self.idle_timeout_ms),
+            http2_max_streams: self.http2_max_streams,
+            ready_interval: ms(self.ready_interval_ms),
+        })
+    }
+
+    /// The bearer token, from --token (or TOLLGATE_TOKEN) or --token-file.
+    pub fn token(&self) -> Result<Option<String>, String> {
+        let token = match (&self.token, &self.token_file) {
+            (Some(t), _) => t.clone(),
+            (None, Some(path)) => {
+                let bytes = read("--token-file", path)?;
+                String::from_utf8(bytes)
+                    .map_err(|_| format!("--token-file {}: not UTF-8", path.display()))?
+                    .trim()
+                    .to_string()
+            }
+            (None, None) => return Ok(None),
+        };
+        if token.is_empty() {
+            return Err(
+                "the bearer token is empty (--token, TOLLGATE_TOKEN or --token-file)".into(),
+            );
+        }
+        if token.bytes().any(|b| b.is_ascii_control()) {
+            return Err(
+                "the bearer token holds control characters, which no header can carry (--token, TOLLGATE_TOKEN or --token-file)"
+                    .into(),
+            );
+        }
+        Ok(Some(token))
+    }
+
     /// Reads and checks the `--redis-tls-*` files. `None` when none is given. Errors name the flag
     /// (and file) at fault: an unreadable file, bad PEM, a key that is not the certificate's, a
     /// certificate without a key, or TLS files with no `rediss://` URL to apply them to.

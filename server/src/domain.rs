@@ -16,6 +16,16 @@ pub const MAX_KEY_BYTES: usize = 4096;
 pub const MAX_AMOUNT: u64 = 1_000_000_000;
 /// Upper bound of `period_ms`: one year.
 pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
+/// Room a bucket may take in a request besides its key: the JSON field names, six numbers of at
+/// most 11 digits, the algorithm's name, punctuation and some whitespace (about 160 bytes when
+/// compact); protobuf needs far less (tags and varints).
+pub const BUCKET_OVERHEAD_BYTES: usize = 512;
+/// Largest take body accepted, JSON or protobuf (74,240 bytes): [`MAX_BUCKETS`] buckets of the
+/// longest key, each with [`BUCKET_OVERHEAD_BYTES`], plus as much again for the enclosing
+/// object. A larger body is refused (413 / `RESOURCE_EXHAUSTED`) before it is decoded. A JSON key
+/// counts as written: one that needs many escapes (`\"`, `\u0001`) may not fit at full length.
+pub const MAX_TAKE_BYTES: usize =
+    MAX_BUCKETS * (MAX_KEY_BYTES + BUCKET_OVERHEAD_BYTES) + BUCKET_OVERHEAD_BYTES;
 
 /// How a bucket counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

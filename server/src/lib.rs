@@ -14,7 +14,8 @@
 //! | [`api`] | JSON over HTTP (`POST /v1/take`), gRPC (`tollgate.v1.RateLimiter/Take`), health, metrics, auth, the one-port switch |
 //! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`] |
 //! | [`metrics`] | Prometheus metrics |
-//! | [`cli`] | flags and environment variables; reads and checks the `--redis-tls-*` files |
+//! | [`serve`] | the accept loop: connection cap, header and idle timeouts, HTTP/2 limits |
+//! | [`cli`] | flags and environment variables; reads and checks the `--redis-tls-*` and `--token-file` files |
 //! | `main.rs` | parse flags, set up tracing, bind, build the store, call [`run`] |
 //! | `build.rs` | protobuf/gRPC code from `contract/tollgate.proto` (protox, no `protoc`) |
 //! | `tests/` | behaviour suite over both stores, contract fixtures, the service over HTTP and gRPC, Redis outages and Cluster, TLS to Redis (private CA, mutual TLS, TLS Cluster; certificates made with `openssl`), the real binary (each test starts its own `redis-server`) |
@@ -34,24 +35,40 @@ pub mod api;
 pub mod cli;
 pub mod domain;
 pub mod metrics;
+pub mod serve;
 pub mod store;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 
-use crate::api::{Api, Auth};
-use crate::metrics::Metrics;
+use crate::api::Api;
+use crate::serve::ConnectionLimits;
 use crate::store::Store;
 
-/// What [`run`] needs besides the listener and the store.
+/// What [`run`] needs besides the listener and the store. Every field has a command-line flag
+/// (`cli.rs`); the defaults here are the flags' defaults.
 #[derive(Clone)]
 pub struct ServiceConfig {
     /// Bearer token every take must carry; `None` = no auth.
     pub token: Option<String>,
-    /// Most requests handled at once.
+    /// Most takes being decoded or decided at once; more are answered 503 / `UNAVAILABLE` at once.
     pub max_in_flight: usize,
+    /// Most connections served at once; more are closed on accept.
+    pub max_connections: usize,
+    /// Time to receive a request head (HTTP/1.1, also between keep-alive requests) and for a new
+    /// connection to send its first request.
+    pub header_timeout: Duration,
+    /// Time to receive a take's whole body.
+    pub body_timeout: Duration,
+    /// A connection with no request in progress for this long is closed (gracefully).
+    pub idle_timeout: Duration,
+    /// Concurrent streams per HTTP/2 connection.
+    pub http2_max_streams: u32,
+    /// How often the store is pinged for `/readyz`.
+    pub ready_interval: Duration,
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -59,6 +76,12 @@ impl std::fmt::Debug for ServiceConfig {
         f.debug_struct("ServiceConfig")
             .field("token", &self.token.as_ref().map(|_| "***"))
             .field("max_in_flight", &self.max_in_flight)
+            .field("max_connections", &self.max_connections)
+            .field("header_timeout", &self.header_timeout)
+            .field("body_timeout", &self.body_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("http2_max_streams", &self.http2_max_streams)
+            .field("ready_interval", &self.ready_interval)
             .finish()
     }
 }
@@ -67,7 +90,13 @@ impl Default for ServiceConfig {
     fn default() -> Self {
         ServiceConfig {
             token: None,
-            max_in_flight: 4096,
+            max_in_flight: 1024,
+            max_connections: 1024,
+            header_timeout: Duration::from_millis(5000),
+            body_timeout: Duration::from_millis(500),
+            idle_timeout: Duration::from_millis(60_000),
+            http2_max_streams: 128,
+            ready_interval: Duration::from_millis(1000),
         }
     }
 }
@@ -80,22 +109,40 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
-    let api = Arc::new(Api {
-        store: store.clone(),
-        metrics: Metrics::new(),
-        auth: Auth::new(config.token.as_deref()),
-    });
-    let app = api::http::router(api, config.max_in_flight);
-    tracing::info!(%addr, store = store.kind(), auth = config.token.is_some(), "listening on {addr}");
-    // Responses are small and latency-bound: no Nagle delay on accepted connections.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY");
+    let api = Arc::new(Api::new(
+        store.clone(),
+        config.token.as_deref(),
+        config.max_in_flight,
+        config.body_timeout,
+    ));
+    // /readyz answers from this check, refreshed in the background: probes never reach the store.
+    api.readiness.refresh(store.as_ref()).await;
+    let refresher = tokio::spawn({
+        let (api, every) = (
+            api.clone(),
+            config.ready_interval.max(Duration::from_millis(10)),
+        );
+        async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                api.readiness.refresh(api.store.as_ref()).await;
+            }
         }
     });
-    axum::serve(listener, axum::ServiceExt::into_make_service(app))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let app = api::http::router(api.clone());
+    tracing::info!(%addr, store = store.kind(), auth = config.token.is_some(), "listening on {addr}");
+    let limits = ConnectionLimits {
+        max_connections: config.max_connections,
+        header_timeout: config.header_timeout,
+        idle_timeout: config.idle_timeout,
+        http2_max_streams: config.http2_max_streams,
+    };
+    let result = serve::serve(listener, app, limits, api.metrics.clone(), shutdown).await;
+    refresher.abort();
+    result?;
     tracing::info!("stopped");
     Ok(())
 }

@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use clap::Parser;
 use tollgate_server::cli::{Cli, LogFormat};
+use tollgate_server::run;
 use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::redis::{redact_url, RedisConfig, RedisStore};
 use tollgate_server::store::Store;
-use tollgate_server::{run, ServiceConfig};
 
 /// mimalloc: about a tenth of the service's CPU went to glibc malloc/free under load.
 #[global_allocator]
@@ -51,6 +51,7 @@ fn main() -> ExitCode {
 
 async fn serve(cli: Cli) -> Result<(), String> {
     let tls = cli.redis_tls()?;
+    let config = cli.service_config()?;
     let store: Arc<dyn Store> = if cli.redis_url.is_some() || !cli.redis_cluster.is_empty() {
         let config = RedisConfig {
             url: cli.redis_url.clone(),
@@ -70,21 +71,14 @@ async fn serve(cli: Cli) -> Result<(), String> {
                 "using Redis Cluster"
             ),
         }
-        if let Err(e) = store.ping().await {
-            tracing::warn!(error = %e, "Redis does not answer yet; takes fail with 503 until it does");
-        }
         Arc::new(store)
     } else {
         tracing::info!("no Redis configured: buckets are kept in memory (one replica only)");
-        Arc::new(MemoryStore::new())
+        Arc::new(MemoryStore::with_max_buckets(cli.memory_max_buckets))
     };
     let listener = tokio::net::TcpListener::bind(cli.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
-    let config = ServiceConfig {
-        token: cli.token.clone(),
-        max_in_flight: cli.max_in_flight,
-    };
     run(listener, store, config, shutdown_signal())
         .await
         .map_err(|e| format!("server error: {e}"))

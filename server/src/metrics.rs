@@ -5,13 +5,17 @@
 //! | `tollgate_decisions_total` | `outcome` = allowed, limited | takes answered |
 //! | `tollgate_store_duration_seconds` | | time of one store take (histogram) |
 //! | `tollgate_store_errors_total` | `kind` = timeout, connection, server, protocol | failed takes |
-//! | `tollgate_requests_total` | `transport` = http, grpc; `code` = ok, invalid_argument, unauthenticated, unavailable | API calls |
+//! | `tollgate_requests_total` | `transport` = http, grpc; `code` = ok, invalid_argument, unauthenticated, resource_exhausted, deadline_exceeded, unavailable | API calls |
+//! | `tollgate_shed_total` | | takes answered 503 / `UNAVAILABLE` at once because `--max-in-flight` takes were being decided |
+//! | `tollgate_connections_open` | | connections being served (gauge) |
+//! | `tollgate_connections_refused_total` | | connections closed on accept because `--max-connections` were open |
 
 use std::sync::OnceLock;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
@@ -42,6 +46,9 @@ pub struct Metrics {
     store_duration: Histogram,
     store_errors: Family<Kind, Counter>,
     requests: Family<Call, Counter>,
+    shed: Counter,
+    connections_open: Gauge,
+    connections_refused: Counter,
     allowed: OnceLock<Counter>,
     limited: OnceLock<Counter>,
     http_ok: OnceLock<Counter>,
@@ -89,12 +96,33 @@ impl Metrics {
             "API calls, by transport and result code",
             requests.clone(),
         );
+        let shed = Counter::default();
+        registry.register(
+            "shed",
+            "Takes answered UNAVAILABLE at once because the take limit was reached",
+            shed.clone(),
+        );
+        let connections_open = Gauge::default();
+        registry.register(
+            "connections_open",
+            "Connections being served",
+            connections_open.clone(),
+        );
+        let connections_refused = Counter::default();
+        registry.register(
+            "connections_refused",
+            "Connections closed on accept because the connection limit was reached",
+            connections_refused.clone(),
+        );
         Metrics {
             registry,
             decisions,
             store_duration,
             store_errors,
             requests,
+            shed,
+            connections_open,
+            connections_refused,
             allowed: OnceLock::new(),
             limited: OnceLock::new(),
             http_ok: OnceLock::new(),
@@ -133,6 +161,25 @@ impl Metrics {
             }
         };
         cached(cell, &self.requests, Call { transport, code }).inc();
+    }
+
+    /// Counts a take shed at the take limit.
+    pub fn shed(&self) {
+        self.shed.inc();
+    }
+
+    /// A connection was accepted (`true`) or has ended (`false`).
+    pub fn connection(&self, opened: bool) {
+        if opened {
+            self.connections_open.inc();
+        } else {
+            self.connections_open.dec();
+        }
+    }
+
+    /// Counts a connection refused at the connection limit.
+    pub fn connection_refused(&self) {
+        self.connections_refused.inc();
     }
 
     /// The Prometheus text exposition.

@@ -36,7 +36,7 @@ fn requests_agree_in_both_encodings() {
         let name = case["name"].as_str().unwrap();
         // JSON -> domain -> JSON.
         let body = serde_json::to_vec(&case["request_json"]).unwrap();
-        let raw_json = json::decode_request(&body).expect(name);
+        let raw_json = json::decode_take(&body).expect(name);
         assert_eq!(
             json::encode_request(&raw_json),
             case["request_json"],
@@ -45,6 +45,11 @@ fn requests_agree_in_both_encodings() {
         // protobuf bytes -> domain -> bytes.
         let bytes = hex_decode(case["request_pb_hex"].as_str().unwrap());
         let msg = pb::TakeRequest::decode(bytes.as_slice()).expect(name);
+        assert_eq!(
+            grpc::decode_take_message(&bytes).expect(name),
+            msg,
+            "{name}"
+        );
         let raw_pb = grpc::raw_from_pb(&msg).expect(name);
         assert_eq!(
             hex_encode(&grpc::pb_from_raw(&raw_pb).encode_to_vec()),

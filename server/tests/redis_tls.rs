@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use common::{bucket, post_take, RedisProc, Service};
 use serde_json::json;
+use tollgate_server::api::json;
+use tollgate_server::domain::validate;
 use tollgate_server::store::redis::{ClientIdentity, RedisConfig, RedisStore, RedisTls};
 use tollgate_server::store::Store;
 
@@ -235,11 +237,24 @@ async fn unavailable(client: &reqwest::Client, svc: &Service, what: &str, why: O
         assert_eq!(status, 503, "{what}: {v}");
         assert_eq!(v["error"]["code"], "unavailable", "{what}: {v}");
         if let Some(why) = why {
+            // The caller is told only that the store is unavailable; the store's own error,
+            // which goes to the log, says why.
             let msg = v["error"]["message"].as_str().unwrap_or_default();
-            assert!(msg.contains(why), "{what}: expected {why:?} in {v}");
+            assert!(
+                !msg.contains(why),
+                "{what}: {why:?} reached the caller: {v}"
+            );
+            let spec = validate(json::decode_take(body.to_string().as_bytes()).unwrap()).unwrap();
+            let detail = svc.store.take(&spec).await.expect_err(what).to_string();
+            assert!(detail.contains(why), "{what}: expected {why:?} in {detail}");
         }
     }
-    assert_eq!(status_of(client, svc, "/readyz").await, 503, "{what}");
+    // /readyz answers from a check refreshed every 50 ms here.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while status_of(client, svc, "/readyz").await != 503 {
+        assert!(Instant::now() < deadline, "{what}: /readyz still 200");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

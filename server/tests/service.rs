@@ -528,7 +528,15 @@ async fn health_readiness_and_metrics() {
     assert_eq!(post_take(&client, &svc, &body).await.0, 200);
     assert_eq!(post_take(&client, &svc, &json!({})).await.0, 400);
     r.kill();
-    assert_eq!(get_status(&client, &svc, "/readyz").await, 503);
+    // /readyz answers from a check refreshed every 50 ms here.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while get_status(&client, &svc, "/readyz").await != 503 {
+        assert!(
+            Instant::now() < deadline,
+            "/readyz still 200 after Redis died"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(get_status(&client, &svc, "/healthz").await, 200);
     assert_eq!(post_take(&client, &svc, &body).await.0, 503);
     let text = client

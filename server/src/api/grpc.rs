@@ -4,13 +4,17 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
+use prost::bytes::Buf;
 use prost::Message;
 use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder};
 use tonic::{Request, Response, Status};
 use tonic_prost::{ProstDecoder, ProstEncoder};
 
-use super::{Api, ApiError};
-use crate::domain::{Algorithm, BucketDecision, InvalidArgument, RawBucket, RawTake, TakeDecision};
+use super::ApiError;
+use crate::api::Api;
+use crate::domain::{
+    Algorithm, BucketDecision, InvalidArgument, RawBucket, RawTake, TakeDecision, MAX_BUCKETS,
+};
 
 /// Generated protobuf messages, server and client.
 #[allow(missing_docs, clippy::all)]
@@ -18,8 +22,60 @@ pub mod pb {
     tonic::include_proto!("tollgate.v1");
 }
 
-/// prost's codec, except that a body that does not decode is `INVALID_ARGUMENT` (the caller's
-/// fault), not `INTERNAL`.
+/// Decodes a `TakeRequest` message (protobuf bytes, without gRPC's 5-byte frame header): a pure
+/// function over the bytes. The top-level fields are scanned first, in constant memory, and a
+/// 17th bucket stops the decoding there; only then does prost build the message (at most 16
+/// buckets, each no larger than the input).
+pub fn decode_take_message(bytes: &[u8]) -> Result<pb::TakeRequest, InvalidArgument> {
+    use prost::encoding::{decode_key, decode_varint, WireType};
+    let malformed =
+        |e: &dyn std::fmt::Display| InvalidArgument::new("", format!("malformed protobuf: {e}"));
+    let mut buf = bytes;
+    let mut buckets = 0usize;
+    while !buf.is_empty() {
+        let (tag, wire_type) = decode_key(&mut buf).map_err(|e| malformed(&e))?;
+        if tag == 1 {
+            buckets += 1;
+            if buckets > MAX_BUCKETS {
+                return Err(InvalidArgument::new(
+                    "buckets",
+                    format!(
+                        "must hold at most {MAX_BUCKETS} buckets (decoding stopped at the 17th)"
+                    ),
+                ));
+            }
+        }
+        let skip = match wire_type {
+            WireType::Varint => {
+                decode_varint(&mut buf).map_err(|e| malformed(&e))?;
+                0
+            }
+            WireType::SixtyFourBit => 8,
+            WireType::ThirtyTwoBit => 4,
+            WireType::LengthDelimited => {
+                let len = decode_varint(&mut buf).map_err(|e| malformed(&e))?;
+                usize::try_from(len).unwrap_or(usize::MAX)
+            }
+            WireType::StartGroup | WireType::EndGroup => {
+                return Err(malformed(&"groups are not part of this contract"))
+            }
+        };
+        buf = buf
+            .get(skip..)
+            .ok_or_else(|| malformed(&"a field runs past the end"))?;
+    }
+    pb::TakeRequest::decode(bytes).map_err(|e| malformed(&e))
+}
+
+/// Decodes a `TakeRequest` message into the domain's [`RawTake`]: [`decode_take_message`], then
+/// [`raw_from_pb`]. The protobuf counterpart of [`crate::api::json::decode_take`].
+pub fn decode_take(bytes: &[u8]) -> Result<RawTake, InvalidArgument> {
+    decode_take_message(bytes).and_then(|m| raw_from_pb(&m))
+}
+
+/// prost's codec for responses; requests go through [`decode_take_message`], so a body that does
+/// not decode is `INVALID_ARGUMENT` (the caller's fault), not `INTERNAL`, and a 17th bucket is
+/// never decoded.
 #[derive(Debug, Clone)]
 pub struct StrictCodec<T, U> {
     _pd: PhantomData<(T, U)>,
@@ -35,14 +91,35 @@ impl<T, U> Default for StrictCodec<T, U> {
 #[derive(Debug, Clone, Default)]
 pub struct StrictDecoder<U>(ProstDecoder<U>);
 
-impl<U: Message + Default> Decoder for StrictDecoder<U> {
+/// A message type that [`StrictDecoder`] reads from bytes.
+pub trait DecodeStrict: Sized {
+    /// Decodes one message.
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument>;
+}
+
+impl DecodeStrict for pb::TakeRequest {
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
+        decode_take_message(bytes)
+    }
+}
+
+impl DecodeStrict for pb::TakeResponse {
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
+        pb::TakeResponse::decode(bytes)
+            .map_err(|e| InvalidArgument::new("", format!("malformed protobuf: {e}")))
+    }
+}
+
+impl<U: DecodeStrict + Message + Default> Decoder for StrictDecoder<U> {
     type Item = U;
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        U::decode(buf)
+        // The body was read whole (and bounded) before tonic saw it: one contiguous copy.
+        let bytes = buf.copy_to_bytes(buf.remaining());
+        U::decode_strict(&bytes)
             .map(Some)
-            .map_err(|e| Status::invalid_argument(format!("malformed protobuf: {e}")))
+            .map_err(|e| Status::invalid_argument(e.to_string()))
     }
 
     fn buffer_settings(&self) -> BufferSettings {
@@ -53,7 +130,7 @@ impl<U: Message + Default> Decoder for StrictDecoder<U> {
 impl<T, U> Codec for StrictCodec<T, U>
 where
     T: Message + Send + 'static,
-    U: Message + Default + Send + 'static,
+    U: DecodeStrict + Message + Default + Send + 'static,
 {
     type Encode = T;
     type Decode = U;
@@ -177,23 +254,22 @@ pub fn status_of(e: &ApiError) -> Status {
     match e {
         ApiError::Invalid(_) => Status::invalid_argument(e.message()),
         ApiError::Unauthenticated => Status::unauthenticated(e.message()),
-        ApiError::Unavailable(_) => Status::unavailable(e.message()),
+        ApiError::TooLarge(_) => Status::resource_exhausted(e.message()),
+        ApiError::BodyTimeout(_) => Status::deadline_exceeded(e.message()),
+        ApiError::Overloaded(_) | ApiError::Unavailable(_) => Status::unavailable(e.message()),
     }
 }
 
+/// Reached only through [`crate::api::http::router`], after [`Api::admit`] (token, bounded body,
+/// permit).
 #[tonic::async_trait]
 impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
     async fn take(
         &self,
         request: Request<pb::TakeRequest>,
     ) -> Result<Response<pb::TakeResponse>, Status> {
-        let auth = request
-            .metadata()
-            .get("authorization")
-            .map(|v| v.as_bytes().to_vec());
         let raw = raw_from_pb(request.get_ref());
-        let result = self.api.take(auth.as_deref(), raw).await;
-        match result {
+        match self.api.take(raw).await {
             Ok(d) => {
                 self.api.metrics.request("grpc", "ok");
                 Ok(Response::new(pb_from_decision(&d)))
@@ -202,6 +278,55 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
                 self.api.metrics.request("grpc", e.code());
                 Err(status_of(&e))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decoding_stops_at_the_seventeenth_bucket() {
+        // `0a 00`: field 1 (buckets), length 0: an empty bucket.
+        let sixteen = [0x0a, 0x00].repeat(16);
+        assert_eq!(
+            decode_take(&sixteen).map(|r| r.buckets.map(|b| b.len())),
+            Ok(Some(16))
+        );
+        // Two million of them: refused at the 17th, whatever follows.
+        let mut huge = [0x0a, 0x00].repeat(2_000_000);
+        huge.extend_from_slice(&[0xff; 3]);
+        let e = decode_take(&huge).err();
+        assert_eq!(
+            e.as_ref().map(|e| e.field.as_str()),
+            Some("buckets"),
+            "{e:?}"
+        );
+        // Other fields do not count: unknown ones are skipped as prost would.
+        let mut other = [0x10, 0x05].repeat(40);
+        other.extend_from_slice(&[0x0a, 0x00]);
+        assert_eq!(
+            decode_take(&other).map(|r| r.buckets.map(|b| b.len())),
+            Ok(Some(1))
+        );
+    }
+
+    #[test]
+    fn malformed_bytes_are_invalid_arguments() {
+        for bytes in [
+            &[0x0a][..],               // a tag and no length
+            &[0x0a, 0x05, 0x00],       // a length past the end
+            &[0x0b, 0x0c],             // a group
+            &[0xff; 11],               // a varint that never ends
+            &[0x0a, 0x02, 0x08, 0xff], // a bucket whose field is cut
+        ] {
+            let e = decode_take(bytes).err();
+            assert!(
+                e.as_ref()
+                    .is_some_and(|e| e.message.starts_with("malformed protobuf")),
+                "{bytes:02x?}: {e:?}"
+            );
         }
     }
 }

@@ -1,16 +1,15 @@
 //! HTTP routes and the one-port switch between HTTP/JSON and gRPC.
 //!
 //! A request whose `content-type` starts with `application/grpc` goes to the tonic service (which
-//! answers unknown methods with gRPC `UNIMPLEMENTED`); everything else to the JSON routes. Both
-//! share one listener, served by hyper-util's auto builder (HTTP/1.1, and HTTP/2 with prior
-//! knowledge, which gRPC uses).
+//! answers unknown methods with gRPC `UNIMPLEMENTED`); everything else to the JSON routes. A take,
+//! in either form, passes [`Api::admit`] first: its body is not read before its token is checked,
+//! nor decoded before it arrived whole within the bound, and it is shed at once when the take
+//! limit is reached. `/healthz`, `/readyz` and `/metrics` never wait behind takes.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, FromRequestParts, Request, State};
-use axum::http::request::Parts;
+use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -18,51 +17,41 @@ use axum::{Json, Router};
 use tonic::server::NamedService;
 use tower::{Service, ServiceExt};
 
-use super::grpc::{pb::rate_limiter_server::RateLimiterServer, RateLimiterService};
-use super::json::{decode_request, error_body};
-use super::{Api, ApiError};
-
-/// Largest accepted `POST /v1/take` body: 16 buckets of 4 KiB keys fit with room to spare.
-pub const MAX_BODY_BYTES: usize = 256 * 1024;
+use super::grpc::{pb::rate_limiter_server::RateLimiterServer, status_of, RateLimiterService};
+use super::json::{decode_take, error_body};
+use super::{Api, ApiError, MAX_GRPC_BODY_BYTES};
+use crate::domain::MAX_TAKE_BYTES;
 
 fn error_response(e: &ApiError) -> Response {
     let (status, field) = match e {
         ApiError::Invalid(inv) => (StatusCode::BAD_REQUEST, Some(inv.field.as_str())),
         ApiError::Unauthenticated => (StatusCode::UNAUTHORIZED, None),
-        ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
+        ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, None),
+        ApiError::BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, None),
+        ApiError::Overloaded(_) | ApiError::Unavailable(_) => {
+            (StatusCode::SERVICE_UNAVAILABLE, None)
+        }
     };
     let field = field.filter(|f| !f.is_empty());
     let mut resp = (status, Json(error_body(e.code(), field, &e.message()))).into_response();
     if matches!(e, ApiError::Unauthenticated) {
-        resp.headers_mut().insert(
-            header::WWW_AUTHENTICATE,
-            header::HeaderValue::from_static("Bearer"),
-        );
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    if e.closes_connection() {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
     resp
 }
 
-/// The `authorization` header of a request, if any: the one header a take reads (the `HeaderMap`
-/// extractor would copy them all).
-struct Authorization(Option<HeaderValue>);
-
-impl<S: Send + Sync> FromRequestParts<S> for Authorization {
-    type Rejection = Infallible;
-
-    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Infallible> {
-        Ok(Authorization(
-            parts.headers.get(header::AUTHORIZATION).cloned(),
-        ))
-    }
-}
-
-async fn take(
-    State(api): State<Arc<Api>>,
-    Authorization(auth): Authorization,
-    body: Bytes,
-) -> Response {
-    let auth = auth.as_ref().map(|v| v.as_bytes());
-    match api.take(auth, decode_request(&body)).await {
+async fn take(State(api): State<Arc<Api>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = match api.admit(&parts.headers, body, MAX_TAKE_BYTES).await {
+        Ok((bytes, _permit)) => api.take(decode_take(&bytes)).await,
+        Err(e) => Err(e),
+    };
+    match result {
         Ok(d) => {
             api.metrics.request("http", "ok");
             Json(d).into_response()
@@ -78,14 +67,12 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
+/// Answers from the cached store check; never asks the store itself.
 async fn readyz(State(api): State<Arc<Api>>) -> Response {
-    match api.store.ping().await {
-        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("store not ready: {e}\n"),
-        )
-            .into_response(),
+    if api.readiness.is_ready() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()
     }
 }
 
@@ -107,12 +94,37 @@ fn is_grpc(req: &Request) -> bool {
         .unwrap_or(false)
 }
 
-/// The whole application: JSON routes, the gRPC service, and at most `max_in_flight` requests
-/// being handled at once (more wait for a slot). `axum::serve` runs it as it is (no outer
-/// `Router`): the switch is the only thing in front of the two services.
+/// A gRPC call of one of our methods: admitted like a JSON take, then handed to the generated
+/// server with its body already read (and the permit held until the answer).
+async fn grpc_take(
+    api: Arc<Api>,
+    server: RateLimiterServer<RateLimiterService>,
+    req: Request,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    match api.admit(&parts.headers, body, MAX_GRPC_BODY_BYTES).await {
+        Ok((bytes, permit)) => {
+            let req =
+                Request::from_parts(parts, tonic::body::Body::new(axum::body::Body::from(bytes)));
+            let resp = match server.oneshot(req).await {
+                Ok(r) => r.map(axum::body::Body::new),
+                Err(never) => match never {},
+            };
+            drop(permit);
+            resp
+        }
+        Err(e) => {
+            api.metrics.request("grpc", e.code());
+            status_of(&e).into_http()
+        }
+    }
+}
+
+/// The whole application: JSON routes and the gRPC service behind the content-type switch.
+/// [`crate::run`] serves it as it is (no outer `Router`): the switch is the only thing in front
+/// of the two services.
 pub fn router(
     api: Arc<Api>,
-    max_in_flight: usize,
 ) -> impl Service<Request, Response = Response, Error = Infallible, Future: Send + 'static>
        + Clone
        + Send
@@ -122,37 +134,35 @@ pub fn router(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(api.clone());
-    let server = RateLimiterServer::new(RateLimiterService::new(api));
+    // The body reaching tonic was bounded already; this bound is the same, for any other path.
+    let server = RateLimiterServer::new(RateLimiterService::new(api.clone()))
+        .max_decoding_message_size(MAX_TAKE_BYTES);
     // A call of one of our methods goes straight to the generated server, which dispatches on the
     // full path itself (and answers an unknown method of the service with UNIMPLEMENTED). Any
     // other gRPC path goes through tonic's router as before (UNIMPLEMENTED for unknown services):
     // routing every call through it matched the path twice and captured it as a parameter.
     let grpc = tonic::service::Routes::new(server.clone()).into_axum_router();
-    let switch = tower::service_fn(move |req: Request| {
-        let (http, grpc, server) = (http.clone(), grpc.clone(), server.clone());
+    tower::service_fn(move |req: Request| {
+        let (http, grpc, server, api) = (http.clone(), grpc.clone(), server.clone(), api.clone());
         async move {
             let head = req.method() == Method::HEAD;
             let resp = if !is_grpc(&req) {
-                http.oneshot(req).await
+                match http.oneshot(req).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                }
             } else if is_our_method(req.uri().path()) {
-                let resp = server.oneshot(req.map(tonic::body::Body::new)).await;
-                resp.map(|r| r.map(axum::body::Body::new))
+                grpc_take(api, server, req).await
             } else {
-                grpc.oneshot(req).await
+                match grpc.oneshot(req).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                }
             };
-            Ok::<Response, Infallible>(match resp {
-                Ok(r) => top_level(r, head),
-                Err(never) => match never {},
-            })
+            Ok::<Response, Infallible>(top_level(resp, head))
         }
-    });
-    tower::ServiceBuilder::new()
-        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-            max_in_flight.max(1),
-        ))
-        .service(switch)
+    })
 }
 
 /// What axum's `Router` did to every response when the switch was its fallback: a body of known

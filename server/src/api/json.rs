@@ -1,11 +1,15 @@
-//! The JSON form of the contract. Decoding walks a `serde_json::Value` by hand so every error
-//! names its field (`buckets[0].capacity`) and unknown fields are refused; encoding uses serde. A
-//! response body is the serde form of [`crate::domain::TakeDecision`].
+//! The JSON form of the contract. [`decode_take`] reads a body straight into a [`RawTake`] with
+//! serde visitors (no `serde_json::Value` tree, so memory stays bounded by the body and 16
+//! buckets), naming the field of every error (`buckets[0].capacity`) and refusing unknown fields;
+//! encoding uses serde. A response body is the serde form of [`crate::domain::TakeDecision`].
 
+use std::fmt;
+
+use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::domain::{Algorithm, InvalidArgument, RawBucket, RawTake};
+use crate::domain::{Algorithm, InvalidArgument, RawBucket, RawTake, MAX_BUCKETS};
 
 /// The JSON spelling of an algorithm.
 pub fn algorithm_name(a: Algorithm) -> &'static str {
@@ -15,235 +19,311 @@ pub fn algorithm_name(a: Algorithm) -> &'static str {
     }
 }
 
-fn no_unknown(obj: &Map<String, Value>, known: &[&str], at: &str) -> Result<(), InvalidArgument> {
-    match obj.keys().find(|k| !known.contains(&k.as_str())) {
-        Some(k) => Err(InvalidArgument::new(format!("{at}{k}"), "unknown field")),
-        None => Ok(()),
+/// Decodes a `POST /v1/take` body: a pure function over the bytes, in memory bounded by the
+/// input (no `Value` tree; decoding stops at the 17th bucket).
+///
+/// Errors name the field they are about (`buckets[0].capacity`); a body that is not JSON at all,
+/// or not an object, has the empty field. Unknown fields are refused; `null` means absent; a field
+/// given twice keeps its last value.
+pub fn decode_take(body: &[u8]) -> Result<RawTake, InvalidArgument> {
+    let slot = ErrorSlot::default();
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let result = serde::de::DeserializeSeed::deserialize(TakeSeed(&slot), &mut de)
+        .and_then(|raw| de.end().map(|()| raw));
+    match result {
+        Ok(raw) => Ok(raw),
+        // A syntax error wins over what the visitor was reading when it hit it.
+        Err(e) if e.is_syntax() || e.is_eof() || e.is_io() => {
+            Err(InvalidArgument::new("", format!("malformed JSON: {e}")))
+        }
+        Err(_) => Err(slot
+            .take()
+            .unwrap_or_else(|| InvalidArgument::new("", "the body must be a JSON object"))),
     }
 }
 
-fn uint(obj: &Map<String, Value>, name: &str, at: &str) -> Result<Option<u64>, InvalidArgument> {
-    match obj.get(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-            InvalidArgument::new(format!("{at}{name}"), "must be a non-negative integer")
-        }),
+/// Where a visitor leaves the field-named error it stopped on (serde's error type cannot carry
+/// it); the first error recorded wins.
+#[derive(Default)]
+struct ErrorSlot(std::cell::RefCell<Option<InvalidArgument>>);
+
+impl ErrorSlot {
+    /// Records the error (unless one is already there) and returns a serde error to stop on.
+    fn set<E: de::Error>(&self, field: impl FnOnce() -> String, message: &str) -> E {
+        self.note(field, message, E::custom(message))
+    }
+
+    /// Records the error (unless one is already there) and passes `original` on: a syntax error
+    /// met while reading a field stays a syntax error.
+    fn note<E>(&self, field: impl FnOnce() -> String, message: &str, original: E) -> E {
+        let mut s = self.0.borrow_mut();
+        if s.is_none() {
+            *s = Some(InvalidArgument::new(field(), message));
+        }
+        original
+    }
+
+    fn take(&self) -> Option<InvalidArgument> {
+        self.0.borrow_mut().take()
     }
 }
 
-/// Decodes a `POST /v1/take` body.
-pub fn decode_request(body: &[u8]) -> Result<RawTake, InvalidArgument> {
-    // The common case, a well-formed take, is read straight into its fields, without a `Value`
-    // tree (a map and a string per field). Whatever that reader refuses goes through the walk over
-    // a `Value` below, which names the offending field: the answer for any body is the walk's.
-    if let Ok(fast::Take(raw)) = serde_json::from_slice::<fast::Take>(body) {
-        return Ok(raw);
-    }
-    decode_value(body)
+enum Field {
+    Buckets,
+    Key,
+    Capacity,
+    Rate,
+    PeriodMs,
+    Cost,
+    Algorithm,
+    Lease,
+    Unknown(String),
 }
 
-/// The field-by-field decoding over a `serde_json::Value`: the reference for every body.
-fn decode_value(body: &[u8]) -> Result<RawTake, InvalidArgument> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| InvalidArgument::new("", format!("malformed JSON: {e}")))?;
-    let Value::Object(obj) = v else {
-        return Err(InvalidArgument::new("", "the body must be a JSON object"));
-    };
-    no_unknown(&obj, &["buckets"], "")?;
-    let buckets = match obj.get("buckets") {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(items)) => {
-            let mut out = Vec::with_capacity(items.len());
-            for (i, item) in items.iter().enumerate() {
-                let at = format!("buckets[{i}].");
-                let Value::Object(b) = item else {
-                    return Err(InvalidArgument::new(
-                        format!("buckets[{i}]"),
-                        "must be an object",
-                    ));
+impl<'de> Deserialize<'de> for Field {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Field;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a field name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
+                Ok(match v {
+                    "buckets" => Field::Buckets,
+                    "key" => Field::Key,
+                    "capacity" => Field::Capacity,
+                    "rate" => Field::Rate,
+                    "period_ms" => Field::PeriodMs,
+                    "cost" => Field::Cost,
+                    "algorithm" => Field::Algorithm,
+                    "lease" => Field::Lease,
+                    // Only the first unknown name is kept (in the error), so this is one String
+                    // per request at most.
+                    other => Field::Unknown(other.to_string()),
+                })
+            }
+        }
+        d.deserialize_identifier(V)
+    }
+}
+
+/// The whole body: an object with `buckets` only.
+struct TakeSeed<'a>(&'a ErrorSlot);
+
+impl<'de> DeserializeSeed<'de> for TakeSeed<'_> {
+    type Value = RawTake;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawTake, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for TakeSeed<'_> {
+    type Value = RawTake;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a take object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawTake, A::Error> {
+        let slot = self.0;
+        let mut buckets = None;
+        while let Some(field) = map.next_key::<Field>()? {
+            match field {
+                Field::Buckets => {
+                    buckets = map
+                        .next_value_seed(OptionSeed(BucketsSeed(slot)))
+                        .map_err(|e| slot.note(|| "buckets".into(), "must be a list", e))?;
+                }
+                Field::Unknown(name) => return Err(slot.set(|| name, "unknown field")),
+                _ => return Err(slot.set(|| field_name(&field), "unknown field")),
+            }
+        }
+        Ok(RawTake { buckets })
+    }
+}
+
+fn field_name(f: &Field) -> String {
+    match f {
+        Field::Buckets => "buckets",
+        Field::Key => "key",
+        Field::Capacity => "capacity",
+        Field::Rate => "rate",
+        Field::PeriodMs => "period_ms",
+        Field::Cost => "cost",
+        Field::Algorithm => "algorithm",
+        Field::Lease => "lease",
+        Field::Unknown(n) => n,
+    }
+    .to_string()
+}
+
+/// `null` or what the inner seed reads.
+struct OptionSeed<S>(S);
+
+impl<'de, S: DeserializeSeed<'de>> DeserializeSeed<'de> for OptionSeed<S> {
+    type Value = Option<S::Value>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_option(self)
+    }
+}
+
+impl<'de, S: DeserializeSeed<'de>> Visitor<'de> for OptionSeed<S> {
+    type Value = Option<S::Value>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a value or null")
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        self.0.deserialize(d).map(Some)
+    }
+}
+
+/// The `buckets` list: at most [`MAX_BUCKETS`] are read; a 17th stops the decoding there.
+struct BucketsSeed<'a>(&'a ErrorSlot);
+
+impl<'de> DeserializeSeed<'de> for BucketsSeed<'_> {
+    type Value = Vec<RawBucket>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BucketsSeed<'_> {
+    type Value = Vec<RawBucket>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of buckets")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let slot = self.0;
+        let mut out = Vec::new();
+        loop {
+            let i = out.len();
+            if i == MAX_BUCKETS {
+                // A 17th element is refused before it is read.
+                return match seq.next_element_seed(TooMany(slot))? {
+                    None => Ok(out),
+                    Some(never) => match never {},
                 };
-                no_unknown(
-                    b,
-                    &[
-                        "key",
-                        "capacity",
-                        "rate",
-                        "period_ms",
-                        "cost",
-                        "algorithm",
-                        "lease",
-                    ],
-                    &at,
-                )?;
-                let key = match b.get("key") {
-                    None | Some(Value::Null) => None,
-                    Some(Value::String(s)) => Some(s.clone()),
-                    Some(_) => {
-                        return Err(InvalidArgument::new(format!("{at}key"), "must be a string"))
-                    }
-                };
-                let algorithm = match b.get("algorithm") {
-                    None | Some(Value::Null) => None,
-                    Some(Value::String(s)) if s == "token_bucket" => Some(Algorithm::TokenBucket),
-                    Some(Value::String(s)) if s == "fixed_window" => Some(Algorithm::FixedWindow),
-                    Some(_) => {
-                        return Err(InvalidArgument::new(
-                            format!("{at}algorithm"),
-                            "must be \"token_bucket\" or \"fixed_window\"",
-                        ))
-                    }
-                };
-                out.push(RawBucket {
-                    key,
-                    capacity: uint(b, "capacity", &at)?,
-                    rate: uint(b, "rate", &at)?,
-                    period_ms: uint(b, "period_ms", &at)?,
-                    cost: uint(b, "cost", &at)?,
-                    algorithm,
-                    lease: uint(b, "lease", &at)?,
-                });
             }
-            Some(out)
+            let next = seq
+                .next_element_seed(BucketSeed { slot, i })
+                .map_err(|e| slot.note(|| format!("buckets[{i}]"), "must be an object", e))?;
+            match next {
+                Some(b) => out.push(b),
+                None => return Ok(out),
+            }
         }
-        Some(_) => return Err(InvalidArgument::new("buckets", "must be a list")),
-    };
-    Ok(RawTake { buckets })
+    }
 }
 
-/// A take read without building a `Value` tree, accepting exactly what [`decode_value`] accepts
-/// and with the same result: objects only (never the array form serde allows for structs), no
-/// unknown field, `null` as absent, integers that fit a `u64`, the two algorithm names, and the
-/// last of repeated fields (as a `Value` map keeps it). Anything else is an error, and the caller
-/// then asks [`decode_value`].
-mod fast {
-    use std::fmt;
+/// Stands for a bucket past the bound: errs without reading it.
+struct TooMany<'a>(&'a ErrorSlot);
 
-    use serde::de::{self, Deserialize, Deserializer, MapAccess, Visitor};
+impl<'de> DeserializeSeed<'de> for TooMany<'_> {
+    type Value = std::convert::Infallible;
 
-    use crate::domain::{Algorithm, RawBucket, RawTake};
+    fn deserialize<D: Deserializer<'de>>(self, _: D) -> Result<Self::Value, D::Error> {
+        Err(self.0.set(
+            || "buckets".into(),
+            &format!("must hold at most {MAX_BUCKETS} buckets (decoding stopped at the 17th)"),
+        ))
+    }
+}
 
-    pub(super) struct Take(pub(super) RawTake);
-    struct Bucket(RawBucket);
-    struct Alg(Algorithm);
+/// One bucket object; `i` is its index, for error fields.
+struct BucketSeed<'a> {
+    slot: &'a ErrorSlot,
+    i: usize,
+}
 
-    enum Field {
-        Buckets,
-        Key,
-        Capacity,
-        Rate,
-        PeriodMs,
-        Cost,
-        Algorithm,
-        Lease,
-        Unknown,
+impl<'de> DeserializeSeed<'de> for BucketSeed<'_> {
+    type Value = RawBucket;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawBucket, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BucketSeed<'_> {
+    type Value = RawBucket;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a bucket object")
     }
 
-    impl<'de> Deserialize<'de> for Field {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl Visitor<'_> for V {
-                type Value = Field;
-                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                    f.write_str("a field name")
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawBucket, A::Error> {
+        let (slot, i) = (self.slot, self.i);
+        let at = |name: &str| format!("buckets[{i}].{name}");
+        let mut b = RawBucket::default();
+        while let Some(field) = map.next_key::<Field>()? {
+            let uint = |r: Result<Option<u64>, A::Error>, name: &str| {
+                r.map_err(|e| slot.note(|| at(name), "must be a non-negative integer", e))
+            };
+            match field {
+                Field::Key => {
+                    b.key = map
+                        .next_value::<Option<String>>()
+                        .map_err(|e| slot.note(|| at("key"), "must be a string", e))?
                 }
-                fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
-                    Ok(match v {
-                        "buckets" => Field::Buckets,
-                        "key" => Field::Key,
-                        "capacity" => Field::Capacity,
-                        "rate" => Field::Rate,
-                        "period_ms" => Field::PeriodMs,
-                        "cost" => Field::Cost,
-                        "algorithm" => Field::Algorithm,
-                        "lease" => Field::Lease,
-                        _ => Field::Unknown,
-                    })
+                Field::Capacity => b.capacity = uint(map.next_value(), "capacity")?,
+                Field::Rate => b.rate = uint(map.next_value(), "rate")?,
+                Field::PeriodMs => b.period_ms = uint(map.next_value(), "period_ms")?,
+                Field::Cost => b.cost = uint(map.next_value(), "cost")?,
+                Field::Lease => b.lease = uint(map.next_value(), "lease")?,
+                Field::Algorithm => {
+                    b.algorithm = map
+                        .next_value::<Option<Alg>>()
+                        .map_err(|e| {
+                            slot.note(
+                                || at("algorithm"),
+                                "must be \"token_bucket\" or \"fixed_window\"",
+                                e,
+                            )
+                        })?
+                        .map(|a| a.0)
+                }
+                Field::Buckets => return Err(slot.set(|| at("buckets"), "unknown field")),
+                Field::Unknown(name) => return Err(slot.set(|| at(&name), "unknown field")),
+            }
+        }
+        Ok(b)
+    }
+}
+
+struct Alg(Algorithm);
+
+impl<'de> Deserialize<'de> for Alg {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Alg;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an algorithm name")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Alg, E> {
+                match v {
+                    "token_bucket" => Ok(Alg(Algorithm::TokenBucket)),
+                    "fixed_window" => Ok(Alg(Algorithm::FixedWindow)),
+                    _ => Err(E::custom("unknown algorithm")),
                 }
             }
-            d.deserialize_identifier(V)
         }
-    }
-
-    fn unknown<E: de::Error>() -> E {
-        E::custom("unknown field")
-    }
-
-    impl<'de> Deserialize<'de> for Take {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl<'de> Visitor<'de> for V {
-                type Value = Take;
-                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                    f.write_str("a take")
-                }
-                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Take, A::Error> {
-                    let mut buckets = None;
-                    while let Some(field) = map.next_key::<Field>()? {
-                        match field {
-                            Field::Buckets => {
-                                buckets = map
-                                    .next_value::<Option<Vec<Bucket>>>()?
-                                    .map(|v| v.into_iter().map(|b| b.0).collect())
-                            }
-                            _ => return Err(unknown()),
-                        }
-                    }
-                    Ok(Take(RawTake { buckets }))
-                }
-            }
-            d.deserialize_map(V)
-        }
-    }
-
-    impl<'de> Deserialize<'de> for Bucket {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl<'de> Visitor<'de> for V {
-                type Value = Bucket;
-                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                    f.write_str("a bucket")
-                }
-                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Bucket, A::Error> {
-                    let mut b = RawBucket::default();
-                    while let Some(field) = map.next_key::<Field>()? {
-                        match field {
-                            Field::Key => b.key = map.next_value()?,
-                            Field::Capacity => b.capacity = map.next_value()?,
-                            Field::Rate => b.rate = map.next_value()?,
-                            Field::PeriodMs => b.period_ms = map.next_value()?,
-                            Field::Cost => b.cost = map.next_value()?,
-                            Field::Algorithm => {
-                                b.algorithm = map.next_value::<Option<Alg>>()?.map(|a| a.0)
-                            }
-                            Field::Lease => b.lease = map.next_value()?,
-                            Field::Buckets | Field::Unknown => return Err(unknown()),
-                        }
-                    }
-                    Ok(Bucket(b))
-                }
-            }
-            d.deserialize_map(V)
-        }
-    }
-
-    impl<'de> Deserialize<'de> for Alg {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl Visitor<'_> for V {
-                type Value = Alg;
-                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                    f.write_str("an algorithm name")
-                }
-                fn visit_str<E: de::Error>(self, v: &str) -> Result<Alg, E> {
-                    match v {
-                        "token_bucket" => Ok(Alg(Algorithm::TokenBucket)),
-                        "fixed_window" => Ok(Alg(Algorithm::FixedWindow)),
-                        _ => Err(E::custom("unknown algorithm")),
-                    }
-                }
-            }
-            d.deserialize_str(V)
-        }
+        d.deserialize_str(V)
     }
 }
 
@@ -301,47 +381,57 @@ mod tests {
     use super::*;
 
     fn field_of(body: &str) -> String {
-        match decode_request(body.as_bytes()).and_then(crate::domain::validate) {
+        match decode_take(body.as_bytes()).and_then(crate::domain::validate) {
             Err(e) => e.field,
             Ok(v) => unreachable!("accepted {body}: {v:?}"),
         }
     }
 
     #[test]
-    fn the_fast_reader_agrees_with_the_walk() {
-        let bodies = [
-            r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1}]}"#,
+    fn reads_what_the_contract_allows() {
+        let ok = |body: &str| match decode_take(body.as_bytes()) {
+            Ok(raw) => raw,
+            Err(e) => unreachable!("refused {body}: {e}"),
+        };
+        let raw = ok(
             r#"{"buckets":[{"key":"a\u00e9\"","capacity":10,"rate":5,"period_ms":1000,"cost":2,"algorithm":"fixed_window","lease":3}]}"#,
-            r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1,"algorithm":"token_bucket"},{"key":"b","capacity":2,"period_ms":2,"lease":null}]}"#,
-            r#" {"buckets": null} "#,
-            r#"{}"#,
-            r#"{"buckets":[]}"#,
-            r#"{"buckets":[{"key":null,"capacity":null,"rate":null}]}"#,
-            r#"{"buckets":[{"key":"a","capacity":1,"capacity":2,"period_ms":1}]}"#,
-            r#"{"buckets":[{"key":"a","capacity":"x","capacity":2,"period_ms":1}]}"#,
-            r#"{"buckets":[],"buckets":[{"key":"a","capacity":2,"period_ms":1}]}"#,
-            r#"{"buckets":[["a",1,1,1,1,null,null]]}"#,
-            r#"[[{"key":"a","capacity":1,"period_ms":1}]]"#,
-            r#"{"buckets":[{"key":"a","capacity":1.0,"period_ms":1}]}"#,
-            r#"{"buckets":[{"key":"a","capacity":-0,"period_ms":1}]}"#,
-            r#"{"buckets":[{"key":"a","capacity":18446744073709551616,"period_ms":1}]}"#,
-            r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1,"algorithm":"gcra"}]}"#,
-            r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1,"x":1}]}"#,
-            r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1}],"x":1}"#,
-            r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1}]} x"#,
-            r#"{"buckets":[{"key":5,"capacity":1,"period_ms":1}]}"#,
-        ];
-        for body in bodies {
-            assert_eq!(
-                decode_request(body.as_bytes()),
-                decode_value(body.as_bytes()),
-                "{body}"
-            );
-        }
-        assert!(serde_json::from_str::<fast::Take>(bodies[0]).is_ok());
-        assert!(serde_json::from_str::<fast::Take>(bodies[7]).is_ok());
-        assert!(serde_json::from_str::<fast::Take>(bodies[10]).is_err());
-        assert!(serde_json::from_str::<fast::Take>(bodies[11]).is_err());
+        );
+        assert_eq!(
+            raw.buckets,
+            Some(vec![RawBucket {
+                key: Some("a\u{e9}\"".into()),
+                capacity: Some(10),
+                rate: Some(5),
+                period_ms: Some(1000),
+                cost: Some(2),
+                algorithm: Some(Algorithm::FixedWindow),
+                lease: Some(3),
+            }])
+        );
+        assert_eq!(ok(r#" {"buckets": null} "#).buckets, None);
+        assert_eq!(ok("{}").buckets, None);
+        assert_eq!(ok(r#"{"buckets":[]}"#).buckets, Some(vec![]));
+        assert_eq!(
+            ok(r#"{"buckets":[{"key":null,"capacity":null,"rate":null}]}"#).buckets,
+            Some(vec![RawBucket::default()])
+        );
+        let last = ok(r#"{"buckets":[{"key":"a","capacity":1,"capacity":2,"period_ms":1}]}"#);
+        assert_eq!(last.buckets.unwrap_or_default()[0].capacity, Some(2));
+        let sixteen = format!(r#"{{"buckets":[{}]}}"#, vec!["{}"; 16].join(","));
+        assert_eq!(ok(&sixteen).buckets.map(|b| b.len()), Some(16));
+    }
+
+    #[test]
+    fn stops_at_the_seventeenth_bucket() {
+        // The rest of the body is never read: even garbage after the 17th `{` is not reached.
+        let body = format!(r#"{{"buckets":[{},{{"#, vec!["{}"; 16].join(","));
+        let e = decode_take(body.as_bytes()).err();
+        assert_eq!(
+            e.as_ref().map(|e| e.field.as_str()),
+            Some("buckets"),
+            "{e:?}"
+        );
+        assert!(e.is_some_and(|e| e.message.contains("at most 16")));
     }
 
     #[test]
@@ -375,5 +465,15 @@ mod tests {
             field_of(r#"{"buckets": [{"key":"a","capacity":1,"period_ms":1}, 3]}"#),
             "buckets[1]"
         );
+        assert_eq!(field_of(r#"{"buckets":[["a",1,1]]}"#), "buckets[0]");
+        assert_eq!(
+            field_of(r#"{"buckets":[{"key":"a","capacity":"x","capacity":2,"period_ms":1}]}"#),
+            "buckets[0].capacity"
+        );
+        assert_eq!(
+            field_of(r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1}]} x"#),
+            ""
+        );
+        assert_eq!(field_of(r#"{"buckets":[{"key":"a\q"}]}"#), "");
     }
 }

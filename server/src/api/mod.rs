@@ -6,20 +6,27 @@
 //! | `grpc.rs` | protobuf types generated from `contract/tollgate.proto`, the tonic service, a codec that turns malformed protobuf into `INVALID_ARGUMENT` |
 //! | `http.rs` | axum routes (`/v1/take`, `/healthz`, `/readyz`, `/metrics`), auth, and the content-type switch that sends gRPC to tonic |
 //!
-//! Both transports call [`Api::take`]: authenticate, validate (the one shared
-//! [`crate::domain::validate`]), ask the store, count.
+//! Both transports go through [`Api::admit`] (the token from the headers, then the body, bounded
+//! in size and time, then a take permit or an immediate 503) before anything is decoded, and
+//! then [`Api::take`]: validate (the one shared [`crate::domain::validate`]), ask the store,
+//! count.
 
 pub mod grpc;
 pub mod http;
 pub mod json;
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderMap};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::domain::{validate, InvalidArgument, RawTake, TakeDecision};
+use crate::domain::{validate, InvalidArgument, RawTake, TakeDecision, MAX_TAKE_BYTES};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -30,8 +37,15 @@ pub enum ApiError {
     Invalid(InvalidArgument),
     /// 401 / `UNAUTHENTICATED`.
     Unauthenticated,
-    /// 503 / `UNAVAILABLE`: the store could not decide.
-    Unavailable(String),
+    /// 413 / `RESOURCE_EXHAUSTED`: the body is over the bound (in bytes, as stated).
+    TooLarge(usize),
+    /// 408 / `DEADLINE_EXCEEDED`: the body did not arrive within this many milliseconds.
+    BodyTimeout(u64),
+    /// 503 / `UNAVAILABLE`: this many takes were already in flight; the take was shed, not queued.
+    Overloaded(usize),
+    /// 503 / `UNAVAILABLE`: the store could not decide. The text is what the caller may see (the
+    /// detail went to the log).
+    Unavailable(&'static str),
 }
 
 impl ApiError {
@@ -40,17 +54,31 @@ impl ApiError {
         match self {
             ApiError::Invalid(_) => "invalid_argument",
             ApiError::Unauthenticated => "unauthenticated",
-            ApiError::Unavailable(_) => "unavailable",
+            ApiError::TooLarge(_) => "resource_exhausted",
+            ApiError::BodyTimeout(_) => "deadline_exceeded",
+            ApiError::Overloaded(_) | ApiError::Unavailable(_) => "unavailable",
         }
     }
 
-    /// The message both transports send with the error.
+    /// The message both transports send with the error: nothing about the store's internals.
     pub fn message(&self) -> String {
         match self {
             ApiError::Invalid(inv) => inv.to_string(),
             ApiError::Unauthenticated => "missing or wrong bearer token".to_string(),
-            ApiError::Unavailable(m) => m.clone(),
+            ApiError::TooLarge(bound) => format!(
+                "request body over the bound of {bound} bytes (16 buckets of 4096-byte keys)"
+            ),
+            ApiError::BodyTimeout(ms) => format!("request body not received within {ms} ms"),
+            ApiError::Overloaded(n) => {
+                format!("overloaded: {n} takes in flight, this one was shed; retry later")
+            }
+            ApiError::Unavailable(m) => (*m).to_string(),
         }
+    }
+
+    /// Whether the connection should be closed after this answer (a body was left unread).
+    pub fn closes_connection(&self) -> bool {
+        matches!(self, ApiError::TooLarge(_) | ApiError::BodyTimeout(_))
     }
 }
 
@@ -97,26 +125,124 @@ impl Auth {
     }
 }
 
-/// What both transports share: the store, the metrics and the token.
+/// The store's readiness as last checked by the refresher [`crate::run`] starts: `/readyz`
+/// answers from it, so a flood of probes never reaches the store.
+#[derive(Debug, Default)]
+pub struct Readiness(AtomicU8);
+
+// 0: not checked yet.
+const READY: u8 = 1;
+const NOT_READY: u8 = 2;
+
+impl Readiness {
+    /// The last check's result (not ready before the first).
+    pub fn is_ready(&self) -> bool {
+        self.0.load(Ordering::Relaxed) == READY
+    }
+
+    /// Checks the store once, records the result, logs a change (with the store's detail).
+    pub async fn refresh(&self, store: &dyn Store) {
+        let result = store.ping().await;
+        let now = if result.is_ok() { READY } else { NOT_READY };
+        if self.0.swap(now, Ordering::Relaxed) == now {
+            return;
+        }
+        match result {
+            Err(e) => {
+                tracing::warn!(error = %e, store = store.kind(), "store not ready; takes fail with 503 until it is")
+            }
+            Ok(()) => tracing::info!(store = store.kind(), "store ready"),
+        }
+    }
+}
+
+/// What both transports share: the store, the metrics, the token and the take limiter.
 pub struct Api {
     /// Where buckets live.
     pub store: Arc<dyn Store>,
-    /// Counters and histograms.
-    pub metrics: Metrics,
+    /// Counters and histograms (shared with the accept loop).
+    pub metrics: Arc<Metrics>,
     /// Bearer token check.
     pub auth: Auth,
+    /// Cached store readiness.
+    pub readiness: Readiness,
+    /// Longest wait for a take's body.
+    pub body_timeout: Duration,
+    /// Takes being decoded or decided at once (after their body arrived); more are shed.
+    in_flight: Arc<Semaphore>,
+    max_in_flight: usize,
 }
 
 impl Api {
-    /// Authenticates, validates and decides one take.
-    pub async fn take(
+    /// The shared state of the transports.
+    pub fn new(
+        store: Arc<dyn Store>,
+        token: Option<&str>,
+        max_in_flight: usize,
+        body_timeout: Duration,
+    ) -> Self {
+        let max_in_flight = max_in_flight.clamp(1, Semaphore::MAX_PERMITS);
+        Api {
+            store,
+            metrics: Arc::new(Metrics::new()),
+            auth: Auth::new(token),
+            readiness: Readiness::default(),
+            body_timeout,
+            in_flight: Arc::new(Semaphore::new(max_in_flight)),
+            max_in_flight,
+        }
+    }
+
+    /// Everything a take goes through before it is decoded, in this order: the token (from the
+    /// headers alone), the body (at most `bound` bytes, within the body timeout: no permit is
+    /// held while a slow client sends it), then a take permit, granted at once or refused (shed).
+    /// The permit is held until the answer is ready.
+    pub async fn admit(
         &self,
-        authorization: Option<&[u8]>,
-        raw: Result<RawTake, InvalidArgument>,
-    ) -> Result<TakeDecision, ApiError> {
-        if !self.auth.check(authorization) {
+        headers: &HeaderMap,
+        body: Body,
+        bound: usize,
+    ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
+        let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+        if !self.auth.check(auth) {
             return Err(ApiError::Unauthenticated);
         }
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > bound as u64) {
+            return Err(ApiError::TooLarge(bound));
+        }
+        let read = Limited::new(body, bound).collect();
+        let bytes = match tokio::time::timeout(self.body_timeout, read).await {
+            Err(_) => {
+                let ms = u64::try_from(self.body_timeout.as_millis()).unwrap_or(u64::MAX);
+                return Err(ApiError::BodyTimeout(ms));
+            }
+            Ok(Err(e)) if e.is::<LengthLimitError>() => return Err(ApiError::TooLarge(bound)),
+            Ok(Err(e)) => {
+                return Err(ApiError::Invalid(InvalidArgument::new(
+                    "",
+                    format!("cannot read the body: {e}"),
+                )))
+            }
+            Ok(Ok(collected)) => collected.to_bytes(),
+        };
+        match self.in_flight.clone().try_acquire_owned() {
+            Ok(permit) => Ok((bytes, permit)),
+            Err(_) => {
+                self.metrics.shed();
+                Err(ApiError::Overloaded(self.max_in_flight))
+            }
+        }
+    }
+
+    /// Validates and decides one admitted take.
+    pub async fn take(
+        &self,
+        raw: Result<RawTake, InvalidArgument>,
+    ) -> Result<TakeDecision, ApiError> {
         let specs = match raw.and_then(validate) {
             Ok(specs) => specs,
             Err(e) => {
@@ -135,11 +261,15 @@ impl Api {
             Err(e) => {
                 self.metrics.store_error(e.kind());
                 tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), "take failed");
-                Err(ApiError::Unavailable(e.to_string()))
+                Err(ApiError::Unavailable(e.public_message()))
             }
         }
     }
 }
+
+/// The largest gRPC request body: one message of [`MAX_TAKE_BYTES`] behind its 5-byte frame
+/// header.
+pub const MAX_GRPC_BODY_BYTES: usize = MAX_TAKE_BYTES + 5;
 
 #[cfg(test)]
 mod tests {

@@ -4,11 +4,17 @@
 //! map of bucket states, so a take is atomic. Arithmetic mirrors `lua/token_bucket.lua` and
 //! `lua/fixed_window.lua` exactly (integer micro-tokens, a carried refill remainder), in `u128`.
 //! The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
-//! Memory is bounded by expiry: a bucket is dropped once it would be full again (or its window
-//! has ended) plus a margin, exactly like the Redis keys' PEXPIRE; a sweep runs at most once a second.
+//!
+//! Memory is bounded twice. By expiry: a bucket is dropped once it would be full again (or its
+//! window has ended) plus a margin, like the Redis keys' PEXPIRE, but never kept idle longer than
+//! [`MAX_IDLE_MS`] (a bucket that takes longer to refill starts full again after a day idle).
+//! Expiry times are kept in order beside the map, so each take removes the few buckets that have
+//! expired (at most [`SWEEP_BATCH`]) without scanning the others. And by a cap: a take that
+//! needs a new bucket while [`MemoryStore::max_buckets`] are held fails with
+//! [`StoreError::Full`] (503), charging nothing.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{Store, StoreError};
@@ -18,6 +24,13 @@ const MICRO: u128 = 1_000_000;
 /// Same clamp as the scripts' `MAX_MS`.
 const MAX_MS: u128 = 9_007_199_254_740_991;
 const TTL_MARGIN_MS: u64 = 1000;
+/// Longest time an idle bucket is kept: one day.
+pub const MAX_IDLE_MS: u64 = 86_400_000;
+/// Default of [`MemoryStore::max_buckets`] (`--memory-max-buckets`).
+pub const DEFAULT_MAX_BUCKETS: usize = 100_000;
+/// Expired buckets removed by one take at most; the rest go on the next takes (or at once when
+/// the store is full).
+pub const SWEEP_BATCH: usize = 64;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Id {
@@ -40,16 +53,67 @@ enum State {
 struct Entry {
     state: State,
     expires_us: u64,
+    /// Tells apart entries of `Inner::expiry` that expire in the same microsecond.
+    seq: u64,
 }
 
 struct Inner {
-    buckets: HashMap<Id, Entry>,
-    next_sweep_us: u64,
+    buckets: HashMap<Arc<Id>, Entry>,
+    /// Every bucket once, by `(expires_us, seq)`: the next to expire first.
+    expiry: BTreeMap<(u64, u64), Arc<Id>>,
+    next_seq: u64,
+}
+
+impl Inner {
+    /// Removes up to `limit` buckets expired at `now`, soonest first.
+    fn sweep(&mut self, now: u64, limit: usize) {
+        for _ in 0..limit {
+            match self.expiry.first_key_value() {
+                Some((&(expires_us, _), _)) if expires_us <= now => {
+                    if let Some((_, id)) = self.expiry.pop_first() {
+                        self.buckets.remove(&*id);
+                    }
+                }
+                _ => return,
+            }
+        }
+    }
+
+    /// Stores a charged bucket's new state and expiry.
+    fn put(&mut self, id: Id, state: State, expires_us: u64) {
+        match self.buckets.get_mut(&id) {
+            Some(e) => {
+                e.state = state;
+                if e.expires_us != expires_us {
+                    let old = (e.expires_us, e.seq);
+                    e.expires_us = expires_us;
+                    if let Some(k) = self.expiry.remove(&old) {
+                        self.expiry.insert((expires_us, e.seq), k);
+                    }
+                }
+            }
+            None => {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                let id = Arc::new(id);
+                self.expiry.insert((expires_us, seq), id.clone());
+                self.buckets.insert(
+                    id,
+                    Entry {
+                        state,
+                        expires_us,
+                        seq,
+                    },
+                );
+            }
+        }
+    }
 }
 
 /// In-memory [`Store`].
 pub struct MemoryStore {
     epoch: Instant,
+    max_buckets: usize,
     inner: Mutex<Inner>,
 }
 
@@ -60,15 +124,27 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store whose clock starts now.
+    /// An empty store whose clock starts now, holding at most [`DEFAULT_MAX_BUCKETS`].
     pub fn new() -> Self {
+        Self::with_max_buckets(DEFAULT_MAX_BUCKETS)
+    }
+
+    /// An empty store holding at most `max_buckets` (at least 1).
+    pub fn with_max_buckets(max_buckets: usize) -> Self {
         MemoryStore {
             epoch: Instant::now(),
+            max_buckets: max_buckets.max(1),
             inner: Mutex::new(Inner {
                 buckets: HashMap::new(),
-                next_sweep_us: 0,
+                expiry: BTreeMap::new(),
+                next_seq: 0,
             }),
         }
+    }
+
+    /// Most buckets held at once.
+    pub fn max_buckets(&self) -> usize {
+        self.max_buckets
     }
 
     /// Number of buckets held (for tests of expiry).
@@ -89,17 +165,14 @@ impl MemoryStore {
     }
 
     /// Decides and charges at the given clock reading (µs since the store's epoch).
-    fn take_at(&self, specs: &[BucketSpec], now: u64) -> TakeDecision {
+    fn take_at(&self, specs: &[BucketSpec], now: u64) -> Result<TakeDecision, StoreError> {
         // A poisoned lock only means another take panicked mid-way; the map itself is consistent
         // because it is written only after all decisions are made.
         let mut inner = match self.inner.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
-        if now >= inner.next_sweep_us {
-            inner.buckets.retain(|_, e| e.expires_us > now);
-            inner.next_sweep_us = now + 1_000_000;
-        }
+        inner.sweep(now, SWEEP_BATCH);
         let mut scratch: HashMap<Id, (State, bool)> = HashMap::new();
         let mut out = Vec::with_capacity(specs.len());
         for b in specs {
@@ -124,15 +197,27 @@ impl MemoryStore {
         }
         let decision = TakeDecision::from_buckets(out);
         if decision.allowed {
+            let new = scratch
+                .iter()
+                .filter(|(id, (_, dirty))| *dirty && !inner.buckets.contains_key(*id))
+                .count();
+            if new > 0 && inner.buckets.len() + new > self.max_buckets {
+                // Make room from expired buckets only (never a live one: that would forget a
+                // limit), all of them this time: each is removed once, so this stays amortised.
+                inner.sweep(now, usize::MAX);
+                if inner.buckets.len() + new > self.max_buckets {
+                    return Err(StoreError::Full(inner.buckets.len()));
+                }
+            }
             for (id, (state, dirty)) in scratch {
                 if dirty {
                     let ttl_ms = ttl_ms(&id, &state, now);
                     let expires_us = now.saturating_add(ttl_ms.saturating_mul(1000));
-                    inner.buckets.insert(id, Entry { state, expires_us });
+                    inner.put(id, state, expires_us);
                 }
             }
         }
-        decision
+        Ok(decision)
     }
 }
 
@@ -267,13 +352,13 @@ fn ttl_ms(id: &Id, state: &State, now: u64) -> u64 {
         State::Token { t, .. } => tb_reset_ms(&b, *t),
         State::Window { w, .. } => window_reset_ms(&b, *w, now),
     };
-    until.saturating_add(TTL_MARGIN_MS)
+    until.saturating_add(TTL_MARGIN_MS).min(MAX_IDLE_MS)
 }
 
 #[async_trait::async_trait]
 impl Store for MemoryStore {
     async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
-        Ok(self.take_at(buckets, self.now_us()))
+        self.take_at(buckets, self.now_us())
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -288,7 +373,7 @@ impl Store for MemoryStore {
 /// How long an idle bucket is kept at most, for a given spec (tests use it to wait for expiry).
 pub fn max_idle(b: &BucketSpec) -> Duration {
     let full = tb_reset_ms(b, 0).max(b.period_ms);
-    Duration::from_millis(full.saturating_add(TTL_MARGIN_MS))
+    Duration::from_millis(full.saturating_add(TTL_MARGIN_MS).min(MAX_IDLE_MS))
 }
 
 #[cfg(test)]
@@ -307,37 +392,49 @@ mod tests {
         }
     }
 
+    fn at(s: &MemoryStore, specs: &[BucketSpec], now: u64) -> TakeDecision {
+        s.take_at(specs, now)
+            .unwrap_or_else(|e| unreachable!("{e}"))
+    }
+
+    fn keyed(key: &str) -> BucketSpec {
+        BucketSpec {
+            key: key.into(),
+            ..tb(1, 1, 100, 1)
+        }
+    }
+
     #[test]
     fn refill_fraction_is_carried_between_charges() {
         // 1 token per 3 ms. At 4 ms there are 1.333... tokens: a charge keeps 0.333...; at 6 ms
         // exactly 2 tokens were earned in all, so a second token must be there. Rounding each
         // charge to whole micro-tokens would leave 0.999999 and deny.
         let s = MemoryStore::new();
-        assert!(s.take_at(&[tb(10, 1, 3, 10)], 0).allowed);
-        assert!(s.take_at(&[tb(10, 1, 3, 1)], 4000).allowed);
-        assert!(!s.take_at(&[tb(10, 1, 3, 1)], 5999).allowed);
-        assert!(s.take_at(&[tb(10, 1, 3, 1)], 6000).allowed);
-        assert!(!s.take_at(&[tb(10, 1, 3, 1)], 6000).allowed);
+        assert!(at(&s, &[tb(10, 1, 3, 10)], 0).allowed);
+        assert!(at(&s, &[tb(10, 1, 3, 1)], 4000).allowed);
+        assert!(!at(&s, &[tb(10, 1, 3, 1)], 5999).allowed);
+        assert!(at(&s, &[tb(10, 1, 3, 1)], 6000).allowed);
+        assert!(!at(&s, &[tb(10, 1, 3, 1)], 6000).allowed);
     }
 
     #[test]
     fn idle_buckets_expire() {
         let s = MemoryStore::new();
         // Full again 100 ms after the charge; kept 1 s longer (the margin), then swept.
-        assert!(s.take_at(&[tb(1, 1, 100, 1)], 0).allowed);
+        assert!(at(&s, &[tb(1, 1, 100, 1)], 0).allowed);
         let mut other = tb(1, 1, 100, 1);
         other.key = "other".into();
-        assert!(s.take_at(std::slice::from_ref(&other), 1_000_000).allowed);
+        assert!(at(&s, std::slice::from_ref(&other), 1_000_000).allowed);
         assert_eq!(s.len(), 2);
-        // Sweeps run at most once a second.
-        assert!(s.take_at(std::slice::from_ref(&other), 2_000_000).allowed);
+        // Swept by the next take after its expiry.
+        assert!(at(&s, std::slice::from_ref(&other), 2_000_000).allowed);
         assert_eq!(s.len(), 1, "the idle bucket is gone, the busy one stays");
     }
 
     #[test]
     fn cost_above_capacity_is_denied_with_a_period() {
         let s = MemoryStore::new();
-        let d = s.take_at(&[tb(5, 5, 1000, 6)], 0);
+        let d = at(&s, &[tb(5, 5, 1000, 6)], 0);
         assert!(!d.allowed);
         assert_eq!(d.buckets[0].retry_after_ms, 1000);
         assert_eq!(d.buckets[0].remaining, 5);
@@ -347,9 +444,75 @@ mod tests {
     fn large_values_do_not_overflow() {
         let s = MemoryStore::new();
         let b = tb(1_000_000_000, 1, 31_536_000_000, 1_000_000_000);
-        let d = s.take_at(std::slice::from_ref(&b), 0);
+        let d = at(&s, std::slice::from_ref(&b), 0);
         assert!(d.allowed);
         assert_eq!(d.buckets[0].reset_ms, MAX_MS as u64);
         assert!(s.is_empty() || s.len() == 1);
+    }
+
+    #[test]
+    fn a_full_store_refuses_new_buckets_and_charges_nothing() {
+        let s = MemoryStore::with_max_buckets(2);
+        assert!(at(&s, &[keyed("a")], 0).allowed);
+        assert!(at(&s, &[keyed("b")], 0).allowed);
+        // "a" has refilled at 200 ms; with a third bucket the take is refused and "a" is not
+        // charged either.
+        assert!(matches!(
+            s.take_at(&[keyed("a"), keyed("c")], 200_000),
+            Err(StoreError::Full(2))
+        ));
+        assert_eq!(s.len(), 2);
+        assert!(at(&s, &[keyed("a")], 200_000).allowed, "a was not charged");
+        assert!(!at(&s, &[keyed("a")], 200_000).allowed);
+        // A denial needs no room, even for a bucket never seen.
+        assert!(!at(&s, &[tb(1, 1, 100, 2)], 200_000).allowed);
+        // Once "b" has expired (1.1 s), there is room again.
+        assert!(at(&s, &[keyed("c")], 1_200_000).allowed);
+        assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn idle_time_is_capped_at_a_day() {
+        // Refilling 1e9 tokens at one per year would keep the bucket for centuries.
+        let b = tb(1_000_000_000, 1, 31_536_000_000, 1);
+        assert_eq!(max_idle(&b), Duration::from_millis(MAX_IDLE_MS));
+        let day_us = MAX_IDLE_MS * 1000;
+        let remaining_after = |idle_us: u64| {
+            let s = MemoryStore::new();
+            assert!(at(&s, std::slice::from_ref(&b), 0).allowed);
+            at(&s, std::slice::from_ref(&b), idle_us).buckets[0].remaining
+        };
+        assert_eq!(
+            remaining_after(day_us - 1),
+            999_999_998,
+            "kept just under a day"
+        );
+        assert_eq!(
+            remaining_after(day_us),
+            999_999_999,
+            "forgotten after a day: full again"
+        );
+    }
+
+    #[test]
+    fn expiry_follows_the_latest_charge_and_sweeps_in_batches() {
+        let s = MemoryStore::new();
+        // 200 buckets expiring at 1.1 s; "hot" is charged again at 1 s, so lives until 2.1 s.
+        for i in 0..200 {
+            assert!(at(&s, &[keyed(&format!("k{i}"))], 0).allowed);
+        }
+        assert!(at(&s, &[keyed("hot")], 0).allowed);
+        assert!(at(&s, &[keyed("hot")], 1_000_000).allowed);
+        assert_eq!(s.len(), 201);
+        // Each take removes at most SWEEP_BATCH expired buckets.
+        at(&s, &[keyed("hot")], 1_050_000);
+        at(&s, &[keyed("hot")], 1_200_000);
+        assert_eq!(s.len(), 201 - SWEEP_BATCH);
+        for _ in 0..4 {
+            at(&s, &[keyed("hot")], 1_200_000);
+        }
+        assert_eq!(s.len(), 1, "only the bucket charged later is left");
+        assert!(at(&s, &[keyed("other")], 3_000_000).allowed);
+        assert_eq!(s.len(), 1, "hot has expired too");
     }
 }

@@ -29,6 +29,9 @@ pub enum StoreError {
     /// The store answered something the service cannot read.
     #[error("unexpected store reply: {0}")]
     Protocol(String),
+    /// The memory store holds its maximum number of buckets and this take needs a new one.
+    #[error("memory store full: {0} buckets held (--memory-max-buckets)")]
+    Full(usize),
 }
 
 impl StoreError {
@@ -36,7 +39,10 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            StoreError::Timeout(_) | StoreError::Connection(_) | StoreError::Server(_)
+            StoreError::Timeout(_)
+                | StoreError::Connection(_)
+                | StoreError::Server(_)
+                | StoreError::Full(_)
         )
     }
 
@@ -47,6 +53,19 @@ impl StoreError {
             StoreError::Connection(_) => "connection",
             StoreError::Server(_) => "server",
             StoreError::Protocol(_) => "protocol",
+            StoreError::Full(_) => "full",
+        }
+    }
+
+    /// What a caller is told: the kind of failure, never the store's own text (addresses, key
+    /// names, server messages), which goes to the log.
+    pub fn public_message(&self) -> &'static str {
+        match self {
+            StoreError::Timeout(_) => "store timed out",
+            StoreError::Connection(_) | StoreError::Server(_) | StoreError::Protocol(_) => {
+                "store unavailable"
+            }
+            StoreError::Full(_) => "store full: no room for a new bucket",
         }
     }
 }

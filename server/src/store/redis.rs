@@ -213,22 +213,35 @@ impl fmt::Debug for RedisConfig {
     }
 }
 
-/// Replaces the password of a Redis URL by `***` (for logs and `Debug`).
+/// A Redis URL fit for logs and `Debug`: the password, the query (a `unix://` URL may carry
+/// `?pass=`) and any fragment become `***`. The URL is parsed, not cut at some character, so no
+/// shape of password (`/`, `@`, `#` in it) shows; one that does not parse at all is shown as its
+/// scheme only.
 pub fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        return url.to_string();
+    let unparseable = || match url.split_once("://") {
+        Some((scheme, _))
+            if !scheme.is_empty()
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+        {
+            format!("{scheme}://*** (unparseable URL, not shown)")
+        }
+        _ => "*** (unparseable URL, not shown)".to_string(),
     };
-    let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_string();
+    let Ok(mut u) = url::Url::parse(url) else {
+        return unparseable();
     };
-    let userinfo = &rest[..at];
-    let user = match userinfo.find(':') {
-        Some(colon) => &userinfo[..colon],
-        None => "",
-    };
-    format!("{}://{}:***@{}", &url[..scheme_end], user, &rest[at + 1..])
+    if u.password().is_some() && u.set_password(Some("***")).is_err() {
+        return unparseable();
+    }
+    if u.query().is_some() {
+        u.set_query(Some("***"));
+    }
+    if u.fragment().is_some() {
+        u.set_fragment(Some("***"));
+    }
+    u.to_string()
 }
 
 enum Conn {
@@ -711,24 +724,76 @@ mod tests {
     }
 
     #[test]
-    fn redacts_passwords() {
-        assert_eq!(
-            redact_url("redis://:s3cret@h:6379/0"),
-            "redis://:***@h:6379/0"
-        );
-        assert_eq!(
-            redact_url("rediss://user:p@ss@h:6380"),
-            "rediss://user:***@h:6380"
-        );
+    fn redacts_passwords_of_any_url_shape() {
+        // (URL, the secret in it, what is shown)
+        let cases = [
+            (
+                "redis://:s3cret@h:6379/0",
+                "s3cret",
+                "redis://:***@h:6379/0",
+            ),
+            (
+                "rediss://user:p@ss@h:6380",
+                "p@ss",
+                "rediss://user:***@h:6380",
+            ),
+            (
+                "redis://:ab/cd@host",
+                "ab/cd",
+                "redis://*** (unparseable URL, not shown)",
+            ),
+            (
+                "redis://:ab/cd@host:6379/2",
+                "ab/cd",
+                "redis://*** (unparseable URL, not shown)",
+            ),
+            (
+                "redis://:p#w@h",
+                "p#w",
+                "redis://*** (unparseable URL, not shown)",
+            ),
+            (
+                "redis://:p?w@h",
+                "p?w",
+                "redis://*** (unparseable URL, not shown)",
+            ),
+            ("redis://u:p%2Fw@h", "p%2Fw", "redis://u:***@h"),
+            ("redis://:pw@[::1]:6379", "pw@", "redis://:***@[::1]:6379"),
+            (
+                "redis+unix:///run/r.sock?pass=s3cret",
+                "s3cret",
+                "redis+unix:///run/r.sock?***",
+            ),
+            (
+                "unix:///run/r.sock?db=1&pass=s3cret",
+                "s3cret",
+                "unix:///run/r.sock?***",
+            ),
+            ("redis://h:6379/0#s3cret", "s3cret", "redis://h:6379/0#***"),
+            ("s3cret", "s3cret", "*** (unparseable URL, not shown)"),
+            (
+                ":s3cret@h:6379",
+                "s3cret",
+                "*** (unparseable URL, not shown)",
+            ),
+        ];
+        for (url, secret, shown) in cases {
+            let r = redact_url(url);
+            assert!(!r.contains(secret), "{url} -> {r}");
+            assert_eq!(r, shown, "{url}");
+        }
         assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
         let c = RedisConfig {
             url: Some("redis://u:topsecret@h".into()),
-            cluster: vec!["redis://:pw2@a:1".into()],
+            cluster: vec!["redis://:pw2@a:1".into(), "redis://:x/pw3@b".into()],
             key_prefix: "t:".into(),
             timeout: Duration::from_millis(50),
             tls: None,
         };
         let dbg = format!("{c:?}");
-        assert!(!dbg.contains("topsecret") && !dbg.contains("pw2"), "{dbg}");
+        assert!(
+            !dbg.contains("topsecret") && !dbg.contains("pw2") && !dbg.contains("pw3"),
+            "{dbg}"
+        );
     }
 }

@@ -232,6 +232,8 @@ pub fn redis_store(url: &str, timeout_ms: u64) -> RedisStore {
 /// The service running in-process on a free port; stops on drop.
 pub struct Service {
     pub addr: SocketAddr,
+    /// The store it serves (to ask it directly, e.g. for an error's detail).
+    pub store: Arc<dyn Store>,
     stop: Option<oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
@@ -245,13 +247,15 @@ impl Service {
         let (tx, rx) = oneshot::channel::<()>();
         let config = ServiceConfig {
             token: token.map(str::to_string),
-            max_in_flight: 1024,
+            ready_interval: Duration::from_millis(50),
+            ..ServiceConfig::default()
         };
-        let task = tokio::spawn(run(listener, store, config, async {
+        let task = tokio::spawn(run(listener, store.clone(), config, async {
             let _ = rx.await;
         }));
         Service {
             addr,
+            store,
             stop: Some(tx),
             task: Some(task),
         }
