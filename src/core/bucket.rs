@@ -140,10 +140,13 @@ fn take_fixed_window(
     cost: u64,
 ) -> (State, BucketResult) {
     let period = l.period_ms.max(1);
-    let window = now_ms / period;
-    let mut used = match state {
-        Some(s) if s.stamp == window => s.level,
-        _ => 0,
+    // A clock behind the newest window stored counts in that window (see `project`).
+    let (mut used, window) = match state {
+        Some(s) => {
+            let p = project(l, s, now_ms);
+            (p.level, p.stamp)
+        }
+        None => (0, now_ms / period),
     };
     let allowed = used.saturating_add(cost) <= l.capacity;
     if allowed {
@@ -188,7 +191,9 @@ pub fn project(l: &Limits, s: State, now_ms: u64) -> State {
         }
         Algorithm::FixedWindow => {
             let window = now_ms / l.period_ms.max(1);
-            if s.stamp == window {
+            // A clock behind the newest window counts in that window: going back never reopens
+            // a window that was already spent.
+            if window <= s.stamp {
                 s
             } else {
                 State {
@@ -198,6 +203,12 @@ pub fn project(l: &Limits, s: State, now_ms: u64) -> State {
             }
         }
     }
+}
+
+/// A bucket that holds nothing at `now_ms` (a token bucket refills from then on; a fixed window
+/// is spent until the next window).
+pub fn empty(l: &Limits, now_ms: u64) -> State {
+    share(l, 0, 0, now_ms)
 }
 
 /// This proxy's share, at `now_ms`, of a global bucket that an answer reported holding

@@ -265,13 +265,7 @@ pub fn take<S: CasStore + ?Sized>(
             Entry::Other { debt } if debt > 0 => return Step::Keep(None),
             Entry::Vacant => (None, 0),
             // Taken over: the newcomer starts empty, never full.
-            Entry::Other { .. } => (
-                Some(State {
-                    level: 0,
-                    stamp: now_ms,
-                }),
-                0,
-            ),
+            Entry::Other { .. } => (Some(bucket::empty(l, now_ms)), 0),
             Entry::Ours(s, d) => (Some(s), d),
         };
         let (state, result) = bucket::take(l, state, now_ms, cost);

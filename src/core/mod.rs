@@ -11,6 +11,8 @@ pub mod hash;
 pub mod headers;
 pub mod hostmap;
 pub mod lease;
+#[cfg(test)]
+mod props;
 pub mod rules;
 pub mod store;
 pub mod wire;
