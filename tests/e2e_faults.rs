@@ -120,16 +120,23 @@ struct Fault<'a> {
     marks: &'a Marks,
     fleet: &'a Fleet,
     load: &'a Load,
+    sampler: &'a Sampler,
 }
 
 impl Fault<'_> {
-    /// Marks the fault's start (call just before applying it).
+    /// Marks the fault's start (call just before applying it). The counters are then read every 3 ms
+    /// for 300 ms, to time the fallback.
     fn begin(&self) {
+        self.sampler
+            .hurry(Duration::from_millis(300), Duration::from_millis(3));
         self.marks.mark("fault", self.fleet.upstream.requests());
     }
 
-    /// Marks the fault's end (call just before lifting it, or when it is seen to be over).
+    /// Marks the fault's end (call just before lifting it, or when it is seen to be over). The
+    /// counters are then read every 10 ms for 1.2 s, to time the return.
     fn end(&self) {
+        self.sampler
+            .hurry(Duration::from_millis(1200), Duration::from_millis(10));
         self.marks.mark("end", self.fleet.upstream.requests());
     }
 }
@@ -141,21 +148,23 @@ fn ms(d: Option<Duration>) -> String {
 
 /// Runs the load over `fleet`, applies `fault` after [`WARM`], keeps the load for [`AFTER`] after the
 /// fault's end, then checks the promises (all of them, reporting every one that failed).
-fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fault)) {
+/// Returns how many requests the abandoning clients sent.
+fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fault)) -> u64 {
     let marks = Marks::default();
-    let sampler = Sampler::start(&fleet.admin_ports(), Duration::from_millis(5));
+    let sampler = Sampler::start(&fleet.admin_ports(), Duration::from_millis(25));
     let load = Load::start(
         &fleet.ports(),
         CLIENTS,
         PAUSE,
         Duration::from_secs(40),
-        (2, 12),
+        (1, 10),
     );
     thread::sleep(WARM);
     fault(&Fault {
         marks: &marks,
         fleet,
         load: &load,
+        sampler: &sampler,
     });
     let (t_fault, before) = marks.get("fault").expect("the fault marked its start");
     let (t_end, during) = marks.get("end").expect("the fault marked its end");
@@ -184,6 +193,10 @@ fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fau
     let statuses = seen.statuses();
     let outage = t_end - t_fault;
 
+    // 200s by the time their request started, 500 ms windows from the start of the load, for reading
+    // where the admissions went (the fault is in windows 3 to 6).
+    let windows = seen.per_window(200, seen.started, Duration::from_millis(500));
+    eprintln!("{name}: 200s per 500 ms from the start: {windows:?}");
     eprintln!(
         "{name}: {} requests ({} abandoned) in {elapsed:.2} s, statuses {statuses:?}; admitted {admitted} \
          (before the fault {before}, during {}, after {}), bound {bound:.1}; fault lasted {} ms; \
@@ -196,10 +209,16 @@ fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fau
         outage.as_millis(),
         stall.as_millis(),
     );
+    // The row: for a fault the service does not see, "time back" is the longest gap in its decisions.
+    let (to_fallback_cell, back_cell) = match expect {
+        Expect::Fallback => (ms(to_fallback), ms(back)),
+        Expect::Global => (
+            format!("none ({fallback_total} fallback decisions)"),
+            format!("never gone (longest gap {} ms)", stall.as_millis()),
+        ),
+    };
     eprintln!(
-        "ROW | {name} | {} | {} | {admitted} / {:.0} | {} (before: {}) | {} |",
-        ms(to_fallback),
-        ms(back),
+        "ROW | {name} | {to_fallback_cell} | {back_cell} | {admitted} / {:.0} | {} (before: {}) | {} |",
         bound.floor(),
         ms(p99_fault),
         ms(p99_before),
@@ -241,23 +260,28 @@ fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fau
             }
         }
         Expect::Global => {
-            // The service never failed: it went on deciding, and the fallback had next to nothing
-            // to do (a stray callout timeout on a busy machine is not this fault).
+            // The service never failed: it went on deciding, and from the fault on the fallback had
+            // next to nothing to do (at most 5 % of the decisions: a stray callout timeout on a busy
+            // machine is not this fault; cancelled callouts counted as failures would be far more).
             if stall > Duration::from_millis(250) {
                 broken.push(format!(
                     "service decisions stalled for {} ms during the fault",
                     stall.as_millis()
                 ));
             }
-            if fallback_total * 100 > decided_total {
+            let fallback_since = fallback_total - fallback_before;
+            let decided_since = decided_total - total_before(&samples, t_fault, decided);
+            if fallback_since * 20 > decided_since + fallback_since {
                 broken.push(format!(
-                    "fallback decided {fallback_total} of {} requests: the service did not fail",
-                    decided_total + fallback_total
+                    "fallback decided {fallback_since} of {} requests from the fault on: the service \
+                     did not fail",
+                    decided_since + fallback_since
                 ));
             }
         }
     }
     assert!(broken.is_empty(), "{name}: {}", broken.join("; "));
+    seen.abandoned
 }
 
 /// A fleet over one standalone Redis and one service replica.
@@ -473,8 +497,8 @@ fn service_slow() {
     });
 }
 
-/// Half the clients abandon their requests: each sends one on a new connection and closes it 2–12 ms
-/// later, while its callout (answers held back 20 ms by a proxy, for the whole run) is in flight. Envoy
+/// Half the clients abandon their requests: each sends one on a new connection and closes it 1–10 ms
+/// later, while its callout (answers held back 15 ms by a proxy, for the whole run) is in flight. Envoy
 /// cancels such callouts without telling the module. The service never fails, so the service keeps
 /// deciding and the fallback stays idle; the module must stay healthy (no panic, no trap: checked when
 /// the Envoys stop) and the well-behaved clients see only 200 and 429.
@@ -486,12 +510,12 @@ fn clients_disconnect_mid_callout() {
     let redis = Redis::start(&c, &dir);
     let service = service(&c, &dir, &redis.url());
     let proxy = DelayProxy::start(service.port);
-    proxy.set_delay(Duration::from_millis(20));
+    proxy.set_delay(Duration::from_millis(15));
     let fleet = Fleet::start(&c, &dir, N, &plugin("disconnects"), proxy.port);
     let cancelled = "http.edge.downstream_cx_destroy_remote_active_rq";
     let memory = "server.memory_allocated";
     let (cancelled_before, memory_before) = (fleet.stat(cancelled), fleet.stat(memory));
-    under_load(
+    let abandoned = under_load(
         "clients disconnect mid-callout",
         &fleet,
         Expect::Global,
@@ -506,11 +530,11 @@ fn clients_disconnect_mid_callout() {
     let cancelled_n = fleet.stat(cancelled) - cancelled_before;
     let memory_after = fleet.stat(memory);
     eprintln!(
-        "disconnects: {cancelled_n} requests ended by their client while active; Envoy memory allocated \
-         (4 Envoys) {memory_before} -> {memory_after} bytes"
+        "disconnects: {abandoned} requests abandoned, {cancelled_n} ended by their client while active; \
+         Envoy memory allocated (4 Envoys) {memory_before} -> {memory_after} bytes"
     );
     assert!(
-        cancelled_n >= 1000,
-        "requests really were abandoned while active: {cancelled_n}"
+        abandoned >= 300 && cancelled_n * 2 >= abandoned,
+        "requests really were abandoned while active: {cancelled_n} of {abandoned}"
     );
 }
