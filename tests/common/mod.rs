@@ -21,6 +21,8 @@
 
 pub mod config;
 pub mod faults;
+pub mod loopback;
+pub mod push;
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -507,6 +509,8 @@ pub struct EnvoySpec {
     /// The edge connection manager's `xff_num_trusted_hops`: with it Envoy itself resolves the client
     /// address from x-forwarded-for and `source.address` is that address.
     pub xff_num_trusted_hops: u32,
+    /// More command-line arguments (e.g. `--drain-time-s 0`).
+    pub extra_args: Vec<String>,
 }
 
 impl EnvoySpec {
@@ -525,6 +529,7 @@ impl EnvoySpec {
             use_remote_address: true,
             service_http2: true,
             xff_num_trusted_hops: 0,
+            extra_args: Vec::new(),
         }
     }
 
@@ -702,9 +707,23 @@ impl Envoy {
         spec: &EnvoySpec,
         limit: Duration,
     ) -> Result<Envoy, EnvoyFailure> {
+        Envoy::try_start_from(c, dir, spec, limit, &|port, admin| {
+            spec.yaml(&c.wasm, port, admin)
+        })
+    }
+
+    /// As [`Envoy::try_start`], with the bootstrap written by `bootstrap(listen_port, admin_port)`
+    /// instead of `spec.yaml` (the spec still gives the command line).
+    pub fn try_start_from(
+        c: &Components,
+        dir: &TempDir,
+        spec: &EnvoySpec,
+        limit: Duration,
+        bootstrap: &dyn Fn(u16, u16) -> String,
+    ) -> Result<Envoy, EnvoyFailure> {
         let mut attempt = 1;
         loop {
-            match Envoy::try_start_once(c, dir, spec, limit) {
+            match Envoy::try_start_once(c, dir, spec, limit, bootstrap) {
                 Err(f) if attempt < START_ATTEMPTS && f.log.contains("Address already in use") => {
                     attempt += 1;
                 }
@@ -718,18 +737,20 @@ impl Envoy {
         dir: &TempDir,
         spec: &EnvoySpec,
         limit: Duration,
+        bootstrap: &dyn Fn(u16, u16) -> String,
     ) -> Result<Envoy, EnvoyFailure> {
         let port = free_port();
         let admin_port = free_port();
         let cfg = dir.path().join(format!("envoy-{port}.yaml"));
-        fs::write(&cfg, spec.yaml(&c.wasm, port, admin_port)).expect("write envoy config");
+        fs::write(&cfg, bootstrap(port, admin_port)).expect("write envoy config");
         let mut cmd = Command::new(&c.envoy);
         cmd.arg("-c")
             .arg(&cfg)
             .args(["--concurrency", &spec.concurrency.to_string()])
             .arg("--disable-hot-restart")
             .args(["--log-level", &spec.base_log_level])
-            .args(["--component-log-level", &spec.log_level]);
+            .args(["--component-log-level", &spec.log_level])
+            .args(&spec.extra_args);
         let mut proc = Proc::spawn("envoy", cmd, dir.path().join(format!("envoy-{port}.log")));
         let deadline = Instant::now() + limit;
         loop {
