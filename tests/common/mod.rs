@@ -20,6 +20,7 @@
 #![allow(dead_code)]
 
 pub mod config;
+pub mod loopback;
 pub mod faults;
 pub mod loopback;
 pub mod push;
