@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""N proxies, one limit: what "100 per minute" means behind four Envoys, in three setups side by side.
+"""N proxies, one limit: what "100 per minute" means behind four Envoys, in four setups side by side.
 
 `make demo` runs this after `make build`. It starts, on free 127.0.0.1 ports:
 
@@ -8,13 +8,17 @@
         -> 4 Envoys, --concurrency 2 each, running the limiter under test
           -> upstream (an HTTP server thread in this script that counts what reaches it)
 
-and, for the filter, Redis and tollgate-server. The same client load runs against three setups:
+and, for the filter, Redis and tollgate-server. The same client load runs against four setups:
 
   1. each Envoy with Envoy's own local_ratelimit at 100/min: four buckets, about 4 x (100 + refill) get
      through;
   2. the Tollgate filter, global mode: one bucket in Redis, 100 plus the refill get through;
   3. the same filter with the service stopped: each Envoy falls back to its share, 100/4 plus a quarter
-     of the refill, so the fleet as a whole still stays within 100 plus the refill.
+     of the refill, so the fleet as a whole still stays within 100 plus the refill;
+  4. the same filter, the service stopped half-way through the load (a bad day): the fleet goes on from
+     what it last knew of the global bucket, so the whole run stays within 100 plus the refill.
+
+Each Tollgate setup has a key of its own, so one setup's spending does not show in the next.
 
 It prints a table (admitted, expected bound, limited) and writes a chart of cumulative admitted
 requests over time (.run/demo/demo.png, when matplotlib from `scripts/tools.sh demo` is importable).
@@ -248,11 +252,11 @@ def local_ratelimit_filter() -> dict:
     }
 
 
-def tollgate_filter(wasm: str) -> dict:
-    """The Tollgate filter: one global bucket for every request (key `literal:demo`)."""
+def tollgate_filter(wasm: str, key: str) -> dict:
+    """The Tollgate filter: one global bucket for every request (key `literal:<key>`)."""
     plugin = {
         "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 250},
-        "rules": [{"name": "demo", "key": ["literal:demo"], "capacity": CAPACITY, "rate": RATE,
+        "rules": [{"name": "demo", "key": [f"literal:{key}"], "capacity": CAPACITY, "rate": RATE,
                    "period_ms": PERIOD_S * 1000}],
         "failure_mode": "fallback",
         # Four Envoys: each one's fallback bucket holds a quarter of the limit and refills at a quarter rate.
@@ -361,7 +365,9 @@ def drive(port: int, duration_s: float, rps: float) -> tuple[Counter, float]:
 
 
 def run_mode(procs: Procs, envoy_bin: str, upstream: Upstream, mode: str, filters: list[dict],
-             extra_clusters: list[dict]) -> dict:
+             extra_clusters: list[dict], midway=None) -> dict:
+    """Runs the client load against a fresh fleet with `filters`. `midway`, if given, is called half-way
+    through the load (e.g. to stop the service); the time it was called at is in the result."""
     fleet_ports = [free_port() for _ in range(N_ENVOYS)]
     up = static_cluster("upstream", [upstream.port])
     fleet = [Envoy(procs, envoy_bin, f"{mode}-envoy{i + 1}",
@@ -376,7 +382,18 @@ def run_mode(procs: Procs, envoy_bin: str, upstream: Upstream, mode: str, filter
     print(f"  {mode}: {N_ENVOYS} Envoys + front up; {int(DURATION_S * REQ_PER_S)} requests over "
           f"{DURATION_S:.0f} s ...", flush=True)
     upstream.begin(mode)
+    midway_at: list[float] = []
+    timer = None
+    if midway is not None:
+        def at_midway() -> None:
+            midway_at.append(time.monotonic() - upstream.t0)
+            midway()
+
+        timer = threading.Timer(DURATION_S / 2, at_midway)
+        timer.start()
     statuses, elapsed = drive(front_port, DURATION_S, REQ_PER_S)
+    if timer is not None:
+        timer.join()
     time.sleep(0.2)  # the last admitted requests reach the upstream
     hits = upstream.end()
     stats = Counter()
@@ -384,7 +401,8 @@ def run_mode(procs: Procs, envoy_bin: str, upstream: Upstream, mode: str, filter
         stats.update(e.tollgate_stats())
     for e in [front] + fleet:
         procs.stop(e.name)
-    return {"mode": mode, "statuses": statuses, "elapsed": elapsed, "hits": hits, "stats": stats}
+    return {"mode": mode, "statuses": statuses, "elapsed": elapsed, "hits": hits, "stats": stats,
+            "midway_at": midway_at[0] if midway_at else None}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -404,9 +422,16 @@ def chart(results: list[dict], labels: dict[str, str], path: Path) -> str:
         # Held flat to the end of the run: nothing more got through after the last admission.
         xs_mode = [0.0] + times + [max(r["elapsed"], times[-1] if times else 0.0)]
         ys_mode = list(range(len(times) + 1)) + [len(times)]
-        # The global and fallback lines nearly coincide: the wider, paler one underneath stays visible.
-        width, alpha = {"global": (5.0, 0.55)}.get(r["mode"], (1.8, 1.0))
-        ax.step(xs_mode, ys_mode, where="post", label=labels[r["mode"]], linewidth=width, alpha=alpha)
+        # The global and fallback lines nearly coincide, and the outage's first half is the global line
+        # again: the wider, paler ones underneath stay visible.
+        width, alpha, style = {"global": (5.0, 0.55, "-"), "outage": (2.6, 0.9, "-.")}.get(
+            r["mode"], (1.8, 1.0, "-"))
+        ax.step(xs_mode, ys_mode, where="post", label=labels[r["mode"]], linewidth=width, alpha=alpha,
+                linestyle=style)
+        if r.get("midway_at") is not None:
+            ax.axvline(r["midway_at"], color="grey", linestyle=":", linewidth=1)
+            ax.annotate("4: service stopped", (r["midway_at"], 0), xytext=(4, 6), textcoords="offset points",
+                        fontsize=8, color="grey")
     xs = [i * DURATION_S / 100 for i in range(101)]
     ax.plot(xs, [CAPACITY + RATE * x / PERIOD_S for x in xs], "k--", linewidth=1,
             label=f"the limit: {CAPACITY} + refill ({RATE}/min)")
@@ -459,11 +484,16 @@ def main() -> int:
               flush=True)
 
         results = [run_mode(procs, envoy_bin, upstream, "local", [local_ratelimit_filter()], [])]
-        results.append(run_mode(procs, envoy_bin, upstream, "global", [tollgate_filter(wasm)],
+        results.append(run_mode(procs, envoy_bin, upstream, "global", [tollgate_filter(wasm, "demo-global")],
                                 [service_cluster]))
-        procs.stop("service")  # nothing listens on the service's port any more
-        results.append(run_mode(procs, envoy_bin, upstream, "fallback", [tollgate_filter(wasm)],
+        # The service answers for the first half of this run; then it is stopped and stays stopped, so
+        # nothing listens on its port for the rest of the demo.
+        outage = run_mode(procs, envoy_bin, upstream, "outage", [tollgate_filter(wasm, "demo-outage")],
+                          [service_cluster], midway=lambda: procs.stop("service"))
+        procs.stop("service")
+        results.append(run_mode(procs, envoy_bin, upstream, "fallback", [tollgate_filter(wasm, "demo-fallback")],
                                 [service_cluster]))
+        results.append(outage)
     except KeyboardInterrupt:
         print("\ndemo: interrupted, stopping everything", file=sys.stderr)
         return 130
@@ -479,6 +509,7 @@ def main() -> int:
         "local": f"1. Envoy local_ratelimit {CAPACITY}/min on each Envoy",
         "global": "2. Tollgate, global (Redis)",
         "fallback": f"3. Tollgate, service stopped: fallback {share:g}/min per Envoy",
+        "outage": f"4. Tollgate, service stopped at {DURATION_S / 2:g} s",
     }
     rows = []
     for r in results:
@@ -489,6 +520,8 @@ def main() -> int:
             bound = f"~ {N_ENVOYS} x ({CAPACITY} + {per}) = {N_ENVOYS * (CAPACITY + per)}"
         elif r["mode"] == "global":
             bound = f"= {CAPACITY} + {math.floor(refill)} refill = {CAPACITY + math.floor(refill)}"
+        elif r["mode"] == "outage":
+            bound = f"<= {CAPACITY} + {math.floor(refill)} refill = {CAPACITY + math.floor(refill)}"
         else:
             bound = f"<= {N_ENVOYS} x ({share:g} + {refill / N_ENVOYS:.1f}) = {math.floor(CAPACITY + refill)}"
         other = sum(v for k, v in r["statuses"].items() if k not in ("200", "429"))
@@ -517,6 +550,10 @@ def main() -> int:
                         if k.startswith("tollgate.callout_failure.") and v}
             if failures:
                 decided += f" (failed callouts: {failures})"
+        if r.get("midway_at") is not None:
+            before = sum(1 for t, _ in r["hits"] if t < r["midway_at"])
+            decided += (f"; admitted before the stop at {r['midway_at']:.1f} s {before}, "
+                        f"after it {len(r['hits']) - before}")
         print(f"  {r['mode']:>8}: per Envoy {split}{decided}")
     print(f"  {chart(results, labels, RUN / 'demo.png')}")
     print(f"demo: done in {time.monotonic() - started:.0f} s; logs in {RUN.relative_to(ROOT)}/")
