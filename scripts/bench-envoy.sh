@@ -6,6 +6,8 @@
 #   none      no rate limit filter
 #   http      Tollgate, JSON over HTTP/2 to tollgate-server, Redis Lua bucket
 #   grpc      Tollgate, gRPC to tollgate-server, Redis Lua bucket
+#   http-allow  as http, with failure_mode allow: no fallback share is kept in step with the answers
+#             (http keeps one per bucket: the cost of a fallback that remembers, on the exact path)
 #   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
 #   nomatch   Tollgate loaded, its rule matches no request (no callout): the module's fixed cost
 #   lease     as http, with lease mode (lease size 100): most requests spend a local pool, no callout
@@ -25,7 +27,7 @@ ROOT=$PWD
 . scripts/lib.sh
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
-VARIANTS=${VARIANTS:-none http grpc fallback nomatch lease}
+VARIANTS=${VARIANTS:-none http http-allow grpc fallback nomatch lease}
 ROUNDS=${ROUNDS:-3}
 OUT=$ROOT/bench-out/envoy
 WASM=$(readlink -f "$WASM")
@@ -103,6 +105,7 @@ envoy_yaml() {
   local key='"client_ip"' fallback=""
   case $variant in
     grpc) transport=grpc ;;
+    http-allow) fallback='"failure_mode": "allow",' ;;
     fallback) svc_port=$CLOSED_PORT ;;
     nomatch) match='"match": {"path_exact": "/never"},' ;;
     lease) lease=', "lease": {"size": 100}' ;;

@@ -10,11 +10,12 @@
 //!
 //! **Debt.** Every token the fallback admits is also recorded as owed (`debt`): the global bucket
 //! never saw it. The next callouts for that bucket carry the debt as a lease (`lease = cost +
-//! debt`, [`attach_debts`]): the service then charges up to `debt` extra tokens from what the
-//! global bucket holds, and the answer's `granted − cost` is the part repaid ([`remember`]). So
-//! tokens admitted during an outage are charged to the global bucket once it answers again, and
-//! the fleet does not spend the same refill twice (once locally, once globally). A timed-out take
-//! that Redis applied anyway is charged twice (stricter, never looser).
+//! debt`, [`attach_debts`]): the service then charges up to `cost + debt` from what the global
+//! bucket holds, debt first ([`settle_debts`]): the request is admitted only when the grant covers
+//! its cost and the whole debt; otherwise all it was charged repays the debt and it is denied. So
+//! tokens admitted during an outage are charged to the global bucket once it answers again, before
+//! any new request, and the fleet does not spend the same refill twice (once locally, once
+//! globally). A timed-out take that Redis applied anyway is charged twice (stricter, never looser).
 //!
 //! **Bounded, and collisions only make it stricter.** A fixed table of `max_keys` slots
 //! (`tollgate.fb.<n>`), created ahead of use by [`prepare`] (shared data has no "insert if
@@ -461,33 +462,84 @@ pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: 
     }
 }
 
+/// Applies an answer to the debts its callout carried, debt first: a bucket whose `granted` covers
+/// its cost and its whole debt is admitted and its debt repaid; one whose `granted` falls short has
+/// everything it was charged count towards its debt, and the request is denied (the tokens the
+/// fleet already spent on credit come before new requests). Returns the outcome to act on and, per
+/// bucket, the tokens of debt repaid. Buckets of a request denied this way keep what the service
+/// charged them (stricter, never looser).
+pub fn settle_debts(plan: &Plan, outcome: Outcome) -> (Outcome, Vec<u64>) {
+    let mut repaid = vec![0u64; plan.request.buckets.len()];
+    let Outcome::Allowed(mut resp) = outcome else {
+        return (outcome, repaid);
+    };
+    if plan.debt.iter().all(|&d| d == 0) {
+        return (Outcome::Allowed(resp), repaid);
+    }
+    let mut short = false;
+    for (i, (b, r)) in plan
+        .request
+        .buckets
+        .iter()
+        .zip(resp.buckets.iter_mut())
+        .enumerate()
+    {
+        let debt = plan.debt(i);
+        if debt == 0 {
+            continue;
+        }
+        let cost = b.cost.unwrap_or(1);
+        let paid = if r.granted >= cost.saturating_add(debt) {
+            debt
+        } else {
+            short = true;
+            let paid = r.granted.min(debt);
+            // Denied: come back when the rest of the debt and this cost have refilled.
+            let need = debt - paid + cost;
+            let rate = b.rate.unwrap_or(b.capacity).max(1);
+            r.allowed = false;
+            r.retry_after_ms = u64::try_from(
+                (u128::from(need) * u128::from(b.period_ms)).div_ceil(u128::from(rate)),
+            )
+            .unwrap_or(u64::MAX)
+            .max(1);
+            paid
+        };
+        if let Some(x) = repaid.get_mut(i) {
+            *x = paid;
+        }
+    }
+    if short {
+        resp.allowed = false;
+        (Outcome::Limited(resp), repaid)
+    } else {
+        (Outcome::Allowed(resp), repaid)
+    }
+}
+
 /// After an answer from the service: every bucket's share follows the answer ([`remember_one`]),
-/// and the debt it carried is reduced by what the service charged beyond the request's own
-/// lease or cost. Failures change nothing here (the failure mode charges the shares).
+/// and its debt is reduced by `repaid` (from [`settle_debts`]). Failures change nothing here (the
+/// failure mode charges the shares).
 pub fn remember<S: CasStore + ?Sized>(
     cfg: &Config,
     plan: &Plan,
     outcome: &Outcome,
+    repaid: &[u64],
     store: &S,
     now_ms: u64,
 ) {
     if !enabled(cfg) {
         return;
     }
-    let (resp, allowed) = match outcome {
-        Outcome::Allowed(r) => (r, true),
-        Outcome::Limited(r) => (r, false),
+    let resp = match outcome {
+        Outcome::Allowed(r) | Outcome::Limited(r) => r,
         Outcome::Failed(_) => return,
     };
     let sh = Shares::of(cfg);
     for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {
         let l = limits_of(b, sh.instances);
-        let repaid = if allowed {
-            plan.repaid(i, r.granted)
-        } else {
-            0
-        };
-        remember_one(store, &sh, &b.key, &l, now_ms, r.remaining, repaid);
+        let paid = repaid.get(i).copied().unwrap_or(0);
+        remember_one(store, &sh, &b.key, &l, now_ms, r.remaining, paid);
     }
 }
 

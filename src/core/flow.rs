@@ -278,7 +278,8 @@ impl Flow {
 /// outcome is returned as is.
 fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) -> Outcome {
     let now = host.now_ms();
-    fallback::remember(cfg, plan, &outcome, host.store(), now);
+    let (outcome, repaid) = fallback::settle_debts(plan, outcome);
+    fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
     let (granted, dropped) = lease::settle(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {
         host.count_lease(Count::Granted, granted);
@@ -510,11 +511,43 @@ mod tests {
         assert_eq!(sent.request.buckets[0].lease, Some(2), "cost 1 + debt 1");
         assert_eq!(sent.debt, vec![1]);
         f.on_callout_result(&c, h.next_token, granted(true, 0, 2), &mut h);
+        assert_eq!(
+            h.counts.last(),
+            Some(&Decision::Allowed),
+            "cost and debt covered"
+        );
         // Repaid: the following callout asks for its cost only.
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
         assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, None);
         assert_eq!(h.sent.last().unwrap().debt, Vec::<u64>::new());
+    }
+
+    #[test]
+    fn a_grant_short_of_the_debt_repays_first_and_denies() {
+        let c = cfg(r#","breaker":{"failures":0}"#);
+        let mut h = FakeHost::default();
+        let timeout = || CalloutResult::Http {
+            status: Some(504),
+            body: vec![],
+        };
+        // Two admitted on credit (capacity 2, a vacant share starts full).
+        for _ in 0..2 {
+            let mut f = Flow::default();
+            f.on_request_headers(&c, &req("/api"), &mut h);
+            f.on_callout_result(&c, h.next_token, timeout(), &mut h);
+        }
+        // The service has 1 token: it grants 1 of the 3 asked (cost 1 + debt 2) and allows.
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(3));
+        f.on_callout_result(&c, h.next_token, granted(true, 0, 1), &mut h);
+        assert_eq!(h.counts.last(), Some(&Decision::Limited), "debt first");
+        assert_eq!(h.replies.last().unwrap().status, 429);
+        // One of the two owed was repaid; the next callout carries the other.
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
     }
 
     #[test]
