@@ -217,8 +217,12 @@ fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fau
             format!("never gone (longest gap {} ms)", stall.as_millis()),
         ),
     };
+    // Where a fleet that forgot what it admitted during the fault would show it: the second after.
+    let ok_during = seen.count_between(200, t_fault, t_end);
+    let ok_after = seen.count_between(200, t_end, t_end + Duration::from_secs(1));
     eprintln!(
-        "ROW | {name} | {to_fallback_cell} | {back_cell} | {admitted} / {:.0} | {} (before: {}) | {} |",
+        "ROW | {name} | {to_fallback_cell} | {back_cell} | {admitted} / {:.0} | {} (before: {}) | {} | \
+         {ok_during} / {ok_after} |",
         bound.floor(),
         ms(p99_fault),
         ms(p99_before),

@@ -233,6 +233,14 @@ impl Seen {
             .count() as u64
     }
 
+    /// Answers with `status` to requests started in `[from, to)`.
+    pub fn count_between(&self, status: u16, from: Instant, to: Instant) -> u64 {
+        self.recs
+            .iter()
+            .filter(|r| r.status == status && r.start >= from && r.start < to)
+            .count() as u64
+    }
+
     /// Answers with `status` to requests started in consecutive windows of `step`, from `from` on.
     pub fn per_window(&self, status: u16, from: Instant, step: Duration) -> Vec<u64> {
         let mut v: Vec<u64> = Vec::new();
