@@ -6,6 +6,7 @@
 #   scripts/tools.sh            # wasm target, Envoy, Redis
 #   scripts/tools.sh bench      # ... plus wrk and h2load (nghttp2-client); redis-benchmark comes with Redis
 #   scripts/tools.sh demo       # ... plus matplotlib (pinned, in .tools/py-demo) for the demo's chart
+#   scripts/tools.sh fuzz       # ... plus cargo-fuzz (pinned, in .tools/cargo-fuzz) for `make fuzz`
 #   scripts/tools.sh image      # ... plus the musl target, skopeo, umoci, docker-registry (an OCI
 #                               #     registry) and the pinned schema validators for deploy/
 set -euo pipefail
@@ -74,6 +75,15 @@ if [ "${1:-}" = demo ] && [ ! -f "$TOOLS/py-demo/.matplotlib-$MATPLOTLIB_VERSION
   python3 -m pip install --quiet --disable-pip-version-check --target "$TOOLS/py-demo.tmp" "matplotlib==$MATPLOTLIB_VERSION"
   touch "$TOOLS/py-demo.tmp/.matplotlib-$MATPLOTLIB_VERSION"
   rm -rf "$TOOLS/py-demo" && mv "$TOOLS/py-demo.tmp" "$TOOLS/py-demo"
+fi
+
+# 4b. Fuzzing: cargo-fuzz, pinned, project-local. It drives libFuzzer through the libfuzzer-sys crate
+# (pinned in fuzz/Cargo.lock); on a stable toolchain `make fuzz` sets RUSTC_BOOTSTRAP=1 for the
+# sanitizer flag cargo-fuzz passes.
+CARGO_FUZZ_VERSION=0.13.2
+if [ "${1:-}" = fuzz ] && [ "$("$TOOLS/cargo-fuzz/bin/cargo-fuzz" --version 2>/dev/null)" != "cargo-fuzz $CARGO_FUZZ_VERSION" ]; then
+  say "installing cargo-fuzz $CARGO_FUZZ_VERSION into $TOOLS/cargo-fuzz"
+  cargo install --quiet --locked --root "$TOOLS/cargo-fuzz" "cargo-fuzz@$CARGO_FUZZ_VERSION"
 fi
 
 # 4. For images and deploy/: schema validators, pinned, project-local. kubernetes-validate carries

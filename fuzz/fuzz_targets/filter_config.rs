@@ -1,0 +1,118 @@
+//! The plugin configuration parser (`Config::parse`) over any bytes: it never panics, an error
+//! names a field, and whatever it accepts is within the documented bounds. Every accepted
+//! configuration then builds keys for a hostile request within the contract's bound.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use tollgate::core::config::{
+    Config, Cost, HeaderMatch, KeyPart, PathMatch, MAX_KEY_PARTS, MAX_NAME_LEN, MAX_PERIOD_MS,
+    MAX_RULES, MAX_TOKENS,
+};
+use tollgate::core::rules::keys::{build_key, MAX_KEY_BYTES};
+use tollgate::core::rules::Request;
+use tollgate_fuzz::{header_name_safe, header_value_safe};
+
+fn check(cfg: &Config) {
+    let s = &cfg.service;
+    assert!(!s.cluster.is_empty() && header_value_safe(&s.cluster));
+    assert!(!s.authority.is_empty() && header_value_safe(&s.authority));
+    assert!(s.path.starts_with('/') && header_value_safe(&s.path) && !s.path.contains(' '));
+    assert!((1..=60_000).contains(&s.timeout_ms));
+    if let Some(t) = &s.token {
+        assert!(!t.is_empty() && t.len() <= 4096 && header_value_safe(t));
+    }
+    assert!(cfg.trusted_hops <= 16);
+    assert!((1..=MAX_RULES).contains(&cfg.rules.len()));
+    for (i, r) in cfg.rules.iter().enumerate() {
+        assert!(!r.name.is_empty() && r.name.len() <= MAX_NAME_LEN);
+        assert!(
+            !r.name.contains('|'),
+            "a rule name would break the key layout"
+        );
+        assert!(
+            cfg.rules[..i].iter().all(|o| o.name != r.name),
+            "duplicate name"
+        );
+        assert!(r.key.len() <= MAX_KEY_PARTS);
+        assert!((1..=MAX_TOKENS).contains(&r.capacity));
+        assert!((1..=MAX_TOKENS).contains(&r.rate));
+        assert!((1..=MAX_PERIOD_MS).contains(&r.period_ms));
+        match &r.cost {
+            Cost::Fixed(c) => assert!((1..=MAX_TOKENS).contains(c)),
+            Cost::Header { name, default, max } => {
+                assert!(header_name_safe(name));
+                assert!(1 <= *default && default <= max && *max <= MAX_TOKENS);
+            }
+        }
+        if let Some(l) = &r.lease {
+            assert!(1 <= l.size && l.size <= r.capacity);
+            assert!(l.max_age_ms >= 1);
+        }
+        for p in &r.key {
+            if let KeyPart::Header(h) = p {
+                assert!(header_name_safe(h));
+            }
+        }
+        match &r.matcher.path {
+            Some(PathMatch::Exact(p)) | Some(PathMatch::Prefix(p)) => assert!(p.starts_with('/')),
+            None => {}
+        }
+        for h in &r.matcher.headers {
+            match h {
+                HeaderMatch::Present(n, _) | HeaderMatch::Equals(n, _) => {
+                    assert!(header_name_safe(n))
+                }
+            }
+        }
+    }
+    assert!(cfg.fallback.instances >= 1 && cfg.fallback.max_keys >= 1);
+    assert!(cfg.breaker.open_ms >= 1 && cfg.breaker.open_ms <= cfg.breaker.max_open_ms);
+    assert!((400..=599).contains(&cfg.response.status));
+    assert!(cfg.response.body.len() <= 65_536);
+    assert!(!cfg.response.content_type.is_empty());
+    assert!(header_value_safe(&cfg.response.content_type));
+}
+
+/// A request with every header a rule could read, each far longer than a key part may be.
+fn hostile_request(cfg: &Config) -> Request {
+    let long: Vec<u8> = (0..=255u8).cycle().take(5000).collect();
+    let mut headers: Vec<(String, Vec<u8>)> = [":path", ":method", ":authority"]
+        .iter()
+        .map(|n| (n.to_string(), long.clone()))
+        .collect();
+    for r in &cfg.rules {
+        for p in &r.key {
+            if let KeyPart::Header(h) = p {
+                headers.push((h.clone(), long.clone()));
+            }
+        }
+    }
+    headers.push((
+        "x-forwarded-for".into(),
+        b"203.0.113.7, 198.51.100.1".to_vec(),
+    ));
+    Request {
+        headers,
+        peer: Some("[2001:db8::1]:4711".into()),
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    match Config::parse(data) {
+        Err(e) => assert!(!e.field.is_empty(), "an error names its field: {e:?}"),
+        Ok(cfg) => {
+            check(&cfg);
+            assert_eq!(
+                Config::parse(data).ok().as_ref(),
+                Some(&cfg),
+                "deterministic"
+            );
+            let req = hostile_request(&cfg);
+            for r in &cfg.rules {
+                if let Some(k) = build_key(r, &req, cfg.trusted_hops) {
+                    assert!(k.len() <= MAX_KEY_BYTES, "{} bytes", k.len());
+                }
+            }
+        }
+    }
+});

@@ -1,0 +1,107 @@
+//! The service's flags (`cli::Cli`, clap) over any argument list: the input split at NUL bytes,
+//! each piece one argument (any bytes, not only UTF-8); the `TOLLGATE_*` environment is cleared.
+//!
+//! Properties: no panic (clap's own checks of the flag definitions run in this build); what
+//! parses is shown by `Debug` (which the service logs at startup) without the bearer token and
+//! without the password of any Redis URL; the settings derived from it are usable; a key prefix
+//! that passes its check keeps every bucket's keys in the bucket's Cluster slot.
+#![no_main]
+
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
+use std::sync::Once;
+
+use clap::Parser;
+use libfuzzer_sys::fuzz_target;
+use tollgate_server::cli::Cli;
+use tollgate_server::domain::{Algorithm, BucketSpec};
+use tollgate_server::store::keys::{check_prefix, redis_key, slot};
+
+/// The password of a URL as RFC 3986 reads it: the authority runs from `://` to the first `/`,
+/// `?` or `#`; its user information runs to the last `@`; the password follows the first `:`.
+fn password(url: &str) -> Option<&str> {
+    let rest = &url[url.find("://")? + 3..];
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let userinfo = &authority[..authority.rfind('@')?];
+    Some(&userinfo[userinfo.find(':')? + 1..])
+}
+
+/// `secret` must not show in `shown` unless it shows in `without` too (the same output with the
+/// secret taken out: then it is just text that happens to be there). Secrets with a `*` are left
+/// out: the redaction mark itself could contain them.
+fn hidden(secret: &str, shown: &str, without: &str, what: &str) {
+    if secret.len() >= 4 && !secret.contains('*') && !without.contains(secret) {
+        assert!(!shown.contains(secret), "{what} {secret:?} shown: {shown}");
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    static CLEAR: Once = Once::new();
+    CLEAR.call_once(|| {
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("TOLLGATE_") {
+                std::env::remove_var(k);
+            }
+        }
+    });
+    let args = std::iter::once(OsString::from("tollgate-server")).chain(
+        data.split(|&b| b == 0)
+            .filter(|a| !data.is_empty() || !a.is_empty())
+            .map(|a| OsString::from_vec(a.to_vec())),
+    );
+    let Ok(cli) = Cli::try_parse_from(args) else {
+        return;
+    };
+    let shown = format!("{cli:?}");
+
+    if let Some(token) = &cli.token {
+        let mut without = cli.clone();
+        without.token = None;
+        hidden(token, &shown, &format!("{without:?}"), "token");
+    }
+    let urls: Vec<String> = cli
+        .redis_url
+        .iter()
+        .chain(&cli.redis_cluster)
+        .cloned()
+        .collect();
+    for url in &urls {
+        let Some(pw) = password(url) else { continue };
+        let mut without = cli.clone();
+        let blank = |u: &String| u.replace(pw, "");
+        without.redis_url = without.redis_url.as_ref().map(blank);
+        without.redis_cluster = without.redis_cluster.iter().map(blank).collect();
+        hidden(pw, &shown, &format!("{without:?}"), "Redis password");
+    }
+
+    // The token file is not read here: its path could be anything.
+    if cli.token_file.is_none() {
+        if let Ok(cfg) = cli.service_config() {
+            if let Some(t) = &cfg.token {
+                assert!(!t.is_empty() && !t.bytes().any(|b| b.is_ascii_control()));
+            }
+            for d in [
+                cfg.header_timeout,
+                cfg.body_timeout,
+                cfg.idle_timeout,
+                cfg.ready_interval,
+            ] {
+                assert!(!d.is_zero());
+            }
+        }
+    }
+
+    if check_prefix(&cli.key_prefix).is_ok() {
+        let spec = BucketSpec {
+            key: "per-ip|203.0.113.7".into(),
+            capacity: 10,
+            rate: 10,
+            period_ms: 1000,
+            cost: 1,
+            algorithm: Algorithm::FixedWindow,
+            lease: 1,
+        };
+        let key = redis_key(&cli.key_prefix, &spec);
+        assert_eq!(slot(&key), slot("{per-ip|203.0.113.7}"), "{key:?}");
+    }
+});
