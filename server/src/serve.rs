@@ -22,7 +22,7 @@ use axum::response::Response;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tower::{Service, ServiceExt};
 
@@ -129,6 +129,8 @@ struct Activity {
     requests: AtomicU64,
     /// Milliseconds after `start` of the last request's start or end.
     last_ms: AtomicU64,
+    /// Wakes the watchdog when the first request arrives (it was waiting for the header timeout).
+    first_request: Notify,
 }
 
 impl Activity {
@@ -148,8 +150,10 @@ struct InFlight(Arc<Activity>);
 impl InFlight {
     fn new(a: &Arc<Activity>) -> Self {
         a.in_flight.fetch_add(1, Ordering::Relaxed);
-        a.requests.fetch_add(1, Ordering::Relaxed);
         a.touch();
+        if a.requests.fetch_add(1, Ordering::Relaxed) == 0 {
+            a.first_request.notify_one();
+        }
         InFlight(a.clone())
     }
 }
@@ -181,6 +185,7 @@ impl Conn {
             in_flight: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
             last_ms: AtomicU64::new(0),
+            first_request: Notify::new(),
         });
         let a = activity.clone();
         let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
@@ -195,6 +200,7 @@ impl Conn {
         let conn = self.builder.serve_connection(TokioIo::new(stream), svc);
         tokio::pin!(conn);
         let mut closing: Option<Instant> = None;
+        let mut waiting_first = true;
         loop {
             let wake = match closing {
                 Some(until) => until,
@@ -228,6 +234,9 @@ impl Conn {
                         conn.as_mut().graceful_shutdown();
                         closing = Some(now + GRACE);
                     }
+                }
+                () = activity.first_request.notified(), if waiting_first => {
+                    waiting_first = false;
                 }
                 _ = self.stop.changed(), if closing.is_none() => {
                     conn.as_mut().graceful_shutdown();

@@ -1,5 +1,5 @@
 //! The real `tollgate-server` binary: flags and env vars, the `listening` line, a take, a graceful
-//! exit on SIGTERM, and no secret in its logs.
+//! exit on SIGTERM, no secret in its logs (Redis URLs of any shape), the token from a file.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -9,11 +9,8 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::binary::{bin, run_to_end, ServerProc};
 use common::RedisProc;
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_tollgate-server")
-}
 
 #[test]
 fn help_documents_every_flag_and_env_var() {
@@ -41,6 +38,24 @@ fn help_documents_every_flag_and_env_var() {
         "TOLLGATE_TOKEN",
         "--log-format",
         "TOLLGATE_LOG_FORMAT",
+        "--token-file",
+        "TOLLGATE_TOKEN_FILE",
+        "--max-in-flight",
+        "TOLLGATE_MAX_IN_FLIGHT",
+        "--max-connections",
+        "TOLLGATE_MAX_CONNECTIONS",
+        "--header-timeout-ms",
+        "TOLLGATE_HEADER_TIMEOUT_MS",
+        "--body-timeout-ms",
+        "TOLLGATE_BODY_TIMEOUT_MS",
+        "--idle-timeout-ms",
+        "TOLLGATE_IDLE_TIMEOUT_MS",
+        "--http2-max-streams",
+        "TOLLGATE_HTTP2_MAX_STREAMS",
+        "--ready-interval-ms",
+        "TOLLGATE_READY_INTERVAL_MS",
+        "--memory-max-buckets",
+        "TOLLGATE_MEMORY_MAX_BUCKETS",
     ] {
         assert!(help.contains(s), "--help lacks {s}:\n{help}");
     }
@@ -136,4 +151,135 @@ fn serves_logs_without_secrets_and_stops_on_sigterm() {
         );
     }
     assert!(logs.contains("redis://:***@127.0.0.1"), "{logs}");
+}
+
+/// Redis URLs of every shape, parseable or not: the password never shows in the logs, and a
+/// failed take tells the caller only that the store is unavailable (no address, no Redis text).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_urls_of_any_shape_never_show_their_password() {
+    let dead = common::free_port();
+    let cases = [
+        (format!("redis://:ab/cd@127.0.0.1:{dead}"), "ab/cd"),
+        (format!("redis://:p#w0rd-x@127.0.0.1:{dead}"), "p#w0rd-x"),
+        (format!("redis://:q?w0rd-y@127.0.0.1:{dead}"), "q?w0rd-y"),
+        (format!("redis://user:pa55@wd@127.0.0.1:{dead}"), "pa55@wd"),
+        (format!("redis://:s3cr%2Fet-z@127.0.0.1:{dead}/0"), "s3cr"),
+        (format!("rediss://u:tls-pa55@127.0.0.1:{dead}"), "tls-pa55"),
+        (
+            "unix:///nonexistent/r.sock?db=0&pass=sock-pa55".to_string(),
+            "sock-pa55",
+        ),
+    ];
+    let client = reqwest::Client::new();
+    let mut served = 0;
+    for (url, secret) in &cases {
+        let port = common::free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let args = [
+            "--listen",
+            &listen,
+            "--redis-url",
+            url,
+            "--redis-timeout-ms",
+            "100",
+            "--log-format",
+            "json",
+        ];
+        let mut child = Command::new(bin())
+            .args(args)
+            .env("RUST_LOG", "debug")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Started (parseable URL) or refused (not): wait for either.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let listening = loop {
+            if child.try_wait().unwrap().is_some() {
+                break false;
+            }
+            if std::net::TcpStream::connect(&listen).is_ok() {
+                break true;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{url}: neither listening nor exited"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut answer = String::new();
+        if listening {
+            served += 1;
+            let body =
+                serde_json::json!({"buckets": [{"key": "k", "capacity": 1, "period_ms": 1000}]});
+            let r = client
+                .post(format!("http://{listen}/v1/take"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 503, "{url}");
+            answer = r.text().await.unwrap();
+            assert!(answer.contains("\"unavailable\""), "{url}: {answer}");
+            assert!(!answer.contains("127.0.0.1"), "{url}: {answer}");
+            let _ = child.kill();
+        }
+        let out = child.wait_with_output().unwrap();
+        let logs = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            !logs.contains(secret) && !answer.contains(secret),
+            "{secret} of {url} leaked:\n{logs}{answer}"
+        );
+        assert!(
+            logs.contains("***"),
+            "{url}: the URL is not shown redacted:\n{logs}"
+        );
+    }
+    assert_eq!(served, 4, "the four URLs that parse start the service");
+}
+
+/// `--token-file`: the token is read from a file (trailing newline ignored), is not on the
+/// command line, and is required; an empty file or both --token and --token-file stop startup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_from_a_file() {
+    let dir = std::env::temp_dir().join(format!("tollgate-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    std::fs::write(&file, "file-tok-9f8e\n").unwrap();
+    let path = file.to_str().unwrap();
+    let svc = ServerProc::start(&["--token-file", path]);
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", svc.pid())).unwrap();
+    assert!(!String::from_utf8_lossy(&cmdline).contains("file-tok-9f8e"));
+    let client = reqwest::Client::new();
+    let body = serde_json::json!({"buckets": [{"key": "k", "capacity": 1, "period_ms": 1000}]});
+    let r = client
+        .post(svc.url("/v1/take"))
+        .bearer_auth("file-tok-9f8e")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = client
+        .post(svc.url("/v1/take"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    drop(svc);
+
+    let (ok, out) = run_to_end(
+        &["--token", "x", "--token-file", path],
+        Duration::from_secs(5),
+    );
+    assert!(!ok && out.contains("--token-file"), "{out}");
+    std::fs::write(&file, "\n").unwrap();
+    let (ok, out) = run_to_end(&["--token-file", path], Duration::from_secs(5));
+    assert!(!ok && out.contains("empty"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

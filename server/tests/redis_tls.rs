@@ -506,13 +506,23 @@ fn binary_over_mutual_tls_keeps_the_password_out_of_logs() {
                 r.status().as_u16(),
                 r.json::<serde_json::Value>().await.unwrap(),
             );
-            let ready = client
-                .get(format!("http://127.0.0.1:{port}/readyz"))
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16();
+            // /readyz answers from a check refreshed every second: wait for the one after the
+            // take (the check at startup may have raced the first handshake).
+            let want = if mutual { 200 } else { 503 };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let ready = loop {
+                let ready = client
+                    .get(format!("http://127.0.0.1:{port}/readyz"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16();
+                if ready == want || Instant::now() > deadline {
+                    break ready;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
             (take, ready)
         });
         let (status, logs) = b.finish(true);

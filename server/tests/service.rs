@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{bucket, post_take, RedisProc, Service};
+use common::{bucket, pb_bucket, post_take, RedisProc, Service};
 use serde_json::{json, Value};
 use tollgate_server::api::grpc::pb;
 use tollgate_server::store::memory::MemoryStore;
@@ -56,28 +56,38 @@ async fn exact_without_refill(store: Arc<dyn Store>) {
 async fn exact_with_refill(store: Arc<dyn Store>) {
     let svc = Service::start(store, None).await;
     let key = common::unique("refill");
-    // 0.1 token per ms. The capacity is the time to refill to full (2 s) beyond the whole run:
-    // refill is lost only while the bucket is full, so no scheduling stall of the clients during
-    // the run can make the bucket drop tokens the bounds below count as earned.
-    let (cap, rate, period_ms) = (200u64, 100u64, 1000u64);
+    // 0.02 token per ms. The capacity is 5 s of refill: refill is lost only while the bucket is
+    // full, so only a stall of every client for 5 s could make it drop tokens the bounds below
+    // count as earned; and any machine sends more than 20 takes a second, so it runs dry.
+    let (cap, rate, period_ms) = (100u64, 20u64, 1000u64);
     let body = json!({"buckets": [bucket(&key, cap, rate, period_ms, 1)]});
     let allowed = Arc::new(AtomicU64::new(0));
     let first_reply = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let last_sent = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    // Denials show the bucket ran dry; without them (a loaded machine that has not yet sent
+    // capacity plus refill) nothing is measured, so the run goes on until there are some.
+    let denied = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let deadline = start + Duration::from_millis(600);
+    let hard_deadline = start + Duration::from_secs(20);
     let mut tasks = Vec::new();
     for _ in 0..CLIENTS {
         let (url, body, allowed) = (svc.url("/v1/take"), body.clone(), allowed.clone());
         let (first_reply, last_sent) = (first_reply.clone(), last_sent.clone());
+        let denied = denied.clone();
         tasks.push(tokio::spawn(async move {
             let client = reqwest::Client::new();
             let mut n = 0;
-            while Instant::now() < deadline && n < 100_000 {
+            while (Instant::now() < deadline || denied.load(Ordering::Relaxed) < CLIENTS as u64)
+                && Instant::now() < hard_deadline
+                && n < 100_000
+            {
                 n += 1;
                 let sent = Instant::now();
                 let r = client.post(&url).json(&body).send().await.expect("send");
+                let status = r.status();
                 let v: Value = r.json().await.expect("json");
+                assert_eq!(status, 200, "{v}");
                 let got = Instant::now();
                 {
                     let mut f = first_reply.lock().unwrap();
@@ -91,6 +101,8 @@ async fn exact_with_refill(store: Arc<dyn Store>) {
                 }
                 if v["allowed"] == true {
                     allowed.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    denied.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }));
@@ -99,6 +111,11 @@ async fn exact_with_refill(store: Arc<dyn Store>) {
         t.await.expect("client task");
     }
     let end = Instant::now();
+    assert!(
+        denied.load(Ordering::Relaxed) > 0,
+        "the bucket never ran dry in {:?}",
+        end - start
+    );
     let admitted = allowed.load(Ordering::Relaxed);
     let tokens = |d: Duration| (d.as_micros() as u64 * rate) / (period_ms * 1000);
     let upper = cap + tokens(end - start);
@@ -195,19 +212,6 @@ async fn http1_h2_prior_knowledge_and_grpc_share_one_port() {
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["grpc-status"], "12");
     svc.stop().await;
-}
-
-/// A valid protobuf bucket: capacity 5 per second, the other fields left to their defaults.
-fn pb_bucket(key: &str) -> pb::Bucket {
-    pb::Bucket {
-        key: key.into(),
-        capacity: 5,
-        rate: None,
-        period_ms: 1000,
-        cost: None,
-        algorithm: 0,
-        lease: None,
-    }
 }
 
 /// The status of GET `path`.

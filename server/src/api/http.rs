@@ -19,7 +19,7 @@ use tower::{Service, ServiceExt};
 
 use super::grpc::{pb::rate_limiter_server::RateLimiterServer, status_of, RateLimiterService};
 use super::json::{decode_take, error_body};
-use super::{Api, ApiError, MAX_GRPC_BODY_BYTES};
+use super::{Api, ApiError, GRPC_FRAMING_BYTES};
 use crate::domain::MAX_TAKE_BYTES;
 
 fn error_response(e: &ApiError) -> Response {
@@ -47,7 +47,7 @@ fn error_response(e: &ApiError) -> Response {
 
 async fn take(State(api): State<Arc<Api>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
-    let result = match api.admit(&parts.headers, body, MAX_TAKE_BYTES).await {
+    let result = match api.admit(&parts.headers, body, 0).await {
         Ok((bytes, _permit)) => api.take(decode_take(&bytes)).await,
         Err(e) => Err(e),
     };
@@ -102,7 +102,7 @@ async fn grpc_take(
     req: Request,
 ) -> Response {
     let (parts, body) = req.into_parts();
-    match api.admit(&parts.headers, body, MAX_GRPC_BODY_BYTES).await {
+    match api.admit(&parts.headers, body, GRPC_FRAMING_BYTES).await {
         Ok((bytes, permit)) => {
             let req =
                 Request::from_parts(parts, tonic::body::Body::new(axum::body::Body::from(bytes)));

@@ -37,7 +37,8 @@ pub enum ApiError {
     Invalid(InvalidArgument),
     /// 401 / `UNAUTHENTICATED`.
     Unauthenticated,
-    /// 413 / `RESOURCE_EXHAUSTED`: the body is over the bound (in bytes, as stated).
+    /// 413 / `RESOURCE_EXHAUSTED`: the take is over this bound, in bytes (gRPC's frame header
+    /// not counted).
     TooLarge(usize),
     /// 408 / `DEADLINE_EXCEEDED`: the body did not arrive within this many milliseconds.
     BodyTimeout(u64),
@@ -194,15 +195,17 @@ impl Api {
     }
 
     /// Everything a take goes through before it is decoded, in this order: the token (from the
-    /// headers alone), the body (at most `bound` bytes, within the body timeout: no permit is
-    /// held while a slow client sends it), then a take permit, granted at once or refused (shed).
-    /// The permit is held until the answer is ready.
+    /// headers alone), the body (at most [`MAX_TAKE_BYTES`] plus the transport's `framing`
+    /// bytes, within the body timeout: no permit is held while a slow client sends it), then a
+    /// take permit, granted at once or refused (shed). The permit is held until the answer is
+    /// ready.
     pub async fn admit(
         &self,
         headers: &HeaderMap,
         body: Body,
-        bound: usize,
+        framing: usize,
     ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
+        let bound = MAX_TAKE_BYTES + framing;
         let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
         if !self.auth.check(auth) {
             return Err(ApiError::Unauthenticated);
@@ -212,7 +215,7 @@ impl Api {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > bound as u64) {
-            return Err(ApiError::TooLarge(bound));
+            return Err(ApiError::TooLarge(MAX_TAKE_BYTES));
         }
         let read = Limited::new(body, bound).collect();
         let bytes = match tokio::time::timeout(self.body_timeout, read).await {
@@ -220,7 +223,9 @@ impl Api {
                 let ms = u64::try_from(self.body_timeout.as_millis()).unwrap_or(u64::MAX);
                 return Err(ApiError::BodyTimeout(ms));
             }
-            Ok(Err(e)) if e.is::<LengthLimitError>() => return Err(ApiError::TooLarge(bound)),
+            Ok(Err(e)) if e.is::<LengthLimitError>() => {
+                return Err(ApiError::TooLarge(MAX_TAKE_BYTES))
+            }
             Ok(Err(e)) => {
                 return Err(ApiError::Invalid(InvalidArgument::new(
                     "",
@@ -267,9 +272,9 @@ impl Api {
     }
 }
 
-/// The largest gRPC request body: one message of [`MAX_TAKE_BYTES`] behind its 5-byte frame
-/// header.
-pub const MAX_GRPC_BODY_BYTES: usize = MAX_TAKE_BYTES + 5;
+/// gRPC's frame header before a message (compression flag, length): a gRPC take's body is one
+/// message of at most [`MAX_TAKE_BYTES`] behind it.
+pub const GRPC_FRAMING_BYTES: usize = 5;
 
 #[cfg(test)]
 mod tests {

@@ -2,6 +2,8 @@
 //! service started in-process on 127.0.0.1:0 through `run`, and small HTTP/gRPC helpers.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+pub mod binary;
+
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -288,6 +290,28 @@ impl Drop for Service {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());
         }
+    }
+}
+
+/// A gRPC client of the service at `base` (`http://host:port`).
+pub async fn grpc_client(
+    base: &str,
+) -> pb::rate_limiter_client::RateLimiterClient<tonic::transport::Channel> {
+    pb::rate_limiter_client::RateLimiterClient::connect(base.to_string())
+        .await
+        .expect("grpc connect")
+}
+
+/// A valid protobuf bucket: capacity 5 per second, the other fields left to their defaults.
+pub fn pb_bucket(key: &str) -> pb::Bucket {
+    pb::Bucket {
+        key: key.into(),
+        capacity: 5,
+        rate: None,
+        period_ms: 1000,
+        cost: None,
+        algorithm: 0,
+        lease: None,
     }
 }
 

@@ -1,0 +1,573 @@
+//! Hostile clients against the real binary: oversized bodies answered with the bound in constant
+//! memory, a slowloris that cannot freeze the service, load shed at once at the take limit, and
+//! a full memory store answering clearly. Figures are printed (`--nocapture` shows them).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::binary::ServerProc;
+use common::RedisProc;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tollgate_server::domain::MAX_TAKE_BYTES;
+
+const TOKEN: &str = "hostile-test-token";
+
+fn take_body(key: &str) -> Value {
+    json!({"buckets": [{"key": key, "capacity": 1000000, "period_ms": 1000}]})
+}
+
+/// Sends `head` then `body` on a raw connection (write errors ignored: the server may close
+/// early) and returns everything it answered before closing, and how long the answer took.
+async fn raw_exchange(addr: &str, head: String, body: Vec<u8>) -> (String, Duration) {
+    let t = Instant::now();
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut rd, mut wr) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        if wr.write_all(head.as_bytes()).await.is_ok() {
+            for chunk in body.chunks(16 * 1024) {
+                if wr.write_all(chunk).await.is_err() {
+                    break;
+                }
+            }
+        }
+        wr
+    });
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "no answer within 20 s");
+    let elapsed = t.elapsed();
+    drop(writer.await);
+    (String::from_utf8_lossy(&got).into_owned(), elapsed)
+}
+
+/// 16 concurrent gRPC takes of 4 MB (2,000,000 empty buckets) and 16 concurrent JSON takes of
+/// 87,000 `{}` buckets (half with a Content-Length, half chunked), all with the token: every one
+/// is answered with the bound, and the service's peak RSS grows by less than 32 MB. Without the
+/// token the same bodies get 401 before a byte of them is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_bodies_are_refused_with_the_bound_in_constant_memory() {
+    let svc = ServerProc::start(&["--token", TOKEN]);
+    let client = reqwest::Client::new();
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    // Warm up both transports once, then take the baseline.
+    let r = client
+        .post(svc.url("/v1/take"))
+        .bearer_auth(TOKEN)
+        .json(&take_body("warm"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut grpc = common::grpc_client(&svc.url("")).await;
+    let mut req = tonic::Request::new(tollgate_server::api::grpc::pb::TakeRequest {
+        buckets: vec![common::pb_bucket("warm")],
+    });
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    grpc.take(req).await.unwrap();
+    let rss_before = svc.status_kb("VmRSS");
+
+    // gRPC: one frame holding `0a 00` two million times.
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&4_000_000u32.to_be_bytes());
+    frame.extend(std::iter::repeat_n([0x0au8, 0x00], 2_000_000).flatten());
+    let frame = axum::body::Bytes::from(frame);
+    // JSON: 87,000 empty buckets, about 256 KiB.
+    let json_body = format!("{{\"buckets\":[{}{{}}]}}", "{},".repeat(86_999));
+    assert!(json_body.len() > 256 * 1000, "{}", json_body.len());
+
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let (h2, url, frame) = (
+            h2.clone(),
+            svc.url("/tollgate.v1.RateLimiter/Take"),
+            frame.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let r = h2
+                .post(url)
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .bearer_auth(TOKEN)
+                .body(frame)
+                .send()
+                .await
+                .unwrap();
+            let status = r.headers().get("grpc-status").cloned();
+            let message = r.headers().get("grpc-message").cloned();
+            assert_eq!(
+                status.as_ref().map(|v| v.to_str().unwrap()),
+                Some("8"),
+                "gRPC #{i}: RESOURCE_EXHAUSTED expected, got {:?}",
+                r.headers()
+            );
+            let bound = MAX_TAKE_BYTES.to_string();
+            let message = message.map(|m| m.to_str().unwrap().to_string()).unwrap();
+            assert!(message.contains(&bound), "gRPC #{i}: {message}");
+        }));
+        let (addr, body) = (svc.addr(), json_body.clone());
+        tasks.push(tokio::spawn(async move {
+            let framing = if i % 2 == 0 {
+                format!("Content-Length: {}\r\n", body.len())
+            } else {
+                "Transfer-Encoding: chunked\r\n".to_string()
+            };
+            let payload = if i % 2 == 0 {
+                body.into_bytes()
+            } else {
+                let mut p = Vec::new();
+                for c in body.as_bytes().chunks(8192) {
+                    p.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+                    p.extend_from_slice(c);
+                    p.extend_from_slice(b"\r\n");
+                }
+                p.extend_from_slice(b"0\r\n\r\n");
+                p
+            };
+            let head = format!(
+                "POST /v1/take HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {TOKEN}\r\n\
+                 Content-Type: application/json\r\n{framing}\r\n"
+            );
+            let (answer, _) = raw_exchange(&addr, head, payload).await;
+            let bound = MAX_TAKE_BYTES.to_string();
+            assert!(answer.starts_with("HTTP/1.1 413"), "JSON #{i}: {answer}");
+            assert!(answer.contains("resource_exhausted"), "JSON #{i}: {answer}");
+            assert!(answer.contains(&bound), "JSON #{i}: {answer}");
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let peak = svc.status_kb("VmHWM");
+    let rss_after = svc.status_kb("VmRSS");
+    eprintln!(
+        "oversized bodies: VmRSS before {rss_before} kB, VmHWM after {peak} kB (growth {} kB), VmRSS after {rss_after} kB",
+        peak.saturating_sub(rss_before)
+    );
+    assert!(
+        peak.saturating_sub(rss_before) < 32 * 1024,
+        "peak RSS grew by {} kB",
+        peak - rss_before
+    );
+
+    // Without the token: 401, the body unread.
+    let (answer, t) = raw_exchange(
+        &svc.addr(),
+        format!(
+            "POST /v1/take HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            json_body.len()
+        ),
+        json_body.into_bytes(),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    eprintln!("unauthenticated oversized JSON: 401 in {t:?}");
+    let r = h2
+        .post(svc.url("/tollgate.v1.RateLimiter/Take"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(frame)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.headers().get("grpc-status").map(|v| v.to_str().unwrap()),
+        Some("16"),
+        "{:?}",
+        r.headers()
+    );
+    // Still serving.
+    let r = client
+        .post(svc.url("/v1/take"))
+        .bearer_auth(TOKEN)
+        .json(&take_body("after"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// The median of some durations.
+fn median(mut d: Vec<Duration>) -> Duration {
+    d.sort();
+    d[d.len() / 2]
+}
+
+/// `--max-in-flight 64` and 74 connections that send a take's head with `Content-Length: 1000`
+/// and one byte of body, plus 10 that send half a head, then wait. Meanwhile /healthz and a real
+/// take on fresh connections answer at once; each slow body is cut with 408 at the body timeout,
+/// each slow head at the header timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slowloris_cannot_hold_the_service() {
+    let (body_ms, header_ms) = (2000u64, 3000u64);
+    let svc = ServerProc::start(&[
+        "--token",
+        TOKEN,
+        "--max-in-flight",
+        "64",
+        "--body-timeout-ms",
+        &body_ms.to_string(),
+        "--header-timeout-ms",
+        &header_ms.to_string(),
+    ]);
+    let slow_bodies = 64 + 10;
+    let start = Instant::now();
+    let mut slow = Vec::new();
+    for _ in 0..slow_bodies {
+        let mut s = TcpStream::connect(svc.addr()).await.unwrap();
+        s.write_all(
+            format!(
+                "POST /v1/take HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer {TOKEN}\r\n\
+                 Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        slow.push((true, s));
+    }
+    for _ in 0..10 {
+        let mut s = TcpStream::connect(svc.addr()).await.unwrap();
+        s.write_all(b"POST /v1/take HTTP/1.1\r\nHost: t\r\nContent-")
+            .await
+            .unwrap();
+        slow.push((false, s));
+    }
+    let opened = start.elapsed();
+    // Each slow connection: when was it answered or closed, and with what.
+    let watchers: Vec<_> = slow
+        .into_iter()
+        .map(|(body, mut s)| {
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 1024];
+                loop {
+                    match tokio::time::timeout(Duration::from_secs(15), s.read(&mut buf)).await {
+                        Ok(Ok(0)) | Ok(Err(_)) => break,
+                        Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+                        Err(_) => panic!("a slow connection was still open after 15 s"),
+                    }
+                }
+                (
+                    body,
+                    start.elapsed(),
+                    String::from_utf8_lossy(&got).into_owned(),
+                )
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    let mut health = Vec::new();
+    let mut takes = Vec::new();
+    for i in 0..7 {
+        // A fresh client each time: a new connection, as a probe makes.
+        let client = reqwest::Client::new();
+        let t = Instant::now();
+        let r = client.get(svc.url("/healthz")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        health.push(t.elapsed());
+        let client = reqwest::Client::new();
+        let t = Instant::now();
+        let r = client
+            .post(svc.url("/v1/take"))
+            .bearer_auth(TOKEN)
+            .json(&take_body(&format!("real-{i}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["allowed"], true, "{v}");
+        takes.push(t.elapsed());
+    }
+    assert!(
+        start.elapsed() < Duration::from_millis(body_ms),
+        "the probes ran past the body timeout ({:?}): the test proves nothing",
+        start.elapsed()
+    );
+    eprintln!(
+        "slowloris ({slow_bodies} slow bodies + 10 slow heads, opened in {opened:?}): /healthz {health:?}, take {takes:?}"
+    );
+    let (h, t) = (median(health.clone()), median(takes.clone()));
+    assert!(h < Duration::from_millis(100), "/healthz median {h:?}");
+    assert!(t < Duration::from_millis(100), "take median {t:?}");
+
+    let mut body_cuts = Vec::new();
+    let mut head_cuts = Vec::new();
+    for w in watchers {
+        let (body, at, answer) = w.await.unwrap();
+        if body {
+            assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+            assert!(answer.contains("deadline_exceeded"), "{answer}");
+            body_cuts.push(at);
+        } else {
+            head_cuts.push(at);
+        }
+    }
+    let range = |v: &[Duration]| (v.iter().min().copied(), v.iter().max().copied());
+    eprintln!(
+        "slow bodies cut at {:?}, slow heads at {:?} (since the first connect)",
+        range(&body_cuts),
+        range(&head_cuts)
+    );
+    // Cut at the timeout: not before it, and not long after (a generous margin for a loaded
+    // machine, plus the time it took to open them all).
+    let late = Duration::from_millis(1500) + opened;
+    for at in &body_cuts {
+        assert!(*at >= Duration::from_millis(body_ms), "{at:?}");
+        assert!(*at < Duration::from_millis(body_ms) + late, "{at:?}");
+    }
+    for at in &head_cuts {
+        assert!(*at >= Duration::from_millis(header_ms), "{at:?}");
+        assert!(*at < Duration::from_millis(header_ms) + late, "{at:?}");
+    }
+}
+
+/// `--max-in-flight 1` and a take stuck on a Redis that sleeps: the next takes (JSON and gRPC)
+/// are shed at once with 503 / UNAVAILABLE and counted, while /healthz and /metrics answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn takes_beyond_the_limit_are_shed_at_once() {
+    let redis = RedisProc::start_on(common::free_port(), &["--enable-debug-command", "yes"]);
+    let svc = ServerProc::start(&[
+        "--redis-url",
+        &redis.url(),
+        "--redis-timeout-ms",
+        "5000",
+        "--max-in-flight",
+        "1",
+    ]);
+    let client = reqwest::Client::new();
+    let r = client
+        .post(svc.url("/v1/take"))
+        .json(&take_body("warm"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // Redis busy for 1.5 s: the next take holds the only permit that long.
+    let port = redis.port.to_string();
+    let sleeper = std::thread::spawn(move || {
+        std::process::Command::new(common::redis_cli_bin())
+            .args(["-p", &port, "DEBUG", "SLEEP", "1.5"])
+            .output()
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stuck = tokio::spawn({
+        let (client, url) = (client.clone(), svc.url("/v1/take"));
+        async move {
+            client
+                .post(url)
+                .json(&take_body("stuck"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = Instant::now();
+    let r = client
+        .post(svc.url("/v1/take"))
+        .json(&take_body("shed"))
+        .send()
+        .await
+        .unwrap();
+    let shed_in = t.elapsed();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "unavailable", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("shed"),
+        "{v}"
+    );
+    let mut g = common::grpc_client(&svc.url("")).await;
+    let t = Instant::now();
+    let e = g
+        .take(tollgate_server::api::grpc::pb::TakeRequest {
+            buckets: vec![common::pb_bucket("shed")],
+        })
+        .await
+        .expect_err("shed");
+    let grpc_shed_in = t.elapsed();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    let t = Instant::now();
+    assert_eq!(
+        client
+            .get(svc.url("/healthz"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let health_in = t.elapsed();
+    let metrics = client
+        .get(svc.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("tollgate_shed_total 2"), "{metrics}");
+    eprintln!(
+        "shedding: JSON 503 in {shed_in:?}, gRPC UNAVAILABLE in {grpc_shed_in:?}, /healthz in {health_in:?} while a take held the only permit"
+    );
+    assert!(shed_in < Duration::from_millis(500), "{shed_in:?}");
+    assert!(
+        grpc_shed_in < Duration::from_millis(500),
+        "{grpc_shed_in:?}"
+    );
+    assert_eq!(stuck.await.unwrap(), 200, "the stuck take was answered");
+    sleeper.join().unwrap();
+}
+
+/// `--memory-max-buckets 2`: a take needing a third bucket gets 503 saying the store is full;
+/// known buckets keep answering.
+#[tokio::test]
+async fn a_full_memory_store_says_so() {
+    let svc = ServerProc::start(&["--memory-max-buckets", "2"]);
+    let client = reqwest::Client::new();
+    for key in ["a", "b"] {
+        let r = client
+            .post(svc.url("/v1/take"))
+            .json(&take_body(key))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let r = client
+        .post(svc.url("/v1/take"))
+        .json(&take_body("c"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "unavailable", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("full"),
+        "{v}"
+    );
+    let r = client
+        .post(svc.url("/v1/take"))
+        .json(&take_body("a"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let metrics = client
+        .get(svc.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("tollgate_store_errors_total{kind=\"full\"} 1"),
+        "{metrics}"
+    );
+}
+
+/// Reads until the peer closes (or 10 s pass); returns what came and when it closed.
+async fn until_closed(s: &mut TcpStream, since: Instant) -> (String, Duration) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("still open after 10 s"),
+        }
+    }
+    (String::from_utf8_lossy(&got).into_owned(), since.elapsed())
+}
+
+/// `--max-connections 4`: a fifth connection is closed on accept and counted; a connection
+/// idle for `--idle-timeout-ms` is closed, one that never sends a request is closed at
+/// `--header-timeout-ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_capped_and_idle_ones_closed() {
+    let svc = ServerProc::start(&[
+        "--max-connections",
+        "4",
+        "--idle-timeout-ms",
+        "500",
+        "--header-timeout-ms",
+        "3000",
+    ]);
+    // Four silent connections fill the cap.
+    let t0 = Instant::now();
+    let mut silent = Vec::new();
+    for _ in 0..4 {
+        silent.push(TcpStream::connect(svc.addr()).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut fifth = TcpStream::connect(svc.addr()).await.unwrap();
+    let t = Instant::now();
+    let _ = fifth
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await;
+    let (answer, closed_in) = until_closed(&mut fifth, t).await;
+    assert_eq!(answer, "", "the fifth connection was served");
+    assert!(closed_in < Duration::from_millis(500), "{closed_in:?}");
+    // The silent ones are closed at the header timeout, freeing their slots.
+    for s in &mut silent {
+        let (answer, at) = until_closed(s, t0).await;
+        assert_eq!(answer, "");
+        assert!(
+            at >= Duration::from_millis(3000) && at < Duration::from_millis(5000),
+            "{at:?}"
+        );
+    }
+    // An idle keep-alive connection is closed after the idle timeout.
+    let mut s = TcpStream::connect(svc.addr()).await.unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let (rest, idle_closed) = until_closed(&mut s, Instant::now()).await;
+    assert_eq!(rest, "");
+    assert!(
+        idle_closed >= Duration::from_millis(400) && idle_closed < Duration::from_millis(2500),
+        "{idle_closed:?}"
+    );
+    eprintln!(
+        "connection cap: 5th closed in {closed_in:?}; idle keep-alive closed after {idle_closed:?}"
+    );
+    let metrics = reqwest::Client::new()
+        .get(svc.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("tollgate_connections_refused_total 1"),
+        "{metrics}"
+    );
+}
