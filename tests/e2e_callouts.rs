@@ -85,6 +85,21 @@ fn heap(e: &Envoy) -> u64 {
         .unwrap_or(0)
 }
 
+/// Envoy's live heap once it stopped moving: a closed connection's memory is freed over the next
+/// event-loop passes.
+fn quiet_heap(e: &Envoy) -> u64 {
+    let mut prev = heap(e);
+    for _ in 0..30 {
+        thread::sleep(Duration::from_millis(500));
+        let now = heap(e);
+        if now.abs_diff(prev) < 256 * 1024 {
+            return now;
+        }
+        prev = now;
+    }
+    prev
+}
+
 /// Sends requests whose clients leave mid-callout until `n` callouts were dispatched: batch by
 /// batch, each batch's clients reset once the cluster shows its callouts started. Returns
 /// (requests sent, callouts dispatched).
@@ -135,25 +150,20 @@ fn clients_that_disconnect_mid_callout_leave_envoy_flat(t: Transport) {
     // Warm up: connection pools, the VMs' maps at their working size, the allocator's arenas.
     let n = disconnects();
     let warm = abandon_callouts(&envoy, (n / 10).max(1_000));
-    thread::sleep(Duration::from_secs(3));
-    let (rss0, heap0, mem0) = (
-        rss_kib(envoy.proc.pid()),
-        heap(&envoy),
-        envoy.tg("vm.memory_bytes"),
-    );
+    let heap0 = quiet_heap(&envoy);
+    let (rss0, mem0) = (rss_kib(envoy.proc.pid()), envoy.tg("vm.memory_bytes"));
     let (decided0, seen0) = (decided(&envoy), envoy.tg("callout_failure.timeout"));
     let started = Instant::now();
     let (sent, calls) = abandon_callouts(&envoy, n);
     let took = started.elapsed();
-    // Envoy frees a closed connection's memory in its next event-loop passes: give it a moment.
-    eventually(Duration::from_secs(10), || {
+    // Envoy gives a closed connection's memory back over the following seconds; a leak never.
+    let freeing = Instant::now();
+    eventually(Duration::from_secs(30), || {
         heap(&envoy) <= heap0 + HEAP_SLACK
     });
-    let (rss1, heap1, mem1) = (
-        rss_kib(envoy.proc.pid()),
-        heap(&envoy),
-        envoy.tg("vm.memory_bytes"),
-    );
+    let heap1 = heap(&envoy);
+    let freeing = freeing.elapsed();
+    let (rss1, mem1) = (rss_kib(envoy.proc.pid()), envoy.tg("vm.memory_bytes"));
     let decided = decided(&envoy) - decided0;
     // The requests the module decided are those whose client was still there when the callout
     // timed out (or whose callout could not start); every other callout was abandoned.
@@ -161,7 +171,7 @@ fn clients_that_disconnect_mid_callout_leave_envoy_flat(t: Transport) {
     eprintln!(
         "{}: {abandoned} of {calls} callouts abandoned by their clients ({sent} requests, \
          {decided} decided) in {took:.1?}, after a warm-up of {warm:?}; Envoy heap {heap0} -> \
-         {heap1} bytes ({:+}), RSS {rss0} -> {rss1} KiB ({:+}); VMs' linear memory {mem0} -> \
+         {heap1} bytes ({:+}, {freeing:.1?} after the last), RSS {rss0} -> {rss1} KiB ({:+}); VMs' linear memory {mem0} -> \
          {mem1} bytes",
         t.name(),
         i64::try_from(heap1).unwrap() - i64::try_from(heap0).unwrap(),
@@ -172,7 +182,12 @@ fn clients_that_disconnect_mid_callout_leave_envoy_flat(t: Transport) {
         "only {abandoned} of {n} callouts were abandoned mid-flight"
     );
     assert_eq!(envoy.tg("callouts.pending"), 0, "no bookkeeping left");
-    assert_eq!(mem1, mem0, "the VMs' linear memory did not grow");
+    // Linear memory never shrinks; a page more in one VM is the allocator meeting a new peak, not
+    // bookkeeping (100,000 leaked map entries would be 20 pages and more).
+    assert!(
+        mem1 <= mem0 + 4 * 65_536,
+        "the VMs' linear memory grew from {mem0} to {mem1} bytes"
+    );
     assert!(
         heap1 <= heap0 + HEAP_SLACK,
         "Envoy's heap grew from {heap0} to {heap1} bytes over {abandoned} abandoned callouts"
