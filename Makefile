@@ -21,7 +21,7 @@ export TOLLGATE_SERVER_STATIC ?= $(CURDIR)/$(DIST)/tollgate-server-static
 # that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.
 publish = mkdir -p $(DIST) && cp $(1) $(DIST)/.$(2).tmp && mv -f $(DIST)/.$(2).tmp $(DIST)/$(2)
 
-.PHONY: help tools images build wasm server server-static run test unit e2e bench demo image lint fmt clean
+.PHONY: help tools images build wasm server server-static run test unit e2e bench demo image lint fmt clean fuzz
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -67,6 +67,10 @@ bench: build ## Benchmarks recorded in BENCHMARKS.md (ratios measured side by si
 demo: build ## N proxies, one limit: 4 Envoys with Envoy's local_ratelimit, Tollgate, and its fallback, side by side
 	@bash scripts/tools.sh demo
 	@PYTHONPATH=$(CURDIR)/.tools/py-demo python3 scripts/demo.py
+
+fuzz: ## Fuzz the filter's parsers and decoders and the service's (FUZZ_SECONDS per target, default 20); fails on a crash
+	@bash scripts/tools.sh fuzz
+	@bash scripts/fuzz.sh
 
 lint: ## clippy (panics denied in the filter) and rustfmt
 	$(CARGO) fmt --all -- --check

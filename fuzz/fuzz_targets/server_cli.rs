@@ -9,9 +9,9 @@
 
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
-use std::sync::Once;
+use std::sync::{Once, OnceLock};
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use libfuzzer_sys::fuzz_target;
 use tollgate_server::cli::Cli;
 use tollgate_server::domain::{Algorithm, BucketSpec};
@@ -49,9 +49,18 @@ fuzz_target!(|data: &[u8]| {
             .filter(|a| !data.is_empty() || !a.is_empty())
             .map(|a| OsString::from_vec(a.to_vec())),
     );
-    let Ok(cli) = Cli::try_parse_from(args) else {
+    // The command is built (and checked by clap's debug assertions) once; parsing a clone of it
+    // is what `Cli::try_parse_from` does, without building it again for every input.
+    static COMMAND: OnceLock<clap::Command> = OnceLock::new();
+    let command = COMMAND.get_or_init(|| {
+        let mut c = Cli::command();
+        c.build();
+        c
+    });
+    let Ok(matches) = command.clone().try_get_matches_from(args) else {
         return;
     };
+    let cli = Cli::from_arg_matches(&matches).expect("matches of its own command");
     let shown = format!("{cli:?}");
 
     if let Some(token) = &cli.token {
