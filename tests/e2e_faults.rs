@@ -50,7 +50,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// One test at a time: each runs five processes per Envoy-fleet and measures milliseconds.
+/// One test at a time: each starts a fleet of four Envoys and measures milliseconds.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
