@@ -174,10 +174,10 @@ impl Load {
     }
 
     /// Stops the clients and returns what they saw.
-    pub fn finish(self) -> Seen {
+    pub fn finish(mut self) -> Seen {
         self.stop.store(true, Ordering::SeqCst);
         let mut recs = Vec::new();
-        for h in self.clients {
+        for h in std::mem::take(&mut self.clients) {
             recs.extend(h.join().expect("client thread"));
         }
         Seen {
@@ -186,6 +186,13 @@ impl Load {
             started: self.started,
             elapsed: self.started.elapsed(),
         }
+    }
+}
+
+/// A test that fails half-way stops its clients too.
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
 }
 
@@ -345,12 +352,18 @@ impl Sampler {
     }
 
     /// Stops sampling; the samples of each Envoy, in time order.
-    pub fn finish(self) -> Vec<Vec<Sample>> {
+    pub fn finish(mut self) -> Vec<Vec<Sample>> {
         self.stop.store(true, Ordering::SeqCst);
-        self.threads
+        std::mem::take(&mut self.threads)
             .into_iter()
             .map(|h| h.join().unwrap_or_default())
             .collect()
+    }
+}
+
+impl Drop for Sampler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
     }
 }
 
