@@ -161,6 +161,104 @@ pub struct Rule {
     pub algorithm: Algorithm,
     /// Lease mode (`None`: one callout per request).
     pub lease: Option<Lease>,
+    /// Limits for particular key values, tried in order before the tiers (first match wins).
+    pub overrides: Vec<Override>,
+    /// Limits by a tier name that a trusted filter in front wrote into a request header.
+    pub tiers: Option<Tiers>,
+}
+
+/// Most `overrides` per rule, and most tiers.
+pub const MAX_OVERRIDES: usize = 64;
+
+/// The limit of one bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// Not limited: the rule takes no bucket for such a request.
+    Unlimited,
+    /// These limits instead of the rule's own.
+    Tokens {
+        /// Burst size.
+        capacity: u64,
+        /// Tokens per period.
+        rate: u64,
+        /// Period length.
+        period_ms: u64,
+    },
+}
+
+/// A limit for the key values that match a condition on one of the rule's key parts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Override {
+    /// Index of the key part (in `Rule::key`) the condition reads.
+    pub part: usize,
+    /// What the part's value must be.
+    pub when: ValueMatch,
+    /// The limit then.
+    pub limit: Limit,
+}
+
+/// A condition on a key part's value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ValueMatch {
+    /// The value equals this, byte for byte.
+    Equals(String),
+    /// The value starts with this.
+    Prefix(String),
+    /// The value is an address in this network (`client_ip` parts only).
+    Cidr(Cidr),
+}
+
+/// An IPv4 or IPv6 network: an address and a prefix length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    /// The network address.
+    pub addr: std::net::IpAddr,
+    /// Leading bits that must equal `addr`'s.
+    pub bits: u8,
+}
+
+impl Cidr {
+    /// Parses `10.0.0.0/8`, `2001:db8::/32` (or a bare address: all bits).
+    pub fn parse(s: &str) -> Option<Cidr> {
+        let (a, b) = match s.split_once('/') {
+            Some((a, b)) => (a, Some(b)),
+            None => (s, None),
+        };
+        let addr: std::net::IpAddr = a.trim().parse().ok()?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let bits = match b {
+            None => max,
+            Some(b) => b.trim().parse::<u8>().ok().filter(|&n| n <= max)?,
+        };
+        Some(Cidr { addr, bits })
+    }
+
+    /// Whether `ip` is in this network (an IPv4 address never is in an IPv6 network, nor back).
+    pub fn contains(&self, ip: &std::net::IpAddr) -> bool {
+        use std::net::IpAddr::{V4, V6};
+        let (a, b, width) = match (self.addr, ip) {
+            (V4(a), V4(b)) => (u128::from(u32::from(a)), u128::from(u32::from(*b)), 32u32),
+            (V6(a), V6(b)) => (u128::from(a), u128::from(*b), 128u32),
+            _ => return false,
+        };
+        let bits = u32::from(self.bits);
+        if bits == 0 {
+            return true;
+        }
+        let shift = width - bits;
+        a.checked_shr(shift) == b.checked_shr(shift)
+    }
+}
+
+/// Limits by tier: the tier's name comes from a request header set by a trusted filter (an
+/// authentication filter in front of this one), and only names listed here have a limit: a client
+/// can at most choose among the configured limits, never send a number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tiers {
+    /// Lower-case name of the header holding the tier's name.
+    pub header: String,
+    /// Tier name → limit. A missing header or an unknown name gets the rule's own limit.
+    pub limits: Vec<(String, Limit)>,
 }
 
 /// Lease mode of a rule: the proxy asks the service for up to `size` tokens at once and admits
@@ -578,6 +676,8 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
             "cost",
             "algorithm",
             "lease",
+            "overrides",
+            "tiers",
         ],
     )?;
     let name = match r.required("name")? {
@@ -655,6 +755,27 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
             })
         }
     };
+    let mut overrides = Vec::new();
+    let raw = r.array("overrides")?.map(Vec::as_slice).unwrap_or(&[]);
+    if raw.len() > MAX_OVERRIDES {
+        return err(
+            r.path("overrides"),
+            format!("must hold at most {MAX_OVERRIDES} entries"),
+        );
+    }
+    for (k, o) in raw.iter().enumerate() {
+        overrides.push(read_override(
+            &format!("{}[{k}]", r.path("overrides")),
+            o,
+            raw_key,
+            &key,
+            period_ms,
+        )?);
+    }
+    let tiers = match r.get("tiers") {
+        None => None,
+        Some(v) => Some(read_tiers(&r.path("tiers"), v, period_ms)?),
+    };
     Ok(Rule {
         name,
         matcher,
@@ -666,7 +787,124 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
         cost,
         algorithm,
         lease,
+        overrides,
+        tiers,
     })
+}
+
+/// The limit fields of an override or a tier: `unlimited: true`, or `capacity` (with `rate`
+/// defaulting to it and `period_ms` to the rule's).
+fn read_limit(o: &Obj<'_>, rule_period_ms: u64) -> Result<Limit, ConfigError> {
+    if o.boolean("unlimited")? {
+        for f in ["capacity", "rate", "period_ms"] {
+            if o.get(f).is_some() {
+                return err(o.path(f), "unlimited takes no limits");
+            }
+        }
+        return Ok(Limit::Unlimited);
+    }
+    let capacity = o.int("capacity", None, 1, MAX_TOKENS)?;
+    Ok(Limit::Tokens {
+        capacity,
+        rate: o.int("rate", Some(capacity), 1, MAX_TOKENS)?,
+        period_ms: o.int("period_ms", Some(rule_period_ms), 1, MAX_PERIOD_MS)?,
+    })
+}
+
+fn read_override(
+    at: &str,
+    v: &Value,
+    raw_key: &[Value],
+    key: &[KeyPart],
+    rule_period_ms: u64,
+) -> Result<Override, ConfigError> {
+    let o = Obj::new(
+        v,
+        at,
+        &[
+            "key_part",
+            "value",
+            "prefix",
+            "cidr",
+            "unlimited",
+            "capacity",
+            "rate",
+            "period_ms",
+        ],
+    )?;
+    // Which key part: named as in `key`, or the rule's only part that is not a literal.
+    let variable: Vec<usize> = key
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| !matches!(p, KeyPart::Literal(_)))
+        .map(|(i, _)| i)
+        .collect();
+    let part = match o.string("key_part")? {
+        Some(name) => match raw_key
+            .iter()
+            .position(|p| p.as_str() == Some(name.as_str()))
+        {
+            Some(i) => i,
+            None => return err(o.path("key_part"), "must be one of the rule's `key` parts"),
+        },
+        None => match variable.as_slice() {
+            [i] => *i,
+            _ => {
+                return err(
+                    o.path("key_part"),
+                    "missing: the rule's key has more or fewer than one non-literal part",
+                )
+            }
+        },
+    };
+    let when = match (o.string("value")?, o.string("prefix")?, o.string("cidr")?) {
+        (Some(v), None, None) => ValueMatch::Equals(v),
+        (None, Some(p), None) => ValueMatch::Prefix(p),
+        (None, None, Some(c)) => {
+            if key.get(part) != Some(&KeyPart::ClientIp) {
+                return err(o.path("cidr"), "only for a client_ip key part");
+            }
+            match Cidr::parse(&c) {
+                Some(c) => ValueMatch::Cidr(c),
+                None => {
+                    return err(
+                        o.path("cidr"),
+                        "must be an address with a prefix length, e.g. 10.0.0.0/8",
+                    )
+                }
+            }
+        }
+        _ => return err(at, "needs exactly one of `value`, `prefix` or `cidr`"),
+    };
+    Ok(Override {
+        part,
+        when,
+        limit: read_limit(&o, rule_period_ms)?,
+    })
+}
+
+fn read_tiers(at: &str, v: &Value, rule_period_ms: u64) -> Result<Tiers, ConfigError> {
+    let t = Obj::new(v, at, &["header", "limits"])?;
+    let header = header_name(&t.path("header"), &t.string("header")?.unwrap_or_default())?;
+    let Value::Object(map) = t.required("limits")? else {
+        return err(t.path("limits"), "must be an object of tier name → limit");
+    };
+    if map.is_empty() || map.len() > MAX_OVERRIDES {
+        return err(
+            t.path("limits"),
+            format!("must hold 1..={MAX_OVERRIDES} tiers"),
+        );
+    }
+    let mut limits = Vec::with_capacity(map.len());
+    for (name, lv) in map {
+        let lat = format!("{}.{name}", t.path("limits"));
+        if name.is_empty() || name.len() > MAX_NAME_LEN {
+            return err(lat, format!("tier names are 1..={MAX_NAME_LEN} bytes"));
+        }
+        let o = Obj::new(lv, &lat, &["unlimited", "capacity", "rate", "period_ms"])?;
+        limits.push((name.clone(), read_limit(&o, rule_period_ms)?));
+    }
+    Ok(Tiers { header, limits })
 }
 
 fn read_match(at: &str, v: &Value) -> Result<Match, ConfigError> {

@@ -10,12 +10,14 @@
 //!    as is, or the failure mode (`fallback` / `allow` / `deny`) for a failure (the breaker's
 //!    refusal included), then shadow mode on top.
 
-use crate::core::config::{Config, FailureMode, Rule};
+use crate::core::config::{Config, FailureMode, Limit, Rule};
 use crate::core::fallback;
 use crate::core::headers::{rate_limit_headers, retry_after};
+use crate::core::rules::limits::limit_for;
 use crate::core::rules::{keys, matches, Request};
 use crate::core::store::CasStore;
 use crate::core::wire::{self, Bucket, BucketResult, TakeRequest, TakeResponse};
+use std::borrow::Cow;
 
 /// The buckets one request takes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,11 +84,20 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
         let Some(key) = keys::build_key(rule, req, cfg.trusted_hops) else {
             continue;
         };
+        let (capacity, rate, period_ms) = match limit_for(rule, req, cfg.trusted_hops) {
+            // An allow-listed key: this rule takes no bucket for the request.
+            Limit::Unlimited => continue,
+            Limit::Tokens {
+                capacity,
+                rate,
+                period_ms,
+            } => (capacity, rate, period_ms),
+        };
         plan.request.buckets.push(Bucket {
             key,
-            capacity: rule.capacity,
-            rate: Some(rule.rate),
-            period_ms: rule.period_ms,
+            capacity,
+            rate: Some(rate),
+            period_ms,
             cost: Some(keys::cost(rule, req)),
             algorithm: Some(rule.algorithm),
             // Set by the lease pools when this request is the one that refills (core::lease).
@@ -337,20 +348,29 @@ pub struct Verdict {
 }
 
 /// The rule and result of each bucket, for headers.
-fn items<'a>(
-    cfg: &'a Config,
-    plan: &Plan,
-    resp: &'a TakeResponse,
-) -> Vec<(&'a Rule, &'a BucketResult)> {
+/// The rule of each bucket of `plan`, with the limits that bucket was asked with (an override or a
+/// tier may have replaced the rule's own), for the headers.
+fn effective<'a>(cfg: &'a Config, plan: &Plan) -> Vec<Cow<'a, Rule>> {
     plan.rules
         .iter()
-        .zip(&resp.buckets)
-        .filter_map(|(&i, r)| cfg.rules.get(i).map(|rule| (rule, r)))
+        .zip(&plan.request.buckets)
+        .filter_map(|(&i, b)| {
+            let rule = cfg.rules.get(i)?;
+            let rate = b.rate.unwrap_or(b.capacity);
+            if (b.capacity, rate, b.period_ms) == (rule.capacity, rule.rate, rule.period_ms) {
+                return Some(Cow::Borrowed(rule));
+            }
+            let mut r = rule.clone();
+            (r.capacity, r.rate, r.period_ms) = (b.capacity, rate, b.period_ms);
+            Some(Cow::Owned(r))
+        })
         .collect()
 }
 
 fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -> Verdict {
-    let its = items(cfg, plan, resp);
+    let rules = effective(cfg, plan);
+    let its: Vec<(&Rule, &BucketResult)> =
+        rules.iter().map(AsRef::as_ref).zip(&resp.buckets).collect();
     if resp.allowed {
         let headers = if cfg.response.on_allowed {
             rate_limit_headers(&cfg.response.headers, &its)

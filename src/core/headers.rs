@@ -113,6 +113,8 @@ mod tests {
             cost: Cost::Fixed(1),
             algorithm,
             lease: None,
+            overrides: Vec::new(),
+            tiers: None,
         }
     }
 

@@ -73,21 +73,25 @@ fn parse_addr(raw: &[u8]) -> Option<String> {
     s.parse::<SocketAddr>().ok().map(|a| a.ip().to_string())
 }
 
+/// The raw value of one key part for `req` (`None` when absent).
+pub fn part_value(part: &KeyPart, req: &Request, trusted_hops: u32) -> Option<Vec<u8>> {
+    match part {
+        KeyPart::Literal(s) => Some(s.as_bytes().to_vec()),
+        KeyPart::Header(h) => req.header(h).map(<[u8]>::to_vec),
+        KeyPart::ClientIp => client_ip(req, trusted_hops).map(String::into_bytes),
+        KeyPart::Path => Some(req.path().to_vec()),
+        KeyPart::Method => Some(req.method().to_vec()),
+        KeyPart::Authority => req.authority().map(<[u8]>::to_vec),
+    }
+}
+
 /// The key of `rule` for `req`, or `None` when a part is absent and the rule says `skip`.
 pub fn build_key(rule: &Rule, req: &Request, trusted_hops: u32) -> Option<String> {
     let mut key = String::with_capacity(64);
     key.push_str(&rule.name);
     for part in &rule.key {
         key.push('|');
-        let value: Option<Vec<u8>> = match part {
-            KeyPart::Literal(s) => Some(s.as_bytes().to_vec()),
-            KeyPart::Header(h) => req.header(h).map(<[u8]>::to_vec),
-            KeyPart::ClientIp => client_ip(req, trusted_hops).map(String::into_bytes),
-            KeyPart::Path => Some(req.path().to_vec()),
-            KeyPart::Method => Some(req.method().to_vec()),
-            KeyPart::Authority => req.authority().map(<[u8]>::to_vec),
-        };
-        match value {
+        match part_value(part, req, trusted_hops) {
             Some(v) => push_part(&mut key, &v),
             None => match rule.on_missing {
                 OnMissing::Skip => return None,
@@ -142,6 +146,8 @@ mod tests {
             cost: Cost::Fixed(1),
             algorithm: Algorithm::TokenBucket,
             lease: None,
+            overrides: Vec::new(),
+            tiers: None,
         }
     }
 

@@ -2,6 +2,7 @@
 //! Key building lives in [`keys`].
 
 pub mod keys;
+pub mod limits;
 
 use crate::core::config::{HeaderMatch, Match, PathMatch};
 

@@ -1,0 +1,107 @@
+//! Limits that depend on who asks, end to end through real Envoy, the service and Redis: per-key
+//! overrides (exact values, prefixes, client networks), allow-lists (`unlimited`), and tiers named
+//! by a trusted header. Both transports.
+// A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
+#![allow(
+    clippy::panic,
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use common::config::{plugin, SLOW_PERIOD_MS};
+use common::loopback::get_from;
+use common::*;
+use serde_json::json;
+use std::net::Ipv4Addr;
+
+both_transports!(
+    overrides_and_tiers_choose_the_limit,
+    client_networks_choose_the_limit
+);
+
+/// Admitted of `n` requests with these headers.
+fn admitted(s: &Stack, headers: &[(&str, &str)], n: usize) -> usize {
+    count(&s.client.statuses(&s.url("/"), headers, n), 200)
+}
+
+fn overrides_and_tiers_choose_the_limit(t: Transport) {
+    let rule = json!({
+        "name": "per-key", "key": ["header:x-api-key"], "capacity": 2, "rate": 1,
+        "period_ms": SLOW_PERIOD_MS,
+        "overrides": [
+            {"value": "partner", "capacity": 5, "rate": 1},
+            {"prefix": "internal-", "unlimited": true}
+        ],
+        "tiers": {"header": "x-tier", "limits": {"gold": {"capacity": 4, "rate": 1}}}
+    });
+    let s = Stack::start(
+        "overrides",
+        &plugin(
+            t,
+            vec![rule],
+            json!({"response": {"headers": ["x-ratelimit"]}}),
+        ),
+    );
+    assert_eq!(
+        admitted(&s, &[("x-api-key", "someone")], 6),
+        2,
+        "the rule's own"
+    );
+    assert_eq!(
+        admitted(&s, &[("x-api-key", "partner")], 8),
+        5,
+        "an exact value"
+    );
+    let r = s.get("/", &[("x-api-key", "partner")]);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("5"), "{r:?}");
+    assert_eq!(
+        admitted(&s, &[("x-api-key", "internal-batch")], 20),
+        20,
+        "allow-listed by prefix"
+    );
+    assert_eq!(
+        admitted(&s, &[("x-api-key", "g"), ("x-tier", "gold")], 6),
+        4,
+        "a configured tier"
+    );
+    assert_eq!(
+        admitted(&s, &[("x-api-key", "h"), ("x-tier", "1000000")], 6),
+        2,
+        "a tier name that is not configured (or a number) gets the rule's own"
+    );
+    let stats = s.envoy.tg_all();
+    // The allow-listed requests made no callout and took no bucket.
+    assert_eq!(
+        stats.get("allowed").copied().unwrap_or(0) + stats.get("limited").copied().unwrap_or(0),
+        6 + 8 + 1 + 6 + 6,
+        "{stats:?}"
+    );
+}
+
+/// Clients told apart by their source address on loopback (127.0.0.2, 127.0.0.3, 127.0.0.4):
+/// one network allow-listed, one with a higher limit, the rest the rule's own.
+fn client_networks_choose_the_limit(t: Transport) {
+    let rule = json!({
+        "name": "per-ip", "key": ["client_ip"], "capacity": 2, "rate": 1,
+        "period_ms": SLOW_PERIOD_MS,
+        "overrides": [
+            {"cidr": "127.0.0.2/32", "unlimited": true},
+            {"cidr": "127.0.0.3/32", "capacity": 4, "rate": 1}
+        ]
+    });
+    let s = Stack::start("cidr", &plugin(t, vec![rule], json!({})));
+    let from = |last: u8, n: usize| {
+        (0..n)
+            .filter(|_| {
+                get_from(Ipv4Addr::new(127, 0, 0, last), s.envoy.port, "/", &[]) == Some(200)
+            })
+            .count()
+    };
+    assert_eq!(from(2, 10), 10, "allow-listed network");
+    assert_eq!(from(3, 6), 4, "its own limit");
+    assert_eq!(from(4, 6), 2, "the rule's own");
+}
