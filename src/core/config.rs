@@ -1201,10 +1201,17 @@ mod tests {
 
     #[test]
     fn the_docs_example_parses() {
-        let doc = include_str!("../../docs/filter-config.md");
-        let start = doc.find("```json").map(|i| i + 7).unwrap();
-        let end = start + doc[start..].find("```").unwrap();
-        parse(&doc[start..end]).unwrap();
+        for doc in [
+            include_str!("../../docs/filter-config.md"),
+            include_str!("../../README.md"),
+        ] {
+            let start = doc
+                .find("```json\n{\n  \"service\"")
+                .map(|i| i + 7)
+                .unwrap();
+            let end = start + doc[start..].find("```").unwrap();
+            parse(&doc[start..end]).unwrap();
+        }
     }
 
     #[test]
