@@ -390,6 +390,7 @@ def run_mode(procs: Procs, envoy_bin: str, upstream: Upstream, mode: str, filter
             midway()
 
         timer = threading.Timer(DURATION_S / 2, at_midway)
+        timer.daemon = True  # an interrupted demo does not wait for it
         timer.start()
     statuses, elapsed = drive(front_port, DURATION_S, REQ_PER_S)
     if timer is not None:
@@ -552,8 +553,12 @@ def main() -> int:
                 decided += f" (failed callouts: {failures})"
         if r.get("midway_at") is not None:
             before = sum(1 for t, _ in r["hits"] if t < r["midway_at"])
+            # How far the line gets above the limit line at its highest (the k-th admission at time t
+            # against 100 + refill(t)); at most 0 means on or under it throughout.
+            times = sorted(t for t, _ in r["hits"])
+            excess = max((k + 1 - (CAPACITY + RATE * t / PERIOD_S) for k, t in enumerate(times)), default=0.0)
             decided += (f"; admitted before the stop at {r['midway_at']:.1f} s {before}, "
-                        f"after it {len(r['hits']) - before}")
+                        f"after it {len(r['hits']) - before}; highest above the limit line {excess:+.2f}")
         print(f"  {r['mode']:>8}: per Envoy {split}{decided}")
     print(f"  {chart(results, labels, RUN / 'demo.png')}")
     print(f"demo: done in {time.monotonic() - started:.0f} s; logs in {RUN.relative_to(ROOT)}/")
