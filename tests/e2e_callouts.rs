@@ -85,19 +85,20 @@ fn heap(e: &Envoy) -> u64 {
         .unwrap_or(0)
 }
 
-/// Envoy's live heap once it stopped moving: a closed connection's memory is freed over the next
-/// event-loop passes.
+/// Envoy's live heap once it stopped moving for 2 s: a closed connection's memory is given back
+/// over the seconds after it closed.
 fn quiet_heap(e: &Envoy) -> u64 {
-    let mut prev = heap(e);
-    for _ in 0..30 {
+    let mut last: Vec<u64> = vec![heap(e)];
+    for _ in 0..40 {
         thread::sleep(Duration::from_millis(500));
-        let now = heap(e);
-        if now.abs_diff(prev) < 256 * 1024 {
-            return now;
+        last.push(heap(e));
+        let window = &last[last.len().saturating_sub(5)..];
+        let (lo, hi) = (window.iter().min(), window.iter().max());
+        if window.len() == 5 && hi.zip(lo).is_some_and(|(h, l)| h - l < 256 * 1024) {
+            break;
         }
-        prev = now;
     }
-    prev
+    last.last().copied().unwrap_or(0)
 }
 
 /// Sends requests whose clients leave mid-callout until `n` callouts were dispatched: batch by
