@@ -19,7 +19,8 @@ use std::net::Ipv4Addr;
 
 both_transports!(
     overrides_and_tiers_choose_the_limit,
-    client_networks_choose_the_limit
+    client_networks_choose_the_limit,
+    rules_match_client_networks_and_negations,
 );
 
 /// Admitted of `n` requests with these headers.
@@ -104,4 +105,35 @@ fn client_networks_choose_the_limit(t: Transport) {
     assert_eq!(from(2, 10), 10, "allow-listed network");
     assert_eq!(from(3, 6), 4, "its own limit");
     assert_eq!(from(4, 6), 2, "the rule's own");
+}
+
+/// A rule that applies to one network (127.0.0.0/24 here) except where a header says the request is
+/// internal: clients elsewhere, and internal requests, are not limited by it.
+fn rules_match_client_networks_and_negations(t: Transport) {
+    let rule = json!({
+        "name": "lan", "key": ["client_ip"], "capacity": 2, "rate": 1, "period_ms": SLOW_PERIOD_MS,
+        "match": {"client_ip": ["127.0.0.0/24"],
+                  "not": {"headers": [{"name": "x-internal", "equals": "yes"}]}}
+    });
+    let s = Stack::start("match-ip", &plugin(t, vec![rule], json!({})));
+    let from = |ip: Ipv4Addr, headers: &[(&str, &str)], n: usize| {
+        (0..n)
+            .filter(|_| get_from(ip, s.envoy.port, "/", headers) == Some(200))
+            .count()
+    };
+    assert_eq!(
+        from(Ipv4Addr::new(127, 0, 0, 5), &[], 5),
+        2,
+        "in the network"
+    );
+    assert_eq!(
+        from(Ipv4Addr::new(127, 0, 1, 5), &[], 5),
+        5,
+        "outside it: the rule does not apply"
+    );
+    assert_eq!(
+        from(Ipv4Addr::new(127, 0, 0, 6), &[("x-internal", "yes")], 5),
+        5,
+        "negated"
+    );
 }

@@ -283,6 +283,17 @@ pub struct Match {
     pub methods: Vec<String>,
     /// Header conditions.
     pub headers: Vec<HeaderMatch>,
+    /// The client address is in one of these networks (empty: any).
+    pub client_ip: Vec<Cidr>,
+    /// Conditions that must not all hold (a `not` holds no `not` of its own).
+    pub not: Option<Box<Match>>,
+}
+
+impl Match {
+    /// Whether any condition here (or under `not`) reads the client address.
+    pub fn reads_client_ip(&self) -> bool {
+        !self.client_ip.is_empty() || self.not.as_ref().is_some_and(|n| n.reads_client_ip())
+    }
 }
 
 /// A path condition.
@@ -574,8 +585,10 @@ impl Config {
             "response",
             &["status", "body", "content_type", "headers", "on_allowed"],
         )?)?;
-        let needs_peer_address =
-            trusted_hops == 0 && rules.iter().any(|r| r.key.contains(&KeyPart::ClientIp));
+        let needs_peer_address = trusted_hops == 0
+            && rules
+                .iter()
+                .any(|r| r.key.contains(&KeyPart::ClientIp) || r.matcher.reads_client_ip());
         Ok(Config {
             service,
             trusted_hops,
@@ -697,7 +710,7 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
     }
     let matcher = match r.get("match") {
         None => Match::default(),
-        Some(m) => read_match(&r.path("match"), m)?,
+        Some(m) => read_match(&r.path("match"), m, true)?,
     };
     let raw_key = r.array("key")?.map(Vec::as_slice).unwrap_or(&[]);
     if raw_key.len() > MAX_KEY_PARTS {
@@ -907,8 +920,26 @@ fn read_tiers(at: &str, v: &Value, rule_period_ms: u64) -> Result<Tiers, ConfigE
     Ok(Tiers { header, limits })
 }
 
-fn read_match(at: &str, v: &Value) -> Result<Match, ConfigError> {
-    let m = Obj::new(v, at, &["path_exact", "path_prefix", "methods", "headers"])?;
+fn read_match(at: &str, v: &Value, outer: bool) -> Result<Match, ConfigError> {
+    let known: &[&str] = if outer {
+        &[
+            "path_exact",
+            "path_prefix",
+            "methods",
+            "headers",
+            "client_ip",
+            "not",
+        ]
+    } else {
+        &[
+            "path_exact",
+            "path_prefix",
+            "methods",
+            "headers",
+            "client_ip",
+        ]
+    };
+    let m = Obj::new(v, at, known)?;
     let path = match (m.string("path_exact")?, m.string("path_prefix")?) {
         (Some(_), Some(_)) => {
             return err(
@@ -971,10 +1002,42 @@ fn read_match(at: &str, v: &Value) -> Result<Match, ConfigError> {
             _ => return err(hat, "needs exactly one of `present` or `equals`"),
         });
     }
+    let mut client_ip = Vec::new();
+    if let Some(nets) = m.array("client_ip")? {
+        if nets.is_empty() || nets.len() > MAX_OVERRIDES {
+            return err(
+                m.path("client_ip"),
+                format!("must hold 1..={MAX_OVERRIDES} networks"),
+            );
+        }
+        for (k, n) in nets.iter().enumerate() {
+            match n.as_str().and_then(Cidr::parse) {
+                Some(c) => client_ip.push(c),
+                None => {
+                    return err(
+                        format!("{}[{k}]", m.path("client_ip")),
+                        "must be an address with a prefix length, e.g. 10.0.0.0/8",
+                    )
+                }
+            }
+        }
+    }
+    let not = match m.get("not") {
+        None => None,
+        Some(n) => {
+            let inner = read_match(&m.path("not"), n, false)?;
+            if inner == Match::default() {
+                return err(m.path("not"), "must hold at least one condition");
+            }
+            Some(Box::new(inner))
+        }
+    };
     Ok(Match {
         path,
         methods,
         headers,
+        client_ip,
+        not,
     })
 }
 

@@ -78,7 +78,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
         debt: Vec::new(),
     };
     for (i, rule) in cfg.rules.iter().enumerate() {
-        if !matches(&rule.matcher, req) {
+        if !matches(&rule.matcher, req, cfg.trusted_hops) {
             continue;
         }
         let Some(key) = keys::build_key(rule, req, cfg.trusted_hops) else {

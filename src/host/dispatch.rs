@@ -623,7 +623,12 @@ fn match_headers(cfg: &Config) -> Option<Vec<String>> {
     };
     for r in &cfg.rules {
         let m = &r.matcher;
-        if m.path.is_none() && m.methods.is_empty() && m.headers.is_empty() {
+        // A rule for every request, or one whose conditions read the client address or negate
+        // (a partial view of the request could not tell): read the request whole.
+        if (m.path.is_none() && m.methods.is_empty() && m.headers.is_empty())
+            || m.reads_client_ip()
+            || m.not.is_some()
+        {
             return None;
         }
         if m.path.is_some() {
@@ -657,7 +662,7 @@ fn may_match(abi: &impl Abi, plugin: &Plugin) -> bool {
         .config
         .rules
         .iter()
-        .any(|r| matches(&r.matcher, &req))
+        .any(|r| matches(&r.matcher, &req, plugin.config.trusted_hops))
 }
 
 /// What the core reads of a request: every header, and the peer address when a rule needs it.

@@ -5,6 +5,7 @@ pub mod keys;
 pub mod limits;
 
 use crate::core::config::{HeaderMatch, Match, PathMatch};
+use std::net::IpAddr;
 
 /// What the core sees of a request: its headers as bytes (pseudo-headers `:method`, `:path`,
 /// `:authority` included) and, when some rule needs it, the peer address.
@@ -57,8 +58,21 @@ impl Request {
     }
 }
 
-/// Whether every condition of `m` holds for `req`.
-pub fn matches(m: &Match, req: &Request) -> bool {
+/// Whether every condition of `m` holds for `req` (`trusted_hops` says where the client address
+/// comes from, as for `client_ip` key parts).
+pub fn matches(m: &Match, req: &Request, trusted_hops: u32) -> bool {
+    if !m.client_ip.is_empty() {
+        let ip = keys::client_ip(req, trusted_hops).and_then(|s| s.parse::<IpAddr>().ok());
+        match ip {
+            Some(ip) if m.client_ip.iter().any(|c| c.contains(&ip)) => {}
+            _ => return false,
+        }
+    }
+    if let Some(not) = &m.not {
+        if matches(not, req, trusted_hops) {
+            return false;
+        }
+    }
     if let Some(pm) = &m.path {
         let path = req.path();
         let ok = match pm {
@@ -103,9 +117,71 @@ mod tests {
             path: Some(PathMatch::Exact("/login".into())),
             ..Match::default()
         };
-        assert!(matches(&m, &r));
+        assert!(matches(&m, &r, 0));
         let r2 = req(&[(":path", b"/login/x")]);
-        assert!(!matches(&m, &r2));
+        assert!(!matches(&m, &r2, 0));
+    }
+
+    #[test]
+    fn client_networks_and_negation() {
+        let c = crate::core::config::Config::parse(
+            br#"{"service":{"cluster":"c"},"rules":[{"name":"r","capacity":1,"period_ms":1,
+                "match":{"path_prefix":"/api","client_ip":["10.0.0.0/8","2001:db8::/32"],
+                         "not":{"headers":[{"name":"x-internal","present":true}],
+                                "client_ip":["10.9.0.0/16"]}}}]}"#,
+        )
+        .unwrap();
+        assert!(
+            c.needs_peer_address,
+            "a match that reads the client address"
+        );
+        let m = &c.rules[0].matcher;
+        let at = |peer: &str, internal: bool| {
+            let mut r = req(&[(":path", b"/api/x")]);
+            if internal {
+                r.headers.push(("x-internal".into(), b"1".to_vec()));
+            }
+            r.peer = Some(peer.into());
+            matches(m, &r, 0)
+        };
+        assert!(at("10.1.2.3:1", false));
+        assert!(
+            at("[2001:db8::1]:1", true),
+            "the `not` needs all of its conditions"
+        );
+        assert!(!at("11.1.2.3:1", false), "outside the networks");
+        assert!(at("10.9.2.3:1", false));
+        assert!(
+            !at("10.9.2.3:1", true),
+            "inside the negated network, with the header"
+        );
+        let mut r = req(&[(":path", b"/api/x")]);
+        r.peer = None;
+        assert!(
+            !matches(m, &r, 0),
+            "no address: a client_ip condition fails"
+        );
+        for (cfg, field) in [
+            (r#"{"client_ip":[]}"#, "rules[0].match.client_ip"),
+            (
+                r#"{"client_ip":["10.0.0.0/40"]}"#,
+                "rules[0].match.client_ip[0]",
+            ),
+            (r#"{"not":{}}"#, "rules[0].match.not"),
+            (
+                r#"{"not":{"not":{"path_prefix":"/"}}}"#,
+                "rules[0].match.not.not",
+            ),
+        ] {
+            let e = crate::core::config::Config::parse(
+                format!(
+                    r#"{{"service":{{"cluster":"c"}},"rules":[{{"name":"r","capacity":1,"period_ms":1,"match":{cfg}}}]}}"#
+                )
+                .as_bytes(),
+            )
+            .unwrap_err();
+            assert_eq!(e.field, field, "{cfg}: {e}");
+        }
     }
 
     #[test]
@@ -118,6 +194,7 @@ mod tests {
                 HeaderMatch::Equals("x-plan".into(), "free".into()),
                 HeaderMatch::Present("x-internal".into(), false),
             ],
+            ..Match::default()
         };
         let good: Vec<(&str, &[u8])> = vec![
             (":path", b"/api/v1"),
@@ -125,7 +202,7 @@ mod tests {
             ("x-tenant", b"t1"),
             ("x-plan", b"free"),
         ];
-        assert!(matches(&m, &req(&good)));
+        assert!(matches(&m, &req(&good), 0));
         for (i, bad) in [
             (":path", &b"/apix"[..]),
             (":method", b"DELETE"),
@@ -137,18 +214,18 @@ mod tests {
             let mut h = good.clone();
             h.retain(|(n, _)| *n != bad.0);
             h.push(*bad);
-            assert!(!matches(&m, &req(&h)), "case {i}");
+            assert!(!matches(&m, &req(&h), 0), "case {i}");
         }
         let mut h = good.clone();
         h.push(("x-internal", b"1"));
-        assert!(!matches(&m, &req(&h)));
+        assert!(!matches(&m, &req(&h), 0));
         let mut h = good.clone();
         h.retain(|(n, _)| *n != "x-tenant");
-        assert!(!matches(&m, &req(&h)));
+        assert!(!matches(&m, &req(&h), 0));
     }
 
     #[test]
     fn empty_match_matches_everything() {
-        assert!(matches(&Match::default(), &req(&[])));
+        assert!(matches(&Match::default(), &req(&[]), 0));
     }
 }
