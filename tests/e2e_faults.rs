@@ -21,14 +21,15 @@
 //! - no 5xx (nor a missing answer) reaches a client;
 //! - the upstream saw at most `1.05 × (capacity + rate × elapsed) + N` requests, N the number of
 //!   Envoys, over the whole run (a window that contains the fault);
-//! - the fallback decided within 100 ms of the fault (the Envoys' `tollgate.fallback.*` counters,
-//!   sampled every few ms);
-//! - the service decided again within 1 s of the fault's end (`tollgate.allowed` + `tollgate.limited`).
+//! - every Envoy's fallback decided within 100 ms of the fault (the Envoys' `tollgate.fallback.*`
+//!   counters, sampled every few ms);
+//! - the service decided again for every Envoy within 1 s of the fault's end (`tollgate.allowed` +
+//!   `tollgate.limited`).
 //!
 //! Times are measured from the moment just before the action that applies or lifts a fault (so they
 //! include that action), except where a test says otherwise. Each test prints one table row for
-//! BENCHMARKS.md ("Bad days: the fault matrix"): time to fallback, time back, admitted vs bound, p99
-//! latency during the fault. The callout timeout is 50 ms, so a hang is noticed in time; the breaker
+//! BENCHMARKS.md ("Bad days: the fault matrix"): time to fallback and time back (first Envoy / every
+//! Envoy), admitted vs bound, p99 latency during the fault. The callout timeout is 50 ms, so a hang is noticed in time; the breaker
 //! opens after 3 failures and probes at most 400 ms apart.
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
@@ -42,7 +43,7 @@ mod common;
 
 use common::faults::delay::DelayProxy;
 use common::faults::fleet::{
-    first_growth_after, longest_stall, total_before, Fleet, Load, Marks, Sample, Sampler,
+    self, longest_stall, total_before, Fleet, Load, Marks, Sample, Sampler,
 };
 use common::faults::redis_ctl::{signal, wait_replica_in_sync, Cluster, RedisConn};
 use common::*;
@@ -183,8 +184,19 @@ fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fau
         1.05 * (CAPACITY as f64 + RATE as f64 * elapsed * 1000.0 / PERIOD_MS as f64) + N as f64;
     let fallback = |s: &Sample| s.fallback;
     let decided = |s: &Sample| s.decided;
-    let to_fallback = first_growth_after(&samples, t_fault, fallback).map(|t| t - t_fault);
-    let back = first_growth_after(&samples, t_end, decided).map(|t| t - t_end);
+    // Per Envoy, when its fallback first decided after the fault and its service decisions first
+    // came back after the end, each as a bracket [low, high] between two reads of its counters. The
+    // reads are slow when the machine is (an admin read once took 54 ms under a load average of 15),
+    // so `high` can be late; `low` is never early.
+    let fell_back = fleet::growth_brackets(&samples, t_fault, fallback);
+    let came_back = fleet::growth_brackets(&samples, t_end, decided);
+    let highs =
+        |b: &[Option<(Duration, Duration)>]| b.iter().flatten().map(|x| x.1).collect::<Vec<_>>();
+    let (fell_back_at, came_back_at) = (highs(&fell_back), highs(&came_back));
+    let to_fallback_first = fell_back_at.iter().min().copied();
+    let to_fallback_last = fell_back_at.iter().max().copied();
+    let back_first = came_back_at.iter().min().copied();
+    let back_last = came_back_at.iter().max().copied();
     let stall = longest_stall(&samples, t_fault, t_end, decided);
     let fallback_before = total_before(&samples, t_fault, fallback);
     let fallback_total: u64 = samples.iter().filter_map(|e| e.last().map(fallback)).sum();
@@ -199,6 +211,21 @@ fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fau
     // where the admissions went (the fault is in windows 3 to 6).
     let windows = seen.per_window(200, seen.started, Duration::from_millis(500));
     eprintln!("{name}: 200s per 500 ms from the start: {windows:?}");
+    let brackets = |b: &[Option<(Duration, Duration)>]| {
+        b.iter()
+            .map(|b| {
+                b.map(|(l, h)| format!("{}..{}", l.as_millis(), h.as_millis()))
+                    .unwrap_or_else(|| "–".to_string())
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    eprintln!(
+        "{name}: per Envoy, first fallback decision {} ms after the fault; first service decision {} \
+         ms after its end",
+        brackets(&fell_back),
+        brackets(&came_back),
+    );
     eprintln!(
         "{name}: {} requests ({} abandoned) in {elapsed:.2} s, statuses {statuses:?}; admitted {admitted} \
          (before the fault {before}, during {}, after {}), bound {bound:.1}; fault lasted {} ms; \
@@ -213,7 +240,10 @@ fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fau
     );
     // The row: for a fault the service does not see, "time back" is the longest gap in its decisions.
     let (to_fallback_cell, back_cell) = match expect {
-        Expect::Fallback => (ms(to_fallback), ms(back)),
+        Expect::Fallback => (
+            format!("{} / {}", ms(to_fallback_first), ms(to_fallback_last)),
+            format!("{} / {}", ms(back_first), ms(back_last)),
+        ),
         Expect::Global => (
             format!("none ({fallback_total} fallback decisions)"),
             format!("never gone (longest gap {} ms)", stall.as_millis()),
@@ -248,21 +278,28 @@ fn under_load(name: &str, fleet: &Fleet, expect: Expect, fault: impl FnOnce(&Fau
     }
     match expect {
         Expect::Fallback => {
-            match to_fallback {
-                Some(d) if d <= TO_FALLBACK_MAX => {}
-                other => broken.push(format!(
-                    "fallback decisions {} ms after the fault, wanted within {} ms",
-                    ms(other),
+            // The fleet fell back within 100 ms (the first Envoy's late end), and no Envoy provably
+            // later (every Envoy's early end: a slow read of its counters is not a slow fallback).
+            let late_fallback = fell_back
+                .iter()
+                .any(|b| b.is_none_or(|(low, _)| low > TO_FALLBACK_MAX));
+            if late_fallback || to_fallback_first.is_none_or(|d| d > TO_FALLBACK_MAX) {
+                broken.push(format!(
+                    "fallback decisions per Envoy {} ms after the fault, wanted within {} ms",
+                    brackets(&fell_back),
                     TO_FALLBACK_MAX.as_millis()
-                )),
+                ));
             }
-            match back {
-                Some(d) if d <= BACK_MAX => {}
-                other => broken.push(format!(
-                    "service decisions {} ms after the fault's end, wanted within {} ms",
-                    ms(other),
+            // Back for every Envoy within 1 s, judged by the late ends.
+            if came_back
+                .iter()
+                .any(|b| b.is_none_or(|(_, high)| high > BACK_MAX))
+            {
+                broken.push(format!(
+                    "service decisions per Envoy {} ms after the fault's end, wanted within {} ms",
+                    brackets(&came_back),
                     BACK_MAX.as_millis()
-                )),
+                ));
             }
         }
         Expect::Global => {

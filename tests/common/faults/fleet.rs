@@ -367,23 +367,26 @@ impl Drop for Sampler {
     }
 }
 
-/// The earliest moment, over all Envoys, at which a counter (`pick`) is seen to have grown in an
-/// interval that began at or after `t`: a sample read no earlier than `t` and a later one with a
-/// higher value. The moment is when the later sample's answer arrived (the growth happened before).
-pub fn first_growth_after(
+/// For each Envoy, the bracket `[low, high]` (durations since `t`) in which its counter (`pick`) first
+/// grew after `t`, judged from reads sent at or after `t`: `high` is when the answer of the first read
+/// showing a higher value arrived, `low` when the read before it was sent. `None` for an Envoy whose
+/// counter did not grow.
+pub fn growth_brackets(
     samples: &[Vec<Sample>],
     t: Instant,
     pick: impl Fn(&Sample) -> u64,
-) -> Option<Instant> {
+) -> Vec<Option<(Duration, Duration)>> {
     samples
         .iter()
-        .filter_map(|env| {
+        .map(|env| {
             let from = env.iter().position(|s| s.sent >= t)?;
             let tail = env.get(from..)?;
             let base = pick(tail.first()?);
-            tail.iter().find(|s| pick(s) > base).map(|s| s.at)
+            let i = tail.iter().position(|s| pick(s) > base)?;
+            let prev = tail.get(i.checked_sub(1)?)?;
+            Some((prev.sent - t, tail.get(i)?.at - t))
         })
-        .min()
+        .collect()
 }
 
 /// The fleet's total of a counter (`pick`) as last read before `t` (per Envoy, summed).
