@@ -294,6 +294,8 @@ pub struct Sample {
     pub decided: u64,
     /// Decisions the fallback made: `fallback.allowed + fallback.limited`.
     pub fallback: u64,
+    /// Failed callouts: the sum of `callout_failure.*`.
+    pub failed: u64,
 }
 
 /// A thread per Envoy reading its admin `/stats` (about 0.4 ms of Envoy CPU each) every `every`, or
@@ -328,6 +330,11 @@ impl Sampler {
                                 at: Instant::now(),
                                 decided: get("allowed") + get("limited"),
                                 fallback: get("fallback.allowed") + get("fallback.limited"),
+                                failed: s
+                                    .iter()
+                                    .filter(|(k, _)| k.starts_with("callout_failure."))
+                                    .map(|(_, v)| v)
+                                    .sum(),
                             });
                         }
                         let (until, fast) = hurry.lock().map(|h| *h).unwrap_or((sent, every));
