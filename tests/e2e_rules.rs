@@ -1,6 +1,7 @@
-//! Limits that depend on who asks, end to end through real Envoy, the service and Redis: per-key
-//! overrides (exact values, prefixes, client networks), allow-lists (`unlimited`), and tiers named
-//! by a trusted header. Both transports.
+//! Rules the way production runs them, end to end through real Envoy, the service and Redis: limits
+//! that depend on who asks (per-key overrides by exact value, prefix or client network;
+//! allow-lists; tiers named by a trusted header), conditions on client networks and negations, and
+//! per-rule shadow mode, denial and headers with per-rule counters. Both transports.
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
     clippy::panic,
@@ -21,6 +22,7 @@ both_transports!(
     overrides_and_tiers_choose_the_limit,
     client_networks_choose_the_limit,
     rules_match_client_networks_and_negations,
+    per_rule_shadow_denial_and_counters,
 );
 
 /// Admitted of `n` requests with these headers.
@@ -136,4 +138,48 @@ fn rules_match_client_networks_and_negations(t: Transport) {
         5,
         "negated"
     );
+}
+
+/// Two rules on every request: `strict` (2 per hour, its own 403 and body, x-ratelimit headers) and
+/// `trial` (1 per hour, shadow mode). The trial rule never denies; both are counted on their own.
+fn per_rule_shadow_denial_and_counters(t: Transport) {
+    let rules = vec![
+        json!({"name": "strict", "key": ["literal:a"], "capacity": 2, "rate": 1,
+               "period_ms": SLOW_PERIOD_MS,
+               "response": {"status": 403, "body": "strict says no\n", "headers": ["x-ratelimit"]}}),
+        json!({"name": "trial", "key": ["literal:b"], "capacity": 1, "rate": 1,
+               "period_ms": SLOW_PERIOD_MS, "shadow": true}),
+    ];
+    let s = Stack::start("per-rule", &plugin(t, rules, json!({"near_limit": 0.5})));
+    let replies: Vec<Reply> = (0..3).map(|_| s.get("/", &[])).collect();
+    let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
+    // 1st: both allow. 2nd: trial would deny (shadow): the service charged nothing (all or
+    // nothing), so the filter asks again for strict alone, which allows. 3rd: strict denies.
+    assert_eq!(statuses, vec![200, 200, 403], "{replies:?}");
+    assert_eq!(replies[2].body, "strict says no\n");
+    assert_eq!(
+        replies[2].header("x-ratelimit-limit"),
+        Some("2"),
+        "{:?}",
+        replies[2]
+    );
+    // strict asked for x-ratelimit only; trial has the global default (draft).
+    let policy = replies[2].header("ratelimit-policy").unwrap_or_default();
+    assert!(
+        !policy.contains("strict") && policy.contains("trial"),
+        "{policy}"
+    );
+    let st = s.envoy.tg_all();
+    let get = |k: &str| st.get(k).copied().unwrap_or(0);
+    assert_eq!(get("rule.strict.allowed"), 2, "{st:?}");
+    assert_eq!(get("rule.strict.limited"), 1, "{st:?}");
+    // strict at 1 of 2 left and at 0 of 2: both at or under half.
+    assert_eq!(get("rule.strict.near_limit"), 2, "{st:?}");
+    assert_eq!(get("rule.trial.allowed"), 1, "{st:?}");
+    // The 2nd request (and the 3rd, which strict denied anyway).
+    assert_eq!(get("rule.trial.shadow_limited"), 2, "{st:?}");
+    assert_eq!(get("rule.trial.limited"), 0, "{st:?}");
+    // The 2nd request was decided by strict alone, asked again: the service allowed it.
+    assert_eq!(get("allowed"), 2, "{st:?}");
+    assert_eq!(s.upstream.requests(), 2);
 }

@@ -119,6 +119,9 @@ pub struct Config {
     /// Whether some rule uses `client_ip` with `trusted_hops == 0` (then the adapter reads the
     /// peer address property, otherwise it does not pay for that host call).
     pub needs_peer_address: bool,
+    /// A bucket is near its limit when an allowed take leaves at most this share of it, in
+    /// thousandths (`tollgate.rule.<name>.near_limit`; from `near_limit`, the used fraction).
+    pub near_limit_left_permille: u64,
 }
 
 /// The decision service.
@@ -165,6 +168,10 @@ pub struct Rule {
     pub overrides: Vec<Override>,
     /// Limits by a tier name that a trusted filter in front wrote into a request header.
     pub tiers: Option<Tiers>,
+    /// Evaluate and count, never deny (the rule's own `shadow`, else the global one).
+    pub shadow: bool,
+    /// The denial and headers of this rule (its own `response` fields over the global ones).
+    pub response: Response,
 }
 
 /// Most `overrides` per rule, and most tiers.
@@ -527,6 +534,7 @@ impl Config {
                 "breaker",
                 "shadow",
                 "response",
+                "near_limit",
             ],
         )?;
         let service = read_service(&root)?;
@@ -541,9 +549,19 @@ impl Config {
                 format!("must hold between 1 and {MAX_RULES} rules"),
             );
         }
+        let shadow = root.boolean("shadow")?;
+        let empty = Value::Object(Map::new());
+        let response = read_response(
+            &Obj::new(
+                root.get("response").unwrap_or(&empty),
+                "response",
+                RESPONSE_FIELDS,
+            )?,
+            None,
+        )?;
         let mut rules: Vec<Rule> = Vec::with_capacity(raw_rules.len());
         for (i, r) in raw_rules.iter().enumerate() {
-            let rule = read_rule(&format!("rules[{i}]"), r)?;
+            let rule = read_rule(&format!("rules[{i}]"), r, shadow, &response)?;
             if rules.iter().any(|o| o.name == rule.name) {
                 return err(
                     format!("rules[{i}].name"),
@@ -561,7 +579,6 @@ impl Config {
             ],
             FailureMode::Fallback,
         )?;
-        let empty = Value::Object(Map::new());
         let fb = Obj::new(
             root.get("fallback").unwrap_or(&empty),
             "fallback",
@@ -579,12 +596,14 @@ impl Config {
         let failures = br.int("failures", Some(5), 0, 10_000)? as u32;
         let open_ms = br.int("open_ms", Some(250), 1, 3_600_000)?;
         let max_open_ms = br.int("max_open_ms", Some(open_ms.max(5_000)), open_ms, 3_600_000)?;
-        let shadow = root.boolean("shadow")?;
-        let response = read_response(&Obj::new(
-            root.get("response").unwrap_or(&empty),
-            "response",
-            &["status", "body", "content_type", "headers", "on_allowed"],
-        )?)?;
+
+        let near_limit_left_permille = match root.get("near_limit") {
+            None => 200,
+            Some(v) => match v.as_f64() {
+                Some(f) if (0.0..=1.0).contains(&f) => 1000 - (f * 1000.0).round() as u64,
+                _ => return err("near_limit", "must be a number between 0 and 1"),
+            },
+        };
         let needs_peer_address = trusted_hops == 0
             && rules
                 .iter()
@@ -603,6 +622,7 @@ impl Config {
             shadow,
             response,
             needs_peer_address,
+            near_limit_left_permille,
         })
     }
 }
@@ -674,7 +694,12 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
     })
 }
 
-fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
+fn read_rule(
+    at: &str,
+    v: &Value,
+    global_shadow: bool,
+    global_response: &Response,
+) -> Result<Rule, ConfigError> {
     let r = Obj::new(
         v,
         at,
@@ -691,6 +716,8 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
             "lease",
             "overrides",
             "tiers",
+            "shadow",
+            "response",
         ],
     )?;
     let name = match r.required("name")? {
@@ -789,6 +816,17 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
         None => None,
         Some(v) => Some(read_tiers(&r.path("tiers"), v, period_ms)?),
     };
+    let shadow = match r.get("shadow") {
+        None => global_shadow,
+        Some(_) => r.boolean("shadow")?,
+    };
+    let response = match r.get("response") {
+        None => global_response.clone(),
+        Some(v) => read_response(
+            &Obj::new(v, &r.path("response"), RESPONSE_FIELDS)?,
+            Some(global_response),
+        )?,
+    };
     Ok(Rule {
         name,
         matcher,
@@ -802,6 +840,8 @@ fn read_rule(at: &str, v: &Value) -> Result<Rule, ConfigError> {
         lease,
         overrides,
         tiers,
+        shadow,
+        response,
     })
 }
 
@@ -1065,30 +1105,41 @@ fn parse_key_part(at: &str, p: &str) -> Result<KeyPart, ConfigError> {
     }
 }
 
-fn read_response(r: &Obj<'_>) -> Result<Response, ConfigError> {
-    let status = r.int("status", Some(429), 400, 599)? as u32;
-    let body = r
-        .string("body")?
-        .unwrap_or_else(|| "rate limited\n".to_string());
+const RESPONSE_FIELDS: &[&str] = &["status", "body", "content_type", "headers", "on_allowed"];
+
+/// The denial response: each field given in `r`, else `base`'s (a rule's `response` over the
+/// global one), else the default.
+fn read_response(r: &Obj<'_>, base: Option<&Response>) -> Result<Response, ConfigError> {
+    let status = r.int("status", Some(base.map_or(429, |b| u64::from(b.status))), 400, 599)? as u32;
+    let body = match (r.string("body")?, base) {
+        (Some(b), _) => b,
+        (None, Some(b)) => b.body.clone(),
+        (None, None) => "rate limited\n".to_string(),
+    };
     if body.len() > 65_536 {
-        return err("response.body", "must be at most 65536 bytes");
+        return err(r.path("body"), "must be at most 65536 bytes");
     }
-    let content_type = r
-        .string("content_type")?
-        .unwrap_or_else(|| "text/plain".to_string());
+    let content_type = match (r.string("content_type")?, base) {
+        (Some(c), _) => c,
+        (None, Some(b)) => b.content_type.clone(),
+        (None, None) => "text/plain".to_string(),
+    };
     if content_type.is_empty() || !header_safe(&content_type) {
         return err(
-            "response.content_type",
+            r.path("content_type"),
             "must be a non-empty printable header value",
         );
     }
     let mut headers = Vec::new();
     match r.array("headers")? {
-        None => headers.push(HeaderStyle::Draft),
+        None => match base {
+            Some(b) => headers.clone_from(&b.headers),
+            None => headers.push(HeaderStyle::Draft),
+        },
         Some(list) => {
             for (i, v) in list.iter().enumerate() {
                 let style = choice_value(
-                    &format!("response.headers[{i}]"),
+                    &format!("{}[{i}]", r.path("headers")),
                     v,
                     &[
                         ("draft", HeaderStyle::Draft),
@@ -1101,12 +1152,16 @@ fn read_response(r: &Obj<'_>) -> Result<Response, ConfigError> {
             }
         }
     }
+    let on_allowed = match (r.get("on_allowed"), base) {
+        (None, Some(b)) => b.on_allowed,
+        _ => r.boolean("on_allowed")?,
+    };
     Ok(Response {
         status,
         body,
         content_type,
         headers,
-        on_allowed: r.boolean("on_allowed")?,
+        on_allowed,
     })
 }
 

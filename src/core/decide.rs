@@ -112,6 +112,51 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
     }
 }
 
+/// When an answer denied only because of rules in shadow mode while other rules of the request
+/// enforce: the plan of the enforcing rules' buckets alone (to ask again, since the service charged
+/// none of them: all or nothing), and the shadow rules' counts. `None` otherwise.
+pub fn without_shadow(
+    cfg: &Config,
+    plan: &Plan,
+    outcome: &Outcome,
+) -> Option<(Plan, Vec<(usize, RuleCount)>)> {
+    let Outcome::Limited(resp) = outcome else {
+        return None;
+    };
+    let shadow = |i: usize| {
+        plan.rules
+            .get(i)
+            .and_then(|&r| cfg.rules.get(r))
+            .is_some_and(|r| r.shadow)
+    };
+    let n = plan.request.buckets.len();
+    let denied: Vec<usize> = (0..n)
+        .filter(|&i| resp.buckets.get(i).is_some_and(|b| !b.allowed))
+        .collect();
+    if denied.is_empty() || !denied.iter().all(|&i| shadow(i)) || (0..n).all(shadow) {
+        return None;
+    }
+    let mut enforced = Plan {
+        request: TakeRequest::default(),
+        rules: Vec::new(),
+        debt: Vec::new(),
+    };
+    for i in (0..n).filter(|&i| !shadow(i)) {
+        if let (Some(b), Some(&r)) = (plan.request.buckets.get(i), plan.rules.get(i)) {
+            let mut b = b.clone();
+            // What this bucket asks for itself: its debt, if any, is attached again.
+            b.lease = plan.own_lease(i);
+            enforced.request.buckets.push(b);
+            enforced.rules.push(r);
+        }
+    }
+    let counts = denied
+        .iter()
+        .filter_map(|&i| plan.rules.get(i).map(|&r| (r, RuleCount::ShadowLimited)))
+        .collect();
+    Some((enforced, counts))
+}
+
 /// What came back from a callout (as the adapter saw it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CalloutResult {
@@ -345,6 +390,46 @@ pub struct Verdict {
     pub decision: Decision,
     /// Indices (into the plan's buckets) of the buckets that denied, for the debug log.
     pub denied_by: Vec<usize>,
+    /// What to count per rule: (index in `Config::rules`, counter).
+    pub rule_counts: Vec<(usize, RuleCount)>,
+}
+
+/// Per-rule counters (`tollgate.rule.<name>.<metric>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleCount {
+    /// The request was admitted and took from this rule's bucket.
+    Allowed,
+    /// This rule's bucket denied the request.
+    Limited,
+    /// This rule's bucket would have denied, but the rule is in shadow mode.
+    ShadowLimited,
+    /// An admitted take left the bucket at or under the `near_limit` share.
+    NearLimit,
+}
+
+impl RuleCount {
+    /// Every counter, for defining the metrics.
+    pub const ALL: [RuleCount; 4] = [
+        RuleCount::Allowed,
+        RuleCount::Limited,
+        RuleCount::ShadowLimited,
+        RuleCount::NearLimit,
+    ];
+
+    /// The metric name's last part.
+    pub fn name(self) -> &'static str {
+        match self {
+            RuleCount::Allowed => "allowed",
+            RuleCount::Limited => "limited",
+            RuleCount::ShadowLimited => "shadow_limited",
+            RuleCount::NearLimit => "near_limit",
+        }
+    }
+
+    /// The metric name of rule `rule`'s counter.
+    pub fn metric(self, rule: &str) -> String {
+        format!("tollgate.rule.{rule}.{}", self.name())
+    }
 }
 
 /// The rule and result of each bucket, for headers.
@@ -367,24 +452,63 @@ fn effective<'a>(cfg: &'a Config, plan: &Plan) -> Vec<Cow<'a, Rule>> {
         .collect()
 }
 
+/// The rate limit headers of a decision: each rule's bucket in the styles its `response.headers`
+/// asks for (on an allowed request only for rules with `response.on_allowed`), styles in the order
+/// of the global `response.headers`.
+fn headers_for(
+    cfg: &Config,
+    its: &[(&Rule, &BucketResult)],
+    allowed: bool,
+) -> Vec<(String, String)> {
+    let mut styles = cfg.response.headers.clone();
+    for (r, _) in its {
+        for st in &r.response.headers {
+            if !styles.contains(st) {
+                styles.push(*st);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for style in styles {
+        let chosen: Vec<(&Rule, &BucketResult)> = its
+            .iter()
+            .filter(|(r, _)| {
+                r.response.headers.contains(&style) && (!allowed || r.response.on_allowed)
+            })
+            .copied()
+            .collect();
+        out.extend(rate_limit_headers(&[style], &chosen));
+    }
+    out
+}
+
+fn near_limit(cfg: &Config, r: &BucketResult) -> bool {
+    r.limit > 0
+        && u128::from(r.remaining) * 1000
+            <= u128::from(r.limit) * u128::from(cfg.near_limit_left_permille)
+}
+
 fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -> Verdict {
     let rules = effective(cfg, plan);
     let its: Vec<(&Rule, &BucketResult)> =
         rules.iter().map(AsRef::as_ref).zip(&resp.buckets).collect();
     if resp.allowed {
-        let headers = if cfg.response.on_allowed {
-            rate_limit_headers(&cfg.response.headers, &its)
-        } else {
-            Vec::new()
-        };
+        let mut rule_counts = Vec::with_capacity(plan.rules.len());
+        for (&ri, r) in plan.rules.iter().zip(&resp.buckets) {
+            rule_counts.push((ri, RuleCount::Allowed));
+            if near_limit(cfg, r) {
+                rule_counts.push((ri, RuleCount::NearLimit));
+            }
+        }
         return Verdict {
-            action: Action::Allow(headers),
+            action: Action::Allow(headers_for(cfg, &its, true)),
             decision: if fallback {
                 Decision::FallbackAllowed
             } else {
                 Decision::Allowed
             },
             denied_by: Vec::new(),
+            rule_counts,
         };
     }
     let denied_by: Vec<usize> = resp
@@ -394,6 +518,28 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
         .filter(|(_, b)| !b.allowed)
         .map(|(i, _)| i)
         .collect();
+    let mut rule_counts = Vec::with_capacity(denied_by.len());
+    let mut enforcing: Option<&Rule> = None;
+    for &i in &denied_by {
+        let (Some(&ri), Some((rule, _))) = (plan.rules.get(i), its.get(i)) else {
+            continue;
+        };
+        if rule.shadow {
+            rule_counts.push((ri, RuleCount::ShadowLimited));
+        } else {
+            rule_counts.push((ri, RuleCount::Limited));
+            enforcing = enforcing.or(Some(*rule));
+        }
+    }
+    let Some(denier) = enforcing else {
+        // Only shadow rules denied: counted, logged, let through.
+        return Verdict {
+            action: Action::Allow(Vec::new()),
+            decision: Decision::ShadowLimited,
+            denied_by,
+            rule_counts,
+        };
+    };
     let wait = resp
         .buckets
         .iter()
@@ -402,33 +548,36 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
         .max()
         .unwrap_or(0);
     let mut headers = vec![("retry-after".to_string(), retry_after(wait))];
-    headers.extend(rate_limit_headers(&cfg.response.headers, &its));
+    headers.extend(headers_for(cfg, &its, false));
     Verdict {
-        action: Action::Deny(reply(cfg, headers)),
+        action: Action::Deny(reply(denier, headers)),
         decision: if fallback {
             Decision::FallbackLimited
         } else {
             Decision::Limited
         },
         denied_by,
+        rule_counts,
     }
 }
 
-fn reply(cfg: &Config, mut headers: Vec<(String, String)>) -> LocalReply {
+/// The denial of `rule` (its status, body and content type).
+fn reply(rule: &Rule, mut headers: Vec<(String, String)>) -> LocalReply {
     headers.push((
         "content-type".to_string(),
-        cfg.response.content_type.clone(),
+        rule.response.content_type.clone(),
     ));
     LocalReply {
-        status: cfg.response.status,
+        status: rule.response.status,
         headers,
-        body: cfg.response.body.clone(),
+        body: rule.response.body.clone(),
     }
 }
 
 /// Turns an outcome into the verdict: the service's answer, or the failure mode. The only place
-/// that applies `failure_mode` and `shadow`. `store` holds the fallback buckets; `now_ms` is the
-/// host's clock (used by the fallback only).
+/// that applies `failure_mode` and shadow mode (per rule: a denial counts as one only if a rule
+/// that is not in shadow mode denied; the first such rule's response is sent). `store` holds the
+/// fallback buckets; `now_ms` is the host's clock (used by the fallback only).
 pub fn resolve<S: CasStore + ?Sized>(
     cfg: &Config,
     plan: &Plan,
@@ -436,7 +585,7 @@ pub fn resolve<S: CasStore + ?Sized>(
     store: &S,
     now_ms: u64,
 ) -> Verdict {
-    let verdict = match outcome {
+    match outcome {
         Outcome::Allowed(resp) | Outcome::Limited(resp) => from_answer(cfg, plan, resp, false),
         Outcome::Failed(_) => match cfg.failure_mode {
             FailureMode::Fallback => {
@@ -448,34 +597,57 @@ pub fn resolve<S: CasStore + ?Sized>(
                 action: Action::Allow(Vec::new()),
                 decision: Decision::FailureOpenAllowed,
                 denied_by: Vec::new(),
+                rule_counts: plan
+                    .rules
+                    .iter()
+                    .map(|&r| (r, RuleCount::Allowed))
+                    .collect(),
             },
-            FailureMode::Deny => Verdict {
-                // No bucket state to report; ask the client to come back in a second.
-                action: Action::Deny(reply(
-                    cfg,
-                    vec![("retry-after".to_string(), retry_after(1000))],
-                )),
-                decision: Decision::FailureClosedLimited,
-                denied_by: (0..plan.rules.len()).collect(),
-            },
+            FailureMode::Deny => {
+                let rules: Vec<(usize, &Rule)> = plan
+                    .rules
+                    .iter()
+                    .filter_map(|&r| cfg.rules.get(r).map(|rule| (r, rule)))
+                    .collect();
+                let rule_counts = rules
+                    .iter()
+                    .map(|(r, rule)| {
+                        let c = if rule.shadow {
+                            RuleCount::ShadowLimited
+                        } else {
+                            RuleCount::Limited
+                        };
+                        (*r, c)
+                    })
+                    .collect();
+                let denied_by = (0..plan.rules.len()).collect();
+                match rules.iter().find(|(_, rule)| !rule.shadow) {
+                    // No bucket state to report; ask the client to come back in a second.
+                    Some((_, rule)) => Verdict {
+                        action: Action::Deny(reply(
+                            rule,
+                            vec![("retry-after".to_string(), retry_after(1000))],
+                        )),
+                        decision: Decision::FailureClosedLimited,
+                        denied_by,
+                        rule_counts,
+                    },
+                    None => Verdict {
+                        action: Action::Allow(Vec::new()),
+                        decision: Decision::ShadowLimited,
+                        denied_by,
+                        rule_counts,
+                    },
+                }
+            }
         },
-    };
-    if cfg.shadow {
-        if let Action::Deny(_) = verdict.action {
-            return Verdict {
-                action: Action::Allow(Vec::new()),
-                decision: Decision::ShadowLimited,
-                denied_by: verdict.denied_by,
-            };
-        }
     }
-    verdict
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::config::Config;
+    use crate::core::config::{Config, HeaderStyle};
     use crate::core::store::fake::FakeStore;
     use crate::core::wire::decode_proto;
 
@@ -733,6 +905,111 @@ mod tests {
             0,
         );
         assert_eq!(v.decision, Decision::Allowed);
+    }
+
+    #[test]
+    fn shadow_status_body_and_headers_per_rule() {
+        // Rule `per-ip` enforces with its own status and body; `login` is in shadow mode and asks
+        // for x-ratelimit headers only; the global response is the default for the rest.
+        let json = r#"{"service":{"cluster":"svc"},
+             "response":{"status":429,"body":"global","headers":["draft"]},
+             "rules":[{"name":"per-ip","key":["client_ip"],"capacity":2,"period_ms":60000,
+                       "response":{"status":403,"body":"no more"}},
+                      {"name":"login","match":{"path_exact":"/login","methods":["POST"]},
+                       "key":["header:x-user"],"capacity":5,"rate":1,"period_ms":1000,
+                       "shadow":true,"response":{"headers":["x-ratelimit"],"on_allowed":true}}]}"#;
+        let c = Config::parse(json.as_bytes()).unwrap();
+        assert_eq!(
+            c.rules[0].response.headers,
+            vec![HeaderStyle::Draft],
+            "inherited"
+        );
+        assert_eq!(c.rules[1].response.body, "global", "inherited");
+        let p = plan_of(&c, &req("/login", "POST", Some("u")));
+        let resolve_with = |a: &[bool]| {
+            resolve(
+                &c,
+                &p,
+                &interpret(&p, http(200, &answer(a))),
+                &FakeStore::default(),
+                0,
+            )
+        };
+        // Only the shadow rule denies: let through, counted per rule.
+        let v = resolve_with(&[true, false]);
+        assert_eq!(v.action, Action::Allow(vec![]));
+        assert_eq!(v.decision, Decision::ShadowLimited);
+        assert_eq!(v.rule_counts, vec![(1, RuleCount::ShadowLimited)]);
+        // The enforcing rule denies: its status and body, both rules' headers in their styles.
+        let v = resolve_with(&[false, false]);
+        assert_eq!(v.decision, Decision::Limited);
+        let Action::Deny(r) = v.action else { panic!() };
+        assert_eq!((r.status, r.body.as_str()), (403, "no more"));
+        let names: Vec<&str> = r.headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert!(names.contains(&"ratelimit-policy") && names.contains(&"x-ratelimit-limit"));
+        let policy = &r
+            .headers
+            .iter()
+            .find(|(n, _)| n == "ratelimit-policy")
+            .unwrap()
+            .1;
+        assert!(
+            policy.contains("per-ip") && !policy.contains("login"),
+            "{policy}"
+        );
+        assert_eq!(
+            v.rule_counts,
+            vec![(0, RuleCount::Limited), (1, RuleCount::ShadowLimited)]
+        );
+        // Allowed: headers only for the rule with on_allowed; near_limit at 1 of 2 left (50% ≤ 20%? no).
+        let v = resolve_with(&[true, true]);
+        let Action::Allow(h) = v.action else { panic!() };
+        assert!(h.iter().all(|(n, _)| n.starts_with("x-ratelimit")), "{h:?}");
+        assert_eq!(
+            v.rule_counts,
+            vec![(0, RuleCount::Allowed), (1, RuleCount::Allowed)]
+        );
+    }
+
+    #[test]
+    fn near_limit_is_counted_at_the_configured_share() {
+        let c = cfg(r#","near_limit":0.5"#);
+        let p = plan_of(&c, &req("/x", "GET", None));
+        // 1 of 2 left: half used, at the 0.5 mark.
+        let v = resolve(
+            &c,
+            &p,
+            &interpret(&p, http(200, &answer(&[true]))),
+            &FakeStore::default(),
+            0,
+        );
+        assert_eq!(
+            v.rule_counts,
+            vec![(0, RuleCount::Allowed), (0, RuleCount::NearLimit)]
+        );
+        let c = cfg(r#","near_limit":0.9"#);
+        let v = resolve(
+            &c,
+            &p,
+            &interpret(&p, http(200, &answer(&[true]))),
+            &FakeStore::default(),
+            0,
+        );
+        assert_eq!(v.rule_counts, vec![(0, RuleCount::Allowed)]);
+        for bad in [r#","near_limit":1.5"#, r#","near_limit":"x""#] {
+            let json = format!(
+                r#"{{"service":{{"cluster":"svc"}},"rules":[{{"name":"a","capacity":1,"period_ms":1}}]{bad}}}"#
+            );
+            assert_eq!(
+                Config::parse(json.as_bytes()).unwrap_err().field,
+                "near_limit"
+            );
+        }
+        let json = r#"{"service":{"cluster":"svc"},"rules":[{"name":"a","capacity":1,"period_ms":1,"response":{"status":200}}]}"#;
+        assert_eq!(
+            Config::parse(json.as_bytes()).unwrap_err().field,
+            "rules[0].response.status"
+        );
     }
 
     #[test]

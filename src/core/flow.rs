@@ -21,7 +21,7 @@
 use crate::core::breaker::{self, Admission, Event};
 use crate::core::config::Config;
 use crate::core::decide::{
-    self, Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, Step,
+    self, Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step,
 };
 use crate::core::fallback;
 use crate::core::lease::{self, Count, Local};
@@ -45,6 +45,8 @@ pub trait Host {
     fn reply(&mut self, reply: &LocalReply);
     /// Counts a decision.
     fn count(&mut self, decision: Decision);
+    /// Counts a per-rule event of rule `rule` (index in `Config::rules`).
+    fn count_rule(&mut self, rule: usize, what: RuleCount);
     /// Counts a failed callout.
     fn count_failure(&mut self, cause: Cause);
     /// Reports a breaker transition (metrics, log).
@@ -87,6 +89,9 @@ pub struct Flow {
     pub phase: Phase,
     /// Headers to add to the upstream's response (`response.on_allowed`).
     pub response_headers: Vec<(String, String)>,
+    /// Shadow rules that denied in a first answer, counted with the final verdict (see
+    /// [`decide::without_shadow`]).
+    pub shadow_counts: Vec<(usize, RuleCount)>,
 }
 
 impl Default for Flow {
@@ -94,6 +99,7 @@ impl Default for Flow {
         Flow {
             phase: Phase::Idle,
             response_headers: Vec::new(),
+            shadow_counts: Vec::new(),
         }
     }
 }
@@ -192,6 +198,44 @@ impl Flow {
             return;
         };
         let outcome = decide::interpret(&plan, result);
+        if let Some((enforced, shadowed)) = decide::without_shadow(cfg, &plan, &outcome) {
+            // Only shadow rules denied, and the service charges all or nothing: it charged none
+            // of the enforced rules' buckets. Settle this answer, then ask again for those alone,
+            // so shadow rules never change what enforced rules count.
+            let event =
+                breaker::record_shared(host.store(), &cfg.breaker, host.now_ms(), true, probe);
+            if event != Event::None {
+                host.breaker_event(event);
+            }
+            settle(cfg, &plan, outcome, host);
+            self.shadow_counts = shadowed;
+            let mut enforced = enforced;
+            let now = host.now_ms();
+            let (_, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
+            if debt {
+                fallback::attach_debts(cfg, &mut enforced, host.store(), now);
+            }
+            match host.dispatch(cfg, &enforced) {
+                Ok(token) => {
+                    self.phase = Phase::Calling {
+                        token,
+                        plan: enforced,
+                        probe: false,
+                    };
+                }
+                Err(_) => {
+                    self.after_callout(
+                        cfg,
+                        &enforced,
+                        false,
+                        Outcome::Failed(Cause::Dispatch),
+                        true,
+                        host,
+                    );
+                }
+            }
+            return;
+        }
         self.after_callout(cfg, &plan, probe, outcome, true, host);
     }
 
@@ -230,6 +274,13 @@ impl Flow {
         let now = host.now_ms();
         let verdict = decide::resolve(cfg, plan, outcome, host.store(), now);
         host.count(verdict.decision);
+        for &(rule, what) in verdict
+            .rule_counts
+            .iter()
+            .chain(std::mem::take(&mut self.shadow_counts).iter())
+        {
+            host.count_rule(rule, what);
+        }
         if verdict.decision == Decision::FallbackAllowed {
             // Admitted on credit: the next callouts must carry the debt until it is repaid.
             breaker::mark_debt(
@@ -313,6 +364,7 @@ mod tests {
         events: Vec<Event>,
         leases: Vec<(Count, u64)>,
         sent: Vec<Plan>,
+        rule_counts: Vec<(usize, RuleCount)>,
     }
 
     impl Default for FakeHost {
@@ -334,6 +386,7 @@ mod tests {
                 events: Vec::new(),
                 leases: Vec::new(),
                 sent: Vec::new(),
+                rule_counts: Vec::new(),
             }
         }
     }
@@ -363,6 +416,9 @@ mod tests {
         }
         fn count(&mut self, d: Decision) {
             self.counts.push(d);
+        }
+        fn count_rule(&mut self, rule: usize, what: RuleCount) {
+            self.rule_counts.push((rule, what));
         }
         fn count_failure(&mut self, c: Cause) {
             self.failures.push(c);
@@ -548,6 +604,52 @@ mod tests {
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
         assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
+    }
+
+    #[test]
+    fn a_denial_by_shadow_rules_alone_asks_again_for_the_enforced_ones() {
+        let c = Config::parse(
+            br#"{"service":{"cluster":"svc"},"rules":[
+                {"name":"enforced","key":["literal:a"],"capacity":2,"period_ms":60000},
+                {"name":"trial","key":["literal:b"],"capacity":1,"period_ms":60000,"shadow":true}]}"#,
+        )
+        .unwrap();
+        let mut h = FakeHost::default();
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
+        assert_eq!(h.sent[0].request.buckets.len(), 2);
+        let body = br#"{"allowed":false,"buckets":[
+            {"allowed":true,"limit":2,"remaining":1,"reset_ms":1,"retry_after_ms":0},
+            {"allowed":false,"limit":1,"remaining":0,"reset_ms":1,"retry_after_ms":5}]}"#;
+        f.on_callout_result(
+            &c,
+            h.next_token,
+            CalloutResult::Http {
+                status: Some(200),
+                body: body.to_vec(),
+            },
+            &mut h,
+        );
+        assert_eq!(h.dispatched, 2, "asked again");
+        assert_eq!(h.sent[1].request.buckets.len(), 1);
+        assert_eq!(h.sent[1].rules, vec![0]);
+        assert!(h.counts.is_empty() && h.resumed == 0, "not decided yet");
+        let body = br#"{"allowed":true,"buckets":[{"allowed":true,"limit":2,"remaining":1,"reset_ms":1,"retry_after_ms":0}]}"#;
+        f.on_callout_result(
+            &c,
+            h.next_token,
+            CalloutResult::Http {
+                status: Some(200),
+                body: body.to_vec(),
+            },
+            &mut h,
+        );
+        assert_eq!((h.resumed, h.replies.len()), (1, 0));
+        assert_eq!(h.counts, vec![Decision::Allowed]);
+        assert_eq!(
+            h.rule_counts,
+            vec![(0, RuleCount::Allowed), (1, RuleCount::ShadowLimited)]
+        );
     }
 
     #[test]

@@ -115,6 +115,14 @@ mod tests {
             lease: None,
             overrides: Vec::new(),
             tiers: None,
+            shadow: false,
+            response: crate::core::config::Response {
+                status: 429,
+                body: String::new(),
+                content_type: "text/plain".into(),
+                headers: vec![],
+                on_allowed: false,
+            },
         }
     }
 

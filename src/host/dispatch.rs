@@ -19,7 +19,7 @@
 use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind, Status};
 use crate::core::breaker::Event;
 use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
-use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan};
+use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCount};
 use crate::core::flow::{Flow, Host, Next, Phase};
 use crate::core::lease;
 use crate::core::rules::{matches, Request};
@@ -66,6 +66,8 @@ struct Plugin {
 /// Metric ids, defined once per configuration.
 struct Metrics {
     decisions: Vec<u32>,
+    /// Per rule (in configuration order), one id per [`RuleCount::ALL`].
+    rules: Vec<Vec<u32>>,
     failures: Vec<u32>,
     breaker_opened: u32,
     breaker_open: u32,
@@ -73,10 +75,18 @@ struct Metrics {
 }
 
 impl Metrics {
-    fn define(abi: &impl Abi) -> Result<Metrics, Status> {
+    fn define(abi: &impl Abi, cfg: &Config) -> Result<Metrics, Status> {
         let mut decisions = Vec::with_capacity(Decision::ALL.len());
         for d in Decision::ALL {
             decisions.push(abi.define_metric(MetricKind::Counter, d.metric())?);
+        }
+        let mut rules = Vec::with_capacity(cfg.rules.len());
+        for r in &cfg.rules {
+            let mut ids = Vec::with_capacity(RuleCount::ALL.len());
+            for c in RuleCount::ALL {
+                ids.push(abi.define_metric(MetricKind::Counter, &c.metric(&r.name))?);
+            }
+            rules.push(ids);
         }
         let mut failures = Vec::with_capacity(Cause::CALLOUT.len());
         for c in Cause::CALLOUT {
@@ -89,6 +99,7 @@ impl Metrics {
         }
         Ok(Metrics {
             decisions,
+            rules,
             failures,
             leases,
             breaker_opened: abi.define_metric(MetricKind::Counter, "tollgate.breaker.opened")?,
@@ -228,6 +239,12 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
         self.counter(&m.decisions, nth(&Decision::ALL, &decision), 1);
     }
 
+    fn count_rule(&mut self, rule: usize, what: RuleCount) {
+        if let Some(ids) = self.plugin.metrics.rules.get(rule) {
+            self.counter(ids, nth(&RuleCount::ALL, &what), 1);
+        }
+    }
+
     fn count_failure(&mut self, cause: Cause) {
         let m = &self.plugin.metrics;
         self.counter(&m.failures, nth(&Cause::CALLOUT, &cause), 1);
@@ -354,7 +371,7 @@ impl<A: Abi> Dispatcher<A> {
                 return false;
             }
         };
-        let metrics = match Metrics::define(&self.abi) {
+        let metrics = match Metrics::define(&self.abi, &config) {
             Ok(m) => m,
             Err(s) => {
                 error!("could not define metrics: {}", abi::status_name(s));
@@ -549,6 +566,10 @@ impl<A: Abi> Dispatcher<A> {
         let mut proxy = Proxy::new(&self.abi, &plugin);
         f.flow
             .on_callout_result(&plugin.config, token, result, &mut proxy);
+        // The request may ask again (a denial by shadow rules alone): track that callout too.
+        if let Some(next) = waiting_token(&f.flow) {
+            self.track(next, id);
+        }
     }
 
     fn track(&mut self, token: u32, id: u32) {

@@ -414,7 +414,7 @@ fn the_match_prefilter_agrees_with_the_core() {
             *fake.request.borrow_mut() = full.headers.clone();
             let plugin = Plugin {
                 config: cfg.clone(),
-                metrics: Metrics::define(&fake).unwrap(),
+                metrics: Metrics::define(&fake, &cfg).unwrap(),
                 prefix: String::new(),
                 bearer: None,
                 grpc_service: Vec::new(),
