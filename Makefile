@@ -21,7 +21,7 @@ export TOLLGATE_SERVER_STATIC ?= $(CURDIR)/$(DIST)/tollgate-server-static
 # that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.
 publish = mkdir -p $(DIST) && cp $(1) $(DIST)/.$(2).tmp && mv -f $(DIST)/.$(2).tmp $(DIST)/$(2)
 
-.PHONY: help tools images build wasm server server-static run test unit e2e bench demo image lint fmt clean fuzz
+.PHONY: help tools images build wasm server server-static run test unit e2e bench demo image lint fmt clean fuzz soak
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -71,6 +71,9 @@ demo: build ## N proxies, one limit: 4 Envoys with Envoy's local_ratelimit, Toll
 fuzz: ## Fuzz the filter's parsers and decoders and the service's (FUZZ_SECONDS per target, default 20); fails on a crash
 	@bash scripts/tools.sh fuzz
 	@bash scripts/fuzz.sh
+
+soak: tools server ## The service for SOAK_SECONDS (600) under valid and hostile traffic, Redis killed twice: RSS curve, no decision lost (not in make test)
+	@bash scripts/soak.sh
 
 lint: ## clippy (panics denied in the filter) and rustfmt
 	$(CARGO) fmt --all -- --check

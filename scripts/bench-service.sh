@@ -231,7 +231,9 @@ done
 # The memory store: a second service without Redis.
 if [ "$MEMORY_BUCKETS" -gt 0 ]; then
   MP=$(free_port)
-  "$SERVER" --listen "127.0.0.1:$MP" >"$OUT/service-memory.log" 2>&1 &
+  # Room for every bucket of the measurement (the store refuses new buckets past its cap).
+  "$SERVER" --listen "127.0.0.1:$MP" --memory-max-buckets $((MEMORY_BUCKETS + 10000)) \
+    >"$OUT/service-memory.log" 2>&1 &
   MEM_PID=$!; PIDS+=("$MEM_PID")
   for _ in $(seq 100); do curl -sf "http://127.0.0.1:$MP/readyz" >/dev/null 2>&1 && break; sleep 0.05; done
   curl -sf "http://127.0.0.1:$MP/readyz" >/dev/null || die "memory-store service not ready (see $OUT/service-memory.log)"

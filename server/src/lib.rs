@@ -30,6 +30,12 @@
 //!   timeout, never an "allowed": the caller (the Envoy filter) owns the failure policy.
 //! * **One port**: Envoy clusters and Istio services need one; the switch is on
 //!   `content-type: application/grpc`.
+//! * **No client can starve, bloat or fool it**: a take's token is checked from its headers before
+//!   its body is read; the body is bounded ([`domain::MAX_TAKE_BYTES`], 413 /
+//!   `RESOURCE_EXHAUSTED`) and timed; decoding stops at a 17th bucket; takes beyond
+//!   `max_in_flight` are shed at once (503), never queued; probes never wait behind takes;
+//!   connections are capped and timed out ([`serve`]); callers get generic error texts, the log
+//!   gets the detail (with Redis passwords redacted by parsing the URL).
 
 pub mod api;
 pub mod cli;
