@@ -17,13 +17,26 @@ use tollgate_server::cli::Cli;
 use tollgate_server::domain::{Algorithm, BucketSpec};
 use tollgate_server::store::keys::{check_prefix, redis_key, slot};
 
-/// The password of a URL as RFC 3986 reads it: the authority runs from `://` to the first `/`,
-/// `?` or `#`; its user information runs to the last `@`; the password follows the first `:`.
-fn password(url: &str) -> Option<&str> {
-    let rest = &url[url.find("://")? + 3..];
+/// Where the password of a URL is, as RFC 3986 reads it: after a scheme (a letter, then letters,
+/// digits, `+`, `-`, `.`; leading controls and spaces skipped, as URL parsers do) comes `://`, the
+/// authority runs to the first `/`, `?` or `#`, its user information to the last `@`, and the
+/// password follows the first `:` of that.
+fn password(url: &str) -> Option<std::ops::Range<usize>> {
+    let begin = url.len() - url.trim_start_matches(|c: char| c <= ' ').len();
+    let colon = begin + url[begin..].find(':')?;
+    let scheme = &url[begin..colon];
+    let scheme_ok = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+    if !scheme_ok || !url[colon..].starts_with("://") {
+        return None;
+    }
+    let start = colon + 3;
+    let rest = &url[start..];
     let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
     let userinfo = &authority[..authority.rfind('@')?];
-    Some(&userinfo[userinfo.find(':')? + 1..])
+    Some(start + userinfo.find(':')? + 1..start + userinfo.len())
 }
 
 /// `secret` must not show in `shown` unless it shows in `without` too (the same output with the
@@ -68,18 +81,19 @@ fuzz_target!(|data: &[u8]| {
         without.token = None;
         hidden(token, &shown, &format!("{without:?}"), "token");
     }
-    let urls: Vec<String> = cli
-        .redis_url
-        .iter()
-        .chain(&cli.redis_cluster)
-        .cloned()
-        .collect();
-    for url in &urls {
-        let Some(pw) = password(url) else { continue };
+    // Each URL's password, with that one URL blanked in the comparison (another flag may hold
+    // the same text where it is no password, e.g. in a URL without an authority).
+    let n_url = usize::from(cli.redis_url.is_some());
+    let urls: Vec<&String> = cli.redis_url.iter().chain(&cli.redis_cluster).collect();
+    for (i, url) in urls.into_iter().enumerate() {
+        let Some(at) = password(url) else { continue };
+        let pw = &url[at.clone()];
         let mut without = cli.clone();
-        let blank = |u: &String| u.replace(pw, "");
-        without.redis_url = without.redis_url.as_ref().map(blank);
-        without.redis_cluster = without.redis_cluster.iter().map(blank).collect();
+        let blanked = format!("{}{}", &url[..at.start], &url[at.end..]);
+        match i.checked_sub(n_url) {
+            None => without.redis_url = Some(blanked),
+            Some(j) => without.redis_cluster[j] = blanked,
+        }
         hidden(pw, &shown, &format!("{without:?}"), "Redis password");
     }
 
