@@ -53,7 +53,7 @@ const H2_STREAM_WINDOW: u32 = 128 * 1024;
 const H2_CONNECTION_WINDOW: u32 = 1024 * 1024;
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets open connections finish
-/// (each within [`GRACE`]).
+/// (each within 3 s).
 pub async fn serve<S>(
     listener: TcpListener,
     app: S,
