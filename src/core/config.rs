@@ -54,6 +54,9 @@ pub enum Transport {
     Http,
     /// Protobuf over gRPC: `tollgate.v1.RateLimiter/Take`.
     Grpc,
+    /// Envoy's rate limit protocol (RLS v3) over gRPC:
+    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`, to any RLS server.
+    Rls,
 }
 
 /// What decides when the service cannot (see [`crate::core::decide`]).
@@ -139,6 +142,8 @@ pub struct Service {
     pub path: String,
     /// Bearer token, if the service requires one.
     pub token: Option<String>,
+    /// The RLS domain (transport `rls`).
+    pub domain: String,
 }
 
 /// One rate limit rule.
@@ -172,6 +177,9 @@ pub struct Rule {
     pub shadow: bool,
     /// The denial and headers of this rule (its own `response` fields over the global ones).
     pub response: Response,
+    /// The RLS descriptor of this rule's bucket (transport `rls`): (entry key, where its value
+    /// comes from). Default: `("rule", <name>)`, then one entry per key part.
+    pub descriptor: Vec<(String, KeyPart)>,
 }
 
 /// Most `overrides` per rule, and most tiers.
@@ -562,6 +570,12 @@ impl Config {
         let mut rules: Vec<Rule> = Vec::with_capacity(raw_rules.len());
         for (i, r) in raw_rules.iter().enumerate() {
             let rule = read_rule(&format!("rules[{i}]"), r, shadow, &response)?;
+            if service.transport == Transport::Rls && rule.lease.is_some() {
+                return err(
+                    format!("rules[{i}].lease"),
+                    "not available with transport rls (an RLS server grants no leases)",
+                );
+            }
             if rules.iter().any(|o| o.name == rule.name) {
                 return err(
                     format!("rules[{i}].name"),
@@ -605,9 +619,12 @@ impl Config {
             },
         };
         let needs_peer_address = trusted_hops == 0
-            && rules
-                .iter()
-                .any(|r| r.key.contains(&KeyPart::ClientIp) || r.matcher.reads_client_ip());
+            && rules.iter().any(|r| {
+                r.key.contains(&KeyPart::ClientIp)
+                    || r.matcher.reads_client_ip()
+                    || (service.transport == Transport::Rls
+                        && r.descriptor.iter().any(|(_, p)| *p == KeyPart::ClientIp))
+            });
         Ok(Config {
             service,
             trusted_hops,
@@ -655,6 +672,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             "timeout_ms",
             "path",
             "token",
+            "domain",
         ],
     )?;
     let cluster = s.string("cluster")?.unwrap_or_default();
@@ -667,9 +685,26 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
     }
     let transport = s.choice(
         "transport",
-        &[("http", Transport::Http), ("grpc", Transport::Grpc)],
+        &[
+            ("http", Transport::Http),
+            ("grpc", Transport::Grpc),
+            ("rls", Transport::Rls),
+        ],
         Transport::Http,
     )?;
+    let domain = s.string("domain")?.unwrap_or_default();
+    match transport {
+        Transport::Rls if domain.is_empty() || domain.len() > 256 => {
+            return err(
+                "service.domain",
+                "required with transport rls: the RLS domain, 1..=256 bytes",
+            )
+        }
+        Transport::Http | Transport::Grpc if !domain.is_empty() => {
+            return err("service.domain", "only with transport rls")
+        }
+        _ => {}
+    }
     let timeout_ms = s.int("timeout_ms", Some(20), 1, 60_000)?;
     let path = s.string("path")?.unwrap_or_else(|| "/v1/take".to_string());
     if !path.starts_with('/') || !header_safe(&path) || path.contains(' ') {
@@ -691,6 +726,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
         timeout_ms,
         path,
         token,
+        domain,
     })
 }
 
@@ -718,6 +754,7 @@ fn read_rule(
             "tiers",
             "shadow",
             "response",
+            "descriptor",
         ],
     )?;
     let name = match r.required("name")? {
@@ -827,6 +864,29 @@ fn read_rule(
             Some(global_response),
         )?,
     };
+    let descriptor = match r.array("descriptor")? {
+        None => default_descriptor(&name, &key),
+        Some(entries) => {
+            if entries.is_empty() || entries.len() > MAX_KEY_PARTS + 1 {
+                return err(
+                    r.path("descriptor"),
+                    format!("must hold 1..={} entries", MAX_KEY_PARTS + 1),
+                );
+            }
+            let mut d = Vec::with_capacity(entries.len());
+            for (k, e) in entries.iter().enumerate() {
+                let eat = format!("{}[{k}]", r.path("descriptor"));
+                let o = Obj::new(e, &eat, &["key", "value"])?;
+                let ek = o.string("key")?.unwrap_or_default();
+                if ek.is_empty() || ek.len() > 256 {
+                    return err(o.path("key"), "must be 1..=256 bytes");
+                }
+                let value = o.string("value")?.unwrap_or_default();
+                d.push((ek, parse_key_part(&o.path("value"), &value)?));
+            }
+            d
+        }
+    };
     Ok(Rule {
         name,
         matcher,
@@ -842,7 +902,27 @@ fn read_rule(
         tiers,
         shadow,
         response,
+        descriptor,
     })
+}
+
+/// The RLS descriptor a rule gets without `descriptor`: `("rule", <name>)`, then per key part the
+/// entry Envoy's own rate limit actions would use (`remote_address`, the header's name, `path`,
+/// `method`, `authority`, `generic_key` for a literal).
+fn default_descriptor(name: &str, key: &[KeyPart]) -> Vec<(String, KeyPart)> {
+    let mut d = vec![("rule".to_string(), KeyPart::Literal(name.to_string()))];
+    for p in key {
+        let k = match p {
+            KeyPart::Literal(_) => "generic_key".to_string(),
+            KeyPart::Header(h) => h.clone(),
+            KeyPart::ClientIp => "remote_address".to_string(),
+            KeyPart::Path => "path".to_string(),
+            KeyPart::Method => "method".to_string(),
+            KeyPart::Authority => "authority".to_string(),
+        };
+        d.push((k, p.clone()));
+    }
+    d
 }
 
 /// The limit fields of an override or a tier: `unlimited: true`, or `capacity` (with `rate`
@@ -1110,7 +1190,12 @@ const RESPONSE_FIELDS: &[&str] = &["status", "body", "content_type", "headers", 
 /// The denial response: each field given in `r`, else `base`'s (a rule's `response` over the
 /// global one), else the default.
 fn read_response(r: &Obj<'_>, base: Option<&Response>) -> Result<Response, ConfigError> {
-    let status = r.int("status", Some(base.map_or(429, |b| u64::from(b.status))), 400, 599)? as u32;
+    let status = r.int(
+        "status",
+        Some(base.map_or(429, |b| u64::from(b.status))),
+        400,
+        599,
+    )? as u32;
     let body = match (r.string("body")?, base) {
         (Some(b), _) => b,
         (None, Some(b)) => b.body.clone(),

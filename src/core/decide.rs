@@ -10,7 +10,7 @@
 //!    as is, or the failure mode (`fallback` / `allow` / `deny`) for a failure (the breaker's
 //!    refusal included), then shadow mode on top.
 
-use crate::core::config::{Config, FailureMode, Limit, Rule};
+use crate::core::config::{Config, FailureMode, Limit, Rule, Transport};
 use crate::core::fallback;
 use crate::core::headers::{rate_limit_headers, retry_after};
 use crate::core::rules::limits::limit_for;
@@ -29,6 +29,8 @@ pub struct Plan {
     /// For bucket `i`, the tokens it owes from the fallback and carries in its `lease` on top of
     /// what it asks for itself (empty: none; see [`crate::core::fallback`]).
     pub debt: Vec<u64>,
+    /// Transport `rls`: the domain and, for bucket `i`, its descriptor's entries.
+    pub rls: Option<wire::RlsRequest>,
 }
 
 impl Plan {
@@ -76,6 +78,10 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
         request: TakeRequest::default(),
         rules: Vec::new(),
         debt: Vec::new(),
+        rls: (cfg.service.transport == Transport::Rls).then(|| wire::RlsRequest {
+            domain: cfg.service.domain.clone(),
+            descriptors: Vec::new(),
+        }),
     };
     for (i, rule) in cfg.rules.iter().enumerate() {
         if !matches(&rule.matcher, req, cfg.trusted_hops) {
@@ -104,6 +110,10 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
             lease: None,
         });
         plan.rules.push(i);
+        if let Some(rls) = &mut plan.rls {
+            rls.descriptors
+                .push(keys::descriptor(rule, req, cfg.trusted_hops));
+        }
     }
     if plan.rules.is_empty() {
         Step::Continue
@@ -140,6 +150,10 @@ pub fn without_shadow(
         request: TakeRequest::default(),
         rules: Vec::new(),
         debt: Vec::new(),
+        rls: plan.rls.as_ref().map(|r| wire::RlsRequest {
+            domain: r.domain.clone(),
+            descriptors: Vec::new(),
+        }),
     };
     for i in (0..n).filter(|&i| !shadow(i)) {
         if let (Some(b), Some(&r)) = (plan.request.buckets.get(i), plan.rules.get(i)) {
@@ -148,6 +162,10 @@ pub fn without_shadow(
             b.lease = plan.own_lease(i);
             enforced.request.buckets.push(b);
             enforced.rules.push(r);
+            if let (Some(to), Some(from)) = (&mut enforced.rls, &plan.rls) {
+                to.descriptors
+                    .push(from.descriptors.get(i).cloned().unwrap_or_default());
+            }
         }
     }
     let counts = denied
@@ -275,7 +293,10 @@ pub fn interpret(plan: &Plan, result: CalloutResult) -> Outcome {
         },
         CalloutResult::Grpc {
             status: 0, body, ..
-        } => wire::decode_proto(&body),
+        } => match &plan.rls {
+            Some(_) => wire::decode_rls(&body, &plan.request),
+            None => wire::decode_proto(&body),
+        },
         CalloutResult::Grpc { status: 4, .. } => return Outcome::Failed(Cause::Timeout),
         CalloutResult::Grpc {
             status: 14,

@@ -432,7 +432,8 @@ fn enabled(cfg: &Config) -> bool {
 /// `plan.debt`. Call only when debt may exist ([`crate::core::breaker`] keeps that flag), since it
 /// reads one slot per bucket.
 pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: &S, now_ms: u64) {
-    if !enabled(cfg) {
+    // An RLS server grants no leases: a debt cannot ride on its callouts (it lapses instead).
+    if !enabled(cfg) || plan.rls.is_some() {
         return;
     }
     let sh = Shares::of(cfg);

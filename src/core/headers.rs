@@ -123,6 +123,7 @@ mod tests {
                 headers: vec![],
                 on_allowed: false,
             },
+            descriptor: Vec::new(),
         }
     }
 

@@ -193,16 +193,27 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
                 }
                 self.abi.http_call(&svc.cluster, &headers, &body, timeout)
             }
-            Transport::Grpc => {
-                let body = wire::encode_proto(&plan.request);
+            Transport::Grpc | Transport::Rls => {
+                let (body, service, method) = match &plan.rls {
+                    Some(rls) => (
+                        wire::encode_rls(rls, &plan.request),
+                        "envoy.service.ratelimit.v3.RateLimitService",
+                        "ShouldRateLimit",
+                    ),
+                    None => (
+                        wire::encode_proto(&plan.request),
+                        "tollgate.v1.RateLimiter",
+                        "Take",
+                    ),
+                };
                 let mut metadata: Vec<(&str, &str)> = Vec::new();
                 if let Some(b) = bearer {
                     metadata.push(("authorization", b));
                 }
                 self.abi.grpc_call(
                     &self.plugin.grpc_service,
-                    "tollgate.v1.RateLimiter",
-                    "Take",
+                    service,
+                    method,
                     &metadata,
                     &body,
                     timeout,
@@ -406,6 +417,7 @@ impl<A: Abi> Dispatcher<A> {
             match config.service.transport {
                 Transport::Http => "http",
                 Transport::Grpc => "grpc",
+                Transport::Rls => "rls",
             },
             config.failure_mode,
             if config.shadow { ", shadow mode" } else { "" }

@@ -85,6 +85,33 @@ pub fn part_value(part: &KeyPart, req: &Request, trusted_hops: u32) -> Option<Ve
     }
 }
 
+/// The RLS descriptor of `rule`'s bucket for `req`: its entries with their values. A value that is
+/// not UTF-8 or is long is escaped (or hashed) as in keys; an absent one is `%-`.
+pub fn descriptor(rule: &Rule, req: &Request, trusted_hops: u32) -> Vec<(String, String)> {
+    rule.descriptor
+        .iter()
+        .map(|(k, part)| {
+            let v = match part_value(part, req, trusted_hops) {
+                Some(v) => match String::from_utf8(v) {
+                    Ok(s) if s.len() <= MAX_PART_BYTES => s,
+                    Ok(s) => {
+                        let mut out = String::new();
+                        push_part(&mut out, s.as_bytes());
+                        out
+                    }
+                    Err(e) => {
+                        let mut out = String::new();
+                        push_part(&mut out, e.as_bytes());
+                        out
+                    }
+                },
+                None => MISSING.to_string(),
+            };
+            (k.clone(), v)
+        })
+        .collect()
+}
+
 /// The key of `rule` for `req`, or `None` when a part is absent and the rule says `skip`.
 pub fn build_key(rule: &Rule, req: &Request, trusted_hops: u32) -> Option<String> {
     let mut key = String::with_capacity(64);
@@ -156,6 +183,7 @@ mod tests {
                 headers: vec![],
                 on_allowed: false,
             },
+            descriptor: Vec::new(),
         }
     }
 

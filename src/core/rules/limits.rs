@@ -165,6 +165,73 @@ mod tests {
     }
 
     #[test]
+    fn rls_descriptors_default_and_written_out() {
+        let c = Config::parse(
+            br#"{"service":{"cluster":"rl","transport":"rls","domain":"edge"},"rules":[
+                {"name":"per-ip","key":["client_ip","header:x-api-key","literal:v1"],"capacity":5,"period_ms":1000},
+                {"name":"custom","capacity":5,"period_ms":1000,
+                 "descriptor":[{"key":"generic_key","value":"literal:all"},{"key":"verb","value":"method"}]}]}"#,
+        )
+        .unwrap();
+        assert!(c.needs_peer_address);
+        let r = req(
+            &[(":method", "GET"), ("x-api-key", "k1")],
+            Some("10.0.0.7:1"),
+        );
+        let plan = match crate::core::decide::decide(&c, &r) {
+            crate::core::decide::Step::Callout(p) => p,
+            _ => panic!(),
+        };
+        let rls = plan.rls.unwrap();
+        assert_eq!(rls.domain, "edge");
+        let d: Vec<Vec<(&str, &str)>> = rls
+            .descriptors
+            .iter()
+            .map(|d| d.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
+            .collect();
+        assert_eq!(
+            d,
+            vec![
+                vec![
+                    ("rule", "per-ip"),
+                    ("remote_address", "10.0.0.7"),
+                    ("x-api-key", "k1"),
+                    ("generic_key", "v1")
+                ],
+                vec![("generic_key", "all"), ("verb", "GET")]
+            ]
+        );
+        for (json, field) in [
+            (
+                r#"{"service":{"cluster":"rl","transport":"rls"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#,
+                "service.domain",
+            ),
+            (
+                r#"{"service":{"cluster":"rl","domain":"x"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#,
+                "service.domain",
+            ),
+            (
+                r#"{"service":{"cluster":"rl","transport":"rls","domain":"x"},"rules":[{"name":"a","capacity":4,"period_ms":1,"lease":{"size":2}}]}"#,
+                "rules[0].lease",
+            ),
+            (
+                r#"{"service":{"cluster":"rl","transport":"rls","domain":"x"},"rules":[{"name":"a","capacity":1,"period_ms":1,"descriptor":[{"key":"k","value":"cookie"}]}]}"#,
+                "rules[0].descriptor[0].value",
+            ),
+            (
+                r#"{"service":{"cluster":"rl","transport":"rls","domain":"x"},"rules":[{"name":"a","capacity":1,"period_ms":1,"descriptor":[]}]}"#,
+                "rules[0].descriptor",
+            ),
+        ] {
+            assert_eq!(
+                Config::parse(json.as_bytes()).unwrap_err().field,
+                field,
+                "{json}"
+            );
+        }
+    }
+
+    #[test]
     fn cidr_edges() {
         let c = crate::core::config::Cidr::parse("0.0.0.0/0").unwrap();
         assert!(c.contains(&"255.1.2.3".parse().unwrap()));
