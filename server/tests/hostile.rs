@@ -555,6 +555,16 @@ async fn connections_are_capped_and_idle_ones_closed() {
         idle_closed >= Duration::from_millis(400) && idle_closed < Duration::from_millis(2500),
         "{idle_closed:?}"
     );
+    // HTTP/2: an idle connection is closed with GOAWAY, so a client just opens another one.
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    for _ in 0..2 {
+        let r = h2.get(svc.url("/healthz")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(Duration::from_millis(900)).await;
+    }
     eprintln!(
         "connection cap: 5th closed in {closed_in:?}; idle keep-alive closed after {idle_closed:?}"
     );
