@@ -144,7 +144,13 @@ pub struct Service {
     pub token: Option<String>,
     /// The RLS domain (transport `rls`).
     pub domain: String,
+    /// Group commit: while a callout is in flight, at most this many requests of a worker wait
+    /// to go together in the next callout (0: every request calls on its own).
+    pub batch: usize,
 }
+
+/// Most takes in one batch callout (the contract's bound on `takes`).
+pub const MAX_BATCH: usize = 64;
 
 /// One rate limit rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -673,6 +679,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             "path",
             "token",
             "domain",
+            "batch",
         ],
     )?;
     let cluster = s.string("cluster")?.unwrap_or_default();
@@ -719,6 +726,10 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             return err("service.token", "must be 1..=4096 printable characters");
         }
     }
+    let batch = s.int("batch", Some(0), 0, MAX_BATCH as u64)? as usize;
+    if batch > 0 && transport == Transport::Rls {
+        return err("service.batch", "not available with transport rls");
+    }
     Ok(Service {
         cluster,
         authority,
@@ -727,6 +738,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
         path,
         token,
         domain,
+        batch,
     })
 }
 

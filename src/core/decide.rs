@@ -188,6 +188,8 @@ pub enum CalloutResult {
         /// The body.
         body: Vec<u8>,
     },
+    /// This request's answer, already decoded from a batch answer (group commit).
+    Answer(TakeResponse),
     /// gRPC transport.
     Grpc {
         /// gRPC status code.
@@ -281,6 +283,7 @@ fn grpc_message_says(message: &Option<String>, needles: &[&str]) -> bool {
 pub fn interpret(plan: &Plan, result: CalloutResult) -> Outcome {
     let decoded = match result {
         CalloutResult::DispatchError => return Outcome::Failed(Cause::Dispatch),
+        CalloutResult::Answer(resp) => Ok(resp),
         CalloutResult::Http { status: None, .. } => return Outcome::Failed(Cause::Reset),
         CalloutResult::Http {
             status: Some(s),

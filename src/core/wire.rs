@@ -93,13 +93,32 @@ fn push_json_string(out: &mut String, s: &str) {
 /// Encodes a request as JSON (`POST /v1/take`). Absent optional fields are omitted.
 pub fn encode_json(req: &TakeRequest) -> Vec<u8> {
     let mut s = String::with_capacity(64 + 128 * req.buckets.len());
+    push_json_take(&mut s, req);
+    s.into_bytes()
+}
+
+/// Encodes a batch of takes as JSON (`POST /v1/take_batch`: `{"takes": [...]}`).
+pub fn encode_batch_json(takes: &[&TakeRequest]) -> Vec<u8> {
+    let mut s = String::with_capacity(16 + 160 * takes.len());
+    s.push_str("{\"takes\":[");
+    for (i, t) in takes.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        push_json_take(&mut s, t);
+    }
+    s.push_str("]}");
+    s.into_bytes()
+}
+
+fn push_json_take(s: &mut String, req: &TakeRequest) {
     s.push_str("{\"buckets\":[");
     for (i, b) in req.buckets.iter().enumerate() {
         if i > 0 {
             s.push(',');
         }
         s.push_str("{\"key\":");
-        push_json_string(&mut s, &b.key);
+        push_json_string(s, &b.key);
         let _ = write!(s, ",\"capacity\":{}", b.capacity);
         if let Some(r) = b.rate {
             let _ = write!(s, ",\"rate\":{r}");
@@ -117,7 +136,6 @@ pub fn encode_json(req: &TakeRequest) -> Vec<u8> {
         s.push('}');
     }
     s.push_str("]}");
-    s.into_bytes()
 }
 
 fn json_bool(v: &Json, field: &str) -> Result<bool, DecodeError> {
@@ -143,7 +161,22 @@ fn json_u64(v: &Json, field: &str) -> Result<u64, DecodeError> {
 /// formatting into the module, about 20 KiB for nothing.
 pub fn decode_json(body: &[u8]) -> Result<TakeResponse, DecodeError> {
     let v: Json = serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))?;
-    let allowed = json_bool(&v, "allowed")?;
+    json_take_response(&v)
+}
+
+/// Decodes a batch answer (`{"results": [...]}`): one response per take, in order.
+pub fn decode_batch_json(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
+    let v: Json = serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))?;
+    v.get("results")
+        .and_then(Json::as_array)
+        .ok_or_else(|| DecodeError("`results` missing or not a list".into()))?
+        .iter()
+        .map(json_take_response)
+        .collect()
+}
+
+fn json_take_response(v: &Json) -> Result<TakeResponse, DecodeError> {
+    let allowed = json_bool(v, "allowed")?;
     let list = v
         .get("buckets")
         .and_then(Json::as_array)
@@ -197,6 +230,34 @@ fn put_opt_u64(out: &mut Vec<u8>, field: u32, v: Option<u64>) {
         put_tag(out, field, 0);
         put_varint(out, v);
     }
+}
+
+/// Encodes a batch of takes as protobuf (`tollgate.v1.TakeBatchRequest { repeated TakeRequest
+/// takes = 1; }`).
+pub fn encode_batch_proto(takes: &[&TakeRequest]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16 + 96 * takes.len());
+    for t in takes {
+        put_bytes(&mut out, 1, &encode_proto(t));
+    }
+    out
+}
+
+/// Decodes `tollgate.v1.TakeBatchResponse { repeated TakeResponse results = 1; }`.
+pub fn decode_batch_proto(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
+    let mut r = Reader { buf: body };
+    let mut out = Vec::new();
+    while let Some((field, value)) = r.field()? {
+        match (field, value) {
+            (1, Value::Bytes(b)) => out.push(decode_proto(b)?),
+            (1, _) => {
+                return Err(DecodeError(
+                    "TakeBatchResponse field 1: wrong wire type".into(),
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
 }
 
 /// Encodes a request as protobuf (`tollgate.v1.TakeRequest`).

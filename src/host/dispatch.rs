@@ -17,6 +17,7 @@
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 
 use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind, Status};
+use super::batch::{self, Batcher};
 use crate::core::breaker::Event;
 use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
 use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCount};
@@ -25,6 +26,7 @@ use crate::core::lease;
 use crate::core::rules::{matches, Request};
 use crate::core::store::{CasStore, SetError};
 use crate::core::wire;
+use crate::core::wire::TakeRequest;
 use log::{debug, error, info, warn};
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -61,10 +63,16 @@ struct Plugin {
     /// The headers whose first values decide whether any rule matches; `None` when some rule
     /// matches every request. Lets a request no rule matches be passed after reading only these.
     match_headers: Option<Vec<String>>,
+    /// Group commit of this plugin's callouts (`service.batch`).
+    batcher: Batcher,
 }
 
 /// Metric ids, defined once per configuration.
 struct Metrics {
+    /// `tollgate.batch.callouts` and `tollgate.batch.takes`: batch callouts and the takes they
+    /// carried.
+    batch_callouts: u32,
+    batch_takes: u32,
     decisions: Vec<u32>,
     /// Per rule (in configuration order), one id per [`RuleCount::ALL`].
     rules: Vec<Vec<u32>>,
@@ -98,6 +106,8 @@ impl Metrics {
             leases.push(abi.define_metric(MetricKind::Counter, c.metric())?);
         }
         Ok(Metrics {
+            batch_callouts: abi.define_metric(MetricKind::Counter, "tollgate.batch.callouts")?,
+            batch_takes: abi.define_metric(MetricKind::Counter, "tollgate.batch.takes")?,
             decisions,
             rules,
             failures,
@@ -115,6 +125,13 @@ struct VmGauges {
     pending: u32,
     /// `tollgate.vm.memory_bytes`: linear memory of the VMs.
     memory: u32,
+}
+
+impl Metrics {
+    fn batched(&self, abi: &impl Abi, takes: usize) {
+        abi.increment_metric(self.batch_callouts, 1);
+        abi.increment_metric(self.batch_takes, i64::try_from(takes).unwrap_or(i64::MAX));
+    }
 }
 
 fn nth<T: PartialEq>(all: &[T], x: &T) -> Option<usize> {
@@ -140,42 +157,8 @@ impl<'a, A: Abi> Proxy<'a, A> {
         }
     }
 
-    fn counter(&self, ids: &[u32], idx: Option<usize>, n: i64) {
-        if let Some(&id) = idx.and_then(|i| ids.get(i)) {
-            self.abi.increment_metric(id, n);
-        }
-    }
-}
-
-/// Proxy-wasm shared data: process-wide, shared by every worker's VM of the same `vm_id`.
-struct Shared<'a, A: Abi> {
-    abi: &'a A,
-    prefix: &'a str,
-}
-
-impl<A: Abi> CasStore for Shared<'_, A> {
-    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.abi.shared_get(&format!("{}{key}", self.prefix))
-    }
-
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
-        self.abi
-            .shared_set(&format!("{}{key}", self.prefix), value, cas)
-    }
-}
-
-impl<'a, A: Abi> Host for Proxy<'a, A> {
-    type Store = Shared<'a, A>;
-
-    fn store(&self) -> &Shared<'a, A> {
-        &self.shared
-    }
-
-    fn now_ms(&self) -> u64 {
-        self.abi.now_ms()
-    }
-
-    fn dispatch(&mut self, cfg: &Config, plan: &Plan) -> Result<u32, String> {
+    /// One callout carrying `plan`'s take (or, transport `rls`, its descriptors).
+    fn call(&self, cfg: &Config, plan: &Plan) -> Result<u32, String> {
         let svc = &cfg.service;
         let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
         let bearer = self.plugin.bearer.as_deref();
@@ -228,6 +211,94 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
             );
             abi::status_name(status).to_string()
         })
+    }
+
+    /// One callout carrying every take of `takes` (group commit).
+    fn call_batch(&self, cfg: &Config, takes: &[&TakeRequest]) -> Result<u32, String> {
+        let svc = &cfg.service;
+        let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
+        let bearer = self.plugin.bearer.as_deref();
+        let sent = match svc.transport {
+            Transport::Grpc => {
+                let body = wire::encode_batch_proto(takes);
+                let mut metadata: Vec<(&str, &str)> = Vec::new();
+                if let Some(b) = bearer {
+                    metadata.push(("authorization", b));
+                }
+                self.abi.grpc_call(
+                    &self.plugin.grpc_service,
+                    "tollgate.v1.RateLimiter",
+                    "TakeBatch",
+                    &metadata,
+                    &body,
+                    timeout,
+                )
+            }
+            Transport::Http | Transport::Rls => {
+                let body = wire::encode_batch_json(takes);
+                let path = format!("{}_batch", svc.path);
+                let mut headers = vec![
+                    (":method", "POST"),
+                    (":path", path.as_str()),
+                    (":authority", svc.authority.as_str()),
+                    ("content-type", "application/json"),
+                ];
+                if let Some(b) = bearer {
+                    headers.push(("authorization", b));
+                }
+                self.abi.http_call(&svc.cluster, &headers, &body, timeout)
+            }
+        };
+        sent.map_err(|status| abi::status_name(status).to_string())
+    }
+
+    fn counter(&self, ids: &[u32], idx: Option<usize>, n: i64) {
+        if let Some(&id) = idx.and_then(|i| ids.get(i)) {
+            self.abi.increment_metric(id, n);
+        }
+    }
+}
+
+/// Proxy-wasm shared data: process-wide, shared by every worker's VM of the same `vm_id`.
+struct Shared<'a, A: Abi> {
+    abi: &'a A,
+    prefix: &'a str,
+}
+
+impl<A: Abi> CasStore for Shared<'_, A> {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.abi.shared_get(&format!("{}{key}", self.prefix))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        self.abi
+            .shared_set(&format!("{}{key}", self.prefix), value, cas)
+    }
+}
+
+impl<'a, A: Abi> Host for Proxy<'a, A> {
+    type Store = Shared<'a, A>;
+
+    fn store(&self) -> &Shared<'a, A> {
+        &self.shared
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.abi.now_ms()
+    }
+
+    fn dispatch(&mut self, cfg: &Config, plan: &Plan) -> Result<u32, String> {
+        let batching = cfg.service.batch > 0 && plan.rls.is_none();
+        if batching {
+            if let Some(queued) = self.plugin.batcher.join(cfg.service.batch, &plan.request) {
+                return queued;
+            }
+        }
+        let token = self.call(cfg, plan)?;
+        if batching {
+            self.plugin.batcher.started(token, Vec::new());
+        }
+        Ok(token)
     }
 
     fn resume(&mut self) {
@@ -436,6 +507,7 @@ impl<A: Abi> Dispatcher<A> {
             bearer: config.service.token.as_ref().map(|t| format!("Bearer {t}")),
             grpc_service: grpc_service(&config.service.cluster),
             match_headers: match_headers(&config),
+            batcher: Batcher::default(),
             config,
             metrics,
         };
@@ -496,6 +568,11 @@ impl<A: Abi> Dispatcher<A> {
         if let Some(f) = self.filters.remove(&id) {
             if let Some(token) = waiting_token(&f.flow) {
                 self.forget(token, id);
+                if token & batch::VIRTUAL != 0 {
+                    if let Some(p) = &f.plugin {
+                        p.batcher.forget(token);
+                    }
+                }
             }
             self.report_memory();
         } else {
@@ -549,9 +626,56 @@ impl<A: Abi> Dispatcher<A> {
         });
     }
 
+    /// Callout `token` ended with the result `read` gives. A batch's result is split onto its
+    /// requests; after any callout of a batching plugin, its queued requests leave together.
+    fn deliver(&mut self, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
+        let owner = self
+            .roots
+            .values()
+            .flatten()
+            .find_map(|p| p.batcher.ended(token).map(|members| (p.clone(), members)));
+        let Some((plugin, members)) = owner else {
+            self.deliver_to(token, read);
+            return;
+        };
+        if members.is_empty() {
+            self.deliver_to(token, read);
+        } else {
+            // The batch's own token waits in no request: it was never tracked.
+            let parts = batch::split(read(&self.abi), members.len());
+            for (member, result) in members.into_iter().zip(parts) {
+                self.deliver_to(member, |_| result);
+            }
+        }
+        self.flush(&plugin);
+    }
+
+    /// Sends the requests queued on `plugin` in one callout.
+    fn flush(&mut self, plugin: &Rc<Plugin>) {
+        let queued = plugin.batcher.drain(plugin.config.service.batch.max(1));
+        if queued.is_empty() {
+            return;
+        }
+        let takes: Vec<&TakeRequest> = queued.iter().map(|(_, t)| t).collect();
+        let members: Vec<u32> = queued.iter().map(|(t, _)| *t).collect();
+        let proxy = Proxy::new(&self.abi, plugin);
+        match proxy.call_batch(&plugin.config, &takes) {
+            Ok(token) => {
+                plugin.metrics.batched(&self.abi, members.len());
+                plugin.batcher.started(token, members);
+            }
+            Err(why) => {
+                debug!("batch of {} not dispatched: {why}", members.len());
+                for m in members {
+                    self.deliver_to(m, |_| CalloutResult::DispatchError);
+                }
+            }
+        }
+    }
+
     /// Hands the result of callout `token` to the request waiting for it, if any. `read` runs
     /// only then (so a stray reply costs no host calls), as the request's context.
-    fn deliver(&mut self, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
+    fn deliver_to(&mut self, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
         let Some(id) = self.callouts.remove(&token) else {
             debug!("reply to callout {token}: no request waits for it");
             return;

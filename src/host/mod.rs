@@ -4,9 +4,11 @@
 //!
 //! - `abi.rs`: the host calls the adapter makes, as a trait (Envoy's imports, or a fake in tests).
 //! - `dispatch.rs`: contexts, callout tokens, and what each callback does; pure over `abi`.
+//! - `batch.rs`: group commit (`service.batch`): queued requests, one callout for them, the split.
 //! - `wasm.rs` (wasm only): the imports, the `proxy_on_*` exports, allocator, logger, panic hook.
 
 mod abi;
+mod batch;
 mod dispatch;
 #[cfg(target_family = "wasm")]
 mod wasm;

@@ -419,6 +419,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 bearer: None,
                 grpc_service: Vec::new(),
                 match_headers: Some(names.clone()),
+                batcher: super::Batcher::default(),
             };
             let core = crate::core::decide::decide(&cfg, &full);
             let pre = may_match(&fake, &plugin);
@@ -472,4 +473,60 @@ fn a_configuration_envoy_must_refuse_is_refused() {
     let mut d = Dispatcher::new(Fake::new(""));
     d.on_context_create(ROOT, 0);
     assert!(!d.on_configure(ROOT, 0));
+}
+
+#[test]
+fn queued_requests_leave_in_one_batch_and_each_gets_its_own_answer() {
+    let cfg =
+        config("http", "").replace(r#""transport":"http"}"#, r#""transport":"http","batch":8}"#);
+    let mut d = dispatcher(&cfg);
+    // A lone request calls at once.
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    assert_eq!(d.abi.dispatched.borrow().len(), 1);
+    let first = last_token(&d);
+    // Three more while it is in flight: queued, no callout; one goes away before its batch.
+    for id in [11, 12, 13] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 1, "queued, not called");
+    disconnect(&mut d, 12);
+    // The first answer comes back: request 10 resumes and the queue leaves as one batch.
+    allowed_reply(&d);
+    d.on_http_call_response(first, 1, 200);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10]);
+    assert_eq!(d.abi.dispatched.borrow().len(), 2);
+    let (batch, body) = d.abi.dispatched.borrow().last().cloned().unwrap();
+    let body = String::from_utf8(body).unwrap();
+    assert!(body.starts_with(r#"{"takes":[{"buckets":"#), "{body}");
+    assert_eq!(
+        body.matches("\"key\"").count(),
+        2,
+        "the departed request is not sent: {body}"
+    );
+    assert_eq!(d.abi.metric("tollgate.batch.takes"), 2);
+    // Its answer: one allowed, one denied, in order.
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        br#"{"results":[
+            {"allowed":true,"buckets":[{"allowed":true,"limit":5,"remaining":1,"reset_ms":1,"retry_after_ms":0}]},
+            {"allowed":false,"buckets":[{"allowed":false,"limit":5,"remaining":0,"reset_ms":1,"retry_after_ms":9}]}]}"#
+            .to_vec(),
+    );
+    d.on_http_call_response(batch, 1, 400);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10, 11]);
+    assert_eq!(*d.abi.replied.borrow(), vec![(13, 429)]);
+    assert_eq!(d.pending_callouts(), 0, "nothing left waiting");
+    // A failed batch fails each of its requests (here: the fallback decides).
+    assert_eq!(start(&mut d, 20, "/api"), PAUSE);
+    let lone = last_token(&d);
+    for id in [21, 22] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    allowed_reply(&d);
+    d.on_http_call_response(lone, 1, 200);
+    let batch = last_token(&d);
+    *d.abi.reply.borrow_mut() = (None, Vec::new());
+    d.on_http_call_response(batch, 0, 0);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.reset"), 2);
+    assert_eq!(d.pending_callouts(), 0);
 }
