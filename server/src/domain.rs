@@ -27,6 +27,14 @@ pub const BUCKET_OVERHEAD_BYTES: usize = 512;
 pub const MAX_TAKE_BYTES: usize =
     MAX_BUCKETS * (MAX_KEY_BYTES + BUCKET_OVERHEAD_BYTES) + BUCKET_OVERHEAD_BYTES;
 
+/// Most takes one batch may carry (`POST /v1/take_batch`, `TakeBatch`).
+pub const MAX_BATCH_TAKES: usize = 64;
+/// Largest batch body accepted, JSON or protobuf: 1 MiB. Less than [`MAX_BATCH_TAKES`] takes of
+/// [`MAX_TAKE_BYTES`] each: a batch of that many takes of the longest keys does not fit and must
+/// be split by its sender. A larger body is refused (413 / `RESOURCE_EXHAUSTED`) before it is
+/// decoded.
+pub const MAX_BATCH_BYTES: usize = 1024 * 1024;
+
 /// How a bucket counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
@@ -113,6 +121,15 @@ impl TakeDecision {
     }
 }
 
+/// The answer to a batch: one [`TakeDecision`] per take, in the batch's order. Its serde form is
+/// the JSON response body of `POST /v1/take_batch`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchDecision {
+    /// One result per take, in request order.
+    pub results: Vec<TakeDecision>,
+}
+
 /// A bucket as decoded from either wire form, before validation. `None` means "absent".
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RawBucket {
@@ -137,6 +154,13 @@ pub struct RawBucket {
 pub struct RawTake {
     /// `buckets`, absent when missing from JSON.
     pub buckets: Option<Vec<RawBucket>>,
+}
+
+/// A batch as decoded from either wire form: its takes, each as a single take decodes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RawBatch {
+    /// `takes`, absent when missing from JSON.
+    pub takes: Option<Vec<RawTake>>,
 }
 
 /// A rejected request: which field, and why. Becomes 400 / `INVALID_ARGUMENT`.
@@ -252,6 +276,45 @@ pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
         .collect()
 }
 
+/// Checks a decoded batch: 1..=[`MAX_BATCH_TAKES`] takes, each checked by [`validate`] exactly as
+/// a single take. The first invalid take rejects the whole batch, its field named from the batch
+/// (`takes[3].buckets[0].capacity`).
+pub fn validate_batch(raw: RawBatch) -> Result<Vec<Vec<BucketSpec>>, InvalidArgument> {
+    let takes = raw
+        .takes
+        .ok_or_else(|| InvalidArgument::new("takes", "is required"))?;
+    if takes.is_empty() {
+        return Err(InvalidArgument::new("takes", "must hold at least 1 take"));
+    }
+    if takes.len() > MAX_BATCH_TAKES {
+        return Err(InvalidArgument::new(
+            "takes",
+            format!(
+                "must hold at most {MAX_BATCH_TAKES} takes, got {}",
+                takes.len()
+            ),
+        ));
+    }
+    takes
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| validate(t).map_err(|e| e.within_take(i)))
+        .collect()
+}
+
+impl InvalidArgument {
+    /// The same error about take `i` of a batch: `buckets[0].key` becomes
+    /// `takes[i].buckets[0].key`, and an error about the take as a whole, `takes[i]`.
+    pub fn within_take(self, i: usize) -> Self {
+        let field = if self.field.is_empty() {
+            format!("takes[{i}]")
+        } else {
+            format!("takes[{i}].{}", self.field)
+        };
+        InvalidArgument { field, ..self }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,6 +392,32 @@ mod tests {
         b.key = None;
         assert_eq!(err(vec![b]).field, "buckets[0].key");
         assert!(validate(RawTake { buckets: None }).is_err());
+    }
+
+    #[test]
+    fn batch_errors_name_the_take() {
+        let take = |b: Vec<RawBucket>| RawTake { buckets: Some(b) };
+        let batch = |t: Vec<RawTake>| validate_batch(RawBatch { takes: Some(t) });
+        assert_eq!(
+            validate_batch(RawBatch::default()).err().map(|e| e.field),
+            Some("takes".into())
+        );
+        assert_eq!(batch(vec![]).err().map(|e| e.field), Some("takes".into()));
+        let ok = take(vec![raw("a")]);
+        assert_eq!(
+            batch(vec![ok.clone(); 65]).err().map(|e| e.field),
+            Some("takes".into())
+        );
+        assert_eq!(batch(vec![ok.clone(); 64]).map(|v| v.len()), Ok(64));
+        let mut bad = raw("a");
+        bad.capacity = Some(0);
+        let e = batch(vec![ok.clone(), ok.clone(), ok.clone(), take(vec![bad])]).err();
+        assert_eq!(
+            e.map(|e| e.field),
+            Some("takes[3].buckets[0].capacity".into())
+        );
+        let e = batch(vec![ok, RawTake { buckets: None }]).err();
+        assert_eq!(e.map(|e| e.field), Some("takes[1].buckets".into()));
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! | metric | labels | what |
 //! |---|---|---|
 //! | `tollgate_decisions_total` | `outcome` = allowed, limited | takes answered |
-//! | `tollgate_store_duration_seconds` | | time of one store take (histogram) |
+//! | `tollgate_store_duration_seconds` | | time of one store call: a take, or a whole batch (histogram) |
+//! | `tollgate_batch_takes` | | takes per batch (`/v1/take_batch`, `TakeBatch`; histogram: its count is the number of batches) |
 //! | `tollgate_store_errors_total` | `kind` = timeout, connection, server, protocol | failed takes |
 //! | `tollgate_requests_total` | `transport` = http, grpc; `code` = ok, invalid_argument, unauthenticated, resource_exhausted, deadline_exceeded, unavailable | API calls |
 //! | `tollgate_shed_total` | | takes answered 503 / `UNAVAILABLE` at once because `--max-in-flight` takes were being decided |
@@ -44,6 +45,7 @@ pub struct Metrics {
     registry: Registry,
     decisions: Family<Outcome, Counter>,
     store_duration: Histogram,
+    batch_takes: Histogram,
     store_errors: Family<Kind, Counter>,
     requests: Family<Call, Counter>,
     shed: Counter,
@@ -84,6 +86,12 @@ impl Metrics {
             "Duration of one store take",
             store_duration.clone(),
         );
+        let batch_takes = Histogram::new([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]);
+        registry.register(
+            "batch_takes",
+            "Takes per batch (the count is the number of batches)",
+            batch_takes.clone(),
+        );
         let store_errors = Family::<Kind, Counter>::default();
         registry.register(
             "store_errors",
@@ -118,6 +126,7 @@ impl Metrics {
             registry,
             decisions,
             store_duration,
+            batch_takes,
             store_errors,
             requests,
             shed,
@@ -143,6 +152,11 @@ impl Metrics {
     /// Records the duration of one store take.
     pub fn store_duration(&self, seconds: f64) {
         self.store_duration.observe(seconds);
+    }
+
+    /// Counts a batch of `takes` takes (valid, about to be decided).
+    pub fn batch(&self, takes: usize) {
+        self.batch_takes.observe(takes as f64);
     }
 
     /// Counts a store failure.

@@ -241,6 +241,89 @@ async fn lease_grants_what_is_there(s: Arc<dyn Store>) {
     );
 }
 
+async fn batch(
+    s: &dyn Store,
+    takes: &[Vec<BucketSpec>],
+) -> Vec<tollgate_server::domain::TakeDecision> {
+    let ds = s.take_batch(takes).await.expect("store answers");
+    assert_eq!(ds.len(), takes.len());
+    ds
+}
+
+/// Takes in one batch are decided as each would be alone, in order.
+async fn batch_takes_are_independent(s: Arc<dyn Store>) {
+    let (a, b, c) = (
+        tb(&common::unique("ba"), 3, 3, HOUR, 1),
+        fw(&common::unique("bb"), 5, HOUR, 2),
+        tb(&common::unique("bc"), 5, 5, 1000, 6),
+    );
+    let ds = batch(
+        &*s,
+        &[
+            vec![a.clone()],
+            vec![b.clone()],
+            vec![c.clone()],
+            vec![a.clone(), b.clone()],
+        ],
+    )
+    .await;
+    assert!(ds[0].allowed && ds[1].allowed && ds[3].allowed, "{ds:?}");
+    assert_eq!(ds[0].buckets[0].remaining, 2);
+    assert_eq!(
+        (ds[1].buckets[0].remaining, ds[1].buckets[0].granted),
+        (3, 2)
+    );
+    // Cost above capacity: denied, as a single take would be, and the others are not affected.
+    assert!(!ds[2].allowed);
+    assert_eq!(ds[2].buckets[0].retry_after_ms, 1000);
+    assert_eq!(ds[2].buckets[0].granted, 0);
+    // The last take sees what the first two charged.
+    assert_eq!(
+        (ds[3].buckets[0].remaining, ds[3].buckets[1].remaining),
+        (1, 1)
+    );
+    // And a single take afterwards sees the whole batch.
+    let d = take(&*s, std::slice::from_ref(&a)).await;
+    assert_eq!(d.buckets[0].remaining, 0);
+}
+
+/// Two takes of one bucket of capacity 1 in one batch: exactly one is admitted, the first.
+async fn batch_same_bucket_admits_once(s: Arc<dyn Store>) {
+    let b = tb(&common::unique("bsame"), 1, 1, HOUR, 1);
+    let ds = batch(&*s, &[vec![b.clone()], vec![b.clone()]]).await;
+    assert!(ds[0].allowed && !ds[1].allowed, "{ds:?}");
+    assert_eq!(ds[1].buckets[0].remaining, 0);
+    assert!(ds[1].buckets[0].retry_after_ms > 0);
+    // A full batch of 64 takes of a bucket of 10: exactly the first 10.
+    let k = tb(&common::unique("b64"), 10, 10, HOUR, 1);
+    let ds = batch(&*s, &vec![vec![k]; 64]).await;
+    let admitted: Vec<bool> = ds.iter().map(|d| d.allowed).collect();
+    assert_eq!(admitted.iter().filter(|a| **a).count(), 10);
+    assert!(admitted[..10].iter().all(|a| *a), "{admitted:?}");
+}
+
+/// A take denied inside a batch charges none of its own buckets; the other takes are charged.
+async fn batch_denied_take_charges_nothing(s: Arc<dyn Store>) {
+    let x = tb(&common::unique("bx"), 5, 5, HOUR, 1);
+    let y = tb(&common::unique("by"), 1, 1, HOUR, 2);
+    let z = fw(&common::unique("bz"), 3, HOUR, 1);
+    let ds = batch(
+        &*s,
+        &[vec![z.clone()], vec![x.clone(), y.clone()], vec![z.clone()]],
+    )
+    .await;
+    assert!(ds[0].allowed && !ds[1].allowed && ds[2].allowed, "{ds:?}");
+    assert!(ds[1].buckets[0].allowed && !ds[1].buckets[1].allowed);
+    assert!(ds[1].buckets.iter().all(|b| b.granted == 0));
+    assert_eq!(ds[2].buckets[0].remaining, 1);
+    // x still holds all 5 tokens; z was charged twice.
+    let d = take(&*s, &[tb(&x.key, 5, 5, HOUR, 5)]).await;
+    assert!(d.allowed, "x was not charged: {d:?}");
+    let d = take(&*s, std::slice::from_ref(&z)).await;
+    assert!(d.allowed);
+    assert_eq!(d.buckets[0].remaining, 0);
+}
+
 macro_rules! suite {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -277,4 +360,7 @@ suite!(
     large_values,
     sixteen_buckets_mixed,
     lease_grants_what_is_there,
+    batch_takes_are_independent,
+    batch_same_bucket_admits_once,
+    batch_denied_take_charges_nothing,
 );

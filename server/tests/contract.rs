@@ -8,7 +8,7 @@ use prost::Message;
 use serde_json::Value;
 use tollgate_server::api::grpc::{self, pb};
 use tollgate_server::api::json;
-use tollgate_server::domain::{validate, TakeDecision};
+use tollgate_server::domain::{validate, validate_batch, BatchDecision, TakeDecision};
 
 fn hex_decode(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -91,5 +91,76 @@ fn responses_agree_in_both_encodings() {
         )
         .expect(name);
         assert_eq!(grpc::decision_from_pb(&back), decision, "{name}");
+    }
+}
+
+fn batch_cases() -> Vec<Value> {
+    let path = common::workspace().join("contract/fixtures/cases.json");
+    let text = std::fs::read_to_string(&path).expect("read cases.json");
+    let v: Value = serde_json::from_str(&text).expect("parse cases.json");
+    let cases = v["batch_cases"].as_array().expect("batch_cases").clone();
+    assert!(cases.len() >= 2);
+    cases
+}
+
+#[test]
+fn batch_requests_agree_in_both_encodings() {
+    for case in batch_cases() {
+        let name = case["name"].as_str().unwrap();
+        // JSON -> domain -> JSON.
+        let body = serde_json::to_vec(&case["request_json"]).unwrap();
+        let raw_json = json::decode_batch(&body).expect(name);
+        assert_eq!(
+            json::encode_batch_request(&raw_json),
+            case["request_json"],
+            "{name}"
+        );
+        // protobuf bytes -> domain -> bytes.
+        let bytes = hex_decode(case["request_pb_hex"].as_str().unwrap());
+        let msg = pb::TakeBatchRequest::decode(bytes.as_slice()).expect(name);
+        assert_eq!(
+            grpc::decode_batch_message(&bytes).expect(name),
+            msg,
+            "{name}"
+        );
+        let raw_pb = grpc::raw_batch_from_pb(&msg).expect(name);
+        assert_eq!(
+            hex_encode(&grpc::pb_batch_from_raw(&raw_pb).encode_to_vec()),
+            case["request_pb_hex"],
+            "{name}"
+        );
+        // JSON -> protobuf bytes.
+        assert_eq!(
+            hex_encode(&grpc::pb_batch_from_raw(&raw_json).encode_to_vec()),
+            case["request_pb_hex"],
+            "{name}"
+        );
+        // Both mean the same validated batch, and each take the same as it would alone.
+        let takes = validate_batch(raw_json.clone()).expect(name);
+        assert_eq!(takes, validate_batch(raw_pb).expect(name), "{name}");
+        for (take, raw) in takes.iter().zip(raw_json.takes.unwrap()) {
+            assert_eq!(take, &validate(raw).expect(name), "{name}");
+        }
+    }
+}
+
+#[test]
+fn batch_responses_agree_in_both_encodings() {
+    for case in batch_cases() {
+        let name = case["name"].as_str().unwrap();
+        let batch: BatchDecision =
+            serde_json::from_value(case["response_json"].clone()).expect(name);
+        assert_eq!(
+            serde_json::to_value(&batch).unwrap(),
+            case["response_json"],
+            "{name}"
+        );
+        let bytes = grpc::pb_from_batch(&batch.results).encode_to_vec();
+        assert_eq!(hex_encode(&bytes), case["response_pb_hex"], "{name}");
+        let back = pb::TakeBatchResponse::decode(
+            hex_decode(case["response_pb_hex"].as_str().unwrap()).as_slice(),
+        )
+        .expect(name);
+        assert_eq!(grpc::batch_from_pb(&back), batch.results, "{name}");
     }
 }

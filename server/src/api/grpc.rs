@@ -1,4 +1,4 @@
-//! The gRPC form: `tollgate.v1.RateLimiter/Take`, types generated at build time from
+//! The gRPC form: `tollgate.v1.RateLimiter/Take` and `TakeBatch`, types generated at build time from
 //! `contract/tollgate.proto` (protox + tonic-prost-build, no protoc).
 
 use std::marker::PhantomData;
@@ -13,7 +13,8 @@ use tonic_prost::{ProstDecoder, ProstEncoder};
 use super::ApiError;
 use crate::api::Api;
 use crate::domain::{
-    Algorithm, BucketDecision, InvalidArgument, RawBucket, RawTake, TakeDecision, MAX_BUCKETS,
+    Algorithm, BucketDecision, InvalidArgument, RawBatch, RawBucket, RawTake, TakeDecision,
+    MAX_BATCH_TAKES, MAX_BUCKETS,
 };
 
 /// Generated protobuf messages, server and client.
@@ -22,28 +23,29 @@ pub mod pb {
     tonic::include_proto!("tollgate.v1");
 }
 
-/// Decodes a `TakeRequest` message (protobuf bytes, without gRPC's 5-byte frame header): a pure
-/// function over the bytes. The top-level fields are scanned first, in constant memory, and a
-/// 17th bucket stops the decoding there; only then does prost build the message (at most 16
-/// buckets, each no larger than the input).
-pub fn decode_take_message(bytes: &[u8]) -> Result<pb::TakeRequest, InvalidArgument> {
+fn malformed(e: &dyn std::fmt::Display) -> InvalidArgument {
+    InvalidArgument::new("", format!("malformed protobuf: {e}"))
+}
+
+/// Walks the top-level fields of a message in constant memory, calling `on_one` with the index
+/// and payload of every field 1 (length-delimited; other wire types get an empty payload, and
+/// prost refuses them later). More than `max` of them stop the walk with `too_many()`.
+fn scan_field_one(
+    bytes: &[u8],
+    max: usize,
+    too_many: impl Fn() -> InvalidArgument,
+    mut on_one: impl FnMut(usize, &[u8]) -> Result<(), InvalidArgument>,
+) -> Result<(), InvalidArgument> {
     use prost::encoding::{decode_key, decode_varint, WireType};
-    let malformed =
-        |e: &dyn std::fmt::Display| InvalidArgument::new("", format!("malformed protobuf: {e}"));
     let mut buf = bytes;
-    let mut buckets = 0usize;
+    let mut seen = 0usize;
     while !buf.is_empty() {
         let (tag, wire_type) = decode_key(&mut buf).map_err(|e| malformed(&e))?;
         if tag == 1 {
-            buckets += 1;
-            if buckets > MAX_BUCKETS {
-                return Err(InvalidArgument::new(
-                    "buckets",
-                    format!(
-                        "must hold at most {MAX_BUCKETS} buckets (decoding stopped at the 17th)"
-                    ),
-                ));
+            if seen == max {
+                return Err(too_many());
             }
+            seen += 1;
         }
         let skip = match wire_type {
             WireType::Varint => {
@@ -60,11 +62,62 @@ pub fn decode_take_message(bytes: &[u8]) -> Result<pb::TakeRequest, InvalidArgum
                 return Err(malformed(&"groups are not part of this contract"))
             }
         };
-        buf = buf
-            .get(skip..)
+        let payload = buf
+            .get(..skip)
             .ok_or_else(|| malformed(&"a field runs past the end"))?;
+        if tag == 1 && wire_type == WireType::LengthDelimited {
+            on_one(seen - 1, payload)?;
+        }
+        buf = &buf[skip..];
     }
+    Ok(())
+}
+
+/// Checks a `TakeRequest`'s bucket count without building it: a 17th bucket stops the walk.
+fn scan_take(bytes: &[u8]) -> Result<(), InvalidArgument> {
+    scan_field_one(
+        bytes,
+        MAX_BUCKETS,
+        || {
+            InvalidArgument::new(
+                "buckets",
+                format!("must hold at most {MAX_BUCKETS} buckets (decoding stopped at the 17th)"),
+            )
+        },
+        |_, _| Ok(()),
+    )
+}
+
+/// Decodes a `TakeRequest` message (protobuf bytes, without gRPC's 5-byte frame header): a pure
+/// function over the bytes. The top-level fields are scanned first, in constant memory, and a
+/// 17th bucket stops the decoding there; only then does prost build the message (at most 16
+/// buckets, each no larger than the input).
+pub fn decode_take_message(bytes: &[u8]) -> Result<pb::TakeRequest, InvalidArgument> {
+    scan_take(bytes)?;
     pb::TakeRequest::decode(bytes).map_err(|e| malformed(&e))
+}
+
+/// Decodes a `TakeBatchRequest` message as [`decode_take_message`] decodes a take: the takes are
+/// scanned first (a 65th take, or a 17th bucket in any take, stops the decoding there, the
+/// latter named `takes[i].buckets`); only then does prost build the message.
+pub fn decode_batch_message(bytes: &[u8]) -> Result<pb::TakeBatchRequest, InvalidArgument> {
+    scan_field_one(
+        bytes,
+        MAX_BATCH_TAKES,
+        || {
+            InvalidArgument::new(
+                "takes",
+                format!("must hold at most {MAX_BATCH_TAKES} takes (decoding stopped at the 65th)"),
+            )
+        },
+        |i, take| scan_take(take).map_err(|e| e.within_take(i)),
+    )?;
+    pb::TakeBatchRequest::decode(bytes).map_err(|e| malformed(&e))
+}
+
+/// Decodes a `TakeBatchRequest` message into the domain's [`RawBatch`].
+pub fn decode_batch(bytes: &[u8]) -> Result<RawBatch, InvalidArgument> {
+    decode_batch_message(bytes).and_then(|m| raw_batch_from_pb(&m))
 }
 
 /// Decodes a `TakeRequest` message into the domain's [`RawTake`]: [`decode_take_message`], then
@@ -100,6 +153,18 @@ pub trait DecodeStrict: Sized {
 impl DecodeStrict for pb::TakeRequest {
     fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
         decode_take_message(bytes)
+    }
+}
+
+impl DecodeStrict for pb::TakeBatchRequest {
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
+        decode_batch_message(bytes)
+    }
+}
+
+impl DecodeStrict for pb::TakeBatchResponse {
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
+        pb::TakeBatchResponse::decode(bytes).map_err(|e| malformed(&e))
     }
 }
 
@@ -174,6 +239,37 @@ pub fn raw_from_pb(req: &pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
     Ok(RawTake {
         buckets: Some(buckets),
     })
+}
+
+/// Converts a decoded protobuf batch: each take as [`raw_from_pb`] converts one, its errors named
+/// from the batch.
+pub fn raw_batch_from_pb(req: &pb::TakeBatchRequest) -> Result<RawBatch, InvalidArgument> {
+    let takes = req
+        .takes
+        .iter()
+        .enumerate()
+        .map(|(i, t)| raw_from_pb(t).map_err(|e| e.within_take(i)))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(RawBatch { takes: Some(takes) })
+}
+
+/// Encodes a batch request as protobuf (tests and the load generator).
+pub fn pb_batch_from_raw(raw: &RawBatch) -> pb::TakeBatchRequest {
+    pb::TakeBatchRequest {
+        takes: raw.takes.iter().flatten().map(pb_from_raw).collect(),
+    }
+}
+
+/// Encodes a batch's decisions as protobuf.
+pub fn pb_from_batch(ds: &[TakeDecision]) -> pb::TakeBatchResponse {
+    pb::TakeBatchResponse {
+        results: ds.iter().map(pb_from_decision).collect(),
+    }
+}
+
+/// Decodes a protobuf batch response.
+pub fn batch_from_pb(r: &pb::TakeBatchResponse) -> Vec<TakeDecision> {
+    r.results.iter().map(decision_from_pb).collect()
 }
 
 /// Encodes a request as protobuf (tests and the load generator).
@@ -280,6 +376,23 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
             }
         }
     }
+
+    async fn take_batch(
+        &self,
+        request: Request<pb::TakeBatchRequest>,
+    ) -> Result<Response<pb::TakeBatchResponse>, Status> {
+        let raw = raw_batch_from_pb(request.get_ref());
+        match self.api.take_batch(raw).await {
+            Ok(ds) => {
+                self.api.metrics.request("grpc", "ok");
+                Ok(Response::new(pb_from_batch(&ds)))
+            }
+            Err(e) => {
+                self.api.metrics.request("grpc", e.code());
+                Err(status_of(&e))
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -309,6 +422,39 @@ mod tests {
         assert_eq!(
             decode_take(&other).map(|r| r.buckets.map(|b| b.len())),
             Ok(Some(1))
+        );
+    }
+
+    #[test]
+    fn batch_decoding_stops_at_the_sixty_fifth_take() {
+        // `0a 02 0a 00`: field 1 (takes), length 2: a take of one empty bucket.
+        let ok = [0x0a, 0x02, 0x0a, 0x00].repeat(64);
+        assert_eq!(
+            decode_batch(&ok).map(|r| r.takes.map(|t| t.len())),
+            Ok(Some(64))
+        );
+        let mut huge = [0x0a, 0x02, 0x0a, 0x00].repeat(100_000);
+        huge.extend_from_slice(&[0xff; 3]);
+        let e = decode_batch(&huge).err();
+        assert_eq!(e.as_ref().map(|e| e.field.as_str()), Some("takes"), "{e:?}");
+        // A 17th bucket in take 2 is found before prost builds anything.
+        let mut bad = [0x0a, 0x02, 0x0a, 0x00].repeat(2);
+        bad.extend_from_slice(&[0x0a, 34]);
+        bad.extend_from_slice(&[0x0a, 0x00].repeat(17));
+        let e = decode_batch(&bad).err();
+        assert_eq!(
+            e.as_ref().map(|e| e.field.as_str()),
+            Some("takes[2].buckets"),
+            "{e:?}"
+        );
+        // A bad algorithm is named from the batch.
+        let mut alg = [0x0a, 0x02, 0x0a, 0x00].to_vec();
+        alg.extend_from_slice(&[0x0a, 0x04, 0x0a, 0x02, 0x30, 0x07]);
+        let e = decode_batch(&alg).err();
+        assert_eq!(
+            e.as_ref().map(|e| e.field.as_str()),
+            Some("takes[1].buckets[0].algorithm"),
+            "{e:?}"
         );
     }
 

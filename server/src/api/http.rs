@@ -18,9 +18,9 @@ use tonic::server::NamedService;
 use tower::{Service, ServiceExt};
 
 use super::grpc::{pb::rate_limiter_server::RateLimiterServer, status_of, RateLimiterService};
-use super::json::{decode_take, error_body};
+use super::json::{decode_batch, decode_take, error_body};
 use super::{Api, ApiError, GRPC_FRAMING_BYTES};
-use crate::domain::MAX_TAKE_BYTES;
+use crate::domain::{BatchDecision, MAX_BATCH_BYTES, MAX_TAKE_BYTES};
 
 fn error_response(e: &ApiError) -> Response {
     let (status, field) = match e {
@@ -55,6 +55,29 @@ async fn take(State(api): State<Arc<Api>>, req: Request) -> Response {
         Ok(d) => {
             api.metrics.request("http", "ok");
             Json(d).into_response()
+        }
+        Err(e) => {
+            api.metrics.request("http", e.code());
+            error_response(&e)
+        }
+    }
+}
+
+/// `POST /v1/take_batch`: admitted like a take (token first, one permit) with the batch's body
+/// bound, then every take decided by one store call.
+async fn take_batch(State(api): State<Arc<Api>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = match api
+        .admit_bounded(&parts.headers, body, MAX_BATCH_BYTES, 0)
+        .await
+    {
+        Ok((bytes, _permit)) => api.take_batch(decode_batch(&bytes)).await,
+        Err(e) => Err(e),
+    };
+    match result {
+        Ok(results) => {
+            api.metrics.request("http", "ok");
+            Json(BatchDecision { results }).into_response()
         }
         Err(e) => {
             api.metrics.request("http", e.code());
@@ -102,7 +125,11 @@ async fn grpc_take(
     req: Request,
 ) -> Response {
     let (parts, body) = req.into_parts();
-    match api.admit(&parts.headers, body, GRPC_FRAMING_BYTES).await {
+    let limit = body_bound(parts.uri.path());
+    match api
+        .admit_bounded(&parts.headers, body, limit, GRPC_FRAMING_BYTES)
+        .await
+    {
         Ok((bytes, permit)) => {
             let req =
                 Request::from_parts(parts, tonic::body::Body::new(axum::body::Body::from(bytes)));
@@ -131,13 +158,14 @@ pub fn router(
        + 'static {
     let http = Router::new()
         .route("/v1/take", post(take))
+        .route("/v1/take_batch", post(take_batch))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(api.clone());
-    // The body reaching tonic was bounded already; this bound is the same, for any other path.
+    // The body reaching tonic was bounded already (by method); this is the larger bound, a batch's.
     let server = RateLimiterServer::new(RateLimiterService::new(api.clone()))
-        .max_decoding_message_size(MAX_TAKE_BYTES);
+        .max_decoding_message_size(MAX_BATCH_BYTES);
     // A call of one of our methods goes straight to the generated server, which dispatches on the
     // full path itself (and answers an unknown method of the service with UNIMPLEMENTED). Any
     // other gRPC path goes through tonic's router as before (UNIMPLEMENTED for unknown services):
@@ -187,4 +215,13 @@ fn is_our_method(path: &str) -> bool {
         .and_then(|p| p.strip_prefix(<RateLimiterServer<RateLimiterService> as NamedService>::NAME))
         .and_then(|p| p.strip_prefix('/'))
         .is_some_and(|method| !method.is_empty())
+}
+
+/// The body bound of a gRPC call: a batch's for `TakeBatch`, a take's for anything else.
+fn body_bound(path: &str) -> usize {
+    if is_our_method(path) && path.ends_with("/TakeBatch") {
+        MAX_BATCH_BYTES
+    } else {
+        MAX_TAKE_BYTES
+    }
 }

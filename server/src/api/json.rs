@@ -1,4 +1,5 @@
-//! The JSON form of the contract. [`decode_take`] reads a body straight into a [`RawTake`] with
+//! The JSON form of the contract. [`decode_take`] reads a body straight into a [`RawTake`] (and
+//! [`decode_batch`] a batch into a [`RawBatch`], stopping at the 65th take) with
 //! serde visitors (no `serde_json::Value` tree, so memory stays bounded by the body and 16
 //! buckets), naming the field of every error (`buckets[0].capacity`) and refusing unknown fields;
 //! encoding uses serde. A response body is the serde form of [`crate::domain::TakeDecision`].
@@ -9,7 +10,9 @@ use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, MapAccess, Seq
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use crate::domain::{Algorithm, InvalidArgument, RawBucket, RawTake, MAX_BUCKETS};
+use crate::domain::{
+    Algorithm, InvalidArgument, RawBatch, RawBucket, RawTake, MAX_BATCH_TAKES, MAX_BUCKETS,
+};
 
 /// The JSON spelling of an algorithm.
 pub fn algorithm_name(a: Algorithm) -> &'static str {
@@ -28,8 +31,27 @@ pub fn algorithm_name(a: Algorithm) -> &'static str {
 pub fn decode_take(body: &[u8]) -> Result<RawTake, InvalidArgument> {
     let slot = ErrorSlot::default();
     let mut de = serde_json::Deserializer::from_slice(body);
-    let result = serde::de::DeserializeSeed::deserialize(TakeSeed(&slot), &mut de)
+    let result = TakeSeed(&slot)
+        .deserialize(&mut de)
         .and_then(|raw| de.end().map(|()| raw));
+    finish(result, &slot)
+}
+
+/// Decodes a `POST /v1/take_batch` body, `{"takes": [<take>, ...]}`, as [`decode_take`] decodes
+/// one take; an error inside take `i` names its field from the batch (`takes[3].buckets[0].key`).
+/// Decoding stops at the 65th take.
+pub fn decode_batch(body: &[u8]) -> Result<RawBatch, InvalidArgument> {
+    let slot = ErrorSlot::default();
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let result = BatchSeed(&slot)
+        .deserialize(&mut de)
+        .and_then(|raw| de.end().map(|()| raw));
+    finish(result, &slot)
+}
+
+/// Turns serde's result into ours: a syntax error is about the whole body; any other error is
+/// the field-named one a visitor recorded in `slot`.
+fn finish<T>(result: Result<T, serde_json::Error>, slot: &ErrorSlot) -> Result<T, InvalidArgument> {
     match result {
         Ok(raw) => Ok(raw),
         // A syntax error wins over what the visitor was reading when it hit it.
@@ -69,6 +91,7 @@ impl ErrorSlot {
 }
 
 enum Field {
+    Takes,
     Buckets,
     Key,
     Capacity,
@@ -90,6 +113,7 @@ impl<'de> Deserialize<'de> for Field {
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
                 Ok(match v {
+                    "takes" => Field::Takes,
                     "buckets" => Field::Buckets,
                     "key" => Field::Key,
                     "capacity" => Field::Capacity,
@@ -146,6 +170,7 @@ impl<'de> Visitor<'de> for TakeSeed<'_> {
 
 fn field_name(f: &Field) -> String {
     match f {
+        Field::Takes => "takes",
         Field::Buckets => "buckets",
         Field::Key => "key",
         Field::Capacity => "capacity",
@@ -157,6 +182,116 @@ fn field_name(f: &Field) -> String {
         Field::Unknown(n) => n,
     }
     .to_string()
+}
+
+/// A whole batch body: an object with `takes` only.
+struct BatchSeed<'a>(&'a ErrorSlot);
+
+impl<'de> DeserializeSeed<'de> for BatchSeed<'_> {
+    type Value = RawBatch;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawBatch, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BatchSeed<'_> {
+    type Value = RawBatch;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a batch object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawBatch, A::Error> {
+        let slot = self.0;
+        let mut takes = None;
+        while let Some(field) = map.next_key::<Field>()? {
+            match field {
+                Field::Takes => {
+                    takes = map
+                        .next_value_seed(OptionSeed(TakesSeed(slot)))
+                        .map_err(|e| slot.note(|| "takes".into(), "must be a list", e))?;
+                }
+                Field::Unknown(name) => return Err(slot.set(|| name, "unknown field")),
+                _ => return Err(slot.set(|| field_name(&field), "unknown field")),
+            }
+        }
+        Ok(RawBatch { takes })
+    }
+}
+
+/// The `takes` list: at most [`MAX_BATCH_TAKES`] are read; a 65th stops the decoding there.
+struct TakesSeed<'a>(&'a ErrorSlot);
+
+impl<'de> DeserializeSeed<'de> for TakesSeed<'_> {
+    type Value = Vec<RawTake>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for TakesSeed<'_> {
+    type Value = Vec<RawTake>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of takes")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let slot = self.0;
+        let mut out = Vec::new();
+        loop {
+            let i = out.len();
+            if i == MAX_BATCH_TAKES {
+                // A 65th element is refused before it is read.
+                return match seq.next_element_seed(TooManyTakes(slot))? {
+                    None => Ok(out),
+                    Some(never) => match never {},
+                };
+            }
+            match seq.next_element_seed(TakeInBatch { slot, i })? {
+                Some(t) => out.push(t),
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+/// Stands for a take past the bound: errs without reading it.
+struct TooManyTakes<'a>(&'a ErrorSlot);
+
+impl<'de> DeserializeSeed<'de> for TooManyTakes<'_> {
+    type Value = std::convert::Infallible;
+
+    fn deserialize<D: Deserializer<'de>>(self, _: D) -> Result<Self::Value, D::Error> {
+        Err(self.0.set(
+            || "takes".into(),
+            &format!("must hold at most {MAX_BATCH_TAKES} takes (decoding stopped at the 65th)"),
+        ))
+    }
+}
+
+/// Take `i` of a batch: read exactly as a single take's body, its error's field then prefixed
+/// with `takes[i].`.
+struct TakeInBatch<'a> {
+    slot: &'a ErrorSlot,
+    i: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for TakeInBatch<'_> {
+    type Value = RawTake;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<RawTake, D::Error> {
+        let inner = ErrorSlot::default();
+        d.deserialize_map(TakeSeed(&inner)).map_err(|e| {
+            let err = match inner.take() {
+                Some(err) => err.within_take(self.i),
+                None => InvalidArgument::new(format!("takes[{}]", self.i), "must be an object"),
+            };
+            self.slot.note(|| err.field, &err.message, e)
+        })
+    }
 }
 
 /// `null` or what the inner seed reads.
@@ -297,7 +432,9 @@ impl<'de> Visitor<'de> for BucketSeed<'_> {
                         })?
                         .map(|a| a.0)
                 }
-                Field::Buckets => return Err(slot.set(|| at("buckets"), "unknown field")),
+                Field::Buckets | Field::Takes => {
+                    return Err(slot.set(|| at(&field_name(&field)), "unknown field"))
+                }
                 Field::Unknown(name) => return Err(slot.set(|| at(&name), "unknown field")),
             }
         }
@@ -365,6 +502,12 @@ pub fn encode_request(raw: &RawTake) -> Value {
     serde_json::json!({ "buckets": buckets })
 }
 
+/// Encodes a batch request (used by tests and the load generator).
+pub fn encode_batch_request(raw: &RawBatch) -> Value {
+    let takes: Vec<Value> = raw.takes.iter().flatten().map(encode_request).collect();
+    serde_json::json!({ "takes": takes })
+}
+
 /// The error body: `{"error": {"code", "field", "message"}}`.
 pub fn error_body(code: &str, field: Option<&str>, message: &str) -> Value {
     let mut e = Map::new();
@@ -419,6 +562,66 @@ mod tests {
         assert_eq!(last.buckets.unwrap_or_default()[0].capacity, Some(2));
         let sixteen = format!(r#"{{"buckets":[{}]}}"#, vec!["{}"; 16].join(","));
         assert_eq!(ok(&sixteen).buckets.map(|b| b.len()), Some(16));
+    }
+
+    fn batch_field_of(body: &str) -> String {
+        match decode_batch(body.as_bytes()).and_then(crate::domain::validate_batch) {
+            Err(e) => e.field,
+            Ok(v) => unreachable!("accepted {body}: {v:?}"),
+        }
+    }
+
+    #[test]
+    fn batches_read_each_take_as_a_take() {
+        let take = r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1}]}"#;
+        let body = format!(r#"{{"takes":[{take},{take}]}}"#);
+        let raw = decode_batch(body.as_bytes()).unwrap_or_else(|e| unreachable!("{e}"));
+        let one = decode_take(take.as_bytes()).unwrap_or_else(|e| unreachable!("{e}"));
+        assert_eq!(raw.takes, Some(vec![one.clone(), one]));
+        assert_eq!(
+            Some(encode_batch_request(&raw)),
+            serde_json::from_str::<Value>(&body).ok()
+        );
+        assert_eq!(batch_field_of("{}"), "takes");
+        assert_eq!(batch_field_of(r#"{"takes":[]}"#), "takes");
+        assert_eq!(batch_field_of(r#"{"takes":3}"#), "takes");
+        assert_eq!(batch_field_of(r#"{"buckets":[]}"#), "buckets");
+        assert_eq!(
+            batch_field_of(&format!(r#"{{"takes":[{take},7]}}"#)),
+            "takes[1]"
+        );
+        assert_eq!(
+            batch_field_of(&format!(r#"{{"takes":[{take},{{}}]}}"#)),
+            "takes[1].buckets"
+        );
+        assert_eq!(
+            batch_field_of(&format!(
+                r#"{{"takes":[{take},{take},{take},{{"buckets":[{{"key":"a","capacity":0,"period_ms":1}}]}}]}}"#
+            )),
+            "takes[3].buckets[0].capacity"
+        );
+        assert_eq!(
+            batch_field_of(&format!(
+                r#"{{"takes":[{{"buckets":[{{"key":"a","capacity":1,"period_ms":1,"x":1}}]}}]}}"#
+            )),
+            "takes[0].buckets[0].x"
+        );
+        assert_eq!(batch_field_of(&format!(r#"{{"takes":[{take}] x"#)), "");
+    }
+
+    #[test]
+    fn stops_at_the_sixty_fifth_take() {
+        let take = r#"{"buckets":[{"key":"a","capacity":1,"period_ms":1}]}"#;
+        let ok = format!(r#"{{"takes":[{}]}}"#, vec![take; 64].join(","));
+        assert_eq!(
+            decode_batch(ok.as_bytes()).map(|b| b.takes.map(|t| t.len())),
+            Ok(Some(64))
+        );
+        // Garbage after the 65th `{` is never reached.
+        let body = format!(r#"{{"takes":[{},{{"#, vec![take; 64].join(","));
+        let e = decode_batch(body.as_bytes()).err();
+        assert_eq!(e.as_ref().map(|e| e.field.as_str()), Some("takes"), "{e:?}");
+        assert!(e.is_some_and(|e| e.message.contains("at most 64")));
     }
 
     #[test]

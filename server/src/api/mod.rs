@@ -26,7 +26,10 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::domain::{validate, InvalidArgument, RawTake, TakeDecision, MAX_TAKE_BYTES};
+use crate::domain::{
+    validate, validate_batch, InvalidArgument, RawBatch, RawTake, TakeDecision, MAX_BATCH_BYTES,
+    MAX_BATCH_TAKES, MAX_TAKE_BYTES,
+};
 use crate::metrics::Metrics;
 use crate::store::Store;
 
@@ -66,6 +69,9 @@ impl ApiError {
         match self {
             ApiError::Invalid(inv) => inv.to_string(),
             ApiError::Unauthenticated => "missing or wrong bearer token".to_string(),
+            ApiError::TooLarge(bound) if *bound == MAX_BATCH_BYTES => format!(
+                "request body over the bound of {bound} bytes (a batch: 1 MiB, at most {MAX_BATCH_TAKES} takes)"
+            ),
             ApiError::TooLarge(bound) => format!(
                 "request body over the bound of {bound} bytes (16 buckets of 4096-byte keys)"
             ),
@@ -205,7 +211,21 @@ impl Api {
         body: Body,
         framing: usize,
     ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
-        let bound = MAX_TAKE_BYTES + framing;
+        self.admit_bounded(headers, body, MAX_TAKE_BYTES, framing)
+            .await
+    }
+
+    /// [`Api::admit`] with the body bound `limit` (plus `framing`): [`MAX_TAKE_BYTES`] for a
+    /// take, [`MAX_BATCH_BYTES`] for a batch. A batch holds one permit, like a take: the permits
+    /// bound the requests being decided, each of which is one store call on standalone Redis.
+    pub async fn admit_bounded(
+        &self,
+        headers: &HeaderMap,
+        body: Body,
+        limit: usize,
+        framing: usize,
+    ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
+        let bound = limit + framing;
         let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
         if !self.auth.check(auth) {
             return Err(ApiError::Unauthenticated);
@@ -215,7 +235,7 @@ impl Api {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > bound as u64) {
-            return Err(ApiError::TooLarge(MAX_TAKE_BYTES));
+            return Err(ApiError::TooLarge(limit));
         }
         let read = Limited::new(body, bound).collect();
         let bytes = match tokio::time::timeout(self.body_timeout, read).await {
@@ -223,9 +243,7 @@ impl Api {
                 let ms = u64::try_from(self.body_timeout.as_millis()).unwrap_or(u64::MAX);
                 return Err(ApiError::BodyTimeout(ms));
             }
-            Ok(Err(e)) if e.is::<LengthLimitError>() => {
-                return Err(ApiError::TooLarge(MAX_TAKE_BYTES))
-            }
+            Ok(Err(e)) if e.is::<LengthLimitError>() => return Err(ApiError::TooLarge(limit)),
             Ok(Err(e)) => {
                 return Err(ApiError::Invalid(InvalidArgument::new(
                     "",
@@ -266,6 +284,40 @@ impl Api {
             Err(e) => {
                 self.metrics.store_error(e.kind());
                 tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), "take failed");
+                Err(ApiError::Unavailable(e.public_message()))
+            }
+        }
+    }
+}
+
+impl Api {
+    /// Validates and decides one admitted batch: every take is validated first (one invalid
+    /// take rejects the batch, nothing charged), then the store decides them all in one call.
+    pub async fn take_batch(
+        &self,
+        raw: Result<RawBatch, InvalidArgument>,
+    ) -> Result<Vec<TakeDecision>, ApiError> {
+        let takes = match raw.and_then(validate_batch) {
+            Ok(takes) => takes,
+            Err(e) => {
+                tracing::debug!(error = %e, "invalid batch");
+                return Err(ApiError::Invalid(e));
+            }
+        };
+        self.metrics.batch(takes.len());
+        let start = Instant::now();
+        let result = self.store.take_batch(&takes).await;
+        self.metrics.store_duration(start.elapsed().as_secs_f64());
+        match result {
+            Ok(ds) => {
+                for d in &ds {
+                    self.metrics.decision(d.allowed);
+                }
+                Ok(ds)
+            }
+            Err(e) => {
+                self.metrics.store_error(e.kind());
+                tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), takes = takes.len(), "batch failed");
                 Err(ApiError::Unavailable(e.public_message()))
             }
         }

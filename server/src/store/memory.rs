@@ -164,14 +164,41 @@ impl MemoryStore {
         u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// Decides and charges at the given clock reading (µs since the store's epoch).
-    fn take_at(&self, specs: &[BucketSpec], now: u64) -> Result<TakeDecision, StoreError> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // A poisoned lock only means another take panicked mid-way; the map itself is consistent
         // because it is written only after all decisions are made.
-        let mut inner = match self.inner.lock() {
+        match self.inner.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
-        };
+        }
+    }
+
+    /// Decides and charges at the given clock reading (µs since the store's epoch).
+    fn take_at(&self, specs: &[BucketSpec], now: u64) -> Result<TakeDecision, StoreError> {
+        self.take_locked(&mut self.lock(), specs, now)
+    }
+
+    /// Decides a batch under one lock, each take in order at one clock reading: a later take
+    /// sees what the earlier ones charged.
+    fn take_batch_at(
+        &self,
+        takes: &[Vec<BucketSpec>],
+        now: u64,
+    ) -> Result<Vec<TakeDecision>, StoreError> {
+        let mut inner = self.lock();
+        takes
+            .iter()
+            .map(|specs| self.take_locked(&mut inner, specs, now))
+            .collect()
+    }
+
+    /// One take, with the lock held.
+    fn take_locked(
+        &self,
+        inner: &mut Inner,
+        specs: &[BucketSpec],
+        now: u64,
+    ) -> Result<TakeDecision, StoreError> {
         inner.sweep(now, SWEEP_BATCH);
         let mut scratch: HashMap<Id, (State, bool)> = HashMap::new();
         let mut out = Vec::with_capacity(specs.len());
@@ -359,6 +386,10 @@ fn ttl_ms(id: &Id, state: &State, now: u64) -> u64 {
 impl Store for MemoryStore {
     async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
         self.take_at(buckets, self.now_us())
+    }
+
+    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
+        self.take_batch_at(takes, self.now_us())
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

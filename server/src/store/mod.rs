@@ -77,6 +77,13 @@ pub trait Store: Send + Sync + 'static {
     /// `buckets` is validated (1..=16 entries, fields within the contract's bounds).
     async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError>;
 
+    /// Decides a batch of takes: each exactly as [`Store::take`] would (atomic, all-or-nothing
+    /// within itself, independent of the others), answered in order. `takes` holds
+    /// 1..=[`crate::domain::MAX_BATCH_TAKES`] validated takes. An error fails the whole batch;
+    /// takes decided before it may have been charged (a possible false denial, never an
+    /// admission).
+    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError>;
+
     /// Checks the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;
 

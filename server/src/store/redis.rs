@@ -58,12 +58,19 @@ use crate::domain::{Algorithm, BucketDecision, BucketSpec, TakeDecision};
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const TOKEN_BUCKET: &str = include_str!("lua/token_bucket.lua");
 const FIXED_WINDOW: &str = include_str!("lua/fixed_window.lua");
+const TAKE_ONE: &str = include_str!("lua/take_one.lua");
 const TAKE: &str = include_str!("lua/take.lua");
+const TAKE_BATCH: &str = include_str!("lua/take_batch.lua");
 const REFUND: &str = include_str!("lua/refund.lua");
 
 /// The full source of the take script (prelude, algorithms, driver), e.g. for `redis-benchmark`.
 pub fn take_script_source() -> String {
-    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, TAKE].join("\n")
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, TAKE_ONE, TAKE].join("\n")
+}
+
+/// The full source of the batch script (prelude, algorithms, the take of one request, the loop).
+pub fn take_batch_script_source() -> String {
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, TAKE_ONE, TAKE_BATCH].join("\n")
 }
 
 /// The full source of the refund script.
@@ -241,6 +248,12 @@ pub fn redact_url(url: &str) -> String {
     if u.fragment().is_some() {
         u.set_fragment(Some("***"));
     }
+    // A network URL's path is the database number; anything else there (a mistyped password
+    // after a `/`, say) is not shown. A unix socket's path is shown.
+    let db_only = u.path().strip_prefix('/').unwrap_or(u.path());
+    if matches!(u.scheme(), "redis" | "rediss") && !db_only.bytes().all(|b| b.is_ascii_digit()) {
+        u.set_path("/***");
+    }
     u.to_string()
 }
 
@@ -270,6 +283,7 @@ pub struct RedisStore {
     conn: Conn,
     config: RedisConfig,
     take: Arc<Script>,
+    take_batch: Arc<Script>,
     refund: Arc<Script>,
 }
 
@@ -358,6 +372,33 @@ pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, S
     Ok(GroupReply { charged, buckets })
 }
 
+/// Splits a `take_batch.lua` reply into one [`take.lua`-shaped](decode_take) reply per take and
+/// decodes each.
+pub fn decode_batch(
+    reply: &[i64],
+    takes: &[&[BucketSpec]],
+) -> Result<Vec<TakeDecision>, StoreError> {
+    let expected: usize = takes.iter().map(|t| 1 + PER_BUCKET * t.len()).sum();
+    if reply.len() != expected {
+        return Err(StoreError::Protocol(format!(
+            "batch reply has {} integers, expected {expected}",
+            reply.len()
+        )));
+    }
+    let mut at = 0;
+    let mut out = Vec::with_capacity(takes.len());
+    for specs in takes {
+        let len = 1 + PER_BUCKET * specs.len();
+        let these: Vec<&BucketSpec> = specs.iter().collect();
+        let g = decode_take(&reply[at..at + len], &these)?;
+        at += len;
+        out.push(TakeDecision::from_buckets(
+            g.buckets.into_iter().map(|(d, _)| d).collect(),
+        ));
+    }
+    Ok(out)
+}
+
 impl RedisStore {
     /// Creates the store. Connects lazily: the service starts (and reports not ready) while Redis
     /// is down, and every take fails fast until it is back.
@@ -435,6 +476,7 @@ impl RedisStore {
             conn,
             config,
             take: Arc::new(Script::new(&take_script_source())),
+            take_batch: Arc::new(Script::new(&take_batch_script_source())),
             refund: Arc::new(Script::new(&refund_script_source())),
         })
     }
@@ -499,6 +541,33 @@ impl RedisStore {
         }
         let reply = self.invoke(&self.take, &ks, &args).await?;
         decode_take(&reply, &these)
+    }
+
+    /// Decides `takes` with one call of `take_batch.lua`: one round trip, each take atomic. On a
+    /// cluster every key of every take must be in one slot.
+    async fn batch_call(&self, takes: &[&[BucketSpec]]) -> Result<Vec<TakeDecision>, StoreError> {
+        let n: usize = takes.iter().map(|t| t.len()).sum();
+        let keys: Vec<String> = takes
+            .iter()
+            .flat_map(|t| t.iter())
+            .map(|b| redis_key(&self.config.key_prefix, b))
+            .collect();
+        let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut args = Vec::with_capacity(1 + takes.len() + PER_BUCKET * n);
+        args.push(takes.len() as u64);
+        args.extend(takes.iter().map(|t| t.len() as u64));
+        for b in takes.iter().flat_map(|t| t.iter()) {
+            args.extend([
+                alg_code(b.algorithm),
+                b.capacity,
+                b.rate,
+                b.period_ms,
+                b.cost,
+                b.lease,
+            ]);
+        }
+        let reply = self.invoke(&self.take_batch, &ks, &args).await?;
+        decode_batch(&reply, takes)
     }
 
     async fn refund_group(
@@ -618,6 +687,50 @@ impl Store for RedisStore {
         let buckets =
             buckets.ok_or_else(|| StoreError::Protocol("a bucket got no decision".into()))?;
         Ok(TakeDecision::from_buckets(buckets))
+    }
+
+    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
+        if let Conn::Single(_) = self.conn {
+            let all: Vec<&[BucketSpec]> = takes.iter().map(Vec::as_slice).collect();
+            return self.batch_call(&all).await;
+        }
+        // Cluster: takes whose keys share one slot go in one batch call per slot; a take that
+        // spans slots is taken as a single take is (slot by slot, with refunds). All concurrently.
+        let mut by_slot: Vec<(u16, Vec<usize>)> = Vec::new();
+        let mut spanning: Vec<usize> = Vec::new();
+        for (i, specs) in takes.iter().enumerate() {
+            let mut slots = specs
+                .iter()
+                .map(|b| slot(&redis_key(&self.config.key_prefix, b)));
+            let first = slots.next();
+            match first {
+                Some(s) if slots.all(|o| o == s) => {
+                    match by_slot.iter_mut().find(|(gs, _)| *gs == s) {
+                        Some((_, idx)) => idx.push(i),
+                        None => by_slot.push((s, vec![i])),
+                    }
+                }
+                _ => spanning.push(i),
+            }
+        }
+        let grouped = futures_util::future::join_all(by_slot.iter().map(|(_, idx)| {
+            let these: Vec<&[BucketSpec]> = idx.iter().map(|&i| takes[i].as_slice()).collect();
+            async move { self.batch_call(&these).await }
+        }));
+        let single = futures_util::future::join_all(spanning.iter().map(|&i| self.take(&takes[i])));
+        let (grouped, single) = futures_util::future::join(grouped, single).await;
+        let mut out: Vec<Option<TakeDecision>> = vec![None; takes.len()];
+        for ((_, idx), r) in by_slot.iter().zip(grouped) {
+            for (&i, d) in idx.iter().zip(r?) {
+                out[i] = Some(d);
+            }
+        }
+        for (&i, r) in spanning.iter().zip(single) {
+            out[i] = Some(r?);
+        }
+        out.into_iter()
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| StoreError::Protocol("a take got no decision".into()))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -770,6 +883,12 @@ mod tests {
                 "unix:///run/r.sock?***",
             ),
             ("redis://h:6379/0#s3cret", "s3cret", "redis://h:6379/0#***"),
+            (
+                "redis://h:6379/x://:s3cret@y",
+                "s3cret",
+                "redis://h:6379/***",
+            ),
+            ("redis://h/0", "s3cret", "redis://h/0"),
             ("s3cret", "s3cret", "*** (unparseable URL, not shown)"),
             (
                 ":s3cret@h:6379",

@@ -1,0 +1,23 @@
+-- take_batch: decide several takes in one call, each exactly as take.lua decides one: atomic and
+-- all-or-nothing within itself, independent of the others, in order (a later take sees what an
+-- earlier one charged). Preceded by prelude.lua, token_bucket.lua, fixed_window.lua and
+-- take_one.lua.
+--
+-- KEYS:  the buckets of take 1, then those of take 2, ... (on a cluster, all of one slot).
+-- ARGV:  [1] = T, the number of takes; [2 .. T+1] = the number of buckets of each take; then 6
+--        integers per bucket, in KEYS order, as in take.lua.
+-- Reply: the replies of take.lua for each take, one after the other (1 + 6 * n integers for a take
+--        of n buckets).
+-- Clock: one Redis TIME read per call, shared by all takes.
+
+local t = tonumber(ARGV[1])
+local now = now_us()
+local out = {}
+local k, a = 0, 1 + t
+for j = 1, t do
+  local n = tonumber(ARGV[1 + j])
+  take_one(k, a, n, now, out)
+  k = k + n
+  a = a + 6 * n
+end
+return out
