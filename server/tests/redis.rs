@@ -163,6 +163,16 @@ async fn script_flush_is_recovered() {
         .await
         .expect("NOSCRIPT is recovered");
     assert_eq!(d.buckets[0].remaining, 1);
+    // The batch script too.
+    assert_eq!(r.cmd(&["SCRIPT", "FLUSH"]).as_deref(), Some("OK"));
+    let ds = s
+        .take_batch(&[vec![b.clone()], vec![b]])
+        .await
+        .expect("NOSCRIPT is recovered for a batch");
+    assert_eq!(
+        ds.iter().map(|d| d.allowed).collect::<Vec<_>>(),
+        [true, false]
+    );
 }
 
 /// A dead or hung Redis is a 503 / UNAVAILABLE within the configured timeout, and the service
@@ -337,6 +347,37 @@ async fn redis_cluster_slots_and_all_or_nothing() {
         .expect("NOSCRIPT recovered on the cluster");
     assert!(d.allowed);
     assert_eq!((d.buckets[0].remaining, d.buckets[1].remaining), (2, 0));
+
+    // Batches: takes of one slot go in one script call per slot, in order; a take spanning slots
+    // is taken as a single take (with refunds), beside them.
+    let hour = 3_600_000;
+    let p = tb("batch-p", 1, 1, hour, 1);
+    let mut q = tb("batch-q", 2, 2, hour, 1);
+    let mut k = 0;
+    while keys::slot(&keys::redis_key("test:", &p)) == keys::slot(&keys::redis_key("test:", &q)) {
+        k += 1;
+        q.key = format!("batch-q{k}");
+    }
+    let too_much = tb(&p.key, 1, 1, hour, 2);
+    let batch = [
+        vec![p.clone()],
+        vec![q.clone()],
+        vec![p.clone()],
+        vec![q.clone(), too_much],
+    ];
+    for n in &cluster.nodes {
+        assert_eq!(n.cmd(&["SCRIPT", "FLUSH"]).as_deref(), Some("OK"));
+    }
+    let ds = s.take_batch(&batch).await.expect("a batch on the cluster");
+    assert_eq!(
+        ds.iter().map(|d| d.allowed).collect::<Vec<_>>(),
+        [true, true, false, false],
+        "{ds:?}"
+    );
+    // q: charged once by take 1; take 3 was denied across slots and refunded.
+    let d = s.take(std::slice::from_ref(&q)).await.unwrap();
+    assert!(d.allowed, "{d:?}");
+    assert_eq!(d.buckets[0].remaining, 0);
 
     // Exactness across slots under concurrency: 16 tasks race for a 2-slot request.
     let s = Arc::new(s);
