@@ -20,7 +20,7 @@ pub enum LogFormat {
 /// rate-limit buckets, exactly and atomically, from Redis (standalone or Cluster) or from memory.
 ///
 /// One port serves HTTP/1.1 and HTTP/2 cleartext: JSON `POST /v1/take`, gRPC
-/// `tollgate.v1.RateLimiter/Take`, `GET /healthz`, `GET /readyz`, `GET /metrics`.
+/// `tollgate.v1.RateLimiter/Take`, Envoy's RLS v3 (with --rls-config), `GET /healthz`, `GET /readyz`, `GET /metrics`.
 /// Log level: RUST_LOG (default `info`).
 #[derive(Parser, Clone)]
 #[command(name = "tollgate-server", version, about, long_about)]
@@ -122,6 +122,18 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_MEMORY_MAX_BUCKETS", default_value_t = 100_000)]
     pub memory_max_buckets: usize,
 
+    /// Limits file for Envoy's rate limit service (RLS v3,
+    /// `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`, served on --listen), in
+    /// envoyproxy/ratelimit's YAML format plus `algorithm` and `burst`. Reloaded when it changes; a
+    /// file that does not parse is refused (logged) and the limits in force stay. Unset: RLS calls
+    /// are UNIMPLEMENTED.
+    #[arg(long, env = "TOLLGATE_RLS_CONFIG", value_name = "FILE")]
+    pub rls_config: Option<PathBuf>,
+
+    /// Milliseconds between two checks of --rls-config for a change.
+    #[arg(long, env = "TOLLGATE_RLS_CONFIG_POLL_MS", default_value_t = 1000)]
+    pub rls_config_poll_ms: u64,
+
     /// Tokio worker threads (0 = one per CPU).
     #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 0)]
     pub worker_threads: usize,
@@ -157,6 +169,8 @@ impl std::fmt::Debug for Cli {
             .field("http2_max_streams", &self.http2_max_streams)
             .field("ready_interval_ms", &self.ready_interval_ms)
             .field("memory_max_buckets", &self.memory_max_buckets)
+            .field("rls_config", &self.rls_config)
+            .field("rls_config_poll_ms", &self.rls_config_poll_ms)
             .field("worker_threads", &self.worker_threads)
             .finish()
     }
@@ -175,6 +189,16 @@ impl Cli {
             idle_timeout: ms(self.idle_timeout_ms),
             http2_max_streams: self.http2_max_streams,
             ready_interval: ms(self.ready_interval_ms),
+            rls: self
+                .rls_config
+                .as_deref()
+                .map(|p| {
+                    crate::rls::LimitsFile::load(p)
+                        .map(std::sync::Arc::new)
+                        .map_err(|e| format!("--rls-config {e}"))
+                })
+                .transpose()?,
+            rls_poll: ms(self.rls_config_poll_ms),
         })
     }
 

@@ -14,6 +14,7 @@
 //! | [`api`] | JSON over HTTP (`POST /v1/take`), gRPC (`tollgate.v1.RateLimiter/Take`), health, metrics, auth, the one-port switch |
 //! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`] |
 //! | [`metrics`] | Prometheus metrics |
+//! | [`rls`] | Envoy's rate limit service (RLS v3) over the same store, limits from a file reloaded when it changes |
 //! | [`serve`] | the accept loop: connection cap, header and idle timeouts, HTTP/2 limits |
 //! | [`cli`] | flags and environment variables; reads and checks the `--redis-tls-*` and `--token-file` files |
 //! | `main.rs` | parse flags, set up tracing, bind, build the store, call [`run`] |
@@ -41,6 +42,7 @@ pub mod api;
 pub mod cli;
 pub mod domain;
 pub mod metrics;
+pub mod rls;
 pub mod serve;
 pub mod store;
 
@@ -75,6 +77,11 @@ pub struct ServiceConfig {
     pub http2_max_streams: u32,
     /// How often the store is pinged for `/readyz`.
     pub ready_interval: Duration,
+    /// Limits for Envoy's rate limit service (`--rls-config`); `None`: RLS calls are
+    /// `UNIMPLEMENTED`.
+    pub rls: Option<Arc<rls::LimitsFile>>,
+    /// How often the limits file is checked for a change.
+    pub rls_poll: Duration,
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -88,6 +95,8 @@ impl std::fmt::Debug for ServiceConfig {
             .field("idle_timeout", &self.idle_timeout)
             .field("http2_max_streams", &self.http2_max_streams)
             .field("ready_interval", &self.ready_interval)
+            .field("rls", &self.rls.as_ref().map(|f| f.path().to_path_buf()))
+            .field("rls_poll", &self.rls_poll)
             .finish()
     }
 }
@@ -103,6 +112,8 @@ impl Default for ServiceConfig {
             idle_timeout: Duration::from_millis(60_000),
             http2_max_streams: 128,
             ready_interval: Duration::from_millis(1000),
+            rls: None,
+            rls_poll: Duration::from_millis(1000),
         }
     }
 }
@@ -138,7 +149,8 @@ pub async fn run(
             }
         }
     });
-    let app = api::http::router(api.clone());
+    let watcher = config.rls.clone().map(|f| f.watch(config.rls_poll));
+    let app = api::http::router(api.clone(), config.rls.clone());
     tracing::info!(%addr, store = store.kind(), auth = config.token.is_some(), "listening on {addr}");
     let limits = ConnectionLimits {
         max_connections: config.max_connections,
@@ -148,6 +160,9 @@ pub async fn run(
     };
     let result = serve::serve(listener, app, limits, api.metrics.clone(), shutdown).await;
     refresher.abort();
+    if let Some(w) = watcher {
+        w.abort();
+    }
     result?;
     tracing::info!("stopped");
     Ok(())

@@ -17,10 +17,13 @@ use axum::{Json, Router};
 use tonic::server::NamedService;
 use tower::{Service, ServiceExt};
 
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+
 use super::grpc::{pb::rate_limiter_server::RateLimiterServer, status_of, RateLimiterService};
 use super::json::{decode_batch, decode_take, error_body};
 use super::{Api, ApiError, GRPC_FRAMING_BYTES};
 use crate::domain::{BatchDecision, MAX_BATCH_BYTES, MAX_TAKE_BYTES};
+use crate::rls::{LimitsFile, RlsService};
 
 fn error_response(e: &ApiError) -> Response {
     let (status, field) = match e {
@@ -117,13 +120,17 @@ fn is_grpc(req: &Request) -> bool {
         .unwrap_or(false)
 }
 
-/// A gRPC call of one of our methods: admitted like a JSON take, then handed to the generated
-/// server with its body already read (and the permit held until the answer).
-async fn grpc_take(
-    api: Arc<Api>,
-    server: RateLimiterServer<RateLimiterService>,
-    req: Request,
-) -> Response {
+/// A gRPC call of one of our methods (Take, or RLS's ShouldRateLimit): admitted like a JSON take,
+/// then handed to the generated server with its body already read (and the permit held until the
+/// answer).
+async fn grpc_take<S>(api: Arc<Api>, server: S, req: Request) -> Response
+where
+    S: Service<
+        axum::http::Request<tonic::body::Body>,
+        Response = axum::http::Response<tonic::body::Body>,
+        Error = Infallible,
+    >,
+{
     let (parts, body) = req.into_parts();
     let limit = body_bound(parts.uri.path());
     match api
@@ -152,6 +159,7 @@ async fn grpc_take(
 /// of the two services.
 pub fn router(
     api: Arc<Api>,
+    rls: Option<Arc<LimitsFile>>,
 ) -> impl Service<Request, Response = Response, Error = Infallible, Future: Send + 'static>
        + Clone
        + Send
@@ -171,8 +179,14 @@ pub fn router(
     // other gRPC path goes through tonic's router as before (UNIMPLEMENTED for unknown services):
     // routing every call through it matched the path twice and captured it as a parameter.
     let grpc = tonic::service::Routes::new(server.clone()).into_axum_router();
+    // Envoy's RLS v3, when a limits file is given; otherwise its calls are UNIMPLEMENTED.
+    let rls = rls.map(|limits| {
+        RateLimitServiceServer::new(RlsService::new(api.clone(), limits))
+            .max_decoding_message_size(MAX_TAKE_BYTES)
+    });
     tower::service_fn(move |req: Request| {
         let (http, grpc, server, api) = (http.clone(), grpc.clone(), server.clone(), api.clone());
+        let rls = rls.clone();
         async move {
             let head = req.method() == Method::HEAD;
             let resp = if !is_grpc(&req) {
@@ -182,6 +196,8 @@ pub fn router(
                 }
             } else if is_our_method(req.uri().path()) {
                 grpc_take(api, server, req).await
+            } else if let Some(rls) = rls.filter(|_| is_rls_method(req.uri().path())) {
+                grpc_take(api, rls, req).await
             } else {
                 match grpc.oneshot(req).await {
                     Ok(r) => r,
@@ -206,6 +222,14 @@ fn top_level(mut resp: Response, head: bool) -> Response {
         *resp.body_mut() = axum::body::Body::empty();
     }
     resp
+}
+
+/// `/envoy.service.ratelimit.v3.RateLimitService/<method>` with a non-empty method.
+fn is_rls_method(path: &str) -> bool {
+    path.strip_prefix('/')
+        .and_then(|p| p.strip_prefix(<RateLimitServiceServer<RlsService> as NamedService>::NAME))
+        .and_then(|p| p.strip_prefix('/'))
+        .is_some_and(|method| !method.is_empty())
 }
 
 /// `/tollgate.v1.RateLimiter/<method>` with a non-empty method: the paths tonic's router sends to

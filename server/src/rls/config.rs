@@ -1,0 +1,566 @@
+//! The limits file: envoyproxy/ratelimit's YAML format, parsed and checked once into a lookup tree.
+//!
+//! A file holds one or more YAML documents (`---`), each one domain:
+//!
+//! ```yaml
+//! domain: edge
+//! descriptors:
+//!   - key: remote_address          # empty value: any value, each its own bucket
+//!     rate_limit: {unit: minute, requests_per_unit: 100, burst: 20}
+//!   - key: path
+//!     value: "/api/*"              # wildcard: `*` matches any run of characters
+//!     rate_limit: {unit: second, requests_per_unit: 10, algorithm: fixed_window}
+//! ```
+//!
+//! Every key envoyproxy/ratelimit accepts is accepted (`domain`, `key`, `value`, `descriptors`,
+//! `rate_limit` with `unit`, `requests_per_unit`, `unlimited`, `name`, `replaces`; `shadow_mode`,
+//! `quota_mode`, `detailed_metric`, `value_to_metric`, `share_threshold`, `metadata`), plus
+//! Tollgate's own in `rate_limit`: `algorithm` (`token_bucket`, the default, or `fixed_window`) and
+//! `burst` (token bucket: the capacity, default `requests_per_unit`). Any other key is an error,
+//! and every error names the domain and the descriptor path.
+//!
+//! The lookup follows envoyproxy/ratelimit's: per request entry, the exact `key`+`value` first,
+//! then the first wildcard value of that key that matches, then the key alone; a limit applies only
+//! when it sits at the request's last entry.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use crate::domain::{Algorithm, MAX_AMOUNT};
+
+/// A time unit of `rate_limit.unit` (case-insensitive in the file). Month and year are 30 and
+/// 365 days, as in envoyproxy/ratelimit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unit {
+    /// One second.
+    Second,
+    /// 60 s.
+    Minute,
+    /// 3,600 s.
+    Hour,
+    /// 86,400 s.
+    Day,
+    /// 7 days.
+    Week,
+    /// 30 days.
+    Month,
+    /// 365 days.
+    Year,
+}
+
+impl Unit {
+    /// From the file's spelling (any case) or the protobuf enum's name.
+    pub fn parse(s: &str) -> Option<Unit> {
+        Some(match s.to_ascii_lowercase().as_str() {
+            "second" => Unit::Second,
+            "minute" => Unit::Minute,
+            "hour" => Unit::Hour,
+            "day" => Unit::Day,
+            "week" => Unit::Week,
+            "month" => Unit::Month,
+            "year" => Unit::Year,
+            _ => return None,
+        })
+    }
+
+    /// From `envoy.service.ratelimit.v3.RateLimitResponse.RateLimit.Unit` (0 = UNKNOWN: none).
+    pub fn from_proto(v: i32) -> Option<Unit> {
+        Some(match v {
+            1 => Unit::Second,
+            2 => Unit::Minute,
+            3 => Unit::Hour,
+            4 => Unit::Day,
+            5 => Unit::Month,
+            6 => Unit::Year,
+            7 => Unit::Week,
+            _ => return None,
+        })
+    }
+
+    /// The protobuf enum value.
+    pub fn to_proto(self) -> i32 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 2,
+            Unit::Hour => 3,
+            Unit::Day => 4,
+            Unit::Month => 5,
+            Unit::Year => 6,
+            Unit::Week => 7,
+        }
+    }
+
+    /// The unit's length in seconds.
+    pub fn seconds(self) -> u64 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 7 * 86_400,
+            Unit::Month => 30 * 86_400,
+            Unit::Year => 365 * 86_400,
+        }
+    }
+}
+
+/// One limit of the file (or one sent by Envoy as a descriptor's `limit`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limit {
+    /// `requests_per_unit`; 0 denies every request (envoyproxy/ratelimit's "banned" idiom).
+    pub requests_per_unit: u64,
+    /// `unit`.
+    pub unit: Unit,
+    /// `unlimited: true`: never limited, never counted.
+    pub unlimited: bool,
+    /// `shadow_mode: true`: counted, reported OK even when over.
+    pub shadow_mode: bool,
+    /// `rate_limit.name`, for `replaces` (and the policy name in headers).
+    pub name: String,
+    /// Names of the limits this one switches off for the same request.
+    pub replaces: Vec<String>,
+    /// `algorithm`.
+    pub algorithm: Algorithm,
+    /// Token bucket capacity (`burst`, default `requests_per_unit`).
+    pub capacity: u64,
+    /// Where it sits: `domain.key_value.key` (logs, the default policy name).
+    pub path: String,
+}
+
+impl Limit {
+    /// The bucket's period in milliseconds.
+    pub fn period_ms(&self) -> u64 {
+        self.unit.seconds() * 1000
+    }
+}
+
+/// A checked limits file: domains to descriptor trees.
+#[derive(Debug, Default)]
+pub struct Limits {
+    domains: HashMap<String, Node>,
+}
+
+#[derive(Debug, Default)]
+struct Node {
+    /// Children by `(key, value)`; value `""` is "any value of this key".
+    children: HashMap<(String, String), Node>,
+    /// Wildcard values, by key, in file order: the value split on `*`, and the child's value.
+    wildcards: Vec<Wildcard>,
+    limit: Option<Arc<Limit>>,
+    /// `share_threshold`: every value the wildcard matches shares one bucket.
+    share_threshold: bool,
+}
+
+#[derive(Debug)]
+struct Wildcard {
+    key: String,
+    value: String,
+    parts: Vec<String>,
+}
+
+/// A limit that applies to one request descriptor, and the values its bucket is keyed on.
+#[derive(Debug, Clone)]
+pub struct Found {
+    /// The limit.
+    pub limit: Arc<Limit>,
+    /// `(key, value)` per request entry; under `share_threshold`, the wildcard instead of the
+    /// value.
+    pub entries: Vec<(String, String)>,
+}
+
+impl Limits {
+    /// Parses and checks a whole file. The error names the domain and descriptor at fault.
+    pub fn parse(text: &str) -> Result<Limits, String> {
+        let mut limits = Limits::default();
+        for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+            let value = serde_yaml_ng::Value::deserialize(doc)
+                .map_err(|e| format!("document {}: {e}", i + 1))?;
+            if value.is_null() {
+                continue;
+            }
+            let root: YamlRoot =
+                serde_yaml_ng::from_value(value).map_err(|e| format!("document {}: {e}", i + 1))?;
+            if root.domain.is_empty() {
+                return Err(format!("document {}: domain: must not be empty", i + 1));
+            }
+            if limits.domains.contains_key(&root.domain) {
+                return Err(format!(
+                    "document {}: domain {:?} appears twice",
+                    i + 1,
+                    root.domain
+                ));
+            }
+            let mut node = Node::default();
+            load(&mut node, &root.domain, &root.descriptors)
+                .map_err(|e| format!("domain {:?}: {e}", root.domain))?;
+            limits.domains.insert(root.domain, node);
+        }
+        if limits.domains.is_empty() {
+            return Err("no domain: the file holds no document".into());
+        }
+        Ok(limits)
+    }
+
+    /// The domains, sorted (logs).
+    pub fn domains(&self) -> Vec<&str> {
+        let mut d: Vec<&str> = self.domains.keys().map(String::as_str).collect();
+        d.sort_unstable();
+        d
+    }
+
+    /// The limit for one descriptor of `domain`, if any.
+    pub fn lookup<'a>(
+        &self,
+        domain: &str,
+        entries: impl ExactSizeIterator<Item = (&'a str, &'a str)>,
+    ) -> Option<Found> {
+        let mut node = self.domains.get(domain)?;
+        let n = entries.len();
+        let mut keyed = Vec::with_capacity(n);
+        let mut found = None;
+        for (i, (key, value)) in entries.enumerate() {
+            let exact = node.children.get(&(key.to_string(), value.to_string()));
+            let (next, shared) = match exact {
+                Some(next) => (Some(next), None),
+                None => match node
+                    .wildcards
+                    .iter()
+                    .find(|w| w.key == key && wildcard_match(&w.parts, value))
+                {
+                    Some(w) => {
+                        let next = node.children.get(&(w.key.clone(), w.value.clone()));
+                        let shared = next.filter(|n| n.share_threshold).map(|_| w.value.clone());
+                        (next, shared)
+                    }
+                    None => (node.children.get(&(key.to_string(), String::new())), None),
+                },
+            };
+            let next = next?;
+            keyed.push((key.to_string(), shared.unwrap_or_else(|| value.to_string())));
+            if i + 1 == n {
+                found = next.limit.clone();
+            }
+            if next.children.is_empty() {
+                break;
+            }
+            node = next;
+        }
+        found.filter(|_| keyed.len() == n).map(|limit| Found {
+            limit,
+            entries: keyed,
+        })
+    }
+}
+
+/// `*` matches any run of characters (also none); `parts` is the pattern split on `*`.
+fn wildcard_match(parts: &[String], value: &str) -> bool {
+    let (Some(first), Some(last)) = (parts.first(), parts.last()) else {
+        return false;
+    };
+    if parts.len() == 1 {
+        return first == value;
+    }
+    let fixed: usize = parts.iter().map(String::len).sum();
+    if value.len() < fixed || !value.starts_with(first.as_str()) || !value.ends_with(last.as_str())
+    {
+        return false;
+    }
+    let mut rest = &value[first.len()..value.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part.as_str()) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result<(), String> {
+    for (i, d) in descriptors.iter().enumerate() {
+        let step = if d.value.is_empty() {
+            d.key.clone()
+        } else {
+            format!("{}_{}", d.key, d.value)
+        };
+        let path = format!("{parent}.{step}");
+        let at = |m: String| format!("descriptor {path} (descriptors[{i}]): {m}");
+        if d.key.is_empty() {
+            return Err(at("key: must not be empty".into()));
+        }
+        let id = (d.key.clone(), d.value.clone());
+        if node.children.contains_key(&id) {
+            return Err(at("appears twice at this level".into()));
+        }
+        if d.share_threshold && !d.value.contains('*') {
+            return Err(at(
+                "share_threshold: needs a wildcard value (with '*')".into()
+            ));
+        }
+        let limit = match &d.rate_limit {
+            None => None,
+            Some(r) => Some(Arc::new(
+                limit_of(r, d.shadow_mode, &path).map_err(|m| at(format!("rate_limit.{m}")))?,
+            )),
+        };
+        let mut child = Node {
+            limit,
+            share_threshold: d.share_threshold,
+            ..Node::default()
+        };
+        load(&mut child, &path, &d.descriptors)?;
+        if d.value.contains('*') {
+            node.wildcards.push(Wildcard {
+                key: d.key.clone(),
+                value: d.value.clone(),
+                parts: d.value.split('*').map(str::to_string).collect(),
+            });
+        }
+        node.children.insert(id, child);
+    }
+    Ok(())
+}
+
+fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, String> {
+    let unit = match (&r.unit, r.unlimited) {
+        (Some(u), true) if Unit::parse(u).is_some() => {
+            return Err("unit: must not be given with unlimited: true".into())
+        }
+        (_, true) => Unit::Second,
+        (Some(u), false) => Unit::parse(u).ok_or_else(|| {
+            format!("unit: {u:?} is not one of second, minute, hour, day, week, month, year")
+        })?,
+        (None, false) => return Err("unit: is required (or unlimited: true)".into()),
+    };
+    let rpu = u64::from(r.requests_per_unit);
+    if rpu > MAX_AMOUNT {
+        return Err(format!(
+            "requests_per_unit: must be at most {MAX_AMOUNT}, got {rpu}"
+        ));
+    }
+    let algorithm = match r.algorithm.as_deref() {
+        None | Some("token_bucket") => Algorithm::TokenBucket,
+        Some("fixed_window") => Algorithm::FixedWindow,
+        Some(other) => {
+            return Err(format!(
+                "algorithm: {other:?} is not token_bucket or fixed_window"
+            ))
+        }
+    };
+    let capacity = match r.burst {
+        None => rpu,
+        Some(_) if algorithm == Algorithm::FixedWindow => {
+            return Err("burst: applies to token_bucket only".into())
+        }
+        Some(b) if b == 0 || b > MAX_AMOUNT => {
+            return Err(format!("burst: must be 1..={MAX_AMOUNT}, got {b}"))
+        }
+        Some(b) => b,
+    };
+    for rep in &r.replaces {
+        if rep.name.is_empty() {
+            return Err("replaces: an entry has an empty name".into());
+        }
+        if rep.name == r.name {
+            return Err(format!("replaces: names this limit itself ({:?})", r.name));
+        }
+    }
+    Ok(Limit {
+        requests_per_unit: rpu,
+        unit,
+        unlimited: r.unlimited,
+        shadow_mode,
+        name: r.name.clone(),
+        replaces: r.replaces.iter().map(|x| x.name.clone()).collect(),
+        algorithm,
+        capacity,
+        path: path.to_string(),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct YamlRoot {
+    #[serde(default)]
+    domain: String,
+    #[serde(default)]
+    descriptors: Vec<YamlDescriptor>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct YamlDescriptor {
+    #[serde(default)]
+    key: String,
+    #[serde(default, deserialize_with = "scalar_string")]
+    value: String,
+    #[serde(default)]
+    rate_limit: Option<YamlRateLimit>,
+    #[serde(default)]
+    descriptors: Vec<YamlDescriptor>,
+    #[serde(default)]
+    shadow_mode: bool,
+    /// Accepted; counted as an ordinary limit (README).
+    #[serde(default)]
+    #[allow(dead_code)]
+    quota_mode: bool,
+    /// Accepted; metric names are envoyproxy/ratelimit's concern, not Tollgate's.
+    #[serde(default)]
+    #[allow(dead_code)]
+    detailed_metric: bool,
+    #[serde(default)]
+    #[allow(dead_code)]
+    value_to_metric: bool,
+    #[serde(default)]
+    share_threshold: bool,
+    #[serde(default)]
+    #[allow(dead_code)]
+    metadata: Option<BTreeMap<String, serde_yaml_ng::Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct YamlRateLimit {
+    #[serde(default)]
+    requests_per_unit: u32,
+    #[serde(default)]
+    unit: Option<String>,
+    #[serde(default)]
+    unlimited: bool,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    replaces: Vec<YamlReplaces>,
+    #[serde(default)]
+    algorithm: Option<String>,
+    #[serde(default)]
+    burst: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct YamlReplaces {
+    #[serde(default)]
+    name: String,
+}
+
+/// A descriptor value written as a number or a boolean (`value: 200`) is its text, as with
+/// envoyproxy/ratelimit's YAML decoder.
+fn scalar_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    use serde_yaml_ng::Value;
+    match Value::deserialize(d)? {
+        Value::String(s) => Ok(s),
+        Value::Number(n) => Ok(n.to_string()),
+        Value::Bool(b) => Ok(b.to_string()),
+        Value::Null => Ok(String::new()),
+        _ => Err(serde::de::Error::custom("value: must be a string")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn find(l: &Limits, domain: &str, entries: &[(&str, &str)]) -> Option<Found> {
+        l.lookup(domain, entries.iter().copied())
+    }
+
+    fn rpu(l: &Limits, domain: &str, entries: &[(&str, &str)]) -> Option<u64> {
+        find(l, domain, entries).map(|f| f.limit.requests_per_unit)
+    }
+
+    const DOC: &str = r#"
+domain: edge
+descriptors:
+  - key: remote_address
+    rate_limit: {unit: minute, requests_per_unit: 100, burst: 20}
+  - key: path
+    value: "/api/*"
+    rate_limit: {unit: second, requests_per_unit: 10, algorithm: fixed_window}
+  - key: path
+    value: "/api/special"
+    rate_limit: {unit: second, requests_per_unit: 3}
+  - key: path
+    value: "/files/*/raw"
+    share_threshold: true
+    rate_limit: {unit: hour, requests_per_unit: 7}
+  - key: code
+    value: 429
+    rate_limit: {unit: day, requests_per_unit: 1}
+  - key: user
+    descriptors:
+      - key: plan
+        value: free
+        rate_limit: {unit: HOUR, requests_per_unit: 5}
+"#;
+
+    #[test]
+    fn lookup_follows_envoyproxy_ratelimit() {
+        let l = Limits::parse(DOC).unwrap_or_default();
+        assert_eq!(
+            rpu(&l, "edge", &[("remote_address", "10.0.0.1")]),
+            Some(100)
+        );
+        let f = find(&l, "edge", &[("remote_address", "10.0.0.1")]);
+        assert_eq!(f.map(|f| f.limit.capacity), Some(20));
+        // Exact value before wildcard; wildcard before nothing.
+        assert_eq!(rpu(&l, "edge", &[("path", "/api/special")]), Some(3));
+        assert_eq!(rpu(&l, "edge", &[("path", "/api/x")]), Some(10));
+        assert_eq!(rpu(&l, "edge", &[("path", "/other")]), None);
+        // Middle wildcard, shared bucket.
+        let f = find(&l, "edge", &[("path", "/files/a/b/raw")]);
+        assert_eq!(
+            f.map(|f| f.entries),
+            Some(vec![("path".into(), "/files/*/raw".into())])
+        );
+        assert_eq!(rpu(&l, "edge", &[("path", "/files/a/raw.txt")]), None);
+        // Numbers as values.
+        assert_eq!(rpu(&l, "edge", &[("code", "429")]), Some(1));
+        // Nested: only at the request's last entry.
+        assert_eq!(
+            rpu(&l, "edge", &[("user", "u1"), ("plan", "free")]),
+            Some(5)
+        );
+        assert_eq!(rpu(&l, "edge", &[("user", "u1")]), None);
+        assert_eq!(rpu(&l, "edge", &[("user", "u1"), ("plan", "pro")]), None);
+        // Deeper requests than the tree.
+        assert_eq!(
+            rpu(&l, "edge", &[("remote_address", "a"), ("x", "y")]),
+            None
+        );
+        assert_eq!(rpu(&l, "other", &[("remote_address", "a")]), None);
+    }
+
+    #[test]
+    fn errors_name_the_place() {
+        let cases = [
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: minutes, requests_per_unit: 1}\n", "descriptor d.a (descriptors[0]): rate_limit.unit"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limt: {unit: minute}\n", "rate_limt"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, unit: minute}\n", "unit: must not be given"),
+            ("domain: d\ndescriptors:\n  - key: a\n  - key: a\n", "appears twice"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, burst: 0}\n", "burst"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, algorithm: leaky}\n", "algorithm"),
+            ("domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - value: x\n", "descriptor d.a._x (descriptors[0]): key: must not be empty"),
+            ("descriptors: []\n", "domain: must not be empty"),
+            ("domain: d\n---\ndomain: d\n", "appears twice"),
+            ("", "no domain"),
+        ];
+        for (text, want) in cases {
+            let got = Limits::parse(text).err().unwrap_or_default();
+            assert!(got.contains(want), "{text:?}: {got:?}");
+        }
+    }
+
+    #[test]
+    fn wildcards() {
+        let p = |s: &str| s.split('*').map(str::to_string).collect::<Vec<_>>();
+        assert!(wildcard_match(&p("foo*"), "foo"));
+        assert!(wildcard_match(&p("foo*"), "foobar"));
+        assert!(!wildcard_match(&p("foo*"), "fo"));
+        assert!(wildcard_match(&p("a*b*c"), "a-b-c"));
+        assert!(!wildcard_match(&p("a*b*c"), "a-c"));
+        assert!(!wildcard_match(&p("ab*ba"), "aba"));
+        assert!(wildcard_match(&p("*"), ""));
+    }
+}

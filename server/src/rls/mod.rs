@@ -1,0 +1,17 @@
+//! Envoy's rate limit service (RLS v3): `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit`,
+//! served on the service's one port beside `tollgate.v1.RateLimiter/Take`, so Envoy's native
+//! `envoy.filters.http.ratelimit` filter (and Istio's and Envoy Gateway's global rate limiting) can
+//! use Tollgate unchanged. The messages come from the `envoy-types` crate.
+//!
+//! | file | what |
+//! |---|---|
+//! | `config.rs` | the limits file (envoyproxy/ratelimit's YAML format plus `algorithm` and `burst`) and the descriptor lookup |
+//! | `reload.rs` | the file loaded at startup and whenever it changes; a bad file is refused, the old limits stay |
+//! | `service.rs` | descriptors to one all-or-nothing take, statuses and response headers |
+
+pub mod config;
+pub mod reload;
+pub mod service;
+
+pub use reload::LimitsFile;
+pub use service::RlsService;

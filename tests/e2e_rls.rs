@@ -1,0 +1,410 @@
+//! Envoy's native rate limit filter (`envoy.filters.http.ratelimit`) with `tollgate-server` as its
+//! RLS v3 server: real Envoys, real Redis, the real service with a limits file.
+
+// A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
+#![allow(
+    clippy::panic,
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::indexing_slicing
+)]
+
+mod common;
+#[path = "common/rls.rs"]
+mod rls;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::*;
+use rls::{start_service, LimitsFile, NativeSpec};
+
+/// The route's descriptor: one entry `bucket=<x-bucket header>` (no header: no descriptor, no
+/// limit), and a second descriptor `generic_key=all` on every request.
+const BUCKET_ACTIONS: &str = "[{actions: [{request_headers: {header_name: x-bucket, descriptor_key: bucket}}]}, {actions: [{generic_key: {descriptor_value: all}}]}]";
+
+/// `n` requests from each of `clients` threads at once, each with `headers`; the statuses.
+fn burst(envoys: &[Envoy], clients: usize, n: usize, headers: &[(&str, &str)]) -> Vec<u16> {
+    let urls: Vec<String> = envoys.iter().map(|e| e.url("/x")).collect();
+    thread::scope(|s| {
+        let handles: Vec<_> = (0..clients)
+            .map(|i| {
+                let url = urls[i % urls.len()].clone();
+                s.spawn(move || Client::new().statuses(&url, headers, n))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("client thread"))
+            .collect()
+    })
+}
+
+#[test]
+fn three_envoys_admit_exactly_the_limit() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-exact");
+    let redis = Redis::start(&c, &dir);
+    let limits = LimitsFile::new(
+        &dir,
+        "domain: e2e\ndescriptors:\n  - key: bucket\n    value: exact\n    rate_limit: {unit: hour, requests_per_unit: 20}\n",
+    );
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 200);
+    let upstream = Upstream::start();
+    let spec = NativeSpec {
+        domain: "e2e".into(),
+        rate_limits: BUCKET_ACTIONS.into(),
+        service_port: service.port,
+        upstream_port: upstream.port,
+        concurrency: 2,
+    };
+    let envoys = spec.start(&c, &dir, 3);
+    // 32 clients spread over the 3 Envoys, 8 requests each: 256 requests for a limit of 20
+    // per hour (the refill over the test, 20/3600 per second, is far below one request).
+    let statuses = burst(&envoys, 32, 8, &[("x-bucket", "exact")]);
+    assert_eq!(statuses.len(), 256);
+    let (ok, limited) = (count(&statuses, 200), count(&statuses, 429));
+    eprintln!("admitted {ok}, limited {limited} of {}", statuses.len());
+    assert_eq!(ok, 20, "statuses: {statuses:?}");
+    assert_eq!(limited, 236);
+    assert_eq!(upstream.requests(), 20);
+    // A denial carries the service's headers; another bucket is untouched.
+    let r = Client::new().get(&envoys[0].url("/x"), &[("x-bucket", "exact")]);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("20"));
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"e2e.bucket_exact\";q=20;w=3600")
+    );
+    assert!(r.header("retry-after").is_some(), "{r:?}");
+    let r = Client::new().get(&envoys[1].url("/x"), &[("x-bucket", "other")]);
+    assert_eq!(r.status, 200);
+    // Every Envoy asked the service: its own counters saw the calls.
+    for e in &envoys {
+        let s = e.stats("ratelimit");
+        let over: u64 = s
+            .iter()
+            .filter(|(k, _)| k.ends_with("ratelimit.over_limit"))
+            .map(|(_, v)| v)
+            .sum();
+        assert!(over > 0, "{s:?}");
+    }
+    assert!(service.metrics().contains("transport=\"rls\""));
+}
+
+#[test]
+fn a_reload_under_load_keeps_the_counts() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-reload");
+    let redis = Redis::start(&c, &dir);
+    let before = "domain: e2e\ndescriptors:\n  - key: bucket\n    value: keep\n    rate_limit: {unit: hour, requests_per_unit: 200}\n  - key: bucket\n    value: change\n    rate_limit: {unit: hour, requests_per_unit: 5}\n";
+    // `keep` unchanged; `change` gets another limit (a new bucket); `new` appears.
+    let after = "domain: e2e\ndescriptors:\n  - key: bucket\n    value: keep\n    rate_limit: {unit: hour, requests_per_unit: 200}\n  - key: bucket\n    value: change\n    rate_limit: {unit: hour, requests_per_unit: 7}\n  - key: bucket\n    value: new\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
+    let limits = LimitsFile::new(&dir, before);
+    let poll_ms = 100;
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, poll_ms);
+    let upstream = Upstream::start();
+    let spec = NativeSpec {
+        domain: "e2e".into(),
+        rate_limits: BUCKET_ACTIONS.into(),
+        service_port: service.port,
+        upstream_port: upstream.port,
+        concurrency: 2,
+    };
+    let envoys = spec.start(&c, &dir, 3);
+    let client = Client::new();
+    assert_eq!(
+        count(
+            &client.statuses(&envoys[0].url("/x"), &[("x-bucket", "change")], 8),
+            200
+        ),
+        5
+    );
+    // Load on `keep`: 8 clients, 60 requests each, one every 50 ms (about 3 s in all), over the
+    // reload.
+    let (ok, total) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let load: Vec<_> = (0..8)
+        .map(|i| {
+            let url = envoys[i % envoys.len()].url("/x");
+            let (ok, total) = (ok.clone(), total.clone());
+            thread::spawn(move || {
+                let client = Client::new();
+                for _ in 0..60 {
+                    let r = client.get(&url, &[("x-bucket", "keep")]);
+                    assert!(r.status == 200 || r.status == 429, "{r:?}");
+                    total.fetch_add(1, Ordering::Relaxed);
+                    if r.status == 200 {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    thread::sleep(Duration::from_millis(50));
+                }
+            })
+        })
+        .collect();
+    // Some of `keep` spent before the reload, and not all.
+    assert!(eventually(Duration::from_secs(10), || ok
+        .load(Ordering::Relaxed)
+        >= 50));
+    let spent_before = ok.load(Ordering::Relaxed);
+    assert!(spent_before < 200, "{spent_before}");
+    // `new` is not limited yet; the reload is seen when its second request is denied.
+    assert_eq!(
+        client
+            .get(&envoys[1].url("/x"), &[("x-bucket", "new")])
+            .status,
+        200
+    );
+    let replaced = Instant::now();
+    limits.replace(after);
+    let mut seen = None;
+    let mut probes = 0;
+    while replaced.elapsed() < Duration::from_secs(10) {
+        probes += 1;
+        if client
+            .get(&envoys[1].url("/x"), &[("x-bucket", "new")])
+            .status
+            == 429
+        {
+            seen = Some(replaced.elapsed());
+            break;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+    let seen = seen.expect("the new limit never applied");
+    // The first probe after the reload passed (1 per hour), the next was denied.
+    eprintln!("reload seen after {seen:?} ({probes} probes, poll every {poll_ms} ms)");
+    assert!(seen < Duration::from_secs(3), "{seen:?}");
+    for h in load {
+        h.join().expect("load thread");
+    }
+    let (ok, total) = (ok.load(Ordering::Relaxed), total.load(Ordering::Relaxed));
+    eprintln!("keep: {ok} admitted of {total}, {spent_before} before the reload");
+    // Counted across the reload: exactly the limit, not the limit again after it.
+    assert_eq!(ok, 200);
+    assert_eq!(total, 480);
+    // `change` has a new limit, hence a fresh bucket of 7.
+    assert_eq!(
+        count(
+            &client.statuses(&envoys[2].url("/x"), &[("x-bucket", "change")], 10),
+            200
+        ),
+        7
+    );
+    // A bad file is refused, the error named, and the limits in force stay.
+    limits.replace("domain: e2e\ndescriptors:\n  - key: bucket\n    value: keep\n    rate_limit: {unit: fortnight, requests_per_unit: 1000}\n");
+    assert!(
+        eventually(Duration::from_secs(5), || service
+            .proc
+            .log_text()
+            .contains("rls limits file refused")),
+        "{}",
+        service.proc.log_text()
+    );
+    let log = service.proc.log_text();
+    assert!(
+        log.contains("fortnight") && log.contains("e2e.bucket_keep"),
+        "{log}"
+    );
+    let r = client.get(&envoys[0].url("/x"), &[("x-bucket", "keep")]);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("200"));
+    assert_eq!(
+        client
+            .get(&envoys[0].url("/x"), &[("x-bucket", "new")])
+            .status,
+        429
+    );
+}
+
+/// envoyproxy/ratelimit's example configuration (examples/ratelimit/config/example.yaml in its
+/// repository), as published: replaces, nested and default-value descriptors, a ban
+/// (`requests_per_unit: 0`), shadow mode, unlimited, detailed_metric, quota_mode and metadata.
+const UPSTREAM_EXAMPLE: &str = r#"---
+domain: rl
+descriptors:
+  - key: category
+    value: account
+    rate_limit:
+      replaces:
+        - name: bkthomps
+        - name: fake_name
+      unit: minute
+      requests_per_unit: 4
+  - key: source_cluster
+    value: proxy
+    descriptors:
+      - key: destination_cluster
+        value: bkthomps
+        rate_limit:
+          replaces:
+            - name: bkthomps
+          unit: minute
+          requests_per_unit: 2
+      - key: destination_cluster
+        value: mock
+        rate_limit:
+          unit: minute
+          requests_per_unit: 1
+      - key: destination_cluster
+        value: override
+        rate_limit:
+          replaces:
+            - name: banned_limit
+          unit: minute
+          requests_per_unit: 2
+      - key: destination_cluster
+        value: fake
+        rate_limit:
+          name: fake_name
+          unit: minute
+          requests_per_unit: 2
+  - key: foo
+    rate_limit:
+      unit: minute
+      requests_per_unit: 2
+    descriptors:
+      - key: bar
+        rate_limit:
+          unit: minute
+          requests_per_unit: 3
+      - key: bar
+        value: bkthomps
+        rate_limit:
+          name: bkthomps
+          unit: minute
+          requests_per_unit: 1
+      - key: bar
+        value: banned
+        rate_limit:
+          name: banned_limit
+          unit: minute
+          requests_per_unit: 0
+      - key: baz
+        rate_limit:
+          unit: second
+          requests_per_unit: 1
+      - key: baz
+        value: not-so-shady
+        rate_limit:
+          unit: minute
+          requests_per_unit: 3
+      - key: baz
+        value: shady
+        rate_limit:
+          unit: minute
+          requests_per_unit: 3
+        shadow_mode: true
+      - key: bay
+        rate_limit:
+          unlimited: true
+  - key: unspec
+    detailed_metric: true
+    rate_limit:
+      unit: minute
+      requests_per_unit: 2
+  - key: qux
+    rate_limit:
+      unlimited: true
+  - key: service
+    value: service_1
+    quota_mode: true
+    rate_limit:
+      unit: minute
+      requests_per_unit: 1
+    metadata:
+      service_with_quota:
+        name: "service_1"
+  - key: service
+    value: service_2
+    quota_mode: true
+    rate_limit:
+      unit: minute
+      requests_per_unit: 2
+    metadata:
+      service_with_quota:
+        name: "service_2"
+"#;
+
+#[test]
+fn envoyproxy_ratelimit_example_config_is_enforced() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-example");
+    let redis = Redis::start(&c, &dir);
+    let limits = LimitsFile::new(&dir, UPSTREAM_EXAMPLE);
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 1000);
+    let upstream = Upstream::start();
+    // Descriptors from headers: (source_cluster, destination_cluster) from x-src/x-dst; (foo, bar)
+    // or (foo, baz) or (foo, bay) from x-foo and x-bar/x-baz/x-bay; (category) from x-category.
+    let h = |header: &str, key: &str| {
+        format!("{{request_headers: {{header_name: {header}, descriptor_key: {key}}}}}")
+    };
+    let rate_limits = format!(
+        "[{{actions: [{}, {}]}}, {{actions: [{}, {}]}}, {{actions: [{}, {}]}}, {{actions: [{}, {}]}}, {{actions: [{}]}}]",
+        h("x-src", "source_cluster"),
+        h("x-dst", "destination_cluster"),
+        h("x-foo", "foo"),
+        h("x-bar", "bar"),
+        h("x-foo", "foo"),
+        h("x-baz", "baz"),
+        h("x-foo", "foo"),
+        h("x-bay", "bay"),
+        h("x-category", "category"),
+    );
+    let spec = NativeSpec {
+        domain: "rl".into(),
+        rate_limits,
+        service_port: service.port,
+        upstream_port: upstream.port,
+        concurrency: 2,
+    };
+    let envoys = spec.start(&c, &dir, 1);
+    let url = envoys[0].url("/x");
+    let client = Client::new();
+    let admitted =
+        |headers: &[(&str, &str)], n: usize| count(&client.statuses(&url, headers, n), 200);
+    // Nested, exact values: 1 per minute.
+    assert_eq!(admitted(&[("x-src", "proxy"), ("x-dst", "mock")], 5), 1);
+    // Default value of a nested key (bar, any value): 3 per minute, each value its own bucket.
+    assert_eq!(admitted(&[("x-foo", "f"), ("x-bar", "b1")], 6), 3);
+    assert_eq!(admitted(&[("x-foo", "f"), ("x-bar", "b2")], 6), 3);
+    // A ban: requests_per_unit 0.
+    assert_eq!(admitted(&[("x-foo", "f"), ("x-bar", "banned")], 3), 0);
+    // Shadow mode: counted, never denied.
+    assert_eq!(admitted(&[("x-foo", "f"), ("x-baz", "shady")], 6), 6);
+    // Unlimited.
+    assert_eq!(admitted(&[("x-foo", "f"), ("x-bay", "any")], 6), 6);
+    // `category=account` (4 per minute) replaces the limit named bkthomps (1 per minute) for the
+    // same request: 4 pass, not 1.
+    assert_eq!(
+        admitted(
+            &[
+                ("x-category", "account"),
+                ("x-foo", "f"),
+                ("x-bar", "bkthomps")
+            ],
+            6
+        ),
+        4
+    );
+    // All or nothing: a request whose second descriptor is over spends nothing from the first.
+    // (foo=g, bar=bkthomps) has 1 per minute; category=other matches nothing.
+    assert_eq!(admitted(&[("x-foo", "g"), ("x-bar", "bkthomps")], 1), 1);
+    assert_eq!(
+        admitted(
+            &[
+                ("x-src", "proxy"),
+                ("x-dst", "fake"),
+                ("x-foo", "g"),
+                ("x-bar", "bkthomps")
+            ],
+            3
+        ),
+        0
+    );
+    // fake (2 per minute) was not charged by those 3 denied requests.
+    assert_eq!(admitted(&[("x-src", "proxy"), ("x-dst", "fake")], 4), 2);
+    assert_eq!(upstream.requests(), 1 + 3 + 3 + 6 + 6 + 4 + 1 + 2);
+}
