@@ -421,6 +421,160 @@ fn code_label(s: &Status) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::memory::MemoryStore;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+        Entry, RateLimitOverride,
+    };
+
+    const LIMITS: &str = "
+domain: d
+descriptors:
+  - key: k
+    value: a
+    rate_limit: {unit: hour, requests_per_unit: 3}
+  - key: k
+    value: b
+    rate_limit: {unit: hour, requests_per_unit: 10, name: b}
+  - key: k
+    value: free
+    rate_limit: {unlimited: true}
+  - key: k
+    value: shadow
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: k
+    value: boss
+    rate_limit: {unit: hour, requests_per_unit: 100, replaces: [{name: b}]}
+";
+
+    fn service() -> RlsService {
+        let api = Arc::new(Api::new(
+            Arc::new(MemoryStore::new()),
+            None,
+            16,
+            std::time::Duration::from_millis(500),
+        ));
+        let limits = Limits::parse(LIMITS).unwrap_or_default();
+        RlsService::new(api, Arc::new(LimitsFile::fixed(limits)))
+    }
+
+    fn desc(value: &str) -> RateLimitDescriptor {
+        RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "k".into(),
+                value: value.into(),
+            }],
+            ..RateLimitDescriptor::default()
+        }
+    }
+
+    fn req(descriptors: Vec<RateLimitDescriptor>, hits: u32) -> RateLimitRequest {
+        RateLimitRequest {
+            domain: "d".into(),
+            descriptors,
+            hits_addend: hits,
+        }
+    }
+
+    async fn codes(s: &RlsService, r: &RateLimitRequest) -> (i32, Vec<i32>, Vec<u32>) {
+        match s.decide(r).await {
+            Ok(resp) => (
+                resp.overall_code,
+                resp.statuses.iter().map(|x| x.code).collect(),
+                resp.statuses.iter().map(|x| x.limit_remaining).collect(),
+            ),
+            Err(e) => (-1, vec![], vec![e.code() as u32]),
+        }
+    }
+
+    const OK: i32 = Code::Ok as i32;
+    const OVER: i32 = Code::OverLimit as i32;
+
+    #[tokio::test]
+    async fn hits_addend_and_all_or_nothing() {
+        let s = service();
+        // hits_addend 2 of 3, then 2 more is over; the other descriptor is not charged.
+        assert_eq!(
+            codes(&s, &req(vec![desc("a")], 2)).await,
+            (OK, vec![OK], vec![1])
+        );
+        assert_eq!(
+            codes(&s, &req(vec![desc("b"), desc("a")], 2)).await,
+            (OVER, vec![OK, OVER], vec![8, 1])
+        );
+        assert_eq!(
+            codes(&s, &req(vec![desc("b")], 0)).await,
+            (OK, vec![OK], vec![9])
+        );
+        // A descriptor's own hits_addend wins over the request's.
+        let mut d = desc("b");
+        d.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 4 });
+        assert_eq!(codes(&s, &req(vec![d], 1)).await, (OK, vec![OK], vec![5]));
+    }
+
+    #[tokio::test]
+    async fn unlimited_shadow_replaces_and_overrides() {
+        let s = service();
+        assert_eq!(
+            codes(&s, &req(vec![desc("free")], 1)).await,
+            (OK, vec![OK], vec![u32::MAX])
+        );
+        for _ in 0..3 {
+            assert_eq!(codes(&s, &req(vec![desc("shadow")], 1)).await.0, OK);
+        }
+        // `boss` replaces the limit named b: b's bucket is not charged.
+        for _ in 0..12 {
+            assert_eq!(
+                codes(&s, &req(vec![desc("boss"), desc("b")], 1)).await.1,
+                vec![OK, OK]
+            );
+        }
+        assert_eq!(codes(&s, &req(vec![desc("b")], 1)).await.2, vec![9]);
+        // Envoy's per-descriptor limit: 2 per minute for a descriptor the file does not know.
+        let mut d = desc("unknown");
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit: 2,
+            unit: Unit::Minute.to_proto(),
+        });
+        let r = req(vec![d], 1);
+        assert_eq!(codes(&s, &r).await.0, OK);
+        assert_eq!(codes(&s, &r).await.0, OK);
+        assert_eq!(codes(&s, &r).await.0, OVER);
+        // No match: OK, no limit.
+        assert_eq!(
+            codes(&s, &req(vec![desc("none")], 1)).await,
+            (OK, vec![OK], vec![0])
+        );
+        // Empty domain or no descriptor: INVALID_ARGUMENT.
+        let mut bad = req(vec![desc("a")], 1);
+        bad.domain.clear();
+        assert_eq!(codes(&s, &bad).await.0, -1);
+        assert_eq!(codes(&s, &req(vec![], 1)).await.0, -1);
+    }
+
+    #[tokio::test]
+    async fn headers_name_the_deciding_limit() {
+        let s = service();
+        let r = req(vec![desc("b"), desc("a")], 3);
+        let resp = s.decide(&r).await.unwrap_or_default();
+        let h: Vec<(String, String)> = resp
+            .response_headers_to_add
+            .iter()
+            .map(|h| (h.key.clone(), h.value.clone()))
+            .collect();
+        let get = |k: &str| h.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("x-ratelimit-limit"), Some("3"));
+        assert_eq!(get("x-ratelimit-remaining"), Some("0"));
+        assert_eq!(get("ratelimit-policy"), Some("\"d.k_a\";q=3;w=3600"));
+        assert_eq!(get("retry-after"), None);
+        let resp = s.decide(&r).await.unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        let over = resp
+            .response_headers_to_add
+            .iter()
+            .any(|h| h.key == "retry-after" && h.value.parse::<u64>().is_ok_and(|v| v >= 1));
+        assert!(over, "{:?}", resp.response_headers_to_add);
+    }
 
     #[test]
     fn keys_are_injective_and_stable() {
