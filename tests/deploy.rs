@@ -227,7 +227,12 @@ fn manifests_match_published_schemas() {
     assert!(crds.status.success(), "CRD validation failed:\n{crd_text}");
     let checked = crd_text.lines().filter(|l| l.starts_with("ok ")).count();
     let core = crd_text.lines().filter(|l| l.starts_with("core ")).count();
-    for kind in ["WasmPlugin/", "EnvoyExtensionPolicy/", "HTTPRoute/"] {
+    for kind in [
+        "WasmPlugin/",
+        "EnvoyExtensionPolicy/",
+        "HTTPRoute/",
+        "EnvoyFilter/",
+    ] {
         assert!(
             crd_text
                 .lines()
@@ -256,6 +261,7 @@ fn manifests_match_published_schemas() {
         "poddisruptionbudget/",
         "secret/",
         "namespace/",
+        "configmap/",
     ] {
         assert!(
             k8s_text.contains(kind),
@@ -295,6 +301,13 @@ fn a_typo_fails_validation() {
             "    backendRefs:",
             "    backendRef:",
             "backendRef",
+            true,
+        ),
+        (
+            "deploy/istio/envoyfilter-ratelimit.yaml",
+            "      operation: INSERT_BEFORE",
+            "      operatio: INSERT_BEFORE",
+            "operatio",
             true,
         ),
         (
@@ -387,4 +400,55 @@ fn module_config(wasm: &Path, plugin_json: &str, cluster: &str) -> String {
     spec.service_cluster = cluster.to_string();
     spec.direct_response = true;
     spec.yaml(wasm, closed_port(), closed_port())
+}
+
+/// The limits file shipped in the RLS ConfigMap (`data."limits.yaml"`), as the block's text.
+fn rls_limits_of(configmap: &str) -> String {
+    let mut lines = configmap
+        .lines()
+        .skip_while(|l| l.trim() != "limits.yaml: |");
+    lines
+        .next()
+        .expect("a `limits.yaml: |` block in the ConfigMap");
+    lines
+        .take_while(|l| l.is_empty() || l.starts_with("    "))
+        .map(|l| format!("{}\n", l.get(4..).unwrap_or("")))
+        .collect()
+}
+
+/// The limits file of deploy/kubernetes/rls-limits.yaml is accepted by the real service (which
+/// refuses to start on a limits file it cannot load), and a typo in it is refused with the field
+/// named.
+#[test]
+fn rls_limits_configmap_loads_in_the_service() {
+    let c = Components::get();
+    let dir = TempDir::new("deploy-rls-limits");
+    let cm = fs::read_to_string(workspace_root().join("deploy/kubernetes/rls-limits.yaml"))
+        .expect("read the ConfigMap");
+    let limits = rls_limits_of(&cm);
+    assert!(limits.contains("domain: edge"), "{limits}");
+    let path = dir.path().join("limits.yaml");
+    fs::write(&path, &limits).expect("write");
+    let arg = path.to_str().expect("UTF-8 path");
+    let service = Service::start_with(&c, &dir, None, &["--rls-config", arg]);
+    assert!(
+        service.proc.log_text().contains("listening"),
+        "{}",
+        service.proc.log_text()
+    );
+    drop(service);
+    let bad = dir.path().join("bad.yaml");
+    fs::write(
+        &bad,
+        limits.replacen("requests_per_unit", "request_per_unit", 1),
+    )
+    .expect("write");
+    let out = Command::new(&c.server)
+        .args(["--listen", "127.0.0.1:0", "--rls-config"])
+        .arg(&bad)
+        .output()
+        .expect("run tollgate-server");
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(t.contains("request_per_unit"), "{t}");
 }

@@ -47,6 +47,10 @@ const KINDS = {
     "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/HTTPRoute.js", "HTTPRoute", []],
   "gateway.networking.k8s.io/v1/GRPCRoute": [
     "@kubernetes-models/gateway-api/gateway.networking.k8s.io/v1/GRPCRoute.js", "GRPCRoute", []],
+  // Envoy configuration patches: free-form, and not plugin configurations (the 4th element).
+  "networking.istio.io/v1alpha3/EnvoyFilter": [
+    "@kubernetes-models/istio/networking.istio.io/v1alpha3/EnvoyFilter.js", "EnvoyFilter",
+    ["spec.configPatches.*.patch.value"], false],
 };
 
 const YAML = (await load("yaml/dist/index.js")).default;
@@ -159,7 +163,7 @@ for (const file of files) {
     } else {
       console.log(`ok   ${id} (${modulePath.split("/").slice(0, 2).join("/")})`);
     }
-    if (configsDir) {
+    if (configsDir && entry[3] !== false) {
       freeFormValues(doc, freeForm).forEach((cfg, n) => {
         const out = join(configsDir, `${doc.kind}-${doc.metadata?.name ?? "unnamed"}-${n}.json`);
         writeFileSync(out, JSON.stringify(cfg));
