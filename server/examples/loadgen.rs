@@ -5,8 +5,9 @@
 //!
 //! Modes: `grpc` (tonic, HTTP/2), `h2` (JSON over HTTP/2 prior knowledge), `h1` (JSON over
 //! HTTP/1.1, one request in flight per connection). Every request takes 1 token from one bucket
-//! that never runs dry, so each one runs the full script and writes. Prints decisions/s and the
-//! latency percentiles of a take. Loopback only; bounded in time (at most 120 s) and count.
+//! that never runs dry, so each one runs the full script and writes. `--batch N` (N > 1) sends N
+//! such takes per call instead (`TakeBatch`, `POST /v1/take_batch`). Prints decisions/s and the
+//! latency percentiles of a call. Loopback only; bounded in time (at most 120 s) and count.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
@@ -23,6 +24,7 @@ struct Args {
     seconds: u64,
     max_requests: u64,
     key: String,
+    batch: usize,
 }
 
 fn parse() -> Args {
@@ -34,6 +36,7 @@ fn parse() -> Args {
         seconds: 5,
         max_requests: 5_000_000,
         key: "bench".into(),
+        batch: 1,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut it = argv.iter();
@@ -47,12 +50,14 @@ fn parse() -> Args {
             "--seconds" => a.seconds = v.parse().expect("number"),
             "--max-requests" => a.max_requests = v.parse().expect("number"),
             "--key" => a.key = v.clone(),
+            "--batch" => a.batch = v.parse().expect("number"),
             _ => panic!("unknown flag {flag}"),
         }
     }
     assert!(a.addr.ip().is_loopback(), "loopback addresses only");
     a.seconds = a.seconds.clamp(1, 120);
     a.connections = a.connections.clamp(1, a.concurrency.max(1));
+    a.batch = a.batch.clamp(1, 64);
     a
 }
 
@@ -64,9 +69,17 @@ async fn main() {
     let args = Arc::new(parse());
     let deadline = Instant::now() + Duration::from_secs(args.seconds);
     let per_task_max = args.max_requests / args.concurrency as u64 + 1;
-    let body = serde_json::json!({"buckets": [{"key": args.key, "capacity": CAP, "rate": CAP, "period_ms": 1000, "cost": 1}]});
+    let take = serde_json::json!({"buckets": [{"key": args.key, "capacity": CAP, "rate": CAP, "period_ms": 1000, "cost": 1}]});
+    let (body, url) = if args.batch > 1 {
+        let takes = vec![take; args.batch];
+        (
+            serde_json::json!({ "takes": takes }),
+            format!("http://{}/v1/take_batch", args.addr),
+        )
+    } else {
+        (take, format!("http://{}/v1/take", args.addr))
+    };
     let body = Arc::new(serde_json::to_vec(&body).unwrap());
-    let url = format!("http://{}/v1/take", args.addr);
 
     let mut grpc_clients = Vec::new();
     let mut http_clients = Vec::new();
@@ -109,7 +122,7 @@ async fn main() {
                 n += 1;
                 let t = Instant::now();
                 let ok = if let Some(mut g) = grpc.clone() {
-                    let req = pb::TakeRequest {
+                    let take = pb::TakeRequest {
                         buckets: vec![pb::Bucket {
                             key: args.key.clone(),
                             capacity: CAP,
@@ -120,7 +133,14 @@ async fn main() {
                             lease: None,
                         }],
                     };
-                    matches!(g.take(req).await, Ok(r) if r.get_ref().allowed)
+                    if args.batch > 1 {
+                        let req = pb::TakeBatchRequest {
+                            takes: vec![take; args.batch],
+                        };
+                        matches!(g.take_batch(req).await, Ok(r) if r.get_ref().results.iter().all(|t| t.allowed))
+                    } else {
+                        matches!(g.take(take).await, Ok(r) if r.get_ref().allowed)
+                    }
                 } else if let Some(h) = &http {
                     match h
                         .post(&url)
@@ -152,6 +172,7 @@ async fn main() {
         errors += e;
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let decisions = all.len() * args.batch;
     all.sort_unstable();
     let pct = |p: f64| -> f64 {
         if all.is_empty() {
@@ -161,15 +182,16 @@ async fn main() {
         all[i] as f64 / 1000.0
     };
     println!(
-        "mode={} connections={} concurrency={} seconds={:.2} decisions={} errors={} decisions_per_s={:.0} p50_ms={:.3} p99_ms={:.3}",
+        "mode={} connections={} concurrency={} seconds={:.2} decisions={} errors={} decisions_per_s={:.0} p50_ms={:.3} p99_ms={:.3} batch={}",
         args.mode,
         args.connections,
         args.concurrency,
         elapsed,
-        all.len(),
+        decisions,
         errors,
-        all.len() as f64 / elapsed,
+        decisions as f64 / elapsed,
         pct(0.50),
-        pct(0.99)
+        pct(0.99),
+        args.batch
     );
 }

@@ -199,7 +199,8 @@ async fn bad_batches_are_refused_whole() {
         assert_eq!(status, 401, "{v}");
         assert_eq!(v["error"]["code"], "unauthenticated");
     }
-    let (status, _) = post_batch(&client, &svc, None, json_batch(&[good.clone()])).await;
+    let (status, _) =
+        post_batch(&client, &svc, None, json_batch(std::slice::from_ref(&good))).await;
     assert_eq!(status, 401);
 
     // gRPC: the same refusals.

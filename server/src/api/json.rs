@@ -601,9 +601,9 @@ mod tests {
             "takes[3].buckets[0].capacity"
         );
         assert_eq!(
-            batch_field_of(&format!(
-                r#"{{"takes":[{{"buckets":[{{"key":"a","capacity":1,"period_ms":1,"x":1}}]}}]}}"#
-            )),
+            batch_field_of(
+                r#"{"takes":[{"buckets":[{"key":"a","capacity":1,"period_ms":1,"x":1}]}]}"#
+            ),
             "takes[0].buckets[0].x"
         );
         assert_eq!(batch_field_of(&format!(r#"{{"takes":[{take}] x"#)), "");

@@ -1,15 +1,17 @@
-//! The API: one operation, take, in two wire forms on one port.
+//! The API: one operation, take (alone or in a batch), in two wire forms on one port.
 //!
 //! | file | what |
 //! |---|---|
 //! | `json.rs` | JSON codec of the contract (strict: unknown fields rejected, the bad field named) |
 //! | `grpc.rs` | protobuf types generated from `contract/tollgate.proto`, the tonic service, a codec that turns malformed protobuf into `INVALID_ARGUMENT` |
-//! | `http.rs` | axum routes (`/v1/take`, `/healthz`, `/readyz`, `/metrics`), auth, and the content-type switch that sends gRPC to tonic |
+//! | `http.rs` | axum routes (`/v1/take`, `/v1/take_batch`, `/healthz`, `/readyz`, `/metrics`), auth, and the content-type switch that sends gRPC to tonic |
 //!
 //! Both transports go through [`Api::admit`] (the token from the headers, then the body, bounded
 //! in size and time, then a take permit or an immediate 503) before anything is decoded, and
 //! then [`Api::take`]: validate (the one shared [`crate::domain::validate`]), ask the store,
-//! count.
+//! count. A batch goes through [`Api::admit_bounded`] with the batch's bound
+//! ([`crate::domain::MAX_BATCH_BYTES`]) and then [`Api::take_batch`]: every take validated as one,
+//! then one store call for all of them.
 
 pub mod grpc;
 pub mod http;

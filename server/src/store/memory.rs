@@ -1,7 +1,7 @@
 //! The in-process store: the same semantics as the Redis scripts, for one instance.
 //!
 //! Used when no Redis is configured (a single replica, development, tests). One mutex guards a
-//! map of bucket states, so a take is atomic. Arithmetic mirrors `lua/token_bucket.lua` and
+//! map of bucket states, so a take is atomic; a batch holds it once for all its takes, in order. Arithmetic mirrors `lua/token_bucket.lua` and
 //! `lua/fixed_window.lua` exactly (integer micro-tokens, a carried refill remainder), in `u128`.
 //! The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
 //!

@@ -5,7 +5,7 @@
 //! | `memory.rs` | in-process store: one mutex, monotonic clock, idle buckets expire |
 //! | `redis.rs` | Redis standalone or Cluster: Lua scripts, slot grouping, refunds |
 //! | `keys.rs` | Redis key layout and hash slots (pure) |
-//! | `lua/*.lua` | the scripts, one file per algorithm plus the take and refund drivers |
+//! | `lua/*.lua` | the scripts, one file per algorithm, the decision of one take (`take_one.lua`), and the take, batch and refund drivers |
 
 pub mod keys;
 pub mod memory;

@@ -15,6 +15,14 @@
 //!   (Redis unreachable), those tokens stay spent until they refill: again a denial, never an
 //!   admission. A request whose buckets share a slot (one key, or keys of one `{hash tag}`) is as
 //!   atomic as on standalone Redis.
+//! * **Batches** ([`Store::take_batch`]): on standalone Redis, one call of `take_batch.lua` decides
+//!   every take of the batch, one after the other, each exactly as `take.lua` would (both run
+//!   `take_one.lua`): one round trip, each take atomic and all-or-nothing (the whole batch is in fact
+//!   one atomic script run). A loop in one script rather than a pipeline of EVALSHA: one reply to
+//!   read, one script start, and NOSCRIPT recovery stays one retry of one command (a pipeline
+//!   could be cut between charged and unknown takes). On a Cluster, takes whose keys share one
+//!   slot go in one `take_batch.lua` call per slot; a take spanning slots is taken as a single take
+//!   (slot by slot, with refunds); all of them concurrently.
 //! * **Outages**: every round trip is bounded by the configured timeout (connect and response; a
 //!   Cluster take that must refund makes two round trips); a take that cannot complete is a
 //!   [`StoreError`], which the service answers with 503 /
@@ -34,9 +42,9 @@
 //!
 //! # Scripts
 //!
-//! `take.lua` (and `refund.lua`) are built by concatenating `prelude.lua` (exact integer
-//! arithmetic, the TIME clock), `token_bucket.lua` and `fixed_window.lua` (one file per algorithm)
-//! and the driver. One script handles a mix of algorithms so that all buckets of a slot are taken in
+//! `take.lua`, `take_batch.lua` (and `refund.lua`) are built by concatenating `prelude.lua` (exact
+//! integer arithmetic, the TIME clock), `token_bucket.lua` and `fixed_window.lua` (one file per
+//! algorithm), `take_one.lua` (the decision of one take; not in `refund.lua`) and the driver. One script handles a mix of algorithms so that all buckets of a slot are taken in
 //! one call. They are sent with EVALSHA; on `NOSCRIPT` (after a restart or `SCRIPT FLUSH`)
 //! `redis::Script` loads them (`SCRIPT LOAD`, sent to every primary on a cluster) and retries.
 //! Keys are laid out by [`super::keys`]. The reply is turned into decisions by [`decode_take`], a
