@@ -1,9 +1,9 @@
 //! The in-process store: the same semantics as the Redis scripts, for one instance.
 //!
 //! Used when no Redis is configured (a single replica, development, tests). One mutex guards a
-//! map of bucket states, so a take is atomic; a batch holds it once for all its takes, in order. Arithmetic mirrors `lua/token_bucket.lua` and
-//! `lua/fixed_window.lua` exactly (integer micro-tokens, a carried refill remainder), in `u128`.
-//! The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
+//! map of bucket states, so a take is atomic; a batch holds it once for all its takes, in order.
+//! Arithmetic mirrors `lua/token_bucket.lua` and `lua/fixed_window.lua` exactly (integer
+//! micro-tokens, a carried refill remainder), in `u128`. The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
 //!
 //! Memory is bounded twice. By expiry: a bucket is dropped once it would be full again (or its
 //! window has ended) plus a margin, like the Redis keys' PEXPIRE, but never kept idle longer than
