@@ -55,6 +55,8 @@ if [ "${1:-}" = image ]; then
   command -v umoci >/dev/null 2>&1 || apt_pkgs+=(umoci)
   command -v docker-registry >/dev/null 2>&1 || apt_pkgs+=(docker-registry)
   command -v musl-gcc >/dev/null 2>&1 || apt_pkgs+=(musl-tools)
+  # promtool checks and unit-tests deploy/monitoring's alert rules (policy-rc.d keeps Prometheus itself stopped).
+  command -v promtool >/dev/null 2>&1 || apt_pkgs+=(prometheus)
 fi
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   say "apt-get install ${apt_pkgs[*]}"
@@ -99,7 +101,7 @@ if [ "${1:-}" = image ]; then
     rm -rf "$KV_DIR" && mv "$KV_DIR.tmp" "$KV_DIR"
   fi
   ln -sfn "$KV_DIR" "$TOOLS/kubernetes-validate"
-  CRD_PKGS="@kubernetes-models/istio@3.0.1 @kubernetes-models/envoy-gateway@2.0.0 @kubernetes-models/gateway-api@2.0.0 yaml@2.9.1"
+  CRD_PKGS="@kubernetes-models/istio@3.0.1 @kubernetes-models/envoy-gateway@2.0.0 @kubernetes-models/gateway-api@2.0.0 @kubernetes-models/prometheus-operator@6.0.0 yaml@2.9.1"
   CRD_DIR="$TOOLS/crd-schemas"
   if [ "$(cat "$CRD_DIR/.installed" 2>/dev/null)" != "$CRD_PKGS" ]; then
     say "installing $CRD_PKGS into $CRD_DIR"

@@ -452,3 +452,172 @@ fn rls_limits_configmap_loads_in_the_service() {
     assert!(!out.status.success(), "{t}");
     assert!(t.contains("request_per_unit"), "{t}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Alerts and dashboard (deploy/monitoring)
+
+/// promtool, from Debian's prometheus package (`make images`); missing = test failure.
+fn promtool() -> PathBuf {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|d| d.join("promtool"))
+        .find(|p| p.is_file());
+    found.expect("promtool is missing: run `make images` (Debian package prometheus). Validation does not skip.")
+}
+
+/// The rule groups of the PrometheusRule: its `spec`, as a Prometheus rules file.
+fn rules_file_of(manifest: &str) -> String {
+    let mut lines = manifest.lines().skip_while(|l| *l != "spec:");
+    lines.next().expect("spec: in the PrometheusRule");
+    lines
+        .map(|l| format!("{}\n", l.get(2..).unwrap_or("")))
+        .collect()
+}
+
+fn promtool_run(args: &[&str], dir: &Path) -> Output {
+    Command::new(promtool())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run promtool")
+}
+
+/// The alert rules pass `promtool check rules`, and `promtool test rules` shows each alert firing on
+/// the series it is about and staying quiet on healthy ones.
+#[test]
+fn alert_rules_pass_promtool() {
+    let dir = TempDir::new("deploy-alerts");
+    let manifest =
+        fs::read_to_string(workspace_root().join("deploy/monitoring/prometheusrule.yaml"))
+            .expect("read the PrometheusRule");
+    fs::write(dir.path().join("rules.yaml"), rules_file_of(&manifest)).expect("write");
+    let out = promtool_run(&["check", "rules", "rules.yaml"], dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("SUCCESS: 5 rules found"),
+        "{}",
+        text(&out)
+    );
+    // 1 fallback decision/s, 10% of calls UNAVAILABLE, 2 Redis timeouts/s; the breaker closed.
+    let tests = r#"rule_files: [rules.yaml]
+evaluation_interval: 1m
+tests:
+- interval: 1m
+  input_series:
+  - {series: 'tollgate_fallback_allowed{pod="a"}', values: '0+60x30'}
+  - {series: 'tollgate_fallback_limited{pod="a"}', values: '0x30'}
+  - {series: 'tollgate_breaker_open{pod="a"}', values: '0x30'}
+  - {series: 'tollgate_requests_total{transport="grpc",code="ok"}', values: '0+5400x30'}
+  - {series: 'tollgate_requests_total{transport="grpc",code="unavailable"}', values: '0+600x30'}
+  - {series: 'tollgate_store_errors_total{kind="timeout"}', values: '0+120x30'}
+  - {series: 'tollgate_store_duration_seconds_bucket{le="0.005"}', values: '0+100x30'}
+  - {series: 'tollgate_store_duration_seconds_bucket{le="+Inf"}', values: '0+100x30'}
+  alert_rule_test:
+  - eval_time: 1m
+    alertname: TollgateFallbackInUse
+    exp_alerts: []
+  - eval_time: 20m
+    alertname: TollgateFallbackInUse
+    exp_alerts:
+    - exp_labels: {severity: warning}
+      exp_annotations:
+        summary: Envoys are rate limiting on their local fallback
+        description: "1 requests/s decided without tollgate-server for 2 minutes: the service or Redis is unreachable or slow."
+  - eval_time: 20m
+    alertname: TollgateBreakerOpen
+    exp_alerts: []
+  - eval_time: 20m
+    alertname: TollgateStoreSlow
+    exp_alerts: []
+  - eval_time: 20m
+    alertname: TollgateServiceUnavailable
+    exp_alerts:
+    - exp_labels: {severity: critical}
+      exp_annotations:
+        summary: tollgate-server answers more than 1% of calls with 503 / UNAVAILABLE
+        description: "10% of calls failed for 5 minutes; the filters are on their failure mode."
+  - eval_time: 20m
+    alertname: TollgateRedisErrors
+    exp_alerts:
+    - exp_labels: {severity: warning, kind: timeout}
+      exp_annotations:
+        summary: "tollgate-server gets Redis errors (timeout)"
+        description: "2 store errors/s of kind timeout for 2 minutes."
+"#;
+    fs::write(dir.path().join("tests.yaml"), tests).expect("write");
+    let out = promtool_run(&["test", "rules", "tests.yaml"], dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// The Grafana dashboard: JSON with the fields Grafana needs, every query valid PromQL (promtool
+/// checks each as a recording rule), and every metric it reads one that exists: the service's as a
+/// real tollgate-server exposes them, the filter's as docs/filter-config.md lists them.
+#[test]
+fn grafana_dashboard_queries_are_valid() {
+    let c = Components::get();
+    let dir = TempDir::new("deploy-dashboard");
+    let text_of = |p: &str| fs::read_to_string(workspace_root().join(p)).expect("read");
+    let d: serde_json::Value =
+        serde_json::from_str(&text_of("deploy/monitoring/grafana-dashboard.json"))
+            .expect("the dashboard is JSON");
+    assert!(d["title"].is_string() && d["uid"].is_string(), "{d}");
+    assert!(d["schemaVersion"].as_u64().is_some_and(|v| v >= 36), "{d}");
+    let panels = d["panels"].as_array().expect("panels");
+    let mut exprs = Vec::new();
+    for p in panels {
+        assert!(p["title"].is_string() && p["type"].is_string() && p["gridPos"].is_object());
+        for t in p["targets"].as_array().expect("targets") {
+            exprs.push(t["expr"].as_str().expect("expr").to_string());
+        }
+    }
+    assert!(exprs.len() >= 8, "{exprs:?}");
+    // Grafana's $__rate_interval is not PromQL: promtool sees 5m.
+    let mut rules = String::from("groups:\n- name: dashboard\n  rules:\n");
+    for (i, e) in exprs.iter().enumerate() {
+        let e = e.replace("$__rate_interval", "5m");
+        rules.push_str(&format!("  - record: dashboard:q{i}\n    expr: {e:?}\n"));
+    }
+    fs::write(dir.path().join("q.yaml"), rules).expect("write");
+    let out = promtool_run(&["check", "rules", "q.yaml"], dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    // Which metrics exist: the live service's names, the filter's documented ones.
+    // Labelled families show once they have a sample: one take allowed, one refused by a full
+    // memory store (a store error).
+    let service = Service::start_with(&c, &dir, None, &["--memory-max-buckets", "1"]);
+    let take = |key: &str| {
+        let body = format!(r#"{{"buckets":[{{"key":"{key}","capacity":1,"period_ms":1000}}]}}"#);
+        Client::new()
+            .post(
+                &format!("http://127.0.0.1:{}/v1/take", service.port),
+                &[("content-type", "application/json")],
+                body.as_bytes(),
+            )
+            .status
+    };
+    assert_eq!((take("a"), take("b")), (200, 503));
+    let exposed = service.metrics();
+    let documented = text_of("docs/filter-config.md").replace('.', "_");
+    let mut names: Vec<String> = exprs
+        .iter()
+        .flat_map(|e| {
+            e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("tollgate_"))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    for n in &names {
+        // A family shows as `# TYPE <name without _total/_bucket> <type>` before its first sample.
+        let family = ["_total", "_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| n.strip_suffix(s))
+            .unwrap_or(n);
+        let known = exposed.contains(&format!("# TYPE {family} "))
+            || documented.contains(&format!("`{n}`"));
+        assert!(known, "the dashboard reads {n}, which nothing exposes");
+    }
+}

@@ -51,6 +51,8 @@ const KINDS = {
   "networking.istio.io/v1alpha3/EnvoyFilter": [
     "@kubernetes-models/istio/networking.istio.io/v1alpha3/EnvoyFilter.js", "EnvoyFilter",
     ["spec.configPatches.*.patch.value"], false],
+  "monitoring.coreos.com/v1/PrometheusRule": [
+    "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PrometheusRule.js", "PrometheusRule", []],
 };
 
 const YAML = (await load("yaml/dist/index.js")).default;
