@@ -11,7 +11,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`domain`] | bucket specs, decisions, the one validation both transports share |
-//! | [`api`] | JSON over HTTP (`POST /v1/take`), gRPC (`tollgate.v1.RateLimiter/Take`), health, metrics, auth, the one-port switch |
+//! | [`api`] | JSON over HTTP (`POST /v1/take`, `POST /v1/take_batch`), gRPC (`tollgate.v1.RateLimiter/Take`, `TakeBatch`), health, metrics, auth, the one-port switch |
 //! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`] |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`rls`] | Envoy's rate limit service (RLS v3) over the same store, limits from a file reloaded when it changes |
@@ -33,7 +33,8 @@
 //!   `content-type: application/grpc`.
 //! * **No client can starve, bloat or fool it**: a take's token is checked from its headers before
 //!   its body is read; the body is bounded ([`domain::MAX_TAKE_BYTES`], 413 /
-//!   `RESOURCE_EXHAUSTED`) and timed; decoding stops at a 17th bucket; takes beyond
+//!   `RESOURCE_EXHAUSTED`; a batch by [`domain::MAX_BATCH_BYTES`]) and timed; decoding stops at
+//!   a 17th bucket (a 65th take); takes beyond
 //!   `max_in_flight` are shed at once (503), never queued; probes never wait behind takes;
 //!   connections are capped and timed out ([`serve`]); callers get generic error texts, the log
 //!   gets the detail (with Redis passwords redacted by parsing the URL).
