@@ -140,7 +140,7 @@ fn key(prefix: &str, k: usize) -> String {
 /// The keys of the n-th take of a task: one, or two distinct ones.
 fn pick(task: usize, n: u64) -> Vec<usize> {
     let a = (task + n as usize) % KEYS;
-    if n % 3 == 0 {
+    if n.is_multiple_of(3) {
         vec![a, (a + 1 + (n as usize / 3) % (KEYS - 1)) % KEYS]
     } else {
         vec![a]
