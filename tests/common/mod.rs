@@ -20,7 +20,6 @@
 #![allow(dead_code)]
 
 pub mod config;
-pub mod loopback;
 pub mod faults;
 pub mod loopback;
 pub mod push;
