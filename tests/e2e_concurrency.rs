@@ -1,6 +1,6 @@
 //! End to end under contention: 32 clients at once against one bucket. The service's atomic take
-//! must admit exactly the capacity, counted at the upstream; so must the fallback's bucket, which
-//! Envoy's worker threads share.
+//! must admit exactly the capacity, counted at the upstream, also when the callouts go out in
+//! batches (`service.batch`); so must the fallback's bucket, which Envoy's worker threads share.
 
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 both_transports!(
     exactly_capacity_admitted_under_32_parallel_clients,
     fallback_exact_under_32_parallel_clients,
+    exactly_capacity_admitted_with_batched_callouts,
 );
 
 const CLIENTS: usize = 32;
@@ -100,4 +101,31 @@ fn exactly_capacity_admitted_under_32_parallel_clients(t: Transport) {
     );
     assert_eq!(s.upstream.requests(), CAPACITY, "at the upstream");
     assert_eq!(s.envoy.tg("allowed"), CAPACITY, "{:?}", s.envoy.tg_all());
+}
+
+/// Group commit: with 32 clients on two workers, requests queue behind each worker's callout and
+/// leave in batches; every take in a batch is still decided on its own, atomically.
+fn exactly_capacity_admitted_with_batched_callouts(t: Transport) {
+    const CAPACITY: u64 = 50;
+    let s = Arc::new(Stack::start(
+        "batch-concurrency",
+        &plugin(
+            t,
+            vec![rule("shared", &["literal:all"], CAPACITY)],
+            json!({"service": {"batch": 64}}),
+        ),
+    ));
+    let all = hammer(&s);
+    assert_eq!(count(&all, 200) as u64, CAPACITY, "admitted");
+    assert_eq!(s.upstream.requests(), CAPACITY, "at the upstream");
+    let stats = s.envoy.tg_all();
+    assert!(
+        stats.get("batch.callouts").copied().unwrap_or(0) > 0,
+        "requests went out in batches: {stats:?}"
+    );
+    assert_eq!(
+        stats.get("allowed").copied().unwrap_or(0) + stats.get("limited").copied().unwrap_or(0),
+        all.len() as u64,
+        "every request decided by the service: {stats:?}"
+    );
 }
