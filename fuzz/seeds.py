@@ -105,6 +105,8 @@ CONFIGS = {
     "bad-duplicate-rule.json": '{"service":{"cluster":"c"},"rules":[{"name":"n","capacity":1,'
                                '"period_ms":1},{"name":"n","capacity":1,"period_ms":1}]}',
     "bad-escapes.json": '{"service":{"cluster":"\\ud800\\u0000"},"rules":null}',
+    # Found by filter_config: a top-level key "" is refused with an empty field name.
+    "bad-empty-key.json": '{"service":{"clustep":": 1"},"":[{"s":1}]}',
 }
 
 # ---- filter_keys: byte 0 picks the configuration, byte 1 trusted_hops (0xff: the
