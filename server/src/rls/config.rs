@@ -175,13 +175,12 @@ impl Limits {
     pub fn parse(text: &str) -> Result<Limits, String> {
         let mut limits = Limits::default();
         for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
-            let value = serde_yaml_ng::Value::deserialize(doc)
+            // Straight from the text (not through a Value), so an error carries its line.
+            let root = Option::<YamlRoot>::deserialize(doc)
                 .map_err(|e| format!("document {}: {e}", i + 1))?;
-            if value.is_null() {
+            let Some(root) = root else {
                 continue;
-            }
-            let root: YamlRoot =
-                serde_yaml_ng::from_value(value).map_err(|e| format!("document {}: {e}", i + 1))?;
+            };
             if root.domain.is_empty() {
                 return Err(format!("document {}: domain: must not be empty", i + 1));
             }
