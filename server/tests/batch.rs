@@ -409,3 +409,47 @@ async fn exact_under_concurrent_batches_redis() {
     assert_eq!(total, C, "exactly the capacity is admitted");
     drop(r);
 }
+
+/// A batch just under 1 MiB, far over a single take's bound, is decided in both forms.
+#[tokio::test]
+async fn a_batch_near_the_bound_is_accepted() {
+    let svc = Service::start(Arc::new(MemoryStore::new()), None).await;
+    let takes: Vec<pb::TakeRequest> = (0..64)
+        .map(|i| pb::TakeRequest {
+            buckets: (0..3)
+                .map(|j| pb::Bucket {
+                    period_ms: HOUR,
+                    ..pb_bucket(&format!("{i}-{j}-{}", "k".repeat(MAX_KEY_BYTES - 16)))
+                })
+                .collect(),
+        })
+        .collect();
+    let msg = pb::TakeBatchRequest {
+        takes: takes.clone(),
+    };
+    let len = msg.encoded_len();
+    assert!(len > 10 * tollgate_server::domain::MAX_TAKE_BYTES && len < MAX_BATCH_BYTES);
+    let mut g = svc.grpc().await;
+    let r = g.take_batch(msg).await.expect("TakeBatch").into_inner();
+    assert_eq!(r.results.len(), 64);
+    assert!(r.results.iter().all(|t| t.allowed));
+    let json: Vec<Value> = takes
+        .iter()
+        .map(|t| {
+            take_of(
+                t.buckets
+                    .iter()
+                    .map(|b| bucket(&b.key, 5, 5, HOUR, 1))
+                    .collect(),
+            )
+        })
+        .collect();
+    let body = json_batch(&json);
+    assert!(body.len() < MAX_BATCH_BYTES);
+    let (status, v) = post_batch(&reqwest::Client::new(), &svc, None, body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["results"].as_array().map(Vec::len), Some(64));
+    // The same buckets again: each has 3 of 5 tokens left after the two batches.
+    assert_eq!(v["results"][63]["buckets"][2]["remaining"], 3, "{v}");
+    svc.stop().await;
+}
