@@ -621,3 +621,93 @@ fn grafana_dashboard_queries_are_valid() {
         assert!(known, "the dashboard reads {n}, which nothing exposes");
     }
 }
+
+/// The `value` blocks of an EnvoyFilter's patches, in order, without their 8-space indentation.
+fn patch_values(envoyfilter: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let mut lines = envoyfilter.lines().peekable();
+    while let Some(l) = lines.next() {
+        if l != "      value:" {
+            continue;
+        }
+        let mut block = Vec::new();
+        while let Some(next) = lines.peek() {
+            if !next.starts_with("        ") && !next.trim().is_empty() {
+                break;
+            }
+            block.push(next.get(8..).unwrap_or("").to_string());
+            lines.next();
+        }
+        out.push(block);
+    }
+    out
+}
+
+/// Envoy accepts what deploy/istio/envoyfilter-ratelimit.yaml patches in (CRD schemas leave patch
+/// values free-form): its ratelimit filter and route actions, placed where Istio puts them, pass
+/// `envoy --mode validate`.
+#[test]
+fn istio_ratelimit_envoyfilter_validates_in_envoy() {
+    let (envoy, _) = envoy_and_module();
+    let dir = TempDir::new("deploy-envoyfilter");
+    let ef = fs::read_to_string(workspace_root().join("deploy/istio/envoyfilter-ratelimit.yaml"))
+        .expect("read the EnvoyFilter");
+    let values = patch_values(&ef);
+    assert_eq!(values.len(), 2, "{values:?}");
+    let indent = |block: &[String], first: &str, rest: &str| -> String {
+        block
+            .iter()
+            .enumerate()
+            .map(|(i, l)| format!("{}{l}\n", if i == 0 { first } else { rest }))
+            .collect()
+    };
+    let filter = indent(&values[0], "          - ", "            ");
+    let vhost = indent(&values[1], "              ", "              ");
+    let cluster = "outbound|9081||tollgate.tollgate-system.svc.cluster.local";
+    let yaml = format!(
+        r#"static_resources:
+  listeners:
+  - name: gateway
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: gateway
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes: [{{match: {{prefix: "/"}}, direct_response: {{status: 200}}}}]
+{vhost}          http_filters:
+{filter}          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+  - name: "{cluster}"
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: "{cluster}"
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}
+"#,
+        port = closed_port(),
+    );
+    assert!(yaml.contains("envoy.filters.http.ratelimit") && yaml.contains("rate_limits:"));
+    let path = dir.path().join("gateway.yaml");
+    fs::write(&path, &yaml).expect("write");
+    if let Err(out) = envoy_validate(&envoy, &path) {
+        panic!("the EnvoyFilter's patches do not validate:\n{yaml}\n{out}");
+    }
+    // Not a rubber stamp: a misspelt field of the filter fails.
+    let bad = yaml.replacen("failure_mode_deny", "failure_mode_denied", 1);
+    fs::write(&path, &bad).expect("write");
+    let err = envoy_validate(&envoy, &path).expect_err("a misspelt field passed");
+    assert!(err.contains("failure_mode_denied"), "{err}");
+}
