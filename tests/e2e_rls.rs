@@ -51,7 +51,7 @@ fn three_envoys_admit_exactly_the_limit() {
         &dir,
         "domain: e2e\ndescriptors:\n  - key: bucket\n    value: exact\n    rate_limit: {unit: hour, requests_per_unit: 20}\n",
     );
-    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 200);
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 200, &[]);
     let upstream = Upstream::start();
     let spec = NativeSpec {
         domain: "e2e".into(),
@@ -59,6 +59,7 @@ fn three_envoys_admit_exactly_the_limit() {
         service_port: service.port,
         upstream_port: upstream.port,
         concurrency: 2,
+        token: None,
     };
     let envoys = spec.start(&c, &dir, 3);
     // 32 clients spread over the 3 Envoys, 8 requests each: 256 requests for a limit of 20
@@ -105,7 +106,7 @@ fn a_reload_under_load_keeps_the_counts() {
     let after = "domain: e2e\ndescriptors:\n  - key: bucket\n    value: keep\n    rate_limit: {unit: hour, requests_per_unit: 200}\n  - key: bucket\n    value: change\n    rate_limit: {unit: hour, requests_per_unit: 7}\n  - key: bucket\n    value: new\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
     let limits = LimitsFile::new(&dir, before);
     let poll_ms = 100;
-    let service = start_service(&c, &dir, Some(&redis.url()), &limits, poll_ms);
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, poll_ms, &[]);
     let upstream = Upstream::start();
     let spec = NativeSpec {
         domain: "e2e".into(),
@@ -113,6 +114,7 @@ fn a_reload_under_load_keeps_the_counts() {
         service_port: service.port,
         upstream_port: upstream.port,
         concurrency: 2,
+        token: None,
     };
     let envoys = spec.start(&c, &dir, 3);
     let client = Client::new();
@@ -334,7 +336,7 @@ fn envoyproxy_ratelimit_example_config_is_enforced() {
     let dir = TempDir::new("rls-example");
     let redis = Redis::start(&c, &dir);
     let limits = LimitsFile::new(&dir, UPSTREAM_EXAMPLE);
-    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 1000);
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 1000, &[]);
     let upstream = Upstream::start();
     // Descriptors from headers: (source_cluster, destination_cluster) from x-src/x-dst; (foo, bar)
     // or (foo, baz) or (foo, bay) from x-foo and x-bar/x-baz/x-bay; (category) from x-category.
@@ -359,6 +361,7 @@ fn envoyproxy_ratelimit_example_config_is_enforced() {
         service_port: service.port,
         upstream_port: upstream.port,
         concurrency: 2,
+        token: None,
     };
     let envoys = spec.start(&c, &dir, 1);
     let url = envoys[0].url("/x");
@@ -407,4 +410,37 @@ fn envoyproxy_ratelimit_example_config_is_enforced() {
     // fake (2 per minute) was not charged by those 3 denied requests.
     assert_eq!(admitted(&[("x-src", "proxy"), ("x-dst", "fake")], 4), 2);
     assert_eq!(upstream.requests(), 1 + 3 + 3 + 6 + 6 + 4 + 1 + 2);
+}
+
+#[test]
+fn the_token_travels_as_initial_metadata() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-token");
+    let limits = LimitsFile::new(
+        &dir,
+        "domain: e2e\ndescriptors:\n  - key: bucket\n    rate_limit: {unit: hour, requests_per_unit: 2}\n",
+    );
+    let service = start_service(&c, &dir, None, &limits, 1000, &["--token", "s3cret-rls"]);
+    let upstream = Upstream::start();
+    let mut spec = NativeSpec {
+        domain: "e2e".into(),
+        rate_limits: BUCKET_ACTIONS.into(),
+        service_port: service.port,
+        upstream_port: upstream.port,
+        concurrency: 1,
+        token: Some("s3cret-rls".into()),
+    };
+    let with_token = spec.start(&c, &dir, 1);
+    spec.token = None;
+    let without = spec.start(&c, &dir, 1);
+    let client = Client::new();
+    let h = [("x-bucket", "t")];
+    assert_eq!(
+        client.statuses(&with_token[0].url("/x"), &h, 3),
+        vec![200, 200, 429]
+    );
+    // Refused UNAUTHENTICATED: the filter's failure_mode_deny answers 500, nothing reaches upstream.
+    assert_eq!(client.get(&without[0].url("/x"), &h).status, 500);
+    assert_eq!(upstream.requests(), 2);
+    assert!(service.metrics().contains("code=\"unauthenticated\""));
 }

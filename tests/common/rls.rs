@@ -22,6 +22,8 @@ pub struct NativeSpec {
     pub upstream_port: u16,
     /// `--concurrency`.
     pub concurrency: u32,
+    /// Sent as `authorization: Bearer <token>` in the gRPC service's `initial_metadata`.
+    pub token: Option<String>,
 }
 
 impl NativeSpec {
@@ -63,7 +65,7 @@ static_resources:
                 transport_api_version: V3
                 grpc_service:
                   envoy_grpc: {{cluster_name: tollgate}}
-                  timeout: 2s
+                  timeout: 2s{metadata}
           - name: envoy.filters.http.router
             typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
   clusters:
@@ -89,6 +91,12 @@ static_resources:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream_port}}}}}}}
 "#,
             domain = self.domain,
+            metadata = match &self.token {
+                None => String::new(),
+                Some(t) => format!(
+                    "\n                  initial_metadata: [{{key: authorization, value: \"Bearer {t}\"}}]"
+                ),
+            },
             rate_limits = self.rate_limits,
             service_port = self.service_port,
             upstream_port = self.upstream_port,
@@ -157,20 +165,18 @@ impl LimitsFile {
 }
 
 /// `tollgate-server` with `--rls-config <file>` polled every `poll_ms`, on `redis_url` (None: the
-/// memory store).
+/// memory store), with `extra` flags.
 pub fn start_service(
     c: &Components,
     dir: &TempDir,
     redis_url: Option<&str>,
     limits: &LimitsFile,
     poll_ms: u64,
+    extra: &[&str],
 ) -> Service {
     let path = limits.path().to_str().expect("UTF-8 path").to_string();
     let poll = poll_ms.to_string();
-    Service::start_with(
-        c,
-        dir,
-        redis_url,
-        &["--rls-config", &path, "--rls-config-poll-ms", &poll],
-    )
+    let mut args = vec!["--rls-config", &path, "--rls-config-poll-ms", &poll];
+    args.extend_from_slice(extra);
+    Service::start_with(c, dir, redis_url, &args)
 }
