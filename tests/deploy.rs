@@ -496,7 +496,7 @@ fn alert_rules_pass_promtool() {
     let out = promtool_run(&["check", "rules", "rules.yaml"], dir.path());
     assert!(out.status.success(), "{}", text(&out));
     assert!(
-        text(&out).contains("SUCCESS: 5 rules found"),
+        text(&out).contains("SUCCESS: 6 rules found"),
         "{}",
         text(&out)
     );
@@ -514,6 +514,8 @@ tests:
   - {series: 'tollgate_store_errors_total{kind="timeout"}', values: '0+120x30'}
   - {series: 'tollgate_store_duration_seconds_bucket{le="0.005"}', values: '0+100x30'}
   - {series: 'tollgate_store_duration_seconds_bucket{le="+Inf"}', values: '0+100x30'}
+  - {series: 'tollgate_rls_config_ok{pod="a"}', values: '1x10 0x20'}
+  - {series: 'tollgate_rls_config_ok{pod="b"}', values: '1x30'}
   alert_rule_test:
   - eval_time: 1m
     alertname: TollgateFallbackInUse
@@ -531,6 +533,16 @@ tests:
   - eval_time: 20m
     alertname: TollgateStoreSlow
     exp_alerts: []
+  - eval_time: 10m
+    alertname: TollgateRlsLimitsRefused
+    exp_alerts: []
+  - eval_time: 20m
+    alertname: TollgateRlsLimitsRefused
+    exp_alerts:
+    - exp_labels: {severity: warning}
+      exp_annotations:
+        summary: tollgate-server refused its RLS limits file
+        description: The limits file changed and does not load; the previous limits stay in force. The service's log names the error.
   - eval_time: 20m
     alertname: TollgateServiceUnavailable
     exp_alerts:
@@ -584,8 +596,31 @@ fn grafana_dashboard_queries_are_valid() {
     assert!(out.status.success(), "{}", text(&out));
     // Which metrics exist: the live service's names, the filter's documented ones.
     // Labelled families show once they have a sample: one take allowed, one refused by a full
-    // memory store (a store error).
-    let service = Service::start_with(&c, &dir, None, &["--memory-max-buckets", "1"]);
+    // memory store (a store error),
+    // and one change of an RLS limits file.
+    let limits = dir.path().join("limits.yaml");
+    let one = |n: u32| {
+        format!("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {{unit: second, requests_per_unit: {n}}}\n")
+    };
+    fs::write(&limits, one(1)).expect("write");
+    let service = Service::start_with(
+        &c,
+        &dir,
+        None,
+        &[
+            "--memory-max-buckets",
+            "1",
+            "--rls-config",
+            limits.to_str().expect("UTF-8"),
+            "--rls-config-poll-ms",
+            "20",
+        ],
+    );
+    fs::write(dir.path().join("next.yaml"), one(2)).expect("write");
+    fs::rename(dir.path().join("next.yaml"), &limits).expect("rename");
+    assert!(eventually(std::time::Duration::from_secs(5), || service
+        .metrics()
+        .contains("# TYPE tollgate_rls_config_reloads ")));
     let take = |key: &str| {
         let body = format!(r#"{{"buckets":[{{"key":"{key}","capacity":1,"period_ms":1000}}]}}"#);
         Client::new()

@@ -210,6 +210,13 @@ fn a_reload_under_load_keeps_the_counts() {
         log.contains("fortnight") && log.contains("e2e.bucket_keep"),
         "{log}"
     );
+    let metrics = service.metrics();
+    assert!(metrics.contains("tollgate_rls_config_ok 0"), "{metrics}");
+    assert!(
+        metrics.contains("tollgate_rls_config_reloads_total{outcome=\"ok\"} 1")
+            && metrics.contains("tollgate_rls_config_reloads_total{outcome=\"refused\"} 1"),
+        "{metrics}"
+    );
     let r = client.get(&envoys[0].url("/x"), &[("x-bucket", "keep")]);
     assert_eq!(r.status, 429);
     assert_eq!(r.header("x-ratelimit-limit"), Some("200"));

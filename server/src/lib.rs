@@ -150,7 +150,10 @@ pub async fn run(
             }
         }
     });
-    let watcher = config.rls.clone().map(|f| f.watch(config.rls_poll));
+    let watcher = config
+        .rls
+        .clone()
+        .map(|f| f.watch(config.rls_poll, api.metrics.clone()));
     let app = api::http::router(api.clone(), config.rls.clone());
     tracing::info!(%addr, store = store.kind(), auth = config.token.is_some(), "listening on {addr}");
     let limits = ConnectionLimits {

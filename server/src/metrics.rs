@@ -10,6 +10,8 @@
 //! | `tollgate_shed_total` | | takes answered 503 / `UNAVAILABLE` at once because `--max-in-flight` takes were being decided |
 //! | `tollgate_connections_open` | | connections being served (gauge) |
 //! | `tollgate_connections_refused_total` | | connections closed on accept because `--max-connections` were open |
+//! | `tollgate_rls_config_reloads_total` | `outcome` = ok, refused | changes of the `--rls-config` limits file, loaded or refused |
+//! | `tollgate_rls_config_ok` | | 1 while the limits file on disk is the one in force, 0 after it was refused (gauge) |
 
 use std::sync::OnceLock;
 
@@ -51,6 +53,8 @@ pub struct Metrics {
     shed: Counter,
     connections_open: Gauge,
     connections_refused: Counter,
+    rls_reloads: Family<Outcome, Counter>,
+    rls_config_ok: Gauge,
     allowed: OnceLock<Counter>,
     limited: OnceLock<Counter>,
     http_ok: OnceLock<Counter>,
@@ -122,6 +126,19 @@ impl Metrics {
             "Connections closed on accept because the connection limit was reached",
             connections_refused.clone(),
         );
+        let rls_reloads = Family::<Outcome, Counter>::default();
+        registry.register(
+            "rls_config_reloads",
+            "Changes of the RLS limits file, loaded (ok) or refused",
+            rls_reloads.clone(),
+        );
+        let rls_config_ok = Gauge::default();
+        rls_config_ok.set(1);
+        registry.register(
+            "rls_config_ok",
+            "1 while the RLS limits file on disk is the one in force, 0 after it was refused",
+            rls_config_ok.clone(),
+        );
         Metrics {
             registry,
             decisions,
@@ -132,6 +149,8 @@ impl Metrics {
             shed,
             connections_open,
             connections_refused,
+            rls_reloads,
+            rls_config_ok,
             allowed: OnceLock::new(),
             limited: OnceLock::new(),
             http_ok: OnceLock::new(),
@@ -194,6 +213,13 @@ impl Metrics {
     /// Counts a connection refused at the connection limit.
     pub fn connection_refused(&self) {
         self.connections_refused.inc();
+    }
+
+    /// Counts a change of the RLS limits file: loaded, or refused (the old limits stay).
+    pub fn rls_reload(&self, loaded: bool) {
+        let outcome = if loaded { "ok" } else { "refused" };
+        self.rls_reloads.get_or_create(&Outcome { outcome }).inc();
+        self.rls_config_ok.set(i64::from(loaded));
     }
 
     /// The Prometheus text exposition.

@@ -108,8 +108,13 @@ impl LimitsFile {
         Ok(true)
     }
 
-    /// Polls the file every `every` until the returned task is aborted.
-    pub fn watch(self: Arc<Self>, every: Duration) -> tokio::task::JoinHandle<()> {
+    /// Polls the file every `every` until the returned task is aborted; counts each change in
+    /// `metrics` (`tollgate_rls_config_reloads_total`, `tollgate_rls_config_ok`).
+    pub fn watch(
+        self: Arc<Self>,
+        every: Duration,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -119,17 +124,23 @@ impl LimitsFile {
                 // File reads and parsing off the async workers.
                 let result = tokio::task::spawn_blocking(move || this.check()).await;
                 match result {
-                    Ok(Ok(true)) => tracing::info!(
-                        file = %self.path.display(),
-                        domains = ?self.current().domains(),
-                        "rls limits file reloaded"
-                    ),
+                    Ok(Ok(true)) => {
+                        metrics.rls_reload(true);
+                        tracing::info!(
+                            file = %self.path.display(),
+                            domains = ?self.current().domains(),
+                            "rls limits file reloaded"
+                        )
+                    }
                     Ok(Ok(false)) => {}
-                    Ok(Err(e)) => tracing::error!(
-                        file = %self.path.display(),
-                        error = %e,
-                        "rls limits file refused; the limits in force stay"
-                    ),
+                    Ok(Err(e)) => {
+                        metrics.rls_reload(false);
+                        tracing::error!(
+                            file = %self.path.display(),
+                            error = %e,
+                            "rls limits file refused; the limits in force stay"
+                        )
+                    }
                     Err(e) => tracing::error!(error = %e, "rls limits file check failed"),
                 }
             }
