@@ -99,11 +99,8 @@ fn hostile_request(cfg: &Config) -> Request {
 
 fuzz_target!(|data: &[u8]| {
     match Config::parse(data) {
-        // An error names its field; the one field without a name is a top-level key `""`.
-        Err(e) => assert!(
-            !e.field.is_empty() || e.message.starts_with("unknown field"),
-            "an error names its field: {e:?}"
-        ),
+        // An error names its field (an empty key is named `""`).
+        Err(e) => assert!(!e.field.is_empty(), "an error names its field: {e:?}"),
         Ok(cfg) => {
             check(&cfg);
             assert_eq!(

@@ -436,8 +436,10 @@ impl<'a> Obj<'a> {
         };
         for k in map.keys() {
             if !known.contains(&k.as_str()) {
+                // An empty key still gets a name in the error.
+                let name = if k.is_empty() { "\"\"" } else { k.as_str() };
                 return err(
-                    join(at, k),
+                    join(at, name),
                     format!("unknown field (expected one of: {})", known.join(", ")),
                 );
             }
@@ -726,7 +728,16 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             return err("service.token", "must be 1..=4096 printable characters");
         }
     }
-    let batch = s.int("batch", Some(0), 0, MAX_BATCH as u64)? as usize;
+    let batch = s.int(
+        "batch",
+        Some(if transport == Transport::Rls {
+            0
+        } else {
+            MAX_BATCH as u64
+        }),
+        0,
+        MAX_BATCH as u64,
+    )? as usize;
     if batch > 0 && transport == Transport::Rls {
         return err("service.batch", "not available with transport rls");
     }
@@ -1412,6 +1423,12 @@ mod tests {
             !c.needs_peer_address,
             "trusted_hops > 0 reads x-forwarded-for instead"
         );
+    }
+
+    #[test]
+    fn an_empty_unknown_key_is_named() {
+        let e = Config::parse(br#"{"service":{"cluster":"c"},"":[1]}"#).unwrap_err();
+        assert_eq!(e.field, "\"\"");
     }
 
     #[test]
