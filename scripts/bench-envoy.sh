@@ -8,6 +8,8 @@
 #   grpc      Tollgate, gRPC to tollgate-server, Redis Lua bucket
 #   http-allow  as http, with failure_mode allow: no fallback share is kept in step with the answers
 #             (http keeps one per bucket: the cost of a fallback that remembers, on the exact path)
+#   http-batch, grpc-batch  as http / grpc with group commit (service.batch 64): requests behind a
+#             worker's callout in flight leave together in one batch callout
 #   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
 #   nomatch   Tollgate loaded, its rule matches no request (no callout): the module's fixed cost
 #   lease     as http, with lease mode (lease size 100): most requests spend a local pool, no callout
@@ -27,7 +29,7 @@ ROOT=$PWD
 . scripts/lib.sh
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
-VARIANTS=${VARIANTS:-none http http-allow grpc fallback nomatch lease}
+VARIANTS=${VARIANTS:-none http http-allow http-batch grpc grpc-batch fallback nomatch lease}
 ROUNDS=${ROUNDS:-3}
 OUT=$ROOT/bench-out/envoy
 WASM=$(readlink -f "$WASM")
@@ -101,11 +103,13 @@ CLOSED_PORT=$(free_port)
 
 # The Envoy under test. $1 = variant.
 envoy_yaml() {
-  local variant=$1 port=$2 admin=$3 filter="" svc_port=$SVC_PORT transport=http match="" lease=""
+  local variant=$1 port=$2 admin=$3 filter="" svc_port=$SVC_PORT transport=http match="" lease="" batch=""
   local key='"client_ip"' fallback=""
   case $variant in
     grpc) transport=grpc ;;
     http-allow) fallback='"failure_mode": "allow",' ;;
+    http-batch) batch=', "batch": 64' ;;
+    grpc-batch) transport=grpc; batch=', "batch": 64' ;;
     fallback) svc_port=$CLOSED_PORT ;;
     nomatch) match='"match": {"path_exact": "/never"},' ;;
     lease) lease=', "lease": {"size": 100}' ;;
@@ -128,7 +132,7 @@ envoy_yaml() {
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
                   value: |
-                    {"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100},
+                    {"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100$batch},
                      $fallback "rules": [{"name": "per-ip", $match "key": [$key],
                                 "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000$lease}],
                      "response": {"headers": ["draft"], "on_allowed": false}}

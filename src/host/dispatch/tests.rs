@@ -177,7 +177,7 @@ impl Abi for Fake {
 
 fn config(transport: &str, extra: &str) -> String {
     format!(
-        r#"{{"service":{{"cluster":"svc","transport":"{transport}"}},
+        r#"{{"service":{{"cluster":"svc","transport":"{transport}","batch":0}},
              "rules":[{{"name":"r","match":{{"path_prefix":"/api"}},"key":["literal:k"],"capacity":5,"period_ms":60000}}],
              "breaker":{{"failures":10000,"open_ms":100}}{extra}}}"#
     )
@@ -477,8 +477,7 @@ fn a_configuration_envoy_must_refuse_is_refused() {
 
 #[test]
 fn queued_requests_leave_in_one_batch_and_each_gets_its_own_answer() {
-    let cfg =
-        config("http", "").replace(r#""transport":"http"}"#, r#""transport":"http","batch":8}"#);
+    let cfg = config("http", "").replace(r#""batch":0"#, r#""batch":8"#);
     let mut d = dispatcher(&cfg);
     // A lone request calls at once.
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
