@@ -10,6 +10,8 @@
 #             (http keeps one per bucket: the cost of a fallback that remembers, on the exact path)
 #   http-batch, grpc-batch  as http / grpc with group commit (service.batch 64): requests behind a
 #             worker's callout in flight leave together in one batch callout
+#   native-rls  no Tollgate module: Envoy's own ratelimit filter (RLS v3) against tollgate-server's
+#             RLS endpoint (--rls-config), descriptor remote_address
 #   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
 #   nomatch   Tollgate loaded, its rule matches no request (no callout): the module's fixed cost
 #   lease     as http, with lease mode (lease size 100): most requests spend a local pool, no callout
@@ -29,7 +31,7 @@ ROOT=$PWD
 . scripts/lib.sh
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
-VARIANTS=${VARIANTS:-none http http-allow http-batch grpc grpc-batch fallback nomatch lease}
+VARIANTS=${VARIANTS:-none http http-allow http-batch grpc grpc-batch native-rls fallback nomatch lease}
 ROUNDS=${ROUNDS:-3}
 OUT=$ROOT/bench-out/envoy
 WASM=$(readlink -f "$WASM")
@@ -56,9 +58,17 @@ REDIS_PORT=$(free_port)
 REDIS_PID=$!; PIDS+=($REDIS_PID)
 wait_for redis "$OUT/redis.log" $REDIS_PID "$REDIS_CLI" -p "$REDIS_PORT" ping
 
+# The limits file of the RLS endpoint (variant native-rls): one bucket per client address, a limit
+# no benchmark reaches (every request admitted, like the other variants).
+cat >"$OUT/rls-limits.yaml" <<'LIMITS'
+domain: bench
+descriptors:
+  - key: remote_address
+    rate_limit: {unit: second, requests_per_unit: 1000000000}
+LIMITS
 SVC_PORT=$(free_port)
 "$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
-  >"$OUT/service.log" 2>&1 &
+  --rls-config "$OUT/rls-limits.yaml" >"$OUT/service.log" 2>&1 &
 SVC_PID=$!; PIDS+=($SVC_PID)
 wait_for tollgate-server "$OUT/service.log" $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
 
@@ -118,7 +128,21 @@ envoy_yaml() {
     leasekeys-*) lease=', "lease": {"size": 100}' ;;&
     fbkeys-* | leasekeys-*) key='"header:x-api-key"'; fallback="\"fallback\": {\"max_keys\": ${variant#*-}}," ;;
   esac
-  if [ "$variant" != none ]; then
+  local route='route: {cluster: upstream}'
+  if [ "$variant" = native-rls ]; then
+    route='route: {cluster: upstream, rate_limits: [{actions: [{remote_address: {}}]}]}'
+    filter=$(cat <<EOF
+          - name: envoy.filters.http.ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+              domain: bench
+              timeout: 0.1s
+              rate_limit_service:
+                transport_api_version: V3
+                grpc_service: {envoy_grpc: {cluster_name: tollgate}}
+EOF
+)
+  elif [ "$variant" != none ]; then
     filter=$(cat <<EOF
           - name: envoy.filters.http.wasm
             typed_config:
@@ -139,7 +163,7 @@ envoy_yaml() {
 EOF
 )
   fi
-  listener_yaml edge "$port" "$admin" 'route: {cluster: upstream}' "$filter"
+  listener_yaml edge "$port" "$admin" "$route" "$filter"
   cat <<EOF
   clusters:
   - name: tollgate
