@@ -375,6 +375,9 @@ pub struct Fallback {
     pub instances: u64,
     /// Slots in the shared fallback table (a bound on memory).
     pub max_keys: u32,
+    /// How long an unpaid fallback debt matters: the longest time any rule's bucket takes to
+    /// fill from empty, clamped to 10 s ..= 1 h (computed here once, read on every answer).
+    pub debt_horizon_ms: u64,
 }
 
 /// Circuit breaker settings.
@@ -606,9 +609,19 @@ impl Config {
             "fallback",
             &["instances", "max_keys"],
         )?;
+        let fill_ms = rules
+            .iter()
+            .map(|r| {
+                let ms =
+                    u128::from(r.capacity) * u128::from(r.period_ms) / u128::from(r.rate.max(1));
+                u64::try_from(ms + 1).unwrap_or(u64::MAX)
+            })
+            .max()
+            .unwrap_or(0);
         let fallback = Fallback {
             instances: fb.int("instances", Some(1), 1, 10_000)?,
             max_keys: fb.int("max_keys", Some(10_000), 1, 1_000_000)? as u32,
+            debt_horizon_ms: fill_ms.clamp(10_000, 3_600_000),
         };
         let br = Obj::new(
             root.get("breaker").unwrap_or(&empty),
@@ -1316,7 +1329,9 @@ mod tests {
             c.fallback,
             Fallback {
                 instances: 1,
-                max_keys: 10_000
+                max_keys: 10_000,
+                // 100 tokens at 100 per minute fill in a minute (+1 ms of rounding up).
+                debt_horizon_ms: 60_001,
             }
         );
         assert_eq!(

@@ -545,20 +545,10 @@ pub fn remember<S: CasStore + ?Sized>(
 }
 
 /// How long a debt may wait for its bucket's next answer before it no longer matters: the
-/// longest time any rule's bucket takes to fill from empty, at least 10 s and at most an hour.
-/// Past that, the global bucket would have been full again anyway.
+/// longest time any rule's bucket takes to fill from empty, at least 10 s and at most an hour
+/// (computed with the configuration). Past that, the global bucket would have been full again.
 pub fn debt_horizon_ms(cfg: &Config) -> u64 {
-    let fill = cfg
-        .rules
-        .iter()
-        .map(|r| {
-            let rate = r.rate.max(1);
-            u64::try_from(u128::from(r.capacity) * u128::from(r.period_ms) / u128::from(rate) + 1)
-                .unwrap_or(u64::MAX)
-        })
-        .max()
-        .unwrap_or(0);
-    fill.clamp(10_000, 3_600_000)
+    cfg.fallback.debt_horizon_ms
 }
 
 #[cfg(test)]
