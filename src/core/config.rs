@@ -188,6 +188,37 @@ pub struct Rule {
     pub descriptor: Vec<(String, KeyPart)>,
 }
 
+impl Rule {
+    /// A rule for tests: named `name`, a token bucket of `capacity` refilling `capacity` per
+    /// second, no key, no condition, every other field at its default.
+    #[cfg(test)]
+    pub fn for_test(name: &str, capacity: u64) -> Rule {
+        Rule {
+            name: name.into(),
+            matcher: Match::default(),
+            key: Vec::new(),
+            on_missing: OnMissing::Skip,
+            capacity,
+            rate: capacity,
+            period_ms: 1000,
+            cost: Cost::Fixed(1),
+            algorithm: Algorithm::TokenBucket,
+            lease: None,
+            overrides: Vec::new(),
+            tiers: None,
+            shadow: false,
+            response: Response {
+                status: 429,
+                body: String::new(),
+                content_type: "text/plain".into(),
+                headers: Vec::new(),
+                on_allowed: false,
+            },
+            descriptor: Vec::new(),
+        }
+    }
+}
+
 /// Most `overrides` per rule, and most tiers.
 pub const MAX_OVERRIDES: usize = 64;
 

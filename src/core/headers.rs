@@ -99,31 +99,13 @@ pub fn rate_limit_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::config::{Cost, Match, OnMissing};
 
     fn rule(name: &str, capacity: u64, rate: u64, period_ms: u64, algorithm: Algorithm) -> Rule {
         Rule {
-            name: name.into(),
-            matcher: Match::default(),
-            key: vec![],
-            on_missing: OnMissing::Skip,
-            capacity,
             rate,
             period_ms,
-            cost: Cost::Fixed(1),
             algorithm,
-            lease: None,
-            overrides: Vec::new(),
-            tiers: None,
-            shadow: false,
-            response: crate::core::config::Response {
-                status: 429,
-                body: String::new(),
-                content_type: "text/plain".into(),
-                headers: vec![],
-                on_allowed: false,
-            },
-            descriptor: Vec::new(),
+            ..Rule::for_test(name, capacity)
         }
     }
 

@@ -158,32 +158,14 @@ fn parse_u64(raw: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::config::{Algorithm, Match};
+
     use std::collections::HashSet;
 
     fn rule(parts: Vec<KeyPart>, on_missing: OnMissing) -> Rule {
         Rule {
-            name: "r".into(),
-            matcher: Match::default(),
             key: parts,
             on_missing,
-            capacity: 10,
-            rate: 10,
-            period_ms: 1000,
-            cost: Cost::Fixed(1),
-            algorithm: Algorithm::TokenBucket,
-            lease: None,
-            overrides: Vec::new(),
-            tiers: None,
-            shadow: false,
-            response: crate::core::config::Response {
-                status: 429,
-                body: String::new(),
-                content_type: "text/plain".into(),
-                headers: vec![],
-                on_allowed: false,
-            },
-            descriptor: Vec::new(),
+            ..Rule::for_test("r", 10)
         }
     }
 
