@@ -112,14 +112,7 @@ async fn batches_answer_in_order_in_both_forms() {
     assert_eq!(r.results[1].buckets[0].remaining, 0);
 
     // Counted: batches and their sizes, and every decision.
-    let m = client
-        .get(svc.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = common::get_text(svc.url("/metrics")).await;
     assert!(m.contains("tollgate_batch_takes_count 3"), "{m}");
     assert!(m.contains("tollgate_batch_takes_sum 6.0"), "{m}");
     assert!(

@@ -420,14 +420,7 @@ async fn takes_beyond_the_limit_are_shed_at_once() {
         200
     );
     let health_in = t.elapsed();
-    let metrics = client
-        .get(svc.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::get_text(svc.url("/metrics")).await;
     assert!(metrics.contains("tollgate_shed_total 2"), "{metrics}");
     eprintln!(
         "shedding: JSON 503 in {shed_in:?}, gRPC UNAVAILABLE in {grpc_shed_in:?}, /healthz in {health_in:?} while a take held the only permit"
@@ -476,14 +469,7 @@ async fn a_full_memory_store_says_so() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let metrics = client
-        .get(svc.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::get_text(svc.url("/metrics")).await;
     assert!(
         metrics.contains("tollgate_store_errors_total{kind=\"full\"} 1"),
         "{metrics}"
@@ -568,14 +554,7 @@ async fn connections_are_capped_and_idle_ones_closed() {
     eprintln!(
         "connection cap: 5th closed in {closed_in:?}; idle keep-alive closed after {idle_closed:?}"
     );
-    let metrics = reqwest::Client::new()
-        .get(svc.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::get_text(svc.url("/metrics")).await;
     assert!(
         metrics.contains("tollgate_connections_refused_total 1"),
         "{metrics}"

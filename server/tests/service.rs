@@ -543,14 +543,7 @@ async fn health_readiness_and_metrics() {
     }
     assert_eq!(get_status(&client, &svc, "/healthz").await, 200);
     assert_eq!(post_take(&client, &svc, &body).await.0, 503);
-    let text = client
-        .get(svc.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = common::get_text(svc.url("/metrics")).await;
     for needle in [
         "tollgate_decisions_total{outcome=\"allowed\"} 1",
         "tollgate_decisions_total{outcome=\"limited\"} 1",

@@ -343,3 +343,8 @@ pub fn unique(name: &str) -> String {
         N.fetch_add(1, Ordering::Relaxed)
     )
 }
+
+/// The body of a GET to `url` (e.g. a service's `/metrics`), which must answer.
+pub async fn get_text(url: String) -> String {
+    reqwest::get(url).await.unwrap().text().await.unwrap()
+}
