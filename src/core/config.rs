@@ -127,8 +127,8 @@ pub struct Config {
     pub near_limit_left_permille: u64,
 }
 
-/// The decision service.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The decision service. Its `Debug` output never shows the bearer token.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Service {
     /// Envoy cluster name.
     pub cluster: String,
@@ -147,6 +147,21 @@ pub struct Service {
     /// Group commit: while a callout is in flight, at most this many requests of a worker wait
     /// to go together in the next callout (0: every request calls on its own).
     pub batch: usize,
+}
+
+impl core::fmt::Debug for Service {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Service")
+            .field("cluster", &self.cluster)
+            .field("authority", &self.authority)
+            .field("transport", &self.transport)
+            .field("timeout_ms", &self.timeout_ms)
+            .field("path", &self.path)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("domain", &self.domain)
+            .field("batch", &self.batch)
+            .finish()
+    }
 }
 
 /// Most takes in one batch callout (the contract's bound on `takes`).
@@ -1441,6 +1456,8 @@ mod tests {
         let c = parse(full).unwrap();
         assert_eq!(c.service.transport, Transport::Grpc);
         assert_eq!(c.service.token.as_deref(), Some("secret"));
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("secret") && shown.contains("<redacted>"));
         let r = &c.rules[0];
         assert_eq!(r.matcher.methods, vec!["GET", "POST"]);
         assert_eq!(
