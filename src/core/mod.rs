@@ -15,4 +15,5 @@ pub mod lease;
 mod props;
 pub mod rules;
 pub mod store;
+pub mod usage;
 pub mod wire;
