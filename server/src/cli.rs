@@ -137,6 +137,17 @@ pub struct Cli {
     /// Tokio worker threads (0 = one per CPU).
     #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 0)]
     pub worker_threads: usize,
+
+    /// Redis only: most takes one coalesced store call carries (at most 64). Takes that arrive
+    /// while --coalesce-calls store calls are in flight wait and then leave together as one batch
+    /// script run (each still decided on its own); a take that finds a call free goes out at once.
+    /// 0 = off: every take is its own script call.
+    #[arg(long, env = "TOLLGATE_COALESCE", default_value_t = 64)]
+    pub coalesce: usize,
+
+    /// Redis only: most store calls in flight at once while coalescing.
+    #[arg(long, env = "TOLLGATE_COALESCE_CALLS", default_value_t = 2)]
+    pub coalesce_calls: usize,
 }
 
 impl std::fmt::Debug for Cli {
@@ -172,6 +183,8 @@ impl std::fmt::Debug for Cli {
             .field("rls_config", &self.rls_config)
             .field("rls_config_poll_ms", &self.rls_config_poll_ms)
             .field("worker_threads", &self.worker_threads)
+            .field("coalesce", &self.coalesce)
+            .field("coalesce_calls", &self.coalesce_calls)
             .finish()
     }
 }
@@ -199,6 +212,11 @@ impl Cli {
                 })
                 .transpose()?,
             rls_poll: ms(self.rls_config_poll_ms),
+            coalesce: (self.coalesce > 0).then(|| crate::store::coalesce::CoalesceConfig {
+                max_takes: self.coalesce,
+                calls: self.coalesce_calls,
+                max_wait: Some(ms(self.redis_timeout_ms)),
+            }),
         })
     }
 

@@ -83,6 +83,9 @@ pub struct ServiceConfig {
     pub rls: Option<Arc<rls::LimitsFile>>,
     /// How often the limits file is checked for a change.
     pub rls_poll: Duration,
+    /// Coalescing of concurrent takes into batch calls of a Redis store
+    /// ([`store::coalesce`]); `None`: every take is its own store call.
+    pub coalesce: Option<store::coalesce::CoalesceConfig>,
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -98,6 +101,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("ready_interval", &self.ready_interval)
             .field("rls", &self.rls.as_ref().map(|f| f.path().to_path_buf()))
             .field("rls_poll", &self.rls_poll)
+            .field("coalesce", &self.coalesce)
             .finish()
     }
 }
@@ -115,6 +119,7 @@ impl Default for ServiceConfig {
             ready_interval: Duration::from_millis(1000),
             rls: None,
             rls_poll: Duration::from_millis(1000),
+            coalesce: Some(store::coalesce::CoalesceConfig::default()),
         }
     }
 }
@@ -127,6 +132,13 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
+    // Only Redis gains from sharing calls; the memory store decides in place.
+    let store: Arc<dyn Store> = match config.coalesce {
+        Some(c) if store.kind().starts_with("redis") => {
+            Arc::new(store::coalesce::Coalescer::new(store, c))
+        }
+        _ => store,
+    };
     let api = Arc::new(Api::new(
         store.clone(),
         config.token.as_deref(),

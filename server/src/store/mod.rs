@@ -4,9 +4,11 @@
 //! |---|---|
 //! | `memory.rs` | in-process store: one mutex, monotonic clock, idle buckets expire |
 //! | `redis.rs` | Redis standalone or Cluster: Lua scripts, slot grouping, refunds |
+//! | `coalesce.rs` | a wrapper that sends concurrent takes to the store as one batch call |
 //! | `keys.rs` | Redis key layout and hash slots (pure) |
 //! | `lua/*.lua` | the scripts, one file per algorithm, the decision of one take (`take_one.lua`), and the take, batch and refund drivers |
 
+pub mod coalesce;
 pub mod keys;
 pub mod memory;
 pub mod redis;
@@ -15,7 +17,7 @@ use crate::domain::{BucketSpec, TakeDecision};
 
 /// A store failure. Every one of them becomes 503 / gRPC `UNAVAILABLE`: the service never answers
 /// "allowed" when it could not decide.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// No answer within the configured timeout.
     #[error("store timed out after {0} ms")]

@@ -1,0 +1,409 @@
+//! Coalescing: takes that arrive together, from any connection, go to the store as one call.
+//!
+//! [`Coalescer`] wraps a [`Store`] and lets at most `calls` store calls run at once. A take that
+//! finds a call free goes out at once, alone, as [`Store::take`]: at light load nothing waits and
+//! nothing changes. A take that finds every call busy joins a queue; when a call returns, the queue
+//! leaves as one [`Store::take_batch`] of at most `max_takes` takes (the Redis store runs
+//! `take_batch.lua` once, once per hash slot on a Cluster). So under load one script run carries
+//! many takes, and the Redis round trip, the script start and the reply parsing are paid once for
+//! them instead of once each.
+//!
+//! What each caller sees is what it would see alone:
+//!
+//! * every take is decided independently and atomically, exactly as [`Store::take`] decides it
+//!   (`take_batch.lua` and `take.lua` run the same `take_one.lua`);
+//! * a failed call fails each of its takes with the store's error;
+//! * a queued take waits at most `max_wait` (the store's own timeout) in all, then fails with
+//!   [`StoreError::Timeout`]. A take whose caller stopped waiting (timed out, or its client went
+//!   away) while still queued is dropped from the queue and never charged; one already sent may
+//!   have been charged (a possible false denial, as with any timeout, never an admission).
+//!
+//! Batches that arrive as batches ([`Store::take_batch`]) go to the store as they are.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+
+use super::{Store, StoreError};
+use crate::domain::{BucketSpec, TakeDecision, MAX_BATCH_TAKES};
+
+/// How takes are coalesced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CoalesceConfig {
+    /// Most takes one coalesced call carries (capped at [`MAX_BATCH_TAKES`]).
+    pub max_takes: usize,
+    /// Most store calls in flight at once; more takes queue.
+    pub calls: usize,
+    /// Longest a queued take waits for its answer, queue and call together (the service sets
+    /// the store's timeout). `None`: as long as the calls take, each bounded by the store's own
+    /// timeout, so at most about twice that.
+    pub max_wait: Option<Duration>,
+}
+
+impl Default for CoalesceConfig {
+    fn default() -> Self {
+        CoalesceConfig {
+            max_takes: MAX_BATCH_TAKES,
+            calls: 2,
+            max_wait: None,
+        }
+    }
+}
+
+type Reply = Result<TakeDecision, StoreError>;
+
+/// A queued take and where its answer goes.
+struct Job {
+    specs: Vec<BucketSpec>,
+    reply: oneshot::Sender<Reply>,
+}
+
+struct State {
+    /// Store calls that may start now.
+    free: usize,
+    /// Takes waiting for a call. Invariant: non-empty only while `free == 0`.
+    queue: VecDeque<Job>,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    state: Mutex<State>,
+    config: CoalesceConfig,
+}
+
+/// A [`Store`] whose concurrent takes share store calls (see the module doc).
+pub struct Coalescer {
+    inner: Arc<Inner>,
+}
+
+impl Coalescer {
+    /// Wraps `store`. `config.calls` and `config.max_takes` are at least 1.
+    pub fn new(store: Arc<dyn Store>, config: CoalesceConfig) -> Self {
+        let config = CoalesceConfig {
+            max_takes: config.max_takes.clamp(1, MAX_BATCH_TAKES),
+            calls: config.calls.max(1),
+            max_wait: config.max_wait,
+        };
+        Coalescer {
+            inner: Arc::new(Inner {
+                store,
+                state: Mutex::new(State {
+                    free: config.calls,
+                    queue: VecDeque::new(),
+                }),
+                config,
+            }),
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Nothing panics while holding the lock; a poisoned one still holds a consistent state.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The next takes to send, oldest first, skipping those nobody waits for any more. When there
+    /// are none, the call slot is given back.
+    fn next_batch(&self) -> Vec<Job> {
+        let mut st = self.lock();
+        let mut batch = Vec::new();
+        while batch.len() < self.config.max_takes {
+            match st.queue.pop_front() {
+                Some(job) if job.reply.is_closed() => {}
+                Some(job) => batch.push(job),
+                None => break,
+            }
+        }
+        if batch.is_empty() {
+            st.free += 1;
+        }
+        batch
+    }
+
+    /// A call slot came back: the queue leaves in a task of its own, which keeps the slot while
+    /// takes keep queueing, so the caller that held the slot is answered without waiting for
+    /// others.
+    fn release(self: &Arc<Self>) {
+        let batch = self.next_batch();
+        if batch.is_empty() {
+            return;
+        }
+        let me = self.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(async move {
+                    let mut batch = batch;
+                    while !batch.is_empty() {
+                        me.send(batch).await;
+                        batch = me.next_batch();
+                    }
+                });
+            }
+            // No runtime (it is shutting down): the queued takes fail now rather than time out.
+            Err(_) => {
+                for job in batch {
+                    let _ = job.reply.send(Err(StoreError::Connection(
+                        "the service is shutting down".into(),
+                    )));
+                }
+            }
+        }
+    }
+
+    /// One store call for `jobs`, each answered on its own.
+    async fn send(&self, jobs: Vec<Job>) {
+        if let [_] = jobs.as_slice() {
+            if let Some(job) = jobs.into_iter().next() {
+                let r = self.store.take(&job.specs).await;
+                let _ = job.reply.send(r);
+            }
+            return;
+        }
+        let (takes, replies): (Vec<Vec<BucketSpec>>, Vec<oneshot::Sender<Reply>>) =
+            jobs.into_iter().map(|j| (j.specs, j.reply)).unzip();
+        match self.store.take_batch(&takes).await {
+            Ok(ds) if ds.len() == replies.len() => {
+                for (reply, d) in replies.into_iter().zip(ds) {
+                    let _ = reply.send(Ok(d));
+                }
+            }
+            Ok(ds) => {
+                let e = StoreError::Protocol(format!(
+                    "{} decisions for a batch of {} takes",
+                    ds.len(),
+                    replies.len()
+                ));
+                for reply in replies {
+                    let _ = reply.send(Err(e.clone()));
+                }
+            }
+            Err(e) => {
+                for reply in replies {
+                    let _ = reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// A call slot held by a caller's own take; handed on when the take ends or is dropped.
+struct Slot<'a>(&'a Arc<Inner>);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Coalescer {
+    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
+        let waiting = {
+            let mut st = self.inner.lock();
+            if st.free > 0 {
+                st.free -= 1;
+                None
+            } else {
+                let (reply, rx) = oneshot::channel();
+                st.queue.push_back(Job {
+                    specs: buckets.to_vec(),
+                    reply,
+                });
+                Some(rx)
+            }
+        };
+        let Some(rx) = waiting else {
+            let _slot = Slot(&self.inner);
+            return self.inner.store.take(buckets).await;
+        };
+        let abandoned = |_| StoreError::Connection("the coalesced call was abandoned".into());
+        let Some(max_wait) = self.inner.config.max_wait else {
+            return rx.await.unwrap_or_else(|e| Err(abandoned(e)));
+        };
+        match tokio::time::timeout(max_wait, rx).await {
+            Ok(r) => r.unwrap_or_else(|e| Err(abandoned(e))),
+            Err(_) => Err(StoreError::Timeout(
+                u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX),
+            )),
+        }
+    }
+
+    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
+        self.inner.store.take_batch(takes).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.store.ping().await
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.store.kind()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::Algorithm;
+    use crate::store::memory::MemoryStore;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A store that counts its calls and holds each for `delay`, over the memory store.
+    struct Counting {
+        mem: MemoryStore,
+        singles: AtomicUsize,
+        batches: AtomicUsize,
+        batched: AtomicUsize,
+        delay: Duration,
+        fail: bool,
+    }
+
+    #[async_trait::async_trait]
+    impl Store for Counting {
+        async fn take(&self, b: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
+            self.singles.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(self.delay).await;
+            if self.fail {
+                return Err(StoreError::Server("down".into()));
+            }
+            self.mem.take(b).await
+        }
+        async fn take_batch(&self, t: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
+            self.batches.fetch_add(1, Ordering::SeqCst);
+            self.batched.fetch_add(t.len(), Ordering::SeqCst);
+            tokio::time::sleep(self.delay).await;
+            if self.fail {
+                return Err(StoreError::Server("down".into()));
+            }
+            self.mem.take_batch(t).await
+        }
+        async fn ping(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn kind(&self) -> &'static str {
+            "counting"
+        }
+    }
+
+    fn counting(delay_ms: u64, fail: bool) -> Arc<Counting> {
+        Arc::new(Counting {
+            mem: MemoryStore::new(),
+            singles: AtomicUsize::new(0),
+            batches: AtomicUsize::new(0),
+            batched: AtomicUsize::new(0),
+            delay: Duration::from_millis(delay_ms),
+            fail,
+        })
+    }
+
+    fn bucket(key: &str, capacity: u64) -> BucketSpec {
+        BucketSpec {
+            key: key.into(),
+            capacity,
+            rate: 1,
+            period_ms: 3_600_000,
+            cost: 1,
+            algorithm: Algorithm::TokenBucket,
+            lease: 1,
+        }
+    }
+
+    fn config(calls: usize, max_takes: usize) -> CoalesceConfig {
+        CoalesceConfig {
+            max_takes,
+            calls,
+            max_wait: Some(Duration::from_secs(5)),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lone_take_goes_out_alone() {
+        let store = counting(0, false);
+        let c = Coalescer::new(store.clone(), config(1, 64));
+        for _ in 0..3 {
+            let d = c.take(&[bucket("a", 10)]).await;
+            assert!(matches!(d, Ok(ref d) if d.allowed), "{d:?}");
+        }
+        assert_eq!(store.singles.load(Ordering::SeqCst), 3);
+        assert_eq!(store.batches.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn takes_behind_a_call_leave_together_and_each_is_decided() {
+        let store = counting(20, false);
+        let c = Arc::new(Coalescer::new(store.clone(), config(1, 8)));
+        let tasks: Vec<_> = (0..40)
+            .map(|_| {
+                let c = c.clone();
+                tokio::spawn(async move { c.take(&[bucket("shared", 25)]).await })
+            })
+            .collect();
+        let mut allowed = 0;
+        for t in tasks {
+            match t.await {
+                Ok(Ok(d)) => allowed += usize::from(d.allowed),
+                other => unreachable!("{other:?}"),
+            }
+        }
+        assert_eq!(allowed, 25, "exactly the capacity");
+        let (singles, batches, batched) = (
+            store.singles.load(Ordering::SeqCst),
+            store.batches.load(Ordering::SeqCst),
+            store.batched.load(Ordering::SeqCst),
+        );
+        assert_eq!(singles + batched, 40, "every take sent once");
+        assert!(batches >= 4, "{batches} batches of at most 8");
+        assert!(
+            singles + batches < 40,
+            "{singles} single calls, {batches} batches"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_call_fails_each_of_its_takes() {
+        let store = counting(10, true);
+        let c = Arc::new(Coalescer::new(store.clone(), config(1, 64)));
+        let tasks: Vec<_> = (0..10)
+            .map(|i| {
+                let c = c.clone();
+                tokio::spawn(async move { c.take(&[bucket(&format!("k{i}"), 5)]).await })
+            })
+            .collect();
+        for t in tasks {
+            assert!(matches!(t.await, Ok(Err(StoreError::Server(_)))));
+        }
+        assert!(store.batches.load(Ordering::SeqCst) >= 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_queued_take_times_out_and_is_never_sent() {
+        let store = counting(200, false);
+        let c = Arc::new(Coalescer::new(
+            store.clone(),
+            CoalesceConfig {
+                max_takes: 64,
+                calls: 1,
+                max_wait: Some(Duration::from_millis(20)),
+            },
+        ));
+        let first = tokio::spawn({
+            let c = c.clone();
+            async move { c.take(&[bucket("t", 5)]).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let queued = c.take(&[bucket("t", 5)]).await;
+        assert!(matches!(queued, Err(StoreError::Timeout(20))), "{queued:?}");
+        assert!(matches!(first.await, Ok(Ok(ref d)) if d.allowed));
+        // The queued take left the queue unsent; the slot is free again.
+        let d = c.take(&[bucket("t", 5)]).await;
+        assert!(
+            matches!(d, Ok(ref d) if d.allowed && d.buckets[0].remaining == 3),
+            "{d:?}"
+        );
+        assert_eq!(store.singles.load(Ordering::SeqCst), 2);
+        assert_eq!(store.batches.load(Ordering::SeqCst), 0);
+    }
+}
