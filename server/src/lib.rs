@@ -11,6 +11,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`domain`] | bucket specs, decisions, the one validation both transports share |
+//! | [`inflight`] | concurrency limits: acquire and release slots, their validation |
 //! | [`api`] | JSON over HTTP (`POST /v1/take`, `POST /v1/take_batch`), gRPC (`tollgate.v1.RateLimiter/Take`, `TakeBatch`), health, metrics, auth, the one-port switch |
 //! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`] |
 //! | [`metrics`] | Prometheus metrics |
@@ -42,6 +43,7 @@
 pub mod api;
 pub mod cli;
 pub mod domain;
+pub mod inflight;
 pub mod metrics;
 pub mod rls;
 pub mod serve;

@@ -83,20 +83,44 @@ async fn cost_above_capacity_is_denied(s: Arc<dyn Store>) {
     assert_eq!(d.buckets[0].remaining, 5);
 }
 
-async fn limits_are_part_of_identity(s: Arc<dyn Store>) {
-    let k = common::unique("id");
-    assert!(take(&*s, &[tb(&k, 1, 1, HOUR, 1)]).await.allowed);
-    assert!(!take(&*s, &[tb(&k, 1, 1, HOUR, 1)]).await.allowed);
-    assert!(take(&*s, &[tb(&k, 2, 1, HOUR, 1)]).await.allowed);
+async fn a_changed_limit_keeps_the_count(s: Arc<dyn Store>) {
+    let k = common::unique("change");
+    let d = take(&*s, &[tb(&k, 100, 100, HOUR, 40)]).await;
+    assert_eq!((d.allowed, d.buckets[0].remaining), (true, 60));
+    // 100 -> 50: the fraction held (60 %) is kept, 30 tokens, not a fresh 50.
+    let d = take(&*s, &[tb(&k, 50, 50, HOUR, 1)]).await;
+    assert_eq!((d.allowed, d.buckets[0].limit), (true, 50));
+    assert_eq!(d.buckets[0].remaining, 29, "{d:?}");
+    let d = take(&*s, &[tb(&k, 50, 50, HOUR, 30)]).await;
+    assert!(!d.allowed, "29 left, never a fresh bucket: {d:?}");
+    // 50 -> 100: 29 of 50 becomes 58 of 100.
+    let d = take(&*s, &[tb(&k, 100, 100, HOUR, 1)]).await;
+    assert_eq!((d.allowed, d.buckets[0].remaining), (true, 57), "{d:?}");
+    // The algorithm is part of a bucket's identity, the limits are not.
     assert!(take(&*s, &[fw(&k, 1, HOUR, 1)]).await.allowed);
     // Braces and long keys are ordinary keys.
     for key in [format!("{k}{{x}}"), format!("{k}}}"), "é{".repeat(60) + &k] {
         assert!(take(&*s, &[tb(&key, 1, 1, HOUR, 1)]).await.allowed, "{key}");
         assert!(
-            !take(&*s, &[tb(&key, 1, 1, HOUR, 1)]).await.allowed,
+            !take(&*s, &[tb(&key, 2, 1, HOUR, 1)]).await.allowed,
             "{key}"
         );
     }
+}
+
+async fn a_changed_window_limit_keeps_the_count(s: Arc<dyn Store>) {
+    let k = common::unique("fwchange");
+    // A window of a day: the test does not cross its end but in the last second of a UTC day.
+    let day = 86_400_000;
+    let d = take(&*s, &[fw(&k, 10, day, 4)]).await;
+    assert_eq!((d.allowed, d.buckets[0].remaining), (true, 6));
+    // 10 -> 5: 4 of 10 used is 2 of 5 used, 3 left.
+    let d = take(&*s, &[fw(&k, 5, day, 3)]).await;
+    assert_eq!((d.allowed, d.buckets[0].remaining), (true, 0), "{d:?}");
+    assert!(!take(&*s, &[fw(&k, 5, day, 1)]).await.allowed);
+    // A new period keeps the count while the old window lasts: nothing is handed out twice.
+    let d = take(&*s, &[fw(&k, 5, HOUR, 1)]).await;
+    assert!(!d.allowed, "{d:?}");
 }
 
 async fn refills_over_time(s: Arc<dyn Store>) {
@@ -354,7 +378,8 @@ suite!(
     all_or_nothing,
     same_key_twice_is_charged_twice,
     cost_above_capacity_is_denied,
-    limits_are_part_of_identity,
+    a_changed_limit_keeps_the_count,
+    a_changed_window_limit_keeps_the_count,
     refills_over_time,
     fixed_window,
     large_values,

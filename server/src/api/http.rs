@@ -89,6 +89,45 @@ async fn take_batch(State(api): State<Arc<Api>>, req: Request) -> Response {
     }
 }
 
+/// `POST /v1/acquire` and `POST /v1/release` (concurrency slots, [`crate::inflight`]): admitted
+/// like a take (token first, bounded body, one permit).
+async fn acquire(State(api): State<Arc<Api>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = match api
+        .admit_bounded(&parts.headers, body, crate::inflight::MAX_BODY_BYTES, 0)
+        .await
+    {
+        Ok((bytes, _permit)) => api.acquire(crate::inflight::decode_acquire(&bytes)).await,
+        Err(e) => Err(e),
+    };
+    json_or_error(&api, result)
+}
+
+async fn release(State(api): State<Arc<Api>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = match api
+        .admit_bounded(&parts.headers, body, crate::inflight::MAX_BODY_BYTES, 0)
+        .await
+    {
+        Ok((bytes, _permit)) => api.release(crate::inflight::decode_release(&bytes)).await,
+        Err(e) => Err(e),
+    };
+    json_or_error(&api, result)
+}
+
+fn json_or_error<T: serde::Serialize>(api: &Api, result: Result<T, ApiError>) -> Response {
+    match result {
+        Ok(d) => {
+            api.metrics.request("http", "ok");
+            Json(d).into_response()
+        }
+        Err(e) => {
+            api.metrics.request("http", e.code());
+            error_response(&e)
+        }
+    }
+}
+
 async fn healthz() -> &'static str {
     "ok\n"
 }
@@ -167,6 +206,8 @@ pub fn router(
     let http = Router::new()
         .route("/v1/take", post(take))
         .route("/v1/take_batch", post(take_batch))
+        .route("/v1/acquire", post(acquire))
+        .route("/v1/release", post(release))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

@@ -235,6 +235,18 @@ impl Store for Coalescer {
         self.inner.store.take_batch(takes).await
     }
 
+    async fn acquire(
+        &self,
+        specs: &[crate::inflight::SlotSpec],
+        slot: &str,
+    ) -> Result<crate::inflight::AcquireDecision, StoreError> {
+        self.inner.store.acquire(specs, slot).await
+    }
+
+    async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+        self.inner.store.release(slot, keys).await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.store.ping().await
     }

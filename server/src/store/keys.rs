@@ -1,11 +1,13 @@
 //! Redis key layout and Redis Cluster hash slots. Pure functions, unit-tested.
 //!
-//! A bucket key is `<prefix><alg>:{<tag>}:<capacity>:<rate>:<period_ms>` where `<tag>` is the
-//! caller's key with `%`, `{`, `}` and `#` percent-escaped, or `#` + hex SHA-256 of the key when it
-//! is longer than [`HASH_ABOVE`] bytes. The escaped form never contains `}` nor starts with `#`, so
-//! the layout is injective over `(algorithm, key, capacity, rate, period_ms)`, and the braces make the
-//! whole `<tag>` the Redis Cluster hash tag: every key derived from one bucket (the fixed window's
-//! `:<window>` suffix) stays in its slot.
+//! A bucket key is `<prefix><alg>:{<tag>}` where `<tag>` is the caller's key with `%`, `{`, `}`
+//! and `#` percent-escaped, or `#` + hex SHA-256 of the key when it is longer than [`HASH_ABOVE`]
+//! bytes. The escaped form never contains `}` nor starts with `#`, so the layout is injective over
+//! `(algorithm, key)`, and the braces make the whole `<tag>` the Redis Cluster hash tag.
+//!
+//! The limits are not part of the key: a bucket is its algorithm and key, and the hash records the
+//! limits it was last charged with, so a changed limit carries the bucket over (the scripts scale
+//! it, `lua/token_bucket.lua`) instead of starting a fresh, full one.
 
 use std::fmt::Write;
 
@@ -25,7 +27,7 @@ pub fn check_prefix(prefix: &str) -> Result<(), String> {
 }
 
 /// Appends the `<tag>` of `key` to `out`.
-fn push_tag(out: &mut String, key: &str) {
+pub(crate) fn push_tag(out: &mut String, key: &str) {
     if key.len() > HASH_ABOVE {
         out.push('#');
         for b in Sha256::digest(key.as_bytes()) {
@@ -46,37 +48,19 @@ fn push_tag(out: &mut String, key: &str) {
 
 /// The Redis key of a bucket, built in one allocation.
 pub fn redis_key(prefix: &str, b: &BucketSpec) -> String {
-    // Room for the tag unescaped (or `#` and its hash) and three 20-digit numbers.
+    // Room for the tag unescaped (or `#` and its hash), the algorithm and the braces.
     let tag = if b.key.len() > HASH_ABOVE {
         65
     } else {
         b.key.len()
     };
-    let mut out = String::with_capacity(prefix.len() + tag + 70);
+    let mut out = String::with_capacity(prefix.len() + tag + 8);
     out.push_str(prefix);
     out.push_str(b.algorithm.tag());
     out.push_str(":{");
     push_tag(&mut out, &b.key);
-    for (sep, n) in [("}:", b.capacity), (":", b.rate), (":", b.period_ms)] {
-        out.push_str(sep);
-        push_u64(&mut out, n);
-    }
+    out.push('}');
     out
-}
-
-/// Appends `n` in decimal, without the `fmt` machinery (which cost more than the rest of the key).
-fn push_u64(out: &mut String, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut start = digits.len();
-    for d in digits.iter_mut().rev() {
-        *d = b'0' + (n % 10) as u8;
-        start -= 1;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.push_str(std::str::from_utf8(digits.get(start..).unwrap_or_default()).unwrap_or_default());
 }
 
 /// CRC16/XMODEM, the checksum Redis Cluster uses for slots.
@@ -127,28 +111,22 @@ mod tests {
 
     #[test]
     fn layout() {
-        assert_eq!(redis_key("tg:", &spec("ip:1")), "tg:tb:{ip:1}:10:5:1000");
+        assert_eq!(redis_key("tg:", &spec("ip:1")), "tg:tb:{ip:1}");
         assert_eq!(
             redis_key("tg:", &spec("user:{alice}%#")),
-            "tg:tb:{user:%7Balice%7D%25%23}:10:5:1000"
+            "tg:tb:{user:%7Balice%7D%25%23}"
         );
         let mut fw = spec("a");
         fw.algorithm = Algorithm::FixedWindow;
-        assert_eq!(redis_key("", &fw), "fw:{a}:10:5:1000");
+        assert_eq!(redis_key("", &fw), "fw:{a}");
         let long = "x".repeat(101);
         let k = redis_key("", &spec(&long));
-        assert!(k.starts_with("tb:{#") && k.len() < 100, "{k}");
-        assert_eq!(redis_key("", &spec(&"x".repeat(100))).len(), 100 + 15);
-        let mut big = spec("n");
-        (big.capacity, big.rate, big.period_ms) = (u64::MAX, 0, 1_000_000_000);
-        assert_eq!(
-            redis_key("p:", &big),
-            format!("p:tb:{{n}}:{}:0:1000000000", u64::MAX)
-        );
+        assert!(k.starts_with("tb:{#") && k.len() == 4 + 65 + 1, "{k}");
+        assert_eq!(redis_key("", &spec(&"x".repeat(100))).len(), 100 + 5);
     }
 
     #[test]
-    fn injective_on_tricky_keys() {
+    fn injective_on_tricky_keys_and_blind_to_limits() {
         let keys = [
             "a}b", "a%7Db", "a%b", "a%25b", "#x", "%23x", "a", "a:10", "{", "}",
         ];
@@ -156,9 +134,12 @@ mod tests {
         for k in keys {
             assert!(seen.insert(redis_key("", &spec(k))), "{k}");
         }
+        let mut fw = spec("a");
+        fw.algorithm = Algorithm::FixedWindow;
+        assert!(seen.insert(redis_key("", &fw)));
         let mut other = spec("a");
-        other.capacity = 11;
-        assert!(seen.insert(redis_key("", &other)));
+        (other.capacity, other.rate, other.period_ms) = (11, 1, 60_000);
+        assert_eq!(redis_key("", &other), redis_key("", &spec("a")));
     }
 
     #[test]

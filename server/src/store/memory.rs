@@ -3,7 +3,10 @@
 //! Used when no Redis is configured (a single replica, development, tests). One mutex guards a
 //! map of bucket states, so a take is atomic; a batch holds it once for all its takes, in order.
 //! Arithmetic mirrors `lua/token_bucket.lua` and `lua/fixed_window.lua` exactly (integer
-//! micro-tokens, a carried refill remainder), in `u128`. The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
+//! micro-tokens, a carried refill remainder), in `u128`. A bucket is its algorithm and key; its
+//! state records the limits it was last charged with, and a take with other limits carries it over
+//! as the scripts do (tokens held, or the window's count, scaled to the new capacity keeping the
+//! fraction; see `lua/token_bucket.lua`). The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
 //!
 //! Memory is bounded twice. By expiry: a bucket is dropped once it would be full again (or its
 //! window has ended) plus a margin, like the Redis keys' PEXPIRE, but never kept idle longer than
@@ -36,17 +39,37 @@ pub const SWEEP_BATCH: usize = 64;
 struct Id {
     algorithm: Algorithm,
     key: String,
+}
+
+/// The limits a bucket was last charged with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Limits {
     capacity: u64,
     rate: u64,
     period_ms: u64,
 }
 
+impl Limits {
+    fn of(b: &BucketSpec) -> Self {
+        Limits {
+            capacity: b.capacity,
+            rate: b.rate,
+            period_ms: b.period_ms,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 enum State {
     /// Micro-tokens, last charge (µs), refill remainder (1/period_ms of a micro-token).
-    Token { t: u128, ts: u64, f: u128 },
+    Token {
+        t: u128,
+        ts: u64,
+        f: u128,
+        limits: Limits,
+    },
     /// Window index and count in it.
-    Window { w: u64, count: u64 },
+    Window { w: u64, count: u64, limits: Limits },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -115,6 +138,8 @@ pub struct MemoryStore {
     epoch: Instant,
     max_buckets: usize,
     inner: Mutex<Inner>,
+    /// Concurrency slots (`acquire` / `release`).
+    slots: super::slots::SlotTable,
 }
 
 impl Default for MemoryStore {
@@ -139,6 +164,7 @@ impl MemoryStore {
                 expiry: BTreeMap::new(),
                 next_seq: 0,
             }),
+            slots: super::slots::SlotTable::default(),
         }
     }
 
@@ -206,9 +232,6 @@ impl MemoryStore {
             let id = Id {
                 algorithm: b.algorithm,
                 key: b.key.clone(),
-                capacity: b.capacity,
-                rate: b.rate,
-                period_ms: b.period_ms,
             };
             let stored = inner
                 .buckets
@@ -238,7 +261,7 @@ impl MemoryStore {
             }
             for (id, (state, dirty)) in scratch {
                 if dirty {
-                    let ttl_ms = ttl_ms(&id, &state, now);
+                    let ttl_ms = ttl_ms(&state, now);
                     let expires_us = now.saturating_add(ttl_ms.saturating_mul(1000));
                     inner.put(id, state, expires_us);
                 }
@@ -256,41 +279,93 @@ fn ceil_div(a: u128, b: u128) -> u128 {
     a.div_ceil(b.max(1))
 }
 
-/// The state as of `now`: refilled token bucket, or the current window.
+/// Refills `(t, ts, f)` up to `now` under `l`, as `tb_refill` in token_bucket.lua.
+fn refill(l: &Limits, t: &mut u128, ts: &mut u64, f: &mut u128, now: u64) {
+    if now <= *ts {
+        return;
+    }
+    let cap_m = u128::from(l.capacity) * MICRO;
+    if *t >= cap_m {
+        *t = cap_m;
+        *f = 0;
+    } else {
+        // Same units as token_bucket.lua: f is in 1/period_ms of a micro-token.
+        let period = u128::from(l.period_ms);
+        let x = u128::from(now - *ts) * u128::from(l.rate) * 1000 + *f;
+        let add = x / period;
+        if add >= cap_m - *t {
+            *t = cap_m;
+            *f = 0;
+        } else {
+            *t += add;
+            *f = x % period;
+        }
+    }
+    *ts = now;
+}
+
+/// The state as of `now` under `b`'s limits: refilled token bucket, or the current window. A
+/// bucket last charged with other limits is carried over as the scripts do: refilled under its old
+/// limits, then its tokens scaled to the new capacity keeping the fraction held (rounded down, the
+/// remainder dropped); a window's count carries while its window has not ended, scaled keeping the
+/// fraction used (rounded up).
 fn load(b: &BucketSpec, stored: Option<State>, now: u64) -> State {
+    let new = Limits::of(b);
     let cap_m = u128::from(b.capacity) * MICRO;
     match b.algorithm {
         Algorithm::TokenBucket => {
             let (mut t, mut ts, mut f) = match stored {
-                Some(State::Token { t, ts, f }) => (t, ts, f),
+                Some(State::Token { t, ts, f, limits }) => {
+                    let (mut t, mut ts, mut f) = (t, ts, f);
+                    if limits != new {
+                        refill(&limits, &mut t, &mut ts, &mut f, now);
+                        if limits.capacity != new.capacity {
+                            t = t * u128::from(new.capacity) / u128::from(limits.capacity.max(1));
+                        }
+                        t = t.min(cap_m);
+                        f = 0;
+                    }
+                    (t, ts, f)
+                }
                 _ => (cap_m, now, 0),
             };
-            if now > ts {
-                if t >= cap_m {
-                    t = cap_m;
-                    f = 0;
-                } else {
-                    // Same units as token_bucket.lua: f is in 1/period_ms of a micro-token.
-                    let period = u128::from(b.period_ms);
-                    let x = u128::from(now - ts) * u128::from(b.rate) * 1000 + f;
-                    let add = x / period;
-                    if add >= cap_m - t {
-                        t = cap_m;
-                        f = 0;
-                    } else {
-                        t += add;
-                        f = x % period;
-                    }
-                }
-                ts = now;
+            refill(&new, &mut t, &mut ts, &mut f, now);
+            State::Token {
+                t,
+                ts,
+                f,
+                limits: new,
             }
-            State::Token { t, ts, f }
         }
         Algorithm::FixedWindow => {
-            let w = now / 1000 / b.period_ms;
-            match stored {
-                Some(State::Window { w: sw, count }) if sw == w => State::Window { w, count },
-                _ => State::Window { w, count: 0 },
+            let now_ms = now / 1000;
+            let mut w = now_ms / b.period_ms;
+            let mut count = 0;
+            if let Some(State::Window {
+                w: sw,
+                count: n,
+                limits,
+            }) = stored
+            {
+                if limits.period_ms == b.period_ms {
+                    if sw >= w {
+                        (w, count) = (sw, n);
+                    }
+                } else if u128::from(now_ms) < (u128::from(sw) + 1) * u128::from(limits.period_ms) {
+                    count = n;
+                }
+                if count > 0 && limits.capacity != b.capacity {
+                    count = u64::try_from(
+                        (u128::from(count) * u128::from(b.capacity))
+                            .div_ceil(u128::from(limits.capacity.max(1))),
+                    )
+                    .unwrap_or(u64::MAX);
+                }
+            }
+            State::Window {
+                w,
+                count,
+                limits: new,
             }
         }
     }
@@ -304,8 +379,8 @@ fn tb_reset_ms(b: &BucketSpec, t: u128) -> u64 {
     ))
 }
 
-fn window_reset_ms(b: &BucketSpec, w: u64, now: u64) -> u64 {
-    (w + 1) * b.period_ms - now / 1000
+fn window_reset_ms(period_ms: u64, w: u64, now: u64) -> u64 {
+    ((w + 1) * period_ms).saturating_sub(now / 1000)
 }
 
 /// Decides one bucket on its scratch state, charging it when it can pay.
@@ -339,8 +414,8 @@ fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool)
             };
             (d, allowed)
         }
-        State::Window { w, count } => {
-            let reset = window_reset_ms(b, *w, now);
+        State::Window { w, count, .. } => {
+            let reset = window_reset_ms(b.period_ms, *w, now);
             let allowed = *count + b.cost <= b.capacity;
             let mut granted = 0;
             let retry = if allowed {
@@ -365,19 +440,21 @@ fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool)
     }
 }
 
-fn ttl_ms(id: &Id, state: &State, now: u64) -> u64 {
-    let b = BucketSpec {
-        key: String::new(),
-        capacity: id.capacity,
-        rate: id.rate,
-        period_ms: id.period_ms,
-        cost: 1,
-        algorithm: id.algorithm,
-        lease: 1,
-    };
+fn ttl_ms(state: &State, now: u64) -> u64 {
     let until = match state {
-        State::Token { t, .. } => tb_reset_ms(&b, *t),
-        State::Window { w, .. } => window_reset_ms(&b, *w, now),
+        State::Token { t, limits, .. } => {
+            let b = BucketSpec {
+                key: String::new(),
+                capacity: limits.capacity,
+                rate: limits.rate,
+                period_ms: limits.period_ms,
+                cost: 1,
+                algorithm: Algorithm::TokenBucket,
+                lease: 1,
+            };
+            tb_reset_ms(&b, *t)
+        }
+        State::Window { w, limits, .. } => window_reset_ms(limits.period_ms, *w, now),
     };
     until.saturating_add(TTL_MARGIN_MS).min(MAX_IDLE_MS)
 }
@@ -390,6 +467,18 @@ impl Store for MemoryStore {
 
     async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
         self.take_batch_at(takes, self.now_us())
+    }
+
+    async fn acquire(
+        &self,
+        specs: &[crate::inflight::SlotSpec],
+        slot: &str,
+    ) -> Result<crate::inflight::AcquireDecision, StoreError> {
+        Ok(self.slots.acquire(specs, slot, self.now_us() / 1000))
+    }
+
+    async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+        Ok(self.slots.release(slot, keys))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -12,8 +12,10 @@ pub mod coalesce;
 pub mod keys;
 pub mod memory;
 pub mod redis;
+pub mod slots;
 
 use crate::domain::{BucketSpec, TakeDecision};
+use crate::inflight::{AcquireDecision, SlotSpec};
 
 /// A store failure. Every one of them becomes 503 / gRPC `UNAVAILABLE`: the service never answers
 /// "allowed" when it could not decide.
@@ -85,6 +87,20 @@ pub trait Store: Send + Sync + 'static {
     /// takes decided before it may have been charged (a possible false denial, never an
     /// admission).
     async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError>;
+
+    /// Takes one slot of every key (under the id `slot`), or of none: allowed only if every key
+    /// holds fewer than its limit after dropping the slots whose deadline passed (see
+    /// [`crate::inflight`]). `specs` is validated (1..=16 distinct keys).
+    async fn acquire(&self, specs: &[SlotSpec], slot: &str) -> Result<AcquireDecision, StoreError> {
+        let _ = (specs, slot);
+        Err(StoreError::Server("this store holds no slots".into()))
+    }
+
+    /// Gives back the slot `slot` of each key; per key, whether it was still held.
+    async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+        let _ = (slot, keys);
+        Err(StoreError::Server("this store holds no slots".into()))
+    }
 
     /// Checks the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;

@@ -494,11 +494,11 @@ impl RedisStore {
     }
 
     /// Runs `script` with keys and integer args on the right connection, within the timeout.
-    async fn invoke(
+    async fn invoke<A: redis::ToRedisArgs>(
         &self,
         script: &Script,
         keys: &[&str],
-        args: &[u64],
+        args: &[A],
     ) -> Result<Vec<i64>, StoreError> {
         // EVALSHA written straight from the keys and integers: `ScriptInvocation` would first copy
         // every key and argument into a buffer of its own, then into the command.
@@ -739,6 +739,103 @@ impl Store for RedisStore {
         out.into_iter()
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| StoreError::Protocol("a take got no decision".into()))
+    }
+
+    async fn acquire(
+        &self,
+        specs: &[crate::inflight::SlotSpec],
+        slot_id: &str,
+    ) -> Result<crate::inflight::AcquireDecision, StoreError> {
+        use super::slots;
+        static ACQUIRE: std::sync::LazyLock<Script> =
+            std::sync::LazyLock::new(|| Script::new(slots::ACQUIRE));
+        let keys: Vec<String> = specs
+            .iter()
+            .map(|s| slots::redis_key(&self.config.key_prefix, &s.key))
+            .collect();
+        // One call per hash slot (every key in one call on standalone Redis).
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let s = match self.conn {
+                Conn::Single(_) => 0,
+                Conn::Cluster(_) => slot(k),
+            };
+            match groups.iter_mut().find(|(gs, _)| *gs == s) {
+                Some((_, idx)) => idx.push(i),
+                None => groups.push((s, vec![i])),
+            }
+        }
+        let calls = groups.iter().map(|(_, idx)| {
+            let ks: Vec<&str> = idx.iter().map(|&i| keys[i].as_str()).collect();
+            let these: Vec<&crate::inflight::SlotSpec> = idx.iter().map(|&i| &specs[i]).collect();
+            async move {
+                let reply = self
+                    .invoke(&ACQUIRE, &ks, &slots::acquire_args(&these, slot_id))
+                    .await?;
+                slots::decode_acquire(&reply, &these)
+            }
+        });
+        let replies = futures_util::future::join_all(calls).await;
+        let all = replies.iter().all(|r| matches!(r, Ok((true, _))));
+        if !all && groups.len() > 1 {
+            // All or nothing across slots: give back what the other slots took.
+            for ((_, idx), r) in groups.iter().zip(&replies) {
+                if matches!(r, Ok((true, _))) {
+                    let ks: Vec<String> = idx.iter().map(|&i| specs[i].key.clone()).collect();
+                    if let Err(e) = self.release(slot_id, &ks).await {
+                        tracing::warn!(error = %e, "releasing a partial acquire failed; those slots wait for their deadline");
+                    }
+                }
+            }
+        }
+        let mut out: Vec<Option<crate::inflight::SlotDecision>> = vec![None; specs.len()];
+        for ((_, idx), r) in groups.iter().zip(replies) {
+            let (taken, ds) = r?;
+            for (&i, mut d) in idx.iter().zip(ds) {
+                if taken && !all {
+                    // Given back above: report the set as it stands.
+                    d.in_flight = d.in_flight.saturating_sub(1);
+                }
+                out[i] = Some(d);
+            }
+        }
+        let buckets: Vec<crate::inflight::SlotDecision> = out
+            .into_iter()
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| StoreError::Protocol("a key got no decision".into()))?;
+        Ok(crate::inflight::AcquireDecision::from_buckets(
+            buckets, slot_id,
+        ))
+    }
+
+    async fn release(&self, slot_id: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+        use super::slots;
+        static RELEASE: std::sync::LazyLock<Script> =
+            std::sync::LazyLock::new(|| Script::new(slots::RELEASE));
+        let rkeys: Vec<String> = keys
+            .iter()
+            .map(|k| slots::redis_key(&self.config.key_prefix, k))
+            .collect();
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, k) in rkeys.iter().enumerate() {
+            let s = match self.conn {
+                Conn::Single(_) => 0,
+                Conn::Cluster(_) => slot(k),
+            };
+            match groups.iter_mut().find(|(gs, _)| *gs == s) {
+                Some((_, idx)) => idx.push(i),
+                None => groups.push((s, vec![i])),
+            }
+        }
+        let mut out = vec![false; keys.len()];
+        for (_, idx) in &groups {
+            let ks: Vec<&str> = idx.iter().map(|&i| rkeys[i].as_str()).collect();
+            let reply = self.invoke(&RELEASE, &ks, &[slot_id]).await?;
+            for (&i, r) in idx.iter().zip(slots::decode_release(&reply, idx.len())?) {
+                out[i] = r;
+            }
+        }
+        Ok(out)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -1,58 +1,75 @@
 -- Fixed window (algorithm 1): at most `capacity` tokens per window floor(now_ms / period_ms);
 -- `rate` is ignored.
 --
--- KEYS:  the bucket's base key, e.g. `tollgate:fw:{<key>}:<capacity>:<rate>:<period_ms>`. The
---        counter lives at `<base key>:<window index>`, derived here, inside the script: the suffix
---        comes after the `{hash tag}`, so it is in the same Redis Cluster slot as KEYS[i] (Redis
---        does not check undeclared keys of a script; the slot is what matters).
+-- KEYS:  the bucket's hash, e.g. `tollgate:fw:{<key>}`: algorithm and key only, not the limits.
 -- ARGV:  capacity, period_ms, cost, lease (integers validated by the service; cost <= lease).
--- State: a string counter (INCRBY). PEXPIRE when the counter is created: the window's end plus a
---        margin. A leaked counter could not matter anyway: the next window uses another key.
--- Clock: Redis TIME, in milliseconds.
+-- State: HSET fields, integers formatted exactly:
+--          w = the window index counted (floor(now_ms / p)), n = tokens used in it,
+--          c, p = the capacity and period_ms it was counted with.
+--        PEXPIRE on every write: the window's end plus a margin (a missing hash is an unused window).
+-- A changed limit keeps the count: the stored count carries over while the window it was counted
+-- in has not ended (under the old period; a new period starts its first window with what the old
+-- window used), scaled to the new capacity keeping the fraction used: n' = ceil(n * capacity / c).
+-- So lowering 100 -> 50 with 40 used leaves 30 of 50; nothing is handed out twice in a window.
+-- Clock: Redis TIME, in milliseconds. A clock that steps back keeps counting in the newest window.
 
 local function fw_window(period, now)
   local now_ms = muldivmod(now, 1, 0, 1000)
   local w = muldivmod(now_ms, 1, 0, period)
-  return w, (w + 1) * period - now_ms
+  return w, now_ms
 end
 
-local function fw_load(wkey)
-  local v = redis.call('GET', wkey)
-  return { count = tonumber(v) or 0, delta = 0 }
+-- The window state at `now` for the caller's limits: { w, count, reset }.
+local function fw_load(key, cap, period, now)
+  local w, now_ms = fw_window(period, now)
+  local v = redis.call('HMGET', key, 'w', 'n', 'c', 'p')
+  local sw, n, c, p = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])
+  local count = 0
+  if sw ~= nil and n ~= nil and c ~= nil and p ~= nil then
+    if p == period then
+      if sw >= w then count = n; w = sw end
+    elseif now_ms < (sw + 1) * p then
+      count = n
+    end
+    if count > 0 and c ~= cap then
+      local q, r = muldivmod(count, cap, 0, c)
+      if r > 0 then q = q + 1 end
+      count = q
+    end
+  end
+  return { w = w, count = count, reset = (w + 1) * period - now_ms }
 end
 
 -- Returns allowed, remaining, reset, retry, granted; when allowed, charges the scratch state
 -- granted = min(lease, what the window has left), at least cost.
-local function fw_take(s, cap, period, cost, reset, lease)
+local function fw_take(s, cap, period, cost, lease)
   local allowed = s.count + cost <= cap
   local retry, granted = 0, 0
   if allowed then
     granted = math.max(cost, math.min(lease, cap - s.count))
     s.count = s.count + granted
-    s.delta = s.delta + granted
     s.dirty = true
   elseif cost > cap then
     retry = period
   else
-    retry = reset
+    retry = s.reset
   end
   local remaining = cap - s.count
   if remaining < 0 then remaining = 0 end
-  return allowed, remaining, reset, retry, granted
+  return allowed, remaining, s.reset, retry, granted
 end
 
-local function fw_store(wkey, s, reset)
-  local n = redis.call('INCRBY', wkey, fmt(s.delta))
-  if n == s.delta then
-    redis.call('PEXPIRE', wkey, fmt(reset + TTL_MARGIN_MS))
-  end
+local function fw_store(key, s, cap, period)
+  redis.call('HSET', key, 'w', fmt(s.w), 'n', fmt(s.count), 'c', fmt(cap), 'p', fmt(period))
+  redis.call('PEXPIRE', key, fmt(s.reset + TTL_MARGIN_MS))
 end
 
--- Gives `cost` back to window `w` (the window that was charged, not the current one).
-local function fw_refund(base, w, cost)
-  local wkey = base .. ':' .. fmt(w)
-  local v = tonumber(redis.call('GET', wkey))
-  if v == nil then return 0 end
-  redis.call('DECRBY', wkey, fmt(math.min(v, cost)))
+-- Gives `cost` back to window `w` (the window that was charged): nothing when the bucket has
+-- moved on to another window since, or expired.
+local function fw_refund(key, w, cost)
+  local v = redis.call('HMGET', key, 'w', 'n')
+  local sw, n = tonumber(v[1]), tonumber(v[2])
+  if sw == nil or n == nil or sw ~= w then return 0 end
+  redis.call('HSET', key, 'n', fmt(n - math.min(n, cost)))
   return 1
 end

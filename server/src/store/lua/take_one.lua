@@ -11,7 +11,7 @@
 --   index that was charged, for a refund; 0 for a token bucket).
 --
 -- Two phases: decide every bucket on scratch copies (a key named twice is charged twice, in
--- order), then write only if all could pay. A denied take writes nothing. A take decided after
+-- order, with the limits it was first named with in this take), then write only if all could pay. A denied take writes nothing. A take decided after
 -- another in the same call reads what that one wrote.
 
 local function take_one(k, a, n, now, out)
@@ -26,10 +26,10 @@ local function take_one(k, a, n, now, out)
     local cap, rate, period, cost, lease = tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]),
       tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
     local allowed, remaining, reset, retry, granted, mark
+    local s = scratch[key]
     if alg == 0 then
-      local s = scratch[key]
       if s == nil then
-        s = tb_load(key, cap, now)
+        s = tb_load(key, cap, rate, period, now)
         tb_refill(s, cap, rate, period, now)
         s.alg, s.cap, s.rate, s.period = 0, cap, rate, period
         scratch[key] = s
@@ -37,16 +37,13 @@ local function take_one(k, a, n, now, out)
       allowed, remaining, reset, retry, granted = tb_take(s, cap, rate, period, cost, lease)
       mark = 0
     else
-      local w, window_reset = fw_window(period, now)
-      local wkey = key .. ':' .. fmt(w)
-      local s = scratch[wkey]
       if s == nil then
-        s = fw_load(wkey)
-        s.alg, s.reset = 1, window_reset
-        scratch[wkey] = s
+        s = fw_load(key, cap, period, now)
+        s.alg, s.cap, s.period = 1, cap, period
+        scratch[key] = s
       end
-      allowed, remaining, reset, retry, granted = fw_take(s, cap, period, cost, window_reset, lease)
-      mark = w
+      allowed, remaining, reset, retry, granted = fw_take(s, cap, period, cost, lease)
+      mark = s.w
     end
     if not allowed then all = false end
     out[#out + 1] = allowed and 1 or 0
@@ -60,7 +57,7 @@ local function take_one(k, a, n, now, out)
   if all then
     for skey, s in pairs(scratch) do
       if s.dirty then
-        if s.alg == 0 then tb_store(skey, s, s.cap, s.rate, s.period) else fw_store(skey, s, s.reset) end
+        if s.alg == 0 then tb_store(skey, s, s.cap, s.rate, s.period) else fw_store(skey, s, s.cap, s.period) end
       end
     end
   else

@@ -1,28 +1,25 @@
 -- Token bucket (algorithm 0): holds at most `capacity` tokens, refills continuously at
 -- `rate` per `period_ms`, starts full.
 --
--- KEYS:  the bucket's hash, e.g. `tollgate:tb:{<key>}:<capacity>:<rate>:<period_ms>`.
+-- KEYS:  the bucket's hash, e.g. `tollgate:tb:{<key>}`: algorithm and key only, not the limits.
 -- ARGV:  capacity, rate, period_ms, cost, lease (integers validated by the service: 1..1e9,
 --        period <= 1 year, cost <= lease; lease = cost when the caller asked for no lease).
 -- State: HSET fields, all integers formatted exactly:
---          t  = micro-tokens held (0 ..= capacity * 10^6)
+--          t  = micro-tokens held (0 ..= c * 10^6)
 --          ts = Redis TIME of the last charge, microseconds
---          f  = refill remainder, in 1/period_ms of a micro-token (0 .. period_ms - 1), so no
---               fraction of a token is ever lost between charges: the refill is exact, not
---               rounded per call
+--          f  = refill remainder, in 1/p of a micro-token (0 .. p - 1), so no fraction of a token
+--               is ever lost between charges: the refill is exact, not rounded per call
+--          c, r, p = the capacity, rate and period_ms the bucket was last charged with
 --        A missing hash is a full bucket; that is why expiry (PEXPIRE = time until full + margin,
 --        set on every write) can never admit more than the limit.
+-- A changed limit keeps the count: when the caller's limits differ from (c, r, p), the bucket is
+-- first refilled up to now with the limits it had, then its tokens are scaled to the new capacity
+-- keeping the fraction held: t' = floor(t * capacity / c) (so the fraction used is kept, rounded
+-- against the caller, never above the new capacity); the refill remainder restarts at 0 (less than
+-- one micro-token is dropped). Lowering 100 -> 50 with 60 left leaves 30; raising 50 -> 100 with
+-- 30 left gives 60. A rollout therefore hands no one a fresh burst.
 -- Clock: Redis TIME. If it steps back (a failover), the bucket does not refill until it passes `ts`.
 -- These are functions used by take.lua and refund.lua; the reply is built there.
-
-local function tb_load(key, cap, now)
-  local v = redis.call('HMGET', key, 't', 'ts', 'f')
-  local t, ts, f = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
-  if t == nil or ts == nil or f == nil then
-    return { t = cap * MICRO, ts = now, f = 0, exists = false }
-  end
-  return { t = t, ts = ts, f = f, exists = true }
-end
 
 -- Adds the micro-tokens earned between s.ts and now: elapsed_us * rate * 10^6 / (period_ms * 1000)
 -- = floor((elapsed_us * rate * 1000 + f) / period_ms), the remainder kept in f.
@@ -36,6 +33,24 @@ local function tb_refill(s, cap, rate, period, now)
     if add >= cap_m - s.t then s.t = cap_m; s.f = 0 else s.t = s.t + add; s.f = f end
   end
   s.ts = now
+end
+
+-- The bucket as stored, carried over to the caller's limits (see the header) when they changed.
+local function tb_load(key, cap, rate, period, now)
+  local v = redis.call('HMGET', key, 't', 'ts', 'f', 'c', 'r', 'p')
+  local t, ts, f = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
+  if t == nil or ts == nil or f == nil then
+    return { t = cap * MICRO, ts = now, f = 0, exists = false }
+  end
+  local s = { t = t, ts = ts, f = f, exists = true }
+  local c, r, p = tonumber(v[4]), tonumber(v[5]), tonumber(v[6])
+  if c ~= nil and r ~= nil and p ~= nil and (c ~= cap or r ~= rate or p ~= period) then
+    tb_refill(s, c, r, p, now)
+    if c ~= cap then s.t = muldivmod(s.t, cap, 0, c) end
+    if s.t > cap * MICRO then s.t = cap * MICRO end
+    s.f = 0
+  end
+  return s
 end
 
 -- Milliseconds until the bucket is full again.
@@ -69,14 +84,15 @@ local function tb_take(s, cap, rate, period, cost, lease)
 end
 
 local function tb_store(key, s, cap, rate, period)
-  redis.call('HSET', key, 't', fmt(s.t), 'ts', fmt(s.ts), 'f', fmt(s.f))
+  redis.call('HSET', key, 't', fmt(s.t), 'ts', fmt(s.ts), 'f', fmt(s.f), 'c', fmt(cap),
+    'r', fmt(rate), 'p', fmt(period))
   redis.call('PEXPIRE', key, fmt(tb_reset_ms(s, cap, rate, period) + TTL_MARGIN_MS))
 end
 
 -- Gives `cost` back after a charge that must be undone (Redis Cluster, another slot denied).
 -- A missing hash is already full: nothing to give back.
 local function tb_refund(key, cap, rate, period, cost, now)
-  local s = tb_load(key, cap, now)
+  local s = tb_load(key, cap, rate, period, now)
   if not s.exists then return 0 end
   tb_refill(s, cap, rate, period, now)
   s.t = math.min(cap * MICRO, s.t + cost * MICRO)

@@ -1,0 +1,335 @@
+//! Concurrency limits: slots held while a request is in flight (contract/README.md, "Acquire and
+//! release").
+//!
+//! An *acquire* names 1..=16 keys, each with a limit `C` and a deadline `ttl_ms`; it takes one
+//! slot of every key or of none (all or nothing, like a take), answering one slot id that holds
+//! them all. A *release* gives that id's slots back. A slot that is never released (the proxy
+//! died) expires at its deadline, read on the store's own clock, so a crashed caller's slots come
+//! back by themselves.
+//!
+//! Both wire forms decode into [`RawAcquire`] / [`RawRelease`] and go through [`validate_acquire`]
+//! / [`validate_release`]; only validated values reach a store.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::api::{Api, ApiError};
+use crate::domain::{InvalidArgument, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES};
+
+/// Longest slot deadline: one day.
+pub const MAX_TTL_MS: u64 = 86_400_000;
+/// Longest slot id accepted in a release (the service issues 32 hex digits).
+pub const MAX_SLOT_BYTES: usize = 64;
+/// What a denial suggests waiting, at most: slots come back when requests end, not on a clock,
+/// so a short wait is the honest answer (sooner when the oldest slot's deadline is sooner).
+pub const DENIED_RETRY_MS: u64 = 1000;
+/// Largest acquire or release body accepted.
+pub const MAX_BODY_BYTES: usize = MAX_BUCKETS * (MAX_KEY_BYTES + 128) + 512;
+
+/// One validated key of an acquire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotSpec {
+    /// The key, 1..=4096 bytes; distinct from the other keys of the acquire.
+    pub key: String,
+    /// Most slots held at once for this key, 1..=1e9.
+    pub limit: u64,
+    /// The slot's deadline from now, 1..=[`MAX_TTL_MS`] ms.
+    pub ttl_ms: u64,
+}
+
+/// The answer for one key of an acquire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlotDecision {
+    /// This key had a free slot.
+    pub allowed: bool,
+    /// The key's limit.
+    pub limit: u64,
+    /// Slots of this key held after the acquire (counting this one when it was taken), expired
+    /// ones not counted.
+    pub in_flight: u64,
+    /// 0 when allowed; else how long to wait before trying again, in ms (at most
+    /// [`DENIED_RETRY_MS`]).
+    pub retry_after_ms: u64,
+}
+
+/// The answer to an acquire (its serde form is the JSON response body of `POST /v1/acquire`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireDecision {
+    /// Every key had a free slot and one of each is now held; `false`: none is held.
+    pub allowed: bool,
+    /// The id of the held slots (present only when allowed): what a release names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<String>,
+    /// One decision per key, in request order.
+    pub buckets: Vec<SlotDecision>,
+}
+
+impl AcquireDecision {
+    /// The overall decision from per-key ones (`slot` is set by the caller when allowed).
+    pub fn from_buckets(buckets: Vec<SlotDecision>, slot: &str) -> Self {
+        let allowed = !buckets.is_empty() && buckets.iter().all(|b| b.allowed);
+        AcquireDecision {
+            allowed,
+            slot: allowed.then(|| slot.to_string()),
+            buckets,
+        }
+    }
+}
+
+/// The answer to a release (JSON response body of `POST /v1/release`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseDecision {
+    /// Per key, in request order: whether the slot was still held (false: it had expired, or
+    /// was released before).
+    pub released: Vec<bool>,
+}
+
+/// One key of an acquire as decoded, before validation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSlot {
+    /// `key`.
+    pub key: Option<String>,
+    /// `limit`.
+    pub limit: Option<u64>,
+    /// `ttl_ms`.
+    pub ttl_ms: Option<u64>,
+}
+
+/// An acquire as decoded, before validation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAcquire {
+    /// `buckets`.
+    pub buckets: Option<Vec<RawSlot>>,
+}
+
+/// A release as decoded, before validation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRelease {
+    /// `slot`.
+    pub slot: Option<String>,
+    /// `keys`.
+    pub keys: Option<Vec<String>>,
+}
+
+fn check_key(at: &str, key: &str) -> Result<(), InvalidArgument> {
+    if key.is_empty() || key.len() > MAX_KEY_BYTES {
+        return Err(InvalidArgument::new(
+            at,
+            format!("must be 1..={MAX_KEY_BYTES} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_keys(field: &str, n: usize) -> Result<(), InvalidArgument> {
+    if n == 0 || n > MAX_BUCKETS {
+        return Err(InvalidArgument::new(
+            field,
+            format!("must hold 1..={MAX_BUCKETS} entries"),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates an acquire: 1..=16 distinct keys, each with its limit and deadline in bounds.
+pub fn validate_acquire(raw: RawAcquire) -> Result<Vec<SlotSpec>, InvalidArgument> {
+    let buckets = raw
+        .buckets
+        .ok_or_else(|| InvalidArgument::new("buckets", "missing (required)"))?;
+    check_keys("buckets", buckets.len())?;
+    let mut out: Vec<SlotSpec> = Vec::with_capacity(buckets.len());
+    for (i, b) in buckets.into_iter().enumerate() {
+        let at = |f: &str| format!("buckets[{i}].{f}");
+        let key = b
+            .key
+            .ok_or_else(|| InvalidArgument::new(at("key"), "missing (required)"))?;
+        check_key(&at("key"), &key)?;
+        if out.iter().any(|o| o.key == key) {
+            return Err(InvalidArgument::new(at("key"), "named twice"));
+        }
+        let limit = match b.limit {
+            Some(n) if (1..=MAX_AMOUNT).contains(&n) => n,
+            _ => {
+                return Err(InvalidArgument::new(
+                    at("limit"),
+                    format!("must be between 1 and {MAX_AMOUNT}"),
+                ))
+            }
+        };
+        let ttl_ms = match b.ttl_ms {
+            Some(n) if (1..=MAX_TTL_MS).contains(&n) => n,
+            _ => {
+                return Err(InvalidArgument::new(
+                    at("ttl_ms"),
+                    format!("must be between 1 and {MAX_TTL_MS}"),
+                ))
+            }
+        };
+        out.push(SlotSpec { key, limit, ttl_ms });
+    }
+    Ok(out)
+}
+
+/// Validates a release: a slot id as issued (1..=64 bytes of `0-9a-f`) and 1..=16 keys.
+pub fn validate_release(raw: RawRelease) -> Result<(String, Vec<String>), InvalidArgument> {
+    let slot = raw
+        .slot
+        .ok_or_else(|| InvalidArgument::new("slot", "missing (required)"))?;
+    if slot.is_empty()
+        || slot.len() > MAX_SLOT_BYTES
+        || !slot.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return Err(InvalidArgument::new(
+            "slot",
+            format!("must be a slot id: 1..={MAX_SLOT_BYTES} hex digits"),
+        ));
+    }
+    let keys = raw
+        .keys
+        .ok_or_else(|| InvalidArgument::new("keys", "missing (required)"))?;
+    check_keys("keys", keys.len())?;
+    for (i, k) in keys.iter().enumerate() {
+        check_key(&format!("keys[{i}]"), k)?;
+    }
+    Ok((slot, keys))
+}
+
+/// Decodes a JSON acquire body.
+pub fn decode_acquire(body: &[u8]) -> Result<RawAcquire, InvalidArgument> {
+    serde_json::from_slice(body).map_err(|e| InvalidArgument::new("", format!("bad JSON: {e}")))
+}
+
+/// Decodes a JSON release body.
+pub fn decode_release(body: &[u8]) -> Result<RawRelease, InvalidArgument> {
+    serde_json::from_slice(body).map_err(|e| InvalidArgument::new("", format!("bad JSON: {e}")))
+}
+
+/// A new slot id: 32 hex digits (128 bits), unique across replicas with overwhelming
+/// probability: a per-process random seed (the standard library's, from the OS), a counter and
+/// the time.
+pub fn new_slot_id() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static SEEDS: std::sync::OnceLock<(RandomState, RandomState, Instant)> =
+        std::sync::OnceLock::new();
+    let (a, b, start) =
+        SEEDS.get_or_init(|| (RandomState::new(), RandomState::new(), Instant::now()));
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    let mut h1 = a.build_hasher();
+    h1.write_u64(n);
+    h1.write_u64(t);
+    let mut h2 = b.build_hasher();
+    h2.write_u64(n);
+    format!("{:016x}{:016x}", h1.finish(), h2.finish())
+}
+
+/// The delay a denied key suggests: [`DENIED_RETRY_MS`], or sooner when the oldest slot's
+/// deadline (`earliest_left_ms` from now) is sooner.
+pub fn retry_after(earliest_left_ms: Option<u64>) -> u64 {
+    earliest_left_ms.map_or(DENIED_RETRY_MS, |ms| ms.clamp(1, DENIED_RETRY_MS))
+}
+
+impl Api {
+    /// Validates and decides one admitted acquire.
+    pub async fn acquire(
+        &self,
+        raw: Result<RawAcquire, InvalidArgument>,
+    ) -> Result<AcquireDecision, ApiError> {
+        let specs = raw.and_then(validate_acquire).map_err(|e| {
+            tracing::debug!(error = %e, "invalid acquire");
+            ApiError::Invalid(e)
+        })?;
+        let start = Instant::now();
+        let result = self.store.acquire(&specs, &new_slot_id()).await;
+        self.metrics.store_duration(start.elapsed().as_secs_f64());
+        result.map_err(|e| {
+            self.metrics.store_error(e.kind());
+            tracing::warn!(error = %e, store = self.store.kind(), "acquire failed");
+            ApiError::Unavailable(e.public_message())
+        })
+    }
+
+    /// Validates and performs one admitted release.
+    pub async fn release(
+        &self,
+        raw: Result<RawRelease, InvalidArgument>,
+    ) -> Result<ReleaseDecision, ApiError> {
+        let (slot, keys) = raw.and_then(validate_release).map_err(|e| {
+            tracing::debug!(error = %e, "invalid release");
+            ApiError::Invalid(e)
+        })?;
+        let start = Instant::now();
+        let result = self.store.release(&slot, &keys).await;
+        self.metrics.store_duration(start.elapsed().as_secs_f64());
+        result
+            .map(|released| ReleaseDecision { released })
+            .map_err(|e| {
+                self.metrics.store_error(e.kind());
+                tracing::warn!(error = %e, store = self.store.kind(), "release failed; the slot is left to its deadline");
+                ApiError::Unavailable(e.public_message())
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(key: &str, limit: u64, ttl: u64) -> RawSlot {
+        RawSlot {
+            key: Some(key.into()),
+            limit: Some(limit),
+            ttl_ms: Some(ttl),
+        }
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let bad = |buckets: Vec<RawSlot>| {
+            validate_acquire(RawAcquire {
+                buckets: Some(buckets),
+            })
+            .unwrap_err()
+            .field
+        };
+        assert_eq!(bad(vec![]), "buckets");
+        assert_eq!(bad(vec![raw("", 1, 1)]), "buckets[0].key");
+        assert_eq!(bad(vec![raw("a", 0, 1)]), "buckets[0].limit");
+        assert_eq!(bad(vec![raw("a", 1, MAX_TTL_MS + 1)]), "buckets[0].ttl_ms");
+        assert_eq!(bad(vec![raw("a", 1, 1), raw("a", 1, 1)]), "buckets[1].key");
+        assert_eq!(
+            validate_acquire(RawAcquire::default()).unwrap_err().field,
+            "buckets"
+        );
+        let rel = |slot: &str, keys: Vec<String>| {
+            validate_release(RawRelease {
+                slot: Some(slot.into()),
+                keys: Some(keys),
+            })
+        };
+        assert_eq!(rel("xyz", vec!["a".into()]).unwrap_err().field, "slot");
+        assert_eq!(rel("ab", vec![]).unwrap_err().field, "keys");
+        assert_eq!(rel("ab", vec![String::new()]).unwrap_err().field, "keys[0]");
+        assert!(rel("ab12", vec!["a".into()]).is_ok());
+        assert!(decode_acquire(br#"{"buckets":[],"x":1}"#).is_err());
+    }
+
+    #[test]
+    fn slot_ids_are_hex_and_distinct() {
+        let ids: std::collections::HashSet<String> = (0..1000).map(|_| new_slot_id()).collect();
+        assert_eq!(ids.len(), 1000);
+        assert!(ids
+            .iter()
+            .all(|s| s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit())));
+    }
+}

@@ -1,0 +1,200 @@
+//! Concurrency slots (acquire / release): one suite over the memory store and real Redis, the
+//! scripts' atomicity under concurrent acquires, the Redis key's TTL, and the JSON routes.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tollgate_server::inflight::{new_slot_id, SlotSpec};
+use tollgate_server::store::Store;
+
+fn spec(key: &str, limit: u64, ttl_ms: u64) -> SlotSpec {
+    SlotSpec {
+        key: key.into(),
+        limit,
+        ttl_ms,
+    }
+}
+
+async fn holds_at_most_the_limit_and_release_frees(s: Arc<dyn Store>) {
+    let k = common::unique("cc");
+    let a = [spec(&k, 2, 60_000)];
+    let first = s.acquire(&a, &new_slot_id()).await.unwrap();
+    let second = s.acquire(&a, &new_slot_id()).await.unwrap();
+    assert!(first.allowed && second.allowed);
+    assert_eq!(second.buckets[0].in_flight, 2);
+    let third = s.acquire(&a, &new_slot_id()).await.unwrap();
+    assert!(!third.allowed && third.slot.is_none());
+    assert_eq!(third.buckets[0].in_flight, 2);
+    assert_eq!(third.buckets[0].retry_after_ms, 1000);
+    // Release once: true; twice: false (nothing left to give back).
+    let id = first.slot.unwrap();
+    assert_eq!(s.release(&id, &[k.clone()]).await.unwrap(), vec![true]);
+    assert_eq!(s.release(&id, &[k.clone()]).await.unwrap(), vec![false]);
+    let fourth = s.acquire(&a, &new_slot_id()).await.unwrap();
+    assert!(fourth.allowed, "{fourth:?}");
+}
+
+async fn all_or_nothing(s: Arc<dyn Store>) {
+    let (a, b) = (common::unique("a"), common::unique("b"));
+    assert!(
+        s.acquire(&[spec(&b, 1, 60_000)], &new_slot_id())
+            .await
+            .unwrap()
+            .allowed
+    );
+    let d = s
+        .acquire(&[spec(&a, 5, 60_000), spec(&b, 1, 60_000)], &new_slot_id())
+        .await
+        .unwrap();
+    assert!(!d.allowed);
+    assert!(d.buckets[0].allowed && !d.buckets[1].allowed);
+    assert_eq!(d.buckets[0].in_flight, 0, "a was not taken: {d:?}");
+    // `a` is untouched: 5 slots are still free.
+    for _ in 0..5 {
+        assert!(
+            s.acquire(&[spec(&a, 5, 60_000)], &new_slot_id())
+                .await
+                .unwrap()
+                .allowed
+        );
+    }
+}
+
+async fn a_slot_comes_back_after_its_deadline(s: Arc<dyn Store>) {
+    let k = common::unique("ttl");
+    let a = [spec(&k, 1, 300)];
+    assert!(s.acquire(&a, &new_slot_id()).await.unwrap().allowed);
+    let denied = s.acquire(&a, &new_slot_id()).await.unwrap();
+    assert!(!denied.allowed);
+    let r = denied.buckets[0].retry_after_ms;
+    assert!((1..=300).contains(&r), "retry_after_ms {r}");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !s.acquire(&a, &new_slot_id()).await.unwrap().allowed,
+        "not before the deadline"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        s.acquire(&a, &new_slot_id()).await.unwrap().allowed,
+        "after it"
+    );
+}
+
+async fn concurrent_acquires_never_exceed_the_limit(s: Arc<dyn Store>) {
+    let k = common::unique("race");
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let (s, k) = (s.clone(), k.clone());
+            tokio::spawn(async move {
+                s.acquire(&[spec(&k, 7, 60_000)], &new_slot_id())
+                    .await
+                    .unwrap()
+                    .allowed
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += usize::from(t.await.unwrap());
+    }
+    assert_eq!(admitted, 7);
+}
+
+macro_rules! suite {
+    ($($case:ident),* $(,)?) => {
+        mod memory {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(Arc::new(tollgate_server::store::memory::MemoryStore::new())).await;
+                }
+            )*
+        }
+        mod redis {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let r = common::RedisProc::start();
+                    super::$case(Arc::new(common::redis_store(&r.url(), 500))).await;
+                    drop(r);
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    holds_at_most_the_limit_and_release_frees,
+    all_or_nothing,
+    a_slot_comes_back_after_its_deadline,
+    concurrent_acquires_never_exceed_the_limit,
+);
+
+#[tokio::test]
+async fn redis_sets_carry_a_ttl_and_go_when_empty() {
+    let r = common::RedisProc::start();
+    let s = common::redis_store(&r.url(), 500);
+    let d = s.acquire(&[spec("t{1}", 3, 5_000)], "ab12").await.unwrap();
+    assert!(d.allowed);
+    let key = "test:cc:{t%7B1%7D}";
+    let pttl: i64 = r.cmd(&["PTTL", key]).unwrap().trim().parse().unwrap();
+    assert!((1..=5_000).contains(&pttl), "PTTL {pttl}");
+    assert_eq!(
+        s.release("ab12", &["t{1}".into()]).await.unwrap(),
+        vec![true]
+    );
+    assert_eq!(r.cmd(&["EXISTS", key]).unwrap().trim(), "0");
+}
+
+#[tokio::test]
+async fn json_routes_validate_and_answer() {
+    let svc = common::Service::start(
+        Arc::new(tollgate_server::store::memory::MemoryStore::new()),
+        Some("tok"),
+    )
+    .await;
+    let c = reqwest::Client::new();
+    let post = |path: &'static str, body: Value, auth: bool| {
+        let mut r = c.post(svc.url(path)).json(&body);
+        if auth {
+            r = r.bearer_auth("tok");
+        }
+        async move {
+            let resp = r.send().await.unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let one = json!({"buckets":[{"key":"k","limit":1,"ttl_ms":10_000}]});
+    assert_eq!(post("/v1/acquire", one.clone(), false).await.0, 401);
+    let (st, ok) = post("/v1/acquire", one.clone(), true).await;
+    assert_eq!(st, 200, "{ok}");
+    assert_eq!(ok["allowed"], true);
+    let slot = ok["slot"].as_str().unwrap().to_string();
+    let (_, no) = post("/v1/acquire", one.clone(), true).await;
+    assert_eq!(no["allowed"], false);
+    assert!(no.get("slot").is_none());
+    assert_eq!(
+        no["buckets"][0],
+        json!({"allowed":false,"limit":1,"in_flight":1,"retry_after_ms":1000})
+    );
+    let (st, err) = post(
+        "/v1/acquire",
+        json!({"buckets":[{"key":"k","limit":0,"ttl_ms":1}]}),
+        true,
+    )
+    .await;
+    assert_eq!(st, 400);
+    assert_eq!(err["error"]["field"], "buckets[0].limit", "{err}");
+    let (st, rel) = post("/v1/release", json!({"slot": slot, "keys": ["k"]}), true).await;
+    assert_eq!((st, rel), (200, json!({"released":[true]})));
+    let (st, err) = post("/v1/release", json!({"slot": "zz", "keys": ["k"]}), true).await;
+    assert_eq!((st, &err["error"]["field"]), (400, &json!("slot")));
+    svc.stop().await;
+}
