@@ -328,12 +328,13 @@ pub struct Tiers {
     pub limits: Vec<(String, Limit)>,
 }
 
-/// Lease mode of a rule: the proxy asks the service for up to `size` tokens at once and admits
-/// later requests from that local pool, shared by its worker threads (see [`crate::core::lease`]).
+/// Lease mode of a rule: the proxy asks the service for tokens in batches and admits later
+/// requests from that local pool, shared by its worker threads (see [`crate::core::lease`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
-    /// Most tokens a proxy holds for one key (1..=capacity).
-    pub size: u64,
+    /// Most tokens a proxy holds for one key (1..=capacity); `None`: adaptive, about what the key
+    /// spends at this proxy in `max_age_ms`, at most capacity / `fallback.instances`.
+    pub size: Option<u64>,
     /// How long leased tokens may be spent after the grant; then they are dropped.
     pub max_age_ms: u64,
 }
@@ -909,7 +910,10 @@ fn read_rule(
         Some(v) => {
             let l = Obj::new(v, &r.path("lease"), &["size", "max_age_ms"])?;
             Some(Lease {
-                size: l.int("size", None, 1, capacity)?,
+                size: match l.get("size") {
+                    None => None,
+                    Some(v) => Some(int_value(&l.path("size"), v, 1, capacity)?),
+                },
                 max_age_ms: l.int("max_age_ms", Some(1000), 1, MAX_LEASE_AGE_MS)?,
             })
         }
@@ -1412,10 +1416,15 @@ mod tests {
         assert_eq!(
             c.rules[1].lease,
             Some(Lease {
-                size: 50,
+                size: Some(50),
                 max_age_ms: 1000
             })
         );
+        let c = parse(&with_rule1(
+            r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{}}"#,
+        ))
+        .unwrap();
+        assert_eq!(c.rules[1].lease.map(|l| l.size), Some(None), "adaptive");
         let c = parse(&with_rule1(
             r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":1,"max_age_ms":60000}}"#,
         ))
@@ -1543,7 +1552,7 @@ mod tests {
             (with_rule1(r#"{"capacity":5,"period_ms":1}"#), "rules[1].name"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":6}}"#), "rules[1].lease.size"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":0}}"#), "rules[1].lease.size"),
-            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{}}"#), "rules[1].lease.size"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":"8"}}"#), "rules[1].lease.size"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"max_age_ms":0}}"#), "rules[1].lease.max_age_ms"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"max_age_ms":60001}}"#), "rules[1].lease.max_age_ms"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"ttl":5}}"#), "rules[1].lease.ttl"),

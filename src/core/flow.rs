@@ -27,6 +27,7 @@ use crate::core::fallback;
 use crate::core::lease::{self, Count, Local};
 use crate::core::rules::Request;
 use crate::core::store::CasStore;
+use crate::core::wire::TakeRequest;
 use log::debug;
 
 /// What the state machine needs from the proxy.
@@ -53,6 +54,12 @@ pub trait Host {
     fn breaker_event(&mut self, event: Event);
     /// Adds `n` to a lease counter.
     fn count_lease(&mut self, count: Count, n: u64);
+    /// Starts a background lease refill (a callout no request waits for); its answer must reach
+    /// [`on_refill_result`] with the same plan.
+    fn dispatch_refill(&mut self, cfg: &Config, plan: Plan) -> Result<(), String>;
+    /// Sends a refund: `request`'s costs are unspent tokens given back to the global bucket. Its
+    /// answer is not awaited (a lost refund only leaves those tokens spent).
+    fn give_back(&mut self, cfg: &Config, request: &TakeRequest);
 }
 
 /// What to tell the proxy about the current callback.
@@ -123,10 +130,8 @@ impl Flow {
             Step::Callout(plan) => plan,
         };
         let now = host.now_ms();
-        let (local, expired) = lease::local(cfg, &mut plan, host.store(), now);
-        if expired > 0 {
-            host.count_lease(Count::Expired, expired);
-        }
+        let (local, chores) = lease::local(cfg, &mut plan, host.store(), now);
+        run_chores(cfg, chores, host);
         if let Local::Answer(outcome) = local {
             let count = match outcome {
                 Outcome::Allowed(_) => Count::Local,
@@ -331,19 +336,77 @@ fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) ->
     let now = host.now_ms();
     let (outcome, repaid) = fallback::settle_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
-    let (granted, dropped) = lease::settle(cfg, plan, &outcome, host.store(), now);
+    let (granted, chores) = lease::settle(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {
         host.count_lease(Count::Granted, granted);
     }
-    if dropped > 0 {
-        host.count_lease(Count::Expired, dropped);
-    }
+    run_chores(cfg, chores, host);
     if !matches!(outcome, Outcome::Allowed(_)) {
         if let Some(paid) = lease::rescue(cfg, plan, host.store(), now) {
             return paid;
         }
     }
     outcome
+}
+
+/// Sends what the lease pools left to do: expired tokens back to the service, and background
+/// refills (not while the breaker is open: the requests' own callouts probe it).
+fn run_chores<H: Host>(cfg: &Config, chores: lease::Chores, host: &mut H) {
+    if chores.dropped > 0 {
+        host.count_lease(Count::Expired, chores.dropped);
+    }
+    for r in &chores.returns {
+        host.give_back(cfg, r);
+        let n = r.buckets.iter().map(|b| b.cost.unwrap_or(1)).sum();
+        host.count_lease(Count::Returned, n);
+    }
+    if chores.refills.is_empty() {
+        return;
+    }
+    let open = breaker::State::decode(
+        host.store()
+            .get(breaker::KEY)
+            .as_ref()
+            .map(|(v, _)| v.as_slice()),
+    )
+    .is_open();
+    for plan in chores.refills {
+        if open {
+            lease::abandon(cfg, &plan, host.store());
+            continue;
+        }
+        let kept = plan.clone();
+        match host.dispatch_refill(cfg, plan) {
+            Ok(()) => host.count_lease(Count::Refills, 1),
+            Err(why) => {
+                debug!("background lease refill not dispatched: {why}");
+                lease::abandon(cfg, &kept, host.store());
+            }
+        }
+    }
+}
+
+/// A background lease refill ended with `result`: its grant goes to the pool (or its denial is
+/// cached, or its claim ends), the breaker and the fallback shares learn from it as from any
+/// answer. No request waits for it.
+pub fn on_refill_result<H: Host>(cfg: &Config, plan: &Plan, result: CalloutResult, host: &mut H) {
+    let outcome = decide::interpret(plan, result);
+    let success = !matches!(outcome, Outcome::Failed(_));
+    if let Outcome::Failed(cause) = outcome {
+        host.count_failure(cause);
+    }
+    let now = host.now_ms();
+    let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, false);
+    if event != Event::None {
+        host.breaker_event(event);
+    }
+    let (outcome, repaid) = fallback::settle_debts(plan, outcome);
+    fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
+    let (granted, chores) = lease::refilled(cfg, plan, &outcome, host.store(), now);
+    if granted > 0 {
+        host.count_lease(Count::Granted, granted);
+    }
+    run_chores(cfg, chores, host);
 }
 
 #[cfg(test)]
@@ -365,6 +428,8 @@ mod tests {
         leases: Vec<(Count, u64)>,
         sent: Vec<Plan>,
         rule_counts: Vec<(usize, RuleCount)>,
+        refills: Vec<Plan>,
+        given_back: Vec<TakeRequest>,
     }
 
     impl Default for FakeHost {
@@ -387,6 +452,8 @@ mod tests {
                 leases: Vec::new(),
                 sent: Vec::new(),
                 rule_counts: Vec::new(),
+                refills: Vec::new(),
+                given_back: Vec::new(),
             }
         }
     }
@@ -407,6 +474,16 @@ mod tests {
             self.dispatched += 1;
             self.next_token += 1;
             Ok(self.next_token)
+        }
+        fn dispatch_refill(&mut self, _: &Config, plan: Plan) -> Result<(), String> {
+            if self.dispatch_fails {
+                return Err("BadArgument".into());
+            }
+            self.refills.push(plan);
+            Ok(())
+        }
+        fn give_back(&mut self, _: &Config, request: &TakeRequest) {
+            self.given_back.push(request.clone());
         }
         fn resume(&mut self) {
             self.resumed += 1;
@@ -801,21 +878,29 @@ mod tests {
             h.leases.iter().filter(|(c, _)| *c == Count::Local).count(),
             5
         );
-        // The next one refills (for 8 - 2 = 6) while the last 2 are still spent locally.
-        let mut refill = Flow::default();
-        assert_eq!(
-            refill.on_request_headers(&c, &req("/"), &mut h),
-            Next::Pause
-        );
-        assert_eq!(h.sent[1].request.buckets[0].lease, Some(6));
-        for _ in 0..2 {
-            let mut f = Flow::default();
-            assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Continue);
-        }
-        // Pool empty, refill in flight: the next asks for its own cost only.
+        // The sixth leaves 1, below the mark: admitted at once, and a background refill of 8 - 1
+        // goes out; no request waits for it.
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Continue);
+        assert_eq!(h.dispatched, 1);
+        assert_eq!(h.refills.len(), 1);
+        assert_eq!(h.refills[0].request.buckets[0].lease, Some(7));
+        assert!(h.leases.contains(&(Count::Refills, 1)));
+        // The last token is spent meanwhile, without a second refill.
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Continue);
+        assert_eq!(h.refills.len(), 1);
+        // Pool empty, refill in flight: the next request waits for a callout of its own cost.
         let mut plain = Flow::default();
         assert_eq!(plain.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
-        assert_eq!(h.sent[2].request.buckets[0].lease, None);
+        assert_eq!(h.sent[1].request.buckets[0].lease, None);
+        // The refill's answer fills the pool: local again.
+        let refill = h.refills[0].clone();
+        on_refill_result(&c, &refill, lease_answer(true, 7, 0), &mut h);
+        assert_eq!(h.leases.last(), Some(&(Count::Granted, 7)));
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Continue);
+        assert_eq!(h.dispatched, 2);
     }
 
     #[test]
@@ -849,40 +934,36 @@ mod tests {
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/"), &mut h);
         f.on_callout_result(&c, 1, lease_answer(true, 8, 0), &mut h);
-        // The refill fails: the failure mode decides that request.
-        for _ in 0..5 {
-            Flow::default().on_request_headers(&c, &req("/"), &mut h);
+        // 6 spent locally, the sixth starting a background refill, which fails.
+        for _ in 0..6 {
+            let mut f = Flow::default();
+            assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Continue);
         }
-        let mut refill = Flow::default();
-        refill.on_request_headers(&c, &req("/"), &mut h);
-        refill.on_callout_result(
+        let refill = h.refills[0].clone();
+        let timeout = CalloutResult::Http {
+            status: Some(504),
+            body: vec![],
+        };
+        on_refill_result(&c, &refill, timeout, &mut h);
+        assert_eq!(h.failures, vec![Cause::Timeout]);
+        assert_eq!(h.replies.len(), 0, "no request waited for it");
+        // Its claim ended: the last token is spent and claims the refill again.
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Continue);
+        assert_eq!(h.refills.len(), 2);
+        // The pool is empty: a request waits for its own callout, which fails: the failure mode.
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
+        f.on_callout_result(
             &c,
-            2,
+            h.next_token,
             CalloutResult::Http {
-                status: Some(504),
+                status: None,
                 body: vec![],
             },
             &mut h,
         );
-        assert_eq!(h.failures, vec![Cause::Timeout]);
-        // The failed request is paid from the 2 granted tokens left (they stay good)...
-        assert_eq!((h.resumed, h.replies.len()), (2, 0));
-        assert_eq!(h.counts.last(), Some(&Decision::Allowed));
-        // ... so is the next one whose refill fails; then the pool is empty: the failure mode.
-        for (token, want) in [(3, Decision::Allowed), (4, Decision::FailureClosedLimited)] {
-            let mut f = Flow::default();
-            assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
-            f.on_callout_result(
-                &c,
-                token,
-                CalloutResult::Http {
-                    status: None,
-                    body: vec![],
-                },
-                &mut h,
-            );
-            assert_eq!(h.counts.last(), Some(&want));
-        }
+        assert_eq!(h.counts.last(), Some(&Decision::FailureClosedLimited));
         assert_eq!(h.replies.len(), 1);
         // With the breaker refusing, the claim is released as well.
         let c = lease_cfg(r#","failure_mode":"allow","breaker":{"failures":1,"open_ms":100}"#);

@@ -4,45 +4,52 @@
 //! Why it is exact in the safe direction: every token in a pool was charged to the global bucket
 //! by the service first (`granted` in the answer), and a pool only ever loses tokens (spent,
 //! refunded within the same request, expired, evicted). Spending pooled tokens can therefore never
-//! admit more than the service charged. The cost is the other way: tokens a proxy holds and does
-//! not spend before `max_age_ms` are lost to the other proxies (at most `size` per proxy and key).
+//! admit more than the service charged. Tokens a pool drops unspent at `max_age_ms` are given back
+//! to the global bucket (a refund callout, token buckets only: a fixed window's tokens expire with
+//! their window), so over time a fleet of leasing proxies admits what exact mode admits.
 //!
 //! One pool per (key, rule limits) and proxy, in shared data (so every worker of the proxy spends
 //! it), in a bounded hashed table of its own, `tollgate.lease.<n>`, built with the same slot scheme
 //! as the fallback buckets ([`fallback::slot_in`]). A pool also remembers:
-//! - a **refill in flight** (until when): only one request at a time asks the service for a batch;
-//!   the others spend what is left, or, if nothing is, ask for their own cost only. This keeps a
-//!   pool at most `size` tokens however many workers miss at once.
+//! - a **refill in flight** (until when): one refill at a time per pool, and a claim whose callout
+//!   is lost (its answer never comes) lapses on its own;
 //! - a **denial** (until when, and for which cost): when the service denied a cost because the
 //!   bucket could not pay it before `retry_after_ms`, no request of that cost or more can be
-//!   admitted sooner, so such requests are denied locally until then, without a callout.
-//! - the global `remaining` and `reset` of the last answer, for the rate limit headers.
+//!   admitted sooner, so such requests are denied locally until then, without a callout;
+//! - the global `remaining` and `reset` of the last answer, for the rate limit headers;
+//! - the **rate** the key is asked for at this proxy: tokens per second, averaged over windows of
+//!   a quarter of `max_age_ms` (each window's rate weighs half; a gap of four windows restarts it).
 //!
-//! Refill policy: a request whose take would leave fewer than `size / 4` tokens (or that finds
-//! too few) asks the service instead, for its cost with `lease = size - pool` (it leaves the pool
-//! to the others meanwhile). The batch arrives while the pool still holds a quarter, so under
-//! steady load the pool rarely runs dry, and each callout brings about `3/4 × size` tokens.
+//! Size: a fixed `lease.size`, or (adaptive, the default) what the key spends here in `max_age_ms`
+//! at its current rate, so about one refill per `max_age_ms`: at least 1, at most capacity / N
+//! (`fallback.instances`, the proxies sharing the bucket); the service grants at most what it holds.
+//!
+//! Refill policy: a request paid from the pool that leaves it below a quarter of the size starts a
+//! **background refill** (a callout no request waits for, [`Chores::refills`]) for the difference,
+//! so no request waits while the pool has tokens. A request the pool cannot pay asks the service
+//! itself, as without lease, and when no refill is in flight it carries the refill (`lease`).
 //!
 //! When the service denies or cannot answer, the tokens already granted are still good: a request
 //! its pools can pay is admitted from them ([`rescue`]); otherwise the denial or the failure mode
 //! stands, as without lease.
 //!
-//! Layout: [`Pool`] and its encoding; [`take`], [`spend`], [`refund`], [`release`], [`deposit`],
-//! [`deny`] on one pool; [`local`] (before the callout), [`settle`] and [`rescue`] (after it)
-//! over a request's [`Plan`]; [`Count`], the lease metrics.
+//! Layout: [`Pool`] and its encoding; [`Sizing`]; [`take`], [`spend`], [`refund`], [`release`],
+//! [`deposit`], [`deny`], [`reclaim`] on one pool; [`local`] (before the callout), [`settle`],
+//! [`refilled`] and [`rescue`] (after it) over a request's [`Plan`]; [`Chores`], the callouts they
+//! leave to send; [`Count`], the lease metrics.
 
 use crate::core::bucket::Limits;
 use crate::core::config::{Algorithm, Config, Lease, Rule};
 use crate::core::decide::{Outcome, Plan};
 use crate::core::fallback::{self, Slot};
 use crate::core::store::{update, CasStore, Step};
-use crate::core::wire::{BucketResult, TakeResponse};
+use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
 
 /// Shared-data table of the pools.
 pub const TABLE: &str = "tollgate.lease";
-/// Stored bytes per pool: format, 16-byte identity, seven u64.
-pub const POOL_BYTES: usize = 1 + 16 + 7 * 8;
-const FORMAT: u8 = 2;
+/// Stored bytes per pool: format, 16-byte identity, ten u64.
+pub const POOL_BYTES: usize = 1 + 16 + 10 * 8;
+const FORMAT: u8 = 3;
 /// How long a refill claim outlives the callout timeout: a request whose context was destroyed
 /// before its answer (client gone) never settles, and its claim must lapse on its own.
 pub const CLAIM_MARGIN_MS: u64 = 50;
@@ -64,6 +71,12 @@ pub struct Pool {
     pub remaining: u64,
     /// When the global bucket is full again (or its window ends), as of the last answer.
     pub reset_at_ms: u64,
+    /// Tokens asked per second at this proxy, in thousandths, as of the last full window.
+    pub rate_milli: u64,
+    /// When the current rate window began (0: none yet).
+    pub window_ms: u64,
+    /// Tokens asked in the current rate window.
+    pub window_tokens: u64,
 }
 
 impl Pool {
@@ -79,6 +92,9 @@ impl Pool {
             self.denied_cost,
             self.remaining,
             self.reset_at_ms,
+            self.rate_milli,
+            self.window_ms,
+            self.window_tokens,
         ] {
             v.extend_from_slice(&n.to_le_bytes());
         }
@@ -91,7 +107,7 @@ impl Pool {
         if b.len() != POOL_BYTES || b.first() != Some(&FORMAT) || b.get(1..17)? != id {
             return None;
         }
-        let mut n = [0u64; 7];
+        let mut n = [0u64; 10];
         for (i, chunk) in b.get(17..)?.chunks_exact(8).enumerate() {
             let mut w = [0u8; 8];
             w.copy_from_slice(chunk);
@@ -99,7 +115,7 @@ impl Pool {
                 *slot = u64::from_le_bytes(w);
             }
         }
-        let [tokens, expires_ms, refill_until_ms, denied_until_ms, denied_cost, remaining, reset_at_ms] =
+        let [tokens, expires_ms, refill_until_ms, denied_until_ms, denied_cost, remaining, reset_at_ms, rate_milli, window_ms, window_tokens] =
             n;
         Some(Pool {
             tokens,
@@ -109,6 +125,9 @@ impl Pool {
             denied_cost,
             remaining,
             reset_at_ms,
+            rate_milli,
+            window_ms,
+            window_tokens,
         })
     }
 
@@ -118,6 +137,37 @@ impl Pool {
             return std::mem::take(&mut self.tokens);
         }
         0
+    }
+
+    /// Counts `cost` tokens asked at `now_ms` into the rate, over windows of `window_ms`.
+    fn observe(&mut self, cost: u64, now_ms: u64, window_ms: u64) {
+        let elapsed = now_ms.saturating_sub(self.window_ms);
+        if self.window_ms == 0 || now_ms < self.window_ms {
+            self.window_ms = now_ms;
+            self.window_tokens = 0;
+        } else if elapsed >= window_ms {
+            let sample = per_second_milli(self.window_tokens, elapsed);
+            self.rate_milli = if self.rate_milli == 0 || elapsed >= window_ms.saturating_mul(4) {
+                sample
+            } else {
+                self.rate_milli / 2 + sample / 2
+            };
+            self.window_ms = now_ms;
+            self.window_tokens = 0;
+        }
+        self.window_tokens = self.window_tokens.saturating_add(cost);
+    }
+
+    /// The rate now (thousandths of a token per second): the average, or the current window's
+    /// tokens over a whole window when that is more than twice as much (a rise shows before its
+    /// window ends; the jitter of a steady rate does not).
+    fn rate_now(&self, window_ms: u64) -> u64 {
+        let current = per_second_milli(self.window_tokens, window_ms);
+        if current > self.rate_milli.saturating_mul(2) {
+            current
+        } else {
+            self.rate_milli
+        }
     }
 
     /// What the headers report: the pool plus the global remaining, at most the capacity.
@@ -133,6 +183,52 @@ impl Pool {
     }
 }
 
+/// `tokens` per `ms` milliseconds, in thousandths of a token per second.
+fn per_second_milli(tokens: u64, ms: u64) -> u64 {
+    let r = u128::from(tokens) * 1_000_000 / u128::from(ms.max(1));
+    u64::try_from(r).unwrap_or(u64::MAX)
+}
+
+/// How big one bucket's pool should be, and how long a refill claim holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sizing {
+    /// The rule's lease settings.
+    pub lease: Lease,
+    /// The most an adaptive pool holds: capacity / N, at least 1.
+    pub most: u64,
+    /// How long a refill claim holds: the callout timeout plus [`CLAIM_MARGIN_MS`].
+    pub claim_ms: u64,
+}
+
+impl Sizing {
+    /// The sizing of a bucket of `capacity` under `lease`, in configuration `cfg`.
+    pub fn new(cfg: &Config, lease: Lease, capacity: u64) -> Sizing {
+        Sizing {
+            lease,
+            most: (capacity / cfg.fallback.instances.max(1)).max(1),
+            claim_ms: claim_ms(cfg),
+        }
+    }
+
+    /// The rate window: a quarter of `max_age_ms`, between 10 ms and a second.
+    fn window_ms(&self) -> u64 {
+        (self.lease.max_age_ms / 4).clamp(10, 1000)
+    }
+
+    /// The tokens a full pool holds: the fixed size, or what the key spends in `max_age_ms`.
+    pub fn target(&self, p: &Pool) -> u64 {
+        match self.lease.size {
+            Some(n) => n,
+            None => {
+                let t = u128::from(p.rate_now(self.window_ms()))
+                    * u128::from(self.lease.max_age_ms)
+                    / 1_000_000;
+                u64::try_from(t).unwrap_or(u64::MAX).clamp(1, self.most)
+            }
+        }
+    }
+}
+
 /// The pool slot of a rule's bucket `key`. The identity covers the key and the rule's global
 /// limits, so a changed limit is another pool.
 pub fn slot(rule: &Rule, key: &str, max_keys: u32) -> Slot {
@@ -143,74 +239,70 @@ pub fn slot(rule: &Rule, key: &str, max_keys: u32) -> Slot {
 /// What one pool says about one request's cost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Take {
-    /// Paid from the pool (stored).
-    Hit(BucketResult),
+    /// Paid from the pool (stored). `Some(n)`: the pool ran low and this request claimed its
+    /// refill: a background callout should ask for `lease = n`.
+    Hit(BucketResult, Option<u64>),
     /// The service denied this cost until later: deny without asking.
     Denied(BucketResult),
     /// Ask the service. `Some(n)`: this request claimed the refill and asks for `lease = n`.
     Ask(Option<u64>),
 }
 
-/// Tries to pay `cost` from the pool at `slot`. Also returns the tokens dropped at expiry.
-/// `claim_ms` is how long a refill claim holds (the callout timeout plus a margin).
+/// Tries to pay `cost` from the pool at `slot`, and counts it into the key's rate. Also returns
+/// the tokens dropped at expiry (stored: they are gone from the pool).
 pub fn take<S: CasStore + ?Sized>(
     store: &S,
     slot: &Slot,
-    lease: &Lease,
+    sizing: &Sizing,
     capacity: u64,
     cost: u64,
     now_ms: u64,
-    claim_ms: u64,
 ) -> (Take, u64) {
-    let low = lease.size / 4;
     let done = update(store, &slot.name, |cur| {
-        let existing = Pool::decode(&slot.id, cur);
-        let mut p = existing.unwrap_or_default();
+        let mut p = Pool::decode(&slot.id, cur).unwrap_or_default();
         let expired = p.expire(now_ms);
+        p.observe(cost, now_ms, sizing.window_ms());
+        let target = sizing.target(&p);
         let refilling = now_ms < p.refill_until_ms;
         // The service just said it has nothing to give before then: spend what is here.
         let denied = now_ms < p.denied_until_ms;
-        let want = lease.size.saturating_sub(p.tokens);
-        let claim = |mut p: Pool| {
-            p.refill_until_ms = now_ms.saturating_add(claim_ms);
-            Step::Write(p.encode(&slot.id), (Take::Ask(Some(want)), expired))
-        };
-        if p.tokens >= cost {
-            let left = p.tokens - cost;
-            if left >= low || refilling || denied || want <= cost {
-                p.tokens = left;
-                let r = p.result(capacity, now_ms);
-                return Step::Write(p.encode(&slot.id), (Take::Hit(r), expired));
-            }
-            return claim(p);
-        }
-        if denied && cost >= p.denied_cost {
-            let r = BucketResult {
+        let claim = now_ms.saturating_add(sizing.claim_ms);
+        let t = if p.tokens >= cost {
+            p.tokens -= cost;
+            let want = target.saturating_sub(p.tokens);
+            let refill = if !refilling && !denied && p.tokens < target.div_ceil(4) && want > 0 {
+                p.refill_until_ms = claim;
+                Some(want)
+            } else {
+                None
+            };
+            Take::Hit(p.result(capacity, now_ms), refill)
+        } else if denied && cost >= p.denied_cost {
+            Take::Denied(BucketResult {
                 allowed: false,
                 retry_after_ms: p.denied_until_ms - now_ms,
                 ..p.result(capacity, now_ms)
-            };
-            return keep_or_write(&slot.id, &p, expired, Take::Denied(r));
-        }
-        if refilling || want <= cost {
-            return keep_or_write(&slot.id, &p, expired, Take::Ask(None));
-        }
-        claim(p)
+            })
+        } else {
+            let want = target.saturating_sub(p.tokens);
+            if refilling || want <= cost {
+                Take::Ask(None)
+            } else {
+                p.refill_until_ms = claim;
+                Take::Ask(Some(want))
+            }
+        };
+        Step::Write(p.encode(&slot.id), (t, expired))
     });
+    if done.stored {
+        return done.value;
+    }
     match done.value {
         // Not stored (CAS gave up under contention): the token was not taken, so it must not be
-        // spent, and a claim that was not stored is no claim. Ask the service, plainly.
-        (Take::Hit(_) | Take::Ask(Some(_)), expired) if !done.stored => (Take::Ask(None), expired),
-        v => v,
-    }
-}
-
-/// Writes the pool only if expiry changed it.
-fn keep_or_write(id: &[u8; 16], p: &Pool, expired: u64, t: Take) -> Step<(Take, u64)> {
-    if expired > 0 {
-        Step::Write(p.encode(id), (t, expired))
-    } else {
-        Step::Keep((t, expired))
+        // spent, a claim that was not stored is no claim, and nothing expired. Ask the service,
+        // plainly.
+        (Take::Hit(..) | Take::Ask(_), _) => (Take::Ask(None), 0),
+        (t, _) => (t, 0),
     }
 }
 
@@ -256,9 +348,35 @@ pub fn release<S: CasStore + ?Sized>(store: &S, slot: &Slot) {
     });
 }
 
-/// After an allowed answer to a refill: adds `extra` tokens (granted − cost) to the pool, to be
-/// spent until `expires_ms`, ends the claim and any cached denial, and remembers the answer's
-/// global state. Returns the tokens dropped (expired, or another bucket's pool evicted).
+/// Takes the tokens of an expired pool out of it (stored); how many. They are the caller's to
+/// give back to the service.
+pub fn reclaim<S: CasStore + ?Sized>(store: &S, slot: &Slot, now_ms: u64) -> u64 {
+    let done = update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
+        Some(mut p) if p.tokens > 0 && now_ms >= p.expires_ms => {
+            let n = p.expire(now_ms);
+            Step::Write(p.encode(&slot.id), n)
+        }
+        _ => Step::Keep(0),
+    });
+    if done.stored {
+        done.value
+    } else {
+        0
+    }
+}
+
+/// Tokens a [`deposit`] found gone: this pool's own, past their expiry (the caller gives them
+/// back), and another bucket's pool evicted from the slot (lost: its key is unknown here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Dropped {
+    /// This pool's tokens past their expiry.
+    pub expired: u64,
+    /// The unexpired tokens of another bucket's pool that held the slot.
+    pub evicted: u64,
+}
+
+/// After an allowed answer to a refill: adds `extra` tokens to the pool, to be spent until
+/// `expires_ms`, ends the claim and any cached denial, and remembers the answer's global state.
 pub fn deposit<S: CasStore + ?Sized>(
     store: &S,
     slot: &Slot,
@@ -266,15 +384,27 @@ pub fn deposit<S: CasStore + ?Sized>(
     answer: &BucketResult,
     now_ms: u64,
     expires_ms: u64,
-) -> u64 {
-    update(store, &slot.name, |cur| {
+) -> Dropped {
+    let done = update(store, &slot.name, |cur| {
         let (mut p, dropped) = match Pool::decode(&slot.id, cur) {
             Some(mut p) => {
-                let d = p.expire(now_ms);
-                (p, d)
+                let expired = p.expire(now_ms);
+                (
+                    p,
+                    Dropped {
+                        expired,
+                        evicted: 0,
+                    },
+                )
             }
             // Another bucket's pool in this slot is evicted: its unexpired tokens are lost.
-            None => (Pool::default(), evicted_tokens(cur, now_ms)),
+            None => (
+                Pool::default(),
+                Dropped {
+                    expired: 0,
+                    evicted: evicted_tokens(cur, now_ms),
+                },
+            ),
         };
         p.tokens = p.tokens.saturating_add(extra);
         // A deposit renews the pool's expiry: no token is spent later than `max_age_ms` after
@@ -287,8 +417,17 @@ pub fn deposit<S: CasStore + ?Sized>(
         p.remaining = answer.remaining;
         p.reset_at_ms = now_ms.saturating_add(answer.reset_ms);
         Step::Write(p.encode(&slot.id), dropped)
-    })
-    .value
+    });
+    if done.stored {
+        done.value
+    } else {
+        // Not stored: nothing was deposited and nothing dropped; the grant is lost (charged,
+        // never spent: the safe side).
+        Dropped {
+            expired: 0,
+            evicted: extra,
+        }
+    }
 }
 
 /// Unexpired tokens of whatever pool occupies a slot (for the `expired` count on eviction).
@@ -319,7 +458,7 @@ pub fn deny<S: CasStore + ?Sized>(
     }
     update(store, &slot.name, |cur| {
         let mut p = Pool::decode(&slot.id, cur).unwrap_or_default();
-        p.expire(now_ms);
+        // Dropped tokens are found (and given back) by the next take, which sees the same expiry.
         if claimed {
             p.refill_until_ms = 0;
         }
@@ -344,15 +483,21 @@ pub enum Count {
     Granted,
     /// Tokens dropped unspent (expired, or evicted with their slot); best effort.
     Expired,
+    /// Background refills sent (callouts no request waited for).
+    Refills,
+    /// Expired tokens given back to the service (refund callouts sent for them).
+    Returned,
 }
 
 impl Count {
     /// Every counter, for defining the metrics.
-    pub const ALL: [Count; 4] = [
+    pub const ALL: [Count; 6] = [
         Count::Local,
         Count::LocalLimited,
         Count::Granted,
         Count::Expired,
+        Count::Refills,
+        Count::Returned,
     ];
 
     /// The metric name.
@@ -362,6 +507,8 @@ impl Count {
             Count::LocalLimited => "tollgate.lease.local_limited",
             Count::Granted => "tollgate.lease.granted",
             Count::Expired => "tollgate.lease.expired",
+            Count::Refills => "tollgate.lease.refills",
+            Count::Returned => "tollgate.lease.returned",
         }
     }
 }
@@ -374,6 +521,61 @@ pub enum Local {
     Answer(Outcome),
     /// Ask the service for every bucket; the plan's buckets that claimed a refill carry `lease`.
     Call,
+}
+
+/// Callouts the pools leave to send beside the request's own, and what they dropped.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Chores {
+    /// Tokens dropped unspent (expired or evicted), for [`Count::Expired`].
+    pub dropped: u64,
+    /// Background refills: one-bucket plans whose `lease` is the refill; their answers go to
+    /// [`refilled`]. A refill that cannot be sent must be [`abandon`]ed.
+    pub refills: Vec<Plan>,
+    /// Expired tokens to give back to the global bucket: one-bucket requests whose `cost` is the
+    /// number of tokens (a refund callout, answer not awaited).
+    pub returns: Vec<TakeRequest>,
+}
+
+impl Chores {
+    /// Tokens dropped from bucket `i` of `plan` by expiry: counted, and for a token bucket given
+    /// back (a fixed window's tokens expire with their window: there is nothing to give back).
+    fn expired(&mut self, plan: &Plan, i: usize, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.dropped += n;
+        if let Some(b) = plan.request.buckets.get(i) {
+            if b.algorithm.unwrap_or(Algorithm::TokenBucket) == Algorithm::TokenBucket {
+                self.returns.push(TakeRequest {
+                    buckets: vec![Bucket {
+                        cost: Some(n),
+                        lease: None,
+                        ..b.clone()
+                    }],
+                });
+            }
+        }
+    }
+
+    /// A background refill of `lease` tokens for bucket `i` of `plan`.
+    fn refill(&mut self, plan: &Plan, i: usize, lease: u64) {
+        let (Some(b), Some(&rule)) = (plan.request.buckets.get(i), plan.rules.get(i)) else {
+            return;
+        };
+        self.refills.push(Plan {
+            request: TakeRequest {
+                buckets: vec![Bucket {
+                    cost: None,
+                    // A lease of one is a take of one.
+                    lease: Some(lease).filter(|&n| n > 1),
+                    ..b.clone()
+                }],
+            },
+            rules: vec![rule],
+            debt: Vec::new(),
+            rls: None,
+        });
+    }
 }
 
 /// The lease-rule buckets of a plan: (bucket index, rule, lease).
@@ -396,17 +598,18 @@ fn claim_ms(cfg: &Config) -> u64 {
 /// denial on any bucket → denied (the service would deny the whole request: all or nothing);
 /// otherwise what was taken is given back and the whole request goes to the service, with
 /// `lease` set on the buckets whose refill this request claimed. A plan with a rule without
-/// lease always goes to the service. Returns the decision and the tokens found expired.
+/// lease always goes to the service. Also returns the background refills this request claimed
+/// and the expired tokens to give back.
 pub fn local<S: CasStore + ?Sized>(
     cfg: &Config,
     plan: &mut Plan,
     store: &S,
     now_ms: u64,
-) -> (Local, u64) {
+) -> (Local, Chores) {
     let lease_buckets = leased(cfg, plan);
-    let mut expired = 0;
+    let mut chores = Chores::default();
     if lease_buckets.is_empty() {
-        return (Local::Call, expired);
+        return (Local::Call, chores);
     }
     let all_leased = lease_buckets.len() == plan.request.buckets.len();
     let mut results: Vec<Option<BucketResult>> = vec![None; plan.request.buckets.len()];
@@ -419,21 +622,20 @@ pub fn local<S: CasStore + ?Sized>(
         };
         let cost = b.cost.unwrap_or(1);
         let slot = slot(rule, &b.key, cfg.fallback.max_keys);
-        let (t, e) = take(
-            store,
-            &slot,
-            lease,
-            rule.capacity,
-            cost,
-            now_ms,
-            claim_ms(cfg),
-        );
-        expired += e;
+        let sizing = Sizing::new(cfg, *lease, b.capacity);
+        let (t, e) = take(store, &slot, &sizing, b.capacity, cost, now_ms);
+        chores.expired(plan, *i, e);
         match t {
-            Take::Hit(r) => {
+            Take::Hit(r, refill) => {
                 hits.push((slot, cost));
                 if let Some(x) = results.get_mut(*i) {
                     *x = Some(r);
+                }
+                if let Some(n) = refill {
+                    // The pool runs low: refill it in the background, whatever this request's
+                    // fate (a request that goes to the service gives its take back, which does
+                    // not make the pool any fuller than it was).
+                    chores.refill(plan, *i, n);
                 }
             }
             Take::Denied(r) => {
@@ -453,7 +655,7 @@ pub fn local<S: CasStore + ?Sized>(
                 allowed: true,
                 buckets,
             })),
-            expired,
+            chores,
         );
     }
     for (slot, cost) in &hits {
@@ -486,7 +688,7 @@ pub fn local<S: CasStore + ?Sized>(
                 allowed: false,
                 buckets,
             })),
-            expired,
+            chores,
         );
     }
     for (i, _, n) in claims {
@@ -494,7 +696,7 @@ pub fn local<S: CasStore + ?Sized>(
             b.lease = Some(n);
         }
     }
-    (Local::Call, expired)
+    (Local::Call, chores)
 }
 
 /// When the service did not admit a request (it denied, failed, or the breaker is open) the
@@ -536,17 +738,27 @@ pub fn rescue<S: CasStore + ?Sized>(
     }))
 }
 
+/// When tokens granted now to a bucket of `rule` stop being spendable.
+fn expiry(rule: &Rule, lease: &Lease, answer: &BucketResult, now_ms: u64) -> u64 {
+    let until = now_ms.saturating_add(lease.max_age_ms);
+    if rule.algorithm == Algorithm::FixedWindow {
+        // A token of this window must not be spent in the next one.
+        return until.min(now_ms.saturating_add(answer.reset_ms));
+    }
+    until
+}
+
 /// Applies a callout's outcome to the pools of `plan`'s lease rules: an allowed refill deposits
 /// `granted − cost`; a bucket that denied caches its denial; a failure only ends the claims.
-/// Returns (tokens granted to refills, tokens found expired or evicted).
+/// Returns the tokens granted to refills, and what the deposits dropped.
 pub fn settle<S: CasStore + ?Sized>(
     cfg: &Config,
     plan: &Plan,
     outcome: &Outcome,
     store: &S,
     now_ms: u64,
-) -> (u64, u64) {
-    let (mut granted, mut dropped) = (0, 0);
+) -> (u64, Chores) {
+    let (mut granted, mut chores) = (0, Chores::default());
     for (i, rule, lease) in leased(cfg, plan) {
         let Some(b) = plan.request.buckets.get(i) else {
             continue;
@@ -570,12 +782,10 @@ pub fn settle<S: CasStore + ?Sized>(
                     .saturating_sub(plan.repaid(i, r.granted))
                     .min(plan.own_lease(i).unwrap_or(cost));
                 granted += g;
-                let mut until = now_ms.saturating_add(lease.max_age_ms);
-                if rule.algorithm == Algorithm::FixedWindow {
-                    // A token of this window must not be spent in the next one.
-                    until = until.min(now_ms.saturating_add(r.reset_ms));
-                }
-                dropped += deposit(store, &slot, g.saturating_sub(cost), r, now_ms, until);
+                let until = expiry(rule, &lease, r, now_ms);
+                let d = deposit(store, &slot, g.saturating_sub(cost), r, now_ms, until);
+                chores.dropped += d.evicted;
+                chores.expired(plan, i, d.expired);
             }
             Outcome::Limited(resp) => {
                 if let Some(r) = resp.buckets.get(i) {
@@ -589,7 +799,62 @@ pub fn settle<S: CasStore + ?Sized>(
             }
         }
     }
-    (granted, dropped)
+    (granted, chores)
+}
+
+/// Applies the outcome of a background refill ([`Chores::refills`]: one bucket, no request
+/// waiting) to its pool: everything granted (at most the lease) is deposited; a denial is cached;
+/// a failure ends the claim. Returns the tokens granted, and what the deposit dropped.
+pub fn refilled<S: CasStore + ?Sized>(
+    cfg: &Config,
+    plan: &Plan,
+    outcome: &Outcome,
+    store: &S,
+    now_ms: u64,
+) -> (u64, Chores) {
+    let mut chores = Chores::default();
+    let Some((i, rule, lease)) = leased(cfg, plan).into_iter().next() else {
+        return (0, chores);
+    };
+    let Some(b) = plan.request.buckets.get(i) else {
+        return (0, chores);
+    };
+    let slot = slot(rule, &b.key, cfg.fallback.max_keys);
+    let asked = b.lease.unwrap_or(1);
+    match outcome {
+        Outcome::Allowed(resp) => {
+            let Some(r) = resp.buckets.get(i) else {
+                release(store, &slot);
+                return (0, chores);
+            };
+            let g = r.granted.min(asked);
+            let until = expiry(rule, &lease, r, now_ms);
+            let d = deposit(store, &slot, g, r, now_ms, until);
+            chores.dropped += d.evicted;
+            chores.expired(plan, i, d.expired);
+            (g, chores)
+        }
+        Outcome::Limited(resp) => {
+            match resp.buckets.get(i) {
+                Some(r) => deny(store, &slot, b.cost.unwrap_or(1), r, true, now_ms),
+                None => release(store, &slot),
+            }
+            (0, chores)
+        }
+        Outcome::Failed(_) => {
+            release(store, &slot);
+            (0, chores)
+        }
+    }
+}
+
+/// A background refill that could not be sent (breaker open, dispatch failed): ends its claim.
+pub fn abandon<S: CasStore + ?Sized>(cfg: &Config, plan: &Plan, store: &S) {
+    for (i, rule, _) in leased(cfg, plan) {
+        if let Some(b) = plan.request.buckets.get(i) {
+            release(store, &slot(rule, &b.key, cfg.fallback.max_keys));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -599,9 +864,24 @@ mod tests {
     use crate::core::rules::Request;
     use crate::core::store::fake::FakeStore;
 
-    const L: Lease = Lease {
-        size: 8,
-        max_age_ms: 1000,
+    /// A fixed size of 8, claims holding 70 ms.
+    const L: Sizing = Sizing {
+        lease: Lease {
+            size: Some(8),
+            max_age_ms: 1000,
+        },
+        most: 100,
+        claim_ms: 70,
+    };
+
+    /// Adaptive, at most 25 (capacity 100, 4 proxies).
+    const A: Sizing = Sizing {
+        lease: Lease {
+            size: None,
+            max_age_ms: 1000,
+        },
+        most: 25,
+        claim_ms: 70,
     };
 
     fn cfg(rules: &str) -> Config {
@@ -653,50 +933,117 @@ mod tests {
         }
     }
 
+    fn stored(s: &FakeStore, sl: &Slot) -> Pool {
+        Pool::decode(&sl.id, s.map.borrow().get(&sl.name).map(|e| e.0.as_slice())).unwrap()
+    }
+
     #[test]
     fn empty_pool_claims_the_refill_once() {
         let s = FakeStore::default();
         let sl = the_slot();
-        assert_eq!(take(&s, &sl, &L, 100, 1, 0, 70), (Take::Ask(Some(8)), 0));
+        assert_eq!(take(&s, &sl, &L, 100, 1, 0), (Take::Ask(Some(8)), 0));
         // While the refill is in flight another request asks for its own cost only.
-        assert_eq!(take(&s, &sl, &L, 100, 1, 10, 70), (Take::Ask(None), 0));
+        assert_eq!(take(&s, &sl, &L, 100, 1, 10), (Take::Ask(None), 0));
         // The claim lapses on its own (a request that never settled).
-        assert_eq!(take(&s, &sl, &L, 100, 1, 70, 70).0, Take::Ask(Some(8)));
+        assert_eq!(take(&s, &sl, &L, 100, 1, 70).0, Take::Ask(Some(8)));
     }
 
     #[test]
-    fn deposit_then_spend_until_the_low_mark_then_refill() {
+    fn below_the_low_mark_a_hit_starts_one_background_refill() {
         let s = FakeStore::default();
         let sl = the_slot();
-        take(&s, &sl, &L, 100, 1, 0, 70);
+        take(&s, &sl, &L, 100, 1, 0);
         // Granted 8 for cost 1: 7 go to the pool.
-        assert_eq!(deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000), 0);
-        // size / 4 = 2: takes that leave 2 or more are local.
-        let mut hits = 0;
-        let last = loop {
-            match take(&s, &sl, &L, 100, 1, 5, 70) {
-                (Take::Hit(r), _) => {
-                    hits += 1;
-                    assert_eq!(r.remaining, 7 - hits + 50, "pool + global remaining");
-                    assert_eq!(r.reset_ms, 495);
-                }
-                (other, _) => break other,
-            }
-        };
-        assert_eq!(hits, 5);
-        // The request that would go below the mark refills, for size - pool = 6, leaving 2.
-        assert_eq!(last, Take::Ask(Some(6)));
-        // Meanwhile the rest of the pool is still spent locally.
-        assert!(matches!(take(&s, &sl, &L, 100, 1, 7, 70).0, Take::Hit(_)));
-        assert!(matches!(take(&s, &sl, &L, 100, 1, 7, 70).0, Take::Hit(_)));
-        assert_eq!(take(&s, &sl, &L, 100, 1, 7, 70).0, Take::Ask(None));
-        // The deposit adds to what is there and ends the claim.
-        deposit(&s, &sl, 5, &answer(true, 6, 0), 8, 1008);
-        let mut n = 0;
-        while let Take::Hit(_) = take(&s, &sl, &L, 100, 1, 9, 70).0 {
-            n += 1;
+        assert_eq!(
+            deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000),
+            Dropped::default()
+        );
+        // size / 4 = 2: takes that leave 2 or more start nothing.
+        for left in (2..7).rev() {
+            let (t, _) = take(&s, &sl, &L, 100, 1, 5);
+            let Take::Hit(r, None) = t else {
+                panic!("{t:?}")
+            };
+            assert_eq!(r.remaining, left + 50, "pool + global remaining");
+            assert_eq!(r.reset_ms, 495);
         }
-        assert_eq!(n, 3, "5 deposited, 2 must stay above the mark");
+        // The take that leaves 1 is paid too, and claims the refill of 8 - 1.
+        assert!(matches!(
+            take(&s, &sl, &L, 100, 1, 6).0,
+            Take::Hit(_, Some(7))
+        ));
+        // One refill at a time: the last token is spent without another.
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 7).0, Take::Hit(_, None)));
+        // Empty, refill in flight: ask for the cost alone.
+        assert_eq!(take(&s, &sl, &L, 100, 1, 7).0, Take::Ask(None));
+        // The background refill's grant goes to the pool whole and ends the claim.
+        deposit(&s, &sl, 7, &answer(true, 7, 0), 8, 1008);
+        let p = stored(&s, &sl);
+        assert_eq!((p.tokens, p.refill_until_ms), (7, 0));
+        // A lost refill's claim lapses: the next hit below the mark claims again.
+        for _ in 0..5 {
+            take(&s, &sl, &L, 100, 1, 9);
+        }
+        assert!(matches!(
+            take(&s, &sl, &L, 100, 1, 9).0,
+            Take::Hit(_, Some(7))
+        ));
+        assert!(matches!(
+            take(&s, &sl, &L, 100, 1, 78).0,
+            Take::Hit(_, None)
+        ));
+        deposit(&s, &sl, 1, &answer(true, 1, 0), 79, 1079);
+        assert!(matches!(
+            take(&s, &sl, &L, 100, 1, 80).0,
+            Take::Hit(_, Some(8))
+        ));
+    }
+
+    #[test]
+    fn adaptive_size_follows_the_rate_within_its_bounds() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        deposit(&s, &sl, 1_000_000, &answer(true, 0, 0), 0, u64::MAX);
+        // Nothing observed yet: a pool of one.
+        assert_eq!(A.target(&stored(&s, &sl)), 1);
+        // 12 tokens a second for 3 s: about 12 per max_age (1 s).
+        let mut now = 1;
+        for _ in 0..36 {
+            take(&s, &sl, &A, 100, 1, now);
+            now += 83;
+        }
+        let t = A.target(&stored(&s, &sl));
+        assert!((10..=14).contains(&t), "{t}");
+        // 100 a second: capped at capacity / N = 25.
+        for _ in 0..300 {
+            take(&s, &sl, &A, 100, 1, now);
+            now += 10;
+        }
+        assert_eq!(A.target(&stored(&s, &sl)), 25);
+        // Back to 4 a second: within a few windows the size follows down.
+        for _ in 0..12 {
+            take(&s, &sl, &A, 100, 1, now);
+            now += 250;
+        }
+        let t = A.target(&stored(&s, &sl));
+        assert!((3..=6).contains(&t), "{t}");
+        // A long silence restarts the average.
+        take(&s, &sl, &A, 100, 1, now + 60_000);
+        take(&s, &sl, &A, 100, 1, now + 60_300);
+        assert!(A.target(&stored(&s, &sl)) <= 4);
+        // A fixed size ignores the rate.
+        assert_eq!(L.target(&stored(&s, &sl)), 8);
+    }
+
+    #[test]
+    fn a_rising_rate_shows_before_its_window_ends() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        for i in 0..20 {
+            take(&s, &sl, &A, 100, 1, 1 + i);
+        }
+        // 20 tokens within the first window of 250 ms: at least 80 a second.
+        assert_eq!(A.target(&stored(&s, &sl)), 25);
     }
 
     #[test]
@@ -704,33 +1051,46 @@ mod tests {
         let s = FakeStore::default();
         let sl = the_slot();
         deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
-        assert!(matches!(take(&s, &sl, &L, 100, 1, 999, 70).0, Take::Hit(_)));
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 999).0, Take::Hit(..)));
         // At the expiry the 6 left are dropped, and this request refills.
-        assert_eq!(take(&s, &sl, &L, 100, 1, 1000, 70), (Take::Ask(Some(8)), 6));
+        assert_eq!(take(&s, &sl, &L, 100, 1, 1000), (Take::Ask(Some(8)), 6));
         // A refund after expiry does not bring them back.
         refund(&s, &sl, 3, 1001);
-        assert_eq!(take(&s, &sl, &L, 100, 1, 1001, 70).0, Take::Ask(None));
+        assert_eq!(take(&s, &sl, &L, 100, 1, 1001).0, Take::Ask(None));
+    }
+
+    #[test]
+    fn reclaim_takes_only_expired_tokens_and_only_once() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        assert_eq!(reclaim(&s, &sl, 999), 0);
+        assert_eq!(reclaim(&s, &sl, 1000), 7);
+        assert_eq!(reclaim(&s, &sl, 1001), 0);
+        assert_eq!(stored(&s, &sl).tokens, 0);
+        // Not stored (contention): nothing reclaimed, the tokens stay where they are.
+        deposit(&s, &sl, 3, &answer(true, 3, 0), 1001, 2000);
+        s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
+        assert_eq!(reclaim(&s, &sl, 2000), 0);
+        assert_eq!(reclaim(&s, &sl, 2000), 3);
     }
 
     #[test]
     fn cached_denial_covers_the_cost_and_above_until_retry() {
         let s = FakeStore::default();
         let sl = the_slot();
-        take(&s, &sl, &L, 100, 3, 0, 70);
+        take(&s, &sl, &L, 100, 3, 0);
         deny(&s, &sl, 3, &answer(false, 0, 400), true, 0);
-        let (t, _) = take(&s, &sl, &L, 100, 3, 100, 70);
+        let (t, _) = take(&s, &sl, &L, 100, 3, 100);
         let Take::Denied(r) = t else { panic!("{t:?}") };
         assert_eq!((r.allowed, r.retry_after_ms), (false, 300));
-        assert!(matches!(
-            take(&s, &sl, &L, 100, 5, 100, 70).0,
-            Take::Denied(_)
-        ));
+        assert!(matches!(take(&s, &sl, &L, 100, 5, 100).0, Take::Denied(_)));
         // A smaller cost might be payable: ask.
-        assert!(matches!(take(&s, &sl, &L, 100, 2, 100, 70).0, Take::Ask(_)));
+        assert!(matches!(take(&s, &sl, &L, 100, 2, 100).0, Take::Ask(_)));
         // The claim of the denied request ended, so after the retry time the next one refills.
         let s = FakeStore::default();
         deny(&s, &sl, 3, &answer(false, 0, 400), true, 0);
-        assert_eq!(take(&s, &sl, &L, 100, 3, 400, 70).0, Take::Ask(Some(8)));
+        assert_eq!(take(&s, &sl, &L, 100, 3, 400).0, Take::Ask(Some(8)));
     }
 
     #[test]
@@ -740,7 +1100,7 @@ mod tests {
         let sl = the_slot();
         deposit(&s, &sl, 4, &answer(true, 5, 0), 0, 1000);
         deny(&s, &sl, 1, &answer(false, 0, 500), false, 0);
-        assert!(matches!(take(&s, &sl, &L, 100, 1, 1, 70).0, Take::Hit(_)));
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Hit(..)));
     }
 
     #[test]
@@ -749,12 +1109,12 @@ mod tests {
         let sl = the_slot();
         deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
         s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
-        assert_eq!(take(&s, &sl, &L, 100, 1, 1, 70).0, Take::Ask(None));
+        assert_eq!(take(&s, &sl, &L, 100, 1, 1).0, Take::Ask(None));
         let mut n = 0;
-        while let Take::Hit(_) = take(&s, &sl, &L, 100, 1, 2, 70).0 {
+        while let Take::Hit(..) = take(&s, &sl, &L, 100, 1, 2).0 {
             n += 1;
         }
-        assert_eq!(n, 5, "all 7 still there (5 above the mark)");
+        assert_eq!(n, 7, "all 7 still there");
     }
 
     #[test]
@@ -764,12 +1124,9 @@ mod tests {
         deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000);
         deny(&s, &sl, 1, &answer(false, 0, 500), false, 0);
         // Below the mark, but the service has nothing: spend the pool down to zero.
-        assert!(matches!(take(&s, &sl, &L, 100, 1, 1, 70).0, Take::Hit(_)));
-        assert!(matches!(take(&s, &sl, &L, 100, 1, 1, 70).0, Take::Hit(_)));
-        assert!(matches!(
-            take(&s, &sl, &L, 100, 1, 1, 70).0,
-            Take::Denied(_)
-        ));
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Hit(_, None)));
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Hit(_, None)));
+        assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Denied(_)));
     }
 
     #[test]
@@ -781,13 +1138,19 @@ mod tests {
             id: [9; 16],
         };
         deposit(&s, &a, 7, &answer(true, 8, 0), 0, 1000);
-        assert_eq!(deposit(&s, &b, 3, &answer(true, 4, 0), 1, 1001), 7);
-        assert_eq!(take(&s, &a, &L, 100, 1, 2, 70).0, Take::Ask(Some(8)));
+        assert_eq!(
+            deposit(&s, &b, 3, &answer(true, 4, 0), 1, 1001),
+            Dropped {
+                expired: 0,
+                evicted: 7
+            }
+        );
+        assert_eq!(take(&s, &a, &L, 100, 1, 2).0, Take::Ask(Some(8)));
         assert!(s.map.borrow().values().all(|(v, _)| v.len() == POOL_BYTES));
     }
 
     #[test]
-    fn local_admits_from_the_pool_without_a_callout() {
+    fn local_admits_from_the_pool_and_refills_in_the_background() {
         let c = one();
         let s = FakeStore::default();
         let mut p = plan(&c);
@@ -797,19 +1160,99 @@ mod tests {
             allowed: true,
             buckets: vec![answer(true, 8, 0)],
         };
-        assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 0), (8, 0));
+        assert_eq!(
+            settle(&c, &p, &Outcome::Allowed(resp), &s, 0),
+            (8, Chores::default())
+        );
         assert_eq!(pool(&s, &c).tokens, 7);
         assert_eq!(pool(&s, &c).expires_ms, 1000, "max_age_ms defaults to 1000");
         for i in 0..5 {
             let mut p = plan(&c);
-            let (l, _) = local(&c, &mut p, &s, 1);
+            let (l, chores) = local(&c, &mut p, &s, 1);
             assert!(
                 matches!(l, Local::Answer(Outcome::Allowed(_))),
                 "request {i}: {l:?}"
             );
+            assert_eq!(chores, Chores::default());
             assert_eq!(p.request.buckets[0].lease, None);
         }
-        assert_eq!(pool(&s, &c).tokens, 2);
+        // The sixth leaves 1: admitted, and a background refill of 7 is due.
+        let mut p = plan(&c);
+        let (l, chores) = local(&c, &mut p, &s, 2);
+        assert!(matches!(l, Local::Answer(Outcome::Allowed(_))));
+        assert_eq!(chores.refills.len(), 1);
+        let r = &chores.refills[0];
+        assert_eq!(r.rules, vec![0]);
+        assert_eq!(r.request.buckets.len(), 1);
+        let b = &r.request.buckets[0];
+        assert_eq!((b.key.as_str(), b.cost, b.lease), ("r|k", None, Some(7)));
+        // Its answer fills the pool with everything granted.
+        let resp = TakeResponse {
+            allowed: true,
+            buckets: vec![answer(true, 7, 0)],
+        };
+        assert_eq!(refilled(&c, r, &Outcome::Allowed(resp), &s, 3).0, 7);
+        assert_eq!((pool(&s, &c).tokens, pool(&s, &c).refill_until_ms), (8, 0));
+        assert_eq!(pool(&s, &c).expires_ms, 1003);
+    }
+
+    #[test]
+    fn a_background_refill_denied_or_failed_ends_its_claim() {
+        let c = one();
+        let s = FakeStore::default();
+        let p = plan(&c);
+        let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000);
+        let mut p = plan(&c);
+        let (_, chores) = local(&c, &mut p, &s, 1);
+        let r = &chores.refills[0];
+        refilled(
+            &c,
+            r,
+            &Outcome::Failed(crate::core::decide::Cause::Timeout),
+            &s,
+            2,
+        );
+        assert_eq!(pool(&s, &c).refill_until_ms, 0);
+        let resp = TakeResponse {
+            allowed: false,
+            buckets: vec![answer(false, 0, 300)],
+        };
+        refilled(&c, r, &Outcome::Limited(resp), &s, 2);
+        assert_eq!(
+            (pool(&s, &c).refill_until_ms, pool(&s, &c).denied_until_ms),
+            (0, 302)
+        );
+        abandon(&c, r, &s);
+        assert_eq!(pool(&s, &c).tokens, 1);
+    }
+
+    #[test]
+    fn expired_token_bucket_tokens_are_given_back_and_fixed_window_ones_are_not() {
+        let c = one();
+        let s = FakeStore::default();
+        let p = plan(&c);
+        let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+        deposit(&s, &sl, 5, &answer(true, 6, 0), 0, 1000);
+        let mut p = plan(&c);
+        let (_, chores) = local(&c, &mut p, &s, 1000);
+        assert_eq!(chores.dropped, 5);
+        assert_eq!(chores.returns.len(), 1);
+        let b = &chores.returns[0].buckets[0];
+        assert_eq!(
+            (b.key.as_str(), b.cost, b.lease, b.capacity),
+            ("r|k", Some(5), None, 100)
+        );
+        let c = cfg(
+            r#"{"name":"r","key":["literal:k"],"capacity":100,"period_ms":1000,"algorithm":"fixed_window","lease":{"size":8}}"#,
+        );
+        let s = FakeStore::default();
+        let p = plan(&c);
+        let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+        deposit(&s, &sl, 5, &answer(true, 6, 0), 0, 500);
+        let mut p = plan(&c);
+        let (_, chores) = local(&c, &mut p, &s, 500);
+        assert_eq!((chores.dropped, chores.returns.len()), (5, 0));
     }
 
     #[test]
@@ -849,7 +1292,7 @@ mod tests {
             allowed: true,
             buckets: vec![answer(true, 1, 0), answer(true, 4, 0)],
         };
-        assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 2), (4, 0));
+        assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 2).0, 4);
         let mut p = plan(&c);
         assert!(matches!(
             local(&c, &mut p, &s, 3).0,

@@ -21,13 +21,14 @@ use super::batch::{self, Batcher};
 use crate::core::breaker::Event;
 use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
 use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCount};
-use crate::core::flow::{Flow, Host, Next, Phase};
+use crate::core::flow::{self, Flow, Host, Next, Phase};
 use crate::core::lease;
 use crate::core::rules::{matches, Request};
 use crate::core::store::{CasStore, SetError};
 use crate::core::wire;
 use crate::core::wire::TakeRequest;
 use log::{debug, error, info, warn};
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -65,6 +66,8 @@ struct Plugin {
     match_headers: Option<Vec<String>>,
     /// Group commit of this plugin's callouts (`service.batch`).
     batcher: Batcher,
+    /// Background lease refills in flight: callout token → the refill's plan (no request waits).
+    refills: RefCell<HashMap<u32, Plan>>,
 }
 
 /// Metric ids, defined once per configuration.
@@ -252,6 +255,48 @@ impl<'a, A: Abi> Proxy<'a, A> {
         sent.map_err(|status| abi::status_name(status).to_string())
     }
 
+    /// One refund callout (`/v1/refund`, `tollgate.v1.RateLimiter/Refund`): `request`'s costs go
+    /// back to their buckets. Its answer is dropped like any reply no request waits for.
+    fn call_refund(&self, cfg: &Config, request: &TakeRequest) -> Result<u32, String> {
+        let svc = &cfg.service;
+        let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
+        let bearer = self.plugin.bearer.as_deref();
+        let sent = match svc.transport {
+            Transport::Grpc => {
+                let mut metadata: Vec<(&str, &str)> = Vec::new();
+                if let Some(b) = bearer {
+                    metadata.push(("authorization", b));
+                }
+                self.abi.grpc_call(
+                    &self.plugin.grpc_service,
+                    "tollgate.v1.RateLimiter",
+                    "Refund",
+                    &metadata,
+                    &wire::encode_proto(request),
+                    timeout,
+                )
+            }
+            Transport::Http | Transport::Rls => {
+                let path = match svc.path.strip_suffix("/take") {
+                    Some(base) => format!("{base}/refund"),
+                    None => format!("{}_refund", svc.path),
+                };
+                let mut headers = vec![
+                    (":method", "POST"),
+                    (":path", path.as_str()),
+                    (":authority", svc.authority.as_str()),
+                    ("content-type", "application/json"),
+                ];
+                if let Some(b) = bearer {
+                    headers.push(("authorization", b));
+                }
+                let body = wire::encode_json(request);
+                self.abi.http_call(&svc.cluster, &headers, &body, timeout)
+            }
+        };
+        sent.map_err(|status| abi::status_name(status).to_string())
+    }
+
     fn counter(&self, ids: &[u32], idx: Option<usize>, n: i64) {
         if let Some(&id) = idx.and_then(|i| ids.get(i)) {
             self.abi.increment_metric(id, n);
@@ -353,6 +398,18 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
         let m = &self.plugin.metrics;
         let n = i64::try_from(n).unwrap_or(i64::MAX);
         self.counter(&m.leases, nth(&lease::Count::ALL, &count), n);
+    }
+
+    fn dispatch_refill(&mut self, cfg: &Config, plan: Plan) -> Result<(), String> {
+        let token = self.dispatch(cfg, &plan)?;
+        self.plugin.refills.borrow_mut().insert(token, plan);
+        Ok(())
+    }
+
+    fn give_back(&mut self, cfg: &Config, request: &TakeRequest) {
+        if let Err(why) = self.call_refund(cfg, request) {
+            debug!("refund not dispatched: {why}");
+        }
     }
 }
 
@@ -508,6 +565,7 @@ impl<A: Abi> Dispatcher<A> {
             grpc_service: grpc_service(&config.service.cluster),
             match_headers: match_headers(&config),
             batcher: Batcher::default(),
+            refills: RefCell::new(HashMap::new()),
             config,
             metrics,
         };
@@ -676,6 +734,12 @@ impl<A: Abi> Dispatcher<A> {
     /// Hands the result of callout `token` to the request waiting for it, if any. `read` runs
     /// only then (so a stray reply costs no host calls), as the request's context.
     fn deliver_to(&mut self, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
+        if let Some((plugin, plan)) = self.refill(token) {
+            let result = read(&self.abi);
+            let mut proxy = Proxy::new(&self.abi, &plugin);
+            flow::on_refill_result(&plugin.config, &plan, result, &mut proxy);
+            return;
+        }
         let Some(id) = self.callouts.remove(&token) else {
             debug!("reply to callout {token}: no request waits for it");
             return;
@@ -706,6 +770,14 @@ impl<A: Abi> Dispatcher<A> {
         if let Some(next) = waiting_token(&f.flow) {
             self.track(next, id);
         }
+    }
+
+    /// The background refill callout `token` carried, and its plugin (it is forgotten).
+    fn refill(&self, token: u32) -> Option<(Rc<Plugin>, Plan)> {
+        self.roots.values().flatten().find_map(|p| {
+            let plan = p.refills.borrow_mut().remove(&token)?;
+            Some((p.clone(), plan))
+        })
     }
 
     fn track(&mut self, token: u32, id: u32) {

@@ -420,6 +420,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 grpc_service: Vec::new(),
                 match_headers: Some(names.clone()),
                 batcher: super::Batcher::default(),
+                refills: Default::default(),
             };
             let core = crate::core::decide::decide(&cfg, &full);
             let pre = may_match(&fake, &plugin);
