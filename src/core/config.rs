@@ -125,6 +125,8 @@ pub struct Config {
     /// A bucket is near its limit when an allowed take leaves at most this share of it, in
     /// thousandths (`tollgate.rule.<name>.near_limit`; from `near_limit`, the used fraction).
     pub near_limit_left_permille: u64,
+    /// Concurrency rules (`kind: "concurrency"`), in configuration order; not in `rules`.
+    pub inflight: Vec<crate::core::inflight::InFlight>,
 }
 
 /// The decision service. Its `Debug` output never shows the bearer token.
@@ -626,15 +628,59 @@ impl Config {
             None,
         )?;
         let mut rules: Vec<Rule> = Vec::with_capacity(raw_rules.len());
+        let mut inflight: Vec<crate::core::inflight::InFlight> = Vec::new();
         for (i, r) in raw_rules.iter().enumerate() {
-            let rule = read_rule(&format!("rules[{i}]"), r, shadow, &response)?;
+            let at = format!("rules[{i}]");
+            let kind = match r.get("kind").filter(|v| !v.is_null()) {
+                None => false,
+                Some(v) => choice_value(
+                    &format!("{at}.kind"),
+                    v,
+                    &[("rate", false), ("concurrency", true)],
+                )?,
+            };
+            if kind {
+                if service.transport == Transport::Rls {
+                    return err(
+                        format!("{at}.kind"),
+                        "concurrency is not available with transport rls (an RLS server holds no slots)",
+                    );
+                }
+                let f = crate::core::inflight::read_rule(&at, r, |v| {
+                    read_rule(&at, v, shadow, &response)
+                })?;
+                let name = &f.rule.name;
+                if rules.iter().any(|o| &o.name == name)
+                    || inflight.iter().any(|o| &o.rule.name == name)
+                {
+                    return err(
+                        format!("{at}.name"),
+                        format!("duplicate rule name {name:?}"),
+                    );
+                }
+                inflight.push(f);
+                continue;
+            }
+            let plain;
+            let r = match r.as_object() {
+                Some(m) if m.contains_key("kind") => {
+                    let mut m = m.clone();
+                    m.remove("kind");
+                    plain = Value::Object(m);
+                    &plain
+                }
+                _ => r,
+            };
+            let rule = read_rule(&at, r, shadow, &response)?;
             if service.transport == Transport::Rls && rule.lease.is_some() {
                 return err(
                     format!("rules[{i}].lease"),
                     "not available with transport rls (an RLS server grants no leases)",
                 );
             }
-            if rules.iter().any(|o| o.name == rule.name) {
+            if rules.iter().any(|o| o.name == rule.name)
+                || inflight.iter().any(|o| o.rule.name == rule.name)
+            {
                 return err(
                     format!("rules[{i}].name"),
                     format!("duplicate rule name {:?}", rule.name),
@@ -687,12 +733,15 @@ impl Config {
             },
         };
         let needs_peer_address = trusted_hops == 0
-            && rules.iter().any(|r| {
-                r.key.contains(&KeyPart::ClientIp)
-                    || r.matcher.reads_client_ip()
-                    || (service.transport == Transport::Rls
-                        && r.descriptor.iter().any(|(_, p)| *p == KeyPart::ClientIp))
-            });
+            && rules
+                .iter()
+                .chain(inflight.iter().map(|f| &f.rule))
+                .any(|r| {
+                    r.key.contains(&KeyPart::ClientIp)
+                        || r.matcher.reads_client_ip()
+                        || (service.transport == Transport::Rls
+                            && r.descriptor.iter().any(|(_, p)| *p == KeyPart::ClientIp))
+                });
         Ok(Config {
             service,
             trusted_hops,
@@ -708,6 +757,7 @@ impl Config {
             response,
             needs_peer_address,
             near_limit_left_permille,
+            inflight,
         })
     }
 }

@@ -60,6 +60,17 @@ pub trait Host {
     /// Sends a refund: `request`'s costs are unspent tokens given back to the global bucket. Its
     /// answer is not awaited (a lost refund only leaves those tokens spent).
     fn give_back(&mut self, cfg: &Config, request: &TakeRequest);
+    /// Starts an acquire of concurrency slots (`body`: JSON, `POST /v1/acquire`); its token.
+    fn acquire(&mut self, _cfg: &Config, _body: &[u8]) -> Result<u32, String> {
+        Err("concurrency slots are not supported by this host".into())
+    }
+    /// Sends a release (`body`: JSON, `POST /v1/release`), not awaited by any request; whether
+    /// it was dispatched.
+    fn release(&mut self, _cfg: &Config, _body: &[u8]) -> bool {
+        false
+    }
+    /// Counts a concurrency-slot event.
+    fn count_inflight(&mut self, _count: crate::core::inflight::Count) {}
 }
 
 /// What to tell the proxy about the current callback.
@@ -99,6 +110,9 @@ pub struct Flow {
     /// Shadow rules that denied in a first answer, counted with the final verdict (see
     /// [`decide::without_shadow`]).
     pub shadow_counts: Vec<(usize, RuleCount)>,
+    /// Concurrency slots ([`crate::core::inflight`]): taken after the rate rules admitted the
+    /// request, released by [`Flow::on_end`].
+    pub slots: crate::core::inflight::Slots,
 }
 
 impl Default for Flow {
@@ -107,6 +121,7 @@ impl Default for Flow {
             phase: Phase::Idle,
             response_headers: Vec::new(),
             shadow_counts: Vec::new(),
+            slots: crate::core::inflight::Slots::None,
         }
     }
 }
@@ -122,10 +137,11 @@ impl Flow {
         if self.phase != Phase::Idle {
             return Next::Continue;
         }
+        self.slots.plan(cfg, req);
         let mut plan = match decide::decide(cfg, req) {
             Step::Continue => {
                 self.phase = Phase::Done;
-                return Next::Continue;
+                return self.slots.acquire(cfg, false, host);
             }
             Step::Callout(plan) => plan,
         };
@@ -185,6 +201,13 @@ impl Flow {
     /// Whether `token` is the callout this request waits for.
     pub fn waits_for(&self, token: u32) -> bool {
         matches!(self.phase, Phase::Calling { token: t, .. } if t == token)
+            || self.slots.token() == Some(token)
+    }
+
+    /// The stream ended, however it ended (response sent, upstream reset, client gone): gives
+    /// back the concurrency slots the request holds, exactly once.
+    pub fn on_end<H: Host>(&mut self, cfg: &Config, host: &mut H) {
+        self.slots.release(cfg, host);
     }
 
     /// The callout `token` ended with `result`. Ignored unless this request is paused on it.
@@ -195,6 +218,10 @@ impl Flow {
         result: CalloutResult,
         host: &mut H,
     ) {
+        if self.slots.token() == Some(token) {
+            self.slots.on_result(cfg, token, &result, host);
+            return;
+        }
         if !self.waits_for(token) {
             return;
         }
@@ -315,6 +342,9 @@ impl Flow {
         match verdict.action {
             Action::Allow(headers) => {
                 self.response_headers = headers;
+                if self.slots.wanted() {
+                    return self.slots.acquire(cfg, paused, host);
+                }
                 if paused {
                     host.resume();
                 }

@@ -10,6 +10,7 @@ pub mod flow;
 pub mod hash;
 pub mod headers;
 pub mod hostmap;
+pub mod inflight;
 pub mod lease;
 #[cfg(test)]
 mod props;

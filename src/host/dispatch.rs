@@ -22,6 +22,7 @@ use crate::core::breaker::Event;
 use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
 use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCount};
 use crate::core::flow::{self, Flow, Host, Next, Phase};
+use crate::core::inflight;
 use crate::core::lease;
 use crate::core::rules::{matches, Request};
 use crate::core::store::{CasStore, SetError};
@@ -68,6 +69,11 @@ struct Plugin {
     batcher: Batcher,
     /// Background lease refills in flight: callout token → the refill's plan (no request waits).
     refills: RefCell<HashMap<u32, Plan>>,
+    /// Releases of concurrency slots in flight (their answers are counted, no request waits).
+    releases: RefCell<std::collections::HashSet<u32>>,
+    /// Acquires whose request ended before the answer: token → the keys asked for; a slot the
+    /// answer grants is released at once.
+    orphans: RefCell<HashMap<u32, Vec<String>>>,
 }
 
 /// Metric ids, defined once per configuration.
@@ -83,6 +89,8 @@ struct Metrics {
     breaker_opened: u32,
     breaker_open: u32,
     leases: Vec<u32>,
+    /// One id per [`inflight::Count::ALL`] (empty without concurrency rules).
+    inflight: Vec<u32>,
 }
 
 impl Metrics {
@@ -108,7 +116,14 @@ impl Metrics {
         for c in lease::Count::ALL {
             leases.push(abi.define_metric(MetricKind::Counter, c.metric())?);
         }
+        let mut inflight = Vec::new();
+        if !cfg.inflight.is_empty() {
+            for c in inflight::Count::ALL {
+                inflight.push(abi.define_metric(MetricKind::Counter, c.metric())?);
+            }
+        }
         Ok(Metrics {
+            inflight,
             batch_callouts: abi.define_metric(MetricKind::Counter, "tollgate.batch.callouts")?,
             batch_takes: abi.define_metric(MetricKind::Counter, "tollgate.batch.takes")?,
             decisions,
@@ -257,6 +272,29 @@ impl<'a, A: Abi> Proxy<'a, A> {
 
     /// One refund callout (`/v1/refund`, `tollgate.v1.RateLimiter/Refund`): `request`'s costs go
     /// back to their buckets. Its answer is dropped like any reply no request waits for.
+    /// `POST <base>/acquire` or `<base>/release` (JSON, whatever the transport: the service
+    /// answers JSON on its gRPC port too) beside the take path.
+    fn call_slots(&self, cfg: &Config, op: &str, body: &[u8]) -> Result<u32, String> {
+        let svc = &cfg.service;
+        let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
+        let path = match svc.path.strip_suffix("/take") {
+            Some(base) => format!("{base}/{op}"),
+            None => format!("{}_{op}", svc.path),
+        };
+        let mut headers = vec![
+            (":method", "POST"),
+            (":path", path.as_str()),
+            (":authority", svc.authority.as_str()),
+            ("content-type", "application/json"),
+        ];
+        if let Some(b) = self.plugin.bearer.as_deref() {
+            headers.push(("authorization", b));
+        }
+        self.abi
+            .http_call(&svc.cluster, &headers, body, timeout)
+            .map_err(|s| abi::status_name(s).to_string())
+    }
+
     fn call_refund(&self, cfg: &Config, request: &TakeRequest) -> Result<u32, String> {
         let svc = &cfg.service;
         let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
@@ -406,6 +444,28 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
         Ok(())
     }
 
+    fn acquire(&mut self, cfg: &Config, body: &[u8]) -> Result<u32, String> {
+        self.call_slots(cfg, "acquire", body)
+    }
+
+    fn release(&mut self, cfg: &Config, body: &[u8]) -> bool {
+        match self.call_slots(cfg, "release", body) {
+            Ok(token) => {
+                self.plugin.releases.borrow_mut().insert(token);
+                true
+            }
+            Err(why) => {
+                debug!("release not dispatched: {why}");
+                false
+            }
+        }
+    }
+
+    fn count_inflight(&mut self, count: inflight::Count) {
+        let m = &self.plugin.metrics;
+        self.counter(&m.inflight, nth(&inflight::Count::ALL, &count), 1);
+    }
+
     fn give_back(&mut self, cfg: &Config, request: &TakeRequest) {
         if let Err(why) = self.call_refund(cfg, request) {
             debug!("refund not dispatched: {why}");
@@ -423,7 +483,7 @@ struct Filter {
 fn waiting_token(flow: &Flow) -> Option<u32> {
     match flow.phase {
         Phase::Calling { token, .. } => Some(token),
-        _ => None,
+        _ => flow.slots.token(),
     }
 }
 
@@ -559,6 +619,18 @@ impl<A: Abi> Dispatcher<A> {
                 prefix: &prefix,
             },
         );
+        if inflight::local_enabled(&config) {
+            // The local fallback slots' counters, zero, before any request.
+            crate::core::fallback::prepare_table(
+                &Shared {
+                    abi: &self.abi,
+                    prefix: &prefix,
+                },
+                inflight::TABLE,
+                config.fallback.max_keys,
+                &[0; 8],
+            );
+        }
         let plugin = Plugin {
             prefix,
             bearer: config.service.token.as_ref().map(|t| format!("Bearer {t}")),
@@ -566,6 +638,8 @@ impl<A: Abi> Dispatcher<A> {
             match_headers: match_headers(&config),
             batcher: Batcher::default(),
             refills: RefCell::new(HashMap::new()),
+            releases: RefCell::new(std::collections::HashSet::new()),
+            orphans: RefCell::new(HashMap::new()),
             config,
             metrics,
         };
@@ -623,7 +697,16 @@ impl<A: Abi> Dispatcher<A> {
     /// A context is gone (request finished, client disconnected, or root removed). A callout its
     /// request still waited for is forgotten here: Envoy will never report it to that request.
     pub fn on_delete(&mut self, id: u32) {
-        if let Some(f) = self.filters.remove(&id) {
+        if let Some(mut f) = self.filters.remove(&id) {
+            if let Some(p) = f.plugin.clone() {
+                // The stream is over, however it ended: its concurrency slots go back now.
+                if let inflight::Slots::Acquiring { token, wants } = &f.flow.slots {
+                    let keys = wants.iter().map(|w| w.key.clone()).collect();
+                    p.orphans.borrow_mut().insert(*token, keys);
+                }
+                let mut proxy = Proxy::new(&self.abi, &p);
+                f.flow.on_end(&p.config, &mut proxy);
+            }
             if let Some(token) = waiting_token(&f.flow) {
                 self.forget(token, id);
                 if token & batch::VIRTUAL != 0 {
@@ -740,6 +823,36 @@ impl<A: Abi> Dispatcher<A> {
             flow::on_refill_result(&plugin.config, &plan, result, &mut proxy);
             return;
         }
+        if let Some(plugin) = self
+            .roots
+            .values()
+            .flatten()
+            .find(|p| p.releases.borrow_mut().remove(&token))
+            .cloned()
+        {
+            let mut proxy = Proxy::new(&self.abi, &plugin);
+            proxy.count_inflight(if inflight::released(&read(&self.abi)) {
+                inflight::Count::Released
+            } else {
+                inflight::Count::ReleaseFailed
+            });
+            return;
+        }
+        if let Some((plugin, keys)) = self.roots.values().flatten().find_map(|p| {
+            let keys = p.orphans.borrow_mut().remove(&token)?;
+            Some((p.clone(), keys))
+        }) {
+            // Its request is gone: a granted slot goes straight back.
+            if let inflight::Acquired::Held(slot) =
+                inflight::interpret(&read(&self.abi), keys.len())
+            {
+                let mut proxy = Proxy::new(&self.abi, &plugin);
+                if !proxy.release(&plugin.config, &inflight::encode_release(&slot, &keys)) {
+                    proxy.count_inflight(inflight::Count::ReleaseFailed);
+                }
+            }
+            return;
+        }
         let Some(id) = self.callouts.remove(&token) else {
             debug!("reply to callout {token}: no request waits for it");
             return;
@@ -850,7 +963,7 @@ fn match_headers(cfg: &Config) -> Option<Vec<String>> {
             names.push(n.to_string());
         }
     };
-    for r in &cfg.rules {
+    for r in cfg.rules.iter().chain(cfg.inflight.iter().map(|f| &f.rule)) {
         let m = &r.matcher;
         // A rule for every request, or one whose conditions read the client address or negate
         // (a partial view of the request could not tell): read the request whole.
@@ -887,11 +1000,11 @@ fn may_match(abi: &impl Abi, plugin: &Plugin) -> bool {
             .collect(),
         peer: None,
     };
-    plugin
-        .config
-        .rules
+    let cfg = &plugin.config;
+    cfg.rules
         .iter()
-        .any(|r| matches(&r.matcher, &req, plugin.config.trusted_hops))
+        .chain(cfg.inflight.iter().map(|f| &f.rule))
+        .any(|r| matches(&r.matcher, &req, cfg.trusted_hops))
 }
 
 /// What the core reads of a request: every header, and the peer address when a rule needs it.

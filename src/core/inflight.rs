@@ -1,0 +1,729 @@
+//! Concurrency limits: rules of `kind: "concurrency"` hold at most `max_in_flight` requests per key
+//! in flight across the fleet.
+//!
+//! A matching request *acquires* one slot of every such rule's key from the service (`POST
+//! /v1/acquire`, all or nothing, after the rate rules admitted it) and *releases* it (`POST
+//! /v1/release`) exactly once when its stream ends, however it ends. Each slot carries a deadline
+//! (`deadline_ms`) on the service's clock, so the slots of a proxy that died come back by
+//! themselves; a release that fails is left to that deadline.
+//!
+//! When the service cannot answer, the rule follows `failure_mode`: `allow` admits without a
+//! slot, `deny` refuses, and `fallback` holds a local slot instead: at most
+//! `max_in_flight / fallback.instances` per key in this proxy, counted in shared data by every
+//! worker (hashed into `fallback.max_keys` counters: two keys on one counter share it, which can
+//! only admit fewer) and given back when the stream ends.
+//!
+//! Pure: the state machine in [`crate::core::flow`] drives it, the adapter moves the bytes.
+
+use crate::core::config::{Config, ConfigError, FailureMode, HeaderStyle, Rule};
+use crate::core::decide::{CalloutResult, LocalReply};
+use crate::core::headers::retry_after;
+use crate::core::rules::{keys, matches, Request};
+use crate::core::store::{self, CasStore};
+use serde_json::{Map, Value};
+
+/// Most requests in flight a concurrency rule may allow per key.
+pub const MAX_IN_FLIGHT: u64 = 1_000_000;
+/// Default slot deadline: a request that outlives it no longer holds its slot.
+pub const DEFAULT_DEADLINE_MS: u64 = 60_000;
+/// Shortest and longest slot deadline (the contract's bound is one day).
+pub const DEADLINE_MS: (u64, u64) = (100, 86_400_000);
+/// Shared-data table of the local fallback slots.
+pub const TABLE: &str = "tollgate.cc";
+/// What a denial asks the client to wait when the service gave no better figure.
+pub const DENIED_RETRY_MS: u64 = 1000;
+
+/// A concurrency rule: the rule (conditions, key, shadow, response) and its slots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InFlight {
+    /// Name, conditions, key, `on_missing`, `shadow` and `response`; its limit fields are unused.
+    pub rule: Rule,
+    /// Most requests per key in flight across the fleet.
+    pub max: u64,
+    /// A slot's lifetime: the slot of a request still running after it is freed anyway.
+    pub deadline_ms: u64,
+}
+
+fn err<T>(field: String, message: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError {
+        field,
+        message: message.into(),
+    })
+}
+
+/// Fields of a rate rule that a concurrency rule refuses.
+const RATE_ONLY: [&str; 9] = [
+    "capacity",
+    "rate",
+    "period_ms",
+    "cost",
+    "algorithm",
+    "lease",
+    "overrides",
+    "tiers",
+    "descriptor",
+];
+
+/// Reads a `kind: "concurrency"` rule at `at`: its own fields here, the rest by `base` (the rate
+/// rule reader, given the object without `kind`, `max_in_flight` and `deadline_ms`).
+pub fn read_rule(
+    at: &str,
+    v: &Value,
+    base: impl FnOnce(&Value) -> Result<Rule, ConfigError>,
+) -> Result<InFlight, ConfigError> {
+    let Value::Object(map) = v else {
+        return err(at.to_string(), "must be an object");
+    };
+    for f in RATE_ONLY {
+        if map.contains_key(f) {
+            return err(format!("{at}.{f}"), "not for a concurrency rule");
+        }
+    }
+    let int = |f: &str, default: Option<u64>, lo: u64, hi: u64| -> Result<u64, ConfigError> {
+        match (map.get(f).filter(|v| !v.is_null()), default) {
+            (None, Some(d)) => Ok(d),
+            (None, None) => err(format!("{at}.{f}"), "missing (required)"),
+            (Some(v), _) => match v.as_u64() {
+                Some(n) if (lo..=hi).contains(&n) => Ok(n),
+                _ => err(
+                    format!("{at}.{f}"),
+                    format!("must be between {lo} and {hi}"),
+                ),
+            },
+        }
+    };
+    let max = int("max_in_flight", None, 1, MAX_IN_FLIGHT)?;
+    let deadline_ms = int(
+        "deadline_ms",
+        Some(DEFAULT_DEADLINE_MS),
+        DEADLINE_MS.0,
+        DEADLINE_MS.1,
+    )?;
+    let mut rest: Map<String, Value> = map
+        .iter()
+        .filter(|(k, _)| !matches!(k.as_str(), "kind" | "max_in_flight" | "deadline_ms"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    rest.insert("capacity".into(), Value::from(max));
+    rest.insert("period_ms".into(), Value::from(1000u64));
+    let rule = base(&Value::Object(rest))?;
+    Ok(InFlight {
+        rule,
+        max,
+        deadline_ms,
+    })
+}
+
+/// One slot a request asks for: the index of its rule in `Config::inflight`, and the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Want {
+    /// Index in `Config::inflight`.
+    pub rule: usize,
+    /// The key (`<rule name>|<parts>`, as a rate rule's).
+    pub key: String,
+}
+
+/// The slots `req` needs: one per matching concurrency rule whose key could be built.
+pub fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
+    cfg.inflight
+        .iter()
+        .enumerate()
+        .filter(|(_, f)| matches(&f.rule.matcher, req, cfg.trusted_hops))
+        .filter_map(|(i, f)| {
+            keys::build_key(&f.rule, req, cfg.trusted_hops).map(|key| Want { rule: i, key })
+        })
+        .collect()
+}
+
+/// The body of `POST /v1/acquire` for `wants`.
+pub fn encode_acquire(cfg: &Config, wants: &[Want]) -> Vec<u8> {
+    let buckets: Vec<Value> = wants
+        .iter()
+        .filter_map(|w| {
+            let f = cfg.inflight.get(w.rule)?;
+            Some(serde_json::json!({"key": w.key, "limit": f.max, "ttl_ms": f.deadline_ms}))
+        })
+        .collect();
+    serde_json::to_vec(&serde_json::json!({ "buckets": buckets })).unwrap_or_default()
+}
+
+/// The body of `POST /v1/release` for the slot `slot` of `keys`.
+pub fn encode_release(slot: &str, keys: &[String]) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({"slot": slot, "keys": keys})).unwrap_or_default()
+}
+
+/// What an acquire's callout came back with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquired {
+    /// Every slot taken, under this id.
+    Held(String),
+    /// Some key was full: the indices (into the wants) of the full keys and the longest
+    /// `retry_after_ms` among them.
+    Denied(Vec<usize>, u64),
+    /// No usable answer.
+    Failed,
+}
+
+/// Interprets the answer to an acquire of `n` keys (any failure, however it happened, is
+/// [`Acquired::Failed`]).
+pub fn interpret(result: &CalloutResult, n: usize) -> Acquired {
+    let body = match result {
+        CalloutResult::Http {
+            status: Some(200),
+            body,
+        } => body,
+        _ => return Acquired::Failed,
+    };
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return Acquired::Failed;
+    };
+    let Some(buckets) = v.get("buckets").and_then(Value::as_array) else {
+        return Acquired::Failed;
+    };
+    if buckets.len() != n {
+        return Acquired::Failed;
+    }
+    match (v.get("allowed").and_then(Value::as_bool), v.get("slot")) {
+        (Some(true), Some(Value::String(s))) if !s.is_empty() => Acquired::Held(s.clone()),
+        (Some(false), _) => {
+            let full: Vec<usize> = buckets
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.get("allowed").and_then(Value::as_bool) != Some(true))
+                .map(|(i, _)| i)
+                .collect();
+            if full.is_empty() {
+                return Acquired::Failed;
+            }
+            let wait = full
+                .iter()
+                .filter_map(|&i| buckets.get(i)?.get("retry_after_ms")?.as_u64())
+                .max()
+                .unwrap_or(DENIED_RETRY_MS);
+            Acquired::Denied(full, wait)
+        }
+        _ => Acquired::Failed,
+    }
+}
+
+/// Whether the answer to a release says it was received (whatever it found: a slot already
+/// expired is released too).
+pub fn released(result: &CalloutResult) -> bool {
+    matches!(
+        result,
+        CalloutResult::Http {
+            status: Some(200),
+            ..
+        }
+    )
+}
+
+/// The denial of concurrency rule `f` (its status, body, content type): `Retry-After`, and the
+/// limit in the header styles the rule asks for, with nothing remaining.
+pub fn denial(f: &InFlight, wait_ms: u64) -> LocalReply {
+    let r = &f.rule;
+    let mut headers = vec![("retry-after".to_string(), retry_after(wait_ms.max(1)))];
+    let secs = wait_ms.max(1).div_ceil(1000);
+    for style in &r.response.headers {
+        match style {
+            HeaderStyle::Draft => {
+                headers.push((
+                    "ratelimit-policy".to_string(),
+                    format!("\"{}\";q={}", r.name, f.max),
+                ));
+                headers.push((
+                    "ratelimit".to_string(),
+                    format!("\"{}\";r=0;t={secs}", r.name),
+                ));
+            }
+            HeaderStyle::XRateLimit => {
+                headers.push(("x-ratelimit-limit".to_string(), f.max.to_string()));
+                headers.push(("x-ratelimit-remaining".to_string(), "0".to_string()));
+                headers.push(("x-ratelimit-reset".to_string(), secs.to_string()));
+            }
+        }
+    }
+    headers.push(("content-type".to_string(), r.response.content_type.clone()));
+    LocalReply {
+        status: r.response.status,
+        headers,
+        body: r.response.body.clone(),
+    }
+}
+
+/// Counters of concurrency rules (`tollgate.inflight.<name>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// The service gave the slots.
+    Acquired,
+    /// A key was full: denied.
+    Limited,
+    /// A key was full but its rule is in shadow mode: let through without a slot.
+    ShadowLimited,
+    /// The service took the release.
+    Released,
+    /// A release could not be sent or was not answered: the slot waits for its deadline.
+    ReleaseFailed,
+    /// No answer: admitted on a local slot (`failure_mode: fallback`).
+    FallbackAcquired,
+    /// No answer, and the local slots were full.
+    FallbackLimited,
+    /// No answer: admitted without a slot (`failure_mode: allow`).
+    FailureOpen,
+    /// No answer: denied (`failure_mode: deny`).
+    FailureClosed,
+}
+
+impl Count {
+    /// Every counter, for defining the metrics.
+    pub const ALL: [Count; 9] = [
+        Count::Acquired,
+        Count::Limited,
+        Count::ShadowLimited,
+        Count::Released,
+        Count::ReleaseFailed,
+        Count::FallbackAcquired,
+        Count::FallbackLimited,
+        Count::FailureOpen,
+        Count::FailureClosed,
+    ];
+
+    /// The metric name.
+    pub fn metric(self) -> &'static str {
+        match self {
+            Count::Acquired => "tollgate.inflight.acquired",
+            Count::Limited => "tollgate.inflight.limited",
+            Count::ShadowLimited => "tollgate.inflight.shadow_limited",
+            Count::Released => "tollgate.inflight.released",
+            Count::ReleaseFailed => "tollgate.inflight.release_failed",
+            Count::FallbackAcquired => "tollgate.inflight.fallback_acquired",
+            Count::FallbackLimited => "tollgate.inflight.fallback_limited",
+            Count::FailureOpen => "tollgate.inflight.failure_open",
+            Count::FailureClosed => "tollgate.inflight.failure_closed",
+        }
+    }
+}
+
+/// Whether local fallback slots are in use (their table is created at configure time).
+pub fn local_enabled(cfg: &Config) -> bool {
+    cfg.failure_mode == FailureMode::Fallback && !cfg.inflight.is_empty()
+}
+
+/// The counter (in [`TABLE`]) of `key`: FNV-1a of the key, modulo the table size.
+fn counter_of(cfg: &Config, key: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{TABLE}.{}", h % u64::from(cfg.fallback.max_keys.max(1)))
+}
+
+fn read_count(v: Option<&[u8]>) -> u64 {
+    v.and_then(|b| <[u8; 8]>::try_from(b.get(..8)?).ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+/// Takes a local slot of every want (each key at most `max / fallback.instances` in this proxy),
+/// or none. `Ok(counters)` holds what to give back with [`release_local`]; `Err(i)`: want `i`
+/// was full.
+pub fn acquire_local<S: CasStore + ?Sized>(
+    cfg: &Config,
+    wants: &[Want],
+    store_: &S,
+) -> Result<Vec<String>, usize> {
+    let mut taken: Vec<String> = Vec::with_capacity(wants.len());
+    for (i, w) in wants.iter().enumerate() {
+        let Some(f) = cfg.inflight.get(w.rule) else {
+            continue;
+        };
+        let cap = f.max / cfg.fallback.instances.max(1);
+        let name = counter_of(cfg, &w.key);
+        let up = store::update(store_, &name, |cur| {
+            if cur.is_none() {
+                // Not prepared: nothing can be held safely.
+                return store::Step::Keep(false);
+            }
+            let n = read_count(cur);
+            if n >= cap {
+                store::Step::Keep(false)
+            } else {
+                store::Step::Write((n + 1).to_le_bytes().to_vec(), true)
+            }
+        });
+        if !(up.stored && up.value) {
+            release_local(store_, &taken);
+            return Err(i);
+        }
+        taken.push(name);
+    }
+    Ok(taken)
+}
+
+/// Gives back local slots taken by [`acquire_local`].
+pub fn release_local<S: CasStore + ?Sized>(store_: &S, counters: &[String]) {
+    for name in counters {
+        store::update(store_, name, |cur| {
+            let n = read_count(cur);
+            if cur.is_none() || n == 0 {
+                store::Step::Keep(())
+            } else {
+                store::Step::Write((n - 1).to_le_bytes().to_vec(), ())
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::store::fake::FakeStore;
+
+    fn cfg(extra: &str) -> Config {
+        let json = format!(
+            r#"{{"service":{{"cluster":"svc"}},
+                 "rules":[{{"name":"cc","kind":"concurrency","match":{{"path_prefix":"/slow"}},
+                            "key":["header:x-user"],"max_in_flight":4,"deadline_ms":5000}}]
+                 {extra}}}"#
+        );
+        Config::parse(json.as_bytes()).unwrap()
+    }
+
+    fn req(path: &str, user: &str) -> Request {
+        Request {
+            headers: vec![
+                (":path".into(), path.as_bytes().to_vec()),
+                ("x-user".into(), user.as_bytes().to_vec()),
+            ],
+            peer: None,
+        }
+    }
+
+    #[test]
+    fn config_reads_and_refuses() {
+        let c = cfg("");
+        assert!(c.rules.is_empty());
+        assert_eq!((c.inflight[0].max, c.inflight[0].deadline_ms), (4, 5000));
+        let bad = |rule: &str| {
+            let json = format!(r#"{{"service":{{"cluster":"svc"}},"rules":[{rule}]}}"#);
+            Config::parse(json.as_bytes()).unwrap_err().field
+        };
+        assert_eq!(
+            bad(r#"{"name":"a","kind":"concurrency"}"#),
+            "rules[0].max_in_flight"
+        );
+        assert_eq!(
+            bad(r#"{"name":"a","kind":"concurrency","max_in_flight":0}"#),
+            "rules[0].max_in_flight"
+        );
+        assert_eq!(
+            bad(r#"{"name":"a","kind":"concurrency","max_in_flight":1,"deadline_ms":5}"#),
+            "rules[0].deadline_ms"
+        );
+        assert_eq!(
+            bad(r#"{"name":"a","kind":"concurrency","max_in_flight":1,"capacity":3}"#),
+            "rules[0].capacity"
+        );
+        assert_eq!(
+            bad(r#"{"name":"a","kind":"sideways","capacity":1,"period_ms":1}"#),
+            "rules[0].kind"
+        );
+        assert_eq!(
+            bad(r#"{"name":"a","kind":"concurrency","max_in_flight":1,"bogus":1}"#),
+            "rules[0].bogus"
+        );
+        assert_eq!(
+            bad(
+                r#"{"name":"a","capacity":1,"period_ms":1},{"name":"a","kind":"concurrency","max_in_flight":1}"#
+            ),
+            "rules[1].name"
+        );
+        // A rate rule may say its kind.
+        let json = r#"{"service":{"cluster":"svc"},"rules":[{"name":"a","kind":"rate","capacity":1,"period_ms":1}]}"#;
+        assert!(Config::parse(json.as_bytes()).is_ok());
+        let json = r#"{"service":{"cluster":"svc","transport":"rls","domain":"d"},"rules":[{"name":"a","kind":"concurrency","max_in_flight":1}]}"#;
+        assert_eq!(
+            Config::parse(json.as_bytes()).unwrap_err().field,
+            "rules[0].kind"
+        );
+    }
+
+    #[test]
+    fn plan_and_bodies() {
+        let c = cfg("");
+        assert!(plan(&c, &req("/fast", "u")).is_empty());
+        let w = plan(&c, &req("/slow/1", "u"));
+        assert_eq!(
+            w,
+            vec![Want {
+                rule: 0,
+                key: "cc|u".into()
+            }]
+        );
+        let body: Value = serde_json::from_slice(&encode_acquire(&c, &w)).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"buckets":[{"key":"cc|u","limit":4,"ttl_ms":5000}]})
+        );
+        let body: Value =
+            serde_json::from_slice(&encode_release("ab", &["cc|u".to_string()])).unwrap();
+        assert_eq!(body, serde_json::json!({"slot":"ab","keys":["cc|u"]}));
+    }
+
+    #[test]
+    fn interpret_every_answer() {
+        let http = |status: Option<u32>, body: &str| CalloutResult::Http {
+            status,
+            body: body.as_bytes().to_vec(),
+        };
+        let held = r#"{"allowed":true,"slot":"ab","buckets":[{"allowed":true,"limit":4,"in_flight":1,"retry_after_ms":0}]}"#;
+        let full = r#"{"allowed":false,"buckets":[{"allowed":false,"limit":4,"in_flight":4,"retry_after_ms":700}]}"#;
+        assert_eq!(
+            interpret(&http(Some(200), held), 1),
+            Acquired::Held("ab".into())
+        );
+        assert_eq!(
+            interpret(&http(Some(200), full), 1),
+            Acquired::Denied(vec![0], 700)
+        );
+        for bad in [
+            http(Some(200), held.replace("\"ab\"", "\"\"").as_str()),
+            http(
+                Some(200),
+                full.replace("false,\"limit", "true,\"limit").as_str(),
+            ),
+            http(Some(200), "nope"),
+            http(Some(503), full),
+            http(None, ""),
+            CalloutResult::DispatchError,
+        ] {
+            assert_eq!(interpret(&bad, 1), Acquired::Failed, "{bad:?}");
+        }
+        assert_eq!(interpret(&http(Some(200), held), 2), Acquired::Failed);
+        assert!(released(&http(Some(200), "{}")));
+        assert!(!released(&http(Some(504), "")));
+    }
+
+    #[test]
+    fn denial_has_retry_after_and_the_rules_headers() {
+        let c = cfg(r#","response":{"headers":["x-ratelimit"]}"#);
+        let r = denial(&c.inflight[0], 1000);
+        assert_eq!(r.status, 429);
+        assert!(r.headers.contains(&("retry-after".into(), "1".into())));
+        assert!(r
+            .headers
+            .contains(&("x-ratelimit-limit".into(), "4".into())));
+    }
+
+    #[test]
+    fn local_slots_are_shared_capped_and_given_back() {
+        let c = cfg(r#","fallback":{"instances":2,"max_keys":16}"#);
+        let s = FakeStore::default();
+        let w = plan(&c, &req("/slow", "u"));
+        // Not prepared: nothing is held.
+        assert_eq!(acquire_local(&c, &w, &s), Err(0));
+        crate::core::fallback::prepare_table(&s, TABLE, 16, &[0; 8]);
+        let a = acquire_local(&c, &w, &s).unwrap();
+        let b = acquire_local(&c, &w, &s).unwrap();
+        assert_eq!(acquire_local(&c, &w, &s), Err(0), "4 / 2 proxies = 2 here");
+        release_local(&s, &a);
+        assert!(acquire_local(&c, &w, &s).is_ok());
+        release_local(&s, &b);
+    }
+}
+
+/// A request's concurrency slots, driven by [`crate::core::flow::Flow`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Slots {
+    /// No concurrency rule applies (or the request was decided without a slot).
+    #[default]
+    None,
+    /// Slots to take once the rate rules admitted the request.
+    Wanted(Vec<Want>),
+    /// Paused, waiting for the acquire callout `token`.
+    Acquiring {
+        /// Callout token.
+        token: u32,
+        /// What was asked.
+        wants: Vec<Want>,
+    },
+    /// Held at the service under `slot`; released when the stream ends.
+    Held {
+        /// Slot id.
+        slot: String,
+        /// The keys it holds.
+        keys: Vec<String>,
+    },
+    /// Held locally (fallback): the shared counters to give back when the stream ends.
+    Local(Vec<String>),
+    /// Released (or never held): nothing more to do.
+    Done,
+}
+
+use crate::core::flow::{Host, Next};
+
+impl Slots {
+    /// Notes the slots `req` needs.
+    pub fn plan(&mut self, cfg: &Config, req: &Request) {
+        if cfg.inflight.is_empty() {
+            return;
+        }
+        let wants = plan(cfg, req);
+        if !wants.is_empty() {
+            *self = Slots::Wanted(wants);
+        }
+    }
+
+    /// Whether slots are still to be taken.
+    pub fn wanted(&self) -> bool {
+        matches!(self, Slots::Wanted(_))
+    }
+
+    /// The acquire callout this request waits for.
+    pub fn token(&self) -> Option<u32> {
+        match self {
+            Slots::Acquiring { token, .. } => Some(*token),
+            _ => None,
+        }
+    }
+
+    /// Asks the service for the wanted slots (`paused`: whether the stream is paused already).
+    pub fn acquire<H: Host>(&mut self, cfg: &Config, paused: bool, host: &mut H) -> Next {
+        let Slots::Wanted(wants) = std::mem::replace(self, Slots::Done) else {
+            return allow(paused, host);
+        };
+        match host.acquire(cfg, &encode_acquire(cfg, &wants)) {
+            Ok(token) => {
+                *self = Slots::Acquiring { token, wants };
+                Next::Pause
+            }
+            Err(_) => self.failed(cfg, &wants, paused, host),
+        }
+    }
+
+    /// The acquire callout `token` ended with `result` (the stream is paused on it).
+    pub fn on_result<H: Host>(
+        &mut self,
+        cfg: &Config,
+        token: u32,
+        result: &CalloutResult,
+        host: &mut H,
+    ) {
+        if self.token() != Some(token) {
+            return;
+        }
+        let Slots::Acquiring { wants, .. } = std::mem::replace(self, Slots::Done) else {
+            return;
+        };
+        match interpret(result, wants.len()) {
+            Acquired::Held(slot) => {
+                host.count_inflight(Count::Acquired);
+                *self = Slots::Held {
+                    slot,
+                    keys: wants.into_iter().map(|w| w.key).collect(),
+                };
+                host.resume();
+            }
+            Acquired::Denied(full, wait) => {
+                let rules: Vec<usize> = full
+                    .iter()
+                    .filter_map(|&i| wants.get(i).map(|w| w.rule))
+                    .collect();
+                deny_or_shadow(cfg, &rules, wait, true, host, Count::Limited);
+            }
+            Acquired::Failed => {
+                self.failed(cfg, &wants, true, host);
+            }
+        }
+    }
+
+    /// No answer from the service: the failure mode decides.
+    fn failed<H: Host>(
+        &mut self,
+        cfg: &Config,
+        wants: &[Want],
+        paused: bool,
+        host: &mut H,
+    ) -> Next {
+        let rules: Vec<usize> = wants.iter().map(|w| w.rule).collect();
+        match cfg.failure_mode {
+            FailureMode::Allow => {
+                host.count_inflight(Count::FailureOpen);
+                allow(paused, host)
+            }
+            FailureMode::Deny => deny_or_shadow(
+                cfg,
+                &rules,
+                DENIED_RETRY_MS,
+                paused,
+                host,
+                Count::FailureClosed,
+            ),
+            FailureMode::Fallback => match acquire_local(cfg, wants, host.store()) {
+                Ok(counters) => {
+                    host.count_inflight(Count::FallbackAcquired);
+                    *self = Slots::Local(counters);
+                    allow(paused, host)
+                }
+                Err(i) => {
+                    let rule: Vec<usize> = wants.get(i).map(|w| w.rule).into_iter().collect();
+                    deny_or_shadow(
+                        cfg,
+                        &rule,
+                        DENIED_RETRY_MS,
+                        paused,
+                        host,
+                        Count::FallbackLimited,
+                    )
+                }
+            },
+        }
+    }
+
+    /// The stream ended (however): gives back what it holds, once.
+    pub fn release<H: Host>(&mut self, cfg: &Config, host: &mut H) {
+        match std::mem::replace(self, Slots::Done) {
+            Slots::Held { slot, keys } => {
+                if !host.release(cfg, &encode_release(&slot, &keys)) {
+                    host.count_inflight(Count::ReleaseFailed);
+                }
+            }
+            Slots::Local(counters) => release_local(host.store(), &counters),
+            other => *self = other,
+        }
+    }
+}
+
+fn allow<H: Host>(paused: bool, host: &mut H) -> Next {
+    if paused {
+        host.resume();
+    }
+    Next::Continue
+}
+
+/// Denies with the first rule of `rules` that is not in shadow mode, counting `count`; when all
+/// are in shadow mode, lets the request through without a slot.
+fn deny_or_shadow<H: Host>(
+    cfg: &Config,
+    rules: &[usize],
+    wait_ms: u64,
+    paused: bool,
+    host: &mut H,
+    count: Count,
+) -> Next {
+    let enforcing = rules
+        .iter()
+        .filter_map(|&i| cfg.inflight.get(i))
+        .find(|f| !f.rule.shadow);
+    match enforcing {
+        Some(f) => {
+            host.count_inflight(count);
+            host.reply(&denial(f, wait_ms));
+            Next::Pause
+        }
+        None => {
+            host.count_inflight(Count::ShadowLimited);
+            allow(paused, host)
+        }
+    }
+}
