@@ -421,6 +421,8 @@ fn the_match_prefilter_agrees_with_the_core() {
                 match_headers: Some(names.clone()),
                 batcher: super::Batcher::default(),
                 refills: Default::default(),
+                releases: Default::default(),
+                orphans: Default::default(),
             };
             let core = crate::core::decide::decide(&cfg, &full);
             let pre = may_match(&fake, &plugin);
