@@ -530,6 +530,183 @@ mod tests {
         assert!(acquire_local(&c, &w, &s).is_ok());
         release_local(&s, &b);
     }
+
+    /// A host that records what the flow asks of it.
+    #[derive(Default)]
+    struct Fake {
+        store: FakeStore,
+        acquire_fails: bool,
+        acquires: Vec<Vec<u8>>,
+        releases: Vec<Vec<u8>>,
+        resumed: u32,
+        replies: Vec<LocalReply>,
+        counts: Vec<Count>,
+    }
+
+    impl Host for Fake {
+        type Store = FakeStore;
+        fn store(&self) -> &FakeStore {
+            &self.store
+        }
+        fn now_ms(&self) -> u64 {
+            0
+        }
+        fn dispatch(&mut self, _: &Config, _: &crate::core::decide::Plan) -> Result<u32, String> {
+            Ok(100)
+        }
+        fn resume(&mut self) {
+            self.resumed += 1;
+        }
+        fn reply(&mut self, r: &LocalReply) {
+            self.replies.push(r.clone());
+        }
+        fn count(&mut self, _: crate::core::decide::Decision) {}
+        fn count_rule(&mut self, _: usize, _: crate::core::decide::RuleCount) {}
+        fn count_failure(&mut self, _: crate::core::decide::Cause) {}
+        fn breaker_event(&mut self, _: crate::core::breaker::Event) {}
+        fn count_lease(&mut self, _: crate::core::lease::Count, _: u64) {}
+        fn dispatch_refill(
+            &mut self,
+            _: &Config,
+            _: crate::core::decide::Plan,
+        ) -> Result<(), String> {
+            Ok(())
+        }
+        fn give_back(&mut self, _: &Config, _: &crate::core::wire::TakeRequest) {}
+        fn acquire(&mut self, _: &Config, body: &[u8]) -> Result<u32, String> {
+            self.acquires.push(body.to_vec());
+            if self.acquire_fails {
+                return Err("BadArgument".into());
+            }
+            Ok(7)
+        }
+        fn release(&mut self, _: &Config, body: &[u8]) -> bool {
+            self.releases.push(body.to_vec());
+            true
+        }
+        fn count_inflight(&mut self, c: Count) {
+            self.counts.push(c);
+        }
+    }
+
+    fn answer(body: &str) -> CalloutResult {
+        CalloutResult::Http {
+            status: Some(200),
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    const HELD: &str = r#"{"allowed":true,"slot":"ab","buckets":[{"allowed":true,"limit":4,"in_flight":1,"retry_after_ms":0}]}"#;
+    const FULL: &str = r#"{"allowed":false,"buckets":[{"allowed":false,"limit":4,"in_flight":4,"retry_after_ms":1000}]}"#;
+
+    use crate::core::flow::{Flow, Next};
+
+    #[test]
+    fn flow_pauses_resumes_and_releases_exactly_once() {
+        let c = cfg("");
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        assert_eq!(
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h),
+            Next::Pause
+        );
+        assert!(f.waits_for(7));
+        f.on_callout_result(&c, 7, answer(HELD), &mut h);
+        assert_eq!((h.resumed, h.counts.clone()), (1, vec![Count::Acquired]));
+        f.on_end(&c, &mut h);
+        f.on_end(&c, &mut h);
+        assert_eq!(h.releases, vec![encode_release("ab", &["cc|u".into()])]);
+        // No rule matches: no acquire, no pause.
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        assert_eq!(
+            f.on_request_headers(&c, &req("/fast", "u"), &mut h),
+            Next::Continue
+        );
+        f.on_end(&c, &mut h);
+        assert!(h.acquires.is_empty() && h.releases.is_empty());
+    }
+
+    #[test]
+    fn flow_denies_a_full_key_and_holds_nothing() {
+        let c = cfg("");
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        f.on_request_headers(&c, &req("/slow", "u"), &mut h);
+        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        assert_eq!((h.resumed, h.replies.len()), (0, 1));
+        assert_eq!(h.replies[0].status, 429);
+        assert!(h.replies[0]
+            .headers
+            .contains(&("retry-after".into(), "1".into())));
+        f.on_end(&c, &mut h);
+        assert!(h.releases.is_empty());
+        // In shadow mode the same answer lets the request through, without a slot.
+        let c = cfg(r#","shadow":true"#);
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        f.on_request_headers(&c, &req("/slow", "u"), &mut h);
+        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        assert_eq!(
+            (h.resumed, h.counts.clone()),
+            (1, vec![Count::ShadowLimited])
+        );
+    }
+
+    #[test]
+    fn flow_without_an_answer_follows_the_failure_mode() {
+        // allow: through, nothing held; deny: 429.
+        for (mode, resumed, replies, count) in [
+            ("allow", 1, 0, Count::FailureOpen),
+            ("deny", 0, 1, Count::FailureClosed),
+        ] {
+            let c = cfg(&format!(r#","failure_mode":"{mode}""#));
+            let (mut h, mut f) = (Fake::default(), Flow::default());
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h);
+            f.on_callout_result(
+                &c,
+                7,
+                CalloutResult::Http {
+                    status: Some(503),
+                    body: vec![],
+                },
+                &mut h,
+            );
+            assert_eq!(
+                (h.resumed, h.replies.len(), h.counts.clone()),
+                (resumed, replies, vec![count]),
+                "{mode}"
+            );
+        }
+        // fallback: local slots, 4 here; given back when each stream ends. A dispatch error is
+        // decided at once, without pausing.
+        let c = cfg(r#","fallback":{"max_keys":8}"#);
+        let mut h = Fake {
+            acquire_fails: true,
+            ..Fake::default()
+        };
+        crate::core::fallback::prepare_table(&h.store, TABLE, 8, &[0; 8]);
+        let mut flows: Vec<Flow> = (0..5).map(|_| Flow::default()).collect();
+        let next: Vec<Next> = flows
+            .iter_mut()
+            .map(|f| f.on_request_headers(&c, &req("/slow", "u"), &mut h))
+            .collect();
+        assert_eq!(
+            next,
+            vec![
+                Next::Continue,
+                Next::Continue,
+                Next::Continue,
+                Next::Continue,
+                Next::Pause
+            ]
+        );
+        assert_eq!(h.replies.len(), 1);
+        assert_eq!(h.resumed, 0, "never paused");
+        flows[0].on_end(&c, &mut h);
+        let mut again = Flow::default();
+        assert_eq!(
+            again.on_request_headers(&c, &req("/slow", "u"), &mut h),
+            Next::Continue
+        );
+        assert!(h.releases.is_empty(), "local slots are not the service's");
+    }
 }
 
 /// A request's concurrency slots, driven by [`crate::core::flow::Flow`].
