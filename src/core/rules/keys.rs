@@ -13,7 +13,7 @@
 //!   missing" differs from "header empty" and from every value.
 //! - The rule name leads, so two rules never share a bucket by accident.
 
-use crate::core::config::{Cost, KeyPart, OnMissing, Rule};
+use crate::core::config::{Cost, HeaderMatch, KeyPart, Match, OnMissing, Rule};
 use crate::core::hash::{hex_digit, sha256_hex};
 use crate::core::rules::Request;
 use std::net::{IpAddr, SocketAddr};
@@ -153,6 +153,70 @@ fn parse_u64(raw: &[u8]) -> Option<u64> {
     }
     // Values above u64::MAX saturate: they are clamped to `max` anyway.
     Some(s.parse::<u64>().unwrap_or(u64::MAX))
+}
+
+/// Adds to `names` every request header `rule` can read: its conditions, key and descriptor parts,
+/// cost and tier headers (`:path`, `:method`, `:authority` and `host` for those parts). `false`
+/// when it needs every value of a header (the client address from `x-forwarded-for`, with
+/// `trusted_hops` > 0), which only the whole header map gives: reading a header by name gives its
+/// first value, as [`Request::header`] does. The peer address is not a header: see
+/// `Config::needs_peer_address`.
+pub fn headers_read(rule: &Rule, trusted_hops: u32, names: &mut Vec<String>) -> bool {
+    fn add(names: &mut Vec<String>, n: &str) {
+        if !names.iter().any(|x| x == n) {
+            names.push(n.to_string());
+        }
+    }
+    fn part(p: &KeyPart, hops: u32, names: &mut Vec<String>) -> bool {
+        match p {
+            KeyPart::Literal(_) => {}
+            KeyPart::Header(h) => add(names, h),
+            KeyPart::ClientIp => return hops == 0,
+            KeyPart::Path => add(names, ":path"),
+            KeyPart::Method => add(names, ":method"),
+            KeyPart::Authority => {
+                add(names, ":authority");
+                add(names, "host");
+            }
+        }
+        true
+    }
+    fn conditions(m: &Match, hops: u32, names: &mut Vec<String>) -> bool {
+        if !m.client_ip.is_empty() && hops > 0 {
+            return false;
+        }
+        if m.path.is_some() {
+            add(names, ":path");
+        }
+        if !m.methods.is_empty() {
+            add(names, ":method");
+        }
+        for h in &m.headers {
+            match h {
+                HeaderMatch::Present(n, _) | HeaderMatch::Equals(n, _) => add(names, n),
+            }
+        }
+        m.not.as_deref().is_none_or(|n| conditions(n, hops, names))
+    }
+    if !conditions(&rule.matcher, trusted_hops, names) {
+        return false;
+    }
+    for p in rule
+        .key
+        .iter()
+        .chain(rule.descriptor.iter().map(|(_, p)| p))
+    {
+        if !part(p, trusted_hops, names) {
+            return false;
+        }
+    }
+    if let Cost::Header { name, .. } = &rule.cost {
+        add(names, name);
+    }
+    if let Some(t) = &rule.tiers {
+        add(names, &t.header);
+    }
+    true
 }
 
 #[cfg(test)]
@@ -342,5 +406,57 @@ mod tests {
         assert_eq!(c(b"-3"), 2);
         assert_eq!(c(b"1e3"), 2);
         assert_eq!(c(&[0xff]), 2);
+    }
+    /// A request of only the headers `headers_read` names (first values, as the host's by-name
+    /// read gives them) decides exactly as the whole request does.
+    #[test]
+    fn the_headers_read_decide_as_the_whole_request() {
+        use crate::core::config::Config;
+        use crate::core::decide::decide;
+        let rules = [
+            r#"{"name":"a","match":{"path_prefix":"/api","methods":["GET"],"headers":[{"name":"x-plan","equals":"free"}]},"key":["header:x-user","path","method","authority"],"capacity":5,"period_ms":1000}"#,
+            r#"{"name":"b","match":{"headers":[{"name":"x-on","present":true}],"not":{"headers":[{"name":"x-off","present":true}]}},"key":["literal:k","header:x-user"],"capacity":5,"period_ms":1000,"cost":{"header":"x-cost","default":1,"max":9}}"#,
+            r#"{"name":"c","key":["header:x-user"],"capacity":5,"period_ms":1000,"overrides":[{"value":"vip","capacity":1000}],"tiers":{"header":"x-tier","limits":{"gold":{"capacity":100}}}}"#,
+            r#"{"name":"d","key":["client_ip"],"capacity":5,"period_ms":1000}"#,
+        ];
+        let full: Vec<(&str, &[u8])> = vec![
+            (":path", b"/api/x?q=1"),
+            (":method", b"GET"),
+            (":authority", b"example.com"),
+            ("x-user", b"vip"),
+            ("x-user", b"second"),
+            ("x-plan", b"free"),
+            ("x-on", b""),
+            ("x-cost", b"4"),
+            ("x-tier", b"gold"),
+            ("x-noise", b"n"),
+        ];
+        for r in rules {
+            let c = Config::parse(
+                format!(r#"{{"service":{{"cluster":"c"}},"rules":[{r}]}}"#).as_bytes(),
+            )
+            .unwrap();
+            let mut names = Vec::new();
+            assert!(headers_read(&c.rules[0], c.trusted_hops, &mut names), "{r}");
+            assert!(!names.iter().any(|n| n == "x-noise"), "{r}: {names:?}");
+            let mut whole = req(&full);
+            whole.peer = Some("10.1.2.3:4".into());
+            let mut part = req(&[]);
+            part.peer = whole.peer.clone();
+            for n in &names {
+                if let Some(v) = whole.header(n) {
+                    part.headers.push((n.clone(), v.to_vec()));
+                }
+            }
+            let step = decide(&c, &whole);
+            assert_ne!(step, crate::core::decide::Step::Continue, "{r} matches");
+            assert_eq!(decide(&c, &part), step, "{r}: {names:?}");
+        }
+        // The client address from x-forwarded-for needs every value: the whole map.
+        let c = Config::parse(
+            br#"{"service":{"cluster":"c"},"trusted_hops":1,"rules":[{"name":"e","key":["client_ip"],"capacity":5,"period_ms":1000}]}"#,
+        )
+        .unwrap();
+        assert!(!headers_read(&c.rules[0], c.trusted_hops, &mut Vec::new()));
     }
 }
