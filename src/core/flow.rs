@@ -60,6 +60,11 @@ pub trait Host {
     /// Sends a refund: `request`'s costs are unspent tokens given back to the global bucket. Its
     /// answer is not awaited (a lost refund only leaves those tokens spent).
     fn give_back(&mut self, cfg: &Config, request: &TakeRequest);
+    /// Watches a pool this worker deposited into, so that its tokens are given back when they
+    /// expire ([`lease::sweep`], on the proxy's timer).
+    fn watch(&mut self, held: lease::Held) {
+        let _ = held;
+    }
     /// Starts an acquire of concurrency slots (`body`: JSON, `POST /v1/acquire`); its token.
     fn acquire(&mut self, _cfg: &Config, _body: &[u8]) -> Result<u32, String> {
         Err("concurrency slots are not supported by this host".into())
@@ -385,6 +390,9 @@ fn run_chores<H: Host>(cfg: &Config, chores: lease::Chores, host: &mut H) {
     if chores.dropped > 0 {
         host.count_lease(Count::Expired, chores.dropped);
     }
+    for h in chores.watch {
+        host.watch(h);
+    }
     for r in &chores.returns {
         host.give_back(cfg, r);
         let n = r.buckets.iter().map(|b| b.cost.unwrap_or(1)).sum();
@@ -460,6 +468,7 @@ mod tests {
         rule_counts: Vec<(usize, RuleCount)>,
         refills: Vec<Plan>,
         given_back: Vec<TakeRequest>,
+        watched: Vec<lease::Held>,
     }
 
     impl Default for FakeHost {
@@ -484,6 +493,7 @@ mod tests {
                 rule_counts: Vec::new(),
                 refills: Vec::new(),
                 given_back: Vec::new(),
+                watched: Vec::new(),
             }
         }
     }
@@ -514,6 +524,9 @@ mod tests {
         }
         fn give_back(&mut self, _: &Config, request: &TakeRequest) {
             self.given_back.push(request.clone());
+        }
+        fn watch(&mut self, held: lease::Held) {
+            self.watched.push(held);
         }
         fn resume(&mut self) {
             self.resumed += 1;

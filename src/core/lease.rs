@@ -534,6 +534,77 @@ pub struct Chores {
     /// Expired tokens to give back to the global bucket: one-bucket requests whose `cost` is the
     /// number of tokens (a refund callout, answer not awaited).
     pub returns: Vec<TakeRequest>,
+    /// Token-bucket pools this request deposited into: the worker watches them, so their tokens
+    /// are given back when they expire even if no request comes for that key again ([`sweep`]).
+    pub watch: Vec<Held>,
+}
+
+/// A pool a worker deposited into, and when its tokens expire (as of that deposit).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    /// The pool's slot.
+    pub slot: Slot,
+    /// Its bucket, as sent to the service (`cost` and `lease` cleared).
+    pub bucket: Bucket,
+    /// When its tokens expire, as of the last look.
+    pub expires_ms: u64,
+}
+
+/// Most pools one worker watches per configuration; past that, a newly watched pool replaces the
+/// one expiring soonest (an unwatched pool's tokens still return when a request finds them
+/// expired).
+pub const MAX_WATCHED: usize = 256;
+
+/// Adds `h` to the watched pools `held` (an entry for the same pool is renewed).
+pub fn watch(held: &mut Vec<Held>, h: Held) {
+    if let Some(w) = held.iter_mut().find(|w| w.slot == h.slot) {
+        w.expires_ms = w.expires_ms.max(h.expires_ms);
+        return;
+    }
+    if held.len() >= MAX_WATCHED {
+        if let Some(i) = (0..held.len()).min_by_key(|&i| held.get(i).map_or(0, |w| w.expires_ms)) {
+            held.swap_remove(i);
+        }
+    }
+    held.push(h);
+}
+
+/// Looks at the watched pools whose tokens are due to expire: takes out what expired (with CAS,
+/// so of the workers watching one pool only one gets its tokens) and returns the refunds to send
+/// for them, with the number of tokens. A pool renewed since is watched until its new expiry; an
+/// empty, evicted or vanished one is no longer watched.
+pub fn sweep<S: CasStore + ?Sized>(
+    store: &S,
+    held: &mut Vec<Held>,
+    now_ms: u64,
+) -> (Vec<TakeRequest>, u64) {
+    let (mut returns, mut tokens) = (Vec::new(), 0);
+    held.retain_mut(|h| {
+        if now_ms < h.expires_ms {
+            return true;
+        }
+        let n = reclaim(store, &h.slot, now_ms);
+        if n > 0 {
+            tokens += n;
+            returns.push(TakeRequest {
+                buckets: vec![Bucket {
+                    cost: Some(n),
+                    ..h.bucket.clone()
+                }],
+            });
+        }
+        let pool = store
+            .get(&h.slot.name)
+            .and_then(|(v, _)| Pool::decode(&h.slot.id, Some(&v)));
+        match pool {
+            Some(p) if p.tokens > 0 && p.expires_ms > now_ms => {
+                h.expires_ms = p.expires_ms;
+                true
+            }
+            _ => false,
+        }
+    });
+    (returns, tokens)
 }
 
 impl Chores {
@@ -552,6 +623,24 @@ impl Chores {
                         lease: None,
                         ..b.clone()
                     }],
+                });
+            }
+        }
+    }
+
+    /// Bucket `i` of `plan` got tokens expiring at `expires_ms` in pool `slot`: watch it (token
+    /// buckets only, as for [`Chores::expired`]).
+    fn held(&mut self, plan: &Plan, i: usize, slot: &Slot, expires_ms: u64) {
+        if let Some(b) = plan.request.buckets.get(i) {
+            if b.algorithm.unwrap_or(Algorithm::TokenBucket) == Algorithm::TokenBucket {
+                self.watch.push(Held {
+                    slot: slot.clone(),
+                    bucket: Bucket {
+                        cost: None,
+                        lease: None,
+                        ..b.clone()
+                    },
+                    expires_ms,
                 });
             }
         }
@@ -786,6 +875,9 @@ pub fn settle<S: CasStore + ?Sized>(
                 let d = deposit(store, &slot, g.saturating_sub(cost), r, now_ms, until);
                 chores.dropped += d.evicted;
                 chores.expired(plan, i, d.expired);
+                if g > cost {
+                    chores.held(plan, i, &slot, until);
+                }
             }
             Outcome::Limited(resp) => {
                 if let Some(r) = resp.buckets.get(i) {
@@ -832,6 +924,9 @@ pub fn refilled<S: CasStore + ?Sized>(
             let d = deposit(store, &slot, g, r, now_ms, until);
             chores.dropped += d.evicted;
             chores.expired(plan, i, d.expired);
+            if g > 0 {
+                chores.held(plan, i, &slot, until);
+            }
             (g, chores)
         }
         Outcome::Limited(resp) => {
@@ -1076,6 +1171,65 @@ mod tests {
     }
 
     #[test]
+    fn watched_pools_give_back_their_expired_tokens_once() {
+        let s = FakeStore::default();
+        let sl = the_slot();
+        let bucket = Bucket {
+            key: "r|k".into(),
+            capacity: 100,
+            rate: None,
+            period_ms: 1000,
+            cost: None,
+            algorithm: None,
+            lease: None,
+        };
+        let held = |expires_ms| Held {
+            slot: sl.clone(),
+            bucket: bucket.clone(),
+            expires_ms,
+        };
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        // Two workers watch the same pool.
+        let (mut w1, mut w2) = (Vec::new(), Vec::new());
+        watch(&mut w1, held(1000));
+        watch(&mut w1, held(1000));
+        watch(&mut w2, held(1000));
+        assert_eq!(w1.len(), 1, "one entry per pool");
+        assert_eq!(sweep(&s, &mut w1, 999), (Vec::new(), 0));
+        // Renewed by a later deposit: still watched, nothing given back at the old expiry.
+        deposit(&s, &sl, 2, &answer(true, 2, 0), 500, 1500);
+        assert_eq!(sweep(&s, &mut w1, 1000), (Vec::new(), 0));
+        assert_eq!(w1[0].expires_ms, 1500);
+        let (returns, n) = sweep(&s, &mut w1, 1500);
+        assert_eq!(n, 9);
+        assert_eq!(returns[0].buckets[0].cost, Some(9));
+        assert_eq!(returns[0].buckets[0].key, "r|k");
+        assert!(w1.is_empty(), "empty now: no longer watched");
+        // The other worker finds nothing left to give back.
+        assert_eq!(sweep(&s, &mut w2, 1600), (Vec::new(), 0));
+        assert!(w2.is_empty());
+        // The watch list is bounded; the pool expiring soonest makes room.
+        let mut many = Vec::new();
+        for i in 0..=MAX_WATCHED as u64 {
+            watch(
+                &mut many,
+                Held {
+                    slot: Slot {
+                        name: format!("tollgate.lease.{i}"),
+                        id: [1; 16],
+                    },
+                    bucket: bucket.clone(),
+                    expires_ms: 10_000 - i,
+                },
+            );
+        }
+        assert_eq!(many.len(), MAX_WATCHED);
+        let soonest_before = 10_000 - (MAX_WATCHED as u64 - 1);
+        assert!(!many.iter().any(|h| h.expires_ms == soonest_before));
+        assert!(many.iter().any(|h| h.expires_ms == 10_000));
+    }
+
+    #[test]
     fn cached_denial_covers_the_cost_and_above_until_retry() {
         let s = FakeStore::default();
         let sl = the_slot();
@@ -1160,10 +1314,14 @@ mod tests {
             allowed: true,
             buckets: vec![answer(true, 8, 0)],
         };
+        let (granted, chores) = settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
+        assert_eq!((granted, chores.dropped, chores.refills.len()), (8, 0, 0));
         assert_eq!(
-            settle(&c, &p, &Outcome::Allowed(resp), &s, 0),
-            (8, Chores::default())
+            chores.watch.len(),
+            1,
+            "the pool is watched until it expires"
         );
+        assert_eq!(chores.watch[0].expires_ms, 1000);
         assert_eq!(pool(&s, &c).tokens, 7);
         assert_eq!(pool(&s, &c).expires_ms, 1000, "max_age_ms defaults to 1000");
         for i in 0..5 {

@@ -145,6 +145,8 @@ pub trait Abi {
     ) -> Result<u32, Status>;
     /// The gRPC status message of the callout being reported.
     fn grpc_status_message(&self) -> Option<String>;
+    /// Asks for `proxy_on_tick` on the current (root) context every `period_ms` (0: never).
+    fn set_tick_period(&self, period_ms: u32) -> Result<(), Status>;
     /// Makes `context_id` the current context (a callout reply arrives on the root context).
     fn set_effective_context(&self, context_id: u32) -> Result<(), Status>;
     /// Resumes the current (paused) request.

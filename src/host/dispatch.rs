@@ -69,6 +69,8 @@ struct Plugin {
     batcher: Batcher,
     /// Background lease refills in flight: callout token → the refill's plan (no request waits).
     refills: RefCell<HashMap<u32, Plan>>,
+    /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
+    held: RefCell<Vec<lease::Held>>,
     /// Releases of concurrency slots in flight (their answers are counted, no request waits).
     releases: RefCell<std::collections::HashSet<u32>>,
     /// Acquires whose request ended before the answer: token → the keys asked for; a slot the
@@ -471,6 +473,10 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
             debug!("refund not dispatched: {why}");
         }
     }
+
+    fn watch(&mut self, held: lease::Held) {
+        lease::watch(&mut self.plugin.held.borrow_mut(), held);
+    }
 }
 
 /// One request: the core's [`Flow`] and the plugin it runs under (`None`: the root was never
@@ -638,14 +644,42 @@ impl<A: Abi> Dispatcher<A> {
             match_headers: match_headers(&config),
             batcher: Batcher::default(),
             refills: RefCell::new(HashMap::new()),
+            held: RefCell::new(Vec::new()),
             releases: RefCell::new(std::collections::HashSet::new()),
             orphans: RefCell::new(HashMap::new()),
             config,
             metrics,
         };
+        if let Some(ms) = tick_period_ms(&plugin.config) {
+            // The timer that gives back the tokens of pools nobody spends any more.
+            if let Err(s) = self.abi.set_tick_period(ms) {
+                warn!("no timer for lease pools: {}", abi::status_name(s));
+            }
+        }
         self.roots.insert(id, Some(Rc::new(plugin)));
         self.report_memory();
         true
+    }
+
+    /// The root context's timer: expired tokens of the lease pools this worker filled go back to
+    /// the service.
+    pub fn on_tick(&mut self, id: u32) {
+        let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
+            return;
+        };
+        if plugin.held.borrow().is_empty() {
+            return;
+        }
+        let mut proxy = Proxy::new(&self.abi, &plugin);
+        let now = proxy.now_ms();
+        let (returns, tokens) = lease::sweep(proxy.store(), &mut plugin.held.borrow_mut(), now);
+        for r in &returns {
+            proxy.give_back(&plugin.config, r);
+        }
+        if tokens > 0 {
+            proxy.count_lease(lease::Count::Expired, tokens);
+            proxy.count_lease(lease::Count::Returned, tokens);
+        }
     }
 
     pub fn on_request_headers(&mut self, id: u32) -> u32 {
@@ -929,6 +963,18 @@ impl<A: Abi> Dispatcher<A> {
             self.memory_reported = now;
         }
     }
+}
+
+/// How often a configuration's lease pools are looked at for expired tokens: half the shortest
+/// `max_age_ms` of its token-bucket lease rules, between 100 ms and a second; `None` without any.
+fn tick_period_ms(cfg: &Config) -> Option<u32> {
+    let shortest = cfg
+        .rules
+        .iter()
+        .filter(|r| r.algorithm == crate::core::config::Algorithm::TokenBucket)
+        .filter_map(|r| r.lease.map(|l| l.max_age_ms))
+        .min()?;
+    u32::try_from((shortest / 2).clamp(100, 1000)).ok()
 }
 
 /// `GrpcService { envoy_grpc: EnvoyGrpc { cluster_name } }`, serialised (both field 1, length

@@ -107,6 +107,7 @@ extern "C" {
         return_message_size: *mut usize,
     ) -> u32;
     fn proxy_set_effective_context(context_id: u32) -> u32;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_send_local_response(
         status_code: u32,
@@ -336,6 +337,11 @@ impl Abi for Envoy {
         Some(String::from_utf8_lossy(&bytes).into_owned())
     }
 
+    fn set_tick_period(&self, period_ms: u32) -> Result<(), Status> {
+        // SAFETY: plain host call.
+        result(unsafe { proxy_set_tick_period_milliseconds(period_ms) })
+    }
+
     fn set_effective_context(&self, context_id: u32) -> Result<(), Status> {
         // SAFETY: plain host call.
         result(unsafe { proxy_set_effective_context(context_id) })
@@ -506,6 +512,11 @@ pub extern "C" fn proxy_on_http_call_response(
 #[no_mangle]
 pub extern "C" fn proxy_on_grpc_receive(_context_id: u32, token: u32, response_size: u32) {
     with((), |d| d.on_grpc_response(token, 0, size(response_size)));
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_tick(context_id: u32) {
+    with((), |d| d.on_tick(context_id));
 }
 
 #[no_mangle]

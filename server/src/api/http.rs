@@ -115,6 +115,16 @@ async fn release(State(api): State<Arc<Api>>, req: Request) -> Response {
     json_or_error(&api, result)
 }
 
+/// `POST /v1/refund`: tokens given back ([`super::refund`]); admitted like a take.
+async fn refund(State(api): State<Arc<Api>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = match api.admit(&parts.headers, body, 0).await {
+        Ok((bytes, _permit)) => api.refund(decode_take(&bytes)).await,
+        Err(e) => Err(e),
+    };
+    json_or_error(&api, result)
+}
+
 fn json_or_error<T: serde::Serialize>(api: &Api, result: Result<T, ApiError>) -> Response {
     match result {
         Ok(d) => {
@@ -208,6 +218,7 @@ pub fn router(
         .route("/v1/take_batch", post(take_batch))
         .route("/v1/acquire", post(acquire))
         .route("/v1/release", post(release))
+        .route("/v1/refund", post(refund))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

@@ -16,6 +16,7 @@
 pub mod grpc;
 pub mod http;
 pub mod json;
+pub mod refund;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;

@@ -247,6 +247,10 @@ impl Store for Coalescer {
         self.inner.store.release(slot, keys).await
     }
 
+    async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
+        self.inner.store.refund(buckets).await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.store.ping().await
     }

@@ -218,6 +218,38 @@ impl MemoryStore {
             .collect()
     }
 
+    /// Gives tokens back (token buckets that still exist), as `tb_refund` in token_bucket.lua.
+    fn refund_at(&self, specs: &[BucketSpec], now: u64) -> u64 {
+        let mut inner = self.lock();
+        let mut n = 0;
+        for b in specs {
+            if b.algorithm != Algorithm::TokenBucket {
+                continue;
+            }
+            let id = Id {
+                algorithm: b.algorithm,
+                key: b.key.clone(),
+            };
+            let Some(stored) = inner
+                .buckets
+                .get(&id)
+                .filter(|e| e.expires_us > now)
+                .map(|e| e.state)
+            else {
+                continue;
+            };
+            let mut state = load(b, Some(stored), now);
+            if let State::Token { t, .. } = &mut state {
+                let cap_m = u128::from(b.capacity) * MICRO;
+                *t = (*t + u128::from(b.cost) * MICRO).min(cap_m);
+            }
+            let expires_us = now.saturating_add(ttl_ms(&state, now).saturating_mul(1000));
+            inner.put(id, state, expires_us);
+            n += 1;
+        }
+        n
+    }
+
     /// One take, with the lock held.
     fn take_locked(
         &self,
@@ -479,6 +511,10 @@ impl Store for MemoryStore {
 
     async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
         Ok(self.slots.release(slot, keys))
+    }
+
+    async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
+        Ok(self.refund_at(buckets, self.now_us()))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

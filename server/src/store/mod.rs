@@ -102,6 +102,16 @@ pub trait Store: Send + Sync + 'static {
         Err(StoreError::Server("this store holds no slots".into()))
     }
 
+    /// Gives `cost` tokens back to each bucket (token buckets only: tokens a caller was granted
+    /// and will not spend, e.g. a lease that ended). Refilled up to now first and capped at the
+    /// capacity, so a bucket never holds more than it would had those tokens never been charged;
+    /// a bucket that no longer exists is full already. Returns how many buckets took tokens back.
+    /// `buckets` is validated.
+    async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
+        let _ = buckets;
+        Err(StoreError::Server("this store takes no refunds".into()))
+    }
+
     /// Checks the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;
 

@@ -640,6 +640,30 @@ fn alg_code(a: Algorithm) -> u64 {
     }
 }
 
+impl RedisStore {
+    /// Gives tokens back with `refund.lua`, one bucket per call (each in its own slot).
+    async fn refund_each(&self, specs: &[BucketSpec]) -> Result<u64, StoreError> {
+        let mut n = 0;
+        for b in specs
+            .iter()
+            .filter(|b| b.algorithm == Algorithm::TokenBucket)
+        {
+            let key = redis_key(&self.config.key_prefix, b);
+            let args = [
+                alg_code(b.algorithm),
+                b.capacity,
+                b.rate,
+                b.period_ms,
+                b.cost,
+                0,
+            ];
+            let reply = self.invoke(&self.refund, &[key.as_str()], &args).await?;
+            n += reply.first().map_or(0, |&r| u64::try_from(r).unwrap_or(0));
+        }
+        Ok(n)
+    }
+}
+
 #[async_trait::async_trait]
 impl Store for RedisStore {
     async fn take(&self, specs: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
@@ -836,6 +860,10 @@ impl Store for RedisStore {
             }
         }
         Ok(out)
+    }
+
+    async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
+        self.refund_each(buckets).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

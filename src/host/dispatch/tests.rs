@@ -30,6 +30,8 @@ struct Fake {
     dispatched: RefCell<Vec<(u32, Vec<u8>)>>,
     resumed: RefCell<Vec<u32>>,
     replied: RefCell<Vec<(u32, u32)>>,
+    /// The tick period asked for (0: none).
+    tick_ms: Cell<u32>,
 }
 
 impl Fake {
@@ -150,6 +152,10 @@ impl Abi for Fake {
     }
     fn grpc_status_message(&self) -> Option<String> {
         Some("unavailable".into())
+    }
+    fn set_tick_period(&self, period_ms: u32) -> Result<(), Status> {
+        self.tick_ms.set(period_ms);
+        Ok(())
     }
     fn set_effective_context(&self, id: u32) -> Result<(), Status> {
         if !self.known.borrow().contains(&id) {
@@ -421,6 +427,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 match_headers: Some(names.clone()),
                 batcher: super::Batcher::default(),
                 refills: Default::default(),
+                held: Default::default(),
                 releases: Default::default(),
                 orphans: Default::default(),
             };
@@ -531,4 +538,43 @@ fn queued_requests_leave_in_one_batch_and_each_gets_its_own_answer() {
     d.on_http_call_response(batch, 0, 0);
     assert_eq!(d.abi.metric("tollgate.callout_failure.reset"), 2);
     assert_eq!(d.pending_callouts(), 0);
+}
+
+#[test]
+fn a_background_lease_refill_is_answered_without_any_request() {
+    let cfg = r#"{"service":{"cluster":"svc","batch":0},
+        "rules":[{"name":"r","key":["literal:k"],"capacity":100,"period_ms":60000,"lease":{"size":4}}]}"#;
+    let mut d = dispatcher(cfg);
+    assert_eq!(
+        d.abi.tick_ms.get(),
+        500,
+        "a timer for the pools: max_age_ms / 2"
+    );
+    let granted = |d: &Dispatcher<Fake>, n: u64| {
+        *d.abi.reply.borrow_mut() = (
+            Some(b"200".to_vec()),
+            format!(r#"{{"allowed":true,"buckets":[{{"allowed":true,"limit":100,"remaining":50,"reset_ms":1000,"retry_after_ms":0,"granted":{n}}}]}}"#).into_bytes(),
+        );
+    };
+    assert_eq!(start(&mut d, 2, "/"), PAUSE);
+    granted(&d, 4);
+    d.on_http_call_response(last_token(&d), 1, 200);
+    assert_eq!(d.abi.resumed.borrow().len(), 1);
+    // 3 pooled: the third local take leaves 0, below 4 / 4, and sends the refill itself.
+    for id in 3..6 {
+        assert_eq!(start(&mut d, id, "/"), CONTINUE, "request {id}");
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 2, "one background refill");
+    assert_eq!(d.pending_callouts(), 0, "no request waits for it");
+    granted(&d, 4);
+    d.on_http_call_response(last_token(&d), 1, 200);
+    assert_eq!(d.abi.metric("tollgate.lease.granted"), 8);
+    assert_eq!(d.abi.metric("tollgate.lease.refills"), 1);
+    for id in 6..9 {
+        assert_eq!(start(&mut d, id, "/"), CONTINUE, "request {id}");
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 2, "spent from the refill");
+    // Nothing expired yet: the timer sends nothing.
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.dispatched.borrow().len(), 2);
 }

@@ -1,10 +1,11 @@
--- refund: give back what take.lua charged, after another Redis Cluster slot of the same request
--- denied (or failed). Preceded by prelude.lua, token_bucket.lua and fixed_window.lua.
+-- refund: give back tokens take.lua charged: after another Redis Cluster slot of the same request
+-- denied (or failed), or a lease that ended unspent (POST /v1/refund, token buckets, mark 0).
+-- Preceded by prelude.lua, token_bucket.lua and fixed_window.lua.
 --
 -- KEYS:  the keys of the buckets that were charged (one slot).
 -- ARGV:  6 integers per bucket, at 6*(i-1)+1 ..: algorithm, capacity, rate, period_ms, amount, mark
 --        (amount = the `granted` tokens take.lua charged; mark = the charged fixed window index).
--- Reply: the number of buckets given back (an integer). A bucket whose key has expired meanwhile
+-- Reply: {the number of buckets given back}. A bucket whose key has expired meanwhile
 --        is already full (token bucket) or in a past window (fixed window): nothing to give back.
 -- Clock: Redis TIME (the token bucket refills up to now before the cost is added back, capped at
 --        capacity, so a refund never leaves more than the bucket would hold had it not been charged).
@@ -22,4 +23,5 @@ for i = 1, #KEYS do
     n = n + fw_refund(KEYS[i], mark, cost)
   end
 end
-return n
+-- An array, as the other scripts reply (the service reads every script reply as a list).
+return {n}
