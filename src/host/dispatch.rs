@@ -24,7 +24,7 @@ use crate::core::decide::{CalloutResult, Cause, Decision, LocalReply, Plan, Rule
 use crate::core::flow::{self, Flow, Host, Next, Phase};
 use crate::core::inflight;
 use crate::core::lease;
-use crate::core::rules::{matches, Request};
+use crate::core::rules::{keys, matches_headers, Headers, Request};
 use crate::core::store::{CasStore, SetError};
 use crate::core::wire;
 use crate::core::wire::TakeRequest;
@@ -65,6 +65,10 @@ struct Plugin {
     /// The headers whose first values decide whether any rule matches; `None` when some rule
     /// matches every request. Lets a request no rule matches be passed after reading only these.
     match_headers: Option<Vec<String>>,
+    /// The headers the rules can read, each read by name for a request some rule may match;
+    /// `None`: the whole header map is read (a rule needs every value of a header, or reads so
+    /// many that one read of the map is cheaper).
+    request_headers: Option<Vec<String>>,
     /// Group commit of this plugin's callouts (`service.batch`).
     batcher: Batcher,
     /// Background lease refills in flight: callout token → the refill's plan (no request waits).
@@ -493,15 +497,42 @@ fn waiting_token(flow: &Flow) -> Option<u32> {
     }
 }
 
+/// Hashes the ids Envoy hands out (context ids, callout tokens): small integers no client
+/// chooses, so one multiplication spreads them (SipHash, the default, costs several times more on
+/// every callback).
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = u64::from(n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// A map keyed by context id or callout token.
+type IdMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<IdHasher>>;
+
 /// Every context of one VM and the callouts they wait for.
 pub struct Dispatcher<A: Abi> {
     abi: A,
     /// Root contexts and their plugin (`None` until configured).
-    roots: HashMap<u32, Option<Rc<Plugin>>>,
+    roots: IdMap<Option<Rc<Plugin>>>,
     /// Request contexts.
-    filters: HashMap<u32, Filter>,
+    filters: IdMap<Filter>,
     /// Callout token → the request context waiting for it.
-    callouts: HashMap<u32, u32>,
+    callouts: IdMap<u32>,
+    /// The match headers' values of the request being looked at (see [`may_match`]).
+    probe: Vec<Option<Vec<u8>>>,
     gauges: Option<VmGauges>,
     /// Linear memory last added to `tollgate.vm.memory_bytes` by this VM.
     memory_reported: u64,
@@ -511,9 +542,10 @@ impl<A: Abi> Dispatcher<A> {
     pub fn new(abi: A) -> Self {
         Dispatcher {
             abi,
-            roots: HashMap::new(),
-            filters: HashMap::new(),
-            callouts: HashMap::new(),
+            roots: IdMap::default(),
+            filters: IdMap::default(),
+            callouts: IdMap::default(),
+            probe: Vec::new(),
             gauges: None,
             memory_reported: 0,
         }
@@ -642,6 +674,7 @@ impl<A: Abi> Dispatcher<A> {
             bearer: config.service.token.as_ref().map(|t| format!("Bearer {t}")),
             grpc_service: grpc_service(&config.service.cluster),
             match_headers: match_headers(&config),
+            request_headers: request_headers(&config),
             batcher: Batcher::default(),
             refills: RefCell::new(HashMap::new()),
             held: RefCell::new(Vec::new()),
@@ -692,11 +725,11 @@ impl<A: Abi> Dispatcher<A> {
         if f.flow.phase != Phase::Idle {
             return CONTINUE;
         }
-        if !may_match(&self.abi, &plugin) {
+        if !may_match(&self.abi, &plugin, &mut self.probe) {
             f.flow.phase = Phase::Done;
             return CONTINUE;
         }
-        let req = read_request(&self.abi, &plugin.config);
+        let req = read_request(&self.abi, &plugin);
         let mut proxy = Proxy::new(&self.abi, &plugin);
         let next = f.flow.on_request_headers(&plugin.config, &req, &mut proxy);
         if let Some(token) = waiting_token(&f.flow) {
@@ -1034,28 +1067,63 @@ fn match_headers(cfg: &Config) -> Option<Vec<String>> {
     Some(names)
 }
 
-/// Whether some rule may match, reading only the headers the conditions name.
-fn may_match(abi: &impl Abi, plugin: &Plugin) -> bool {
+/// The headers `match_headers` names, as read for one request (`values[i]` is `names[i]`'s).
+struct Probe<'a> {
+    names: &'a [String],
+    values: &'a [Option<Vec<u8>>],
+}
+
+impl Headers for Probe<'_> {
+    fn first(&self, name: &str) -> Option<&[u8]> {
+        let i = self.names.iter().position(|n| n == name)?;
+        self.values.get(i)?.as_deref()
+    }
+}
+
+/// Whether some rule may match, reading only the headers the conditions name into `values`, which
+/// is kept from request to request: the only allocations are the host's copies of the values.
+fn may_match(abi: &impl Abi, plugin: &Plugin, values: &mut Vec<Option<Vec<u8>>>) -> bool {
     let Some(names) = &plugin.match_headers else {
         return true;
     };
-    let req = Request {
-        headers: names
-            .iter()
-            .filter_map(|n| abi.header(HeaderMap::Request, n).map(|v| (n.clone(), v)))
-            .collect(),
-        peer: None,
-    };
+    values.clear();
+    values.extend(names.iter().map(|n| abi.header(HeaderMap::Request, n)));
+    let view = Probe { names, values };
     let cfg = &plugin.config;
+    // `match_headers` is `None` when a condition reads the client address: not here.
     cfg.rules
         .iter()
         .chain(cfg.inflight.iter().map(|f| &f.rule))
-        .any(|r| matches(&r.matcher, &req, cfg.trusted_hops))
+        .any(|r| matches_headers(&r.matcher, &view))
 }
 
-/// What the core reads of a request: every header, and the peer address when a rule needs it.
-fn read_request(abi: &impl Abi, cfg: &Config) -> Request {
-    let headers = abi.headers(HeaderMap::Request).unwrap_or_default();
+/// Most headers read one by one; a configuration whose rules read more gets the whole map in one
+/// host call instead.
+const MAX_HEADERS_BY_NAME: usize = 8;
+
+/// The headers [`read_request`] reads by name ([`keys::headers_read`] over every rule), or `None`
+/// for the whole map.
+fn request_headers(cfg: &Config) -> Option<Vec<String>> {
+    let mut names = Vec::new();
+    for r in cfg.rules.iter().chain(cfg.inflight.iter().map(|f| &f.rule)) {
+        if !keys::headers_read(r, cfg.trusted_hops, &mut names) {
+            return None;
+        }
+    }
+    (names.len() <= MAX_HEADERS_BY_NAME).then_some(names)
+}
+
+/// What the core reads of a request: the headers its rules can read (by name, or the whole map),
+/// and the peer address when a rule needs it.
+fn read_request(abi: &impl Abi, plugin: &Plugin) -> Request {
+    let cfg = &plugin.config;
+    let headers = match &plugin.request_headers {
+        Some(names) => names
+            .iter()
+            .filter_map(|n| abi.header(HeaderMap::Request, n).map(|v| (n.clone(), v)))
+            .collect(),
+        None => abi.headers(HeaderMap::Request).unwrap_or_default(),
+    };
     let peer = if cfg.needs_peer_address {
         abi.property(&["source", "address"])
             .and_then(|b| String::from_utf8(b).ok())

@@ -39,12 +39,7 @@ impl Request {
 
     /// The path without its query string (and without a fragment, should a client send one).
     pub fn path(&self) -> &[u8] {
-        let p = self.header(":path").unwrap_or(b"/");
-        let end = p
-            .iter()
-            .position(|&b| b == b'?' || b == b'#')
-            .unwrap_or(p.len());
-        p.get(..end).unwrap_or(p)
+        path_of(self)
     }
 
     /// The method.
@@ -56,6 +51,29 @@ impl Request {
     pub fn authority(&self) -> Option<&[u8]> {
         self.header(":authority").or_else(|| self.header("host"))
     }
+}
+
+/// The first value of a header, by name: a whole [`Request`], or the adapter's view of only the
+/// headers some conditions name (no copy of the request needed to decide that no rule matches).
+pub trait Headers {
+    /// The first value of header `name` (lower case), if present.
+    fn first(&self, name: &str) -> Option<&[u8]>;
+}
+
+impl Headers for Request {
+    fn first(&self, name: &str) -> Option<&[u8]> {
+        self.header(name)
+    }
+}
+
+/// The `:path` without its query string or fragment (`/` when absent).
+fn path_of(req: &impl Headers) -> &[u8] {
+    let p = req.first(":path").unwrap_or(b"/");
+    let end = p
+        .iter()
+        .position(|&b| b == b'?' || b == b'#')
+        .unwrap_or(p.len());
+    p.get(..end).unwrap_or(p)
 }
 
 /// Whether every condition of `m` holds for `req` (`trusted_hops` says where the client address
@@ -73,8 +91,24 @@ pub fn matches(m: &Match, req: &Request, trusted_hops: u32) -> bool {
             return false;
         }
     }
+    header_conditions(m, req)
+}
+
+/// [`matches`] for conditions that do not read the client address (`!m.reads_client_ip()`),
+/// over any view of the headers they name.
+pub fn matches_headers(m: &Match, req: &impl Headers) -> bool {
+    if let Some(not) = &m.not {
+        if matches_headers(not, req) {
+            return false;
+        }
+    }
+    header_conditions(m, req)
+}
+
+/// The path, method and header conditions of `m` (not `client_ip`, not `not`).
+fn header_conditions(m: &Match, req: &impl Headers) -> bool {
     if let Some(pm) = &m.path {
-        let path = req.path();
+        let path = path_of(req);
         let ok = match pm {
             PathMatch::Exact(p) => path == p.as_bytes(),
             PathMatch::Prefix(p) => path.starts_with(p.as_bytes()),
@@ -84,14 +118,14 @@ pub fn matches(m: &Match, req: &Request, trusted_hops: u32) -> bool {
         }
     }
     if !m.methods.is_empty() {
-        let method = req.method();
+        let method = req.first(":method").unwrap_or(b"");
         if !m.methods.iter().any(|x| x.as_bytes() == method) {
             return false;
         }
     }
     m.headers.iter().all(|h| match h {
-        HeaderMatch::Present(name, want) => req.header(name).is_some() == *want,
-        HeaderMatch::Equals(name, value) => req.header(name) == Some(value.as_bytes()),
+        HeaderMatch::Present(name, want) => req.first(name).is_some() == *want,
+        HeaderMatch::Equals(name, value) => req.first(name) == Some(value.as_bytes()),
     })
 }
 

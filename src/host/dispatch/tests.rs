@@ -382,8 +382,52 @@ fn a_request_no_rule_matches_reads_only_the_match_headers() {
     assert_eq!(d.on_request_data(5), CONTINUE);
     assert!(d.abi.dispatched.borrow().is_empty());
     assert_eq!(start(&mut d, 6, "/api/v1"), PAUSE);
-    assert_eq!(d.abi.full_reads.get(), 1);
+    assert_eq!(d.abi.full_reads.get(), 0, "the rule reads :path alone");
+    assert_eq!(
+        d.abi.header_reads.get(),
+        3,
+        ":path to match, :path for the request"
+    );
     assert_eq!(d.on_request_data(6), PAUSE, "body waits for the decision");
+}
+
+#[test]
+fn a_matching_request_reads_the_headers_its_rules_read_and_no_more() {
+    let key = |k: &str, hops: u32| {
+        format!(
+            r#"{{"service":{{"cluster":"svc","batch":0}},"trusted_hops":{hops},
+                 "rules":[{{"name":"r","key":[{k}],"capacity":5,"period_ms":60000}}]}}"#
+        )
+    };
+    // (config, whole-map reads, by-name reads) for one request.
+    for (cfg, full, by_name) in [
+        (key(r#""header:x-user","method""#, 0), 0, 2),
+        (key(r#""client_ip""#, 0), 0, 0),
+        (key(r#""authority""#, 0), 0, 2),
+        (key(r#""client_ip""#, 1), 1, 0),
+    ] {
+        let mut d = dispatcher(&cfg);
+        *d.abi.request.borrow_mut() = vec![
+            (":path".into(), b"/x".to_vec()),
+            (":method".into(), b"GET".to_vec()),
+            (":authority".into(), b"example.com".to_vec()),
+            ("x-user".into(), b"u".to_vec()),
+            ("x-forwarded-for".into(), b"10.0.0.9".to_vec()),
+        ];
+        d.on_context_create(7, ROOT);
+        d.abi.known.borrow_mut().push(7);
+        assert_eq!(d.on_request_headers(7), PAUSE, "{cfg}");
+        assert_eq!(
+            (d.abi.full_reads.get(), d.abi.header_reads.get()),
+            (full, by_name),
+            "{cfg}"
+        );
+        let sent = String::from_utf8(d.abi.dispatched.borrow()[0].1.clone()).unwrap();
+        assert!(
+            sent.contains("r|u|GET") || !cfg.contains("x-user"),
+            "the key is built from what was read: {sent}"
+        );
+    }
 }
 
 #[test]
@@ -425,6 +469,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 bearer: None,
                 grpc_service: Vec::new(),
                 match_headers: Some(names.clone()),
+                request_headers: None,
                 batcher: super::Batcher::default(),
                 refills: Default::default(),
                 held: Default::default(),
@@ -432,7 +477,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 orphans: Default::default(),
             };
             let core = crate::core::decide::decide(&cfg, &full);
-            let pre = may_match(&fake, &plugin);
+            let pre = may_match(&fake, &plugin, &mut Vec::new());
             assert_eq!(
                 pre,
                 !matches!(core, crate::core::decide::Step::Continue),

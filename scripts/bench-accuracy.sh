@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Accuracy of a fleet, in the same `make bench` run as the speed figures (BENCHMARKS.md, "Accuracy").
+#
+# Four Envoys (--concurrency 2) run the module in front of one upstream; a front Envoy spreads the
+# clients' requests over them round-robin. One bucket for everything (key `literal:…`), a limit of
+# RATE per second with a burst of RATE. wrk drives the front well above the limit for SECONDS, once per
+# mode (each mode has a bucket of its own, so each starts full):
+#   exact   one take per request (batched per worker, service.batch default)
+#   lease   lease mode, adaptive size (`"lease": {}`)
+# Admitted requests are counted where they arrive, at the upstream (its access log, with each
+# request's arrival time in ms). The ideal is what one bucket admits over the same span:
+#   ideal = RATE (the burst) + RATE × (last arrival − first arrival)
+# so exact mode must equal it within a few tokens (the times are the upstream's, a take happens a
+# fraction of a millisecond before), and lease mode may fall short of it by what the pools hold
+# unspent, never exceed it.
+#
+#   scripts/bench-accuracy.sh                 # RATE=1000 SECONDS_PER_MODE=10 CONNECTIONS=32
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
+RATE=${RATE:-1000}
+SECS=${SECONDS_PER_MODE:-10}
+CONNECTIONS=${CONNECTIONS:-32}
+MODES=${MODES:-exact lease}
+FLEET=4
+OUT=$ROOT/bench-out/accuracy
+WASM=$(readlink -f "$WASM")
+
+require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"
+command -v wrk >/dev/null || die "wrk missing (scripts/tools.sh bench)"
+rm -rf "$OUT" && mkdir -p "$OUT"
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
+
+PIDS=()
+cleanup() {
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT INT TERM
+
+REDIS_PORT=$(free_port)
+"$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$OUT" >"$OUT/redis.log" 2>&1 &
+REDIS_PID=$!; PIDS+=($REDIS_PID)
+wait_for redis "$OUT/redis.log" $REDIS_PID "$REDIS_CLI" -p "$REDIS_PORT" ping
+SVC_PORT=$(free_port)
+"$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
+  >"$OUT/service.log" 2>&1 &
+SVC_PID=$!; PIDS+=($SVC_PID)
+wait_for tollgate-server "$OUT/service.log" $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
+
+# An Envoy with one HTTP listener: $1 name, $2 port, $3 admin port, $4 route action, $5 filters
+# before the router (YAML lines or empty), $6 access log path (or empty), $7 clusters (YAML lines).
+envoy_yaml() {
+  local log="" nl=$'\n'
+  if [ -n "$6" ]; then
+    log=$(cat <<EOF
+          access_log:
+          - name: envoy.access_loggers.file
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
+              path: $6
+              log_format: {text_format_source: {inline_string: "%START_TIME(%s.%3f)% %RESPONSE_CODE%\n"}}
+EOF
+)
+  fi
+  cat <<EOF
+admin: {address: {socket_address: {address: 127.0.0.1, port_value: $3}}}
+static_resources:
+  listeners:
+  - name: $1
+    address: {socket_address: {address: 127.0.0.1, port_value: $2}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: $1
+${log:+$log$nl}          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {prefix: "/"}
+                $4
+          http_filters:
+${5:+$5$nl}          - name: envoy.filters.http.router
+            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
+${7:+  clusters:$nl$7}
+EOF
+}
+
+# cluster_yaml NAME PORT... [http2]: a STATIC round-robin cluster over 127.0.0.1:PORT...
+cluster_yaml() {
+  local name=$1 eps="" h2=""; shift
+  local p
+  for p in "$@"; do
+    if [ "$p" = http2 ]; then
+      h2=$(printf '%s\n' \
+        '    typed_extension_protocol_options:' \
+        '      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:' \
+        '        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions' \
+        '        explicit_http_config: {http2_protocol_options: {}}')
+    else
+      eps+="{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $p}}}}, "
+    fi
+  done
+  cat <<EOF
+  - name: $name
+    type: STATIC
+    lb_policy: ROUND_ROBIN
+    connect_timeout: 0.25s
+    load_assignment:
+      cluster_name: $name
+      endpoints: [{lb_endpoints: [${eps%, }]}]
+${h2}
+EOF
+}
+
+start() { # name config-file log concurrency admin
+  # Access log lines reach the file within 100 ms (Envoy's default is 10 s).
+  "$ENVOY" -c "$2" --disable-hot-restart --concurrency "$4" --log-level warn --file-flush-interval-msec 100 >"$3" 2>&1 &
+  PIDS+=($!)
+  wait_for "envoy ($1)" "$3" $! curl -fsS "http://127.0.0.1:$5/ready"
+}
+
+UP_PORT=$(free_port); UP_ADMIN=$(free_port)
+envoy_yaml upstream "$UP_PORT" "$UP_ADMIN" \
+  'direct_response: {status: 200, body: {inline_string: "ok\n"}}' "" "$OUT/upstream-access.log" "" >"$OUT/upstream.yaml"
+start upstream "$OUT/upstream.yaml" "$OUT/upstream.log" 1 "$UP_ADMIN"
+
+# The fleet, one set of four Envoys per mode.
+declare -A FRONT
+for mode in $MODES; do
+  lease=""
+  [ "$mode" = lease ] && lease=', "lease": {}'
+  filter=$(cat <<EOF
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: tollgate
+                vm_config:
+                  vm_id: tollgate
+                  runtime: envoy.wasm.runtime.v8
+                  code: {local: {filename: "$WASM"}}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: |
+                    {"service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 200},
+                     "fallback": {"instances": $FLEET},
+                     "rules": [{"name": "all", "key": ["literal:accuracy-$mode"],
+                                "capacity": $RATE, "rate": $RATE, "period_ms": 1000$lease}]}
+EOF
+)
+  ports=()
+  for i in $(seq "$FLEET"); do
+    port=$(free_port); admin=$(free_port); ports+=("$port")
+    clusters="$(cluster_yaml tollgate "$SVC_PORT" http2)
+$(cluster_yaml upstream "$UP_PORT")"
+    envoy_yaml edge "$port" "$admin" 'route: {cluster: upstream}' "$filter" "" "$clusters" >"$OUT/$mode-$i.yaml"
+    start "$mode-$i" "$OUT/$mode-$i.yaml" "$OUT/$mode-$i.log" 2 "$admin"
+  done
+  port=$(free_port); admin=$(free_port)
+  envoy_yaml front "$port" "$admin" 'route: {cluster: fleet}' "" "" "$(cluster_yaml fleet "${ports[@]}")" >"$OUT/$mode-front.yaml"
+  start "$mode-front" "$OUT/$mode-front.yaml" "$OUT/$mode-front.log" 2 "$admin"
+  FRONT[$mode]=$port
+done
+
+RESULTS=$OUT/results.tsv
+: >"$RESULTS"
+for mode in $MODES; do
+  lines0=$(wc -l <"$OUT/upstream-access.log")
+  wrk -t1 -c"$CONNECTIONS" -d"${SECS}s" --timeout 2s "http://127.0.0.1:${FRONT[$mode]}/" >"$OUT/wrk-$mode.txt"
+  sleep 1
+  tail -n +"$((lines0 + 1))" "$OUT/upstream-access.log" >"$OUT/arrivals-$mode.log"
+  total=$(awk '/requests in/ {print $1}' "$OUT/wrk-$mode.txt")
+  read -r admitted first last < <(awk '$2 == 200 {n++; if (!f || $1 < f) f = $1; if ($1 > l) l = $1}
+    END {printf "%d %.3f %.3f\n", n, f, l}' "$OUT/arrivals-$mode.log")
+  ideal=$(awk -v r="$RATE" -v f="$first" -v l="$last" 'BEGIN {printf "%d", r + r * (l - f)}')
+  printf '%s\t%s\t%s\t%s\t%s\n' "$mode" "$total" "$admitted" "$ideal" "$(awk -v f="$first" -v l="$last" 'BEGIN {printf "%.3f", l - f}')" >>"$RESULTS"
+  say "$mode: $admitted admitted of $total requests over ${SECS}s; ideal $ideal"
+done
+
+{
+  echo "load average before the run: $LOAD0; after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "$FLEET Envoys (--concurrency 2) behind a round-robin front Envoy, one bucket of $RATE/s (burst $RATE);"
+  echo "wrk -t1 -c$CONNECTIONS -d${SECS}s per mode, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo "| mode | requests sent | admitted (at the upstream) | ideal ($RATE + $RATE/s × span) | admitted / ideal | span s |"
+  echo "|---|---|---|---|---|---|"
+  awk -F'\t' '{printf "| %s | %d | %d | %d | %.4f | %s |\n", $1, $2, $3, $4, ($4 ? $3 / $4 : 0), $5}' "$RESULTS"
+} | tee "$OUT/summary.md"
