@@ -15,6 +15,9 @@
 #   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
 #   nomatch   Tollgate loaded, its rule matches no request (no callout): the module's fixed cost
 #   lease     as http, with lease mode (lease size 100): most requests spend a local pool, no callout
+#   empty     the floor of any wasm filter: bench/empty-filter (proxy-wasm SDK, returns Continue)
+#   bare-none, bare-empty, bare-nomatch  none, empty and nomatch on a bare Envoy: the route answers
+#             itself (direct_response), no upstream hop; their ratios are against bare-none
 # The limit is high enough that every request is admitted, so what is measured is the per-request path.
 # CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (µs of CPU per request).
 # Memory: each variant's VmRSS/VmHWM and Envoy's server.memory_allocated/heap_size after start and after
@@ -31,12 +34,20 @@ ROOT=$PWD
 . scripts/lib.sh
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
-VARIANTS=${VARIANTS:-none http http-allow http-batch grpc grpc-batch native-rls fallback nomatch lease}
+VARIANTS=${VARIANTS:-none http http-allow http-batch grpc grpc-batch native-rls fallback empty nomatch lease bare-none bare-empty bare-nomatch}
 ROUNDS=${ROUNDS:-3}
 OUT=$ROOT/bench-out/envoy
 WASM=$(readlink -f "$WASM")
 
 require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"
+# The empty filter (variants empty, bare-empty): built here, its own crate outside the workspace.
+EMPTY_WASM=$ROOT/target/empty-filter/wasm32-wasip1/release/empty_filter.wasm
+if [[ " $VARIANTS " == *" empty "* || " $VARIANTS " == *" bare-empty "* ]]; then
+  say "building bench/empty-filter (wasm32-wasip1)"
+  CARGO_TARGET_DIR=$ROOT/target/empty-filter cargo build --quiet --release --target wasm32-wasip1 \
+    --manifest-path bench/empty-filter/Cargo.toml || die "cannot build bench/empty-filter"
+  require_files "$EMPTY_WASM"
+fi
 command -v wrk >/dev/null || die "wrk missing (scripts/tools.sh bench)"
 
 rm -rf "$OUT" && mkdir -p "$OUT"
@@ -121,14 +132,18 @@ envoy_yaml() {
     http-batch) batch=', "batch": 64' ;;
     grpc-batch) transport=grpc; batch=', "batch": 64' ;;
     fallback) svc_port=$CLOSED_PORT ;;
-    nomatch) match='"match": {"path_exact": "/never"},' ;;
+    nomatch | bare-nomatch) match='"match": {"path_exact": "/never"},' ;;
     lease) lease=', "lease": {"size": 100}' ;;
     # Key churn (memory bound): one bucket per x-api-key, a table of N slots.
     fbkeys-*) svc_port=$CLOSED_PORT ;;&
     leasekeys-*) lease=', "lease": {"size": 100}' ;;&
     fbkeys-* | leasekeys-*) key='"header:x-api-key"'; fallback="\"fallback\": {\"max_keys\": ${variant#*-}}," ;;
   esac
-  local route='route: {cluster: upstream}'
+  local route='route: {cluster: upstream}' code=$WASM
+  case $variant in
+    bare-*) route='direct_response: {status: 200, body: {inline_string: "hello from the edge\n"}}' ;;&
+    empty | bare-empty) code=$EMPTY_WASM ;;
+  esac
   if [ "$variant" = native-rls ]; then
     route='route: {cluster: upstream, rate_limits: [{actions: [{remote_address: {}}]}]}'
     filter=$(cat <<EOF
@@ -142,7 +157,20 @@ envoy_yaml() {
                 grpc_service: {envoy_grpc: {cluster_name: tollgate}}
 EOF
 )
-  elif [ "$variant" != none ]; then
+  elif [ "$variant" = empty ] || [ "$variant" = bare-empty ]; then
+    filter=$(cat <<EOF
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: empty
+                vm_config:
+                  vm_id: empty
+                  runtime: envoy.wasm.runtime.v8
+                  code: {local: {filename: "$code"}}
+EOF
+)
+  elif [ "$variant" != none ] && [ "$variant" != bare-none ]; then
     filter=$(cat <<EOF
           - name: envoy.filters.http.wasm
             typed_config:
@@ -152,7 +180,7 @@ EOF
                 vm_config:
                   vm_id: tollgate
                   runtime: envoy.wasm.runtime.v8
-                  code: {local: {filename: "$WASM"}}
+                  code: {local: {filename: "$code"}}
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
                   value: |
@@ -306,7 +334,7 @@ for v in variants:
         continue
     per = []
     for rnd, r in sorted(by[v].items()):
-        base = by.get("none", {}).get(rnd)
+        base = by.get("bare-none" if v.startswith("bare-") else "none", {}).get(rnd)
         if base and float(base[1]) > 0:
             per.append(float(r[1]) / float(base[1]))
     ratio = f"{statistics.median(per):.2f}" if per else "-"

@@ -9,7 +9,10 @@
 # 2. The service (dist/tollgate-server or target/release/tollgate-server) on the same Redis, driven
 #    at the same concurrency by server/examples/loadgen.rs over gRPC (HTTP/2) and JSON over HTTP/2,
 #    by h2load (nghttp2-client; C, cheap per request) over gRPC and JSON over HTTP/2 when it is
-#    installed, and by wrk (JSON over HTTP/1.1, one connection per in-flight request).
+#    installed, and by wrk (JSON over HTTP/1.1, one connection per in-flight request). The service
+#    runs with its default settings (takes arriving together coalesced into one batch script call);
+#    then, unless COALESCE_OFF=0, the h2load and wrk rows again against a second service on the same
+#    Redis with --coalesce 0 (one script call per take), for comparison in the same run.
 # Prints decisions/s, the ratio to Redis alone, p50/p99 latency of a take, and the CPU each
 # process used (2 cores are shared by the load generator, the service and Redis).
 # 3. Memory: the service's RSS after that load (Redis store); Redis's used_memory per bucket (INFO
@@ -23,6 +26,7 @@ ROOT=$PWD
 . scripts/lib.sh # proc_mem, wrk_keys_lua, wrk_keys (the definitions below take precedence)
 
 CONCURRENCY=${CONCURRENCY:-32}
+COALESCE_OFF=${COALESCE_OFF:-1}
 SECS=${SECONDS_PER_RUN:-5}
 REDIS_BUCKETS=${REDIS_BUCKETS:-50000}
 MEMORY_BUCKETS=${MEMORY_BUCKETS:-100000}
@@ -163,7 +167,9 @@ h2l() { # content-type body-file path -> "rps mean max" (h2load reports no perce
   echo "$rps mean:$mean max:$max"
 }
 
+HAVE_H2LOAD=0
 if command -v h2load >/dev/null; then
+  HAVE_H2LOAD=1
   python3 - "$OUT/grpc-body.bin" "$OUT/json-body.txt" "$CAP" <<'PY'
 """Request bodies for h2load in scripts/bench-service.sh: a gRPC-framed tollgate.v1.TakeRequest and
 the same take as JSON. Usage: bench-bodies.py GRPC_OUT JSON_OUT CAPACITY"""
@@ -205,6 +211,25 @@ measure "service, gRPC (loadgen, 4 h2 conns)" lg grpc 4
 measure "service, JSON over h2 (loadgen)" lg h2 4
 measure "service, JSON over HTTP/1.1 (wrk)" wrk_h1
 read -r SVC_RSS SVC_HWM < <(proc_mem "$SERVICE_PID")
+
+# The same rows with coalescing off: a second service on the same Redis, one script call per take.
+if [ "$COALESCE_OFF" != 0 ]; then
+  SP0=$(free_port)
+  "$SERVER" --listen "127.0.0.1:$SP0" --redis-url "redis://127.0.0.1:$RP" --redis-timeout-ms 1000 \
+    --key-prefix "bench:" --coalesce 0 >"$OUT/service-nocoalesce.log" 2>&1 &
+  SERVICE0_PID=$!; PIDS+=("$SERVICE0_PID")
+  for _ in $(seq 100); do curl -sf "http://127.0.0.1:$SP0/readyz" >/dev/null 2>&1 && break; sleep 0.05; done
+  curl -sf "http://127.0.0.1:$SP0/readyz" >/dev/null || die "service (--coalesce 0) not ready"
+  "$LOADGEN" --addr "127.0.0.1:$SP0" --mode grpc --concurrency 8 --connections 2 --seconds 1 >/dev/null
+  read -r SP SP0 <<<"$SP0 $SP"; read -r SERVICE_PID SERVICE0_PID <<<"$SERVICE0_PID $SERVICE_PID"
+  if [ "$HAVE_H2LOAD" = 1 ]; then
+    measure "--coalesce 0: service, gRPC (h2load)" h2l application/grpc "$OUT/grpc-body.bin" /tollgate.v1.RateLimiter/Take
+    measure "--coalesce 0: service, JSON over h2 (h2load)" h2l application/json "$OUT/json-body.txt" /v1/take
+  fi
+  measure "--coalesce 0: service, JSON over HTTP/1.1 (wrk)" wrk_h1
+  read -r SP SP0 <<<"$SP0 $SP"; read -r SERVICE_PID SERVICE0_PID <<<"$SERVICE0_PID $SERVICE_PID"
+  kill "$SERVICE0_PID" 2>/dev/null || true
+fi
 
 redis_alone
 
