@@ -131,11 +131,14 @@ async fn main() {
                             cost: Some(1),
                             algorithm: 0,
                             lease: None,
+                            ..Default::default()
                         }],
+                        ..Default::default()
                     };
                     if args.batch > 1 {
                         let req = pb::TakeBatchRequest {
                             takes: vec![take; args.batch],
+                            ..Default::default()
                         };
                         matches!(g.take_batch(req).await, Ok(r) if r.get_ref().results.iter().all(|t| t.allowed))
                     } else {

@@ -167,8 +167,10 @@ fn pb_request(prefix: &str, keys: &[usize]) -> pb::TakeRequest {
                 cost: None,
                 algorithm: 0,
                 lease: None,
+                ..Default::default()
             })
             .collect(),
+        ..Default::default()
     }
 }
 

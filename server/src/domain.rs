@@ -27,6 +27,11 @@ pub const BUCKET_OVERHEAD_BYTES: usize = 512;
 pub const MAX_TAKE_BYTES: usize =
     MAX_BUCKETS * (MAX_KEY_BYTES + BUCKET_OVERHEAD_BYTES) + BUCKET_OVERHEAD_BYTES;
 
+/// Longest rule name a bucket may carry (`rule`), in bytes.
+pub const MAX_RULE_BYTES: usize = 64;
+/// Longest instance id (`instance`), in bytes.
+pub const MAX_INSTANCE_BYTES: usize = 64;
+
 /// Most takes one batch may carry (`POST /v1/take_batch`, `TakeBatch`).
 pub const MAX_BATCH_TAKES: usize = 64;
 /// Largest batch body accepted, JSON or protobuf: 1 MiB. Less than [`MAX_BATCH_TAKES`] takes of
@@ -105,6 +110,14 @@ pub struct TakeDecision {
     pub allowed: bool,
     /// One decision per request bucket, in request order.
     pub buckets: Vec<BucketDecision>,
+    /// Live proxy instances of the deployment, as the service last counted them (contract/README.md,
+    /// "Instances"); 0 (not encoded) when none is known. Set by the API, not by stores.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub instances: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl TakeDecision {
@@ -117,7 +130,11 @@ impl TakeDecision {
                 b.granted = 0;
             }
         }
-        TakeDecision { allowed, buckets }
+        TakeDecision {
+            allowed,
+            buckets,
+            instances: 0,
+        }
     }
 }
 
@@ -147,6 +164,8 @@ pub struct RawBucket {
     pub algorithm: Option<Algorithm>,
     /// `lease`; absent means exactly `cost`.
     pub lease: Option<u64>,
+    /// `rule`: the name of the rule the bucket belongs to, for metrics only; absent when not sent.
+    pub rule: Option<String>,
 }
 
 /// A take as decoded from either wire form.
@@ -154,6 +173,8 @@ pub struct RawBucket {
 pub struct RawTake {
     /// `buckets`, absent when missing from JSON.
     pub buckets: Option<Vec<RawBucket>>,
+    /// `instance`: the calling proxy's id, counted among the live instances; absent when not sent.
+    pub instance: Option<String>,
 }
 
 /// A batch as decoded from either wire form: its takes, each as a single take decodes.
@@ -161,6 +182,46 @@ pub struct RawTake {
 pub struct RawBatch {
     /// `takes`, absent when missing from JSON.
     pub takes: Option<Vec<RawTake>>,
+    /// `instance`, as in a take.
+    pub instance: Option<String>,
+}
+
+/// Checks an instance id: 1..=[`MAX_INSTANCE_BYTES`] bytes of `A-Z a-z 0-9 . _ : -`.
+pub fn check_instance(field: &str, id: Option<&str>) -> Result<(), InvalidArgument> {
+    let Some(id) = id else { return Ok(()) };
+    if id.is_empty() || id.len() > MAX_INSTANCE_BYTES {
+        return Err(InvalidArgument::new(
+            field,
+            format!("must be 1..={MAX_INSTANCE_BYTES} bytes, got {}", id.len()),
+        ));
+    }
+    if !id
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b".-_:".contains(&b))
+    {
+        return Err(InvalidArgument::new(
+            field,
+            "may hold only letters, digits, '.', '_', ':' and '-'",
+        ));
+    }
+    Ok(())
+}
+
+fn check_rule(field: impl FnOnce() -> String, rule: Option<&str>) -> Result<(), InvalidArgument> {
+    let Some(r) = rule else { return Ok(()) };
+    if r.is_empty() || r.len() > MAX_RULE_BYTES {
+        return Err(InvalidArgument::new(
+            field(),
+            format!("must be 1..={MAX_RULE_BYTES} bytes, got {}", r.len()),
+        ));
+    }
+    if r.chars().any(char::is_control) {
+        return Err(InvalidArgument::new(
+            field(),
+            "must not hold control characters",
+        ));
+    }
+    Ok(())
 }
 
 /// A rejected request: which field, and why. Becomes 400 / `INVALID_ARGUMENT`.
@@ -217,6 +278,7 @@ fn bounded(
 /// The one validation function of the service: both transports call it, and stores only ever see
 /// its output.
 pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
+    check_instance("instance", raw.instance.as_deref())?;
     let buckets = raw
         .buckets
         .ok_or_else(|| InvalidArgument::new("buckets", "is required"))?;
@@ -240,6 +302,7 @@ pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
         .enumerate()
         .map(|(i, b)| {
             let f = |name: &str| format!("buckets[{i}].{name}");
+            check_rule(|| f("rule"), b.rule.as_deref())?;
             let key = b
                 .key
                 .ok_or_else(|| InvalidArgument::new(f("key"), "is required"))?;
@@ -280,6 +343,7 @@ pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
 /// a single take. The first invalid take rejects the whole batch, its field named from the batch
 /// (`takes[3].buckets[0].capacity`).
 pub fn validate_batch(raw: RawBatch) -> Result<Vec<Vec<BucketSpec>>, InvalidArgument> {
+    check_instance("instance", raw.instance.as_deref())?;
     let takes = raw
         .takes
         .ok_or_else(|| InvalidArgument::new("takes", "is required"))?;
@@ -328,12 +392,14 @@ mod tests {
             cost: None,
             algorithm: None,
             lease: None,
+            rule: None,
         }
     }
 
     fn err(buckets: Vec<RawBucket>) -> InvalidArgument {
         match validate(RawTake {
             buckets: Some(buckets),
+            instance: None,
         }) {
             Err(e) => e,
             Ok(v) => unreachable!("expected an error, got {v:?}"),
@@ -344,6 +410,7 @@ mod tests {
     fn defaults_apply() {
         let specs = validate(RawTake {
             buckets: Some(vec![raw("k")]),
+            instance: None,
         })
         .unwrap_or_default();
         assert_eq!(
@@ -391,13 +458,39 @@ mod tests {
         let mut b = raw("a");
         b.key = None;
         assert_eq!(err(vec![b]).field, "buckets[0].key");
-        assert!(validate(RawTake { buckets: None }).is_err());
+        assert!(validate(RawTake::default()).is_err());
+        let mut b = raw("a");
+        b.rule = Some(String::new());
+        assert_eq!(err(vec![b]).field, "buckets[0].rule");
+        let mut b = raw("a");
+        b.rule = Some("r".repeat(65));
+        assert_eq!(err(vec![b]).field, "buckets[0].rule");
+        let bad_instance = |id: &str| {
+            validate(RawTake {
+                buckets: Some(vec![raw("a")]),
+                instance: Some(id.into()),
+            })
+            .err()
+            .map(|e| e.field)
+        };
+        assert_eq!(bad_instance("a b"), Some("instance".into()));
+        assert_eq!(bad_instance(""), Some("instance".into()));
+        assert_eq!(bad_instance(&"i".repeat(65)), Some("instance".into()));
+        assert_eq!(bad_instance("envoy-3:9f2c.a_b"), None);
     }
 
     #[test]
     fn batch_errors_name_the_take() {
-        let take = |b: Vec<RawBucket>| RawTake { buckets: Some(b) };
-        let batch = |t: Vec<RawTake>| validate_batch(RawBatch { takes: Some(t) });
+        let take = |b: Vec<RawBucket>| RawTake {
+            buckets: Some(b),
+            instance: None,
+        };
+        let batch = |t: Vec<RawTake>| {
+            validate_batch(RawBatch {
+                takes: Some(t),
+                instance: None,
+            })
+        };
         assert_eq!(
             validate_batch(RawBatch::default()).err().map(|e| e.field),
             Some("takes".into())
@@ -416,7 +509,7 @@ mod tests {
             e.map(|e| e.field),
             Some("takes[3].buckets[0].capacity".into())
         );
-        let e = batch(vec![ok, RawTake { buckets: None }]).err();
+        let e = batch(vec![ok, RawTake::default()]).err();
         assert_eq!(e.map(|e| e.field), Some("takes[1].buckets".into()));
     }
 
@@ -430,9 +523,11 @@ mod tests {
             cost: Some(MAX_AMOUNT),
             algorithm: Some(Algorithm::FixedWindow),
             lease: Some(MAX_AMOUNT),
+            rule: Some("r".repeat(MAX_RULE_BYTES)),
         };
         assert!(validate(RawTake {
-            buckets: Some(vec![b; 16])
+            buckets: Some(vec![b; 16]),
+            instance: Some("i".repeat(MAX_INSTANCE_BYTES)),
         })
         .is_ok());
     }

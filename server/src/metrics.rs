@@ -3,6 +3,8 @@
 //! | metric | labels | what |
 //! |---|---|---|
 //! | `tollgate_decisions_total` | `outcome` = allowed, limited | takes answered |
+//! | `tollgate_rule_decisions_total` | `rule` = a rule name the filter sent (at most [`MAX_RULE_LABELS`] distinct, the rest `other`); `outcome` = allowed, limited | per rule named in a take (each rule once per take): `allowed` when the take was, `limited` when that rule's own bucket denied it |
+//! | `tollgate_live_instances` | | proxy instances of the deployment heard from within the last 10 s, as last counted (gauge) |
 //! | `tollgate_store_duration_seconds` | | time of one store call: a take, or a whole batch (histogram) |
 //! | `tollgate_batch_takes` | | takes per batch (`/v1/take_batch`, `TakeBatch`; histogram: its count is the number of batches) |
 //! | `tollgate_store_errors_total` | `kind` = timeout, connection, server, protocol | failed takes |
@@ -26,6 +28,19 @@ use prometheus_client::registry::Registry;
 struct Outcome {
     outcome: &'static str,
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RuleOutcome {
+    rule: String,
+    outcome: &'static str,
+}
+
+/// Most distinct `rule` label values; the rules seen after them count as `other`. Rule names come
+/// from the filter's configuration, never from request keys, so a fleet rarely has this many.
+pub const MAX_RULE_LABELS: usize = 64;
+
+/// The `rule` label's value for decisions of rules beyond [`MAX_RULE_LABELS`].
+pub const OTHER_RULE: &str = "other";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Kind {
@@ -55,6 +70,11 @@ pub struct Metrics {
     connections_refused: Counter,
     rls_reloads: Family<Outcome, Counter>,
     rls_config_ok: Gauge,
+    rule_decisions: Family<RuleOutcome, Counter>,
+    /// The (allowed, limited) counters of every rule label in use, so a take looks its rules up
+    /// in one map instead of hashing label sets in the family.
+    rule_counters: std::sync::Mutex<std::collections::HashMap<String, [Counter; 2]>>,
+    live_instances: Gauge,
     allowed: OnceLock<Counter>,
     limited: OnceLock<Counter>,
     http_ok: OnceLock<Counter>,
@@ -139,8 +159,23 @@ impl Metrics {
             "1 while the RLS limits file on disk is the one in force, 0 after it was refused",
             rls_config_ok.clone(),
         );
+        let rule_decisions = Family::<RuleOutcome, Counter>::default();
+        registry.register(
+            "rule_decisions",
+            "Takes answered per rule named in them (allowed, or limited by that rule's bucket)",
+            rule_decisions.clone(),
+        );
+        let live_instances = Gauge::default();
+        registry.register(
+            "live_instances",
+            "Proxy instances of the deployment heard from lately, as last counted",
+            live_instances.clone(),
+        );
         Metrics {
             registry,
+            rule_decisions,
+            rule_counters: std::sync::Mutex::new(std::collections::HashMap::new()),
+            live_instances,
             decisions,
             store_duration,
             batch_takes,
@@ -166,6 +201,51 @@ impl Metrics {
             (&self.limited, "limited")
         };
         cached(cell, &self.decisions, Outcome { outcome }).inc();
+    }
+
+    /// Counts a take once per distinct rule among `rules` (each bucket's rule name and whether
+    /// that bucket alone could pay): `allowed` when the take was allowed, `limited` for the rules
+    /// whose own bucket denied it. Unnamed buckets are not counted here.
+    pub fn rule_decisions<'a>(
+        &self,
+        take_allowed: bool,
+        rules: impl Iterator<Item = (Option<&'a str>, bool)>,
+    ) {
+        let mut done: Vec<&str> = Vec::new();
+        let mut map = match self.rule_counters.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        for (rule, bucket_allowed) in rules {
+            let Some(rule) = rule else { continue };
+            if done.contains(&rule) || (!take_allowed && bucket_allowed) {
+                continue;
+            }
+            done.push(rule);
+            let label = if map.contains_key(rule) || map.len() < MAX_RULE_LABELS {
+                rule
+            } else {
+                OTHER_RULE
+            };
+            if !map.contains_key(label) {
+                let c = |outcome| {
+                    self.rule_decisions.get_or_create_owned(&RuleOutcome {
+                        rule: label.to_string(),
+                        outcome,
+                    })
+                };
+                map.insert(label.to_string(), [c("allowed"), c("limited")]);
+            }
+            if let Some([a, l]) = map.get(label) {
+                if take_allowed { a } else { l }.inc();
+            }
+        }
+    }
+
+    /// Sets the live-instance count last learned.
+    pub fn live_instances(&self, n: u64) {
+        self.live_instances
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     /// Records the duration of one store take.

@@ -53,7 +53,10 @@ fn authed<T>(msg: T) -> tonic::Request<T> {
 }
 
 fn pb_take(b: pb::Bucket) -> pb::TakeRequest {
-    pb::TakeRequest { buckets: vec![b] }
+    pb::TakeRequest {
+        buckets: vec![b],
+        ..Default::default()
+    }
 }
 
 /// One bucket of capacity 1 (no refill to speak of).
@@ -103,6 +106,7 @@ async fn batches_answer_in_order_in_both_forms() {
     let r = g
         .take_batch(authed(pb::TakeBatchRequest {
             takes: vec![pb_take(one_token(&c)), pb_take(one_token(&c))],
+            ..Default::default()
         }))
         .await
         .expect("TakeBatch")
@@ -133,6 +137,7 @@ fn oversized_takes() -> Vec<pb::TakeRequest> {
             buckets: (0..16)
                 .map(|j| pb_bucket(&format!("{i}-{j}-{}", "k".repeat(MAX_KEY_BYTES - 16))))
                 .collect(),
+            ..Default::default()
         })
         .collect()
 }
@@ -204,13 +209,17 @@ async fn bad_batches_are_refused_whole() {
     };
     let valid = || pb_take(one_token(&k));
     let (c, _) = code(
-        g.take_batch(authed(pb::TakeBatchRequest { takes: vec![] }))
-            .await,
+        g.take_batch(authed(pb::TakeBatchRequest {
+            takes: vec![],
+            ..Default::default()
+        }))
+        .await,
     );
     assert_eq!(c, tonic::Code::InvalidArgument);
     let (c, m) = code(
         g.take_batch(authed(pb::TakeBatchRequest {
             takes: vec![valid(); 65],
+            ..Default::default()
         }))
         .await,
     );
@@ -221,6 +230,7 @@ async fn bad_batches_are_refused_whole() {
     let (c, m) = code(
         g.take_batch(authed(pb::TakeBatchRequest {
             takes: vec![valid(), valid(), valid(), pb_take(zero)],
+            ..Default::default()
         }))
         .await,
     );
@@ -229,6 +239,7 @@ async fn bad_batches_are_refused_whole() {
     let (c, _) = code(
         g.take_batch(pb::TakeBatchRequest {
             takes: vec![valid()],
+            ..Default::default()
         })
         .await,
     );
@@ -236,6 +247,7 @@ async fn bad_batches_are_refused_whole() {
     // Over 1 MiB, as raw HTTP/2 (the frame is refused before it is read whole).
     let msg = pb::TakeBatchRequest {
         takes: oversized_takes(),
+        ..Default::default()
     }
     .encode_to_vec();
     assert!(msg.len() > MAX_BATCH_BYTES);
@@ -318,6 +330,7 @@ async fn a_store_outage_fails_the_whole_batch() {
     let e = g
         .take_batch(pb::TakeBatchRequest {
             takes: vec![pb_take(one_token(&k))],
+            ..Default::default()
         })
         .await
         .expect_err("no store");
@@ -373,11 +386,13 @@ async fn exact_under_concurrent_batches_redis() {
                             ..pb_bucket(&own)
                         },
                     ],
+                    ..Default::default()
                 };
                 for _ in 0..BATCHES {
                     let r = g
                         .take_batch(pb::TakeBatchRequest {
                             takes: vec![take.clone(); TAKES],
+                            ..Default::default()
                         })
                         .await
                         .expect("TakeBatch")
@@ -415,10 +430,12 @@ async fn a_batch_near_the_bound_is_accepted() {
                     ..pb_bucket(&format!("{i}-{j}-{}", "k".repeat(MAX_KEY_BYTES - 16)))
                 })
                 .collect(),
+            ..Default::default()
         })
         .collect();
     let msg = pb::TakeBatchRequest {
         takes: takes.clone(),
+        ..Default::default()
     };
     let len = msg.encoded_len();
     assert!(len > 10 * tollgate_server::domain::MAX_TAKE_BYTES && len < MAX_BATCH_BYTES);

@@ -77,6 +77,7 @@ async fn oversized_bodies_are_refused_with_the_bound_in_constant_memory() {
     let mut grpc = common::grpc_client(&svc.url("")).await;
     let mut req = tonic::Request::new(tollgate_server::api::grpc::pb::TakeRequest {
         buckets: vec![common::pb_bucket("warm")],
+        ..Default::default()
     });
     req.metadata_mut()
         .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
@@ -404,6 +405,7 @@ async fn takes_beyond_the_limit_are_shed_at_once() {
     let e = g
         .take(tollgate_server::api::grpc::pb::TakeRequest {
             buckets: vec![common::pb_bucket("shed")],
+            ..Default::default()
         })
         .await
         .expect_err("shed");

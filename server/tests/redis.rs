@@ -228,7 +228,9 @@ async fn outage_is_503_within_the_timeout_and_recovers() {
                     cost: None,
                     algorithm: 0,
                     lease: None,
+                    ..Default::default()
                 }],
+                ..Default::default()
             })
             .await
             .expect_err("no Redis");

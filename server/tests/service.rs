@@ -188,7 +188,9 @@ async fn http1_h2_prior_knowledge_and_grpc_share_one_port() {
                 cost: Some(1),
                 algorithm: 0,
                 lease: None,
+                ..Default::default()
             }],
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -420,7 +422,13 @@ async fn bad_input_is_rejected(store: Arc<dyn Store>, redis: Option<&RedisProc>)
         ),
     ];
     for (what, buckets, field) in grpc_cases {
-        let e = g.take(pb::TakeRequest { buckets }).await.expect_err(what);
+        let e = g
+            .take(pb::TakeRequest {
+                buckets,
+                ..Default::default()
+            })
+            .await
+            .expect_err(what);
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{what}");
         assert!(e.message().contains(field), "{what}: {}", e.message());
     }
@@ -508,6 +516,7 @@ async fn token_is_required_when_configured() {
     let mut g = svc.grpc().await;
     let req = || pb::TakeRequest {
         buckets: vec![pb_bucket("auth")],
+        ..Default::default()
     };
     let e = g.take(req()).await.expect_err("no token");
     assert_eq!(e.code(), tonic::Code::Unauthenticated);

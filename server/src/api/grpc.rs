@@ -234,11 +234,18 @@ pub fn raw_from_pb(req: &pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
             cost: b.cost,
             algorithm: Some(algorithm),
             lease: b.lease,
+            rule: non_empty(&b.rule),
         });
     }
     Ok(RawTake {
         buckets: Some(buckets),
+        instance: non_empty(&req.instance),
     })
+}
+
+/// Protobuf's empty string is "not sent".
+fn non_empty(s: &str) -> Option<String> {
+    (!s.is_empty()).then(|| s.to_string())
 }
 
 /// Converts a decoded protobuf batch: each take as [`raw_from_pb`] converts one, its errors named
@@ -250,13 +257,17 @@ pub fn raw_batch_from_pb(req: &pb::TakeBatchRequest) -> Result<RawBatch, Invalid
         .enumerate()
         .map(|(i, t)| raw_from_pb(t).map_err(|e| e.within_take(i)))
         .collect::<Result<Vec<_>, _>>()?;
-    Ok(RawBatch { takes: Some(takes) })
+    Ok(RawBatch {
+        takes: Some(takes),
+        instance: non_empty(&req.instance),
+    })
 }
 
 /// Encodes a batch request as protobuf (tests and the load generator).
 pub fn pb_batch_from_raw(raw: &RawBatch) -> pb::TakeBatchRequest {
     pb::TakeBatchRequest {
         takes: raw.takes.iter().flatten().map(pb_from_raw).collect(),
+        instance: raw.instance.clone().unwrap_or_default(),
     }
 }
 
@@ -290,8 +301,10 @@ pub fn pb_from_raw(raw: &RawTake) -> pb::TakeRequest {
                     Algorithm::FixedWindow => pb::Algorithm::FixedWindow as i32,
                 },
                 lease: b.lease,
+                rule: b.rule.clone().unwrap_or_default(),
             })
             .collect(),
+        instance: raw.instance.clone().unwrap_or_default(),
     }
 }
 
@@ -311,6 +324,7 @@ pub fn pb_from_decision(d: &TakeDecision) -> pb::TakeResponse {
                 granted: b.granted,
             })
             .collect(),
+        instances: d.instances,
     }
 }
 
@@ -330,6 +344,7 @@ pub fn decision_from_pb(r: &pb::TakeResponse) -> TakeDecision {
                 granted: b.granted,
             })
             .collect(),
+        instances: r.instances,
     }
 }
 
@@ -417,7 +432,7 @@ mod tests {
             "{e:?}"
         );
         // Other fields do not count: unknown ones are skipped as prost would.
-        let mut other = [0x10, 0x05].repeat(40);
+        let mut other = [0x18, 0x05].repeat(40);
         other.extend_from_slice(&[0x0a, 0x00]);
         assert_eq!(
             decode_take(&other).map(|r| r.buckets.map(|b| b.len())),

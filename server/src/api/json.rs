@@ -100,6 +100,8 @@ enum Field {
     Cost,
     Algorithm,
     Lease,
+    Rule,
+    Instance,
     Unknown(String),
 }
 
@@ -122,6 +124,8 @@ impl<'de> Deserialize<'de> for Field {
                     "cost" => Field::Cost,
                     "algorithm" => Field::Algorithm,
                     "lease" => Field::Lease,
+                    "rule" => Field::Rule,
+                    "instance" => Field::Instance,
                     // Only the first unknown name is kept (in the error), so this is one String
                     // per request at most.
                     other => Field::Unknown(other.to_string()),
@@ -153,6 +157,7 @@ impl<'de> Visitor<'de> for TakeSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawTake, A::Error> {
         let slot = self.0;
         let mut buckets = None;
+        let mut instance = None;
         while let Some(field) = map.next_key::<Field>()? {
             match field {
                 Field::Buckets => {
@@ -160,11 +165,16 @@ impl<'de> Visitor<'de> for TakeSeed<'_> {
                         .next_value_seed(OptionSeed(BucketsSeed(slot)))
                         .map_err(|e| slot.note(|| "buckets".into(), "must be a list", e))?;
                 }
+                Field::Instance => {
+                    instance = map
+                        .next_value::<Option<String>>()
+                        .map_err(|e| slot.note(|| "instance".into(), "must be a string", e))?
+                }
                 Field::Unknown(name) => return Err(slot.set(|| name, "unknown field")),
                 _ => return Err(slot.set(|| field_name(&field), "unknown field")),
             }
         }
-        Ok(RawTake { buckets })
+        Ok(RawTake { buckets, instance })
     }
 }
 
@@ -179,6 +189,8 @@ fn field_name(f: &Field) -> String {
         Field::Cost => "cost",
         Field::Algorithm => "algorithm",
         Field::Lease => "lease",
+        Field::Rule => "rule",
+        Field::Instance => "instance",
         Field::Unknown(n) => n,
     }
     .to_string()
@@ -205,6 +217,7 @@ impl<'de> Visitor<'de> for BatchSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawBatch, A::Error> {
         let slot = self.0;
         let mut takes = None;
+        let mut instance = None;
         while let Some(field) = map.next_key::<Field>()? {
             match field {
                 Field::Takes => {
@@ -212,11 +225,16 @@ impl<'de> Visitor<'de> for BatchSeed<'_> {
                         .next_value_seed(OptionSeed(TakesSeed(slot)))
                         .map_err(|e| slot.note(|| "takes".into(), "must be a list", e))?;
                 }
+                Field::Instance => {
+                    instance = map
+                        .next_value::<Option<String>>()
+                        .map_err(|e| slot.note(|| "instance".into(), "must be a string", e))?
+                }
                 Field::Unknown(name) => return Err(slot.set(|| name, "unknown field")),
                 _ => return Err(slot.set(|| field_name(&field), "unknown field")),
             }
         }
-        Ok(RawBatch { takes })
+        Ok(RawBatch { takes, instance })
     }
 }
 
@@ -420,6 +438,11 @@ impl<'de> Visitor<'de> for BucketSeed<'_> {
                 Field::PeriodMs => b.period_ms = uint(map.next_value(), "period_ms")?,
                 Field::Cost => b.cost = uint(map.next_value(), "cost")?,
                 Field::Lease => b.lease = uint(map.next_value(), "lease")?,
+                Field::Rule => {
+                    b.rule = map
+                        .next_value::<Option<String>>()
+                        .map_err(|e| slot.note(|| at("rule"), "must be a string", e))?
+                }
                 Field::Algorithm => {
                     b.algorithm = map
                         .next_value::<Option<Alg>>()
@@ -432,7 +455,7 @@ impl<'de> Visitor<'de> for BucketSeed<'_> {
                         })?
                         .map(|a| a.0)
                 }
-                Field::Buckets | Field::Takes => {
+                Field::Buckets | Field::Takes | Field::Instance => {
                     return Err(slot.set(|| at(&field_name(&field)), "unknown field"))
                 }
                 Field::Unknown(name) => return Err(slot.set(|| at(&name), "unknown field")),
@@ -481,6 +504,8 @@ struct JsonBucket<'a> {
     algorithm: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lease: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rule: Option<&'a str>,
 }
 
 /// Encodes a request (used by tests and the load generator).
@@ -497,15 +522,24 @@ pub fn encode_request(raw: &RawTake) -> Value {
             cost: b.cost,
             algorithm: b.algorithm.map(algorithm_name),
             lease: b.lease,
+            rule: b.rule.as_deref(),
         })
         .collect();
-    serde_json::json!({ "buckets": buckets })
+    let mut v = serde_json::json!({ "buckets": buckets });
+    if let (Some(id), Some(o)) = (&raw.instance, v.as_object_mut()) {
+        o.insert("instance".into(), Value::from(id.as_str()));
+    }
+    v
 }
 
 /// Encodes a batch request (used by tests and the load generator).
 pub fn encode_batch_request(raw: &RawBatch) -> Value {
     let takes: Vec<Value> = raw.takes.iter().flatten().map(encode_request).collect();
-    serde_json::json!({ "takes": takes })
+    let mut v = serde_json::json!({ "takes": takes });
+    if let (Some(id), Some(o)) = (&raw.instance, v.as_object_mut()) {
+        o.insert("instance".into(), Value::from(id.as_str()));
+    }
+    v
 }
 
 /// The error body: `{"error": {"code", "field", "message"}}`.
@@ -537,7 +571,7 @@ mod tests {
             Err(e) => unreachable!("refused {body}: {e}"),
         };
         let raw = ok(
-            r#"{"buckets":[{"key":"a\u00e9\"","capacity":10,"rate":5,"period_ms":1000,"cost":2,"algorithm":"fixed_window","lease":3}]}"#,
+            r#"{"buckets":[{"key":"a\u00e9\"","capacity":10,"rate":5,"period_ms":1000,"cost":2,"algorithm":"fixed_window","lease":3,"rule":"api"}],"instance":"i-1"}"#,
         );
         assert_eq!(
             raw.buckets,
@@ -549,8 +583,10 @@ mod tests {
                 cost: Some(2),
                 algorithm: Some(Algorithm::FixedWindow),
                 lease: Some(3),
+                rule: Some("api".into()),
             }])
         );
+        assert_eq!(raw.instance.as_deref(), Some("i-1"));
         assert_eq!(ok(r#" {"buckets": null} "#).buckets, None);
         assert_eq!(ok("{}").buckets, None);
         assert_eq!(ok(r#"{"buckets":[]}"#).buckets, Some(vec![]));

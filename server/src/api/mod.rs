@@ -15,6 +15,7 @@
 
 pub mod grpc;
 pub mod http;
+pub mod instances;
 pub mod json;
 pub mod refund;
 
@@ -176,6 +177,8 @@ pub struct Api {
     pub auth: Auth,
     /// Cached store readiness.
     pub readiness: Readiness,
+    /// The live proxy instances every answer reports.
+    pub instances: Arc<instances::Instances>,
     /// Longest wait for a take's body.
     pub body_timeout: Duration,
     /// Takes being decoded or decided at once (after their body arrived); more are shed.
@@ -197,6 +200,7 @@ impl Api {
             metrics: Arc::new(Metrics::new()),
             auth: Auth::new(token),
             readiness: Readiness::default(),
+            instances: Arc::new(instances::Instances::default()),
             body_timeout,
             in_flight: Arc::new(Semaphore::new(max_in_flight)),
             max_in_flight,
@@ -264,11 +268,34 @@ impl Api {
         }
     }
 
+    /// Notes the caller's instance id and returns the live-instance count an answer carries;
+    /// when a report to the store is due, starts it in the background (off the take path).
+    fn instances(&self, id: Option<&str>) -> u64 {
+        let now = Instant::now();
+        let (n, due) = self.instances.note(id, now);
+        if due {
+            let (reg, store, metrics) = (
+                self.instances.clone(),
+                self.store.clone(),
+                self.metrics.clone(),
+            );
+            tokio::spawn(async move {
+                let n = reg.flush(&*store, now).await;
+                metrics.live_instances(n);
+            });
+        }
+        n
+    }
+
     /// Validates and decides one admitted take.
     pub async fn take(
         &self,
         raw: Result<RawTake, InvalidArgument>,
     ) -> Result<TakeDecision, ApiError> {
+        let (instance, rules) = match &raw {
+            Ok(r) => (r.instance.clone(), rule_names(r)),
+            Err(_) => (None, Vec::new()),
+        };
         let specs = match raw.and_then(validate) {
             Ok(specs) => specs,
             Err(e) => {
@@ -280,8 +307,10 @@ impl Api {
         let result = self.store.take(&specs).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
         match result {
-            Ok(d) => {
+            Ok(mut d) => {
                 self.metrics.decision(d.allowed);
+                self.count_rules(&d, &rules);
+                d.instances = self.instances(instance.as_deref());
                 Ok(d)
             }
             Err(e) => {
@@ -300,6 +329,13 @@ impl Api {
         &self,
         raw: Result<RawBatch, InvalidArgument>,
     ) -> Result<Vec<TakeDecision>, ApiError> {
+        let (instance, rules) = match &raw {
+            Ok(b) => (
+                b.instance.clone(),
+                b.takes.iter().flatten().map(rule_names).collect(),
+            ),
+            Err(_) => (None, Vec::new()),
+        };
         let takes = match raw.and_then(validate_batch) {
             Ok(takes) => takes,
             Err(e) => {
@@ -312,9 +348,14 @@ impl Api {
         let result = self.store.take_batch(&takes).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
         match result {
-            Ok(ds) => {
-                for d in &ds {
+            Ok(mut ds) => {
+                let n = self.instances(instance.as_deref());
+                for (i, d) in ds.iter_mut().enumerate() {
                     self.metrics.decision(d.allowed);
+                    if let Some(r) = rules.get(i) {
+                        self.count_rules(d, r);
+                    }
+                    d.instances = n;
                 }
                 Ok(ds)
             }
@@ -324,6 +365,31 @@ impl Api {
                 Err(ApiError::Unavailable(e.public_message()))
             }
         }
+    }
+}
+
+/// The rule name of each bucket of a take (for the `rule` label), before validation consumes it.
+fn rule_names(raw: &RawTake) -> Vec<Option<String>> {
+    raw.buckets
+        .iter()
+        .flatten()
+        .map(|b| b.rule.clone())
+        .collect()
+}
+
+impl Api {
+    /// Counts a decision per rule named in its take.
+    fn count_rules(&self, d: &TakeDecision, rules: &[Option<String>]) {
+        if rules.iter().all(Option::is_none) {
+            return;
+        }
+        self.metrics.rule_decisions(
+            d.allowed,
+            rules
+                .iter()
+                .zip(&d.buckets)
+                .map(|(r, b)| (r.as_deref(), b.allowed)),
+        );
     }
 }
 

@@ -173,6 +173,7 @@ fn raw_bucket(limit: &Limit, key: &str, cost: u64) -> RawBucket {
         cost: Some(cost.min(MAX_AMOUNT)),
         algorithm: Some(limit.algorithm),
         lease: None,
+        rule: None,
     }
 }
 
@@ -381,6 +382,7 @@ impl RlsService {
                     .map(|(_, l, k, c)| raw_bucket(l, k, *c))
                     .collect(),
             ),
+            instance: None,
         };
         self.api.take(Ok(raw)).await.map_err(|e| status_of(&e))
     }

@@ -255,6 +255,14 @@ impl Store for Coalescer {
         self.inner.store.ping().await
     }
 
+    async fn live_instances(
+        &self,
+        seen: &[String],
+        ttl_ms: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        self.inner.store.live_instances(seen, ttl_ms).await
+    }
+
     fn kind(&self) -> &'static str {
         self.inner.store.kind()
     }

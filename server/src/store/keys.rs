@@ -63,6 +63,12 @@ pub fn redis_key(prefix: &str, b: &BucketSpec) -> String {
     out
 }
 
+/// The Redis key of the deployment's live-instance set (`lua/instances.lua`): one key, so its
+/// own hash tag, in whatever slot that is; it is never touched by a take script.
+pub fn instances_key(prefix: &str) -> String {
+    format!("{prefix}instances:{{instances}}")
+}
+
 /// CRC16/XMODEM, the checksum Redis Cluster uses for slots.
 fn crc16(data: &[u8]) -> u16 {
     let mut crc: u16 = 0;

@@ -70,6 +70,7 @@ const TAKE_ONE: &str = include_str!("lua/take_one.lua");
 const TAKE: &str = include_str!("lua/take.lua");
 const TAKE_BATCH: &str = include_str!("lua/take_batch.lua");
 const REFUND: &str = include_str!("lua/refund.lua");
+const INSTANCES: &str = include_str!("lua/instances.lua");
 
 /// The full source of the take script (prelude, algorithms, driver), e.g. for `redis-benchmark`.
 pub fn take_script_source() -> String {
@@ -864,6 +865,29 @@ impl Store for RedisStore {
 
     async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
         self.refund_each(buckets).await
+    }
+
+    async fn live_instances(
+        &self,
+        seen: &[String],
+        ttl_ms: u64,
+    ) -> Result<Option<u64>, StoreError> {
+        static SCRIPT: std::sync::LazyLock<Script> =
+            std::sync::LazyLock::new(|| Script::new(INSTANCES));
+        let key = super::keys::instances_key(&self.config.key_prefix);
+        let mut args = Vec::with_capacity(1 + seen.len());
+        args.push(ttl_ms.to_string());
+        args.extend(seen.iter().cloned());
+        let reply = self.invoke(&SCRIPT, &[key.as_str()], &args).await?;
+        match reply.as_slice() {
+            [n] => u64::try_from(*n)
+                .map(Some)
+                .map_err(|_| StoreError::Protocol(format!("negative instance count {n}"))),
+            r => Err(StoreError::Protocol(format!(
+                "instances reply has {} integers, expected 1",
+                r.len()
+            ))),
+        }
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -312,6 +312,7 @@ pub fn pb_bucket(key: &str) -> pb::Bucket {
         cost: None,
         algorithm: 0,
         lease: None,
+        ..Default::default()
     }
 }
 

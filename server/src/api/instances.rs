@@ -1,0 +1,182 @@
+//! Live proxy instances: how many proxies of the deployment are calling, returned in every answer
+//! so the filter's fallback can split a limit by the fleet's real size (contract/README.md,
+//! "Instances").
+//!
+//! Each take may carry the calling proxy's `instance` id. A replica notes the ids it hears in
+//! memory ([`Instances::note`], no I/O) and, about once a second, hands the ids heard since the
+//! last time to the store ([`crate::store::Store::live_instances`]) in one call that also returns
+//! the deployment's count; every answer carries the latest count. So the take path never waits
+//! for the registry, and each replica costs the store one small call per second.
+//!
+//! On Redis the registry is one sorted set per key prefix (`<prefix>instances:{instances}`, ids
+//! scored by the Redis `TIME` they were last reported, `lua/instances.lua`). It is deliberately not
+//! updated by the take scripts: a take runs in its buckets' Redis Cluster slot, and a set shared by
+//! the deployment lives in one slot, so a take script could only reach it by breaking Cluster, or
+//! keep one set per slot and count only the proxies that happened to touch that slot (too few, so
+//! shares too large). One single-key call per replica per second is cluster-safe by construction.
+//! On the memory store the replica's own view is the count.
+//!
+//! The count is conservative where it can be: ids stay live for [`TTL_MS`] after their last take,
+//! replicas' views are merged in the store, and every proxy sharing the key prefix counts (two
+//! fleets calling one service count as one deployment: a larger N only makes each fallback share
+//! smaller, never larger).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// An instance not heard from for this long is no longer live.
+pub const TTL_MS: u64 = 10_000;
+/// How often a replica reports the ids it heard to the store and learns the count.
+pub const FLUSH_EVERY: Duration = Duration::from_secs(1);
+/// Most ids one replica remembers; ids heard beyond that are not counted by it until some expire.
+pub const MAX_LOCAL: usize = 10_000;
+
+struct Local {
+    /// Id -> when it was last heard, and whether the store has been told since.
+    seen: HashMap<String, (Instant, bool)>,
+    last_flush: Option<Instant>,
+}
+
+/// One replica's view of the live instances, and the count last learned from the store.
+pub struct Instances {
+    local: Mutex<Local>,
+    /// The deployment's count as the store last returned it (0 before the first report).
+    learned: AtomicU64,
+    /// This replica's own live ids (as of the last prune) plus the ids heard since.
+    known: AtomicU64,
+    flushing: AtomicBool,
+}
+
+impl Default for Instances {
+    fn default() -> Self {
+        Instances {
+            local: Mutex::new(Local {
+                seen: HashMap::new(),
+                last_flush: None,
+            }),
+            learned: AtomicU64::new(0),
+            known: AtomicU64::new(0),
+            flushing: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Instances {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Local> {
+        match self.local.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// Notes that `id` (a validated instance id, if the take carried one) was heard at `now`.
+    /// Returns the count to answer with, and whether a report to the store is due (the caller
+    /// then runs [`Instances::flush`] off the take path).
+    pub fn note(&self, id: Option<&str>, now: Instant) -> (u64, bool) {
+        let mut l = self.lock();
+        if let Some(id) = id {
+            if let Some(e) = l.seen.get_mut(id) {
+                e.0 = now;
+            } else if l.seen.len() < MAX_LOCAL {
+                l.seen.insert(id.to_string(), (now, false));
+                self.known.store(l.seen.len() as u64, Ordering::Relaxed);
+            }
+        }
+        let due = l
+            .last_flush
+            .is_none_or(|t| now.saturating_duration_since(t) >= FLUSH_EVERY);
+        let due = due
+            && self
+                .flushing
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok();
+        if due {
+            l.last_flush = Some(now);
+        }
+        (self.count(), due)
+    }
+
+    /// The count an answer carries: the deployment's as last learned, at least this replica's own.
+    pub fn count(&self) -> u64 {
+        self.learned
+            .load(Ordering::Relaxed)
+            .max(self.known.load(Ordering::Relaxed))
+    }
+
+    /// Reports the ids heard since the last report (and those re-heard) to the store, learns the
+    /// deployment's count, and forgets ids not heard for [`TTL_MS`]. Only after a `note` said a
+    /// report is due. A store error keeps the last count (and the ids, for the next report).
+    pub async fn flush(&self, store: &dyn crate::store::Store, now: Instant) -> u64 {
+        let ttl = Duration::from_millis(TTL_MS);
+        let report: Vec<String> = {
+            let mut l = self.lock();
+            l.seen
+                .retain(|_, (at, _)| now.saturating_duration_since(*at) < ttl);
+            self.known.store(l.seen.len() as u64, Ordering::Relaxed);
+            // An id is reported when new (or after a failed report), and again whenever it was
+            // heard within the last interval, so the store's last-heard time stays fresh.
+            l.seen
+                .iter_mut()
+                .filter(|(_, (at, told))| !*told || *at + FLUSH_EVERY > now)
+                .map(|(id, (_, told))| {
+                    *told = true;
+                    id.clone()
+                })
+                .collect()
+        };
+        match store.live_instances(&report, TTL_MS).await {
+            Ok(Some(n)) => self.learned.store(n, Ordering::Relaxed),
+            Ok(None) => self
+                .learned
+                .store(self.known.load(Ordering::Relaxed), Ordering::Relaxed),
+            Err(e) => {
+                tracing::debug!(error = %e, "live instances not reported; keeping the last count");
+                let mut l = self.lock();
+                for id in &report {
+                    if let Some(e) = l.seen.get_mut(id) {
+                        e.1 = false;
+                    }
+                }
+            }
+        }
+        self.flushing.store(false, Ordering::Release);
+        self.count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::memory::MemoryStore;
+
+    #[tokio::test]
+    async fn counts_what_it_hears_and_forgets_the_silent() {
+        let reg = Instances::default();
+        let store = MemoryStore::new();
+        let t0 = Instant::now();
+        let (n, due) = reg.note(Some("a"), t0);
+        assert_eq!((n, due), (1, true), "the first take is counted at once");
+        assert_eq!(reg.flush(&store, t0).await, 1);
+        let (n, due) = reg.note(Some("b"), t0 + Duration::from_millis(10));
+        assert_eq!((n, due), (2, false), "a report a second at most");
+        reg.note(Some("a"), t0 + Duration::from_millis(20));
+        assert_eq!(
+            reg.note(None, t0).0,
+            2,
+            "a take without an id is not counted"
+        );
+        // `b` is heard again 5.5 s in, `a` is not: 10.5 s in, only `b` is live.
+        let (_, due) = reg.note(Some("b"), t0 + Duration::from_millis(5_500));
+        assert!(due);
+        assert_eq!(
+            reg.flush(&store, t0 + Duration::from_millis(5_500)).await,
+            2
+        );
+        let later = t0 + Duration::from_millis(10_500);
+        let (_, due) = reg.note(None, later);
+        assert!(due);
+        assert_eq!(reg.flush(&store, later).await, 1, "a went silent");
+    }
+}

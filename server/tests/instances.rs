@@ -1,0 +1,170 @@
+//! Live instances and the per-rule decision metric, through the real service over real Redis.
+//!
+//! - `replicas_count_the_deployment_together`: two replicas on one Redis each hear some proxies;
+//!   within about a second every answer, from either replica and either transport, reports all of
+//!   them; a proxy that stops calling drops out after the TTL.
+//! - `rule_label_is_bounded`: decisions are counted per rule name, and rule names beyond the cap
+//!   are folded into `other`.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{bucket, get_text, post_take, unique, RedisProc, Service};
+use serde_json::{json, Value};
+use tollgate_server::api::grpc::pb;
+use tollgate_server::api::instances::TTL_MS;
+use tollgate_server::metrics::MAX_RULE_LABELS;
+
+fn take_from(instance: &str, key: &str) -> Value {
+    json!({"buckets": [bucket(key, 1000, 1000, 1000, 1)], "instance": instance})
+}
+
+/// Takes from `instance` through `svc` until an answer reports `want` instances; the answers seen.
+async fn until_count(
+    client: &reqwest::Client,
+    svc: &Service,
+    instance: &str,
+    want: u64,
+    within: Duration,
+) -> Vec<u64> {
+    let key = unique("inst");
+    let deadline = Instant::now() + within;
+    let mut seen = Vec::new();
+    loop {
+        let (status, body) = post_take(client, svc, &take_from(instance, &key)).await;
+        assert_eq!(status, 200, "{body}");
+        let n = body["instances"].as_u64().unwrap_or(0);
+        seen.push(n);
+        if n == want || Instant::now() > deadline {
+            return seen;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_count_the_deployment_together() {
+    let redis = RedisProc::start();
+    let a = Service::start(Arc::new(common::redis_store(&redis.url(), 500)), None).await;
+    let b = Service::start(Arc::new(common::redis_store(&redis.url(), 500)), None).await;
+    let client = reqwest::Client::new();
+
+    // Proxies p1, p2 call replica a; p3 calls replica b. A take without an id is not counted.
+    let (s, body) = post_take(
+        &client,
+        &a,
+        &json!({"buckets": [bucket("x", 5, 5, 1000, 1)]}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert!(body.get("instances").is_none_or(|n| n == 0), "{body}");
+    for p in ["p1", "p2"] {
+        post_take(&client, &a, &take_from(p, "k")).await;
+    }
+    post_take(&client, &b, &take_from("p3", "k")).await;
+    let seen = until_count(&client, &a, "p1", 3, Duration::from_secs(5)).await;
+    assert_eq!(
+        seen.last(),
+        Some(&3),
+        "replica a learns p3 from Redis: {seen:?}"
+    );
+    let seen = until_count(&client, &b, "p3", 3, Duration::from_secs(5)).await;
+    assert_eq!(
+        seen.last(),
+        Some(&3),
+        "replica b learns p1 and p2: {seen:?}"
+    );
+
+    // gRPC answers carry it too, a batch in every result.
+    let mut g = b.grpc().await;
+    let one = pb::TakeRequest {
+        buckets: vec![common::pb_bucket(&unique("g"))],
+        instance: "p3".into(),
+    };
+    let r = g.take(one.clone()).await.unwrap().into_inner();
+    assert_eq!(r.instances, 3);
+    let r = g
+        .take_batch(pb::TakeBatchRequest {
+            takes: vec![one.clone(), one],
+            instance: "p3".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.results.iter().all(|t| t.instances == 3), "{r:?}");
+
+    // A bad id is refused, naming the field.
+    let (s, body) = post_take(&client, &a, &take_from("not ok", "k")).await;
+    assert_eq!(
+        (s, body["error"]["field"].as_str()),
+        (400, Some("instance"))
+    );
+
+    // Only p1 keeps calling: p2 and p3 drop out once the TTL has passed.
+    let seen = until_count(&client, &a, "p1", 1, Duration::from_millis(TTL_MS + 4_000)).await;
+    assert_eq!(seen.last(), Some(&1), "{seen:?}");
+    let metrics = get_text(a.url("/metrics")).await;
+    assert!(metrics.contains("tollgate_live_instances 1"), "{metrics}");
+    a.stop().await;
+    b.stop().await;
+}
+
+#[tokio::test]
+async fn rule_label_is_bounded() {
+    let redis = RedisProc::start();
+    let svc = Service::start(Arc::new(common::redis_store(&redis.url(), 500)), None).await;
+    let client = reqwest::Client::new();
+    let named = |rule: &str, key: &str, cap: u64| {
+        let mut b = bucket(key, cap, cap, 60_000, 1);
+        b["rule"] = json!(rule);
+        b
+    };
+    // "api" admits one and denies one; "web" is charged alongside "api" and denied by it only.
+    let k = unique("r");
+    let both =
+        json!({"buckets": [named("api", &format!("{k}a"), 1), named("web", &format!("{k}w"), 9)]});
+    assert_eq!(
+        post_take(&client, &svc, &both).await.1["allowed"],
+        json!(true)
+    );
+    assert_eq!(
+        post_take(&client, &svc, &both).await.1["allowed"],
+        json!(false)
+    );
+    // More distinct rule names than the cap: the rest count as `other`.
+    for i in 0..MAX_RULE_LABELS + 5 {
+        let take = json!({"buckets": [named(&format!("r{i}"), &k, 1000)]});
+        assert_eq!(post_take(&client, &svc, &take).await.0, 200);
+    }
+    let m = get_text(svc.url("/metrics")).await;
+    let line = |rule: &str, outcome: &str| {
+        m.lines()
+            .find(|l| {
+                l.starts_with("tollgate_rule_decisions_total{")
+                    && l.contains(&format!("rule=\"{rule}\""))
+                    && l.contains(&format!("outcome=\"{outcome}\""))
+            })
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    assert_eq!(line("api", "allowed"), Some(1), "{m}");
+    assert_eq!(line("api", "limited"), Some(1), "{m}");
+    assert_eq!(line("web", "allowed"), Some(1), "{m}");
+    assert_eq!(line("web", "limited"), Some(0), "web could pay: {m}");
+    let labels = m
+        .lines()
+        .filter(|l| l.starts_with("tollgate_rule_decisions_total{") && l.contains("allowed"))
+        .count();
+    assert_eq!(labels, MAX_RULE_LABELS + 1, "the cap and `other`: {m}");
+    // api, web and r0..r61 took the 64 labels; r62..r68 are `other`.
+    assert_eq!(line("other", "allowed"), Some(7), "{m}");
+    // The aggregate counter is unchanged by the label.
+    assert!(
+        m.contains("tollgate_decisions_total{outcome=\"allowed\"}"),
+        "{m}"
+    );
+    svc.stop().await;
+}
