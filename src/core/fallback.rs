@@ -27,6 +27,14 @@
 //! a slot never used yet (vacant) starts full. A take whose charge could not be stored (CAS gave
 //! up, or the slot does not exist) is denied: nothing is admitted without a stored charge.
 //!
+//! **A changed limit keeps the share.** A bucket is identified by its key and algorithm, not by its
+//! limits (like the service's buckets). Each record holds the limits it was last written with
+//! (global capacity, rate, period, number of proxies); a take or answer with other limits first
+//! carries the share over ([`carry`]): refilled up to now under the old limits, then scaled to the
+//! new local capacity keeping the fraction held (a fixed window: the fraction used, while its
+//! window lasts), never above it. So a rule lowered from 100 to 50, or a fleet grown from 4 proxies
+//! to 8, halves what each share holds instead of handing out a fresh one.
+//!
 //! Layout: the slot scheme ([`slot`], [`slot_in`], [`prepare`]); the record ([`Entry`]); the
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
 //! ([`take_all`], [`attach_debts`], [`remember`]).
@@ -40,9 +48,10 @@ use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
 /// Shared-data table of the fallback shares.
 pub const TABLE: &str = "tollgate.fb";
-/// Stored bytes per slot: format, flags, 16-byte identity, level, stamp, debt, last write.
-pub const SLOT_BYTES: usize = 2 + 16 + 4 * 8;
-const FORMAT: u8 = 2;
+/// Stored bytes per slot: format, flags, 16-byte identity, level, stamp, debt, last write, and
+/// the limits written with (global capacity, rate, period, number of proxies).
+pub const SLOT_BYTES: usize = 2 + 16 + 8 * 8;
+const FORMAT: u8 = 3;
 const OCCUPIED: u8 = 1;
 /// The largest debt a callout carries (the contract's bound on `lease` is 1e9).
 const MAX_LEASE: u64 = 1_000_000_000;
@@ -80,9 +89,21 @@ pub struct Slot {
     pub id: [u8; 16],
 }
 
-/// The slot of a fallback bucket (table [`TABLE`]).
+/// The slot of a fallback bucket (table [`TABLE`]). The identity covers the key and the
+/// algorithm only: the limits are recorded in the slot, and a change carries the share over.
 pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
-    slot_in(TABLE, key, l, max_keys)
+    let mut material = Vec::with_capacity(key.len() + 2);
+    material.extend_from_slice(key.as_bytes());
+    material.push(0);
+    material.push(alg_byte(l.algorithm));
+    slot_of(TABLE, &material, max_keys)
+}
+
+fn alg_byte(a: Algorithm) -> u8 {
+    match a {
+        Algorithm::TokenBucket => 0,
+        Algorithm::FixedWindow => 1,
+    }
 }
 
 /// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The identity
@@ -95,11 +116,13 @@ pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
     for v in [l.global, l.rate, l.period_ms] {
         material.extend_from_slice(&v.to_le_bytes());
     }
-    material.push(match l.algorithm {
-        Algorithm::TokenBucket => 0,
-        Algorithm::FixedWindow => 1,
-    });
-    let h = sha256(&material);
+    material.push(alg_byte(l.algorithm));
+    slot_of(table, &material, max_keys)
+}
+
+/// The slot of identity `material` in `table`.
+fn slot_of(table: &str, material: &[u8], max_keys: u32) -> Slot {
+    let h = sha256(material);
     let mut id = [0u8; 16];
     id.copy_from_slice(h.get(..16).unwrap_or(&[0u8; 16]));
     let mut idx = [0u8; 8];
@@ -172,8 +195,9 @@ enum Entry {
     Missing,
     /// Never used: a bucket starts here full.
     Vacant,
-    /// This bucket's share and what it still owes.
-    Ours(State, u64),
+    /// This bucket's share (carried over to the caller's limits), what it still owes, and whether
+    /// it was recorded under other limits (then it must be written again).
+    Ours(State, u64, bool),
     /// Another bucket's (or unreadable): a newcomer starts empty; `debt` is what the holder owes.
     Other {
         /// Tokens the holder still owes.
@@ -189,16 +213,70 @@ fn vacant() -> Vec<u8> {
     v
 }
 
-fn encode(id: &[u8; 16], s: State, debt: u64, now_ms: u64) -> Vec<u8> {
+fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64) -> Vec<u8> {
     let mut v = Vec::with_capacity(SLOT_BYTES);
     v.push(FORMAT);
     v.push(OCCUPIED);
     v.extend_from_slice(id);
-    v.extend_from_slice(&s.level.to_le_bytes());
-    v.extend_from_slice(&s.stamp.to_le_bytes());
-    v.extend_from_slice(&debt.to_le_bytes());
-    v.extend_from_slice(&now_ms.to_le_bytes());
+    for n in [
+        s.level,
+        s.stamp,
+        debt,
+        now_ms,
+        l.global,
+        l.rate,
+        l.period_ms,
+        l.divisor,
+    ] {
+        v.extend_from_slice(&n.to_le_bytes());
+    }
     v
+}
+
+/// A share kept under limits `old`, as it stands at `now_ms` under limits `new`: refilled (or
+/// moved to the current window) under `old`, then scaled to `new`'s local capacity keeping the
+/// fraction held (token bucket, rounded down) or used (fixed window, rounded up; the count
+/// carries only while the window it was counted in lasts). Never above the new capacity.
+pub fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State {
+    if old == new {
+        return s;
+    }
+    let p = bucket::project(old, s, now_ms);
+    let scale = |v: u64, up: bool| -> u64 {
+        if old.capacity == new.capacity {
+            return v;
+        }
+        if old.capacity == 0 {
+            // Nothing was held: nothing is held (or everything is used) now.
+            return if up { new.capacity } else { 0 };
+        }
+        let x = u128::from(v) * u128::from(new.capacity);
+        let d = u128::from(old.capacity);
+        u64::try_from(if up { x.div_ceil(d) } else { x / d }).unwrap_or(u64::MAX)
+    };
+    match new.algorithm {
+        Algorithm::TokenBucket => State {
+            level: scale(p.level, false).min(new.capacity.saturating_mul(bucket::MICRO)),
+            stamp: p.stamp,
+        },
+        Algorithm::FixedWindow => {
+            let window = now_ms / new.period_ms.max(1);
+            let old_end = p.stamp.saturating_add(1).saturating_mul(old.period_ms);
+            let used = if old.period_ms == new.period_ms || now_ms < old_end {
+                scale(p.level, true).min(new.capacity)
+            } else {
+                0
+            };
+            State {
+                level: used,
+                stamp: if old.period_ms == new.period_ms {
+                    p.stamp
+                } else {
+                    window
+                },
+            }
+        }
+    }
 }
 
 fn u64_at(b: &[u8], at: usize) -> Option<u64> {
@@ -207,8 +285,9 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_le_bytes(w))
 }
 
-/// What a slot holds for bucket `id` at `now_ms`; a debt untouched for `horizon_ms` reads as 0.
-fn decode(id: &[u8; 16], bytes: Option<&[u8]>, now_ms: u64, horizon_ms: u64) -> Entry {
+/// What a slot holds for bucket `id` at `now_ms` under limits `l` (a share recorded under other
+/// limits is carried over, [`carry`]); a debt untouched for `horizon_ms` reads as 0.
+fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_ms: u64) -> Entry {
     let Some(b) = bytes else {
         return Entry::Missing;
     };
@@ -218,8 +297,11 @@ fn decode(id: &[u8; 16], bytes: Option<&[u8]>, now_ms: u64, horizon_ms: u64) -> 
     if b.get(1) != Some(&OCCUPIED) {
         return Entry::Vacant;
     }
-    let (Some(level), Some(stamp), Some(debt), Some(touched)) =
-        (u64_at(b, 18), u64_at(b, 26), u64_at(b, 34), u64_at(b, 42))
+    let n = |i: usize| u64_at(b, 18 + 8 * i);
+    let (Some(level), Some(stamp), Some(debt), Some(touched)) = (n(0), n(1), n(2), n(3)) else {
+        return Entry::Other { debt: 0 };
+    };
+    let (Some(global), Some(rate), Some(period_ms), Some(divisor)) = (n(4), n(5), n(6), n(7))
     else {
         return Entry::Other { debt: 0 };
     };
@@ -229,7 +311,9 @@ fn decode(id: &[u8; 16], bytes: Option<&[u8]>, now_ms: u64, horizon_ms: u64) -> 
         debt
     };
     if b.get(2..18) == Some(id.as_slice()) {
-        Entry::Ours(State { level, stamp }, debt)
+        let old = Limits::local(global, rate, period_ms, l.algorithm, divisor);
+        let s = carry(&old, State { level, stamp }, l, now_ms);
+        Entry::Ours(s, debt, old != *l)
     } else {
         Entry::Other { debt }
     }
@@ -260,14 +344,14 @@ pub fn take<S: CasStore + ?Sized>(
 ) -> BucketResult {
     let slot = slot(key, l, sh.max_keys);
     let done = update(store, &slot.name, |cur| {
-        let (state, debt) = match decode(&slot.id, cur, now_ms, sh.horizon_ms) {
+        let (state, debt) = match decode(&slot.id, l, cur, now_ms, sh.horizon_ms) {
             Entry::Missing => return Step::Keep(None),
             // The holder owes tokens: it keeps its slot, the newcomer gets nothing.
             Entry::Other { debt } if debt > 0 => return Step::Keep(None),
             Entry::Vacant => (None, 0),
             // Taken over: the newcomer starts empty, never full.
             Entry::Other { .. } => (Some(bucket::empty(l, now_ms)), 0),
-            Entry::Ours(s, d) => (Some(s), d),
+            Entry::Ours(s, d, _) => (Some(s), d),
         };
         let (state, result) = bucket::take(l, state, now_ms, cost);
         let debt = if result.allowed {
@@ -275,7 +359,7 @@ pub fn take<S: CasStore + ?Sized>(
         } else {
             debt
         };
-        Step::Write(encode(&slot.id, state, debt, now_ms), Some(result))
+        Step::Write(encode(&slot.id, l, state, debt, now_ms), Some(result))
     });
     match done.value {
         Some(r) if done.stored => r,
@@ -295,10 +379,11 @@ pub fn refund<S: CasStore + ?Sized>(
 ) {
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
-        match decode(&slot.id, cur, now_ms, sh.horizon_ms) {
-            Entry::Ours(s, d) => Step::Write(
+        match decode(&slot.id, l, cur, now_ms, sh.horizon_ms) {
+            Entry::Ours(s, d, _) => Step::Write(
                 encode(
                     &slot.id,
+                    l,
                     bucket::refund(l, s, cost),
                     d.saturating_sub(cost),
                     now_ms,
@@ -322,11 +407,12 @@ pub fn owed<S: CasStore + ?Sized>(
     let cur = store.get(&slot.name);
     match decode(
         &slot.id,
+        l,
         cur.as_ref().map(|(v, _)| v.as_slice()),
         now_ms,
         sh.horizon_ms,
     ) {
-        Entry::Ours(_, d) => d,
+        Entry::Ours(_, d, _) => d,
         _ => 0,
     }
 }
@@ -346,10 +432,10 @@ pub fn remember_one<S: CasStore + ?Sized>(
 ) {
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
-        let (held, debt) = match decode(&slot.id, cur, now_ms, sh.horizon_ms) {
+        let (held, debt, changed) = match decode(&slot.id, l, cur, now_ms, sh.horizon_ms) {
             Entry::Missing | Entry::Other { debt: 1.. } => return Step::Keep(()),
-            Entry::Vacant | Entry::Other { .. } => (None, 0),
-            Entry::Ours(s, d) => (Some(s), d),
+            Entry::Vacant | Entry::Other { .. } => (None, 0, false),
+            Entry::Ours(s, d, changed) => (Some(s), d, changed),
         };
         let debt_left = debt.saturating_sub(repaid);
         let known = bucket::share(l, remaining, debt_left, now_ms);
@@ -358,7 +444,7 @@ pub fn remember_one<S: CasStore + ?Sized>(
             None => known,
         };
         match held {
-            Some(h) if debt_left == debt => {
+            Some(h) if debt_left == debt && !changed => {
                 let drop = bucket::available(l, h, now_ms)
                     .saturating_sub(bucket::available(l, next, now_ms));
                 if drop == 0 {
@@ -371,7 +457,7 @@ pub fn remember_one<S: CasStore + ?Sized>(
             }
             _ => {}
         }
-        Step::Write(encode(&slot.id, next, debt_left, now_ms), ())
+        Step::Write(encode(&slot.id, l, next, debt_left, now_ms), ())
     });
 }
 
@@ -635,12 +721,58 @@ mod tests {
     }
 
     #[test]
-    fn other_limits_are_another_bucket() {
-        assert_ne!(slot("k", &tb(1), 1).id, slot("k", &tb(2), 1).id);
-        // The number of proxies is not part of the identity: a resize keeps the bucket.
-        let two = Limits::local(10, 10, 1000, Algorithm::TokenBucket, 2);
-        let five = Limits::local(10, 10, 1000, Algorithm::TokenBucket, 5);
-        assert_eq!(slot("k", &two, 9).id, slot("k", &five, 9).id);
+    fn a_changed_limit_keeps_the_share() {
+        // Limits and the number of proxies are not part of the identity.
+        assert_eq!(slot("k", &tb(1), 9).id, slot("k", &tb(2), 9).id);
+        let fw = Limits::local(1, 1, 1000, Algorithm::FixedWindow, 1);
+        assert_ne!(slot("k", &tb(1), 9).id, slot("k", &fw, 9).id);
+        let (s, t) = (prepared(10), sh(10));
+        let per_hour = |cap| Limits::local(cap, cap, 3_600_000, Algorithm::TokenBucket, 1);
+        for _ in 0..40 {
+            assert!(take(&s, &t, "k", &per_hour(100), 0, 1).allowed);
+        }
+        // 100 -> 50: 60 % held is 30 tokens, not a fresh 50; the debt is kept.
+        let admitted = (0..50)
+            .filter(|_| take(&s, &t, "k", &per_hour(50), 0, 1).allowed)
+            .count();
+        assert_eq!(admitted, 30);
+        assert_eq!(owed(&s, &t, "k", &per_hour(50), 0), 70);
+    }
+
+    #[test]
+    fn more_proxies_shrink_the_share() {
+        let (s, t) = (prepared(10), sh(10));
+        let of = |n| Limits::local(100, 100, 3_600_000, Algorithm::TokenBucket, n);
+        // 4 proxies, 40 left: a share of 10 of 25. 8 proxies: 10 * 12 / 25 = 4.8, 4 whole tokens.
+        remember_one(&s, &t, "k", &of(4), 0, 40, 0);
+        let admitted = (0..20)
+            .filter(|_| take(&s, &t, "k", &of(8), 0, 1).allowed)
+            .count();
+        assert_eq!(admitted, 4);
+        // A full share stays full, at the new size (12 of 100 / 8).
+        remember_one(&s, &t, "j", &of(4), 0, 100, 0);
+        remember_one(&s, &t, "j", &of(4), 0, 99, 0);
+        let admitted = (0..20)
+            .filter(|_| take(&s, &t, "j", &of(8), 0, 1).allowed)
+            .count();
+        assert_eq!(admitted, 12 * 24 / 25);
+    }
+
+    #[test]
+    fn a_changed_window_limit_keeps_the_count() {
+        let (s, t) = (prepared(10), sh(10));
+        let of = |cap, period| Limits::local(cap, cap, period, Algorithm::FixedWindow, 1);
+        for _ in 0..4 {
+            assert!(take(&s, &t, "k", &of(10, 10_000), 0, 1).allowed);
+        }
+        // 4 of 10 used is 2 of 5: 3 left in this window.
+        let admitted = (0..5)
+            .filter(|_| take(&s, &t, "k", &of(5, 10_000), 100, 1).allowed)
+            .count();
+        assert_eq!(admitted, 3);
+        // A shorter period keeps the count while the old window lasts, then counts afresh.
+        assert!(!take(&s, &t, "k", &of(5, 1_000), 5_000, 1).allowed);
+        assert!(take(&s, &t, "k", &of(5, 1_000), 6_000, 1).allowed);
     }
 
     #[test]
