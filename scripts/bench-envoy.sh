@@ -15,6 +15,9 @@
 #   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
 #   nomatch   Tollgate loaded, its rule matches no request (no callout): the module's fixed cost
 #   lease     as http, with lease mode (lease size 100): most requests spend a local pool, no callout
+#   lease-adaptive  as lease, the size left to the filter (`"lease": {}`: sized to the key's rate)
+#   local-rl  no Tollgate module: Envoy's own local_ratelimit filter (one bucket per Envoy process, so N
+#             proxies admit N times the limit): the cost of a limiter that is not global
 #   empty     the floor of any wasm filter: bench/empty-filter (proxy-wasm SDK, returns Continue)
 #   bare-none, bare-empty, bare-nomatch  none, empty and nomatch on a bare Envoy: the route answers
 #             itself (direct_response), no upstream hop; their ratios are against bare-none
@@ -34,7 +37,7 @@ ROOT=$PWD
 . scripts/lib.sh
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
-VARIANTS=${VARIANTS:-none http http-allow http-batch grpc grpc-batch native-rls fallback empty nomatch lease bare-none bare-empty bare-nomatch}
+VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch}
 ROUNDS=${ROUNDS:-3}
 OUT=$ROOT/bench-out/envoy
 WASM=$(readlink -f "$WASM")
@@ -134,6 +137,7 @@ envoy_yaml() {
     fallback) svc_port=$CLOSED_PORT ;;
     nomatch | bare-nomatch) match='"match": {"path_exact": "/never"},' ;;
     lease) lease=', "lease": {"size": 100}' ;;
+    lease-adaptive) lease=', "lease": {}' ;;
     # Key churn (memory bound): one bucket per x-api-key, a table of N slots.
     fbkeys-*) svc_port=$CLOSED_PORT ;;&
     leasekeys-*) lease=', "lease": {"size": 100}' ;;&
@@ -155,6 +159,17 @@ envoy_yaml() {
               rate_limit_service:
                 transport_api_version: V3
                 grpc_service: {envoy_grpc: {cluster_name: tollgate}}
+EOF
+)
+  elif [ "$variant" = local-rl ]; then
+    filter=$(cat <<EOF
+          - name: envoy.filters.http.local_ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+              stat_prefix: local_rl
+              token_bucket: {max_tokens: 1000000000, tokens_per_fill: 1000000000, fill_interval: 1s}
+              filter_enabled: {default_value: {numerator: 100, denominator: HUNDRED}, runtime_key: local_rl_enabled}
+              filter_enforced: {default_value: {numerator: 100, denominator: HUNDRED}, runtime_key: local_rl_enforced}
 EOF
 )
   elif [ "$variant" = empty ] || [ "$variant" = bare-empty ]; then
@@ -259,8 +274,9 @@ measure() {
   e0=$(cpu_ticks "$epid"); s0=$(cpu_ticks $SVC_PID); r0=$(cpu_ticks $REDIS_PID); u0=$(cpu_ticks $UP_PID)
   wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --timeout 2s --latency "http://127.0.0.1:$port/" >"$out"
   e1=$(cpu_ticks "$epid"); s1=$(cpu_ticks $SVC_PID); r1=$(cpu_ticks $REDIS_PID); u1=$(cpu_ticks $UP_PID)
-  local rps p99 total non2xx errors
+  local rps p50 p99 total non2xx errors
   rps=$(awk '/^Requests\/sec:/ {print $2}' "$out")
+  p50=$(to_ms "$(awk '$1 == "50%" {print $2}' "$out")")
   p99=$(to_ms "$(awk '$1 == "99%" {print $2}' "$out")")
   total=$(awk '/requests in/ {print $1}' "$out")
   non2xx=$(awk '/Non-2xx/ {print $5}' "$out"); non2xx=${non2xx:-0}
@@ -268,8 +284,8 @@ measure() {
   [ "$non2xx" = 0 ] || say "WARNING: $variant had $non2xx non-2xx responses (the limit should admit all)"
   [ -z "$errors" ] || say "WARNING: $variant: $errors"
   cpu() { awk -v a="$1" -v b="$2" -v n="$total" -v t="$TCK" 'BEGIN { printf "%.1f", (b - a) * 1000 / t * 1000 / n }'; }
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$variant" "$rps" "$p99" "$total" "$non2xx" \
-    "$(cpu "$e0" "$e1")" "$(cpu "$s0" "$s1")" "$(cpu "$r0" "$r1")" "$(cpu "$u0" "$u1")" "$round" >>"$RESULTS"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$variant" "$rps" "$p99" "$total" "$non2xx" \
+    "$(cpu "$e0" "$e1")" "$(cpu "$s0" "$s1")" "$(cpu "$r0" "$r1")" "$(cpu "$u0" "$u1")" "$round" "$p50" >>"$RESULTS"
   say "round $round, $variant: $rps req/s, p99 $p99 ms, $non2xx non-2xx"
 }
 
@@ -327,8 +343,8 @@ for r in rows:
     by.setdefault(r[0], {})[int(r[9])] = r
 def med(v, col):
     return statistics.median(float(r[col]) for r in by[v].values())
-print("| path | req/s | ratio vs no filter | ratio per round | p99 ms | non-2xx | CPU µs per request: Envoy | service | Redis | upstream |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("| path | req/s | ratio vs no filter | ratio per round | p50 ms | p99 ms | non-2xx | CPU µs per request: Envoy | service | Redis | upstream |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for v in variants:
     if v not in by:
         continue
@@ -340,7 +356,7 @@ for v in variants:
     ratio = f"{statistics.median(per):.2f}" if per else "-"
     rounds = " / ".join(f"{x:.2f}" for x in per) if per else "-"
     non2xx = sum(int(r[4]) for r in by[v].values())
-    print(f"| {v} | {med(v, 1):.0f} | {ratio} | {rounds} | {med(v, 2):.2f} | {non2xx} | "
+    print(f"| {v} | {med(v, 1):.0f} | {ratio} | {rounds} | {med(v, 10):.2f} | {med(v, 2):.2f} | {non2xx} | "
           f"{med(v, 5):.0f} | {med(v, 6):.0f} | {med(v, 7):.0f} | {med(v, 8):.0f} |")
 PY
   echo

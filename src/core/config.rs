@@ -633,11 +633,14 @@ impl Config {
             let at = format!("rules[{i}]");
             let kind = match r.get("kind").filter(|v| !v.is_null()) {
                 None => false,
-                Some(v) => choice_value(
-                    &format!("{at}.kind"),
-                    v,
-                    &[("rate", false), ("concurrency", true)],
-                )?,
+                Some(v) if v.as_str() == Some("rate") => false,
+                Some(v) if v.as_str() == Some("concurrency") => true,
+                Some(_) => {
+                    return err(
+                        format!("{at}.kind"),
+                        "must be one of \"rate\", \"concurrency\"",
+                    )
+                }
             };
             if kind {
                 if service.transport == Transport::Rls {
@@ -647,7 +650,7 @@ impl Config {
                     );
                 }
                 let f = crate::core::inflight::read_rule(&at, r, |v| {
-                    read_rule(&at, v, shadow, &response)
+                    read_rule(&at, v, shadow, &response, true)
                 })?;
                 let name = &f.rule.name;
                 if rules.iter().any(|o| &o.name == name)
@@ -661,17 +664,7 @@ impl Config {
                 inflight.push(f);
                 continue;
             }
-            let plain;
-            let r = match r.as_object() {
-                Some(m) if m.contains_key("kind") => {
-                    let mut m = m.clone();
-                    m.remove("kind");
-                    plain = Value::Object(m);
-                    &plain
-                }
-                _ => r,
-            };
-            let rule = read_rule(&at, r, shadow, &response)?;
+            let rule = read_rule(&at, r, shadow, &response, false)?;
             if service.transport == Transport::Rls && rule.lease.is_some() {
                 return err(
                     format!("rules[{i}].lease"),
@@ -868,6 +861,7 @@ fn read_rule(
     v: &Value,
     global_shadow: bool,
     global_response: &Response,
+    concurrency: bool,
 ) -> Result<Rule, ConfigError> {
     let r = Obj::new(
         v,
@@ -888,6 +882,9 @@ fn read_rule(
             "shadow",
             "response",
             "descriptor",
+            "kind",
+            "max_in_flight",
+            "deadline_ms",
         ],
     )?;
     let name = match r.required("name")? {
@@ -929,9 +926,28 @@ fn read_rule(
         &[("skip", OnMissing::Skip), ("shared", OnMissing::Shared)],
         OnMissing::Skip,
     )?;
-    let capacity = r.int("capacity", None, 1, MAX_TOKENS)?;
+    // A concurrency rule (crate::core::inflight) has its own limit and no rate fields.
+    let capacity = if concurrency {
+        r.int(
+            "max_in_flight",
+            None,
+            1,
+            crate::core::inflight::MAX_IN_FLIGHT,
+        )?
+    } else {
+        for f in ["max_in_flight", "deadline_ms"] {
+            if r.get(f).is_some() {
+                return err(r.path(f), "only for a rule of kind \"concurrency\"");
+            }
+        }
+        r.int("capacity", None, 1, MAX_TOKENS)?
+    };
     let rate = r.int("rate", Some(capacity), 1, MAX_TOKENS)?;
-    let period_ms = r.int("period_ms", None, 1, MAX_PERIOD_MS)?;
+    let period_ms = if concurrency {
+        1000
+    } else {
+        r.int("period_ms", None, 1, MAX_PERIOD_MS)?
+    };
     let cost = match r.get("cost") {
         None => Cost::Fixed(1),
         Some(Value::Object(_)) => {

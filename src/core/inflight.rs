@@ -15,12 +15,13 @@
 //!
 //! Pure: the state machine in [`crate::core::flow`] drives it, the adapter moves the bytes.
 
-use crate::core::config::{Config, ConfigError, FailureMode, HeaderStyle, Rule};
+use crate::core::config::{Config, ConfigError, FailureMode, Rule};
 use crate::core::decide::{CalloutResult, LocalReply};
-use crate::core::headers::retry_after;
+use crate::core::headers::{rate_limit_headers, retry_after};
 use crate::core::rules::{keys, matches, Request};
 use crate::core::store::{self, CasStore};
-use serde_json::{Map, Value};
+use crate::core::wire::{push_json_string, BucketResult};
+use serde_json::Value;
 
 /// Most requests in flight a concurrency rule may allow per key.
 pub const MAX_IN_FLIGHT: u64 = 1_000_000;
@@ -64,8 +65,9 @@ const RATE_ONLY: [&str; 9] = [
     "descriptor",
 ];
 
-/// Reads a `kind: "concurrency"` rule at `at`: its own fields here, the rest by `base` (the rate
-/// rule reader, given the object without `kind`, `max_in_flight` and `deadline_ms`).
+/// Reads a `kind: "concurrency"` rule at `at`: the fields a rate rule has and this one refuses,
+/// and the deadline here; the rest by `base` (the rate rule reader, which reads `max_in_flight`
+/// as the rule's limit).
 pub fn read_rule(
     at: &str,
     v: &Value,
@@ -99,14 +101,7 @@ pub fn read_rule(
         DEADLINE_MS.0,
         DEADLINE_MS.1,
     )?;
-    let mut rest: Map<String, Value> = map
-        .iter()
-        .filter(|(k, _)| !matches!(k.as_str(), "kind" | "max_in_flight" | "deadline_ms"))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    rest.insert("capacity".into(), Value::from(max));
-    rest.insert("period_ms".into(), Value::from(1000u64));
-    let rule = base(&Value::Object(rest))?;
+    let rule = base(v)?;
     Ok(InFlight {
         rule,
         max,
@@ -125,31 +120,56 @@ pub struct Want {
 
 /// The slots `req` needs: one per matching concurrency rule whose key could be built.
 pub fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
-    cfg.inflight
-        .iter()
-        .enumerate()
-        .filter(|(_, f)| matches(&f.rule.matcher, req, cfg.trusted_hops))
-        .filter_map(|(i, f)| {
-            keys::build_key(&f.rule, req, cfg.trusted_hops).map(|key| Want { rule: i, key })
-        })
-        .collect()
+    let mut wants = Vec::new();
+    for (i, f) in cfg.inflight.iter().enumerate() {
+        if !matches(&f.rule.matcher, req, cfg.trusted_hops) {
+            continue;
+        }
+        if let Some(key) = keys::build_key(&f.rule, req, cfg.trusted_hops) {
+            wants.push(Want { rule: i, key });
+        }
+    }
+    wants
 }
 
-/// The body of `POST /v1/acquire` for `wants`.
+/// The body of `POST /v1/acquire` for `wants` (written by hand: serde_json's serializer would
+/// add tens of KiB to the module).
 pub fn encode_acquire(cfg: &Config, wants: &[Want]) -> Vec<u8> {
-    let buckets: Vec<Value> = wants
-        .iter()
-        .filter_map(|w| {
-            let f = cfg.inflight.get(w.rule)?;
-            Some(serde_json::json!({"key": w.key, "limit": f.max, "ttl_ms": f.deadline_ms}))
-        })
-        .collect();
-    serde_json::to_vec(&serde_json::json!({ "buckets": buckets })).unwrap_or_default()
+    let mut s = String::with_capacity(16 + 80 * wants.len());
+    s.push_str("{\"buckets\":[");
+    for w in wants {
+        let Some(f) = cfg.inflight.get(w.rule) else {
+            continue;
+        };
+        if !s.ends_with('[') {
+            s.push(',');
+        }
+        s.push_str("{\"key\":");
+        push_json_string(&mut s, &w.key);
+        s.push_str(",\"limit\":");
+        s.push_str(&f.max.to_string());
+        s.push_str(",\"ttl_ms\":");
+        s.push_str(&f.deadline_ms.to_string());
+        s.push('}');
+    }
+    s.push_str("]}");
+    s.into_bytes()
 }
 
 /// The body of `POST /v1/release` for the slot `slot` of `keys`.
 pub fn encode_release(slot: &str, keys: &[String]) -> Vec<u8> {
-    serde_json::to_vec(&serde_json::json!({"slot": slot, "keys": keys})).unwrap_or_default()
+    let mut s = String::with_capacity(32 + slot.len() + 40 * keys.len());
+    s.push_str("{\"slot\":");
+    push_json_string(&mut s, slot);
+    s.push_str(",\"keys\":[");
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        push_json_string(&mut s, k);
+    }
+    s.push_str("]}");
+    s.into_bytes()
 }
 
 /// What an acquire's callout came back with.
@@ -219,30 +239,21 @@ pub fn released(result: &CalloutResult) -> bool {
 }
 
 /// The denial of concurrency rule `f` (its status, body, content type): `Retry-After`, and the
-/// limit in the header styles the rule asks for, with nothing remaining.
+/// rate limit headers the rule asks for, as for a bucket of `max_in_flight` with none left that
+/// may have room again after `wait_ms`.
 pub fn denial(f: &InFlight, wait_ms: u64) -> LocalReply {
     let r = &f.rule;
-    let mut headers = vec![("retry-after".to_string(), retry_after(wait_ms.max(1)))];
-    let secs = wait_ms.max(1).div_ceil(1000);
-    for style in &r.response.headers {
-        match style {
-            HeaderStyle::Draft => {
-                headers.push((
-                    "ratelimit-policy".to_string(),
-                    format!("\"{}\";q={}", r.name, f.max),
-                ));
-                headers.push((
-                    "ratelimit".to_string(),
-                    format!("\"{}\";r=0;t={secs}", r.name),
-                ));
-            }
-            HeaderStyle::XRateLimit => {
-                headers.push(("x-ratelimit-limit".to_string(), f.max.to_string()));
-                headers.push(("x-ratelimit-remaining".to_string(), "0".to_string()));
-                headers.push(("x-ratelimit-reset".to_string(), secs.to_string()));
-            }
-        }
-    }
+    let wait_ms = wait_ms.max(1);
+    let state = BucketResult {
+        allowed: false,
+        limit: f.max,
+        remaining: 0,
+        reset_ms: wait_ms,
+        retry_after_ms: wait_ms,
+        granted: 0,
+    };
+    let mut headers = vec![("retry-after".to_string(), retry_after(wait_ms))];
+    headers.extend(rate_limit_headers(&r.response.headers, &[(r, &state)]));
     headers.push(("content-type".to_string(), r.response.content_type.clone()));
     LocalReply {
         status: r.response.status,
@@ -437,6 +448,10 @@ mod tests {
                 r#"{"name":"a","capacity":1,"period_ms":1},{"name":"a","kind":"concurrency","max_in_flight":1}"#
             ),
             "rules[1].name"
+        );
+        assert_eq!(
+            bad(r#"{"name":"a","capacity":1,"period_ms":1,"max_in_flight":2}"#),
+            "rules[0].max_in_flight"
         );
         // A rate rule may say its kind.
         let json = r#"{"service":{"cluster":"svc"},"rules":[{"name":"a","kind":"rate","capacity":1,"period_ms":1}]}"#;

@@ -75,7 +75,8 @@ fn algorithm_name(a: Algorithm) -> &'static str {
     }
 }
 
-fn push_json_string(out: &mut String, s: &str) {
+/// Appends `s` as a JSON string literal.
+pub(crate) fn push_json_string(out: &mut String, s: &str) {
     out.push('"');
     for c in s.chars() {
         match c {

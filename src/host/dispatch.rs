@@ -76,10 +76,11 @@ struct Plugin {
     /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
     held: RefCell<Vec<lease::Held>>,
     /// Releases of concurrency slots in flight (their answers are counted, no request waits).
-    releases: RefCell<std::collections::HashSet<u32>>,
+    /// (Vecs, not maps: they stay short, and each map type costs the module kilobytes.)
+    releases: RefCell<Vec<u32>>,
     /// Acquires whose request ended before the answer: token → the keys asked for; a slot the
     /// answer grants is released at once.
-    orphans: RefCell<HashMap<u32, Vec<String>>>,
+    orphans: RefCell<Vec<(u32, Vec<String>)>>,
 }
 
 /// Metric ids, defined once per configuration.
@@ -156,6 +157,20 @@ impl Metrics {
         abi.increment_metric(self.batch_callouts, 1);
         abi.increment_metric(self.batch_takes, i64::try_from(takes).unwrap_or(i64::MAX));
     }
+}
+
+/// A callout about concurrency slots that no request waits for.
+enum SlotCallout {
+    /// A release: its answer is counted.
+    Release(Rc<Plugin>),
+    /// The acquire of a request that ended first, and the keys it asked for.
+    Orphan(Rc<Plugin>, Vec<String>),
+}
+
+/// Removes and returns the first element of `v` that `is` accepts.
+fn take<T>(v: &mut Vec<T>, is: impl Fn(&T) -> bool) -> Option<T> {
+    let i = v.iter().position(is)?;
+    Some(v.swap_remove(i))
 }
 
 fn nth<T: PartialEq>(all: &[T], x: &T) -> Option<usize> {
@@ -457,7 +472,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     fn release(&mut self, cfg: &Config, body: &[u8]) -> bool {
         match self.call_slots(cfg, "release", body) {
             Ok(token) => {
-                self.plugin.releases.borrow_mut().insert(token);
+                self.plugin.releases.borrow_mut().push(token);
                 true
             }
             Err(why) => {
@@ -678,8 +693,8 @@ impl<A: Abi> Dispatcher<A> {
             batcher: Batcher::default(),
             refills: RefCell::new(HashMap::new()),
             held: RefCell::new(Vec::new()),
-            releases: RefCell::new(std::collections::HashSet::new()),
-            orphans: RefCell::new(HashMap::new()),
+            releases: RefCell::new(Vec::new()),
+            orphans: RefCell::new(Vec::new()),
             config,
             metrics,
         };
@@ -769,7 +784,7 @@ impl<A: Abi> Dispatcher<A> {
                 // The stream is over, however it ended: its concurrency slots go back now.
                 if let inflight::Slots::Acquiring { token, wants } = &f.flow.slots {
                     let keys = wants.iter().map(|w| w.key.clone()).collect();
-                    p.orphans.borrow_mut().insert(*token, keys);
+                    p.orphans.borrow_mut().push((*token, keys));
                 }
                 let mut proxy = Proxy::new(&self.abi, &p);
                 f.flow.on_end(&p.config, &mut proxy);
@@ -890,34 +905,9 @@ impl<A: Abi> Dispatcher<A> {
             flow::on_refill_result(&plugin.config, &plan, result, &mut proxy);
             return;
         }
-        if let Some(plugin) = self
-            .roots
-            .values()
-            .flatten()
-            .find(|p| p.releases.borrow_mut().remove(&token))
-            .cloned()
-        {
-            let mut proxy = Proxy::new(&self.abi, &plugin);
-            proxy.count_inflight(if inflight::released(&read(&self.abi)) {
-                inflight::Count::Released
-            } else {
-                inflight::Count::ReleaseFailed
-            });
-            return;
-        }
-        if let Some((plugin, keys)) = self.roots.values().flatten().find_map(|p| {
-            let keys = p.orphans.borrow_mut().remove(&token)?;
-            Some((p.clone(), keys))
-        }) {
-            // Its request is gone: a granted slot goes straight back.
-            if let inflight::Acquired::Held(slot) =
-                inflight::interpret(&read(&self.abi), keys.len())
-            {
-                let mut proxy = Proxy::new(&self.abi, &plugin);
-                if !proxy.release(&plugin.config, &inflight::encode_release(&slot, &keys)) {
-                    proxy.count_inflight(inflight::Count::ReleaseFailed);
-                }
-            }
+        if let Some(slot) = self.slot_callout(token) {
+            let result = read(&self.abi);
+            self.slot_answer(slot, &result);
             return;
         }
         let Some(id) = self.callouts.remove(&token) else {
@@ -949,6 +939,39 @@ impl<A: Abi> Dispatcher<A> {
         // The request may ask again (a denial by shadow rules alone): track that callout too.
         if let Some(next) = waiting_token(&f.flow) {
             self.track(next, id);
+        }
+    }
+
+    /// Whether callout `token` is a release, or the acquire of a request that is gone (no
+    /// request waits for either); it is forgotten.
+    fn slot_callout(&self, token: u32) -> Option<SlotCallout> {
+        self.roots.values().flatten().find_map(|p| {
+            if take(&mut p.releases.borrow_mut(), |&t| t == token).is_some() {
+                return Some(SlotCallout::Release(p.clone()));
+            }
+            let (_, keys) = take(&mut p.orphans.borrow_mut(), |(t, _)| *t == token)?;
+            Some(SlotCallout::Orphan(p.clone(), keys))
+        })
+    }
+
+    /// A release is counted; a slot granted to a request that is gone goes straight back.
+    fn slot_answer(&self, slot: SlotCallout, result: &CalloutResult) {
+        match slot {
+            SlotCallout::Release(plugin) => {
+                Proxy::new(&self.abi, &plugin).count_inflight(if inflight::released(result) {
+                    inflight::Count::Released
+                } else {
+                    inflight::Count::ReleaseFailed
+                });
+            }
+            SlotCallout::Orphan(plugin, keys) => {
+                if let inflight::Acquired::Held(id) = inflight::interpret(result, keys.len()) {
+                    let mut proxy = Proxy::new(&self.abi, &plugin);
+                    if !proxy.release(&plugin.config, &inflight::encode_release(&id, &keys)) {
+                        proxy.count_inflight(inflight::Count::ReleaseFailed);
+                    }
+                }
+            }
         }
     }
 
