@@ -72,7 +72,7 @@ struct Plugin {
     /// Group commit of this plugin's callouts (`service.batch`).
     batcher: Batcher,
     /// Background lease refills in flight: callout token → the refill's plan (no request waits).
-    refills: RefCell<HashMap<u32, Plan>>,
+    refills: RefCell<Vec<(u32, Plan)>>,
     /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
     held: RefCell<Vec<lease::Held>>,
     /// Releases of concurrency slots in flight (their answers are counted, no request waits).
@@ -291,8 +291,6 @@ impl<'a, A: Abi> Proxy<'a, A> {
         sent.map_err(|status| abi::status_name(status).to_string())
     }
 
-    /// One refund callout (`/v1/refund`, `tollgate.v1.RateLimiter/Refund`): `request`'s costs go
-    /// back to their buckets. Its answer is dropped like any reply no request waits for.
     /// `POST <base>/acquire` or `<base>/release` (JSON, whatever the transport: the service
     /// answers JSON on its gRPC port too) beside the take path.
     fn call_slots(&self, cfg: &Config, op: &str, body: &[u8]) -> Result<u32, String> {
@@ -316,44 +314,11 @@ impl<'a, A: Abi> Proxy<'a, A> {
             .map_err(|s| abi::status_name(s).to_string())
     }
 
+    /// One refund callout, `POST <base>/refund` (JSON whatever the transport, as
+    /// [`Proxy::call_slots`]): `request`'s costs go back to their buckets. Its answer is dropped
+    /// like any reply no request waits for.
     fn call_refund(&self, cfg: &Config, request: &TakeRequest) -> Result<u32, String> {
-        let svc = &cfg.service;
-        let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
-        let bearer = self.plugin.bearer.as_deref();
-        let sent = match svc.transport {
-            Transport::Grpc => {
-                let mut metadata: Vec<(&str, &str)> = Vec::new();
-                if let Some(b) = bearer {
-                    metadata.push(("authorization", b));
-                }
-                self.abi.grpc_call(
-                    &self.plugin.grpc_service,
-                    "tollgate.v1.RateLimiter",
-                    "Refund",
-                    &metadata,
-                    &wire::encode_proto(request),
-                    timeout,
-                )
-            }
-            Transport::Http | Transport::Rls => {
-                let path = match svc.path.strip_suffix("/take") {
-                    Some(base) => format!("{base}/refund"),
-                    None => format!("{}_refund", svc.path),
-                };
-                let mut headers = vec![
-                    (":method", "POST"),
-                    (":path", path.as_str()),
-                    (":authority", svc.authority.as_str()),
-                    ("content-type", "application/json"),
-                ];
-                if let Some(b) = bearer {
-                    headers.push(("authorization", b));
-                }
-                let body = wire::encode_json(request);
-                self.abi.http_call(&svc.cluster, &headers, &body, timeout)
-            }
-        };
-        sent.map_err(|status| abi::status_name(status).to_string())
+        self.call_slots(cfg, "refund", &wire::encode_json(request))
     }
 
     fn counter(&self, ids: &[u32], idx: Option<usize>, n: i64) {
@@ -461,7 +426,9 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
 
     fn dispatch_refill(&mut self, cfg: &Config, plan: Plan) -> Result<(), String> {
         let token = self.dispatch(cfg, &plan)?;
-        self.plugin.refills.borrow_mut().insert(token, plan);
+        let mut refills = self.plugin.refills.borrow_mut();
+        refills.retain(|(t, _)| *t != token);
+        refills.push((token, plan));
         Ok(())
     }
 
@@ -691,7 +658,7 @@ impl<A: Abi> Dispatcher<A> {
             match_headers: match_headers(&config),
             request_headers: request_headers(&config),
             batcher: Batcher::default(),
-            refills: RefCell::new(HashMap::new()),
+            refills: RefCell::new(Vec::new()),
             held: RefCell::new(Vec::new()),
             releases: RefCell::new(Vec::new()),
             orphans: RefCell::new(Vec::new()),
@@ -978,7 +945,9 @@ impl<A: Abi> Dispatcher<A> {
     /// The background refill callout `token` carried, and its plugin (it is forgotten).
     fn refill(&self, token: u32) -> Option<(Rc<Plugin>, Plan)> {
         self.roots.values().flatten().find_map(|p| {
-            let plan = p.refills.borrow_mut().remove(&token)?;
+            let mut refills = p.refills.borrow_mut();
+            let i = refills.iter().position(|(t, _)| *t == token)?;
+            let (_, plan) = refills.swap_remove(i);
             Some((p.clone(), plan))
         })
     }
