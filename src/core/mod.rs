@@ -10,11 +10,13 @@ pub mod flow;
 pub mod hash;
 pub mod headers;
 pub mod hostmap;
+pub mod instance;
 pub mod inflight;
 pub mod lease;
 #[cfg(test)]
 mod props;
 pub mod rules;
+pub mod settle;
 pub mod store;
 pub mod usage;
 pub mod wire;

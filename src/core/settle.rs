@@ -1,0 +1,252 @@
+//! Reserve, then settle: the bookkeeping of a limit priced in what the response used (LLM tokens).
+//!
+//! A rule charged by the response takes an estimate when the request arrives (the reservation).
+//! When the response ends, the difference between what it reported using and the estimate is
+//! settled in the same bucket: given back when it used less, charged on top when it used more (the
+//! bucket may then owe tokens, and following requests wait as long as the debt takes to refill).
+//!
+//! This module decides *what* to settle and keeps the queue of settlements the root context still
+//! has to deliver; it does no I/O. Each settlement carries an id unique to this proxy's VM
+//! (`<instance>-<sequence>`) so that a settlement whose answer was lost can be sent again and
+//! applied once: the service records applied ids beside the bucket for the retry window.
+//!
+//! How a response can end, and what is settled ([`amount`]):
+//! - it ends normally: the usage it reported, or the estimate when it reported none;
+//! - the upstream resets or the client leaves mid-stream: the usage seen so far if a report was
+//!   read, else the estimate stands (nothing is sent);
+//! - a denial before the stream starts reserved nothing: nothing to settle.
+
+/// Attempts per settlement before it is dropped (and counted).
+pub const MAX_ATTEMPTS: u32 = 4;
+
+/// Wait before the first retry; doubles per attempt.
+pub const FIRST_BACKOFF_MS: u64 = 100;
+
+/// Settlements a VM keeps waiting for delivery; beyond that the oldest is dropped (and counted).
+pub const MAX_PENDING: usize = 1024;
+
+/// How the response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The whole body arrived.
+    Complete,
+    /// The upstream reset the stream, or the client went away, before the body ended.
+    Cut,
+}
+
+/// What a reservation turns into when its response ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Amount {
+    /// Nothing to send: the estimate stands.
+    Stands,
+    /// Give back this many tokens (the response used less than reserved).
+    Refund(u64),
+    /// Charge this many more (the response used more than reserved).
+    Extra(u64),
+}
+
+/// What to settle for a reservation of `reserved` tokens, given the usage the response reported
+/// (`seen`, already priced and capped at the rule's `max`) and how it ended.
+pub fn amount(reserved: u64, seen: Option<u64>, ending: Ending) -> Amount {
+    let used = match (seen, ending) {
+        (Some(u), _) => u,
+        (None, Ending::Complete | Ending::Cut) => return Amount::Stands,
+    };
+    match used.cmp(&reserved) {
+        core::cmp::Ordering::Less => Amount::Refund(reserved - used),
+        core::cmp::Ordering::Equal => Amount::Stands,
+        core::cmp::Ordering::Greater => Amount::Extra(used - reserved),
+    }
+}
+
+/// One settlement waiting for delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pending<T> {
+    /// `<instance>-<sequence>`: the service applies a settlement id once.
+    pub id: String,
+    /// What to send (the bucket and the amount, in the caller's terms).
+    pub what: T,
+    /// Attempts made so far.
+    pub attempts: u32,
+    /// Not before this time (ms).
+    pub due_ms: u64,
+    /// An attempt is in flight.
+    pub in_flight: bool,
+}
+
+/// What happened to a settlement after an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Applied (or already applied before): done.
+    Delivered,
+    /// Failed; it will be tried again at the given time.
+    Retry { at_ms: u64 },
+    /// Failed for the last time, or was dropped: never applied by this proxy.
+    GaveUp,
+}
+
+/// The settlements of one VM, sent from its root context with bounded retries.
+#[derive(Debug)]
+pub struct Queue<T> {
+    instance: String,
+    next_seq: u64,
+    items: Vec<Pending<T>>,
+    /// Settlements given up (attempts exhausted, or dropped when the queue was full).
+    pub given_up: u64,
+}
+
+impl<T> Queue<T> {
+    /// An empty queue for the VM `instance`.
+    pub fn new(instance: &str) -> Queue<T> {
+        Queue {
+            instance: instance.to_string(),
+            next_seq: 0,
+            items: Vec::new(),
+            given_up: 0,
+        }
+    }
+
+    /// Queues `what`, due at once; returns its id. A full queue drops its oldest item first.
+    pub fn push(&mut self, what: T, now_ms: u64) -> String {
+        if self.items.len() >= MAX_PENDING {
+            self.items.remove(0);
+            self.given_up += 1;
+        }
+        let id = format!("{}-{}", self.instance, self.next_seq);
+        self.next_seq += 1;
+        self.items.push(Pending {
+            id: id.clone(),
+            what,
+            attempts: 0,
+            due_ms: now_ms,
+            in_flight: false,
+        });
+        id
+    }
+
+    /// The settlements to send now (due and not in flight), marked in flight.
+    pub fn due(&mut self, now_ms: u64) -> Vec<&Pending<T>> {
+        let mut picked = Vec::new();
+        for (i, p) in self.items.iter_mut().enumerate() {
+            if !p.in_flight && p.due_ms <= now_ms {
+                p.in_flight = true;
+                p.attempts += 1;
+                picked.push(i);
+            }
+        }
+        picked
+            .into_iter()
+            .filter_map(|i| self.items.get(i))
+            .collect()
+    }
+
+    /// The answer to an attempt for `id`: delivered, or failed (retried with a doubling backoff
+    /// until [`MAX_ATTEMPTS`]). An unknown id (already settled, or dropped) is `GaveUp`.
+    pub fn answered(&mut self, id: &str, ok: bool, now_ms: u64) -> Outcome {
+        let Some(i) = self.items.iter().position(|p| p.id == id) else {
+            return Outcome::GaveUp;
+        };
+        if ok {
+            self.items.remove(i);
+            return Outcome::Delivered;
+        }
+        let attempts = self.items.get(i).map_or(MAX_ATTEMPTS, |p| p.attempts);
+        if attempts >= MAX_ATTEMPTS {
+            self.items.remove(i);
+            self.given_up += 1;
+            return Outcome::GaveUp;
+        }
+        let at_ms = now_ms.saturating_add(FIRST_BACKOFF_MS << attempts.saturating_sub(1).min(16));
+        if let Some(p) = self.items.get_mut(i) {
+            p.in_flight = false;
+            p.due_ms = at_ms;
+        }
+        Outcome::Retry { at_ms }
+    }
+
+    /// Settlements waiting (in flight or not).
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Nothing is waiting.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// When the next retry is due, if any is waiting and none is in flight for it.
+    pub fn next_due_ms(&self) -> Option<u64> {
+        self.items
+            .iter()
+            .filter(|p| !p.in_flight)
+            .map(|p| p.due_ms)
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_difference_is_settled_and_no_report_leaves_the_estimate() {
+        assert_eq!(amount(100, Some(40), Ending::Complete), Amount::Refund(60));
+        assert_eq!(amount(100, Some(250), Ending::Complete), Amount::Extra(150));
+        assert_eq!(amount(100, Some(100), Ending::Complete), Amount::Stands);
+        assert_eq!(amount(100, None, Ending::Complete), Amount::Stands);
+        assert_eq!(amount(100, Some(30), Ending::Cut), Amount::Refund(70));
+        assert_eq!(amount(100, None, Ending::Cut), Amount::Stands);
+    }
+
+    #[test]
+    fn a_settlement_is_sent_until_delivered_then_never_again() {
+        let mut q = Queue::new("vm7");
+        let id = q.push("a", 0);
+        assert_eq!(id, "vm7-0");
+        assert_eq!(q.due(0).len(), 1);
+        // In flight: not handed out twice.
+        assert!(q.due(0).is_empty());
+        assert_eq!(q.answered(&id, false, 10), Outcome::Retry { at_ms: 110 });
+        assert!(q.due(50).is_empty());
+        assert_eq!(q.next_due_ms(), Some(110));
+        assert_eq!(q.due(110).len(), 1);
+        assert_eq!(q.answered(&id, true, 120), Outcome::Delivered);
+        assert!(q.is_empty());
+        // A late duplicate answer changes nothing.
+        assert_eq!(q.answered(&id, true, 130), Outcome::GaveUp);
+        assert_eq!(q.given_up, 0);
+    }
+
+    #[test]
+    fn retries_back_off_and_end() {
+        let mut q = Queue::new("vm");
+        let id = q.push(1u8, 0);
+        let mut now = 0;
+        let mut waits = Vec::new();
+        for _ in 0..MAX_ATTEMPTS {
+            assert_eq!(q.due(now).len(), 1);
+            match q.answered(&id, false, now) {
+                Outcome::Retry { at_ms } => {
+                    waits.push(at_ms - now);
+                    now = at_ms;
+                }
+                Outcome::GaveUp => break,
+                Outcome::Delivered => unreachable!(),
+            }
+        }
+        assert_eq!(waits, vec![100, 200, 400]);
+        assert!(q.is_empty());
+        assert_eq!(q.given_up, 1);
+    }
+
+    #[test]
+    fn a_full_queue_drops_its_oldest_and_counts_it() {
+        let mut q = Queue::new("vm");
+        for i in 0..MAX_PENDING + 2 {
+            q.push(i, 0);
+        }
+        assert_eq!(q.len(), MAX_PENDING);
+        assert_eq!(q.given_up, 2);
+        assert_eq!(q.due(0).first().map(|p| p.what), Some(2));
+    }
+}
