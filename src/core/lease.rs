@@ -160,9 +160,10 @@ impl Pool {
 
     /// The rate now (thousandths of a token per second): the average, or the current window's
     /// tokens over a whole window when that is more than twice as much (a rise shows before its
-    /// window ends; the jitter of a steady rate does not).
+    /// window ends; the jitter of a steady rate does not). The window's first token opened it and
+    /// spans no time: one lone request is no rate.
     fn rate_now(&self, window_ms: u64) -> u64 {
-        let current = per_second_milli(self.window_tokens, window_ms);
+        let current = per_second_milli(self.window_tokens.saturating_sub(1), window_ms);
         if current > self.rate_milli.saturating_mul(2) {
             current
         } else {
