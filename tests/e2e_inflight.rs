@@ -133,8 +133,12 @@ fn serve(
 /// The plugin configuration: one concurrency rule for every request (one key for all), on top of
 /// a rate rule far from its limit (the two kinds in one request).
 fn plugin(max: u64, deadline_ms: u64) -> String {
+    plugin_with(max, deadline_ms, "http")
+}
+
+fn plugin_with(max: u64, deadline_ms: u64, transport: &str) -> String {
     json!({
-        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 1000},
+        "service": {"cluster": "tollgate", "transport": transport, "timeout_ms": 1000},
         "rules": [
             {"name": "rate", "key": ["literal:all"], "capacity": 1_000_000, "period_ms": 1000},
             {"name": "slots", "kind": "concurrency", "key": ["literal:all"],
@@ -322,4 +326,84 @@ fn a_killed_envoys_slots_come_back_at_their_deadline() {
         after >= DEADLINE,
         "admitted after {after:?}, before the deadline"
     );
+}
+
+/// 32 clients against one Envoy, each `PER_CLIENT` requests to `url`; every status and
+/// Retry-After. Bounded by a 30 s deadline.
+fn hammer(url: &str) -> Vec<(u16, Option<String>)> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let barrier = Arc::new(std::sync::Barrier::new(CLIENTS));
+    (0..CLIENTS)
+        .map(|_| {
+            let (url, barrier) = (url.to_string(), barrier.clone());
+            thread::spawn(move || {
+                let client = Client::new();
+                barrier.wait();
+                let mut out = Vec::new();
+                for _ in 0..PER_CLIENT {
+                    if Instant::now() > deadline {
+                        break;
+                    }
+                    let r = client.get(&url, &[]);
+                    out.push((r.status, r.header("retry-after").map(str::to_string)));
+                }
+                out
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .flat_map(|h| h.join().expect("client"))
+        .collect()
+}
+
+/// The service cannot be reached: `failure_mode: fallback` holds local slots, shared by the
+/// Envoy's two workers, at most max_in_flight / instances = 6 / 2 = 3, and gives them back.
+#[test]
+fn without_the_service_local_slots_cap_each_envoy() {
+    let _serial = serial();
+    let c = Components::get();
+    let dir = TempDir::new("inflight-fallback");
+    let upstream = SlowUpstream::start(Duration::from_millis(150), Duration::from_millis(150));
+    let mut cfg: serde_json::Value = serde_json::from_str(&plugin_with(6, 10_000, "grpc")).unwrap();
+    cfg["fallback"] = json!({"instances": 2});
+    cfg["breaker"] = json!({"failures": 0});
+    let spec = EnvoySpec::new(Some(cfg.to_string()), closed_port(), upstream.port);
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let replies = hammer(&envoy.url("/work"));
+    let ok = replies.iter().filter(|(s, _)| *s == 200).count() as u64;
+    let denied = replies.iter().filter(|(s, _)| *s == 429).count() as u64;
+    eprintln!(
+        "fallback: admitted {ok}, denied {denied}, upstream max in flight {}",
+        upstream.max_in_flight()
+    );
+    assert_eq!(ok + denied, (CLIENTS * PER_CLIENT) as u64);
+    assert!(
+        upstream.max_in_flight() <= 3,
+        "{}",
+        upstream.max_in_flight()
+    );
+    assert!(
+        upstream.max_in_flight() >= 2,
+        "{}",
+        upstream.max_in_flight()
+    );
+    assert!(denied > 0);
+    assert_eq!(
+        envoy.tg("inflight.fallback_acquired"),
+        ok,
+        "{:?}",
+        envoy.tg_all()
+    );
+    assert_eq!(envoy.tg("inflight.fallback_limited"), denied);
+    // Every local slot was given back: 3 at once are admitted again.
+    let again: Vec<u16> = (0..3)
+        .map(|_| {
+            let url = envoy.url("/again");
+            thread::spawn(move || Client::new().get(&url, &[]).status)
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|h| h.join().expect("client"))
+        .collect();
+    assert_eq!(again, vec![200; 3]);
 }
