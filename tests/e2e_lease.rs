@@ -9,8 +9,12 @@
 //!   with a small fraction of the service decisions one callout per request would take.
 //! - `denials_are_cached_and_pools_spent`: after the service denies, further requests are denied
 //!   by the filter without a callout; granted tokens are all spent, none more.
-//! - `an_expired_pool_asks_again`: a pool unused for `max_age_ms` is dropped and the next request
-//!   asks the service again.
+//! - `an_expired_pool_asks_again`: a pool unused for `max_age_ms` gives its tokens back and the next
+//!   request asks the service again.
+//! - `unspent_tokens_go_back_to_the_bucket`: tokens a pool did not spend within `max_age_ms` are
+//!   refunded by the worker's timer, so the proxy admits the whole capacity, not less.
+//! - `an_adaptive_pool_follows_the_rate`: without a `size`, the first requests ask one token at a
+//!   time, and the grants grow with the rate, never above capacity / instances.
 //! - `service_down_falls_back`: with the service unreachable, lease rules use the fallback buckets.
 
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
@@ -36,6 +40,8 @@ both_transports!(
     fleet_never_exceeds_the_limit,
     denials_are_cached_and_pools_spent,
     an_expired_pool_asks_again,
+    unspent_tokens_go_back_to_the_bucket,
+    an_adaptive_pool_follows_the_rate,
 );
 
 /// The fleet test starts several Envoys and loads them; it runs alone so the timings hold.
@@ -248,14 +254,21 @@ fn denials_are_cached_and_pools_spent(transport: Transport) {
     );
     let s = Stack::start("lease-deny", &cfg);
     let service = s.service.as_ref().unwrap();
-    let replies: Vec<Reply> = (0..12).map(|_| s.get("/", &[])).collect();
+    let mut replies: Vec<Reply> = (0..5).map(|_| s.get("/", &[])).collect();
+    // The first request's lease (5 granted, 4 pooled); the fourth left 1, below 5 / 4, and started
+    // a background refill, which the empty bucket denies. No request waited for it.
+    assert!(
+        eventually(Duration::from_secs(5), || decisions(service) == 2),
+        "the background refill was answered"
+    );
+    replies.extend((0..7).map(|_| s.get("/", &[])));
     let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
     assert_eq!(statuses, [vec![200; 5], vec![429; 7]].concat());
     assert_eq!(s.upstream.requests(), 5);
     let asked = decisions(service);
-    // The first request's lease (5 granted, 4 pooled), the refill that found the bucket empty
-    // (denied, its request paid from the pool), and nothing after: the denial is cached.
+    // Nothing after the refill's denial: it is cached.
     assert_eq!(asked, 2, "service decisions");
+    assert_eq!(s.envoy.tg("lease.refills"), 1);
     assert_eq!(s.envoy.tg("lease.local_limited"), 7);
     assert_eq!(s.envoy.tg("lease.granted"), 5);
     assert_eq!(s.envoy.tg("limited"), 7);
@@ -277,7 +290,7 @@ fn an_expired_pool_asks_again(transport: Transport) {
     let service = s.service.as_ref().unwrap();
     assert_eq!(s.get("/", &[]).status, 200);
     assert_eq!(decisions(service), 1);
-    // 9 pooled; 7 can be spent before the refill mark (10 / 4 = 2).
+    // 9 pooled; the first 6 local takes leave 3 or more, above the refill mark (10 / 4 = 3).
     for _ in 0..4 {
         assert_eq!(s.get("/", &[]).status, 200);
     }
@@ -286,9 +299,89 @@ fn an_expired_pool_asks_again(transport: Transport) {
     thread::sleep(Duration::from_millis(1100));
     assert_eq!(s.get("/", &[]).status, 200);
     assert_eq!(decisions(service), 2, "the expired pool asked again");
-    assert_eq!(s.envoy.tg("lease.expired"), 5, "the 5 left were dropped");
+    assert_eq!(s.envoy.tg("lease.expired"), 5, "the 5 left expired");
+    assert_eq!(
+        s.envoy.tg("lease.returned"),
+        5,
+        "and went back to the bucket"
+    );
     assert_eq!(s.envoy.tg("lease.granted"), 20);
     assert_eq!(s.upstream.requests(), 6);
+}
+
+/// One Envoy, capacity 10 that never refills within the test, a lease of 6 that lives 500 ms. The
+/// first request leases 6 and spends 1; the 5 left are not spent before they expire, and the
+/// worker's timer gives them back. So the proxy admits the whole capacity, 10, and not 1 + 4.
+fn unspent_tokens_go_back_to_the_bucket(transport: Transport) {
+    let cfg = plugin(
+        transport,
+        vec![lease_rule(10, 1, SLOW_PERIOD_MS, 6, 500)],
+        json!({"failure_mode": "deny"}),
+    );
+    let s = Stack::start("lease-refund", &cfg);
+    assert_eq!(s.get("/", &[]).status, 200);
+    assert!(
+        eventually(Duration::from_secs(5), || s.envoy.tg("lease.returned") == 5),
+        "the 5 unspent tokens were given back: {:?}",
+        s.envoy.tg_all()
+    );
+    let statuses = s.client.statuses(&s.url("/"), &[], 14);
+    assert_eq!(
+        count(&statuses, 200),
+        9,
+        "1 + 9 = the capacity: {statuses:?}, filter stats {:?}",
+        s.envoy.tg_all()
+    );
+    assert_eq!(s.upstream.requests(), 10);
+    assert_eq!(s.envoy.tg("lease.expired"), 5);
+    assert_eq!(s.envoy.tg("lease.returned"), 5);
+}
+
+/// Without a `size`: the first requests of a key find no rate and ask for their cost alone; under
+/// steady traffic the grants grow with the rate, bounded by capacity / instances (here 1000 / 4).
+fn an_adaptive_pool_follows_the_rate(transport: Transport) {
+    let rule = json!({"name": "lease", "key": ["literal:shared"], "capacity": 1000,
+                      "period_ms": SLOW_PERIOD_MS, "lease": {"max_age_ms": 1000}});
+    let cfg = plugin(
+        transport,
+        vec![rule],
+        json!({"failure_mode": "deny", "fallback": {"instances": 4}}),
+    );
+    let s = Stack::start("lease-adaptive", &cfg);
+    let service = s.service.as_ref().unwrap();
+    assert_eq!(s.get("/", &[]).status, 200);
+    assert_eq!(s.envoy.tg("lease.granted"), 0, "no rate known: no lease");
+    // Sequential requests for 2 s: a rate of a few hundred a second here.
+    let start = Instant::now();
+    let mut sent = 1;
+    while start.elapsed() < Duration::from_secs(2) {
+        assert_eq!(s.get("/", &[]).status, 200);
+        sent += 1;
+    }
+    let asked = decisions(service);
+    let granted = s.envoy.tg("lease.granted");
+    eprintln!(
+        "adaptive lease ({}): {sent} requests, {asked} service decisions, {granted} tokens granted, \
+         filter stats {:?}",
+        transport.name(),
+        s.envoy.tg_all()
+    );
+    assert!(sent > 100, "too slow to say anything: {sent} requests");
+    assert!(
+        asked * 5 <= sent,
+        "{asked} decisions for {sent} requests: the pool did not grow with the rate"
+    );
+    assert!(
+        s.envoy.tg("lease.local") * 2 > sent,
+        "most requests were local"
+    );
+    // Never more than capacity / instances in one grant, so with every request spending one
+    // token, at most that many tokens can be held beyond what was spent.
+    assert!(
+        granted <= sent + 250,
+        "granted {granted} for {sent} requests"
+    );
+    assert_eq!(s.upstream.requests(), sent);
 }
 
 /// The service unreachable: lease rules go through the failure mode as before (fallback buckets).
