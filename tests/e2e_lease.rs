@@ -15,6 +15,9 @@
 //!   refunded by the worker's timer, so the proxy admits the whole capacity, not less.
 //! - `an_adaptive_pool_follows_the_rate`: without a `size`, the first requests ask one token at a
 //!   time, and the grants grow with the rate, never above capacity / instances.
+//! - `a_lease_fleet_admits_what_exact_mode_admits`: four Envoys, round-robin clients far above a
+//!   limit of 200/s for 5 s: exact mode and adaptive lease each admit at most the ideal
+//!   (capacity + rate × elapsed, counted at the upstream), and lease at least 0.98 of it.
 //! - `service_down_falls_back`: with the service unreachable, lease rules use the fallback buckets.
 
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
@@ -382,6 +385,91 @@ fn an_adaptive_pool_follows_the_rate(transport: Transport) {
         "granted {granted} for {sent} requests"
     );
     assert_eq!(s.upstream.requests(), sent);
+}
+
+/// Accuracy, end to end: 4 Envoys (`--concurrency 2`) behind round-robin clients that ask far more
+/// than a limit of 200 a second (capacity 200) for 5 s, first on an exact rule, then on an
+/// adaptive lease rule (each its own bucket). The ideal is capacity + rate × elapsed. Nothing may
+/// pass above it; exact mode is the reference, and the lease fleet, which holds tokens in four
+/// pools and gives back what it does not spend, must reach 0.98 of it.
+#[test]
+fn a_lease_fleet_admits_what_exact_mode_admits() {
+    let _serial = serial();
+    const N: usize = 4;
+    const CAPACITY: u64 = 200;
+    const RATE: u64 = 200; // per second
+    const SECONDS: u64 = 5;
+    let c = Components::get();
+    let dir = TempDir::new("lease-accuracy");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let upstream = Upstream::start();
+    let rule = |name: &str, lease: Option<serde_json::Value>| {
+        let mut r = json!({"name": name, "match": {"path_prefix": format!("/{name}")},
+                           "key": [format!("literal:{name}")], "capacity": CAPACITY,
+                           "rate": RATE, "period_ms": 1000});
+        if let Some(l) = lease {
+            r["lease"] = l;
+        }
+        r
+    };
+    let cfg = plugin(
+        Transport::Http,
+        vec![rule("exact", None), rule("lease", Some(json!({})))],
+        json!({"failure_mode": "deny", "fallback": {"instances": N}}),
+    );
+    let specs: Vec<EnvoySpec> = (0..N)
+        .map(|_| EnvoySpec::new(Some(cfg.clone()), service.port, upstream.port))
+        .collect();
+    let envoys = Envoy::start_all(&c, &dir, &specs);
+    let mut ratios = Vec::new();
+    for mode in ["exact", "lease"] {
+        let urls: Vec<String> = envoys.iter().map(|e| e.url(&format!("/{mode}"))).collect();
+        let before = upstream.requests();
+        let (tally, elapsed) = load(&urls, 16, Duration::from_secs(SECONDS), u64::MAX);
+        let admitted = upstream.requests() - before;
+        let ideal = CAPACITY as f64 + RATE as f64 * elapsed.as_secs_f64();
+        let ratio = admitted as f64 / ideal;
+        let stats = tg_total(&envoys);
+        eprintln!(
+            "accuracy {mode}: {} requests in {:.3} s ({:.0}/s), admitted {admitted} of ideal {ideal:.0} \
+             ({ratio:.4}), service decisions so far {}, filter stats {stats:?}",
+            tally.sent(),
+            elapsed.as_secs_f64(),
+            tally.sent() as f64 / elapsed.as_secs_f64(),
+            decisions(&service)
+        );
+        assert!(
+            tally.sent() as f64 > 2.0 * ideal,
+            "{mode}: demand must exceed the limit by far: {} requests",
+            tally.sent()
+        );
+        assert_eq!(
+            tally.count(200),
+            admitted,
+            "a 200 is a request at the upstream"
+        );
+        assert_eq!(
+            stat(&stats, "failure_closed.limited"),
+            0,
+            "no failed callout: {stats:?}"
+        );
+        // The bucket is created by the first take, after the load began: the ideal measured from
+        // the first send is an upper bound.
+        assert!(
+            admitted as f64 <= ideal,
+            "{mode}: admitted {admitted} > ideal {ideal:.1}: the limit was exceeded"
+        );
+        ratios.push(ratio);
+    }
+    assert!(
+        ratios[1] >= 0.98,
+        "lease admitted {:.4} of the ideal (exact {:.4}): more than 2 % lost",
+        ratios[1],
+        ratios[0]
+    );
+    let stats = tg_total(&envoys);
+    assert!(stat(&stats, "lease.local") > 0 && stat(&stats, "lease.refills") > 0);
 }
 
 /// The service unreachable: lease rules go through the failure mode as before (fallback buckets).
