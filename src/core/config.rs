@@ -421,7 +421,11 @@ pub enum Cost {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fallback {
     /// Proxies sharing the global limit: each local bucket gets capacity/instances, rate/instances.
+    /// Used until the service reports the live instances (`crate::core::instance`), which then
+    /// replace it.
     pub instances: u64,
+    /// The floor of the number of proxies a limit is split by, whatever the service reports.
+    pub min_instances: u64,
     /// Slots in the shared fallback table (a bound on memory).
     pub max_keys: u32,
     /// How long an unpaid fallback debt matters: the longest time any rule's bucket takes to
@@ -693,7 +697,7 @@ impl Config {
         let fb = Obj::new(
             root.get("fallback").unwrap_or(&empty),
             "fallback",
-            &["instances", "max_keys"],
+            &["instances", "max_keys", "min_instances"],
         )?;
         let fill_ms = rules
             .iter()
@@ -706,6 +710,7 @@ impl Config {
             .unwrap_or(0);
         let fallback = Fallback {
             instances: fb.int("instances", Some(1), 1, 10_000)?,
+            min_instances: fb.int("min_instances", Some(1), 1, 10_000)?,
             max_keys: fb.int("max_keys", Some(10_000), 1, 1_000_000)? as u32,
             debt_horizon_ms: fill_ms.clamp(10_000, 3_600_000),
         };
@@ -1445,6 +1450,7 @@ mod tests {
             c.fallback,
             Fallback {
                 instances: 1,
+                min_instances: 1,
                 max_keys: 10_000,
                 // 100 tokens at 100 per minute fill in a minute (+1 ms of rounding up).
                 debt_horizon_ms: 60_001,
@@ -1637,6 +1643,7 @@ mod tests {
             (r#"{"service":{"cluster":"c"},"trusted_hops":17,"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "trusted_hops"),
             (r#"{"service":{"cluster":"c"},"failure_mode":"open","rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "failure_mode"),
             (r#"{"service":{"cluster":"c"},"fallback":{"instances":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "fallback.instances"),
+            (r#"{"service":{"cluster":"c"},"fallback":{"min_instances":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "fallback.min_instances"),
             (r#"{"service":{"cluster":"c"},"fallback":{"max_keys":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "fallback.max_keys"),
             (r#"{"service":{"cluster":"c"},"breaker":{"open_ms":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "breaker.open_ms"),
             (r#"{"service":{"cluster":"c"},"breaker":{"open_ms":100,"max_open_ms":50},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "breaker.max_open_ms"),

@@ -35,6 +35,13 @@
 //! window lasts), never above it. So a rule lowered from 100 to 50, or a fleet grown from 4 proxies
 //! to 8, halves what each share holds instead of handing out a fresh one.
 //!
+//! **N, learned.** The number of proxies a limit is split by starts as `fallback.instances` and then
+//! follows the live instances the service reports in its answers ([`crate::core::instance`]),
+//! never below `fallback.min_instances`. It is kept in shared data ([`N_KEY`]) so every worker of
+//! this Envoy splits by the same N, and a change carries the shares over like any other change of
+//! the limits: a fleet grown from 4 to 8 proxies halves every share at its next use. While the
+//! service is away N stays what it last said.
+//!
 //! Layout: the slot scheme ([`slot`], [`slot_in`], [`prepare`]); the record ([`Entry`]); the
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
 //! ([`take_all`], [`attach_debts`], [`remember`]).
@@ -48,6 +55,8 @@ use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
 /// Shared-data table of the fallback shares.
 pub const TABLE: &str = "tollgate.fb";
+/// Shared-data key of the number of proxies learned from the answers (8 bytes, little endian).
+pub const N_KEY: &str = "tollgate.fb.instances";
 /// Stored bytes per slot: format, flags, 16-byte identity, level, stamp, debt, last write, and
 /// the limits written with (global capacity, rate, period, number of proxies).
 pub const SLOT_BYTES: usize = 2 + 16 + 8 * 8;
@@ -70,14 +79,50 @@ pub struct Shares {
 }
 
 impl Shares {
-    /// The shares of a configuration.
+    /// The shares of a configuration, split by the configured number of proxies (at least the
+    /// floor): what holds until the service reports the live instances.
     pub fn of(cfg: &Config) -> Shares {
         Shares {
             max_keys: cfg.fallback.max_keys,
-            instances: cfg.fallback.instances,
+            instances: cfg.fallback.instances.max(cfg.fallback.min_instances),
             horizon_ms: debt_horizon_ms(cfg),
         }
     }
+
+    /// These shares split by the number of proxies learned from the answers, when one was
+    /// ([`learn`]; it is stored already floored).
+    pub fn learned<S: CasStore + ?Sized>(self, store: &S) -> Shares {
+        match learned_instances(store) {
+            Some(n) => Shares {
+                instances: n,
+                ..self
+            },
+            None => self,
+        }
+    }
+}
+
+/// The number of proxies last learned from the service's answers, if any.
+pub fn learned_instances<S: CasStore + ?Sized>(store: &S) -> Option<u64> {
+    let (v, _) = store.get(N_KEY)?;
+    let b = <[u8; 8]>::try_from(v.get(..8)?).ok()?;
+    Some(u64::from_le_bytes(b)).filter(|&n| n > 0)
+}
+
+/// Stores `heard` (the live instances an answer reported), floored at `fallback.min_instances`,
+/// as this Envoy's number of proxies; writes only when it changed.
+pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) {
+    let n = heard.max(cfg.fallback.min_instances).max(1);
+    update(store, N_KEY, |cur| {
+        let old = cur
+            .and_then(|v| <[u8; 8]>::try_from(v.get(..8)?).ok())
+            .map(u64::from_le_bytes);
+        if old == Some(n) {
+            Step::Keep(())
+        } else {
+            Step::Write(n.to_le_bytes().to_vec(), ())
+        }
+    });
 }
 
 /// One bucket's place in the table.
@@ -165,6 +210,8 @@ pub fn prepare<S: CasStore + ?Sized>(store: &S, max_keys: u32) {
 
 /// Creates the tables a configuration uses (fallback shares, lease pools) before any request.
 pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) {
+    // Every take carries this Envoy's instance id from now on.
+    crate::core::instance::adopt(store);
     if enabled(cfg) {
         prepare(store, cfg.fallback.max_keys);
     }
@@ -481,6 +528,7 @@ pub fn take_all<S: CasStore + ?Sized>(
     req: &TakeRequest,
     now_ms: u64,
 ) -> TakeResponse {
+    let sh = &sh.learned(store);
     let mut results = Vec::with_capacity(req.buckets.len());
     let mut charged: Vec<(usize, Limits, u64)> = Vec::new();
     let mut allowed = true;
@@ -522,7 +570,7 @@ pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: 
     if !enabled(cfg) || plan.rls.is_some() {
         return;
     }
-    let sh = Shares::of(cfg);
+    let sh = Shares::of(cfg).learned(store);
     let n = plan.request.buckets.len();
     let mut debts = vec![0u64; n];
     let mut any = false;
@@ -622,7 +670,10 @@ pub fn remember<S: CasStore + ?Sized>(
         Outcome::Allowed(r) | Outcome::Limited(r) => r,
         Outcome::Failed(_) => return,
     };
-    let sh = Shares::of(cfg);
+    if let Some(n) = crate::core::instance::take_heard() {
+        learn(cfg, store, n);
+    }
+    let sh = Shares::of(cfg).learned(store);
     for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {
         let l = limits_of(b, sh.instances);
         let paid = repaid.get(i).copied().unwrap_or(0);
@@ -756,6 +807,37 @@ mod tests {
             .filter(|_| take(&s, &t, "j", &of(8), 0, 1).allowed)
             .count();
         assert_eq!(admitted, 12 * 24 / 25);
+    }
+
+    #[test]
+    fn the_split_follows_the_instances_heard() {
+        let cfg = Config::parse(
+            br#"{"service":{"cluster":"c"},"fallback":{"instances":4,"min_instances":2,"max_keys":10},
+                 "rules":[{"name":"a","capacity":100,"period_ms":3600000}]}"#,
+        )
+        .unwrap();
+        let s = prepared(10);
+        let req = TakeRequest {
+            buckets: vec![Bucket {
+                period_ms: 3_600_000,
+                ..bucket("k", 100)
+            }],
+        };
+        let admitted = |s: &FakeStore| {
+            (0..100)
+                .filter(|_| take_all(s, &Shares::of(&cfg), &req, 0).allowed)
+                .count()
+        };
+        // Before any answer: the configured 4, a share of 25.
+        assert_eq!(admitted(&prepared(10)), 25);
+        // The service reports 8 live instances: 12 each.
+        learn(&cfg, &s, 8);
+        assert_eq!(learned_instances(&s), Some(8));
+        assert_eq!(admitted(&s), 12);
+        // A report of 1 is floored at min_instances (2).
+        let t = prepared(10);
+        learn(&cfg, &t, 1);
+        assert_eq!(admitted(&t), 50);
     }
 
     #[test]

@@ -91,28 +91,61 @@ pub(crate) fn push_json_string(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// Encodes a request as JSON (`POST /v1/take`). Absent optional fields are omitted.
+/// The rule name a bucket is sent with: its key's leading part (keys are `<rule>|<part>...`,
+/// `crate::core::rules::keys`), when that is a valid rule name. Only a VM with an instance id
+/// sends rule names ([`crate::core::instance`]), so the codec's tests encode the fixtures as they
+/// stand.
+fn rule_of(key: &str) -> Option<&str> {
+    let name = key.split('|').next()?;
+    let ok = !name.is_empty()
+        && name.len() <= crate::core::config::MAX_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:/".contains(&b));
+    ok.then_some(name)
+}
+
+/// Encodes a request as JSON (`POST /v1/take`). Absent optional fields are omitted. A VM with an
+/// instance id adds it and each bucket's rule name ([`crate::core::instance`]).
 pub fn encode_json(req: &TakeRequest) -> Vec<u8> {
     let mut s = String::with_capacity(64 + 128 * req.buckets.len());
-    push_json_take(&mut s, req);
+    crate::core::instance::with_id(|id| {
+        push_json_take(&mut s, req, id.is_some());
+        push_json_instance(&mut s, id);
+    });
+    s.push('}');
     s.into_bytes()
+}
+
+/// `,"instance":"<id>"` when there is one.
+fn push_json_instance(s: &mut String, id: Option<&str>) {
+    if let Some(id) = id {
+        s.push_str(",\"instance\":");
+        push_json_string(s, id);
+    }
 }
 
 /// Encodes a batch of takes as JSON (`POST /v1/take_batch`: `{"takes": [...]}`).
 pub fn encode_batch_json(takes: &[&TakeRequest]) -> Vec<u8> {
     let mut s = String::with_capacity(16 + 160 * takes.len());
     s.push_str("{\"takes\":[");
-    for (i, t) in takes.iter().enumerate() {
-        if i > 0 {
-            s.push(',');
+    crate::core::instance::with_id(|id| {
+        for (i, t) in takes.iter().enumerate() {
+            if i > 0 {
+                s.push(',');
+            }
+            push_json_take(&mut s, t, id.is_some());
+            s.push('}');
         }
-        push_json_take(&mut s, t);
-    }
-    s.push_str("]}");
+        s.push(']');
+        push_json_instance(&mut s, id);
+    });
+    s.push('}');
     s.into_bytes()
 }
 
-fn push_json_take(s: &mut String, req: &TakeRequest) {
+/// A take's object without its closing brace (the caller may add `instance`).
+fn push_json_take(s: &mut String, req: &TakeRequest, rules: bool) {
     s.push_str("{\"buckets\":[");
     for (i, b) in req.buckets.iter().enumerate() {
         if i > 0 {
@@ -134,9 +167,13 @@ fn push_json_take(s: &mut String, req: &TakeRequest) {
         if let Some(l) = b.lease {
             let _ = write!(s, ",\"lease\":{l}");
         }
+        if let Some(r) = rules.then(|| rule_of(&b.key)).flatten() {
+            s.push_str(",\"rule\":");
+            push_json_string(s, r);
+        }
         s.push('}');
     }
-    s.push_str("]}");
+    s.push(']');
 }
 
 fn json_bool(v: &Json, field: &str) -> Result<bool, DecodeError> {
@@ -193,6 +230,9 @@ fn json_take_response(v: &Json) -> Result<TakeResponse, DecodeError> {
             granted: json_u64(b, "granted")?,
         });
     }
+    if let Some(n) = v.get("instances").and_then(Json::as_u64) {
+        crate::core::instance::heard(n);
+    }
     Ok(TakeResponse { allowed, buckets })
 }
 
@@ -237,9 +277,14 @@ fn put_opt_u64(out: &mut Vec<u8>, field: u32, v: Option<u64>) {
 /// takes = 1; }`).
 pub fn encode_batch_proto(takes: &[&TakeRequest]) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + 96 * takes.len());
-    for t in takes {
-        put_bytes(&mut out, 1, &encode_proto(t));
-    }
+    crate::core::instance::with_id(|id| {
+        for t in takes {
+            put_bytes(&mut out, 1, &encode_proto_take(t, id.is_some()));
+        }
+        if let Some(id) = id {
+            put_bytes(&mut out, 2, id.as_bytes());
+        }
+    });
     out
 }
 
@@ -261,8 +306,19 @@ pub fn decode_batch_proto(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError>
     Ok(out)
 }
 
-/// Encodes a request as protobuf (`tollgate.v1.TakeRequest`).
+/// Encodes a request as protobuf (`tollgate.v1.TakeRequest`); a VM with an instance id adds it
+/// and each bucket's rule name, as [`encode_json`].
 pub fn encode_proto(req: &TakeRequest) -> Vec<u8> {
+    crate::core::instance::with_id(|id| {
+        let mut out = encode_proto_take(req, id.is_some());
+        if let Some(id) = id {
+            put_bytes(&mut out, 2, id.as_bytes());
+        }
+        out
+    })
+}
+
+fn encode_proto_take(req: &TakeRequest, rules: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(32 + 64 * req.buckets.len());
     let mut b = Vec::with_capacity(64);
     for bucket in &req.buckets {
@@ -278,6 +334,9 @@ pub fn encode_proto(req: &TakeRequest) -> Vec<u8> {
             put_u64(&mut b, 6, 1);
         }
         put_opt_u64(&mut b, 7, bucket.lease);
+        if let Some(r) = rules.then(|| rule_of(&bucket.key)).flatten() {
+            put_bytes(&mut b, 8, r.as_bytes());
+        }
         put_bytes(&mut out, 1, &b);
     }
     out
@@ -380,6 +439,7 @@ pub fn decode_proto(body: &[u8]) -> Result<TakeResponse, DecodeError> {
         match (field, value) {
             (1, Value::Varint(v)) => out.allowed = v != 0,
             (2, Value::Bytes(b)) => out.buckets.push(decode_bucket_result(b)?),
+            (3, Value::Varint(n)) => crate::core::instance::heard(n),
             (1 | 2, _) => {
                 return Err(DecodeError(format!(
                     "TakeResponse field {field}: wrong wire type"
@@ -436,6 +496,10 @@ mod tests {
         let mut r = Reader { buf };
         let mut out = TakeRequest::default();
         while let Some((f, v)) = r.field().unwrap() {
+            // The instance id (2) is the VM's, not the request's.
+            if let (2, Value::Bytes(_)) = (f, &v) {
+                continue;
+            }
             let (1, Value::Bytes(b)) = (f, v) else {
                 panic!("unexpected field {f}")
             };
@@ -458,6 +522,10 @@ mod tests {
                     (5, Value::Varint(x)) => bucket.cost = Some(x),
                     (6, Value::Varint(1)) => bucket.algorithm = Some(Algorithm::FixedWindow),
                     (7, Value::Varint(x)) => bucket.lease = Some(x),
+                    // The rule name comes from the key.
+                    (8, Value::Bytes(r)) => {
+                        assert_eq!(Some(r), rule_of(&bucket.key).map(str::as_bytes))
+                    }
                     _ => panic!("unexpected bucket field {f}"),
                 }
             }
@@ -493,6 +561,7 @@ mod tests {
         );
         for case in all {
             let name = case["name"].as_str().unwrap();
+            crate::core::instance::set_id(case["request_json"]["instance"].as_str());
             let req = request_from_json(&case["request_json"]);
             let req_pb = hex(case["request_pb_hex"].as_str().unwrap());
             assert_eq!(encode_proto(&req), req_pb, "{name}: request protobuf");
@@ -514,14 +583,51 @@ mod tests {
             let resp_json = serde_json::to_vec(&case["response_json"]).unwrap();
             let from_json = decode_json(&resp_json).unwrap();
             let resp_pb = hex(case["response_pb_hex"].as_str().unwrap());
+            let heard_json = crate::core::instance::take_heard();
             let from_pb = decode_proto(&resp_pb).unwrap();
+            let heard = crate::core::instance::take_heard();
+            assert_eq!(heard, heard_json, "{name}: instances, JSON vs protobuf");
+            assert_eq!(heard, case["response_json"]["instances"].as_u64());
             assert_eq!(from_json, from_pb, "{name}: response JSON vs protobuf");
-            assert_eq!(
-                encode_response_proto(&from_pb),
-                resp_pb,
-                "{name}: response protobuf"
-            );
+            let mut again = encode_response_proto(&from_pb);
+            if let Some(n) = heard {
+                put_u64(&mut again, 3, n);
+            }
+            assert_eq!(again, resp_pb, "{name}: response protobuf");
         }
+        crate::core::instance::set_id(None);
+    }
+
+    #[test]
+    fn batch_fixture_carries_the_instance_once() {
+        let text = include_str!("../../contract/fixtures/cases.json");
+        let v: Json = serde_json::from_str(text).unwrap();
+        let case = v["batch_cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "batch_with_instance")
+            .unwrap()
+            .clone();
+        let takes: Vec<TakeRequest> = case["request_json"]["takes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(request_from_json)
+            .collect();
+        let refs: Vec<&TakeRequest> = takes.iter().collect();
+        crate::core::instance::set_id(case["request_json"]["instance"].as_str());
+        let json: Json = serde_json::from_slice(&encode_batch_json(&refs)).unwrap();
+        let pb = encode_batch_proto(&refs);
+        crate::core::instance::set_id(None);
+        assert_eq!(json, case["request_json"]);
+        assert_eq!(pb, hex(case["request_pb_hex"].as_str().unwrap()));
+        let resp = serde_json::to_vec(&case["response_json"]).unwrap();
+        assert_eq!(decode_batch_json(&resp).unwrap().len(), 1);
+        assert_eq!(crate::core::instance::take_heard(), Some(3));
+        let resp = hex(case["response_pb_hex"].as_str().unwrap());
+        assert_eq!(decode_batch_proto(&resp).unwrap().len(), 1);
+        assert_eq!(crate::core::instance::take_heard(), Some(3));
     }
 
     #[test]

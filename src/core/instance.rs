@@ -1,0 +1,116 @@
+//! This proxy's instance id, and the number of live instances the service reports.
+//!
+//! **The id.** One per Envoy process, shared by its VMs: the first VM to configure draws 8 random
+//! bytes (the standard library's per-process random hash keys, from WASI `random_get`) and stores
+//! their hex in shared data ([`ID_KEY`]); every VM adopts what is stored ([`adopt`]). Two VMs
+//! configuring at the same instant may each store their own and, for a while, send two ids for one
+//! Envoy: the service then counts one proxy too many, which only makes every fallback share
+//! smaller. The id travels with every take (`instance`, contract/README.md), 16 bytes.
+//!
+//! **The count.** Every answer carries the deployment's live instances (`instances`). The codec
+//! hands it here ([`heard`]) and, after each answer, the fallback stores it in shared data for
+//! every worker of this Envoy (`crate::core::fallback`), which splits limits by it.
+//!
+//! Both are kept per VM in thread-locals (a VM is one thread): the id is a constant of the VM the
+//! codec adds to what it encodes, and the count is an observation of the last answer the codec
+//! decoded. Passing them through the wire structs instead would touch every place that builds a
+//! take or an answer; here the codec alone knows of them, and tests that never set an id encode
+//! exactly what they did before.
+
+use std::cell::{Cell, RefCell};
+use std::hash::{BuildHasher, Hasher};
+
+use crate::core::store::CasStore;
+
+/// Shared-data key of this Envoy's instance id.
+pub const ID_KEY: &str = "tollgate.instance";
+/// Length of an id: 16 hex digits.
+pub const ID_LEN: usize = 16;
+
+thread_local! {
+    static ID: RefCell<Option<String>> = const { RefCell::new(None) };
+    static HEARD: Cell<u64> = const { Cell::new(0) };
+}
+
+fn valid(id: &[u8]) -> bool {
+    id.len() == ID_LEN && id.iter().all(u8::is_ascii_hexdigit)
+}
+
+/// 16 random hex digits.
+pub fn fresh() -> String {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u8(0);
+    let n = h.finish();
+    format!("{n:016x}")
+}
+
+/// Adopts this Envoy's id (creating it when no VM has yet) as the id this VM sends.
+pub fn adopt<S: CasStore + ?Sized>(store: &S) -> String {
+    let stored = |s: &S| {
+        s.get(ID_KEY)
+            .filter(|(v, _)| valid(v))
+            .and_then(|(v, _)| String::from_utf8(v).ok())
+    };
+    let id = match stored(store) {
+        Some(id) => id,
+        None => {
+            let mine = fresh();
+            let _ = store.set(ID_KEY, mine.as_bytes(), None);
+            // Whoever wrote last wins; read it back so VMs racing here mostly agree.
+            stored(store).unwrap_or(mine)
+        }
+    };
+    set_id(Some(&id));
+    id
+}
+
+/// Sets (or clears) the id this VM's takes carry.
+pub fn set_id(id: Option<&str>) {
+    ID.with(|c| *c.borrow_mut() = id.map(str::to_string));
+}
+
+/// Calls `f` with this VM's id, if it has one.
+pub fn with_id<R>(f: impl FnOnce(Option<&str>) -> R) -> R {
+    ID.with(|c| f(c.borrow().as_deref()))
+}
+
+/// Records the live-instance count an answer carried (0: the answer carried none).
+pub fn heard(n: u64) {
+    if n > 0 {
+        HEARD.with(|c| c.set(n));
+    }
+}
+
+/// The count the last answers carried, once: `None` when none was heard since the last call.
+pub fn take_heard() -> Option<u64> {
+    let n = HEARD.with(|c| c.replace(0));
+    (n > 0).then_some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::store::fake::FakeStore;
+
+    #[test]
+    fn one_id_per_envoy() {
+        let store = FakeStore::default();
+        let a = adopt(&store);
+        assert!(valid(a.as_bytes()), "{a}");
+        assert_eq!(adopt(&store), a, "a second VM adopts the first one's id");
+        assert_ne!(fresh(), fresh(), "random");
+        with_id(|id| assert_eq!(id, Some(a.as_str())));
+        set_id(None);
+        with_id(|id| assert_eq!(id, None));
+    }
+
+    #[test]
+    fn heard_once() {
+        assert_eq!(take_heard(), None);
+        heard(0);
+        assert_eq!(take_heard(), None);
+        heard(8);
+        assert_eq!(take_heard(), Some(8));
+        assert_eq!(take_heard(), None);
+    }
+}
