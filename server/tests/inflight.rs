@@ -32,8 +32,14 @@ async fn holds_at_most_the_limit_and_release_frees(s: Arc<dyn Store>) {
     assert_eq!(third.buckets[0].retry_after_ms, 1000);
     // Release once: true; twice: false (nothing left to give back).
     let id = first.slot.unwrap();
-    assert_eq!(s.release(&id, &[k.clone()]).await.unwrap(), vec![true]);
-    assert_eq!(s.release(&id, &[k.clone()]).await.unwrap(), vec![false]);
+    assert_eq!(
+        s.release(&id, std::slice::from_ref(&k)).await.unwrap(),
+        vec![true]
+    );
+    assert_eq!(
+        s.release(&id, std::slice::from_ref(&k)).await.unwrap(),
+        vec![false]
+    );
     let fourth = s.acquire(&a, &new_slot_id()).await.unwrap();
     assert!(fourth.allowed, "{fourth:?}");
 }
