@@ -113,6 +113,11 @@ fn serve(
         max.fetch_max(n, Ordering::SeqCst);
         total.fetch_add(1, Ordering::SeqCst);
         let path = head.split_whitespace().nth(1).unwrap_or("/");
+        if path.starts_with("/reset") {
+            // The upstream resets the request: Envoy answers 503 and the stream ends.
+            now.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
         thread::sleep(if path.starts_with("/hold") {
             hold
         } else {
@@ -406,4 +411,57 @@ fn without_the_service_local_slots_cap_each_envoy() {
         .map(|h| h.join().expect("client"))
         .collect();
     assert_eq!(again, vec![200; 3]);
+}
+
+/// A slot goes back when the stream ends early: the client hangs up while the upstream still holds
+/// its request, or the upstream resets it. With one slot and a 20 s deadline, the next request is
+/// admitted at once both times.
+#[test]
+fn a_disconnect_or_an_upstream_reset_releases_the_slot() {
+    let _serial = serial();
+    let c = Components::get();
+    let dir = TempDir::new("inflight-early-end");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let upstream = SlowUpstream::start(Duration::from_millis(20), Duration::from_secs(8));
+    let spec = EnvoySpec::new(Some(plugin(1, 20_000)), service.port, upstream.port);
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let client = Client::new();
+    // The client goes away while its request is held upstream.
+    let mut conn = TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
+    conn.write_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        .expect("send");
+    assert!(
+        eventually(Duration::from_secs(5), || upstream.in_flight() == 1),
+        "held upstream"
+    );
+    assert_eq!(
+        client.get(&envoy.url("/work"), &[]).status,
+        429,
+        "the one slot is held"
+    );
+    let t = Instant::now();
+    drop(conn);
+    assert!(
+        eventually(Duration::from_secs(3), || client
+            .get(&envoy.url("/work"), &[])
+            .status
+            == 200),
+        "the slot came back after the client left"
+    );
+    eprintln!("admitted {:?} after the client hung up", t.elapsed());
+    // The upstream resets a request: 503 to the client, and the slot comes back.
+    assert_eq!(client.get(&envoy.url("/reset"), &[]).status, 503);
+    assert_eq!(
+        client.get(&envoy.url("/work"), &[]).status,
+        200,
+        "released after the reset"
+    );
+    assert!(
+        eventually(Duration::from_secs(3), || envoy.tg("inflight.released")
+            == envoy.tg("inflight.acquired")),
+        "{:?}",
+        envoy.tg_all()
+    );
+    assert_eq!(envoy.tg("inflight.release_failed"), 0);
 }
