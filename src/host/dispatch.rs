@@ -765,8 +765,36 @@ impl<A: Abi> Dispatcher<A> {
                 }
             }
             self.report_memory();
-        } else {
-            self.roots.remove(&id);
+        } else if let Some(Some(old)) = self.roots.remove(&id) {
+            self.hand_over_pools(&old);
+        }
+    }
+
+    /// A configuration went away (a push replaced it): the lease pools it filled outlive it
+    /// (their names carry the service, not the configuration), so another configuration of this
+    /// worker calling the same service watches them, and gives their tokens back when they expire.
+    fn hand_over_pools(&mut self, old: &Plugin) {
+        let held = std::mem::take(&mut *old.held.borrow_mut());
+        if held.is_empty() {
+            return;
+        }
+        let heir = self.roots.iter().find_map(|(&id, p)| {
+            p.as_ref()
+                .filter(|p| p.prefix == old.prefix)
+                .map(|p| (id, p))
+        });
+        let Some((id, heir)) = heir else {
+            return;
+        };
+        let mut watched = heir.held.borrow_mut();
+        for h in held {
+            lease::watch(&mut watched, h);
+        }
+        if tick_period_ms(&heir.config).is_none() && self.abi.set_effective_context(id).is_ok() {
+            // The heir leases nothing itself: it still needs the timer for what it inherited.
+            if let Err(s) = self.abi.set_tick_period(1000) {
+                warn!("no timer for lease pools: {}", abi::status_name(s));
+            }
         }
     }
 

@@ -623,3 +623,28 @@ fn a_background_lease_refill_is_answered_without_any_request() {
     d.on_tick(ROOT);
     assert_eq!(d.abi.dispatched.borrow().len(), 2);
 }
+
+#[test]
+fn a_push_hands_the_watched_pools_to_the_new_configuration() {
+    let cfg = r#"{"service":{"cluster":"svc","batch":0},
+        "rules":[{"name":"r","key":["literal:k"],"capacity":100,"period_ms":60000,"lease":{"size":4}}]}"#;
+    let mut d = dispatcher(cfg);
+    let held = |d: &Dispatcher<Fake>, root: u32| match d.roots.get(&root) {
+        Some(Some(p)) => p.held.borrow().len(),
+        _ => usize::MAX,
+    };
+    assert_eq!(start(&mut d, 2, "/"), PAUSE);
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        br#"{"allowed":true,"buckets":[{"allowed":true,"limit":100,"remaining":50,"reset_ms":1000,"retry_after_ms":0,"granted":4}]}"#.to_vec(),
+    );
+    d.on_http_call_response(last_token(&d), 1, 200);
+    assert_eq!(held(&d, ROOT), 1, "the pool it filled is watched");
+    // The push: a new root context is configured, then the old one deleted.
+    d.on_context_create(7, 0);
+    d.abi.known.borrow_mut().push(7);
+    assert!(d.on_configure(7, cfg.len()));
+    assert_eq!(held(&d, 7), 0);
+    d.on_delete(ROOT);
+    assert_eq!(held(&d, 7), 1, "still watched, by the new configuration");
+}
