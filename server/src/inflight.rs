@@ -281,6 +281,83 @@ impl Api {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The gRPC form (`Acquire`, `Release`): protobuf cannot tell an absent scalar from zero; zeros are
+// passed on and rejected by validation with the field's name.
+
+use crate::api::grpc::{pb, DecodeStrict};
+use prost::Message;
+
+fn malformed(e: &prost::DecodeError) -> InvalidArgument {
+    InvalidArgument::new("", format!("malformed protobuf: {e}"))
+}
+
+/// An `AcquireRequest` as a [`RawAcquire`].
+pub fn raw_acquire_from_pb(req: &pb::AcquireRequest) -> RawAcquire {
+    RawAcquire {
+        buckets: Some(
+            req.buckets
+                .iter()
+                .map(|b| RawSlot {
+                    key: Some(b.key.clone()),
+                    limit: Some(b.limit),
+                    ttl_ms: Some(b.ttl_ms),
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// A `ReleaseRequest` as a [`RawRelease`].
+pub fn raw_release_from_pb(req: &pb::ReleaseRequest) -> RawRelease {
+    RawRelease {
+        slot: Some(req.slot.clone()),
+        keys: Some(req.keys.clone()),
+    }
+}
+
+/// An [`AcquireDecision`] as an `AcquireResponse` (`slot` empty when not allowed).
+pub fn pb_from_acquire(d: &AcquireDecision) -> pb::AcquireResponse {
+    pb::AcquireResponse {
+        allowed: d.allowed,
+        slot: d.slot.clone().unwrap_or_default(),
+        buckets: d
+            .buckets
+            .iter()
+            .map(|b| pb::SlotResult {
+                allowed: b.allowed,
+                limit: b.limit,
+                in_flight: b.in_flight,
+                retry_after_ms: b.retry_after_ms,
+            })
+            .collect(),
+    }
+}
+
+impl DecodeStrict for pb::AcquireRequest {
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
+        pb::AcquireRequest::decode(bytes).map_err(|e| malformed(&e))
+    }
+}
+
+impl DecodeStrict for pb::AcquireResponse {
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
+        pb::AcquireResponse::decode(bytes).map_err(|e| malformed(&e))
+    }
+}
+
+impl DecodeStrict for pb::ReleaseRequest {
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
+        pb::ReleaseRequest::decode(bytes).map_err(|e| malformed(&e))
+    }
+}
+
+impl DecodeStrict for pb::ReleaseResponse {
+    fn decode_strict(bytes: &[u8]) -> Result<Self, InvalidArgument> {
+        pb::ReleaseResponse::decode(bytes).map_err(|e| malformed(&e))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -204,3 +204,51 @@ async fn json_routes_validate_and_answer() {
     assert_eq!((st, &err["error"]["field"]), (400, &json!("slot")));
     svc.stop().await;
 }
+
+#[tokio::test]
+async fn grpc_acquire_and_release() {
+    use tollgate_server::api::grpc::pb;
+    let r = common::RedisProc::start();
+    let svc = common::Service::start(Arc::new(common::redis_store(&r.url(), 500)), None).await;
+    let mut c = svc.grpc().await;
+    let one = || pb::AcquireRequest {
+        buckets: vec![pb::SlotBucket {
+            key: "g".into(),
+            limit: 1,
+            ttl_ms: 10_000,
+        }],
+    };
+    let held = c.acquire(one()).await.unwrap().into_inner();
+    assert!(held.allowed && held.slot.len() == 32, "{held:?}");
+    let full = c.acquire(one()).await.unwrap().into_inner();
+    assert!(!full.allowed && full.slot.is_empty());
+    assert_eq!(full.buckets[0].in_flight, 1);
+    assert_eq!(full.buckets[0].retry_after_ms, 1000);
+    let bad = c
+        .acquire(pb::AcquireRequest {
+            buckets: vec![pb::SlotBucket {
+                key: "g".into(),
+                limit: 0,
+                ttl_ms: 1,
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(
+        bad.message().contains("buckets[0].limit"),
+        "{}",
+        bad.message()
+    );
+    let rel = c
+        .release(pb::ReleaseRequest {
+            slot: held.slot,
+            keys: vec!["g".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(rel.released, vec![true]);
+    assert!(c.acquire(one()).await.unwrap().into_inner().allowed);
+    svc.stop().await;
+}

@@ -408,6 +408,50 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
             }
         }
     }
+
+    async fn acquire(
+        &self,
+        request: Request<pb::AcquireRequest>,
+    ) -> Result<Response<pb::AcquireResponse>, Status> {
+        let raw = crate::inflight::raw_acquire_from_pb(request.get_ref());
+        self.answer(
+            self.api
+                .acquire(Ok(raw))
+                .await
+                .map(|d| crate::inflight::pb_from_acquire(&d)),
+        )
+    }
+
+    async fn release(
+        &self,
+        request: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let raw = crate::inflight::raw_release_from_pb(request.get_ref());
+        self.answer(
+            self.api
+                .release(Ok(raw))
+                .await
+                .map(|d| pb::ReleaseResponse {
+                    released: d.released,
+                }),
+        )
+    }
+}
+
+impl RateLimiterService {
+    /// Counts and converts a result of the slot operations.
+    fn answer<T>(&self, result: Result<T, ApiError>) -> Result<Response<T>, Status> {
+        match result {
+            Ok(m) => {
+                self.api.metrics.request("grpc", "ok");
+                Ok(Response::new(m))
+            }
+            Err(e) => {
+                self.api.metrics.request("grpc", e.code());
+                Err(status_of(&e))
+            }
+        }
+    }
 }
 
 #[cfg(test)]
