@@ -252,3 +252,57 @@ async fn grpc_acquire_and_release() {
     assert!(c.acquire(one()).await.unwrap().into_inner().allowed);
     svc.stop().await;
 }
+
+/// contract/fixtures/cases.json, `slot_cases`: each request decodes to the same thing from JSON and
+/// from protobuf, and each answer encodes to the fixture in both forms.
+#[test]
+fn slot_fixtures_agree_in_both_encodings() {
+    use prost::Message;
+    use tollgate_server::api::grpc::pb;
+    use tollgate_server::inflight::{
+        decode_acquire, decode_release, pb_from_acquire, raw_acquire_from_pb, raw_release_from_pb,
+        AcquireDecision, ReleaseDecision,
+    };
+    let text = std::fs::read_to_string(common::workspace().join("contract/fixtures/cases.json"))
+        .expect("read cases.json");
+    let v: Value = serde_json::from_str(&text).expect("parse cases.json");
+    let cases = v["slot_cases"].as_array().expect("slot_cases");
+    assert!(cases.len() >= 3);
+    let hex = |s: &Value| -> Vec<u8> {
+        let s = s.as_str().expect("hex");
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
+            .collect()
+    };
+    for c in cases {
+        let name = c["name"].as_str().expect("name");
+        let req_json = serde_json::to_vec(&c["request_json"]).unwrap();
+        let (req_pb, resp_pb) = (hex(&c["request_pb_hex"]), hex(&c["response_pb_hex"]));
+        match c["op"].as_str() {
+            Some("acquire") => {
+                let from_pb = raw_acquire_from_pb(&pb::AcquireRequest::decode(&*req_pb).unwrap());
+                assert_eq!(decode_acquire(&req_json).unwrap(), from_pb, "{name}");
+                let d: AcquireDecision =
+                    serde_json::from_value(c["response_json"].clone()).unwrap();
+                assert_eq!(
+                    serde_json::to_value(&d).unwrap(),
+                    c["response_json"],
+                    "{name}"
+                );
+                assert_eq!(pb_from_acquire(&d).encode_to_vec(), resp_pb, "{name}");
+            }
+            Some("release") => {
+                let from_pb = raw_release_from_pb(&pb::ReleaseRequest::decode(&*req_pb).unwrap());
+                assert_eq!(decode_release(&req_json).unwrap(), from_pb, "{name}");
+                let d: ReleaseDecision =
+                    serde_json::from_value(c["response_json"].clone()).unwrap();
+                let pb_resp = pb::ReleaseResponse {
+                    released: d.released.clone(),
+                };
+                assert_eq!(pb_resp.encode_to_vec(), resp_pb, "{name}");
+            }
+            other => panic!("{name}: unknown op {other:?}"),
+        }
+    }
+}

@@ -385,6 +385,202 @@ pub fn release_local<S: CasStore + ?Sized>(store_: &S, counters: &[String]) {
     }
 }
 
+/// A request's concurrency slots, driven by [`crate::core::flow::Flow`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Slots {
+    /// No concurrency rule applies (or the request was decided without a slot).
+    #[default]
+    None,
+    /// Slots to take once the rate rules admitted the request.
+    Wanted(Vec<Want>),
+    /// Paused, waiting for the acquire callout `token`.
+    Acquiring {
+        /// Callout token.
+        token: u32,
+        /// What was asked.
+        wants: Vec<Want>,
+    },
+    /// Held at the service under `slot`; released when the stream ends.
+    Held {
+        /// Slot id.
+        slot: String,
+        /// The keys it holds.
+        keys: Vec<String>,
+    },
+    /// Held locally (fallback): the shared counters to give back when the stream ends.
+    Local(Vec<String>),
+    /// Released (or never held): nothing more to do.
+    Done,
+}
+
+use crate::core::flow::{Host, Next};
+
+impl Slots {
+    /// Notes the slots `req` needs.
+    pub fn plan(&mut self, cfg: &Config, req: &Request) {
+        if cfg.inflight.is_empty() {
+            return;
+        }
+        let wants = plan(cfg, req);
+        if !wants.is_empty() {
+            *self = Slots::Wanted(wants);
+        }
+    }
+
+    /// Whether slots are still to be taken.
+    pub fn wanted(&self) -> bool {
+        matches!(self, Slots::Wanted(_))
+    }
+
+    /// The acquire callout this request waits for.
+    pub fn token(&self) -> Option<u32> {
+        match self {
+            Slots::Acquiring { token, .. } => Some(*token),
+            _ => None,
+        }
+    }
+
+    /// Asks the service for the wanted slots (`paused`: whether the stream is paused already).
+    pub fn acquire<H: Host>(&mut self, cfg: &Config, paused: bool, host: &mut H) -> Next {
+        let Slots::Wanted(wants) = std::mem::replace(self, Slots::Done) else {
+            return allow(paused, host);
+        };
+        match host.acquire(cfg, &encode_acquire(cfg, &wants)) {
+            Ok(token) => {
+                *self = Slots::Acquiring { token, wants };
+                Next::Pause
+            }
+            Err(_) => self.failed(cfg, &wants, paused, host),
+        }
+    }
+
+    /// The acquire callout `token` ended with `result` (the stream is paused on it).
+    pub fn on_result<H: Host>(
+        &mut self,
+        cfg: &Config,
+        token: u32,
+        result: &CalloutResult,
+        host: &mut H,
+    ) {
+        if self.token() != Some(token) {
+            return;
+        }
+        let Slots::Acquiring { wants, .. } = std::mem::replace(self, Slots::Done) else {
+            return;
+        };
+        match interpret(result, wants.len()) {
+            Acquired::Held(slot) => {
+                host.count_inflight(Count::Acquired);
+                *self = Slots::Held {
+                    slot,
+                    keys: wants.into_iter().map(|w| w.key).collect(),
+                };
+                host.resume();
+            }
+            Acquired::Denied(full, wait) => {
+                let rules: Vec<usize> = full
+                    .iter()
+                    .filter_map(|&i| wants.get(i).map(|w| w.rule))
+                    .collect();
+                deny_or_shadow(cfg, &rules, wait, true, host, Count::Limited);
+            }
+            Acquired::Failed => {
+                self.failed(cfg, &wants, true, host);
+            }
+        }
+    }
+
+    /// No answer from the service: the failure mode decides.
+    fn failed<H: Host>(
+        &mut self,
+        cfg: &Config,
+        wants: &[Want],
+        paused: bool,
+        host: &mut H,
+    ) -> Next {
+        let rules: Vec<usize> = wants.iter().map(|w| w.rule).collect();
+        match cfg.failure_mode {
+            FailureMode::Allow => {
+                host.count_inflight(Count::FailureOpen);
+                allow(paused, host)
+            }
+            FailureMode::Deny => deny_or_shadow(
+                cfg,
+                &rules,
+                DENIED_RETRY_MS,
+                paused,
+                host,
+                Count::FailureClosed,
+            ),
+            FailureMode::Fallback => match acquire_local(cfg, wants, host.store()) {
+                Ok(counters) => {
+                    host.count_inflight(Count::FallbackAcquired);
+                    *self = Slots::Local(counters);
+                    allow(paused, host)
+                }
+                Err(i) => {
+                    let rule: Vec<usize> = wants.get(i).map(|w| w.rule).into_iter().collect();
+                    deny_or_shadow(
+                        cfg,
+                        &rule,
+                        DENIED_RETRY_MS,
+                        paused,
+                        host,
+                        Count::FallbackLimited,
+                    )
+                }
+            },
+        }
+    }
+
+    /// The stream ended (however): gives back what it holds, once.
+    pub fn release<H: Host>(&mut self, cfg: &Config, host: &mut H) {
+        match std::mem::replace(self, Slots::Done) {
+            Slots::Held { slot, keys } => {
+                if !host.release(cfg, &encode_release(&slot, &keys)) {
+                    host.count_inflight(Count::ReleaseFailed);
+                }
+            }
+            Slots::Local(counters) => release_local(host.store(), &counters),
+            other => *self = other,
+        }
+    }
+}
+
+fn allow<H: Host>(paused: bool, host: &mut H) -> Next {
+    if paused {
+        host.resume();
+    }
+    Next::Continue
+}
+
+/// Denies with the first rule of `rules` that is not in shadow mode, counting `count`; when all
+/// are in shadow mode, lets the request through without a slot.
+fn deny_or_shadow<H: Host>(
+    cfg: &Config,
+    rules: &[usize],
+    wait_ms: u64,
+    paused: bool,
+    host: &mut H,
+    count: Count,
+) -> Next {
+    let enforcing = rules
+        .iter()
+        .filter_map(|&i| cfg.inflight.get(i))
+        .find(|f| !f.rule.shadow);
+    match enforcing {
+        Some(f) => {
+            host.count_inflight(count);
+            host.reply(&denial(f, wait_ms));
+            Next::Pause
+        }
+        None => {
+            host.count_inflight(Count::ShadowLimited);
+            allow(paused, host)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -722,200 +918,50 @@ mod tests {
         );
         assert!(h.releases.is_empty(), "local slots are not the service's");
     }
-}
 
-/// A request's concurrency slots, driven by [`crate::core::flow::Flow`].
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum Slots {
-    /// No concurrency rule applies (or the request was decided without a slot).
-    #[default]
-    None,
-    /// Slots to take once the rate rules admitted the request.
-    Wanted(Vec<Want>),
-    /// Paused, waiting for the acquire callout `token`.
-    Acquiring {
-        /// Callout token.
-        token: u32,
-        /// What was asked.
-        wants: Vec<Want>,
-    },
-    /// Held at the service under `slot`; released when the stream ends.
-    Held {
-        /// Slot id.
-        slot: String,
-        /// The keys it holds.
-        keys: Vec<String>,
-    },
-    /// Held locally (fallback): the shared counters to give back when the stream ends.
-    Local(Vec<String>),
-    /// Released (or never held): nothing more to do.
-    Done,
-}
-
-use crate::core::flow::{Host, Next};
-
-impl Slots {
-    /// Notes the slots `req` needs.
-    pub fn plan(&mut self, cfg: &Config, req: &Request) {
-        if cfg.inflight.is_empty() {
-            return;
-        }
-        let wants = plan(cfg, req);
-        if !wants.is_empty() {
-            *self = Slots::Wanted(wants);
-        }
-    }
-
-    /// Whether slots are still to be taken.
-    pub fn wanted(&self) -> bool {
-        matches!(self, Slots::Wanted(_))
-    }
-
-    /// The acquire callout this request waits for.
-    pub fn token(&self) -> Option<u32> {
-        match self {
-            Slots::Acquiring { token, .. } => Some(*token),
-            _ => None,
-        }
-    }
-
-    /// Asks the service for the wanted slots (`paused`: whether the stream is paused already).
-    pub fn acquire<H: Host>(&mut self, cfg: &Config, paused: bool, host: &mut H) -> Next {
-        let Slots::Wanted(wants) = std::mem::replace(self, Slots::Done) else {
-            return allow(paused, host);
+    /// contract/fixtures/cases.json, `slot_cases`: what the filter sends is the fixture's request,
+    /// and it reads the fixture's answers.
+    #[test]
+    fn slot_fixtures() {
+        let v: Value =
+            serde_json::from_str(include_str!("../../contract/fixtures/cases.json")).unwrap();
+        let case = |name: &str| {
+            v["slot_cases"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["name"] == name)
+                .unwrap()
+                .clone()
         };
-        match host.acquire(cfg, &encode_acquire(cfg, &wants)) {
-            Ok(token) => {
-                *self = Slots::Acquiring { token, wants };
-                Next::Pause
-            }
-            Err(_) => self.failed(cfg, &wants, paused, host),
-        }
-    }
-
-    /// The acquire callout `token` ended with `result` (the stream is paused on it).
-    pub fn on_result<H: Host>(
-        &mut self,
-        cfg: &Config,
-        token: u32,
-        result: &CalloutResult,
-        host: &mut H,
-    ) {
-        if self.token() != Some(token) {
-            return;
-        }
-        let Slots::Acquiring { wants, .. } = std::mem::replace(self, Slots::Done) else {
-            return;
+        let json = r#"{"service":{"cluster":"svc"},"rules":[{"name":"reports","kind":"concurrency",
+            "key":["header:x-tenant"],"max_in_flight":10,"deadline_ms":30000}]}"#;
+        let c = Config::parse(json.as_bytes()).unwrap();
+        let r = Request {
+            headers: vec![("x-tenant".into(), b"acme".to_vec())],
+            peer: None,
         };
-        match interpret(result, wants.len()) {
-            Acquired::Held(slot) => {
-                host.count_inflight(Count::Acquired);
-                *self = Slots::Held {
-                    slot,
-                    keys: wants.into_iter().map(|w| w.key).collect(),
-                };
-                host.resume();
-            }
-            Acquired::Denied(full, wait) => {
-                let rules: Vec<usize> = full
-                    .iter()
-                    .filter_map(|&i| wants.get(i).map(|w| w.rule))
-                    .collect();
-                deny_or_shadow(cfg, &rules, wait, true, host, Count::Limited);
-            }
-            Acquired::Failed => {
-                self.failed(cfg, &wants, true, host);
-            }
-        }
-    }
-
-    /// No answer from the service: the failure mode decides.
-    fn failed<H: Host>(
-        &mut self,
-        cfg: &Config,
-        wants: &[Want],
-        paused: bool,
-        host: &mut H,
-    ) -> Next {
-        let rules: Vec<usize> = wants.iter().map(|w| w.rule).collect();
-        match cfg.failure_mode {
-            FailureMode::Allow => {
-                host.count_inflight(Count::FailureOpen);
-                allow(paused, host)
-            }
-            FailureMode::Deny => deny_or_shadow(
-                cfg,
-                &rules,
-                DENIED_RETRY_MS,
-                paused,
-                host,
-                Count::FailureClosed,
-            ),
-            FailureMode::Fallback => match acquire_local(cfg, wants, host.store()) {
-                Ok(counters) => {
-                    host.count_inflight(Count::FallbackAcquired);
-                    *self = Slots::Local(counters);
-                    allow(paused, host)
-                }
-                Err(i) => {
-                    let rule: Vec<usize> = wants.get(i).map(|w| w.rule).into_iter().collect();
-                    deny_or_shadow(
-                        cfg,
-                        &rule,
-                        DENIED_RETRY_MS,
-                        paused,
-                        host,
-                        Count::FallbackLimited,
-                    )
-                }
-            },
-        }
-    }
-
-    /// The stream ended (however): gives back what it holds, once.
-    pub fn release<H: Host>(&mut self, cfg: &Config, host: &mut H) {
-        match std::mem::replace(self, Slots::Done) {
-            Slots::Held { slot, keys } => {
-                if !host.release(cfg, &encode_release(&slot, &keys)) {
-                    host.count_inflight(Count::ReleaseFailed);
-                }
-            }
-            Slots::Local(counters) => release_local(host.store(), &counters),
-            other => *self = other,
-        }
-    }
-}
-
-fn allow<H: Host>(paused: bool, host: &mut H) -> Next {
-    if paused {
-        host.resume();
-    }
-    Next::Continue
-}
-
-/// Denies with the first rule of `rules` that is not in shadow mode, counting `count`; when all
-/// are in shadow mode, lets the request through without a slot.
-fn deny_or_shadow<H: Host>(
-    cfg: &Config,
-    rules: &[usize],
-    wait_ms: u64,
-    paused: bool,
-    host: &mut H,
-    count: Count,
-) -> Next {
-    let enforcing = rules
-        .iter()
-        .filter_map(|&i| cfg.inflight.get(i))
-        .find(|f| !f.rule.shadow);
-    match enforcing {
-        Some(f) => {
-            host.count_inflight(count);
-            host.reply(&denial(f, wait_ms));
-            Next::Pause
-        }
-        None => {
-            host.count_inflight(Count::ShadowLimited);
-            allow(paused, host)
-        }
+        let wants = plan(&c, &r);
+        let allowed = case("acquire_allowed");
+        let sent: Value = serde_json::from_slice(&encode_acquire(&c, &wants)).unwrap();
+        assert_eq!(sent, allowed["request_json"]);
+        let body = |case: &Value| CalloutResult::Http {
+            status: Some(200),
+            body: serde_json::to_vec(&case["response_json"]).unwrap(),
+        };
+        let slot = allowed["response_json"]["slot"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(interpret(&body(&allowed), 1), Acquired::Held(slot.clone()));
+        assert_eq!(
+            interpret(&body(&case("acquire_denied_all_or_nothing")), 2),
+            Acquired::Denied(vec![1], 1000)
+        );
+        let release = case("release");
+        let sent: Value =
+            serde_json::from_slice(&encode_release(&slot, &["reports|acme".to_string()])).unwrap();
+        assert_eq!(sent, release["request_json"]);
+        assert!(released(&body(&release)));
     }
 }
