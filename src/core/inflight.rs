@@ -15,6 +15,7 @@
 //!
 //! Pure: the state machine in [`crate::core::flow`] drives it, the adapter moves the bytes.
 
+use crate::core::breaker::{self, Admission};
 use crate::core::config::{Config, ConfigError, FailureMode, Rule};
 use crate::core::decide::{CalloutResult, LocalReply};
 use crate::core::headers::{rate_limit_headers, retry_after};
@@ -399,6 +400,8 @@ pub enum Slots {
         token: u32,
         /// What was asked.
         wants: Vec<Want>,
+        /// Whether this callout is the breaker's probe.
+        probe: bool,
     },
     /// Held at the service under `slot`; released when the stream ends.
     Held {
@@ -445,12 +448,25 @@ impl Slots {
         let Slots::Wanted(wants) = std::mem::replace(self, Slots::Done) else {
             return allow(paused, host);
         };
+        // The breaker the takes feed: while it is open, no acquire is sent either.
+        let (admission, _) = breaker::admit_shared(host.store(), &cfg.breaker, host.now_ms());
+        if admission == Admission::Reject {
+            return self.failed(cfg, &wants, paused, host);
+        }
+        let probe = admission == Admission::Probe;
         match host.acquire(cfg, &encode_acquire(cfg, &wants)) {
             Ok(token) => {
-                *self = Slots::Acquiring { token, wants };
+                *self = Slots::Acquiring {
+                    token,
+                    wants,
+                    probe,
+                };
                 Next::Pause
             }
-            Err(_) => self.failed(cfg, &wants, paused, host),
+            Err(_) => {
+                record(cfg, false, probe, host);
+                self.failed(cfg, &wants, paused, host)
+            }
         }
     }
 
@@ -465,10 +481,12 @@ impl Slots {
         if self.token() != Some(token) {
             return;
         }
-        let Slots::Acquiring { wants, .. } = std::mem::replace(self, Slots::Done) else {
+        let Slots::Acquiring { wants, probe, .. } = std::mem::replace(self, Slots::Done) else {
             return;
         };
-        match interpret(result, wants.len()) {
+        let acquired = interpret(result, wants.len());
+        record(cfg, acquired != Acquired::Failed, probe, host);
+        match acquired {
             Acquired::Held(slot) => {
                 host.count_inflight(Count::Acquired);
                 *self = Slots::Held {
@@ -544,6 +562,15 @@ impl Slots {
             Slots::Local(counters) => release_local(host.store(), &counters),
             other => *self = other,
         }
+    }
+}
+
+/// Feeds an acquire's success or failure to the breaker.
+fn record<H: Host>(cfg: &Config, success: bool, probe: bool, host: &mut H) {
+    let now = host.now_ms();
+    let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, probe);
+    if event != breaker::Event::None {
+        host.breaker_event(event);
     }
 }
 
@@ -917,6 +944,34 @@ mod tests {
             Next::Continue
         );
         assert!(h.releases.is_empty(), "local slots are not the service's");
+    }
+
+    #[test]
+    fn a_failing_service_opens_the_breaker_and_acquires_stop() {
+        let c = cfg(r#","failure_mode":"allow","breaker":{"failures":2,"open_ms":1000}"#);
+        let mut h = Fake::default();
+        for _ in 0..2 {
+            let mut f = Flow::default();
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h);
+            f.on_callout_result(
+                &c,
+                7,
+                CalloutResult::Http {
+                    status: Some(504),
+                    body: vec![],
+                },
+                &mut h,
+            );
+        }
+        assert_eq!(h.acquires.len(), 2);
+        let mut f = Flow::default();
+        assert_eq!(
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h),
+            Next::Continue,
+            "decided at once by the failure mode"
+        );
+        assert_eq!(h.acquires.len(), 2, "no callout while the breaker is open");
+        assert_eq!(h.counts.last(), Some(&Count::FailureOpen));
     }
 
     /// contract/fixtures/cases.json, `slot_cases`: what the filter sends is the fixture's request,

@@ -749,7 +749,7 @@ impl<A: Abi> Dispatcher<A> {
         if let Some(mut f) = self.filters.remove(&id) {
             if let Some(p) = f.plugin.clone() {
                 // The stream is over, however it ended: its concurrency slots go back now.
-                if let inflight::Slots::Acquiring { token, wants } = &f.flow.slots {
+                if let inflight::Slots::Acquiring { token, wants, .. } = &f.flow.slots {
                     let keys = wants.iter().map(|w| w.key.clone()).collect();
                     p.orphans.borrow_mut().push((*token, keys));
                 }
