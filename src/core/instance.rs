@@ -41,7 +41,10 @@ pub fn fresh() -> String {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u8(0);
     let n = h.finish();
-    format!("{n:016x}")
+    (0..ID_LEN)
+        .rev()
+        .map(|i| crate::core::hash::hex_digit(((n >> (4 * i)) & 0xf) as u8, false))
+        .collect()
 }
 
 /// Adopts this Envoy's id (creating it when no VM has yet) as the id this VM sends.
