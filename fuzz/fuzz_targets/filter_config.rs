@@ -45,7 +45,7 @@ fn check(cfg: &Config) {
             }
         }
         if let Some(l) = &r.lease {
-            assert!(1 <= l.size && l.size <= r.capacity);
+            assert!(l.size.is_none_or(|s| 1 <= s && s <= r.capacity));
             assert!(l.max_age_ms >= 1);
         }
         for p in &r.key {
