@@ -948,8 +948,15 @@ fn read_rule(
         r.int("capacity", None, 1, MAX_TOKENS)?
     };
     let rate = r.int("rate", Some(capacity), 1, MAX_TOKENS)?;
+    // A concurrency rule keeps its slots' deadline here (it has no period).
     let period_ms = if concurrency {
-        1000
+        let (lo, hi) = crate::core::inflight::DEADLINE_MS;
+        r.int(
+            "deadline_ms",
+            Some(crate::core::inflight::DEFAULT_DEADLINE_MS),
+            lo,
+            hi,
+        )?
     } else {
         r.int("period_ms", None, 1, MAX_PERIOD_MS)?
     };

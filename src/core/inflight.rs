@@ -38,7 +38,8 @@ pub const DENIED_RETRY_MS: u64 = 1000;
 /// A concurrency rule: the rule (conditions, key, shadow, response) and its slots.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InFlight {
-    /// Name, conditions, key, `on_missing`, `shadow` and `response`; its limit fields are unused.
+    /// Name, conditions, key, `on_missing`, `shadow` and `response` (`capacity` is `max`,
+    /// `period_ms` is `deadline_ms`; nothing else reads them).
     pub rule: Rule,
     /// Most requests per key in flight across the fleet.
     pub max: u64,
@@ -66,9 +67,9 @@ const RATE_ONLY: [&str; 9] = [
     "descriptor",
 ];
 
-/// Reads a `kind: "concurrency"` rule at `at`: the fields a rate rule has and this one refuses,
-/// and the deadline here; the rest by `base` (the rate rule reader, which reads `max_in_flight`
-/// as the rule's limit).
+/// Reads a `kind: "concurrency"` rule at `at`: the fields a rate rule has and this one refuses
+/// here; the rest by `base` (the rule reader, which reads `max_in_flight` as the rule's capacity
+/// and `deadline_ms` as its period).
 pub fn read_rule(
     at: &str,
     v: &Value,
@@ -82,31 +83,11 @@ pub fn read_rule(
             return err(format!("{at}.{f}"), "not for a concurrency rule");
         }
     }
-    let int = |f: &str, default: Option<u64>, lo: u64, hi: u64| -> Result<u64, ConfigError> {
-        match (map.get(f).filter(|v| !v.is_null()), default) {
-            (None, Some(d)) => Ok(d),
-            (None, None) => err(format!("{at}.{f}"), "missing (required)"),
-            (Some(v), _) => match v.as_u64() {
-                Some(n) if (lo..=hi).contains(&n) => Ok(n),
-                _ => err(
-                    format!("{at}.{f}"),
-                    format!("must be between {lo} and {hi}"),
-                ),
-            },
-        }
-    };
-    let max = int("max_in_flight", None, 1, MAX_IN_FLIGHT)?;
-    let deadline_ms = int(
-        "deadline_ms",
-        Some(DEFAULT_DEADLINE_MS),
-        DEADLINE_MS.0,
-        DEADLINE_MS.1,
-    )?;
     let rule = base(v)?;
     Ok(InFlight {
+        max: rule.capacity,
+        deadline_ms: rule.period_ms,
         rule,
-        max,
-        deadline_ms,
     })
 }
 
