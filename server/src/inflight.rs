@@ -252,6 +252,10 @@ impl Api {
         let start = Instant::now();
         let result = self.store.acquire(&specs, &new_slot_id()).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
+        if let Ok(d) = &result {
+            self.metrics
+                .slots(if d.allowed { "acquired" } else { "limited" }, 1);
+        }
         result.map_err(|e| {
             self.metrics.store_error(e.kind());
             tracing::warn!(error = %e, store = self.store.kind(), "acquire failed");
@@ -271,6 +275,11 @@ impl Api {
         let start = Instant::now();
         let result = self.store.release(&slot, &keys).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
+        if let Ok(r) = &result {
+            let found = r.iter().filter(|&&b| b).count() as u64;
+            self.metrics.slots("released", found);
+            self.metrics.slots("already_free", r.len() as u64 - found);
+        }
         result
             .map(|released| ReleaseDecision { released })
             .map_err(|e| {

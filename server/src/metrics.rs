@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | `tollgate_decisions_total` | `outcome` = allowed, limited | takes answered |
 //! | `tollgate_rule_decisions_total` | `rule` = a rule name the filter sent (at most [`MAX_RULE_LABELS`] distinct, the rest `other`); `outcome` = allowed, limited | per rule named in a take (each rule once per take): `allowed` when the take was, `limited` when that rule's own bucket denied it |
+//! | `tollgate_slots_total` | `outcome` = acquired, limited, released, already_free | concurrency slots ([`crate::inflight`]): acquires that took their slots or were denied, releases that found their slot or found it gone (expired at its deadline, or released before) |
 //! | `tollgate_live_instances` | | proxy instances of the deployment heard from within the last 10 s, as last counted (gauge) |
 //! | `tollgate_store_duration_seconds` | | time of one store call: a take, or a whole batch (histogram) |
 //! | `tollgate_batch_takes` | | takes per batch (`/v1/take_batch`, `TakeBatch`; histogram: its count is the number of batches) |
@@ -75,6 +76,7 @@ pub struct Metrics {
     /// in one map instead of hashing label sets in the family.
     rule_counters: std::sync::Mutex<std::collections::HashMap<String, [Counter; 2]>>,
     live_instances: Gauge,
+    slots: Family<Outcome, Counter>,
     allowed: OnceLock<Counter>,
     limited: OnceLock<Counter>,
     http_ok: OnceLock<Counter>,
@@ -171,8 +173,15 @@ impl Metrics {
             "Proxy instances of the deployment heard from lately, as last counted",
             live_instances.clone(),
         );
+        let slots = Family::<Outcome, Counter>::default();
+        registry.register(
+            "slots",
+            "Concurrency slots: acquires taken or denied, releases that found their slot or not",
+            slots.clone(),
+        );
         Metrics {
             registry,
+            slots,
             rule_decisions,
             rule_counters: std::sync::Mutex::new(std::collections::HashMap::new()),
             live_instances,
@@ -293,6 +302,12 @@ impl Metrics {
     /// Counts a connection refused at the connection limit.
     pub fn connection_refused(&self) {
         self.connections_refused.inc();
+    }
+
+    /// Counts `n` concurrency-slot events of `outcome` (`acquired`, `limited`, `released`,
+    /// `already_free`).
+    pub fn slots(&self, outcome: &'static str, n: u64) {
+        self.slots.get_or_create(&Outcome { outcome }).inc_by(n);
     }
 
     /// Counts a change of the RLS limits file: loaded, or refused (the old limits stay).

@@ -202,6 +202,21 @@ async fn json_routes_validate_and_answer() {
     assert_eq!((st, rel), (200, json!({"released":[true]})));
     let (st, err) = post("/v1/release", json!({"slot": "zz", "keys": ["k"]}), true).await;
     assert_eq!((st, &err["error"]["field"]), (400, &json!("slot")));
+    let (_, again) = post("/v1/release", json!({"slot": slot, "keys": ["k"]}), true).await;
+    assert_eq!(
+        again,
+        json!({"released":[false]}),
+        "released twice: harmless"
+    );
+    let m = common::get_text(svc.url("/metrics")).await;
+    for line in [
+        "tollgate_slots_total{outcome=\"acquired\"} 1",
+        "tollgate_slots_total{outcome=\"limited\"} 1",
+        "tollgate_slots_total{outcome=\"released\"} 1",
+        "tollgate_slots_total{outcome=\"already_free\"} 1",
+    ] {
+        assert!(m.contains(line), "{line} in\n{m}");
+    }
     svc.stop().await;
 }
 
