@@ -168,3 +168,76 @@ async fn rule_label_is_bounded() {
     );
     svc.stop().await;
 }
+
+/// On a Redis Cluster the registry is one key in whatever slot it hashes to, and buckets whose
+/// limits change keep their counts there too.
+#[tokio::test]
+async fn on_a_cluster() {
+    use tollgate_server::domain::{Algorithm, BucketSpec};
+    use tollgate_server::store::redis::{RedisConfig, RedisStore};
+    use tollgate_server::store::Store;
+    let nodes: Vec<RedisProc> = (0..3)
+        .map(|_| {
+            let port = common::free_port();
+            let conf = format!("nodes-{port}.conf");
+            RedisProc::start_on(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            )
+        })
+        .collect();
+    common::create_cluster(&nodes, &[]);
+    let store = RedisStore::new(RedisConfig {
+        url: None,
+        cluster: vec![nodes[0].url()],
+        key_prefix: "test:".into(),
+        timeout: Duration::from_millis(1000),
+        tls: None,
+    })
+    .unwrap();
+    let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        store
+            .live_instances(&ids(&["a", "b"]), TTL_MS)
+            .await
+            .unwrap(),
+        Some(2)
+    );
+    assert_eq!(
+        store.live_instances(&ids(&["c"]), TTL_MS).await.unwrap(),
+        Some(3)
+    );
+    assert_eq!(store.live_instances(&[], TTL_MS).await.unwrap(), Some(3));
+    // Two buckets in different slots, one take: lowered limits carry both over.
+    let spec = |key: &str, cap: u64, cost: u64| BucketSpec {
+        key: key.into(),
+        capacity: cap,
+        rate: cap,
+        period_ms: 3_600_000,
+        cost,
+        algorithm: Algorithm::TokenBucket,
+        lease: cost,
+    };
+    let d = store
+        .take(&[spec("slot-a", 100, 40), spec("slot-b", 10, 4)])
+        .await
+        .unwrap();
+    assert!(d.allowed);
+    let d = store
+        .take(&[spec("slot-a", 50, 1), spec("slot-b", 5, 1)])
+        .await
+        .unwrap();
+    assert!(d.allowed);
+    assert_eq!(
+        (d.buckets[0].remaining, d.buckets[1].remaining),
+        (29, 2),
+        "60 % of 50 and of 5, less one"
+    );
+}
