@@ -747,7 +747,8 @@ impl<A: Abi> Dispatcher<A> {
     /// request still waited for is forgotten here: Envoy will never report it to that request.
     pub fn on_delete(&mut self, id: u32) {
         if let Some(mut f) = self.filters.remove(&id) {
-            if let Some(p) = f.plugin.clone() {
+            let holds = !matches!(f.flow.slots, inflight::Slots::None | inflight::Slots::Done);
+            if let Some(p) = f.plugin.clone().filter(|_| holds) {
                 // The stream is over, however it ended: its concurrency slots go back now.
                 if let inflight::Slots::Acquiring { token, wants, .. } = &f.flow.slots {
                     let keys = wants.iter().map(|w| w.key.clone()).collect();
