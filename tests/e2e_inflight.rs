@@ -163,6 +163,17 @@ struct Fleet {
 }
 
 fn fleet(label: &str, max: u64, deadline_ms: u64, delay: Duration, hold: Duration) -> Fleet {
+    fleet_over(Transport::Http, label, max, deadline_ms, delay, hold)
+}
+
+fn fleet_over(
+    t: Transport,
+    label: &str,
+    max: u64,
+    deadline_ms: u64,
+    delay: Duration,
+    hold: Duration,
+) -> Fleet {
     let c = Components::get();
     let dir = TempDir::new(label);
     let redis = Redis::start(&c, &dir);
@@ -170,7 +181,8 @@ fn fleet(label: &str, max: u64, deadline_ms: u64, delay: Duration, hold: Duratio
     let upstream = SlowUpstream::start(delay, hold);
     let specs: Vec<EnvoySpec> = (0..3)
         .map(|_| {
-            let mut s = EnvoySpec::new(Some(plugin(max, deadline_ms)), service.port, upstream.port);
+            let cfg = plugin_with(max, deadline_ms, t.name());
+            let mut s = EnvoySpec::new(Some(cfg), service.port, upstream.port);
             s.log_level = "wasm:info".to_string();
             s
         })
@@ -192,11 +204,14 @@ fn sum(envoys: &[Envoy], name: &str) -> u64 {
 const CLIENTS: usize = 32;
 const PER_CLIENT: usize = 6;
 
-#[test]
-fn never_more_than_max_in_flight_across_three_envoys() {
+both_transports!(never_more_than_max_in_flight_across_three_envoys);
+
+/// With either transport the slots go as JSON over the service cluster (HTTP/1.1 or HTTP/2).
+fn never_more_than_max_in_flight_across_three_envoys(t: Transport) {
     let _serial = serial();
     const MAX: u64 = 4;
-    let f = Arc::new(fleet(
+    let f = Arc::new(fleet_over(
+        t,
         "inflight-fleet",
         MAX,
         10_000,
