@@ -1230,6 +1230,55 @@ mod tests {
         assert!(many.iter().any(|h| h.expires_ms == 10_000));
     }
 
+    proptest::proptest! {
+        /// Any interleaving of takes (which claim background refills), refill answers, lapsed
+        /// claims, reclaims at expiry and clock steps: a pool never pays out, plus gives back, more
+        /// than was deposited into it, and never has two refills claimed at once.
+        #[test]
+        fn one_refill_at_a_time_and_never_more_out_than_in(
+            ops in proptest::collection::vec((0u8..5, 1u64..40), 1..300),
+            fixed in proptest::bool::ANY,
+        ) {
+            let s = FakeStore::default();
+            let sl = the_slot();
+            let sizing = if fixed { L } else { A };
+            let (mut now, mut deposited, mut out) = (1u64, 0u64, 0u64);
+            // The refill claimed and not answered yet, and until when its claim holds.
+            let mut claim: Option<u64> = None;
+            for (kind, n) in ops {
+                match kind {
+                    0 | 1 => {
+                        let (t, expired) = take(&s, &sl, &sizing, 100, n % 4 + 1, now);
+                        // Expired tokens are given back by the caller: out as well.
+                        out += expired;
+                        let claimed = matches!(t, Take::Hit(_, Some(_)) | Take::Ask(Some(_)));
+                        if let Take::Hit(..) = t {
+                            out += n % 4 + 1;
+                        }
+                        if claimed {
+                            proptest::prop_assert!(
+                                claim.is_none_or(|until| now >= until),
+                                "a second refill claimed at {now} while one holds until {claim:?}"
+                            );
+                            claim = Some(now + sizing.claim_ms);
+                        }
+                    }
+                    2 => {
+                        // The refill's answer: a grant goes to the pool, the claim ends.
+                        if claim.take().is_some() {
+                            let d = deposit(&s, &sl, n, &answer(true, n, 0), now, now + 1000);
+                            out += d.expired;
+                            deposited += n;
+                        }
+                    }
+                    3 => out += reclaim(&s, &sl, now),
+                    _ => now += n * 7,
+                }
+                proptest::prop_assert!(out <= deposited, "out {out} > in {deposited}");
+            }
+        }
+    }
+
     #[test]
     fn cached_denial_covers_the_cost_and_above_until_retry() {
         let s = FakeStore::default();
