@@ -321,3 +321,87 @@ fn slot_fixtures_agree_in_both_encodings() {
         }
     }
 }
+
+/// Redis Cluster: each key's set is its own hash slot; an acquire over keys of several slots is
+/// one script per slot, and a denial in one slot gives back what the others took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_keys_in_several_slots() {
+    use tollgate_server::store::redis::{RedisConfig, RedisStore};
+    let nodes: Vec<common::RedisProc> = (0..3)
+        .map(|_| {
+            let port = common::free_port();
+            let conf = format!("nodes-{port}.conf");
+            common::RedisProc::start_on(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            )
+        })
+        .collect();
+    common::create_cluster(&nodes, &[]);
+    let store: Arc<dyn Store> = Arc::new(
+        RedisStore::new(RedisConfig {
+            url: None,
+            cluster: vec![nodes[0].url()],
+            key_prefix: "test:".into(),
+            timeout: Duration::from_millis(1000),
+            tls: None,
+        })
+        .unwrap(),
+    );
+    // Keys whose sets hash to different slots.
+    let slot_of = |k: &str| {
+        tollgate_server::store::keys::slot(&tollgate_server::store::slots::redis_key("test:", k))
+    };
+    let a = common::unique("a");
+    let b = (0..100)
+        .map(|i| format!("{a}-other-{i}"))
+        .find(|k| slot_of(k) != slot_of(&a))
+        .unwrap();
+    holds_at_most_the_limit_and_release_frees(store.clone()).await;
+    concurrent_acquires_never_exceed_the_limit(store.clone()).await;
+    assert!(
+        store
+            .acquire(&[spec(&b, 1, 60_000)], &new_slot_id())
+            .await
+            .unwrap()
+            .allowed
+    );
+    let d = store
+        .acquire(&[spec(&a, 2, 60_000), spec(&b, 1, 60_000)], &new_slot_id())
+        .await
+        .unwrap();
+    assert!(
+        !d.allowed && d.buckets[0].allowed && !d.buckets[1].allowed,
+        "{d:?}"
+    );
+    assert_eq!(d.buckets[0].in_flight, 0, "a's slot was given back: {d:?}");
+    for _ in 0..2 {
+        assert!(
+            store
+                .acquire(&[spec(&a, 2, 60_000)], &new_slot_id())
+                .await
+                .unwrap()
+                .allowed,
+            "both of a's slots are free"
+        );
+    }
+    let both = store
+        .acquire(
+            &[
+                spec(&common::unique("c"), 3, 60_000),
+                spec(&common::unique("d"), 3, 60_000),
+            ],
+            &new_slot_id(),
+        )
+        .await
+        .unwrap();
+    assert!(both.allowed);
+    drop(nodes);
+}
