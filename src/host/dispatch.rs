@@ -619,8 +619,9 @@ impl<A: Abi> Dispatcher<A> {
             }
         }
         info!(
-            "configured {} rule(s), service cluster {:?} over {}, failure_mode {:?}{}",
-            config.rules.len(),
+            "configured {} rule(s) ({} of kind concurrency), service cluster {:?} over {}, failure_mode {:?}{}",
+            config.rules.len() + config.inflight.len(),
+            config.inflight.len(),
             config.service.cluster,
             match config.service.transport {
                 Transport::Http => "http",
