@@ -335,7 +335,7 @@ pub struct Tiers {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
     /// Most tokens a proxy holds for one key (1..=capacity); `None`: adaptive, about what the key
-    /// spends at this proxy in `max_age_ms`, at most capacity / `fallback.instances`.
+    /// spends at this proxy in `max_age_ms`, at most capacity / N (the proxies sharing the bucket).
     pub size: Option<u64>,
     /// How long leased tokens may be spent after the grant; then they are dropped.
     pub max_age_ms: u64,

@@ -21,8 +21,9 @@
 //!   a quarter of `max_age_ms` (each window's rate weighs half; a gap of four windows restarts it).
 //!
 //! Size: a fixed `lease.size`, or (adaptive, the default) what the key spends here in `max_age_ms`
-//! at its current rate, so about one refill per `max_age_ms`: at least 1, at most capacity / N
-//! (`fallback.instances`, the proxies sharing the bucket); the service grants at most what it holds.
+//! at its current rate, so about one refill per `max_age_ms`: at least 1, at most capacity / N (the
+//! proxies sharing the bucket, as the answers report them, else `fallback.instances`); the service
+//! grants at most what it holds.
 //!
 //! Refill policy: a request paid from the pool that leaves it below a quarter of the size starts a
 //! **background refill** (a callout no request waits for, [`Chores::refills`]) for the difference,
@@ -41,15 +42,15 @@
 use crate::core::bucket::Limits;
 use crate::core::config::{Algorithm, Config, Lease, Rule};
 use crate::core::decide::{Outcome, Plan};
-use crate::core::fallback::{self, Slot};
+use crate::core::fallback::{self, learned_instances, Slot};
 use crate::core::store::{update, CasStore, Step};
 use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
 
 /// Shared-data table of the pools.
 pub const TABLE: &str = "tollgate.lease";
-/// Stored bytes per pool: format, 16-byte identity, ten u64.
-pub const POOL_BYTES: usize = 1 + 16 + 10 * 8;
-const FORMAT: u8 = 3;
+/// Stored bytes per pool: format, 16-byte identity, eleven u64.
+pub const POOL_BYTES: usize = 1 + 16 + 11 * 8;
+const FORMAT: u8 = 4;
 /// How long a refill claim outlives the callout timeout: a request whose context was destroyed
 /// before its answer (client gone) never settles, and its claim must lapse on its own.
 pub const CLAIM_MARGIN_MS: u64 = 50;
@@ -77,6 +78,9 @@ pub struct Pool {
     pub window_ms: u64,
     /// Tokens asked in the current rate window.
     pub window_tokens: u64,
+    /// The proxies sharing the bucket, as learned from the service's answers when the pool was
+    /// last filled (0: not known, the configured number holds).
+    pub instances: u64,
 }
 
 impl Pool {
@@ -95,6 +99,7 @@ impl Pool {
             self.rate_milli,
             self.window_ms,
             self.window_tokens,
+            self.instances,
         ] {
             v.extend_from_slice(&n.to_le_bytes());
         }
@@ -107,7 +112,7 @@ impl Pool {
         if b.len() != POOL_BYTES || b.first() != Some(&FORMAT) || b.get(1..17)? != id {
             return None;
         }
-        let mut n = [0u64; 10];
+        let mut n = [0u64; 11];
         for (i, chunk) in b.get(17..)?.chunks_exact(8).enumerate() {
             let mut w = [0u8; 8];
             w.copy_from_slice(chunk);
@@ -115,7 +120,7 @@ impl Pool {
                 *slot = u64::from_le_bytes(w);
             }
         }
-        let [tokens, expires_ms, refill_until_ms, denied_until_ms, denied_cost, remaining, reset_at_ms, rate_milli, window_ms, window_tokens] =
+        let [tokens, expires_ms, refill_until_ms, denied_until_ms, denied_cost, remaining, reset_at_ms, rate_milli, window_ms, window_tokens, instances] =
             n;
         Some(Pool {
             tokens,
@@ -128,6 +133,7 @@ impl Pool {
             rate_milli,
             window_ms,
             window_tokens,
+            instances,
         })
     }
 
@@ -195,8 +201,12 @@ fn per_second_milli(tokens: u64, ms: u64) -> u64 {
 pub struct Sizing {
     /// The rule's lease settings.
     pub lease: Lease,
-    /// The most an adaptive pool holds: capacity / N, at least 1.
-    pub most: u64,
+    /// The bucket's capacity.
+    pub capacity: u64,
+    /// The proxies sharing it as configured (`fallback.instances`, at least `min_instances`): an
+    /// adaptive pool holds at most capacity / N, N as learned from the answers when it was, else
+    /// this.
+    pub instances: u64,
     /// How long a refill claim holds: the callout timeout plus [`CLAIM_MARGIN_MS`].
     pub claim_ms: u64,
 }
@@ -206,7 +216,8 @@ impl Sizing {
     pub fn new(cfg: &Config, lease: Lease, capacity: u64) -> Sizing {
         Sizing {
             lease,
-            most: (capacity / cfg.fallback.instances.max(1)).max(1),
+            capacity,
+            instances: cfg.fallback.instances.max(cfg.fallback.min_instances),
             claim_ms: claim_ms(cfg),
         }
     }
@@ -224,7 +235,13 @@ impl Sizing {
                 let t = u128::from(p.rate_now(self.window_ms()))
                     * u128::from(self.lease.max_age_ms)
                     / 1_000_000;
-                u64::try_from(t).unwrap_or(u64::MAX).clamp(1, self.most)
+                let n = if p.instances > 0 {
+                    p.instances
+                } else {
+                    self.instances
+                };
+                let most = (self.capacity / n.max(1)).max(1);
+                u64::try_from(t).unwrap_or(u64::MAX).clamp(1, most)
             }
         }
     }
@@ -377,7 +394,8 @@ pub struct Dropped {
 }
 
 /// After an allowed answer to a refill: adds `extra` tokens to the pool, to be spent until
-/// `expires_ms`, ends the claim and any cached denial, and remembers the answer's global state.
+/// `expires_ms`, ends the claim and any cached denial, and remembers the answer's global state and
+/// the proxies sharing the bucket (`instances`, as learned from the answers; 0: not known).
 pub fn deposit<S: CasStore + ?Sized>(
     store: &S,
     slot: &Slot,
@@ -385,6 +403,7 @@ pub fn deposit<S: CasStore + ?Sized>(
     answer: &BucketResult,
     now_ms: u64,
     expires_ms: u64,
+    instances: u64,
 ) -> Dropped {
     let done = update(store, &slot.name, |cur| {
         let (mut p, dropped) = match Pool::decode(&slot.id, cur) {
@@ -417,6 +436,9 @@ pub fn deposit<S: CasStore + ?Sized>(
         p.denied_cost = 0;
         p.remaining = answer.remaining;
         p.reset_at_ms = now_ms.saturating_add(answer.reset_ms);
+        if instances > 0 {
+            p.instances = instances;
+        }
         Step::Write(p.encode(&slot.id), dropped)
     });
     if done.stored {
@@ -873,7 +895,8 @@ pub fn settle<S: CasStore + ?Sized>(
                     .min(plan.own_lease(i).unwrap_or(cost));
                 granted += g;
                 let until = expiry(rule, &lease, r, now_ms);
-                let d = deposit(store, &slot, g.saturating_sub(cost), r, now_ms, until);
+                let n = learned_instances(store).unwrap_or(0);
+                let d = deposit(store, &slot, g.saturating_sub(cost), r, now_ms, until, n);
                 chores.dropped += d.evicted;
                 chores.expired(plan, i, d.expired);
                 if g > cost {
@@ -922,7 +945,8 @@ pub fn refilled<S: CasStore + ?Sized>(
             };
             let g = r.granted.min(asked);
             let until = expiry(rule, &lease, r, now_ms);
-            let d = deposit(store, &slot, g, r, now_ms, until);
+            let n = learned_instances(store).unwrap_or(0);
+            let d = deposit(store, &slot, g, r, now_ms, until, n);
             chores.dropped += d.evicted;
             chores.expired(plan, i, d.expired);
             if g > 0 {
@@ -966,7 +990,8 @@ mod tests {
             size: Some(8),
             max_age_ms: 1000,
         },
-        most: 100,
+        capacity: 100,
+        instances: 1,
         claim_ms: 70,
     };
 
@@ -976,7 +1001,8 @@ mod tests {
             size: None,
             max_age_ms: 1000,
         },
-        most: 25,
+        capacity: 100,
+        instances: 4,
         claim_ms: 70,
     };
 
@@ -1051,7 +1077,7 @@ mod tests {
         take(&s, &sl, &L, 100, 1, 0);
         // Granted 8 for cost 1: 7 go to the pool.
         assert_eq!(
-            deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000),
+            deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000, 0),
             Dropped::default()
         );
         // size / 4 = 2: takes that leave 2 or more start nothing.
@@ -1073,7 +1099,7 @@ mod tests {
         // Empty, refill in flight: ask for the cost alone.
         assert_eq!(take(&s, &sl, &L, 100, 1, 7).0, Take::Ask(None));
         // The background refill's grant goes to the pool whole and ends the claim.
-        deposit(&s, &sl, 7, &answer(true, 7, 0), 8, 1008);
+        deposit(&s, &sl, 7, &answer(true, 7, 0), 8, 1008, 0);
         let p = stored(&s, &sl);
         assert_eq!((p.tokens, p.refill_until_ms), (7, 0));
         // A lost refill's claim lapses: the next hit below the mark claims again.
@@ -1088,7 +1114,7 @@ mod tests {
             take(&s, &sl, &L, 100, 1, 78).0,
             Take::Hit(_, None)
         ));
-        deposit(&s, &sl, 1, &answer(true, 1, 0), 79, 1079);
+        deposit(&s, &sl, 1, &answer(true, 1, 0), 79, 1079, 0);
         assert!(matches!(
             take(&s, &sl, &L, 100, 1, 80).0,
             Take::Hit(_, Some(8))
@@ -1099,7 +1125,7 @@ mod tests {
     fn adaptive_size_follows_the_rate_within_its_bounds() {
         let s = FakeStore::default();
         let sl = the_slot();
-        deposit(&s, &sl, 1_000_000, &answer(true, 0, 0), 0, u64::MAX);
+        deposit(&s, &sl, 1_000_000, &answer(true, 0, 0), 0, u64::MAX, 0);
         // Nothing observed yet: a pool of one.
         assert_eq!(A.target(&stored(&s, &sl)), 1);
         // 12 tokens a second for 3 s: about 12 per max_age (1 s).
@@ -1129,6 +1155,14 @@ mod tests {
         assert!(A.target(&stored(&s, &sl)) <= 4);
         // A fixed size ignores the rate.
         assert_eq!(L.target(&stored(&s, &sl)), 8);
+        // Once the answers said 10 proxies share the bucket: at most 100 / 10.
+        for _ in 0..300 {
+            take(&s, &sl, &A, 100, 1, now);
+            now += 10;
+        }
+        assert_eq!(A.target(&stored(&s, &sl)), 25);
+        deposit(&s, &sl, 5, &answer(true, 5, 0), now, u64::MAX, 10);
+        assert_eq!(A.target(&stored(&s, &sl)), 10);
     }
 
     #[test]
@@ -1146,7 +1180,7 @@ mod tests {
     fn tokens_expire_and_are_counted() {
         let s = FakeStore::default();
         let sl = the_slot();
-        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000, 0);
         assert!(matches!(take(&s, &sl, &L, 100, 1, 999).0, Take::Hit(..)));
         // At the expiry the 6 left are dropped, and this request refills.
         assert_eq!(take(&s, &sl, &L, 100, 1, 1000), (Take::Ask(Some(8)), 6));
@@ -1159,13 +1193,13 @@ mod tests {
     fn reclaim_takes_only_expired_tokens_and_only_once() {
         let s = FakeStore::default();
         let sl = the_slot();
-        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000, 0);
         assert_eq!(reclaim(&s, &sl, 999), 0);
         assert_eq!(reclaim(&s, &sl, 1000), 7);
         assert_eq!(reclaim(&s, &sl, 1001), 0);
         assert_eq!(stored(&s, &sl).tokens, 0);
         // Not stored (contention): nothing reclaimed, the tokens stay where they are.
-        deposit(&s, &sl, 3, &answer(true, 3, 0), 1001, 2000);
+        deposit(&s, &sl, 3, &answer(true, 3, 0), 1001, 2000, 0);
         s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
         assert_eq!(reclaim(&s, &sl, 2000), 0);
         assert_eq!(reclaim(&s, &sl, 2000), 3);
@@ -1189,7 +1223,7 @@ mod tests {
             bucket: bucket.clone(),
             expires_ms,
         };
-        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000, 0);
         // Two workers watch the same pool.
         let (mut w1, mut w2) = (Vec::new(), Vec::new());
         watch(&mut w1, held(1000));
@@ -1198,7 +1232,7 @@ mod tests {
         assert_eq!(w1.len(), 1, "one entry per pool");
         assert_eq!(sweep(&s, &mut w1, 999), (Vec::new(), 0));
         // Renewed by a later deposit: still watched, nothing given back at the old expiry.
-        deposit(&s, &sl, 2, &answer(true, 2, 0), 500, 1500);
+        deposit(&s, &sl, 2, &answer(true, 2, 0), 500, 1500, 0);
         assert_eq!(sweep(&s, &mut w1, 1000), (Vec::new(), 0));
         assert_eq!(w1[0].expires_ms, 1500);
         let (returns, n) = sweep(&s, &mut w1, 1500);
@@ -1266,7 +1300,7 @@ mod tests {
                     2 => {
                         // The refill's answer: a grant goes to the pool, the claim ends.
                         if claim.take().is_some() {
-                            let d = deposit(&s, &sl, n, &answer(true, n, 0), now, now + 1000);
+                            let d = deposit(&s, &sl, n, &answer(true, n, 0), now, now + 1000, 0);
                             out += d.expired;
                             deposited += n;
                         }
@@ -1302,7 +1336,7 @@ mod tests {
         // Granted tokens are already charged: spending them is always within the limit.
         let s = FakeStore::default();
         let sl = the_slot();
-        deposit(&s, &sl, 4, &answer(true, 5, 0), 0, 1000);
+        deposit(&s, &sl, 4, &answer(true, 5, 0), 0, 1000, 0);
         deny(&s, &sl, 1, &answer(false, 0, 500), false, 0);
         assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Hit(..)));
     }
@@ -1311,7 +1345,7 @@ mod tests {
     fn lost_cas_race_never_spends() {
         let s = FakeStore::default();
         let sl = the_slot();
-        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000, 0);
         s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
         assert_eq!(take(&s, &sl, &L, 100, 1, 1).0, Take::Ask(None));
         let mut n = 0;
@@ -1325,7 +1359,7 @@ mod tests {
     fn no_refill_is_claimed_while_a_denial_holds() {
         let s = FakeStore::default();
         let sl = the_slot();
-        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000);
+        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000, 0);
         deny(&s, &sl, 1, &answer(false, 0, 500), false, 0);
         // Below the mark, but the service has nothing: spend the pool down to zero.
         assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Hit(_, None)));
@@ -1341,9 +1375,9 @@ mod tests {
             name: a.name.clone(),
             id: [9; 16],
         };
-        deposit(&s, &a, 7, &answer(true, 8, 0), 0, 1000);
+        deposit(&s, &a, 7, &answer(true, 8, 0), 0, 1000, 0);
         assert_eq!(
-            deposit(&s, &b, 3, &answer(true, 4, 0), 1, 1001),
+            deposit(&s, &b, 3, &answer(true, 4, 0), 1, 1001, 0),
             Dropped {
                 expired: 0,
                 evicted: 7
@@ -1410,7 +1444,7 @@ mod tests {
         let s = FakeStore::default();
         let p = plan(&c);
         let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
-        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000);
+        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000, 0);
         let mut p = plan(&c);
         let (_, chores) = local(&c, &mut p, &s, 1);
         let r = &chores.refills[0];
@@ -1441,7 +1475,7 @@ mod tests {
         let s = FakeStore::default();
         let p = plan(&c);
         let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
-        deposit(&s, &sl, 5, &answer(true, 6, 0), 0, 1000);
+        deposit(&s, &sl, 5, &answer(true, 6, 0), 0, 1000, 0);
         let mut p = plan(&c);
         let (_, chores) = local(&c, &mut p, &s, 1000);
         assert_eq!(chores.dropped, 5);
@@ -1457,7 +1491,7 @@ mod tests {
         let s = FakeStore::default();
         let p = plan(&c);
         let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
-        deposit(&s, &sl, 5, &answer(true, 6, 0), 0, 500);
+        deposit(&s, &sl, 5, &answer(true, 6, 0), 0, 500, 0);
         let mut p = plan(&c);
         let (_, chores) = local(&c, &mut p, &s, 500);
         assert_eq!((chores.dropped, chores.returns.len()), (5, 0));
@@ -1472,7 +1506,7 @@ mod tests {
         let s = FakeStore::default();
         let p = plan(&c);
         let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
-        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000);
+        deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000, 0);
         let mut p = plan(&c);
         assert_eq!(local(&c, &mut p, &s, 1).0, Local::Call);
         assert_eq!(pool(&s, &c).tokens, 7, "taken, then refunded");
@@ -1489,7 +1523,7 @@ mod tests {
         let s = FakeStore::default();
         let p0 = plan(&c);
         let sa = slot(&c.rules[0], &p0.request.buckets[0].key, c.fallback.max_keys);
-        deposit(&s, &sa, 7, &answer(true, 8, 0), 0, 1000);
+        deposit(&s, &sa, 7, &answer(true, 8, 0), 0, 1000, 0);
         let mut p = plan(&c);
         assert_eq!(local(&c, &mut p, &s, 1).0, Local::Call);
         assert_eq!(pool(&s, &c).tokens, 7, "bucket a refunded");
@@ -1518,7 +1552,7 @@ mod tests {
         let s = FakeStore::default();
         let p0 = plan(&c);
         let sa = slot(&c.rules[0], &p0.request.buckets[0].key, c.fallback.max_keys);
-        deposit(&s, &sa, 7, &answer(true, 8, 0), 0, 1000);
+        deposit(&s, &sa, 7, &answer(true, 8, 0), 0, 1000, 0);
         // The service denied b (a could pay): b's denial is cached, a stays as it was.
         let mut p = plan(&c);
         local(&c, &mut p, &s, 0);
@@ -1568,12 +1602,12 @@ mod tests {
         let s = FakeStore::default();
         let p = plan(&c);
         let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
-        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000);
+        deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000, 0);
         for _ in 0..2 {
             assert!(matches!(rescue(&c, &p, &s, 1), Some(Outcome::Allowed(_))));
         }
         assert_eq!(rescue(&c, &p, &s, 1), None, "empty");
-        deposit(&s, &sl, 2, &answer(true, 3, 0), 2, 1000);
+        deposit(&s, &sl, 2, &answer(true, 3, 0), 2, 1000, 0);
         assert_eq!(rescue(&c, &p, &s, 1000), None, "expired");
         // Two lease buckets, the second empty: the first is refunded.
         let c = cfg(
@@ -1583,7 +1617,7 @@ mod tests {
         let s = FakeStore::default();
         let p = plan(&c);
         let sa = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
-        deposit(&s, &sa, 2, &answer(true, 3, 0), 0, 1000);
+        deposit(&s, &sa, 2, &answer(true, 3, 0), 0, 1000, 0);
         assert_eq!(rescue(&c, &p, &s, 1), None);
         assert_eq!(pool(&s, &c).tokens, 2);
     }

@@ -162,7 +162,7 @@ proptest! {
         let slots: Vec<_> = (0..3)
             .map(|k| fallback::slot_in(lease::TABLE, &format!("k{k}"), &rule_l, max_keys))
             .collect();
-        let size = lease::Sizing { lease: Lease { size: Some(20), max_age_ms: 1_000 }, most: 100, claim_ms: 50 };
+        let size = lease::Sizing { lease: Lease { size: Some(20), max_age_ms: 1_000 }, capacity: 100, instances: 1, claim_ms: 50 };
         let mut now = 1_000_000u64;
         let (mut deposited, mut paid) = (vec![0u64; 3], vec![0u64; 3]);
         let mut key = 0usize;
@@ -179,7 +179,7 @@ proptest! {
                 // An allowed refill deposits `n` extra tokens.
                 1 => {
                     let answer = BucketResult { allowed: true, limit: 100, remaining: 50, ..BucketResult::default() };
-                    lease::deposit(&store, slot, n, &answer, now, now + size.lease.max_age_ms);
+                    lease::deposit(&store, slot, n, &answer, now, now + size.lease.max_age_ms, 0);
                     deposited[key] += n;
                 }
                 // A rescue spends what is there, then gives it back (the request was denied after all).
