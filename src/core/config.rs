@@ -653,9 +653,12 @@ impl Config {
                         "concurrency is not available with transport rls (an RLS server holds no slots)",
                     );
                 }
-                let f = crate::core::inflight::read_rule(&at, r, |v| {
-                    read_rule(&at, v, shadow, &response, true)
-                })?;
+                let rule = read_rule(&at, r, shadow, &response, true)?;
+                let f = crate::core::inflight::InFlight {
+                    max: rule.capacity,
+                    deadline_ms: rule.period_ms,
+                    rule,
+                };
                 let name = &f.rule.name;
                 if rules.iter().any(|o| &o.name == name)
                     || inflight.iter().any(|o| &o.rule.name == name)
@@ -892,6 +895,13 @@ fn read_rule(
             "deadline_ms",
         ],
     )?;
+    if concurrency {
+        for f in crate::core::inflight::RATE_ONLY {
+            if r.get(f).is_some() {
+                return err(r.path(f), "not for a concurrency rule");
+            }
+        }
+    }
     let name = match r.required("name")? {
         Value::String(s) => s.clone(),
         _ => String::new(),

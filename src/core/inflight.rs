@@ -16,7 +16,7 @@
 //! Pure: the state machine in [`crate::core::flow`] drives it, the adapter moves the bytes.
 
 use crate::core::breaker::{self, Admission};
-use crate::core::config::{Config, ConfigError, FailureMode, Rule};
+use crate::core::config::{Config, FailureMode, Rule};
 use crate::core::decide::{CalloutResult, LocalReply};
 use crate::core::headers::{rate_limit_headers, retry_after};
 use crate::core::rules::{keys, matches, Request};
@@ -47,15 +47,8 @@ pub struct InFlight {
     pub deadline_ms: u64,
 }
 
-fn err<T>(field: String, message: impl Into<String>) -> Result<T, ConfigError> {
-    Err(ConfigError {
-        field,
-        message: message.into(),
-    })
-}
-
 /// Fields of a rate rule that a concurrency rule refuses.
-const RATE_ONLY: [&str; 9] = [
+pub const RATE_ONLY: [&str; 9] = [
     "capacity",
     "rate",
     "period_ms",
@@ -66,30 +59,6 @@ const RATE_ONLY: [&str; 9] = [
     "tiers",
     "descriptor",
 ];
-
-/// Reads a `kind: "concurrency"` rule at `at`: the fields a rate rule has and this one refuses
-/// here; the rest by `base` (the rule reader, which reads `max_in_flight` as the rule's capacity
-/// and `deadline_ms` as its period).
-pub fn read_rule(
-    at: &str,
-    v: &Value,
-    base: impl FnOnce(&Value) -> Result<Rule, ConfigError>,
-) -> Result<InFlight, ConfigError> {
-    let Value::Object(map) = v else {
-        return err(at.to_string(), "must be an object");
-    };
-    for f in RATE_ONLY {
-        if map.contains_key(f) {
-            return err(format!("{at}.{f}"), "not for a concurrency rule");
-        }
-    }
-    let rule = base(v)?;
-    Ok(InFlight {
-        max: rule.capacity,
-        deadline_ms: rule.period_ms,
-        rule,
-    })
-}
 
 /// One slot a request asks for: the index of its rule in `Config::inflight`, and the key.
 #[derive(Debug, Clone, PartialEq, Eq)]
