@@ -301,19 +301,7 @@ pub fn acquire_local<S: CasStore + ?Sized>(
         };
         let cap = f.max / cfg.fallback.instances.max(1);
         let name = counter_of(cfg, &w.key);
-        let up = store::update(store_, &name, |cur| {
-            if cur.is_none() {
-                // Not prepared: nothing can be held safely.
-                return store::Step::Keep(false);
-            }
-            let n = read_count(cur);
-            if n >= cap {
-                store::Step::Keep(false)
-            } else {
-                store::Step::Write((n + 1).to_le_bytes().to_vec(), true)
-            }
-        });
-        if !(up.stored && up.value) {
+        if !add(store_, &name, true, cap) {
             release_local(store_, &taken);
             return Err(i);
         }
@@ -325,15 +313,26 @@ pub fn acquire_local<S: CasStore + ?Sized>(
 /// Gives back local slots taken by [`acquire_local`].
 pub fn release_local<S: CasStore + ?Sized>(store_: &S, counters: &[String]) {
     for name in counters {
-        store::update(store_, name, |cur| {
-            let n = read_count(cur);
-            if cur.is_none() || n == 0 {
-                store::Step::Keep(())
-            } else {
-                store::Step::Write((n - 1).to_le_bytes().to_vec(), ())
-            }
-        });
+        add(store_, name, false, u64::MAX);
     }
+}
+
+/// Adds one to counter `name` while it is under `cap` (`up`), or takes one off while above zero;
+/// whether that was stored. A counter that was not prepared holds nothing.
+fn add<S: CasStore + ?Sized>(store_: &S, name: &str, up: bool, cap: u64) -> bool {
+    let u = store::update(store_, name, |cur| {
+        let n = read_count(cur);
+        let next = match (cur, up) {
+            (None, _) => None,
+            (Some(_), true) => (n < cap).then(|| n + 1),
+            (Some(_), false) => n.checked_sub(1),
+        };
+        match next {
+            Some(v) => store::Step::Write(v.to_le_bytes().to_vec(), true),
+            None => store::Step::Keep(false),
+        }
+    });
+    u.stored && u.value
 }
 
 /// A request's concurrency slots, driven by [`crate::core::flow::Flow`].
