@@ -6,6 +6,13 @@ CARGO ?= cargo
 DIST := dist
 WASM_TARGET := wasm32-wasip1
 WASM_OUT := target/$(WASM_TARGET)/wasm-release/tollgate.wasm
+WASM_OPT_OUT := target/$(WASM_TARGET)/wasm-release/tollgate.opt.wasm
+# Binaryen's optimizer (Debian's binaryen) runs over what rustc produced: about 14 % smaller, and -O3
+# for speed. Its version (108) does not read the features from the module: these are the ones rustc
+# enables by default for wasm32-wasip1.
+WASM_OPT ?= wasm-opt
+WASM_FEATURES := --enable-bulk-memory --enable-sign-ext --enable-mutable-globals \
+  --enable-nontrapping-float-to-int --enable-reference-types --enable-multivalue
 SERVER_OUT := target/release/tollgate-server
 MUSL_TARGET := x86_64-unknown-linux-musl
 STATIC_OUT := target/$(MUSL_TARGET)/release/tollgate-server
@@ -36,7 +43,8 @@ build: tools wasm server ## Build dist/tollgate.wasm and dist/tollgate-server
 
 wasm:
 	$(CARGO) build --locked --profile wasm-release --target $(WASM_TARGET) -p tollgate
-	@$(call publish,$(WASM_OUT),tollgate.wasm)
+	$(WASM_OPT) -O3 $(WASM_FEATURES) $(WASM_OUT) -o $(WASM_OPT_OUT)
+	@$(call publish,$(WASM_OPT_OUT),tollgate.wasm)
 	@ls -l $(DIST)/tollgate.wasm | awk '{printf "dist/tollgate.wasm: %d bytes\n", $$5}'
 
 server:

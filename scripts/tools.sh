@@ -40,10 +40,11 @@ if [ ! -x "$ENVOY_DIR/envoy/_bin/envoy" ]; then
 fi
 ln -sfn "$ENVOY_DIR/envoy/_bin/envoy" "$TOOLS/envoy"
 
-# 3. Debian packages: redis-server, faketime (the fleet tests skew one service replica's clock),
-#    and for benchmarks, wrk.
+# 3. Debian packages: redis-server, binaryen (wasm-opt, run over the module), faketime (the fleet tests
+#    skew one service replica's clock), and for benchmarks, wrk.
 apt_pkgs=()
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
+command -v wasm-opt >/dev/null 2>&1 || apt_pkgs+=(binaryen)
 command -v redis-cli >/dev/null 2>&1 || apt_pkgs+=(redis-tools)
 command -v faketime >/dev/null 2>&1 || apt_pkgs+=(faketime)
 if [ "${1:-}" = bench ]; then
