@@ -39,7 +39,7 @@ DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
 VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch}
 ROUNDS=${ROUNDS:-3}
-OUT=$ROOT/bench-out/envoy
+OUT=${OUT:-$ROOT/bench-out/envoy}
 WASM=$(readlink -f "$WASM")
 
 require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"
