@@ -494,7 +494,9 @@ fn skewed_service_clock_still_one_bucket() {
 fn replica_requests(envoys: &[Envoy], ports: &[u16]) -> BTreeMap<u16, u64> {
     let mut out: BTreeMap<u16, u64> = ports.iter().map(|p| (*p, 0)).collect();
     for e in envoys {
-        let (_, body) = http_get(e.admin_port, "/clusters").unwrap_or_default();
+        let body = http_get(e.admin_port, "/clusters")
+            .map(|r| r.body)
+            .unwrap_or_default();
         for line in body.lines() {
             // tollgate::127.0.0.1:PORT::rq_total::N
             let parts: Vec<&str> = line.split("::").collect();
@@ -514,11 +516,7 @@ fn replica_requests(envoys: &[Envoy], ports: &[u16]) -> BTreeMap<u16, u64> {
 
 /// The `Date` header of `GET /healthz` as Unix seconds.
 fn http_date(port: u16) -> Option<i64> {
-    let head = http_head(port, "/healthz")?;
-    let line = head
-        .lines()
-        .find(|l| l.to_ascii_lowercase().starts_with("date:"))?;
-    parse_http_date(line.split_once(':')?.1.trim())
+    parse_http_date(http_get(port, "/healthz")?.header("date")?)
 }
 
 /// Parses an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`) to Unix seconds.
@@ -729,9 +727,7 @@ impl Sampler {
                 let mut fallback = 0;
                 for port in &admins {
                     // Not `Envoy::tg_all`: an admin hiccup leaves a gap here instead of a panic.
-                    let (_, body) = http_get(*port, &format!("/stats?filter={TOLLGATE_STATS}"))
-                        .unwrap_or_default();
-                    for (k, v) in tollgate_stats(parse_stats(&body)) {
+                    for (k, v) in tollgate_stats_at(*port).unwrap_or_default() {
                         match k.as_str() {
                             "allowed" | "limited" => decided += v,
                             "fallback.allowed" | "fallback.limited" => fallback += v,

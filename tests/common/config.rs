@@ -1,6 +1,5 @@
 //! Plugin configurations for the end-to-end tests, built as JSON values.
 
-use super::Transport;
 use serde_json::{json, Value};
 
 /// A refill so slow that it never matters within a test: one token per hour.
@@ -52,4 +51,20 @@ macro_rules! both_transports {
             }
         }
     )*};
+}
+
+/// The transports every behaviour is checked over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    Http,
+    Grpc,
+}
+
+impl Transport {
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Http => "http",
+            Transport::Grpc => "grpc",
+        }
+    }
 }

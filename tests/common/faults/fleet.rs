@@ -2,10 +2,7 @@
 //! Envoys in turn), a load of persistent client connections that records every request's start,
 //! latency and status, and a sampler of each Envoy's decision counters over time.
 
-use crate::common::{
-    http_get, parse_stats, tollgate_stats, Client, Components, Envoy, EnvoySpec, TempDir, Upstream,
-    TOLLGATE_STATS,
-};
+use crate::common::{tollgate_stats_at, Client, Components, Envoy, EnvoySpec, TempDir, Upstream};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::TcpStream;
@@ -320,10 +317,7 @@ impl Sampler {
                     let end = Instant::now() + Duration::from_secs(60);
                     while !stop.load(Ordering::SeqCst) && Instant::now() < end {
                         let sent = Instant::now();
-                        if let Some((200, body)) =
-                            http_get(port, &format!("/stats?filter=^{TOLLGATE_STATS}"))
-                        {
-                            let s = tollgate_stats(parse_stats(&body));
+                        if let Some(s) = tollgate_stats_at(port) {
                             let get = |k: &str| s.get(k).copied().unwrap_or(0);
                             out.push(Sample {
                                 sent,

@@ -1,0 +1,169 @@
+//! The upstream: a counting HTTP/1.1 server in the test process.
+
+use super::process::accept_on_free_port;
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::Duration;
+
+/// A minimal HTTP/1.1 server (keep-alive, a thread per connection) answering 200 "upstream\n" and
+/// recording the head of every request it received (the first 10,000), and optionally counting the
+/// requests per value of one header.
+pub struct Upstream {
+    pub port: u16,
+    state: Arc<UpstreamState>,
+}
+
+struct UpstreamState {
+    stop: AtomicBool,
+    requests: AtomicU64,
+    heads: Mutex<Vec<String>>,
+    bodies: Mutex<Vec<Vec<u8>>>,
+    /// The header (lower case) whose values are counted, and the counts.
+    count_by: Option<String>,
+    counts: Mutex<BTreeMap<String, u64>>,
+}
+
+impl Upstream {
+    pub fn start() -> Upstream {
+        Upstream::launch(None)
+    }
+
+    /// As [`Upstream::start`], also counting requests per value of `header` ("?" when absent); see
+    /// [`Upstream::counts`].
+    pub fn start_counting_by(header: &str) -> Upstream {
+        Upstream::launch(Some(header.to_ascii_lowercase()))
+    }
+
+    fn launch(count_by: Option<String>) -> Upstream {
+        let state = Arc::new(UpstreamState {
+            stop: AtomicBool::new(false),
+            requests: AtomicU64::new(0),
+            heads: Mutex::new(Vec::new()),
+            bodies: Mutex::new(Vec::new()),
+            count_by,
+            counts: Mutex::new(BTreeMap::new()),
+        });
+        let (st, stop) = (state.clone(), state.clone());
+        let port = accept_on_free_port(
+            "upstream",
+            move || stop.stop.load(Ordering::SeqCst),
+            move |conn| {
+                let st = st.clone();
+                thread::spawn(move || serve_upstream(conn, st));
+            },
+        );
+        Upstream { port, state }
+    }
+
+    /// Requests received so far.
+    pub fn requests(&self) -> u64 {
+        self.state.requests.load(Ordering::SeqCst)
+    }
+
+    /// The request heads received so far (request line and headers).
+    pub fn heads(&self) -> Vec<String> {
+        self.state
+            .heads
+            .lock()
+            .map(|h| h.clone())
+            .unwrap_or_default()
+    }
+
+    /// Requests received so far per value of the header named in [`Upstream::start_counting_by`].
+    pub fn counts(&self) -> BTreeMap<String, u64> {
+        self.state
+            .counts
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default()
+    }
+
+    /// The request bodies received so far (those of the first 100 requests).
+    pub fn bodies(&self) -> Vec<Vec<u8>> {
+        self.state
+            .bodies
+            .lock()
+            .map(|b| b.clone())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        // Read one request head (bodies are skipped by content-length).
+        let head_end = loop {
+            if let Some(i) = find(&buf, b"\r\n\r\n") {
+                break i + 4;
+            }
+            match conn.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+            if st.stop.load(Ordering::SeqCst) {
+                return;
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+        let body_len: usize = head
+            .lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0);
+        while buf.len() < head_end + body_len {
+            match conn.read(&mut chunk) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let body: Vec<u8> = buf.drain(..head_end + body_len).skip(head_end).collect();
+        if let Ok(mut b) = st.bodies.lock() {
+            if b.len() < 100 {
+                b.push(body);
+            }
+        }
+        st.requests.fetch_add(1, Ordering::SeqCst);
+        if let Some(name) = &st.count_by {
+            let value = head
+                .lines()
+                .filter_map(|l| l.split_once(':'))
+                .find(|(k, _)| k.trim().eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.trim().to_string())
+                .unwrap_or_else(|| "?".to_string());
+            if let Ok(mut m) = st.counts.lock() {
+                *m.entry(value).or_default() += 1;
+            }
+        }
+        if let Ok(mut h) = st.heads.lock() {
+            if h.len() < 10_000 {
+                h.push(head);
+            }
+        }
+        let body = "upstream\n";
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        if conn.write_all(resp.as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
