@@ -683,57 +683,21 @@ fn patch_values(envoyfilter: &str) -> Vec<Vec<String>> {
 /// `envoy --mode validate`.
 #[test]
 fn istio_ratelimit_envoyfilter_validates_in_envoy() {
-    let (envoy, _) = envoy_and_module();
+    let (envoy, wasm) = envoy_and_module();
     let dir = TempDir::new("deploy-envoyfilter");
     let ef = fs::read_to_string(workspace_root().join("deploy/istio/envoyfilter-ratelimit.yaml"))
         .expect("read the EnvoyFilter");
     let values = patch_values(&ef);
     assert_eq!(values.len(), 2, "{values:?}");
-    let indent = |block: &[String], first: &str, rest: &str| -> String {
-        block
-            .iter()
-            .enumerate()
-            .map(|(i, l)| format!("{}{l}\n", if i == 0 { first } else { rest }))
-            .collect()
-    };
-    let filter = indent(&values[0], "          - ", "            ");
-    let vhost = indent(&values[1], "              ", "              ");
-    let cluster = "outbound|9081||tollgate.tollgate-system.svc.cluster.local";
-    let yaml = format!(
-        r#"static_resources:
-  listeners:
-  - name: gateway
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: gateway
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes: [{{match: {{prefix: "/"}}, direct_response: {{status: 200}}}}]
-{vhost}          http_filters:
-{filter}          - name: envoy.filters.http.router
-            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
-  clusters:
-  - name: "{cluster}"
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
-      cluster_name: "{cluster}"
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}
-"#,
-        port = closed_port(),
-    );
+    let block = |lines: &[String]| -> String { lines.iter().map(|l| format!("{l}\n")).collect() };
+    // The gateway: the patches placed where Istio puts them (the filter before the router, the
+    // descriptors on the virtual host), the service under the cluster name Istio generates.
+    let mut spec = EnvoySpec::new(None, closed_port(), closed_port());
+    spec.direct_response = true;
+    spec.service_cluster = "outbound|9081||tollgate.tollgate-system.svc.cluster.local".to_string();
+    spec.extra_http_filters.push(block(&values[0]));
+    spec.virtual_host_extra = Some(block(&values[1]));
+    let yaml = spec.yaml(&wasm, closed_port(), closed_port());
     assert!(yaml.contains("envoy.filters.http.ratelimit") && yaml.contains("rate_limits:"));
     let path = dir.path().join("gateway.yaml");
     fs::write(&path, &yaml).expect("write");

@@ -16,7 +16,7 @@ use common::config::{plugin, rule};
 use common::*;
 use serde_json::json;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 both_transports!(
     exactly_capacity_admitted_under_32_parallel_clients,
@@ -29,32 +29,17 @@ const PER_CLIENT: usize = 8;
 
 /// 32 clients, each on its own connection (so spread over Envoy's workers), `PER_CLIENT` requests
 /// each, all started together; returns every status. Bounded by a 60 s deadline.
-fn hammer(s: &Arc<Stack>) -> Vec<u16> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let barrier = Arc::new(std::sync::Barrier::new(CLIENTS));
-    let handles: Vec<_> = (0..CLIENTS)
-        .map(|_| {
-            let s = s.clone();
-            let barrier = barrier.clone();
-            std::thread::spawn(move || {
-                let client = Client::new();
-                let url = s.url("/");
-                barrier.wait();
-                let mut st = Vec::new();
-                for _ in 0..PER_CLIENT {
-                    if Instant::now() > deadline {
-                        break;
-                    }
-                    st.push(client.get(&url, &[]).status);
-                }
-                st
-            })
-        })
-        .collect();
-    let all: Vec<u16> = handles
-        .into_iter()
-        .flat_map(|h| h.join().expect("client thread"))
-        .collect();
+fn hammer(s: &Stack) -> Vec<u16> {
+    let all: Vec<u16> = burst(
+        &[s.url("/")],
+        CLIENTS,
+        PER_CLIENT,
+        &[],
+        Duration::from_secs(60),
+    )
+    .iter()
+    .map(|r| r.status)
+    .collect();
     assert_eq!(
         all.len(),
         CLIENTS * PER_CLIENT,

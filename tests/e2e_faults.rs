@@ -359,15 +359,33 @@ fn standalone(label: &str) -> Standalone {
 #[test]
 fn redis_sigstop() {
     let _serial = serial();
-    let s = standalone("redis-sigstop");
-    let pid = s.redis.proc.pid();
-    under_load("Redis SIGSTOP", &s.fleet, Expect::Fallback, |f| {
+    stopped_for_the_outage("redis-sigstop", "Redis SIGSTOP", |s| s.redis.proc.pid());
+}
+
+/// A standalone stack under load whose process `pid_of` picks is stopped (SIGSTOP) for the outage,
+/// then continued.
+fn stopped_for_the_outage(label: &str, what: &str, pid_of: impl Fn(&Standalone) -> u32) {
+    let s = standalone(label);
+    let pid = pid_of(&s);
+    under_load(what, &s.fleet, Expect::Fallback, |f| {
         f.begin();
         signal(pid, "STOP");
         thread::sleep(OUTAGE);
         f.end();
         signal(pid, "CONT");
     });
+}
+
+/// Half-way through the outage, waits, checks that a write to `conn` is refused with an error
+/// starting with `prefix`, then waits the other half.
+fn write_refused_mid_outage(conn: &mut RedisConn, prefix: &str) {
+    thread::sleep(OUTAGE / 2);
+    let refused = conn.cmd(&["SET", "tollgate-test:probe", "1"]);
+    assert!(
+        refused.as_ref().is_err_and(|e| e.starts_with(prefix)),
+        "a write during the fault: {refused:?}"
+    );
+    thread::sleep(OUTAGE / 2);
 }
 
 /// Redis out of memory: `maxmemory` far below what it uses, `noeviction`: every take's write is
@@ -381,13 +399,7 @@ fn redis_out_of_memory() {
     under_load("Redis out of memory", &s.fleet, Expect::Fallback, |f| {
         f.begin();
         conn.ok(&["CONFIG", "SET", "maxmemory", "1"]);
-        thread::sleep(OUTAGE / 2);
-        let refused = conn.cmd(&["SET", "tollgate-test:probe", "1"]);
-        assert!(
-            refused.as_ref().is_err_and(|e| e.starts_with("OOM")),
-            "a write during the fault: {refused:?}"
-        );
-        thread::sleep(OUTAGE / 2);
+        write_refused_mid_outage(&mut conn, "OOM");
         f.end();
         conn.ok(&["CONFIG", "SET", "maxmemory", "0"]);
     });
@@ -414,13 +426,7 @@ fn redis_readonly() {
         f.begin();
         second.ok(&["REPLICAOF", "NO", "ONE"]);
         primary.ok(&["REPLICAOF", "127.0.0.1", &replica.port.to_string()]);
-        thread::sleep(OUTAGE / 2);
-        let refused = primary.cmd(&["SET", "tollgate-test:probe", "1"]);
-        assert!(
-            refused.as_ref().is_err_and(|e| e.starts_with("READONLY")),
-            "a write during the fault: {refused:?}"
-        );
-        thread::sleep(OUTAGE / 2);
+        write_refused_mid_outage(&mut primary, "READONLY");
         f.end();
         primary.ok(&["REPLICAOF", "NO", "ONE"]);
     });
@@ -476,14 +482,8 @@ fn redis_cluster_failover() {
 #[test]
 fn service_sigstop() {
     let _serial = serial();
-    let s = standalone("service-sigstop");
-    let pid = s.service.proc.pid();
-    under_load("service SIGSTOP", &s.fleet, Expect::Fallback, |f| {
-        f.begin();
-        signal(pid, "STOP");
-        thread::sleep(OUTAGE);
-        f.end();
-        signal(pid, "CONT");
+    stopped_for_the_outage("service-sigstop", "service SIGSTOP", |s| {
+        s.service.proc.pid()
     });
 }
 

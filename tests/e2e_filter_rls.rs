@@ -19,7 +19,7 @@ mod rls;
 use common::*;
 use rls::{start_service, LimitsFile};
 use serde_json::json;
-use std::thread;
+use std::time::Duration;
 
 /// The server's limits: 5 per hour per API key under the rule's descriptor, as the filter's default
 /// descriptor spells it (`rule=<name>`, then the header's name).
@@ -63,15 +63,16 @@ fn the_filter_limits_through_an_rls_server_and_falls_back_from_its_answers() {
     let url = envoy.url("/");
 
     // 32 clients at once on one key: exactly the server's 5 pass.
-    let statuses: Vec<u16> = thread::scope(|s| {
-        let hs: Vec<_> = (0..32)
-            .map(|_| {
-                let url = url.clone();
-                s.spawn(move || Client::new().statuses(&url, &[("x-api-key", "a")], 2))
-            })
-            .collect();
-        hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
-    });
+    let statuses: Vec<u16> = burst(
+        std::slice::from_ref(&url),
+        32,
+        2,
+        &[("x-api-key", "a")],
+        Duration::from_secs(60),
+    )
+    .iter()
+    .map(|r| r.status)
+    .collect();
     assert_eq!(count(&statuses, 200), 5, "{statuses:?}");
     assert_eq!(count(&statuses, 429), 59);
     let client = Client::new();

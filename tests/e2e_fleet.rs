@@ -63,14 +63,10 @@ fn start_fleet(
 ) -> Vec<Envoy> {
     let specs: Vec<EnvoySpec> = (0..n)
         .map(|i| {
-            let mut spec = EnvoySpec::new(Some(plugin_json.to_string()), 0, upstream_port);
+            let mut spec =
+                EnvoySpec::new(Some(plugin_json.to_string()), 0, upstream_port).under_load();
             spec.service_ports = service_ports.to_vec();
             spec.request_headers = vec![(ENVOY_HEADER.to_string(), i.to_string())];
-            // Quiet logs and quick connect failures: these Envoys carry thousands of requests a second.
-            spec.base_log_level = "warn".to_string();
-            spec.log_level = "wasm:warn".to_string();
-            spec.connect_timeout_ms = 250;
-            spec.use_remote_address = false;
             spec
         })
         .collect();

@@ -218,30 +218,14 @@ fn never_more_than_max_in_flight_across_three_envoys(t: Transport) {
         Duration::from_millis(150),
         Duration::from_millis(150),
     ));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let barrier = Arc::new(std::sync::Barrier::new(CLIENTS));
-    let replies: Vec<(u16, Option<String>)> = (0..CLIENTS)
-        .map(|i| {
-            let (f, barrier) = (f.clone(), barrier.clone());
-            thread::spawn(move || {
-                let client = Client::new();
-                let url = f.envoys[i % 3].url("/work");
-                barrier.wait();
-                let mut out = Vec::new();
-                for _ in 0..PER_CLIENT {
-                    if Instant::now() > deadline {
-                        break;
-                    }
-                    let r = client.get(&url, &[]);
-                    out.push((r.status, r.header("retry-after").map(str::to_string)));
-                }
-                out
-            })
-        })
-        .collect::<Vec<_>>()
-        .into_iter()
-        .flat_map(|h| h.join().expect("client"))
-        .collect();
+    let urls: Vec<String> = f.envoys.iter().map(|e| e.url("/work")).collect();
+    let replies = status_and_retry_after(burst(
+        &urls,
+        CLIENTS,
+        PER_CLIENT,
+        &[],
+        Duration::from_secs(30),
+    ));
     assert_eq!(replies.len(), CLIENTS * PER_CLIENT, "all answered in time");
     let ok = replies.iter().filter(|(s, _)| *s == 200).count() as u64;
     let denied: Vec<&(u16, Option<String>)> = replies.iter().filter(|(s, _)| *s == 429).collect();
@@ -351,28 +335,19 @@ fn a_killed_envoys_slots_come_back_at_their_deadline() {
 /// 32 clients against one Envoy, each `PER_CLIENT` requests to `url`; every status and
 /// Retry-After. Bounded by a 30 s deadline.
 fn hammer(url: &str) -> Vec<(u16, Option<String>)> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let barrier = Arc::new(std::sync::Barrier::new(CLIENTS));
-    (0..CLIENTS)
-        .map(|_| {
-            let (url, barrier) = (url.to_string(), barrier.clone());
-            thread::spawn(move || {
-                let client = Client::new();
-                barrier.wait();
-                let mut out = Vec::new();
-                for _ in 0..PER_CLIENT {
-                    if Instant::now() > deadline {
-                        break;
-                    }
-                    let r = client.get(&url, &[]);
-                    out.push((r.status, r.header("retry-after").map(str::to_string)));
-                }
-                out
-            })
-        })
-        .collect::<Vec<_>>()
+    status_and_retry_after(burst(
+        &[url.to_string()],
+        CLIENTS,
+        PER_CLIENT,
+        &[],
+        Duration::from_secs(30),
+    ))
+}
+
+fn status_and_retry_after(replies: Vec<Reply>) -> Vec<(u16, Option<String>)> {
+    replies
         .into_iter()
-        .flat_map(|h| h.join().expect("client"))
+        .map(|r| (r.status, r.header("retry-after").map(str::to_string)))
         .collect()
 }
 

@@ -140,6 +140,32 @@ fn stat(stats: &BTreeMap<String, u64>, name: &str) -> u64 {
     stats.get(name).copied().unwrap_or(0)
 }
 
+/// The load tested the limit: more than `demand` requests sent, every 200 a request the upstream
+/// counted (`admitted`), no callout failed.
+fn assert_fair_load(
+    what: &str,
+    tally: &Tally,
+    admitted: u64,
+    stats: &BTreeMap<String, u64>,
+    demand: f64,
+) {
+    assert!(
+        tally.sent() as f64 > demand,
+        "{what}: demand must exceed the limit by far: {} requests",
+        tally.sent()
+    );
+    assert_eq!(
+        tally.count(200),
+        admitted,
+        "{what}: a 200 is a request at the upstream"
+    );
+    assert_eq!(
+        stat(stats, "failure_closed.limited"),
+        0,
+        "{what}: no failed callout: {stats:?}"
+    );
+}
+
 /// Three Envoys, one limit, lease size 20: the upstream sees at most capacity + refill, never more,
 /// and the service is asked a small fraction of the times requests arrive.
 fn fleet_never_exceeds_the_limit(transport: Transport) {
@@ -194,21 +220,7 @@ fn fleet_never_exceeds_the_limit(transport: Transport) {
         "only 200 and 429: {:?}",
         tally.statuses
     );
-    assert!(
-        tally.sent() > 3 * limit,
-        "demand must exceed the limit by far: {}",
-        tally.sent()
-    );
-    assert_eq!(
-        tally.count(200),
-        admitted,
-        "a 200 is a request at the upstream"
-    );
-    assert_eq!(
-        stat(&stats, "failure_closed.limited"),
-        0,
-        "no failed callout: {stats:?}"
-    );
+    assert_fair_load("fleet", &tally, admitted, &stats, 3.0 * limit as f64);
     // Every admitted request spent a token the service charged within the run: never more.
     assert!(
         admitted <= limit,
@@ -448,21 +460,7 @@ fn a_lease_fleet_admits_what_exact_mode_admits() {
             tally.sent() as f64 / elapsed.as_secs_f64(),
             decisions(&service)
         );
-        assert!(
-            tally.sent() as f64 > 2.0 * ideal,
-            "{mode}: demand must exceed the limit by far: {} requests",
-            tally.sent()
-        );
-        assert_eq!(
-            tally.count(200),
-            admitted,
-            "a 200 is a request at the upstream"
-        );
-        assert_eq!(
-            stat(&stats, "failure_closed.limited"),
-            0,
-            "no failed callout: {stats:?}"
-        );
+        assert_fair_load(mode, &tally, admitted, &stats, 2.0 * ideal);
         // The bucket is created by the first take, after the load began: the ideal measured from
         // the first send is an upper bound.
         assert!(

@@ -19,27 +19,24 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
-use rls::{start_service, LimitsFile, NativeSpec};
+use rls::{native_spec, start_service, LimitsFile};
 
 /// The route's descriptor: one entry `bucket=<x-bucket header>` (no header: no descriptor, no
 /// limit), and a second descriptor `generic_key=all` on every request.
 const BUCKET_ACTIONS: &str = "[{actions: [{request_headers: {header_name: x-bucket, descriptor_key: bucket}}]}, {actions: [{generic_key: {descriptor_value: all}}]}]";
 
 /// `n` requests from each of `clients` threads at once, each with `headers`; the statuses.
-fn burst(envoys: &[Envoy], clients: usize, n: usize, headers: &[(&str, &str)]) -> Vec<u16> {
+fn burst_statuses(
+    envoys: &[Envoy],
+    clients: usize,
+    n: usize,
+    headers: &[(&str, &str)],
+) -> Vec<u16> {
     let urls: Vec<String> = envoys.iter().map(|e| e.url("/x")).collect();
-    thread::scope(|s| {
-        let handles: Vec<_> = (0..clients)
-            .map(|i| {
-                let url = urls[i % urls.len()].clone();
-                s.spawn(move || Client::new().statuses(&url, headers, n))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("client thread"))
-            .collect()
-    })
+    burst(&urls, clients, n, headers, Duration::from_secs(60))
+        .iter()
+        .map(|r| r.status)
+        .collect()
 }
 
 #[test]
@@ -53,18 +50,11 @@ fn three_envoys_admit_exactly_the_limit() {
     );
     let service = start_service(&c, &dir, Some(&redis.url()), &limits, 200, &[]);
     let upstream = Upstream::start();
-    let spec = NativeSpec {
-        domain: "e2e".into(),
-        rate_limits: BUCKET_ACTIONS.into(),
-        service_port: service.port,
-        upstream_port: upstream.port,
-        concurrency: 2,
-        token: None,
-    };
-    let envoys = spec.start(&c, &dir, 3);
+    let spec = native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port);
+    let envoys = Envoy::start_all(&c, &dir, &vec![spec; 3]);
     // 32 clients spread over the 3 Envoys, 8 requests each: 256 requests for a limit of 20
     // per hour (the refill over the test, 20/3600 per second, is far below one request).
-    let statuses = burst(&envoys, 32, 8, &[("x-bucket", "exact")]);
+    let statuses = burst_statuses(&envoys, 32, 8, &[("x-bucket", "exact")]);
     assert_eq!(statuses.len(), 256);
     let (ok, limited) = (count(&statuses, 200), count(&statuses, 429));
     eprintln!("admitted {ok}, limited {limited} of {}", statuses.len());
@@ -108,15 +98,8 @@ fn a_reload_under_load_keeps_the_counts() {
     let poll_ms = 100;
     let service = start_service(&c, &dir, Some(&redis.url()), &limits, poll_ms, &[]);
     let upstream = Upstream::start();
-    let spec = NativeSpec {
-        domain: "e2e".into(),
-        rate_limits: BUCKET_ACTIONS.into(),
-        service_port: service.port,
-        upstream_port: upstream.port,
-        concurrency: 2,
-        token: None,
-    };
-    let envoys = spec.start(&c, &dir, 3);
+    let spec = native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port);
+    let envoys = Envoy::start_all(&c, &dir, &vec![spec; 3]);
     let client = Client::new();
     assert_eq!(
         count(
@@ -187,13 +170,14 @@ fn a_reload_under_load_keeps_the_counts() {
     // Counted across the reload: exactly the limit, not the limit again after it.
     assert_eq!(ok, 200);
     assert_eq!(total, 480);
-    // `change` has a new limit, hence a fresh bucket of 7.
+    // `change` has a new limit: its bucket carries over scaled (contract/README.md: the fraction
+    // held is kept), so the 5 spent of 5 leave none of 7, not a fresh bucket of 7.
     assert_eq!(
         count(
             &client.statuses(&envoys[2].url("/x"), &[("x-bucket", "change")], 10),
             200
         ),
-        7
+        0
     );
     // A bad file is refused, the error named, and the limits in force stay.
     limits.replace("domain: e2e\ndescriptors:\n  - key: bucket\n    value: keep\n    rate_limit: {unit: fortnight, requests_per_unit: 1000}\n");
@@ -362,15 +346,8 @@ fn envoyproxy_ratelimit_example_config_is_enforced() {
         h("x-bay", "bay"),
         h("x-category", "category"),
     );
-    let spec = NativeSpec {
-        domain: "rl".into(),
-        rate_limits,
-        service_port: service.port,
-        upstream_port: upstream.port,
-        concurrency: 2,
-        token: None,
-    };
-    let envoys = spec.start(&c, &dir, 1);
+    let spec = native_spec("rl", &rate_limits, service.port, upstream.port);
+    let envoys = Envoy::start_all(&c, &dir, std::slice::from_ref(&spec));
     let url = envoys[0].url("/x");
     let client = Client::new();
     let admitted =
@@ -429,17 +406,16 @@ fn the_token_travels_as_initial_metadata() {
     );
     let service = start_service(&c, &dir, None, &limits, 1000, &["--token", "s3cret-rls"]);
     let upstream = Upstream::start();
-    let mut spec = NativeSpec {
-        domain: "e2e".into(),
-        rate_limits: BUCKET_ACTIONS.into(),
-        service_port: service.port,
-        upstream_port: upstream.port,
-        concurrency: 1,
-        token: Some("s3cret-rls".into()),
-    };
-    let with_token = spec.start(&c, &dir, 1);
-    spec.token = None;
-    let without = spec.start(&c, &dir, 1);
+    let mut spec = native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port);
+    spec.concurrency = 1;
+    if let Some(rls) = spec.native_rls.as_mut() {
+        rls.token = Some("s3cret-rls".into());
+    }
+    let with_token = Envoy::start_all(&c, &dir, std::slice::from_ref(&spec));
+    if let Some(rls) = spec.native_rls.as_mut() {
+        rls.token = None;
+    }
+    let without = Envoy::start_all(&c, &dir, std::slice::from_ref(&spec));
     let client = Client::new();
     let h = [("x-bucket", "t")];
     assert_eq!(

@@ -1,20 +1,29 @@
-//! Envoy: the one generator of its configuration ([`EnvoySpec`]) and the running process ([`Envoy`]).
+//! The one generator of Envoy configuration in the tests: [`EnvoySpec`] says what the edge listener
+//! holds (the Tollgate wasm filter with a plugin configuration, Envoy's own ratelimit filter calling
+//! the service's RLS endpoint, or filters from a checked-in file), and the clusters: the service's
+//! (HTTP/2 unless told otherwise, one endpoint per replica) and the `upstream`. It renders a static
+//! bootstrap ([`EnvoySpec::yaml`]) or, for configuration pushes, a bootstrap that reads the listener
+//! from an LDS file ([`EnvoySpec::lds_bootstrap`], [`EnvoySpec::lds_resource`]).
+//!
+//! Every piece is written at column 0 and indented where it is placed, so each is written once.
 
-use super::http::{http_get, http_get_status};
-use super::process::{free_port, Components, Proc, TempDir, READY_TIMEOUT, START_ATTEMPTS};
-use super::stats::{parse_stats, tollgate_stats, TOLLGATE_STATS};
-use std::collections::BTreeMap;
-use std::fs;
 use std::path::Path;
-use std::process::{Command, ExitStatus};
-use std::thread;
-use std::time::{Duration, Instant};
 
 /// What the generated Envoy configuration contains.
 #[derive(Clone, Debug)]
 pub struct EnvoySpec {
     /// The plugin configuration (JSON). `None`: no Tollgate filter on the edge listener.
     pub plugin_config: Option<String>,
+    /// The wasm filter's `failure_policy` (e.g. `FAIL_RELOAD`); `None`: Envoy's default.
+    pub failure_policy: Option<String>,
+    /// Envoy's own ratelimit filter, after the Tollgate filter if there is one.
+    pub native_rls: Option<NativeRls>,
+    /// More HTTP filters before the router, each a YAML mapping at column 0 (`name:`,
+    /// `typed_config:`), e.g. taken from a checked-in file.
+    pub extra_http_filters: Vec<String>,
+    /// More fields of the virtual host, as YAML at column 0 (e.g. `rate_limits:` from a checked-in
+    /// file).
+    pub virtual_host_extra: Option<String>,
     /// The name of the cluster the plugin calls (`service.cluster`): `tollgate` unless a test copies
     /// the name a deployment generates.
     pub service_cluster: String,
@@ -34,7 +43,7 @@ pub struct EnvoySpec {
     /// `connect_timeout` of both clusters, in milliseconds.
     pub connect_timeout_ms: u64,
     /// Headers the edge route adds to every request it forwards upstream (e.g. one naming the Envoy,
-    /// for [`Upstream::start_counting_by`]).
+    /// for [`super::Upstream::start_counting_by`]).
     pub request_headers: Vec<(String, String)>,
     /// The edge connection manager's `use_remote_address`. True (an edge proxy): Envoy appends the
     /// peer to x-forwarded-for and the `source.address` the filter reads is the real peer. False
@@ -50,10 +59,28 @@ pub struct EnvoySpec {
     pub extra_args: Vec<String>,
 }
 
+/// Envoy's native rate limit filter (`envoy.filters.http.ratelimit`) as a client of the service's
+/// RLS v3 endpoint, over the service cluster. A service failure is a 500 (`failure_mode_deny`),
+/// never a pass, so a test sees it.
+#[derive(Clone, Debug)]
+pub struct NativeRls {
+    /// The filter's `domain`.
+    pub domain: String,
+    /// The route's `rate_limits`, as flow YAML (JSON is fine), e.g.
+    /// `[{actions: [{generic_key: {descriptor_value: a}}]}]`.
+    pub rate_limits: String,
+    /// Sent as `authorization: Bearer <token>` in the gRPC service's `initial_metadata`.
+    pub token: Option<String>,
+}
+
 impl EnvoySpec {
     pub fn new(plugin_config: Option<String>, service_port: u16, upstream_port: u16) -> EnvoySpec {
         EnvoySpec {
             plugin_config,
+            failure_policy: None,
+            native_rls: None,
+            extra_http_filters: Vec::new(),
+            virtual_host_extra: None,
             service_cluster: "tollgate".to_string(),
             service_ports: vec![service_port],
             upstream_port,
@@ -70,297 +97,215 @@ impl EnvoySpec {
         }
     }
 
-    /// The bootstrap YAML.
+    /// For an Envoy of a fleet under load (thousands of requests a second) behind a load balancer:
+    /// quiet logs, quick connect failures (250 ms), `use_remote_address: false`.
+    pub fn under_load(mut self) -> EnvoySpec {
+        self.base_log_level = "warn".to_string();
+        self.log_level = "wasm:warn".to_string();
+        self.connect_timeout_ms = 250;
+        self.use_remote_address = false;
+        self
+    }
+
+    /// The static bootstrap: admin, the edge listener, the clusters.
     pub fn yaml(&self, wasm: &Path, listen_port: u16, admin_port: u16) -> String {
+        format!(
+            "{admin}static_resources:\n  listeners:\n{listener}  clusters:\n{clusters}",
+            admin = admin(admin_port),
+            listener = indent(&item(&self.listener(wasm, listen_port)), 2),
+            clusters = indent(&self.clusters(), 2),
+        )
+    }
+
+    /// A bootstrap whose listeners come from the LDS file `lds` (watched through `lds_dir`, where a
+    /// push renames the new file over it); the clusters stay static.
+    pub fn lds_bootstrap(&self, admin_port: u16, lds: &Path, lds_dir: &Path) -> String {
+        format!(
+            "node: {{id: tollgate-test, cluster: tollgate-test}}\n{admin}static_resources:\n  \
+             clusters:\n{clusters}dynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    \
+             path_config_source:\n      path: {lds}\n      watched_directory: {{path: {lds_dir}}}\n",
+            admin = admin(admin_port),
+            clusters = indent(&self.clusters(), 2),
+            lds = lds.display(),
+            lds_dir = lds_dir.display(),
+        )
+    }
+
+    /// The LDS file holding the edge listener.
+    pub fn lds_resource(&self, wasm: &Path, listen_port: u16) -> String {
+        format!(
+            "resources:\n- \"@type\": type.googleapis.com/envoy.config.listener.v3.Listener\n{}",
+            indent(&self.listener(wasm, listen_port), 2)
+        )
+    }
+
+    /// The edge listener (a mapping at column 0).
+    pub fn listener(&self, wasm: &Path, listen_port: u16) -> String {
         let route = if self.direct_response {
             "direct_response: {status: 200, body: {inline_string: \"direct\\n\"}}".to_string()
         } else {
-            "route: {cluster: upstream, timeout: 5s}".to_string()
+            let rate_limits = match &self.native_rls {
+                Some(rls) => format!(", rate_limits: {}", rls.rate_limits),
+                None => String::new(),
+            };
+            format!("route: {{cluster: upstream, timeout: 5s{rate_limits}}}")
         };
-        let request_headers: String = self
-            .request_headers
-            .iter()
-            .map(|(k, v)| format!("\n                - header: {{key: \"{k}\", value: \"{v}\"}}"))
-            .collect();
-        let request_headers = if request_headers.is_empty() {
-            String::new()
-        } else {
-            format!("\n                request_headers_to_add:{request_headers}")
-        };
-        let service_endpoints: String = self
-            .service_ports
-            .iter()
-            .map(|p| {
-                format!(
-                    "        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
-                )
-            })
-            .collect();
-        let connect_timeout = format!("{}s", self.connect_timeout_ms as f64 / 1000.0);
-        let wasm_filter = match &self.plugin_config {
-            None => String::new(),
-            Some(json) => {
-                let indented: String = json
-                    .lines()
-                    .map(|l| format!("                    {l}\n"))
-                    .collect();
-                format!(
-                    r#"          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: tollgate
-                vm_config:
-                  vm_id: tollgate
-                  runtime: envoy.wasm.runtime.v8
-                  code: {{local: {{filename: "{wasm}"}}}}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: |
-{indented}"#,
-                    wasm = wasm.display()
-                )
+        let mut route_extra = String::new();
+        if !self.request_headers.is_empty() {
+            route_extra.push_str("request_headers_to_add:\n");
+            for (k, v) in &self.request_headers {
+                route_extra.push_str(&format!("- header: {{key: \"{k}\", value: \"{v}\"}}\n"));
             }
-        };
+        }
         format!(
-            r#"admin:
-  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
-static_resources:
-  listeners:
-  - name: edge
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: edge
-          use_remote_address: {use_remote_address}
-          xff_num_trusted_hops: {xff_num_trusted_hops}
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                {route}{request_headers}
-          http_filters:
-{wasm_filter}          - name: envoy.filters.http.router
-            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
-  clusters:
-  - name: "{service_cluster}"
-    type: STATIC
-    connect_timeout: {connect_timeout}
-    load_assignment:
-      cluster_name: "{service_cluster}"
-      endpoints:
-      - lb_endpoints:
-{service_endpoints}{service_protocol}  - name: upstream
-    type: STATIC
-    connect_timeout: {connect_timeout}
-    load_assignment:
-      cluster_name: upstream
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream_port}}}}}}}
-"#,
-            upstream_port = self.upstream_port,
-            service_cluster = self.service_cluster,
+            r#"name: edge
+address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}
+filter_chains:
+- filters:
+  - name: envoy.filters.network.http_connection_manager
+    typed_config:
+      "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+      stat_prefix: edge
+      use_remote_address: {use_remote_address}
+      xff_num_trusted_hops: {xff_num_trusted_hops}
+      route_config:
+        virtual_hosts:
+        - name: all
+          domains: ["*"]
+          routes:
+          - match: {{prefix: "/"}}
+            {route}
+{route_extra}{vhost_extra}      http_filters:
+{filters}"#,
             use_remote_address = self.use_remote_address,
             xff_num_trusted_hops = self.xff_num_trusted_hops,
-            service_protocol = if self.service_http2 {
-                "    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {http2_protocol_options: {}}
-"
-            } else {
-                ""
-            },
+            route_extra = indent(&route_extra, 12),
+            vhost_extra = indent(self.virtual_host_extra.as_deref().unwrap_or(""), 10),
+            filters = indent(&self.http_filters(wasm), 6),
         )
     }
-}
 
-/// A running Envoy.
-pub struct Envoy {
-    pub port: u16,
-    pub admin_port: u16,
-    pub proc: Proc,
-}
-
-/// Every test that ran Envoy also checks that the module never panicked or trapped.
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        if thread::panicking() {
-            return;
+    /// The edge listener's HTTP filters (a list at column 0): Tollgate, the native ratelimit
+    /// filter, the extra filters, the router, in that order (those present).
+    pub fn http_filters(&self, wasm: &Path) -> String {
+        let mut filters = Vec::new();
+        if let Some(json) = &self.plugin_config {
+            let failure_policy = match &self.failure_policy {
+                Some(p) => format!("\n    failure_policy: {p}"),
+                None => String::new(),
+            };
+            filters.push(format!(
+                r#"name: envoy.filters.http.wasm
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+  config:
+    name: tollgate
+    vm_config:
+      vm_id: tollgate
+      runtime: envoy.wasm.runtime.v8
+      code: {{local: {{filename: "{wasm}"}}}}{failure_policy}
+    configuration:
+      "@type": type.googleapis.com/google.protobuf.StringValue
+      value: |
+{json}"#,
+                wasm = wasm.display(),
+                json = indent(json, 8),
+            ));
         }
-        let failures = self.module_failures();
-        if !failures.is_empty() {
-            panic!("the module failed in Envoy:\n{}", failures.join("\n"));
+        if let Some(rls) = &self.native_rls {
+            let metadata = match &rls.token {
+                Some(t) => format!(
+                    "\n      initial_metadata: [{{key: authorization, value: \"Bearer {t}\"}}]"
+                ),
+                None => String::new(),
+            };
+            filters.push(format!(
+                r#"name: envoy.filters.http.ratelimit
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+  domain: "{domain}"
+  failure_mode_deny: true
+  timeout: 2s
+  rate_limit_service:
+    transport_api_version: V3
+    grpc_service:
+      envoy_grpc: {{cluster_name: "{cluster}"}}
+      timeout: 2s{metadata}
+"#,
+                domain = rls.domain,
+                cluster = self.service_cluster,
+            ));
         }
-    }
-}
-
-/// Envoy refused to start or exited: its exit status (None = still running) and its log.
-#[derive(Debug)]
-pub struct EnvoyFailure {
-    pub status: Option<ExitStatus>,
-    pub log: String,
-}
-
-impl Envoy {
-    /// Starts Envoy and waits for admin `/ready`; fails the test if it does not come up.
-    pub fn start(c: &Components, dir: &TempDir, spec: &EnvoySpec) -> Envoy {
-        match Envoy::try_start(c, dir, spec, READY_TIMEOUT) {
-            Ok(e) => e,
-            Err(f) => {
-                eprintln!("----- envoy log -----\n{}\n----- end -----", f.log);
-                panic!("envoy did not start: {:?}", f.status);
-            }
-        }
+        filters.extend(self.extra_http_filters.iter().cloned());
+        filters.push(
+            "name: envoy.filters.http.router\ntyped_config: {\"@type\": \
+             type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}\n"
+                .to_string(),
+        );
+        filters.iter().map(|f| item(f)).collect()
     }
 
-    /// Starts one Envoy per spec, all at once, and waits until every one is ready.
-    pub fn start_all(c: &Components, dir: &TempDir, specs: &[EnvoySpec]) -> Vec<Envoy> {
-        thread::scope(|s| {
-            let starting: Vec<_> = specs
-                .iter()
-                .map(|spec| s.spawn(move || Envoy::start(c, dir, spec)))
-                .collect();
-            starting
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| panic!("an Envoy did not start"))
-                })
-                .collect()
-        })
-    }
-
-    /// Starts Envoy; `Err` when it exits or is not ready within `limit` (the process is then killed).
-    pub fn try_start(
-        c: &Components,
-        dir: &TempDir,
-        spec: &EnvoySpec,
-        limit: Duration,
-    ) -> Result<Envoy, EnvoyFailure> {
-        Envoy::try_start_from(c, dir, spec, limit, &|port, admin| {
-            spec.yaml(&c.wasm, port, admin)
-        })
-    }
-
-    /// As [`Envoy::try_start`], with the bootstrap written by `bootstrap(listen_port, admin_port)`
-    /// instead of `spec.yaml` (the spec still gives the command line).
-    pub fn try_start_from(
-        c: &Components,
-        dir: &TempDir,
-        spec: &EnvoySpec,
-        limit: Duration,
-        bootstrap: &dyn Fn(u16, u16) -> String,
-    ) -> Result<Envoy, EnvoyFailure> {
-        let mut attempt = 1;
-        loop {
-            match Envoy::try_start_once(c, dir, spec, limit, bootstrap) {
-                Err(f) if attempt < START_ATTEMPTS && f.log.contains("Address already in use") => {
-                    attempt += 1;
-                }
-                other => return other,
-            }
-        }
-    }
-
-    fn try_start_once(
-        c: &Components,
-        dir: &TempDir,
-        spec: &EnvoySpec,
-        limit: Duration,
-        bootstrap: &dyn Fn(u16, u16) -> String,
-    ) -> Result<Envoy, EnvoyFailure> {
-        let port = free_port();
-        let admin_port = free_port();
-        let cfg = dir.path().join(format!("envoy-{port}.yaml"));
-        fs::write(&cfg, bootstrap(port, admin_port)).expect("write envoy config");
-        let mut cmd = Command::new(&c.envoy);
-        cmd.arg("-c")
-            .arg(&cfg)
-            .args(["--concurrency", &spec.concurrency.to_string()])
-            .arg("--disable-hot-restart")
-            .args(["--log-level", &spec.base_log_level])
-            .args(["--component-log-level", &spec.log_level])
-            .args(&spec.extra_args);
-        let mut proc = Proc::spawn("envoy", cmd, dir.path().join(format!("envoy-{port}.log")));
-        let deadline = Instant::now() + limit;
-        loop {
-            // Exit first: a port clash must not pass for readiness of someone else's Envoy.
-            if let Some(st) = proc.exited() {
-                let log = proc.log_text();
-                // Already exited: dropping does not print the log unless panicking.
-                return Err(EnvoyFailure {
-                    status: Some(st),
-                    log,
-                });
-            }
-            if http_get_status(admin_port, "/ready") == Some(200) && proc.exited().is_none() {
-                return Ok(Envoy {
-                    port,
-                    admin_port,
-                    proc,
-                });
-            }
-            if Instant::now() > deadline {
-                proc.kill();
-                return Err(EnvoyFailure {
-                    status: None,
-                    log: proc.log_text(),
-                });
-            }
-            thread::sleep(Duration::from_millis(25));
-        }
-    }
-
-    /// Lines of Envoy's log that show the module failing: its panic hook's `panic:` line, or a V8
-    /// trap (`Uncaught RuntimeError`, e.g. `unreachable` after a panic with `panic = "abort"`).
-    pub fn module_failures(&self) -> Vec<String> {
-        self.proc
-            .log_text()
-            .lines()
-            .filter(|l| {
-                (l.contains("wasm log") && l.contains("panic: "))
-                    || l.contains("Uncaught RuntimeError")
-            })
-            .map(str::to_string)
-            .collect()
-    }
-
-    /// The base URL of the edge listener.
-    pub fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
-    }
-
-    /// Every stat whose name contains `filter` (admin `/stats?filter=`), as name -> value.
-    /// Histograms are skipped.
-    pub fn stats(&self, filter: &str) -> BTreeMap<String, u64> {
-        let reply = http_get(self.admin_port, &format!("/stats?filter={filter}"))
-            .expect("envoy admin /stats");
-        assert_eq!(reply.status, 200, "admin /stats: {}", reply.body);
-        parse_stats(&reply.body)
-    }
-
-    /// One Tollgate counter or gauge by its name without prefix (e.g. `fallback.limited`); 0 when
-    /// the stat does not exist (yet).
-    pub fn tg(&self, name: &str) -> u64 {
-        let full = format!("wasmcustom.tollgate.{name}");
-        self.stats(&format!(
-            "^wasmcustom\\.tollgate\\.{}$",
-            name.replace('.', "\\.")
+    /// The clusters (a list at column 0): the service's, then `upstream`.
+    pub fn clusters(&self) -> String {
+        let connect_timeout = format!("{}s", self.connect_timeout_ms as f64 / 1000.0);
+        item(&cluster(
+            &self.service_cluster,
+            &self.service_ports,
+            &connect_timeout,
+            self.service_http2,
+        )) + &item(&cluster(
+            "upstream",
+            &[self.upstream_port],
+            &connect_timeout,
+            false,
         ))
-        .get(&full)
-        .copied()
-        .unwrap_or(0)
     }
+}
 
-    /// All Tollgate stats (names without the `wasmcustom.tollgate.` prefix).
-    pub fn tg_all(&self) -> BTreeMap<String, u64> {
-        tollgate_stats(self.stats(TOLLGATE_STATS))
-    }
+/// A STATIC cluster of 127.0.0.1 endpoints (a mapping at column 0), over HTTP/2 if `http2`.
+fn cluster(name: &str, ports: &[u16], connect_timeout: &str, http2: bool) -> String {
+    let endpoints: String = ports
+        .iter()
+        .map(|p| {
+            format!(
+                "    - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {p}}}}}}}\n"
+            )
+        })
+        .collect();
+    let protocol = if http2 {
+        r#"typed_extension_protocol_options:
+  envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+    "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+    explicit_http_config: {http2_protocol_options: {}}
+"#
+    } else {
+        ""
+    };
+    format!(
+        "name: \"{name}\"\ntype: STATIC\nconnect_timeout: {connect_timeout}\nload_assignment:\n  \
+         cluster_name: \"{name}\"\n  endpoints:\n  - lb_endpoints:\n{endpoints}{protocol}"
+    )
+}
+
+fn admin(port: u16) -> String {
+    format!("admin:\n  address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}\n")
+}
+
+/// `text` with every non-empty line indented by `n` spaces, each line ending in a newline.
+pub fn indent(text: &str, n: usize) -> String {
+    text.lines()
+        .map(|l| {
+            if l.is_empty() {
+                "\n".to_string()
+            } else {
+                format!("{:n$}{l}\n", "")
+            }
+        })
+        .collect()
+}
+
+/// The mapping `text` (at column 0) as an item of a YAML list.
+fn item(text: &str) -> String {
+    let body = indent(text, 2);
+    format!("- {}", body.get(2..).unwrap_or(""))
 }

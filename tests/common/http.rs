@@ -124,3 +124,37 @@ pub fn http_get(port: u16, path: &str) -> Option<Reply> {
 pub fn http_get_status(port: u16, path: &str) -> Option<u16> {
     http_get(port, path).map(|r| r.status)
 }
+
+/// `clients` threads released together, client `i` on a connection of its own (so spread over
+/// Envoy's workers) sending up to `n` GETs with `headers` to `urls[i % urls.len()]`; every reply
+/// (clients are in order, each client's replies in order). A client stops early at `limit` after the
+/// start, so a test that hangs shows as missing replies, not as a hang.
+pub fn burst(
+    urls: &[String],
+    clients: usize,
+    n: usize,
+    headers: &[(&str, &str)],
+    limit: Duration,
+) -> Vec<Reply> {
+    let deadline = std::time::Instant::now() + limit;
+    let barrier = std::sync::Barrier::new(clients);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..clients)
+            .map(|i| {
+                let (url, barrier) = (&urls[i % urls.len()], &barrier);
+                s.spawn(move || {
+                    let client = Client::new();
+                    barrier.wait();
+                    (0..n)
+                        .take_while(|_| std::time::Instant::now() <= deadline)
+                        .map(|_| client.get(url, headers))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("client thread"))
+            .collect()
+    })
+}

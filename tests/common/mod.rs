@@ -7,9 +7,9 @@
 //! - [`redis`], [`service`]: Redis and `tollgate-server`, started and waited for (PING, `/healthz`);
 //!   either can be started again on the port it had (`start_on`), the service under a shifted clock.
 //! - [`envoy`]: [`EnvoySpec`], the one generator of Envoy configuration (listener, the Tollgate wasm
-//!   filter or Envoy's native ratelimit filter, the service cluster over HTTP/2, the upstream), and
-//!   [`Envoy`], started and waited for (admin `/ready`); dropping it fails the test if the module
-//!   panicked or trapped.
+//!   filter or Envoy's native ratelimit filter, the service cluster over HTTP/2, the upstream);
+//!   [`envoy_process`]: [`Envoy`], started and waited for (admin `/ready`); dropping it fails the
+//!   test if the module panicked or trapped.
 //! - [`upstream`]: a counting HTTP/1.1 server in the test process.
 //! - [`gate`]: a TCP listener in front of the service that forwards, refuses or black-holes.
 //! - [`http`]: clients (ureq) through Envoy and to admin endpoints; [`stats`]: admin `/stats` parsing.
@@ -20,6 +20,7 @@
 
 pub mod config;
 pub mod envoy;
+pub mod envoy_process;
 pub mod faults;
 pub mod gate;
 pub mod http;
@@ -36,11 +37,13 @@ pub mod upstream;
 #[allow(unused_imports)]
 pub use config::Transport;
 #[allow(unused_imports)]
-pub use envoy::{Envoy, EnvoyFailure, EnvoySpec};
+pub use envoy::{EnvoySpec, NativeRls};
+#[allow(unused_imports)]
+pub use envoy_process::{Envoy, EnvoyFailure};
 #[allow(unused_imports)]
 pub use gate::{Gate, GateMode};
 #[allow(unused_imports)]
-pub use http::{count, http_get, http_get_status, Client, Reply};
+pub use http::{burst, count, http_get, http_get_status, Client, Reply};
 #[allow(unused_imports)]
 pub use process::{
     closed_port, eventually, free_port, libfaketime, required_component, wait_until,

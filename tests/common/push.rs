@@ -16,39 +16,6 @@ pub struct Pushed {
     pushes: u64,
 }
 
-/// Splits the harness's static bootstrap into a bootstrap that reads its listeners from `lds` and
-/// the LDS resource file holding the edge listener.
-fn split(yaml: &str, lds: &std::path::Path, lds_dir: &std::path::Path) -> (String, String) {
-    let start = yaml
-        .find("  listeners:\n")
-        .expect("the bootstrap has listeners");
-    let end = yaml
-        .find("  clusters:\n")
-        .expect("the bootstrap has clusters");
-    let listener = &yaml[start + "  listeners:\n".len()..end];
-    let mut resource = String::from("resources:\n");
-    for (i, line) in listener.lines().enumerate() {
-        let line = line.strip_prefix("  ").unwrap_or(line);
-        if i == 0 {
-            let rest = line.strip_prefix("- ").expect("a listener item");
-            resource
-                .push_str("- \"@type\": type.googleapis.com/envoy.config.listener.v3.Listener\n");
-            resource.push_str(&format!("  {rest}\n"));
-        } else {
-            resource.push_str(line);
-            resource.push('\n');
-        }
-    }
-    let bootstrap = format!(
-        "node: {{id: tollgate-test, cluster: tollgate-test}}\n{}{}dynamic_resources:\n  lds_config:\n    resource_api_version: V3\n    path_config_source:\n      path: {}\n      watched_directory: {{path: {}}}\n",
-        &yaml[..start],
-        &yaml[end..],
-        lds.display(),
-        lds_dir.display()
-    );
-    (bootstrap, resource)
-}
-
 impl Pushed {
     /// Starts Envoy for `spec` with its listener behind LDS; old listeners drain at once.
     pub fn start(c: &Components, dir: &TempDir, mut spec: EnvoySpec) -> Pushed {
@@ -60,9 +27,8 @@ impl Pushed {
         let wasm = c.wasm.clone();
         let envoy =
             Envoy::try_start_from(c, dir, &spec, Duration::from_secs(30), &|port, admin| {
-                let (bootstrap, resource) = split(&spec.yaml(&wasm, port, admin), &lds, &lds_dir);
-                fs::write(&lds, resource).expect("write lds");
-                bootstrap
+                fs::write(&lds, spec.lds_resource(&wasm, port)).expect("write lds");
+                spec.lds_bootstrap(admin, &lds, &lds_dir)
             })
             .unwrap_or_else(|f| panic!("envoy did not start: {:?}\n{}", f.status, f.log));
         Pushed {
@@ -79,12 +45,8 @@ impl Pushed {
     pub fn push(&mut self, plugin_config: &str) {
         self.spec.plugin_config = Some(plugin_config.to_string());
         let lds = self.lds_dir.join("listeners.yaml");
-        let yaml = self
-            .spec
-            .yaml(&self.wasm, self.envoy.port, self.envoy.admin_port);
-        let (_, resource) = split(&yaml, &lds, &self.lds_dir);
         let tmp = self.lds_dir.join(".listeners.yaml.tmp");
-        fs::write(&tmp, resource).expect("write lds");
+        fs::write(&tmp, self.spec.lds_resource(&self.wasm, self.envoy.port)).expect("write lds");
         fs::rename(&tmp, &lds).expect("rename lds");
         self.pushes += 1;
         let want = self.pushes + 1; // the initial load counts as one update

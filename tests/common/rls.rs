@@ -1,140 +1,32 @@
 //! Envoy's native rate limit filter (`envoy.filters.http.ratelimit`) as the client of
-//! `tollgate-server`'s RLS v3 endpoint: the bootstrap, and the service started with a limits file.
+//! `tollgate-server`'s RLS v3 endpoint: its Envoy configuration (from the one generator), and the
+//! service started with a limits file.
 //!
 //! Included by the tests that need it with `#[path = "common/rls.rs"] mod rls;` beside `mod common;`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use crate::common::{Components, Envoy, EnvoySpec, Service, TempDir};
+use crate::common::{Components, EnvoySpec, NativeRls, Service, TempDir};
 
-/// What the generated bootstrap holds besides its ports.
-#[derive(Clone, Debug)]
-pub struct NativeSpec {
-    /// The filter's `domain`.
-    pub domain: String,
-    /// The route's `rate_limits`, as one line of flow YAML (JSON is fine), e.g.
-    /// `[{actions: [{generic_key: {descriptor_value: a}}]}]`.
-    pub rate_limits: String,
-    /// Port of `tollgate-server` (the `tollgate` cluster, HTTP/2).
-    pub service_port: u16,
-    /// Port of the `upstream` cluster.
-    pub upstream_port: u16,
-    /// `--concurrency`.
-    pub concurrency: u32,
-    /// Sent as `authorization: Bearer <token>` in the gRPC service's `initial_metadata`.
-    pub token: Option<String>,
-}
-
-impl NativeSpec {
-    /// The bootstrap: one listener whose route carries `rate_limits`, the native filter with
-    /// `failure_mode_deny` (a service failure is a 500, never a pass, so a test sees it), the
-    /// service cluster over HTTP/2.
-    pub fn yaml(&self, listen_port: u16, admin_port: u16) -> String {
-        format!(
-            r#"admin:
-  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
-static_resources:
-  listeners:
-  - name: edge
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen_port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: edge
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route:
-                  cluster: upstream
-                  timeout: 5s
-                  rate_limits: {rate_limits}
-          http_filters:
-          - name: envoy.filters.http.ratelimit
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-              domain: "{domain}"
-              failure_mode_deny: true
-              timeout: 2s
-              rate_limit_service:
-                transport_api_version: V3
-                grpc_service:
-                  envoy_grpc: {{cluster_name: tollgate}}
-                  timeout: 2s{metadata}
-          - name: envoy.filters.http.router
-            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
-  clusters:
-  - name: tollgate
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
-      cluster_name: tollgate
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {service_port}}}}}}}
-  - name: upstream
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment:
-      cluster_name: upstream
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {upstream_port}}}}}}}
-"#,
-            domain = self.domain,
-            metadata = match &self.token {
-                None => String::new(),
-                Some(t) => format!(
-                    "\n                  initial_metadata: [{{key: authorization, value: \"Bearer {t}\"}}]"
-                ),
-            },
-            rate_limits = self.rate_limits,
-            service_port = self.service_port,
-            upstream_port = self.upstream_port,
-        )
-    }
-
-    /// Starts `n` Envoys with this bootstrap at once and waits until every one is ready.
-    pub fn start(&self, c: &Components, dir: &TempDir, n: usize) -> Vec<Envoy> {
-        let mut spec = EnvoySpec::new(None, self.service_port, self.upstream_port);
-        spec.concurrency = self.concurrency;
-        spec.log_level = "filter:info".to_string();
-        std::thread::scope(|s| {
-            let starting: Vec<_> = (0..n)
-                .map(|_| {
-                    let spec = spec.clone();
-                    s.spawn(move || {
-                        match Envoy::try_start_from(
-                            c,
-                            dir,
-                            &spec,
-                            std::time::Duration::from_secs(30),
-                            &|port, admin| self.yaml(port, admin),
-                        ) {
-                            Ok(e) => e,
-                            Err(f) => panic!("envoy did not start: {:?}\n{}", f.status, f.log),
-                        }
-                    })
-                })
-                .collect();
-            starting
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| panic!("an Envoy did not start"))
-                })
-                .collect()
-        })
-    }
+/// The Envoy configuration for Envoy's native ratelimit filter with `domain` and the route's
+/// `rate_limits` (flow YAML), calling the service on `service_port` (the `tollgate` cluster, HTTP/2);
+/// no Tollgate filter. Start several with [`Envoy::start_all`].
+pub fn native_spec(
+    domain: &str,
+    rate_limits: &str,
+    service_port: u16,
+    upstream_port: u16,
+) -> EnvoySpec {
+    let mut spec = EnvoySpec::new(None, service_port, upstream_port);
+    spec.native_rls = Some(NativeRls {
+        domain: domain.to_string(),
+        rate_limits: rate_limits.to_string(),
+        token: None,
+    });
+    spec.use_remote_address = false;
+    spec.log_level = "filter:info".to_string();
+    spec
 }
 
 /// A limits file in `dir`, replaced atomically (written beside, then renamed over) by

@@ -1,6 +1,7 @@
 //! A whole stack: Redis, the service, a counting upstream and Envoy started together.
 
-use super::envoy::{Envoy, EnvoySpec};
+use super::envoy::EnvoySpec;
+use super::envoy_process::Envoy;
 use super::http::{Client, Reply};
 use super::process::{Components, TempDir};
 use super::redis::Redis;

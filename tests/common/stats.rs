@@ -1,6 +1,6 @@
 //! Envoy's admin `/stats` text, read as numbers.
 
-use super::envoy::Envoy;
+use super::envoy_process::Envoy;
 use super::http::http_get;
 use std::collections::BTreeMap;
 

@@ -29,14 +29,8 @@ impl Fleet {
         let upstream = Upstream::start();
         let specs: Vec<EnvoySpec> = (0..n)
             .map(|_| {
-                let mut spec =
-                    EnvoySpec::new(Some(plugin_json.to_string()), service_port, upstream.port);
-                // Quiet logs and quick connect failures: these Envoys carry a thousand requests a second.
-                spec.base_log_level = "warn".to_string();
-                spec.log_level = "wasm:warn".to_string();
-                spec.connect_timeout_ms = 250;
-                spec.use_remote_address = false;
-                spec
+                EnvoySpec::new(Some(plugin_json.to_string()), service_port, upstream.port)
+                    .under_load()
             })
             .collect();
         let envoys = Envoy::start_all(c, dir, &specs);

@@ -254,12 +254,11 @@ impl Cluster {
     pub fn master_with_keys(&self) -> Option<usize> {
         self.nodes.iter().position(|n| {
             let mut conn = RedisConn::open(n.port);
+            // A bucket's key, not the service's live-instance set (`<prefix>instances:{..}`).
             conn.info_field("replication", "role").as_deref() == Some("master")
-                && conn
-                    .cmd(&["DBSIZE"])
-                    .ok()
-                    .and_then(|s| s.parse::<u64>().ok())
-                    > Some(0)
+                && ["*tb:{*", "*fw:{*"]
+                    .iter()
+                    .any(|p| conn.cmd(&["KEYS", p]).is_ok_and(|k| !k.is_empty()))
         })
     }
 
