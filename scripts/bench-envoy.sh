@@ -368,8 +368,9 @@ rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
 m = {(r[0], r[1]): [float(x) for x in r[2:]] for r in rows}  # rss_kB hwm_kB alloc_B heap_B vms
 MiB = 1024 * 1024
 def vs(v, i, scale):
-    b = m.get(("none", "load"))
-    if not b or v == "none" or not b[i]:
+    base = "bare-none" if v.startswith("bare-") else "none"
+    b = m.get((base, "load"))
+    if not b or v == base or not b[i]:
         return "–"
     a = m[(v, "load")][i]
     return f"+{(a - b[i]) * scale / MiB:.1f} MiB (×{a / b[i]:.2f})"
