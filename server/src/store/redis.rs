@@ -274,6 +274,10 @@ enum Conn {
 struct ClusterConn {
     client: redis::cluster::ClusterClient,
     conn: OnceCell<ClusterConnection>,
+    /// A second connection for the live-instance registry ([`Store::live_instances`]), so that
+    /// its once-a-second call, failing on a node that is down, never disturbs the takes'
+    /// connection (its reconnects and slot refreshes).
+    side: OnceCell<ClusterConnection>,
 }
 
 impl ClusterConn {
@@ -281,6 +285,15 @@ impl ClusterConn {
     async fn get(&self) -> Result<ClusterConnection, StoreError> {
         let c = self
             .conn
+            .get_or_try_init(|| async { self.client.get_async_connection().await.map_err(map_err) })
+            .await?;
+        Ok(c.clone())
+    }
+
+    /// The registry's connection, made on first use.
+    async fn side(&self) -> Result<ClusterConnection, StoreError> {
+        let c = self
+            .side
             .get_or_try_init(|| async { self.client.get_async_connection().await.map_err(map_err) })
             .await?;
         Ok(c.clone())
@@ -450,6 +463,7 @@ impl RedisStore {
             Conn::Cluster(Box::new(ClusterConn {
                 client,
                 conn: OnceCell::new(),
+                side: OnceCell::new(),
             }))
         } else {
             let url = config
@@ -878,7 +892,24 @@ impl Store for RedisStore {
         let mut args = Vec::with_capacity(1 + seen.len());
         args.push(ttl_ms.to_string());
         args.extend(seen.iter().cloned());
-        let reply = self.invoke(&SCRIPT, &[key.as_str()], &args).await?;
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(SCRIPT.get_hash()).arg(1).arg(&key).arg(&args);
+        let call = async {
+            match &self.conn {
+                Conn::Single(m) => {
+                    let mut m = m.clone();
+                    evalsha(&SCRIPT, &cmd, &mut m).await.map_err(map_err)
+                }
+                Conn::Cluster(cc) => {
+                    let mut c = cc.side().await?;
+                    evalsha(&SCRIPT, &cmd, &mut c).await.map_err(map_err)
+                }
+            }
+        };
+        let reply = match tokio::time::timeout(self.config.timeout, call).await {
+            Ok(r) => r?,
+            Err(_) => return Err(StoreError::Timeout(self.timeout_ms())),
+        };
         match reply.as_slice() {
             [n] => u64::try_from(*n)
                 .map(Some)

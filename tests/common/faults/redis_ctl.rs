@@ -250,7 +250,8 @@ impl Cluster {
             .join(",")
     }
 
-    /// The index of the master holding keys (the first with a non-empty keyspace), if any.
+    /// The index of the master holding a bucket (the first with a token bucket or fixed window key),
+    /// if any.
     pub fn master_with_keys(&self) -> Option<usize> {
         self.nodes.iter().position(|n| {
             let mut conn = RedisConn::open(n.port);
