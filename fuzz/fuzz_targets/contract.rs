@@ -48,6 +48,7 @@ struct Input {
     request: Vec<InBucket>,
     allowed: bool,
     answer: Vec<(bool, u64, u64, u64, u64, u64)>,
+    instances: u64,
 }
 
 fuzz_target!(|input: Input| {
@@ -97,6 +98,8 @@ fuzz_target!(|input: Input| {
                     FilterAlgorithm::FixedWindow => Algorithm::FixedWindow,
                 }),
                 lease: b.lease,
+                // The filter sends a bucket's rule name outside this encoder.
+                rule: None,
             })
             .collect();
         assert_eq!(raw.buckets.as_ref(), Some(&expected));
@@ -130,6 +133,8 @@ fuzz_target!(|input: Input| {
                 },
             )
             .collect(),
+        // The filter reads the count elsewhere; its decoders must accept an answer carrying it.
+        instances: input.instances,
     };
     let expected = TakeResponse {
         allowed: decision.allowed,

@@ -45,6 +45,7 @@ fuzz_target!(|data: &[u8]| {
     let again = serde_json::to_vec(&json::encode_request(&raw)).expect("encodes");
     let expected = RawTake {
         buckets: Some(raw.buckets.clone().unwrap_or_default()),
+        instance: raw.instance.clone(),
     };
     assert_eq!(json::decode_take(&again).as_ref(), Ok(&expected));
 

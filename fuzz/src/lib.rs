@@ -158,7 +158,7 @@ pub mod server {
     pub fn reference_take(body: &[u8]) -> Option<RawTake> {
         let v: Value = serde_json::from_slice(body).ok()?;
         let obj = v.as_object()?;
-        if obj.keys().any(|k| k != "buckets") {
+        if obj.keys().any(|k| k != "buckets" && k != "instance") {
             return None;
         }
         let buckets = match obj.get("buckets") {
@@ -172,11 +172,23 @@ pub mod server {
             }
             Some(_) => return None,
         };
-        Some(RawTake { buckets })
+        Some(RawTake {
+            buckets,
+            instance: string(obj.get("instance"))?,
+        })
+    }
+
+    /// An optional string field: `Some(None)` when absent or `null`, `None` when not a string.
+    fn string(v: Option<&Value>) -> Option<Option<String>> {
+        match v {
+            None | Some(Value::Null) => Some(None),
+            Some(Value::String(s)) => Some(Some(s.clone())),
+            Some(_) => None,
+        }
     }
 
     fn reference_bucket(v: &Value) -> Option<RawBucket> {
-        const KNOWN: [&str; 7] = [
+        const KNOWN: [&str; 8] = [
             "key",
             "capacity",
             "rate",
@@ -184,6 +196,7 @@ pub mod server {
             "cost",
             "algorithm",
             "lease",
+            "rule",
         ];
         let b = v.as_object()?;
         if b.keys().any(|k| !KNOWN.contains(&k.as_str())) {
@@ -212,6 +225,7 @@ pub mod server {
                 Some(_) => return None,
             },
             lease: uint("lease")?,
+            rule: string(b.get("rule"))?,
         })
     }
 
@@ -272,7 +286,7 @@ pub mod server {
     }
 
     /// What the Redis store derives from validated buckets: each key is the bucket's own (equal
-    /// keys only for equal identities), and every key of a bucket, the fixed window's
+    /// keys only for equal identities: the algorithm and key, not the limits), and every key of a bucket, the fixed window's
     /// `:<window>` suffix included, lands in the one Redis Cluster slot of its hash tag.
     pub fn check_store_keys(specs: &[BucketSpec]) {
         let keys: Vec<String> = specs.iter().map(|s| redis_key("tollgate:", s)).collect();
@@ -284,8 +298,7 @@ pub mod server {
             assert_eq!(slot(k), tag_slot, "{k:?}");
             assert_eq!(slot(&format!("{k}:123456")), tag_slot, "{k:?}");
             for (k2, s2) in keys.iter().zip(specs).take(i) {
-                let same = (&s.key, s.capacity, s.rate, s.period_ms, s.algorithm)
-                    == (&s2.key, s2.capacity, s2.rate, s2.period_ms, s2.algorithm);
+                let same = (&s.key, s.algorithm) == (&s2.key, s2.algorithm);
                 assert_eq!(k == k2, same, "{k:?} vs {k2:?}");
             }
         }
