@@ -379,6 +379,148 @@ impl InvalidArgument {
     }
 }
 
+/// Longest settlement id (`id` of a settle), in bytes.
+pub const MAX_SETTLE_ID_BYTES: usize = 128;
+/// How long a store remembers a settlement id it applied (5 minutes): a settle sent again within
+/// that time is answered `duplicate` and changes nothing. The filter retries a settlement for a few
+/// seconds at most.
+pub const SETTLE_ID_TTL_MS: u64 = 300_000;
+
+/// A settle (`POST /v1/settle`, `Settle`) as decoded from either wire form.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RawSettle {
+    /// `id`: the settlement's id, applied at most once.
+    pub id: Option<String>,
+    /// `buckets`, absent when missing from JSON.
+    pub buckets: Option<Vec<RawSettleBucket>>,
+}
+
+/// One bucket of a settle as decoded: the bucket as a take names it, and the amounts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RawSettleBucket {
+    /// The bucket's fields as in a take (`cost` and `lease` are never set: a settle has none).
+    pub bucket: RawBucket,
+    /// `estimate`: the tokens the take charged at the request.
+    pub estimate: Option<u64>,
+    /// `used`: the tokens the response actually used.
+    pub used: Option<u64>,
+    /// `window`: the fixed window index the take charged, when the caller knows it.
+    pub window: Option<u64>,
+}
+
+/// One validated bucket of a settle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SettleSpec {
+    /// The bucket, validated as a take's (`cost` and `lease` are 1 and mean nothing here).
+    pub bucket: BucketSpec,
+    /// Tokens charged at the request, 0..=1e9.
+    pub estimate: u64,
+    /// Tokens actually used, 0..=1e9.
+    pub used: u64,
+    /// Fixed windows only: the window the estimate was charged in, if known.
+    pub window: Option<u64>,
+}
+
+/// A validated settle: its id and buckets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settlement {
+    /// 1..=[`MAX_SETTLE_ID_BYTES`] printable ASCII characters (no space).
+    pub id: String,
+    /// 1..=[`MAX_BUCKETS`] buckets, settled in order.
+    pub buckets: Vec<SettleSpec>,
+}
+
+/// The answer for one bucket of a settle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleResult {
+    /// Whole tokens the bucket holds after the settle (0 while it owes).
+    pub remaining: u64,
+    /// Whole tokens the bucket owes (rounded up): a token bucket below zero, a fixed window
+    /// counted above its capacity. 0 (not encoded) when it owes nothing.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub debt: u64,
+}
+
+/// The answer to a settle.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleDecision {
+    /// The id had been applied before: nothing changed now (on a Redis Cluster, in every slot
+    /// the buckets span). The buckets then report how they stand.
+    pub duplicate: bool,
+    /// One result per request bucket, in request order.
+    pub buckets: Vec<SettleResult>,
+}
+
+/// Checks a decoded settle: the id, then every bucket as a take's (same fields, same bounds and
+/// the same error names; a settle has no `cost` nor `lease`), then its amounts.
+pub fn validate_settle(raw: RawSettle) -> Result<Settlement, InvalidArgument> {
+    let id = raw
+        .id
+        .ok_or_else(|| InvalidArgument::new("id", "is required"))?;
+    if id.is_empty() || id.len() > MAX_SETTLE_ID_BYTES {
+        return Err(InvalidArgument::new(
+            "id",
+            format!("must be 1..={MAX_SETTLE_ID_BYTES} bytes, got {}", id.len()),
+        ));
+    }
+    if !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(InvalidArgument::new(
+            "id",
+            "may hold only printable ASCII characters, no space",
+        ));
+    }
+    let raws = raw
+        .buckets
+        .ok_or_else(|| InvalidArgument::new("buckets", "is required"))?;
+    let mut amounts = Vec::with_capacity(raws.len());
+    let mut takes = Vec::with_capacity(raws.len());
+    for b in raws {
+        amounts.push((b.estimate, b.used, b.window));
+        takes.push(RawBucket {
+            cost: None,
+            lease: None,
+            ..b.bucket
+        });
+    }
+    let specs = validate(RawTake {
+        buckets: Some(takes),
+        instance: None,
+    })?;
+    let buckets = specs
+        .into_iter()
+        .zip(amounts)
+        .enumerate()
+        .map(|(i, (bucket, (estimate, used, window)))| {
+            let f = |name: &str| format!("buckets[{i}].{name}");
+            let amount = |name: &str, v: Option<u64>| match v {
+                None => Err(InvalidArgument::new(f(name), "is required")),
+                Some(v) if v > MAX_AMOUNT => Err(InvalidArgument::new(
+                    f(name),
+                    format!("must be at most {MAX_AMOUNT}, got {v}"),
+                )),
+                Some(v) => Ok(v),
+            };
+            let estimate = amount("estimate", estimate)?;
+            let used = amount("used", used)?;
+            if window.is_some() && bucket.algorithm != Algorithm::FixedWindow {
+                return Err(InvalidArgument::new(
+                    f("window"),
+                    "applies to fixed_window only",
+                ));
+            }
+            Ok(SettleSpec {
+                bucket,
+                estimate,
+                used,
+                window,
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Settlement { id, buckets })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,6 +5,7 @@
 //! | `tollgate_decisions_total` | `outcome` = allowed, limited | takes answered |
 //! | `tollgate_rule_decisions_total` | `rule` = a rule name the filter sent (at most [`MAX_RULE_LABELS`] distinct, the rest `other`); `outcome` = allowed, limited | per rule named in a take (each rule once per take): `allowed` when the take was, `limited` when that rule's own bucket denied it |
 //! | `tollgate_slots_total` | `outcome` = acquired, limited, released, already_free | concurrency slots ([`crate::inflight`]): acquires that took their slots or were denied, releases that found their slot or found it gone (expired at its deadline, or released before) |
+//! | `tollgate_settlements_total` | `outcome` = applied, duplicate | settles (`/v1/settle`, `Settle`): applied, or found already applied (a resent id) |
 //! | `tollgate_live_instances` | | proxy instances of the deployment heard from within the last 10 s, as last counted (gauge) |
 //! | `tollgate_store_duration_seconds` | | time of one store call: a take, or a whole batch (histogram) |
 //! | `tollgate_batch_takes` | | takes per batch (`/v1/take_batch`, `TakeBatch`; histogram: its count is the number of batches) |
@@ -77,6 +78,7 @@ pub struct Metrics {
     rule_counters: std::sync::Mutex<std::collections::HashMap<String, [Counter; 2]>>,
     live_instances: Gauge,
     slots: Family<Outcome, Counter>,
+    settlements: Family<Outcome, Counter>,
     allowed: OnceLock<Counter>,
     limited: OnceLock<Counter>,
     http_ok: OnceLock<Counter>,
@@ -179,9 +181,16 @@ impl Metrics {
             "Concurrency slots: acquires taken or denied, releases that found their slot or not",
             slots.clone(),
         );
+        let settlements = Family::<Outcome, Counter>::default();
+        registry.register(
+            "settlements",
+            "Settles of reserved tokens: applied, or already applied before (a resent id)",
+            settlements.clone(),
+        );
         Metrics {
             registry,
             slots,
+            settlements,
             rule_decisions,
             rule_counters: std::sync::Mutex::new(std::collections::HashMap::new()),
             live_instances,
@@ -308,6 +317,11 @@ impl Metrics {
     /// `already_free`).
     pub fn slots(&self, outcome: &'static str, n: u64) {
         self.slots.get_or_create(&Outcome { outcome }).inc_by(n);
+    }
+
+    /// Counts a settle: `applied`, or `duplicate` (its id was applied before).
+    pub fn settlements(&self, outcome: &'static str) {
+        self.settlements.get_or_create(&Outcome { outcome }).inc();
     }
 
     /// Counts a change of the RLS limits file: loaded, or refused (the old limits stay).

@@ -436,6 +436,19 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
                 }),
         )
     }
+
+    async fn settle(
+        &self,
+        request: Request<pb::SettleRequest>,
+    ) -> Result<Response<pb::SettleResponse>, Status> {
+        let raw = super::settle::raw_settle_from_pb(request.get_ref());
+        self.answer(
+            self.api
+                .settle(raw)
+                .await
+                .map(|d| super::settle::pb_from_settle(&d)),
+        )
+    }
 }
 
 impl RateLimiterService {

@@ -125,6 +125,16 @@ async fn refund(State(api): State<Arc<Api>>, req: Request) -> Response {
     json_or_error(&api, result)
 }
 
+/// `POST /v1/settle`: a reservation settled ([`super::settle`]); admitted like a take.
+async fn settle(State(api): State<Arc<Api>>, req: Request) -> Response {
+    let (parts, body) = req.into_parts();
+    let result = match api.admit(&parts.headers, body, 0).await {
+        Ok((bytes, _permit)) => api.settle(super::settle::decode_settle(&bytes)).await,
+        Err(e) => Err(e),
+    };
+    json_or_error(&api, result)
+}
+
 fn json_or_error<T: serde::Serialize>(api: &Api, result: Result<T, ApiError>) -> Response {
     match result {
         Ok(d) => {
@@ -219,6 +229,7 @@ pub fn router(
         .route("/v1/acquire", post(acquire))
         .route("/v1/release", post(release))
         .route("/v1/refund", post(refund))
+        .route("/v1/settle", post(settle))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

@@ -18,6 +18,7 @@ pub mod http;
 pub mod instances;
 pub mod json;
 pub mod refund;
+pub mod settle;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;

@@ -251,6 +251,13 @@ impl Store for Coalescer {
         self.inner.store.refund(buckets).await
     }
 
+    async fn settle(
+        &self,
+        settlement: &crate::domain::Settlement,
+    ) -> Result<crate::domain::SettleDecision, StoreError> {
+        self.inner.store.settle(settlement).await
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         self.inner.store.ping().await
     }

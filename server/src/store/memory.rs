@@ -3,7 +3,8 @@
 //! Used when no Redis is configured (a single replica, development, tests). One mutex guards a
 //! map of bucket states, so a take is atomic; a batch holds it once for all its takes, in order.
 //! Arithmetic mirrors `lua/token_bucket.lua` and `lua/fixed_window.lua` exactly (integer
-//! micro-tokens, a carried refill remainder), in `u128`. A bucket is its algorithm and key; its
+//! micro-tokens, a carried refill remainder), in `u128` (a token bucket's balance in `i128`: it
+//! may owe tokens after a settle). A bucket is its algorithm and key; its
 //! state records the limits it was last charged with, and a take with other limits carries it over
 //! as the scripts do (tokens held, or the window's count, scaled to the new capacity keeping the
 //! fraction; see `lua/token_bucket.lua`). The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
@@ -21,9 +22,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{Store, StoreError};
-use crate::domain::{Algorithm, BucketDecision, BucketSpec, TakeDecision};
+use crate::domain::{
+    Algorithm, BucketDecision, BucketSpec, SettleDecision, SettleResult, Settlement, TakeDecision,
+    SETTLE_ID_TTL_MS,
+};
 
 const MICRO: u128 = 1_000_000;
+/// [`MICRO`] for the signed balance: a token bucket may owe tokens after a settle.
+const MICRO_I: i128 = 1_000_000;
 /// Same clamp as the scripts' `MAX_MS`.
 const MAX_MS: u128 = 9_007_199_254_740_991;
 const TTL_MARGIN_MS: u64 = 1000;
@@ -61,9 +67,10 @@ impl Limits {
 
 #[derive(Debug, Clone, Copy)]
 enum State {
-    /// Micro-tokens, last charge (µs), refill remainder (1/period_ms of a micro-token).
+    /// Micro-tokens (below zero while the bucket owes, after a settle; never below minus its
+    /// capacity), last charge (µs), refill remainder (1/period_ms of a micro-token).
     Token {
-        t: u128,
+        t: i128,
         ts: u64,
         f: u128,
         limits: Limits,
@@ -85,6 +92,10 @@ struct Inner {
     /// Every bucket once, by `(expires_us, seq)`: the next to expire first.
     expiry: BTreeMap<(u64, u64), Arc<Id>>,
     next_seq: u64,
+    /// Settlement ids applied, with their expiry (µs); `settled_order` holds them in the order
+    /// they expire (every id lives [`SETTLE_ID_TTL_MS`] on a monotonic clock).
+    settled: HashMap<String, u64>,
+    settled_order: std::collections::VecDeque<(u64, String)>,
 }
 
 impl Inner {
@@ -163,6 +174,8 @@ impl MemoryStore {
                 buckets: HashMap::new(),
                 expiry: BTreeMap::new(),
                 next_seq: 0,
+                settled: HashMap::new(),
+                settled_order: std::collections::VecDeque::new(),
             }),
             slots: super::slots::SlotTable::default(),
         }
@@ -240,14 +253,80 @@ impl MemoryStore {
             };
             let mut state = load(b, Some(stored), now);
             if let State::Token { t, .. } = &mut state {
-                let cap_m = u128::from(b.capacity) * MICRO;
-                *t = (*t + u128::from(b.cost) * MICRO).min(cap_m);
+                let cap_m = i128::from(b.capacity) * MICRO_I;
+                *t = (*t + i128::from(b.cost) * MICRO_I).min(cap_m);
             }
             let expires_us = now.saturating_add(ttl_ms(&state, now).saturating_mul(1000));
             inner.put(id, state, expires_us);
             n += 1;
         }
         n
+    }
+
+    /// Settles at the given clock reading, as `settle.lua` does.
+    fn settle_at(&self, s: &Settlement, now: u64) -> Result<SettleDecision, StoreError> {
+        let mut inner = self.lock();
+        inner.sweep(now, SWEEP_BATCH);
+        while let Some((expires_us, _)) = inner.settled_order.front() {
+            if *expires_us > now {
+                break;
+            }
+            if let Some((_, id)) = inner.settled_order.pop_front() {
+                inner.settled.remove(&id);
+            }
+        }
+        let duplicate = inner.settled.contains_key(&s.id);
+        if !duplicate {
+            // Room for the id and for every bucket an extra charge would create.
+            let new = s
+                .buckets
+                .iter()
+                .filter(|b| {
+                    b.used > b.estimate
+                        && !inner.buckets.contains_key(&Id {
+                            algorithm: b.bucket.algorithm,
+                            key: b.bucket.key.clone(),
+                        })
+                })
+                .count();
+            if inner.settled.len() >= self.max_buckets
+                || inner.buckets.len() + new > self.max_buckets
+            {
+                inner.sweep(now, usize::MAX);
+                if inner.settled.len() >= self.max_buckets {
+                    return Err(StoreError::Full(inner.settled.len()));
+                }
+                if inner.buckets.len() + new > self.max_buckets {
+                    return Err(StoreError::Full(inner.buckets.len()));
+                }
+            }
+            let expires_us = now.saturating_add(SETTLE_ID_TTL_MS * 1000);
+            inner.settled.insert(s.id.clone(), expires_us);
+            inner.settled_order.push_back((expires_us, s.id.clone()));
+        }
+        let mut out = Vec::with_capacity(s.buckets.len());
+        for spec in &s.buckets {
+            let b = &spec.bucket;
+            let id = Id {
+                algorithm: b.algorithm,
+                key: b.key.clone(),
+            };
+            let stored = inner
+                .buckets
+                .get(&id)
+                .filter(|e| e.expires_us > now)
+                .map(|e| e.state);
+            let mut state = load(b, stored, now);
+            if !duplicate && settle_one(spec, &mut state, stored.is_some()) {
+                let expires_us = now.saturating_add(ttl_ms(&state, now).saturating_mul(1000));
+                inner.put(id, state, expires_us);
+            }
+            out.push(settle_result(b, &state));
+        }
+        Ok(SettleDecision {
+            duplicate,
+            buckets: out,
+        })
     }
 
     /// One take, with the lock held.
@@ -312,11 +391,11 @@ fn ceil_div(a: u128, b: u128) -> u128 {
 }
 
 /// Refills `(t, ts, f)` up to `now` under `l`, as `tb_refill` in token_bucket.lua.
-fn refill(l: &Limits, t: &mut u128, ts: &mut u64, f: &mut u128, now: u64) {
+fn refill(l: &Limits, t: &mut i128, ts: &mut u64, f: &mut u128, now: u64) {
     if now <= *ts {
         return;
     }
-    let cap_m = u128::from(l.capacity) * MICRO;
+    let cap_m = i128::from(l.capacity) * MICRO_I;
     if *t >= cap_m {
         *t = cap_m;
         *f = 0;
@@ -325,11 +404,14 @@ fn refill(l: &Limits, t: &mut u128, ts: &mut u64, f: &mut u128, now: u64) {
         let period = u128::from(l.period_ms);
         let x = u128::from(now - *ts) * u128::from(l.rate) * 1000 + *f;
         let add = x / period;
-        if add >= cap_m - *t {
+        // Positive here, at most twice the capacity in micro-tokens (with a debt).
+        let missing = u128::try_from(cap_m - *t).unwrap_or(0);
+        if add >= missing {
             *t = cap_m;
             *f = 0;
         } else {
-            *t += add;
+            // add < missing <= 2e15: it fits.
+            *t += i128::try_from(add).unwrap_or(0);
             *f = x % period;
         }
     }
@@ -343,7 +425,7 @@ fn refill(l: &Limits, t: &mut u128, ts: &mut u64, f: &mut u128, now: u64) {
 /// fraction used (rounded up).
 fn load(b: &BucketSpec, stored: Option<State>, now: u64) -> State {
     let new = Limits::of(b);
-    let cap_m = u128::from(b.capacity) * MICRO;
+    let cap_m = i128::from(b.capacity) * MICRO_I;
     match b.algorithm {
         Algorithm::TokenBucket => {
             let (mut t, mut ts, mut f) = match stored {
@@ -352,7 +434,9 @@ fn load(b: &BucketSpec, stored: Option<State>, now: u64) -> State {
                     if limits != new {
                         refill(&limits, &mut t, &mut ts, &mut f, now);
                         if limits.capacity != new.capacity {
-                            t = t * u128::from(new.capacity) / u128::from(limits.capacity.max(1));
+                            // Rounded down, a debt too (it grows): as the script's floor.
+                            t = (t * i128::from(new.capacity))
+                                .div_euclid(i128::from(limits.capacity.max(1)));
                         }
                         t = t.min(cap_m);
                         f = 0;
@@ -403,8 +487,8 @@ fn load(b: &BucketSpec, stored: Option<State>, now: u64) -> State {
     }
 }
 
-fn tb_reset_ms(b: &BucketSpec, t: u128) -> u64 {
-    let missing = (u128::from(b.capacity) * MICRO).saturating_sub(t);
+fn tb_reset_ms(b: &BucketSpec, t: i128) -> u64 {
+    let missing = u128::try_from(i128::from(b.capacity) * MICRO_I - t).unwrap_or(0);
     cap_ms(ceil_div(
         missing * u128::from(b.period_ms),
         u128::from(b.rate) * MICRO,
@@ -419,27 +503,29 @@ fn window_reset_ms(period_ms: u64, w: u64, now: u64) -> u64 {
 fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool) {
     match state {
         State::Token { t, .. } => {
-            let cost_m = u128::from(b.cost) * MICRO;
+            let cost_m = i128::from(b.cost) * MICRO_I;
             let allowed = b.cost <= b.capacity && *t >= cost_m;
             let mut granted = 0;
             let retry = if allowed {
                 // Lease: as many whole tokens as held, up to `lease`, at least `cost`.
-                let whole = u64::try_from(*t / MICRO).unwrap_or(u64::MAX);
+                let whole = u64::try_from(*t / MICRO_I).unwrap_or(u64::MAX);
                 granted = b.lease.min(whole).max(b.cost);
-                *t -= u128::from(granted) * MICRO;
+                *t -= i128::from(granted) * MICRO_I;
                 0
             } else if b.cost > b.capacity {
                 b.period_ms
             } else {
+                // The whole deficit, a debt included.
+                let deficit = u128::try_from(cost_m - *t).unwrap_or(0);
                 cap_ms(ceil_div(
-                    (cost_m - *t) * u128::from(b.period_ms),
+                    deficit * u128::from(b.period_ms),
                     u128::from(b.rate) * MICRO,
                 ))
             };
             let d = BucketDecision {
                 allowed,
                 limit: b.capacity,
-                remaining: u64::try_from(*t / MICRO).unwrap_or(u64::MAX),
+                remaining: whole_tokens(*t),
                 reset_ms: tb_reset_ms(b, *t),
                 retry_after_ms: retry,
                 granted,
@@ -469,6 +555,68 @@ fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool)
             };
             (d, allowed)
         }
+    }
+}
+
+/// Whole tokens held: 0 while the bucket owes.
+fn whole_tokens(t: i128) -> u64 {
+    u64::try_from(t.max(0) / MICRO_I).unwrap_or(u64::MAX)
+}
+
+/// Whole tokens owed, rounded up: 0 unless the balance is below zero.
+fn debt_tokens(t: i128) -> u64 {
+    let owed = (-t).max(0);
+    u64::try_from((owed + MICRO_I - 1) / MICRO_I).unwrap_or(u64::MAX)
+}
+
+/// Applies one bucket of a settlement to its loaded state; `existed`: the bucket was stored (an
+/// expired token bucket is full, so a refund gives nothing back). Returns whether it changed.
+fn settle_one(s: &crate::domain::SettleSpec, state: &mut State, existed: bool) -> bool {
+    let b = &s.bucket;
+    match state {
+        State::Token { t, .. } => {
+            let cap_m = i128::from(b.capacity) * MICRO_I;
+            if s.used < s.estimate && existed {
+                *t = (*t + i128::from(s.estimate - s.used) * MICRO_I).min(cap_m);
+                true
+            } else if s.used > s.estimate {
+                *t = (*t - i128::from(s.used - s.estimate) * MICRO_I).max(-cap_m);
+                true
+            } else {
+                false
+            }
+        }
+        State::Window { w, count, .. } => {
+            // A refund needs the window that was charged; an extra charge without one goes to
+            // the current window.
+            let charged_here = match s.window {
+                Some(m) => m == *w,
+                None => s.used > s.estimate,
+            };
+            if !charged_here || s.used == s.estimate {
+                false
+            } else if s.used < s.estimate {
+                let back = (s.estimate - s.used).min(*count);
+                *count -= back;
+                back > 0
+            } else {
+                *count = (*count + (s.used - s.estimate)).min(b.capacity.saturating_mul(2));
+                true
+            }
+        }
+    }
+}
+
+fn settle_result(b: &BucketSpec, state: &State) -> SettleResult {
+    match state {
+        State::Token { t, .. } => SettleResult {
+            remaining: whole_tokens(*t),
+            debt: debt_tokens(*t),
+        },
+        State::Window { count, .. } => SettleResult {
+            remaining: b.capacity.saturating_sub(*count),
+            debt: count.saturating_sub(b.capacity),
+        },
     }
 }
 
@@ -515,6 +663,10 @@ impl Store for MemoryStore {
 
     async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
         Ok(self.refund_at(buckets, self.now_us()))
+    }
+
+    async fn settle(&self, settlement: &Settlement) -> Result<SettleDecision, StoreError> {
+        self.settle_at(settlement, self.now_us())
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

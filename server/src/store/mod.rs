@@ -14,7 +14,7 @@ pub mod memory;
 pub mod redis;
 pub mod slots;
 
-use crate::domain::{BucketSpec, TakeDecision};
+use crate::domain::{BucketSpec, SettleDecision, Settlement, TakeDecision};
 use crate::inflight::{AcquireDecision, SlotSpec};
 
 /// A store failure. Every one of them becomes 503 / gRPC `UNAVAILABLE`: the service never answers
@@ -110,6 +110,20 @@ pub trait Store: Send + Sync + 'static {
     async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
         let _ = buckets;
         Err(StoreError::Server("this store takes no refunds".into()))
+    }
+
+    /// Settles a reservation (contract/README.md, "Settle"), at most once per id: each bucket is
+    /// given back `estimate - used` when the response used less (refilled up to now first, capped
+    /// at capacity; an expired bucket is full already), or charged `used - estimate` more when it
+    /// used more. A token bucket may go below zero, to minus its capacity at most (the debt the
+    /// following takes wait for); a fixed window's count may pass its capacity, up to twice it,
+    /// in the window the estimate was charged in (a refund needs that window; an extra charge
+    /// without `window` goes to the current one). The id is remembered
+    /// [`crate::domain::SETTLE_ID_TTL_MS`] beside the buckets; a repeated id changes nothing and
+    /// answers `duplicate`.
+    async fn settle(&self, settlement: &Settlement) -> Result<SettleDecision, StoreError> {
+        let _ = settlement;
+        Err(StoreError::Server("this store settles nothing".into()))
     }
 
     /// Checks the store answers (readiness).

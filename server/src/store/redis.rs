@@ -61,7 +61,10 @@ use tokio::sync::OnceCell;
 
 use super::keys::{redis_key, slot};
 use super::{Store, StoreError};
-use crate::domain::{Algorithm, BucketDecision, BucketSpec, TakeDecision};
+use crate::domain::{
+    Algorithm, BucketDecision, BucketSpec, SettleDecision, SettleResult, Settlement, TakeDecision,
+    SETTLE_ID_TTL_MS,
+};
 
 const PRELUDE: &str = include_str!("lua/prelude.lua");
 const TOKEN_BUCKET: &str = include_str!("lua/token_bucket.lua");
@@ -70,6 +73,7 @@ const TAKE_ONE: &str = include_str!("lua/take_one.lua");
 const TAKE: &str = include_str!("lua/take.lua");
 const TAKE_BATCH: &str = include_str!("lua/take_batch.lua");
 const REFUND: &str = include_str!("lua/refund.lua");
+const SETTLE: &str = include_str!("lua/settle.lua");
 const INSTANCES: &str = include_str!("lua/instances.lua");
 
 /// The full source of the take script (prelude, algorithms, driver), e.g. for `redis-benchmark`.
@@ -85,6 +89,11 @@ pub fn take_batch_script_source() -> String {
 /// The full source of the refund script.
 pub fn refund_script_source() -> String {
     [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, REFUND].join("\n")
+}
+
+/// The full source of the settle script.
+pub fn settle_script_source() -> String {
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, SETTLE].join("\n")
 }
 
 /// Where Redis is and how long to wait for it.
@@ -307,6 +316,7 @@ pub struct RedisStore {
     take: Arc<Script>,
     take_batch: Arc<Script>,
     refund: Arc<Script>,
+    settle: Arc<Script>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -501,6 +511,7 @@ impl RedisStore {
             take: Arc::new(Script::new(&take_script_source())),
             take_batch: Arc::new(Script::new(&take_batch_script_source())),
             refund: Arc::new(Script::new(&refund_script_source())),
+            settle: Arc::new(Script::new(&settle_script_source())),
         })
     }
 
@@ -677,6 +688,72 @@ impl RedisStore {
         }
         Ok(n)
     }
+}
+
+impl RedisStore {
+    /// Settles the buckets `idx` of `s` (one slot) with one `settle.lua` call. The id's record
+    /// takes the hash tag of the group's first bucket, so it shares their slot: a settlement
+    /// spanning slots is remembered once per slot, and one resent after a partial failure applies
+    /// only the slots it had not reached.
+    async fn settle_group(
+        &self,
+        s: &Settlement,
+        idx: &[usize],
+        keys: &[String],
+    ) -> Result<(bool, Vec<SettleResult>), StoreError> {
+        let first = &keys[idx[0]];
+        // The prefix holds no brace (keys::check_prefix): the first one opens the bucket's tag.
+        let tag = first
+            .find('{')
+            .map_or(first.as_str(), |open| &first[open..]);
+        let record = format!("{}settled:{tag}:{}", self.config.key_prefix, s.id);
+        let mut ks: Vec<&str> = Vec::with_capacity(1 + idx.len());
+        ks.push(&record);
+        ks.extend(idx.iter().map(|&i| keys[i].as_str()));
+        let mut args: Vec<i64> = Vec::with_capacity(1 + 7 * idx.len());
+        args.push(SETTLE_ID_TTL_MS as i64);
+        for &i in idx {
+            let b = &s.buckets[i];
+            // Every amount is at most 1e9 and a period at most a year: all fit an i64.
+            args.extend([
+                alg_code(b.bucket.algorithm) as i64,
+                b.bucket.capacity as i64,
+                b.bucket.rate as i64,
+                b.bucket.period_ms as i64,
+                b.estimate as i64,
+                b.used as i64,
+                b.window
+                    .map_or(-1, |w| i64::try_from(w).unwrap_or(i64::MAX)),
+            ]);
+        }
+        let reply = self.invoke(&self.settle, &ks, &args).await?;
+        decode_settle(&reply, idx.len())
+    }
+}
+
+/// Turns a `settle.lua` reply (see its header) into whether the id was known and `n` results.
+pub fn decode_settle(reply: &[i64], n: usize) -> Result<(bool, Vec<SettleResult>), StoreError> {
+    if reply.len() != 1 + 2 * n {
+        return Err(StoreError::Protocol(format!(
+            "settle reply has {} integers, expected {}",
+            reply.len(),
+            1 + 2 * n
+        )));
+    }
+    let uint = |v: i64| {
+        u64::try_from(v)
+            .map_err(|_| StoreError::Protocol(format!("negative value {v} in settle reply")))
+    };
+    let results = reply[1..]
+        .chunks_exact(2)
+        .map(|p| {
+            Ok(SettleResult {
+                remaining: uint(p[0])?,
+                debt: uint(p[1])?,
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    Ok((reply[0] == 1, results))
 }
 
 #[async_trait::async_trait]
@@ -879,6 +956,44 @@ impl Store for RedisStore {
 
     async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
         self.refund_each(buckets).await
+    }
+
+    async fn settle(&self, s: &Settlement) -> Result<SettleDecision, StoreError> {
+        let keys: Vec<String> = s
+            .buckets
+            .iter()
+            .map(|b| redis_key(&self.config.key_prefix, &b.bucket))
+            .collect();
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let at = match self.conn {
+                Conn::Single(_) => 0,
+                Conn::Cluster(_) => slot(k),
+            };
+            match groups.iter_mut().find(|(g, _)| *g == at) {
+                Some((_, idx)) => idx.push(i),
+                None => groups.push((at, vec![i])),
+            }
+        }
+        let replies = futures_util::future::join_all(
+            groups
+                .iter()
+                .map(|(_, idx)| self.settle_group(s, idx, &keys)),
+        )
+        .await;
+        let mut out = vec![SettleResult::default(); keys.len()];
+        let mut duplicate = true;
+        for ((_, idx), reply) in groups.iter().zip(replies) {
+            let (dup, results) = reply?;
+            duplicate &= dup;
+            for (&i, r) in idx.iter().zip(results) {
+                out[i] = r;
+            }
+        }
+        Ok(SettleDecision {
+            duplicate,
+            buckets: out,
+        })
     }
 
     async fn live_instances(

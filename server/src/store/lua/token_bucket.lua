@@ -5,7 +5,8 @@
 -- ARGV:  capacity, rate, period_ms, cost, lease (integers validated by the service: 1..1e9,
 --        period <= 1 year, cost <= lease; lease = cost when the caller asked for no lease).
 -- State: HSET fields, all integers formatted exactly:
---          t  = micro-tokens held (0 ..= c * 10^6)
+--          t  = micro-tokens held (-c * 10^6 ..= c * 10^6: below zero while the bucket owes
+--               tokens after a settle charged more than it held, see settle.lua)
 --          ts = Redis TIME of the last charge, microseconds
 --          f  = refill remainder, in 1/p of a micro-token (0 .. p - 1), so no fraction of a token
 --               is ever lost between charges: the refill is exact, not rounded per call
@@ -46,7 +47,16 @@ local function tb_load(key, cap, rate, period, now)
   local c, r, p = tonumber(v[4]), tonumber(v[5]), tonumber(v[6])
   if c ~= nil and r ~= nil and p ~= nil and (c ~= cap or r ~= rate or p ~= period) then
     tb_refill(s, c, r, p, now)
-    if c ~= cap then s.t = muldivmod(s.t, cap, 0, c) end
+    if c ~= cap then
+      if s.t >= 0 then
+        s.t = muldivmod(s.t, cap, 0, c)
+      else
+        -- A debt is scaled like tokens, rounded down too (it grows): -ceil(-t * cap / c).
+        local q, r = muldivmod(-s.t, cap, 0, c)
+        if r > 0 then q = q + 1 end
+        s.t = -q
+      end
+    end
     if s.t > cap * MICRO then s.t = cap * MICRO end
     s.f = 0
   end
@@ -58,6 +68,12 @@ local function tb_reset_ms(s, cap, rate, period)
   local missing = cap * MICRO - s.t
   if missing <= 0 then return 0 end
   return ceil_ms(missing, period, rate * MICRO)
+end
+
+-- Whole tokens held: 0 while the bucket owes (the retry time then counts the whole deficit).
+local function tb_whole(s)
+  if s.t <= 0 then return 0 end
+  return (muldivmod(s.t, 1, 0, MICRO))
 end
 
 -- Charges the (refilled) state when it can pay `cost`: granted = min(lease, whole tokens held),
@@ -79,8 +95,7 @@ local function tb_take(s, cap, rate, period, cost, lease)
   else
     retry = ceil_ms(cost_m - s.t, period, rate * MICRO)
   end
-  local remaining = muldivmod(s.t, 1, 0, MICRO)
-  return allowed, remaining, tb_reset_ms(s, cap, rate, period), retry, granted
+  return allowed, tb_whole(s), tb_reset_ms(s, cap, rate, period), retry, granted
 end
 
 local function tb_store(key, s, cap, rate, period)
