@@ -338,8 +338,45 @@ async fn over_grpc(store: Arc<dyn Store>) {
     svc.stop().await;
 }
 
+/// A take with other limits carries a debt over like tokens: scaled to the new capacity, rounded
+/// against the caller (owing 4 of 10 becomes owing 8 of 20).
+async fn changed_limit_carries_the_debt(store: Arc<dyn Store>) {
+    let svc = Service::start(store, None).await;
+    let client = reqwest::Client::new();
+    let key = unique("carry");
+    assert_eq!(
+        take(&client, &svc, bucket(&key, 10, 10, HOUR, 10)).await["allowed"],
+        json!(true)
+    );
+    let (s, body) = post_settle(&client, &svc, &settle("c-1", &key, 10, 10, HOUR, 1, 5)).await;
+    assert_eq!(
+        (s, body),
+        (
+            200,
+            json!({"duplicate": false, "buckets": [{"remaining": 0, "debt": 4}]})
+        )
+    );
+    // Capacity 20 now: owes 8, so one token is 9 away at 10 an hour (a few ms of refill aside).
+    let d = take(&client, &svc, bucket(&key, 20, 10, HOUR, 1)).await;
+    assert_eq!(d["allowed"], json!(false), "{d}");
+    assert_eq!(d["buckets"][0]["remaining"], json!(0), "{d}");
+    let retry = d["buckets"][0]["retry_after_ms"].as_u64().unwrap();
+    assert!(
+        (9 * HOUR / 10 - 60_000..=9 * HOUR / 10).contains(&retry),
+        "{d}"
+    );
+    // reset_ms counts the debt as well: 8 owed + 20 to fill.
+    let reset = d["buckets"][0]["reset_ms"].as_u64().unwrap();
+    assert!(
+        (28 * HOUR / 10 - 60_000..=28 * HOUR / 10).contains(&reset),
+        "{d}"
+    );
+    svc.stop().await;
+}
+
 async fn all(store: Arc<dyn Store>) {
     refund_debt_and_dedupe(store.clone()).await;
+    changed_limit_carries_the_debt(store.clone()).await;
     debt_refills_then_takes_pass(store.clone()).await;
     fixed_window_charged_in_its_window(store.clone()).await;
     invalid_fields_are_named(store.clone()).await;
