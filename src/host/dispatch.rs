@@ -480,8 +480,8 @@ fn waiting_token(flow: &Flow) -> Option<u32> {
 }
 
 /// Hashes the ids Envoy hands out (context ids, callout tokens): small integers no client
-/// chooses, so one multiplication spreads them (SipHash, the default, costs several times more on
-/// every callback).
+/// chooses, so one multiplication spreads them. The default, SipHash, is built for keys an
+/// attacker may choose, and these maps are looked up in every callback.
 #[derive(Default)]
 struct IdHasher(u64);
 
