@@ -517,6 +517,7 @@ async fn redis_cluster_settles_across_slots_once() {
     svc.stop().await;
     // The whole suite holds on the Cluster too.
     refund_debt_and_dedupe(store.clone()).await;
+    changed_limit_carries_the_debt(store.clone()).await;
     invalid_fields_are_named(store).await;
     drop(nodes);
 }
