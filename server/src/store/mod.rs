@@ -6,7 +6,7 @@
 //! | `redis.rs` | Redis standalone or Cluster: Lua scripts, slot grouping, refunds |
 //! | `coalesce.rs` | a wrapper that sends concurrent takes to the store as one batch call |
 //! | `keys.rs` | Redis key layout and hash slots (pure) |
-//! | `lua/*.lua` | the scripts, one file per algorithm, the decision of one take (`take_one.lua`), and the take, batch and refund drivers |
+//! | `lua/*.lua` | the scripts, one file per algorithm, the decision of one take (`take_one.lua`), and the take, batch, refund and settle drivers |
 
 pub mod coalesce;
 pub mod keys;
