@@ -15,9 +15,8 @@ mod common;
 
 use common::*;
 use serde_json::json;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::io::Write;
+use std::net::TcpStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -26,113 +25,6 @@ use std::time::{Duration, Instant};
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// An HTTP/1.1 upstream that holds each request `delay` (`hold` for paths starting with `/hold`)
-/// before answering, and counts the requests in flight at it: now, and the most ever.
-struct SlowUpstream {
-    port: u16,
-    stop: Arc<AtomicBool>,
-    now: Arc<AtomicU64>,
-    max: Arc<AtomicU64>,
-    total: Arc<AtomicU64>,
-}
-
-impl SlowUpstream {
-    fn start(delay: Duration, hold: Duration) -> SlowUpstream {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind upstream");
-        let port = listener.local_addr().expect("addr").port();
-        let stop = Arc::new(AtomicBool::new(false));
-        let now = Arc::new(AtomicU64::new(0));
-        let max = Arc::new(AtomicU64::new(0));
-        let total = Arc::new(AtomicU64::new(0));
-        let (s, n, m, t) = (stop.clone(), now.clone(), max.clone(), total.clone());
-        thread::spawn(move || {
-            for conn in listener.incoming() {
-                if s.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
-                let (n, m, t) = (n.clone(), m.clone(), t.clone());
-                thread::spawn(move || serve(conn, delay, hold, &n, &m, &t));
-            }
-        });
-        SlowUpstream {
-            port,
-            stop,
-            now,
-            max,
-            total,
-        }
-    }
-
-    fn in_flight(&self) -> u64 {
-        self.now.load(Ordering::SeqCst)
-    }
-
-    fn max_in_flight(&self) -> u64 {
-        self.max.load(Ordering::SeqCst)
-    }
-
-    fn requests(&self) -> u64 {
-        self.total.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for SlowUpstream {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
-    }
-}
-
-fn serve(
-    mut conn: TcpStream,
-    delay: Duration,
-    hold: Duration,
-    now: &AtomicU64,
-    max: &AtomicU64,
-    total: &AtomicU64,
-) {
-    let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let end = loop {
-            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            match conn.read(&mut chunk) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        };
-        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-        buf.drain(..end);
-        let n = now.fetch_add(1, Ordering::SeqCst) + 1;
-        max.fetch_max(n, Ordering::SeqCst);
-        total.fetch_add(1, Ordering::SeqCst);
-        let path = head.split_whitespace().nth(1).unwrap_or("/");
-        if path.starts_with("/reset") {
-            // The upstream resets the request: Envoy answers 503 and the stream ends.
-            now.fetch_sub(1, Ordering::SeqCst);
-            return;
-        }
-        thread::sleep(if path.starts_with("/hold") {
-            hold
-        } else {
-            delay
-        });
-        now.fetch_sub(1, Ordering::SeqCst);
-        let body = "slow\n";
-        let resp = format!(
-            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        if conn.write_all(resp.as_bytes()).is_err() {
-            return;
-        }
-    }
 }
 
 /// The plugin configuration: one concurrency rule for every request (one key for all), on top of
@@ -158,7 +50,7 @@ struct Fleet {
     _dir: TempDir,
     _redis: Redis,
     _service: Service,
-    upstream: SlowUpstream,
+    upstream: Upstream,
     envoys: Vec<Envoy>,
 }
 
@@ -178,7 +70,7 @@ fn fleet_over(
     let dir = TempDir::new(label);
     let redis = Redis::start(&c, &dir);
     let service = Service::start(&c, &dir, Some(&redis.url()));
-    let upstream = SlowUpstream::start(delay, hold);
+    let upstream = Upstream::start_slow(delay, hold);
     let specs: Vec<EnvoySpec> = (0..3)
         .map(|_| {
             let cfg = plugin_with(max, deadline_ms, t.name());
@@ -358,7 +250,7 @@ fn without_the_service_local_slots_cap_each_envoy() {
     let _serial = serial();
     let c = Components::get();
     let dir = TempDir::new("inflight-fallback");
-    let upstream = SlowUpstream::start(Duration::from_millis(150), Duration::from_millis(150));
+    let upstream = Upstream::start_slow(Duration::from_millis(150), Duration::from_millis(150));
     let mut cfg: serde_json::Value = serde_json::from_str(&plugin_with(6, 10_000, "grpc")).unwrap();
     cfg["fallback"] = json!({"instances": 2});
     cfg["breaker"] = json!({"failures": 0});
@@ -413,11 +305,12 @@ fn a_disconnect_or_an_upstream_reset_releases_the_slot() {
     let dir = TempDir::new("inflight-early-end");
     let redis = Redis::start(&c, &dir);
     let service = Service::start(&c, &dir, Some(&redis.url()));
-    let upstream = SlowUpstream::start(Duration::from_millis(20), Duration::from_secs(8));
+    let upstream = Upstream::start_slow(Duration::from_millis(20), Duration::from_secs(8));
     let spec = EnvoySpec::new(Some(plugin(1, 20_000)), service.port, upstream.port);
     let envoy = Envoy::start(&c, &dir, &spec);
     let client = Client::new();
-    // The client goes away while its request is held upstream.
+    // The client goes away while its request is held upstream. A raw socket, not `Client`: the
+    // client must hang up with its request unanswered, which a client library does not do.
     let mut conn = TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
     conn.write_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
         .expect("send");

@@ -1,10 +1,14 @@
 //! Clients told apart by their source address, clients that vanish mid-request, and a trusted load
 //! balancer in front of Envoy. All of 127.0.0.0/8 is loopback on Linux, so a socket bound to
 //! 127.0.0.2 before it connects is, to Envoy, another client than one bound to 127.0.0.3.
+//!
+//! Raw sockets, not ureq: a client here binds its source address before it connects, or sends a
+//! request and hangs up (or resets) without reading the answer; ureq does neither.
 
+use super::process::accept_on_free_port;
 use socket2::{Domain, Socket, Type};
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -76,19 +80,15 @@ pub struct XffProxy {
 
 impl XffProxy {
     pub fn start(target: u16) -> XffProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind xff proxy");
-        let port = listener.local_addr().expect("addr").port();
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
-        thread::spawn(move || {
-            for conn in listener.incoming() {
-                if stopped.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
+        let port = accept_on_free_port(
+            "xff proxy",
+            move || stopped.load(Ordering::SeqCst),
+            move |conn| {
                 thread::spawn(move || forward_with_xff(conn, target));
-            }
-        });
+            },
+        );
         XffProxy { port, stop }
     }
 }

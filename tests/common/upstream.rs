@@ -1,4 +1,5 @@
-//! The upstream: a counting HTTP/1.1 server in the test process.
+//! The upstream: a counting HTTP/1.1 server in the test process, optionally slow (it then counts the
+//! requests it holds).
 
 use super::process::accept_on_free_port;
 use std::collections::BTreeMap;
@@ -25,20 +26,33 @@ struct UpstreamState {
     /// The header (lower case) whose values are counted, and the counts.
     count_by: Option<String>,
     counts: Mutex<BTreeMap<String, u64>>,
+    /// How long each request is held before its answer: (`delay`, `hold` for paths starting with
+    /// `/hold`); `None`: answered at once. A slow upstream also resets requests to `/reset...`.
+    slow: Option<(Duration, Duration)>,
+    /// Requests held now, and the most ever held at once.
+    in_flight: AtomicU64,
+    max_in_flight: AtomicU64,
 }
 
 impl Upstream {
     pub fn start() -> Upstream {
-        Upstream::launch(None)
+        Upstream::launch(None, None)
+    }
+
+    /// A slow upstream: holds each request `delay` (`hold` for paths starting with `/hold`) before
+    /// it answers, and counts the requests it holds ([`Upstream::in_flight`]); a request to a path
+    /// starting with `/reset` is reset (the connection dropped unanswered: Envoy answers 503).
+    pub fn start_slow(delay: Duration, hold: Duration) -> Upstream {
+        Upstream::launch(None, Some((delay, hold)))
     }
 
     /// As [`Upstream::start`], also counting requests per value of `header` ("?" when absent); see
     /// [`Upstream::counts`].
     pub fn start_counting_by(header: &str) -> Upstream {
-        Upstream::launch(Some(header.to_ascii_lowercase()))
+        Upstream::launch(Some(header.to_ascii_lowercase()), None)
     }
 
-    fn launch(count_by: Option<String>) -> Upstream {
+    fn launch(count_by: Option<String>, slow: Option<(Duration, Duration)>) -> Upstream {
         let state = Arc::new(UpstreamState {
             stop: AtomicBool::new(false),
             requests: AtomicU64::new(0),
@@ -46,6 +60,9 @@ impl Upstream {
             bodies: Mutex::new(Vec::new()),
             count_by,
             counts: Mutex::new(BTreeMap::new()),
+            slow,
+            in_flight: AtomicU64::new(0),
+            max_in_flight: AtomicU64::new(0),
         });
         let (st, stop) = (state.clone(), state.clone());
         let port = accept_on_free_port(
@@ -62,6 +79,16 @@ impl Upstream {
     /// Requests received so far.
     pub fn requests(&self) -> u64 {
         self.state.requests.load(Ordering::SeqCst)
+    }
+
+    /// Requests a slow upstream holds now.
+    pub fn in_flight(&self) -> u64 {
+        self.state.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// The most requests a slow upstream ever held at once.
+    pub fn max_in_flight(&self) -> u64 {
+        self.state.max_in_flight.load(Ordering::SeqCst)
     }
 
     /// The request heads received so far (request line and headers).
@@ -148,10 +175,24 @@ fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
                 *m.entry(value).or_default() += 1;
             }
         }
+        let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
         if let Ok(mut h) = st.heads.lock() {
             if h.len() < 10_000 {
                 h.push(head);
             }
+        }
+        if let Some((delay, hold)) = st.slow {
+            if path.starts_with("/reset") {
+                return;
+            }
+            let now = st.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            st.max_in_flight.fetch_max(now, Ordering::SeqCst);
+            thread::sleep(if path.starts_with("/hold") {
+                hold
+            } else {
+                delay
+            });
+            st.in_flight.fetch_sub(1, Ordering::SeqCst);
         }
         let body = "upstream\n";
         let resp = format!(

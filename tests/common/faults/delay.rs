@@ -3,8 +3,9 @@
 //! before they are written, in order. So a take reaches the service (and Redis) straight away and only
 //! its answer is late: a callout that times out at the filter may still have been applied.
 
+use crate::common::process::accept_on_free_port;
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -30,25 +31,21 @@ struct State {
 impl DelayProxy {
     /// Starts forwarding to `target` with no delay.
     pub fn start(target: u16) -> DelayProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind delay proxy");
-        let port = listener.local_addr().expect("delay proxy address").port();
         let state = Arc::new(State {
             target,
             delay_us: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             conns: Mutex::new(Vec::new()),
         });
-        let st = state.clone();
-        thread::spawn(move || {
-            for conn in listener.incoming() {
-                if st.stop.load(Ordering::SeqCst) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
+        let (st, stop) = (state.clone(), state.clone());
+        let port = accept_on_free_port(
+            "delay proxy",
+            move || stop.stop.load(Ordering::SeqCst),
+            move |conn| {
                 let st = st.clone();
                 thread::spawn(move || proxy(conn, st));
-            }
-        });
+            },
+        );
         DelayProxy { port, state }
     }
 

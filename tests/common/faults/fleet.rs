@@ -189,6 +189,7 @@ impl Drop for Load {
 
 /// Opens a connection, sends one GET and closes the connection after `wait` without reading: the
 /// request is abandoned while Envoy is still deciding it. True when the request was sent.
+/// (A raw socket: ureq cannot hang up on a request it sent.)
 fn abandon_one(port: u16, path: &str, wait: Duration) -> bool {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
