@@ -88,63 +88,57 @@ impl Envoy {
         limit: Duration,
         bootstrap: &dyn Fn(u16, u16) -> String,
     ) -> Result<Envoy, EnvoyFailure> {
+        // One start on two new ports; retried when Envoy found a port taken.
+        let once = || -> Result<Envoy, EnvoyFailure> {
+            let port = free_port();
+            let admin_port = free_port();
+            let cfg = dir.path().join(format!("envoy-{port}.yaml"));
+            fs::write(&cfg, bootstrap(port, admin_port)).expect("write envoy config");
+            let mut cmd = Command::new(&c.envoy);
+            cmd.arg("-c")
+                .arg(&cfg)
+                .args(["--concurrency", &spec.concurrency.to_string()])
+                .arg("--disable-hot-restart")
+                .args(["--log-level", &spec.base_log_level])
+                .args(["--component-log-level", &spec.log_level])
+                .args(&spec.extra_args);
+            let mut proc = Proc::spawn("envoy", cmd, dir.path().join(format!("envoy-{port}.log")));
+            let deadline = Instant::now() + limit;
+            loop {
+                // Exit first: a port clash must not pass for readiness of someone else's Envoy.
+                if let Some(st) = proc.exited() {
+                    let log = proc.log_text();
+                    // Already exited: dropping does not print the log unless panicking.
+                    return Err(EnvoyFailure {
+                        status: Some(st),
+                        log,
+                    });
+                }
+                if http_get_status(admin_port, "/ready") == Some(200) && proc.exited().is_none() {
+                    return Ok(Envoy {
+                        port,
+                        admin_port,
+                        proc,
+                    });
+                }
+                if Instant::now() > deadline {
+                    proc.kill();
+                    return Err(EnvoyFailure {
+                        status: None,
+                        log: proc.log_text(),
+                    });
+                }
+                thread::sleep(Duration::from_millis(25));
+            }
+        };
         let mut attempt = 1;
         loop {
-            match Envoy::try_start_once(c, dir, spec, limit, bootstrap) {
+            match once() {
                 Err(f) if attempt < START_ATTEMPTS && f.log.contains("Address already in use") => {
                     attempt += 1;
                 }
                 other => return other,
             }
-        }
-    }
-
-    fn try_start_once(
-        c: &Components,
-        dir: &TempDir,
-        spec: &EnvoySpec,
-        limit: Duration,
-        bootstrap: &dyn Fn(u16, u16) -> String,
-    ) -> Result<Envoy, EnvoyFailure> {
-        let port = free_port();
-        let admin_port = free_port();
-        let cfg = dir.path().join(format!("envoy-{port}.yaml"));
-        fs::write(&cfg, bootstrap(port, admin_port)).expect("write envoy config");
-        let mut cmd = Command::new(&c.envoy);
-        cmd.arg("-c")
-            .arg(&cfg)
-            .args(["--concurrency", &spec.concurrency.to_string()])
-            .arg("--disable-hot-restart")
-            .args(["--log-level", &spec.base_log_level])
-            .args(["--component-log-level", &spec.log_level])
-            .args(&spec.extra_args);
-        let mut proc = Proc::spawn("envoy", cmd, dir.path().join(format!("envoy-{port}.log")));
-        let deadline = Instant::now() + limit;
-        loop {
-            // Exit first: a port clash must not pass for readiness of someone else's Envoy.
-            if let Some(st) = proc.exited() {
-                let log = proc.log_text();
-                // Already exited: dropping does not print the log unless panicking.
-                return Err(EnvoyFailure {
-                    status: Some(st),
-                    log,
-                });
-            }
-            if http_get_status(admin_port, "/ready") == Some(200) && proc.exited().is_none() {
-                return Ok(Envoy {
-                    port,
-                    admin_port,
-                    proc,
-                });
-            }
-            if Instant::now() > deadline {
-                proc.kill();
-                return Err(EnvoyFailure {
-                    status: None,
-                    log: proc.log_text(),
-                });
-            }
-            thread::sleep(Duration::from_millis(25));
         }
     }
 
