@@ -3,7 +3,7 @@
 //! | file | what |
 //! |---|---|
 //! | `memory.rs` | in-process store: one mutex, monotonic clock, idle buckets expire |
-//! | `redis.rs` | Redis standalone or Cluster: Lua scripts, slot grouping, refunds |
+//! | `redis/` | Redis standalone or Cluster: the store (`mod.rs`: slot grouping, refunds), connections and TLS (`conn.rs`), scripts and their arguments (`scripts.rs`), replies (`decode.rs`) |
 //! | `coalesce.rs` | a wrapper that sends concurrent takes to the store as one batch call |
 //! | `keys.rs` | Redis key layout and hash slots (pure) |
 //! | `lua/*.lua` | the scripts, one file per algorithm, the decision of one take (`take_one.lua`), and the take, batch, refund and settle drivers |

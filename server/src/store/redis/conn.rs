@@ -1,0 +1,408 @@
+//! Connections to Redis: standalone (a `ConnectionManager`) or Cluster (the cluster client), the
+//! timeouts of both, TLS with rustls (private CA, client certificates) and URLs redacted for logs.
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use redis::RedisError;
+use tokio::sync::OnceCell;
+
+use crate::store::StoreError;
+
+/// Where Redis is and how long to wait for it.
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port[/db]` or `rediss://...` for standalone Redis.
+    pub url: Option<String>,
+    /// Seed node URLs of a Redis Cluster (takes precedence over `url`).
+    pub cluster: Vec<String>,
+    /// Prepended to every key (must not contain braces).
+    pub key_prefix: String,
+    /// Bound of one connect or one command round trip.
+    pub timeout: Duration,
+    /// CA bundle and client certificate for `rediss://` URLs; `None` = public roots, no client
+    /// certificate. Only valid with `rediss://` URLs.
+    pub tls: Option<RedisTls>,
+}
+
+/// TLS material for `rediss://` connections, PEM as read from files.
+#[derive(Clone, Default)]
+pub struct RedisTls {
+    /// CA certificates to trust instead of the public (webpki) roots.
+    pub ca: Option<Vec<u8>>,
+    /// Client certificate (chain) and key, for Redis configured with `tls-auth-clients yes`.
+    pub client: Option<ClientIdentity>,
+}
+
+/// A client certificate chain and its private key, both PEM.
+#[derive(Clone)]
+pub struct ClientIdentity {
+    /// The client certificate first, then any intermediates.
+    pub cert: Vec<u8>,
+    /// The private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: Vec<u8>,
+}
+
+impl fmt::Debug for RedisTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisTls")
+            .field("ca", &self.ca.as_ref().map(|pem| pem.len()))
+            .field("client_cert", &self.client.is_some())
+            .finish()
+    }
+}
+
+/// Which TLS file is wrong, and why (the caller names the file or flag).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TlsFileError {
+    /// The CA bundle.
+    #[error("CA bundle: {0}")]
+    Ca(String),
+    /// The client certificate.
+    #[error("client certificate: {0}")]
+    Cert(String),
+    /// The client private key (unreadable, or not the certificate's key).
+    #[error("client key: {0}")]
+    Key(String),
+}
+
+impl RedisTls {
+    /// Checks the PEM: the CA bundle holds at least one certificate usable as a trust anchor;
+    /// the client chain holds at least one certificate, the key parses and belongs to the
+    /// certificate. What rustls would otherwise only find at the first handshake.
+    pub fn check(&self) -> Result<(), TlsFileError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        if let Some(pem) = &self.ca {
+            let certs = CertificateDer::pem_slice_iter(pem)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TlsFileError::Ca(format!("bad PEM: {e}")))?;
+            if certs.is_empty() {
+                return Err(TlsFileError::Ca("no PEM certificate in it".into()));
+            }
+            let mut roots = rustls::RootCertStore::empty();
+            for (i, c) in certs.into_iter().enumerate() {
+                roots
+                    .add(c)
+                    .map_err(|e| TlsFileError::Ca(format!("certificate {}: {e}", i + 1)))?;
+            }
+        }
+        if let Some(id) = &self.client {
+            let chain = CertificateDer::pem_slice_iter(&id.cert)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TlsFileError::Cert(format!("bad PEM: {e}")))?;
+            if chain.is_empty() {
+                return Err(TlsFileError::Cert("no PEM certificate in it".into()));
+            }
+            let key = PrivateKeyDer::from_pem_slice(&id.key)
+                .map_err(|e| TlsFileError::Key(format!("no usable PEM private key: {e}")))?;
+            let provider = rustls::crypto::ring::default_provider();
+            let signer = provider
+                .key_provider
+                .load_private_key(key)
+                .map_err(|e| TlsFileError::Key(e.to_string()))?;
+            match rustls::sign::CertifiedKey::new(chain, signer).keys_match() {
+                Ok(())
+                | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {}
+                Err(rustls::Error::InconsistentKeys(_)) => {
+                    return Err(TlsFileError::Key(
+                        "does not belong to the client certificate".into(),
+                    ))
+                }
+                Err(e) => return Err(TlsFileError::Cert(e.to_string())),
+            }
+        }
+        Ok(())
+    }
+
+    fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self.client.as_ref().map(|c| redis::ClientTlsConfig {
+                client_cert: c.cert.clone(),
+                client_key: c.key.clone(),
+            }),
+            root_cert: self.ca.clone(),
+        }
+    }
+}
+
+/// rustls needs a process-wide crypto provider before the first handshake, and the redis crate
+/// asks for the default one. Installing `ring` when one is already installed is a no-op.
+fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &self.url.as_deref().map(redact_url))
+            .field(
+                "cluster",
+                &self
+                    .cluster
+                    .iter()
+                    .map(|u| redact_url(u))
+                    .collect::<Vec<_>>(),
+            )
+            .field("key_prefix", &self.key_prefix)
+            .field("timeout", &self.timeout)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+/// A Redis URL fit for logs and `Debug`: the password, the query (a `unix://` URL may carry
+/// `?pass=`) and any fragment become `***`. The URL is parsed, not cut at some character, so no
+/// shape of password (`/`, `@`, `#` in it) shows; one that does not parse at all is shown as its
+/// scheme only.
+pub fn redact_url(url: &str) -> String {
+    let unparseable = || match url.split_once("://") {
+        Some((scheme, _))
+            if !scheme.is_empty()
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+        {
+            format!("{scheme}://*** (unparseable URL, not shown)")
+        }
+        _ => "*** (unparseable URL, not shown)".to_string(),
+    };
+    let Ok(mut u) = url::Url::parse(url) else {
+        return unparseable();
+    };
+    if u.password().is_some() && u.set_password(Some("***")).is_err() {
+        return unparseable();
+    }
+    if u.query().is_some() {
+        u.set_query(Some("***"));
+    }
+    if u.fragment().is_some() {
+        u.set_fragment(Some("***"));
+    }
+    // A network URL's path is the database number; anything else there (a mistyped password
+    // after a `/`, say) is not shown. A unix socket's path is shown.
+    let db_only = u.path().strip_prefix('/').unwrap_or(u.path());
+    if matches!(u.scheme(), "redis" | "rediss") && !db_only.bytes().all(|b| b.is_ascii_digit()) {
+        u.set_path("/***");
+    }
+    u.to_string()
+}
+
+pub(super) enum Conn {
+    Single(ConnectionManager),
+    Cluster(Box<ClusterConn>),
+}
+
+pub(super) struct ClusterConn {
+    client: redis::cluster::ClusterClient,
+    conn: OnceCell<ClusterConnection>,
+    /// A second connection for the live-instance registry ([`Store::live_instances`]), so that
+    /// its once-a-second call, failing on a node that is down, never disturbs the takes'
+    /// connection (its reconnects and slot refreshes).
+    side: OnceCell<ClusterConnection>,
+}
+
+impl ClusterConn {
+    /// The cluster connection, made on first use (a handle to the shared, multiplexed one).
+    pub(super) async fn get(&self) -> Result<ClusterConnection, StoreError> {
+        let c = self
+            .conn
+            .get_or_try_init(|| async { self.client.get_async_connection().await.map_err(map_err) })
+            .await?;
+        Ok(c.clone())
+    }
+
+    /// The registry's connection, made on first use.
+    pub(super) async fn side(&self) -> Result<ClusterConnection, StoreError> {
+        let c = self
+            .side
+            .get_or_try_init(|| async { self.client.get_async_connection().await.map_err(map_err) })
+            .await?;
+        Ok(c.clone())
+    }
+}
+
+pub(super) fn map_err(e: RedisError) -> StoreError {
+    if e.is_timeout() {
+        StoreError::Timeout(0)
+    } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
+        StoreError::Connection(e.to_string())
+    } else {
+        StoreError::Server(e.to_string())
+    }
+}
+
+/// Parses a URL and turns Nagle's algorithm off: small pipelined commands must not wait for an ACK
+/// (with delayed ACKs that is a 40 ms stall).
+fn connection_info(url: &str) -> Result<redis::ConnectionInfo, String> {
+    use redis::IntoConnectionInfo;
+    let info = url
+        .into_connection_info()
+        .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(url)))?;
+    Ok(info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true)))
+}
+
+fn is_tls(info: &redis::ConnectionInfo) -> bool {
+    matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. })
+}
+
+impl Conn {
+    /// Builds the client for `config` (Cluster when seed nodes are given). Connects lazily: the
+    /// first command connects, and the connections reconnect by themselves.
+    pub(super) fn open(config: &RedisConfig) -> Result<Conn, String> {
+        let t = config.timeout;
+        let conn = if !config.cluster.is_empty() {
+            let nodes = config
+                .cluster
+                .iter()
+                .map(|u| connection_info(u))
+                .collect::<Result<Vec<_>, _>>()?;
+            let tls_nodes = nodes.iter().filter(|n| is_tls(n)).count();
+            if tls_nodes != 0 && tls_nodes != nodes.len() {
+                return Err("Redis Cluster seed nodes mix redis:// and rediss://".into());
+            }
+            if tls_nodes == 0 && config.tls.is_some() {
+                return Err(
+                    "TLS certificates given for redis:// Cluster seed nodes (use rediss://)".into(),
+                );
+            }
+            if tls_nodes != 0 {
+                install_crypto_provider();
+            }
+            let mut builder = redis::cluster::ClusterClient::builder(nodes);
+            if let Some(tls) = &config.tls {
+                builder = builder.certs(tls.certificates());
+            }
+            let client = builder
+                .connection_timeout(t)
+                .response_timeout(t)
+                .retries(1)
+                .min_retry_wait(5)
+                .max_retry_wait(u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(5))
+                .build()
+                .map_err(|e| format!("bad Redis Cluster seed nodes: {e}"))?;
+            Conn::Cluster(Box::new(ClusterConn {
+                client,
+                conn: OnceCell::new(),
+                side: OnceCell::new(),
+            }))
+        } else {
+            let url = config
+                .url
+                .as_deref()
+                .ok_or_else(|| "no Redis URL given".to_string())?;
+            let info = connection_info(url)?;
+            if is_tls(&info) {
+                install_crypto_provider();
+            }
+            let client = match &config.tls {
+                Some(_) if !is_tls(&info) => {
+                    return Err(format!(
+                        "TLS certificates given for {} (use rediss://)",
+                        redact_url(url)
+                    ))
+                }
+                Some(tls) => redis::Client::build_with_tls(info, tls.certificates()),
+                None => redis::Client::open(info),
+            }
+            .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(url)))?;
+            let cm = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(t))
+                .set_response_timeout(Some(t))
+                .set_number_of_retries(1)
+                .set_min_delay(Duration::from_millis(5))
+                .set_max_delay(t);
+            let manager = ConnectionManager::new_lazy_with_config(client, cm)
+                .map_err(|e| format!("Redis connection manager: {e}"))?;
+            Conn::Single(manager)
+        };
+        Ok(conn)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords_of_any_url_shape() {
+        // (URL, the secret in it, what is shown)
+        let cases = [
+            (
+                "redis://:s3cret@h:6379/0",
+                "s3cret",
+                "redis://:***@h:6379/0",
+            ),
+            (
+                "rediss://user:p@ss@h:6380",
+                "p@ss",
+                "rediss://user:***@h:6380",
+            ),
+            (
+                "redis://:ab/cd@host",
+                "ab/cd",
+                "redis://*** (unparseable URL, not shown)",
+            ),
+            (
+                "redis://:ab/cd@host:6379/2",
+                "ab/cd",
+                "redis://*** (unparseable URL, not shown)",
+            ),
+            (
+                "redis://:p#w@h",
+                "p#w",
+                "redis://*** (unparseable URL, not shown)",
+            ),
+            (
+                "redis://:p?w@h",
+                "p?w",
+                "redis://*** (unparseable URL, not shown)",
+            ),
+            ("redis://u:p%2Fw@h", "p%2Fw", "redis://u:***@h"),
+            ("redis://:pw@[::1]:6379", "pw@", "redis://:***@[::1]:6379"),
+            (
+                "redis+unix:///run/r.sock?pass=s3cret",
+                "s3cret",
+                "redis+unix:///run/r.sock?***",
+            ),
+            (
+                "unix:///run/r.sock?db=1&pass=s3cret",
+                "s3cret",
+                "unix:///run/r.sock?***",
+            ),
+            ("redis://h:6379/0#s3cret", "s3cret", "redis://h:6379/0#***"),
+            (
+                "redis://h:6379/x://:s3cret@y",
+                "s3cret",
+                "redis://h:6379/***",
+            ),
+            ("redis://h/0", "s3cret", "redis://h/0"),
+            ("s3cret", "s3cret", "*** (unparseable URL, not shown)"),
+            (
+                ":s3cret@h:6379",
+                "s3cret",
+                "*** (unparseable URL, not shown)",
+            ),
+        ];
+        for (url, secret, shown) in cases {
+            let r = redact_url(url);
+            assert!(!r.contains(secret), "{url} -> {r}");
+            assert_eq!(r, shown, "{url}");
+        }
+        assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
+        let c = RedisConfig {
+            url: Some("redis://u:topsecret@h".into()),
+            cluster: vec!["redis://:pw2@a:1".into(), "redis://:x/pw3@b".into()],
+            key_prefix: "t:".into(),
+            timeout: Duration::from_millis(50),
+            tls: None,
+        };
+        let dbg = format!("{c:?}");
+        assert!(
+            !dbg.contains("topsecret") && !dbg.contains("pw2") && !dbg.contains("pw3"),
+            "{dbg}"
+        );
+    }
+}

@@ -1,0 +1,169 @@
+//! The Lua scripts: their sources (the shared files concatenated before each driver), how each
+//! operation lays out its ARGV, and EVALSHA with recovery from `NOSCRIPT`.
+
+use redis::{RedisError, Script};
+
+use super::conn::{map_err, Conn};
+use super::RedisStore;
+use crate::domain::{Algorithm, BucketSpec, Settlement};
+use crate::store::StoreError;
+
+const PRELUDE: &str = include_str!("../lua/prelude.lua");
+const TOKEN_BUCKET: &str = include_str!("../lua/token_bucket.lua");
+const FIXED_WINDOW: &str = include_str!("../lua/fixed_window.lua");
+const TAKE_ONE: &str = include_str!("../lua/take_one.lua");
+const TAKE: &str = include_str!("../lua/take.lua");
+const TAKE_BATCH: &str = include_str!("../lua/take_batch.lua");
+const REFUND: &str = include_str!("../lua/refund.lua");
+const SETTLE: &str = include_str!("../lua/settle.lua");
+pub(super) const INSTANCES: &str = include_str!("../lua/instances.lua");
+
+/// The full source of the take script (prelude, algorithms, driver), e.g. for `redis-benchmark`.
+pub fn take_script_source() -> String {
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, TAKE_ONE, TAKE].join("\n")
+}
+
+/// The full source of the batch script (prelude, algorithms, the take of one request, the loop).
+pub fn take_batch_script_source() -> String {
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, TAKE_ONE, TAKE_BATCH].join("\n")
+}
+
+/// The full source of the refund script.
+pub fn refund_script_source() -> String {
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, REFUND].join("\n")
+}
+
+/// The full source of the settle script.
+pub fn settle_script_source() -> String {
+    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, SETTLE].join("\n")
+}
+
+/// Sends `cmd` (an EVALSHA of `script`); on `NOSCRIPT` (Redis restarted, or `SCRIPT FLUSH`) loads
+/// the script and sends it once more, as `redis::Script::invoke_async` does.
+pub(super) async fn evalsha<C: redis::aio::ConnectionLike>(
+    script: &Script,
+    cmd: &redis::Cmd,
+    con: &mut C,
+) -> Result<Vec<i64>, RedisError> {
+    match cmd.query_async::<Vec<i64>>(con).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.load_async(con).await?;
+            cmd.query_async::<Vec<i64>>(con).await
+        }
+        r => r,
+    }
+}
+
+pub(super) fn alg_code(a: Algorithm) -> u64 {
+    match a {
+        Algorithm::TokenBucket => 0,
+        Algorithm::FixedWindow => 1,
+    }
+}
+
+/// Integers per bucket in a `take.lua` reply (and per bucket of its ARGV).
+pub(super) const PER_BUCKET: usize = 6;
+
+/// One bucket's ARGV in `take.lua` and `take_batch.lua`: algorithm, capacity, rate, period, cost,
+/// lease.
+pub(super) fn take_args(b: &BucketSpec) -> [u64; PER_BUCKET] {
+    [
+        alg_code(b.algorithm),
+        b.capacity,
+        b.rate,
+        b.period_ms,
+        b.cost,
+        b.lease,
+    ]
+}
+
+/// `take_batch.lua`'s ARGV: the number of takes, each take's number of buckets, then every
+/// bucket's [`take_args`] in order.
+pub(super) fn batch_args(takes: &[&[BucketSpec]]) -> Vec<u64> {
+    let n: usize = takes.iter().map(|t| t.len()).sum();
+    let mut args = Vec::with_capacity(1 + takes.len() + PER_BUCKET * n);
+    args.push(takes.len() as u64);
+    args.extend(takes.iter().map(|t| t.len() as u64));
+    for b in takes.iter().flat_map(|t| t.iter()) {
+        args.extend(take_args(b));
+    }
+    args
+}
+
+/// One bucket's ARGV in `refund.lua`: algorithm, capacity, rate, period, the tokens to give back
+/// and the fixed window they were charged in (0 for token buckets).
+pub(super) fn refund_args(b: &BucketSpec, amount: u64, mark: u64) -> [u64; PER_BUCKET] {
+    [
+        alg_code(b.algorithm),
+        b.capacity,
+        b.rate,
+        b.period_ms,
+        amount,
+        mark,
+    ]
+}
+
+/// `settle.lua`'s ARGV for the buckets `idx` of `s`: the id's TTL, then per bucket algorithm,
+/// capacity, rate, period, estimate, used and window (-1: none).
+pub(super) fn settle_args(s: &Settlement, idx: &[usize], id_ttl_ms: u64) -> Vec<i64> {
+    let mut args: Vec<i64> = Vec::with_capacity(1 + 7 * idx.len());
+    args.push(id_ttl_ms as i64);
+    for &i in idx {
+        let b = &s.buckets[i];
+        // Every amount is at most 1e9 and a period at most a year: all fit an i64.
+        args.extend([
+            alg_code(b.bucket.algorithm) as i64,
+            b.bucket.capacity as i64,
+            b.bucket.rate as i64,
+            b.bucket.period_ms as i64,
+            b.estimate as i64,
+            b.used as i64,
+            b.window
+                .map_or(-1, |w| i64::try_from(w).unwrap_or(i64::MAX)),
+        ]);
+    }
+    args
+}
+
+/// `instances.lua`'s ARGV: the TTL, then the ids heard from.
+pub(super) fn instances_args(seen: &[String], ttl_ms: u64) -> Vec<String> {
+    let mut args = Vec::with_capacity(1 + seen.len());
+    args.push(ttl_ms.to_string());
+    args.extend(seen.iter().cloned());
+    args
+}
+
+impl RedisStore {
+    /// Runs `script` with keys and integer args on the right connection, within the timeout.
+    pub(super) async fn invoke<A: redis::ToRedisArgs>(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        args: &[A],
+    ) -> Result<Vec<i64>, StoreError> {
+        // EVALSHA written straight from the keys and integers: `ScriptInvocation` would first copy
+        // every key and argument into a buffer of its own, then into the command.
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash())
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
+        let call = async {
+            match &self.conn {
+                Conn::Single(m) => {
+                    let mut m = m.clone();
+                    evalsha(script, &cmd, &mut m).await.map_err(map_err)
+                }
+                Conn::Cluster(cc) => {
+                    let mut c = cc.get().await?;
+                    evalsha(script, &cmd, &mut c).await.map_err(map_err)
+                }
+            }
+        };
+        match tokio::time::timeout(self.config.timeout, call).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(self.timeout_ms())),
+            Ok(Err(e)) => Err(e),
+        }
+    }
+}
