@@ -5,7 +5,83 @@ use std::path::{Path, PathBuf};
 
 use clap::{Parser, ValueEnum};
 
-use crate::store::redis::{ClientIdentity, RedisTls, TlsFileError};
+use crate::store::redis::{ClientIdentity, RedisConfigError, RedisTls, TlsFileError};
+
+/// Why the service did not start. Each error names the flag (and file, or address) at fault;
+/// its text is the line the log shows.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    /// A file given by a flag (--token-file, --redis-tls-*) cannot be read.
+    #[error("{flag} {}: cannot read: {source}", path.display())]
+    Unreadable {
+        /// The flag that names the file.
+        flag: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why it cannot be read.
+        source: std::io::Error,
+    },
+    /// The --token-file is not UTF-8.
+    #[error("--token-file {}: not UTF-8", .0.display())]
+    TokenFileNotUtf8(PathBuf),
+    /// --token, TOLLGATE_TOKEN or --token-file holds an empty token.
+    #[error("the bearer token is empty (--token, TOLLGATE_TOKEN or --token-file)")]
+    TokenEmpty,
+    /// --token, TOLLGATE_TOKEN or --token-file holds a token no header can carry.
+    #[error("the bearer token holds control characters, which no header can carry (--token, TOLLGATE_TOKEN or --token-file)")]
+    TokenControl,
+    /// --redis-tls-* given, but neither --redis-url nor --redis-cluster.
+    #[error(
+        "{given} given but no Redis is configured (--redis-url or --redis-cluster with rediss://)"
+    )]
+    TlsWithoutRedis {
+        /// The --redis-tls-* flags given, comma-separated.
+        given: String,
+    },
+    /// --redis-tls-* given for a `redis://` URL.
+    #[error("{given} apply to TLS connections only, but {flag} is {url} (use rediss://)")]
+    TlsWithoutRediss {
+        /// The --redis-tls-* flags given, comma-separated.
+        given: String,
+        /// --redis-url or --redis-cluster.
+        flag: &'static str,
+        /// The URL, redacted.
+        url: String,
+    },
+    /// --redis-tls-cert without --redis-tls-key.
+    #[error("--redis-tls-cert needs --redis-tls-key")]
+    CertWithoutKey,
+    /// --redis-tls-key without --redis-tls-cert.
+    #[error("--redis-tls-key needs --redis-tls-cert")]
+    KeyWithoutCert,
+    /// A --redis-tls-* file holds bad PEM, or a key that is not the certificate's.
+    #[error("{flag} {}: {problem}", path.display())]
+    TlsFile {
+        /// --redis-tls-ca, --redis-tls-cert or --redis-tls-key.
+        flag: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong in it.
+        problem: String,
+    },
+    /// The --rls-config file cannot be loaded (the text names the file and what is wrong).
+    #[error("--rls-config {0}")]
+    RlsConfig(String),
+    /// --redis-url, --redis-cluster, --key-prefix or the TLS files cannot make a Redis store.
+    #[error(transparent)]
+    Redis(#[from] RedisConfigError),
+    /// --listen cannot be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The server stopped with an error.
+    #[error("server error: {0}")]
+    Server(std::io::Error),
+}
 
 /// Log line format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -191,7 +267,7 @@ impl std::fmt::Debug for Cli {
 
 impl Cli {
     /// The service's settings from the flags; reads --token-file. Errors name the flag.
-    pub fn service_config(&self) -> Result<crate::ServiceConfig, String> {
+    pub fn service_config(&self) -> Result<crate::ServiceConfig, StartupError> {
         let ms = |v: u64| std::time::Duration::from_millis(v.max(1));
         Ok(crate::ServiceConfig {
             token: self.token()?,
@@ -208,7 +284,7 @@ impl Cli {
                 .map(|p| {
                     crate::rls::LimitsFile::load(p)
                         .map(std::sync::Arc::new)
-                        .map_err(|e| format!("--rls-config {e}"))
+                        .map_err(StartupError::RlsConfig)
                 })
                 .transpose()?,
             rls_poll: ms(self.rls_config_poll_ms),
@@ -221,28 +297,23 @@ impl Cli {
     }
 
     /// The bearer token, from --token (or TOLLGATE_TOKEN) or --token-file.
-    pub fn token(&self) -> Result<Option<String>, String> {
+    pub fn token(&self) -> Result<Option<String>, StartupError> {
         let token = match (&self.token, &self.token_file) {
             (Some(t), _) => t.clone(),
             (None, Some(path)) => {
                 let bytes = read("--token-file", path)?;
                 String::from_utf8(bytes)
-                    .map_err(|_| format!("--token-file {}: not UTF-8", path.display()))?
+                    .map_err(|_| StartupError::TokenFileNotUtf8(path.clone()))?
                     .trim()
                     .to_string()
             }
             (None, None) => return Ok(None),
         };
         if token.is_empty() {
-            return Err(
-                "the bearer token is empty (--token, TOLLGATE_TOKEN or --token-file)".into(),
-            );
+            return Err(StartupError::TokenEmpty);
         }
         if token.bytes().any(|b| b.is_ascii_control()) {
-            return Err(
-                "the bearer token holds control characters, which no header can carry (--token, TOLLGATE_TOKEN or --token-file)"
-                    .into(),
-            );
+            return Err(StartupError::TokenControl);
         }
         Ok(Some(token))
     }
@@ -250,7 +321,7 @@ impl Cli {
     /// Reads and checks the `--redis-tls-*` files. `None` when none is given. Errors name the flag
     /// (and file) at fault: an unreadable file, bad PEM, a key that is not the certificate's, a
     /// certificate without a key, or TLS files with no `rediss://` URL to apply them to.
-    pub fn redis_tls(&self) -> Result<Option<RedisTls>, String> {
+    pub fn redis_tls(&self) -> Result<Option<RedisTls>, StartupError> {
         let (ca, cert, key) = (
             self.redis_tls_ca.as_deref(),
             self.redis_tls_cert.as_deref(),
@@ -282,39 +353,130 @@ impl Cli {
                 .collect()
         };
         if urls.is_empty() {
-            return Err(format!(
-                "{given} given but no Redis is configured (--redis-url or --redis-cluster with rediss://)"
-            ));
+            return Err(StartupError::TlsWithoutRedis { given });
         }
         if let Some((flag, url)) = urls.iter().find(|(_, u)| !u.starts_with("rediss://")) {
-            return Err(format!(
-                "{given} apply to TLS connections only, but {flag} is {} (use rediss://)",
-                crate::store::redis::redact_url(url)
-            ));
+            return Err(StartupError::TlsWithoutRediss {
+                given,
+                flag,
+                url: crate::store::redis::redact_url(url),
+            });
         }
         let client = match (cert, key) {
             (Some(c), Some(k)) => Some(ClientIdentity {
                 cert: read("--redis-tls-cert", c)?,
                 key: read("--redis-tls-key", k)?,
             }),
-            (Some(_), None) => return Err("--redis-tls-cert needs --redis-tls-key".into()),
-            (None, Some(_)) => return Err("--redis-tls-key needs --redis-tls-cert".into()),
+            (Some(_), None) => return Err(StartupError::CertWithoutKey),
+            (None, Some(_)) => return Err(StartupError::KeyWithoutCert),
             (None, None) => None,
         };
         let tls = RedisTls {
             ca: ca.map(|p| read("--redis-tls-ca", p)).transpose()?,
             client,
         };
-        let show = |p: Option<&Path>| p.map(|p| p.display().to_string()).unwrap_or_default();
+        let file = |flag, path: Option<&Path>, problem| StartupError::TlsFile {
+            flag,
+            path: path.map(Path::to_path_buf).unwrap_or_default(),
+            problem,
+        };
         tls.check().map_err(|e| match e {
-            TlsFileError::Ca(m) => format!("--redis-tls-ca {}: {m}", show(ca)),
-            TlsFileError::Cert(m) => format!("--redis-tls-cert {}: {m}", show(cert)),
-            TlsFileError::Key(m) => format!("--redis-tls-key {}: {m}", show(key)),
+            TlsFileError::Ca(m) => file("--redis-tls-ca", ca, m),
+            TlsFileError::Cert(m) => file("--redis-tls-cert", cert, m),
+            TlsFileError::Key(m) => file("--redis-tls-key", key, m),
         })?;
         Ok(Some(tls))
     }
 }
 
-fn read(flag: &str, path: &Path) -> Result<Vec<u8>, String> {
-    std::fs::read(path).map_err(|e| format!("{flag} {}: cannot read: {e}", path.display()))
+fn read(flag: &'static str, path: &Path) -> Result<Vec<u8>, StartupError> {
+    std::fs::read(path).map_err(|source| StartupError::Unreadable {
+        flag,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("tollgate-server").chain(args.iter().copied()))
+            .unwrap_or_else(|e| unreachable!("{e}"))
+    }
+
+    /// Each refusal is its own variant, naming the flag, with the text the log has always shown.
+    #[test]
+    fn startup_errors_name_the_flag() {
+        let e = cli(&["--token="]).token().err();
+        assert!(matches!(e, Some(StartupError::TokenEmpty)), "{e:?}");
+        assert_eq!(
+            e.map(|e| e.to_string()).as_deref(),
+            Some("the bearer token is empty (--token, TOLLGATE_TOKEN or --token-file)")
+        );
+
+        let e = cli(&["--token-file", "/nonexistent/tok"])
+            .service_config()
+            .err();
+        assert!(
+            matches!(
+                e,
+                Some(StartupError::Unreadable {
+                    flag: "--token-file",
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
+        let shown = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            shown.starts_with("--token-file /nonexistent/tok: cannot read: "),
+            "{shown}"
+        );
+
+        let e = cli(&["--redis-url", "rediss://h:1", "--redis-tls-cert", "/x"])
+            .redis_tls()
+            .err();
+        assert!(matches!(e, Some(StartupError::CertWithoutKey)), "{e:?}");
+
+        let e = cli(&["--redis-tls-ca", "/x"]).redis_tls().err();
+        assert_eq!(
+            e.map(|e| e.to_string()).as_deref(),
+            Some("--redis-tls-ca given but no Redis is configured (--redis-url or --redis-cluster with rediss://)")
+        );
+
+        let e = cli(&["--redis-url", "redis://:pw@h:1", "--redis-tls-ca", "/x"])
+            .redis_tls()
+            .err();
+        assert_eq!(
+            e.map(|e| e.to_string()).as_deref(),
+            Some("--redis-tls-ca apply to TLS connections only, but --redis-url is redis://:***@h:1 (use rediss://)")
+        );
+
+        let e = cli(&["--rls-config", "/nonexistent/limits.yaml"])
+            .service_config()
+            .err();
+        assert!(matches!(e, Some(StartupError::RlsConfig(_))), "{e:?}");
+        let shown = e.map(|e| e.to_string()).unwrap_or_default();
+        assert!(shown.starts_with("--rls-config "), "{shown}");
+
+        let e = crate::store::redis::RedisStore::new(crate::store::redis::RedisConfig {
+            url: Some("redis://h:1".into()),
+            cluster: vec![],
+            key_prefix: "a{b".into(),
+            timeout: std::time::Duration::from_millis(50),
+            tls: None,
+        })
+        .err()
+        .map(StartupError::from);
+        assert!(
+            matches!(e, Some(StartupError::Redis(RedisConfigError::KeyPrefix(_)))),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.map(|e| e.to_string()).as_deref(),
+            Some("the key prefix must not contain '{' or '}'")
+        );
+    }
 }

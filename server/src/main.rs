@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use tollgate_server::cli::{Cli, LogFormat};
+use tollgate_server::cli::{Cli, LogFormat, StartupError};
 use tollgate_server::run;
 use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::redis::{redact_url, RedisConfig, RedisStore};
@@ -49,7 +49,7 @@ fn main() -> ExitCode {
     }
 }
 
-async fn serve(cli: Cli) -> Result<(), String> {
+async fn serve(cli: Cli) -> Result<(), StartupError> {
     let tls = cli.redis_tls()?;
     let config = cli.service_config()?;
     let store: Arc<dyn Store> = if cli.redis_url.is_some() || !cli.redis_cluster.is_empty() {
@@ -78,10 +78,13 @@ async fn serve(cli: Cli) -> Result<(), String> {
     };
     let listener = tokio::net::TcpListener::bind(cli.listen)
         .await
-        .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
+        .map_err(|source| StartupError::Listen {
+            addr: cli.listen,
+            source,
+        })?;
     run(listener, store, config, shutdown_signal())
         .await
-        .map_err(|e| format!("server error: {e}"))
+        .map_err(StartupError::Server)
 }
 
 /// How Redis's TLS is set up, for the startup line: off, public roots, or the private CA / client

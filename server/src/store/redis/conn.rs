@@ -128,6 +128,47 @@ impl RedisTls {
     }
 }
 
+/// Why a [`RedisConfig`] cannot make a store (found before any connection is tried). URLs in
+/// the texts are redacted ([`redact_url`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RedisConfigError {
+    /// The key prefix holds a brace (it would move the hash tag).
+    #[error("{0}")]
+    KeyPrefix(String),
+    /// A TLS file is wrong ([`RedisTls::check`]).
+    #[error(transparent)]
+    Tls(#[from] TlsFileError),
+    /// Neither a URL nor Cluster seed nodes.
+    #[error("no Redis URL given")]
+    NoUrl,
+    /// A URL that does not parse (or a client the redis crate refuses for it).
+    #[error("bad Redis URL {url}: {source}")]
+    BadUrl {
+        /// The URL, redacted.
+        url: String,
+        /// What the redis crate said.
+        source: RedisError,
+    },
+    /// Cluster seed nodes of both schemes.
+    #[error("Redis Cluster seed nodes mix redis:// and rediss://")]
+    MixedSchemes,
+    /// TLS certificates for Cluster seed nodes that are not `rediss://`.
+    #[error("TLS certificates given for redis:// Cluster seed nodes (use rediss://)")]
+    ClusterCertsWithoutTls,
+    /// TLS certificates for a standalone URL that is not `rediss://`.
+    #[error("TLS certificates given for {url} (use rediss://)")]
+    CertsWithoutTls {
+        /// The URL, redacted.
+        url: String,
+    },
+    /// The cluster client refused the seed nodes.
+    #[error("bad Redis Cluster seed nodes: {0}")]
+    ClusterNodes(RedisError),
+    /// The connection manager could not be built.
+    #[error("Redis connection manager: {0}")]
+    Manager(RedisError),
+}
+
 /// rustls needs a process-wide crypto provider before the first handshake, and the redis crate
 /// asks for the default one. Installing `ring` when one is already installed is a no-op.
 fn install_crypto_provider() {
@@ -236,11 +277,14 @@ pub(super) fn map_err(e: RedisError) -> StoreError {
 
 /// Parses a URL and turns Nagle's algorithm off: small pipelined commands must not wait for an ACK
 /// (with delayed ACKs that is a 40 ms stall).
-fn connection_info(url: &str) -> Result<redis::ConnectionInfo, String> {
+fn connection_info(url: &str) -> Result<redis::ConnectionInfo, RedisConfigError> {
     use redis::IntoConnectionInfo;
     let info = url
         .into_connection_info()
-        .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(url)))?;
+        .map_err(|source| RedisConfigError::BadUrl {
+            url: redact_url(url),
+            source,
+        })?;
     Ok(info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true)))
 }
 
@@ -251,7 +295,7 @@ fn is_tls(info: &redis::ConnectionInfo) -> bool {
 impl Conn {
     /// Builds the client for `config` (Cluster when seed nodes are given). Connects lazily: the
     /// first command connects, and the connections reconnect by themselves.
-    pub(super) fn open(config: &RedisConfig) -> Result<Conn, String> {
+    pub(super) fn open(config: &RedisConfig) -> Result<Conn, RedisConfigError> {
         let t = config.timeout;
         let conn = if !config.cluster.is_empty() {
             let nodes = config
@@ -261,12 +305,10 @@ impl Conn {
                 .collect::<Result<Vec<_>, _>>()?;
             let tls_nodes = nodes.iter().filter(|n| is_tls(n)).count();
             if tls_nodes != 0 && tls_nodes != nodes.len() {
-                return Err("Redis Cluster seed nodes mix redis:// and rediss://".into());
+                return Err(RedisConfigError::MixedSchemes);
             }
             if tls_nodes == 0 && config.tls.is_some() {
-                return Err(
-                    "TLS certificates given for redis:// Cluster seed nodes (use rediss://)".into(),
-                );
+                return Err(RedisConfigError::ClusterCertsWithoutTls);
             }
             if tls_nodes != 0 {
                 install_crypto_provider();
@@ -282,32 +324,31 @@ impl Conn {
                 .min_retry_wait(5)
                 .max_retry_wait(u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(5))
                 .build()
-                .map_err(|e| format!("bad Redis Cluster seed nodes: {e}"))?;
+                .map_err(RedisConfigError::ClusterNodes)?;
             Conn::Cluster(Box::new(ClusterConn {
                 client,
                 conn: OnceCell::new(),
                 side: OnceCell::new(),
             }))
         } else {
-            let url = config
-                .url
-                .as_deref()
-                .ok_or_else(|| "no Redis URL given".to_string())?;
+            let url = config.url.as_deref().ok_or(RedisConfigError::NoUrl)?;
             let info = connection_info(url)?;
             if is_tls(&info) {
                 install_crypto_provider();
             }
             let client = match &config.tls {
                 Some(_) if !is_tls(&info) => {
-                    return Err(format!(
-                        "TLS certificates given for {} (use rediss://)",
-                        redact_url(url)
-                    ))
+                    return Err(RedisConfigError::CertsWithoutTls {
+                        url: redact_url(url),
+                    })
                 }
                 Some(tls) => redis::Client::build_with_tls(info, tls.certificates()),
                 None => redis::Client::open(info),
             }
-            .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(url)))?;
+            .map_err(|source| RedisConfigError::BadUrl {
+                url: redact_url(url),
+                source,
+            })?;
             let cm = redis::aio::ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(t))
                 .set_response_timeout(Some(t))
@@ -315,7 +356,7 @@ impl Conn {
                 .set_min_delay(Duration::from_millis(5))
                 .set_max_delay(t);
             let manager = ConnectionManager::new_lazy_with_config(client, cm)
-                .map_err(|e| format!("Redis connection manager: {e}"))?;
+                .map_err(RedisConfigError::Manager)?;
             Conn::Single(manager)
         };
         Ok(conn)

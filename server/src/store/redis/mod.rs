@@ -69,7 +69,9 @@ use std::sync::Arc;
 use redis::Script;
 
 use self::conn::{map_err, Conn};
-pub use self::conn::{redact_url, ClientIdentity, RedisConfig, RedisTls, TlsFileError};
+pub use self::conn::{
+    redact_url, ClientIdentity, RedisConfig, RedisConfigError, RedisTls, TlsFileError,
+};
 use self::decode::decode_instances;
 pub use self::decode::{decode_batch, decode_settle, decode_take, GroupReply};
 use self::scripts::{evalsha, PER_BUCKET};
@@ -109,10 +111,10 @@ struct Group {
 impl RedisStore {
     /// Creates the store. Connects lazily: the service starts (and reports not ready) while Redis
     /// is down, and every take fails fast until it is back.
-    pub fn new(config: RedisConfig) -> Result<Self, String> {
-        super::keys::check_prefix(&config.key_prefix)?;
+    pub fn new(config: RedisConfig) -> Result<Self, RedisConfigError> {
+        super::keys::check_prefix(&config.key_prefix).map_err(RedisConfigError::KeyPrefix)?;
         if let Some(tls) = &config.tls {
-            tls.check().map_err(|e| e.to_string())?;
+            tls.check()?;
         }
         let conn = Conn::open(&config)?;
         Ok(RedisStore {
