@@ -311,8 +311,34 @@ mod tests {
             }
             self.mem.take_batch(t).await
         }
+        async fn acquire(
+            &self,
+            specs: &[crate::inflight::SlotSpec],
+            slot: &str,
+        ) -> Result<crate::inflight::AcquireDecision, StoreError> {
+            self.mem.acquire(specs, slot).await
+        }
+        async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+            self.mem.release(slot, keys).await
+        }
+        async fn refund(&self, b: &[BucketSpec]) -> Result<u64, StoreError> {
+            self.mem.refund(b).await
+        }
+        async fn settle(
+            &self,
+            s: &crate::domain::Settlement,
+        ) -> Result<crate::domain::SettleDecision, StoreError> {
+            self.mem.settle(s).await
+        }
         async fn ping(&self) -> Result<(), StoreError> {
             Ok(())
+        }
+        async fn live_instances(
+            &self,
+            seen: &[String],
+            ttl: u64,
+        ) -> Result<Option<u64>, StoreError> {
+            self.mem.live_instances(seen, ttl).await
         }
         fn kind(&self) -> &'static str {
             "counting"

@@ -75,6 +75,10 @@ impl StoreError {
 }
 
 /// Bucket storage that decides takes atomically.
+///
+/// No method has a default body: a store, and a wrapper such as
+/// [`coalesce::Coalescer`], must say what each operation does, so a wrapper that forgot one does
+/// not compile (a default would silently answer in place of the wrapped store).
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Charges `cost` to every bucket, or to none: `allowed` is true only if all could pay.
@@ -91,26 +95,17 @@ pub trait Store: Send + Sync + 'static {
     /// Takes one slot of every key (under the id `slot`), or of none: allowed only if every key
     /// holds fewer than its limit after dropping the slots whose deadline passed (see
     /// [`crate::inflight`]). `specs` is validated (1..=16 distinct keys).
-    async fn acquire(&self, specs: &[SlotSpec], slot: &str) -> Result<AcquireDecision, StoreError> {
-        let _ = (specs, slot);
-        Err(StoreError::Server("this store holds no slots".into()))
-    }
+    async fn acquire(&self, specs: &[SlotSpec], slot: &str) -> Result<AcquireDecision, StoreError>;
 
     /// Gives back the slot `slot` of each key; per key, whether it was still held.
-    async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
-        let _ = (slot, keys);
-        Err(StoreError::Server("this store holds no slots".into()))
-    }
+    async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError>;
 
     /// Gives `cost` tokens back to each bucket (token buckets only: tokens a caller was granted
     /// and will not spend, e.g. a lease that ended). Refilled up to now first and capped at the
     /// capacity, so a bucket never holds more than it would had those tokens never been charged;
     /// a bucket that no longer exists is full already. Returns how many buckets took tokens back.
     /// `buckets` is validated.
-    async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {
-        let _ = buckets;
-        Err(StoreError::Server("this store takes no refunds".into()))
-    }
+    async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError>;
 
     /// Settles a reservation (contract/README.md, "Settle"), at most once per id: each bucket is
     /// given back `estimate - used` when the response used less (refilled up to now first, capped
@@ -121,10 +116,7 @@ pub trait Store: Send + Sync + 'static {
     /// without `window` goes to the current one). The id is remembered
     /// [`crate::domain::SETTLE_ID_TTL_MS`] beside the buckets; a repeated id changes nothing and
     /// answers `duplicate`.
-    async fn settle(&self, settlement: &Settlement) -> Result<SettleDecision, StoreError> {
-        let _ = settlement;
-        Err(StoreError::Server("this store settles nothing".into()))
-    }
+    async fn settle(&self, settlement: &Settlement) -> Result<SettleDecision, StoreError>;
 
     /// Checks the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;
@@ -133,14 +125,8 @@ pub trait Store: Send + Sync + 'static {
     /// deployment's live instances (heard from by any replica within `ttl_ms`). Called about once
     /// a second by [`crate::api::instances`], never on the take path. `None`: the store is this
     /// replica's alone (memory), so the replica's own count is the whole truth.
-    async fn live_instances(
-        &self,
-        seen: &[String],
-        ttl_ms: u64,
-    ) -> Result<Option<u64>, StoreError> {
-        let _ = (seen, ttl_ms);
-        Ok(None)
-    }
+    async fn live_instances(&self, seen: &[String], ttl_ms: u64)
+        -> Result<Option<u64>, StoreError>;
 
     /// A short name for logs: `memory`, `redis` or `redis-cluster`.
     fn kind(&self) -> &'static str;
