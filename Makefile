@@ -13,9 +13,10 @@ WASM_OPT_OUT := target/$(WASM_TARGET)/wasm-release/tollgate.opt.wasm
 WASM_OPT ?= wasm-opt
 WASM_FEATURES := --enable-bulk-memory --enable-sign-ext --enable-mutable-globals \
   --enable-nontrapping-float-to-int --enable-reference-types --enable-multivalue
-SERVER_OUT := target/release/tollgate-server
+# The service is built once, static (musl; mimalloc is its allocator, so musl's malloc is not in the
+# way): the same binary runs here, in the tests and benchmarks, and in its OCI image.
 MUSL_TARGET := x86_64-unknown-linux-musl
-STATIC_OUT := target/$(MUSL_TARGET)/release/tollgate-server
+SERVER_OUT := target/$(MUSL_TARGET)/release/tollgate-server
 
 export TOLLGATE_ENVOY ?= $(CURDIR)/.tools/envoy
 export TOLLGATE_REDIS_SERVER ?= $(CURDIR)/.tools/redis-server
@@ -48,12 +49,11 @@ wasm:
 	@ls -l $(DIST)/tollgate.wasm | awk '{printf "dist/tollgate.wasm: %d bytes\n", $$5}'
 
 server:
-	$(CARGO) build --locked --release -p tollgate-server
+	$(CARGO) build --locked --release --target $(MUSL_TARGET) -p tollgate-server
 	@$(call publish,$(SERVER_OUT),tollgate-server)
 
-server-static:
-	$(CARGO) build --locked --release --target $(MUSL_TARGET) -p tollgate-server
-	@mkdir -p $(DIST) && strip -o $(DIST)/.tollgate-server-static.tmp $(STATIC_OUT) \
+server-static: server
+	@mkdir -p $(DIST) && strip -o $(DIST)/.tollgate-server-static.tmp $(SERVER_OUT) \
 	  && mv -f $(DIST)/.tollgate-server-static.tmp $(DIST)/tollgate-server-static
 
 image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; static service) in dist/images/

@@ -6,7 +6,7 @@
 #
 # 1. redis-benchmark runs the service's own take script (EVALSHA, one token-bucket key) at the
 #    given concurrency: the ceiling, Redis alone.
-# 2. The service (dist/tollgate-server or target/release/tollgate-server) on the same Redis, driven
+# 2. The service (dist/tollgate-server or target/x86_64-unknown-linux-musl/release/tollgate-server) on the same Redis, driven
 #    at the same concurrency by server/examples/loadgen.rs over gRPC (HTTP/2) and JSON over HTTP/2,
 #    by h2load (nghttp2-client; C, cheap per request) over gRPC and JSON over HTTP/2 when it is
 #    installed, and by wrk (JSON over HTTP/1.1, one connection per in-flight request). The service
@@ -44,11 +44,11 @@ command -v wrk >/dev/null || die "wrk not found (bash scripts/tools.sh bench)"
 
 if [ -n "${TOLLGATE_SERVER:-}" ] && [ -x "${TOLLGATE_SERVER}" ]; then SERVER=$TOLLGATE_SERVER
 elif [ -x dist/tollgate-server ]; then SERVER=$ROOT/dist/tollgate-server
-elif [ -x target/release/tollgate-server ]; then SERVER=$ROOT/target/release/tollgate-server
+elif [ -x target/x86_64-unknown-linux-musl/release/tollgate-server ]; then SERVER=$ROOT/target/x86_64-unknown-linux-musl/release/tollgate-server
 else
   say "building the service (release)"
-  cargo build --release -p tollgate-server
-  SERVER=$ROOT/target/release/tollgate-server
+  cargo build --release --target x86_64-unknown-linux-musl -p tollgate-server
+  SERVER=$ROOT/target/x86_64-unknown-linux-musl/release/tollgate-server
 fi
 say "building the load generator (release)"
 cargo build --release -p tollgate-server --example loadgen 2>&1 | tail -1 >&2

@@ -3,11 +3,11 @@
 # Everything that can be project-local goes under .tools/ (git-ignored); Debian packages
 # (redis-server, wrk) go through apt-get because Debian ships them with their libraries.
 #
-#   scripts/tools.sh            # wasm target, Envoy, Redis
+#   scripts/tools.sh            # wasm and musl targets, Envoy, Redis, binaryen, musl-tools
 #   scripts/tools.sh bench      # ... plus wrk and h2load (nghttp2-client); redis-benchmark comes with Redis
 #   scripts/tools.sh demo       # ... plus matplotlib (pinned, in .tools/py-demo) for the demo's chart
 #   scripts/tools.sh fuzz       # ... plus cargo-fuzz (pinned, in .tools/cargo-fuzz) for `make fuzz`
-#   scripts/tools.sh image      # ... plus the musl target, skopeo, umoci, docker-registry (an OCI
+#   scripts/tools.sh image      # ... plus skopeo, umoci, docker-registry (an OCI
 #                               #     registry) and the pinned schema validators for deploy/
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +25,8 @@ if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
   rustup target add wasm32-wasip1
 fi
 
-# 1b. Images carry a fully static service binary: the musl target.
-if [ "${1:-}" = image ] && ! rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-linux-musl; then
+# 1b. The service is one fully static binary (also what its image carries): the musl target.
+if ! rustup target list --installed 2>/dev/null | grep -qx x86_64-unknown-linux-musl; then
   say "adding rust target x86_64-unknown-linux-musl"
   rustup target add x86_64-unknown-linux-musl
 fi
@@ -40,11 +40,13 @@ if [ ! -x "$ENVOY_DIR/envoy/_bin/envoy" ]; then
 fi
 ln -sfn "$ENVOY_DIR/envoy/_bin/envoy" "$TOOLS/envoy"
 
-# 3. Debian packages: redis-server, binaryen (wasm-opt, run over the module), faketime (the fleet tests
-#    skew one service replica's clock), and for benchmarks, wrk.
+# 3. Debian packages: redis-server, binaryen (wasm-opt, run over the module), musl-tools (the C parts
+#    of the static service), faketime (the fleet tests skew one service replica's clock), and for
+#    benchmarks, wrk.
 apt_pkgs=()
 command -v redis-server >/dev/null 2>&1 || apt_pkgs+=(redis-server)
 command -v wasm-opt >/dev/null 2>&1 || apt_pkgs+=(binaryen)
+command -v musl-gcc >/dev/null 2>&1 || apt_pkgs+=(musl-tools)
 command -v redis-cli >/dev/null 2>&1 || apt_pkgs+=(redis-tools)
 command -v faketime >/dev/null 2>&1 || apt_pkgs+=(faketime)
 if [ "${1:-}" = bench ]; then
@@ -55,7 +57,6 @@ if [ "${1:-}" = image ]; then
   command -v skopeo >/dev/null 2>&1 || apt_pkgs+=(skopeo)
   command -v umoci >/dev/null 2>&1 || apt_pkgs+=(umoci)
   command -v docker-registry >/dev/null 2>&1 || apt_pkgs+=(docker-registry)
-  command -v musl-gcc >/dev/null 2>&1 || apt_pkgs+=(musl-tools)
   # promtool checks and unit-tests deploy/monitoring's alert rules (policy-rc.d keeps Prometheus itself stopped).
   command -v promtool >/dev/null 2>&1 || apt_pkgs+=(prometheus)
 fi
