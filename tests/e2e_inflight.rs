@@ -194,7 +194,7 @@ fn a_killed_envoys_slots_come_back_at_their_deadline() {
         })
         .collect();
     assert!(
-        eventually(Duration::from_secs(5), || f.upstream.in_flight() == MAX),
+        eventually(Duration::from_secs(10), || f.upstream.in_flight() == MAX),
         "both held at the upstream"
     );
     let url = f.envoys[1].url("/work");
@@ -206,7 +206,9 @@ fn a_killed_envoys_slots_come_back_at_their_deadline() {
         let _ = h.join();
     }
     let mut first_ok = None;
-    let give_up = t0 + DEADLINE + Duration::from_secs(3);
+    // Generous: on a loaded machine the first admission may come a few seconds late; what is
+    // checked is that it never comes early.
+    let give_up = t0 + DEADLINE + Duration::from_secs(10);
     while Instant::now() < give_up {
         let at = Instant::now();
         if client.get(&url, &[]).status == 200 {
