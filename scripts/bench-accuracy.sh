@@ -50,74 +50,6 @@ SVC_PORT=$(free_port)
 SVC_PID=$!; PIDS+=($SVC_PID)
 wait_for tollgate-server "$OUT/service.log" $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
 
-# An Envoy with one HTTP listener: $1 name, $2 port, $3 admin port, $4 route action, $5 filters
-# before the router (YAML lines or empty), $6 access log path (or empty), $7 clusters (YAML lines).
-envoy_yaml() {
-  local log="" nl=$'\n'
-  if [ -n "$6" ]; then
-    log=$(cat <<EOF
-          access_log:
-          - name: envoy.access_loggers.file
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
-              path: $6
-              log_format: {text_format_source: {inline_string: "%START_TIME(%s.%3f)% %RESPONSE_CODE%\n"}}
-EOF
-)
-  fi
-  cat <<EOF
-admin: {address: {socket_address: {address: 127.0.0.1, port_value: $3}}}
-static_resources:
-  listeners:
-  - name: $1
-    address: {socket_address: {address: 127.0.0.1, port_value: $2}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: $1
-${log:+$log$nl}          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {prefix: "/"}
-                $4
-          http_filters:
-${5:+$5$nl}          - name: envoy.filters.http.router
-            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
-${7:+  clusters:$nl$7}
-EOF
-}
-
-# cluster_yaml NAME PORT... [http2]: a STATIC round-robin cluster over 127.0.0.1:PORT...
-cluster_yaml() {
-  local name=$1 eps="" h2=""; shift
-  local p
-  for p in "$@"; do
-    if [ "$p" = http2 ]; then
-      h2=$(printf '%s\n' \
-        '    typed_extension_protocol_options:' \
-        '      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:' \
-        '        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions' \
-        '        explicit_http_config: {http2_protocol_options: {}}')
-    else
-      eps+="{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $p}}}}, "
-    fi
-  done
-  cat <<EOF
-  - name: $name
-    type: STATIC
-    lb_policy: ROUND_ROBIN
-    connect_timeout: 0.25s
-    load_assignment:
-      cluster_name: $name
-      endpoints: [{lb_endpoints: [${eps%, }]}]
-${h2}
-EOF
-}
-
 start() { # name config-file log concurrency admin
   # Access log lines reach the file within 100 ms (Envoy's default is 10 s).
   "$ENVOY" -c "$2" --disable-hot-restart --concurrency "$4" --log-level warn --file-flush-interval-msec 100 >"$3" 2>&1 &
@@ -126,8 +58,8 @@ start() { # name config-file log concurrency admin
 }
 
 UP_PORT=$(free_port); UP_ADMIN=$(free_port)
-envoy_yaml upstream "$UP_PORT" "$UP_ADMIN" \
-  'direct_response: {status: 200, body: {inline_string: "ok\n"}}' "" "$OUT/upstream-access.log" "" >"$OUT/upstream.yaml"
+listener_yaml upstream "$UP_PORT" "$UP_ADMIN" \
+  'direct_response: {status: 200, body: {inline_string: "ok\n"}}' "" "$OUT/upstream-access.log" >"$OUT/upstream.yaml"
 start upstream "$OUT/upstream.yaml" "$OUT/upstream.log" 1 "$UP_ADMIN"
 
 # The fleet, one set of four Envoys per mode.
@@ -135,35 +67,28 @@ declare -A FRONT
 for mode in $MODES; do
   lease=""
   [ "$mode" = lease ] && lease=', "lease": {}'
-  filter=$(cat <<EOF
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: tollgate
-                vm_config:
-                  vm_id: tollgate
-                  runtime: envoy.wasm.runtime.v8
-                  code: {local: {filename: "$WASM"}}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: |
-                    {"service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 200},
-                     "fallback": {"instances": $FLEET},
-                     "rules": [{"name": "all", "key": ["literal:accuracy-$mode"],
-                                "capacity": $RATE, "rate": $RATE, "period_ms": 1000$lease}]}
+  filter=$(wasm_filter_yaml tollgate "$WASM" "$(cat <<EOF
+{"service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 200},
+ "fallback": {"instances": $FLEET},
+ "rules": [{"name": "all", "key": ["literal:accuracy-$mode"],
+            "capacity": $RATE, "rate": $RATE, "period_ms": 1000$lease}]}
 EOF
-)
+)")
   ports=()
   for i in $(seq "$FLEET"); do
     port=$(free_port); admin=$(free_port); ports+=("$port")
-    clusters="$(cluster_yaml tollgate "$SVC_PORT" http2)
-$(cluster_yaml upstream "$UP_PORT")"
-    envoy_yaml edge "$port" "$admin" 'route: {cluster: upstream}' "$filter" "" "$clusters" >"$OUT/$mode-$i.yaml"
+    { listener_yaml edge "$port" "$admin" 'route: {cluster: upstream}' "$filter"
+      echo "  clusters:"
+      cluster_yaml tollgate http2 "$SVC_PORT"
+      cluster_yaml upstream "$UP_PORT"
+    } >"$OUT/$mode-$i.yaml"
     start "$mode-$i" "$OUT/$mode-$i.yaml" "$OUT/$mode-$i.log" 2 "$admin"
   done
   port=$(free_port); admin=$(free_port)
-  envoy_yaml front "$port" "$admin" 'route: {cluster: fleet}' "" "" "$(cluster_yaml fleet "${ports[@]}")" >"$OUT/$mode-front.yaml"
+  { listener_yaml front "$port" "$admin" 'route: {cluster: fleet}' ""
+    echo "  clusters:"
+    cluster_yaml fleet "${ports[@]}"
+  } >"$OUT/$mode-front.yaml"
   start "$mode-front" "$OUT/$mode-front.yaml" "$OUT/$mode-front.log" 2 "$admin"
   FRONT[$mode]=$port
 done

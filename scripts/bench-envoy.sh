@@ -86,36 +86,6 @@ SVC_PORT=$(free_port)
 SVC_PID=$!; PIDS+=($SVC_PID)
 wait_for tollgate-server "$OUT/service.log" $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
 
-# An Envoy bootstrap's admin and its one HTTP listener: $1 listener name (also the stat prefix),
-# $2 port, $3 admin port, $4 the route's action, $5 filters before the router (YAML lines, or empty).
-listener_yaml() {
-  local nl=$'\n'
-  cat <<EOF
-admin: {address: {socket_address: {address: 127.0.0.1, port_value: $3}}}
-stats_flush_interval: 1s
-static_resources:
-  listeners:
-  - name: $1
-    address: {socket_address: {address: 127.0.0.1, port_value: $2}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: $1
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {prefix: "/"}
-                $4
-          http_filters:
-${5:+$5$nl}          - name: envoy.filters.http.router
-            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
-EOF
-}
-
 UP_PORT=$(free_port); UP_ADMIN=$(free_port)
 listener_yaml upstream "$UP_PORT" "$UP_ADMIN" \
   'direct_response: {status: 200, body: {inline_string: "hello from the upstream\n"}}' "" >"$OUT/upstream.yaml"
@@ -173,59 +143,20 @@ EOF
 EOF
 )
   elif [ "$variant" = empty ] || [ "$variant" = bare-empty ]; then
-    filter=$(cat <<EOF
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: empty
-                vm_config:
-                  vm_id: empty
-                  runtime: envoy.wasm.runtime.v8
-                  code: {local: {filename: "$code"}}
-EOF
-)
+    filter=$(wasm_filter_yaml empty "$code")
   elif [ "$variant" != none ] && [ "$variant" != bare-none ]; then
-    filter=$(cat <<EOF
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: tollgate
-                vm_config:
-                  vm_id: tollgate
-                  runtime: envoy.wasm.runtime.v8
-                  code: {local: {filename: "$code"}}
-                configuration:
-                  "@type": type.googleapis.com/google.protobuf.StringValue
-                  value: |
-                    {"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100$batch},
-                     $fallback "rules": [{"name": "per-ip", $match "key": [$key],
-                                "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000$lease}],
-                     "response": {"headers": ["draft"], "on_allowed": false}}
+    filter=$(wasm_filter_yaml tollgate "$code" "$(cat <<EOF
+{"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100$batch},
+ $fallback "rules": [{"name": "per-ip", $match "key": [$key],
+            "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000$lease}],
+ "response": {"headers": ["draft"], "on_allowed": false}}
 EOF
-)
+)")
   fi
   listener_yaml edge "$port" "$admin" "$route" "$filter"
-  cat <<EOF
-  clusters:
-  - name: tollgate
-    type: STATIC
-    connect_timeout: 0.25s
-    load_assignment:
-      cluster_name: tollgate
-      endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $svc_port}}}}]}]
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {http2_protocol_options: {}}
-  - name: upstream
-    type: STATIC
-    connect_timeout: 0.25s
-    load_assignment:
-      cluster_name: upstream
-      endpoints: [{lb_endpoints: [{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $UP_PORT}}}}]}]
-EOF
+  echo "  clusters:"
+  cluster_yaml tollgate http2 "$svc_port"
+  cluster_yaml upstream "$UP_PORT"
 }
 
 # Converts wrk's latency ("1.23ms", "850.00us", "1.01s") to milliseconds.
