@@ -10,8 +10,8 @@ pub mod flow;
 pub mod hash;
 pub mod headers;
 pub mod hostmap;
-pub mod instance;
 pub mod inflight;
+pub mod instance;
 pub mod lease;
 #[cfg(test)]
 mod props;
