@@ -9,7 +9,8 @@
 //!
 //! When the service cannot answer, the rule follows `failure_mode`: `allow` admits without a
 //! slot, `deny` refuses, and `fallback` holds a local slot instead: at most
-//! `max_in_flight / fallback.instances` per key in this proxy, counted in shared data by every
+//! `max_in_flight / N` per key in this proxy (N learned from the answers as for the fallback
+//! shares, `fallback.instances` before any), counted in shared data by every
 //! worker (hashed into `fallback.max_keys` counters: two keys on one counter share it, which can
 //! only admit fewer) and given back when the stream ends.
 //!
@@ -286,7 +287,8 @@ fn read_count(v: Option<&[u8]>) -> u64 {
         .map_or(0, u64::from_le_bytes)
 }
 
-/// Takes a local slot of every want (each key at most `max / fallback.instances` in this proxy),
+/// Takes a local slot of every want (each key at most `max / N` in this proxy, N the proxies
+/// learned from the service's answers as for the fallback shares, `fallback.instances` before any),
 /// or none. `Ok(counters)` holds what to give back with [`release_local`]; `Err(i)`: want `i`
 /// was full.
 pub fn acquire_local<S: CasStore + ?Sized>(
@@ -295,11 +297,14 @@ pub fn acquire_local<S: CasStore + ?Sized>(
     store_: &S,
 ) -> Result<Vec<String>, usize> {
     let mut taken: Vec<String> = Vec::with_capacity(wants.len());
+    let n = crate::core::fallback::learned_instances(store_)
+        .unwrap_or(cfg.fallback.instances.max(cfg.fallback.min_instances))
+        .max(1);
     for (i, w) in wants.iter().enumerate() {
         let Some(f) = cfg.inflight.get(w.rule) else {
             continue;
         };
-        let cap = f.max / cfg.fallback.instances.max(1);
+        let cap = f.max / n;
         let name = counter_of(cfg, &w.key);
         if !add(store_, &name, true, cap) {
             release_local(store_, &taken);
@@ -716,6 +721,19 @@ mod tests {
         release_local(&s, &a);
         assert!(acquire_local(&c, &w, &s).is_ok());
         release_local(&s, &b);
+    }
+
+    #[test]
+    fn local_slots_split_by_the_learned_number_of_proxies() {
+        let c = cfg(r#","fallback":{"instances":1,"max_keys":16}"#);
+        let s = FakeStore::default();
+        let w = plan(&c, &req("/slow", "u"));
+        crate::core::fallback::prepare_table(&s, TABLE, 16, &[0; 8]);
+        // The service counted 2 proxies: 4 / 2 = 2 here, not the configured 4 / 1.
+        crate::core::fallback::learn(&c, &s, 2);
+        assert!(acquire_local(&c, &w, &s).is_ok());
+        assert!(acquire_local(&c, &w, &s).is_ok());
+        assert_eq!(acquire_local(&c, &w, &s), Err(0));
     }
 
     /// A host that records what the flow asks of it.
