@@ -24,6 +24,9 @@ export TOLLGATE_REDIS_CLI ?= $(CURDIR)/.tools/redis-cli
 export TOLLGATE_WASM ?= $(CURDIR)/$(DIST)/tollgate.wasm
 export TOLLGATE_SERVER ?= $(CURDIR)/$(DIST)/tollgate-server
 export TOLLGATE_SERVER_STATIC ?= $(CURDIR)/$(DIST)/tollgate-server-static
+# A dynamically linked build of the service (the debug one `cargo test --workspace` makes): the one
+# test that skews a replica's clock does it with libfaketime (LD_PRELOAD), which a static binary ignores.
+export TOLLGATE_SERVER_DYNAMIC ?= $(CURDIR)/target/debug/tollgate-server
 
 # $(call publish,SRC,NAME): copy SRC to dist/NAME through a temporary file and a rename, so a process
 # that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.

@@ -2,8 +2,10 @@
 
 use super::http::{http_get, http_get_status};
 use super::process::{
-    free_port, libfaketime, wait_until, Components, Proc, TempDir, START_ATTEMPTS,
+    free_port, libfaketime, required_component, wait_until, Components, Proc, TempDir,
+    START_ATTEMPTS,
 };
+use std::path::Path;
 use std::process::Command;
 
 /// `tollgate-server` on a free port.
@@ -27,7 +29,9 @@ impl Service {
         extra: &[&str],
     ) -> Service {
         for _ in 0..START_ATTEMPTS {
-            if let Some(service) = Service::launch(c, dir, free_port(), redis_url, extra, &[]) {
+            if let Some(service) =
+                Service::launch(&c.server, dir, free_port(), redis_url, extra, &[])
+            {
                 return service;
             }
         }
@@ -43,7 +47,7 @@ impl Service {
         redis_url: Option<&str>,
         extra: &[&str],
     ) -> Service {
-        Service::launch(c, dir, port, redis_url, extra, &[])
+        Service::launch(&c.server, dir, port, redis_url, extra, &[])
             .unwrap_or_else(|| panic!("tollgate-server did not start on port {port}"))
     }
 
@@ -57,6 +61,15 @@ impl Service {
         offset: &str,
     ) -> Service {
         let faketime = libfaketime();
+        // libfaketime shifts a process's clock through LD_PRELOAD, which a static binary (dist/'s
+        // musl build) ignores: the skewed replica is the same service built dynamically, the debug
+        // build `cargo test --workspace` makes for the service's own tests.
+        let dynamic = required_component(
+            "TOLLGATE_SERVER_DYNAMIC",
+            "target/debug/tollgate-server",
+            ". Build it with `cargo build -p tollgate-server` (make test does); \
+             libfaketime cannot shift the clock of the static dist/ binary.",
+        );
         let env = [
             (
                 "LD_PRELOAD",
@@ -67,7 +80,9 @@ impl Service {
             ("DONT_FAKE_MONOTONIC", "1"),
         ];
         for _ in 0..START_ATTEMPTS {
-            if let Some(service) = Service::launch(c, dir, free_port(), redis_url, extra, &env) {
+            if let Some(service) =
+                Service::launch(&dynamic, dir, free_port(), redis_url, extra, &env)
+            {
                 return service;
             }
         }
@@ -76,14 +91,14 @@ impl Service {
 
     /// One start on `port` with `env` added; None when the process exited before `/healthz` answered.
     fn launch(
-        c: &Components,
+        binary: &Path,
         dir: &TempDir,
         port: u16,
         redis_url: Option<&str>,
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Option<Service> {
-        let mut cmd = Command::new(&c.server);
+        let mut cmd = Command::new(binary);
         cmd.args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--log-format", "text"]);
         if !extra.contains(&"--redis-timeout-ms") {
