@@ -401,7 +401,6 @@ fn skewed_service_clock_still_one_bucket() {
     let redis = Redis::start(&c, &dir);
     let honest = Service::start_with(&c, &dir, Some(&redis.url()), SERVICE_FLAGS);
     let skewed = Service::start_skewed(
-        &c,
         &dir,
         Some(&redis.url()),
         SERVICE_FLAGS,

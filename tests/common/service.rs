@@ -54,7 +54,6 @@ impl Service {
     /// As [`Service::start_with`], with the process's wall clock shifted by `offset` (libfaketime
     /// syntax, e.g. `+3600s`); its monotonic clock is left alone.
     pub fn start_skewed(
-        c: &Components,
         dir: &TempDir,
         redis_url: Option<&str>,
         extra: &[&str],
