@@ -183,24 +183,7 @@ async fn an_outage_fails_every_waiting_take() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_each_slot_exact() {
-    let nodes: Vec<RedisProc> = (0..3)
-        .map(|_| {
-            let port = common::free_port();
-            let conf = format!("nodes-{port}.conf");
-            RedisProc::start_on(
-                port,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &conf,
-                    "--cluster-node-timeout",
-                    "2000",
-                ],
-            )
-        })
-        .collect();
-    common::create_cluster(&nodes, &[]);
+    let nodes = common::start_cluster(3);
     let store = RedisStore::new(RedisConfig {
         url: None,
         cluster: vec![nodes[0].url()],

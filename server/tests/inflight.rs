@@ -327,24 +327,7 @@ fn slot_fixtures_agree_in_both_encodings() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_keys_in_several_slots() {
     use tollgate_server::store::redis::{RedisConfig, RedisStore};
-    let nodes: Vec<common::RedisProc> = (0..3)
-        .map(|_| {
-            let port = common::free_port();
-            let conf = format!("nodes-{port}.conf");
-            common::RedisProc::start_on(
-                port,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &conf,
-                    "--cluster-node-timeout",
-                    "2000",
-                ],
-            )
-        })
-        .collect();
-    common::create_cluster(&nodes, &[]);
+    let nodes = common::start_cluster(3);
     let store: Arc<dyn Store> = Arc::new(
         RedisStore::new(RedisConfig {
             url: None,

@@ -176,24 +176,7 @@ async fn on_a_cluster() {
     use tollgate_server::domain::{Algorithm, BucketSpec};
     use tollgate_server::store::redis::{RedisConfig, RedisStore};
     use tollgate_server::store::Store;
-    let nodes: Vec<RedisProc> = (0..3)
-        .map(|_| {
-            let port = common::free_port();
-            let conf = format!("nodes-{port}.conf");
-            RedisProc::start_on(
-                port,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &conf,
-                    "--cluster-node-timeout",
-                    "2000",
-                ],
-            )
-        })
-        .collect();
-    common::create_cluster(&nodes, &[]);
+    let nodes = common::start_cluster(3);
     let store = RedisStore::new(RedisConfig {
         url: None,
         cluster: vec![nodes[0].url()],

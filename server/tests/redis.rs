@@ -265,24 +265,7 @@ struct Cluster {
 
 impl Cluster {
     fn start() -> Self {
-        let nodes: Vec<RedisProc> = (0..3)
-            .map(|_| {
-                let port = common::free_port();
-                let conf = format!("nodes-{port}.conf");
-                RedisProc::start_on(
-                    port,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        &conf,
-                        "--cluster-node-timeout",
-                        "2000",
-                    ],
-                )
-            })
-            .collect();
-        common::create_cluster(&nodes, &[]);
+        let nodes = common::start_cluster(3);
         Cluster { nodes }
     }
 

@@ -439,24 +439,7 @@ async fn redis_cluster_settles_across_slots_once() {
     use tollgate_server::domain::{Algorithm, BucketSpec};
     use tollgate_server::store::keys::{redis_key, slot};
     use tollgate_server::store::redis::{RedisConfig, RedisStore};
-    let nodes: Vec<RedisProc> = (0..3)
-        .map(|_| {
-            let port = common::free_port();
-            let conf = format!("nodes-{port}.conf");
-            RedisProc::start_on(
-                port,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &conf,
-                    "--cluster-node-timeout",
-                    "2000",
-                ],
-            )
-        })
-        .collect();
-    common::create_cluster(&nodes, &[]);
+    let nodes = common::start_cluster(3);
     let store: Arc<dyn Store> = Arc::new(
         RedisStore::new(RedisConfig {
             url: None,

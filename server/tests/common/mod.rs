@@ -17,6 +17,30 @@ use tollgate_server::store::redis::{RedisConfig, RedisStore};
 use tollgate_server::store::Store;
 use tollgate_server::{run, ServiceConfig};
 
+/// `n` Redis nodes on free ports joined into a cluster of masters (cluster state ok on return).
+#[allow(dead_code)] // not every test binary starts a cluster
+pub fn start_cluster(n: usize) -> Vec<RedisProc> {
+    let nodes: Vec<RedisProc> = (0..n)
+        .map(|_| {
+            let port = free_port();
+            let conf = format!("nodes-{port}.conf");
+            RedisProc::start_on(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
+            )
+        })
+        .collect();
+    create_cluster(&nodes, &[]);
+    nodes
+}
+
 /// Joins `nodes` (started with `--cluster-enabled yes`) into a cluster of masters with
 /// `redis-cli --cluster create` (`cli` goes before it, e.g. `--tls --cacert ...`), and waits until
 /// every node reports `cluster_state:ok`.
