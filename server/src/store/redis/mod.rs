@@ -127,6 +127,23 @@ impl RedisStore {
         })
     }
 
+    /// The indexes of `keys` grouped by Redis Cluster hash slot, groups in order of first
+    /// appearance: one call per group (on standalone Redis every key is in one group).
+    fn slot_groups(&self, keys: &[String]) -> Vec<(u16, Vec<usize>)> {
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let at = match self.conn {
+                Conn::Single(_) => 0,
+                Conn::Cluster(_) => slot(k),
+            };
+            match groups.iter_mut().find(|(g, _)| *g == at) {
+                Some((_, idx)) => idx.push(i),
+                None => groups.push((at, vec![i])),
+            }
+        }
+        groups
+    }
+
     fn timeout_ms(&self) -> u64 {
         u64::try_from(self.config.timeout.as_millis()).unwrap_or(u64::MAX)
     }
@@ -231,22 +248,11 @@ impl Store for RedisStore {
             .iter()
             .map(|b| redis_key(&self.config.key_prefix, b))
             .collect();
-        let groups: Vec<Group> = match self.conn {
-            Conn::Single(_) => vec![Group {
-                idx: (0..specs.len()).collect(),
-            }],
-            Conn::Cluster(_) => {
-                let mut groups: Vec<(u16, Group)> = Vec::new();
-                for (i, k) in keys.iter().enumerate() {
-                    let s = slot(k);
-                    match groups.iter_mut().find(|(gs, _)| *gs == s) {
-                        Some((_, g)) => g.idx.push(i),
-                        None => groups.push((s, Group { idx: vec![i] })),
-                    }
-                }
-                groups.into_iter().map(|(_, g)| g).collect()
-            }
-        };
+        let groups: Vec<Group> = self
+            .slot_groups(&keys)
+            .into_iter()
+            .map(|(_, idx)| Group { idx })
+            .collect();
         if let [group] = groups.as_slice() {
             let reply = self.take_group(group, &keys, specs).await?;
             return Ok(TakeDecision::from_buckets(
@@ -338,17 +344,7 @@ impl Store for RedisStore {
             .map(|s| slots::redis_key(&self.config.key_prefix, &s.key))
             .collect();
         // One call per hash slot (every key in one call on standalone Redis).
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            let s = match self.conn {
-                Conn::Single(_) => 0,
-                Conn::Cluster(_) => slot(k),
-            };
-            match groups.iter_mut().find(|(gs, _)| *gs == s) {
-                Some((_, idx)) => idx.push(i),
-                None => groups.push((s, vec![i])),
-            }
-        }
+        let groups = self.slot_groups(&keys);
         let calls = groups.iter().map(|(_, idx)| {
             let ks: Vec<&str> = idx.iter().map(|&i| keys[i].as_str()).collect();
             let these: Vec<&crate::inflight::SlotSpec> = idx.iter().map(|&i| &specs[i]).collect();
@@ -400,17 +396,7 @@ impl Store for RedisStore {
             .iter()
             .map(|k| slots::redis_key(&self.config.key_prefix, k))
             .collect();
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, k) in rkeys.iter().enumerate() {
-            let s = match self.conn {
-                Conn::Single(_) => 0,
-                Conn::Cluster(_) => slot(k),
-            };
-            match groups.iter_mut().find(|(gs, _)| *gs == s) {
-                Some((_, idx)) => idx.push(i),
-                None => groups.push((s, vec![i])),
-            }
-        }
+        let groups = self.slot_groups(&rkeys);
         let mut out = vec![false; keys.len()];
         for (_, idx) in &groups {
             let ks: Vec<&str> = idx.iter().map(|&i| rkeys[i].as_str()).collect();
@@ -432,17 +418,7 @@ impl Store for RedisStore {
             .iter()
             .map(|b| redis_key(&self.config.key_prefix, &b.bucket))
             .collect();
-        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            let at = match self.conn {
-                Conn::Single(_) => 0,
-                Conn::Cluster(_) => slot(k),
-            };
-            match groups.iter_mut().find(|(g, _)| *g == at) {
-                Some((_, idx)) => idx.push(i),
-                None => groups.push((at, vec![i])),
-            }
-        }
+        let groups = self.slot_groups(&keys);
         let replies = futures_util::future::join_all(
             groups
                 .iter()
