@@ -10,17 +10,15 @@
 use serde_json::{Map, Value};
 use std::fmt;
 
-/// Largest capacity, rate and cost the contract accepts.
-pub const MAX_TOKENS: u64 = 1_000_000_000;
-/// Longest period the contract accepts (one year, in ms).
-pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
-/// The contract accepts at most this many buckets per request.
-pub const MAX_RULES: usize = 16;
+/// Largest capacity, rate and cost (the contract's); longest period (one year, in ms); at most
+/// this many rules, one bucket each per request.
+pub use contract::bounds::{MAX_AMOUNT as MAX_TOKENS, MAX_BUCKETS as MAX_RULES, MAX_PERIOD_MS};
 /// Key parts per rule; with [`crate::core::rules::keys::MAX_PART_BYTES`] this bounds a key well
 /// below the contract's 4096 bytes.
 pub const MAX_KEY_PARTS: usize = 8;
-/// Longest rule name (it appears in keys, logs and the `RateLimit-Policy` header).
-pub const MAX_NAME_LEN: usize = 64;
+/// Longest rule name (it appears in keys, logs and the `RateLimit-Policy` header, and is sent as
+/// a bucket's `rule`).
+pub use contract::bounds::MAX_RULE_BYTES as MAX_NAME_LEN;
 
 /// A configuration error: the field path and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,15 +79,8 @@ pub enum OnMissing {
     Shared,
 }
 
-/// The bucket algorithm (contract: `token_bucket` | `fixed_window`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Algorithm {
-    /// Refills continuously at `rate / period_ms`, holds at most `capacity`.
-    #[default]
-    TokenBucket,
-    /// At most `capacity` tokens per window of `period_ms`.
-    FixedWindow,
-}
+/// The bucket algorithm: the contract's.
+pub use contract::Algorithm;
 
 /// Which rate limit headers the filter writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,6 +194,22 @@ pub struct Rule {
     /// The RLS descriptor of this rule's bucket (transport `rls`): (entry key, where its value
     /// comes from). Default: `("rule", <name>)`, then one entry per key part.
     pub descriptor: Vec<(String, KeyPart)>,
+    /// `"charge": "response"`: `cost` is an estimate taken at the request, and what the response
+    /// reports using is settled when it ends (`None`: the cost is the whole charge).
+    pub charge: Option<Charge>,
+}
+
+/// Where a rule charged by the response reads what it used ([`crate::core::usage`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charge {
+    /// A response header that holds the count (lower case); read before the body.
+    pub header: Option<String>,
+    /// Whether the body is read (JSON or Server-Sent Events, by its `content-type`).
+    pub body: bool,
+    /// Price of prompt and completion tokens; `None`: `total_tokens` (or their sum).
+    pub weights: Option<crate::core::usage::Weights>,
+    /// Most tokens one response is charged.
+    pub max: u64,
 }
 
 impl Rule {
@@ -232,6 +239,7 @@ impl Rule {
                 on_allowed: false,
             },
             descriptor: Vec::new(),
+            charge: None,
         }
     }
 }
@@ -678,6 +686,12 @@ impl Config {
                     "not available with transport rls (an RLS server grants no leases)",
                 );
             }
+            if service.transport == Transport::Rls && rule.charge.is_some() {
+                return err(
+                    format!("rules[{i}].charge"),
+                    "\"response\" is not available with transport rls (an RLS server settles nothing)",
+                );
+            }
             if rules.iter().any(|o| o.name == rule.name)
                 || inflight.iter().any(|o| o.rule.name == rule.name)
             {
@@ -893,6 +907,8 @@ fn read_rule(
             "kind",
             "max_in_flight",
             "deadline_ms",
+            "charge",
+            "usage",
         ],
     )?;
     if concurrency {
@@ -985,14 +1001,8 @@ fn read_rule(
         }
         Some(v) => Cost::Fixed(int_value(&r.path("cost"), v, 1, MAX_TOKENS)?),
     };
-    let algorithm = r.choice(
-        "algorithm",
-        &[
-            ("token_bucket", Algorithm::TokenBucket),
-            ("fixed_window", Algorithm::FixedWindow),
-        ],
-        Algorithm::TokenBucket,
-    )?;
+    let algorithms: Vec<_> = Algorithm::ALL.iter().map(|&a| (a.name(), a)).collect();
+    let algorithm = r.choice("algorithm", &algorithms, Algorithm::default())?;
     let lease = match r.get("lease") {
         None => None,
         Some(v) => {
@@ -1061,6 +1071,13 @@ fn read_rule(
             d
         }
     };
+    let charge = read_charge(&r)?;
+    if charge.is_some() && lease.is_some() {
+        return err(
+            r.path("lease"),
+            "not with \"charge\": \"response\" (a lease spends tokens no response settles)",
+        );
+    }
     Ok(Rule {
         name,
         matcher,
@@ -1077,8 +1094,59 @@ fn read_rule(
         shadow,
         response,
         descriptor,
+        charge,
     })
 }
+
+/// A rule's `charge` and `usage`: `None` for `"charge": "request"` (the default).
+fn read_charge(r: &Obj) -> Result<Option<Charge>, ConfigError> {
+    let by_response = r.choice("charge", &[("request", false), ("response", true)], false)?;
+    if !by_response {
+        if r.get("usage").is_some() {
+            return err(r.path("usage"), "only with \"charge\": \"response\"");
+        }
+        return Ok(None);
+    }
+    let empty = Value::Object(serde_json::Map::new());
+    let u = Obj::new(
+        r.get("usage").unwrap_or(&empty),
+        &r.path("usage"),
+        &["header", "body", "weights", "max"],
+    )?;
+    let header = match u.string("header")? {
+        None => None,
+        Some(h) => Some(header_name(&u.path("header"), &h)?),
+    };
+    let body = match u.get("body") {
+        None => true,
+        Some(_) => u.boolean("body")?,
+    };
+    if header.is_none() && !body {
+        return err(
+            u.path("body"),
+            "false leaves no usage to read: name a header",
+        );
+    }
+    let weights = match u.get("weights") {
+        None => None,
+        Some(v) => {
+            let w = Obj::new(v, &u.path("weights"), &["prompt", "completion"])?;
+            Some(crate::core::usage::Weights {
+                prompt: w.int("prompt", Some(1), 0, MAX_WEIGHT)?,
+                completion: w.int("completion", Some(1), 0, MAX_WEIGHT)?,
+            })
+        }
+    };
+    Ok(Some(Charge {
+        header,
+        body,
+        weights,
+        max: u.int("max", Some(MAX_TOKENS), 1, MAX_TOKENS)?,
+    }))
+}
+
+/// Largest price of one prompt or completion token (`usage.weights`).
+pub const MAX_WEIGHT: u64 = 1000;
 
 /// The RLS descriptor a rule gets without `descriptor`: `("rule", <name>)`, then per key part the
 /// entry Envoy's own rate limit actions would use (`remote_address`, the header's name, `path`,
@@ -1646,6 +1714,16 @@ mod tests {
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"max_age_ms":60001}}"#), "rules[1].lease.max_age_ms"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"ttl":5}}"#), "rules[1].lease.ttl"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":50}"#), "rules[1].lease"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"reply"}"#), "rules[1].charge"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"usage":{"header":"x-u"}}"#), "rules[1].usage"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"body":false}}"#), "rules[1].usage.body"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"header":"a b"}}"#), "rules[1].usage.header"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"weights":{"prompt":1001}}}"#), "rules[1].usage.weights.prompt"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"weights":{"cached":1}}}"#), "rules[1].usage.weights.cached"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"max":0}}"#), "rules[1].usage.max"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"from":"body"}}"#), "rules[1].usage.from"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","lease":{}}"#), "rules[1].lease"),
+            (r#"{"service":{"cluster":"c","transport":"rls","domain":"d"},"rules":[{"name":"a","capacity":1,"period_ms":1,"charge":"response"}]}"#.into(), "rules[0].charge"),
             (r#"[1]"#.into(), "config"),
             (r#"{"service":{"cluster":"c"},"rules":[{"name":"a","capacity":1,"period_ms":1}],"shadow":"yes"}"#.into(), "shadow"),
             (r#"{"service":{"cluster":"c"},"rules":[{"name":"a","capacity":1,"period_ms":1}],"response":{"on_allowed":1}}"#.into(), "response.on_allowed"),
@@ -1673,6 +1751,35 @@ mod tests {
             assert_eq!(e.field, field, "config {json}: got error `{e}`");
             assert!(!e.message.is_empty());
         }
+    }
+
+    #[test]
+    fn a_rule_charged_by_the_response_reads_its_usage_as_configured() {
+        let cfg = Config::parse(
+            br#"{"service":{"cluster":"c"},"rules":[
+                {"name":"a","capacity":10000,"period_ms":60000,"cost":{"header":"x-max-tokens","default":500,"max":4000},
+                 "charge":"response","usage":{"header":"X-Tokens","weights":{"prompt":1,"completion":3},"max":8000}},
+                {"name":"b","capacity":10,"period_ms":1000,"charge":"response"},
+                {"name":"c","capacity":10,"period_ms":1000}]}"#,
+        )
+        .unwrap();
+        let a = cfg.rules[0].charge.clone().unwrap();
+        assert_eq!(a.header.as_deref(), Some("x-tokens"));
+        assert!(a.body);
+        assert_eq!(
+            a.weights,
+            Some(crate::core::usage::Weights {
+                prompt: 1,
+                completion: 3
+            })
+        );
+        assert_eq!(a.max, 8000);
+        let b = cfg.rules[1].charge.clone().unwrap();
+        assert_eq!(
+            (b.header, b.body, b.weights, b.max),
+            (None, true, None, MAX_TOKENS)
+        );
+        assert_eq!(cfg.rules[2].charge, None);
     }
 
     #[test]

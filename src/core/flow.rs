@@ -118,6 +118,9 @@ pub struct Flow {
     /// Concurrency slots ([`crate::core::inflight`]): taken after the rate rules admitted the
     /// request, released by [`Flow::on_end`].
     pub slots: crate::core::inflight::Slots,
+    /// Rules charged by the response: what the admitted request reserved, settled when its
+    /// stream ends ([`crate::core::settle`]).
+    pub meter: Option<crate::core::settle::Meter>,
 }
 
 impl Default for Flow {
@@ -127,6 +130,7 @@ impl Default for Flow {
             response_headers: Vec::new(),
             shadow_counts: Vec::new(),
             slots: crate::core::inflight::Slots::None,
+            meter: None,
         }
     }
 }
@@ -346,6 +350,13 @@ impl Flow {
         self.phase = Phase::Done;
         match verdict.action {
             Action::Allow(headers) => {
+                if matches!(
+                    verdict.decision,
+                    Decision::Allowed | Decision::FallbackAllowed
+                ) {
+                    // The estimates were charged (by the service, or as fallback debt).
+                    self.meter = crate::core::settle::reserve(cfg, plan);
+                }
                 self.response_headers = headers;
                 if self.slots.wanted() {
                     return self.slots.acquire(cfg, paused, host);

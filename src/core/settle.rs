@@ -16,11 +16,22 @@
 //!   read, else the estimate stands (nothing is sent);
 //! - a denial before the stream starts reserved nothing: nothing to settle.
 
-/// Attempts per settlement before it is dropped (and counted).
-pub const MAX_ATTEMPTS: u32 = 4;
+use serde_json::{Map, Value};
 
-/// Wait before the first retry; doubles per attempt.
+use crate::core::config::{Charge, Config};
+use crate::core::decide::Plan;
+use crate::core::usage::{self, Format, UsageReader};
+use crate::core::wire::{self, Bucket};
+
+/// Attempts per settlement before it is dropped (and counted): with the backoff below, a
+/// settlement is tried for about 7 seconds (100, 200, 400, 800, 1,600, 2,000, 2,000 ms apart).
+pub const MAX_ATTEMPTS: u32 = 8;
+
+/// Wait before the first retry; doubles per attempt, up to [`MAX_BACKOFF_MS`].
 pub const FIRST_BACKOFF_MS: u64 = 100;
+
+/// Longest wait between two attempts.
+pub const MAX_BACKOFF_MS: u64 = 2_000;
 
 /// Settlements a VM keeps waiting for delivery; beyond that the oldest is dropped (and counted).
 pub const MAX_PENDING: usize = 1024;
@@ -57,6 +68,215 @@ pub fn amount(reserved: u64, seen: Option<u64>, ending: Ending) -> Amount {
         core::cmp::Ordering::Equal => Amount::Stands,
         core::cmp::Ordering::Greater => Amount::Extra(used - reserved),
     }
+}
+
+/// One bucket a response-priced request reserved its estimate in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    /// The bucket as the take named it (its `cost` is the estimate).
+    pub bucket: Bucket,
+    /// Index of its rule in `Config::rules`.
+    pub rule: usize,
+    /// What its rule's usage header reported (lower case name looked up at the response headers).
+    pub header_usage: Option<u64>,
+}
+
+impl Reserved {
+    fn estimate(&self) -> u64 {
+        self.bucket.cost.unwrap_or(1)
+    }
+}
+
+/// A request admitted under rules charged by the response, from its admission until its stream
+/// ends: what it reserved, and what the response has reported so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meter {
+    /// The buckets charged an estimate, in take order.
+    pub reserved: Vec<Reserved>,
+    /// Reads the body (`None`: no rule reads it, the usage headers answered, or its
+    /// `content-type` is neither JSON nor an event stream).
+    reader: Option<UsageReader>,
+    /// The response ended as it should (end of stream seen).
+    ended: bool,
+}
+
+/// The reservation an admitted request made: its buckets whose rule is charged by the response.
+/// `None` when it has none.
+pub fn reserve(cfg: &Config, plan: &Plan) -> Option<Meter> {
+    let reserved: Vec<Reserved> = plan
+        .request
+        .buckets
+        .iter()
+        .zip(&plan.rules)
+        .filter(|(_, &r)| cfg.rules.get(r).is_some_and(|r| r.charge.is_some()))
+        .map(|(b, &rule)| Reserved {
+            bucket: Bucket {
+                lease: None,
+                ..b.clone()
+            },
+            rule,
+            header_usage: None,
+        })
+        .collect();
+    (!reserved.is_empty()).then_some(Meter {
+        reserved,
+        reader: None,
+        ended: false,
+    })
+}
+
+impl Meter {
+    fn charge<'c>(&self, cfg: &'c Config, r: &Reserved) -> Option<&'c Charge> {
+        cfg.rules.get(r.rule)?.charge.as_ref()
+    }
+
+    /// The usage headers to read from the response (each once).
+    pub fn usage_headers<'c>(&self, cfg: &'c Config) -> Vec<&'c str> {
+        let mut names: Vec<&str> = Vec::new();
+        for r in &self.reserved {
+            if let Some(h) = self.charge(cfg, r).and_then(|c| c.header.as_deref()) {
+                if !names.contains(&h) {
+                    names.push(h);
+                }
+            }
+        }
+        names
+    }
+
+    /// The response headers arrived: `header(name)` gives a usage header's value, `content_type`
+    /// decides how the body is read, `end_of_stream` says there is no body.
+    pub fn on_headers(
+        &mut self,
+        cfg: &Config,
+        content_type: Option<&str>,
+        header: impl Fn(&str) -> Option<String>,
+        end_of_stream: bool,
+    ) {
+        let mut body_wanted = false;
+        let charges: Vec<Option<Charge>> = self
+            .reserved
+            .iter()
+            .map(|r| self.charge(cfg, r).cloned())
+            .collect();
+        for (r, c) in self.reserved.iter_mut().zip(charges) {
+            let Some(c) = c else { continue };
+            r.header_usage = c
+                .header
+                .as_deref()
+                .and_then(&header)
+                .and_then(|v| usage::from_header(&v));
+            body_wanted |= r.header_usage.is_none() && c.body;
+        }
+        self.ended = end_of_stream;
+        if body_wanted && !end_of_stream {
+            self.reader = body_format(content_type).map(UsageReader::new);
+        }
+    }
+
+    /// Whether the body is to be read.
+    pub fn wants_body(&self) -> bool {
+        self.reader.is_some() && !self.ended
+    }
+
+    /// A piece of the response body; `end_of_stream` when it is the last.
+    pub fn on_body(&mut self, chunk: &[u8], end_of_stream: bool) {
+        if let Some(reader) = &mut self.reader {
+            reader.feed(chunk);
+        }
+        self.ended |= end_of_stream;
+    }
+
+    /// Trailers arrived: the body is complete.
+    pub fn on_trailers(&mut self) {
+        self.ended = true;
+    }
+
+    /// The stream is over, however it ended: what each bucket settles (buckets whose estimate
+    /// stands are left out; empty: nothing to send).
+    pub fn finish(mut self, cfg: &Config) -> Vec<Item> {
+        let ending = if self.ended {
+            Ending::Complete
+        } else {
+            Ending::Cut
+        };
+        let body = match (&mut self.reader, ending) {
+            (Some(r), Ending::Complete) => r.finish(),
+            (Some(r), Ending::Cut) => r.so_far(),
+            (None, _) => None,
+        };
+        let mut items = Vec::new();
+        for r in &self.reserved {
+            let Some(c) = self.charge(cfg, r) else {
+                continue;
+            };
+            let seen = r
+                .header_usage
+                .or_else(|| body.and_then(|u| u.tokens(c.weights)))
+                .map(|u| u.min(c.max));
+            if amount(r.estimate(), seen, ending) == Amount::Stands {
+                continue;
+            }
+            let rule = cfg.rules.get(r.rule).map_or("", |x| x.name.as_str());
+            items.push(Item {
+                bucket: r.bucket.clone(),
+                rule: rule.to_string(),
+                estimate: r.estimate(),
+                used: seen.unwrap_or(0),
+            });
+        }
+        items
+    }
+}
+
+/// How a body with this `content-type` is read: JSON, an event stream, or not at all.
+fn body_format(content_type: Option<&str>) -> Option<Format> {
+    let ct = content_type?.split(';').next()?.trim().to_ascii_lowercase();
+    if ct == "text/event-stream" {
+        Some(Format::Sse)
+    } else if ct == "application/json" || ct.ends_with("+json") {
+        Some(Format::Json)
+    } else {
+        None
+    }
+}
+
+/// What one bucket settles: the service charges or gives back `used - estimate`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Item {
+    pub bucket: Bucket,
+    pub rule: String,
+    pub estimate: u64,
+    pub used: u64,
+}
+
+/// The JSON body of `POST /v1/settle` (contract/README.md, "Settle").
+pub fn encode(id: &str, items: &[Item]) -> Vec<u8> {
+    let buckets: Vec<Value> = items
+        .iter()
+        .map(|i| {
+            let b = &i.bucket;
+            let mut o = Map::new();
+            o.insert("key".into(), Value::from(b.key.as_str()));
+            o.insert("capacity".into(), Value::from(b.capacity));
+            if let Some(rate) = b.rate {
+                o.insert("rate".into(), Value::from(rate));
+            }
+            o.insert("period_ms".into(), Value::from(b.period_ms));
+            if let Some(a) = b.algorithm {
+                o.insert("algorithm".into(), Value::from(wire::algorithm_name(a)));
+            }
+            if !i.rule.is_empty() {
+                o.insert("rule".into(), Value::from(i.rule.as_str()));
+            }
+            o.insert("estimate".into(), Value::from(i.estimate));
+            o.insert("used".into(), Value::from(i.used));
+            Value::Object(o)
+        })
+        .collect();
+    let mut top = Map::new();
+    top.insert("id".into(), Value::from(id));
+    top.insert("buckets".into(), Value::Array(buckets));
+    Value::Object(top).to_string().into_bytes()
 }
 
 /// One settlement waiting for delivery.
@@ -156,12 +376,23 @@ impl<T> Queue<T> {
             self.given_up += 1;
             return Outcome::GaveUp;
         }
-        let at_ms = now_ms.saturating_add(FIRST_BACKOFF_MS << attempts.saturating_sub(1).min(16));
+        let backoff = (FIRST_BACKOFF_MS << attempts.saturating_sub(1).min(16)).min(MAX_BACKOFF_MS);
+        let at_ms = now_ms.saturating_add(backoff);
         if let Some(p) = self.items.get_mut(i) {
             p.in_flight = false;
             p.due_ms = at_ms;
         }
         Outcome::Retry { at_ms }
+    }
+
+    /// The service refused `id` for good (an invalid settlement: sending it again cannot help):
+    /// dropped and counted.
+    pub fn refused(&mut self, id: &str) -> Outcome {
+        if let Some(i) = self.items.iter().position(|p| p.id == id) {
+            self.items.remove(i);
+            self.given_up += 1;
+        }
+        Outcome::GaveUp
     }
 
     /// Settlements waiting (in flight or not).
@@ -234,7 +465,7 @@ mod tests {
                 Outcome::Delivered => unreachable!(),
             }
         }
-        assert_eq!(waits, vec![100, 200, 400]);
+        assert_eq!(waits, vec![100, 200, 400, 800, 1600, 2000, 2000]);
         assert!(q.is_empty());
         assert_eq!(q.given_up, 1);
     }

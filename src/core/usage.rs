@@ -83,7 +83,7 @@ impl Usage {
 }
 
 /// A streaming scan of one JSON document for its top-level `usage` object.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct JsonScan {
     depth: u32,
     /// Whether the document (depth 1) is an object; only then are its keys read.
@@ -206,7 +206,7 @@ impl JsonScan {
 }
 
 /// Reads a response body as it streams and keeps the last usage report it contained.
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UsageReader {
     format: Format,
     json: JsonScan,

@@ -68,11 +68,9 @@ pub struct TakeResponse {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecodeError(pub String);
 
-fn algorithm_name(a: Algorithm) -> &'static str {
-    match a {
-        Algorithm::TokenBucket => "token_bucket",
-        Algorithm::FixedWindow => "fixed_window",
-    }
+/// The JSON name of an algorithm (the contract's).
+pub(crate) fn algorithm_name(a: Algorithm) -> &'static str {
+    a.name()
 }
 
 /// Appends `s` as a JSON string literal.
@@ -330,8 +328,8 @@ fn encode_proto_take(req: &TakeRequest, rules: bool) -> Vec<u8> {
         put_opt_u64(&mut b, 3, bucket.rate);
         put_u64(&mut b, 4, bucket.period_ms);
         put_opt_u64(&mut b, 5, bucket.cost);
-        if let Some(Algorithm::FixedWindow) = bucket.algorithm {
-            put_u64(&mut b, 6, 1);
+        if let Some(a) = bucket.algorithm {
+            put_u64(&mut b, 6, u64::from(a.code().unsigned_abs()));
         }
         put_opt_u64(&mut b, 7, bucket.lease);
         if let Some(r) = rules.then(|| rule_of(&bucket.key)).flatten() {

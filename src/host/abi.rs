@@ -82,6 +82,7 @@ pub enum MetricKind {
 /// Buffers the adapter reads (the ABI's `BufferType` numbering).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Buffer {
+    HttpResponseBody = 1,
     HttpCallResponseBody = 4,
     GrpcReceive = 5,
     PluginConfiguration = 7,

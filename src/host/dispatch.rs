@@ -25,6 +25,7 @@ use crate::core::flow::{self, Flow, Host, Next, Phase};
 use crate::core::inflight;
 use crate::core::lease;
 use crate::core::rules::{keys, matches_headers, Headers, Request};
+use crate::core::settle;
 use crate::core::store::{CasStore, SetError};
 use crate::core::wire;
 use crate::core::wire::TakeRequest;
@@ -81,6 +82,11 @@ struct Plugin {
     /// Acquires whose request ended before the answer: token → the keys asked for; a slot the
     /// answer grants is released at once.
     orphans: RefCell<Vec<(u32, Vec<String>)>>,
+    /// Settlements of responses that ended (rules charged by the response), delivered from here
+    /// with bounded retries.
+    settles: RefCell<settle::Queue<Vec<settle::Item>>>,
+    /// Settle callouts in flight: token → settlement id.
+    settling: RefCell<Vec<(u32, String)>>,
 }
 
 /// Metric ids, defined once per configuration.
@@ -98,6 +104,39 @@ struct Metrics {
     leases: Vec<u32>,
     /// One id per [`inflight::Count::ALL`] (empty without concurrency rules).
     inflight: Vec<u32>,
+    /// One id per [`SettleCount::ALL`] (empty without rules charged by the response).
+    settles: Vec<u32>,
+}
+
+/// What happens to settlements, counted as `tollgate.settle.<name>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SettleCount {
+    /// Settle callouts sent (first attempts and retries).
+    Sent,
+    /// Settlements the service applied (or had applied before).
+    Delivered,
+    /// Attempts that failed and will be tried again.
+    Retried,
+    /// Settlements never applied: attempts exhausted, refused, or dropped from a full queue.
+    GivenUp,
+}
+
+impl SettleCount {
+    const ALL: [SettleCount; 4] = [
+        SettleCount::Sent,
+        SettleCount::Delivered,
+        SettleCount::Retried,
+        SettleCount::GivenUp,
+    ];
+
+    fn metric(self) -> &'static str {
+        match self {
+            SettleCount::Sent => "tollgate.settle.sent",
+            SettleCount::Delivered => "tollgate.settle.delivered",
+            SettleCount::Retried => "tollgate.settle.retried",
+            SettleCount::GivenUp => "tollgate.settle.given_up",
+        }
+    }
 }
 
 impl Metrics {
@@ -129,8 +168,15 @@ impl Metrics {
                 inflight.push(abi.define_metric(MetricKind::Counter, c.metric())?);
             }
         }
+        let mut settles = Vec::new();
+        if cfg.rules.iter().any(|r| r.charge.is_some()) {
+            for c in SettleCount::ALL {
+                settles.push(abi.define_metric(MetricKind::Counter, c.metric())?);
+            }
+        }
         Ok(Metrics {
             inflight,
+            settles,
             batch_callouts: abi.define_metric(MetricKind::Counter, "tollgate.batch.callouts")?,
             batch_takes: abi.define_metric(MetricKind::Counter, "tollgate.batch.takes")?,
             decisions,
@@ -319,6 +365,76 @@ impl<'a, A: Abi> Proxy<'a, A> {
     /// like any reply no request waits for.
     fn call_refund(&self, cfg: &Config, request: &TakeRequest) -> Result<u32, String> {
         self.call_slots(cfg, "refund", &wire::encode_json(request))
+    }
+
+    /// Sends the settlements that are due (`POST <base>/settle`, JSON whatever the transport, as
+    /// [`Proxy::call_slots`]).
+    fn send_settles(&self) {
+        let cfg = &self.plugin.config;
+        let now = self.abi.now_ms();
+        let due: Vec<(String, Vec<u8>)> = self
+            .plugin
+            .settles
+            .borrow_mut()
+            .due(now)
+            .into_iter()
+            .map(|p| (p.id.clone(), settle::encode(&p.id, &p.what)))
+            .collect();
+        for (id, body) in due {
+            self.count_settle(SettleCount::Sent, 1);
+            match self.call_slots(cfg, "settle", &body) {
+                Ok(token) => self.plugin.settling.borrow_mut().push((token, id)),
+                Err(why) => {
+                    debug!("settlement {id} not dispatched: {why}");
+                    let outcome = self.plugin.settles.borrow_mut().answered(&id, false, now);
+                    self.settle_outcome(&id, outcome);
+                }
+            }
+        }
+    }
+
+    /// The answer to settlement `id`: applied (or applied before), refused for good, or failed
+    /// (tried again from the timer).
+    fn settle_answer(&self, id: &str, result: &CalloutResult) {
+        let now = self.abi.now_ms();
+        let status = match result {
+            CalloutResult::Http { status, .. } => *status,
+            _ => None,
+        };
+        let mut q = self.plugin.settles.borrow_mut();
+        let outcome = match status {
+            Some(200..=299) => q.answered(id, true, now),
+            Some(s @ 400..=499) if s != 408 && s != 429 => {
+                warn!("settlement {id} refused by the service (HTTP {s}): not sent again");
+                q.refused(id)
+            }
+            _ => q.answered(id, false, now),
+        };
+        drop(q);
+        self.settle_outcome(id, outcome);
+    }
+
+    fn settle_outcome(&self, id: &str, outcome: settle::Outcome) {
+        match outcome {
+            settle::Outcome::Delivered => self.count_settle(SettleCount::Delivered, 1),
+            settle::Outcome::Retry { at_ms } => {
+                debug!("settlement {id} failed; trying again at {at_ms}");
+                self.count_settle(SettleCount::Retried, 1);
+            }
+            settle::Outcome::GaveUp => {
+                warn!("settlement {id} given up: the service never applied it");
+                self.count_settle(SettleCount::GivenUp, 1);
+            }
+        }
+    }
+
+    fn count_settle(&self, what: SettleCount, n: u64) {
+        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        self.counter(
+            &self.plugin.metrics.settles,
+            nth(&SettleCount::ALL, &what),
+            n,
+        );
     }
 
     fn counter(&self, ids: &[u32], idx: Option<usize>, n: i64) {
@@ -663,13 +779,19 @@ impl<A: Abi> Dispatcher<A> {
             held: RefCell::new(Vec::new()),
             releases: RefCell::new(Vec::new()),
             orphans: RefCell::new(Vec::new()),
+            settles: RefCell::new(settle::Queue::new(&crate::core::instance::fresh())),
+            settling: RefCell::new(Vec::new()),
             config,
             metrics,
         };
         if let Some(ms) = tick_period_ms(&plugin.config) {
-            // The timer that gives back the tokens of pools nobody spends any more.
+            // The timer that gives back the tokens of pools nobody spends any more, and sends
+            // settlements again.
             if let Err(s) = self.abi.set_tick_period(ms) {
-                warn!("no timer for lease pools: {}", abi::status_name(s));
+                warn!(
+                    "no timer for lease pools and settlements: {}",
+                    abi::status_name(s)
+                );
             }
         }
         self.roots.insert(id, Some(Rc::new(plugin)));
@@ -683,6 +805,9 @@ impl<A: Abi> Dispatcher<A> {
         let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
             return;
         };
+        if !plugin.settles.borrow().is_empty() {
+            Proxy::new(&self.abi, &plugin).send_settles();
+        }
         if plugin.held.borrow().is_empty() {
             return;
         }
@@ -729,10 +854,34 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    pub fn on_response_headers(&mut self, id: u32) -> u32 {
+    pub fn on_response_headers(&mut self, id: u32, end_of_stream: bool) -> u32 {
         let Some(f) = self.filters.get_mut(&id) else {
             return CONTINUE;
         };
+        if let (Some(meter), Some(plugin)) = (&mut f.flow.meter, &f.plugin) {
+            let cfg = &plugin.config;
+            let abi = &self.abi;
+            let read = |name: &str| {
+                abi.header(HeaderMap::Response, name)
+                    .and_then(|v| String::from_utf8(v).ok())
+            };
+            let content_type = read("content-type");
+            let mut usage: Vec<(&str, Option<String>)> = Vec::new();
+            for name in meter.usage_headers(cfg) {
+                usage.push((name, read(name)));
+            }
+            meter.on_headers(
+                cfg,
+                content_type.as_deref(),
+                |name| {
+                    usage
+                        .iter()
+                        .find(|(n, _)| *n == name)
+                        .and_then(|(_, v)| v.clone())
+                },
+                end_of_stream,
+            );
+        }
         if f.flow.response_headers.is_empty() {
             return CONTINUE;
         }
@@ -744,10 +893,58 @@ impl<A: Abi> Dispatcher<A> {
         CONTINUE
     }
 
+    /// A piece of the response body: read for the usage it reports when a rule charged by the
+    /// response waits for it (it is never held).
+    pub fn on_response_body(&mut self, id: u32, size: usize, end_of_stream: bool) -> u32 {
+        let Some(meter) = self
+            .filters
+            .get_mut(&id)
+            .and_then(|f| f.flow.meter.as_mut())
+        else {
+            return CONTINUE;
+        };
+        if meter.wants_body() {
+            let chunk = self.abi.buffer(Buffer::HttpResponseBody, size);
+            meter.on_body(&chunk, end_of_stream);
+        }
+        CONTINUE
+    }
+
+    /// Response trailers: the body is complete.
+    pub fn on_response_trailers(&mut self, id: u32) -> u32 {
+        if let Some(meter) = self
+            .filters
+            .get_mut(&id)
+            .and_then(|f| f.flow.meter.as_mut())
+        {
+            meter.on_trailers();
+        }
+        CONTINUE
+    }
+
     /// A context is gone (request finished, client disconnected, or root removed). A callout its
     /// request still waited for is forgotten here: Envoy will never report it to that request.
     pub fn on_delete(&mut self, id: u32) {
         if let Some(mut f) = self.filters.remove(&id) {
+            if let (Some(meter), Some(p)) = (f.flow.meter.take(), &f.plugin) {
+                // The response ended, however it ended: what it used is settled once.
+                let items = meter.finish(&p.config);
+                if !items.is_empty() {
+                    let now = self.abi.now_ms();
+                    let dropped = {
+                        let mut q = p.settles.borrow_mut();
+                        let before = q.given_up;
+                        q.push(items, now);
+                        q.given_up - before
+                    };
+                    let proxy = Proxy::new(&self.abi, p);
+                    if dropped > 0 {
+                        warn!("settlement queue full: the oldest settlement was dropped");
+                        proxy.count_settle(SettleCount::GivenUp, dropped);
+                    }
+                    proxy.send_settles();
+                }
+            }
             let holds = !matches!(f.flow.slots, inflight::Slots::None | inflight::Slots::Done);
             if let Some(p) = f.plugin.clone().filter(|_| holds) {
                 // The stream is over, however it ended: its concurrency slots go back now.
@@ -907,6 +1104,11 @@ impl<A: Abi> Dispatcher<A> {
             self.slot_answer(slot, &result);
             return;
         }
+        if let Some((plugin, id)) = self.settle_callout(token) {
+            let result = read(&self.abi);
+            Proxy::new(&self.abi, &plugin).settle_answer(&id, &result);
+            return;
+        }
         let Some(id) = self.callouts.remove(&token) else {
             debug!("reply to callout {token}: no request waits for it");
             return;
@@ -972,6 +1174,14 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
+    /// Whether callout `token` is a settlement, and which (it is forgotten).
+    fn settle_callout(&self, token: u32) -> Option<(Rc<Plugin>, String)> {
+        self.roots.values().flatten().find_map(|p| {
+            let (_, id) = take(&mut p.settling.borrow_mut(), |(t, _)| *t == token)?;
+            Some((p.clone(), id))
+        })
+    }
+
     /// The background refill callout `token` carried, and its plugin (it is forgotten).
     fn refill(&self, token: u32) -> Option<(Rc<Plugin>, Plan)> {
         self.roots.values().flatten().find_map(|p| {
@@ -1023,6 +1233,10 @@ impl<A: Abi> Dispatcher<A> {
 /// How often a configuration's lease pools are looked at for expired tokens: half the shortest
 /// `max_age_ms` of its token-bucket lease rules, between 100 ms and a second; `None` without any.
 fn tick_period_ms(cfg: &Config) -> Option<u32> {
+    if cfg.rules.iter().any(|r| r.charge.is_some()) {
+        // Settlements are tried again from the timer (the first backoff is 100 ms).
+        return u32::try_from(settle::FIRST_BACKOFF_MS).ok();
+    }
     let shortest = cfg
         .rules
         .iter()

@@ -487,8 +487,20 @@ pub extern "C" fn proxy_on_request_trailers(context_id: u32, _trailers: u32) -> 
 }
 
 #[no_mangle]
-pub extern "C" fn proxy_on_response_headers(context_id: u32, _headers: u32, _eos: u32) -> u32 {
-    with(CONTINUE, |d| d.on_response_headers(context_id))
+pub extern "C" fn proxy_on_response_headers(context_id: u32, _headers: u32, eos: u32) -> u32 {
+    with(CONTINUE, |d| d.on_response_headers(context_id, eos != 0))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_response_body(context_id: u32, body_size: u32, eos: u32) -> u32 {
+    with(CONTINUE, |d| {
+        d.on_response_body(context_id, size(body_size), eos != 0)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_response_trailers(context_id: u32, _trailers: u32) -> u32 {
+    with(CONTINUE, |d| d.on_response_trailers(context_id))
 }
 
 #[no_mangle]

@@ -32,6 +32,11 @@ struct Fake {
     replied: RefCell<Vec<(u32, u32)>>,
     /// The tick period asked for (0: none).
     tick_ms: Cell<u32>,
+    /// The upstream response's headers and the body piece being reported.
+    response: RefCell<Vec<(String, Vec<u8>)>>,
+    response_body: RefCell<Vec<u8>>,
+    /// Milliseconds added to the clock.
+    clock: Cell<u64>,
 }
 
 impl Fake {
@@ -65,11 +70,15 @@ impl Abi for Fake {
         65_536
     }
     fn now_ms(&self) -> u64 {
-        1_000
+        1_000 + self.clock.get()
     }
     fn buffer(&self, which: Buffer, size: usize) -> Vec<u8> {
         match which {
             Buffer::PluginConfiguration => self.config.clone(),
+            Buffer::HttpResponseBody => {
+                let body = self.response_body.borrow();
+                body.get(..size).unwrap_or(&body).to_vec()
+            }
             _ => {
                 let body = self.reply.borrow().1.clone();
                 body.get(..size).map(<[u8]>::to_vec).unwrap_or(body)
@@ -82,6 +91,10 @@ impl Abi for Fake {
             HeaderMap::Request => {
                 self.header_reads.set(self.header_reads.get() + 1);
                 let r = self.request.borrow();
+                r.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+            }
+            HeaderMap::Response => {
+                let r = self.response.borrow();
                 r.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
             }
             _ => None,
@@ -475,6 +488,8 @@ fn the_match_prefilter_agrees_with_the_core() {
                 held: Default::default(),
                 releases: Default::default(),
                 orphans: Default::default(),
+                settles: RefCell::new(settle::Queue::new("t")),
+                settling: Default::default(),
             };
             let core = crate::core::decide::decide(&cfg, &full);
             let pre = may_match(&fake, &plugin, &mut Vec::new());
@@ -498,7 +513,9 @@ fn unknown_contexts_and_tokens_are_no_ops() {
     let mut d = dispatcher(&cfg);
     assert_eq!(d.on_request_headers(42), CONTINUE);
     assert_eq!(d.on_request_data(42), CONTINUE);
-    assert_eq!(d.on_response_headers(42), CONTINUE);
+    assert_eq!(d.on_response_headers(42, false), CONTINUE);
+    assert_eq!(d.on_response_body(42, 10, true), CONTINUE);
+    assert_eq!(d.on_response_trailers(42), CONTINUE);
     d.on_delete(42);
     d.on_http_call_response(8, 0, 0);
     d.on_grpc_response(9, 0, 10);
@@ -647,4 +664,169 @@ fn a_push_hands_the_watched_pools_to_the_new_configuration() {
     assert_eq!(held(&d, 7), 0);
     d.on_delete(ROOT);
     assert_eq!(held(&d, 7), 1, "still watched, by the new configuration");
+}
+
+/// A rule charged by the response: estimate 100 from `x-max-tokens` (absent: the default).
+fn charged_config() -> String {
+    r#"{"service":{"cluster":"svc","batch":0},
+        "rules":[{"name":"llm","key":["literal:k"],"capacity":10000,"period_ms":60000,
+                  "cost":{"header":"x-max-tokens","default":100,"max":4000},
+                  "charge":"response","usage":{"header":"x-usage"}}]}"#
+        .to_string()
+}
+
+/// An admitted request of `charged_config` whose response sends `content_type` and `body` in one
+/// piece (`end`: the stream ended), then is deleted; the settle body sent, if any.
+fn settle_after(
+    d: &mut Dispatcher<Fake>,
+    id: u32,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    end: bool,
+) -> Option<String> {
+    allowed_reply(d);
+    assert_eq!(start(d, id, "/v1/chat"), PAUSE);
+    d.on_http_call_response(last_token(d), 1, 1000);
+    let sent_before = d.abi.dispatched.borrow().len();
+    *d.abi.response.borrow_mut() = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+        .collect();
+    *d.abi.response_body.borrow_mut() = body.to_vec();
+    assert_eq!(d.on_response_headers(id, false), CONTINUE);
+    assert_eq!(d.on_response_body(id, body.len(), end), CONTINUE);
+    d.on_delete(id);
+    let sent = d.abi.dispatched.borrow();
+    sent.get(sent_before)
+        .map(|(_, b)| String::from_utf8(b.clone()).unwrap())
+}
+
+#[test]
+fn a_response_priced_request_settles_what_its_response_reported_once() {
+    let cfg = charged_config();
+    let mut d = dispatcher(&cfg);
+    assert_eq!(
+        d.abi.tick_ms.get(),
+        100,
+        "the timer that retries settlements"
+    );
+    // JSON body: 30 used of the 100 reserved.
+    let json =
+        br#"{"id":"x","usage":{"prompt_tokens":10,"completion_tokens":20,"total_tokens":30}}"#;
+    let body = settle_after(
+        &mut d,
+        10,
+        &[("content-type", "application/json")],
+        json,
+        true,
+    )
+    .expect("a settle was sent");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["buckets"][0]["estimate"], 100);
+    assert_eq!(v["buckets"][0]["used"], 30);
+    assert_eq!(v["buckets"][0]["key"], "llm|k");
+    assert_eq!(v["buckets"][0]["rule"], "llm");
+    let first_id = v["id"].as_str().unwrap().to_string();
+    // The service answers 503: sent again from the timer after 100 ms, with the same id.
+    *d.abi.reply.borrow_mut() = (Some(b"503".to_vec()), Vec::new());
+    d.on_http_call_response(last_token(&d), 1, 0);
+    assert_eq!(d.abi.metric("tollgate.settle.retried"), 1);
+    let n = d.abi.dispatched.borrow().len();
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.dispatched.borrow().len(), n, "not before its backoff");
+    d.abi.clock.set(100);
+    d.on_tick(ROOT);
+    let again = d
+        .abi
+        .dispatched
+        .borrow()
+        .last()
+        .map(|(_, b)| b.clone())
+        .unwrap();
+    let again: serde_json::Value = serde_json::from_slice(&again).unwrap();
+    assert_eq!(again, v, "the same settlement, same id");
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        br#"{"duplicate":false,"buckets":[{"remaining":9970}]}"#.to_vec(),
+    );
+    d.on_http_call_response(last_token(&d), 1, 0);
+    assert_eq!(d.abi.metric("tollgate.settle.delivered"), 1);
+    d.abi.clock.set(10_000);
+    let n = d.abi.dispatched.borrow().len();
+    d.on_tick(ROOT);
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        n,
+        "delivered: never sent again"
+    );
+    // A header wins over the body, and a bigger usage is an extra charge.
+    let body = settle_after(
+        &mut d,
+        11,
+        &[("content-type", "application/json"), ("x-usage", "250")],
+        json,
+        true,
+    )
+    .unwrap();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["buckets"][0]["used"], 250);
+    assert_ne!(v["id"].as_str().unwrap(), first_id);
+    // A streamed response: the final event's usage.
+    let sse = b"data: {\"choices\":[],\"usage\":null}\n\ndata: {\"usage\":{\"total_tokens\":64}}\n\ndata: [DONE]\n\n";
+    let body = settle_after(
+        &mut d,
+        12,
+        &[("content-type", "text/event-stream")],
+        sse,
+        true,
+    )
+    .unwrap();
+    assert!(body.contains("\"used\":64"), "{body}");
+    // No usage reported, or a stream cut before its report: the estimate stands, nothing is sent.
+    assert_eq!(
+        settle_after(
+            &mut d,
+            13,
+            &[("content-type", "application/json")],
+            b"{}",
+            true
+        ),
+        None
+    );
+    assert_eq!(
+        settle_after(
+            &mut d,
+            14,
+            &[("content-type", "text/event-stream")],
+            b"data: {\"choices\":[]}\n\n",
+            false
+        ),
+        None
+    );
+    // A refusal (400) is not retried.
+    let _ = settle_after(&mut d, 15, &[("x-usage", "7")], b"", true).unwrap();
+    *d.abi.reply.borrow_mut() = (Some(b"400".to_vec()), Vec::new());
+    d.on_http_call_response(last_token(&d), 1, 0);
+    assert_eq!(d.abi.metric("tollgate.settle.given_up"), 1);
+    d.abi.clock.set(60_000);
+    let n = d.abi.dispatched.borrow().len();
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.dispatched.borrow().len(), n);
+}
+
+#[test]
+fn a_denied_request_reserves_nothing_and_settles_nothing() {
+    let cfg = charged_config();
+    let mut d = dispatcher(&cfg);
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        br#"{"allowed":false,"buckets":[{"allowed":false,"limit":10000,"remaining":0,"reset_ms":1000,"retry_after_ms":500}]}"#.to_vec(),
+    );
+    assert_eq!(start(&mut d, 20, "/v1/chat"), PAUSE);
+    d.on_http_call_response(last_token(&d), 1, 1000);
+    assert_eq!(d.abi.replied.borrow().last(), Some(&(20, 429)));
+    let n = d.abi.dispatched.borrow().len();
+    d.on_delete(20);
+    assert_eq!(d.abi.dispatched.borrow().len(), n);
+    assert_eq!(d.abi.metric("tollgate.settle.sent"), 0);
 }
