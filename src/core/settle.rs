@@ -16,8 +16,6 @@
 //!   read, else the estimate stands (nothing is sent);
 //! - a denial before the stream starts reserved nothing: nothing to settle.
 
-use serde_json::{Map, Value};
-
 use crate::core::config::{Charge, Config};
 use crate::core::decide::Plan;
 use crate::core::usage::{self, Format, UsageReader};
@@ -251,32 +249,34 @@ pub struct Item {
 
 /// The JSON body of `POST /v1/settle` (contract/README.md, "Settle").
 pub fn encode(id: &str, items: &[Item]) -> Vec<u8> {
-    let buckets: Vec<Value> = items
-        .iter()
-        .map(|i| {
-            let b = &i.bucket;
-            let mut o = Map::new();
-            o.insert("key".into(), Value::from(b.key.as_str()));
-            o.insert("capacity".into(), Value::from(b.capacity));
-            if let Some(rate) = b.rate {
-                o.insert("rate".into(), Value::from(rate));
-            }
-            o.insert("period_ms".into(), Value::from(b.period_ms));
-            if let Some(a) = b.algorithm {
-                o.insert("algorithm".into(), Value::from(wire::algorithm_name(a)));
-            }
-            if !i.rule.is_empty() {
-                o.insert("rule".into(), Value::from(i.rule.as_str()));
-            }
-            o.insert("estimate".into(), Value::from(i.estimate));
-            o.insert("used".into(), Value::from(i.used));
-            Value::Object(o)
-        })
-        .collect();
-    let mut top = Map::new();
-    top.insert("id".into(), Value::from(id));
-    top.insert("buckets".into(), Value::Array(buckets));
-    Value::Object(top).to_string().into_bytes()
+    use std::fmt::Write;
+    let mut s = String::with_capacity(32 + 160 * items.len());
+    s.push_str("{\"id\":");
+    wire::push_json_string(&mut s, id);
+    s.push_str(",\"buckets\":[");
+    for (n, i) in items.iter().enumerate() {
+        let b = &i.bucket;
+        if n > 0 {
+            s.push(',');
+        }
+        s.push_str("{\"key\":");
+        wire::push_json_string(&mut s, &b.key);
+        let _ = write!(s, ",\"capacity\":{}", b.capacity);
+        if let Some(rate) = b.rate {
+            let _ = write!(s, ",\"rate\":{rate}");
+        }
+        let _ = write!(s, ",\"period_ms\":{}", b.period_ms);
+        if let Some(a) = b.algorithm {
+            let _ = write!(s, ",\"algorithm\":\"{}\"", wire::algorithm_name(a));
+        }
+        if !i.rule.is_empty() {
+            s.push_str(",\"rule\":");
+            wire::push_json_string(&mut s, &i.rule);
+        }
+        let _ = write!(s, ",\"estimate\":{},\"used\":{}}}", i.estimate, i.used);
+    }
+    s.push_str("]}");
+    s.into_bytes()
 }
 
 /// One settlement waiting for delivery.

@@ -10,7 +10,8 @@
 //!   filter or Envoy's native ratelimit filter, the service cluster over HTTP/2, the upstream);
 //!   [`envoy_process`]: [`Envoy`], started and waited for (admin `/ready`); dropping it fails the
 //!   test if the module panicked or trapped.
-//! - [`upstream`]: a counting HTTP/1.1 server in the test process.
+//! - [`upstream`]: a counting HTTP/1.1 server in the test process; [`llm`]: one that answers like an
+//!   LLM API (JSON or a Server-Sent Events stream, with usage).
 //! - [`gate`]: a TCP listener in front of the service that forwards, refuses or black-holes.
 //! - [`http`]: clients (ureq) through Envoy and to admin endpoints; [`stats`]: admin `/stats` parsing.
 //! - [`stack`]: Redis + service + upstream + Envoy for one plugin configuration, the usual setup.
@@ -24,6 +25,7 @@ pub mod envoy_process;
 pub mod faults;
 pub mod gate;
 pub mod http;
+pub mod llm;
 pub mod loopback;
 pub mod process;
 pub mod push;
@@ -44,6 +46,8 @@ pub use envoy_process::{Envoy, EnvoyFailure};
 pub use gate::{Gate, GateMode};
 #[allow(unused_imports)]
 pub use http::{burst, count, http_get, http_get_status, Client, Reply};
+#[allow(unused_imports)]
+pub use llm::Llm;
 #[allow(unused_imports)]
 pub use process::{
     closed_port, eventually, free_port, libfaketime, required_component, wait_until,

@@ -1,0 +1,486 @@
+//! Limits priced in tokens (`"charge": "response"`): a request reserves an estimate, and what its
+//! response reports using is settled in the same bucket when the stream ends, once, however it
+//! ended. Real Envoy, the real service on real Redis, and an upstream that answers like an LLM API
+//! (JSON, or a Server-Sent Events stream whose last event carries `usage`).
+
+#![allow(
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use common::config::plugin;
+use common::{
+    eventually, Client, Components, Envoy, EnvoySpec, Llm, Redis, Service, TempDir, Transport,
+};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// One token an hour: refill never matters within a test.
+const SLOW: (u64, u64) = (1, 3_600_000);
+
+/// The rule every test uses: one bucket per API key, the estimate from the client's
+/// `x-max-tokens` (1,000 when absent, at most 4,000), usage from the body or `x-usage-tokens`.
+fn llm_rule(capacity: u64, rate: u64, period_ms: u64) -> Value {
+    json!({"name": "llm", "key": ["header:x-api-key"],
+           "capacity": capacity, "rate": rate, "period_ms": period_ms,
+           "cost": {"header": "x-max-tokens", "default": 1000, "max": 4000},
+           "charge": "response", "usage": {"header": "x-usage-tokens"}})
+}
+
+fn config(transport: Transport, capacity: u64, rate: u64, period_ms: u64) -> String {
+    plugin(
+        transport,
+        vec![llm_rule(capacity, rate, period_ms)],
+        json!({"service": {"batch": 0}, "response": {"headers": ["x-ratelimit"]}}),
+    )
+}
+
+struct Fleet {
+    envoys: Vec<Envoy>,
+    llm: Llm,
+    service: Service,
+    redis: Redis,
+    dir: TempDir,
+    components: Components,
+}
+
+fn fleet(label: &str, n: usize, cfg: &str) -> Fleet {
+    let c = Components::get();
+    let dir = TempDir::new(label);
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let llm = Llm::start();
+    let specs: Vec<EnvoySpec> = (0..n)
+        .map(|_| {
+            let mut s = EnvoySpec::new(Some(cfg.to_string()), service.port, llm.port);
+            s.concurrency = 2;
+            s
+        })
+        .collect();
+    let envoys = Envoy::start_all(&c, &dir, &specs);
+    Fleet {
+        envoys,
+        llm,
+        service,
+        redis,
+        dir,
+        components: c,
+    }
+}
+
+/// Takes one token from the bucket of `api_key` at the service itself: what it then holds.
+fn probe(
+    client: &Client,
+    port: u16,
+    api_key: &str,
+    capacity: u64,
+    (rate, period_ms): (u64, u64),
+) -> i64 {
+    let body = json!({"buckets": [{"key": format!("llm|{api_key}"), "capacity": capacity,
+                                   "rate": rate, "period_ms": period_ms}]});
+    let r = client.post(
+        &format!("http://127.0.0.1:{port}/v1/take"),
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+    );
+    assert_eq!(r.status, 200, "probe: {}", r.body);
+    let v: Value = serde_json::from_str(&r.body).expect("probe answer is JSON");
+    let b = &v["buckets"][0];
+    if v["allowed"] == true {
+        b["remaining"].as_i64().expect("remaining")
+    } else {
+        -1
+    }
+}
+
+fn ask(client: &Client, envoy: &Envoy, api_key: &str, headers: &[(&str, &str)]) -> common::Reply {
+    let mut all: Vec<(&str, &str)> = vec![("x-api-key", api_key)];
+    all.extend_from_slice(headers);
+    client.post(
+        &envoy.url("/v1/chat/completions"),
+        &all,
+        br#"{"model":"m","stream":false}"#,
+    )
+}
+
+/// Waits until `envoy` counted `n` delivered settlements.
+fn delivered(envoy: &Envoy, n: u64) {
+    assert!(
+        eventually(Duration::from_secs(10), || envoy.tg("settle.delivered")
+            >= n),
+        "settle.delivered stayed at {} (want {n}); stats {:?}",
+        envoy.tg("settle.delivered"),
+        envoy.tg_all()
+    );
+    assert_eq!(
+        envoy.tg("settle.delivered"),
+        n,
+        "no settlement applied twice"
+    );
+}
+
+/// Sends one streamed request by hand and hangs up after the first event arrived.
+fn hang_up_mid_stream(envoy: &Envoy, api_key: &str, extra: &str) {
+    let port: u16 = envoy
+        .url("/")
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .expect("envoy port");
+    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to envoy");
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: llm\r\nx-api-key: {api_key}\r\n{extra}content-length: 2\r\n\r\n{{}}"
+    );
+    s.write_all(req.as_bytes()).expect("send");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = s.read(&mut buf).expect("read the stream");
+        assert!(n > 0, "the stream ended before its first event");
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"));
+    drop(s);
+}
+
+#[test]
+fn each_way_a_response_ends_is_settled_once() {
+    let capacity = 10_000;
+    let f = fleet(
+        "tokens-endings",
+        1,
+        &config(Transport::Grpc, capacity, SLOW.0, SLOW.1),
+    );
+    let e = &f.envoys[0];
+    let client = Client::new();
+    let mut expect = capacity as i64;
+    let check = |expect: &mut i64, what: &str| {
+        *expect -= 1;
+        assert_eq!(
+            probe(&client, f.service.port, "team-a", capacity, SLOW),
+            *expect,
+            "after {what}"
+        );
+    };
+
+    // A stream: its last event's usage (300) replaces the estimate (1,000), counted once.
+    let r = ask(
+        &client,
+        e,
+        "team-a",
+        &[
+            ("x-max-tokens", "1000"),
+            ("x-llm-stream", "1"),
+            ("x-llm-usage", "300"),
+        ],
+    );
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body.contains("\"total_tokens\":300") && r.body.ends_with("data: [DONE]\n\n"),
+        "{}",
+        r.body
+    );
+    delivered(e, 1);
+    expect -= 300;
+    check(&mut expect, "a stream that used 300");
+
+    // JSON that used more than reserved: the difference is charged on top.
+    let r = ask(
+        &client,
+        e,
+        "team-a",
+        &[("x-max-tokens", "1000"), ("x-llm-usage", "2500")],
+    );
+    assert_eq!(r.status, 200);
+    delivered(e, 2);
+    expect -= 2500;
+    check(&mut expect, "a JSON answer that used 2,500");
+
+    // Usage in a response header.
+    let r = ask(
+        &client,
+        e,
+        "team-a",
+        &[
+            ("x-max-tokens", "1000"),
+            ("x-llm-usage", "50"),
+            ("x-llm-report", "header"),
+        ],
+    );
+    assert_eq!((r.status, r.header("x-usage-tokens")), (200, Some("50")));
+    delivered(e, 3);
+    expect -= 50;
+    check(&mut expect, "a header that said 50");
+
+    // No usage anywhere: the estimate stands and nothing is sent.
+    let sent = e.tg("settle.sent");
+    let r = ask(
+        &client,
+        e,
+        "team-a",
+        &[("x-max-tokens", "700"), ("x-llm-report", "none")],
+    );
+    assert_eq!(r.status, 200);
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(e.tg("settle.sent"), sent);
+    expect -= 700;
+    check(&mut expect, "a response without usage");
+
+    // The client hangs up mid-stream, before the usage: the estimate stands.
+    let before = f.llm.served().len();
+    hang_up_mid_stream(e, "team-a", "x-max-tokens: 800\r\nx-llm-stream: 1\r\nx-llm-chunks: 20\r\nx-llm-chunk-ms: 100\r\nx-llm-usage: 5\r\n");
+    assert!(
+        eventually(Duration::from_secs(5), || f.llm.served().len() > before),
+        "the upstream never saw the stream end"
+    );
+    assert_eq!(f.llm.served().last().map(|s| s.whole), Some(false));
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        e.tg("settle.sent"),
+        sent,
+        "nothing to settle: the estimate stands"
+    );
+    expect -= 800;
+    check(&mut expect, "a client that hung up mid-stream");
+
+    // The upstream resets after its usage event: what was seen (400 of 1,000) is settled.
+    let r = client.try_get(
+        &e.url("/v1/x"),
+        &[
+            ("x-api-key", "team-a"),
+            ("x-max-tokens", "1000"),
+            ("x-llm-stream", "1"),
+            ("x-llm-usage", "400"),
+            ("x-llm-reset", "after"),
+        ],
+    );
+    assert!(
+        r.map(|r| r.status == 200).unwrap_or(true),
+        "the stream had started: no error status"
+    );
+    delivered(e, 4);
+    expect -= 400;
+    check(&mut expect, "an upstream reset after the usage event");
+
+    // The upstream resets before any usage: the estimate stands.
+    let sent = e.tg("settle.sent");
+    let _ = client.try_get(
+        &e.url("/v1/x"),
+        &[
+            ("x-api-key", "team-a"),
+            ("x-max-tokens", "900"),
+            ("x-llm-stream", "1"),
+            ("x-llm-usage", "10"),
+            ("x-llm-reset", "before"),
+        ],
+    );
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(e.tg("settle.sent"), sent);
+    expect -= 900;
+    check(&mut expect, "an upstream reset before the usage event");
+    assert_eq!((e.tg("settle.given_up"), e.tg("settle.retried")), (0, 0));
+    eprintln!("bucket after every ending: {expect} of {capacity}, as computed from the usages");
+}
+
+#[test]
+fn a_bucket_in_debt_denies_before_the_stream_until_the_debt_refills() {
+    // 1,000 tokens a minute: one response that used 1,600 of a 100 estimate leaves a debt of 700.
+    let f = fleet(
+        "tokens-debt",
+        1,
+        &config(Transport::Http, 1000, 1000, 60_000),
+    );
+    let e = &f.envoys[0];
+    let client = Client::new();
+    let r = ask(
+        &client,
+        e,
+        "team-b",
+        &[
+            ("x-max-tokens", "100"),
+            ("x-llm-usage", "1600"),
+            ("x-llm-stream", "1"),
+        ],
+    );
+    assert_eq!(r.status, 200);
+    delivered(e, 1);
+    let seen = f.llm.served().len();
+    let r = ask(
+        &client,
+        e,
+        "team-b",
+        &[("x-max-tokens", "100"), ("x-llm-stream", "1")],
+    );
+    assert_eq!(r.status, 429, "in debt: denied before any stream starts");
+    assert_eq!(f.llm.served().len(), seen, "the upstream never saw it");
+    // Retry-After covers the debt (about 600) and this request's 100 at 1,000/min: about 42 s.
+    let retry: u64 = r
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After");
+    assert!((40..=43).contains(&retry), "Retry-After {retry}");
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    assert_eq!(r.header("x-ratelimit-limit"), Some("1000"));
+    eprintln!("in debt: 429 with Retry-After {retry} s");
+}
+
+#[test]
+fn a_settlement_outlives_a_service_that_died_mid_stream() {
+    let capacity = 10_000;
+    let mut f = fleet(
+        "tokens-service-dies",
+        1,
+        &config(Transport::Http, capacity, SLOW.0, SLOW.1),
+    );
+    let client = Client::new();
+    let url = f.envoys[0].url("/v1/chat/completions");
+    let stream = thread::spawn(move || {
+        Client::new().post(
+            &url,
+            &[
+                ("x-api-key", "team-c"),
+                ("x-max-tokens", "1000"),
+                ("x-llm-stream", "1"),
+                ("x-llm-usage", "200"),
+                ("x-llm-chunks", "6"),
+                ("x-llm-chunk-ms", "200"),
+            ],
+            b"{}",
+        )
+    });
+    thread::sleep(Duration::from_millis(400));
+    let port = f.service.port;
+    f.service.proc.kill();
+    let r = stream.join().expect("the stream");
+    assert_eq!(r.status, 200);
+    assert!(r.body.contains("\"total_tokens\":200"));
+    let e = &f.envoys[0];
+    assert!(
+        eventually(Duration::from_secs(3), || e.tg("settle.retried") >= 2),
+        "the settlement was not retried: {:?}",
+        e.tg_all()
+    );
+    f.service = Service::start_on(&f.components, &f.dir, port, Some(&f.redis.url()), &[]);
+    delivered(e, 1);
+    assert_eq!(e.tg("settle.given_up"), 0);
+    let left = probe(&client, port, "team-c", capacity, SLOW);
+    assert_eq!(left, capacity as i64 - 200 - 1, "200 charged in all, once");
+    eprintln!("settled after {} failed attempts", e.tg("settle.retried"));
+}
+
+/// Deterministic pseudo-random numbers (a test must not depend on luck, but the mix must vary).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self, lo: u64, hi: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        lo + (self.0 >> 33) % (hi - lo + 1)
+    }
+}
+
+#[test]
+fn three_envoys_admit_no_more_tokens_than_the_bucket_holds() {
+    // 10,000 tokens a minute for one API key, three Envoys, a client on each sending a mix of
+    // JSON and streamed requests whose usage is sometimes far above their estimate.
+    let (capacity, rate, period_ms) = (10_000u64, 10_000u64, 60_000u64);
+    let f = fleet(
+        "tokens-fleet",
+        3,
+        &config(Transport::Http, capacity, rate, period_ms),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let run = Duration::from_secs(6);
+    let clients: Vec<_> = f
+        .envoys
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let url = e.url("/v1/chat/completions");
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let client = Client::new();
+                let mut rng = Lcg(i as u64 + 7);
+                let (mut admitted, mut used, mut over, mut denied) = (0u64, 0u64, 0u64, 0u64);
+                for _ in 0..3000 {
+                    if stop.load(Ordering::Relaxed) || started.elapsed() > run {
+                        break;
+                    }
+                    let estimate = rng.next(100, 600);
+                    let usage = rng.next(50, 900);
+                    let stream = if rng.next(0, 1) == 1 { "1" } else { "0" };
+                    let (e, u) = (estimate.to_string(), usage.to_string());
+                    let r = client.post(
+                        &url,
+                        &[
+                            ("x-api-key", "shared"),
+                            ("x-max-tokens", &e),
+                            ("x-llm-usage", &u),
+                            ("x-llm-stream", stream),
+                        ],
+                        b"{}",
+                    );
+                    match r.status {
+                        200 => {
+                            admitted += 1;
+                            used += usage;
+                            over = over.max(usage.saturating_sub(estimate));
+                        }
+                        429 => {
+                            denied += 1;
+                            thread::sleep(Duration::from_millis(20));
+                        }
+                        s => panic!("unexpected status {s}: {}", r.body),
+                    }
+                }
+                (admitted, used, over, denied)
+            })
+        })
+        .collect();
+    let results: Vec<(u64, u64, u64, u64)> = clients
+        .into_iter()
+        .map(|t| t.join().expect("client"))
+        .collect();
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    stop.store(true, Ordering::Relaxed);
+    let admitted: u64 = results.iter().map(|r| r.0).sum();
+    let used: u64 = results.iter().map(|r| r.1).sum();
+    let largest_over = results.iter().map(|r| r.2).max().unwrap_or(0);
+    let denied: u64 = results.iter().map(|r| r.3).sum();
+    // Every settlement reaches the service.
+    assert!(
+        eventually(Duration::from_secs(10), || f.envoys.iter().all(|e| e
+            .tg("settle.sent")
+            == e.tg("settle.delivered") + e.tg("settle.retried"))),
+        "settlements still pending"
+    );
+    let given_up: u64 = f.envoys.iter().map(|e| e.tg("settle.given_up")).sum();
+    assert_eq!(given_up, 0);
+    // What the bucket can have paid for: its capacity, its refill over the run, and the overshoot
+    // of the requests in flight when it ran dry (one per client), which the debt then repays.
+    let refill = rate * elapsed_ms / period_ms;
+    let bound = capacity + refill + 3 * largest_over;
+    eprintln!(
+        "3 Envoys, {elapsed_ms} ms: {admitted} admitted using {used} tokens, {denied} denied; \
+         capacity {capacity} + refill {refill} + 3 x largest overshoot {largest_over} = {bound} \
+         (over capacity + refill: {})",
+        used.saturating_sub(capacity + refill)
+    );
+    assert!(used <= bound, "admitted {used} tokens, bound {bound}");
+    assert!(
+        used >= capacity,
+        "the refunds let the fleet spend its tokens: only {used}"
+    );
+}
