@@ -484,3 +484,57 @@ fn three_envoys_admit_no_more_tokens_than_the_bucket_holds() {
         "the refunds let the fleet spend its tokens: only {used}"
     );
 }
+
+/// The README's example, as written: `envoy.yaml` (what `make run` starts, its stand-in LLM API
+/// reporting 42 tokens per completion) and the README's three requests reserving 4,000 each.
+#[test]
+fn the_readme_example_answers_as_written() {
+    let c = Components::get();
+    let dir = TempDir::new("tokens-readme");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let root = common::workspace_root();
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let example =
+        "curl -si localhost:10000/v1/chat/completions -H 'x-api-key: demo' -H 'x-max-tokens: 4000'";
+    assert!(readme.contains(example), "the README shows {example}");
+    assert!(readme.contains("# 6000, then about 5960 and 5920"));
+    let text = std::fs::read_to_string(root.join("envoy.yaml")).expect("envoy.yaml");
+    let module = "filename: dist/tollgate.wasm";
+    let text = text.replace(module, &format!("filename: \"{}\"", c.wasm.display()));
+    let upstream = common::free_port();
+    let spec = EnvoySpec::new(None, service.port, upstream);
+    let envoy = Envoy::try_start_from(&c, &dir, &spec, Duration::from_secs(30), &|port, admin| {
+        text.replace("port_value: 9901", &format!("port_value: {admin}"))
+            .replace("port_value: 10000", &format!("port_value: {port}"))
+            .replace("port_value: 10001", &format!("port_value: {upstream}"))
+            .replace("port_value: 8081", &format!("port_value: {}", service.port))
+    })
+    .unwrap_or_else(|f| panic!("envoy.yaml did not start: {:?}\n{}", f.status, f.log));
+    let client = Client::new();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let r = client.get(
+            &envoy.url("/v1/chat/completions"),
+            &[("x-api-key", "demo"), ("x-max-tokens", "4000")],
+        );
+        assert_eq!(r.status, 200);
+        assert!(r.body.contains("\"total_tokens\":42"), "{}", r.body);
+        let left: u64 = r
+            .header("x-ratelimit-remaining")
+            .and_then(|v| v.parse().ok())
+            .expect("x-ratelimit-remaining");
+        seen.push(left);
+        let settled = seen.len() as u64;
+        assert!(
+            eventually(Duration::from_secs(5), || envoy.tg("settle.delivered")
+                >= settled),
+            "settlement {settled} not delivered"
+        );
+    }
+    eprintln!("x-ratelimit-remaining: {seen:?}");
+    assert_eq!(seen[0], 6000, "4,000 reserved of 10,000");
+    // Settled to 42: the next reservation finds about 9,958 (plus a little refill), not 6,000.
+    assert!((5958..6000).contains(&seen[1]), "{seen:?}");
+    assert!((5916..seen[1]).contains(&seen[2]), "{seen:?}");
+}
