@@ -8,56 +8,13 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// Most buckets one request may name (contract/README.md).
-pub const MAX_BUCKETS: usize = 16;
-/// Longest bucket key, in bytes.
-pub const MAX_KEY_BYTES: usize = 4096;
-/// Upper bound of `capacity`, `rate` and `cost`.
-pub const MAX_AMOUNT: u64 = 1_000_000_000;
-/// Upper bound of `period_ms`: one year.
-pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
-/// Room a bucket may take in a request besides its key: the JSON field names, six numbers of at
-/// most 11 digits, the algorithm's name, punctuation and some whitespace (about 160 bytes when
-/// compact); protobuf needs far less (tags and varints).
-pub const BUCKET_OVERHEAD_BYTES: usize = 512;
-/// Largest take body accepted, JSON or protobuf (74,240 bytes): [`MAX_BUCKETS`] buckets of the
-/// longest key, each with [`BUCKET_OVERHEAD_BYTES`], plus as much again for the enclosing
-/// object. A larger body is refused (413 / `RESOURCE_EXHAUSTED`) before it is decoded. A JSON key
-/// counts as written: one that needs many escapes (`\"`, `\u0001`) may not fit at full length.
-pub const MAX_TAKE_BYTES: usize =
-    MAX_BUCKETS * (MAX_KEY_BYTES + BUCKET_OVERHEAD_BYTES) + BUCKET_OVERHEAD_BYTES;
-
-/// Longest rule name a bucket may carry (`rule`), in bytes.
-pub const MAX_RULE_BYTES: usize = 64;
-/// Longest instance id (`instance`), in bytes.
-pub const MAX_INSTANCE_BYTES: usize = 64;
-
-/// Most takes one batch may carry (`POST /v1/take_batch`, `TakeBatch`).
-pub const MAX_BATCH_TAKES: usize = 64;
-/// Largest batch body accepted, JSON or protobuf: 1 MiB. Less than [`MAX_BATCH_TAKES`] takes of
-/// [`MAX_TAKE_BYTES`] each: a batch of that many takes of the longest keys does not fit and must
-/// be split by its sender. A larger body is refused (413 / `RESOURCE_EXHAUSTED`) before it is
-/// decoded.
-pub const MAX_BATCH_BYTES: usize = 1024 * 1024;
-
-/// How a bucket counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Algorithm {
-    /// Refills continuously at `rate / period_ms`, holds at most `capacity`, starts full.
-    TokenBucket,
-    /// At most `capacity` per window `floor(now / period_ms)`; `rate` is ignored.
-    FixedWindow,
-}
-
-impl Algorithm {
-    /// The short tag used in store keys and scripts.
-    pub fn tag(self) -> &'static str {
-        match self {
-            Algorithm::TokenBucket => "tb",
-            Algorithm::FixedWindow => "fw",
-        }
-    }
-}
+/// The contract's bounds and algorithms (contract/README.md), from the contract crate.
+pub use contract::bounds::{
+    BUCKET_OVERHEAD_BYTES, MAX_AMOUNT, MAX_BATCH_BYTES, MAX_BATCH_TAKES, MAX_BUCKETS,
+    MAX_INSTANCE_BYTES, MAX_KEY_BYTES, MAX_PERIOD_MS, MAX_RULE_BYTES, MAX_SETTLE_ID_BYTES,
+    MAX_TAKE_BYTES, SETTLE_ID_TTL_MS,
+};
+pub use contract::Algorithm;
 
 /// One validated bucket of a take: every field is within the contract's bounds.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -378,13 +335,6 @@ impl InvalidArgument {
         InvalidArgument { field, ..self }
     }
 }
-
-/// Longest settlement id (`id` of a settle), in bytes.
-pub const MAX_SETTLE_ID_BYTES: usize = 128;
-/// How long a store remembers a settlement id it applied (5 minutes): a settle sent again within
-/// that time is answered `duplicate` and changes nothing. The filter retries a settlement for a few
-/// seconds at most.
-pub const SETTLE_ID_TTL_MS: u64 = 300_000;
 
 /// A settle (`POST /v1/settle`, `Settle`) as decoded from either wire form.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

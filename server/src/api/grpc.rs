@@ -216,16 +216,7 @@ where
 pub fn raw_from_pb(req: &pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
     let mut buckets = Vec::with_capacity(req.buckets.len());
     for (i, b) in req.buckets.iter().enumerate() {
-        let algorithm = match pb::Algorithm::try_from(b.algorithm) {
-            Ok(pb::Algorithm::TokenBucket) => Algorithm::TokenBucket,
-            Ok(pb::Algorithm::FixedWindow) => Algorithm::FixedWindow,
-            Err(_) => {
-                return Err(InvalidArgument::new(
-                    format!("buckets[{i}].algorithm"),
-                    format!("unknown algorithm {}", b.algorithm),
-                ))
-            }
-        };
+        let algorithm = algorithm_from_pb(i, b.algorithm)?;
         buckets.push(RawBucket {
             key: Some(b.key.clone()),
             capacity: Some(b.capacity),
@@ -240,6 +231,16 @@ pub fn raw_from_pb(req: &pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
     Ok(RawTake {
         buckets: Some(buckets),
         instance: non_empty(&req.instance),
+    })
+}
+
+/// The algorithm of bucket `i` from its `tollgate.v1.Algorithm` value.
+pub fn algorithm_from_pb(i: usize, code: i32) -> Result<Algorithm, InvalidArgument> {
+    Algorithm::from_code(code).ok_or_else(|| {
+        InvalidArgument::new(
+            format!("buckets[{i}].algorithm"),
+            format!("unknown algorithm {code}"),
+        )
     })
 }
 
@@ -296,10 +297,7 @@ pub fn pb_from_raw(raw: &RawTake) -> pb::TakeRequest {
                 rate: b.rate,
                 period_ms: b.period_ms.unwrap_or(0),
                 cost: b.cost,
-                algorithm: match b.algorithm.unwrap_or(Algorithm::TokenBucket) {
-                    Algorithm::TokenBucket => pb::Algorithm::TokenBucket as i32,
-                    Algorithm::FixedWindow => pb::Algorithm::FixedWindow as i32,
-                },
+                algorithm: b.algorithm.unwrap_or_default().code(),
                 lease: b.lease,
                 rule: b.rule.clone().unwrap_or_default(),
             })

@@ -14,14 +14,6 @@ use crate::domain::{
     Algorithm, InvalidArgument, RawBatch, RawBucket, RawTake, MAX_BATCH_TAKES, MAX_BUCKETS,
 };
 
-/// The JSON spelling of an algorithm.
-pub fn algorithm_name(a: Algorithm) -> &'static str {
-    match a {
-        Algorithm::TokenBucket => "token_bucket",
-        Algorithm::FixedWindow => "fixed_window",
-    }
-}
-
 /// Decodes a `POST /v1/take` body: a pure function over the bytes, in memory bounded by the
 /// input (no `Value` tree; decoding stops at the 17th bucket).
 ///
@@ -447,11 +439,8 @@ impl<'de> Visitor<'de> for BucketSeed<'_> {
                     b.algorithm = map
                         .next_value::<Option<Alg>>()
                         .map_err(|e| {
-                            slot.note(
-                                || at("algorithm"),
-                                "must be \"token_bucket\" or \"fixed_window\"",
-                                e,
-                            )
+                            let expected = format!("must be {}", Algorithm::expected());
+                            slot.note(|| at("algorithm"), &expected, e)
                         })?
                         .map(|a| a.0)
                 }
@@ -476,11 +465,9 @@ impl<'de> Deserialize<'de> for Alg {
                 f.write_str("an algorithm name")
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Alg, E> {
-                match v {
-                    "token_bucket" => Ok(Alg(Algorithm::TokenBucket)),
-                    "fixed_window" => Ok(Alg(Algorithm::FixedWindow)),
-                    _ => Err(E::custom("unknown algorithm")),
-                }
+                Algorithm::from_name(v)
+                    .map(Alg)
+                    .ok_or_else(|| E::custom("unknown algorithm"))
             }
         }
         d.deserialize_str(V)
@@ -520,7 +507,7 @@ pub fn encode_request(raw: &RawTake) -> Value {
             rate: b.rate,
             period_ms: b.period_ms,
             cost: b.cost,
-            algorithm: b.algorithm.map(algorithm_name),
+            algorithm: b.algorithm.map(Algorithm::name),
             lease: b.lease,
             rule: b.rule.as_deref(),
         })

@@ -163,16 +163,7 @@ pub fn encode_settle(raw: &RawSettle) -> Value {
 pub fn raw_settle_from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidArgument> {
     let mut buckets = Vec::with_capacity(req.buckets.len());
     for (i, b) in req.buckets.iter().enumerate() {
-        let algorithm = match pb::Algorithm::try_from(b.algorithm) {
-            Ok(pb::Algorithm::TokenBucket) => Algorithm::TokenBucket,
-            Ok(pb::Algorithm::FixedWindow) => Algorithm::FixedWindow,
-            Err(_) => {
-                return Err(InvalidArgument::new(
-                    format!("buckets[{i}].algorithm"),
-                    format!("unknown algorithm {}", b.algorithm),
-                ))
-            }
-        };
+        let algorithm = super::grpc::algorithm_from_pb(i, b.algorithm)?;
         buckets.push(RawSettleBucket {
             bucket: RawBucket {
                 key: Some(b.key.clone()),

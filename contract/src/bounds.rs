@@ -1,0 +1,70 @@
+//! The contract's bounds (contract/README.md): what a valid message holds at most. The service
+//! refuses anything outside them, and the filter's configuration accepts nothing outside them, so
+//! the service never rejects what the filter was configured to ask.
+
+/// Most buckets one take (and one acquire, release or settle) may name.
+pub const MAX_BUCKETS: usize = 16;
+/// Longest bucket key, in bytes.
+pub const MAX_KEY_BYTES: usize = 4096;
+/// Upper bound of `capacity`, `rate`, `cost`, `lease`, a settle's amounts and a slot's `limit`.
+pub const MAX_AMOUNT: u64 = 1_000_000_000;
+/// Upper bound of `period_ms`: one year.
+pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
+/// Room a bucket may take in a request besides its key: the JSON field names, six numbers of at
+/// most 11 digits, the algorithm's name, punctuation and some whitespace (about 160 bytes when
+/// compact); protobuf needs far less (tags and varints).
+pub const BUCKET_OVERHEAD_BYTES: usize = 512;
+/// Largest take body accepted, JSON or protobuf (74,240 bytes): [`MAX_BUCKETS`] buckets of the
+/// longest key, each with [`BUCKET_OVERHEAD_BYTES`], plus as much again for the enclosing
+/// object. A larger body is refused (413 / `RESOURCE_EXHAUSTED`) before it is decoded. A JSON key
+/// counts as written: one that needs many escapes (`\"`, `\u0001`) may not fit at full length.
+pub const MAX_TAKE_BYTES: usize =
+    MAX_BUCKETS * (MAX_KEY_BYTES + BUCKET_OVERHEAD_BYTES) + BUCKET_OVERHEAD_BYTES;
+
+/// Longest rule name a bucket may carry (`rule`), in bytes.
+pub const MAX_RULE_BYTES: usize = 64;
+/// Longest instance id (`instance`), in bytes.
+pub const MAX_INSTANCE_BYTES: usize = 64;
+
+/// Most takes one batch may carry (`POST /v1/take_batch`, `TakeBatch`).
+pub const MAX_BATCH_TAKES: usize = 64;
+/// Largest batch body accepted, JSON or protobuf: 1 MiB. Less than [`MAX_BATCH_TAKES`] takes of
+/// [`MAX_TAKE_BYTES`] each: a batch of that many takes of the longest keys does not fit and must
+/// be split by its sender. A larger body is refused (413 / `RESOURCE_EXHAUSTED`) before it is
+/// decoded.
+pub const MAX_BATCH_BYTES: usize = 1024 * 1024;
+
+/// Longest settlement id (`id` of a settle), in bytes.
+pub const MAX_SETTLE_ID_BYTES: usize = 128;
+/// How long a store remembers a settlement id it applied (5 minutes): a settle sent again within
+/// that time is answered `duplicate` and changes nothing. The filter retries a settlement for a few
+/// seconds at most.
+pub const SETTLE_ID_TTL_MS: u64 = 300_000;
+
+/// Longest slot deadline (`ttl_ms` of an acquire): one day.
+pub const MAX_SLOT_TTL_MS: u64 = 86_400_000;
+/// Longest slot id accepted in a release (the service issues 32 hex digits).
+pub const MAX_SLOT_BYTES: usize = 64;
+/// What a denied acquire suggests waiting, at most: slots come back when requests end, not on a
+/// clock, so a short wait is the honest answer (sooner when the oldest slot's deadline is sooner).
+pub const SLOT_DENIED_RETRY_MS: u64 = 1000;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_byte_bounds_are_the_readmes() {
+        assert_eq!(MAX_TAKE_BYTES, 74_240);
+        assert!(MAX_BATCH_BYTES < MAX_BATCH_TAKES * MAX_TAKE_BYTES);
+        let readme = include_str!("../README.md");
+        for needle in [
+            format!("`buckets` | list | yes | the buckets this request takes from, all or none | 1..={MAX_BUCKETS} entries"),
+            format!("| 1..={MAX_KEY_BYTES} bytes |"),
+            format!("`takes`: 1..={MAX_BATCH_TAKES} entries"),
+            format!("1..={MAX_SLOT_BYTES} hex digits"),
+        ] {
+            assert!(readme.contains(&needle), "README.md lacks `{needle}`");
+        }
+    }
+}

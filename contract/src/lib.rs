@@ -1,0 +1,13 @@
+//! Tollgate's wire contract (contract/README.md), in one place for both sides: the filter
+//! (wasm32-wasip1) and the decision service depend on this crate and define none of it again.
+//!
+//! - [`algorithm`]: how a bucket counts, with its JSON name, protobuf code and store tag;
+//! - [`bounds`]: the largest values, lists and bodies a valid message holds.
+//!
+//! Plain Rust: no proxy-wasm, no async runtime. The `serde` feature (the service's) adds the
+//! serde derives of the answers; the filter leaves it off, so its module does not carry them.
+
+pub mod algorithm;
+pub mod bounds;
+
+pub use algorithm::Algorithm;
