@@ -2,12 +2,11 @@
 //!
 //! Used when no Redis is configured (a single replica, development, tests). One mutex guards a
 //! map of bucket states, so a take is atomic; a batch holds it once for all its takes, in order.
-//! Arithmetic mirrors `lua/token_bucket.lua` and `lua/fixed_window.lua` exactly (integer
-//! micro-tokens, a carried refill remainder), in `u128` (a token bucket's balance in `i128`: it
-//! may owe tokens after a settle). A bucket is its algorithm and key; its
-//! state records the limits it was last charged with, and a take with other limits carries it over
-//! as the scripts do (tokens held, or the window's count, scaled to the new capacity keeping the
-//! fraction; see `lua/token_bucket.lua`). The clock is monotonic (`Instant`); fixed windows are counted from the store's creation.
+//! The arithmetic is each algorithm's own ([`super::algorithm`], the reference its Lua mirrors
+//! exactly); this store only keeps the states, the clock and the bounds. A bucket is its algorithm
+//! and key; its state records the limits it was last charged with, and a take with other limits
+//! carries it over as the scripts do. The clock is monotonic (`Instant`); windows are counted from
+//! the store's creation.
 //!
 //! Memory is bounded twice. By expiry: a bucket is dropped once it would be full again (or its
 //! window has ended) plus a margin, like the Redis keys' PEXPIRE, but never kept idle longer than
@@ -21,18 +20,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::algorithm::{self, State};
 use super::{Store, StoreError};
 use crate::domain::{
-    Algorithm, BucketDecision, BucketSpec, SettleDecision, SettleResult, Settlement, TakeDecision,
-    SETTLE_ID_TTL_MS,
+    Algorithm, BucketSpec, SettleDecision, Settlement, TakeDecision, SETTLE_ID_TTL_MS,
 };
 
-const MICRO: u128 = 1_000_000;
-/// [`MICRO`] for the signed balance: a token bucket may owe tokens after a settle.
-const MICRO_I: i128 = 1_000_000;
-/// Same clamp as the scripts' `MAX_MS`.
-const MAX_MS: u128 = 9_007_199_254_740_991;
-const TTL_MARGIN_MS: u64 = 1000;
 /// Longest time an idle bucket is kept: one day.
 pub const MAX_IDLE_MS: u64 = 86_400_000;
 /// Default of [`MemoryStore::max_buckets`] (`--memory-max-buckets`).
@@ -45,38 +38,6 @@ pub const SWEEP_BATCH: usize = 64;
 struct Id {
     algorithm: Algorithm,
     key: String,
-}
-
-/// The limits a bucket was last charged with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Limits {
-    capacity: u64,
-    rate: u64,
-    period_ms: u64,
-}
-
-impl Limits {
-    fn of(b: &BucketSpec) -> Self {
-        Limits {
-            capacity: b.capacity,
-            rate: b.rate,
-            period_ms: b.period_ms,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy)]
-enum State {
-    /// Micro-tokens (below zero while the bucket owes, after a settle; never below minus its
-    /// capacity), last charge (µs), refill remainder (1/period_ms of a micro-token).
-    Token {
-        t: i128,
-        ts: u64,
-        f: u128,
-        limits: Limits,
-    },
-    /// Window index and count in it.
-    Window { w: u64, count: u64, limits: Limits },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -251,14 +212,12 @@ impl MemoryStore {
             else {
                 continue;
             };
-            let mut state = load(b, Some(stored), now);
-            if let State::Token { t, .. } = &mut state {
-                let cap_m = i128::from(b.capacity) * MICRO_I;
-                *t = (*t + i128::from(b.cost) * MICRO_I).min(cap_m);
+            let mut state = State::load(b, Some(stored), now);
+            if state.refund(b, b.cost, 0) {
+                let expires_us = now.saturating_add(ttl_ms(&state, now).saturating_mul(1000));
+                inner.put(id, state, expires_us);
+                n += 1;
             }
-            let expires_us = now.saturating_add(ttl_ms(&state, now).saturating_mul(1000));
-            inner.put(id, state, expires_us);
-            n += 1;
         }
         n
     }
@@ -316,12 +275,12 @@ impl MemoryStore {
                 .get(&id)
                 .filter(|e| e.expires_us > now)
                 .map(|e| e.state);
-            let mut state = load(b, stored, now);
-            if !duplicate && settle_one(spec, &mut state, stored.is_some()) {
+            let mut state = State::load(b, stored, now);
+            if !duplicate && state.settle(spec, stored.is_some()) {
                 let expires_us = now.saturating_add(ttl_ms(&state, now).saturating_mul(1000));
                 inner.put(id, state, expires_us);
             }
-            out.push(settle_result(b, &state));
+            out.push(state.settle_result(b));
         }
         Ok(SettleDecision {
             duplicate,
@@ -351,8 +310,8 @@ impl MemoryStore {
                 .map(|e| e.state);
             let entry = scratch
                 .entry(id)
-                .or_insert_with(|| (load(b, stored, now), false));
-            let (decision, charged) = decide(b, &mut entry.0, now);
+                .or_insert_with(|| (State::load(b, stored, now), false));
+            let (decision, charged) = entry.0.take(b, now);
             entry.1 |= charged;
             out.push(decision);
         }
@@ -382,261 +341,8 @@ impl MemoryStore {
     }
 }
 
-fn cap_ms(v: u128) -> u64 {
-    u64::try_from(v.min(MAX_MS)).unwrap_or(u64::MAX)
-}
-
-fn ceil_div(a: u128, b: u128) -> u128 {
-    a.div_ceil(b.max(1))
-}
-
-/// Refills `(t, ts, f)` up to `now` under `l`, as `tb_refill` in token_bucket.lua.
-fn refill(l: &Limits, t: &mut i128, ts: &mut u64, f: &mut u128, now: u64) {
-    if now <= *ts {
-        return;
-    }
-    let cap_m = i128::from(l.capacity) * MICRO_I;
-    if *t >= cap_m {
-        *t = cap_m;
-        *f = 0;
-    } else {
-        // Same units as token_bucket.lua: f is in 1/period_ms of a micro-token.
-        let period = u128::from(l.period_ms);
-        let x = u128::from(now - *ts) * u128::from(l.rate) * 1000 + *f;
-        let add = x / period;
-        // Positive here, at most twice the capacity in micro-tokens (with a debt).
-        let missing = u128::try_from(cap_m - *t).unwrap_or(0);
-        if add >= missing {
-            *t = cap_m;
-            *f = 0;
-        } else {
-            // add < missing <= 2e15: it fits.
-            *t += i128::try_from(add).unwrap_or(0);
-            *f = x % period;
-        }
-    }
-    *ts = now;
-}
-
-/// The state as of `now` under `b`'s limits: refilled token bucket, or the current window. A
-/// bucket last charged with other limits is carried over as the scripts do: refilled under its old
-/// limits, then its tokens scaled to the new capacity keeping the fraction held (rounded down, the
-/// remainder dropped); a window's count carries while its window has not ended, scaled keeping the
-/// fraction used (rounded up).
-fn load(b: &BucketSpec, stored: Option<State>, now: u64) -> State {
-    let new = Limits::of(b);
-    let cap_m = i128::from(b.capacity) * MICRO_I;
-    match b.algorithm {
-        Algorithm::TokenBucket => {
-            let (mut t, mut ts, mut f) = match stored {
-                Some(State::Token { t, ts, f, limits }) => {
-                    let (mut t, mut ts, mut f) = (t, ts, f);
-                    if limits != new {
-                        refill(&limits, &mut t, &mut ts, &mut f, now);
-                        if limits.capacity != new.capacity {
-                            // Rounded down, a debt too (it grows): as the script's floor.
-                            t = (t * i128::from(new.capacity))
-                                .div_euclid(i128::from(limits.capacity.max(1)));
-                        }
-                        t = t.min(cap_m);
-                        f = 0;
-                    }
-                    (t, ts, f)
-                }
-                _ => (cap_m, now, 0),
-            };
-            refill(&new, &mut t, &mut ts, &mut f, now);
-            State::Token {
-                t,
-                ts,
-                f,
-                limits: new,
-            }
-        }
-        Algorithm::FixedWindow => {
-            let now_ms = now / 1000;
-            let mut w = now_ms / b.period_ms;
-            let mut count = 0;
-            if let Some(State::Window {
-                w: sw,
-                count: n,
-                limits,
-            }) = stored
-            {
-                if limits.period_ms == b.period_ms {
-                    if sw >= w {
-                        (w, count) = (sw, n);
-                    }
-                } else if u128::from(now_ms) < (u128::from(sw) + 1) * u128::from(limits.period_ms) {
-                    count = n;
-                }
-                if count > 0 && limits.capacity != b.capacity {
-                    count = u64::try_from(
-                        (u128::from(count) * u128::from(b.capacity))
-                            .div_ceil(u128::from(limits.capacity.max(1))),
-                    )
-                    .unwrap_or(u64::MAX);
-                }
-            }
-            State::Window {
-                w,
-                count,
-                limits: new,
-            }
-        }
-    }
-}
-
-fn tb_reset_ms(b: &BucketSpec, t: i128) -> u64 {
-    let missing = u128::try_from(i128::from(b.capacity) * MICRO_I - t).unwrap_or(0);
-    cap_ms(ceil_div(
-        missing * u128::from(b.period_ms),
-        u128::from(b.rate) * MICRO,
-    ))
-}
-
-fn window_reset_ms(period_ms: u64, w: u64, now: u64) -> u64 {
-    ((w + 1) * period_ms).saturating_sub(now / 1000)
-}
-
-/// Decides one bucket on its scratch state, charging it when it can pay.
-fn decide(b: &BucketSpec, state: &mut State, now: u64) -> (BucketDecision, bool) {
-    match state {
-        State::Token { t, .. } => {
-            let cost_m = i128::from(b.cost) * MICRO_I;
-            let allowed = b.cost <= b.capacity && *t >= cost_m;
-            let mut granted = 0;
-            let retry = if allowed {
-                // Lease: as many whole tokens as held, up to `lease`, at least `cost`.
-                let whole = u64::try_from(*t / MICRO_I).unwrap_or(u64::MAX);
-                granted = b.lease.min(whole).max(b.cost);
-                *t -= i128::from(granted) * MICRO_I;
-                0
-            } else if b.cost > b.capacity {
-                b.period_ms
-            } else {
-                // The whole deficit, a debt included.
-                let deficit = u128::try_from(cost_m - *t).unwrap_or(0);
-                cap_ms(ceil_div(
-                    deficit * u128::from(b.period_ms),
-                    u128::from(b.rate) * MICRO,
-                ))
-            };
-            let d = BucketDecision {
-                allowed,
-                limit: b.capacity,
-                remaining: whole_tokens(*t),
-                reset_ms: tb_reset_ms(b, *t),
-                retry_after_ms: retry,
-                granted,
-            };
-            (d, allowed)
-        }
-        State::Window { w, count, .. } => {
-            let reset = window_reset_ms(b.period_ms, *w, now);
-            let allowed = *count + b.cost <= b.capacity;
-            let mut granted = 0;
-            let retry = if allowed {
-                granted = b.lease.min(b.capacity - *count).max(b.cost);
-                *count += granted;
-                0
-            } else if b.cost > b.capacity {
-                b.period_ms
-            } else {
-                reset
-            };
-            let d = BucketDecision {
-                allowed,
-                limit: b.capacity,
-                remaining: b.capacity.saturating_sub(*count),
-                reset_ms: reset,
-                retry_after_ms: retry,
-                granted,
-            };
-            (d, allowed)
-        }
-    }
-}
-
-/// Whole tokens held: 0 while the bucket owes.
-fn whole_tokens(t: i128) -> u64 {
-    u64::try_from(t.max(0) / MICRO_I).unwrap_or(u64::MAX)
-}
-
-/// Whole tokens owed, rounded up: 0 unless the balance is below zero.
-fn debt_tokens(t: i128) -> u64 {
-    let owed = (-t).max(0);
-    u64::try_from((owed + MICRO_I - 1) / MICRO_I).unwrap_or(u64::MAX)
-}
-
-/// Applies one bucket of a settlement to its loaded state; `existed`: the bucket was stored (an
-/// expired token bucket is full, so a refund gives nothing back). Returns whether it changed.
-fn settle_one(s: &crate::domain::SettleSpec, state: &mut State, existed: bool) -> bool {
-    let b = &s.bucket;
-    match state {
-        State::Token { t, .. } => {
-            let cap_m = i128::from(b.capacity) * MICRO_I;
-            if s.used < s.estimate && existed {
-                *t = (*t + i128::from(s.estimate - s.used) * MICRO_I).min(cap_m);
-                true
-            } else if s.used > s.estimate {
-                *t = (*t - i128::from(s.used - s.estimate) * MICRO_I).max(-cap_m);
-                true
-            } else {
-                false
-            }
-        }
-        State::Window { w, count, .. } => {
-            // A refund needs the window that was charged; an extra charge without one goes to
-            // the current window.
-            let charged_here = match s.window {
-                Some(m) => m == *w,
-                None => s.used > s.estimate,
-            };
-            if !charged_here || s.used == s.estimate {
-                false
-            } else if s.used < s.estimate {
-                let back = (s.estimate - s.used).min(*count);
-                *count -= back;
-                back > 0
-            } else {
-                *count = (*count + (s.used - s.estimate)).min(b.capacity.saturating_mul(2));
-                true
-            }
-        }
-    }
-}
-
-fn settle_result(b: &BucketSpec, state: &State) -> SettleResult {
-    match state {
-        State::Token { t, .. } => SettleResult {
-            remaining: whole_tokens(*t),
-            debt: debt_tokens(*t),
-        },
-        State::Window { count, .. } => SettleResult {
-            remaining: b.capacity.saturating_sub(*count),
-            debt: count.saturating_sub(b.capacity),
-        },
-    }
-}
-
 fn ttl_ms(state: &State, now: u64) -> u64 {
-    let until = match state {
-        State::Token { t, limits, .. } => {
-            let b = BucketSpec {
-                key: String::new(),
-                capacity: limits.capacity,
-                rate: limits.rate,
-                period_ms: limits.period_ms,
-                cost: 1,
-                algorithm: Algorithm::TokenBucket,
-                lease: 1,
-            };
-            tb_reset_ms(&b, *t)
-        }
-        State::Window { w, limits, .. } => window_reset_ms(limits.period_ms, *w, now),
-    };
-    until.saturating_add(TTL_MARGIN_MS).min(MAX_IDLE_MS)
+    state.ttl_ms(now, MAX_IDLE_MS)
 }
 
 #[async_trait::async_trait]
@@ -685,8 +391,12 @@ impl Store for MemoryStore {
 
 /// How long an idle bucket is kept at most, for a given spec (tests use it to wait for expiry).
 pub fn max_idle(b: &BucketSpec) -> Duration {
-    let full = tb_reset_ms(b, 0).max(b.period_ms);
-    Duration::from_millis(full.saturating_add(TTL_MARGIN_MS).min(MAX_IDLE_MS))
+    // Two periods: a sliding window's count still weighs in the window after its own.
+    let full = algorithm::token_bucket::fill_ms(b).max(b.period_ms.saturating_mul(2));
+    Duration::from_millis(
+        full.saturating_add(algorithm::TTL_MARGIN_MS)
+            .min(MAX_IDLE_MS),
+    )
 }
 
 #[cfg(test)]
@@ -759,7 +469,7 @@ mod tests {
         let b = tb(1_000_000_000, 1, 31_536_000_000, 1_000_000_000);
         let d = at(&s, std::slice::from_ref(&b), 0);
         assert!(d.allowed);
-        assert_eq!(d.buckets[0].reset_ms, MAX_MS as u64);
+        assert_eq!(d.buckets[0].reset_ms, algorithm::MAX_MS as u64);
         assert!(s.is_empty() || s.len() == 1);
     }
 

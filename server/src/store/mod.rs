@@ -2,12 +2,14 @@
 //!
 //! | file | what |
 //! |---|---|
+//! | `algorithm/` | one module per algorithm behind one trait: its arithmetic (the memory store's, the reference), its Lua, its key tag and script code |
 //! | `memory.rs` | in-process store: one mutex, monotonic clock, idle buckets expire |
 //! | `redis/` | Redis standalone or Cluster: the store (`mod.rs`: slot grouping, refunds), connections and TLS (`conn.rs`), scripts and their arguments (`scripts.rs`), replies (`decode.rs`) |
 //! | `coalesce.rs` | a wrapper that sends concurrent takes to the store as one batch call |
 //! | `keys.rs` | Redis key layout and hash slots (pure) |
-//! | `lua/*.lua` | the scripts, one file per algorithm, the decision of one take (`take_one.lua`), and the take, batch, refund and settle drivers |
+//! | `lua/*.lua` | the scripts: the prelude, one file per algorithm (each owned by its module in `algorithm/`), the decision of one take (`take_one.lua`), and the take, batch, refund and settle drivers, which reach an algorithm only through the prelude's `ALGORITHMS` table |
 
+pub mod algorithm;
 pub mod coalesce;
 pub mod keys;
 pub mod memory;

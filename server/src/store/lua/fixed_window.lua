@@ -1,4 +1,5 @@
--- Fixed window (algorithm 1): at most `capacity` tokens per window floor(now_ms / period_ms);
+-- Fixed window (algorithm 1, ALGORITHMS[1]; server/src/store/algorithm/fixed_window.rs is the
+-- reference arithmetic): at most `capacity` tokens per window floor(now_ms / period_ms);
 -- `rate` is ignored.
 --
 -- KEYS:  the bucket's hash, e.g. `tollgate:fw:{<key>}`: algorithm and key only, not the limits.
@@ -73,3 +74,33 @@ local function fw_refund(key, w, cost)
   redis.call('HSET', key, 'n', fmt(n - math.min(n, cost)))
   return 1
 end
+
+-- Settles a reservation (settle.lua) only in the window the estimate was charged in (`window`):
+-- a refund lowers its count (not below 0), an extra charge raises it, to twice the capacity at
+-- most; a window that has ended is left alone (its tokens ended with it). Without `window`
+-- (-1), an extra charge goes to the current window and a refund is dropped (it might give back
+-- another window's tokens). Returns remaining, debt (the count above capacity).
+local function fw_settle(key, cap, rate, period, now, estimate, used, window, apply)
+  local s = fw_load(key, cap, period, now)
+  local here
+  if window >= 0 then here = (window == s.w) else here = (used > estimate) end
+  if apply and here then
+    if used < estimate and s.count > 0 then
+      s.count = s.count - math.min(s.count, estimate - used)
+      fw_store(key, s, cap, period)
+    elseif used > estimate then
+      s.count = math.min(2 * cap, s.count + (used - estimate))
+      fw_store(key, s, cap, period)
+    end
+  end
+  return math.max(0, cap - s.count), math.max(0, s.count - cap)
+end
+
+ALGORITHMS[1] = {
+  load = function(key, cap, rate, period, now) return fw_load(key, cap, period, now) end,
+  take = function(s, cap, rate, period, cost, lease) return fw_take(s, cap, period, cost, lease) end,
+  mark = function(s) return s.w end,
+  store = function(key, s, cap, rate, period) fw_store(key, s, cap, period) end,
+  refund = function(key, cap, rate, period, amount, mark, now) return fw_refund(key, mark, amount) end,
+  settle = fw_settle,
+}

@@ -1,4 +1,5 @@
--- Shared by take.lua and refund.lua (concatenated in front of them by server/src/store/redis.rs).
+-- Shared by every bucket script (concatenated in front of the algorithms and the driver by
+-- server/src/store/redis/scripts.rs).
 --
 -- Exact integer arithmetic on Lua 5.1 numbers (IEEE doubles). Integers below 2^53 are exact, so
 -- every quantity here is an integer: micro-tokens, microseconds, milliseconds. Products that may
@@ -89,3 +90,18 @@ local function now_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * MICRO + tonumber(t[2])
 end
+
+-- The algorithms, by the code the service sends in ARGV (server/src/store/algorithm/). Each
+-- algorithm's file registers one table here, and the drivers (take_one, refund, settle) call only
+-- these functions, never an algorithm's internals. Every function gets the bucket's limits as the
+-- caller sent them (an algorithm ignores those it does not use):
+--   load(key, cap, rate, period, now) -> s       the state at `now` (µs), carried over to these
+--                                                 limits when the hash recorded others; s.exists
+--   take(s, cap, rate, period, cost, lease)       decides on s, charging it (s.dirty) when allowed:
+--     -> allowed, remaining, reset_ms, retry_ms, granted
+--   mark(s) -> integer                           what a refund of this charge needs (a window)
+--   store(key, s, cap, rate, period)             HSET and PEXPIRE
+--   refund(key, cap, rate, period, amount, mark, now) -> 0 or 1 (given back)
+--   settle(key, cap, rate, period, now, estimate, used, window, apply) -> remaining, debt
+--     (window: -1 when not known; apply: false for a settlement id seen before)
+local ALGORITHMS = {}

@@ -1,8 +1,8 @@
 -- take: charge every bucket of one request (of one Redis Cluster slot), all or none.
--- Preceded by prelude.lua, token_bucket.lua, fixed_window.lua and take_one.lua.
+-- Preceded by prelude.lua, every algorithm's file and take_one.lua.
 --
 -- KEYS:  KEYS[i] = bucket i (every key carries the same {hash tag} slot on a cluster).
--- ARGV:  6 integers per bucket i, at 6*(i-1)+1 ..: algorithm (0 token bucket, 1 fixed window),
+-- ARGV:  6 integers per bucket i, at 6*(i-1)+1 ..: algorithm (its code: ALGORITHMS in prelude.lua),
 --        capacity, rate, period_ms, cost, lease (= cost when no lease was asked for).
 -- Reply: an array of integers (never floats: every value is built integral and below 2^53):
 --        [1] = 1 when every bucket could pay and all were charged, 0 when none was charged;

@@ -1,7 +1,6 @@
 -- take_batch: decide several takes in one call, each exactly as take.lua decides one: atomic and
 -- all-or-nothing within itself, independent of the others, in order (a later take sees what an
--- earlier one charged). Preceded by prelude.lua, token_bucket.lua, fixed_window.lua and
--- take_one.lua.
+-- earlier one charged). Preceded by prelude.lua, every algorithm's file and take_one.lua.
 --
 -- KEYS:  the buckets of take 1, then those of take 2, ... (on a cluster, all of one slot).
 -- ARGV:  [1] = T, the number of takes; [2 .. T+1] = the number of buckets of each take; then 6

@@ -1,4 +1,5 @@
--- Token bucket (algorithm 0): holds at most `capacity` tokens, refills continuously at
+-- Token bucket (algorithm 0, ALGORITHMS[0]; server/src/store/algorithm/token_bucket.rs is the
+-- reference arithmetic): holds at most `capacity` tokens, refills continuously at
 -- `rate` per `period_ms`, starts full.
 --
 -- KEYS:  the bucket's hash, e.g. `tollgate:tb:{<key>}`: algorithm and key only, not the limits.
@@ -20,7 +21,8 @@
 -- one micro-token is dropped). Lowering 100 -> 50 with 60 left leaves 30; raising 50 -> 100 with
 -- 30 left gives 60. A rollout therefore hands no one a fresh burst.
 -- Clock: Redis TIME. If it steps back (a failover), the bucket does not refill until it passes `ts`.
--- These are functions used by take.lua and refund.lua; the reply is built there.
+-- Registered in ALGORITHMS[0] (the interface is in prelude.lua); the replies are built by the
+-- drivers.
 
 -- Adds the micro-tokens earned between s.ts and now: elapsed_us * rate * 10^6 / (period_ms * 1000)
 -- = floor((elapsed_us * rate * 1000 + f) / period_ms), the remainder kept in f.
@@ -114,3 +116,45 @@ local function tb_refund(key, cap, rate, period, cost, now)
   tb_store(key, s, cap, rate, period)
   return 1
 end
+
+-- Settles a reservation (settle.lua): refilled up to now, then used < estimate gives back the
+-- difference (capped at capacity; an expired bucket is full already and takes none), used >
+-- estimate charges it, down to minus the capacity at most (t >= -c * 10^6): the debt, which
+-- takes exactly as long to refill as the following takes are told to wait (tb_take counts the
+-- whole deficit). Returns remaining, debt (whole tokens, the debt rounded up).
+local function tb_settle(key, cap, rate, period, now, estimate, used, window, apply)
+  local s = tb_load(key, cap, rate, period, now)
+  tb_refill(s, cap, rate, period, now)
+  if apply then
+    local cap_m = cap * MICRO
+    if used < estimate and s.exists then
+      s.t = math.min(cap_m, s.t + (estimate - used) * MICRO)
+      tb_store(key, s, cap, rate, period)
+    elseif used > estimate then
+      s.t = math.max(-cap_m, s.t - (used - estimate) * MICRO)
+      tb_store(key, s, cap, rate, period)
+    end
+  end
+  local debt = 0
+  if s.t < 0 then
+    local q, r = muldivmod(-s.t, 1, 0, MICRO)
+    if r > 0 then q = q + 1 end
+    debt = q
+  end
+  return tb_whole(s), debt
+end
+
+ALGORITHMS[0] = {
+  load = function(key, cap, rate, period, now)
+    local s = tb_load(key, cap, rate, period, now)
+    tb_refill(s, cap, rate, period, now)
+    return s
+  end,
+  take = tb_take,
+  mark = function(s) return 0 end,
+  store = tb_store,
+  refund = function(key, cap, rate, period, amount, mark, now)
+    return tb_refund(key, cap, rate, period, amount, now)
+  end,
+  settle = tb_settle,
+}

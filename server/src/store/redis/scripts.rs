@@ -8,9 +8,9 @@ use super::RedisStore;
 use crate::domain::{Algorithm, BucketSpec, Settlement};
 use crate::store::StoreError;
 
+use crate::store::algorithm;
+
 const PRELUDE: &str = include_str!("../lua/prelude.lua");
-const TOKEN_BUCKET: &str = include_str!("../lua/token_bucket.lua");
-const FIXED_WINDOW: &str = include_str!("../lua/fixed_window.lua");
 const TAKE_ONE: &str = include_str!("../lua/take_one.lua");
 const TAKE: &str = include_str!("../lua/take.lua");
 const TAKE_BATCH: &str = include_str!("../lua/take_batch.lua");
@@ -18,24 +18,34 @@ const REFUND: &str = include_str!("../lua/refund.lua");
 const SETTLE: &str = include_str!("../lua/settle.lua");
 pub(super) const INSTANCES: &str = include_str!("../lua/instances.lua");
 
+/// A script's full source: the prelude, every algorithm's Lua ([`algorithm::lua`]), then `parts`.
+fn source(parts: &[&str]) -> String {
+    let mut s = [PRELUDE, &algorithm::lua()].join("\n");
+    for p in parts {
+        s.push('\n');
+        s.push_str(p);
+    }
+    s
+}
+
 /// The full source of the take script (prelude, algorithms, driver), e.g. for `redis-benchmark`.
 pub fn take_script_source() -> String {
-    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, TAKE_ONE, TAKE].join("\n")
+    source(&[TAKE_ONE, TAKE])
 }
 
 /// The full source of the batch script (prelude, algorithms, the take of one request, the loop).
 pub fn take_batch_script_source() -> String {
-    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, TAKE_ONE, TAKE_BATCH].join("\n")
+    source(&[TAKE_ONE, TAKE_BATCH])
 }
 
 /// The full source of the refund script.
 pub fn refund_script_source() -> String {
-    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, REFUND].join("\n")
+    source(&[REFUND])
 }
 
 /// The full source of the settle script.
 pub fn settle_script_source() -> String {
-    [PRELUDE, TOKEN_BUCKET, FIXED_WINDOW, SETTLE].join("\n")
+    source(&[SETTLE])
 }
 
 /// Sends `cmd` (an EVALSHA of `script`); on `NOSCRIPT` (Redis restarted, or `SCRIPT FLUSH`) loads
@@ -55,10 +65,7 @@ pub(super) async fn evalsha<C: redis::aio::ConnectionLike>(
 }
 
 pub(super) fn alg_code(a: Algorithm) -> u64 {
-    match a {
-        Algorithm::TokenBucket => 0,
-        Algorithm::FixedWindow => 1,
-    }
+    algorithm::code(a)
 }
 
 /// Integers per bucket in a `take.lua` reply (and per bucket of its ARGV).
@@ -91,7 +98,7 @@ pub(super) fn batch_args(takes: &[&[BucketSpec]]) -> Vec<u64> {
 }
 
 /// One bucket's ARGV in `refund.lua`: algorithm, capacity, rate, period, the tokens to give back
-/// and the fixed window they were charged in (0 for token buckets).
+/// and the mark `take.lua` answered for the charge (the window charged; 0 for token buckets).
 pub(super) fn refund_args(b: &BucketSpec, amount: u64, mark: u64) -> [u64; PER_BUCKET] {
     [
         alg_code(b.algorithm),
