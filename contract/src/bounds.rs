@@ -49,6 +49,9 @@ pub const MAX_SLOT_BYTES: usize = 64;
 /// clock, so a short wait is the honest answer (sooner when the oldest slot's deadline is sooner).
 pub const SLOT_DENIED_RETRY_MS: u64 = 1000;
 
+// A batch of the largest takes does not fit: its sender splits it (above).
+const _: () = assert!(MAX_BATCH_BYTES < MAX_BATCH_TAKES * MAX_TAKE_BYTES);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -56,7 +59,6 @@ mod tests {
     #[test]
     fn the_byte_bounds_are_the_readmes() {
         assert_eq!(MAX_TAKE_BYTES, 74_240);
-        assert!(MAX_BATCH_BYTES < MAX_BATCH_TAKES * MAX_TAKE_BYTES);
         let readme = include_str!("../README.md");
         for needle in [
             format!("`buckets` | list | yes | the buckets this request takes from, all or none | 1..={MAX_BUCKETS} entries"),

@@ -2,12 +2,25 @@
 //! (wasm32-wasip1) and the decision service depend on this crate and define none of it again.
 //!
 //! - [`algorithm`]: how a bucket counts, with its JSON name, protobuf code and store tag;
-//! - [`bounds`]: the largest values, lists and bodies a valid message holds.
+//! - [`bounds`]: the largest values, lists and bodies a valid message holds;
+//! - [`fields`]: the JSON field names;
+//! - [`take`]: a take and its answer (and a batch's), the messages themselves;
+//! - [`json`], [`proto`]: their two encodings, tested on contract/fixtures/cases.json.
 //!
 //! Plain Rust: no proxy-wasm, no async runtime. The `serde` feature (the service's) adds the
 //! serde derives of the answers; the filter leaves it off, so its module does not carry them.
 
 pub mod algorithm;
 pub mod bounds;
+pub mod fields;
+pub mod json;
+pub mod proto;
+pub mod take;
+
+#[cfg(test)]
+mod tests;
 
 pub use algorithm::Algorithm;
+pub use take::{
+    BatchResponse, Bucket, BucketResult, DecodeError, Sender, TakeRequest, TakeResponse,
+};

@@ -553,6 +553,7 @@ pub fn take_all<S: CasStore + ?Sized>(
     TakeResponse {
         allowed,
         buckets: results,
+        instances: 0,
     }
 }
 

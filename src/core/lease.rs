@@ -766,6 +766,7 @@ pub fn local<S: CasStore + ?Sized>(
             Local::Answer(Outcome::Allowed(TakeResponse {
                 allowed: true,
                 buckets,
+                instances: 0,
             })),
             chores,
         );
@@ -799,6 +800,7 @@ pub fn local<S: CasStore + ?Sized>(
             Local::Answer(Outcome::Limited(TakeResponse {
                 allowed: false,
                 buckets,
+                instances: 0,
             })),
             chores,
         );
@@ -847,6 +849,7 @@ pub fn rescue<S: CasStore + ?Sized>(
     Some(Outcome::Allowed(TakeResponse {
         allowed: true,
         buckets: results,
+        instances: 0,
     }))
 }
 
@@ -1397,6 +1400,7 @@ mod tests {
         let resp = TakeResponse {
             allowed: true,
             buckets: vec![answer(true, 8, 0)],
+            instances: 0,
         };
         let (granted, chores) = settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
         assert_eq!((granted, chores.dropped, chores.refills.len()), (8, 0, 0));
@@ -1432,6 +1436,7 @@ mod tests {
         let resp = TakeResponse {
             allowed: true,
             buckets: vec![answer(true, 7, 0)],
+            instances: 0,
         };
         assert_eq!(refilled(&c, r, &Outcome::Allowed(resp), &s, 3).0, 7);
         assert_eq!((pool(&s, &c).tokens, pool(&s, &c).refill_until_ms), (8, 0));
@@ -1459,6 +1464,7 @@ mod tests {
         let resp = TakeResponse {
             allowed: false,
             buckets: vec![answer(false, 0, 300)],
+            instances: 0,
         };
         refilled(&c, r, &Outcome::Limited(resp), &s, 2);
         assert_eq!(
@@ -1533,6 +1539,7 @@ mod tests {
         let resp = TakeResponse {
             allowed: true,
             buckets: vec![answer(true, 1, 0), answer(true, 4, 0)],
+            instances: 0,
         };
         assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 2).0, 4);
         let mut p = plan(&c);
@@ -1559,6 +1566,7 @@ mod tests {
         let resp = TakeResponse {
             allowed: false,
             buckets: vec![answer(true, 0, 0), answer(false, 0, 700)],
+            instances: 0,
         };
         settle(&c, &p, &Outcome::Limited(resp), &s, 0);
         let mut p = plan(&c);
@@ -1633,6 +1641,7 @@ mod tests {
         let resp = TakeResponse {
             allowed: true,
             buckets: vec![answer(true, 8, 0)],
+            instances: 0,
         };
         settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
         assert_eq!(
@@ -1651,6 +1660,7 @@ mod tests {
         let resp = TakeResponse {
             allowed: true,
             buckets: vec![answer(true, 1000, 0)],
+            instances: 0,
         };
         assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 0).0, 8);
         assert_eq!(pool(&s, &c).tokens, 7);

@@ -156,6 +156,7 @@ mod tests {
                 allowed,
                 ..Default::default()
             }],
+            instances: 0,
         };
         let body = br#"{"results":[{"allowed":true,"buckets":[{"allowed":true}]},{"allowed":false,"buckets":[{"allowed":false}]}]}"#;
         let parts = split(

@@ -1,0 +1,49 @@
+//! The JSON field names of the contract's messages: the encoders write them and the service's
+//! decoders accept exactly them (any other name is refused, so a typo never changes a limit).
+
+/// A take's list of buckets; an answer's list of bucket results.
+pub const BUCKETS: &str = "buckets";
+/// A batch's list of takes.
+pub const TAKES: &str = "takes";
+/// A batch answer's list of take answers.
+pub const RESULTS: &str = "results";
+/// The calling proxy's instance id (a take, a batch).
+pub const INSTANCE: &str = "instance";
+/// A bucket's key.
+pub const KEY: &str = "key";
+/// A bucket's capacity.
+pub const CAPACITY: &str = "capacity";
+/// A bucket's refill per period.
+pub const RATE: &str = "rate";
+/// A bucket's period.
+pub const PERIOD_MS: &str = "period_ms";
+/// What a take charges a bucket.
+pub const COST: &str = "cost";
+/// A bucket's algorithm (its JSON name, [`crate::Algorithm::name`]).
+pub const ALGORITHM: &str = "algorithm";
+/// Lease mode: the most a take may charge a bucket.
+pub const LEASE: &str = "lease";
+/// The rule a bucket belongs to (metrics only).
+pub const RULE: &str = "rule";
+
+/// The fields of a take's bucket, in the order the encoders write them.
+pub const TAKE_BUCKET: [&str; 8] = [KEY, CAPACITY, RATE, PERIOD_MS, COST, ALGORITHM, LEASE, RULE];
+/// The fields of a take.
+pub const TAKE: [&str; 2] = [BUCKETS, INSTANCE];
+/// The fields of a batch of takes.
+pub const BATCH: [&str; 2] = [TAKES, INSTANCE];
+
+/// An answer: every bucket could pay.
+pub const ALLOWED: &str = "allowed";
+/// An answer: the live instances.
+pub const INSTANCES: &str = "instances";
+/// A bucket result: the capacity.
+pub const LIMIT: &str = "limit";
+/// A bucket result: whole tokens left.
+pub const REMAINING: &str = "remaining";
+/// A bucket result: ms until full, or until the window ends.
+pub const RESET_MS: &str = "reset_ms";
+/// A bucket result: ms until it could pay.
+pub const RETRY_AFTER_MS: &str = "retry_after_ms";
+/// A bucket result: tokens charged.
+pub const GRANTED: &str = "granted";

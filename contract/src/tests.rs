@@ -1,0 +1,275 @@
+//! Both codecs against contract/fixtures/cases.json, byte for byte and both ways (the encoders'
+//! inverses are test-side), and against bodies that are not answers.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use serde_json::Value;
+
+use crate::proto::{put_bytes, put_u64, Field, Reader};
+use crate::take::{Bucket, Sender, TakeRequest, TakeResponse};
+use crate::{json, proto, Algorithm};
+
+fn hex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+fn fixtures() -> Value {
+    serde_json::from_str(include_str!("../fixtures/cases.json")).unwrap()
+}
+
+fn cases(list: &str) -> Vec<Value> {
+    fixtures()[list].as_array().unwrap().clone()
+}
+
+/// The fixtures' rule names are the keys' leading parts (`<rule>|...`).
+fn rule_of_key(b: &Bucket) -> Option<&str> {
+    b.key.split_once('|').map(|(r, _)| r)
+}
+
+fn sender(v: &Value) -> Sender<'_> {
+    Sender {
+        instance: v["instance"].as_str(),
+        rule: rule_of_key,
+    }
+}
+
+fn request_from_json(v: &Value) -> TakeRequest {
+    TakeRequest {
+        buckets: v["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| Bucket {
+                key: b["key"].as_str().unwrap().to_string(),
+                capacity: b["capacity"].as_u64().unwrap(),
+                rate: b.get("rate").map(|x| x.as_u64().unwrap()),
+                period_ms: b["period_ms"].as_u64().unwrap(),
+                cost: b.get("cost").map(|x| x.as_u64().unwrap()),
+                algorithm: b
+                    .get("algorithm")
+                    .map(|x| Algorithm::from_name(x.as_str().unwrap()).unwrap()),
+                lease: b.get("lease").map(|x| x.as_u64().unwrap()),
+            })
+            .collect(),
+    }
+}
+
+/// The inverse of [`proto::encode_take`], without the instance id and rule names.
+fn decode_request_proto(buf: &[u8]) -> TakeRequest {
+    let mut r = Reader::new(buf);
+    let mut out = TakeRequest::default();
+    while let Some((f, v)) = r.field().unwrap() {
+        if let (2, Field::Bytes(_)) = (f, &v) {
+            continue;
+        }
+        let (1, Field::Bytes(b)) = (f, v) else {
+            panic!("unexpected field {f}")
+        };
+        let mut br = Reader::new(b);
+        let mut bucket = Bucket {
+            key: String::new(),
+            capacity: 0,
+            rate: None,
+            period_ms: 0,
+            cost: None,
+            algorithm: None,
+            lease: None,
+        };
+        while let Some((f, v)) = br.field().unwrap() {
+            match (f, v) {
+                (1, Field::Bytes(k)) => bucket.key = String::from_utf8(k.to_vec()).unwrap(),
+                (2, Field::Varint(x)) => bucket.capacity = x,
+                (3, Field::Varint(x)) => bucket.rate = Some(x),
+                (4, Field::Varint(x)) => bucket.period_ms = x,
+                (5, Field::Varint(x)) => bucket.cost = Some(x),
+                (6, Field::Varint(x)) => {
+                    bucket.algorithm = Algorithm::from_code(i32::try_from(x).unwrap())
+                }
+                (7, Field::Varint(x)) => bucket.lease = Some(x),
+                (8, Field::Bytes(r)) => {
+                    assert_eq!(Some(r), rule_of_key(&bucket).map(str::as_bytes))
+                }
+                _ => panic!("unexpected bucket field {f}"),
+            }
+        }
+        out.buckets.push(bucket);
+    }
+    out
+}
+
+/// The inverse of [`proto::decode_answer`].
+fn encode_answer_proto(resp: &TakeResponse) -> Vec<u8> {
+    let mut out = Vec::new();
+    put_u64(&mut out, 1, u64::from(resp.allowed));
+    for b in &resp.buckets {
+        let mut m = Vec::new();
+        put_u64(&mut m, 1, u64::from(b.allowed));
+        put_u64(&mut m, 2, b.limit);
+        put_u64(&mut m, 3, b.remaining);
+        put_u64(&mut m, 4, b.reset_ms);
+        put_u64(&mut m, 5, b.retry_after_ms);
+        put_u64(&mut m, 6, b.granted);
+        put_bytes(&mut out, 2, &m);
+    }
+    put_u64(&mut out, 3, resp.instances);
+    out
+}
+
+#[test]
+fn takes_and_answers_both_ways() {
+    let all = cases("cases");
+    assert!(all.len() >= 4);
+    assert!(
+        all.iter()
+            .any(|c| c["request_json"]["buckets"][0].get("lease").is_some()),
+        "the fixtures cover lease mode"
+    );
+    for case in all {
+        let name = case["name"].as_str().unwrap();
+        let from = sender(&case["request_json"]);
+        let req = request_from_json(&case["request_json"]);
+        let req_pb = hex(case["request_pb_hex"].as_str().unwrap());
+        assert_eq!(proto::encode_take(&req, &from), req_pb, "{name}: protobuf");
+        // proto3 cannot tell an absent enum from its zero value (the default algorithm).
+        let mut normalised = req.clone();
+        for b in &mut normalised.buckets {
+            if b.algorithm == Some(Algorithm::default()) {
+                b.algorithm = None;
+            }
+        }
+        assert_eq!(decode_request_proto(&req_pb), normalised, "{name}");
+        let ours: Value = serde_json::from_slice(&json::encode_take(&req, &from)).unwrap();
+        assert_eq!(ours, case["request_json"], "{name}: JSON");
+
+        let resp_json = serde_json::to_vec(&case["response_json"]).unwrap();
+        let from_json = json::decode_answer(&resp_json).unwrap();
+        let resp_pb = hex(case["response_pb_hex"].as_str().unwrap());
+        let from_pb = proto::decode_answer(&resp_pb).unwrap();
+        assert_eq!(from_json, from_pb, "{name}: JSON vs protobuf");
+        assert_eq!(
+            from_pb.instances,
+            case["response_json"]["instances"].as_u64().unwrap_or(0)
+        );
+        assert_eq!(encode_answer_proto(&from_pb), resp_pb, "{name}: answer");
+    }
+}
+
+#[test]
+fn batches_both_ways() {
+    for case in cases("batch_cases") {
+        let name = case["name"].as_str().unwrap();
+        let takes: Vec<TakeRequest> = case["request_json"]["takes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(request_from_json)
+            .collect();
+        let refs: Vec<&TakeRequest> = takes.iter().collect();
+        let from = sender(&case["request_json"]);
+        let ours: Value = serde_json::from_slice(&json::encode_batch(&refs, &from)).unwrap();
+        assert_eq!(ours, case["request_json"], "{name}: JSON");
+        let pb = hex(case["request_pb_hex"].as_str().unwrap());
+        assert_eq!(proto::encode_batch(&refs, &from), pb, "{name}: protobuf");
+
+        let body = serde_json::to_vec(&case["response_json"]).unwrap();
+        let from_json = json::decode_batch_answer(&body).unwrap();
+        let from_pb =
+            proto::decode_batch_answer(&hex(case["response_pb_hex"].as_str().unwrap())).unwrap();
+        assert_eq!(from_json, from_pb, "{name}: JSON vs protobuf");
+        assert_eq!(from_json.len(), takes.len(), "{name}: one answer per take");
+    }
+}
+
+#[test]
+fn lease_fixture_carries_lease_and_granted() {
+    let case = cases("cases")
+        .into_iter()
+        .find(|c| c["name"] == "lease_partial_grant")
+        .unwrap();
+    let req = request_from_json(&case["request_json"]);
+    assert_eq!(req.buckets[0].lease, Some(50));
+    let resp = proto::decode_answer(&hex(case["response_pb_hex"].as_str().unwrap())).unwrap();
+    let granted: Vec<u64> = resp.buckets.iter().map(|b| b.granted).collect();
+    assert_eq!(granted, vec![50, 14]);
+}
+
+#[test]
+fn anonymous_senders_add_nothing() {
+    let req = TakeRequest {
+        buckets: vec![Bucket {
+            key: "api|a\"b\\c\u{1}é{}".into(),
+            capacity: 1,
+            rate: None,
+            period_ms: 1,
+            cost: None,
+            algorithm: None,
+            lease: None,
+        }],
+    };
+    let v: Value = serde_json::from_slice(&json::encode_take(&req, &Sender::ANONYMOUS)).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!({"buckets": [{"key": "api|a\"b\\c\u{1}é{}", "capacity": 1, "period_ms": 1}]})
+    );
+    assert_eq!(
+        decode_request_proto(&proto::encode_take(&req, &Sender::ANONYMOUS)),
+        req
+    );
+}
+
+#[test]
+fn protobuf_answers_that_are_not_answers() {
+    for bad in [
+        &[0x08][..],               // truncated varint value
+        &[0x12, 0x05, 0x08],       // length beyond the end
+        &[0xff; 11],               // varint too long
+        &[0x0b],                   // group wire type
+        &[0x0a, 0x00],             // field 1 with wrong wire type
+        &[0x12, 0x02, 0x0a, 0x00], // BucketResult field 1 with wrong wire type
+    ] {
+        assert!(proto::decode_answer(bad).is_err(), "{bad:?}");
+    }
+    // Unknown fields of every wire type are skipped.
+    let ok = [
+        0x08, 0x01, 0x20, 0x05, 0x21, 0, 0, 0, 0, 0, 0, 0, 0, 0x2d, 0, 0, 0, 0, 0x32, 0x00,
+    ];
+    assert_eq!(
+        proto::decode_answer(&ok).unwrap(),
+        TakeResponse {
+            allowed: true,
+            ..TakeResponse::default()
+        }
+    );
+    assert_eq!(proto::decode_answer(&[]).unwrap(), TakeResponse::default());
+    assert!(proto::decode_batch_answer(&[0x08, 0x01]).is_err());
+}
+
+#[test]
+fn json_answers_that_are_not_answers() {
+    for bad in [
+        &b""[..],
+        b"{}",
+        b"{\"allowed\":true}",
+        b"{\"allowed\":\"yes\",\"buckets\":[]}",
+        b"{\"allowed\":true,\"buckets\":[{\"allowed\":true,\"limit\":-1}]}",
+        b"<html>",
+    ] {
+        assert!(
+            json::decode_answer(bad).is_err(),
+            "{}",
+            String::from_utf8_lossy(bad)
+        );
+    }
+    assert!(json::decode_batch_answer(b"{\"results\":{}}").is_err());
+    // Unknown fields are ignored; a count that is not a number is no count.
+    let a = json::decode_answer(br#"{"allowed":true,"buckets":[],"instances":"x","new":1}"#);
+    assert_eq!(
+        a,
+        Ok(TakeResponse {
+            allowed: true,
+            ..TakeResponse::default()
+        })
+    );
+}
