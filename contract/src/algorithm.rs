@@ -12,17 +12,25 @@ pub enum Algorithm {
     TokenBucket,
     /// At most `capacity` tokens per window `floor(now / period_ms)`; `rate` is ignored.
     FixedWindow,
+    /// At most `capacity` tokens within any `period_ms`, estimated from the current window's
+    /// count and the previous one's, weighted; `rate` is ignored.
+    SlidingWindow,
 }
 
 impl Algorithm {
     /// Every algorithm, in the order of their protobuf codes.
-    pub const ALL: &'static [Algorithm] = &[Algorithm::TokenBucket, Algorithm::FixedWindow];
+    pub const ALL: &'static [Algorithm] = &[
+        Algorithm::TokenBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+    ];
 
     /// The JSON name (`"algorithm"` of a bucket, and of a rule in the filter's configuration).
     pub const fn name(self) -> &'static str {
         match self {
             Algorithm::TokenBucket => "token_bucket",
             Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindow => "sliding_window",
         }
     }
 
@@ -37,6 +45,7 @@ impl Algorithm {
         match self {
             Algorithm::TokenBucket => 0,
             Algorithm::FixedWindow => 1,
+            Algorithm::SlidingWindow => 2,
         }
     }
 
@@ -50,6 +59,7 @@ impl Algorithm {
         match self {
             Algorithm::TokenBucket => "tb",
             Algorithm::FixedWindow => "fw",
+            Algorithm::SlidingWindow => "sw",
         }
     }
 
@@ -91,7 +101,7 @@ mod tests {
         assert_eq!(Algorithm::from_code(-1), None);
         assert_eq!(
             Algorithm::expected(),
-            "\"token_bucket\" or \"fixed_window\""
+            "\"token_bucket\", \"fixed_window\" or \"sliding_window\""
         );
     }
 

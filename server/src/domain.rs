@@ -454,10 +454,10 @@ pub fn validate_settle(raw: RawSettle) -> Result<Settlement, InvalidArgument> {
             };
             let estimate = amount("estimate", estimate)?;
             let used = amount("used", used)?;
-            if window.is_some() && bucket.algorithm != Algorithm::FixedWindow {
+            if window.is_some() && bucket.algorithm == Algorithm::TokenBucket {
                 return Err(InvalidArgument::new(
                     f("window"),
-                    "applies to fixed_window only",
+                    "applies to fixed_window and sliding_window only",
                 ));
             }
             Ok(SettleSpec {

@@ -145,10 +145,7 @@ pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
 }
 
 fn alg_byte(a: Algorithm) -> u8 {
-    match a {
-        Algorithm::TokenBucket => 0,
-        Algorithm::FixedWindow => 1,
-    }
+    bucket::code(a)
 }
 
 /// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The identity
@@ -280,50 +277,12 @@ fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64) -> Vec<u8
     v
 }
 
-/// A share kept under limits `old`, as it stands at `now_ms` under limits `new`: refilled (or
-/// moved to the current window) under `old`, then scaled to `new`'s local capacity keeping the
-/// fraction held (token bucket, rounded down) or used (fixed window, rounded up; the count
-/// carries only while the window it was counted in lasts). Never above the new capacity.
+/// A share kept under limits `old`, as it stands at `now_ms` under limits `new`
+/// ([`bucket::carry`]): brought up to now under `old`, then scaled to `new`'s local capacity
+/// keeping the fraction held (token bucket, rounded down) or used (the windows, rounded up).
+/// Never above the new capacity.
 pub fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State {
-    if old == new {
-        return s;
-    }
-    let p = bucket::project(old, s, now_ms);
-    let scale = |v: u64, up: bool| -> u64 {
-        if old.capacity == new.capacity {
-            return v;
-        }
-        if old.capacity == 0 {
-            // Nothing was held: nothing is held (or everything is used) now.
-            return if up { new.capacity } else { 0 };
-        }
-        let x = u128::from(v) * u128::from(new.capacity);
-        let d = u128::from(old.capacity);
-        u64::try_from(if up { x.div_ceil(d) } else { x / d }).unwrap_or(u64::MAX)
-    };
-    match new.algorithm {
-        Algorithm::TokenBucket => State {
-            level: scale(p.level, false).min(new.capacity.saturating_mul(bucket::MICRO)),
-            stamp: p.stamp,
-        },
-        Algorithm::FixedWindow => {
-            let window = now_ms / new.period_ms.max(1);
-            let old_end = p.stamp.saturating_add(1).saturating_mul(old.period_ms);
-            let used = if old.period_ms == new.period_ms || now_ms < old_end {
-                scale(p.level, true).min(new.capacity)
-            } else {
-                0
-            };
-            State {
-                level: used,
-                stamp: if old.period_ms == new.period_ms {
-                    p.stamp
-                } else {
-                    window
-                },
-            }
-        }
-    }
+    bucket::carry(old, s, new, now_ms)
 }
 
 fn u64_at(b: &[u8], at: usize) -> Option<u64> {

@@ -10,7 +10,7 @@
 //! - `x-ratelimit`: the de-facto `X-RateLimit-Limit`, `-Remaining`, `-Reset` (seconds), for the
 //!   most restrictive bucket (least remaining).
 
-use crate::core::config::{Algorithm, HeaderStyle, Rule};
+use crate::core::config::{HeaderStyle, Rule};
 use crate::core::wire::BucketResult;
 use std::fmt::Write as _;
 
@@ -25,10 +25,11 @@ pub fn retry_after(ms: u64) -> String {
 
 /// The policy window of a rule, in seconds (at least 1).
 pub fn window_secs(rule: &Rule) -> u64 {
-    let ms = match rule.algorithm {
-        Algorithm::FixedWindow => u128::from(rule.period_ms),
-        Algorithm::TokenBucket => (u128::from(rule.capacity) * u128::from(rule.period_ms))
-            .div_ceil(u128::from(rule.rate.max(1))),
+    let ms = if crate::core::bucket::windowed(rule.algorithm) {
+        u128::from(rule.period_ms)
+    } else {
+        (u128::from(rule.capacity) * u128::from(rule.period_ms))
+            .div_ceil(u128::from(rule.rate.max(1)))
     };
     u64::try_from(ms.div_ceil(1000)).unwrap_or(u64::MAX).max(1)
 }
@@ -99,6 +100,7 @@ pub fn rate_limit_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::config::Algorithm;
 
     fn rule(name: &str, capacity: u64, rate: u64, period_ms: u64, algorithm: Algorithm) -> Rule {
         Rule {

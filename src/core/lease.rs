@@ -39,8 +39,8 @@
 //! [`refilled`] and [`rescue`] (after it) over a request's [`Plan`]; [`Chores`], the callouts they
 //! leave to send; [`Count`], the lease metrics.
 
-use crate::core::bucket::Limits;
-use crate::core::config::{Algorithm, Config, Lease, Rule};
+use crate::core::bucket::{self, Limits};
+use crate::core::config::{Config, Lease, Rule};
 use crate::core::decide::{Outcome, Plan};
 use crate::core::fallback::{self, learned_instances, Slot};
 use crate::core::store::{update, CasStore, Step};
@@ -639,7 +639,7 @@ impl Chores {
         }
         self.dropped += n;
         if let Some(b) = plan.request.buckets.get(i) {
-            if b.algorithm.unwrap_or(Algorithm::TokenBucket) == Algorithm::TokenBucket {
+            if bucket::refundable(b.algorithm.unwrap_or_default()) {
                 self.returns.push(TakeRequest {
                     buckets: vec![Bucket {
                         cost: Some(n),
@@ -655,7 +655,7 @@ impl Chores {
     /// buckets only, as for [`Chores::expired`]).
     fn held(&mut self, plan: &Plan, i: usize, slot: &Slot, expires_ms: u64) {
         if let Some(b) = plan.request.buckets.get(i) {
-            if b.algorithm.unwrap_or(Algorithm::TokenBucket) == Algorithm::TokenBucket {
+            if bucket::refundable(b.algorithm.unwrap_or_default()) {
                 self.watch.push(Held {
                     slot: slot.clone(),
                     bucket: Bucket {
@@ -856,7 +856,7 @@ pub fn rescue<S: CasStore + ?Sized>(
 /// When tokens granted now to a bucket of `rule` stop being spendable.
 fn expiry(rule: &Rule, lease: &Lease, answer: &BucketResult, now_ms: u64) -> u64 {
     let until = now_ms.saturating_add(lease.max_age_ms);
-    if rule.algorithm == Algorithm::FixedWindow {
+    if bucket::windowed(rule.algorithm) {
         // A token of this window must not be spent in the next one.
         return until.min(now_ms.saturating_add(answer.reset_ms));
     }

@@ -70,12 +70,12 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..200),
         max_keys in 1u32..5,
         instances in 1u64..4,
-        fixed in any::<bool>(),
+        algorithm in 0usize..3,
     ) {
         let store = FakeStore::default();
         fallback::prepare(&store, max_keys);
         let sh = Shares { max_keys, instances, horizon_ms: 5_000 };
-        let algorithm = if fixed { Algorithm::FixedWindow } else { Algorithm::TokenBucket };
+        let algorithm = Algorithm::ALL[algorithm];
         // 12 per 10 min globally, per proxy 12 / instances: slow enough that a second full
         // start would show.
         let l = Limits::local(CAP, CAP, PERIOD, algorithm, instances);
@@ -123,8 +123,9 @@ proptest! {
                             as u64
                         + 1
                 }
-                // One capacity per window the run touched.
-                Algorithm::FixedWindow => l.capacity * (span / PERIOD + 2),
+                // One capacity per window the run touched (a sliding window admits no more than
+                // its capacity in any fixed window either).
+                Algorithm::FixedWindow | Algorithm::SlidingWindow => l.capacity * (span / PERIOD + 2),
             };
             prop_assert!(n <= bound, "key {key}: admitted {n} > {bound} over {span} ms");
         }
@@ -137,6 +138,10 @@ proptest! {
             match algorithm {
                 Algorithm::TokenBucket => prop_assert!(level <= l.capacity * MICRO),
                 Algorithm::FixedWindow => prop_assert!(level <= l.capacity),
+                // Both counts, packed.
+                Algorithm::SlidingWindow => {
+                    prop_assert!(level & 0xFFFF_FFFF <= l.capacity && level >> 32 <= l.capacity)
+                }
             }
         }
     }

@@ -90,14 +90,12 @@ fn bucket(i: usize, v: &Value) -> Result<RawSettleBucket, InvalidArgument> {
     }
     let algorithm = match b.get("algorithm") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) if s == "token_bucket" => Some(Algorithm::TokenBucket),
-        Some(Value::String(s)) if s == "fixed_window" => Some(Algorithm::FixedWindow),
-        Some(_) => {
-            return Err(InvalidArgument::new(
+        Some(v) => Some(v.as_str().and_then(Algorithm::from_name).ok_or_else(|| {
+            InvalidArgument::new(
                 at("algorithm"),
-                "must be \"token_bucket\" or \"fixed_window\"",
-            ))
-        }
+                format!("must be {}", Algorithm::expected()),
+            )
+        })?),
     };
     Ok(RawSettleBucket {
         bucket: RawBucket {
@@ -137,15 +135,7 @@ pub fn encode_settle(raw: &RawSettle) -> Value {
                 put("capacity", b.capacity.map(Value::from));
                 put("rate", b.rate.map(Value::from));
                 put("period_ms", b.period_ms.map(Value::from));
-                put(
-                    "algorithm",
-                    b.algorithm.map(|a| {
-                        Value::from(match a {
-                            Algorithm::TokenBucket => "token_bucket",
-                            Algorithm::FixedWindow => "fixed_window",
-                        })
-                    }),
-                );
+                put("algorithm", b.algorithm.map(|a| Value::from(a.name())));
                 put("rule", b.rule.as_deref().map(Value::from));
                 put("estimate", s.estimate.map(Value::from));
                 put("used", s.used.map(Value::from));

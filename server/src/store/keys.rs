@@ -56,7 +56,7 @@ pub fn redis_key(prefix: &str, b: &BucketSpec) -> String {
     };
     let mut out = String::with_capacity(prefix.len() + tag + 8);
     out.push_str(prefix);
-    out.push_str(super::algorithm::tag(b.algorithm));
+    out.push_str(b.algorithm.tag());
     out.push_str(":{");
     push_tag(&mut out, &b.key);
     out.push('}');

@@ -280,7 +280,7 @@ impl MemoryStore {
                 let expires_us = now.saturating_add(ttl_ms(&state, now).saturating_mul(1000));
                 inner.put(id, state, expires_us);
             }
-            out.push(state.settle_result(b));
+            out.push(state.settle_result(b, now));
         }
         Ok(SettleDecision {
             duplicate,

@@ -32,7 +32,6 @@ pub(super) fn scale_used(used: u64, old: u64, new: u64) -> u64 {
 }
 
 impl Counter for FixedWindow {
-    const TAG: &'static str = "fw";
     const CODE: u64 = 1;
     const LUA: &'static str = include_str!("../lua/fixed_window.lua");
     type State = Window;
@@ -118,7 +117,7 @@ impl Counter for FixedWindow {
         }
     }
 
-    fn settle_result(b: &BucketSpec, s: &Window) -> SettleResult {
+    fn settle_result(b: &BucketSpec, s: &Window, _now: u64) -> SettleResult {
         SettleResult {
             remaining: b.capacity.saturating_sub(s.count),
             debt: s.count.saturating_sub(b.capacity),

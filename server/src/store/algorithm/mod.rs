@@ -1,7 +1,7 @@
 //! The algorithms, one module each, behind one trait ([`Counter`]): each owns its arithmetic (the
 //! reference the memory store runs, in exact integers), its Lua (the same arithmetic on Redis, in
-//! `lua/<name>.lua`, registered in the scripts' `ALGORITHMS` table under its code), its tag in
-//! Redis keys and its code in the scripts' ARGV. The stores and the script drivers (take, batch,
+//! `lua/<name>.lua`, registered in the scripts' `ALGORITHMS` table under its code), and its code in
+//! the scripts' ARGV (its name, protobuf code and key tag are the contract's, `contract::Algorithm`). The stores and the script drivers (take, batch,
 //! refund, settle) dispatch through this module and know no algorithm's internals.
 //!
 //! Every algorithm gets the bucket's limits (capacity, rate, period_ms) in the same ARGV places
@@ -15,6 +15,7 @@
 //! | `sliding_window` | the current window's count plus the previous one's, weighted by how much of it the sliding window still covers |
 
 pub mod fixed_window;
+pub mod sliding_window;
 pub mod token_bucket;
 
 use crate::domain::{Algorithm, BucketDecision, BucketSpec, SettleResult, SettleSpec};
@@ -56,8 +57,6 @@ pub fn cap_ms(v: u128) -> u64 {
 /// running the behaviour suite) and what the scripts know it by. Times are µs on the store's
 /// clock; every function gets the caller's (validated) bucket.
 pub trait Counter {
-    /// The tag in its Redis keys (`<prefix><tag>:{<key>}`).
-    const TAG: &'static str;
     /// Its code in the scripts' ARGV (`ALGORITHMS[code]` in Lua).
     const CODE: u64;
     /// Its Lua file, registering `ALGORITHMS[CODE]` (interface in `lua/prelude.lua`).
@@ -80,8 +79,8 @@ pub trait Counter {
     /// Settles one bucket of a reservation (contract/README.md, "Settle"); `existed`: the bucket
     /// was stored. Returns whether the state changed.
     fn settle(spec: &SettleSpec, s: &mut Self::State, existed: bool) -> bool;
-    /// What a settle answers for the bucket as it stands.
-    fn settle_result(b: &BucketSpec, s: &Self::State) -> SettleResult;
+    /// What a settle answers for the bucket as it stands at `now`.
+    fn settle_result(b: &BucketSpec, s: &Self::State, now: u64) -> SettleResult;
     /// Milliseconds until the bucket no longer matters (full again, its windows ended), without
     /// the margin: a missing bucket must read the same as this one would by then.
     fn until_idle_ms(s: &Self::State, now: u64) -> u64;
@@ -98,13 +97,6 @@ macro_rules! algorithms {
                 #[allow(missing_docs)]
                 $variant(<$module::$counter as Counter>::State),
             )*
-        }
-
-        /// The tag of `a` in Redis keys.
-        pub fn tag(a: Algorithm) -> &'static str {
-            match a {
-                $(Algorithm::$variant => <$module::$counter as Counter>::TAG,)*
-            }
         }
 
         /// The code of `a` in the scripts' ARGV.
@@ -164,9 +156,9 @@ macro_rules! algorithms {
             }
 
             /// [`Counter::settle_result`].
-            pub fn settle_result(&self, b: &BucketSpec) -> SettleResult {
+            pub fn settle_result(&self, b: &BucketSpec, now: u64) -> SettleResult {
                 match self {
-                    $(State::$variant(s) => $module::$counter::settle_result(b, s),)*
+                    $(State::$variant(s) => $module::$counter::settle_result(b, s, now),)*
                 }
             }
 
@@ -185,6 +177,7 @@ macro_rules! algorithms {
 algorithms!(
     TokenBucket => token_bucket::TokenBucket,
     FixedWindow => fixed_window::FixedWindow,
+    SlidingWindow => sliding_window::SlidingWindow,
 );
 
 #[cfg(test)]

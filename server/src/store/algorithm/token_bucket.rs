@@ -78,7 +78,6 @@ fn debt_tokens(t: i128) -> u64 {
 }
 
 impl Counter for TokenBucket {
-    const TAG: &'static str = "tb";
     const CODE: u64 = 0;
     const LUA: &'static str = include_str!("../lua/token_bucket.lua");
     type State = Tokens;
@@ -171,7 +170,7 @@ impl Counter for TokenBucket {
         }
     }
 
-    fn settle_result(_: &BucketSpec, s: &Tokens) -> SettleResult {
+    fn settle_result(_: &BucketSpec, s: &Tokens, _now: u64) -> SettleResult {
         SettleResult {
             remaining: whole_tokens(s.t),
             debt: debt_tokens(s.t),

@@ -1,10 +1,24 @@
-//! Local bucket math for the fallback path, in integer micro-tokens.
+//! Local bucket math, in integer micro-tokens: one module per algorithm behind one trait
+//! ([`Local`]), shared by the fallback shares ([`crate::core::fallback`]) and the lease pools
+//! ([`crate::core::lease`]), which call the functions below and know no algorithm's internals.
 //!
 //! The same algorithms as the service (contract/README.md), scaled for one of `instances`
 //! proxies: capacity is `floor(capacity / instances)` and the refill rate is exactly
 //! `rate / instances` per period (the division is folded into the refill computation, so no rate
 //! is rounded away). Intermediates are `u128`: `capacity × period × instances × 10⁶` does not fit
 //! in 64 bits at the contract's upper bounds.
+//!
+//! | module | algorithm | [`State`] |
+//! |---|---|---|
+//! | `token_bucket` | refills continuously | `level` micro-tokens held, `stamp` last update (ms) |
+//! | `fixed_window` | at most capacity per window | `level` tokens used, `stamp` the window index |
+//! | `sliding_window` | the current window's count plus the previous one's, weighted | `level` both counts, `stamp` the window index |
+//!
+//! Adding an algorithm: a module with a [`Local`] and one line in [`dispatch!`] below.
+
+mod fixed_window;
+mod sliding_window;
+mod token_bucket;
 
 use crate::core::config::Algorithm;
 use crate::core::wire::BucketResult;
@@ -25,7 +39,7 @@ pub struct Limits {
     pub period_ms: u64,
     /// How many proxies share the limit.
     pub divisor: u64,
-    /// Token bucket or fixed window.
+    /// How the bucket counts.
     pub algorithm: Algorithm,
 }
 
@@ -50,14 +64,67 @@ impl Limits {
     }
 }
 
-/// A bucket's state. Token bucket: `level` = micro-tokens, `stamp` = time of the last update (ms).
-/// Fixed window: `level` = tokens used, `stamp` = the window index.
+/// A bucket's state: two words each algorithm reads its own way (table above), so a record
+/// stores any algorithm's state in the same bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct State {
-    /// Micro-tokens held, or tokens used in the window.
+    /// Micro-tokens held, or tokens used (per algorithm).
     pub level: u64,
     /// Last update (ms), or window index.
     pub stamp: u64,
+}
+
+/// One algorithm's local arithmetic.
+trait Local {
+    /// Its byte in a bucket's identity (the fallback and lease slots).
+    const CODE: u8;
+    /// Whether tokens charged and not spent can be given back to the service (a refund): not
+    /// when they end with their window.
+    const REFUNDABLE: bool;
+    /// Whether a token granted in a window must be spent within it (lease pools).
+    const WINDOWED: bool;
+
+    /// Tries to take `cost` at `now_ms` (`None`: a new bucket); see [`take`].
+    fn take(l: &Limits, state: Option<State>, now_ms: u64, cost: u64) -> (State, BucketResult);
+    /// See [`project`].
+    fn project(l: &Limits, s: State, now_ms: u64) -> State;
+    /// A state that holds `left` tokens at `now_ms` (at most the capacity).
+    fn holding(l: &Limits, left: u64, now_ms: u64) -> State;
+    /// Whole tokens a state brought up to `now_ms` ([`project`]) holds.
+    fn available(l: &Limits, p: State, now_ms: u64) -> u64;
+    /// Whether `a` holds no more than `b` (both brought up to `now_ms`).
+    fn holds_no_more(l: &Limits, a: State, b: State, now_ms: u64) -> bool {
+        Self::available(l, a, now_ms) <= Self::available(l, b, now_ms)
+    }
+    /// See [`refund`].
+    fn refund(l: &Limits, s: State, cost: u64) -> State;
+    /// `p`, brought up to `now_ms` under `old`, under `new` ([`carry`]); `scale(v, up)` scales a
+    /// count from the old capacity to the new one, rounded up or down.
+    fn carry(
+        old: &Limits,
+        p: State,
+        new: &Limits,
+        now_ms: u64,
+        scale: &dyn Fn(u64, bool) -> u64,
+    ) -> State;
+}
+
+/// Calls `$f` of the [`Local`] of algorithm `$alg`.
+macro_rules! dispatch {
+    ($alg:expr, $f:ident ( $($arg:expr),* )) => {
+        match $alg {
+            Algorithm::TokenBucket => <token_bucket::TokenBucket as Local>::$f($($arg),*),
+            Algorithm::FixedWindow => <fixed_window::FixedWindow as Local>::$f($($arg),*),
+            Algorithm::SlidingWindow => <sliding_window::SlidingWindow as Local>::$f($($arg),*),
+        }
+    };
+    ($alg:expr, $c:ident) => {
+        match $alg {
+            Algorithm::TokenBucket => <token_bucket::TokenBucket as Local>::$c,
+            Algorithm::FixedWindow => <fixed_window::FixedWindow as Local>::$c,
+            Algorithm::SlidingWindow => <sliding_window::SlidingWindow as Local>::$c,
+        }
+    };
 }
 
 fn to_u64(v: u128) -> u64 {
@@ -71,182 +138,62 @@ fn div_ceil(a: u128, b: u128) -> u128 {
     a.div_ceil(b)
 }
 
-/// ms for `micro` micro-tokens to refill.
-fn refill_time(l: &Limits, micro: u128) -> u128 {
-    div_ceil(
-        micro * u128::from(l.period_ms) * u128::from(l.divisor),
-        u128::from(l.rate) * u128::from(MICRO),
-    )
+/// The byte of `a` in a bucket's identity.
+pub fn code(a: Algorithm) -> u8 {
+    dispatch!(a, CODE)
+}
+
+/// Whether unspent tokens of `a` can be given back to the service (a token bucket's; a window's
+/// end with their window).
+pub fn refundable(a: Algorithm) -> bool {
+    dispatch!(a, REFUNDABLE)
+}
+
+/// Whether tokens of `a` granted in a window must be spent within it.
+pub fn windowed(a: Algorithm) -> bool {
+    dispatch!(a, WINDOWED)
 }
 
 /// Tries to take `cost` tokens at `now_ms`. `state` is `None` for a new bucket (it starts full).
 /// Returns the new state (to store whether or not the take succeeded: a token bucket's refill
 /// was applied) and the result in the contract's terms.
 pub fn take(l: &Limits, state: Option<State>, now_ms: u64, cost: u64) -> (State, BucketResult) {
-    match l.algorithm {
-        Algorithm::TokenBucket => take_token_bucket(l, state, now_ms, cost),
-        Algorithm::FixedWindow => take_fixed_window(l, state, now_ms, cost),
-    }
-}
-
-fn take_token_bucket(
-    l: &Limits,
-    state: Option<State>,
-    now_ms: u64,
-    cost: u64,
-) -> (State, BucketResult) {
-    let cap = u128::from(l.capacity) * u128::from(MICRO);
-    let (mut tokens, stamp) = match state {
-        None => (cap, now_ms),
-        Some(s) => {
-            let s = project(l, s, now_ms);
-            (u128::from(s.level), s.stamp)
-        }
-    };
-    let need = u128::from(cost) * u128::from(MICRO);
-    let allowed = tokens >= need;
-    if allowed {
-        tokens -= need;
-    }
-    let retry_after_ms = if allowed {
-        0
-    } else if need > cap {
-        // Can never be paid: tell the client to come back after a period.
-        l.period_ms
-    } else {
-        to_u64(refill_time(l, need - tokens).max(1))
-    };
-    let result = BucketResult {
-        allowed,
-        limit: l.capacity,
-        remaining: to_u64(tokens / u128::from(MICRO)),
-        reset_ms: to_u64(refill_time(l, cap - tokens)),
-        retry_after_ms,
-        granted: if allowed { cost } else { 0 },
-    };
-    (
-        State {
-            level: to_u64(tokens),
-            stamp,
-        },
-        result,
-    )
-}
-
-fn take_fixed_window(
-    l: &Limits,
-    state: Option<State>,
-    now_ms: u64,
-    cost: u64,
-) -> (State, BucketResult) {
-    let period = l.period_ms.max(1);
-    // A clock behind the newest window stored counts in that window (see `project`).
-    let (mut used, window) = match state {
-        Some(s) => {
-            let p = project(l, s, now_ms);
-            (p.level, p.stamp)
-        }
-        None => (0, now_ms / period),
-    };
-    let allowed = used.saturating_add(cost) <= l.capacity;
-    if allowed {
-        used += cost;
-    }
-    let reset_ms = window
-        .saturating_add(1)
-        .saturating_mul(period)
-        .saturating_sub(now_ms)
-        .max(1);
-    let result = BucketResult {
-        allowed,
-        limit: l.capacity,
-        remaining: l.capacity.saturating_sub(used),
-        reset_ms,
-        retry_after_ms: if allowed { 0 } else { reset_ms },
-        granted: if allowed { cost } else { 0 },
-    };
-    (
-        State {
-            level: used,
-            stamp: window,
-        },
-        result,
-    )
+    dispatch!(l.algorithm, take(l, state, now_ms, cost))
 }
 
 /// The state at `now_ms` with nothing taken: a token bucket refilled (never above capacity), a
-/// fixed window moved to the current window (its count reset when the window changed). A clock
-/// that steps back refills nothing (and does not refill twice later).
+/// window moved to the current window (its count reset, or moved to the previous window's, when
+/// the window changed). A clock that steps back refills nothing (and does not refill twice later).
 pub fn project(l: &Limits, s: State, now_ms: u64) -> State {
-    match l.algorithm {
-        Algorithm::TokenBucket => {
-            let cap = u128::from(l.capacity) * u128::from(MICRO);
-            let elapsed = now_ms.saturating_sub(s.stamp);
-            let refill = u128::from(elapsed) * u128::from(l.rate) * u128::from(MICRO)
-                / (u128::from(l.period_ms) * u128::from(l.divisor)).max(1);
-            State {
-                level: to_u64((u128::from(s.level) + refill).min(cap)),
-                stamp: s.stamp.max(now_ms),
-            }
-        }
-        Algorithm::FixedWindow => {
-            let window = now_ms / l.period_ms.max(1);
-            // A clock behind the newest window counts in that window: going back never reopens
-            // a window that was already spent.
-            if window <= s.stamp {
-                s
-            } else {
-                State {
-                    level: 0,
-                    stamp: window,
-                }
-            }
-        }
-    }
+    dispatch!(l.algorithm, project(l, s, now_ms))
 }
 
-/// A bucket that holds nothing at `now_ms` (a token bucket refills from then on; a fixed window
-/// is spent until the next window).
+/// A bucket that holds nothing at `now_ms` (a token bucket refills from then on; a window is
+/// spent until it has passed).
 pub fn empty(l: &Limits, now_ms: u64) -> State {
     share(l, 0, 0, now_ms)
 }
 
 /// This proxy's share, at `now_ms`, of a global bucket that an answer reported holding
 /// `remaining` whole tokens, less `debt` tokens this proxy admitted on its own and still owes:
-/// `remaining / divisor − debt` tokens (token bucket), or the window's count that leaves that
-/// many (fixed window). Never more than the local capacity.
+/// `remaining / divisor − debt` tokens (a window: the count that leaves that many). Never more
+/// than the local capacity.
 pub fn share(l: &Limits, remaining: u64, debt: u64, now_ms: u64) -> State {
     let share = (remaining / l.divisor.max(1)).min(l.capacity);
     let left = share.saturating_sub(debt);
-    match l.algorithm {
-        Algorithm::TokenBucket => State {
-            level: left.saturating_mul(MICRO),
-            stamp: now_ms,
-        },
-        Algorithm::FixedWindow => State {
-            level: l.capacity - left,
-            stamp: now_ms / l.period_ms.max(1),
-        },
-    }
+    dispatch!(l.algorithm, holding(l, left, now_ms))
 }
 
 /// Whole tokens a state holds at `now_ms` (what a take of that many could pay).
 pub fn available(l: &Limits, s: State, now_ms: u64) -> u64 {
     let p = project(l, s, now_ms);
-    match l.algorithm {
-        Algorithm::TokenBucket => p.level / MICRO,
-        Algorithm::FixedWindow => l.capacity.saturating_sub(p.level),
-    }
+    dispatch!(l.algorithm, available(l, p, now_ms))
 }
 
 /// The stricter of two states of one bucket at `now_ms` (the one that holds fewer tokens).
 pub fn stricter(l: &Limits, a: State, b: State, now_ms: u64) -> State {
     let (a, b) = (project(l, a, now_ms), project(l, b, now_ms));
-    let a_holds = match l.algorithm {
-        Algorithm::TokenBucket => a.level <= b.level,
-        Algorithm::FixedWindow => a.level >= b.level,
-    };
-    if a_holds {
+    if dispatch!(l.algorithm, holds_no_more(l, a, b, now_ms)) {
         a
     } else {
         b
@@ -255,20 +202,31 @@ pub fn stricter(l: &Limits, a: State, b: State, now_ms: u64) -> State {
 
 /// Gives back `cost` tokens taken earlier (all-or-nothing across several buckets).
 pub fn refund(l: &Limits, s: State, cost: u64) -> State {
-    match l.algorithm {
-        Algorithm::TokenBucket => {
-            let cap = u128::from(l.capacity) * u128::from(MICRO);
-            let level = (u128::from(s.level) + u128::from(cost) * u128::from(MICRO)).min(cap);
-            State {
-                level: to_u64(level),
-                stamp: s.stamp,
-            }
-        }
-        Algorithm::FixedWindow => State {
-            level: s.level.saturating_sub(cost),
-            stamp: s.stamp,
-        },
+    dispatch!(l.algorithm, refund(l, s, cost))
+}
+
+/// A state kept under limits `old`, as it stands at `now_ms` under limits `new`: brought up to now
+/// under `old`, then scaled to `new`'s local capacity keeping the fraction held (token bucket,
+/// rounded down) or used (the windows, rounded up; see each algorithm for what carries). Never
+/// above the new capacity.
+pub fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State {
+    if old == new {
+        return s;
     }
+    let p = project(old, s, now_ms);
+    let scale = |v: u64, up: bool| -> u64 {
+        if old.capacity == new.capacity {
+            return v;
+        }
+        if old.capacity == 0 {
+            // Nothing was held: nothing is held (or everything is used) now.
+            return if up { new.capacity } else { 0 };
+        }
+        let x = u128::from(v) * u128::from(new.capacity);
+        let d = u128::from(old.capacity);
+        to_u64(if up { x.div_ceil(d) } else { x / d })
+    };
+    dispatch!(new.algorithm, carry(old, p, new, now_ms, &scale))
 }
 
 #[cfg(test)]
@@ -365,7 +323,7 @@ mod tests {
 
     #[test]
     fn hand_built_zero_limits_do_not_panic() {
-        for algorithm in [Algorithm::TokenBucket, Algorithm::FixedWindow] {
+        for &algorithm in Algorithm::ALL {
             let l = Limits {
                 capacity: 0,
                 global: 0,
