@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_server::domain::{Algorithm, BucketSpec};
+use tollgate_server::domain::{Algorithm, BucketSpec, SettleSpec, Settlement};
 use tollgate_server::store::Store;
 
 fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketSpec {
@@ -24,6 +24,13 @@ fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketS
 fn fw(key: &str, capacity: u64, period_ms: u64, cost: u64) -> BucketSpec {
     BucketSpec {
         algorithm: Algorithm::FixedWindow,
+        ..tb(key, capacity, capacity, period_ms, cost)
+    }
+}
+
+fn sw(key: &str, capacity: u64, period_ms: u64, cost: u64) -> BucketSpec {
+    BucketSpec {
+        algorithm: Algorithm::SlidingWindow,
         ..tb(key, capacity, capacity, period_ms, cost)
     }
 }
@@ -265,6 +272,139 @@ async fn lease_grants_what_is_there(s: Arc<dyn Store>) {
     );
 }
 
+/// Waits until `at_ms` into a window of `period_ms` (the store's windows, read from a fixed
+/// window's `reset_ms`), at least until the next window starts.
+async fn into_next_window(s: &dyn Store, period_ms: u64, at_ms: u64) {
+    let probe = fw(&common::unique("probe"), 1, period_ms, 1);
+    let reset = take(s, &[probe]).await.buckets[0].reset_ms;
+    tokio::time::sleep(Duration::from_millis(reset + at_ms)).await;
+}
+
+/// The previous window weighs by the part of it the sliding window still covers: a burst at the
+/// end of one window is still counted early in the next, and has left two windows later.
+async fn sliding_window(s: Arc<dyn Store>) {
+    let p = 1500;
+    let k = common::unique("sw");
+    into_next_window(&*s, p, 10).await;
+    let d = take(&*s, &[sw(&k, 10, p, 10)]).await;
+    assert_eq!((d.allowed, d.buckets[0].remaining), (true, 0), "{d:?}");
+    let d = take(&*s, &[sw(&k, 10, p, 1)]).await;
+    assert!(!d.allowed);
+    // Room for 1 once 10 × (p − e) / p <= 9 in the next window: e = p / 10 into it.
+    let r = d.buckets[0];
+    assert!(
+        r.retry_after_ms > p && r.retry_after_ms <= p + p / 10,
+        "{r:?}"
+    );
+    assert!(r.reset_ms > p && r.reset_ms <= 2 * p, "{r:?}");
+    // A third of the way into the next window, 10 × 2/3 (and more) still weigh: 3 or fewer
+    // more are admitted, where a fixed window would admit 10.
+    into_next_window(&*s, p, p / 3).await;
+    let mut admitted = 0;
+    while take(&*s, &[sw(&k, 10, p, 1)]).await.allowed {
+        admitted += 1;
+        assert!(admitted <= 10);
+    }
+    assert!((1..=3).contains(&admitted), "admitted {admitted}");
+    // Two windows after the burst only the few admitted since weigh.
+    into_next_window(&*s, p, 10).await;
+    let d = take(&*s, &[sw(&k, 10, p, 10 - admitted)]).await;
+    assert!(d.allowed, "{d:?}");
+}
+
+/// Lease and a changed limit, as a fixed window: the count is kept, scaled keeping the fraction
+/// used; another period carries the estimate into the new window.
+async fn sliding_window_lease_and_changed_limit(s: Arc<dyn Store>) {
+    let day = 86_400_000;
+    let k = common::unique("swchange");
+    let d = take(
+        &*s,
+        &[BucketSpec {
+            lease: 4,
+            ..sw(&k, 10, day, 2)
+        }],
+    )
+    .await;
+    assert_eq!((d.buckets[0].granted, d.buckets[0].remaining), (4, 6));
+    // 10 -> 5: 4 of 10 used is 2 of 5, 3 left.
+    let d = take(&*s, &[sw(&k, 5, day, 3)]).await;
+    assert_eq!((d.allowed, d.buckets[0].remaining), (true, 0), "{d:?}");
+    assert!(!take(&*s, &[sw(&k, 5, day, 1)]).await.allowed);
+    // Another period: the 5 used carry into the new window.
+    let d = take(&*s, &[sw(&k, 5, HOUR, 1)]).await;
+    assert!(!d.allowed, "{d:?}");
+}
+
+/// Settle in the window the estimate was charged in (the current one here): a refund lowers its
+/// count, an extra charge raises it up to twice the capacity (the excess is the debt); without
+/// `window` a refund is dropped.
+async fn sliding_window_settle(s: Arc<dyn Store>) {
+    let day = 86_400_000;
+    let k = common::unique("swsettle");
+    let d = take(&*s, &[sw(&k, 10, day, 6)]).await;
+    assert!(d.allowed);
+    // The window index, as the store counts it: the take just made is in the current window.
+    let settle = |id: &str, estimate: u64, used: u64, window: Option<u64>| Settlement {
+        id: common::unique(id),
+        buckets: vec![SettleSpec {
+            bucket: sw(&k, 10, day, 1),
+            estimate,
+            used,
+            window,
+        }],
+    };
+    let r = s.settle(&settle("drop", 6, 2, None)).await.unwrap();
+    assert_eq!((r.buckets[0].remaining, r.buckets[0].debt), (4, 0));
+    let r = s.settle(&settle("more", 2, 16, None)).await.unwrap();
+    assert_eq!((r.buckets[0].remaining, r.buckets[0].debt), (0, 10));
+    assert!(!take(&*s, &[sw(&k, 10, day, 1)]).await.allowed);
+}
+
+/// A Redis Cluster: buckets in other slots are taken slot by slot, and a denial gives back what
+/// the other slots charged (to the window the take charged).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_window_on_a_cluster() {
+    let nodes = common::start_cluster(3);
+    let s: Arc<dyn Store> = Arc::new(
+        tollgate_server::store::redis::RedisStore::new(
+            tollgate_server::store::redis::RedisConfig {
+                url: None,
+                cluster: vec![nodes[0].url()],
+                key_prefix: "test:".into(),
+                timeout: Duration::from_millis(1000),
+                tls: None,
+            },
+        )
+        .unwrap(),
+    );
+    let a = sw(&common::unique("cl-a"), 10, HOUR, 3);
+    let mut i = 0;
+    let mut b = sw(&common::unique("cl-b"), 2, HOUR, 3);
+    while tollgate_server::store::keys::slot(&tollgate_server::store::keys::redis_key("test:", &a))
+        == tollgate_server::store::keys::slot(&tollgate_server::store::keys::redis_key("test:", &b))
+    {
+        i += 1;
+        b.key = format!("cl-b-{i}");
+    }
+    let d = take(&*s, &[a.clone(), b.clone()]).await;
+    assert!(!d.allowed, "b cannot pay 3 of 2");
+    // a was charged in its slot, then given back: all 10 are there.
+    let d = take(
+        &*s,
+        &[BucketSpec {
+            cost: 10,
+            lease: 10,
+            ..a.clone()
+        }],
+    )
+    .await;
+    assert!(d.allowed, "{d:?}");
+    sliding_window_lease_and_changed_limit(s.clone()).await;
+    sliding_window_settle(s.clone()).await;
+    sliding_window(s).await;
+    drop(nodes);
+}
+
 async fn batch(
     s: &dyn Store,
     takes: &[Vec<BucketSpec>],
@@ -388,4 +528,7 @@ suite!(
     batch_takes_are_independent,
     batch_same_bucket_admits_once,
     batch_denied_take_charges_nothing,
+    sliding_window,
+    sliding_window_lease_and_changed_limit,
+    sliding_window_settle,
 );
