@@ -13,9 +13,12 @@ use std::fmt;
 /// Largest capacity, rate and cost (the contract's); longest period (one year, in ms); at most
 /// this many rules, one bucket each per request.
 pub use contract::bounds::{MAX_AMOUNT as MAX_TOKENS, MAX_BUCKETS as MAX_RULES, MAX_PERIOD_MS};
-/// Key parts per rule; with [`crate::core::rules::keys::MAX_PART_BYTES`] this bounds a key well
-/// below the contract's 4096 bytes.
+/// Key parts per rule; with [`MAX_PART_BYTES`] this bounds a key well below the contract's 4096
+/// bytes.
 pub const MAX_KEY_PARTS: usize = 8;
+/// Longest key part kept verbatim (escaped); a longer one is hashed (`crate::core::rules::keys`),
+/// and a literal part may not be longer.
+pub const MAX_PART_BYTES: usize = 256;
 /// Longest rule name (it appears in keys, logs and the `RateLimit-Policy` header, and is sent as
 /// a bucket's `rule`).
 pub use contract::bounds::MAX_RULE_BYTES as MAX_NAME_LEN;
@@ -1405,7 +1408,7 @@ fn read_match(at: &str, v: &Value, outer: bool) -> Result<Match, ConfigError> {
 
 fn parse_key_part(at: &str, p: &str) -> Result<KeyPart, ConfigError> {
     if let Some(lit) = p.strip_prefix("literal:") {
-        if lit.len() > crate::core::rules::keys::MAX_PART_BYTES {
+        if lit.len() > MAX_PART_BYTES {
             return err(at, "literal too long (at most 256 bytes)");
         }
         return Ok(KeyPart::Literal(lit.to_string()));

@@ -199,6 +199,13 @@ pub enum CalloutResult {
         /// The response message (status 0 only).
         body: Vec<u8>,
     },
+    /// An answer larger than any valid one (`size` bytes): not read.
+    TooLarge {
+        /// Its size.
+        size: usize,
+    },
+    /// A batch answer whose takes do not match the batch's (count, or an undecodable body).
+    BatchMismatch,
 }
 
 /// Why a callout failed, or why none was made. Names are the metric suffixes
@@ -322,6 +329,11 @@ pub fn interpret(plan: &Plan, result: CalloutResult) -> Outcome {
             })
         }
         CalloutResult::Grpc { .. } => return Outcome::Failed(Cause::GrpcStatus),
+        CalloutResult::TooLarge { size } => {
+            log::debug!("an answer of {size} bytes is larger than any valid one");
+            return Outcome::Failed(Cause::Decode);
+        }
+        CalloutResult::BatchMismatch => return Outcome::Failed(Cause::Decode),
     };
     let Ok(resp) = decoded else {
         return Outcome::Failed(Cause::Decode);
@@ -789,6 +801,8 @@ mod tests {
             (CalloutResult::Grpc { status: 0, message: None, body: vec![0x08, 0x01, 0x12, 0x02, 0x08, 0x01, 0x12, 0x02, 0x08, 0x01] }, "allowed"),
             (CalloutResult::Grpc { status: 0, message: None, body: vec![0x12, 0x02, 0x08, 0x01, 0x12, 0x00] }, "limited"),
             (CalloutResult::Grpc { status: 0, message: None, body: vec![0xff] }, "decode"),
+            (CalloutResult::TooLarge { size: 1 << 20 }, "decode"),
+            (CalloutResult::BatchMismatch, "decode"),
         ];
         for (i, (result, want)) in cases.into_iter().enumerate() {
             let got = match interpret(&p, result) {

@@ -99,13 +99,7 @@ pub fn split(result: CalloutResult, members: usize) -> Vec<CalloutResult> {
         Some(Ok(answers)) if answers.len() == members => {
             answers.into_iter().map(CalloutResult::Answer).collect()
         }
-        Some(_) => vec![
-            CalloutResult::Http {
-                status: Some(200),
-                body: b"(batch answer does not match the batch)".to_vec(),
-            };
-            members
-        ],
+        Some(_) => vec![CalloutResult::BatchMismatch; members],
         None => vec![result; members],
     }
 }

@@ -1009,11 +1009,10 @@ impl<A: Abi> Dispatcher<A> {
             let status = abi
                 .header(HeaderMap::HttpCallResponse, ":status")
                 .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-            let body = if body_size > MAX_RESPONSE_BYTES {
-                b"(response too large)".to_vec()
-            } else {
-                abi.buffer(Buffer::HttpCallResponseBody, body_size)
-            };
+            if body_size > MAX_RESPONSE_BYTES {
+                return CalloutResult::TooLarge { size: body_size };
+            }
+            let body = abi.buffer(Buffer::HttpCallResponseBody, body_size);
             CalloutResult::Http { status, body }
         });
     }
@@ -1029,12 +1028,10 @@ impl<A: Abi> Dispatcher<A> {
                     body: Vec::new(),
                 };
             }
-            let body = if size > MAX_RESPONSE_BYTES {
-                // Not a valid message (a truncated varint): decoded as a failure.
-                vec![0xff]
-            } else {
-                abi.buffer(Buffer::GrpcReceive, size)
-            };
+            if size > MAX_RESPONSE_BYTES {
+                return CalloutResult::TooLarge { size };
+            }
+            let body = abi.buffer(Buffer::GrpcReceive, size);
             CalloutResult::Grpc {
                 status: 0,
                 message: None,

@@ -13,13 +13,11 @@
 //!   missing" differs from "header empty" and from every value.
 //! - The rule name leads, so two rules never share a bucket by accident.
 
-use crate::core::config::{Cost, HeaderMatch, KeyPart, Match, OnMissing, Rule};
+use crate::core::config::{Cost, HeaderMatch, KeyPart, Match, OnMissing, Rule, MAX_PART_BYTES};
 use crate::core::hash::{hex_digit, sha256_hex};
 use crate::core::rules::Request;
 use std::net::{IpAddr, SocketAddr};
 
-/// Longest escaped part kept verbatim; longer parts are hashed.
-pub const MAX_PART_BYTES: usize = 256;
 /// The contract's bound on a key.
 pub const MAX_KEY_BYTES: usize = 4096;
 /// Marker of an absent part.
