@@ -20,11 +20,12 @@
 
 use crate::core::breaker::{self, Admission, Event};
 use crate::core::config::Config;
-use crate::core::decide::{
-    self, Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step,
-};
+use crate::core::decide;
 use crate::core::fallback;
 use crate::core::lease::{self, Count, Local};
+use crate::core::plan::{
+    Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step,
+};
 use crate::core::rules::Request;
 use crate::core::store::CasStore;
 use crate::core::wire::TakeRequest;

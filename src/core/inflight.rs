@@ -18,8 +18,8 @@
 
 use crate::core::breaker::{self, Admission};
 use crate::core::config::{Config, FailureMode, Rule};
-use crate::core::decide::{CalloutResult, LocalReply};
 use crate::core::headers::{rate_limit_headers, retry_after};
+use crate::core::plan::{CalloutResult, LocalReply};
 use crate::core::rules::{keys, matches, Request};
 use crate::core::store::{self, CasStore};
 use crate::core::wire::{push_json_string, BucketResult};
@@ -756,7 +756,7 @@ mod tests {
         fn now_ms(&self) -> u64 {
             0
         }
-        fn dispatch(&mut self, _: &Config, _: &crate::core::decide::Plan) -> Result<u32, String> {
+        fn dispatch(&mut self, _: &Config, _: &crate::core::plan::Plan) -> Result<u32, String> {
             Ok(100)
         }
         fn resume(&mut self) {
@@ -765,15 +765,15 @@ mod tests {
         fn reply(&mut self, r: &LocalReply) {
             self.replies.push(r.clone());
         }
-        fn count(&mut self, _: crate::core::decide::Decision) {}
-        fn count_rule(&mut self, _: usize, _: crate::core::decide::RuleCount) {}
-        fn count_failure(&mut self, _: crate::core::decide::Cause) {}
+        fn count(&mut self, _: crate::core::plan::Decision) {}
+        fn count_rule(&mut self, _: usize, _: crate::core::plan::RuleCount) {}
+        fn count_failure(&mut self, _: crate::core::plan::Cause) {}
         fn breaker_event(&mut self, _: crate::core::breaker::Event) {}
         fn count_lease(&mut self, _: crate::core::lease::Count, _: u64) {}
         fn dispatch_refill(
             &mut self,
             _: &Config,
-            _: crate::core::decide::Plan,
+            _: crate::core::plan::Plan,
         ) -> Result<(), String> {
             Ok(())
         }

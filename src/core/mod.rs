@@ -13,6 +13,7 @@ pub mod hostmap;
 pub mod inflight;
 pub mod instance;
 pub mod lease;
+pub mod plan;
 #[cfg(test)]
 mod props;
 pub mod rules;

@@ -17,7 +17,7 @@
 //! - a denial before the stream starts reserved nothing: nothing to settle.
 
 use crate::core::config::{Charge, Config};
-use crate::core::decide::Plan;
+use crate::core::plan::Plan;
 use crate::core::usage::{self, Format, UsageReader};
 use crate::core::wire::{self, Bucket};
 

@@ -9,7 +9,7 @@
 //! does not know the difference. A full queue is a dispatch failure (the failure mode decides);
 //! a failed batch fails each of its requests the way a single callout would have.
 
-use crate::core::decide::CalloutResult;
+use crate::core::plan::CalloutResult;
 use crate::core::wire::{self, TakeRequest};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -107,7 +107,8 @@ pub fn split(result: CalloutResult, members: usize) -> Vec<CalloutResult> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::decide::{interpret, Cause, Outcome, Plan};
+    use crate::core::decide::interpret;
+    use crate::core::plan::{Cause, Outcome, Plan};
     use crate::core::wire::{Bucket, TakeResponse};
 
     fn take() -> TakeRequest {
