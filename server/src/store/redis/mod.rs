@@ -42,10 +42,12 @@
 //!
 //! # Scripts
 //!
-//! `take.lua`, `take_batch.lua` (and `refund.lua`) are built by concatenating `prelude.lua` (exact
-//! integer arithmetic, the TIME clock), `token_bucket.lua` and `fixed_window.lua` (one file per
-//! algorithm), `take_one.lua` (the decision of one take; not in `refund.lua`) and the driver. One script handles a mix of algorithms so that all buckets of a slot are taken in
-//! one call. They are sent with EVALSHA; on `NOSCRIPT` (after a restart or `SCRIPT FLUSH`)
+//! `take.lua`, `take_batch.lua`, `refund.lua` and `settle.lua` are built by concatenating
+//! `prelude.lua` (exact integer arithmetic, the TIME clock, the `ALGORITHMS` table), every
+//! algorithm's file (one per module of [`super::algorithm`], each registering its functions),
+//! `take_one.lua` (the decision of one take; takes only) and the driver, which reaches each
+//! bucket's algorithm through `ALGORITHMS[code]`. One script handles a mix of algorithms so that
+//! all buckets of a slot are taken in one call. They are sent with EVALSHA; on `NOSCRIPT` (after a restart or `SCRIPT FLUSH`)
 //! `redis::Script` loads them (`SCRIPT LOAD`, sent to every primary on a cluster) and retries.
 //! Keys are laid out by [`super::keys`]. The reply is turned into decisions by [`decode_take`], a
 //! pure function.
