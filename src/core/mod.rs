@@ -3,6 +3,7 @@
 
 pub mod breaker;
 pub mod bucket;
+pub mod callout;
 pub mod config;
 pub mod decide;
 pub mod fallback;

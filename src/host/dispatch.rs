@@ -19,6 +19,7 @@
 use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind, Status};
 use super::batch::{self, Batcher};
 use crate::core::breaker::Event;
+use crate::core::callout::{self, CalloutRequest};
 use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
 use crate::core::flow::{self, Flow, Host, Next, Phase};
 use crate::core::inflight;
@@ -27,7 +28,6 @@ use crate::core::plan::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCo
 use crate::core::rules::{keys, matches_headers, Headers, Request};
 use crate::core::settle;
 use crate::core::store::{CasStore, SetError};
-use crate::core::wire;
 use crate::core::wire::TakeRequest;
 use log::{debug, error, info, warn};
 use std::cell::RefCell;
@@ -242,86 +242,14 @@ impl<'a, A: Abi> Proxy<'a, A> {
         }
     }
 
-    /// One callout carrying `plan`'s take (or, transport `rls`, its descriptors).
-    fn call(&self, cfg: &Config, plan: &Plan) -> Result<u32, String> {
+    /// Dispatches `request` to the service cluster, with its timeout and bearer token; the
+    /// callout's token.
+    fn send(&self, cfg: &Config, request: CalloutRequest) -> Result<u32, String> {
         let svc = &cfg.service;
         let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
         let bearer = self.plugin.bearer.as_deref();
-        let sent = match svc.transport {
-            Transport::Http => {
-                let body = wire::encode_json(&plan.request);
-                let mut headers = vec![
-                    (":method", "POST"),
-                    (":path", svc.path.as_str()),
-                    (":authority", svc.authority.as_str()),
-                    ("content-type", "application/json"),
-                ];
-                if let Some(b) = bearer {
-                    headers.push(("authorization", b));
-                }
-                self.abi.http_call(&svc.cluster, &headers, &body, timeout)
-            }
-            Transport::Grpc | Transport::Rls => {
-                let (body, service, method) = match &plan.rls {
-                    Some(rls) => (
-                        wire::encode_rls(rls, &plan.request),
-                        "envoy.service.ratelimit.v3.RateLimitService",
-                        "ShouldRateLimit",
-                    ),
-                    None => (
-                        wire::encode_proto(&plan.request),
-                        "tollgate.v1.RateLimiter",
-                        "Take",
-                    ),
-                };
-                let mut metadata: Vec<(&str, &str)> = Vec::new();
-                if let Some(b) = bearer {
-                    metadata.push(("authorization", b));
-                }
-                self.abi.grpc_call(
-                    &self.plugin.grpc_service,
-                    service,
-                    method,
-                    &metadata,
-                    &body,
-                    timeout,
-                )
-            }
-        };
-        sent.map_err(|status| {
-            warn!(
-                "callout to cluster {:?} failed to dispatch: {}",
-                svc.cluster,
-                abi::status_name(status)
-            );
-            abi::status_name(status).to_string()
-        })
-    }
-
-    /// One callout carrying every take of `takes` (group commit).
-    fn call_batch(&self, cfg: &Config, takes: &[&TakeRequest]) -> Result<u32, String> {
-        let svc = &cfg.service;
-        let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
-        let bearer = self.plugin.bearer.as_deref();
-        let sent = match svc.transport {
-            Transport::Grpc => {
-                let body = wire::encode_batch_proto(takes);
-                let mut metadata: Vec<(&str, &str)> = Vec::new();
-                if let Some(b) = bearer {
-                    metadata.push(("authorization", b));
-                }
-                self.abi.grpc_call(
-                    &self.plugin.grpc_service,
-                    "tollgate.v1.RateLimiter",
-                    "TakeBatch",
-                    &metadata,
-                    &body,
-                    timeout,
-                )
-            }
-            Transport::Http | Transport::Rls => {
-                let body = wire::encode_batch_json(takes);
-                let path = format!("{}_batch", svc.path);
+        let sent = match &request {
+            CalloutRequest::Http { path, body } => {
                 let mut headers = vec![
                     (":method", "POST"),
                     (":path", path.as_str()),
@@ -331,40 +259,28 @@ impl<'a, A: Abi> Proxy<'a, A> {
                 if let Some(b) = bearer {
                     headers.push(("authorization", b));
                 }
-                self.abi.http_call(&svc.cluster, &headers, &body, timeout)
+                self.abi.http_call(&svc.cluster, &headers, body, timeout)
+            }
+            CalloutRequest::Grpc {
+                service,
+                method,
+                message,
+            } => {
+                let mut metadata: Vec<(&str, &str)> = Vec::new();
+                if let Some(b) = bearer {
+                    metadata.push(("authorization", b));
+                }
+                self.abi.grpc_call(
+                    &self.plugin.grpc_service,
+                    service,
+                    method,
+                    &metadata,
+                    message,
+                    timeout,
+                )
             }
         };
         sent.map_err(|status| abi::status_name(status).to_string())
-    }
-
-    /// `POST <base>/acquire` or `<base>/release` (JSON, whatever the transport: the service
-    /// answers JSON on its gRPC port too) beside the take path.
-    fn call_slots(&self, cfg: &Config, op: &str, body: &[u8]) -> Result<u32, String> {
-        let svc = &cfg.service;
-        let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
-        let path = match svc.path.strip_suffix("/take") {
-            Some(base) => format!("{base}/{op}"),
-            None => format!("{}_{op}", svc.path),
-        };
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", path.as_str()),
-            (":authority", svc.authority.as_str()),
-            ("content-type", "application/json"),
-        ];
-        if let Some(b) = self.plugin.bearer.as_deref() {
-            headers.push(("authorization", b));
-        }
-        self.abi
-            .http_call(&svc.cluster, &headers, body, timeout)
-            .map_err(|s| abi::status_name(s).to_string())
-    }
-
-    /// One refund callout, `POST <base>/refund` (JSON whatever the transport, as
-    /// [`Proxy::call_slots`]): `request`'s costs go back to their buckets. Its answer is dropped
-    /// like any reply no request waits for.
-    fn call_refund(&self, cfg: &Config, request: &TakeRequest) -> Result<u32, String> {
-        self.call_slots(cfg, "refund", &wire::encode_json(request))
     }
 
     /// Sends the settlements that are due (`POST <base>/settle`, JSON whatever the transport, as
@@ -382,7 +298,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             .collect();
         for (id, body) in due {
             self.count_settle(SettleCount::Sent, 1);
-            match self.call_slots(cfg, "settle", &body) {
+            match self.send(cfg, callout::beside(cfg, "settle", body)) {
                 Ok(token) => self.plugin.settling.borrow_mut().push((token, id)),
                 Err(why) => {
                     debug!("settlement {id} not dispatched: {why}");
@@ -479,7 +395,13 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
                 return queued;
             }
         }
-        let token = self.call(cfg, plan)?;
+        let token = self.send(cfg, callout::take(cfg, plan)).map_err(|why| {
+            warn!(
+                "callout to cluster {:?} failed to dispatch: {why}",
+                cfg.service.cluster
+            );
+            why
+        })?;
         if batching {
             self.plugin.batcher.started(token, Vec::new());
         }
@@ -549,11 +471,11 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     }
 
     fn acquire(&mut self, cfg: &Config, body: &[u8]) -> Result<u32, String> {
-        self.call_slots(cfg, "acquire", body)
+        self.send(cfg, callout::beside(cfg, "acquire", body.to_vec()))
     }
 
     fn release(&mut self, cfg: &Config, body: &[u8]) -> bool {
-        match self.call_slots(cfg, "release", body) {
+        match self.send(cfg, callout::beside(cfg, "release", body.to_vec())) {
             Ok(token) => {
                 self.plugin.releases.borrow_mut().push(token);
                 true
@@ -571,7 +493,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     }
 
     fn give_back(&mut self, cfg: &Config, request: &TakeRequest) {
-        if let Err(why) = self.call_refund(cfg, request) {
+        if let Err(why) = self.send(cfg, callout::refund(cfg, request)) {
             debug!("refund not dispatched: {why}");
         }
     }
@@ -1073,7 +995,7 @@ impl<A: Abi> Dispatcher<A> {
         let takes: Vec<&TakeRequest> = queued.iter().map(|(_, t)| t).collect();
         let members: Vec<u32> = queued.iter().map(|(t, _)| *t).collect();
         let proxy = Proxy::new(&self.abi, plugin);
-        match proxy.call_batch(&plugin.config, &takes) {
+        match proxy.send(&plugin.config, callout::batch(&plugin.config, &takes)) {
             Ok(token) => {
                 plugin.metrics.batched(&self.abi, members.len());
                 plugin.batcher.started(token, members);
