@@ -36,73 +36,11 @@ pub struct BucketSpec {
     pub lease: u64,
 }
 
-/// The answer for one bucket, in the contract's units. Its serde form is the JSON wire form of a
-/// bucket result (contract/README.md); the protobuf one is mapped in `api::grpc`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BucketDecision {
-    /// This bucket alone could pay its cost.
-    pub allowed: bool,
-    /// The bucket's capacity.
-    pub limit: u64,
-    /// Whole tokens left after this bucket's own charge when it could pay (even if another bucket
-    /// denied the request and nothing was charged in the end); otherwise as the bucket stands.
-    pub remaining: u64,
-    /// Milliseconds until the bucket is full again (token bucket) or the window ends (fixed window).
-    pub reset_ms: u64,
-    /// When this bucket denied: milliseconds until it could pay its cost (an upper bound, rounded
-    /// up); 0 when it allowed. A cost above capacity can never be paid: then it is `period_ms`.
-    /// Times are clamped to 2^53 - 1 ms so both stores answer the same exact integers.
-    pub retry_after_ms: u64,
-    /// Tokens charged to this bucket by this decision: 0 when the request was denied, `cost`
-    /// without a lease, `cost..=lease` with one.
-    pub granted: u64,
-}
-
-/// The answer to a take. Its serde form is the JSON response body of `POST /v1/take`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TakeDecision {
-    /// Every bucket could pay and all were charged; `false`: none was charged.
-    pub allowed: bool,
-    /// One decision per request bucket, in request order.
-    pub buckets: Vec<BucketDecision>,
-    /// Live proxy instances of the deployment, as the service last counted them (contract/README.md,
-    /// "Instances"); 0 (not encoded) when none is known. Set by the API, not by stores.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub instances: u64,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-impl TakeDecision {
-    /// Builds the overall decision from per-bucket ones: allowed only if every bucket allowed.
-    /// A denied request charged nothing, so every `granted` is then 0.
-    pub fn from_buckets(mut buckets: Vec<BucketDecision>) -> Self {
-        let allowed = !buckets.is_empty() && buckets.iter().all(|b| b.allowed);
-        if !allowed {
-            for b in &mut buckets {
-                b.granted = 0;
-            }
-        }
-        TakeDecision {
-            allowed,
-            buckets,
-            instances: 0,
-        }
-    }
-}
-
-/// The answer to a batch: one [`TakeDecision`] per take, in the batch's order. Its serde form is
-/// the JSON response body of `POST /v1/take_batch`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BatchDecision {
-    /// One result per take, in request order.
-    pub results: Vec<TakeDecision>,
-}
+/// The answer for one bucket, for a take, and for a batch: the contract's messages, whose serde
+/// forms are the JSON bodies (the protobuf ones are mapped in `api::grpc`).
+pub use contract::take::{
+    BatchResponse as BatchDecision, BucketResult as BucketDecision, TakeResponse as TakeDecision,
+};
 
 /// A bucket as decoded from either wire form, before validation. `None` means "absent".
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -378,6 +316,10 @@ pub struct Settlement {
     pub id: String,
     /// 1..=[`MAX_BUCKETS`] buckets, settled in order.
     pub buckets: Vec<SettleSpec>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The answer for one bucket of a settle.

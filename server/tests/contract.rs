@@ -164,3 +164,113 @@ fn batch_responses_agree_in_both_encodings() {
         assert_eq!(grpc::batch_from_pb(&back), batch.results, "{name}");
     }
 }
+
+/// The contract crate's codec (the filter's) against prost and serde on the same fixtures.
+mod contract_codec {
+    use super::*;
+    use contract::{json as cjson, proto as cproto, Bucket, Sender, TakeRequest};
+    use tollgate_server::domain::RawTake;
+
+    /// The fixtures' rule names are the keys' leading parts (`<rule>|...`), as the filter sends.
+    fn rule_of_key(b: &Bucket) -> Option<&str> {
+        b.key.split_once('|').map(|(r, _)| r)
+    }
+
+    fn request(raw: &RawTake) -> TakeRequest {
+        TakeRequest {
+            buckets: raw
+                .buckets
+                .iter()
+                .flatten()
+                .map(|b| {
+                    assert_eq!(
+                        b.rule.as_deref(),
+                        b.key
+                            .as_deref()
+                            .and_then(|k| k.split_once('|'))
+                            .map(|r| r.0)
+                    );
+                    Bucket {
+                        key: b.key.clone().unwrap(),
+                        capacity: b.capacity.unwrap(),
+                        rate: b.rate,
+                        period_ms: b.period_ms.unwrap(),
+                        cost: b.cost,
+                        algorithm: b.algorithm,
+                        lease: b.lease,
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    fn sender(instance: Option<&str>) -> Sender<'_> {
+        Sender {
+            instance,
+            rule: rule_of_key,
+        }
+    }
+
+    #[test]
+    fn takes_and_answers_agree_with_prost_and_serde() {
+        for case in cases() {
+            let name = case["name"].as_str().unwrap();
+            let body = serde_json::to_vec(&case["request_json"]).unwrap();
+            let raw = json::decode_take(&body).expect(name);
+            let req = request(&raw);
+            let from = sender(raw.instance.as_deref());
+            assert_eq!(
+                cproto::encode_take(&req, &from),
+                grpc::pb_from_raw(&raw).encode_to_vec(),
+                "{name}: protobuf"
+            );
+            let ours: Value = serde_json::from_slice(&cjson::encode_take(&req, &from)).unwrap();
+            assert_eq!(ours, json::encode_request(&raw), "{name}: JSON");
+
+            let bytes = hex_decode(case["response_pb_hex"].as_str().unwrap());
+            let prost =
+                grpc::decision_from_pb(&pb::TakeResponse::decode(bytes.as_slice()).unwrap());
+            assert_eq!(cproto::decode_answer(&bytes).unwrap(), prost, "{name}");
+            let serde: TakeDecision =
+                serde_json::from_value(case["response_json"].clone()).unwrap();
+            let body = serde_json::to_vec(&case["response_json"]).unwrap();
+            assert_eq!(cjson::decode_answer(&body).unwrap(), serde, "{name}");
+        }
+    }
+
+    #[test]
+    fn batches_agree_with_prost_and_serde() {
+        for case in batch_cases() {
+            let name = case["name"].as_str().unwrap();
+            let body = serde_json::to_vec(&case["request_json"]).unwrap();
+            let raw = json::decode_batch(&body).expect(name);
+            let takes: Vec<TakeRequest> = raw.takes.iter().flatten().map(request).collect();
+            let refs: Vec<&TakeRequest> = takes.iter().collect();
+            let from = sender(raw.instance.as_deref());
+            assert_eq!(
+                cproto::encode_batch(&refs, &from),
+                grpc::pb_batch_from_raw(&raw).encode_to_vec(),
+                "{name}: protobuf"
+            );
+            let ours: Value = serde_json::from_slice(&cjson::encode_batch(&refs, &from)).unwrap();
+            assert_eq!(ours, json::encode_batch_request(&raw), "{name}: JSON");
+
+            let bytes = hex_decode(case["response_pb_hex"].as_str().unwrap());
+            let prost =
+                grpc::batch_from_pb(&pb::TakeBatchResponse::decode(bytes.as_slice()).unwrap());
+            assert_eq!(
+                cproto::decode_batch_answer(&bytes).unwrap(),
+                prost,
+                "{name}"
+            );
+            let serde: BatchDecision =
+                serde_json::from_value(case["response_json"].clone()).unwrap();
+            let body = serde_json::to_vec(&case["response_json"]).unwrap();
+            assert_eq!(
+                cjson::decode_batch_answer(&body).unwrap(),
+                serde.results,
+                "{name}"
+            );
+        }
+    }
+}

@@ -10,6 +10,8 @@ use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, MapAccess, Seq
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use contract::fields;
+
 use crate::domain::{
     Algorithm, InvalidArgument, RawBatch, RawBucket, RawTake, MAX_BATCH_TAKES, MAX_BUCKETS,
 };
@@ -107,17 +109,17 @@ impl<'de> Deserialize<'de> for Field {
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
                 Ok(match v {
-                    "takes" => Field::Takes,
-                    "buckets" => Field::Buckets,
-                    "key" => Field::Key,
-                    "capacity" => Field::Capacity,
-                    "rate" => Field::Rate,
-                    "period_ms" => Field::PeriodMs,
-                    "cost" => Field::Cost,
-                    "algorithm" => Field::Algorithm,
-                    "lease" => Field::Lease,
-                    "rule" => Field::Rule,
-                    "instance" => Field::Instance,
+                    fields::TAKES => Field::Takes,
+                    fields::BUCKETS => Field::Buckets,
+                    fields::KEY => Field::Key,
+                    fields::CAPACITY => Field::Capacity,
+                    fields::RATE => Field::Rate,
+                    fields::PERIOD_MS => Field::PeriodMs,
+                    fields::COST => Field::Cost,
+                    fields::ALGORITHM => Field::Algorithm,
+                    fields::LEASE => Field::Lease,
+                    fields::RULE => Field::Rule,
+                    fields::INSTANCE => Field::Instance,
                     // Only the first unknown name is kept (in the error), so this is one String
                     // per request at most.
                     other => Field::Unknown(other.to_string()),
@@ -172,17 +174,17 @@ impl<'de> Visitor<'de> for TakeSeed<'_> {
 
 fn field_name(f: &Field) -> String {
     match f {
-        Field::Takes => "takes",
-        Field::Buckets => "buckets",
-        Field::Key => "key",
-        Field::Capacity => "capacity",
-        Field::Rate => "rate",
-        Field::PeriodMs => "period_ms",
-        Field::Cost => "cost",
-        Field::Algorithm => "algorithm",
-        Field::Lease => "lease",
-        Field::Rule => "rule",
-        Field::Instance => "instance",
+        Field::Takes => fields::TAKES,
+        Field::Buckets => fields::BUCKETS,
+        Field::Key => fields::KEY,
+        Field::Capacity => fields::CAPACITY,
+        Field::Rate => fields::RATE,
+        Field::PeriodMs => fields::PERIOD_MS,
+        Field::Cost => fields::COST,
+        Field::Algorithm => fields::ALGORITHM,
+        Field::Lease => fields::LEASE,
+        Field::Rule => fields::RULE,
+        Field::Instance => fields::INSTANCE,
         Field::Unknown(n) => n,
     }
     .to_string()
