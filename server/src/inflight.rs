@@ -20,13 +20,11 @@ use serde::{Deserialize, Serialize};
 use crate::api::{Api, ApiError};
 use crate::domain::{InvalidArgument, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES};
 
-/// Longest slot deadline: one day.
-pub const MAX_TTL_MS: u64 = 86_400_000;
-/// Longest slot id accepted in a release (the service issues 32 hex digits).
-pub const MAX_SLOT_BYTES: usize = 64;
-/// What a denial suggests waiting, at most: slots come back when requests end, not on a clock,
-/// so a short wait is the honest answer (sooner when the oldest slot's deadline is sooner).
-pub const DENIED_RETRY_MS: u64 = 1000;
+/// The contract's slot bounds: longest deadline (one day), longest slot id, and what a denial
+/// suggests waiting at most.
+pub use contract::bounds::{
+    MAX_SLOT_BYTES, MAX_SLOT_TTL_MS as MAX_TTL_MS, SLOT_DENIED_RETRY_MS as DENIED_RETRY_MS,
+};
 /// Largest acquire or release body accepted.
 pub const MAX_BODY_BYTES: usize = MAX_BUCKETS * (MAX_KEY_BYTES + 128) + 512;
 

@@ -62,8 +62,8 @@ pub const N_KEY: &str = "tollgate.fb.instances";
 pub const SLOT_BYTES: usize = 2 + 16 + 8 * 8;
 const FORMAT: u8 = 3;
 const OCCUPIED: u8 = 1;
-/// The largest debt a callout carries (the contract's bound on `lease` is 1e9).
-const MAX_LEASE: u64 = 1_000_000_000;
+/// The largest debt a callout carries: the contract's bound on `lease`.
+const MAX_LEASE: u64 = contract::bounds::MAX_AMOUNT;
 
 /// How a configuration's shares are kept: the table size, the number of proxies, and how long an
 /// unpaid debt matters.

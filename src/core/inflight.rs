@@ -30,11 +30,12 @@ pub const MAX_IN_FLIGHT: u64 = 1_000_000;
 /// Default slot deadline: a request that outlives it no longer holds its slot.
 pub const DEFAULT_DEADLINE_MS: u64 = 60_000;
 /// Shortest and longest slot deadline (the contract's bound is one day).
-pub const DEADLINE_MS: (u64, u64) = (100, 86_400_000);
+pub const DEADLINE_MS: (u64, u64) = (100, contract::bounds::MAX_SLOT_TTL_MS);
 /// Shared-data table of the local fallback slots.
 pub const TABLE: &str = "tollgate.cc";
-/// What a denial asks the client to wait when the service gave no better figure.
-pub const DENIED_RETRY_MS: u64 = 1000;
+/// What a denial asks the client to wait when the service gave no better figure (the service's
+/// own most).
+pub use contract::bounds::SLOT_DENIED_RETRY_MS as DENIED_RETRY_MS;
 
 /// A concurrency rule: the rule (conditions, key, shadow, response) and its slots.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -19,7 +19,7 @@ use crate::core::rules::Request;
 use std::net::{IpAddr, SocketAddr};
 
 /// The contract's bound on a key.
-pub const MAX_KEY_BYTES: usize = 4096;
+pub use contract::bounds::MAX_KEY_BYTES;
 /// Marker of an absent part.
 const MISSING: &str = "%-";
 
