@@ -10,7 +10,8 @@ use std::fmt::Write as _;
 use serde_json::Value;
 
 use crate::fields;
-use crate::take::{BucketResult, DecodeError, Sender, TakeRequest, TakeResponse};
+use crate::take::{Bucket, BucketResult, DecodeError, Sender, TakeRequest, TakeResponse};
+use crate::Algorithm;
 
 /// Appends `s` as a JSON string literal.
 pub fn push_string(out: &mut String, s: &str) {
@@ -114,6 +115,45 @@ fn push_take(s: &mut String, req: &TakeRequest, sender: &Sender<'_>) {
         s.push('}');
     }
     s.push(']');
+}
+
+/// Reads a take back from its JSON form, as [`encode_take`] writes it (for tests and tools: the
+/// service reads takes with its own decoder, which names the field of every error). The
+/// sender's `instance` and `rule` are not part of the [`TakeRequest`] and are passed over.
+pub fn read_take(v: &Value) -> Result<TakeRequest, DecodeError> {
+    let opt = |b: &Value, field: &str| match b.get(field) {
+        None => Ok(None),
+        Some(_) => json_u64(b, field).map(Some),
+    };
+    let list = v
+        .get(fields::BUCKETS)
+        .and_then(Value::as_array)
+        .ok_or_else(|| DecodeError(format!("`{}` missing or not a list", fields::BUCKETS)))?;
+    let mut buckets = Vec::with_capacity(list.len());
+    for b in list {
+        let algorithm = match b.get(fields::ALGORITHM) {
+            None => None,
+            Some(a) => Some(
+                a.as_str()
+                    .and_then(Algorithm::from_name)
+                    .ok_or_else(|| DecodeError(format!("unknown algorithm {a}")))?,
+            ),
+        };
+        buckets.push(Bucket {
+            key: b
+                .get(fields::KEY)
+                .and_then(Value::as_str)
+                .ok_or_else(|| DecodeError(format!("`{}` missing", fields::KEY)))?
+                .to_string(),
+            capacity: json_u64(b, fields::CAPACITY)?,
+            rate: opt(b, fields::RATE)?,
+            period_ms: json_u64(b, fields::PERIOD_MS)?,
+            cost: opt(b, fields::COST)?,
+            algorithm,
+            lease: opt(b, fields::LEASE)?,
+        });
+    }
+    Ok(TakeRequest { buckets })
 }
 
 fn json_bool(v: &Value, field: &str) -> Result<bool, DecodeError> {

@@ -36,24 +36,7 @@ fn sender(v: &Value) -> Sender<'_> {
 }
 
 fn request_from_json(v: &Value) -> TakeRequest {
-    TakeRequest {
-        buckets: v["buckets"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|b| Bucket {
-                key: b["key"].as_str().unwrap().to_string(),
-                capacity: b["capacity"].as_u64().unwrap(),
-                rate: b.get("rate").map(|x| x.as_u64().unwrap()),
-                period_ms: b["period_ms"].as_u64().unwrap(),
-                cost: b.get("cost").map(|x| x.as_u64().unwrap()),
-                algorithm: b
-                    .get("algorithm")
-                    .map(|x| Algorithm::from_name(x.as_str().unwrap()).unwrap()),
-                lease: b.get("lease").map(|x| x.as_u64().unwrap()),
-            })
-            .collect(),
-    }
+    json::read_take(v).unwrap()
 }
 
 /// The inverse of [`proto::encode_take`], without the instance id and rule names.
@@ -197,25 +180,19 @@ fn lease_fixture_carries_lease_and_granted() {
 
 #[test]
 fn anonymous_senders_add_nothing() {
-    let req = TakeRequest {
-        buckets: vec![Bucket {
-            key: "api|a\"b\\c\u{1}é{}".into(),
-            capacity: 1,
-            rate: None,
-            period_ms: 1,
-            cost: None,
-            algorithm: None,
-            lease: None,
-        }],
-    };
+    // A key that needs escapes, and a rule-like prefix that an anonymous sender does not send.
+    let body = serde_json::json!({"buckets": [{"key": "api|a\"b\\c\u{1}é{}", "capacity": 1, "period_ms": 1}]});
+    let req = request_from_json(&body);
+    assert_eq!(req.buckets[0].key, "api|a\"b\\c\u{1}é{}");
     let v: Value = serde_json::from_slice(&json::encode_take(&req, &Sender::ANONYMOUS)).unwrap();
-    assert_eq!(
-        v,
-        serde_json::json!({"buckets": [{"key": "api|a\"b\\c\u{1}é{}", "capacity": 1, "period_ms": 1}]})
-    );
+    assert_eq!(v, body);
     assert_eq!(
         decode_request_proto(&proto::encode_take(&req, &Sender::ANONYMOUS)),
         req
+    );
+    assert!(
+        json::read_take(&serde_json::json!({"buckets": [{"key": "k", "algorithm": "gcra"}]}))
+            .is_err()
     );
 }
 

@@ -117,24 +117,7 @@ mod tests {
     }
 
     fn request_from_json(v: &Json) -> TakeRequest {
-        TakeRequest {
-            buckets: v["buckets"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|b| Bucket {
-                    key: b["key"].as_str().unwrap().to_string(),
-                    capacity: b["capacity"].as_u64().unwrap(),
-                    rate: b.get("rate").map(|x| x.as_u64().unwrap()),
-                    period_ms: b["period_ms"].as_u64().unwrap(),
-                    cost: b.get("cost").map(|x| x.as_u64().unwrap()),
-                    algorithm: b
-                        .get("algorithm")
-                        .and_then(|x| Algorithm::from_name(x.as_str().unwrap())),
-                    lease: b.get("lease").map(|x| x.as_u64().unwrap()),
-                })
-                .collect(),
-        }
+        contract::json::read_take(v).unwrap()
     }
 
     #[test]
