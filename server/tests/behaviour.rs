@@ -365,18 +365,7 @@ async fn sliding_window_settle(s: Arc<dyn Store>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sliding_window_on_a_cluster() {
     let nodes = common::start_cluster(3);
-    let s: Arc<dyn Store> = Arc::new(
-        tollgate_server::store::redis::RedisStore::new(
-            tollgate_server::store::redis::RedisConfig {
-                url: None,
-                cluster: vec![nodes[0].url()],
-                key_prefix: "test:".into(),
-                timeout: Duration::from_millis(1000),
-                tls: None,
-            },
-        )
-        .unwrap(),
-    );
+    let s: Arc<dyn Store> = Arc::new(common::cluster_store(&nodes, 1000));
     let a = sw(&common::unique("cl-a"), 10, HOUR, 3);
     let mut i = 0;
     let mut b = sw(&common::unique("cl-b"), 2, HOUR, 3);

@@ -255,6 +255,18 @@ pub fn redis_store(url: &str, timeout_ms: u64) -> RedisStore {
     .expect("redis store")
 }
 
+/// A Redis Cluster store seeded with the first of `nodes` (see [`start_cluster`]).
+pub fn cluster_store(nodes: &[RedisProc], timeout_ms: u64) -> RedisStore {
+    RedisStore::new(RedisConfig {
+        url: None,
+        cluster: vec![nodes[0].url()],
+        key_prefix: "test:".into(),
+        timeout: Duration::from_millis(timeout_ms),
+        tls: None,
+    })
+    .expect("redis cluster store")
+}
+
 /// The service running in-process on a free port; stops on drop.
 pub struct Service {
     pub addr: SocketAddr,
