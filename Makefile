@@ -65,8 +65,12 @@ image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; 
 run: build ## Start Redis, the service, Envoy with the filter and a demo upstream (Ctrl-C stops all)
 	@bash scripts/run.sh
 
-test: build image lint ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
-	@bash scripts/test-summary.sh $(CARGO) test --locked --workspace --all-targets --no-fail-fast -- --test-threads=2
+test: build image ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
+	@# The test build is the lint: clippy-driver compiles the workspace's crates (scripts/clippy-rustc.sh).
+	@RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
+	  bash scripts/test-summary.sh $(CARGO) test --locked --workspace --all-targets --no-fail-fast -- --test-threads=2
 
 unit: ## Unit tests only (no processes started)
 	$(CARGO) test --locked --workspace --lib
