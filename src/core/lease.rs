@@ -856,11 +856,11 @@ pub fn rescue<S: CasStore + ?Sized>(
 /// When tokens granted now to a bucket of `rule` stop being spendable.
 fn expiry(rule: &Rule, lease: &Lease, answer: &BucketResult, now_ms: u64) -> u64 {
     let until = now_ms.saturating_add(lease.max_age_ms);
-    if bucket::windowed(rule.algorithm) {
+    match bucket::spend_within_ms(rule.algorithm, answer.reset_ms, rule.period_ms) {
         // A token of this window must not be spent in the next one.
-        return until.min(now_ms.saturating_add(answer.reset_ms));
+        Some(ms) => until.min(now_ms.saturating_add(ms)),
+        None => until,
     }
-    until
 }
 
 /// Applies a callout's outcome to the pools of `plan`'s lease rules: an allowed refill deposits
@@ -1648,6 +1648,27 @@ mod tests {
             pool(&s, &c).expires_ms,
             500,
             "the window's end, not max_age_ms"
+        );
+    }
+
+    #[test]
+    fn sliding_window_tokens_do_not_outlive_their_window() {
+        let c = cfg(
+            r#"{"name":"r","key":["literal:k"],"capacity":100,"period_ms":400,"algorithm":"sliding_window","lease":{"size":8,"max_age_ms":5000}}"#,
+        );
+        let s = FakeStore::default();
+        let mut p = plan(&c);
+        local(&c, &mut p, &s, 0);
+        let resp = TakeResponse {
+            allowed: true,
+            buckets: vec![answer(true, 8, 0)],
+            instances: 0,
+        };
+        settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
+        assert_eq!(
+            pool(&s, &c).expires_ms,
+            100,
+            "the grant weighs 500 ms more; its window ends a period (400 ms) sooner"
         );
     }
 

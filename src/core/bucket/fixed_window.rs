@@ -47,6 +47,11 @@ impl Local for FixedWindow {
         )
     }
 
+    /// The answer's `reset_ms` is the window's end.
+    fn spend_within_ms(reset_ms: u64, _period_ms: u64) -> Option<u64> {
+        Some(reset_ms)
+    }
+
     fn project(l: &Limits, s: State, now_ms: u64) -> State {
         let window = now_ms / l.period_ms.max(1);
         // A clock behind the newest window counts in that window: going back never reopens

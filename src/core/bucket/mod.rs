@@ -84,6 +84,11 @@ trait Local {
     /// Whether a token granted in a window must be spent within it (lease pools).
     const WINDOWED: bool;
 
+    /// Within how many ms tokens just granted must be spent, from an answer's `reset_ms`: `None`
+    /// when they keep (a token bucket's); a window's end otherwise.
+    fn spend_within_ms(_reset_ms: u64, _period_ms: u64) -> Option<u64> {
+        None
+    }
     /// Tries to take `cost` at `now_ms` (`None`: a new bucket); see [`take`].
     fn take(l: &Limits, state: Option<State>, now_ms: u64, cost: u64) -> (State, BucketResult);
     /// See [`project`].
@@ -152,6 +157,13 @@ pub fn refundable(a: Algorithm) -> bool {
 /// Whether tokens of `a` granted in a window must be spent within it.
 pub fn windowed(a: Algorithm) -> bool {
     dispatch!(a, WINDOWED)
+}
+
+/// Within how many ms tokens of `a` granted by an answer (its `reset_ms`, for a rule of
+/// `period_ms`) must be spent: `None` when they keep; the end of the window they were counted in
+/// otherwise (a token of one window must not be spent in the next).
+pub fn spend_within_ms(a: Algorithm, reset_ms: u64, period_ms: u64) -> Option<u64> {
+    dispatch!(a, spend_within_ms(reset_ms, period_ms))
 }
 
 /// Tries to take `cost` tokens at `now_ms`. `state` is `None` for a new bucket (it starts full).

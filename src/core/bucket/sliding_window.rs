@@ -113,6 +113,12 @@ impl Local for SlidingWindow {
         (c.state(), result)
     }
 
+    /// After a grant the answer's `reset_ms` is the end of the next window (the grant weighs
+    /// until then); the window it was counted in ends a period sooner.
+    fn spend_within_ms(reset_ms: u64, period_ms: u64) -> Option<u64> {
+        Some(reset_ms.saturating_sub(period_ms))
+    }
+
     /// Moved to the current window: the count becomes the previous window's (or nothing, after a
     /// window without takes). A clock behind the newest window counts in that window.
     fn project(l: &Limits, s: State, now_ms: u64) -> State {
