@@ -96,6 +96,7 @@ fuzz_target!(|input: Input| {
                 algorithm: b.algorithm.map(|a| match a {
                     FilterAlgorithm::TokenBucket => Algorithm::TokenBucket,
                     FilterAlgorithm::FixedWindow => Algorithm::FixedWindow,
+                    FilterAlgorithm::SlidingWindow => Algorithm::SlidingWindow,
                 }),
                 lease: b.lease,
                 // The filter sends a bucket's rule name outside this encoder.
