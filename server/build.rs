@@ -1,6 +1,7 @@
-//! Generates the gRPC types and service from `contract/tollgate.proto`.
+//! Generates the gRPC types and service from `contract/tollgate.proto`, and Envoy's RLS v3 (the
+//! subset in `proto/envoy/`, server side only).
 //!
-//! The proto is parsed by `protox` (pure Rust), so building the service needs no `protoc`.
+//! The protos are parsed by `protox` (pure Rust), so building the service needs no `protoc`.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_dir = "../contract";
     let proto = "../contract/tollgate.proto";
@@ -11,6 +12,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         // Malformed protobuf must be INVALID_ARGUMENT, not the INTERNAL that prost's codec gives.
         .codec_path("crate::api::grpc::StrictCodec")
+        .compile_fds(fds)?;
+
+    let rls = "proto/envoy/service/ratelimit/v3/rls.proto";
+    println!("cargo:rerun-if-changed=proto");
+    let fds = protox::compile([rls], ["proto"])?;
+    // tonic-prost's own codec, not Take's StrictCodec: a malformed RLS request stays INTERNAL.
+    tonic_prost_build::configure()
+        .build_client(false)
+        .build_server(true)
         .compile_fds(fds)?;
     Ok(())
 }

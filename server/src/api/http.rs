@@ -17,12 +17,11 @@ use axum::{Json, Router};
 use tonic::server::NamedService;
 use tower::{Service, ServiceExt};
 
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-
 use super::grpc::{pb::rate_limiter_server::RateLimiterServer, status_of, RateLimiterService};
 use super::json::{decode_batch, decode_take, error_body};
 use super::{Api, ApiError, GRPC_FRAMING_BYTES};
 use crate::domain::{BatchDecision, MAX_BATCH_BYTES, MAX_TAKE_BYTES};
+use crate::rls::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use crate::rls::{LimitsFile, RlsService};
 
 fn error_response(e: &ApiError) -> Response {

@@ -9,18 +9,18 @@
 use std::fmt::Write;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::core::v3::HeaderValue;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
-    Code, DescriptorStatus, RateLimit,
-};
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
-use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use prost_types::Duration as PbDuration;
 use sha2::{Digest, Sha256};
 use tonic::{Request, Response, Status};
 
 use super::config::{Limit, Limits, Unit};
+use super::pb::envoy::config::core::v3::HeaderValue;
+use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use super::reload::LimitsFile;
 use crate::api::grpc::status_of;
 use crate::api::Api;
@@ -157,8 +157,8 @@ fn cost(req: &RateLimitRequest, d: &RateLimitDescriptor) -> u64 {
     if d.is_negative_hits {
         return 0;
     }
-    match &d.hits_addend {
-        Some(h) => h.value,
+    match d.hits_addend {
+        Some(h) => h,
         None => u64::from(req.hits_addend.max(1)),
     }
 }
@@ -209,7 +209,6 @@ fn status(code: Code, limit: &Limit, d: Option<&BucketDecision>) -> DescriptorSt
             .map(|d| u32::try_from(d.remaining).unwrap_or(u32::MAX))
             .unwrap_or(0),
         duration_until_reset: until.map(pb_duration),
-        ..DescriptorStatus::default()
     }
 }
 
@@ -248,7 +247,6 @@ fn headers(statuses: &[DescriptorStatus], limits: &[Option<&Limit>]) -> Vec<Head
     let h = |k: &str, v: String| HeaderValue {
         key: k.to_string(),
         value: v,
-        ..HeaderValue::default()
     };
     let mut out = vec![
         h(
@@ -367,7 +365,6 @@ impl RlsService {
             overall_code: overall as i32,
             statuses,
             response_headers_to_add,
-            ..RateLimitResponse::default()
         })
     }
 
@@ -423,10 +420,10 @@ fn code_label(s: &Status) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::memory::MemoryStore;
-    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    use crate::rls::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
         Entry, RateLimitOverride,
     };
+    use crate::store::memory::MemoryStore;
 
     const LIMITS: &str = "
 domain: d
@@ -510,7 +507,7 @@ descriptors:
         );
         // A descriptor's own hits_addend wins over the request's.
         let mut d = desc("b");
-        d.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 4 });
+        d.hits_addend = Some(4);
         assert_eq!(codes(&s, &req(vec![d], 1)).await, (OK, vec![OK], vec![5]));
     }
 
