@@ -1,8 +1,9 @@
 //! The algorithms, one module each, behind one trait ([`Counter`]): each owns its arithmetic (the
 //! reference the memory store runs, in exact integers), its Lua (the same arithmetic on Redis, in
-//! `lua/<name>.lua`, registered in the scripts' `ALGORITHMS` table under its code), and its code in
-//! the scripts' ARGV (its name, protobuf code and key tag are the contract's, `contract::Algorithm`). The stores and the script drivers (take, batch,
-//! refund, settle) dispatch through this module and know no algorithm's internals.
+//! `lua/<name>.lua`, registered in the scripts' `ALGORITHMS` table under its code) and that code
+//! in the scripts' ARGV; its name, protobuf code and key tag are the contract's
+//! (`contract::Algorithm`). The stores and the script drivers (take, batch, refund, settle)
+//! dispatch through this module and know no algorithm's internals.
 //!
 //! Every algorithm gets the bucket's limits (capacity, rate, period_ms) in the same ARGV places
 //! (`redis/scripts.rs`) and ignores those it does not use. Adding an algorithm: a module with a
