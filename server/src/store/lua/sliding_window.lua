@@ -65,7 +65,8 @@ local function sw_load(key, cap, rate, period, now)
   local w, now_ms = sw_window(period, now)
   local s = { w = w, n = 0, m = 0, now_ms = now_ms }
   local v = redis.call('HMGET', key, 'w', 'n', 'm', 'c', 'p')
-  local sw, n, m, c, p = tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4]), tonumber(v[5])
+  local sw, n, m = tonumber(v[1]), tonumber(v[2]), tonumber(v[3])
+  local c, p = tonumber(v[4]), tonumber(v[5])
   if sw ~= nil and n ~= nil and m ~= nil and c ~= nil and p ~= nil then
     local old = { w = sw, n = n, m = m }
     sw_roll(old, muldivmod(now_ms, 1, 0, p))
@@ -112,7 +113,8 @@ local function sw_take(s, cap, rate, period, cost, lease)
 end
 
 local function sw_store(key, s, cap, rate, period)
-  redis.call('HSET', key, 'w', fmt(s.w), 'n', fmt(s.n), 'm', fmt(s.m), 'c', fmt(cap), 'p', fmt(period))
+  redis.call('HSET', key, 'w', fmt(s.w), 'n', fmt(s.n), 'm', fmt(s.m), 'c', fmt(cap),
+    'p', fmt(period))
   redis.call('PEXPIRE', key, fmt((s.w + 2) * period - s.now_ms + TTL_MARGIN_MS))
 end
 
