@@ -47,3 +47,14 @@ pub const RESET_MS: &str = "reset_ms";
 pub const RETRY_AFTER_MS: &str = "retry_after_ms";
 /// A bucket result: tokens charged.
 pub const GRANTED: &str = "granted";
+
+/// An acquire key's deadline.
+pub const TTL_MS: &str = "ttl_ms";
+/// The id of held slots (an acquire's answer, a release).
+pub const SLOT: &str = "slot";
+/// A release's keys.
+pub const KEYS: &str = "keys";
+/// A slot result: the key's live slots.
+pub const IN_FLIGHT: &str = "in_flight";
+/// A release's answer: per key, whether the slot was still held.
+pub const RELEASED: &str = "released";

@@ -5,7 +5,8 @@
 //! - [`bounds`]: the largest values, lists and bodies a valid message holds;
 //! - [`fields`]: the JSON field names;
 //! - [`take`]: a take and its answer (and a batch's), the messages themselves;
-//! - [`json`], [`proto`]: their two encodings, tested on contract/fixtures/cases.json.
+//! - [`json`], [`proto`]: their two encodings, tested on contract/fixtures/cases.json;
+//! - [`slots`]: an acquire and a release of concurrency slots, and their answers.
 //!
 //! Plain Rust: no proxy-wasm, no async runtime. The `serde` feature (the service's) adds the
 //! serde derives of the answers; the filter leaves it off, so its module does not carry them.
@@ -15,6 +16,7 @@ pub mod bounds;
 pub mod fields;
 pub mod json;
 pub mod proto;
+pub mod slots;
 pub mod take;
 
 #[cfg(test)]

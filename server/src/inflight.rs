@@ -15,7 +15,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use crate::api::{Api, ApiError};
 use crate::domain::{InvalidArgument, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES};
@@ -39,55 +39,12 @@ pub struct SlotSpec {
     pub ttl_ms: u64,
 }
 
-/// The answer for one key of an acquire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SlotDecision {
-    /// This key had a free slot.
-    pub allowed: bool,
-    /// The key's limit.
-    pub limit: u64,
-    /// Slots of this key held after the acquire (counting this one when it was taken), expired
-    /// ones not counted.
-    pub in_flight: u64,
-    /// 0 when allowed; else how long to wait before trying again, in ms (at most
-    /// [`DENIED_RETRY_MS`]).
-    pub retry_after_ms: u64,
-}
-
-/// The answer to an acquire (its serde form is the JSON response body of `POST /v1/acquire`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AcquireDecision {
-    /// Every key had a free slot and one of each is now held; `false`: none is held.
-    pub allowed: bool,
-    /// The id of the held slots (present only when allowed): what a release names.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub slot: Option<String>,
-    /// One decision per key, in request order.
-    pub buckets: Vec<SlotDecision>,
-}
-
-impl AcquireDecision {
-    /// The overall decision from per-key ones (`slot` is set by the caller when allowed).
-    pub fn from_buckets(buckets: Vec<SlotDecision>, slot: &str) -> Self {
-        let allowed = !buckets.is_empty() && buckets.iter().all(|b| b.allowed);
-        AcquireDecision {
-            allowed,
-            slot: allowed.then(|| slot.to_string()),
-            buckets,
-        }
-    }
-}
-
-/// The answer to a release (JSON response body of `POST /v1/release`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ReleaseDecision {
-    /// Per key, in request order: whether the slot was still held (false: it had expired, or
-    /// was released before).
-    pub released: Vec<bool>,
-}
+/// The answers to an acquire (per key, and in all) and to a release: the contract's, whose serde
+/// forms are the JSON response bodies of `POST /v1/acquire` and `POST /v1/release`.
+pub use contract::slots::{
+    AcquireResponse as AcquireDecision, ReleaseResponse as ReleaseDecision,
+    SlotResult as SlotDecision,
+};
 
 /// One key of an acquire as decoded, before validation.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]

@@ -22,7 +22,8 @@ use crate::core::headers::{rate_limit_headers, retry_after};
 use crate::core::plan::{CalloutResult, LocalReply};
 use crate::core::rules::{keys, matches, Request};
 use crate::core::store::{self, CasStore};
-use crate::core::wire::{push_json_string, BucketResult};
+use crate::core::wire::BucketResult;
+use contract::slots::{self, SlotWant};
 use serde_json::Value;
 
 /// Most requests in flight a concurrency rule may allow per key.
@@ -85,44 +86,26 @@ pub fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
     wants
 }
 
-/// The body of `POST /v1/acquire` for `wants` (written by hand: serde_json's serializer would
-/// add tens of KiB to the module).
+/// The body of `POST /v1/acquire` for `wants` (the contract's hand-written encoder: serde_json's
+/// serializer would add tens of KiB to the module).
 pub fn encode_acquire(cfg: &Config, wants: &[Want]) -> Vec<u8> {
-    let mut s = String::with_capacity(16 + 80 * wants.len());
-    s.push_str("{\"buckets\":[");
-    for w in wants {
-        let Some(f) = cfg.inflight.get(w.rule) else {
-            continue;
-        };
-        if !s.ends_with('[') {
-            s.push(',');
-        }
-        s.push_str("{\"key\":");
-        push_json_string(&mut s, &w.key);
-        s.push_str(",\"limit\":");
-        s.push_str(&f.max.to_string());
-        s.push_str(",\"ttl_ms\":");
-        s.push_str(&f.deadline_ms.to_string());
-        s.push('}');
-    }
-    s.push_str("]}");
-    s.into_bytes()
+    let slots: Vec<SlotWant<'_>> = wants
+        .iter()
+        .filter_map(|w| {
+            let f = cfg.inflight.get(w.rule)?;
+            Some(SlotWant {
+                key: &w.key,
+                limit: f.max,
+                ttl_ms: f.deadline_ms,
+            })
+        })
+        .collect();
+    slots::encode_acquire(&slots)
 }
 
 /// The body of `POST /v1/release` for the slot `slot` of `keys`.
 pub fn encode_release(slot: &str, keys: &[String]) -> Vec<u8> {
-    let mut s = String::with_capacity(32 + slot.len() + 40 * keys.len());
-    s.push_str("{\"slot\":");
-    push_json_string(&mut s, slot);
-    s.push_str(",\"keys\":[");
-    for (i, k) in keys.iter().enumerate() {
-        if i > 0 {
-            s.push(',');
-        }
-        push_json_string(&mut s, k);
-    }
-    s.push_str("]}");
-    s.into_bytes()
+    slots::encode_release(slot, keys)
 }
 
 /// What an acquire's callout came back with.
