@@ -1,10 +1,8 @@
-//! A private redis-server per test.
+//! A private redis-server per test (the shared test support's, `testkit/`), started and waited
+//! for like every component of the end-to-end harness.
 
 use super::process::{free_port, wait_until, Components, Proc, TempDir, START_ATTEMPTS};
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::process::Command;
-use std::time::Duration;
+pub use tollgate_testkit::redis::ping as redis_ping;
 
 /// A private redis-server on a free port, no persistence.
 pub struct Redis {
@@ -30,12 +28,8 @@ impl Redis {
 
     /// One start on `port`; None when the process exited before it answered PING.
     fn launch(c: &Components, dir: &TempDir, port: u16) -> Option<Redis> {
-        let mut cmd = Command::new(&c.redis_server);
-        cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir.path());
-        let mut proc = Proc::spawn("redis", cmd, dir.log_file(&format!("redis-{port}")));
+        let log = dir.log_file(&format!("redis-{port}"));
+        let mut proc = tollgate_testkit::redis::spawn(&c.redis_server, port, dir.path(), &[], log);
         wait_until("redis-server", &mut proc, || redis_ping(port)).ok()?;
         Some(Redis { port, proc })
     }
@@ -48,17 +42,4 @@ impl Redis {
     pub fn stop(&mut self) {
         self.proc.kill();
     }
-}
-
-/// PING over a raw socket: true on `+PONG`.
-pub fn redis_ping(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    if s.write_all(b"PING\r\n").is_err() {
-        return false;
-    }
-    let mut buf = [0u8; 16];
-    matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
 }

@@ -1,12 +1,12 @@
-//! Shared test support: real redis-server processes on free ports (killed by PID on drop), the
+//! Shared test support: real redis-server processes on free ports (the shared test support's,
+//! `testkit/`: killed by PID on drop), the
 //! service started in-process on 127.0.0.1:0 through `run`, and small HTTP/gRPC helpers.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod binary;
 
-use std::net::{SocketAddr, TcpListener as StdListener};
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,8 @@ use tollgate_server::api::grpc::pb;
 use tollgate_server::store::redis::{RedisConfig, RedisStore};
 use tollgate_server::store::Store;
 use tollgate_server::{run, ServiceConfig};
+use tollgate_testkit::process::{self, Proc, TempDir};
+use tollgate_testkit::redis;
 
 /// `n` Redis nodes on free ports joined into a cluster of masters (cluster state ok on return).
 #[allow(dead_code)] // not every test binary starts a cluster
@@ -41,88 +43,37 @@ pub fn start_cluster(n: usize) -> Vec<RedisProc> {
     nodes
 }
 
-/// Joins `nodes` (started with `--cluster-enabled yes`) into a cluster of masters with
-/// `redis-cli --cluster create` (`cli` goes before it, e.g. `--tls --cacert ...`), and waits until
-/// every node reports `cluster_state:ok`.
+/// Joins `nodes` (started with `--cluster-enabled yes`) into a cluster of masters; `cli` are the
+/// redis-cli arguments that reach them (e.g. `--tls --cacert ...`). Waits for `cluster_state:ok`.
 pub fn create_cluster(nodes: &[RedisProc], cli: &[&str]) {
-    let addrs: Vec<String> = nodes
-        .iter()
-        .map(|n| format!("127.0.0.1:{}", n.port))
-        .collect();
-    let out = Command::new(redis_cli_bin())
-        .args(cli)
-        .args(["--cluster", "create"])
-        .args(&addrs)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("redis-cli --cluster create");
-    assert!(
-        out.status.success(),
-        "cluster create: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    for n in nodes {
-        loop {
-            let info = n.cmd(&["CLUSTER", "INFO"]).unwrap_or_default();
-            if info.contains("cluster_state:ok") {
-                break;
-            }
-            assert!(Instant::now() < deadline, "cluster not ok: {info}");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
+    let ports: Vec<u16> = nodes.iter().map(|n| n.port).collect();
+    redis::create_cluster(&ports, 0, cli);
 }
 
 /// The workspace root (server/..).
 pub fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf()
+    process::workspace_root()
 }
 
-fn tool(var: &str, default: &str) -> PathBuf {
-    let path = std::env::var_os(var)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join(default));
-    assert!(
-        path.exists(),
-        "{} not found at {} (set {var}, or run `bash scripts/tools.sh`)",
-        default,
-        path.display()
-    );
-    path
-}
-
-/// redis-server (TOLLGATE_REDIS_SERVER, default .tools/redis-server). Panics when missing.
-pub fn redis_server_bin() -> PathBuf {
-    tool("TOLLGATE_REDIS_SERVER", ".tools/redis-server")
-}
-
-/// redis-cli (TOLLGATE_REDIS_CLI, default .tools/redis-cli). Panics when missing.
+/// redis-cli (TOLLGATE_REDIS_CLI, default .tools/redis-cli). Fails the test when missing.
 pub fn redis_cli_bin() -> PathBuf {
-    tool("TOLLGATE_REDIS_CLI", ".tools/redis-cli")
+    redis::cli_bin()
 }
 
-/// A free TCP port on 127.0.0.1 (bound then released).
+/// A free TCP port on 127.0.0.1 (never handed out twice by one test process).
 pub fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    process::free_port()
 }
 
-/// A redis-server child process, killed on drop.
+/// A redis-server child process (the shared test support's), killed by PID on drop; its log in a
+/// scratch directory, printed if a test panics.
 pub struct RedisProc {
     pub port: u16,
-    child: Option<Child>,
+    proc: Option<Proc>,
     extra: Vec<String>,
     /// Extra redis-cli arguments (`--tls --cacert ...` for a TLS-only server).
     cli: Vec<String>,
-    dir: PathBuf,
+    dir: TempDir,
 }
 
 impl RedisProc {
@@ -139,40 +90,27 @@ impl RedisProc {
     /// Starts redis-server on `port` with extra arguments; `cli` are extra redis-cli arguments
     /// used to reach it (e.g. `--tls --cacert ca.pem` when it only listens with TLS on `port`).
     pub fn start_with_cli(port: u16, extra: &[&str], cli: &[&str]) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
         let mut p = RedisProc {
             port,
-            child: None,
+            proc: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
             cli: cli.iter().map(|s| s.to_string()).collect(),
-            dir,
+            dir: TempDir::new(&format!("redis-{port}")),
         };
         p.spawn();
         p
     }
 
     fn spawn(&mut self) {
-        let child = Command::new(redis_server_bin())
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self.dir.to_str().expect("utf-8 dir"),
-            ])
-            .args(&self.extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn redis-server");
-        self.child = Some(child);
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        let log = self.dir.log_file("redis");
+        self.proc = Some(redis::spawn(
+            &redis::server_bin(),
+            self.port,
+            self.dir.path(),
+            &extra,
+            log,
+        ));
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if self
@@ -193,9 +131,8 @@ impl RedisProc {
 
     /// Kills the process (SIGKILL) and waits for it.
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(mut p) = self.proc.take() {
+            p.kill();
         }
     }
 
@@ -211,35 +148,15 @@ impl RedisProc {
 
     /// Runs one command through redis-cli and returns its raw output, trimmed.
     pub fn cmd(&self, args: &[&str]) -> Option<String> {
-        let out = Command::new(redis_cli_bin())
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(&self.cli)
-            .args(args)
-            .stderr(Stdio::null())
-            .output()
-            .ok()?;
-        if !out.status.success() {
-            return None;
-        }
-        let s = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        if s.starts_with("Could not connect") {
-            return None;
-        }
-        Some(s)
+        let cli: Vec<&str> = self.cli.iter().map(String::as_str).collect();
+        redis::cli(self.port, &cli, args)
     }
 
     /// A synchronous redis-rs connection.
-    pub fn conn(&self) -> redis::Connection {
-        redis::Client::open(self.url())
+    pub fn conn(&self) -> ::redis::Connection {
+        ::redis::Client::open(self.url())
             .and_then(|c| c.get_connection())
             .expect("connect to redis")
-    }
-}
-
-impl Drop for RedisProc {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -2,23 +2,12 @@
 //! `REPLICAOF`, `INFO`), signals to a process by PID (SIGSTOP / SIGCONT), and a Redis Cluster of
 //! masters with one replica each, whose masters can be killed for a real failover.
 
-use crate::common::{
-    free_port, redis_ping, required_component, wait_until, Components, Proc, TempDir,
-};
+use crate::common::{free_port, redis_ping, wait_until, Components, Proc, TempDir};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::thread;
 use std::time::{Duration, Instant};
-
-/// redis-cli (`TOLLGATE_REDIS_CLI`, default `.tools/redis-cli`); missing = test failure.
-pub fn redis_cli() -> std::path::PathBuf {
-    required_component(
-        "TOLLGATE_REDIS_CLI",
-        ".tools/redis-cli",
-        ". Run `make tools`, or set TOLLGATE_REDIS_CLI.",
-    )
-}
 
 /// Sends `signal` (`STOP`, `CONT`, `KILL`...) to `pid` with kill(1).
 pub fn signal(pid: u32, signal: &str) {
@@ -175,23 +164,8 @@ impl Cluster {
         let nodes: Vec<Node> = (0..2 * masters)
             .map(|_| Cluster::node(c, dir, node_timeout_ms))
             .collect();
-        let addrs: Vec<String> = nodes
-            .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
-            .collect();
-        let out = Command::new(redis_cli())
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "redis-cli --cluster create: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let ports: Vec<u16> = nodes.iter().map(|n| n.port).collect();
+        tollgate_testkit::redis::create_cluster(&ports, 1, &[]);
         let cluster = Cluster { nodes };
         let deadline = Instant::now() + Duration::from_secs(30);
         for n in &cluster.nodes {
@@ -221,17 +195,20 @@ impl Cluster {
     fn node(c: &Components, dir: &TempDir, node_timeout_ms: u64) -> Node {
         for _ in 0..3 {
             let port = free_port();
-            let mut cmd = Command::new(&c.redis_server);
-            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .args(["--cluster-enabled", "yes"])
-                .args(["--cluster-config-file", &format!("nodes-{port}.conf")])
-                .args(["--cluster-node-timeout", &node_timeout_ms.to_string()])
-                .arg("--dir")
-                .arg(dir.path());
-            let mut proc = Proc::spawn(
-                "redis-cluster-node",
-                cmd,
+            let node_timeout = node_timeout_ms.to_string();
+            let conf = format!("nodes-{port}.conf");
+            let mut proc = tollgate_testkit::redis::spawn(
+                &c.redis_server,
+                port,
+                dir.path(),
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    &node_timeout,
+                ],
                 dir.log_file(&format!("redis-{port}")),
             );
             if wait_until("redis cluster node", &mut proc, || redis_ping(port)).is_ok() {

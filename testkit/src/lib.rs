@@ -1,0 +1,19 @@
+//! Test support shared by Tollgate's end-to-end tests (`tests/`) and the service's tests
+//! (`server/tests/`), so both start and stop real processes the same way:
+//!
+//! - [`process`]: where the real components are (a missing one fails the test: nothing skips),
+//!   scratch directories, free 127.0.0.1 ports, child processes killed by PID on drop with their
+//!   logs printed when a test panics, and waiting for readiness;
+//! - [`redis`]: a private `redis-server` per test (no persistence), PING, `redis-cli`, and joining
+//!   nodes into a Redis Cluster.
+//!
+//! A test reports a failure by panicking, so the workspace's no-panic lints do not apply here.
+#![allow(
+    clippy::panic,
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::indexing_slicing
+)]
+
+pub mod process;
+pub mod redis;
