@@ -48,7 +48,7 @@
 
 use crate::core::bucket::{self, Limits, State};
 use crate::core::config::{Algorithm, Config, FailureMode};
-use crate::core::decide::{Outcome, Plan};
+use crate::core::plan::{Outcome, Plan};
 use crate::core::hash::sha256;
 use crate::core::store::{update, CasStore, Step};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};

@@ -41,7 +41,7 @@
 
 use crate::core::bucket::{self, Limits};
 use crate::core::config::{Config, Lease, Rule};
-use crate::core::decide::{Outcome, Plan};
+use crate::core::plan::{Outcome, Plan};
 use crate::core::fallback::{self, learned_instances, Slot};
 use crate::core::store::{update, CasStore, Step};
 use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
@@ -1456,7 +1456,7 @@ mod tests {
         refilled(
             &c,
             r,
-            &Outcome::Failed(crate::core::decide::Cause::Timeout),
+            &Outcome::Failed(crate::core::plan::Cause::Timeout),
             &s,
             2,
         );
@@ -1591,7 +1591,7 @@ mod tests {
         settle(
             &c,
             &p,
-            &Outcome::Failed(crate::core::decide::Cause::Timeout),
+            &Outcome::Failed(crate::core::plan::Cause::Timeout),
             &s,
             0,
         );
