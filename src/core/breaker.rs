@@ -11,6 +11,7 @@
 
 use crate::core::config::Breaker;
 use crate::core::store::{update, CasStore, Step};
+use crate::core::table;
 
 /// Shared-data key of the breaker state.
 pub const KEY: &str = "tollgate.breaker";
@@ -31,37 +32,29 @@ pub struct State {
 }
 
 impl State {
-    /// Serialised form (28 bytes, little endian).
+    /// Serialised form: a [`table`] record of format [`table::BREAKER`] (no identity).
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(28);
-        v.extend_from_slice(&self.failures.to_le_bytes());
-        v.extend_from_slice(&self.open_until_ms.to_le_bytes());
-        v.extend_from_slice(&self.interval_ms.to_le_bytes());
-        v.extend_from_slice(&self.debt_until_ms.to_le_bytes());
-        v
+        let words = [
+            u64::from(self.failures),
+            self.open_until_ms,
+            self.interval_ms,
+            self.debt_until_ms,
+        ];
+        table::encode(table::BREAKER, &[0; table::ID_BYTES], &words)
     }
 
     /// Parses [`State::encode`]'s output; anything else reads as a fresh, closed breaker.
     pub fn decode(b: Option<&[u8]>) -> State {
-        let Some(b) = b else { return State::default() };
-        let (Some(f), Some(o), Some(i)) = (b.get(0..4), b.get(4..12), b.get(12..20)) else {
+        let Some((_, [failures, open_until_ms, interval_ms, debt_until_ms])) =
+            b.and_then(|b| table::decode::<4>(table::BREAKER, b))
+        else {
             return State::default();
         };
-        let mut f4 = [0u8; 4];
-        f4.copy_from_slice(f);
-        let mut o8 = [0u8; 8];
-        o8.copy_from_slice(o);
-        let mut i8 = [0u8; 8];
-        i8.copy_from_slice(i);
-        let mut d8 = [0u8; 8];
-        if let Some(d) = b.get(20..28) {
-            d8.copy_from_slice(d);
-        }
         State {
-            failures: u32::from_le_bytes(f4),
-            open_until_ms: u64::from_le_bytes(o8),
-            interval_ms: u64::from_le_bytes(i8),
-            debt_until_ms: u64::from_le_bytes(d8),
+            failures: u32::try_from(failures).unwrap_or(u32::MAX),
+            open_until_ms,
+            interval_ms,
+            debt_until_ms,
         }
     }
 

@@ -49,19 +49,20 @@
 use crate::core::bucket::{self, Limits, State};
 use crate::core::config::{Algorithm, Config, FailureMode};
 use crate::core::plan::{Outcome, Plan};
-use crate::core::hash::sha256;
 use crate::core::store::{update, CasStore, Step};
+pub use crate::core::table::Slot;
+use crate::core::table::{self, slot_of};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
 /// Shared-data table of the fallback shares.
 pub const TABLE: &str = "tollgate.fb";
 /// Shared-data key of the number of proxies learned from the answers (8 bytes, little endian).
 pub const N_KEY: &str = "tollgate.fb.instances";
-/// Stored bytes per slot: format, flags, 16-byte identity, level, stamp, debt, last write, and
-/// the limits written with (global capacity, rate, period, number of proxies).
-pub const SLOT_BYTES: usize = 2 + 16 + 8 * 8;
-const FORMAT: u8 = 3;
-const OCCUPIED: u8 = 1;
+/// Words per share record ([`table`]): level, stamp, debt, last write, and the limits written with
+/// (global capacity, rate, period, number of proxies).
+const WORDS: usize = 8;
+/// Stored bytes per occupied slot.
+pub const SLOT_BYTES: usize = 1 + table::ID_BYTES + 8 * WORDS;
 /// The largest debt a callout carries: the contract's bound on `lease`.
 const MAX_LEASE: u64 = contract::bounds::MAX_AMOUNT;
 
@@ -125,15 +126,6 @@ pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) {
     });
 }
 
-/// One bucket's place in the table.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Slot {
-    /// Shared-data key of the slot.
-    pub name: String,
-    /// Identity of the bucket (truncated SHA-256).
-    pub id: [u8; 16],
-}
-
 /// The slot of a fallback bucket (table [`TABLE`]). The identity covers the key and the
 /// algorithm only: the limits are recorded in the slot, and a change carries the share over.
 pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
@@ -162,47 +154,13 @@ pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
     slot_of(table, &material, max_keys)
 }
 
-/// The slot of identity `material` in `table`.
-fn slot_of(table: &str, material: &[u8], max_keys: u32) -> Slot {
-    let h = sha256(material);
-    let mut id = [0u8; 16];
-    id.copy_from_slice(h.get(..16).unwrap_or(&[0u8; 16]));
-    let mut idx = [0u8; 8];
-    idx.copy_from_slice(h.get(16..24).unwrap_or(&[0u8; 8]));
-    let n = u64::from_le_bytes(idx) % u64::from(max_keys.max(1));
-    Slot {
-        name: format!("{table}.{n}"),
-        id,
-    }
-}
-
-/// Creates the slots `<table>.0 .. <table>.<max_keys - 1>` that do not exist yet, as vacant
-/// records (`vacant`, of the table's own format), so that every later write is a CAS on an
-/// existing entry. Called at configuration time by every VM; `<table>.ready` remembers the
-/// largest table prepared so later VMs skip the walk. Two VMs preparing at once both write the
-/// same vacant record, which is harmless; a worker only ever writes a slot that exists.
-pub fn prepare_table<S: CasStore + ?Sized>(store: &S, table: &str, max_keys: u32, vacant: &[u8]) {
-    let ready = format!("{table}.ready");
-    let done = store
-        .get(&ready)
-        .and_then(|(v, _)| <[u8; 4]>::try_from(v.get(..4)?).ok())
-        .map(u32::from_le_bytes)
-        .unwrap_or(0);
-    if done >= max_keys {
-        return;
-    }
-    for n in 0..max_keys {
-        let name = format!("{table}.{n}");
-        if store.get(&name).is_none() {
-            let _ = store.set(&name, vacant, None);
-        }
-    }
-    let _ = store.set(&ready, &max_keys.to_le_bytes(), None);
-}
+/// The tables are created as [`table::prepare`] does (kept under this name for the callers that
+/// prepare a table of their own).
+pub use crate::core::table::prepare as prepare_table;
 
 /// [`prepare_table`] for the fallback table.
 pub fn prepare<S: CasStore + ?Sized>(store: &S, max_keys: u32) {
-    prepare_table(store, TABLE, max_keys, &vacant());
+    prepare_table(store, TABLE, max_keys, &table::vacant());
 }
 
 /// Creates the tables a configuration uses (fallback shares, lease pools) before any request.
@@ -218,7 +176,7 @@ pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) {
             store,
             crate::core::lease::TABLE,
             cfg.fallback.max_keys,
-            &[0],
+            &table::vacant(),
         );
     }
 }
@@ -249,20 +207,8 @@ enum Entry {
     },
 }
 
-fn vacant() -> Vec<u8> {
-    let mut v = vec![0u8; SLOT_BYTES];
-    if let Some(f) = v.first_mut() {
-        *f = FORMAT;
-    }
-    v
-}
-
 fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64) -> Vec<u8> {
-    let mut v = Vec::with_capacity(SLOT_BYTES);
-    v.push(FORMAT);
-    v.push(OCCUPIED);
-    v.extend_from_slice(id);
-    for n in [
+    let words = [
         s.level,
         s.stamp,
         debt,
@@ -271,10 +217,8 @@ fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64) -> Vec<u8
         l.rate,
         l.period_ms,
         l.divisor,
-    ] {
-        v.extend_from_slice(&n.to_le_bytes());
-    }
-    v
+    ];
+    table::encode(table::SHARE, id, &words)
 }
 
 /// A share kept under limits `old`, as it stands at `now_ms` under limits `new`
@@ -285,38 +229,25 @@ pub fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State {
     bucket::carry(old, s, new, now_ms)
 }
 
-fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(b.get(at..at + 8)?);
-    Some(u64::from_le_bytes(w))
-}
-
 /// What a slot holds for bucket `id` at `now_ms` under limits `l` (a share recorded under other
 /// limits is carried over, [`carry`]); a debt untouched for `horizon_ms` reads as 0.
 fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_ms: u64) -> Entry {
     let Some(b) = bytes else {
         return Entry::Missing;
     };
-    if b.len() != SLOT_BYTES || b.first() != Some(&FORMAT) {
-        return Entry::Other { debt: 0 };
-    }
-    if b.get(1) != Some(&OCCUPIED) {
+    if table::is_vacant(b) {
         return Entry::Vacant;
     }
-    let n = |i: usize| u64_at(b, 18 + 8 * i);
-    let (Some(level), Some(stamp), Some(debt), Some(touched)) = (n(0), n(1), n(2), n(3)) else {
+    let Some((owner, words)) = table::decode::<WORDS>(table::SHARE, b) else {
         return Entry::Other { debt: 0 };
     };
-    let (Some(global), Some(rate), Some(period_ms), Some(divisor)) = (n(4), n(5), n(6), n(7))
-    else {
-        return Entry::Other { debt: 0 };
-    };
+    let [level, stamp, debt, touched, global, rate, period_ms, divisor] = words;
     let debt = if now_ms.saturating_sub(touched) > horizon_ms {
         0
     } else {
         debt
     };
-    if b.get(2..18) == Some(id.as_slice()) {
+    if owner == *id {
         let old = Limits::local(global, rate, period_ms, l.algorithm, divisor);
         let s = carry(&old, State { level, stamp }, l, now_ms);
         Entry::Ours(s, debt, old != *l)

@@ -41,16 +41,18 @@
 
 use crate::core::bucket::{self, Limits};
 use crate::core::config::{Config, Lease, Rule};
+use crate::core::fallback::{self, learned_instances};
 use crate::core::plan::{Outcome, Plan};
-use crate::core::fallback::{self, learned_instances, Slot};
 use crate::core::store::{update, CasStore, Step};
+use crate::core::table::{self, Slot};
 use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
 
 /// Shared-data table of the pools.
 pub const TABLE: &str = "tollgate.lease";
-/// Stored bytes per pool: format, 16-byte identity, eleven u64.
-pub const POOL_BYTES: usize = 1 + 16 + 11 * 8;
-const FORMAT: u8 = 4;
+/// Words per pool record ([`table`]).
+const WORDS: usize = 11;
+/// Stored bytes per pool.
+pub const POOL_BYTES: usize = 1 + table::ID_BYTES + 8 * WORDS;
 /// How long a refill claim outlives the callout timeout: a request whose context was destroyed
 /// before its answer (client gone) never settles, and its claim must lapse on its own.
 pub const CLAIM_MARGIN_MS: u64 = 50;
@@ -85,10 +87,7 @@ pub struct Pool {
 
 impl Pool {
     fn encode(&self, id: &[u8; 16]) -> Vec<u8> {
-        let mut v = Vec::with_capacity(POOL_BYTES);
-        v.push(FORMAT);
-        v.extend_from_slice(id);
-        for n in [
+        let words = [
             self.tokens,
             self.expires_ms,
             self.refill_until_ms,
@@ -100,25 +99,15 @@ impl Pool {
             self.window_ms,
             self.window_tokens,
             self.instances,
-        ] {
-            v.extend_from_slice(&n.to_le_bytes());
-        }
-        v
+        ];
+        table::encode(table::POOL, id, &words)
     }
 
     /// The pool stored in a slot, if it belongs to `id` (else: none yet, or evicted).
     fn decode(id: &[u8; 16], bytes: Option<&[u8]>) -> Option<Pool> {
-        let b = bytes?;
-        if b.len() != POOL_BYTES || b.first() != Some(&FORMAT) || b.get(1..17)? != id {
+        let (owner, n) = table::decode::<WORDS>(table::POOL, bytes?)?;
+        if owner != *id {
             return None;
-        }
-        let mut n = [0u64; 11];
-        for (i, chunk) in b.get(17..)?.chunks_exact(8).enumerate() {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(chunk);
-            if let Some(slot) = n.get_mut(i) {
-                *slot = u64::from_le_bytes(w);
-            }
         }
         let [tokens, expires_ms, refill_until_ms, denied_until_ms, denied_cost, remaining, reset_at_ms, rate_milli, window_ms, window_tokens, instances] =
             n;

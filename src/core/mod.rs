@@ -20,5 +20,6 @@ mod props;
 pub mod rules;
 pub mod settle;
 pub mod store;
+pub mod table;
 pub mod usage;
 pub mod wire;
