@@ -23,6 +23,7 @@ use crate::core::plan::{CalloutResult, LocalReply};
 use crate::core::rules::{keys, matches, Request};
 use crate::core::store::{self, CasStore};
 use crate::core::wire::BucketResult;
+use contract::fields;
 use contract::slots::{self, SlotWant};
 use serde_json::Value;
 
@@ -133,19 +134,22 @@ pub fn interpret(result: &CalloutResult, n: usize) -> Acquired {
     let Ok(v) = serde_json::from_slice::<Value>(body) else {
         return Acquired::Failed;
     };
-    let Some(buckets) = v.get("buckets").and_then(Value::as_array) else {
+    let Some(buckets) = v.get(fields::BUCKETS).and_then(Value::as_array) else {
         return Acquired::Failed;
     };
     if buckets.len() != n {
         return Acquired::Failed;
     }
-    match (v.get("allowed").and_then(Value::as_bool), v.get("slot")) {
+    match (
+        v.get(fields::ALLOWED).and_then(Value::as_bool),
+        v.get(fields::SLOT),
+    ) {
         (Some(true), Some(Value::String(s))) if !s.is_empty() => Acquired::Held(s.clone()),
         (Some(false), _) => {
             let full: Vec<usize> = buckets
                 .iter()
                 .enumerate()
-                .filter(|(_, b)| b.get("allowed").and_then(Value::as_bool) != Some(true))
+                .filter(|(_, b)| b.get(fields::ALLOWED).and_then(Value::as_bool) != Some(true))
                 .map(|(i, _)| i)
                 .collect();
             if full.is_empty() {
@@ -153,7 +157,7 @@ pub fn interpret(result: &CalloutResult, n: usize) -> Acquired {
             }
             let wait = full
                 .iter()
-                .filter_map(|&i| buckets.get(i)?.get("retry_after_ms")?.as_u64())
+                .filter_map(|&i| buckets.get(i)?.get(fields::RETRY_AFTER_MS)?.as_u64())
                 .max()
                 .unwrap_or(DENIED_RETRY_MS);
             Acquired::Denied(full, wait)
