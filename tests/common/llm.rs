@@ -12,7 +12,8 @@
 //! It records what every response reported and whether it was sent whole ([`Llm::served`]).
 
 use super::process::accept_on_free_port;
-use std::io::{Read, Write};
+use super::upstream::{header_value as header, next_request};
+use std::io::Write;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -69,40 +70,11 @@ impl Drop for Llm {
     }
 }
 
-fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines()
-        .filter_map(|l| l.split_once(':'))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.trim())
-}
-
 fn serve(mut conn: TcpStream, st: &State) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
     let mut buf: Vec<u8> = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        let head_end = loop {
-            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                break i + 4;
-            }
-            match conn.read(&mut chunk) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        };
-        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-        let body_len: usize = header(&head, "content-length")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        while buf.len() < head_end + body_len {
-            match conn.read(&mut chunk) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-        buf.drain(..head_end + body_len);
-        let keep = answer(&mut conn, &head, st);
-        if !keep {
+    while let Some((head, _)) = next_request(&mut conn, &mut buf, || false) {
+        if !answer(&mut conn, &head, st) {
             return;
         }
     }

@@ -129,35 +129,12 @@ impl Drop for Upstream {
 fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
     let _ = conn.set_read_timeout(Some(Duration::from_secs(30)));
     let mut buf: Vec<u8> = Vec::new();
-    let mut chunk = [0u8; 4096];
     loop {
-        // Read one request head (bodies are skipped by content-length).
-        let head_end = loop {
-            if let Some(i) = find(&buf, b"\r\n\r\n") {
-                break i + 4;
-            }
-            match conn.read(&mut chunk) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-            if st.stop.load(Ordering::SeqCst) {
-                return;
-            }
+        let Some((head, body)) =
+            next_request(&mut conn, &mut buf, || st.stop.load(Ordering::SeqCst))
+        else {
+            return;
         };
-        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-        let body_len: usize = head
-            .lines()
-            .filter_map(|l| l.split_once(':'))
-            .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .unwrap_or(0);
-        while buf.len() < head_end + body_len {
-            match conn.read(&mut chunk) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            }
-        }
-        let body: Vec<u8> = buf.drain(..head_end + body_len).skip(head_end).collect();
         if let Ok(mut b) = st.bodies.lock() {
             if b.len() < 100 {
                 b.push(body);
@@ -165,12 +142,7 @@ fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
         }
         st.requests.fetch_add(1, Ordering::SeqCst);
         if let Some(name) = &st.count_by {
-            let value = head
-                .lines()
-                .filter_map(|l| l.split_once(':'))
-                .find(|(k, _)| k.trim().eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.trim().to_string())
-                .unwrap_or_else(|| "?".to_string());
+            let value = header_value(&head, name).unwrap_or("?").to_string();
             if let Ok(mut m) = st.counts.lock() {
                 *m.entry(value).or_default() += 1;
             }
@@ -207,4 +179,46 @@ fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The value of header `name` in a request or response head (first match, trimmed).
+pub fn header_value<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim())
+}
+
+/// Reads the next HTTP/1.1 request on `conn` (keep-alive: `buf` keeps what was read past it): its
+/// head and its body (by `content-length`). `None` when the connection ends or `stopped()`.
+pub fn next_request(
+    conn: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    stopped: impl Fn() -> bool,
+) -> Option<(String, Vec<u8>)> {
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = find(buf, b"\r\n\r\n") {
+            break i + 4;
+        }
+        match conn.read(&mut chunk) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+        if stopped() {
+            return None;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let body_len: usize = header_value(&head, "content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    while buf.len() < head_end + body_len {
+        match conn.read(&mut chunk) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let body = buf.drain(..head_end + body_len).skip(head_end).collect();
+    Some((head, body))
 }
