@@ -17,12 +17,12 @@ pub struct SlotWant<'a> {
 }
 
 /// Encodes an acquire: `{"buckets": [{"key", "limit", "ttl_ms"}, ...]}`.
-pub fn encode_acquire(wants: &[SlotWant<'_>]) -> Vec<u8> {
-    let mut s = String::with_capacity(16 + 80 * wants.len());
+pub fn encode_acquire<'a>(wants: impl IntoIterator<Item = SlotWant<'a>>) -> Vec<u8> {
+    let mut s = String::with_capacity(128);
     s.push_str("{\"");
     s.push_str(fields::BUCKETS);
     s.push_str("\":[");
-    for (i, w) in wants.iter().enumerate() {
+    for (i, w) in wants.into_iter().enumerate() {
         if i > 0 {
             s.push(',');
         }
@@ -30,16 +30,20 @@ pub fn encode_acquire(wants: &[SlotWant<'_>]) -> Vec<u8> {
         s.push_str(fields::KEY);
         s.push_str("\":");
         push_string(&mut s, w.key);
-        for (name, v) in [(fields::LIMIT, w.limit), (fields::TTL_MS, w.ttl_ms)] {
-            s.push_str(",\"");
-            s.push_str(name);
-            s.push_str("\":");
-            s.push_str(&v.to_string());
-        }
+        push_number(&mut s, fields::LIMIT, w.limit);
+        push_number(&mut s, fields::TTL_MS, w.ttl_ms);
         s.push('}');
     }
     s.push_str("]}");
     s.into_bytes()
+}
+
+/// Appends `,"name":v`.
+fn push_number(s: &mut String, name: &str, v: u64) {
+    s.push_str(",\"");
+    s.push_str(name);
+    s.push_str("\":");
+    s.push_str(&v.to_string());
 }
 
 /// Encodes a release of the slot `slot` of `keys`: `{"slot": "<id>", "keys": [...]}`.
@@ -153,7 +157,7 @@ mod tests {
                     ttl_ms: b["ttl_ms"].as_u64().unwrap(),
                 })
                 .collect();
-            let ours: Value = serde_json::from_slice(&encode_acquire(&wants)).unwrap();
+            let ours: Value = serde_json::from_slice(&encode_acquire(wants)).unwrap();
             assert_eq!(ours, case["request_json"], "{}", case["name"]);
         }
         for case in cases("release") {

@@ -90,18 +90,14 @@ pub fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
 /// The body of `POST /v1/acquire` for `wants` (the contract's hand-written encoder: serde_json's
 /// serializer would add tens of KiB to the module).
 pub fn encode_acquire(cfg: &Config, wants: &[Want]) -> Vec<u8> {
-    let slots: Vec<SlotWant<'_>> = wants
-        .iter()
-        .filter_map(|w| {
-            let f = cfg.inflight.get(w.rule)?;
-            Some(SlotWant {
-                key: &w.key,
-                limit: f.max,
-                ttl_ms: f.deadline_ms,
-            })
+    slots::encode_acquire(wants.iter().filter_map(|w| {
+        let f = cfg.inflight.get(w.rule)?;
+        Some(SlotWant {
+            key: &w.key,
+            limit: f.max,
+            ttl_ms: f.deadline_ms,
         })
-        .collect();
-    slots::encode_acquire(&slots)
+    }))
 }
 
 /// The body of `POST /v1/release` for the slot `slot` of `keys`.
