@@ -58,3 +58,22 @@ pub const KEYS: &str = "keys";
 pub const IN_FLIGHT: &str = "in_flight";
 /// A release's answer: per key, whether the slot was still held.
 pub const RELEASED: &str = "released";
+
+/// A settle's id (and its answer's `duplicate`), and a settle bucket's amounts.
+pub const ID: &str = "id";
+/// Tokens the take charged (a settle bucket).
+pub const ESTIMATE: &str = "estimate";
+/// Tokens the response used (a settle bucket).
+pub const USED: &str = "used";
+/// The window a window algorithm's estimate was charged in (a settle bucket).
+pub const WINDOW: &str = "window";
+/// The settle's id had been applied before.
+pub const DUPLICATE: &str = "duplicate";
+/// Tokens a bucket owes after a settle.
+pub const DEBT: &str = "debt";
+/// The fields a settle's bucket may carry.
+pub const SETTLE_BUCKET: [&str; 9] = [
+    KEY, CAPACITY, RATE, PERIOD_MS, ALGORITHM, RULE, ESTIMATE, USED, WINDOW,
+];
+/// The fields of a settle.
+pub const SETTLE: [&str; 2] = [ID, BUCKETS];

@@ -6,7 +6,8 @@
 //! - [`fields`]: the JSON field names;
 //! - [`take`]: a take and its answer (and a batch's), the messages themselves;
 //! - [`json`], [`proto`]: their two encodings, tested on contract/fixtures/cases.json;
-//! - [`slots`]: an acquire and a release of concurrency slots, and their answers.
+//! - [`slots`]: an acquire and a release of concurrency slots, and their answers;
+//! - [`settle`]: a settle (reserve, then settle) and its answer.
 //!
 //! Plain Rust: no proxy-wasm, no async runtime. The `serde` feature (the service's) adds the
 //! serde derives of the answers; the filter leaves it off, so its module does not carry them.
@@ -16,6 +17,7 @@ pub mod bounds;
 pub mod fields;
 pub mod json;
 pub mod proto;
+pub mod settle;
 pub mod slots;
 pub mod take;
 

@@ -6,8 +6,6 @@
 
 use std::fmt;
 
-use serde::{Deserialize, Serialize};
-
 /// The contract's bounds and algorithms (contract/README.md), from the contract crate.
 pub use contract::bounds::{
     BUCKET_OVERHEAD_BYTES, MAX_AMOUNT, MAX_BATCH_BYTES, MAX_BATCH_TAKES, MAX_BUCKETS,
@@ -318,32 +316,8 @@ pub struct Settlement {
     pub buckets: Vec<SettleSpec>,
 }
 
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-/// The answer for one bucket of a settle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SettleResult {
-    /// Whole tokens the bucket holds after the settle (0 while it owes).
-    pub remaining: u64,
-    /// Whole tokens the bucket owes (rounded up): a token bucket below zero, a fixed window
-    /// counted above its capacity. 0 (not encoded) when it owes nothing.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub debt: u64,
-}
-
-/// The answer to a settle.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SettleDecision {
-    /// The id had been applied before: nothing changed now (on a Redis Cluster, in every slot
-    /// the buckets span). The buckets then report how they stand.
-    pub duplicate: bool,
-    /// One result per request bucket, in request order.
-    pub buckets: Vec<SettleResult>,
-}
+/// The answers to a settle are the contract's (`SettleDecision` is its `SettleResponse`).
+pub use contract::settle::{SettleResponse as SettleDecision, SettleResult};
 
 /// Checks a decoded settle: the id, then every bucket as a take's (same fields, same bounds and
 /// the same error names; a settle has no `cost` nor `lease`), then its amounts.

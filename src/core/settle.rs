@@ -19,7 +19,7 @@
 use crate::core::config::{Charge, Config};
 use crate::core::plan::Plan;
 use crate::core::usage::{self, Format, UsageReader};
-use crate::core::wire::{self, Bucket};
+use crate::core::wire::Bucket;
 
 /// Attempts per settlement before it is dropped (and counted): with the backoff below, a
 /// settlement is tried for about 7 seconds (100, 200, 400, 800, 1,600, 2,000, 2,000 ms apart).
@@ -247,36 +247,22 @@ pub struct Item {
     pub used: u64,
 }
 
-/// The JSON body of `POST /v1/settle` (contract/README.md, "Settle").
+/// The JSON body of `POST /v1/settle` (the contract's encoder).
 pub fn encode(id: &str, items: &[Item]) -> Vec<u8> {
-    use std::fmt::Write;
-    let mut s = String::with_capacity(32 + 160 * items.len());
-    s.push_str("{\"id\":");
-    wire::push_json_string(&mut s, id);
-    s.push_str(",\"buckets\":[");
-    for (n, i) in items.iter().enumerate() {
-        let b = &i.bucket;
-        if n > 0 {
-            s.push(',');
-        }
-        s.push_str("{\"key\":");
-        wire::push_json_string(&mut s, &b.key);
-        let _ = write!(s, ",\"capacity\":{}", b.capacity);
-        if let Some(rate) = b.rate {
-            let _ = write!(s, ",\"rate\":{rate}");
-        }
-        let _ = write!(s, ",\"period_ms\":{}", b.period_ms);
-        if let Some(a) = b.algorithm {
-            let _ = write!(s, ",\"algorithm\":\"{}\"", wire::algorithm_name(a));
-        }
-        if !i.rule.is_empty() {
-            s.push_str(",\"rule\":");
-            wire::push_json_string(&mut s, &i.rule);
-        }
-        let _ = write!(s, ",\"estimate\":{},\"used\":{}}}", i.estimate, i.used);
-    }
-    s.push_str("]}");
-    s.into_bytes()
+    contract::settle::encode_settle(
+        id,
+        items.iter().map(|i| contract::settle::SettleBucket {
+            key: &i.bucket.key,
+            capacity: i.bucket.capacity,
+            rate: i.bucket.rate,
+            period_ms: i.bucket.period_ms,
+            algorithm: i.bucket.algorithm,
+            rule: &i.rule,
+            estimate: i.estimate,
+            used: i.used,
+            window: None,
+        }),
+    )
 }
 
 /// One settlement waiting for delivery.

@@ -6,17 +6,11 @@
 //! The contract's codecs (JSON for the HTTP transport, hand-written protobuf for gRPC) are the
 //! `contract` crate's, tested there byte for byte against contract/fixtures/cases.json.
 
-use crate::core::config::Algorithm;
 use contract::proto::{put_bytes, put_u64, Field as Value, Reader};
 use contract::{json, proto, Sender};
 
 pub use contract::json::push_string as push_json_string;
 pub use contract::take::{Bucket, BucketResult, DecodeError, TakeRequest, TakeResponse};
-
-/// The JSON name of an algorithm (the contract's).
-pub(crate) fn algorithm_name(a: Algorithm) -> &'static str {
-    a.name()
-}
 
 /// The rule name a bucket is sent with: its key's leading part (keys are `<rule>|<part>...`,
 /// `crate::core::rules::keys`), when that is a valid rule name.

@@ -19,18 +19,8 @@ use crate::domain::{
     SettleDecision, SettleResult,
 };
 
-/// Fields a settle's bucket may carry in JSON.
-const BUCKET_FIELDS: [&str; 9] = [
-    "key",
-    "capacity",
-    "rate",
-    "period_ms",
-    "algorithm",
-    "rule",
-    "estimate",
-    "used",
-    "window",
-];
+/// Fields a settle's bucket may carry in JSON (the contract's).
+const BUCKET_FIELDS: [&str; 9] = contract::fields::SETTLE_BUCKET;
 
 /// Decodes a JSON settle body. Unknown fields are refused (naming them), `null` is absent, and
 /// every type error names its field; the bounds are [`validate_settle`]'s.
