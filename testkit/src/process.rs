@@ -98,8 +98,11 @@ impl TempDir {
     pub fn new(label: &str) -> TempDir {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let n = SEQ.fetch_add(1, Ordering::Relaxed);
-        let path =
-            std::env::temp_dir().join(format!("tollgate-test-{}-{}-{label}", std::process::id(), n));
+        let path = std::env::temp_dir().join(format!(
+            "tollgate-test-{}-{}-{label}",
+            std::process::id(),
+            n
+        ));
         let _ = fs::remove_dir_all(&path);
         fs::create_dir_all(&path).expect("create temp dir");
         TempDir { path }
