@@ -21,6 +21,8 @@
 #   empty     the floor of any wasm filter: bench/empty-filter (proxy-wasm SDK, returns Continue)
 #   bare-none, bare-empty, bare-nomatch  none, empty and nomatch on a bare Envoy: the route answers
 #             itself (direct_response), no upstream hop; their ratios are against bare-none
+#   bare-skip Tollgate in the chain but disabled for the route (a route FilterConfig `disabled: true`,
+#             not in the default VARIANTS): what a route without limits costs
 # The limit is high enough that every request is admitted, so what is measured is the per-request path.
 # CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (µs of CPU per request).
 # Memory: each variant's VmRSS/VmHWM and Envoy's server.memory_allocated/heap_size after start and after
@@ -116,6 +118,8 @@ envoy_yaml() {
   local route='route: {cluster: upstream}' code=$WASM
   case $variant in
     bare-*) route='direct_response: {status: 200, body: {inline_string: "hello from the edge\n"}}' ;;&
+    # The module loaded but switched off for the route: Envoy does not call it at all.
+    bare-skip) route+=$'\n                typed_per_filter_config: {envoy.filters.http.wasm: {"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig, disabled: true}}' ;;
     empty | bare-empty) code=$EMPTY_WASM ;;
   esac
   if [ "$variant" = native-rls ]; then
