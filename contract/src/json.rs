@@ -117,6 +117,13 @@ fn push_take(s: &mut String, req: &TakeRequest, sender: &Sender<'_>) {
     s.push(']');
 }
 
+/// The `buckets` list of a take or an answer.
+fn buckets_of(v: &Value) -> Result<&Vec<Value>, DecodeError> {
+    v.get(fields::BUCKETS)
+        .and_then(Value::as_array)
+        .ok_or_else(|| DecodeError(format!("`{}` missing or not a list", fields::BUCKETS)))
+}
+
 /// Reads a take back from its JSON form, as [`encode_take`] writes it (for tests and tools: the
 /// service reads takes with its own decoder, which names the field of every error). The
 /// sender's `instance` and `rule` are not part of the [`TakeRequest`] and are passed over.
@@ -125,10 +132,7 @@ pub fn read_take(v: &Value) -> Result<TakeRequest, DecodeError> {
         None => Ok(None),
         Some(_) => json_u64(b, field).map(Some),
     };
-    let list = v
-        .get(fields::BUCKETS)
-        .and_then(Value::as_array)
-        .ok_or_else(|| DecodeError(format!("`{}` missing or not a list", fields::BUCKETS)))?;
+    let list = buckets_of(v)?;
     let mut buckets = Vec::with_capacity(list.len());
     for b in list {
         let algorithm = match b.get(fields::ALGORITHM) {
@@ -192,10 +196,7 @@ pub fn decode_batch_answer(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError
 
 fn answer(v: &Value) -> Result<TakeResponse, DecodeError> {
     let allowed = json_bool(v, fields::ALLOWED)?;
-    let list = v
-        .get(fields::BUCKETS)
-        .and_then(Value::as_array)
-        .ok_or_else(|| DecodeError(format!("`{}` missing or not a list", fields::BUCKETS)))?;
+    let list = buckets_of(v)?;
     let mut buckets = Vec::with_capacity(list.len());
     for b in list {
         buckets.push(BucketResult {
