@@ -27,12 +27,15 @@ export TOLLGATE_SERVER_STATIC ?= $(CURDIR)/$(DIST)/tollgate-server-static
 # A dynamically linked build of the service (the debug one `cargo test --workspace` makes): the one
 # test that skews a replica's clock does it with libfaketime (LD_PRELOAD), which a static binary ignores.
 export TOLLGATE_SERVER_DYNAMIC ?= $(CURDIR)/target/debug/tollgate-server
+# The Envoy configuration generator (testkit/): what the benchmarks and the demo write their Envoy
+# configurations with, as the tests do.
+export TOLLGATE_ENVOY_CONFIG ?= $(CURDIR)/target/debug/tollgate-envoy-config
 
 # $(call publish,SRC,NAME): copy SRC to dist/NAME through a temporary file and a rename, so a process
 # that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.
 publish = mkdir -p $(DIST) && cp $(1) $(DIST)/.$(2).tmp && mv -f $(DIST)/.$(2).tmp $(DIST)/$(2)
 
-.PHONY: help tools images build wasm server server-static run test unit e2e bench demo image lint fmt clean fuzz soak
+.PHONY: help tools images build wasm server server-static envoy-config configs run test unit e2e bench demo image lint fmt clean fuzz soak
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -59,6 +62,12 @@ server-static: server
 	@mkdir -p $(DIST) && strip -o $(DIST)/.tollgate-server-static.tmp $(SERVER_OUT) \
 	  && mv -f $(DIST)/.tollgate-server-static.tmp $(DIST)/tollgate-server-static
 
+envoy-config:
+	$(CARGO) build --locked -q -p tollgate-testkit --bin tollgate-envoy-config
+
+configs: envoy-config ## Write the checked-in Envoy configurations (envoy.yaml, deploy/envoy/) from testkit/src/envoy_files.rs
+	$(TOLLGATE_ENVOY_CONFIG) checked-in --write $(CURDIR)
+
 image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; static service) in dist/images/
 	@bash scripts/image.sh $(DIST)/images
 
@@ -75,11 +84,11 @@ test: build image ## Every test: lint, unit, service against real Redis, end-to-
 unit: ## Unit tests only (no processes started)
 	$(CARGO) test --locked --workspace --lib
 
-bench: build ## Benchmarks recorded in BENCHMARKS.md (ratios measured side by side)
+bench: build envoy-config ## Benchmarks recorded in BENCHMARKS.md (ratios measured side by side)
 	@bash scripts/tools.sh bench
 	@bash scripts/bench.sh
 
-demo: build ## N proxies, one limit: 4 Envoys with Envoy's local_ratelimit, Tollgate, and its fallback, side by side
+demo: build envoy-config ## N proxies, one limit: 4 Envoys with Envoy's local_ratelimit, Tollgate, and its fallback, side by side
 	@bash scripts/tools.sh demo
 	@PYTHONPATH=$(CURDIR)/.tools/py-demo python3 scripts/demo.py
 

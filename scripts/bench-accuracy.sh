@@ -28,7 +28,7 @@ FLEET=4
 OUT=$ROOT/bench-out/accuracy
 WASM=$(readlink -f "$WASM")
 
-require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"
+require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM" "$ENVOY_CONFIG"
 command -v wrk >/dev/null || die "wrk missing (scripts/tools.sh bench)"
 rm -rf "$OUT" && mkdir -p "$OUT"
 LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -58,8 +58,8 @@ start() { # name config-file log concurrency admin
 }
 
 UP_PORT=$(free_port); UP_ADMIN=$(free_port)
-listener_yaml upstream "$UP_PORT" "$UP_ADMIN" \
-  'direct_response: {status: 200, body: {inline_string: "ok\n"}}' "" "$OUT/upstream-access.log" >"$OUT/upstream.yaml"
+envoy_config --name upstream --listen "$UP_PORT" --admin "$UP_ADMIN" --stats-flush-s 1 \
+  --direct $'ok\n' --access-log "$OUT/upstream-access.log" >"$OUT/upstream.yaml"
 start upstream "$OUT/upstream.yaml" "$OUT/upstream.log" 1 "$UP_ADMIN"
 
 # The fleet, one set of four Envoys per mode.
@@ -67,28 +67,25 @@ declare -A FRONT
 for mode in $MODES; do
   lease=""
   [ "$mode" = lease ] && lease=', "lease": {}'
-  filter=$(wasm_filter_yaml tollgate "$WASM" "$(cat <<EOF
+  plugin=$(cat <<EOF
 {"service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 200},
  "fallback": {"instances": $FLEET},
  "rules": [{"name": "all", "key": ["literal:accuracy-$mode"],
             "capacity": $RATE, "rate": $RATE, "period_ms": 1000$lease}]}
 EOF
-)")
+)
   ports=()
   for i in $(seq "$FLEET"); do
     port=$(free_port); admin=$(free_port); ports+=("$port")
-    { listener_yaml edge "$port" "$admin" 'route: {cluster: upstream}' "$filter"
-      echo "  clusters:"
-      cluster_yaml tollgate http2 "$SVC_PORT"
-      cluster_yaml upstream "$UP_PORT"
-    } >"$OUT/$mode-$i.yaml"
+    envoy_config --listen "$port" --admin "$admin" --stats-flush-s 1 --wasm "$WASM" --plugin-config "$plugin" \
+      --service "$SVC_PORT" --upstream "$UP_PORT" >"$OUT/$mode-$i.yaml"
     start "$mode-$i" "$OUT/$mode-$i.yaml" "$OUT/$mode-$i.log" 2 "$admin"
   done
   port=$(free_port); admin=$(free_port)
-  { listener_yaml front "$port" "$admin" 'route: {cluster: fleet}' ""
-    echo "  clusters:"
-    cluster_yaml fleet "${ports[@]}"
-  } >"$OUT/$mode-front.yaml"
+  fleet=()
+  for p in "${ports[@]}"; do fleet+=(--upstream "$p"); done
+  envoy_config --name front --listen "$port" --admin "$admin" --stats-flush-s 1 --upstream-cluster fleet \
+    "${fleet[@]}" >"$OUT/$mode-front.yaml"
   start "$mode-front" "$OUT/$mode-front.yaml" "$OUT/$mode-front.log" 2 "$admin"
   FRONT[$mode]=$port
 done

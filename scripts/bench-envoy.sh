@@ -44,7 +44,7 @@ ROUNDS=${ROUNDS:-3}
 OUT=${OUT:-$ROOT/bench-out/envoy}
 WASM=$(readlink -f "$WASM")
 
-require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM"
+require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM" "$ENVOY_CONFIG"
 # The empty filter (variants empty, bare-empty): built here, its own crate outside the workspace.
 EMPTY_WASM=$ROOT/target/empty-filter/wasm32-wasip1/release/empty_filter.wasm
 if [[ " $VARIANTS " == *" empty "* || " $VARIANTS " == *" bare-empty "* ]]; then
@@ -89,8 +89,8 @@ SVC_PID=$!; PIDS+=($SVC_PID)
 wait_for tollgate-server "$OUT/service.log" $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
 
 UP_PORT=$(free_port); UP_ADMIN=$(free_port)
-listener_yaml upstream "$UP_PORT" "$UP_ADMIN" \
-  'direct_response: {status: 200, body: {inline_string: "hello from the upstream\n"}}' "" >"$OUT/upstream.yaml"
+envoy_config --name upstream --listen "$UP_PORT" --admin "$UP_ADMIN" --stats-flush-s 1 \
+  --direct $'hello from the upstream\n' >"$OUT/upstream.yaml"
 "$ENVOY" -c "$OUT/upstream.yaml" --disable-hot-restart --concurrency 1 --log-level warn >"$OUT/upstream.log" 2>&1 &
 UP_PID=$!; PIDS+=($UP_PID)
 wait_for "upstream envoy" "$OUT/upstream.log" $UP_PID curl -fsS "http://127.0.0.1:$UP_ADMIN/ready"
@@ -99,7 +99,7 @@ CLOSED_PORT=$(free_port)
 
 # The Envoy under test. $1 = variant.
 envoy_yaml() {
-  local variant=$1 port=$2 admin=$3 filter="" svc_port=$SVC_PORT transport=http match="" lease="" batch=""
+  local variant=$1 port=$2 admin=$3 svc_port=$SVC_PORT transport=http match="" lease="" batch=""
   local key='"client_ip"' fallback=""
   case $variant in
     grpc) transport=grpc ;;
@@ -115,52 +115,27 @@ envoy_yaml() {
     leasekeys-*) lease=', "lease": {"size": 100}' ;;&
     fbkeys-* | leasekeys-*) key='"header:x-api-key"'; fallback="\"fallback\": {\"max_keys\": ${variant#*-}}," ;;
   esac
-  local route='route: {cluster: upstream}' code=$WASM
+  local args=(--listen "$port" --admin "$admin" --stats-flush-s 1 --service "$svc_port" --upstream "$UP_PORT")
   case $variant in
-    bare-*) route='direct_response: {status: 200, body: {inline_string: "hello from the edge\n"}}' ;;&
+    bare-*) args+=(--direct $'hello from the edge\n') ;;&
     # The module loaded but switched off for the route: Envoy does not call it at all.
-    bare-skip) route+=$'\n                typed_per_filter_config: {envoy.filters.http.wasm: {"@type": type.googleapis.com/envoy.config.route.v3.FilterConfig, disabled: true}}' ;;
-    empty | bare-empty) code=$EMPTY_WASM ;;
+    bare-skip) args+=(--skip-module) ;;
   esac
-  if [ "$variant" = native-rls ]; then
-    route='route: {cluster: upstream, rate_limits: [{actions: [{remote_address: {}}]}]}'
-    filter=$(cat <<EOF
-          - name: envoy.filters.http.ratelimit
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-              domain: bench
-              timeout: 0.1s
-              rate_limit_service:
-                transport_api_version: V3
-                grpc_service: {envoy_grpc: {cluster_name: tollgate}}
-EOF
-)
-  elif [ "$variant" = local-rl ]; then
-    filter=$(cat <<EOF
-          - name: envoy.filters.http.local_ratelimit
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
-              stat_prefix: local_rl
-              token_bucket: {max_tokens: 1000000000, tokens_per_fill: 1000000000, fill_interval: 1s}
-              filter_enabled: {default_value: {numerator: 100, denominator: HUNDRED}, runtime_key: local_rl_enabled}
-              filter_enforced: {default_value: {numerator: 100, denominator: HUNDRED}, runtime_key: local_rl_enforced}
-EOF
-)
-  elif [ "$variant" = empty ] || [ "$variant" = bare-empty ]; then
-    filter=$(wasm_filter_yaml empty "$code")
-  elif [ "$variant" != none ] && [ "$variant" != bare-none ]; then
-    filter=$(wasm_filter_yaml tollgate "$code" "$(cat <<EOF
+  case $variant in
+    none | bare-none) ;;
+    native-rls) args+=(--native-rls bench --rate-limits '[{actions: [{remote_address: {}}]}]'
+                       --rls-timeout-ms 100 --rls-allow-on-failure) ;;
+    local-rl) args+=(--local-ratelimit 1000000000,1000000000,1) ;;
+    empty | bare-empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
+    *) args+=(--wasm "$WASM" --plugin-config "$(cat <<EOF
 {"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100$batch},
  $fallback "rules": [{"name": "per-ip", $match "key": [$key],
             "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000$lease}],
  "response": {"headers": ["draft"], "on_allowed": false}}
 EOF
-)")
-  fi
-  listener_yaml edge "$port" "$admin" "$route" "$filter"
-  echo "  clusters:"
-  cluster_yaml tollgate http2 "$svc_port"
-  cluster_yaml upstream "$UP_PORT"
+)") ;;
+  esac
+  envoy_config "${args[@]}"
 }
 
 # Converts wrk's latency ("1.23ms", "850.00us", "1.01s") to milliseconds.

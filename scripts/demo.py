@@ -24,8 +24,9 @@ It prints a table (admitted, expected bound, limited) and writes a chart of cumu
 requests over time (.run/demo/demo.png, when matplotlib from `scripts/tools.sh demo` is importable).
 Everything it starts it stops, by PID, also on Ctrl-C.
 
-Layout: `Procs` (children and their shutdown), `Upstream` (the counting server), `envoy_*` (generated
-configurations), `drive` (the paced client), `run_mode` (one setup end to end), `main` (table, chart).
+Layout: `Procs` (children and their shutdown), `Upstream` (the counting server), `*_args` and
+`envoy_config` (Envoy configurations, from the workspace's generator `tollgate-envoy-config`),
+`drive` (the paced client), `run_mode` (one setup end to end), `main` (table, chart).
 """
 
 from __future__ import annotations
@@ -185,74 +186,16 @@ class Upstream:
 
 
 # ------------------------------------------------------------------------------------------------
-# Envoy configurations (JSON is YAML, so Envoy reads these files as they are)
+# Envoy configurations: written by the workspace's one generator (testkit/src/envoy.rs, the tests' too),
+# through its command line (testkit/src/bin/tollgate-envoy-config.rs)
 
 
-def static_cluster(name: str, ports: list[int], http2: bool = False) -> dict:
-    c = {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "0.25s",
-        "lb_policy": "ROUND_ROBIN",
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-                for p in ports
-            ]}],
-        },
-    }
-    if http2:
-        c["typed_extension_protocol_options"] = {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        }
-    return c
-
-
-def listener(port: int, cluster: str, http_filters: list[dict], add_header: str | None = None) -> dict:
-    route = {"match": {"prefix": "/"}, "route": {"cluster": cluster}}
-    vhost = {"name": "all", "domains": ["*"], "routes": [route]}
-    if add_header is not None:
-        vhost["request_headers_to_add"] = [{"header": {"key": ENVOY_HEADER, "value": add_header}}]
-    return {
-        "name": "ingress",
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-                         ".HttpConnectionManager",
-                "stat_prefix": "ingress",
-                "route_config": {"name": "local", "virtual_hosts": [vhost]},
-                "http_filters": http_filters + [{
-                    "name": "envoy.filters.http.router",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-                }],
-            },
-        }]}],
-    }
-
-
-def local_ratelimit_filter() -> dict:
+def local_ratelimit_args() -> list[str]:
     """Envoy's own limiter: one token bucket per Envoy (shared by its workers), 100 per minute."""
-    always = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}}
-    return {
-        "name": "envoy.filters.http.local_ratelimit",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
-            "stat_prefix": "local_rate_limit",
-            "token_bucket": {"max_tokens": CAPACITY, "tokens_per_fill": RATE, "fill_interval": f"{PERIOD_S}s"},
-            "filter_enabled": {**always, "runtime_key": "local_rate_limit_enabled"},
-            "filter_enforced": {**always, "runtime_key": "local_rate_limit_enforced"},
-        },
-    }
+    return ["--local-ratelimit", f"{CAPACITY},{RATE},{PERIOD_S}"]
 
 
-def tollgate_filter(wasm: str, key: str) -> dict:
+def tollgate_args(wasm: str, key: str, service_port: int) -> list[str]:
     """The Tollgate filter: one global bucket for every request (key `literal:<key>`)."""
     plugin = {
         "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 250},
@@ -263,38 +206,23 @@ def tollgate_filter(wasm: str, key: str) -> dict:
         "fallback": {"instances": N_ENVOYS, "max_keys": 1000},
         "response": {"status": 429, "headers": ["draft"]},
     }
-    return {
-        "name": "envoy.filters.http.wasm",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": "tollgate",
-                "vm_config": {"vm_id": "tollgate", "runtime": "envoy.wasm.runtime.v8",
-                              "code": {"local": {"filename": wasm}}},
-                "failure_policy": "FAIL_RELOAD",
-                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
-                                  "value": json.dumps(plugin)},
-            },
-        },
-    }
+    return ["--wasm", wasm, "--plugin-config", json.dumps(plugin), "--failure-policy", "FAIL_RELOAD",
+            "--service", str(service_port)]
 
 
-def envoy_config(listen: int, upstream_cluster: dict, filters: list[dict], extra_clusters: list[dict],
-                 envoy_id: str | None) -> dict:
-    return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
-        "static_resources": {
-            "listeners": [listener(listen, upstream_cluster["name"], filters, envoy_id)],
-            "clusters": [upstream_cluster] + extra_clusters,
-        },
-    }
+def envoy_config(generator: str, listen: int, args: list[str]) -> str:
+    """An Envoy bootstrap listening on `listen` (admin on any port), from the generator's `args`."""
+    out = subprocess.run([generator, "--listen", str(listen), *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"tollgate-envoy-config {' '.join(args)}: {out.stderr.strip()}")
+    return out.stdout
 
 
 class Envoy:
-    def __init__(self, procs: Procs, envoy_bin: str, name: str, config: dict, concurrency: int) -> None:
+    def __init__(self, procs: Procs, envoy_bin: str, name: str, config: str, concurrency: int) -> None:
         self.name = name
-        cfg = RUN / f"{name}.json"
-        cfg.write_text(json.dumps(config, indent=1))
+        cfg = RUN / f"{name}.yaml"
+        cfg.write_text(config)
         self.admin_file = RUN / f"{name}.admin"
         self.admin_file.unlink(missing_ok=True)
         procs.start(name, [envoy_bin, "-c", str(cfg), "--disable-hot-restart", "--concurrency",
@@ -364,18 +292,20 @@ def drive(port: int, duration_s: float, rps: float) -> tuple[Counter, float]:
 # One setup, end to end
 
 
-def run_mode(procs: Procs, envoy_bin: str, upstream: Upstream, mode: str, filters: list[dict],
-             extra_clusters: list[dict], midway=None) -> dict:
-    """Runs the client load against a fresh fleet with `filters`. `midway`, if given, is called half-way
-    through the load (e.g. to stop the service); the time it was called at is in the result."""
+def run_mode(procs: Procs, envoy_bin: str, generator: str, upstream: Upstream, mode: str,
+             limiter: list[str], midway=None) -> dict:
+    """Runs the client load against a fresh fleet whose Envoys run `limiter` (generator options).
+    `midway`, if given, is called half-way through the load (e.g. to stop the service); the time it
+    was called at is in the result."""
     fleet_ports = [free_port() for _ in range(N_ENVOYS)]
-    up = static_cluster("upstream", [upstream.port])
     fleet = [Envoy(procs, envoy_bin, f"{mode}-envoy{i + 1}",
-                   envoy_config(port, up, filters, extra_clusters, str(i + 1)), concurrency=2)
+                   envoy_config(generator, port, limiter + ["--upstream", str(upstream.port),
+                                                           "--request-header", f"{ENVOY_HEADER}={i + 1}"]),
+                   concurrency=2)
              for i, port in enumerate(fleet_ports)]
     front_port = free_port()
-    front = Envoy(procs, envoy_bin, f"{mode}-front",
-                  envoy_config(front_port, static_cluster("fleet", fleet_ports), [], [], None), concurrency=1)
+    spread = ["--upstream-cluster", "fleet"] + [a for p in fleet_ports for a in ("--upstream", str(p))]
+    front = Envoy(procs, envoy_bin, f"{mode}-front", envoy_config(generator, front_port, spread), concurrency=1)
     for e in fleet + [front]:
         e.wait_ready()
 
@@ -459,6 +389,7 @@ def main() -> int:
     redis_bin = component("TOLLGATE_REDIS_SERVER", ".tools/redis-server")
     server_bin = component("TOLLGATE_SERVER", "dist/tollgate-server")
     wasm = component("TOLLGATE_WASM", "dist/tollgate.wasm")
+    generator = component("TOLLGATE_ENVOY_CONFIG", "target/debug/tollgate-envoy-config")
     RUN.mkdir(parents=True, exist_ok=True)
 
     procs = Procs()
@@ -480,20 +411,19 @@ def main() -> int:
             return http_get(f"http://127.0.0.1:{service_port}/readyz")[0] == 200
 
         wait_until("tollgate-server (and Redis behind it)", service_ready)
-        service_cluster = static_cluster("tollgate", [service_port], http2=True)
         print(f"demo: {N_ENVOYS} Envoys, limit {CAPACITY} per {PERIOD_S} s, the same client in each setup",
               flush=True)
 
-        results = [run_mode(procs, envoy_bin, upstream, "local", [local_ratelimit_filter()], [])]
-        results.append(run_mode(procs, envoy_bin, upstream, "global", [tollgate_filter(wasm, "demo-global")],
-                                [service_cluster]))
+        results = [run_mode(procs, envoy_bin, generator, upstream, "local", local_ratelimit_args())]
+        results.append(run_mode(procs, envoy_bin, generator, upstream, "global",
+                                tollgate_args(wasm, "demo-global", service_port)))
         # The service answers for the first half of this run; then it is stopped and stays stopped, so
         # nothing listens on its port for the rest of the demo.
-        outage = run_mode(procs, envoy_bin, upstream, "outage", [tollgate_filter(wasm, "demo-outage")],
-                          [service_cluster], midway=lambda: procs.stop("service"))
+        outage = run_mode(procs, envoy_bin, generator, upstream, "outage",
+                          tollgate_args(wasm, "demo-outage", service_port), midway=lambda: procs.stop("service"))
         procs.stop("service")
-        results.append(run_mode(procs, envoy_bin, upstream, "fallback", [tollgate_filter(wasm, "demo-fallback")],
-                                [service_cluster]))
+        results.append(run_mode(procs, envoy_bin, generator, upstream, "fallback",
+                                tollgate_args(wasm, "demo-fallback", service_port)))
         results.append(outage)
     except KeyboardInterrupt:
         print("\ndemo: interrupted, stopping everything", file=sys.stderr)

@@ -1,12 +1,12 @@
 # Shared by the scripts that start the stack (run.sh, bench-envoy.sh, bench-accuracy.sh): sourced, not run.
 #
-#   components     ENVOY, REDIS_SERVER, REDIS_CLI, SERVER, WASM from the TOLLGATE_* variables (the
+#   components     ENVOY, REDIS_SERVER, REDIS_CLI, SERVER, WASM, ENVOY_CONFIG from the TOLLGATE_* variables (the
 #                  Makefile exports them), else the workspace defaults under $ROOT
 #   say, die       messages on stderr prefixed with the script's name
 #   require_files  dies naming the first file that is missing
 #   free_port      a free 127.0.0.1 port
 #   wait_for       waits for a started process to answer, showing its log if it does not
-#   listener_yaml, wasm_filter_yaml, cluster_yaml   Envoy configuration pieces (below)
+#   envoy_config   an Envoy bootstrap from the workspace's generator (below)
 #
 # The caller sets ROOT (the repository root) and `set -euo pipefail` before sourcing this.
 
@@ -15,6 +15,7 @@ REDIS_SERVER=${TOLLGATE_REDIS_SERVER:-$ROOT/.tools/redis-server}
 REDIS_CLI=${TOLLGATE_REDIS_CLI:-$ROOT/.tools/redis-cli}
 SERVER=${TOLLGATE_SERVER:-$ROOT/dist/tollgate-server}
 WASM=${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}
+ENVOY_CONFIG=${TOLLGATE_ENVOY_CONFIG:-$ROOT/target/debug/tollgate-envoy-config}
 
 SCRIPT_NAME=$(basename "$0" .sh)
 say() { printf '%s: %s\n' "$SCRIPT_NAME" "$*" >&2; }
@@ -93,98 +94,11 @@ wrk_keys() {
   wait "$pid" || true
 }
 
-# Envoy configuration for the benchmarks, as YAML text (tests build theirs in tests/common/envoy.rs).
-#
-# listener_yaml NAME PORT ADMIN ROUTE [FILTERS] [ACCESS_LOG]: an Envoy bootstrap's admin and its one
-# HTTP listener (NAME is also the stat prefix); ROUTE is the route's action (`route: {cluster: x}` or
-# a `direct_response`), FILTERS YAML lines placed before the router, ACCESS_LOG a file that gets one
-# line per request: its start time in seconds (ms precision) and status. Clusters follow
-# (`  clusters:` and cluster_yaml).
-listener_yaml() {
-  local nl=$'\n' log=""
-  if [ -n "${6:-}" ]; then
-    log=$(cat <<EOF
-          access_log:
-          - name: envoy.access_loggers.file
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog
-              path: $6
-              log_format: {text_format_source: {inline_string: "%START_TIME(%s.%3f)% %RESPONSE_CODE%\n"}}
-EOF
-)
-  fi
-  cat <<EOF
-admin: {address: {socket_address: {address: 127.0.0.1, port_value: $3}}}
-stats_flush_interval: 1s
-static_resources:
-  listeners:
-  - name: $1
-    address: {socket_address: {address: 127.0.0.1, port_value: $2}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: $1
-${log:+$log$nl}          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {prefix: "/"}
-                $4
-          http_filters:
-${5:+$5$nl}          - name: envoy.filters.http.router
-            typed_config: {"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}
-EOF
-}
-
-# wasm_filter_yaml NAME CODE [CONFIG]: a proxy-wasm filter (v8) running the module CODE, with the
-# plugin configuration CONFIG (JSON, one line or several) if given; YAML lines for listener_yaml.
-wasm_filter_yaml() {
-  cat <<EOF
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: $1
-                vm_config:
-                  vm_id: $1
-                  runtime: envoy.wasm.runtime.v8
-                  code: {local: {filename: "$2"}}
-EOF
-  if [ -n "${3:-}" ]; then
-    printf '%s\n' \
-      '                configuration:' \
-      '                  "@type": type.googleapis.com/google.protobuf.StringValue' \
-      '                  value: |'
-    printf '%s\n' "$3" | sed 's/^/                    /'
-  fi
-}
-
-# cluster_yaml NAME [http2] PORT...: a STATIC round-robin cluster over 127.0.0.1:PORT...; with http2,
-# spoken over HTTP/2 (the service: gRPC, and the filter's HTTP callouts).
-cluster_yaml() {
-  local name=$1 eps="" h2="" p; shift
-  for p in "$@"; do
-    if [ "$p" = http2 ]; then
-      h2=$(printf '%s\n' \
-        '    typed_extension_protocol_options:' \
-        '      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:' \
-        '        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions' \
-        '        explicit_http_config: {http2_protocol_options: {}}')
-    else
-      eps+="{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: $p}}}}, "
-    fi
-  done
-  cat <<EOF
-  - name: $name
-    type: STATIC
-    lb_policy: ROUND_ROBIN
-    connect_timeout: 0.25s
-    load_assignment:
-      cluster_name: $name
-      endpoints: [{lb_endpoints: [${eps%, }]}]
-EOF
-  [ -z "$h2" ] || printf '%s\n' "$h2"
+# envoy_config OPTION...: an Envoy bootstrap on stdout, from the workspace's one generator of Envoy
+# configuration (testkit/src/envoy.rs, the tests' too), e.g. `envoy_config --listen P --admin A
+# --wasm M --plugin-config JSON --service S --upstream U`. The options are listed in
+# testkit/src/bin/tollgate-envoy-config.rs; `make envoy-config` builds it.
+envoy_config() {
+  [ -x "$ENVOY_CONFIG" ] || die "missing $ENVOY_CONFIG (run \`make envoy-config\`)"
+  "$ENVOY_CONFIG" "$@"
 }

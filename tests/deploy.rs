@@ -398,7 +398,7 @@ fn shipped_plugin_configs_load_in_the_module() {
 fn module_config(wasm: &Path, plugin_json: &str, cluster: &str) -> String {
     let mut spec = EnvoySpec::new(Some(plugin_json.to_string()), closed_port(), closed_port());
     spec.service_cluster = cluster.to_string();
-    spec.direct_response = true;
+    spec.answer_directly("direct\n");
     spec.yaml(wasm, closed_port(), closed_port())
 }
 
@@ -693,7 +693,7 @@ fn istio_ratelimit_envoyfilter_validates_in_envoy() {
     // The gateway: the patches placed where Istio puts them (the filter before the router, the
     // descriptors on the virtual host), the service under the cluster name Istio generates.
     let mut spec = EnvoySpec::new(None, closed_port(), closed_port());
-    spec.direct_response = true;
+    spec.answer_directly("direct\n");
     spec.service_cluster = "outbound|9081||tollgate.tollgate-system.svc.cluster.local".to_string();
     spec.extra_http_filters.push(block(&values[0]));
     spec.virtual_host_extra = Some(block(&values[1]));

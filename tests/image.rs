@@ -511,7 +511,7 @@ fn filter_images_pull_like_istio_and_limit_in_envoy() {
             "fallback": {"instances": 1, "max_keys": 100},
         });
         let mut spec = EnvoySpec::new(Some(config.to_string()), closed_port(), closed_port());
-        spec.direct_response = true;
+        spec.answer_directly("direct\n");
         spec.concurrency = 1;
         let envoy = Envoy::start(&envoy_c, &dir, &spec);
         let client = Client::new();

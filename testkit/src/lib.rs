@@ -15,5 +15,7 @@
     clippy::indexing_slicing
 )]
 
+pub mod envoy;
+pub mod envoy_files;
 pub mod process;
 pub mod redis;

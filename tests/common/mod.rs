@@ -6,8 +6,9 @@
 //!   free ports, child processes killed by PID on drop (logs printed when a test panics), waiting.
 //! - [`redis`], [`service`]: Redis and `tollgate-server`, started and waited for (PING, `/healthz`);
 //!   either can be started again on the port it had (`start_on`), the service under a shifted clock.
-//! - [`envoy`]: [`EnvoySpec`], the one generator of Envoy configuration (listener, the Tollgate wasm
-//!   filter or Envoy's native ratelimit filter, the service cluster over HTTP/2, the upstream);
+//! - [`envoy`]: [`EnvoySpec`], testkit's generator of Envoy configuration, the one the benchmarks,
+//!   the demo and the checked-in files use too (listener, the Tollgate wasm filter or Envoy's native
+//!   ratelimit filter, the service cluster over HTTP/2, the upstream);
 //!   [`envoy_process`]: [`Envoy`], started and waited for (admin `/ready`); dropping it fails the
 //!   test if the module panicked or trapped.
 //! - [`upstream`]: a counting HTTP/1.1 server in the test process; [`llm`]: one that answers like an

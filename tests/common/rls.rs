@@ -19,11 +19,7 @@ pub fn native_spec(
     upstream_port: u16,
 ) -> EnvoySpec {
     let mut spec = EnvoySpec::new(None, service_port, upstream_port);
-    spec.native_rls = Some(NativeRls {
-        domain: domain.to_string(),
-        rate_limits: rate_limits.to_string(),
-        token: None,
-    });
+    spec.native_rls = Some(NativeRls::new(domain, rate_limits));
     spec.use_remote_address = false;
     spec.log_level = "filter:info".to_string();
     spec
