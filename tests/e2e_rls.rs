@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::clock::sleep_into_next_window;
 use common::*;
 use rls::{native_spec, start_service, LimitsFile};
 
@@ -84,6 +85,66 @@ fn three_envoys_admit_exactly_the_limit() {
         assert!(over > 0, "{s:?}");
     }
     assert!(service.metrics().contains("transport=\"rls\""));
+}
+
+/// Requests with `x-bucket: bucket` one after the other until the first 429 (at most `max`): how
+/// many were admitted.
+fn admitted_until_denied(envoy: &Envoy, bucket: &str, max: usize) -> usize {
+    let client = Client::new();
+    for n in 0..max {
+        let r = client.get(&envoy.url("/x"), &[("x-bucket", bucket)]);
+        if r.status == 429 {
+            return n;
+        }
+        assert_eq!(r.status, 200, "{r:?}");
+    }
+    panic!("{max} admitted in bucket {bucket}, none denied");
+}
+
+/// `algorithm: sliding_window` in the limits file, beside `fixed_window`, both 10 per second. 10
+/// admitted early in a second; a quarter into the next second the fixed window admits 10 again,
+/// while the sliding window still counts 3/4 of the burst (ceil(7.5) = 8) and admits 2 (3 or 4 if
+/// the requests ran late in the window).
+#[test]
+fn a_sliding_window_limit_counts_the_previous_window() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-sliding");
+    let redis = Redis::start(&c, &dir);
+    let limit = |value: &str, algorithm: &str| {
+        format!(
+            "  - key: bucket\n    value: {value}\n    rate_limit: {{unit: second, requests_per_unit: 10, \
+             algorithm: {algorithm}}}\n"
+        )
+    };
+    let limits = LimitsFile::new(
+        &dir,
+        &format!(
+            "domain: e2e\ndescriptors:\n{}{}",
+            limit("sw", "sliding_window"),
+            limit("fw", "fixed_window")
+        ),
+    );
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 200, &[]);
+    let upstream = Upstream::start();
+    let envoy = Envoy::start(
+        &c,
+        &dir,
+        &native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port),
+    );
+    sleep_into_next_window(1000, 50);
+    for bucket in ["sw", "fw"] {
+        assert_eq!(admitted_until_denied(&envoy, bucket, 20), 10, "{bucket}");
+    }
+    sleep_into_next_window(1000, 250);
+    let fixed = admitted_until_denied(&envoy, "fw", 20);
+    let slid = admitted_until_denied(&envoy, "sw", 20);
+    eprintln!("a quarter into the next second: fixed window admitted {fixed}, sliding {slid}");
+    assert_eq!(fixed, 10, "a fixed window starts afresh");
+    assert!(
+        (2..=4).contains(&slid),
+        "3/4 of the burst still weighs: {slid} admitted"
+    );
+    assert_eq!(upstream.requests(), (20 + fixed + slid) as u64);
 }
 
 #[test]

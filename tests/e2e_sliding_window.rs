@@ -13,10 +13,11 @@
 
 mod common;
 
+use common::clock::sleep_into_next_window;
 use common::config::plugin;
 use common::*;
 use serde_json::{json, Value};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 both_transports!(
     exact_under_32_parallel_clients,
@@ -55,24 +56,6 @@ fn exact_under_32_parallel_clients(t: Transport) {
     assert_eq!(count(&all, 429), all.len() - CAPACITY, "the rest limited");
     assert_eq!(s.upstream.requests(), CAPACITY as u64, "at the upstream");
     assert_eq!(s.envoy.tg("allowed"), CAPACITY as u64);
-}
-
-fn now_ms() -> u64 {
-    u64::try_from(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis(),
-    )
-    .unwrap()
-}
-
-/// Sleeps until `at_ms` into the next window of `period_ms` (Redis `TIME` on this machine is the
-/// system clock, so the windows are `floor(now / period)`).
-fn sleep_into_next_window(period_ms: u64, at_ms: u64) {
-    let now = now_ms();
-    let next = (now / period_ms + 1) * period_ms;
-    std::thread::sleep(Duration::from_millis(next + at_ms - now));
 }
 
 /// Requests to `path` one after the other until the first 429 (at most `max`): how many were

@@ -16,10 +16,12 @@
 //! - [`gate`]: a TCP listener in front of the service that forwards, refuses or black-holes.
 //! - [`http`]: clients (ureq) through Envoy and to admin endpoints; [`stats`]: admin `/stats` parsing.
 //! - [`stack`]: Redis + service + upstream + Envoy for one plugin configuration, the usual setup.
+//! - [`clock`]: the wall clock and windows (Redis `TIME` is the same clock);
 //! - [`config`]: plugin configurations as JSON, [`Transport`] and `both_transports!`.
 //! - [`push`]: LDS pushes; [`loopback`]: clients by source address; [`faults`]: faults under load.
 #![allow(dead_code)]
 
+pub mod clock;
 pub mod config;
 pub mod envoy;
 pub mod envoy_process;

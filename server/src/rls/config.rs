@@ -15,7 +15,8 @@
 //! Every key envoyproxy/ratelimit accepts is accepted (`domain`, `key`, `value`, `descriptors`,
 //! `rate_limit` with `unit`, `requests_per_unit`, `unlimited`, `name`, `replaces`; `shadow_mode`,
 //! `quota_mode`, `detailed_metric`, `value_to_metric`, `share_threshold`, `metadata`), plus
-//! Tollgate's own in `rate_limit`: `algorithm` (`token_bucket`, the default, or `fixed_window`) and
+//! Tollgate's own in `rate_limit`: `algorithm` (`token_bucket`, the default, `fixed_window` or
+//! `sliding_window`: the contract's names, `contract::Algorithm`) and
 //! `burst` (token bucket: the capacity, default `requests_per_unit`). Any other key is an error,
 //! and every error names the domain and the descriptor path.
 //!
@@ -339,17 +340,17 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, S
         ));
     }
     let algorithm = match r.algorithm.as_deref() {
-        None | Some("token_bucket") => Algorithm::TokenBucket,
-        Some("fixed_window") => Algorithm::FixedWindow,
-        Some(other) => {
-            return Err(format!(
-                "algorithm: {other:?} is not token_bucket or fixed_window"
-            ))
-        }
+        None => Algorithm::TokenBucket,
+        Some(name) => Algorithm::from_name(name).ok_or_else(|| {
+            format!(
+                "algorithm: {name:?} is not one of {}",
+                Algorithm::expected()
+            )
+        })?,
     };
     let capacity = match r.burst {
         None => rpu,
-        Some(_) if algorithm == Algorithm::FixedWindow => {
+        Some(_) if algorithm != Algorithm::TokenBucket => {
             return Err("burst: applies to token_bucket only".into())
         }
         Some(b) if b == 0 || b > MAX_AMOUNT => {
@@ -481,6 +482,9 @@ descriptors:
     value: "/api/special"
     rate_limit: {unit: second, requests_per_unit: 3}
   - key: path
+    value: "/api/sliding"
+    rate_limit: {unit: minute, requests_per_unit: 6, algorithm: sliding_window}
+  - key: path
     value: "/files/*/raw"
     share_threshold: true
     rate_limit: {unit: hour, requests_per_unit: 7}
@@ -505,6 +509,8 @@ descriptors:
         assert_eq!(f.map(|f| f.limit.capacity), Some(20));
         // Exact value before wildcard; wildcard before nothing.
         assert_eq!(rpu(&l, "edge", &[("path", "/api/special")]), Some(3));
+        let f = find(&l, "edge", &[("path", "/api/sliding")]);
+        assert_eq!(f.map(|f| f.limit.algorithm), Some(Algorithm::SlidingWindow));
         assert_eq!(rpu(&l, "edge", &[("path", "/api/x")]), Some(10));
         assert_eq!(rpu(&l, "edge", &[("path", "/other")]), None);
         // Middle wildcard, shared bucket.
