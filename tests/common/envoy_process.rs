@@ -114,7 +114,14 @@ impl Envoy {
                         log,
                     });
                 }
-                if http_get_status(admin_port, "/ready") == Some(200) && proc.exited().is_none() {
+                // Ready, and ours: a port taken by another Envoy between `free_port` and our
+                // bind would answer /ready too (ours then exits on "cannot bind"), so the admin
+                // that answered must name our configuration file.
+                if http_get_status(admin_port, "/ready") == Some(200)
+                    && http_get(admin_port, "/server_info")
+                        .is_some_and(|r| r.body.contains(&*cfg.to_string_lossy()))
+                    && proc.exited().is_none()
+                {
                     return Ok(Envoy {
                         port,
                         admin_port,
