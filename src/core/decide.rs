@@ -19,7 +19,7 @@ use crate::core::store::CasStore;
 use crate::core::wire::{self, Bucket, BucketResult, TakeRequest, TakeResponse};
 use std::borrow::Cow;
 
-pub use crate::core::plan::{
+use crate::core::plan::{
     Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step, Verdict,
 };
 

@@ -30,8 +30,8 @@
 //! **A changed limit keeps the share.** A bucket is identified by its key and algorithm, not by its
 //! limits (like the service's buckets). Each record holds the limits it was last written with
 //! (global capacity, rate, period, number of proxies); a take or answer with other limits first
-//! carries the share over ([`carry`]): refilled up to now under the old limits, then scaled to the
-//! new local capacity keeping the fraction held (a fixed window: the fraction used, while its
+//! carries the share over ([`bucket::carry`]): refilled up to now under the old limits, then scaled
+//! to the new local capacity keeping the fraction held (a window: the fraction used, while its
 //! window lasts), never above it. So a rule lowered from 100 to 50, or a fleet grown from 4 proxies
 //! to 8, halves what each share holds instead of handing out a fresh one.
 //!
@@ -221,16 +221,8 @@ fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64) -> Vec<u8
     table::encode(table::SHARE, id, &words)
 }
 
-/// A share kept under limits `old`, as it stands at `now_ms` under limits `new`
-/// ([`bucket::carry`]): brought up to now under `old`, then scaled to `new`'s local capacity
-/// keeping the fraction held (token bucket, rounded down) or used (the windows, rounded up).
-/// Never above the new capacity.
-pub fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State {
-    bucket::carry(old, s, new, now_ms)
-}
-
 /// What a slot holds for bucket `id` at `now_ms` under limits `l` (a share recorded under other
-/// limits is carried over, [`carry`]); a debt untouched for `horizon_ms` reads as 0.
+/// limits is carried over, [`bucket::carry`]); a debt untouched for `horizon_ms` reads as 0.
 fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_ms: u64) -> Entry {
     let Some(b) = bytes else {
         return Entry::Missing;
@@ -249,7 +241,7 @@ fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_
     };
     if owner == *id {
         let old = Limits::local(global, rate, period_ms, l.algorithm, divisor);
-        let s = carry(&old, State { level, stamp }, l, now_ms);
+        let s = bucket::carry(&old, State { level, stamp }, l, now_ms);
         Entry::Ours(s, debt, old != *l)
     } else {
         Entry::Other { debt }

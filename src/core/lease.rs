@@ -972,7 +972,8 @@ pub fn abandon<S: CasStore + ?Sized>(cfg: &Config, plan: &Plan, store: &S) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::decide::{decide, Step as DecideStep};
+    use crate::core::decide::decide;
+    use crate::core::plan::Step as DecideStep;
     use crate::core::rules::Request;
     use crate::core::store::fake::FakeStore;
 

@@ -447,7 +447,7 @@ mod tests {
                 }
             }
             let step = decide(&c, &whole);
-            assert_ne!(step, crate::core::decide::Step::Continue, "{r} matches");
+            assert_ne!(step, crate::core::plan::Step::Continue, "{r} matches");
             assert_eq!(decide(&c, &part), step, "{r}: {names:?}");
         }
         // The client address from x-forwarded-for needs every value: the whole map.
