@@ -16,11 +16,13 @@ use std::net::IpAddr;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
+use tollgate::core::config::MAX_PART_BYTES;
 use tollgate::core::config::{Config, Cost, KeyPart, OnMissing, Rule};
-use tollgate::core::decide::{decide, Step};
+use tollgate::core::decide::decide;
 use tollgate::core::hash::sha256_hex;
 use tollgate::core::hostmap;
-use tollgate::core::rules::keys::{build_key, client_ip, cost, MAX_KEY_BYTES, MAX_PART_BYTES};
+use tollgate::core::plan::Step;
+use tollgate::core::rules::keys::{build_key, client_ip, cost, MAX_KEY_BYTES};
 use tollgate::core::rules::Request;
 use tollgate::core::wire::encode_json;
 use tollgate_fuzz::{configs, percent_decode};

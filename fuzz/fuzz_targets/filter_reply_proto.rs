@@ -27,6 +27,7 @@ fuzz_target!(|data: &[u8]| {
                     granted: b.granted,
                 })
                 .collect(),
+            instances: theirs.instances,
         };
         assert_eq!(ours, &expected, "prost reads these bytes differently");
     }
