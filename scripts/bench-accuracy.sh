@@ -33,22 +33,9 @@ command -v wrk >/dev/null || die "wrk missing (scripts/tools.sh bench)"
 rm -rf "$OUT" && mkdir -p "$OUT"
 LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
 
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-}
-trap cleanup EXIT INT TERM
-
-REDIS_PORT=$(free_port)
-"$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$OUT" >"$OUT/redis.log" 2>&1 &
-REDIS_PID=$!; PIDS+=($REDIS_PID)
-wait_for redis "$OUT/redis.log" $REDIS_PID "$REDIS_CLI" -p "$REDIS_PORT" ping
-SVC_PORT=$(free_port)
-"$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
-  >"$OUT/service.log" 2>&1 &
-SVC_PID=$!; PIDS+=($SVC_PID)
-wait_for tollgate-server "$OUT/service.log" $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
+trap stop_started EXIT INT TERM
+start_redis "$OUT"
+start_service "$OUT"
 
 start() { # name config-file log concurrency admin
   # Access log lines reach the file within 100 ms (Envoy's default is 10 s).

@@ -61,18 +61,10 @@ TCK=$(getconf CLK_TCK)
 # utime+stime of a process, in clock ticks.
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 
-PIDS=()
-cleanup() {
-  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
-}
-trap cleanup EXIT INT TERM
+trap stop_started EXIT INT TERM
 
 # Shared pieces: Redis, the service, the upstream Envoy.
-REDIS_PORT=$(free_port)
-"$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$OUT" >"$OUT/redis.log" 2>&1 &
-REDIS_PID=$!; PIDS+=($REDIS_PID)
-wait_for redis "$OUT/redis.log" $REDIS_PID "$REDIS_CLI" -p "$REDIS_PORT" ping
+start_redis "$OUT"
 
 # The limits file of the RLS endpoint (variant native-rls): one bucket per client address, a limit
 # no benchmark reaches (every request admitted, like the other variants).
@@ -82,11 +74,7 @@ descriptors:
   - key: remote_address
     rate_limit: {unit: second, requests_per_unit: 1000000000}
 LIMITS
-SVC_PORT=$(free_port)
-"$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
-  --rls-config "$OUT/rls-limits.yaml" >"$OUT/service.log" 2>&1 &
-SVC_PID=$!; PIDS+=($SVC_PID)
-wait_for tollgate-server "$OUT/service.log" $SVC_PID curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
+start_service "$OUT" --rls-config "$OUT/rls-limits.yaml"
 
 UP_PORT=$(free_port); UP_ADMIN=$(free_port)
 envoy_config --name upstream --listen "$UP_PORT" --admin "$UP_ADMIN" --stats-flush-s 1 \

@@ -6,6 +6,8 @@
 #   require_files  dies naming the first file that is missing
 #   free_port      a free 127.0.0.1 port
 #   wait_for       waits for a started process to answer, showing its log if it does not
+#   PIDS, stop_started   the processes started (below, and by the caller), and their stop on exit
+#   start_redis, start_service   Redis and tollgate-server on free ports, waited for (below)
 #   envoy_config   an Envoy bootstrap from the workspace's generator (below)
 #
 # The caller sets ROOT (the repository root) and `set -euo pipefail` before sourcing this.
@@ -41,6 +43,36 @@ wait_for() {
   done
   tail -n 40 "$log" >&2
   die "$what not ready after 15 s (log: $log)"
+}
+
+# Every process a script starts goes into PIDS; `trap stop_started EXIT INT TERM` stops them all
+# when it exits.
+PIDS=()
+stop_started() {
+  local pid
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+
+# start_redis DIR: a redis-server (no persistence) on a free port, its log in DIR; sets REDIS_PORT
+# and REDIS_PID.
+start_redis() {
+  REDIS_PORT=$(free_port)
+  "$REDIS_SERVER" --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no --dir "$1" \
+    >"$1/redis.log" 2>&1 &
+  REDIS_PID=$!; PIDS+=("$REDIS_PID")
+  wait_for redis "$1/redis.log" "$REDIS_PID" "$REDIS_CLI" -p "$REDIS_PORT" ping
+}
+
+# start_service DIR [ARG...]: tollgate-server on a free port over start_redis's Redis, with more
+# arguments ARG, its log in DIR; sets SVC_PORT and SVC_PID.
+start_service() {
+  local dir=$1; shift
+  SVC_PORT=$(free_port)
+  "$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
+    "$@" >"$dir/service.log" 2>&1 &
+  SVC_PID=$!; PIDS+=("$SVC_PID")
+  wait_for tollgate-server "$dir/service.log" "$SVC_PID" curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
 }
 
 # proc_mem PID: "VmRSS VmHWM" of a running process, in kB (from /proc/PID/status; "0 0" when gone).
