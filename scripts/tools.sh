@@ -4,7 +4,7 @@
 # (redis-server, wrk) go through apt-get because Debian ships them with their libraries.
 #
 #   scripts/tools.sh            # wasm and musl targets, Envoy, Redis, binaryen, musl-tools
-#   scripts/tools.sh bench      # ... plus wrk and h2load (nghttp2-client); redis-benchmark comes with Redis
+#   scripts/tools.sh bench      # ... plus wrk, h2load (nghttp2-client) and valgrind; redis-benchmark comes with Redis
 #   scripts/tools.sh demo       # ... plus matplotlib (pinned, in .tools/py-demo) for the demo's chart
 #   scripts/tools.sh fuzz       # ... plus cargo-fuzz (pinned, in .tools/cargo-fuzz) for `make fuzz`
 #   scripts/tools.sh image      # ... plus skopeo, umoci, docker-registry (an OCI
@@ -52,6 +52,7 @@ command -v faketime >/dev/null 2>&1 || apt_pkgs+=(faketime)
 if [ "${1:-}" = bench ]; then
   command -v wrk >/dev/null 2>&1 || apt_pkgs+=(wrk)
   command -v h2load >/dev/null 2>&1 || apt_pkgs+=(nghttp2-client)
+  command -v valgrind >/dev/null 2>&1 || apt_pkgs+=(valgrind)
 fi
 if [ "${1:-}" = image ]; then
   command -v skopeo >/dev/null 2>&1 || apt_pkgs+=(skopeo)

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Envoy's instructions per request, counted by callgrind (BENCHMARKS.md, "Instructions per request").
+#
+# Wall-clock ratios on these shared 2-core machines move by ±0.1 from round to round; an instruction
+# count does not: the same binary, configuration and requests give the same count within a few tenths
+# of a percent, whatever else the machine is doing. So the idle path (a request no rule matches
+# against the empty wasm filter) and the cost of one exact decision in Envoy are measured here.
+#
+# Each variant is one Envoy (--concurrency 1, bare: the route answers itself) under
+# `valgrind --tool=callgrind`; one client sends requests one after the other on one keep-alive
+# connection: WARMUP first, then ROUNDS × REQUESTS, the counters zeroed before and dumped after each
+# round. Reported: Envoy's instructions per request (all its threads), the median round. The service
+# and Redis run normally (not counted).
+#   none      no filter
+#   empty     the floor of any wasm filter: bench/empty-filter (proxy-wasm SDK, returns Continue)
+#   nomatch   Tollgate, its rule matches no request (`path_exact: /never`): the idle path
+#   skip      Tollgate in the chain, switched off for the route (FilterConfig `disabled: true`)
+#   http      Tollgate exact, one take per request over HTTP (the service's decision not counted)
+#   grpc      the same over gRPC
+#   lease     Tollgate with an adaptive lease: most requests spend a local pool
+#
+#   scripts/bench-instructions.sh            # REQUESTS=500 ROUNDS=3 WARMUP=300
+#   VARIANTS="empty nomatch" scripts/bench-instructions.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
+VARIANTS=${VARIANTS:-none empty nomatch skip http grpc lease}
+REQUESTS=${REQUESTS:-500}
+ROUNDS=${ROUNDS:-3}
+WARMUP=${WARMUP:-300}
+OUT=${OUT:-$ROOT/bench-out/instructions}
+WASM=$(readlink -f "$WASM")
+
+require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM" "$ENVOY_CONFIG"
+command -v valgrind >/dev/null || die "valgrind missing (scripts/tools.sh bench)"
+EMPTY_WASM=$ROOT/target/empty-filter/wasm32-wasip1/release/empty_filter.wasm
+if [[ " $VARIANTS " == *" empty "* ]]; then
+  CARGO_TARGET_DIR=$ROOT/target/empty-filter cargo build --quiet --release --target wasm32-wasip1 \
+    --manifest-path bench/empty-filter/Cargo.toml || die "cannot build bench/empty-filter"
+  require_files "$EMPTY_WASM"
+fi
+rm -rf "$OUT" && mkdir -p "$OUT"
+
+trap stop_started EXIT INT TERM
+start_redis "$OUT"
+start_service "$OUT"
+
+# The client: N GETs, one after the other on one keep-alive connection; fails on any non-200.
+cat >"$OUT/drive.py" <<'PY'
+import http.client, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+for _ in range(n):
+    c.request("GET", "/x")
+    r = c.getresponse()
+    r.read()
+    if r.status != 200:
+        sys.exit(f"status {r.status}")
+PY
+
+plugin() { # $1: transport, $2: extra rule fields
+  printf '{"service": {"cluster": "tollgate", "transport": "%s", "timeout_ms": 1000}, "rules": [{"name": "all", %s "key": ["literal:bench"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000}]}' "$1" "$2"
+}
+
+RESULTS=$OUT/results.tsv
+: >"$RESULTS"
+for variant in $VARIANTS; do
+  port=$(free_port); admin=$(free_port)
+  args=(--listen "$port" --admin "$admin" --direct $'hello from the edge\n' --service "$SVC_PORT")
+  case $variant in
+    none) ;;
+    empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
+    nomatch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"match": {"path_exact": "/never"},')") ;;
+    skip) args+=(--wasm "$WASM" --plugin-config "$(plugin http '')" --skip-module) ;;
+    http) args+=(--wasm "$WASM" --plugin-config "$(plugin http '')") ;;
+    grpc) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '')") ;;
+    lease) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"lease": {},')") ;;
+    *) die "unknown variant $variant" ;;
+  esac
+  envoy_config "${args[@]}" >"$OUT/envoy-$variant.yaml"
+  valgrind --tool=callgrind --smc-check=all-non-file --callgrind-out-file="$OUT/callgrind-$variant.out" \
+    "$ENVOY" -c "$OUT/envoy-$variant.yaml" --concurrency 1 --disable-hot-restart --log-level warn \
+    >"$OUT/envoy-$variant.log" 2>&1 &
+  pid=$!; PIDS+=("$pid")
+  for _ in $(seq 240); do
+    curl -fsS "http://127.0.0.1:$admin/ready" >/dev/null 2>&1 && break
+    kill -0 "$pid" 2>/dev/null || { tail -n 20 "$OUT/envoy-$variant.log" >&2; die "$variant: Envoy exited"; }
+    sleep 0.5
+  done
+  python3 "$OUT/drive.py" "$port" "$WARMUP" || die "$variant: warm-up failed"
+  counts=()
+  for round in $(seq "$ROUNDS"); do
+    callgrind_control -z "$pid" >/dev/null 2>&1
+    python3 "$OUT/drive.py" "$port" "$REQUESTS" || die "$variant: round $round failed"
+    dump=$OUT/callgrind-$variant.out.$round
+    callgrind_control -d "$pid" >/dev/null 2>&1
+    for _ in $(seq 100); do
+      [ -s "$dump" ] && break
+      sleep 0.1
+    done
+    [ -s "$dump" ] || die "$variant: no callgrind dump $dump"
+    counts+=("$(awk -v n="$REQUESTS" '/^totals:/ {printf "%.0f", $2 / n}' "$dump")")
+  done
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  median=$(printf '%s\n' "${counts[@]}" | sort -n | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}')
+  say "$variant: ${counts[*]} instructions per request (median $median)"
+  printf '%s\t%s\t%s\n' "$variant" "$median" "${counts[*]}" >>"$RESULTS"
+done
+
+base=$(awk -F'\t' '$1 == "none" {print $2}' "$RESULTS")
+echo "Envoy --concurrency 1 under callgrind, bare (direct_response), $ROUNDS × $REQUESTS sequential requests on one connection, $(date -u +%Y-%m-%dT%H:%MZ)"
+echo "module: $(stat -c %s "$WASM") bytes"
+echo
+echo "| path | instructions per request (median) | rounds | vs no filter |"
+echo "|---|---|---|---|"
+while IFS=$'\t' read -r variant median rounds; do
+  extra="–"
+  [ -n "$base" ] && [ "$variant" != none ] && extra=$(awk -v m="$median" -v b="$base" 'BEGIN {printf "%+d", m - b}')
+  echo "| $variant | $median | $rounds | $extra |"
+done <"$RESULTS"
