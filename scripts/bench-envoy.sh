@@ -4,8 +4,9 @@
 # Each variant is a fresh Envoy (--concurrency 2) whose edge listener routes to the same trivial upstream
 # (a second Envoy, --concurrency 1, direct_response). Load: wrk -t1 -c16 -d${DURATION}s after a 1 s warm-up.
 #   none      no rate limit filter
-#   http      Tollgate, JSON over HTTP/2 to tollgate-server, Redis Lua bucket
-#   grpc      Tollgate, gRPC to tollgate-server, Redis Lua bucket
+#   http      Tollgate, JSON over HTTP/2 to tollgate-server, Redis Lua bucket, one callout per request
+#             (`"batch": 0`; the filter's default batches)
+#   grpc      Tollgate, gRPC to tollgate-server, Redis Lua bucket, one callout per request
 #   http-allow  as http, with failure_mode allow: no fallback share is kept in step with the answers
 #             (http keeps one per bucket: the cost of a fallback that remembers, on the exact path)
 #   http-batch, grpc-batch  as http / grpc with group commit (service.batch 64): requests behind a
@@ -87,11 +88,14 @@ CLOSED_PORT=$(free_port)
 
 # The Envoy under test. $1 = variant.
 envoy_yaml() {
-  local variant=$1 port=$2 admin=$3 svc_port=$SVC_PORT transport=http match="" lease="" batch=""
+  local variant=$1 port=$2 admin=$3 svc_port=$SVC_PORT transport=http match="" lease=""
   local key='"client_ip"' fallback=""
+  # http, grpc, http-allow: one callout per request (the filter's default batches, "batch": 64).
+  local batch=""
   case $variant in
-    grpc) transport=grpc ;;
-    http-allow) fallback='"failure_mode": "allow",' ;;
+    http) batch=', "batch": 0' ;;
+    grpc) transport=grpc; batch=', "batch": 0' ;;
+    http-allow) fallback='"failure_mode": "allow",'; batch=', "batch": 0' ;;
     http-batch) batch=', "batch": 64' ;;
     grpc-batch) transport=grpc; batch=', "batch": 64' ;;
     fallback) svc_port=$CLOSED_PORT ;;

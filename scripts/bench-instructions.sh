@@ -7,20 +7,24 @@
 # against the empty wasm filter) and the cost of one exact decision in Envoy are measured here.
 #
 # Each variant is one Envoy (--concurrency 1, bare: the route answers itself) under
-# `valgrind --tool=callgrind`; one client sends requests one after the other on one keep-alive
-# connection: WARMUP first, then ROUNDS × REQUESTS, the counters zeroed before and dumped after each
+# `valgrind --tool=callgrind`; CLIENTS clients (1: one after the other) send requests on keep-alive
+# connections: WARMUP first, then ROUNDS × REQUESTS, the counters zeroed before and dumped after each
 # round. Reported: Envoy's instructions per request (all its threads), the median round. The service
 # and Redis run normally (not counted).
 #   none      no filter
 #   empty     the floor of any wasm filter: bench/empty-filter (proxy-wasm SDK, returns Continue)
 #   nomatch   Tollgate, its rule matches no request (`path_exact: /never`): the idle path
 #   skip      Tollgate in the chain, switched off for the route (FilterConfig `disabled: true`)
-#   http      Tollgate exact, one take per request over HTTP (the service's decision not counted)
+#   http      Tollgate exact, one callout per request over HTTP (`"batch": 0`; the service's
+#             decision not counted)
 #   grpc      the same over gRPC
+#   http-batch  as http with group commit (the default, `"batch": 64`): with CLIENTS > 1, requests
+#             that arrive while a callout is in flight leave together in one batch callout
 #   lease     Tollgate with an adaptive lease: most requests spend a local pool
 #
 #   scripts/bench-instructions.sh            # REQUESTS=500 ROUNDS=3 WARMUP=300
 #   VARIANTS="empty nomatch" scripts/bench-instructions.sh
+#   CLIENTS=8 VARIANTS="http http-batch" scripts/bench-instructions.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -30,6 +34,7 @@ VARIANTS=${VARIANTS:-none empty nomatch skip http grpc lease}
 REQUESTS=${REQUESTS:-500}
 ROUNDS=${ROUNDS:-3}
 WARMUP=${WARMUP:-300}
+CLIENTS=${CLIENTS:-1}
 OUT=${OUT:-$ROOT/bench-out/instructions}
 WASM=$(readlink -f "$WASM")
 
@@ -47,21 +52,30 @@ trap stop_started EXIT INT TERM
 start_redis "$OUT"
 start_service "$OUT"
 
-# The client: N GETs, one after the other on one keep-alive connection; fails on any non-200.
+# The client: N GETs over C keep-alive connections at once (one after the other on each); fails on
+# any non-200.
 cat >"$OUT/drive.py" <<'PY'
-import http.client, sys
-port, n = int(sys.argv[1]), int(sys.argv[2])
-c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-for _ in range(n):
-    c.request("GET", "/x")
-    r = c.getresponse()
-    r.read()
-    if r.status != 200:
-        sys.exit(f"status {r.status}")
+import http.client, sys, threading
+port, n, clients = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+failed = []
+def client(count):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    for _ in range(count):
+        c.request("GET", "/x")
+        r = c.getresponse()
+        r.read()
+        if r.status != 200:
+            failed.append(r.status)
+            return
+threads = [threading.Thread(target=client, args=(n // clients + (i < n % clients),)) for i in range(clients)]
+for t in threads: t.start()
+for t in threads: t.join()
+if failed:
+    sys.exit(f"statuses {failed}")
 PY
 
-plugin() { # $1: transport, $2: extra rule fields
-  printf '{"service": {"cluster": "tollgate", "transport": "%s", "timeout_ms": 1000}, "rules": [{"name": "all", %s "key": ["literal:bench"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000}]}' "$1" "$2"
+plugin() { # $1: transport, $2: extra rule fields, $3: extra service fields
+  printf '{"service": {"cluster": "tollgate", "transport": "%s", "timeout_ms": 1000%s}, "rules": [{"name": "all", %s "key": ["literal:bench"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000}]}' "$1" "${3:-}" "$2"
 }
 
 RESULTS=$OUT/results.tsv
@@ -74,8 +88,9 @@ for variant in $VARIANTS; do
     empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
     nomatch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"match": {"path_exact": "/never"},')") ;;
     skip) args+=(--wasm "$WASM" --plugin-config "$(plugin http '')" --skip-module) ;;
-    http) args+=(--wasm "$WASM" --plugin-config "$(plugin http '')") ;;
-    grpc) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '')") ;;
+    http) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 0')") ;;
+    grpc) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 0')") ;;
+    http-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 64')") ;;
     lease) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"lease": {},')") ;;
     *) die "unknown variant $variant" ;;
   esac
@@ -89,11 +104,11 @@ for variant in $VARIANTS; do
     kill -0 "$pid" 2>/dev/null || { tail -n 20 "$OUT/envoy-$variant.log" >&2; die "$variant: Envoy exited"; }
     sleep 0.5
   done
-  python3 "$OUT/drive.py" "$port" "$WARMUP" || die "$variant: warm-up failed"
+  python3 "$OUT/drive.py" "$port" "$WARMUP" "$CLIENTS" || die "$variant: warm-up failed"
   counts=()
   for round in $(seq "$ROUNDS"); do
     callgrind_control -z "$pid" >/dev/null 2>&1
-    python3 "$OUT/drive.py" "$port" "$REQUESTS" || die "$variant: round $round failed"
+    python3 "$OUT/drive.py" "$port" "$REQUESTS" "$CLIENTS" || die "$variant: round $round failed"
     dump=$OUT/callgrind-$variant.out.$round
     callgrind_control -d "$pid" >/dev/null 2>&1
     for _ in $(seq 100); do
@@ -111,7 +126,7 @@ for variant in $VARIANTS; do
 done
 
 base=$(awk -F'\t' '$1 == "none" {print $2}' "$RESULTS")
-echo "Envoy --concurrency 1 under callgrind, bare (direct_response), $ROUNDS × $REQUESTS sequential requests on one connection, $(date -u +%Y-%m-%dT%H:%MZ)"
+echo "Envoy --concurrency 1 under callgrind, bare (direct_response), $ROUNDS × $REQUESTS requests from $CLIENTS keep-alive client(s), $(date -u +%Y-%m-%dT%H:%MZ)"
 echo "module: $(stat -c %s "$WASM") bytes"
 echo
 echo "| path | instructions per request (median) | rounds | vs no filter |"
