@@ -52,7 +52,8 @@ for t in $targets; do
     result="CRASH (exit $rc) ${crash:-see $log}"
     {
       echo "fuzz: $t failed; the report (from $log):"
-      grep -E -A30 "panicked|ERROR: (libFuzzer|AddressSanitizer)|==ERROR" "$log" | head -60
+      # `|| true`: head closing the pipe early must not end the script (pipefail).
+      grep -E -A30 "panicked|ERROR: (libFuzzer|AddressSanitizer)|==ERROR" "$log" | head -60 || true
       [ -n "$crash" ] && echo "fuzz: replay with: $BIN_DIR/$t $crash"
     } >&2
   fi

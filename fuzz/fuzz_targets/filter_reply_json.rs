@@ -11,7 +11,13 @@ use tollgate_server::domain::TakeDecision;
 
 fuzz_target!(|data: &[u8]| {
     let ours = decode_json(data);
-    if let Ok(service) = serde_json::from_slice::<TakeDecision>(data) {
+    // An answer is a JSON object on the wire (contract/README.md); serde's derive also reads a
+    // struct from an array of its fields (`[true, []]`), a form the filter rightly refuses.
+    let object = matches!(
+        serde_json::from_slice::<serde_json::Value>(data),
+        Ok(serde_json::Value::Object(_))
+    );
+    if let (true, Ok(service)) = (object, serde_json::from_slice::<TakeDecision>(data)) {
         assert_eq!(
             ours.as_ref().ok(),
             Some(&service),

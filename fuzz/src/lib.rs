@@ -44,8 +44,12 @@ pub fn response_json(r: &TakeResponse) -> Vec<u8> {
             })
         })
         .collect();
-    serde_json::to_vec(&serde_json::json!({ "allowed": r.allowed, "buckets": buckets }))
-        .unwrap_or_default()
+    serde_json::to_vec(&serde_json::json!({
+        "allowed": r.allowed,
+        "buckets": buckets,
+        "instances": r.instances,
+    }))
+    .unwrap_or_default()
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -85,6 +89,7 @@ pub fn response_proto(r: &TakeResponse) -> Vec<u8> {
         put_varint(&mut out, m.len() as u64);
         out.extend_from_slice(&m);
     }
+    put_u64(&mut out, 3, r.instances);
     out
 }
 
