@@ -29,8 +29,9 @@ pub fn push_string(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// Appends `"name":` (after a comma unless `first`).
-fn push_name(out: &mut String, name: &str, first: bool) {
+/// Appends `"name":` (after a comma unless `first`). Every encoder of the contract writes its
+/// fields with this and [`push_u64`].
+pub(crate) fn push_name(out: &mut String, name: &str, first: bool) {
     if !first {
         out.push(',');
     }
@@ -39,7 +40,8 @@ fn push_name(out: &mut String, name: &str, first: bool) {
     out.push_str("\":");
 }
 
-fn push_u64(out: &mut String, name: &str, v: u64) {
+/// Appends `,"name":v`.
+pub(crate) fn push_u64(out: &mut String, name: &str, v: u64) {
     push_name(out, name, false);
     let _ = write!(out, "{v}");
 }

@@ -5,7 +5,7 @@
 
 use crate::algorithm::Algorithm;
 use crate::fields;
-use crate::json::push_string;
+use crate::json::{push_name, push_string, push_u64};
 
 /// One bucket of a settle, as a caller sends it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,41 +48,28 @@ pub fn encode_settle<'a>(id: &str, buckets: impl IntoIterator<Item = SettleBucke
         s.push_str(fields::KEY);
         s.push_str("\":");
         push_string(&mut s, b.key);
-        push_number(&mut s, fields::CAPACITY, b.capacity);
+        push_u64(&mut s, fields::CAPACITY, b.capacity);
         if let Some(rate) = b.rate {
-            push_number(&mut s, fields::RATE, rate);
+            push_u64(&mut s, fields::RATE, rate);
         }
-        push_number(&mut s, fields::PERIOD_MS, b.period_ms);
+        push_u64(&mut s, fields::PERIOD_MS, b.period_ms);
         if let Some(a) = b.algorithm {
-            push_field(&mut s, fields::ALGORITHM);
+            push_name(&mut s, fields::ALGORITHM, false);
             push_string(&mut s, a.name());
         }
         if !b.rule.is_empty() {
-            push_field(&mut s, fields::RULE);
+            push_name(&mut s, fields::RULE, false);
             push_string(&mut s, b.rule);
         }
-        push_number(&mut s, fields::ESTIMATE, b.estimate);
-        push_number(&mut s, fields::USED, b.used);
+        push_u64(&mut s, fields::ESTIMATE, b.estimate);
+        push_u64(&mut s, fields::USED, b.used);
         if let Some(w) = b.window {
-            push_number(&mut s, fields::WINDOW, w);
+            push_u64(&mut s, fields::WINDOW, w);
         }
         s.push('}');
     }
     s.push_str("]}");
     s.into_bytes()
-}
-
-/// Appends `,"name":`.
-fn push_field(s: &mut String, name: &str) {
-    s.push_str(",\"");
-    s.push_str(name);
-    s.push_str("\":");
-}
-
-/// Appends `,"name":v`.
-fn push_number(s: &mut String, name: &str, v: u64) {
-    push_field(s, name);
-    s.push_str(&v.to_string());
 }
 
 /// The answer for one bucket of a settle.
@@ -97,13 +84,11 @@ pub struct SettleResult {
     pub remaining: u64,
     /// Whole tokens the bucket owes (rounded up): a token bucket below zero, a window counted
     /// above its capacity. 0 (not encoded) when it owes nothing.
-    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_zero"))]
+    #[cfg_attr(
+        feature = "serde",
+        serde(default, skip_serializing_if = "crate::take::is_zero")
+    )]
     pub debt: u64,
-}
-
-#[cfg(feature = "serde")]
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
 
 /// The answer to a settle.

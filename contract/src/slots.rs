@@ -3,7 +3,7 @@
 //! a take is, and the answers (serde derives behind the `serde` feature, the service's).
 
 use crate::fields;
-use crate::json::push_string;
+use crate::json::{push_string, push_u64};
 
 /// One key of an acquire, as a caller sends it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,20 +30,12 @@ pub fn encode_acquire<'a>(wants: impl IntoIterator<Item = SlotWant<'a>>) -> Vec<
         s.push_str(fields::KEY);
         s.push_str("\":");
         push_string(&mut s, w.key);
-        push_number(&mut s, fields::LIMIT, w.limit);
-        push_number(&mut s, fields::TTL_MS, w.ttl_ms);
+        push_u64(&mut s, fields::LIMIT, w.limit);
+        push_u64(&mut s, fields::TTL_MS, w.ttl_ms);
         s.push('}');
     }
     s.push_str("]}");
     s.into_bytes()
-}
-
-/// Appends `,"name":v`.
-fn push_number(s: &mut String, name: &str, v: u64) {
-    s.push_str(",\"");
-    s.push_str(name);
-    s.push_str("\":");
-    s.push_str(&v.to_string());
 }
 
 /// Encodes a release of the slot `slot` of `keys`: `{"slot": "<id>", "keys": [...]}`.

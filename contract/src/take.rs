@@ -96,8 +96,9 @@ pub struct TakeResponse {
     pub instances: u64,
 }
 
+/// serde's `skip_serializing_if` for counts that are left out when 0 (here and in `settle`).
 #[cfg(feature = "serde")]
-fn is_zero(n: &u64) -> bool {
+pub(crate) fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
