@@ -9,7 +9,6 @@
 use contract::proto::{put_bytes, put_u64, Field as Value, Reader};
 use contract::{json, proto, Sender};
 
-pub use contract::json::push_string as push_json_string;
 pub use contract::take::{Bucket, BucketResult, DecodeError, TakeRequest, TakeResponse};
 
 /// The rule name a bucket is sent with: its key's leading part (keys are `<rule>|<part>...`,

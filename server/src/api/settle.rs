@@ -19,9 +19,6 @@ use crate::domain::{
     SettleDecision, SettleResult,
 };
 
-/// Fields a settle's bucket may carry in JSON (the contract's).
-const BUCKET_FIELDS: [&str; 9] = contract::fields::SETTLE_BUCKET;
-
 /// Decodes a JSON settle body. Unknown fields are refused (naming them), `null` is absent, and
 /// every type error names its field; the bounds are [`validate_settle`]'s.
 pub fn decode_settle(body: &[u8]) -> Result<RawSettle, InvalidArgument> {
@@ -75,7 +72,10 @@ fn bucket(i: usize, v: &Value) -> Result<RawSettleBucket, InvalidArgument> {
     let b = v
         .as_object()
         .ok_or_else(|| InvalidArgument::new(format!("buckets[{i}]"), "must be an object"))?;
-    if let Some(k) = b.keys().find(|k| !BUCKET_FIELDS.contains(&k.as_str())) {
+    if let Some(k) = b
+        .keys()
+        .find(|k| !contract::fields::SETTLE_BUCKET.contains(&k.as_str()))
+    {
         return Err(InvalidArgument::new(at(k), "unknown field"));
     }
     let algorithm = match b.get("algorithm") {
