@@ -425,7 +425,7 @@ impl EnvoySpec {
     /// present).
     pub fn http_filters(&self, wasm: &Path) -> String {
         let mut filters = Vec::new();
-        if self.plugin_config.is_some() || self.bare_module {
+        if self.loads_module() {
             filters.push(self.wasm_filter(wasm));
         }
         if let Some(rls) = &self.native_rls {
@@ -474,6 +474,11 @@ typed_config:
                 .to_string(),
         );
         filters.iter().map(|f| item(f)).collect()
+    }
+
+    /// The edge listener runs the wasm filter: with a plugin configuration, or bare.
+    pub fn loads_module(&self) -> bool {
+        self.plugin_config.is_some() || self.bare_module
     }
 
     /// The wasm filter running `wasm`, with the plugin configuration if there is one.

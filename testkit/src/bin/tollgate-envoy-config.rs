@@ -86,7 +86,6 @@ fn checked_in(args: &[String]) -> Result<(), String> {
 
 fn bootstrap(args: &[String]) -> Result<String, String> {
     let mut spec = EnvoySpec::empty();
-    spec.base_log_level = "warn".to_string();
     let (mut listen, mut admin, mut wasm) = (None, 0u16, PathBuf::new());
     let mut rate_limits = None;
     let mut route = Route::upstream("/", None);
@@ -150,8 +149,7 @@ fn bootstrap(args: &[String]) -> Result<String, String> {
         (None, Some(_)) => return Err("--rate-limits needs --native-rls".to_string()),
         (None, None) => {}
     }
-    let module = spec.plugin_config.is_some() || spec.bare_module;
-    if module && wasm == Path::new("") {
+    if spec.loads_module() && wasm == Path::new("") {
         return Err("--plugin-config and --bare-module need --wasm".to_string());
     }
     if spec.plugin_config.is_some() && spec.bare_module {
