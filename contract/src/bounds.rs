@@ -49,8 +49,42 @@ pub const MAX_SLOT_BYTES: usize = 64;
 /// clock, so a short wait is the honest answer (sooner when the oldest slot's deadline is sooner).
 pub const SLOT_DENIED_RETRY_MS: u64 = 1000;
 
+/// Largest callout answer the filter reads (64 KiB): a larger one is not read and fails the
+/// requests it answers. A valid answer to one take is far smaller ([`take_answer_bytes`]); a batch's
+/// sender keeps the answers it asks for within this ([`batch_answer_bytes`]).
+pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
+/// Most bytes one bucket's result takes in a JSON answer (protobuf needs fewer): its six field
+/// names, five numbers of at most 16 digits, `false`, punctuation (about 130 bytes when compact).
+pub const BUCKET_ANSWER_BYTES: usize = 160;
+/// Room an answer (or a batch answer) takes besides its buckets: `allowed`, `instances`, the list
+/// brackets and separators.
+pub const ANSWER_OVERHEAD_BYTES: usize = 64;
+
+/// The most bytes the answer to a take of `buckets` buckets can take, JSON or protobuf.
+pub const fn take_answer_bytes(buckets: usize) -> usize {
+    ANSWER_OVERHEAD_BYTES + buckets * BUCKET_ANSWER_BYTES
+}
+
+/// The most bytes a batch answer can take whose takes have `buckets` buckets in all (`takes` of
+/// them): what a batch's sender compares with [`MAX_ANSWER_BYTES`].
+pub const fn batch_answer_bytes(takes: usize, buckets: usize) -> usize {
+    ANSWER_OVERHEAD_BYTES + takes * ANSWER_OVERHEAD_BYTES + buckets * BUCKET_ANSWER_BYTES
+}
+
+/// The most bytes a take of buckets with keys of `key_bytes` bytes in all (`buckets` of them) can
+/// take in a request, JSON or protobuf (as [`MAX_TAKE_BYTES`] counts): what a batch's sender
+/// compares with [`MAX_BATCH_BYTES`].
+pub const fn take_request_bytes(buckets: usize, key_bytes: usize) -> usize {
+    BUCKET_OVERHEAD_BYTES + buckets * BUCKET_OVERHEAD_BYTES + key_bytes
+}
+
 // A batch of the largest takes does not fit: its sender splits it (above).
 const _: () = assert!(MAX_BATCH_BYTES < MAX_BATCH_TAKES * MAX_TAKE_BYTES);
+// The answer to one take of the most buckets always fits: a batch of one is never too large.
+const _: () = assert!(batch_answer_bytes(1, MAX_BUCKETS) < MAX_ANSWER_BYTES);
+// But a full batch of such takes does not: its sender bounds a batch by bytes too.
+const _: () =
+    assert!(batch_answer_bytes(MAX_BATCH_TAKES, MAX_BATCH_TAKES * MAX_BUCKETS) > MAX_ANSWER_BYTES);
 
 #[cfg(test)]
 mod tests {
