@@ -1,6 +1,7 @@
 //! The pure core: no proxy-wasm import; every function here is deterministic given its inputs
 //! (time is passed in), so it is unit-tested on the host target.
 
+pub mod batch;
 pub mod breaker;
 pub mod bucket;
 pub mod callout;
@@ -14,6 +15,7 @@ pub mod hostmap;
 pub mod inflight;
 pub mod instance;
 pub mod lease;
+pub mod ledger;
 pub mod plan;
 #[cfg(test)]
 mod props;

@@ -391,6 +391,34 @@ impl<T> Queue<T> {
         self.items.is_empty()
     }
 
+    /// Every settlement waiting, for another queue to deliver ([`Queue::adopt`]): this queue's
+    /// configuration went away, and with it any attempt in flight (Envoy cancels a removed root's
+    /// callouts without a word), so none counts as in flight any more.
+    pub fn hand_over(&mut self) -> Vec<Pending<T>> {
+        let mut all = std::mem::take(&mut self.items);
+        for p in &mut all {
+            p.in_flight = false;
+        }
+        all
+    }
+
+    /// Takes over settlements another queue handed over, under their own ids (the service applies
+    /// an id once, so one sent before the hand-over and again after is applied once), due at once.
+    /// A full queue drops the oldest first, as [`Queue::push`] does; how many were dropped.
+    pub fn adopt(&mut self, pending: Vec<Pending<T>>, now_ms: u64) -> u64 {
+        let mut dropped = 0;
+        for mut p in pending {
+            if self.items.len() >= MAX_PENDING {
+                self.items.remove(0);
+                self.given_up += 1;
+                dropped += 1;
+            }
+            p.due_ms = p.due_ms.min(now_ms);
+            self.items.push(p);
+        }
+        dropped
+    }
+
     /// When the next retry is due, if any is waiting and none is in flight for it.
     pub fn next_due_ms(&self) -> Option<u64> {
         self.items
@@ -413,6 +441,30 @@ mod tests {
         assert_eq!(amount(100, None, Ending::Complete), Amount::Stands);
         assert_eq!(amount(100, Some(30), Ending::Cut), Amount::Refund(70));
         assert_eq!(amount(100, None, Ending::Cut), Amount::Stands);
+    }
+
+    #[test]
+    fn a_handed_over_settlement_keeps_its_id_and_is_due_at_once() {
+        let mut old = Queue::new("vm1");
+        let a = old.push("a", 0);
+        let b = old.push("b", 0);
+        assert_eq!(
+            old.due(0).len(),
+            2,
+            "both in flight when the configuration goes"
+        );
+        let mut heir: Queue<&str> = Queue::new("vm2");
+        let c = heir.push("c", 5);
+        assert_eq!(heir.adopt(old.hand_over(), 10), 0);
+        assert!(old.is_empty());
+        let due: Vec<String> = heir.due(10).iter().map(|p| p.id.clone()).collect();
+        assert_eq!(
+            due,
+            vec![c, a.clone(), b],
+            "the cancelled attempts are sent again"
+        );
+        assert_eq!(heir.answered(&a, true, 11), Outcome::Delivered);
+        assert_eq!(heir.len(), 2);
     }
 
     #[test]

@@ -2,40 +2,41 @@
 //! (Envoy's imports in the module, a fake in the tests).
 //!
 //! Envoy makes every callout on the plugin's root context: the reply comes back with the root's
-//! context id and the callout's token, so the dispatcher maps token → request context. A request
-//! whose client goes away while its callout is in flight is deleted (`proxy_on_delete`) without any
-//! word about the callout; its reply may come later, or never (Envoy cancels silently when the root
-//! context goes, e.g. on a configuration push). So:
+//! context id and the callout's token. Every callout this VM starts, whatever it is for (a
+//! request's take or acquire, a batch, a lease refill, a refund, a release, a settlement), is one
+//! entry of one VM-wide [`Ledger`], recorded by [`Proxy`] the moment it is dispatched; its
+//! [`Waiter`] says who waits for the answer, and an answer is one `match` ([`Dispatcher::deliver`]).
 //!
-//! - a token is forgotten when its reply arrives **or** when its request context is deleted:
-//!   the map never holds more entries than there are live requests (at most one callout each);
-//! - a reply for a token nobody waits for (request gone, or a failed dispatch Envoy still reports)
-//!   is dropped;
-//! - a token Envoy hands out again (its callout ids wrap after 2^30 calls per VM) simply replaces
-//!   the entry: there is no "duplicate" to trip on.
+//! - A request whose client goes away while its callout is in flight is deleted
+//!   (`proxy_on_delete`) without any word about the callout; Envoy 1.40 still delivers the answer
+//!   (to the root). The entry stays and its waiter becomes the root's: an abandoned take is
+//!   dropped when answered (it still held the batch queue back until then), an orphaned acquire
+//!   gives back the slot it was granted.
+//! - A root context that goes (a configuration push) takes its callouts with it, silently: its
+//!   entries are expired then ([`Ledger::close_root`]): a request still waiting gets the failure
+//!   path, settlements in flight or queued go to the configuration that calls the same service.
+//! - A reply for a token nobody waits for is dropped.
 //!
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 
 use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind, Status};
-use super::batch::{self, Batcher};
+use crate::core::batch;
 use crate::core::breaker::Event;
 use crate::core::callout::{self, CalloutRequest};
 use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
 use crate::core::flow::{self, Flow, Host, Next, Phase};
 use crate::core::inflight;
 use crate::core::lease;
+use crate::core::ledger::{IdMap, Ledger};
 use crate::core::plan::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCount};
 use crate::core::rules::{keys, matches_headers, Headers, Request};
 use crate::core::settle;
 use crate::core::store::{CasStore, SetError};
 use crate::core::wire::TakeRequest;
+use contract::bounds::MAX_ANSWER_BYTES;
 use log::{debug, error, info, warn};
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
-
-/// Largest callout response body read (a valid answer for 16 buckets is well under 2 KiB).
-const MAX_RESPONSE_BYTES: usize = 64 * 1024;
 
 /// A stream callback's answer: go on (`FilterHeadersStatus` / `FilterDataStatus` `Continue`).
 pub const CONTINUE: u32 = 0;
@@ -51,6 +52,8 @@ fn status_code(next: Next) -> u32 {
 
 /// One configured plugin (a root context's configuration), shared by its requests.
 struct Plugin {
+    /// Its root context.
+    root: u32,
     config: Config,
     metrics: Metrics,
     /// Shared-data key prefix ([`crate::core::fallback::state_prefix`]: a digest of the service
@@ -70,23 +73,82 @@ struct Plugin {
     /// `None`: the whole header map is read (a rule needs every value of a header, or reads so
     /// many that one read of the map is cheaper).
     request_headers: Option<Vec<String>>,
-    /// Group commit of this plugin's callouts (`service.batch`).
-    batcher: Batcher,
-    /// Background lease refills in flight: callout token → the refill's plan (no request waits).
-    refills: RefCell<Vec<(u32, Plan)>>,
+    /// Group commit of this plugin's takes (`service.batch`): the requests queued for the next
+    /// batch (their virtual tokens are the ledger's).
+    queue: RefCell<batch::Queue>,
     /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
     held: RefCell<Vec<lease::Held>>,
-    /// Releases of concurrency slots in flight (their answers are counted, no request waits).
-    /// (Vecs, not maps: they stay short, and each map type costs the module kilobytes.)
-    releases: RefCell<Vec<u32>>,
-    /// Acquires whose request ended before the answer: token → the keys asked for; a slot the
-    /// answer grants is released at once.
-    orphans: RefCell<Vec<(u32, Vec<String>)>>,
     /// Settlements of responses that ended (rules charged by the response), delivered from here
-    /// with bounded retries.
+    /// with bounded retries (an attempt in flight is a [`Waiter::Settle`] in the ledger).
     settles: RefCell<settle::Queue<Vec<settle::Item>>>,
-    /// Settle callouts in flight: token → settlement id.
-    settling: RefCell<Vec<(u32, String)>>,
+}
+
+/// Who waits for a callout's answer: the variant of a ledger entry.
+enum Waiter {
+    /// A request's take (or a request queued for the next batch, under a virtual token); `gates`:
+    /// the callout holds the plugin's batch queue back until it ends.
+    Take {
+        context: u32,
+        plugin: Rc<Plugin>,
+        gates: bool,
+    },
+    /// A request's acquire of concurrency slots.
+    Acquire { context: u32 },
+    /// A batch callout, carrying the virtual tokens of its takes (each its own entry).
+    Batch {
+        plugin: Rc<Plugin>,
+        members: Vec<u32>,
+    },
+    /// A background lease refill (no request waits).
+    Refill {
+        plugin: Rc<Plugin>,
+        plan: Plan,
+        gates: bool,
+    },
+    /// A refund of unspent lease tokens: nothing to do with the answer.
+    Refund,
+    /// A release of concurrency slots: its answer is counted.
+    Release { plugin: Rc<Plugin> },
+    /// The acquire of a request that ended first, and the keys it asked for: a slot the answer
+    /// grants goes back at once.
+    Orphan {
+        plugin: Rc<Plugin>,
+        keys: Vec<String>,
+    },
+    /// An attempt to deliver settlement `id`.
+    Settle { plugin: Rc<Plugin>, id: String },
+    /// The take of a request that went away: its answer is dropped (it still holds the batch
+    /// queue back until it arrives).
+    Abandoned { plugin: Rc<Plugin>, gates: bool },
+}
+
+impl Waiter {
+    /// A request waits (a paused stream): what the `tollgate.callouts.pending` gauge counts.
+    fn is_request(&self) -> bool {
+        matches!(self, Waiter::Take { .. } | Waiter::Acquire { .. })
+    }
+
+    /// The plugin whose batch queue this callout holds back, if any.
+    fn gate(&self) -> Option<&Rc<Plugin>> {
+        match self {
+            Waiter::Take {
+                plugin,
+                gates: true,
+                ..
+            }
+            | Waiter::Refill {
+                plugin,
+                gates: true,
+                ..
+            }
+            | Waiter::Abandoned {
+                plugin,
+                gates: true,
+            }
+            | Waiter::Batch { plugin, .. } => Some(plugin),
+            _ => None,
+        }
+    }
 }
 
 /// Metric ids, defined once per configuration.
@@ -205,33 +267,27 @@ impl Metrics {
     }
 }
 
-/// A callout about concurrency slots that no request waits for.
-enum SlotCallout {
-    /// A release: its answer is counted.
-    Release(Rc<Plugin>),
-    /// The acquire of a request that ended first, and the keys it asked for.
-    Orphan(Rc<Plugin>, Vec<String>),
-}
-
-/// Removes and returns the first element of `v` that `is` accepts.
-fn take<T>(v: &mut Vec<T>, is: impl Fn(&T) -> bool) -> Option<T> {
-    let i = v.iter().position(is)?;
-    Some(v.swap_remove(i))
-}
-
 fn nth<T: PartialEq>(all: &[T], x: &T) -> Option<usize> {
     all.iter().position(|y| y == x)
 }
 
-/// The proxy side of the core's [`Host`] port.
+/// The proxy side of the core's [`Host`] port, acting for one request context (or for the root
+/// itself: `context` 0). Every callout it starts is recorded in the ledger as it starts.
 struct Proxy<'a, A: Abi> {
     abi: &'a A,
-    plugin: &'a Plugin,
+    plugin: &'a Rc<Plugin>,
     shared: Shared<'a, A>,
+    ledger: &'a mut Ledger<Waiter>,
+    context: u32,
 }
 
 impl<'a, A: Abi> Proxy<'a, A> {
-    fn new(abi: &'a A, plugin: &'a Plugin) -> Self {
+    fn new(
+        abi: &'a A,
+        plugin: &'a Rc<Plugin>,
+        ledger: &'a mut Ledger<Waiter>,
+        context: u32,
+    ) -> Self {
         Proxy {
             abi,
             plugin,
@@ -239,7 +295,64 @@ impl<'a, A: Abi> Proxy<'a, A> {
                 abi,
                 prefix: &plugin.prefix,
             },
+            ledger,
+            context,
         }
+    }
+
+    /// Records callout `token` (just dispatched) in the ledger.
+    fn open(&mut self, token: u32, waiter: Waiter) {
+        if self.ledger.open(token, self.plugin.root, waiter).is_some() {
+            warn!("callout token {token} handed out again while still in flight");
+        }
+    }
+
+    /// Starts a take (`plan`'s, for `waiter`): sent now, or queued for the next batch when the
+    /// plugin batches and one of its callouts is in flight. Its token (virtual if queued).
+    fn take(&mut self, cfg: &Config, plan: &Plan, refill: bool) -> Result<u32, String> {
+        let plugin = self.plugin.clone();
+        let batching = cfg.service.batch > 0 && plan.rls.is_none();
+        let waiter = |gates: bool| {
+            if refill {
+                Waiter::Refill {
+                    plugin: plugin.clone(),
+                    plan: plan.clone(),
+                    gates,
+                }
+            } else {
+                Waiter::Take {
+                    context: self.context,
+                    plugin: plugin.clone(),
+                    gates,
+                }
+            }
+        };
+        if batching && self.plugin.queue.borrow().busy() {
+            let token = self.ledger.reserve(self.plugin.root, waiter(false));
+            let queued =
+                self.plugin
+                    .queue
+                    .borrow_mut()
+                    .push(cfg.service.batch, token, &plan.request);
+            if let Err(why) = queued {
+                self.ledger.close(token);
+                return Err(why);
+            }
+            return Ok(token);
+        }
+        let token = self.send(cfg, callout::take(cfg, plan)).map_err(|why| {
+            warn!(
+                "callout to cluster {:?} failed to dispatch: {why}",
+                cfg.service.cluster
+            );
+            why
+        })?;
+        if batching {
+            self.plugin.queue.borrow_mut().started();
+        }
+        let w = waiter(batching);
+        self.open(token, w);
+        Ok(token)
     }
 
     /// Dispatches `request` to the service cluster, with its timeout and bearer token; the
@@ -284,8 +397,8 @@ impl<'a, A: Abi> Proxy<'a, A> {
     }
 
     /// Sends the settlements that are due (`POST <base>/settle`, JSON whatever the transport, as
-    /// [`Proxy::call_slots`]).
-    fn send_settles(&self) {
+    /// acquires and releases).
+    fn send_settles(&mut self) {
         let cfg = &self.plugin.config;
         let now = self.abi.now_ms();
         let due: Vec<(String, Vec<u8>)> = self
@@ -299,7 +412,10 @@ impl<'a, A: Abi> Proxy<'a, A> {
         for (id, body) in due {
             self.count_settle(SettleCount::Sent, 1);
             match self.send(cfg, callout::beside(cfg, "settle", body)) {
-                Ok(token) => self.plugin.settling.borrow_mut().push((token, id)),
+                Ok(token) => {
+                    let plugin = self.plugin.clone();
+                    self.open(token, Waiter::Settle { plugin, id });
+                }
                 Err(why) => {
                     debug!("settlement {id} not dispatched: {why}");
                     let outcome = self.plugin.settles.borrow_mut().answered(&id, false, now);
@@ -389,23 +505,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     }
 
     fn dispatch(&mut self, cfg: &Config, plan: &Plan) -> Result<u32, String> {
-        let batching = cfg.service.batch > 0 && plan.rls.is_none();
-        if batching {
-            if let Some(queued) = self.plugin.batcher.join(cfg.service.batch, &plan.request) {
-                return queued;
-            }
-        }
-        let token = self.send(cfg, callout::take(cfg, plan)).map_err(|why| {
-            warn!(
-                "callout to cluster {:?} failed to dispatch: {why}",
-                cfg.service.cluster
-            );
-            why
-        })?;
-        if batching {
-            self.plugin.batcher.started(token, Vec::new());
-        }
-        Ok(token)
+        self.take(cfg, plan, false)
     }
 
     fn resume(&mut self) {
@@ -463,21 +563,21 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     }
 
     fn dispatch_refill(&mut self, cfg: &Config, plan: Plan) -> Result<(), String> {
-        let token = self.dispatch(cfg, &plan)?;
-        let mut refills = self.plugin.refills.borrow_mut();
-        refills.retain(|(t, _)| *t != token);
-        refills.push((token, plan));
-        Ok(())
+        self.take(cfg, &plan, true).map(|_| ())
     }
 
     fn acquire(&mut self, cfg: &Config, body: &[u8]) -> Result<u32, String> {
-        self.send(cfg, callout::beside(cfg, "acquire", body.to_vec()))
+        let token = self.send(cfg, callout::beside(cfg, "acquire", body.to_vec()))?;
+        let context = self.context;
+        self.open(token, Waiter::Acquire { context });
+        Ok(token)
     }
 
     fn release(&mut self, cfg: &Config, body: &[u8]) -> bool {
         match self.send(cfg, callout::beside(cfg, "release", body.to_vec())) {
             Ok(token) => {
-                self.plugin.releases.borrow_mut().push(token);
+                let plugin = self.plugin.clone();
+                self.open(token, Waiter::Release { plugin });
                 true
             }
             Err(why) => {
@@ -493,8 +593,9 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     }
 
     fn give_back(&mut self, cfg: &Config, request: &TakeRequest) {
-        if let Err(why) = self.send(cfg, callout::refund(cfg, request)) {
-            debug!("refund not dispatched: {why}");
+        match self.send(cfg, callout::refund(cfg, request)) {
+            Ok(token) => self.open(token, Waiter::Refund),
+            Err(why) => debug!("refund not dispatched: {why}"),
         }
     }
 
@@ -517,31 +618,6 @@ fn waiting_token(flow: &Flow) -> Option<u32> {
     }
 }
 
-/// Hashes the ids Envoy hands out (context ids, callout tokens): small integers no client
-/// chooses, so one multiplication spreads them. The default, SipHash, is built for keys an
-/// attacker may choose, and these maps are looked up in every callback.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-
-    fn write_u32(&mut self, n: u32) {
-        self.0 = u64::from(n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-/// A map keyed by context id or callout token.
-type IdMap<V> = HashMap<u32, V, std::hash::BuildHasherDefault<IdHasher>>;
-
 /// Every context of one VM and the callouts they wait for.
 pub struct Dispatcher<A: Abi> {
     abi: A,
@@ -549,8 +625,10 @@ pub struct Dispatcher<A: Abi> {
     roots: IdMap<Option<Rc<Plugin>>>,
     /// Request contexts.
     filters: IdMap<Filter>,
-    /// Callout token → the request context waiting for it.
-    callouts: IdMap<u32>,
+    /// Every callout of this VM in flight, and who waits for it.
+    ledger: Ledger<Waiter>,
+    /// Requests waiting, as last added to `tollgate.callouts.pending` by this VM.
+    pending_reported: usize,
     /// The match headers' values of the request being looked at (see [`may_match`]).
     probe: Vec<Option<Vec<u8>>>,
     gauges: Option<VmGauges>,
@@ -564,17 +642,24 @@ impl<A: Abi> Dispatcher<A> {
             abi,
             roots: IdMap::default(),
             filters: IdMap::default(),
-            callouts: IdMap::default(),
+            ledger: Ledger::new(Waiter::is_request),
+            pending_reported: 0,
             probe: Vec::new(),
             gauges: None,
             memory_reported: 0,
         }
     }
 
-    /// Callouts whose request still waits for them (the size of the token map).
+    /// Callouts whose request still waits for them.
     #[cfg(test)]
     pub fn pending_callouts(&self) -> usize {
-        self.callouts.len()
+        self.ledger.waiting()
+    }
+
+    /// Entries of the ledger: callouts in flight and queued requests, whoever waits.
+    #[cfg(test)]
+    pub fn ledger_entries(&self) -> usize {
+        self.ledger.len()
     }
 
     /// Live request contexts.
@@ -691,18 +776,15 @@ impl<A: Abi> Dispatcher<A> {
             );
         }
         let plugin = Plugin {
+            root: id,
             prefix,
             bearer: config.service.token.as_ref().map(|t| format!("Bearer {t}")),
             grpc_service: grpc_service(&config.service.cluster),
             match_headers: match_headers(&config),
             request_headers: request_headers(&config),
-            batcher: Batcher::default(),
-            refills: RefCell::new(Vec::new()),
+            queue: RefCell::new(batch::Queue::default()),
             held: RefCell::new(Vec::new()),
-            releases: RefCell::new(Vec::new()),
-            orphans: RefCell::new(Vec::new()),
             settles: RefCell::new(settle::Queue::new(&crate::core::instance::fresh())),
-            settling: RefCell::new(Vec::new()),
             config,
             metrics,
         };
@@ -728,12 +810,12 @@ impl<A: Abi> Dispatcher<A> {
             return;
         };
         if !plugin.settles.borrow().is_empty() {
-            Proxy::new(&self.abi, &plugin).send_settles();
+            Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).send_settles();
         }
         if plugin.held.borrow().is_empty() {
             return;
         }
-        let mut proxy = Proxy::new(&self.abi, &plugin);
+        let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
         let now = proxy.now_ms();
         let (returns, tokens) = lease::sweep(proxy.store(), &mut plugin.held.borrow_mut(), now);
         for r in &returns {
@@ -760,11 +842,9 @@ impl<A: Abi> Dispatcher<A> {
             return CONTINUE;
         }
         let req = read_request(&self.abi, &plugin);
-        let mut proxy = Proxy::new(&self.abi, &plugin);
+        let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, id);
         let next = f.flow.on_request_headers(&plugin.config, &req, &mut proxy);
-        if let Some(token) = waiting_token(&f.flow) {
-            self.track(token, id);
-        }
+        self.report_pending();
         status_code(next)
     }
 
@@ -844,50 +924,146 @@ impl<A: Abi> Dispatcher<A> {
         CONTINUE
     }
 
-    /// A context is gone (request finished, client disconnected, or root removed). A callout its
-    /// request still waited for is forgotten here: Envoy will never report it to that request.
+    /// A context is gone (request finished, client disconnected, or root removed). What a request
+    /// leaves behind goes to its root: a settlement of what it used, the release of its slots, the
+    /// answer to a callout still in flight (dropped, or a granted slot given back).
     pub fn on_delete(&mut self, id: u32) {
         if let Some(mut f) = self.filters.remove(&id) {
-            if let (Some(meter), Some(p)) = (f.flow.meter.take(), &f.plugin) {
-                // The response ended, however it ended: what it used is settled once.
-                let items = meter.finish(&p.config);
-                if !items.is_empty() {
-                    let now = self.abi.now_ms();
-                    let dropped = {
-                        let mut q = p.settles.borrow_mut();
-                        let before = q.given_up;
-                        q.push(items, now);
-                        q.given_up - before
-                    };
-                    let proxy = Proxy::new(&self.abi, p);
-                    if dropped > 0 {
-                        warn!("settlement queue full: the oldest settlement was dropped");
-                        proxy.count_settle(SettleCount::GivenUp, dropped);
-                    }
-                    proxy.send_settles();
-                }
+            if let Some(p) = f.plugin.clone() {
+                self.request_ended(id, &mut f, &p);
             }
-            let holds = !matches!(f.flow.slots, inflight::Slots::None | inflight::Slots::Done);
-            if let Some(p) = f.plugin.clone().filter(|_| holds) {
-                // The stream is over, however it ended: its concurrency slots go back now.
-                if let inflight::Slots::Acquiring { token, wants, .. } = &f.flow.slots {
-                    let keys = wants.iter().map(|w| w.key.clone()).collect();
-                    p.orphans.borrow_mut().push((*token, keys));
-                }
-                let mut proxy = Proxy::new(&self.abi, &p);
-                f.flow.on_end(&p.config, &mut proxy);
-            }
-            if let Some(token) = waiting_token(&f.flow) {
-                self.forget(token, id);
-                if token & batch::VIRTUAL != 0 {
-                    if let Some(p) = &f.plugin {
-                        p.batcher.forget(token);
-                    }
-                }
-            }
+            self.report_pending();
             self.report_memory();
         } else if let Some(Some(old)) = self.roots.remove(&id) {
+            self.root_ended(&old);
             self.hand_over_pools(&old);
+            self.hand_over_settlements(&old);
+            self.report_pending();
+        }
+    }
+
+    fn request_ended(&mut self, id: u32, f: &mut Filter, p: &Rc<Plugin>) {
+        if let Some(meter) = f.flow.meter.take() {
+            // The response ended, however it ended: what it used is settled once.
+            let items = meter.finish(&p.config);
+            if !items.is_empty() {
+                let now = self.abi.now_ms();
+                let dropped = {
+                    let mut q = p.settles.borrow_mut();
+                    let before = q.given_up;
+                    q.push(items, now);
+                    q.given_up - before
+                };
+                let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);
+                if dropped > 0 {
+                    warn!("settlement queue full: the oldest settlement was dropped");
+                    proxy.count_settle(SettleCount::GivenUp, dropped);
+                }
+                proxy.send_settles();
+            }
+        }
+        if let Some(token) = waiting_token(&f.flow) {
+            // A callout this request waits for: its answer is the root's now. A queued take has
+            // no callout yet: it leaves the queue.
+            let mine = |w: &Waiter| match w {
+                Waiter::Take { context, .. } | Waiter::Acquire { context, .. } => *context == id,
+                _ => false,
+            };
+            let heir = match self.ledger.get(token).map(|e| &e.waiter) {
+                Some(w) if !mine(w) => None,
+                Some(Waiter::Take { gates, .. }) if token & crate::core::ledger::VIRTUAL == 0 => {
+                    Some(Waiter::Abandoned {
+                        plugin: p.clone(),
+                        gates: *gates,
+                    })
+                }
+                Some(Waiter::Acquire { .. }) => match &f.flow.slots {
+                    inflight::Slots::Acquiring { wants, .. } => Some(Waiter::Orphan {
+                        plugin: p.clone(),
+                        keys: wants.iter().map(|w| w.key.clone()).collect(),
+                    }),
+                    _ => Some(Waiter::Refund),
+                },
+                _ => None,
+            };
+            match heir {
+                Some(w) => {
+                    self.ledger.replace(token, w);
+                }
+                None => {
+                    if self.ledger.close_if(token, mine).is_some() {
+                        p.queue.borrow_mut().forget(token);
+                    }
+                }
+            }
+        }
+        let holds = !matches!(f.flow.slots, inflight::Slots::None | inflight::Slots::Done);
+        if holds {
+            // The stream is over, however it ended: its concurrency slots go back now.
+            let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);
+            f.flow.on_end(&p.config, &mut proxy);
+        }
+    }
+
+    /// Root context `old` is gone, and Envoy cancelled its callouts silently: each entry ends
+    /// here. A request still waiting takes its failure path (as for a reset), a refill's claim
+    /// ends, a settlement attempt is due again (handed over with the rest of the queue).
+    fn root_ended(&mut self, old: &Rc<Plugin>) {
+        for (token, waiter) in self.ledger.close_root(old.root) {
+            match waiter {
+                Waiter::Take { .. } | Waiter::Acquire { .. } => {
+                    let reset = CalloutResult::Http {
+                        status: None,
+                        body: Vec::new(),
+                    };
+                    self.answer(token, waiter, |_| reset);
+                }
+                Waiter::Refill { plugin, plan, .. } => {
+                    lease::abandon(
+                        &plugin.config,
+                        &plan,
+                        &Shared {
+                            abi: &self.abi,
+                            prefix: &plugin.prefix,
+                        },
+                    );
+                }
+                Waiter::Settle { plugin, id } => {
+                    let now = self.abi.now_ms();
+                    plugin.settles.borrow_mut().answered(&id, false, now);
+                }
+                Waiter::Batch { .. }
+                | Waiter::Refund
+                | Waiter::Release { .. }
+                | Waiter::Orphan { .. }
+                | Waiter::Abandoned { .. } => {}
+            }
+        }
+        *old.queue.borrow_mut() = batch::Queue::default();
+    }
+
+    /// Another configuration of this worker that calls the same service as `old` (their shared
+    /// data and settlements are the same service's), if any.
+    fn heir(&self, old: &Plugin) -> Option<Rc<Plugin>> {
+        self.roots
+            .values()
+            .flatten()
+            .find(|p| p.prefix == old.prefix)
+            .cloned()
+    }
+
+    /// `heir` takes over something that needs its timer: started at a second if its own
+    /// configuration asks for none.
+    fn wake(&self, heir: &Plugin) {
+        if tick_period_ms(&heir.config).is_none()
+            && self.abi.set_effective_context(heir.root).is_ok()
+        {
+            if let Err(s) = self.abi.set_tick_period(1000) {
+                warn!(
+                    "no timer for what a configuration handed over: {}",
+                    abi::status_name(s)
+                );
+            }
         }
     }
 
@@ -899,24 +1075,40 @@ impl<A: Abi> Dispatcher<A> {
         if held.is_empty() {
             return;
         }
-        let heir = self.roots.iter().find_map(|(&id, p)| {
-            p.as_ref()
-                .filter(|p| p.prefix == old.prefix)
-                .map(|p| (id, p))
-        });
-        let Some((id, heir)) = heir else {
+        let Some(heir) = self.heir(old) else {
             return;
         };
-        let mut watched = heir.held.borrow_mut();
-        for h in held {
-            lease::watch(&mut watched, h);
-        }
-        if tick_period_ms(&heir.config).is_none() && self.abi.set_effective_context(id).is_ok() {
-            // The heir leases nothing itself: it still needs the timer for what it inherited.
-            if let Err(s) = self.abi.set_tick_period(1000) {
-                warn!("no timer for lease pools: {}", abi::status_name(s));
+        {
+            let mut watched = heir.held.borrow_mut();
+            for h in held {
+                lease::watch(&mut watched, h);
             }
         }
+        self.wake(&heir);
+    }
+
+    /// A configuration went away with settlements not yet delivered (queued, or an attempt that
+    /// its end cancelled): the configuration that calls the same service delivers them, under
+    /// their ids (the service applies each once). With no such configuration they are given up,
+    /// and counted so.
+    fn hand_over_settlements(&mut self, old: &Plugin) {
+        let pending = old.settles.borrow_mut().hand_over();
+        if pending.is_empty() {
+            return;
+        }
+        let Some(heir) = self.heir(old) else {
+            warn!(
+                "{} settlement(s) given up: no configuration calls their service any more",
+                pending.len()
+            );
+            return;
+        };
+        let now = self.abi.now_ms();
+        let dropped = heir.settles.borrow_mut().adopt(pending, now);
+        if dropped > 0 {
+            warn!("settlement queue full: {dropped} handed-over settlement(s) dropped");
+        }
+        self.wake(&heir);
     }
 
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
@@ -931,7 +1123,7 @@ impl<A: Abi> Dispatcher<A> {
             let status = abi
                 .header(HeaderMap::HttpCallResponse, ":status")
                 .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-            if body_size > MAX_RESPONSE_BYTES {
+            if body_size > MAX_ANSWER_BYTES {
                 return CalloutResult::TooLarge { size: body_size };
             }
             let body = abi.buffer(Buffer::HttpCallResponseBody, body_size);
@@ -950,7 +1142,7 @@ impl<A: Abi> Dispatcher<A> {
                     body: Vec::new(),
                 };
             }
-            if size > MAX_RESPONSE_BYTES {
+            if size > MAX_ANSWER_BYTES {
                 return CalloutResult::TooLarge { size };
             }
             let body = abi.buffer(Buffer::GrpcReceive, size);
@@ -962,78 +1154,80 @@ impl<A: Abi> Dispatcher<A> {
         });
     }
 
-    /// Callout `token` ended with the result `read` gives. A batch's result is split onto its
-    /// requests; after any callout of a batching plugin, its queued requests leave together.
+    /// Callout `token` ended with the result `read` gives: its ledger entry says who waits.
+    /// After any callout that held a plugin's batch queue back, the requests queued behind it
+    /// leave together.
     fn deliver(&mut self, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
-        let owner = self
-            .roots
-            .values()
-            .flatten()
-            .find_map(|p| p.batcher.ended(token).map(|members| (p.clone(), members)));
-        let Some((plugin, members)) = owner else {
-            self.deliver_to(token, read);
+        let Some(entry) = self.ledger.close(token) else {
+            debug!("reply to callout {token}: no one waits for it");
             return;
         };
-        if members.is_empty() {
-            self.deliver_to(token, read);
-        } else {
-            // The batch's own token waits in no request: it was never tracked.
-            let parts = batch::split(read(&self.abi), members.len());
-            for (member, result) in members.into_iter().zip(parts) {
-                self.deliver_to(member, |_| result);
-            }
+        let gate = entry.waiter.gate().cloned();
+        if let Some(p) = &gate {
+            p.queue.borrow_mut().ended();
         }
-        self.flush(&plugin);
+        self.answer(token, entry.waiter, read);
+        if let Some(p) = gate {
+            self.flush(&p);
+        }
+        self.report_pending();
     }
 
-    /// Sends the requests queued on `plugin` in one callout.
-    fn flush(&mut self, plugin: &Rc<Plugin>) {
-        let queued = plugin.batcher.drain(plugin.config.service.batch.max(1));
-        if queued.is_empty() {
-            return;
-        }
-        let takes: Vec<&TakeRequest> = queued.iter().map(|(_, t)| t).collect();
-        let members: Vec<u32> = queued.iter().map(|(t, _)| *t).collect();
-        let proxy = Proxy::new(&self.abi, plugin);
-        match proxy.send(&plugin.config, callout::batch(&plugin.config, &takes)) {
-            Ok(token) => {
-                plugin.metrics.batched(&self.abi, members.len());
-                plugin.batcher.started(token, members);
+    /// The one place an answer goes: to whoever waits for callout `token`. `read` runs only when
+    /// someone wants the result (a stray reply costs no host calls), as the request's context.
+    fn answer(&mut self, token: u32, waiter: Waiter, read: impl FnOnce(&A) -> CalloutResult) {
+        match waiter {
+            Waiter::Take { context, .. } | Waiter::Acquire { context, .. } => {
+                self.resume_request(context, token, read);
             }
-            Err(why) => {
-                debug!("batch of {} not dispatched: {why}", members.len());
-                for m in members {
-                    self.deliver_to(m, |_| CalloutResult::DispatchError);
+            Waiter::Batch { members, .. } => {
+                // The batch's own token waits in no request; each member is its own entry.
+                let parts = batch::split(read(&self.abi), members.len());
+                for (member, result) in members.into_iter().zip(parts) {
+                    self.answer_member(member, result);
                 }
             }
+            Waiter::Refill { plugin, plan, .. } => {
+                let result = read(&self.abi);
+                let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+                flow::on_refill_result(&plugin.config, &plan, result, &mut proxy);
+            }
+            Waiter::Release { plugin } => {
+                let result = read(&self.abi);
+                let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+                proxy.count_inflight(if inflight::released(&result) {
+                    inflight::Count::Released
+                } else {
+                    inflight::Count::ReleaseFailed
+                });
+            }
+            Waiter::Orphan { plugin, keys } => {
+                let result = read(&self.abi);
+                if let inflight::Acquired::Held(id) = inflight::interpret(&result, keys.len()) {
+                    let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+                    if !proxy.release(&plugin.config, &inflight::encode_release(&id, &keys)) {
+                        proxy.count_inflight(inflight::Count::ReleaseFailed);
+                    }
+                }
+            }
+            Waiter::Settle { plugin, id } => {
+                let result = read(&self.abi);
+                Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).settle_answer(&id, &result);
+            }
+            Waiter::Refund | Waiter::Abandoned { .. } => {}
         }
     }
 
-    /// Hands the result of callout `token` to the request waiting for it, if any. `read` runs
-    /// only then (so a stray reply costs no host calls), as the request's context.
-    fn deliver_to(&mut self, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
-        if let Some((plugin, plan)) = self.refill(token) {
-            let result = read(&self.abi);
-            let mut proxy = Proxy::new(&self.abi, &plugin);
-            flow::on_refill_result(&plugin.config, &plan, result, &mut proxy);
-            return;
+    /// A batch member's share of the batch answer (its entry closes here).
+    fn answer_member(&mut self, member: u32, result: CalloutResult) {
+        if let Some(e) = self.ledger.close(member) {
+            self.answer(member, e.waiter, |_| result);
         }
-        if let Some(slot) = self.slot_callout(token) {
-            let result = read(&self.abi);
-            self.slot_answer(slot, &result);
-            return;
-        }
-        if let Some((plugin, id)) = self.settle_callout(token) {
-            let result = read(&self.abi);
-            Proxy::new(&self.abi, &plugin).settle_answer(&id, &result);
-            return;
-        }
-        let Some(id) = self.callouts.remove(&token) else {
-            debug!("reply to callout {token}: no request waits for it");
-            return;
-        };
-        self.pending_changed(-1);
-        let Some(f) = self.filters.get_mut(&id) else {
+    }
+
+    /// Hands `read`'s result to request `context`, if it still waits for `token`.
+    fn resume_request(&mut self, context: u32, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
+        let Some(f) = self.filters.get_mut(&context) else {
             return;
         };
         let Some(plugin) = f.plugin.clone() else {
@@ -1043,7 +1237,7 @@ impl<A: Abi> Dispatcher<A> {
             return;
         }
         // The reply arrives on the root context; resume / reply must act on the request's.
-        if let Err(s) = self.abi.set_effective_context(id) {
+        if let Err(s) = self.abi.set_effective_context(context) {
             debug!(
                 "request of callout {token} is gone: {}",
                 abi::status_name(s)
@@ -1051,87 +1245,54 @@ impl<A: Abi> Dispatcher<A> {
             return;
         }
         let result = read(&self.abi);
-        let mut proxy = Proxy::new(&self.abi, &plugin);
+        let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, context);
         f.flow
             .on_callout_result(&plugin.config, token, result, &mut proxy);
-        // The request may ask again (a denial by shadow rules alone): track that callout too.
-        if let Some(next) = waiting_token(&f.flow) {
-            self.track(next, id);
+    }
+
+    /// Sends the requests queued on `plugin` in one callout (as many as its bounds allow).
+    fn flush(&mut self, plugin: &Rc<Plugin>) {
+        let queued = plugin
+            .queue
+            .borrow_mut()
+            .drain(plugin.config.service.batch.max(1));
+        if queued.is_empty() {
+            return;
         }
-    }
-
-    /// Whether callout `token` is a release, or the acquire of a request that is gone (no
-    /// request waits for either); it is forgotten.
-    fn slot_callout(&self, token: u32) -> Option<SlotCallout> {
-        self.roots.values().flatten().find_map(|p| {
-            if take(&mut p.releases.borrow_mut(), |&t| t == token).is_some() {
-                return Some(SlotCallout::Release(p.clone()));
+        let takes: Vec<&TakeRequest> = queued.iter().map(|(_, t)| t).collect();
+        let members: Vec<u32> = queued.iter().map(|(t, _)| *t).collect();
+        let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);
+        match proxy.send(&plugin.config, callout::batch(&plugin.config, &takes)) {
+            Ok(token) => {
+                plugin.metrics.batched(&self.abi, members.len());
+                plugin.queue.borrow_mut().started();
+                let batch = Waiter::Batch {
+                    plugin: plugin.clone(),
+                    members,
+                };
+                proxy.open(token, batch);
             }
-            let (_, keys) = take(&mut p.orphans.borrow_mut(), |(t, _)| *t == token)?;
-            Some(SlotCallout::Orphan(p.clone(), keys))
-        })
-    }
-
-    /// A release is counted; a slot granted to a request that is gone goes straight back.
-    fn slot_answer(&self, slot: SlotCallout, result: &CalloutResult) {
-        match slot {
-            SlotCallout::Release(plugin) => {
-                Proxy::new(&self.abi, &plugin).count_inflight(if inflight::released(result) {
-                    inflight::Count::Released
-                } else {
-                    inflight::Count::ReleaseFailed
-                });
-            }
-            SlotCallout::Orphan(plugin, keys) => {
-                if let inflight::Acquired::Held(id) = inflight::interpret(result, keys.len()) {
-                    let mut proxy = Proxy::new(&self.abi, &plugin);
-                    if !proxy.release(&plugin.config, &inflight::encode_release(&id, &keys)) {
-                        proxy.count_inflight(inflight::Count::ReleaseFailed);
-                    }
+            Err(why) => {
+                debug!("batch of {} not dispatched: {why}", members.len());
+                for m in members {
+                    self.answer_member(m, CalloutResult::DispatchError);
                 }
             }
         }
     }
 
-    /// Whether callout `token` is a settlement, and which (it is forgotten).
-    fn settle_callout(&self, token: u32) -> Option<(Rc<Plugin>, String)> {
-        self.roots.values().flatten().find_map(|p| {
-            let (_, id) = take(&mut p.settling.borrow_mut(), |(t, _)| *t == token)?;
-            Some((p.clone(), id))
-        })
-    }
-
-    /// The background refill callout `token` carried, and its plugin (it is forgotten).
-    fn refill(&self, token: u32) -> Option<(Rc<Plugin>, Plan)> {
-        self.roots.values().flatten().find_map(|p| {
-            let mut refills = p.refills.borrow_mut();
-            let i = refills.iter().position(|(t, _)| *t == token)?;
-            let (_, plan) = refills.swap_remove(i);
-            Some((p.clone(), plan))
-        })
-    }
-
-    fn track(&mut self, token: u32, id: u32) {
-        match self.callouts.insert(token, id) {
-            None => self.pending_changed(1),
-            Some(old) if old != id => warn!(
-                "callout token {token} handed out again while request {old} still waits for it"
-            ),
-            Some(_) => {}
+    /// Adds the change in waiting requests to `tollgate.callouts.pending`.
+    fn report_pending(&mut self) {
+        let now = self.ledger.waiting();
+        if now == self.pending_reported {
+            return;
         }
-    }
-
-    fn forget(&mut self, token: u32, id: u32) {
-        if self.callouts.get(&token) == Some(&id) {
-            self.callouts.remove(&token);
-            self.pending_changed(-1);
-        }
-    }
-
-    fn pending_changed(&self, delta: i64) {
         if let Some(g) = &self.gauges {
+            let delta = i64::try_from(now).unwrap_or(i64::MAX)
+                - i64::try_from(self.pending_reported).unwrap_or(i64::MAX);
             self.abi.increment_metric(g.pending, delta);
         }
+        self.pending_reported = now;
     }
 
     fn report_memory(&mut self) {

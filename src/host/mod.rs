@@ -3,12 +3,11 @@
 //! callouts in between, and implements the core's [`crate::core::flow::Host`] port over them.
 //!
 //! - `abi.rs`: the host calls the adapter makes, as a trait (Envoy's imports, or a fake in tests).
-//! - `dispatch.rs`: contexts, callout tokens, and what each callback does; pure over `abi`.
-//! - `batch.rs`: group commit (`service.batch`): queued requests, one callout for them, the split.
+//! - `dispatch.rs`: contexts, the VM's ledger of callouts ([`crate::core::ledger`]: one entry per
+//!   callout, its variant says who waits), and what each callback does; pure over `abi`.
 //! - `wasm.rs` (wasm only): the imports, the `proxy_on_*` exports, allocator, logger, panic hook.
 
 mod abi;
-mod batch;
 mod dispatch;
 #[cfg(target_family = "wasm")]
 mod wasm;

@@ -11,7 +11,8 @@ const ROOT: u32 = 1;
 
 #[derive(Default)]
 struct Fake {
-    config: Vec<u8>,
+    /// The plugin configuration the next `on_configure` reads.
+    config: RefCell<Vec<u8>>,
     /// The current request's headers (every request context sees these).
     request: RefCell<Vec<(String, Vec<u8>)>>,
     next_http: Cell<u32>,
@@ -42,7 +43,7 @@ struct Fake {
 impl Fake {
     fn new(config: &str) -> Fake {
         let f = Fake {
-            config: config.as_bytes().to_vec(),
+            config: RefCell::new(config.as_bytes().to_vec()),
             ..Fake::default()
         };
         f.next_grpc.set(1);
@@ -74,7 +75,7 @@ impl Abi for Fake {
     }
     fn buffer(&self, which: Buffer, size: usize) -> Vec<u8> {
         match which {
-            Buffer::PluginConfiguration => self.config.clone(),
+            Buffer::PluginConfiguration => self.config.borrow().clone(),
             Buffer::HttpResponseBody => {
                 let body = self.response_body.borrow();
                 body.get(..size).unwrap_or(&body).to_vec()
@@ -124,6 +125,10 @@ impl Abi for Fake {
     }
     fn define_metric(&self, _: MetricKind, name: &str) -> Result<u32, Status> {
         let mut m = self.metrics.borrow_mut();
+        // As Envoy: a name defined again (by another configuration) is the same metric.
+        if let Some(i) = m.iter().position(|(n, _)| n == name) {
+            return Ok(u32::try_from(i).unwrap());
+        }
         m.push((name.to_string(), 0));
         Ok(u32::try_from(m.len() - 1).unwrap())
     }
@@ -212,10 +217,24 @@ fn dispatcher(cfg: &str) -> Dispatcher<Fake> {
 
 /// A request context that reached its headers: `PAUSE` if it now waits for a callout.
 fn start(d: &mut Dispatcher<Fake>, id: u32, path: &str) -> u32 {
-    d.on_context_create(id, ROOT);
+    start_on(d, ROOT, id, path)
+}
+
+/// [`start`] under root context `root`.
+fn start_on(d: &mut Dispatcher<Fake>, root: u32, id: u32, path: &str) -> u32 {
+    d.on_context_create(id, root);
     d.abi.known.borrow_mut().push(id);
     d.abi.set_request(path);
     d.on_request_headers(id)
+}
+
+/// A second root context (another configuration of the same VM: a second listener, or a push)
+/// configured with `cfg`.
+fn configure(d: &mut Dispatcher<Fake>, root: u32, cfg: &str) {
+    *d.abi.config.borrow_mut() = cfg.as_bytes().to_vec();
+    d.on_context_create(root, 0);
+    d.abi.known.borrow_mut().push(root);
+    assert!(d.on_configure(root, cfg.len()));
 }
 
 /// The client went away: Envoy deletes the context and says nothing about its callout.
@@ -476,6 +495,7 @@ fn the_match_prefilter_agrees_with_the_core() {
             let fake = Fake::new("");
             *fake.request.borrow_mut() = full.headers.clone();
             let plugin = Plugin {
+                root: ROOT,
                 config: cfg.clone(),
                 metrics: Metrics::define(&fake, &cfg).unwrap(),
                 prefix: String::new(),
@@ -483,13 +503,9 @@ fn the_match_prefilter_agrees_with_the_core() {
                 grpc_service: Vec::new(),
                 match_headers: Some(names.clone()),
                 request_headers: None,
-                batcher: super::Batcher::default(),
-                refills: Default::default(),
+                queue: Default::default(),
                 held: Default::default(),
-                releases: Default::default(),
-                orphans: Default::default(),
                 settles: RefCell::new(settle::Queue::new("t")),
-                settling: Default::default(),
             };
             let core = crate::core::decide::decide(&cfg, &full);
             let pre = may_match(&fake, &plugin, &mut Vec::new());
@@ -584,7 +600,12 @@ fn queued_requests_leave_in_one_batch_and_each_gets_its_own_answer() {
             .to_vec(),
     );
     d.on_http_call_response(batch, 1, 400);
-    assert_eq!(*d.abi.resumed.borrow(), vec![10, 11]);
+    assert_eq!(
+        *d.abi.resumed.borrow(),
+        vec![10, 11],
+        "{:?}",
+        d.abi.replied.borrow()
+    );
     assert_eq!(*d.abi.replied.borrow(), vec![(13, 429)]);
     assert_eq!(d.pending_callouts(), 0, "nothing left waiting");
     // A failed batch fails each of its requests (here: the fallback decides).
@@ -829,4 +850,143 @@ fn a_denied_request_reserves_nothing_and_settles_nothing() {
     d.on_delete(20);
     assert_eq!(d.abi.dispatched.borrow().len(), n);
     assert_eq!(d.abi.metric("tollgate.settle.sent"), 0);
+}
+
+/// `n` JSON answers in a batch answer, each allowed (`limit` as given) or denied.
+fn batch_reply(d: &Dispatcher<Fake>, answers: &[(bool, u64)]) {
+    let parts: Vec<String> = answers
+        .iter()
+        .map(|(ok, limit)| {
+            format!(
+                r#"{{"allowed":{ok},"buckets":[{{"allowed":{ok},"limit":{limit},"remaining":0,"reset_ms":1,"retry_after_ms":{}}}]}}"#,
+                if *ok { 0 } else { 1000 }
+            )
+        })
+        .collect();
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        format!(r#"{{"results":[{}]}}"#, parts.join(",")).into_bytes(),
+    );
+}
+
+#[test]
+fn two_configurations_of_one_vm_never_answer_each_others_requests() {
+    // Listener A's rule admits everything, listener B's almost nothing; both batch, one VM.
+    let a = config("http", "").replace(r#""batch":0"#, r#""batch":8"#);
+    let b = a.replace(r#""capacity":5"#, r#""capacity":1"#);
+    let mut d = dispatcher(&a);
+    const B: u32 = 3;
+    configure(&mut d, B, &b);
+    // Each configuration: one request calls, two queue behind it.
+    assert_eq!(start_on(&mut d, ROOT, 10, "/api"), PAUSE);
+    let a_first = last_token(&d);
+    for id in [11, 12] {
+        assert_eq!(start_on(&mut d, ROOT, id, "/api"), PAUSE);
+    }
+    assert_eq!(start_on(&mut d, B, 20, "/api"), PAUSE);
+    let b_first = last_token(&d);
+    for id in [21, 22] {
+        assert_eq!(start_on(&mut d, B, id, "/api"), PAUSE);
+    }
+    assert_eq!(
+        d.pending_callouts(),
+        6,
+        "six requests wait, none displaced another"
+    );
+    // A's callouts are answered "allowed": only A's requests resume.
+    allowed_reply(&d);
+    d.on_http_call_response(a_first, 1, 200);
+    let a_batch = last_token(&d);
+    batch_reply(&d, &[(true, 1_000_000), (true, 1_000_000)]);
+    d.on_http_call_response(a_batch, 1, 400);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10, 11, 12]);
+    // B's are answered "denied": B's requests get 429, and only they.
+    batch_reply(&d, &[(false, 1)]);
+    let denied = d.abi.reply.borrow().1.clone();
+    let one = br#"{"allowed":false,"buckets":[{"allowed":false,"limit":1,"remaining":0,"reset_ms":1,"retry_after_ms":1000}]}"#;
+    *d.abi.reply.borrow_mut() = (Some(b"200".to_vec()), one.to_vec());
+    d.on_http_call_response(b_first, 1, 200);
+    let b_batch = last_token(&d);
+    assert_ne!(b_batch, a_batch);
+    *d.abi.reply.borrow_mut() = (Some(b"200".to_vec()), denied);
+    batch_reply(&d, &[(false, 1), (false, 1)]);
+    d.on_http_call_response(b_batch, 1, 400);
+    assert_eq!(
+        *d.abi.replied.borrow(),
+        vec![(20, 429), (21, 429), (22, 429)]
+    );
+    assert_eq!(
+        d.abi.resumed.borrow().len(),
+        3,
+        "no B request was let through"
+    );
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+}
+
+#[test]
+fn an_abandoned_take_holds_the_batch_queue_until_its_answer_and_then_leaves_nothing() {
+    let cfg = config("http", "").replace(r#""batch":0"#, r#""batch":8"#);
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let first = last_token(&d);
+    disconnect(&mut d, 10);
+    assert_eq!(d.pending_callouts(), 0, "no request waits");
+    assert_eq!(
+        d.ledger_entries(),
+        1,
+        "but the callout is still Envoy's, in flight"
+    );
+    // The next request queues behind it (the service is still busy with it).
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    assert_eq!(d.abi.dispatched.borrow().len(), 1);
+    allowed_reply(&d);
+    d.on_http_call_response(first, 1, 200);
+    assert!(
+        d.abi.resumed.borrow().is_empty(),
+        "the abandoned answer is dropped"
+    );
+    let batch = last_token(&d);
+    batch_reply(&d, &[(true, 5)]);
+    d.on_http_call_response(batch, 1, 200);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11]);
+    d.on_delete(11);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+}
+
+#[test]
+fn a_removed_configuration_fails_its_waiting_requests_and_hands_its_settlements_over() {
+    let cfg = charged_config();
+    let mut d = dispatcher(&cfg);
+    // A settlement in flight when the push removes the configuration.
+    let body = settle_after(&mut d, 10, &[("x-usage", "30")], b"", true).unwrap();
+    let sent: serde_json::Value = serde_json::from_str(&body).unwrap();
+    // A request of the old configuration waiting for its take.
+    assert_eq!(start(&mut d, 11, "/v1/chat"), PAUSE);
+    configure(&mut d, 7, &cfg);
+    d.on_delete(ROOT);
+    // Envoy cancelled the old root's callouts: the request takes the failure path at once (the
+    // fallback: its share of the 4 tokens the last answer left cannot pay the estimate of 100),
+    // and nothing of the old root is left in the ledger.
+    assert_eq!(*d.abi.replied.borrow(), vec![(11, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.reset"), 1);
+    assert_eq!(d.ledger_entries(), 0);
+    // The new configuration delivers the settlement, under the same id.
+    let n = d.abi.dispatched.borrow().len();
+    d.on_tick(7);
+    let again = d
+        .abi
+        .dispatched
+        .borrow()
+        .get(n)
+        .map(|(_, b)| b.clone())
+        .unwrap();
+    let again: serde_json::Value = serde_json::from_slice(&again).unwrap();
+    assert_eq!(again, sent);
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        br#"{"duplicate":false,"buckets":[{"remaining":9970}]}"#.to_vec(),
+    );
+    d.on_http_call_response(last_token(&d), 1, 0);
+    assert_eq!(d.abi.metric("tollgate.settle.delivered"), 1);
+    assert_eq!(d.ledger_entries(), 0);
 }

@@ -1,0 +1,281 @@
+//! Group commit for callouts (`service.batch`): per worker VM and plugin, a request that needs the
+//! service while one of the plugin's callouts is in flight joins a queue instead of calling; when
+//! a callout of the plugin ends, one callout carries the queued takes (`/v1/take_batch`,
+//! `tollgate.v1.RateLimiter/TakeBatch`), and its answer is split back onto the waiting requests.
+//! A lone request still calls at once, so light load gets no added latency.
+//!
+//! Queued requests wait under a virtual token the VM's ledger hands out
+//! ([`crate::core::ledger::Ledger::reserve`]); the core's [`crate::core::flow::Flow`] does not
+//! know the difference. A full queue is a dispatch failure (the failure mode decides); a failed
+//! batch fails each of its requests the way a single callout would have.
+//!
+//! A batch is bounded by count (`service.batch`, at most the contract's
+//! [`contract::bounds::MAX_BATCH_TAKES`]) **and by bytes**: its request within
+//! [`contract::bounds::MAX_BATCH_BYTES`], and its answer within what the filter reads,
+//! [`contract::bounds::MAX_ANSWER_BYTES`] (64 takes of 12 buckets each would be answered with
+//! about 100 KB). What does not fit waits for the next batch.
+
+use crate::core::plan::CalloutResult;
+use crate::core::wire::{self, TakeRequest};
+use contract::bounds::{
+    batch_answer_bytes, take_request_bytes, BUCKET_OVERHEAD_BYTES, MAX_ANSWER_BYTES,
+    MAX_BATCH_BYTES,
+};
+
+/// The batching state of one plugin in one VM.
+#[derive(Debug, Default)]
+pub struct Queue {
+    /// Callouts of this plugin in flight that requests queue behind (single takes, batches and
+    /// refills).
+    in_flight: u32,
+    /// Requests waiting for the next batch: (their virtual token, their take).
+    waiting: Vec<(u32, TakeRequest)>,
+}
+
+impl Queue {
+    /// A take needs a callout: `false` when nothing is in flight (call now), else `true` (queue
+    /// it with [`Queue::push`]).
+    pub fn busy(&self) -> bool {
+        self.in_flight > 0
+    }
+
+    /// Queues `req` under `token`, unless `max` are waiting already.
+    pub fn push(&mut self, max: usize, token: u32, req: &TakeRequest) -> Result<(), String> {
+        if self.waiting.len() >= max {
+            return Err(format!("batch queue full ({max} waiting)"));
+        }
+        self.waiting.push((token, req.clone()));
+        Ok(())
+    }
+
+    /// A callout that holds this queue back started.
+    pub fn started(&mut self) {
+        self.in_flight = self.in_flight.saturating_add(1);
+    }
+
+    /// A callout that held this queue back ended (answered, or expired with its root).
+    pub fn ended(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
+
+    /// Takes the waiting requests for the next batch, in order: at most `max`, and no more than
+    /// fit the contract's request and answer bounds (the first always does: one take's answer is
+    /// a few KiB).
+    pub fn drain(&mut self, max: usize) -> Vec<(u32, TakeRequest)> {
+        let mut n = 0;
+        let mut buckets = 0;
+        let mut request_bytes = BUCKET_OVERHEAD_BYTES;
+        for (_, t) in &self.waiting {
+            let b = t.buckets.len();
+            let keys: usize = t.buckets.iter().map(|b| b.key.len()).sum();
+            let more = request_bytes + take_request_bytes(b, keys);
+            if n >= max
+                || (n > 0
+                    && (batch_answer_bytes(n + 1, buckets + b) > MAX_ANSWER_BYTES
+                        || more > MAX_BATCH_BYTES))
+            {
+                break;
+            }
+            n += 1;
+            buckets += b;
+            request_bytes = more;
+        }
+        self.waiting.drain(..n).collect()
+    }
+
+    /// A queued request went away before its batch left: it leaves the queue.
+    pub fn forget(&mut self, token: u32) {
+        self.waiting.retain(|(t, _)| *t != token);
+    }
+
+    /// Requests waiting.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+}
+
+/// Splits a batch callout's result into one result per member: each member's own answer when
+/// the batch was answered (`Answer`), else the batch's failure for every member (so each takes
+/// its failure path exactly as a single callout would). An answer that does not decode, or does
+/// not hold one result per member, is a decode failure for all.
+pub fn split(result: CalloutResult, members: usize) -> Vec<CalloutResult> {
+    let decoded = match &result {
+        CalloutResult::Http {
+            status: Some(200..=299),
+            body,
+        } => Some(wire::decode_batch_json(body)),
+        CalloutResult::Grpc {
+            status: 0, body, ..
+        } => Some(wire::decode_batch_proto(body)),
+        _ => None,
+    };
+    match decoded {
+        Some(Ok(answers)) if answers.len() == members => {
+            answers.into_iter().map(CalloutResult::Answer).collect()
+        }
+        Some(_) => vec![CalloutResult::BatchMismatch; members],
+        None => vec![result; members],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::decide::interpret;
+    use crate::core::ledger::VIRTUAL;
+    use crate::core::plan::{Cause, Outcome, Plan};
+    use crate::core::wire::{Bucket, TakeResponse};
+
+    fn take() -> TakeRequest {
+        TakeRequest {
+            buckets: vec![Bucket {
+                key: "k".into(),
+                capacity: 1,
+                rate: None,
+                period_ms: 1,
+                cost: None,
+                algorithm: None,
+                lease: None,
+            }],
+        }
+    }
+
+    fn take_of(buckets: usize, key_bytes: usize) -> TakeRequest {
+        let mut t = take();
+        let b = t.buckets.remove(0);
+        t.buckets = (0..buckets)
+            .map(|i| Bucket {
+                key: format!("{i:0>width$}", width = key_bytes),
+                ..b.clone()
+            })
+            .collect();
+        t
+    }
+
+    #[test]
+    fn a_lone_request_calls_at_once_then_others_queue_until_it_ends() {
+        let mut q = Queue::default();
+        assert!(!q.busy(), "nothing in flight: call now");
+        q.started();
+        assert!(q.busy());
+        q.push(2, VIRTUAL | 1, &take()).unwrap();
+        q.push(2, VIRTUAL | 2, &take()).unwrap();
+        assert!(q.push(2, VIRTUAL | 3, &take()).is_err(), "full");
+        q.ended();
+        q.forget(VIRTUAL | 1);
+        let next: Vec<u32> = q.drain(64).into_iter().map(|(t, _)| t).collect();
+        assert_eq!(next, vec![VIRTUAL | 2]);
+        assert_eq!(q.waiting(), 0);
+        assert!(!q.busy(), "in flight is back to 0");
+    }
+
+    #[test]
+    fn a_batch_is_bounded_by_the_bytes_of_its_answer_and_of_its_request() {
+        let mut q = Queue::default();
+        q.started();
+        // 64 takes of 12 buckets: answered whole, about 100 KB, more than the filter reads.
+        for i in 0..64 {
+            q.push(64, VIRTUAL | i, &take_of(12, 8)).unwrap();
+        }
+        let mut batches = Vec::new();
+        while q.waiting() > 0 {
+            let b = q.drain(64);
+            let buckets: usize = b.iter().map(|(_, t)| t.buckets.len()).sum();
+            assert!(batch_answer_bytes(b.len(), buckets) <= MAX_ANSWER_BYTES);
+            batches.push(b.len());
+        }
+        assert_eq!(
+            batches.iter().sum::<usize>(),
+            64,
+            "every take leaves, in order"
+        );
+        assert!(batches.len() >= 2 && batches[0] > 1, "{batches:?}");
+        // Takes of long keys: the request bound (1 MiB) splits them first.
+        for i in 0..64 {
+            q.push(64, VIRTUAL | i, &take_of(4, 4096)).unwrap();
+        }
+        let first = q.drain(64);
+        let keys: usize = first
+            .iter()
+            .map(|(_, t)| take_request_bytes(t.buckets.len(), 4 * 4096))
+            .sum();
+        assert!(
+            first.len() < 64 && keys <= MAX_BATCH_BYTES,
+            "{}",
+            first.len()
+        );
+        // The count bound still holds, and one take always leaves, however large.
+        q.drain(usize::MAX);
+        for i in 0..5 {
+            q.push(64, VIRTUAL | i, &take_of(16, 4096)).unwrap();
+        }
+        assert_eq!(q.drain(2).len(), 2);
+        assert_eq!(q.drain(64).len(), 3);
+    }
+
+    #[test]
+    fn a_batch_answer_is_split_and_a_failure_shared() {
+        let answer = |allowed: bool| TakeResponse {
+            allowed,
+            buckets: vec![wire::BucketResult {
+                allowed,
+                ..Default::default()
+            }],
+            instances: 0,
+        };
+        let body = br#"{"results":[{"allowed":true,"buckets":[{"allowed":true}]},{"allowed":false,"buckets":[{"allowed":false}]}]}"#;
+        let parts = split(
+            CalloutResult::Http {
+                status: Some(200),
+                body: body.to_vec(),
+            },
+            2,
+        );
+        assert_eq!(
+            parts,
+            vec![
+                CalloutResult::Answer(answer(true)),
+                CalloutResult::Answer(answer(false))
+            ]
+        );
+        let plan = Plan {
+            request: take(),
+            rules: vec![0],
+            debt: Vec::new(),
+            rls: None,
+        };
+        // One result for two members: a decode failure for both.
+        for p in split(
+            CalloutResult::Http {
+                status: Some(200),
+                body: br#"{"results":[{"allowed":true,"buckets":[{"allowed":true}]}]}"#.to_vec(),
+            },
+            2,
+        ) {
+            assert_eq!(interpret(&plan, p), Outcome::Failed(Cause::Decode));
+        }
+        // A timeout of the batch is a timeout for each.
+        for p in split(
+            CalloutResult::Http {
+                status: Some(504),
+                body: Vec::new(),
+            },
+            3,
+        ) {
+            assert_eq!(interpret(&plan, p), Outcome::Failed(Cause::Timeout));
+        }
+        // gRPC: TakeBatchResponse { results: [TakeResponse { allowed, buckets: [{ allowed }] }] }.
+        let grpc = vec![0x0a, 6, 0x08, 1, 0x12, 2, 0x08, 1];
+        assert_eq!(
+            split(
+                CalloutResult::Grpc {
+                    status: 0,
+                    message: None,
+                    body: grpc
+                },
+                1
+            ),
+            vec![CalloutResult::Answer(answer(true))]
+        );
+    }
+}
