@@ -11,6 +11,10 @@
 //!   take fails and the breaker never opens while the service is healthy.
 //! - `settlements_pending_at_a_push_are_delivered_after_it`: a settlement that cannot be delivered
 //!   when a configuration push removes its configuration is delivered by the new one.
+//! - `a_timed_out_acquire_leaves_no_slot_behind`: the service answers later than the filter waits
+//!   while clients hold concurrency slots; the filter named every slot it asked for and releases it
+//!   by name, so once the load is over Redis holds no slot (before: ghosts until their deadline,
+//!   and a 429 for everyone meanwhile).
 #![allow(
     clippy::panic,
     clippy::expect_used,
@@ -22,6 +26,7 @@ mod common;
 
 use common::config::{plugin, rule};
 use common::faults::delay::DelayProxy;
+use common::faults::redis_ctl::RedisConn;
 use common::push::Pushed;
 use common::*;
 use serde_json::json;
@@ -246,6 +251,91 @@ fn settlements_pending_at_a_push_are_delivered_after_it() {
     assert_eq!(v["buckets"][0]["remaining"], 8_999, "{v}");
     drop(pushed);
     drop(gate);
+    drop(service);
+    drop(redis);
+}
+
+/// Slots held in Redis: the members of every sorted set (concurrency slots are the only ones).
+fn slots_in_redis(redis: &mut RedisConn) -> u64 {
+    let keys = redis.ok(&["KEYS", "*"]);
+    let mut n = 0;
+    for k in keys.lines().filter(|k| !k.is_empty()) {
+        if redis.ok(&["TYPE", k]) == "zset" {
+            n += redis.ok(&["ZCARD", k]).parse::<u64>().unwrap_or(0);
+        }
+    }
+    n
+}
+
+#[test]
+fn a_timed_out_acquire_leaves_no_slot_behind() {
+    let c = Components::get();
+    let dir = TempDir::new("slot-timeout");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let slow = DelayProxy::start(service.port);
+    let upstream = Upstream::start_slow(Duration::from_millis(20), Duration::ZERO);
+    // 4 slots per key, a 30 s deadline, and a filter that waits 20 ms for an answer.
+    let cfg = json!({
+        "service": {"cluster": "tollgate", "timeout_ms": 20, "batch": 0},
+        "failure_mode": "fallback",
+        "breaker": {"failures": 0},
+        "rules": [{"name": "slots", "kind": "concurrency", "key": ["literal:all"],
+                   "max_in_flight": 4, "deadline_ms": 30_000}]
+    })
+    .to_string();
+    let specs: Vec<EnvoySpec> = (0..2)
+        .map(|_| EnvoySpec::new(Some(cfg.clone()), slow.port, upstream.port))
+        .collect();
+    let envoys = Envoy::start_all(&c, &dir, &specs);
+    let urls: Vec<String> = envoys.iter().map(|e| e.url("/work")).collect();
+    let mut conn = RedisConn::open(redis.port);
+    // 32 clients; the service's answers are 60 ms late for the first 2 s (the acquires still reach
+    // it at once and are applied), then on time.
+    slow.set_delay(Duration::from_millis(60));
+    let start = Instant::now();
+    let replies = thread::scope(|s| {
+        let load = s.spawn(|| burst(&urls, 32, 1000, &[], Duration::from_millis(2500)));
+        thread::sleep(Duration::from_secs(2));
+        slow.set_delay(Duration::ZERO);
+        load.join().expect("load")
+    });
+    let over = Instant::now();
+    let late = envoys
+        .iter()
+        .map(|e| e.tg("inflight.fallback_acquired") + e.tg("inflight.fallback_limited"))
+        .sum::<u64>();
+    eprintln!(
+        "{} replies in {:?}, {late} acquires timed out; statuses {:?}",
+        replies.len(),
+        over - start,
+        replies
+            .iter()
+            .fold(std::collections::BTreeMap::new(), |mut m, r| {
+                *m.entry(r.status).or_insert(0u64) += 1;
+                m
+            })
+    );
+    assert!(late > 0, "the test needs acquires that time out");
+    // Nothing is in flight now: within a second Redis holds no slot.
+    let mut held = u64::MAX;
+    while over.elapsed() < Duration::from_secs(1) {
+        held = slots_in_redis(&mut conn);
+        if held == 0 {
+            break;
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(held, 0, "slots no request owns, 1 s after the load");
+    // And the key is usable at once: 4 requests at a time pass.
+    let after = burst(&urls, 4, 2, &[], Duration::from_secs(5));
+    assert!(
+        after.iter().all(|r| r.status == 200),
+        "{:?}",
+        after.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    drop(envoys);
+    drop(slow);
     drop(service);
     drop(redis);
 }

@@ -16,10 +16,17 @@ pub struct SlotWant<'a> {
     pub ttl_ms: u64,
 }
 
-/// Encodes an acquire: `{"buckets": [{"key", "limit", "ttl_ms"}, ...]}`.
-pub fn encode_acquire<'a>(wants: impl IntoIterator<Item = SlotWant<'a>>) -> Vec<u8> {
+/// Encodes an acquire of slots the caller names `slot` (hex digits; empty: the service names
+/// them): `{"slot": "<id>", "buckets": [{"key", "limit", "ttl_ms"}, ...]}`.
+pub fn encode_acquire<'a>(slot: &str, wants: impl IntoIterator<Item = SlotWant<'a>>) -> Vec<u8> {
     let mut s = String::with_capacity(128);
     s.push_str("{\"");
+    if !slot.is_empty() {
+        s.push_str(fields::SLOT);
+        s.push_str("\":");
+        push_string(&mut s, slot);
+        s.push_str(",\"");
+    }
     s.push_str(fields::BUCKETS);
     s.push_str("\":[");
     for (i, w) in wants.into_iter().enumerate() {
@@ -149,7 +156,8 @@ mod tests {
                     ttl_ms: b["ttl_ms"].as_u64().unwrap(),
                 })
                 .collect();
-            let ours: Value = serde_json::from_slice(&encode_acquire(wants)).unwrap();
+            let slot = case["request_json"]["slot"].as_str().unwrap_or("");
+            let ours: Value = serde_json::from_slice(&encode_acquire(slot, wants)).unwrap();
             assert_eq!(ours, case["request_json"], "{}", case["name"]);
         }
         for case in cases("release") {

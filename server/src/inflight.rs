@@ -62,6 +62,8 @@ pub struct RawSlot {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawAcquire {
+    /// `slot`: the caller's id for the slots, if it names them.
+    pub slot: Option<String>,
     /// `buckets`.
     pub buckets: Option<Vec<RawSlot>>,
 }
@@ -94,6 +96,28 @@ fn check_keys(field: &str, n: usize) -> Result<(), InvalidArgument> {
         ));
     }
     Ok(())
+}
+
+/// A slot id as the contract writes it (1..=64 bytes of `0-9a-f`), or the error naming `field`.
+fn check_slot(slot: &str) -> Result<(), InvalidArgument> {
+    if slot.is_empty()
+        || slot.len() > MAX_SLOT_BYTES
+        || !slot.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return Err(InvalidArgument::new(
+            "slot",
+            format!("must be a slot id: 1..={MAX_SLOT_BYTES} hex digits"),
+        ));
+    }
+    Ok(())
+}
+
+/// The id an acquire's slots are held under: the caller's (validated), or a new one.
+pub fn acquire_slot_id(raw: &RawAcquire) -> Result<String, InvalidArgument> {
+    match raw.slot.as_deref() {
+        None | Some("") => Ok(new_slot_id()),
+        Some(s) => check_slot(s).map(|()| s.to_string()),
+    }
 }
 
 /// Validates an acquire: 1..=16 distinct keys, each with its limit and deadline in bounds.
@@ -140,15 +164,7 @@ pub fn validate_release(raw: RawRelease) -> Result<(String, Vec<String>), Invali
     let slot = raw
         .slot
         .ok_or_else(|| InvalidArgument::new("slot", "missing (required)"))?;
-    if slot.is_empty()
-        || slot.len() > MAX_SLOT_BYTES
-        || !slot.bytes().all(|b| b.is_ascii_hexdigit())
-    {
-        return Err(InvalidArgument::new(
-            "slot",
-            format!("must be a slot id: 1..={MAX_SLOT_BYTES} hex digits"),
-        ));
-    }
+    check_slot(&slot)?;
     let keys = raw
         .keys
         .ok_or_else(|| InvalidArgument::new("keys", "missing (required)"))?;
@@ -200,12 +216,16 @@ impl Api {
         &self,
         raw: Result<RawAcquire, InvalidArgument>,
     ) -> Result<AcquireDecision, ApiError> {
-        let specs = raw.and_then(validate_acquire).map_err(|e| {
+        let checked = raw.and_then(|r| {
+            let id = acquire_slot_id(&r)?;
+            validate_acquire(r).map(|specs| (specs, id))
+        });
+        let (specs, id) = checked.map_err(|e| {
             tracing::debug!(error = %e, "invalid acquire");
             ApiError::Invalid(e)
         })?;
         let start = Instant::now();
-        let result = self.store.acquire(&specs, &new_slot_id()).await;
+        let result = self.store.acquire(&specs, &id).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
         if let Ok(d) = &result {
             self.metrics
@@ -259,6 +279,7 @@ fn malformed(e: &prost::DecodeError) -> InvalidArgument {
 /// An `AcquireRequest` as a [`RawAcquire`].
 pub fn raw_acquire_from_pb(req: &pb::AcquireRequest) -> RawAcquire {
     RawAcquire {
+        slot: (!req.slot.is_empty()).then(|| req.slot.clone()),
         buckets: Some(
             req.buckets
                 .iter()
@@ -345,6 +366,7 @@ mod tests {
     fn validation_names_the_field() {
         let bad = |buckets: Vec<RawSlot>| {
             field(validate_acquire(RawAcquire {
+                slot: None,
                 buckets: Some(buckets),
             }))
         };

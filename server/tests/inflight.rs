@@ -110,6 +110,31 @@ async fn concurrent_acquires_never_exceed_the_limit(s: Arc<dyn Store>) {
     assert_eq!(admitted, 7);
 }
 
+/// A caller that names its slots (the filter does, so that it can release them when its acquire
+/// timed out after the store took them): asking again under the same id is the same slot, and a
+/// release by that id frees it, answer or no answer.
+async fn a_named_slot_is_taken_once_and_released_by_its_name(s: Arc<dyn Store>) {
+    let k = common::unique("named");
+    let a = [spec(&k, 2, 60_000)];
+    let id = new_slot_id();
+    let first = s.acquire(&a, &id).await.unwrap();
+    assert_eq!(first.slot.as_deref(), Some(id.as_str()));
+    let again = s.acquire(&a, &id).await.unwrap();
+    assert!(again.allowed, "{again:?}");
+    assert_eq!(again.buckets[0].in_flight, 1, "the same slot, not a second");
+    let other = s.acquire(&a, &new_slot_id()).await.unwrap();
+    assert_eq!(other.buckets[0].in_flight, 2);
+    assert_eq!(
+        s.release(&id, std::slice::from_ref(&k)).await.unwrap(),
+        vec![true]
+    );
+    let after = s.acquire(&a, &new_slot_id()).await.unwrap();
+    assert!(
+        after.allowed && after.buckets[0].in_flight == 2,
+        "{after:?}"
+    );
+}
+
 macro_rules! suite {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -137,6 +162,7 @@ macro_rules! suite {
 
 suite!(
     holds_at_most_the_limit_and_release_frees,
+    a_named_slot_is_taken_once_and_released_by_its_name,
     all_or_nothing,
     a_slot_comes_back_after_its_deadline,
     concurrent_acquires_never_exceed_the_limit,
@@ -200,6 +226,15 @@ async fn json_routes_validate_and_answer() {
     assert_eq!(err["error"]["field"], "buckets[0].limit", "{err}");
     let (st, rel) = post("/v1/release", json!({"slot": slot, "keys": ["k"]}), true).await;
     assert_eq!((st, rel), (200, json!({"released":[true]})));
+    // The caller may name its slots; a name that is not a slot id is refused by field.
+    let named = json!({"slot": "00ff", "buckets":[{"key":"k","limit":1,"ttl_ms":10_000}]});
+    let (st, ok) = post("/v1/acquire", named, true).await;
+    assert_eq!((st, &ok["slot"]), (200, &json!("00ff")), "{ok}");
+    let bad = json!({"slot": "not hex", "buckets":[{"key":"k","limit":1,"ttl_ms":10_000}]});
+    let (st, err) = post("/v1/acquire", bad, true).await;
+    assert_eq!((st, &err["error"]["field"]), (400, &json!("slot")), "{err}");
+    let (st, rel) = post("/v1/release", json!({"slot": "00ff", "keys": ["k"]}), true).await;
+    assert_eq!((st, rel), (200, json!({"released":[true]})));
     let (st, err) = post("/v1/release", json!({"slot": "zz", "keys": ["k"]}), true).await;
     assert_eq!((st, &err["error"]["field"]), (400, &json!("slot")));
     let (_, again) = post("/v1/release", json!({"slot": slot, "keys": ["k"]}), true).await;
@@ -210,9 +245,9 @@ async fn json_routes_validate_and_answer() {
     );
     let m = common::get_text(svc.url("/metrics")).await;
     for line in [
-        "tollgate_slots_total{outcome=\"acquired\"} 1",
+        "tollgate_slots_total{outcome=\"acquired\"} 2",
         "tollgate_slots_total{outcome=\"limited\"} 1",
-        "tollgate_slots_total{outcome=\"released\"} 1",
+        "tollgate_slots_total{outcome=\"released\"} 2",
         "tollgate_slots_total{outcome=\"already_free\"} 1",
     ] {
         assert!(m.contains(line), "{line} in\n{m}");
@@ -227,6 +262,7 @@ async fn grpc_acquire_and_release() {
     let svc = common::Service::start(Arc::new(common::redis_store(&r.url(), 500)), None).await;
     let mut c = svc.grpc().await;
     let one = || pb::AcquireRequest {
+        slot: String::new(),
         buckets: vec![pb::SlotBucket {
             key: "g".into(),
             limit: 1,
@@ -241,6 +277,7 @@ async fn grpc_acquire_and_release() {
     assert_eq!(full.buckets[0].retry_after_ms, 1000);
     let bad = c
         .acquire(pb::AcquireRequest {
+            slot: String::new(),
             buckets: vec![pb::SlotBucket {
                 key: "g".into(),
                 limit: 0,

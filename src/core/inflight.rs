@@ -87,17 +87,28 @@ pub fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
     wants
 }
 
-/// The body of `POST /v1/acquire` for `wants` (the contract's hand-written encoder: serde_json's
-/// serializer would add tens of KiB to the module).
-pub fn encode_acquire(cfg: &Config, wants: &[Want]) -> Vec<u8> {
-    slots::encode_acquire(wants.iter().filter_map(|w| {
-        let f = cfg.inflight.get(w.rule)?;
-        Some(SlotWant {
-            key: &w.key,
-            limit: f.max,
-            ttl_ms: f.deadline_ms,
-        })
-    }))
+/// A new slot id for an acquire: 32 hex digits, from the process's random hash keys (as the
+/// service draws its own): unique across proxies with overwhelming probability.
+pub fn new_slot_id() -> String {
+    let mut id = crate::core::instance::fresh();
+    id.push_str(&crate::core::instance::fresh());
+    id
+}
+
+/// The body of `POST /v1/acquire` for `wants`, the slots named `slot` (the contract's
+/// hand-written encoder: serde_json's serializer would add tens of KiB to the module).
+pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
+    slots::encode_acquire(
+        slot,
+        wants.iter().filter_map(|w| {
+            let f = cfg.inflight.get(w.rule)?;
+            Some(SlotWant {
+                key: &w.key,
+                limit: f.max,
+                ttl_ms: f.deadline_ms,
+            })
+        }),
+    )
 }
 
 /// The body of `POST /v1/release` for the slot `slot` of `keys`.
@@ -336,6 +347,9 @@ pub enum Slots {
     Acquiring {
         /// Callout token.
         token: u32,
+        /// The id this proxy gave the slots it asked for: what a release names even when the
+        /// answer never arrives (the service may have taken them before the callout timed out).
+        slot: String,
         /// What was asked.
         wants: Vec<Want>,
         /// Whether this callout is the breaker's probe.
@@ -392,10 +406,12 @@ impl Slots {
             return self.failed(cfg, &wants, paused, host);
         }
         let probe = admission == Admission::Probe;
-        match host.acquire(cfg, &encode_acquire(cfg, &wants)) {
+        let slot = new_slot_id();
+        match host.acquire(cfg, &encode_acquire(cfg, &slot, &wants)) {
             Ok(token) => {
                 *self = Slots::Acquiring {
                     token,
+                    slot,
                     wants,
                     probe,
                 };
@@ -419,7 +435,10 @@ impl Slots {
         if self.token() != Some(token) {
             return;
         }
-        let Slots::Acquiring { wants, probe, .. } = std::mem::replace(self, Slots::Done) else {
+        let Slots::Acquiring {
+            wants, probe, slot, ..
+        } = std::mem::replace(self, Slots::Done)
+        else {
             return;
         };
         let acquired = interpret(result, wants.len());
@@ -441,6 +460,12 @@ impl Slots {
                 deny_or_shadow(cfg, &rules, wait, true, host, Count::Limited);
             }
             Acquired::Failed => {
+                // The service may have taken the slots before the answer was lost (a timeout):
+                // they are released by name, or they would count until their deadline.
+                let keys: Vec<String> = wants.iter().map(|w| w.key.clone()).collect();
+                if !host.release(cfg, &encode_release(&slot, &keys)) {
+                    host.count_inflight(Count::ReleaseFailed);
+                }
                 self.failed(cfg, &wants, true, host);
             }
         }
@@ -636,11 +661,17 @@ mod tests {
                 key: "cc|u".into()
             }]
         );
-        let body: Value = serde_json::from_slice(&encode_acquire(&c, &w)).unwrap();
+        let body: Value = serde_json::from_slice(&encode_acquire(&c, "ab", &w)).unwrap();
         assert_eq!(
             body,
-            serde_json::json!({"buckets":[{"key":"cc|u","limit":4,"ttl_ms":5000}]})
+            serde_json::json!({"slot":"ab","buckets":[{"key":"cc|u","limit":4,"ttl_ms":5000}]})
         );
+        let id = new_slot_id();
+        assert!(
+            id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{id}"
+        );
+        assert_ne!(id, new_slot_id());
         let body: Value =
             serde_json::from_slice(&encode_release("ab", &["cc|u".to_string()])).unwrap();
         assert_eq!(body, serde_json::json!({"slot":"ab","keys":["cc|u"]}));
@@ -862,6 +893,14 @@ mod tests {
                 (resumed, replies, vec![count]),
                 "{mode}"
             );
+            // The service may have taken the slots before its answer was lost: they are released
+            // under the id the acquire gave them.
+            let asked: Value = serde_json::from_slice(&h.acquires[0]).unwrap();
+            let slot = asked["slot"].as_str().unwrap();
+            assert_eq!(slot.len(), 32);
+            assert_eq!(h.releases, vec![encode_release(slot, &["cc|u".into()])]);
+            f.on_end(&c, &mut h);
+            assert_eq!(h.releases.len(), 1, "{mode}: released once");
         }
         // fallback: local slots, 4 here; given back when each stream ends. A dispatch error is
         // decided at once, without pausing.
@@ -949,8 +988,12 @@ mod tests {
         };
         let wants = plan(&c, &r);
         let allowed = case("acquire_allowed");
-        let sent: Value = serde_json::from_slice(&encode_acquire(&c, &wants)).unwrap();
+        let sent: Value = serde_json::from_slice(&encode_acquire(&c, "", &wants)).unwrap();
         assert_eq!(sent, allowed["request_json"]);
+        let named = case("acquire_named");
+        let slot = named["request_json"]["slot"].as_str().unwrap();
+        let sent: Value = serde_json::from_slice(&encode_acquire(&c, slot, &wants)).unwrap();
+        assert_eq!(sent, named["request_json"]);
         let body = |case: &Value| CalloutResult::Http {
             status: Some(200),
             body: serde_json::to_vec(&case["response_json"]).unwrap(),

@@ -109,10 +109,11 @@ enum Waiter {
     Refund,
     /// A release of concurrency slots: its answer is counted.
     Release { plugin: Rc<Plugin> },
-    /// The acquire of a request that ended first, and the keys it asked for: a slot the answer
-    /// grants goes back at once.
+    /// The acquire of a request that ended first, the id it gave the slots and the keys it asked
+    /// for: unless the answer is a denial (nothing taken), the slots go back at once, by name.
     Orphan {
         plugin: Rc<Plugin>,
+        slot: String,
         keys: Vec<String>,
     },
     /// An attempt to deliver settlement `id`.
@@ -978,8 +979,9 @@ impl<A: Abi> Dispatcher<A> {
                     })
                 }
                 Some(Waiter::Acquire { .. }) => match &f.flow.slots {
-                    inflight::Slots::Acquiring { wants, .. } => Some(Waiter::Orphan {
+                    inflight::Slots::Acquiring { wants, slot, .. } => Some(Waiter::Orphan {
                         plugin: p.clone(),
+                        slot: slot.clone(),
                         keys: wants.iter().map(|w| w.key.clone()).collect(),
                     }),
                     _ => Some(Waiter::Refund),
@@ -1201,13 +1203,17 @@ impl<A: Abi> Dispatcher<A> {
                     inflight::Count::ReleaseFailed
                 });
             }
-            Waiter::Orphan { plugin, keys } => {
+            Waiter::Orphan { plugin, slot, keys } => {
                 let result = read(&self.abi);
-                if let inflight::Acquired::Held(id) = inflight::interpret(&result, keys.len()) {
-                    let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-                    if !proxy.release(&plugin.config, &inflight::encode_release(&id, &keys)) {
-                        proxy.count_inflight(inflight::Count::ReleaseFailed);
-                    }
+                let id = match inflight::interpret(&result, keys.len()) {
+                    inflight::Acquired::Denied(..) => return,
+                    inflight::Acquired::Held(id) => id,
+                    // No answer: the slots may have been taken all the same.
+                    inflight::Acquired::Failed => slot,
+                };
+                let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+                if !proxy.release(&plugin.config, &inflight::encode_release(&id, &keys)) {
+                    proxy.count_inflight(inflight::Count::ReleaseFailed);
                 }
             }
             Waiter::Settle { plugin, id } => {

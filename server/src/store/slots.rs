@@ -126,7 +126,10 @@ impl SlotTable {
             let (n, oldest) = match t.sets.get_mut(&s.key) {
                 Some(v) => {
                     v.retain(|(_, d)| *d > now_ms);
-                    (v.len() as u64, v.iter().map(|(_, d)| *d).min())
+                    // An acquire under an id already held here is the same slot again (a caller
+                    // that names its slots and asks twice): it does not count against itself.
+                    let mine = v.iter().filter(|(id, _)| id == slot).count() as u64;
+                    (v.len() as u64 - mine, v.iter().map(|(_, d)| *d).min())
                 }
                 None => (0, None),
             };

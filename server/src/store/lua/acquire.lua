@@ -3,7 +3,9 @@
 -- KEYS[1..n]  the keys' slot sets (sorted sets: member = slot id, score = deadline in ms on the
 --             Redis clock). On a Cluster every key of one call is in one hash slot (the caller
 --             groups them; the {hash tag} of each key is its caller key).
--- ARGV[1]     the slot id (opaque text)
+-- ARGV[1]     the slot id (opaque text): the caller's, when it names its slots, else the service's.
+--             An acquire under an id already held in a set is that slot again: it does not count
+--             against itself, and its deadline moves (idempotent under a caller's retry).
 -- ARGV[2]     the slot's deadline from now, in ms (1..=86400000)
 -- ARGV[2+i]   the limit of KEYS[i] (1..=1e9)
 -- Clock       Redis TIME, read once: no caller's clock matters.
@@ -23,6 +25,7 @@ local counts = {}
 for i, key in ipairs(KEYS) do
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   local n = redis.call('ZCARD', key)
+  if redis.call('ZSCORE', key, id) then n = n - 1 end
   local limit = tonumber(ARGV[2 + i])
   counts[i] = n
   if n < limit then
