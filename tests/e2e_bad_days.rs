@@ -8,6 +8,8 @@
 //!   bucket of another rule) cannot evict a narrow rule's fallback bucket into a fresh one.
 //! - `pushes_keep_state_and_memory_bounded`: 50 configuration pushes through LDS under key churn keep
 //!   a drained fallback bucket drained, and Envoy's memory flat.
+//! - `a_push_that_resizes_the_fallback_table_keeps_shares_and_debts`: a push that changes
+//!   `fallback.max_keys` during an outage neither refills a share nor forgets what it owes.
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
     clippy::panic,
@@ -209,4 +211,62 @@ fn pushes_keep_state_and_memory_bounded() {
     // The old scheme (a table per configuration) grew by about 190 B per new key and push here,
     // several MB over these pushes; what remains is allocator noise.
     assert!(growth < 1_500_000, "heap grew {growth} B");
+}
+
+/// Capacity 20 an hour, one proxy: the service admits 15, then stops answering; the fallback admits
+/// the 5 left. A push changes `fallback.max_keys` (every bucket's slot moves) while the service is
+/// still down: the share stays spent (before: the bucket started full again, 10 of 10 admitted),
+/// and once the service is back the 5 admitted on credit are charged first.
+#[test]
+fn a_push_that_resizes_the_fallback_table_keeps_shares_and_debts() {
+    let c = Components::get();
+    let dir = TempDir::new("resize");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let gate = Gate::start(GateMode::Forward, service.port);
+    let upstream = Upstream::start();
+    let cfg = |max_keys: u32| {
+        plugin(
+            Transport::Http,
+            vec![rule("k", &["literal:one"], 20)],
+            json!({"failure_mode": "fallback",
+                   "fallback": {"instances": 1, "max_keys": max_keys},
+                   "breaker": {"failures": 0}}),
+        )
+    };
+    let spec = EnvoySpec::new(Some(cfg(100)), gate.port, upstream.port);
+    let mut pushed = Pushed::start(&c, &dir, spec);
+    let client = Client::new();
+    let url = pushed.envoy.url("/");
+    let statuses =
+        |n: usize| -> Vec<u16> { (0..n).map(|_| client.get(&url, &[]).status).collect() };
+    assert_eq!(count(&statuses(15), 200), 15);
+    gate.set_mode(GateMode::Refuse);
+    gate.drop_connections();
+    let down = statuses(10);
+    assert_eq!(
+        count(&down, 200),
+        5,
+        "the fallback admits what was left: {down:?}"
+    );
+    pushed.push(&cfg(37));
+    let after_push = statuses(10);
+    assert_eq!(
+        count(&after_push, 200),
+        0,
+        "the share survived the new table size: {after_push:?} {:?}",
+        pushed.envoy.tg_all()
+    );
+    gate.set_mode(GateMode::Forward);
+    let back = statuses(5);
+    assert_eq!(count(&back, 200), 0, "the debt is charged first: {back:?}");
+    assert_eq!(
+        upstream.requests(),
+        20,
+        "15 + 5: the capacity, not one more"
+    );
+    drop(pushed);
+    drop(gate);
+    drop(service);
+    drop(redis);
 }

@@ -442,6 +442,11 @@ pub struct Fallback {
     /// How long an unpaid fallback debt matters: the longest time any rule's bucket takes to
     /// fill from empty, clamped to 10 s ..= 1 h (computed here once, read on every answer).
     pub debt_horizon_ms: u64,
+    /// The table sizes earlier configurations of this Envoy used, newest first (0: none): not
+    /// read from the JSON but learned when the configuration is applied
+    /// ([`crate::core::fallback::prepare_for`]), so that a share or a debt recorded under another
+    /// `max_keys` is carried over instead of starting afresh.
+    pub previous_max_keys: [u32; 3],
 }
 
 /// Circuit breaker settings.
@@ -733,6 +738,7 @@ impl Config {
             min_instances: fb.int("min_instances", Some(1), 1, 10_000)?,
             max_keys: fb.int("max_keys", Some(10_000), 1, 1_000_000)? as u32,
             debt_horizon_ms: fill_ms.clamp(10_000, 3_600_000),
+            previous_max_keys: [0; 3],
         };
         let br = Obj::new(
             root.get("breaker").unwrap_or(&empty),
@@ -1542,6 +1548,7 @@ mod tests {
                 max_keys: 10_000,
                 // 100 tokens at 100 per minute fill in a minute (+1 ms of rounding up).
                 debt_horizon_ms: 60_001,
+                previous_max_keys: [0; 3],
             }
         );
         assert_eq!(

@@ -18,7 +18,7 @@
 //! globally). A timed-out take that Redis applied anyway is charged twice (stricter, never looser).
 //!
 //! **Bounded, and collisions only make it stricter.** A fixed table of `max_keys` slots
-//! (`tollgate.fb.<n>`), created ahead of use by [`prepare`] (shared data has no "insert if
+//! (`tollgate.fb.<max_keys>.<n>`), created ahead of use by [`prepare`] (shared data has no "insert if
 //! absent", so a slot first written by two workers at once would lose one write). A bucket lives
 //! in the slot its identity hashes to; every write is a CAS on the slot's version. When another
 //! bucket holds the slot, a newcomer takes it over **starting empty** (it refills from then on),
@@ -26,6 +26,14 @@
 //! its slot. So no pattern of keys can produce a fresh full bucket for a key already in use: only
 //! a slot never used yet (vacant) starts full. A take whose charge could not be stored (CAS gave
 //! up, or the slot does not exist) is denied: nothing is admitted without a stored charge.
+//!
+//! **A resized table keeps shares and debts.** A bucket's slot depends on `max_keys`, so each size
+//! is a table of its own (`tollgate.fb.<max_keys>`), and the sizes this Envoy's configurations used
+//! are remembered in shared data ([`SIZES_KEY`], the last four). A bucket whose slot in the current
+//! table was never written takes over its record from the newest earlier table that holds one
+//! ([`Shares::previous`]): a push that changes `max_keys` neither refills a share nor forgets a
+//! debt. (While the old configuration still drains, both may report the same debt: the service
+//! then charges it twice, which is stricter, never looser.)
 //!
 //! **A changed limit keeps the share.** A bucket is identified by its key and algorithm, not by its
 //! limits (like the service's buckets). Each record holds the limits it was last written with
@@ -54,8 +62,13 @@ pub use crate::core::table::Slot;
 use crate::core::table::{self, slot_of};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
-/// Shared-data table of the fallback shares.
+/// Shared-data tables of the fallback shares: one per table size, `tollgate.fb.<max_keys>` (a
+/// bucket's slot depends on the size, so a push that changes it starts a table of its own and
+/// reads what the earlier ones hold, [`Shares::previous`]).
 pub const TABLE: &str = "tollgate.fb";
+/// Shared-data key of the table sizes this Envoy's configurations used, newest first (at most 4,
+/// each 4 bytes little endian).
+pub const SIZES_KEY: &str = "tollgate.fb.sizes";
 /// Shared-data key of the number of proxies learned from the answers (8 bytes, little endian).
 pub const N_KEY: &str = "tollgate.fb.instances";
 /// Words per share record ([`table`]): level, stamp, debt, last write, and the limits written with
@@ -77,6 +90,9 @@ pub struct Shares {
     /// A debt whose bucket saw no take or answer for this long is forgiven ([`debt_horizon_ms`]):
     /// by then the global bucket would have refilled anyway, and its slot is free for others.
     pub horizon_ms: u64,
+    /// The sizes of the tables earlier configurations wrote (0: none): a bucket whose slot in
+    /// this table was never written takes over its record from the newest of them that holds one.
+    pub previous: [u32; 3],
 }
 
 impl Shares {
@@ -87,6 +103,7 @@ impl Shares {
             max_keys: cfg.fallback.max_keys,
             instances: cfg.fallback.instances.max(cfg.fallback.min_instances),
             horizon_ms: debt_horizon_ms(cfg),
+            previous: cfg.fallback.previous_max_keys,
         }
     }
 
@@ -126,14 +143,52 @@ pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) {
     });
 }
 
-/// The slot of a fallback bucket (table [`TABLE`]). The identity covers the key and the
-/// algorithm only: the limits are recorded in the slot, and a change carries the share over.
+/// The fallback table of `max_keys` slots.
+fn table_name(max_keys: u32) -> String {
+    format!("{TABLE}.{max_keys}")
+}
+
+/// The slot of a fallback bucket (in the table of `max_keys` slots). The identity covers the key
+/// and the algorithm only: the limits are recorded in the slot, and a change carries the share
+/// over.
 pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
     let mut material = Vec::with_capacity(key.len() + 2);
     material.extend_from_slice(key.as_bytes());
     material.push(0);
     material.push(alg_byte(l.algorithm));
-    slot_of(TABLE, &material, max_keys)
+    slot_of(&table_name(max_keys), &material, max_keys)
+}
+
+/// What the bucket `key` holds: its slot in this table, or, when that slot was never written,
+/// its record in the newest earlier table that has one (carried over: `Ours(.., true)`, so the
+/// caller writes it here). A debt recorded before a push that changed `max_keys` is still owed.
+fn entry<S: CasStore + ?Sized>(
+    store: &S,
+    sh: &Shares,
+    key: &str,
+    l: &Limits,
+    id: &[u8; 16],
+    cur: Option<&[u8]>,
+    now_ms: u64,
+) -> Entry {
+    let here = decode(id, l, cur, now_ms, sh.horizon_ms);
+    if here != Entry::Vacant {
+        return here;
+    }
+    for &size in sh.previous.iter().filter(|&&n| n > 0 && n != sh.max_keys) {
+        let old = slot(key, l, size);
+        let bytes = store.get(&old.name);
+        if let Entry::Ours(s, d, _) = decode(
+            id,
+            l,
+            bytes.as_ref().map(|(v, _)| v.as_slice()),
+            now_ms,
+            sh.horizon_ms,
+        ) {
+            return Entry::Ours(s, d, true);
+        }
+    }
+    Entry::Vacant
 }
 
 fn alg_byte(a: Algorithm) -> u8 {
@@ -158,17 +213,50 @@ pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
 /// prepare a table of their own).
 pub use crate::core::table::prepare as prepare_table;
 
-/// [`prepare_table`] for the fallback table.
+/// [`prepare_table`] for the fallback table of `max_keys` slots.
 pub fn prepare<S: CasStore + ?Sized>(store: &S, max_keys: u32) {
-    prepare_table(store, TABLE, max_keys, &table::vacant());
+    prepare_table(store, &table_name(max_keys), max_keys, &table::vacant());
 }
 
-/// Creates the tables a configuration uses (fallback shares, lease pools) before any request.
-pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) {
+/// Records `max_keys` as the newest fallback table size of this Envoy ([`SIZES_KEY`]); the sizes
+/// used before it, newest first, for [`Shares::previous`].
+pub fn record_size<S: CasStore + ?Sized>(store: &S, max_keys: u32) -> [u32; 3] {
+    let read = |v: &[u8]| -> Vec<u32> {
+        v.chunks_exact(4)
+            .filter_map(|c| <[u8; 4]>::try_from(c).ok())
+            .map(u32::from_le_bytes)
+            .collect()
+    };
+    let sizes = update(store, SIZES_KEY, |cur| {
+        let old = cur.map(read).unwrap_or_default();
+        if old.first() == Some(&max_keys) {
+            return Step::Keep(old);
+        }
+        let mut new = vec![max_keys];
+        new.extend(old.into_iter().filter(|&n| n != max_keys).take(3));
+        let bytes = new.iter().flat_map(|n| n.to_le_bytes()).collect();
+        Step::Write(bytes, new)
+    })
+    .value;
+    let mut previous = [0u32; 3];
+    for (p, n) in previous
+        .iter_mut()
+        .zip(sizes.into_iter().filter(|&n| n != max_keys))
+    {
+        *p = n;
+    }
+    previous
+}
+
+/// Creates the tables a configuration uses (fallback shares, lease pools) before any request;
+/// the fallback table sizes earlier configurations used (for `fallback.previous_max_keys`).
+pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
     // Every take carries this Envoy's instance id from now on.
     crate::core::instance::adopt(store);
+    let mut previous = [0; 3];
     if enabled(cfg) {
         prepare(store, cfg.fallback.max_keys);
+        previous = record_size(store, cfg.fallback.max_keys);
     }
     if cfg.rules.iter().any(|r| r.lease.is_some()) {
         // A lease pool decodes anything that is not one of its own records as an empty pool.
@@ -179,6 +267,7 @@ pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) {
             &table::vacant(),
         );
     }
+    previous
 }
 
 /// The prefix of every shared-data name a configuration uses: a digest of the service cluster.
@@ -273,7 +362,7 @@ pub fn take<S: CasStore + ?Sized>(
 ) -> BucketResult {
     let slot = slot(key, l, sh.max_keys);
     let done = update(store, &slot.name, |cur| {
-        let (state, debt) = match decode(&slot.id, l, cur, now_ms, sh.horizon_ms) {
+        let (state, debt) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Missing => return Step::Keep(None),
             // The holder owes tokens: it keeps its slot, the newcomer gets nothing.
             Entry::Other { debt } if debt > 0 => return Step::Keep(None),
@@ -308,7 +397,7 @@ pub fn refund<S: CasStore + ?Sized>(
 ) {
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
-        match decode(&slot.id, l, cur, now_ms, sh.horizon_ms) {
+        match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Ours(s, d, _) => Step::Write(
                 encode(
                     &slot.id,
@@ -334,12 +423,14 @@ pub fn owed<S: CasStore + ?Sized>(
 ) -> u64 {
     let slot = slot(key, l, sh.max_keys);
     let cur = store.get(&slot.name);
-    match decode(
-        &slot.id,
+    match entry(
+        store,
+        sh,
+        key,
         l,
+        &slot.id,
         cur.as_ref().map(|(v, _)| v.as_slice()),
         now_ms,
-        sh.horizon_ms,
     ) {
         Entry::Ours(_, d, _) => d,
         _ => 0,
@@ -361,7 +452,7 @@ pub fn remember_one<S: CasStore + ?Sized>(
 ) {
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
-        let (held, debt, changed) = match decode(&slot.id, l, cur, now_ms, sh.horizon_ms) {
+        let (held, debt, changed) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Missing | Entry::Other { debt: 1.. } => return Step::Keep(()),
             Entry::Vacant | Entry::Other { .. } => (None, 0, false),
             Entry::Ours(s, d, changed) => (Some(s), d, changed),
@@ -586,6 +677,7 @@ mod tests {
             max_keys,
             instances: 1,
             horizon_ms: 60_000,
+            previous: [0; 3],
         }
     }
 
@@ -671,6 +763,44 @@ mod tests {
             .count();
         assert_eq!(admitted, 30);
         assert_eq!(owed(&s, &t, "k", &per_hour(50), 0), 70);
+    }
+
+    #[test]
+    fn a_push_that_resizes_the_table_keeps_shares_and_debts() {
+        let s = FakeStore::default();
+        let hourly = Limits::local(20, 20, 3_600_000, Algorithm::TokenBucket, 1);
+        // 64 slots: 15 of 20 taken on credit.
+        prepare(&s, 64);
+        assert_eq!(record_size(&s, 64), [0; 3], "the first configuration");
+        let small = sh(64);
+        for _ in 0..15 {
+            assert!(take(&s, &small, "k", &hourly, 0, 1).allowed);
+        }
+        // The push: 100 slots. The bucket's slot in the new table was never written: its record
+        // is carried over from the old table, share and debt, and written to the new one.
+        prepare(&s, 100);
+        let previous = record_size(&s, 100);
+        assert_eq!(previous, [64, 0, 0]);
+        assert_eq!(
+            record_size(&s, 100),
+            [64, 0, 0],
+            "a second VM of the same push"
+        );
+        let big = Shares {
+            previous,
+            ..sh(100)
+        };
+        assert_eq!(owed(&s, &big, "k", &hourly, 0), 15);
+        let admitted = (0..20)
+            .filter(|_| take(&s, &big, "k", &hourly, 0, 1).allowed)
+            .count();
+        assert_eq!(admitted, 5, "what was left, not a fresh 20");
+        assert_eq!(owed(&s, &big, "k", &hourly, 0), 20);
+        // Without the earlier size, the same push would start the bucket full.
+        let forgetful = sh(100);
+        assert_eq!(owed(&s, &forgetful, "k2", &hourly, 0), 0);
+        // Back to 64: the newest size first, and the old table still holds what it held.
+        assert_eq!(record_size(&s, 64), [100, 0, 0]);
     }
 
     #[test]
@@ -885,9 +1015,11 @@ mod tests {
         let s = prepared(50);
         let writes = s.writes.get();
         prepare(&s, 50);
-        prepare(&s, 20);
         assert_eq!(s.writes.get(), writes);
-        prepare(&s, 60);
-        assert_eq!(s.writes.get(), writes + 11, "10 new slots and the mark");
+        // Another size is a table of its own (a bucket's slot depends on the size).
+        prepare(&s, 20);
+        assert_eq!(s.writes.get(), writes + 21, "20 slots and the mark");
+        prepare(&s, 20);
+        assert_eq!(s.writes.get(), writes + 21);
     }
 }

@@ -74,7 +74,7 @@ proptest! {
     ) {
         let store = FakeStore::default();
         fallback::prepare(&store, max_keys);
-        let sh = Shares { max_keys, instances, horizon_ms: 5_000 };
+        let sh = Shares { max_keys, instances, horizon_ms: 5_000, previous: [0; 3] };
         let algorithm = Algorithm::ALL[algorithm];
         // 12 per 10 min globally, per proxy 12 / instances: slow enough that a second full
         // start would show.
