@@ -45,6 +45,10 @@ pub const SETTLE_ID_TTL_MS: u64 = 300_000;
 pub const MAX_SLOT_TTL_MS: u64 = 86_400_000;
 /// Longest slot id accepted in a release (the service issues 32 hex digits).
 pub const MAX_SLOT_BYTES: usize = 64;
+/// How long a store remembers a slot released before it was taken (60 s): an acquire under that
+/// name arriving within this time (it was late, and its caller gave up on it and released it) takes
+/// nothing. A caller's release can overtake its own acquire on the way to the store.
+pub const RELEASED_SLOT_MEMORY_MS: u64 = 60_000;
 /// What a denied acquire suggests waiting, at most: slots come back when requests end, not on a
 /// clock, so a short wait is the honest answer (sooner when the oldest slot's deadline is sooner).
 pub const SLOT_DENIED_RETRY_MS: u64 = 1000;

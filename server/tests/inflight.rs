@@ -135,6 +135,23 @@ async fn a_named_slot_is_taken_once_and_released_by_its_name(s: Arc<dyn Store>) 
     );
 }
 
+/// The filter releases a slot by name when its acquire failed; under load that release can reach
+/// the store before the acquire itself: the late acquire then takes nothing.
+async fn an_acquire_that_arrives_after_its_release_takes_nothing(s: Arc<dyn Store>) {
+    let k = common::unique("late");
+    let a = [spec(&k, 1, 60_000)];
+    let id = new_slot_id();
+    assert_eq!(
+        s.release(&id, std::slice::from_ref(&k)).await.unwrap(),
+        vec![false]
+    );
+    let late = s.acquire(&a, &id).await.unwrap();
+    assert!(!late.allowed && late.slot.is_none(), "{late:?}");
+    assert_eq!(late.buckets[0].in_flight, 0);
+    let other = s.acquire(&a, &new_slot_id()).await.unwrap();
+    assert!(other.allowed, "the slot is free for others: {other:?}");
+}
+
 macro_rules! suite {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -163,6 +180,7 @@ macro_rules! suite {
 suite!(
     holds_at_most_the_limit_and_release_frees,
     a_named_slot_is_taken_once_and_released_by_its_name,
+    an_acquire_that_arrives_after_its_release_takes_nothing,
     all_or_nothing,
     a_slot_comes_back_after_its_deadline,
     concurrent_acquires_never_exceed_the_limit,

@@ -22,6 +22,11 @@ use contract::bounds::{
     MAX_BATCH_BYTES,
 };
 
+/// How many batches' worth of requests a queue holds (`4 × service.batch`): more than one, since
+/// Envoy spreads connections over its workers unevenly and a batch's byte bounds may split it; a
+/// full queue is a dispatch failure.
+pub const QUEUE_BATCHES: usize = 4;
+
 /// The batching state of one plugin in one VM.
 #[derive(Debug, Default)]
 pub struct Queue {
@@ -39,7 +44,8 @@ impl Queue {
         self.in_flight > 0
     }
 
-    /// Queues `req` under `token`, unless `max` are waiting already.
+    /// Queues `req` under `token`, unless `max` are waiting already (a plugin's bound is
+    /// [`QUEUE_BATCHES`] × its batch size).
     pub fn push(&mut self, max: usize, token: u32, req: &TakeRequest) -> Result<(), String> {
         if self.waiting.len() >= max {
             return Err(format!("batch queue full ({max} waiting)"));

@@ -50,6 +50,9 @@ fn status_code(next: Next) -> u32 {
     }
 }
 
+/// The shortest timeout of a callout no request waits for (releases, refunds, settlements), ms.
+const BACKGROUND_TIMEOUT_MS: u64 = 1000;
+
 /// One configured plugin (a root context's configuration), shared by its requests.
 struct Plugin {
     /// Its root context.
@@ -81,6 +84,31 @@ struct Plugin {
     /// Settlements of responses that ended (rules charged by the response), delivered from here
     /// with bounded retries (an attempt in flight is a [`Waiter::Settle`] in the ledger).
     settles: RefCell<settle::Queue<Vec<settle::Item>>>,
+}
+
+/// How a callout's result is had: read from the host, only when someone wants it (a stray reply
+/// costs no host calls), or already in hand (a batch member's share, a cancelled callout). One
+/// `dyn` type, so the answer path is compiled once, not once per kind of reply.
+trait Read<A> {
+    fn read(&mut self, abi: &A) -> CalloutResult;
+}
+
+/// A result read from the host by the closure.
+struct FromHost<F>(F);
+
+impl<A, F: Fn(&A) -> CalloutResult> Read<A> for FromHost<F> {
+    fn read(&mut self, abi: &A) -> CalloutResult {
+        (self.0)(abi)
+    }
+}
+
+/// A result in hand (read at most once; a second read cannot happen, and would be a failure).
+struct Ready(Option<CalloutResult>);
+
+impl<A> Read<A> for Ready {
+    fn read(&mut self, _: &A) -> CalloutResult {
+        self.0.take().unwrap_or(CalloutResult::DispatchError)
+    }
 }
 
 /// Who waits for a callout's answer: the variant of a ledger entry.
@@ -330,11 +358,11 @@ impl<'a, A: Abi> Proxy<'a, A> {
         };
         if batching && self.plugin.queue.borrow().busy() {
             let token = self.ledger.reserve(self.plugin.root, waiter(false));
-            let queued =
-                self.plugin
-                    .queue
-                    .borrow_mut()
-                    .push(cfg.service.batch, token, &plan.request);
+            let queued = self.plugin.queue.borrow_mut().push(
+                batch::QUEUE_BATCHES * cfg.service.batch,
+                token,
+                &plan.request,
+            );
             if let Err(why) = queued {
                 self.ledger.close(token);
                 return Err(why);
@@ -359,8 +387,25 @@ impl<'a, A: Abi> Proxy<'a, A> {
     /// Dispatches `request` to the service cluster, with its timeout and bearer token; the
     /// callout's token.
     fn send(&self, cfg: &Config, request: CalloutRequest) -> Result<u32, String> {
+        self.send_within(cfg, request, cfg.service.timeout_ms)
+    }
+
+    /// [`Proxy::send`] for a callout no request waits for (a release, a refund, a settlement):
+    /// `service.timeout_ms` bounds how long a *request* waits, and a release cut off by a short
+    /// one under load would leave its slot to the deadline. So at least [`BACKGROUND_TIMEOUT_MS`].
+    fn send_background(&self, cfg: &Config, request: CalloutRequest) -> Result<u32, String> {
+        let timeout = cfg.service.timeout_ms.max(BACKGROUND_TIMEOUT_MS);
+        self.send_within(cfg, request, timeout)
+    }
+
+    fn send_within(
+        &self,
+        cfg: &Config,
+        request: CalloutRequest,
+        timeout_ms: u64,
+    ) -> Result<u32, String> {
         let svc = &cfg.service;
-        let timeout = u32::try_from(svc.timeout_ms).unwrap_or(u32::MAX);
+        let timeout = u32::try_from(timeout_ms).unwrap_or(u32::MAX);
         let bearer = self.plugin.bearer.as_deref();
         let sent = match &request {
             CalloutRequest::Http { path, body } => {
@@ -412,7 +457,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             .collect();
         for (id, body) in due {
             self.count_settle(SettleCount::Sent, 1);
-            match self.send(cfg, callout::beside(cfg, "settle", body)) {
+            match self.send_background(cfg, callout::beside(cfg, "settle", body)) {
                 Ok(token) => {
                     let plugin = self.plugin.clone();
                     self.open(token, Waiter::Settle { plugin, id });
@@ -575,7 +620,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     }
 
     fn release(&mut self, cfg: &Config, body: &[u8]) -> bool {
-        match self.send(cfg, callout::beside(cfg, "release", body.to_vec())) {
+        match self.send_background(cfg, callout::beside(cfg, "release", body.to_vec())) {
             Ok(token) => {
                 let plugin = self.plugin.clone();
                 self.open(token, Waiter::Release { plugin });
@@ -594,7 +639,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     }
 
     fn give_back(&mut self, cfg: &Config, request: &TakeRequest) {
-        match self.send(cfg, callout::refund(cfg, request)) {
+        match self.send_background(cfg, callout::refund(cfg, request)) {
             Ok(token) => self.open(token, Waiter::Refund),
             Err(why) => debug!("refund not dispatched: {why}"),
         }
@@ -757,7 +802,8 @@ impl<A: Abi> Dispatcher<A> {
         );
         let prefix = crate::core::fallback::state_prefix(&config);
         // Every slot exists before any request writes one (shared data has no insert-if-absent).
-        crate::core::fallback::prepare_for(
+        let mut config = config;
+        config.fallback.previous_max_keys = crate::core::fallback::prepare_for(
             &config,
             &Shared {
                 abi: &self.abi,
@@ -1018,7 +1064,7 @@ impl<A: Abi> Dispatcher<A> {
                         status: None,
                         body: Vec::new(),
                     };
-                    self.answer(token, waiter, |_| reset);
+                    self.answer(token, waiter, &mut Ready(Some(reset)));
                 }
                 Waiter::Refill { plugin, plan, .. } => {
                     lease::abandon(
@@ -1114,52 +1160,58 @@ impl<A: Abi> Dispatcher<A> {
     }
 
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
-        self.deliver(token, |abi| {
-            if num_headers == 0 {
-                // Envoy reports a reset (and some other failures) as a response without headers.
-                return CalloutResult::Http {
-                    status: None,
-                    body: Vec::new(),
-                };
-            }
-            let status = abi
-                .header(HeaderMap::HttpCallResponse, ":status")
-                .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-            if body_size > MAX_ANSWER_BYTES {
-                return CalloutResult::TooLarge { size: body_size };
-            }
-            let body = abi.buffer(Buffer::HttpCallResponseBody, body_size);
-            CalloutResult::Http { status, body }
-        });
+        self.deliver(
+            token,
+            &mut FromHost(|abi: &A| {
+                if num_headers == 0 {
+                    // Envoy reports a reset (and some other failures) as a response without headers.
+                    return CalloutResult::Http {
+                        status: None,
+                        body: Vec::new(),
+                    };
+                }
+                let status = abi
+                    .header(HeaderMap::HttpCallResponse, ":status")
+                    .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+                if body_size > MAX_ANSWER_BYTES {
+                    return CalloutResult::TooLarge { size: body_size };
+                }
+                let body = abi.buffer(Buffer::HttpCallResponseBody, body_size);
+                CalloutResult::Http { status, body }
+            }),
+        );
     }
 
     /// A unary gRPC callout ended: `status` 0 with the message (`proxy_on_grpc_receive`), or a
     /// failure status without one (`proxy_on_grpc_close`).
     pub fn on_grpc_response(&mut self, token: u32, status: u32, size: usize) {
-        self.deliver(token, |abi| {
-            if status != 0 {
-                return CalloutResult::Grpc {
-                    status,
-                    message: abi.grpc_status_message(),
-                    body: Vec::new(),
-                };
-            }
-            if size > MAX_ANSWER_BYTES {
-                return CalloutResult::TooLarge { size };
-            }
-            let body = abi.buffer(Buffer::GrpcReceive, size);
-            CalloutResult::Grpc {
-                status: 0,
-                message: None,
-                body,
-            }
-        });
+        self.deliver(
+            token,
+            &mut FromHost(|abi: &A| {
+                if status != 0 {
+                    return CalloutResult::Grpc {
+                        status,
+                        message: abi.grpc_status_message(),
+                        body: Vec::new(),
+                    };
+                }
+                if size > MAX_ANSWER_BYTES {
+                    return CalloutResult::TooLarge { size };
+                }
+                let body = abi.buffer(Buffer::GrpcReceive, size);
+                CalloutResult::Grpc {
+                    status: 0,
+                    message: None,
+                    body,
+                }
+            }),
+        );
     }
 
     /// Callout `token` ended with the result `read` gives: its ledger entry says who waits.
     /// After any callout that held a plugin's batch queue back, the requests queued behind it
     /// leave together.
-    fn deliver(&mut self, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
+    fn deliver(&mut self, token: u32, read: &mut dyn Read<A>) {
         let Some(entry) = self.ledger.close(token) else {
             debug!("reply to callout {token}: no one waits for it");
             return;
@@ -1177,25 +1229,25 @@ impl<A: Abi> Dispatcher<A> {
 
     /// The one place an answer goes: to whoever waits for callout `token`. `read` runs only when
     /// someone wants the result (a stray reply costs no host calls), as the request's context.
-    fn answer(&mut self, token: u32, waiter: Waiter, read: impl FnOnce(&A) -> CalloutResult) {
+    fn answer(&mut self, token: u32, waiter: Waiter, read: &mut dyn Read<A>) {
         match waiter {
             Waiter::Take { context, .. } | Waiter::Acquire { context, .. } => {
                 self.resume_request(context, token, read);
             }
             Waiter::Batch { members, .. } => {
                 // The batch's own token waits in no request; each member is its own entry.
-                let parts = batch::split(read(&self.abi), members.len());
+                let parts = batch::split(read.read(&self.abi), members.len());
                 for (member, result) in members.into_iter().zip(parts) {
                     self.answer_member(member, result);
                 }
             }
             Waiter::Refill { plugin, plan, .. } => {
-                let result = read(&self.abi);
+                let result = read.read(&self.abi);
                 let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
                 flow::on_refill_result(&plugin.config, &plan, result, &mut proxy);
             }
             Waiter::Release { plugin } => {
-                let result = read(&self.abi);
+                let result = read.read(&self.abi);
                 let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
                 proxy.count_inflight(if inflight::released(&result) {
                     inflight::Count::Released
@@ -1204,7 +1256,7 @@ impl<A: Abi> Dispatcher<A> {
                 });
             }
             Waiter::Orphan { plugin, slot, keys } => {
-                let result = read(&self.abi);
+                let result = read.read(&self.abi);
                 let id = match inflight::interpret(&result, keys.len()) {
                     inflight::Acquired::Denied(..) => return,
                     inflight::Acquired::Held(id) => id,
@@ -1217,7 +1269,7 @@ impl<A: Abi> Dispatcher<A> {
                 }
             }
             Waiter::Settle { plugin, id } => {
-                let result = read(&self.abi);
+                let result = read.read(&self.abi);
                 Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).settle_answer(&id, &result);
             }
             Waiter::Refund | Waiter::Abandoned { .. } => {}
@@ -1227,12 +1279,12 @@ impl<A: Abi> Dispatcher<A> {
     /// A batch member's share of the batch answer (its entry closes here).
     fn answer_member(&mut self, member: u32, result: CalloutResult) {
         if let Some(e) = self.ledger.close(member) {
-            self.answer(member, e.waiter, |_| result);
+            self.answer(member, e.waiter, &mut Ready(Some(result)));
         }
     }
 
     /// Hands `read`'s result to request `context`, if it still waits for `token`.
-    fn resume_request(&mut self, context: u32, token: u32, read: impl FnOnce(&A) -> CalloutResult) {
+    fn resume_request(&mut self, context: u32, token: u32, read: &mut dyn Read<A>) {
         let Some(f) = self.filters.get_mut(&context) else {
             return;
         };
@@ -1250,21 +1302,32 @@ impl<A: Abi> Dispatcher<A> {
             );
             return;
         }
-        let result = read(&self.abi);
+        let result = read.read(&self.abi);
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, context);
         f.flow
             .on_callout_result(&plugin.config, token, result, &mut proxy);
     }
 
-    /// Sends the requests queued on `plugin` in one callout (as many as its bounds allow).
+    /// Sends the requests queued on `plugin`: one batch callout, or several when the batch's byte
+    /// bounds split them (a split is not a throttle: a queue that waits for one answer per batch
+    /// would overflow under load).
     fn flush(&mut self, plugin: &Rc<Plugin>) {
-        let queued = plugin
-            .queue
-            .borrow_mut()
-            .drain(plugin.config.service.batch.max(1));
-        if queued.is_empty() {
-            return;
+        // Each round takes at least one request; a failed dispatch sends none back to the queue.
+        let rounds = plugin.queue.borrow().waiting();
+        for _ in 0..rounds {
+            let queued = plugin
+                .queue
+                .borrow_mut()
+                .drain(plugin.config.service.batch.max(1));
+            if queued.is_empty() {
+                return;
+            }
+            self.send_batch(plugin, queued);
         }
+    }
+
+    /// One batch callout carrying `queued`.
+    fn send_batch(&mut self, plugin: &Rc<Plugin>, queued: Vec<(u32, TakeRequest)>) {
         let takes: Vec<&TakeRequest> = queued.iter().map(|(_, t)| t).collect();
         let members: Vec<u32> = queued.iter().map(|(t, _)| *t).collect();
         let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);

@@ -364,7 +364,7 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
-        Ok(self.slots.release(slot, keys))
+        Ok(self.slots.release(slot, keys, self.now_us() / 1000))
     }
 
     async fn refund(&self, buckets: &[BucketSpec]) -> Result<u64, StoreError> {

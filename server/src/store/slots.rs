@@ -11,6 +11,7 @@ use std::sync::Mutex;
 use super::keys::push_tag;
 use super::StoreError;
 use crate::inflight::{retry_after, AcquireDecision, SlotDecision, SlotSpec};
+use contract::bounds::RELEASED_SLOT_MEMORY_MS;
 
 /// Source of `lua/acquire.lua`.
 pub const ACQUIRE: &str = include_str!("lua/acquire.lua");
@@ -96,6 +97,9 @@ pub struct SlotTable {
 #[derive(Debug, Default)]
 struct Tables {
     sets: HashMap<String, Vec<(String, u64)>>,
+    /// Per key, the names released before their slot was taken, and until when (ms) an acquire
+    /// under one takes nothing (`release.lua`'s `~` members).
+    released: HashMap<String, Vec<(String, u64)>>,
     /// When the whole table was last swept of expired slots (ms).
     swept_ms: u64,
 }
@@ -119,10 +123,18 @@ impl SlotTable {
                 v.retain(|(_, d)| *d > now_ms);
                 !v.is_empty()
             });
+            t.released.retain(|_, v| {
+                v.retain(|(_, until)| *until > now_ms);
+                !v.is_empty()
+            });
             t.swept_ms = now_ms;
         }
         let mut out = Vec::with_capacity(specs.len());
         for s in specs {
+            let released = t
+                .released
+                .get(&s.key)
+                .is_some_and(|v| v.iter().any(|(id, until)| id == slot && *until > now_ms));
             let (n, oldest) = match t.sets.get_mut(&s.key) {
                 Some(v) => {
                     v.retain(|(_, d)| *d > now_ms);
@@ -133,7 +145,7 @@ impl SlotTable {
                 }
                 None => (0, None),
             };
-            out.push(if n < s.limit {
+            out.push(if n < s.limit && !released {
                 SlotDecision {
                     allowed: true,
                     limit: s.limit,
@@ -170,21 +182,30 @@ impl SlotTable {
         d
     }
 
-    /// `release.lua`'s semantics.
-    pub fn release(&self, slot: &str, keys: &[String]) -> Vec<bool> {
+    /// `release.lua`'s semantics at the clock reading `now_ms`.
+    pub fn release(&self, slot: &str, keys: &[String], now_ms: u64) -> Vec<bool> {
         let mut t = self.lock();
         keys.iter()
             .map(|k| {
-                let Some(v) = t.sets.get_mut(k) else {
-                    return false;
+                let found = match t.sets.get_mut(k) {
+                    Some(v) => {
+                        let before = v.len();
+                        v.retain(|(id, _)| id != slot);
+                        let found = v.len() < before;
+                        if v.is_empty() {
+                            t.sets.remove(k);
+                        }
+                        found
+                    }
+                    None => false,
                 };
-                let before = v.len();
-                v.retain(|(id, _)| id != slot);
-                let released = v.len() < before;
-                if v.is_empty() {
-                    t.sets.remove(k);
+                if !found {
+                    let until = now_ms.saturating_add(RELEASED_SLOT_MEMORY_MS);
+                    let names = t.released.entry(k.clone()).or_default();
+                    names.retain(|(id, _)| id != slot);
+                    names.push((slot.to_string(), until));
                 }
-                released
+                found
             })
             .collect()
     }
@@ -223,9 +244,24 @@ mod tests {
         assert_eq!(d.buckets[1].retry_after_ms, 90);
         // The deadline frees the slot; a late release finds nothing.
         assert!(t.acquire(&a, "3", 100).allowed);
-        assert_eq!(t.release("1", &["a".to_string()]), vec![false]);
-        assert_eq!(t.release("3", &["a".to_string()]), vec![true]);
+        assert_eq!(t.release("1", &["a".to_string()], 100), vec![false]);
+        assert_eq!(t.release("3", &["a".to_string()], 100), vec![true]);
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_release_that_overtakes_its_acquire_leaves_nothing_taken() {
+        let t = SlotTable::default();
+        let a = [spec("a", 1, 30_000)];
+        // The caller gave up on acquire "9" and released it; the acquire arrives after that.
+        assert_eq!(t.release("9", &["a".to_string()], 0), vec![false]);
+        let late = t.acquire(&a, "9", 10);
+        assert!(!late.allowed && late.buckets[0].in_flight == 0, "{late:?}");
+        assert!(t.acquire(&a, "8", 20).allowed, "the key is free for others");
+        // Remembered for a minute, then forgotten.
+        assert!(t.release("8", &["a".to_string()], 30)[0]);
+        let much_later = t.acquire(&a, "9", 30 + RELEASED_SLOT_MEMORY_MS + 1_001);
+        assert!(much_later.allowed);
     }
 
     #[test]

@@ -990,3 +990,43 @@ fn a_removed_configuration_fails_its_waiting_requests_and_hands_its_settlements_
     assert_eq!(d.abi.metric("tollgate.settle.delivered"), 1);
     assert_eq!(d.ledger_entries(), 0);
 }
+
+#[test]
+fn a_queue_the_byte_bounds_split_leaves_in_several_batches_at_once() {
+    // 12 rules on every request: 63 queued takes would be answered with ~130 KB in one batch.
+    let rules: Vec<String> = (0..12)
+        .map(|i| {
+            format!(
+                r#"{{"name":"r{i}","key":["literal:{i}"],"capacity":1000000,"period_ms":1000}}"#
+            )
+        })
+        .collect();
+    let cfg = format!(
+        r#"{{"service":{{"cluster":"svc","batch":64}},"rules":[{}]}}"#,
+        rules.join(",")
+    );
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 10, "/"), PAUSE);
+    let first = last_token(&d);
+    for id in 11..74 {
+        assert_eq!(start(&mut d, id, "/"), PAUSE, "request {id} queued");
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 1);
+    *d.abi.reply.borrow_mut() = (Some(b"503".to_vec()), Vec::new());
+    d.on_http_call_response(first, 1, 0);
+    let sent = d.abi.dispatched.borrow();
+    let batches: Vec<usize> = sent[1..]
+        .iter()
+        .map(|(_, b)| String::from_utf8_lossy(b).matches("\"buckets\"").count())
+        .collect();
+    assert!(batches.len() >= 2, "{batches:?}");
+    assert_eq!(
+        batches.iter().sum::<usize>(),
+        63,
+        "every queued take left: {batches:?}"
+    );
+    for n in &batches {
+        assert!(contract::bounds::batch_answer_bytes(*n, n * 12) <= MAX_ANSWER_BYTES);
+    }
+    assert_eq!(d.abi.metric("tollgate.callout_failure.dispatch"), 0);
+}

@@ -402,7 +402,8 @@ impl Store for RedisStore {
         let mut out = vec![false; keys.len()];
         for (_, idx) in &groups {
             let ks: Vec<&str> = idx.iter().map(|&i| rkeys[i].as_str()).collect();
-            let reply = self.invoke(&RELEASE, &ks, &[slot_id]).await?;
+            let memory = contract::bounds::RELEASED_SLOT_MEMORY_MS.to_string();
+            let reply = self.invoke(&RELEASE, &ks, &[slot_id, &memory]).await?;
             for (&i, r) in idx.iter().zip(slots::decode_release(&reply, idx.len())?) {
                 out[i] = r;
             }
