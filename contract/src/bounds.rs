@@ -8,6 +8,12 @@ pub const MAX_BUCKETS: usize = 16;
 pub const MAX_KEY_BYTES: usize = 4096;
 /// Upper bound of `capacity`, `rate`, `cost`, `lease`, a settle's amounts and a slot's `limit`.
 pub const MAX_AMOUNT: u64 = 1_000_000_000;
+/// Most tokens a token bucket may owe (8e9): a settle charges what a response used beyond its
+/// estimate in full, into debt, however deep earlier settles left the bucket; only past this floor
+/// is anything forgiven. It keeps every store's micro-token balance an exact integer in a Lua
+/// number: (capacity + debt) × 10^6 <= 9e15 < 2^53. Each settle pushes a bucket at most its `used`
+/// (<= [`MAX_AMOUNT`]) deeper.
+pub const MAX_DEBT: u64 = 8 * MAX_AMOUNT;
 /// Upper bound of `period_ms`: one year.
 pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
 /// Room a bucket may take in a request besides its key: the JSON field names, six numbers of at

@@ -200,4 +200,13 @@ mod tests {
             assert!(lua.contains(&format!("ALGORITHMS[{code}] = {{")), "{code}");
         }
     }
+
+    #[test]
+    fn the_lua_debt_floor_is_the_contracts() {
+        let floor = format!(
+            "local MAX_DEBT_M = -{}\n",
+            u128::from(contract::bounds::MAX_DEBT) * 1_000_000
+        );
+        assert!(token_bucket::TokenBucket::LUA.contains(&floor), "{floor}");
+    }
 }
