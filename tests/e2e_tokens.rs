@@ -384,24 +384,21 @@ fn a_bucket_in_debt_denies_before_the_stream_until_the_debt_refills() {
     eprintln!("in debt: 429 with Retry-After {retry} s");
 }
 
-#[test]
-fn a_settlement_outlives_a_service_that_died_mid_stream() {
-    let capacity = 10_000;
-    let mut f = fleet(
-        "tokens-service-dies",
-        1,
-        &config(Transport::Http, capacity, SLOW.0, SLOW.1),
-    );
-    let client = Client::new();
+/// A fleet of one Envoy (10,000 tokens, one an hour) whose service dies 400 ms into a 1.2 s
+/// stream of `api_key` that reserved 1,000 and reports `usage`: the fleet, with its service down
+/// and the stream over.
+fn service_dies_mid_stream(label: &str, api_key: &str, usage: u64) -> Fleet {
+    let mut f = fleet(label, 1, &config(Transport::Http, 10_000, SLOW.0, SLOW.1));
     let url = f.envoys[0].url("/v1/chat/completions");
+    let (key, used) = (api_key.to_string(), usage.to_string());
     let stream = thread::spawn(move || {
         Client::new().post(
             &url,
             &[
-                ("x-api-key", "team-c"),
+                ("x-api-key", &key),
                 ("x-max-tokens", "1000"),
                 ("x-llm-stream", "1"),
-                ("x-llm-usage", "200"),
+                ("x-llm-usage", &used),
                 ("x-llm-chunks", "6"),
                 ("x-llm-chunk-ms", "200"),
             ],
@@ -409,11 +406,19 @@ fn a_settlement_outlives_a_service_that_died_mid_stream() {
         )
     });
     thread::sleep(Duration::from_millis(400));
-    let port = f.service.port;
     f.service.proc.kill();
     let r = stream.join().expect("the stream");
     assert_eq!(r.status, 200);
-    assert!(r.body.contains("\"total_tokens\":200"));
+    assert!(r.body.contains(&format!("\"total_tokens\":{usage}")));
+    f
+}
+
+#[test]
+fn a_settlement_outlives_a_service_that_died_mid_stream() {
+    let capacity = 10_000;
+    let mut f = service_dies_mid_stream("tokens-service-dies", "team-c", 200);
+    let client = Client::new();
+    let port = f.service.port;
     let e = &f.envoys[0];
     assert!(
         eventually(Duration::from_secs(3), || e.tg("settle.retried") >= 2),
@@ -426,6 +431,37 @@ fn a_settlement_outlives_a_service_that_died_mid_stream() {
     let left = probe(&client, port, "team-c", capacity, SLOW);
     assert_eq!(left, capacity as i64 - 200 - 1, "200 charged in all, once");
     eprintln!("settled after {} failed attempts", e.tg("settle.retried"));
+}
+
+#[test]
+fn an_extra_charge_is_owed_through_an_outage_longer_than_the_retries_of_a_refund() {
+    // A response that used 2,500 of the 1,000 reserved ends while the service is down, and stays
+    // down for 10 s: longer than a refund is retried (about 7 s). The 1,500 extra are applied once
+    // it is back, never given up.
+    let capacity = 10_000;
+    let mut f = service_dies_mid_stream("tokens-outage-debt", "team-d", 2500);
+    let client = Client::new();
+    let port = f.service.port;
+    let e = &f.envoys[0];
+    thread::sleep(Duration::from_secs(10));
+    assert!(e.tg("settle.retried") >= 8, "{:?}", e.tg_all());
+    assert_eq!(
+        e.tg("settle.given_up"),
+        0,
+        "an extra charge is never given up"
+    );
+    f.service = Service::start_on(&f.components, &f.dir, port, Some(&f.redis.url()), &[]);
+    delivered(e, 1);
+    let (remaining, debt) = standing(&client, port, "team-d", capacity, SLOW);
+    eprintln!(
+        "after {} failed attempts over 10 s: {remaining} held, {debt} owed",
+        e.tg("settle.retried")
+    );
+    assert_eq!(
+        (remaining, debt),
+        (capacity - 2500, 0),
+        "2,500 charged in all, once"
+    );
 }
 
 /// Deterministic pseudo-random numbers (a test must not depend on luck, but the mix must vary).
