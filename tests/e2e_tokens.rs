@@ -338,6 +338,29 @@ fn each_way_a_response_ends_is_settled_once() {
     delivered(e, 6);
     expect -= 4000;
     check(&mut expect, "an upstream reset before the usage event");
+
+    // Anthropic's stream: the input tokens in message_start (500), the output tokens in
+    // message_delta (1,500): both are charged.
+    let r = ask(
+        &client,
+        e,
+        "team-a",
+        &[
+            ("x-max-tokens", "1000"),
+            ("x-llm-stream", "1"),
+            ("x-llm-format", "anthropic"),
+            ("x-llm-usage", "2000"),
+        ],
+    );
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body.contains("\"input_tokens\":500") && r.body.contains("\"output_tokens\":1500"),
+        "{}",
+        r.body
+    );
+    delivered(e, 7);
+    expect -= 2000;
+    check(&mut expect, "an Anthropic stream that used 500 + 1,500");
     assert_eq!((e.tg("settle.given_up"), e.tg("settle.retried")), (0, 0));
     eprintln!("bucket after every ending: {expect} of {capacity}, as computed from the usages");
 }
