@@ -43,8 +43,10 @@ pub const MAX_BATCH_BYTES: usize = 1024 * 1024;
 /// Longest settlement id (`id` of a settle), in bytes.
 pub const MAX_SETTLE_ID_BYTES: usize = 128;
 /// How long a store remembers a settlement id it applied (5 minutes): a settle sent again within
-/// that time is answered `duplicate` and changes nothing. The filter retries a settlement for a few
-/// seconds at most.
+/// that time is answered `duplicate` and changes nothing. The filter retries a refund for a few
+/// seconds at most, an extra charge until it is applied: one whose first attempt was applied, its
+/// answer lost, and every later attempt failed for longer than this, is applied again (charged
+/// twice: stricter, never looser).
 pub const SETTLE_ID_TTL_MS: u64 = 300_000;
 
 /// Longest slot deadline (`ttl_ms` of an acquire): one day.
