@@ -206,8 +206,7 @@ async fn debt_refills_then_takes_pass(store: Arc<dyn Store>) {
     svc.stop().await;
 }
 
-/// A fixed window: an extra charge without a window counts in the current window (up to twice
-/// the capacity); a refund needs the window it was charged in; another window is left alone.
+/// A fixed window: an extra charge without a window counts in the current window (in full); a refund needs the window it was charged in; another window is left alone.
 async fn fixed_window_charged_in_its_window(store: Arc<dyn Store>) {
     let svc = Service::start(store, None).await;
     let client = reqwest::Client::new();
@@ -246,13 +245,13 @@ async fn fixed_window_charged_in_its_window(store: Arc<dyn Store>) {
             )
         );
     }
-    // Over the capacity: counted up to twice it, owed until the window ends.
+    // Over the capacity: counted in full, owed until the window ends.
     let (s, body) = post_settle(&client, &svc, &fw("w-4", 0, 1000, None)).await;
     assert_eq!(
         (s, body),
         (
             200,
-            json!({"duplicate": false, "buckets": [{"remaining": 0, "debt": 10}]})
+            json!({"duplicate": false, "buckets": [{"remaining": 0, "debt": 999}]})
         )
     );
     let d = take(&client, &svc, {

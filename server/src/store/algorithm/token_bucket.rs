@@ -44,7 +44,7 @@ fn refill(l: &Limits, s: &mut Tokens, now: u64) {
         let period = u128::from(l.period_ms);
         let x = u128::from(now - s.ts) * u128::from(l.rate) * 1000 + s.f;
         let add = x / period;
-        // Positive here, at most twice the capacity in micro-tokens (with a debt).
+        // Positive here, at most the capacity plus MAX_DEBT in micro-tokens (with a debt).
         let missing = u128::try_from(cap_m - s.t).unwrap_or(0);
         if add >= missing {
             s.t = cap_m;
