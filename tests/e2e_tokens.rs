@@ -487,6 +487,46 @@ fn an_extra_charge_is_owed_through_an_outage_longer_than_the_retries_of_a_refund
     );
 }
 
+#[test]
+fn the_fallback_counts_an_overshoot_the_service_has_not_heard_of() {
+    // The service dies mid-stream; the stream used 9,000 of its 1,000 reserved. This proxy's
+    // fallback share had 9,000 (the take's answer): the 8,000 beyond the reservation come out of
+    // it too, so requests of 1,000 during the outage find 1,000, not 9,000.
+    let f = service_dies_mid_stream("tokens-outage-share", "team-e", 9000);
+    let e = &f.envoys[0];
+    assert!(
+        eventually(Duration::from_secs(3), || e.tg("settle.retried") >= 1),
+        "the settlement was not tried: {:?}",
+        e.tg_all()
+    );
+    let client = Client::new();
+    let passed = (0..5)
+        .filter(|_| {
+            let r = ask(
+                &client,
+                e,
+                "team-e",
+                &[("x-max-tokens", "1000"), ("x-llm-usage", "1000")],
+            );
+            assert!(matches!(r.status, 200 | 429), "{} {}", r.status, r.body);
+            r.status == 200
+        })
+        .count();
+    eprintln!(
+        "outage: {passed} of 5 requests of 1,000 admitted by the fallback; stats {:?}",
+        e.tg_all()
+    );
+    assert_eq!(
+        e.tg("fallback.allowed") + e.tg("fallback.limited"),
+        5,
+        "decided by the fallback"
+    );
+    assert_eq!(
+        passed, 1,
+        "9,000 held, 8,000 of them spent by the overshoot"
+    );
+}
+
 /// Deterministic pseudo-random numbers (a test must not depend on luck, but the mix must vary).
 struct Lcg(u64);
 impl Lcg {

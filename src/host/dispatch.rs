@@ -853,6 +853,8 @@ impl<A: Abi> Dispatcher<A> {
                 let items = meter.finish(&p.config);
                 if !items.is_empty() {
                     let now = self.abi.now_ms();
+                    let shares = Proxy::new(&self.abi, p);
+                    crate::core::fallback::spend_extras(&p.config, shares.store(), &items, now);
                     let dropped = {
                         let mut q = p.settles.borrow_mut();
                         let before = q.given_up;
