@@ -67,7 +67,7 @@ rule "llm-tokens" under /v1/: LLM tokens per x-api-key, priced by the response).
 
   for i in \$(seq 7); do curl -si localhost:10000/ | grep -iE '^(HTTP|ratelimit|x-ratelimit|retry-after)'; done
       five 200s, then 429 with Retry-After, RateLimit-Policy/RateLimit and X-RateLimit-*
-  for i in 1 2 3; do curl -si localhost:10000/v1/chat/completions -H 'x-api-key: demo' -H 'x-max-tokens: 4000' | grep -i '^x-ratelimit-remaining'; done
+  for i in 1 2 3; do curl -si localhost:10000/v1/chat/completions -H 'x-api-key: demo' | grep -i '^x-ratelimit-remaining'; done
       tokens, not requests: 10,000 a minute per API key; each call reserves 4,000 and is settled
       to the 42 the stand-in LLM API reports: 6000, then about 5960, 5920
   curl -s 'localhost:9901/stats?filter=wasmcustom'   the filter's counters (Envoy admin)

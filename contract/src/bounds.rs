@@ -8,6 +8,12 @@ pub const MAX_BUCKETS: usize = 16;
 pub const MAX_KEY_BYTES: usize = 4096;
 /// Upper bound of `capacity`, `rate`, `cost`, `lease`, a settle's amounts and a slot's `limit`.
 pub const MAX_AMOUNT: u64 = 1_000_000_000;
+/// Most tokens a token bucket may owe (8e9): a settle charges what a response used beyond its
+/// estimate in full, into debt, however deep earlier settles left the bucket; only past this floor
+/// is anything forgiven. It keeps every store's micro-token balance an exact integer in a Lua
+/// number: (capacity + debt) × 10^6 <= 9e15 < 2^53. Each settle pushes a bucket at most its `used`
+/// (<= [`MAX_AMOUNT`]) deeper.
+pub const MAX_DEBT: u64 = 8 * MAX_AMOUNT;
 /// Upper bound of `period_ms`: one year.
 pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
 /// Room a bucket may take in a request besides its key: the JSON field names, six numbers of at
@@ -37,8 +43,10 @@ pub const MAX_BATCH_BYTES: usize = 1024 * 1024;
 /// Longest settlement id (`id` of a settle), in bytes.
 pub const MAX_SETTLE_ID_BYTES: usize = 128;
 /// How long a store remembers a settlement id it applied (5 minutes): a settle sent again within
-/// that time is answered `duplicate` and changes nothing. The filter retries a settlement for a few
-/// seconds at most.
+/// that time is answered `duplicate` and changes nothing. The filter retries a refund for a few
+/// seconds at most, an extra charge until it is applied: one whose first attempt was applied, its
+/// answer lost, and every later attempt failed for longer than this, is applied again (charged
+/// twice: stricter, never looser).
 pub const SETTLE_ID_TTL_MS: u64 = 300_000;
 
 /// Longest slot deadline (`ttl_ms` of an acquire): one day.

@@ -336,7 +336,7 @@ async fn sliding_window_lease_and_changed_limit(s: Arc<dyn Store>) {
 }
 
 /// Settle in the window the estimate was charged in (the current one here): a refund lowers its
-/// count, an extra charge raises it up to twice the capacity (the excess is the debt); without
+/// count, an extra charge raises it in full (the excess is the debt); without
 /// `window` a refund is dropped.
 async fn sliding_window_settle(s: Arc<dyn Store>) {
     let day = 86_400_000;
@@ -355,8 +355,8 @@ async fn sliding_window_settle(s: Arc<dyn Store>) {
     };
     let r = s.settle(&settle("drop", 6, 2, None)).await.unwrap();
     assert_eq!((r.buckets[0].remaining, r.buckets[0].debt), (4, 0));
-    let r = s.settle(&settle("more", 2, 16, None)).await.unwrap();
-    assert_eq!((r.buckets[0].remaining, r.buckets[0].debt), (0, 10));
+    let r = s.settle(&settle("more", 2, 40, None)).await.unwrap();
+    assert_eq!((r.buckets[0].remaining, r.buckets[0].debt), (0, 34));
     assert!(!take(&*s, &[sw(&k, 10, day, 1)]).await.allowed);
 }
 

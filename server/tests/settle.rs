@@ -50,7 +50,7 @@ async fn take(client: &reqwest::Client, svc: &Service, b: Value) -> Value {
     body
 }
 
-/// A refund, a repeated id, an extra charge into debt (bounded by the capacity) and a refund out
+/// A refund, a repeated id, an extra charge into debt (in full) and a refund out
 /// of it, on a bucket that does not refill during the test: every number is exact.
 async fn refund_debt_and_dedupe(store: Arc<dyn Store>) {
     let svc = Service::start(store, None).await;
@@ -89,32 +89,27 @@ async fn refund_debt_and_dedupe(store: Arc<dyn Store>) {
             json!({"duplicate": false, "buckets": [{"remaining": 0, "debt": 2}]})
         )
     );
-    // A debt is bounded by the capacity.
-    let (s, body) = post_settle(
-        &client,
-        &svc,
-        &settle("p-3", &key, 10, 10, HOUR, 0, 1_000_000_000),
-    )
-    .await;
+    // A debt is charged in full, past minus the capacity: 1,000 more owes 1,002.
+    let (s, body) = post_settle(&client, &svc, &settle("p-3", &key, 10, 10, HOUR, 0, 1000)).await;
     assert_eq!(
         (s, body),
         (
             200,
-            json!({"duplicate": false, "buckets": [{"remaining": 0, "debt": 10}]})
+            json!({"duplicate": false, "buckets": [{"remaining": 0, "debt": 1002}]})
         )
     );
-    // A take now waits for the whole deficit: 10 owed + 1 token, at 10 an hour (a few ms of
+    // A take now waits for the whole deficit: 1,002 owed + 1 token, at 10 an hour (a few ms of
     // refill may have passed).
     let d = take(&client, &svc, b(1)).await;
     assert_eq!(d["allowed"], json!(false), "{d}");
     assert_eq!(d["buckets"][0]["remaining"], json!(0), "{d}");
     let retry = d["buckets"][0]["retry_after_ms"].as_u64().unwrap();
     assert!(
-        (11 * HOUR / 10 - 60_000..=11 * HOUR / 10).contains(&retry),
+        (1003 * HOUR / 10 - 60_000..=1003 * HOUR / 10).contains(&retry),
         "{d}"
     );
-    // Giving 10 back pays the debt: nothing owed, nothing whole held yet.
-    let (s, body) = post_settle(&client, &svc, &settle("p-4", &key, 10, 10, HOUR, 10, 0)).await;
+    // Giving 1,002 back pays the debt: nothing owed, nothing whole held yet.
+    let (s, body) = post_settle(&client, &svc, &settle("p-4", &key, 10, 10, HOUR, 1002, 0)).await;
     assert_eq!(
         (s, body),
         (
@@ -141,6 +136,43 @@ async fn refund_debt_and_dedupe(store: Arc<dyn Store>) {
         metrics.contains("tollgate_settlements_total{outcome=\"duplicate\"} 1"),
         "{metrics}"
     );
+    svc.stop().await;
+}
+
+/// Overshoots settled one after the other add up, nothing forgiven, down to the contract's floor
+/// (`MAX_DEBT`, where the arithmetic would stop being exact); a repeated id adds nothing.
+async fn overshoots_add_up_to_the_floor(store: Arc<dyn Store>) {
+    let svc = Service::start(store, None).await;
+    let client = reqwest::Client::new();
+    let key = unique("deep");
+    assert_eq!(
+        take(&client, &svc, bucket(&key, 10, 10, HOUR, 10)).await["allowed"],
+        json!(true)
+    );
+    // 24 responses that each reported 3,000 for an estimate of 1.
+    for i in 0..24 {
+        let id = format!("o-{i}");
+        let (s, body) = post_settle(&client, &svc, &settle(&id, &key, 10, 10, HOUR, 1, 3000)).await;
+        assert_eq!(s, 200, "{body}");
+        assert_eq!(body["buckets"][0]["debt"], json!(2999 * (i + 1)), "{body}");
+        let (_, again) =
+            post_settle(&client, &svc, &settle(&id, &key, 10, 10, HOUR, 1, 3000)).await;
+        assert_eq!(again["duplicate"], json!(true), "{again}");
+        assert_eq!(
+            again["buckets"][0]["debt"],
+            json!(2999 * (i + 1)),
+            "{again}"
+        );
+    }
+    // The floor: 9 settles of the largest amount owe MAX_DEBT, not more.
+    let max = contract::bounds::MAX_AMOUNT;
+    let mut debt = 0;
+    for i in 0..9 {
+        let s = settle(&format!("m-{i}"), &key, 10, 10, HOUR, 0, max);
+        let (_, body) = post_settle(&client, &svc, &s).await;
+        debt = body["buckets"][0]["debt"].as_u64().unwrap();
+    }
+    assert_eq!(debt, contract::bounds::MAX_DEBT);
     svc.stop().await;
 }
 
@@ -174,8 +206,7 @@ async fn debt_refills_then_takes_pass(store: Arc<dyn Store>) {
     svc.stop().await;
 }
 
-/// A fixed window: an extra charge without a window counts in the current window (up to twice
-/// the capacity); a refund needs the window it was charged in; another window is left alone.
+/// A fixed window: an extra charge without a window counts in the current window (in full); a refund needs the window it was charged in; another window is left alone.
 async fn fixed_window_charged_in_its_window(store: Arc<dyn Store>) {
     let svc = Service::start(store, None).await;
     let client = reqwest::Client::new();
@@ -214,13 +245,13 @@ async fn fixed_window_charged_in_its_window(store: Arc<dyn Store>) {
             )
         );
     }
-    // Over the capacity: counted up to twice it, owed until the window ends.
+    // Over the capacity: counted in full, owed until the window ends.
     let (s, body) = post_settle(&client, &svc, &fw("w-4", 0, 1000, None)).await;
     assert_eq!(
         (s, body),
         (
             200,
-            json!({"duplicate": false, "buckets": [{"remaining": 0, "debt": 10}]})
+            json!({"duplicate": false, "buckets": [{"remaining": 0, "debt": 999}]})
         )
     );
     let d = take(&client, &svc, {
@@ -376,6 +407,7 @@ async fn changed_limit_carries_the_debt(store: Arc<dyn Store>) {
 
 async fn all(store: Arc<dyn Store>) {
     refund_debt_and_dedupe(store.clone()).await;
+    overshoots_add_up_to_the_floor(store.clone()).await;
     changed_limit_carries_the_debt(store.clone()).await;
     debt_refills_then_takes_pass(store.clone()).await;
     fixed_window_charged_in_its_window(store.clone()).await;

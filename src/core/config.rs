@@ -213,6 +213,20 @@ pub struct Charge {
     pub weights: Option<crate::core::usage::Weights>,
     /// Most tokens one response is charged.
     pub max: u64,
+    /// What a response cut off before its end is charged (`usage.cut`).
+    pub cut: Cut,
+}
+
+/// What a response cut off before it ended (client gone, upstream reset) is charged: LLM APIs
+/// report usage in the last event, so a client that hangs up early would otherwise pay only its
+/// reservation for what was generated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// `"bound"` (default): as if it had run to the end: the most the request could reserve
+    /// (`cost`'s `max`, or the fixed cost), or the usage seen if larger.
+    Bound,
+    /// `"reserved"`: its reservation, or the usage seen if larger.
+    Reserved,
 }
 
 impl Rule {
@@ -417,15 +431,29 @@ pub enum KeyPart {
 pub enum Cost {
     /// Always this many tokens.
     Fixed(u64),
-    /// Read from a header; `default` when absent or not a positive integer; clamped to `max`.
+    /// Read from a header (a client's hint); `default` when absent or not a positive integer;
+    /// clamped to `min ..= max`.
     Header {
         /// Lower-case header name.
         name: String,
         /// Cost when the header is absent or invalid.
         default: u64,
+        /// Lower bound: what a request reserves whatever its header says.
+        min: u64,
         /// Upper bound.
         max: u64,
     },
+}
+
+impl Cost {
+    /// The most one request can reserve: what a response cut off before it reported its usage
+    /// is charged (at least) by default.
+    pub fn bound(&self) -> u64 {
+        match self {
+            Cost::Fixed(c) => *c,
+            Cost::Header { max, .. } => *max,
+        }
+    }
 }
 
 /// Local fallback buckets.
@@ -997,17 +1025,14 @@ fn read_rule(
     };
     let cost = match r.get("cost") {
         None => Cost::Fixed(1),
-        Some(Value::Object(_)) => {
-            let c = Obj::new(
+        Some(Value::Object(_)) => read_cost(
+            &Obj::new(
                 r.required("cost")?,
                 &r.path("cost"),
-                &["header", "default", "max"],
-            )?;
-            let name = header_name(&c.path("header"), &c.string("header")?.unwrap_or_default())?;
-            let max = c.int("max", Some(capacity), 1, MAX_TOKENS)?;
-            let default = c.int("default", Some(1), 1, max)?;
-            Cost::Header { name, default, max }
-        }
+                &["header", "default", "min", "max", "reserve"],
+            )?,
+            capacity,
+        )?,
         Some(v) => Cost::Fixed(int_value(&r.path("cost"), v, 1, MAX_TOKENS)?),
     };
     let algorithms: Vec<_> = Algorithm::ALL.iter().map(|&a| (a.name(), a)).collect();
@@ -1107,6 +1132,35 @@ fn read_rule(
     })
 }
 
+/// A `cost` object: a header's value bounded by `min` and `max` (`reserve: "hint"`, the default),
+/// or `max` for every request (`reserve: "max"`: the header, its default and floor mean nothing
+/// then, and are refused; `max` is required). A hint's `max` defaults to the rule's capacity.
+fn read_cost(c: &Obj, capacity: u64) -> Result<Cost, ConfigError> {
+    let by_max = c.choice("reserve", &[("hint", false), ("max", true)], false)?;
+    if by_max {
+        if let Some(f) = ["header", "default", "min"]
+            .into_iter()
+            .find(|f| c.get(f).is_some())
+        {
+            return err(
+                c.path(f),
+                "not with \"reserve\": \"max\" (every request reserves `max`)",
+            );
+        }
+        return Ok(Cost::Fixed(c.int("max", None, 1, MAX_TOKENS)?));
+    }
+    let name = header_name(&c.path("header"), &c.string("header")?.unwrap_or_default())?;
+    let max = c.int("max", Some(capacity), 1, MAX_TOKENS)?;
+    let min = c.int("min", Some(1), 1, max)?;
+    let default = c.int("default", Some(min), min, max)?;
+    Ok(Cost::Header {
+        name,
+        default,
+        min,
+        max,
+    })
+}
+
 /// A rule's `charge` and `usage`: `None` for `"charge": "request"` (the default).
 fn read_charge(r: &Obj) -> Result<Option<Charge>, ConfigError> {
     let by_response = r.choice("charge", &[("request", false), ("response", true)], false)?;
@@ -1120,7 +1174,7 @@ fn read_charge(r: &Obj) -> Result<Option<Charge>, ConfigError> {
     let u = Obj::new(
         r.get("usage").unwrap_or(&empty),
         &r.path("usage"),
-        &["header", "body", "weights", "max"],
+        &["header", "body", "weights", "max", "cut"],
     )?;
     let header = match u.string("header")? {
         None => None,
@@ -1151,6 +1205,11 @@ fn read_charge(r: &Obj) -> Result<Option<Charge>, ConfigError> {
         body,
         weights,
         max: u.int("max", Some(MAX_TOKENS), 1, MAX_TOKENS)?,
+        cut: u.choice(
+            "cut",
+            &[("bound", Cut::Bound), ("reserved", Cut::Reserved)],
+            Cut::Bound,
+        )?,
     }))
 }
 
@@ -1649,6 +1708,7 @@ mod tests {
             Cost::Header {
                 name: "x-cost".into(),
                 default: 2,
+                min: 1,
                 max: 50
             }
         );
@@ -1716,6 +1776,12 @@ mod tests {
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":[1]}"#), "rules[1].key[0]"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":"x"}"#), "rules[1].cost"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"max":3}}"#), "rules[1].cost.header"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"header":"x","min":4,"max":3}}"#), "rules[1].cost.min"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"header":"x","min":2,"default":1}}"#), "rules[1].cost.default"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"reserve":"all","max":3}}"#), "rules[1].cost.reserve"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"reserve":"max"}}"#), "rules[1].cost.max"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"reserve":"max","max":3,"header":"x"}}"#), "rules[1].cost.header"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"reserve":"max","max":3,"min":1}}"#), "rules[1].cost.min"),
             (with_rule1(r#"{"capacity":5,"period_ms":1}"#), "rules[1].name"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":6}}"#), "rules[1].lease.size"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":0}}"#), "rules[1].lease.size"),
@@ -1732,6 +1798,7 @@ mod tests {
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"weights":{"cached":1}}}"#), "rules[1].usage.weights.cached"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"max":0}}"#), "rules[1].usage.max"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"from":"body"}}"#), "rules[1].usage.from"),
+            (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"cut":"seen"}}"#), "rules[1].usage.cut"),
             (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","lease":{}}"#), "rules[1].lease"),
             (r#"{"service":{"cluster":"c","transport":"rls","domain":"d"},"rules":[{"name":"a","capacity":1,"period_ms":1,"charge":"response"}]}"#.into(), "rules[0].charge"),
             (r#"[1]"#.into(), "config"),
@@ -1768,7 +1835,7 @@ mod tests {
         let cfg = Config::parse(
             br#"{"service":{"cluster":"c"},"rules":[
                 {"name":"a","capacity":10000,"period_ms":60000,"cost":{"header":"x-max-tokens","default":500,"max":4000},
-                 "charge":"response","usage":{"header":"X-Tokens","weights":{"prompt":1,"completion":3},"max":8000}},
+                 "charge":"response","usage":{"header":"X-Tokens","weights":{"prompt":1,"completion":3},"max":8000,"cut":"reserved"}},
                 {"name":"b","capacity":10,"period_ms":1000,"charge":"response"},
                 {"name":"c","capacity":10,"period_ms":1000}]}"#,
         )
@@ -1783,13 +1850,39 @@ mod tests {
                 completion: 3
             })
         );
-        assert_eq!(a.max, 8000);
+        assert_eq!((a.max, a.cut), (8000, Cut::Reserved));
         let b = cfg.rules[1].charge.clone().unwrap();
         assert_eq!(
-            (b.header, b.body, b.weights, b.max),
-            (None, true, None, MAX_TOKENS)
+            (b.header, b.body, b.weights, b.max, b.cut),
+            (None, true, None, MAX_TOKENS, Cut::Bound)
         );
         assert_eq!(cfg.rules[2].charge, None);
+    }
+
+    #[test]
+    fn a_reservation_is_a_floored_hint_or_the_rules_max() {
+        let cfg = Config::parse(
+            br#"{"service":{"cluster":"c"},"rules":[
+                {"name":"a","capacity":10000,"period_ms":60000,"charge":"response",
+                 "cost":{"header":"x-max-tokens","min":256,"max":4000}},
+                {"name":"b","capacity":10000,"period_ms":60000,"charge":"response",
+                 "cost":{"reserve":"max","max":4000}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.rules[0].cost,
+            Cost::Header {
+                name: "x-max-tokens".into(),
+                default: 256,
+                min: 256,
+                max: 4000
+            }
+        );
+        assert_eq!(cfg.rules[1].cost, Cost::Fixed(4000));
+        assert_eq!(
+            (cfg.rules[0].cost.bound(), cfg.rules[1].cost.bound()),
+            (4000, 4000)
+        );
     }
 
     #[test]

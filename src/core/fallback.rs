@@ -57,6 +57,7 @@
 use crate::core::bucket::{self, Limits, State};
 use crate::core::config::{Algorithm, Config, FailureMode};
 use crate::core::plan::{Outcome, Plan};
+use crate::core::settle;
 use crate::core::store::{update, CasStore, Step};
 pub use crate::core::table::Slot;
 use crate::core::table::{self, slot_of};
@@ -481,6 +482,52 @@ pub fn remember_one<S: CasStore + ?Sized>(
     });
 }
 
+/// Drains `amount` tokens (or all it holds) from one bucket's local share without recording them
+/// as owed: what a response used beyond its reservation, which its settlement charges the global
+/// bucket itself however long it waits for the service. So while the service is away the
+/// fallback counts the overshoot too, instead of admitting as if it had not happened (this
+/// proxy's share drops by all of it: stricter than the global bucket's drop, never looser). A
+/// bucket never seen here starts from a full share; a slot another bucket holds is left alone.
+pub fn spend<S: CasStore + ?Sized>(
+    store: &S,
+    sh: &Shares,
+    key: &str,
+    l: &Limits,
+    now_ms: u64,
+    amount: u64,
+) {
+    let slot = slot(key, l, sh.max_keys);
+    update(store, &slot.name, |cur| {
+        let (state, debt) = match decode(&slot.id, l, cur, now_ms, sh.horizon_ms) {
+            Entry::Ours(s, d, _) => (Some(s), d),
+            Entry::Vacant => (None, 0),
+            Entry::Missing | Entry::Other { .. } => return Step::Keep(()),
+        };
+        let held = state.map_or(l.capacity, |s| bucket::available(l, s, now_ms));
+        let drained = amount.min(held);
+        if drained == 0 {
+            return Step::Keep(());
+        }
+        let (state, _) = bucket::take(l, state, now_ms, drained);
+        Step::Write(encode(&slot.id, l, state, debt, now_ms), ())
+    });
+}
+
+/// [`spend`] for each extra charge of a response's settlement ([`settle::Item`]s whose `used` is
+/// above their `estimate`), in the shares as this proxy splits them now.
+pub fn spend_extras<S: CasStore + ?Sized>(
+    cfg: &Config,
+    store: &S,
+    items: &[settle::Item],
+    now_ms: u64,
+) {
+    let sh = Shares::of(cfg).learned(store);
+    for i in items.iter().filter(|i| i.used > i.estimate) {
+        let l = limits_of(&i.bucket, sh.instances);
+        spend(store, &sh, &i.bucket.key, &l, now_ms, i.used - i.estimate);
+    }
+}
+
 /// The local limits of a request bucket for `instances` proxies.
 fn limits_of(b: &crate::core::wire::Bucket, instances: u64) -> Limits {
     Limits::local(
@@ -697,6 +744,38 @@ mod tests {
             algorithm: Some(Algorithm::TokenBucket),
             lease: None,
         }
+    }
+
+    #[test]
+    fn an_overshoot_drains_the_share_and_is_not_owed_twice() {
+        let s = prepared(100);
+        let cfg = Config::parse(
+            br#"{"service":{"cluster":"c"},"fallback":{"instances":1,"max_keys":100},
+                "rules":[{"name":"r","capacity":100,"period_ms":1000}]}"#,
+        )
+        .unwrap_or_else(|e| unreachable!("{e}"));
+        let item = |key: &str, estimate, used| settle::Item {
+            bucket: bucket(key, 100),
+            rule: "r".into(),
+            estimate,
+            used,
+        };
+        // Held 100 (never seen: a full share), then a response used 70 beyond its reservation.
+        spend_extras(&cfg, &s, &[item("a", 10, 80), item("b", 50, 20)], 0);
+        let l = tb(100);
+        assert!(take(&s, &sh(100), "a", &l, 0, 30).allowed);
+        assert!(!take(&s, &sh(100), "a", &l, 0, 1).allowed, "30 were left");
+        // Owed: only what the fallback itself admitted (the settlement charges the rest).
+        assert_eq!(owed(&s, &sh(100), "a", &l, 0), 30);
+        // A refund drains nothing.
+        assert!(take(&s, &sh(100), "b", &l, 0, 100).allowed);
+        // More than it holds empties it, no further.
+        spend_extras(&cfg, &s, &[item("a", 0, 1_000_000)], 500);
+        assert!(!take(&s, &sh(100), "a", &l, 500, 1).allowed);
+        assert!(
+            take(&s, &sh(100), "a", &l, 510, 1).allowed,
+            "it refills from empty"
+        );
     }
 
     #[test]

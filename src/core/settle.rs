@@ -10,19 +10,29 @@
 //! (`<instance>-<sequence>`) so that a settlement whose answer was lost can be sent again and
 //! applied once: the service records applied ids beside the bucket for the retry window.
 //!
-//! How a response can end, and what is settled ([`amount`]):
-//! - it ends normally: the usage it reported, or the estimate when it reported none;
-//! - the upstream resets or the client leaves mid-stream: the usage seen so far if a report was
-//!   read, else the estimate stands (nothing is sent);
+//! How a response can end, and what it is charged in all ([`charged`]; [`amount`] turns that into
+//! what is settled):
+//! - it ends normally: the usage it reported, or the reservation when it reported none;
+//! - the upstream resets or the client leaves mid-stream: as if it had run to the end. LLM APIs
+//!   report usage in their last event, so a client that hangs up early would otherwise get the
+//!   whole generation for its reservation: by default (`usage.cut: "bound"`) the most the request
+//!   could have reserved, or the usage seen if larger; `"reserved"`: the reservation, or the
+//!   usage seen if larger;
 //! - a denial before the stream starts reserved nothing: nothing to settle.
+//!
+//! What a response used beyond its reservation is charged in full (the bucket owes it until its
+//! refill has repaid it); each response's charge is capped at its rule's `usage.max`, so one
+//! settlement pushes a bucket at most `usage.max - reservation` deeper.
 
-use crate::core::config::{Charge, Config};
+use crate::core::config::{Charge, Config, Cut};
 use crate::core::plan::Plan;
 use crate::core::usage::{self, Format, UsageReader};
 use crate::core::wire::Bucket;
 
-/// Attempts per settlement before it is dropped (and counted): with the backoff below, a
-/// settlement is tried for about 7 seconds (100, 200, 400, 800, 1,600, 2,000, 2,000 ms apart).
+/// Attempts before a settlement that only gives tokens back is dropped (and counted): with the
+/// backoff below, about 7 seconds (100, 200, 400, 800, 1,600, 2,000, 2,000 ms apart). Dropping a
+/// refund only leaves the bucket stricter. A settlement that charges more is never given up: it
+/// is tried every [`MAX_BACKOFF_MS`] until the service applies it.
 pub const MAX_ATTEMPTS: u32 = 8;
 
 /// Wait before the first retry; doubles per attempt, up to [`MAX_BACKOFF_MS`].
@@ -31,7 +41,8 @@ pub const FIRST_BACKOFF_MS: u64 = 100;
 /// Longest wait between two attempts.
 pub const MAX_BACKOFF_MS: u64 = 2_000;
 
-/// Settlements a VM keeps waiting for delivery; beyond that the oldest is dropped (and counted).
+/// Settlements a VM keeps waiting for delivery; beyond that a refund is dropped first (the oldest),
+/// and only a queue of nothing but extra charges drops its oldest (counted, with its tokens).
 pub const MAX_PENDING: usize = 1024;
 
 /// How the response ended.
@@ -54,13 +65,27 @@ pub enum Amount {
     Extra(u64),
 }
 
-/// What to settle for a reservation of `reserved` tokens, given the usage the response reported
-/// (`seen`, already priced and capped at the rule's `max`) and how it ended.
-pub fn amount(reserved: u64, seen: Option<u64>, ending: Ending) -> Amount {
-    let used = match (seen, ending) {
-        (Some(u), _) => u,
-        (None, Ending::Complete | Ending::Cut) => return Amount::Stands,
+/// What a response is charged in all: it reserved `reserved` (the most it could have reserved
+/// is `bound`), its rule charges one response at most `max`, `seen` is the usage it reported
+/// (already priced), `ending` how it ended and `cut` what a cut-off response pays.
+pub fn charged(
+    reserved: u64,
+    bound: u64,
+    seen: Option<u64>,
+    ending: Ending,
+    cut: Cut,
+    max: u64,
+) -> u64 {
+    let used = match (ending, cut) {
+        (Ending::Complete, _) => seen.unwrap_or(reserved),
+        (Ending::Cut, Cut::Bound) => seen.unwrap_or(0).max(bound.max(reserved)),
+        (Ending::Cut, Cut::Reserved) => seen.unwrap_or(0).max(reserved),
     };
+    used.min(max)
+}
+
+/// What to settle for a reservation of `reserved` tokens whose response is charged `used`.
+pub fn amount(reserved: u64, used: u64) -> Amount {
     match used.cmp(&reserved) {
         core::cmp::Ordering::Less => Amount::Refund(reserved - used),
         core::cmp::Ordering::Equal => Amount::Stands,
@@ -171,9 +196,11 @@ impl Meter {
         }
     }
 
-    /// Whether the body is to be read.
+    /// Whether the body is to be handed over: to be read for its usage, or, when no header
+    /// reported it, only so that its end is seen (a response cut off is charged more).
     pub fn wants_body(&self) -> bool {
-        self.reader.is_some() && !self.ended
+        !self.ended
+            && (self.reader.is_some() || self.reserved.iter().any(|r| r.header_usage.is_none()))
     }
 
     /// A piece of the response body; `end_of_stream` when it is the last.
@@ -204,22 +231,26 @@ impl Meter {
         };
         let mut items = Vec::new();
         for r in &self.reserved {
-            let Some(c) = self.charge(cfg, r) else {
+            let Some(rule) = cfg.rules.get(r.rule) else {
                 continue;
             };
-            let seen = r
-                .header_usage
-                .or_else(|| body.and_then(|u| u.tokens(c.weights)))
-                .map(|u| u.min(c.max));
-            if amount(r.estimate(), seen, ending) == Amount::Stands {
+            let Some(c) = &rule.charge else {
+                continue;
+            };
+            // A usage header came before the body: the count was final, however the body ended.
+            let (seen, ending) = match r.header_usage {
+                Some(u) => (Some(u), Ending::Complete),
+                None => (body.and_then(|u| u.tokens(c.weights)), ending),
+            };
+            let used = charged(r.estimate(), rule.cost.bound(), seen, ending, c.cut, c.max);
+            if amount(r.estimate(), used) == Amount::Stands {
                 continue;
             }
-            let rule = cfg.rules.get(r.rule).map_or("", |x| x.name.as_str());
             items.push(Item {
                 bucket: r.bucket.clone(),
-                rule: rule.to_string(),
+                rule: rule.name.clone(),
                 estimate: r.estimate(),
-                used: seen.unwrap_or(0),
+                used,
             });
         }
         items
@@ -245,6 +276,21 @@ pub struct Item {
     pub rule: String,
     pub estimate: u64,
     pub used: u64,
+}
+
+/// What a queued settlement charges beyond its reservations: such a settlement is owed to the
+/// bucket and never given up on a failure.
+pub trait Owed {
+    /// Tokens charged on top of the reservations (0: it only gives tokens back).
+    fn extra(&self) -> u64;
+}
+
+impl Owed for Vec<Item> {
+    fn extra(&self) -> u64 {
+        self.iter()
+            .map(|i| i.used.saturating_sub(i.estimate))
+            .fold(0, u64::saturating_add)
+    }
 }
 
 /// The JSON body of `POST /v1/settle` (the contract's encoder).
@@ -287,21 +333,25 @@ pub enum Outcome {
     Delivered,
     /// Failed; it will be tried again at the given time.
     Retry { at_ms: u64 },
-    /// Failed for the last time, or was dropped: never applied by this proxy.
+    /// A refund failed for the last time, or a settlement was dropped or refused: never applied
+    /// by this proxy.
     GaveUp,
 }
 
-/// The settlements of one VM, sent from its root context with bounded retries.
+/// The settlements of one VM, sent from its root context: refunds with bounded retries, extra
+/// charges until delivered.
 #[derive(Debug)]
 pub struct Queue<T> {
     instance: String,
     next_seq: u64,
     items: Vec<Pending<T>>,
-    /// Settlements given up (attempts exhausted, or dropped when the queue was full).
+    /// Settlements given up (a refund's attempts exhausted, or dropped when the queue was full).
     pub given_up: u64,
+    /// Extra tokens never charged: those of settlements dropped from a full queue or refused.
+    pub forgiven: u64,
 }
 
-impl<T> Queue<T> {
+impl<T: Owed> Queue<T> {
     /// An empty queue for the VM `instance`.
     pub fn new(instance: &str) -> Queue<T> {
         Queue {
@@ -309,14 +359,20 @@ impl<T> Queue<T> {
             next_seq: 0,
             items: Vec::new(),
             given_up: 0,
+            forgiven: 0,
         }
     }
 
-    /// Queues `what`, due at once; returns its id. A full queue drops its oldest item first.
+    /// Queues `what`, due at once; returns its id. A full queue drops its oldest refund first,
+    /// and its oldest item when it holds only extra charges.
     pub fn push(&mut self, what: T, now_ms: u64) -> String {
         if self.items.len() >= MAX_PENDING {
-            self.items.remove(0);
-            self.given_up += 1;
+            let i = self
+                .items
+                .iter()
+                .position(|p| p.what.extra() == 0)
+                .unwrap_or(0);
+            self.drop_at(i);
         }
         let id = format!("{}-{}", self.instance, self.next_seq);
         self.next_seq += 1;
@@ -356,10 +412,12 @@ impl<T> Queue<T> {
             self.items.remove(i);
             return Outcome::Delivered;
         }
-        let attempts = self.items.get(i).map_or(MAX_ATTEMPTS, |p| p.attempts);
-        if attempts >= MAX_ATTEMPTS {
-            self.items.remove(i);
-            self.given_up += 1;
+        let (attempts, owed) = self
+            .items
+            .get(i)
+            .map_or((MAX_ATTEMPTS, false), |p| (p.attempts, p.what.extra() > 0));
+        if attempts >= MAX_ATTEMPTS && !owed {
+            self.drop_at(i);
             return Outcome::GaveUp;
         }
         let backoff = (FIRST_BACKOFF_MS << attempts.saturating_sub(1).min(16)).min(MAX_BACKOFF_MS);
@@ -375,10 +433,18 @@ impl<T> Queue<T> {
     /// dropped and counted.
     pub fn refused(&mut self, id: &str) -> Outcome {
         if let Some(i) = self.items.iter().position(|p| p.id == id) {
-            self.items.remove(i);
-            self.given_up += 1;
+            self.drop_at(i);
         }
         Outcome::GaveUp
+    }
+
+    /// Drops item `i`, counting it and the extra tokens it would have charged.
+    fn drop_at(&mut self, i: usize) {
+        if i < self.items.len() {
+            let p = self.items.remove(i);
+            self.given_up += 1;
+            self.forgiven = self.forgiven.saturating_add(p.what.extra());
+        }
     }
 
     /// Settlements waiting (in flight or not).
@@ -404,13 +470,17 @@ impl<T> Queue<T> {
 
     /// Takes over settlements another queue handed over, under their own ids (the service applies
     /// an id once, so one sent before the hand-over and again after is applied once), due at once.
-    /// A full queue drops the oldest first, as [`Queue::push`] does; how many were dropped.
+    /// A full queue drops as [`Queue::push`] does (a refund first); how many were dropped.
     pub fn adopt(&mut self, pending: Vec<Pending<T>>, now_ms: u64) -> u64 {
         let mut dropped = 0;
         for mut p in pending {
             if self.items.len() >= MAX_PENDING {
-                self.items.remove(0);
-                self.given_up += 1;
+                let i = self
+                    .items
+                    .iter()
+                    .position(|p| p.what.extra() == 0)
+                    .unwrap_or(0);
+                self.drop_at(i);
                 dropped += 1;
             }
             p.due_ms = p.due_ms.min(now_ms);
@@ -433,28 +503,56 @@ impl<T> Queue<T> {
 mod tests {
     use super::*;
 
+    /// A settlement in tests: the extra tokens it charges.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    struct S(u64);
+
+    impl Owed for S {
+        fn extra(&self) -> u64 {
+            self.0
+        }
+    }
+
     #[test]
-    fn the_difference_is_settled_and_no_report_leaves_the_estimate() {
-        assert_eq!(amount(100, Some(40), Ending::Complete), Amount::Refund(60));
-        assert_eq!(amount(100, Some(250), Ending::Complete), Amount::Extra(150));
-        assert_eq!(amount(100, Some(100), Ending::Complete), Amount::Stands);
-        assert_eq!(amount(100, None, Ending::Complete), Amount::Stands);
-        assert_eq!(amount(100, Some(30), Ending::Cut), Amount::Refund(70));
-        assert_eq!(amount(100, None, Ending::Cut), Amount::Stands);
+    fn the_difference_is_settled_and_no_report_leaves_the_reservation() {
+        let done = |seen| charged(100, 400, seen, Ending::Complete, Cut::Bound, 1000);
+        assert_eq!(amount(100, done(Some(40))), Amount::Refund(60));
+        assert_eq!(amount(100, done(Some(250))), Amount::Extra(150));
+        assert_eq!(amount(100, done(Some(100))), Amount::Stands);
+        assert_eq!(amount(100, done(None)), Amount::Stands);
+        assert_eq!(
+            done(Some(5000)),
+            1000,
+            "capped at what one response may use"
+        );
+    }
+
+    #[test]
+    fn a_cut_off_response_pays_as_if_it_had_run_to_the_end() {
+        let cut = |seen, how| charged(100, 400, seen, Ending::Cut, how, 1000);
+        // The bound (the most the request could reserve), or the usage seen if larger.
+        assert_eq!(cut(None, Cut::Bound), 400);
+        assert_eq!(cut(Some(30), Cut::Bound), 400);
+        assert_eq!(cut(Some(700), Cut::Bound), 700);
+        assert_eq!(cut(Some(5000), Cut::Bound), 1000);
+        // Or the reservation, or the usage seen if larger: never a refund.
+        assert_eq!(cut(None, Cut::Reserved), 100);
+        assert_eq!(cut(Some(30), Cut::Reserved), 100);
+        assert_eq!(cut(Some(700), Cut::Reserved), 700);
     }
 
     #[test]
     fn a_handed_over_settlement_keeps_its_id_and_is_due_at_once() {
         let mut old = Queue::new("vm1");
-        let a = old.push("a", 0);
-        let b = old.push("b", 0);
+        let a = old.push(S(0), 0);
+        let b = old.push(S(5), 0);
         assert_eq!(
             old.due(0).len(),
             2,
             "both in flight when the configuration goes"
         );
-        let mut heir: Queue<&str> = Queue::new("vm2");
-        let c = heir.push("c", 5);
+        let mut heir: Queue<S> = Queue::new("vm2");
+        let c = heir.push(S(0), 5);
         assert_eq!(heir.adopt(old.hand_over(), 10), 0);
         assert!(old.is_empty());
         let due: Vec<String> = heir.due(10).iter().map(|p| p.id.clone()).collect();
@@ -470,7 +568,7 @@ mod tests {
     #[test]
     fn a_settlement_is_sent_until_delivered_then_never_again() {
         let mut q = Queue::new("vm7");
-        let id = q.push("a", 0);
+        let id = q.push(S(0), 0);
         assert_eq!(id, "vm7-0");
         assert_eq!(q.due(0).len(), 1);
         // In flight: not handed out twice.
@@ -486,15 +584,13 @@ mod tests {
         assert_eq!(q.given_up, 0);
     }
 
-    #[test]
-    fn retries_back_off_and_end() {
-        let mut q = Queue::new("vm");
-        let id = q.push(1u8, 0);
+    /// Fails every attempt of the one settlement queued, `n` times at most: the waits between them.
+    fn fail(q: &mut Queue<S>, id: &str, n: u32) -> Vec<u64> {
         let mut now = 0;
         let mut waits = Vec::new();
-        for _ in 0..MAX_ATTEMPTS {
+        for _ in 0..n {
             assert_eq!(q.due(now).len(), 1);
-            match q.answered(&id, false, now) {
+            match q.answered(id, false, now) {
                 Outcome::Retry { at_ms } => {
                     waits.push(at_ms - now);
                     now = at_ms;
@@ -503,19 +599,120 @@ mod tests {
                 Outcome::Delivered => unreachable!(),
             }
         }
-        assert_eq!(waits, vec![100, 200, 400, 800, 1600, 2000, 2000]);
-        assert!(q.is_empty());
-        assert_eq!(q.given_up, 1);
+        waits
     }
 
     #[test]
-    fn a_full_queue_drops_its_oldest_and_counts_it() {
+    fn a_refunds_retries_back_off_and_end() {
         let mut q = Queue::new("vm");
-        for i in 0..MAX_PENDING + 2 {
-            q.push(i, 0);
+        let id = q.push(S(0), 0);
+        let waits = fail(&mut q, &id, MAX_ATTEMPTS);
+        assert_eq!(waits, vec![100, 200, 400, 800, 1600, 2000, 2000]);
+        assert!(q.is_empty());
+        assert_eq!((q.given_up, q.forgiven), (1, 0));
+    }
+
+    #[test]
+    fn an_extra_charge_is_tried_until_the_service_takes_it() {
+        let mut q = Queue::new("vm");
+        let id = q.push(S(2500), 0);
+        // An hour of failures: still owed, tried every 2 s.
+        let waits = fail(&mut q, &id, 1800);
+        assert_eq!(waits.len(), 1800);
+        assert!(waits.iter().skip(5).all(|&w| w == MAX_BACKOFF_MS));
+        assert_eq!(q.len(), 1);
+        assert_eq!(q.answered(&id, true, u64::MAX), Outcome::Delivered);
+        assert_eq!((q.given_up, q.forgiven), (0, 0));
+    }
+
+    #[test]
+    fn a_full_queue_drops_refunds_before_extra_charges() {
+        let mut q = Queue::new("vm");
+        q.push(S(7), 0);
+        for _ in 1..MAX_PENDING {
+            q.push(S(0), 0);
         }
+        q.push(S(9), 0);
         assert_eq!(q.len(), MAX_PENDING);
-        assert_eq!(q.given_up, 2);
-        assert_eq!(q.due(0).first().map(|p| p.what), Some(2));
+        assert_eq!((q.given_up, q.forgiven), (1, 0));
+        assert_eq!(q.due(0).first().map(|p| p.what), Some(S(7)));
+        // Nothing but extra charges: the oldest goes, counted with its tokens.
+        let mut q = Queue::new("vm");
+        for i in 0..=MAX_PENDING {
+            q.push(S(i as u64 + 1), 0);
+        }
+        assert_eq!((q.given_up, q.forgiven), (1, 1));
+    }
+
+    mod props {
+        use super::super::*;
+        use proptest::prelude::*;
+
+        fn cut() -> impl Strategy<Value = Cut> {
+            prop_oneof![Just(Cut::Bound), Just(Cut::Reserved)]
+        }
+
+        proptest! {
+            /// Never forgives: a response is charged at least what it reported (up to what its
+            /// rule lets one response use), and a cut-off one at least its reservation; what is
+            /// settled is exactly the difference from the reservation.
+            #[test]
+            fn a_settlement_never_forgives(reserved in 1u64..5000, extra in 0u64..5000,
+                                           seen in proptest::option::of(0u64..20_000),
+                                           max in 1u64..20_000, complete in any::<bool>(),
+                                           how in cut()) {
+                let bound = reserved + extra;
+                let ending = if complete { Ending::Complete } else { Ending::Cut };
+                let used = charged(reserved, bound, seen, ending, how, max);
+                prop_assert!(used <= max);
+                if let Some(s) = seen {
+                    prop_assert!(used >= s.min(max));
+                }
+                if !complete {
+                    prop_assert!(used >= reserved.min(max));
+                    if how == Cut::Bound {
+                        prop_assert!(used >= bound.min(max));
+                    }
+                }
+                let settled = match amount(reserved, used) {
+                    Amount::Stands => i128::from(reserved),
+                    Amount::Refund(r) => i128::from(reserved) - i128::from(r),
+                    Amount::Extra(e) => i128::from(reserved) + i128::from(e),
+                };
+                prop_assert_eq!(settled, i128::from(used));
+            }
+
+            /// Never charges twice, never loses an extra charge: whatever the answers, each
+            /// settlement is delivered at most once, and every extra charge is delivered or still
+            /// waiting (the queue holds less than its bound here).
+            #[test]
+            fn a_queue_delivers_each_settlement_at_most_once(
+                    ops in proptest::collection::vec((0u64..3, any::<bool>(), any::<bool>()), 1..200)) {
+                let mut q = Queue::new("vm");
+                let mut pushed: Vec<(String, u64)> = Vec::new();
+                let mut delivered: Vec<String> = Vec::new();
+                let mut now = 0;
+                for (extra, ok, tick) in ops {
+                    pushed.push((q.push(super::S(extra), now), extra));
+                    let due: Vec<String> = q.due(now).into_iter().map(|p| p.id.clone()).collect();
+                    for id in due {
+                        if q.answered(&id, ok, now) == Outcome::Delivered {
+                            prop_assert!(!delivered.contains(&id), "{} delivered twice", id);
+                            delivered.push(id);
+                        }
+                    }
+                    if tick {
+                        now += 1000;
+                    }
+                }
+                for (id, extra) in &pushed {
+                    if *extra > 0 {
+                        let waiting = q.items.iter().any(|p| &p.id == id);
+                        prop_assert!(waiting || delivered.contains(id), "{} lost", id);
+                    }
+                }
+                prop_assert_eq!(q.forgiven, 0);
+            }
+        }
     }
 }

@@ -2,17 +2,25 @@
 //! streams past, in bounded memory.
 //!
 //! Two body formats:
-//! - **JSON** (`Format::Json`): one object, as an OpenAI-style completion answers; its top-level
-//!   `usage` object is the report.
-//! - **Server-Sent Events** (`Format::Sse`): a stream of `data:` events, each a JSON object; the
-//!   last event whose top-level `usage` is an object wins (OpenAI sends it in the final chunk when
-//!   asked with `stream_options.include_usage`; earlier chunks carry `"usage": null`).
+//! - **JSON** (`Format::Json`): one object, as an OpenAI chat completion or an Anthropic message
+//!   answers; its top-level `usage` object is the report.
+//! - **Server-Sent Events** (`Format::Sse`): a stream of `data:` events, each a JSON object. A
+//!   report is the top-level `usage` object of an event, or the `usage` of its top-level `message`
+//!   (Anthropic's `message_start`). Reports are merged count by count, the later one winning:
+//!   OpenAI sends one, in the final chunk, when asked with `stream_options.include_usage` (earlier
+//!   chunks carry `"usage": null`); Anthropic sends the input tokens in `message_start` and the
+//!   (cumulative) output tokens in `message_delta`, and both are charged.
+//!
+//! Prompt tokens are `prompt_tokens` (OpenAI's count includes cached tokens), or Anthropic's
+//! `input_tokens` plus `cache_creation_input_tokens` and `cache_read_input_tokens` (which its
+//! `input_tokens` leaves out). Fixtures of each provider's format are in `usage/fixtures/`.
 //!
 //! The reader is fed the body in whatever pieces Envoy hands over and never keeps more than
 //! [`MAX_USAGE_BYTES`] of it: a byte-at-a-time tokenizer tracks only nesting depth, string state
-//! and the current top-level key, and copies out nothing but the `usage` object itself. A body
-//! that is not JSON, or a `usage` object larger than the bound, reports nothing (the caller's
-//! estimate stands). How the bytes are split never changes the result (a property test checks it).
+//! and the current key at the levels it reads, and copies out nothing but the `usage` object
+//! itself. A body that is not JSON, or a `usage` object larger than the bound, reports nothing
+//! (the caller's estimate stands). How the bytes are split never changes the result (a property
+//! test checks it).
 
 use serde_json::Value;
 
@@ -34,12 +42,17 @@ pub enum Format {
     Sse,
 }
 
-/// The counts of one `usage` report. Field names of both OpenAI (`prompt_tokens`,
-/// `completion_tokens`, `total_tokens`) and Anthropic (`input_tokens`, `output_tokens`) are read.
+/// The counts of one `usage` report (or of several, merged). Field names of both OpenAI
+/// (`prompt_tokens`, `completion_tokens`, `total_tokens`) and Anthropic (`input_tokens`,
+/// `cache_creation_input_tokens`, `cache_read_input_tokens`, `output_tokens`) are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     /// Tokens of the prompt (`prompt_tokens` or `input_tokens`).
     pub prompt: Option<u64>,
+    /// Prompt tokens written to Anthropic's cache (`cache_creation_input_tokens`).
+    pub cache_write: Option<u64>,
+    /// Prompt tokens read from Anthropic's cache (`cache_read_input_tokens`).
+    pub cache_read: Option<u64>,
     /// Tokens generated (`completion_tokens` or `output_tokens`).
     pub completion: Option<u64>,
     /// `total_tokens`.
@@ -62,16 +75,42 @@ impl Usage {
         let field = |names: &[&str]| names.iter().find_map(|n| obj.get(*n)?.as_u64());
         let u = Usage {
             prompt: field(&["prompt_tokens", "input_tokens"]),
+            cache_write: field(&["cache_creation_input_tokens"]),
+            cache_read: field(&["cache_read_input_tokens"]),
             completion: field(&["completion_tokens", "output_tokens"]),
             total: field(&["total_tokens"]),
         };
         (u != Usage::default()).then_some(u)
     }
 
+    /// `self` updated by a later report: each count it carries replaces the earlier one (the
+    /// providers' counts are cumulative).
+    fn then(self, later: Usage) -> Usage {
+        Usage {
+            prompt: later.prompt.or(self.prompt),
+            cache_write: later.cache_write.or(self.cache_write),
+            cache_read: later.cache_read.or(self.cache_read),
+            completion: later.completion.or(self.completion),
+            total: later.total.or(self.total),
+        }
+    }
+
+    /// Every prompt token: `prompt` and both cache counts (each absent one as 0); `None` when
+    /// none is reported.
+    fn prompt_tokens(&self) -> Option<u64> {
+        let parts = [self.prompt, self.cache_write, self.cache_read];
+        parts.iter().any(Option::is_some).then(|| {
+            parts
+                .iter()
+                .map(|p| p.unwrap_or(0))
+                .fold(0, u64::saturating_add)
+        })
+    }
+
     /// The amount to charge: weighted prompt and completion tokens when `weights` is given and
     /// either count is reported; otherwise `total_tokens`, or else prompt + completion.
     pub fn tokens(&self, weights: Option<Weights>) -> Option<u64> {
-        let (p, c) = (self.prompt, self.completion);
+        let (p, c) = (self.prompt_tokens(), self.completion);
         if let Some(w) = weights {
             if p.is_some() || c.is_some() {
                 let p = p.unwrap_or(0).saturating_mul(w.prompt);
@@ -82,7 +121,8 @@ impl Usage {
     }
 }
 
-/// A streaming scan of one JSON document for its top-level `usage` object.
+/// A streaming scan of one JSON document for its reports: the top-level `usage` object, and the
+/// `usage` object of a top-level `message` object. Keys are read at those two levels only.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct JsonScan {
     depth: u32,
@@ -92,21 +132,32 @@ struct JsonScan {
     started: bool,
     in_string: bool,
     escape: bool,
-    /// At depth 1 the next string is a key.
+    /// At a keyed level the next string is a key.
     expect_key: bool,
     reading_key: bool,
     key: [u8; MAX_KEY],
     key_len: usize,
     key_long: bool,
-    /// The last key read at depth 1 was `usage` and its value has not started yet.
+    /// The last key read at a keyed level was `usage` and its value has not started yet.
     usage_next: bool,
+    /// The last key read at depth 1 was `message` and its value has not started yet.
+    message_next: bool,
+    /// Inside the top-level `message` object (depth 2 is keyed).
+    in_message: bool,
     capturing: bool,
+    /// The depth the captured `usage` object was opened at (it ends back there).
+    capture_at: u32,
     capture: Vec<u8>,
     capture_long: bool,
     found: Option<Usage>,
 }
 
 impl JsonScan {
+    /// Whether keys are read at the current depth.
+    fn keyed(&self) -> bool {
+        self.top_object && (self.depth == 1 || (self.depth == 2 && self.in_message))
+    }
+
     fn feed(&mut self, b: u8) {
         if self.capturing {
             if self.capture.len() < MAX_USAGE_BYTES {
@@ -124,8 +175,13 @@ impl JsonScan {
                 self.in_string = false;
                 if self.reading_key {
                     self.reading_key = false;
-                    self.usage_next =
-                        !self.key_long && self.key.get(..self.key_len) == Some(b"usage");
+                    let key = if self.key_long {
+                        None
+                    } else {
+                        self.key.get(..self.key_len)
+                    };
+                    self.usage_next = key == Some(b"usage");
+                    self.message_next = self.depth == 1 && key == Some(b"message");
                 }
                 return;
             }
@@ -147,54 +203,67 @@ impl JsonScan {
             self.started = true;
             self.top_object = b == b'{';
         }
-        let top = self.top_object && self.depth == 1;
+        let keyed = self.keyed();
         match b {
             b'"' => {
                 self.in_string = true;
-                if top && self.expect_key {
+                if keyed && self.expect_key {
                     self.expect_key = false;
                     self.reading_key = true;
                     self.key_len = 0;
                     self.key_long = false;
-                } else if top {
-                    self.usage_next = false;
+                } else if keyed {
+                    self.value_started();
                 }
             }
             b'{' | b'[' => {
-                if top {
-                    if self.usage_next && b == b'{' {
+                if keyed {
+                    if self.usage_next && b == b'{' && !self.capturing {
                         self.capturing = true;
+                        self.capture_at = self.depth;
                         self.capture.clear();
                         self.capture.push(b);
                         self.capture_long = false;
                     }
-                    self.usage_next = false;
+                    if self.message_next && b == b'{' {
+                        self.in_message = true;
+                    }
+                    self.value_started();
                 }
                 self.depth = self.depth.saturating_add(1);
-                if self.depth == 1 && self.top_object {
+                if self.keyed() && b == b'{' {
                     self.expect_key = true;
                 }
             }
             b'}' | b']' => {
                 self.depth = self.depth.saturating_sub(1);
-                if self.capturing && self.depth == 1 {
+                if self.capturing && self.depth == self.capture_at {
                     self.capturing = false;
                     if !self.capture_long {
                         if let Some(u) = Usage::from_object(&self.capture) {
-                            self.found = Some(u);
+                            self.found = Some(self.found.unwrap_or_default().then(u));
                         }
                     }
                     self.capture = Vec::new();
                 }
+                if self.depth <= 1 {
+                    self.in_message = false;
+                }
             }
-            b',' if top => {
+            b',' if keyed => {
                 self.expect_key = true;
-                self.usage_next = false;
+                self.value_started();
             }
             b':' => {}
-            _ if top => self.usage_next = false,
+            _ if keyed => self.value_started(),
             _ => {}
         }
+    }
+
+    /// A value (or the next member) began at a keyed level: a key read before no longer waits.
+    fn value_started(&mut self) {
+        self.usage_next = false;
+        self.message_next = false;
     }
 
     /// The document's report, if it had one; the scan starts over for the next document.
@@ -267,18 +336,19 @@ impl UsageReader {
         }
     }
 
-    /// The last report seen so far (what a stream cut off now would be settled with).
+    /// The reports seen so far, merged (what a stream cut off now would be settled with).
     pub fn so_far(&self) -> Option<Usage> {
-        match self.format {
-            Format::Json => self.json.found,
-            Format::Sse => self.json.found.or(self.last),
+        match (self.format, self.last, self.json.found) {
+            (Format::Json, _, found) => found,
+            (Format::Sse, Some(last), Some(found)) => Some(last.then(found)),
+            (Format::Sse, last, found) => last.or(found),
         }
     }
 
     fn end_event(&mut self) {
         if self.event_has_data {
             if let Some(u) = self.json.take() {
-                self.last = Some(u);
+                self.last = Some(self.last.unwrap_or_default().then(u));
             }
             self.event_has_data = false;
         }
@@ -358,7 +428,81 @@ mod tests {
             prompt: Some(p),
             completion: Some(c),
             total: Some(t),
+            ..Usage::default()
         })
+    }
+
+    /// Each provider's format, as its API documents it, read whole and a byte at a time.
+    #[test]
+    fn each_providers_report_is_read() {
+        let w = Some(Weights {
+            prompt: 1,
+            completion: 3,
+        });
+        for (name, format, body, plain, weighted) in [
+            // total_tokens; weighted: 1,117 + 3 × 46.
+            (
+                "openai-chat.json",
+                Format::Json,
+                include_str!("usage/fixtures/openai-chat.json"),
+                1163,
+                1255,
+            ),
+            // The final chunk (stream_options.include_usage): 19 + 3 × 10.
+            (
+                "openai-chat-stream.sse",
+                Format::Sse,
+                include_str!("usage/fixtures/openai-chat-stream.sse"),
+                29,
+                49,
+            ),
+            // input + cache writes + cache reads, and output: 2,095 + 2,051 + 503.
+            (
+                "anthropic-messages.json",
+                Format::Json,
+                include_str!("usage/fixtures/anthropic-messages.json"),
+                4649,
+                5655,
+            ),
+            // message_start's input (472 + 1,800 read from the cache), message_delta's output
+            // (89, replacing message_start's 2).
+            (
+                "anthropic-messages-stream.sse",
+                Format::Sse,
+                include_str!("usage/fixtures/anthropic-messages-stream.sse"),
+                2361,
+                2539,
+            ),
+        ] {
+            let whole = read(format, body);
+            assert_eq!(whole.and_then(|u| u.tokens(None)), Some(plain), "{name}");
+            assert_eq!(whole.and_then(|u| u.tokens(w)), Some(weighted), "{name}");
+            let mut r = UsageReader::new(format);
+            for b in body.as_bytes() {
+                r.feed(std::slice::from_ref(b));
+            }
+            assert_eq!(r.finish(), whole, "{name}, a byte at a time");
+        }
+    }
+
+    #[test]
+    fn an_anthropic_stream_cut_after_message_start_has_seen_its_input() {
+        let body = include_str!("usage/fixtures/anthropic-messages-stream.sse");
+        let cut = body.find("event: message_delta").unwrap_or(0);
+        let mut r = UsageReader::new(Format::Sse);
+        r.feed(body.as_bytes().get(..cut).unwrap_or(&[]));
+        assert_eq!(r.so_far().and_then(|u| u.tokens(None)), Some(2274));
+    }
+
+    #[test]
+    fn only_the_top_level_message_carries_a_report() {
+        let deep = r#"{"x":{"message":{"usage":{"total_tokens":5}}}}"#;
+        assert_eq!(read(Format::Json, deep), None);
+        let text = r#"{"message":"usage","usage":null}"#;
+        assert_eq!(read(Format::Json, text), None);
+        let inner =
+            r#"{"message":{"content":[{"usage":{"total_tokens":6}}],"usage":{"total_tokens":7}}}"#;
+        assert_eq!(read(Format::Json, inner).and_then(|u| u.total), Some(7));
     }
 
     const COMPLETION: &str = r#"{"id":"chatcmpl-1","object":"chat.completion",
@@ -428,6 +572,7 @@ mod tests {
             prompt: Some(10),
             completion: Some(5),
             total: Some(15),
+            ..Usage::default()
         };
         let w = Weights {
             prompt: 1,

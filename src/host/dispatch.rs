@@ -995,6 +995,13 @@ impl<A: Abi> Dispatcher<A> {
             let items = meter.finish(&p.config);
             if !items.is_empty() {
                 let now = self.abi.now_ms();
+                // What a response used beyond its reservation also comes out of this proxy's
+                // fallback share, so an outage does not admit as if it had not been used.
+                let shares = Shared {
+                    abi: &self.abi,
+                    prefix: &p.prefix,
+                };
+                crate::core::fallback::spend_extras(&p.config, &shares, &items, now);
                 let dropped = {
                     let mut q = p.settles.borrow_mut();
                     let before = q.given_up;

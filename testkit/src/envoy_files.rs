@@ -130,7 +130,7 @@ relative).
 The demo rules: 5 requests of burst per client IP, refilling one token per second. Repeat
 `curl -i localhost:10000/` quickly to see five 200s, then 429 with Retry-After and the RateLimit
 headers. And under /v1/, 10,000 tokens a minute per `x-api-key`, priced by what the (stand-in) LLM
-API's response reports using: `x-max-tokens` is reserved, the reported usage is settled afterwards.
+API's response reports using: 4,000 are reserved, the reported usage is settled afterwards.
 Validate with: .tools/envoy --mode validate -c envoy.yaml"#;
 
 const PLAIN_HEADER: &str = r#"Plain Envoy (no mesh, no gateway controller) in front of an application, with Tollgate: for VMs,
@@ -149,7 +149,7 @@ const DEMO_PLUGIN: &str = r#"{
      "key": ["client_ip"], "capacity": 5, "rate": 1, "period_ms": 1000},
     {"name": "llm-tokens", "match": {"path_prefix": "/v1/"}, "key": ["header:x-api-key"],
      "capacity": 10000, "period_ms": 60000,
-     "cost": {"header": "x-max-tokens", "default": 1000, "max": 4000},
+     "cost": {"reserve": "max", "max": 4000},
      "charge": "response"}
   ],
   "failure_mode": "fallback",

@@ -7,7 +7,10 @@
 //!   (default 4) `x-llm-chunk-ms: D` apart (default 0), then the usage event and `[DONE]`;
 //! - `x-llm-report: body | header | none`: usage in the body (default), in the response header
 //!   `x-usage-tokens` (the body then carries none), or nowhere;
-//! - `x-llm-reset: before | after`: drop the connection mid-stream, before or after the usage event.
+//! - `x-llm-reset: before | after`: drop the connection mid-stream, before or after the usage event;
+//! - `x-llm-format: anthropic`: stream as Anthropic's Messages API does: `message_start` carrying
+//!   the input tokens (N/4, and 1 output token so far), `content_block_delta` events, then
+//!   `message_delta` with the output tokens (the rest) and `message_stop`.
 //!
 //! It records what every response reported and whether it was sent whole ([`Llm::served`]).
 
@@ -104,6 +107,7 @@ fn answer(conn: &mut TcpStream, head: &str, st: &State) -> bool {
             .unwrap_or(0),
     );
     let reset = header(head, "x-llm-reset").map(str::to_string);
+    let anthropic = header(head, "x-llm-format") == Some("anthropic");
     let in_body = report == "body";
     let reported = (report != "none").then_some(usage);
     let usage_header = if report == "header" {
@@ -149,10 +153,26 @@ fn answer(conn: &mut TcpStream, head: &str, st: &State) -> bool {
         record(false);
         return false;
     }
-    for i in 0..chunks {
-        let content = format!(
-            r#"{{"id":"c","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"t{i}"}}}}],"usage":null}}"#
+    let prompt = usage / 4;
+    if anthropic && in_body {
+        let start = format!(
+            r#"{{"type":"message_start","message":{{"id":"msg_1","type":"message","role":"assistant","content":[],"usage":{{"input_tokens":{prompt},"output_tokens":1}}}}}}"#
         );
+        if send(conn, &start).is_err() {
+            record(false);
+            return false;
+        }
+    }
+    for i in 0..chunks {
+        let content = if anthropic {
+            format!(
+                r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":"t{i}"}}}}"#
+            )
+        } else {
+            format!(
+                r#"{{"id":"c","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"t{i}"}}}}],"usage":null}}"#
+            )
+        };
         if send(conn, &content).is_err() {
             record(false);
             return false;
@@ -165,10 +185,17 @@ fn answer(conn: &mut TcpStream, head: &str, st: &State) -> bool {
         return false;
     }
     if in_body {
-        let last = format!(
-            r#"{{"id":"c","object":"chat.completion.chunk","choices":[],"usage":{}}}"#,
-            usage_json(usage)
-        );
+        let last = if anthropic {
+            format!(
+                r#"{{"type":"message_delta","delta":{{"stop_reason":"end_turn"}},"usage":{{"output_tokens":{}}}}}"#,
+                usage - prompt
+            )
+        } else {
+            format!(
+                r#"{{"id":"c","object":"chat.completion.chunk","choices":[],"usage":{}}}"#,
+                usage_json(usage)
+            )
+        };
         if send(conn, &last).is_err() {
             record(false);
             return false;
@@ -180,7 +207,12 @@ fn answer(conn: &mut TcpStream, head: &str, st: &State) -> bool {
         let _ = conn.shutdown(std::net::Shutdown::Both);
         return false;
     }
-    let ok = send(conn, "[DONE]").is_ok() && conn.write_all(b"0\r\n\r\n").is_ok();
+    let end = if anthropic {
+        r#"{"type":"message_stop"}"#
+    } else {
+        "[DONE]"
+    };
+    let ok = send(conn, end).is_ok() && conn.write_all(b"0\r\n\r\n").is_ok();
     record(ok);
     ok
 }

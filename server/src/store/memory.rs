@@ -427,6 +427,57 @@ mod tests {
         }
     }
 
+    mod settle_props {
+        use super::*;
+        use crate::domain::{SettleSpec, Settlement};
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Settles of one bucket at one instant (no refill), some ids sent twice: the balance
+            /// is exactly what the settlements applied once each make it: a refund given back up
+            /// to the capacity, every extra charge in full below zero (down to the contract's
+            /// floor only). Never forgiven, never charged twice.
+            #[test]
+            fn settles_apply_once_and_forgive_nothing(
+                    settles in proptest::collection::vec((0u8..12, 0u64..5000, 0u64..5000), 1..60)) {
+                let s = MemoryStore::new();
+                let spec = tb(1000, 1, 3_600_000, 1000);
+                let now = 1_000_000;
+                // The bucket exists and is empty: the reservation of 1,000 was taken.
+                prop_assert!(at(&s, std::slice::from_ref(&spec), now).allowed);
+                let cap = 1000i128;
+                let floor = -i128::from(contract::bounds::MAX_DEBT);
+                let mut model = 0i128;
+                let mut seen: Vec<u8> = Vec::new();
+                for (id, estimate, used) in settles {
+                    let d = s
+                        .settle_at(
+                            &Settlement {
+                                id: format!("i-{id}"),
+                                buckets: vec![SettleSpec {
+                                    bucket: spec.clone(),
+                                    estimate,
+                                    used,
+                                    window: None,
+                                }],
+                            },
+                            now,
+                        )
+                        .unwrap_or_else(|e| unreachable!("{e}"));
+                    prop_assert_eq!(d.duplicate, seen.contains(&id));
+                    if !d.duplicate {
+                        seen.push(id);
+                        let delta = i128::from(estimate) - i128::from(used);
+                        model = (model + delta).clamp(floor, cap);
+                    }
+                    let b = &d.buckets[0];
+                    prop_assert_eq!(i128::from(b.remaining), model.max(0));
+                    prop_assert_eq!(i128::from(b.debt), (-model).max(0));
+                }
+            }
+        }
+    }
+
     #[test]
     fn refill_fraction_is_carried_between_charges() {
         // 1 token per 3 ms. At 4 ms there are 1.333... tokens: a charge keeps 0.333...; at 6 ms

@@ -133,13 +133,18 @@ pub fn build_key(rule: &Rule, req: &Request, trusted_hops: u32) -> Option<String
 }
 
 /// The cost of `req` under `rule`: fixed, or read from a header (`default` when absent or not a
-/// positive decimal integer, clamped to `max`).
+/// positive decimal integer, clamped to `min ..= max`).
 pub fn cost(rule: &Rule, req: &Request) -> u64 {
     match &rule.cost {
         Cost::Fixed(c) => *c,
-        Cost::Header { name, default, max } => match req.header(name).and_then(parse_u64) {
+        Cost::Header {
+            name,
+            default,
+            min,
+            max,
+        } => match req.header(name).and_then(parse_u64) {
             Some(0) | None => *default,
-            Some(c) => c.min(*max),
+            Some(c) => c.clamp(*min, *max),
         },
     }
 }
@@ -387,6 +392,7 @@ mod tests {
         r.cost = Cost::Header {
             name: "x-cost".into(),
             default: 2,
+            min: 1,
             max: 50,
         };
         let c = |v: &[u8]| cost(&r, &req(&[("x-cost", v)]));
@@ -404,6 +410,15 @@ mod tests {
         assert_eq!(c(b"-3"), 2);
         assert_eq!(c(b"1e3"), 2);
         assert_eq!(c(&[0xff]), 2);
+        // A floor: a client's hint below it reserves the floor.
+        r.cost = Cost::Header {
+            name: "x-cost".into(),
+            default: 20,
+            min: 10,
+            max: 50,
+        };
+        let c = |v: &[u8]| cost(&r, &req(&[("x-cost", v)]));
+        assert_eq!((c(b"1"), c(b"10"), c(b"30"), c(b"0")), (10, 10, 30, 20));
     }
     /// A request of only the headers `headers_read` names (first values, as the host's by-name
     /// read gives them) decides exactly as the whole request does.

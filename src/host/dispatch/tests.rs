@@ -803,7 +803,7 @@ fn a_response_priced_request_settles_what_its_response_reported_once() {
     )
     .unwrap();
     assert!(body.contains("\"used\":64"), "{body}");
-    // No usage reported, or a stream cut before its report: the estimate stands, nothing is sent.
+    // No usage reported: the estimate stands, nothing is sent.
     assert_eq!(
         settle_after(
             &mut d,
@@ -814,16 +814,16 @@ fn a_response_priced_request_settles_what_its_response_reported_once() {
         ),
         None
     );
-    assert_eq!(
-        settle_after(
-            &mut d,
-            14,
-            &[("content-type", "text/event-stream")],
-            b"data: {\"choices\":[]}\n\n",
-            false
-        ),
-        None
-    );
+    // A stream cut before its report: charged the most it could have reserved (`cost.max`).
+    let cut = settle_after(
+        &mut d,
+        14,
+        &[("content-type", "text/event-stream")],
+        b"data: {\"choices\":[]}\n\n",
+        false,
+    )
+    .unwrap();
+    assert!(cut.contains("\"estimate\":100,\"used\":4000"), "{cut}");
     // A refusal (400) is not retried.
     let _ = settle_after(&mut d, 15, &[("x-usage", "7")], b"", true).unwrap();
     *d.abi.reply.borrow_mut() = (Some(b"400".to_vec()), Vec::new());

@@ -98,7 +98,8 @@ impl Counter for FixedWindow {
     }
 
     /// Only in the window the estimate was charged in: a refund needs that window; an extra
-    /// charge without one goes to the current window, up to twice the capacity.
+    /// charge without one goes to the current window, in full (up to the capacity plus
+    /// [`contract::bounds::MAX_DEBT`]).
     fn settle(spec: &SettleSpec, s: &mut Window, _existed: bool) -> bool {
         let charged_here = match spec.window {
             Some(m) => m == s.w,
@@ -111,8 +112,8 @@ impl Counter for FixedWindow {
             s.count -= back;
             back > 0
         } else {
-            s.count =
-                (s.count + (spec.used - spec.estimate)).min(spec.bucket.capacity.saturating_mul(2));
+            s.count = (s.count + (spec.used - spec.estimate))
+                .min(spec.bucket.capacity + contract::bounds::MAX_DEBT);
             true
         }
     }

@@ -200,4 +200,26 @@ mod tests {
             assert!(lua.contains(&format!("ALGORITHMS[{code}] = {{")), "{code}");
         }
     }
+
+    #[test]
+    fn the_lua_debt_floor_is_the_contracts() {
+        let floor = format!(
+            "local MAX_DEBT_M = -{}\n",
+            u128::from(contract::bounds::MAX_DEBT) * 1_000_000
+        );
+        assert!(token_bucket::TokenBucket::LUA.contains(&floor), "{floor}");
+        let max = contract::bounds::MAX_DEBT;
+        for (lua, line) in [
+            (
+                fixed_window::FixedWindow::LUA,
+                format!("local FW_MAX_DEBT = {max}\n"),
+            ),
+            (
+                sliding_window::SlidingWindow::LUA,
+                format!("local SW_MAX_DEBT = {max}\n"),
+            ),
+        ] {
+            assert!(lua.contains(&line), "{line}");
+        }
+    }
 }

@@ -168,8 +168,8 @@ impl Counter for SlidingWindow {
     }
 
     /// In the window the estimate was charged in while it still weighs (the current or the
-    /// previous one): a refund lowers its count (not below 0), an extra charge raises it, to twice
-    /// the capacity at most. Without `window`, an extra charge counts in the current window and a
+    /// previous one): a refund lowers its count (not below 0), an extra charge raises it in full
+    /// (to the capacity plus [`contract::bounds::MAX_DEBT`] at most). Without `window`, an extra charge counts in the current window and a
     /// refund is dropped (it might give back another window's tokens).
     fn settle(spec: &SettleSpec, s: &mut Counts, _existed: bool) -> bool {
         let window = match spec.window {
@@ -177,7 +177,7 @@ impl Counter for SlidingWindow {
             None if spec.used > spec.estimate => Some(s.w),
             None => None,
         };
-        let cap2 = spec.bucket.capacity.saturating_mul(2);
+        let most = spec.bucket.capacity + contract::bounds::MAX_DEBT;
         match count_of(s, window) {
             Some(n) if spec.used < spec.estimate => {
                 let back = (spec.estimate - spec.used).min(*n);
@@ -185,7 +185,7 @@ impl Counter for SlidingWindow {
                 back > 0
             }
             Some(n) if spec.used > spec.estimate => {
-                *n = n.saturating_add(spec.used - spec.estimate).min(cap2);
+                *n = n.saturating_add(spec.used - spec.estimate).min(most);
                 true
             }
             _ => false,

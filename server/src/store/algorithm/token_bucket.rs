@@ -1,14 +1,17 @@
 //! Token bucket: holds up to `capacity` tokens, refills continuously at `rate / period_ms`, starts
 //! full. Integer micro-tokens and a carried refill remainder, so no fraction of a token is lost
 //! between charges; the balance is signed (`i128`) because a settle may leave the bucket owing,
-//! down to minus its capacity. The same arithmetic as `lua/token_bucket.lua` (its header
-//! documents the stored fields and the carry-over of a changed limit).
+//! the whole overshoot (down to minus [`contract::bounds::MAX_DEBT`] at most). The same
+//! arithmetic as `lua/token_bucket.lua` (its header documents the stored fields and the
+//! carry-over of a changed limit).
 
 use super::{cap_ms, Counter, Limits};
 use crate::domain::{BucketDecision, BucketSpec, SettleResult, SettleSpec};
 
 const MICRO: u128 = 1_000_000;
 const MICRO_I: i128 = 1_000_000;
+/// The lowest balance, in micro-tokens (`MAX_DEBT_M` in token_bucket.lua).
+const FLOOR_M: i128 = -(contract::bounds::MAX_DEBT as i128) * MICRO_I;
 
 /// The token bucket.
 #[derive(Debug)]
@@ -17,8 +20,8 @@ pub struct TokenBucket;
 /// A token bucket's state.
 #[derive(Debug, Clone, Copy)]
 pub struct Tokens {
-    /// Micro-tokens held: below zero while the bucket owes (after a settle), never below minus
-    /// its capacity.
+    /// Micro-tokens held: below zero while the bucket owes (after a settle), never below
+    /// [`FLOOR_M`].
     t: i128,
     /// Last update (µs).
     ts: u64,
@@ -41,7 +44,7 @@ fn refill(l: &Limits, s: &mut Tokens, now: u64) {
         let period = u128::from(l.period_ms);
         let x = u128::from(now - s.ts) * u128::from(l.rate) * 1000 + s.f;
         let add = x / period;
-        // Positive here, at most twice the capacity in micro-tokens (with a debt).
+        // Positive here, at most the capacity plus MAX_DEBT in micro-tokens (with a debt).
         let missing = u128::try_from(cap_m - s.t).unwrap_or(0);
         if add >= missing {
             s.t = cap_m;
@@ -97,7 +100,7 @@ impl Counter for TokenBucket {
                         s.t = (s.t * i128::from(new.capacity))
                             .div_euclid(i128::from(old.capacity.max(1)));
                     }
-                    s.t = s.t.min(cap_m);
+                    s.t = s.t.clamp(FLOOR_M, cap_m);
                     s.f = 0;
                     s.limits = new;
                 }
@@ -155,15 +158,15 @@ impl Counter for TokenBucket {
         true
     }
 
-    /// A refund (only to a bucket that existed: an expired one is full), or an extra charge down
-    /// to minus the capacity.
+    /// A refund (only to a bucket that existed: an expired one is full), or an extra charge in
+    /// full, into debt (down to [`FLOOR_M`]).
     fn settle(spec: &SettleSpec, s: &mut Tokens, existed: bool) -> bool {
         let cap_m = i128::from(spec.bucket.capacity) * MICRO_I;
         if spec.used < spec.estimate && existed {
             s.t = (s.t + i128::from(spec.estimate - spec.used) * MICRO_I).min(cap_m);
             true
         } else if spec.used > spec.estimate {
-            s.t = (s.t - i128::from(spec.used - spec.estimate) * MICRO_I).max(-cap_m);
+            s.t = (s.t - i128::from(spec.used - spec.estimate) * MICRO_I).max(FLOOR_M);
             true
         } else {
             false

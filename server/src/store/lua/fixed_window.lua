@@ -75,9 +75,12 @@ local function fw_refund(key, w, cost)
   return 1
 end
 
+-- The most a window's count goes past its capacity: contract::bounds::MAX_DEBT.
+local FW_MAX_DEBT = 8000000000
+
 -- Settles a reservation (settle.lua) only in the window the estimate was charged in (`window`):
--- a refund lowers its count (not below 0), an extra charge raises it, to twice the capacity at
--- most; a window that has ended is left alone (its tokens ended with it). Without `window`
+-- a refund lowers its count (not below 0), an extra charge raises it in full (to the capacity
+-- plus MAX_DEBT, contract::bounds::MAX_DEBT, at most); a window that has ended is left alone (its tokens ended with it). Without `window`
 -- (-1), an extra charge goes to the current window and a refund is dropped (it might give back
 -- another window's tokens). Returns remaining, debt (the count above capacity).
 local function fw_settle(key, cap, rate, period, now, estimate, used, window, apply)
@@ -89,7 +92,7 @@ local function fw_settle(key, cap, rate, period, now, estimate, used, window, ap
       s.count = s.count - math.min(s.count, estimate - used)
       fw_store(key, s, cap, period)
     elseif used > estimate then
-      s.count = math.min(2 * cap, s.count + (used - estimate))
+      s.count = math.min(cap + FW_MAX_DEBT, s.count + (used - estimate))
       fw_store(key, s, cap, period)
     end
   end

@@ -135,9 +135,12 @@ local function sw_refund(key, cap, rate, period, amount, mark, now)
   return 1
 end
 
+-- The most a window's count goes past its capacity: contract::bounds::MAX_DEBT.
+local SW_MAX_DEBT = 8000000000
+
 -- Settles a reservation (settle.lua) in the window the estimate was charged in (`window`) while
 -- it still weighs (the current or the previous one): a refund lowers its count (not below 0), an
--- extra charge raises it, to twice the capacity at most. Without `window` (-1), an extra charge
+-- extra charge raises it in full (to the capacity plus SW_MAX_DEBT at most). Without `window` (-1), an extra charge
 -- counts in the current window and a refund is dropped. Returns remaining, debt (the estimate
 -- above capacity).
 local function sw_settle(key, cap, rate, period, now, estimate, used, window, apply)
@@ -149,7 +152,7 @@ local function sw_settle(key, cap, rate, period, now, estimate, used, window, ap
       s[f] = s[f] - math.min(s[f], estimate - used)
       sw_store(key, s, cap, rate, period)
     elseif used > estimate then
-      s[f] = math.min(2 * cap, s[f] + (used - estimate))
+      s[f] = math.min(cap + SW_MAX_DEBT, s[f] + (used - estimate))
       sw_store(key, s, cap, rate, period)
     end
   end

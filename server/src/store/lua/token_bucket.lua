@@ -6,7 +6,7 @@
 -- ARGV:  capacity, rate, period_ms, cost, lease (integers validated by the service: 1..1e9,
 --        period <= 1 year, cost <= lease; lease = cost when the caller asked for no lease).
 -- State: HSET fields, all integers formatted exactly:
---          t  = micro-tokens held (-c * 10^6 ..= c * 10^6: below zero while the bucket owes
+--          t  = micro-tokens held (MAX_DEBT_M ..= c * 10^6: below zero while the bucket owes
 --               tokens after a settle charged more than it held, see settle.lua)
 --          ts = Redis TIME of the last charge, microseconds
 --          f  = refill remainder, in 1/p of a micro-token (0 .. p - 1), so no fraction of a token
@@ -23,6 +23,10 @@
 -- Clock: Redis TIME. If it steps back (a failover), the bucket does not refill until it passes `ts`.
 -- Registered in ALGORITHMS[0] (the interface is in prelude.lua); the replies are built by the
 -- drivers.
+
+-- The lowest balance: minus contract::bounds::MAX_DEBT (8e9 tokens) in micro-tokens, so that
+-- (capacity + debt) * 10^6 stays below 2^53 (exact).
+local MAX_DEBT_M = -8000000000000000
 
 -- Adds the micro-tokens earned between s.ts and now: elapsed_us * rate * 10^6 / (period_ms * 1000)
 -- = floor((elapsed_us * rate * 1000 + f) / period_ms), the remainder kept in f.
@@ -60,6 +64,7 @@ local function tb_load(key, cap, rate, period, now)
       end
     end
     if s.t > cap * MICRO then s.t = cap * MICRO end
+    if s.t < MAX_DEBT_M then s.t = MAX_DEBT_M end
     s.f = 0
   end
   return s
@@ -119,9 +124,9 @@ end
 
 -- Settles a reservation (settle.lua): refilled up to now, then used < estimate gives back the
 -- difference (capped at capacity; an expired bucket is full already and takes none), used >
--- estimate charges it, down to minus the capacity at most (t >= -c * 10^6): the debt, which
--- takes exactly as long to refill as the following takes are told to wait (tb_take counts the
--- whole deficit). Returns remaining, debt (whole tokens, the debt rounded up).
+-- estimate charges it in full, however deep the bucket owes already (down to MAX_DEBT_M only):
+-- the debt, which takes exactly as long to refill as the following takes are told to wait
+-- (tb_take counts the whole deficit). Returns remaining, debt (whole tokens, the debt rounded up).
 local function tb_settle(key, cap, rate, period, now, estimate, used, window, apply)
   local s = tb_load(key, cap, rate, period, now)
   tb_refill(s, cap, rate, period, now)
@@ -131,7 +136,7 @@ local function tb_settle(key, cap, rate, period, now, estimate, used, window, ap
       s.t = math.min(cap_m, s.t + (estimate - used) * MICRO)
       tb_store(key, s, cap, rate, period)
     elseif used > estimate then
-      s.t = math.max(-cap_m, s.t - (used - estimate) * MICRO)
+      s.t = math.max(MAX_DEBT_M, s.t - (used - estimate) * MICRO)
       tb_store(key, s, cap, rate, period)
     end
   end
