@@ -4,7 +4,10 @@
 //! descriptor), then every limit that is enforced is charged in **one** take: all or nothing, in
 //! one atomic script. envoyproxy/ratelimit increments each descriptor's counter on its own, so a
 //! request denied by one descriptor still spends the others; here a denied request spends nothing.
-//! Shadow-mode limits are charged in a second take and always answer `OK`.
+//! A descriptor with `hits_addend: 0` is a check, decided by a take that cannot pass (nothing is
+//! written); a limit with `charge: response` is charged in full through the settle path, into
+//! debt. Shadow-mode limits are decided last and always answer `OK`. docs/rls.md describes every
+//! answer.
 
 use std::fmt::Write;
 use std::hash::BuildHasher;
