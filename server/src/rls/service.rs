@@ -621,6 +621,18 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 0}
   - key: many
     rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: k
+    value: five
+    rate_limit: {unit: minute, unit_multiplier: 5, requests_per_unit: 10, name: five}
+  - key: k
+    value: week
+    rate_limit: {unit: week, requests_per_unit: 7}
+  - key: k
+    value: month
+    rate_limit: {unit: month, requests_per_unit: 30}
+  - key: k
+    value: year
+    rate_limit: {unit: year, requests_per_unit: 365, algorithm: fixed_window}
 ";
 
     fn service() -> RlsService {
@@ -882,6 +894,42 @@ descriptors:
         assert_eq!(header(&resp, "retry-after"), None);
         // Neither charged anything.
         assert_eq!(codes(&s, &req(vec![desc("a")], 1)).await.2, vec![2]);
+    }
+
+    #[tokio::test]
+    async fn windows_of_a_unit_multiplier_and_the_long_units() {
+        let s = service_with(true);
+        // 10 per 5 minutes: spent, one is back in 30 s; the policy's window is 300 s.
+        assert_eq!(codes(&s, &req(vec![desc("five")], 10)).await.0, OK);
+        let resp = s
+            .decide(&req(vec![desc("five")], 1))
+            .await
+            .unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        let wait = until_ms(&resp.statuses[0]).unwrap_or(0);
+        assert!((29_000..=30_000).contains(&wait), "{wait}");
+        assert_eq!(
+            header(&resp, "ratelimit-policy").as_deref(),
+            Some("\"five\";q=10;w=300")
+        );
+        // A week of 7, a month of 30: one a day. A fixed window of a year: until its end.
+        for (v, n, wait_ms) in [("week", 7, 86_400_000), ("month", 30, 86_400_000)] {
+            assert_eq!(codes(&s, &req(vec![desc(v)], n)).await.0, OK, "{v}");
+            let resp = s.decide(&req(vec![desc(v)], 1)).await.unwrap_or_default();
+            let wait = until_ms(&resp.statuses[0]).unwrap_or(0);
+            assert!((wait_ms - 1000..=wait_ms).contains(&wait), "{v}: {wait}");
+            let unit = resp.statuses[0].current_limit.as_ref().map(|l| l.unit);
+            let want = if v == "week" { Unit::Week } else { Unit::Month };
+            assert_eq!(unit, Some(want.to_proto()));
+        }
+        assert_eq!(codes(&s, &req(vec![desc("year")], 365)).await.0, OK);
+        let resp = s
+            .decide(&req(vec![desc("year")], 1))
+            .await
+            .unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        let wait = until_ms(&resp.statuses[0]).unwrap_or(0);
+        assert!(wait > 0 && wait <= 365 * 86_400_000, "{wait}");
     }
 
     #[test]
