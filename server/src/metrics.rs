@@ -16,6 +16,8 @@
 //! | `tollgate_connections_refused_total` | | connections closed on accept because `--max-connections` were open |
 //! | `tollgate_rls_config_reloads_total` | `outcome` = ok, refused | changes of the `--rls-config` limits file, loaded or refused |
 //! | `tollgate_rls_config_ok` | | 1 while the limits file on disk is the one in force, 0 after it was refused (gauge) |
+//! | `tollgate_rls_hits_total` | `domain`; `key` = the limit's place in the limits file (`key_value.key`; with `detailed_metric` or `value_to_metric`, the request's values; at most [`MAX_RLS_STAT_KEYS`] distinct, the rest `other`); `stat` = total_hits, within_limit, near_limit, over_limit, shadow_mode | hits (the descriptor's cost) of RLS descriptors that matched a limit, as envoyproxy/ratelimit's per-descriptor statistics: `near_limit` when at least 80 % of the limit is used after them, `shadow_mode` for shadow-mode limits over their limit (counted in `over_limit` too) |
+//! | `tollgate_rls_stat_keys_overflow_total` | | RLS descriptors counted under `key="other"` because [`MAX_RLS_STAT_KEYS`] keys were in use |
 
 use std::sync::OnceLock;
 
@@ -43,6 +45,31 @@ pub const MAX_RULE_LABELS: usize = 64;
 
 /// The `rule` label's value for decisions of rules beyond [`MAX_RULE_LABELS`].
 pub const OTHER_RULE: &str = "other";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RlsStat {
+    domain: String,
+    key: String,
+    stat: &'static str,
+}
+
+/// Most distinct `(domain, key)` pairs of `tollgate_rls_hits_total`; the descriptors seen after
+/// them count under `key="other"`. Keys come from the limits file unless a limit asks for its
+/// request values (`detailed_metric`, `value_to_metric`), which clients choose.
+pub const MAX_RLS_STAT_KEYS: usize = 1000;
+
+/// What an RLS descriptor's hits count as (`stat` of `tollgate_rls_hits_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RlsHits {
+    /// The descriptor's cost.
+    pub hits: u64,
+    /// It was over its limit.
+    pub over: bool,
+    /// At least 80 % of the limit is used after it.
+    pub near: bool,
+    /// Its limit is in shadow mode.
+    pub shadow: bool,
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Kind {
@@ -79,6 +106,9 @@ pub struct Metrics {
     live_instances: Gauge,
     slots: Family<Outcome, Counter>,
     settlements: Family<Outcome, Counter>,
+    rls_hits: Family<RlsStat, Counter>,
+    rls_stat_keys: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
+    rls_stat_overflow: Counter,
     allowed: OnceLock<Counter>,
     limited: OnceLock<Counter>,
     http_ok: OnceLock<Counter>,
@@ -187,10 +217,25 @@ impl Metrics {
             "Settles of reserved tokens: applied, or already applied before (a resent id)",
             settlements.clone(),
         );
+        let rls_hits = Family::<RlsStat, Counter>::default();
+        registry.register(
+            "rls_hits",
+            "Hits of RLS descriptors that matched a limit, per domain, descriptor key and stat",
+            rls_hits.clone(),
+        );
+        let rls_stat_overflow = Counter::default();
+        registry.register(
+            "rls_stat_keys_overflow",
+            "RLS descriptors counted under key=\"other\": the distinct keys were at their bound",
+            rls_stat_overflow.clone(),
+        );
         Metrics {
             registry,
             slots,
             settlements,
+            rls_hits,
+            rls_stat_keys: std::sync::Mutex::new(std::collections::HashSet::new()),
+            rls_stat_overflow,
             rule_decisions,
             rule_counters: std::sync::Mutex::new(std::collections::HashMap::new()),
             live_instances,
@@ -329,6 +374,44 @@ impl Metrics {
         let outcome = if loaded { "ok" } else { "refused" };
         self.rls_reloads.get_or_create(&Outcome { outcome }).inc();
         self.rls_config_ok.set(i64::from(loaded));
+    }
+
+    /// Counts one RLS descriptor that matched a limit under `(domain, key)` (at most
+    /// [`MAX_RLS_STAT_KEYS`] pairs; later ones under `key="other"`, counted in the overflow).
+    pub fn rls_hits(&self, domain: &str, key: &str, h: RlsHits) {
+        let known = {
+            let mut keys = match self.rls_stat_keys.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            let pair = (domain.to_string(), key.to_string());
+            keys.contains(&pair) || (keys.len() < MAX_RLS_STAT_KEYS && keys.insert(pair))
+        };
+        if !known {
+            self.rls_stat_overflow.inc();
+        }
+        let key = if known { key } else { "other" };
+        let count = |stat: &'static str| {
+            self.rls_hits
+                .get_or_create(&RlsStat {
+                    domain: domain.to_string(),
+                    key: key.to_string(),
+                    stat,
+                })
+                .inc_by(h.hits);
+        };
+        count("total_hits");
+        if h.over {
+            count("over_limit");
+            if h.shadow {
+                count("shadow_mode");
+            }
+        } else {
+            count("within_limit");
+            if h.near {
+                count("near_limit");
+            }
+        }
     }
 
     /// The Prometheus text exposition.

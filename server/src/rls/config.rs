@@ -131,6 +131,10 @@ pub struct Limit {
     pub capacity: u64,
     /// Where it sits: `domain.key_value.key` (logs, the default policy name).
     pub path: String,
+    /// `detailed_metric` on its descriptor, or `value_to_metric` on it or above it: its
+    /// statistics are keyed on the request's values, not on the file's (`/metrics`,
+    /// `tollgate_rls_hits_total`).
+    pub detailed_metric: bool,
     /// `charge: response`: the limit is priced by what responses used, in Envoy's response-cost
     /// pattern (a check with `hits_addend: 0` when the request arrives, the real cost sent with
     /// `apply_on_stream_done` when it ends). A descriptor with a cost is then charged in full
@@ -207,7 +211,7 @@ impl Limits {
                 ));
             }
             let mut node = Node::default();
-            load(&mut node, &root.domain, &root.descriptors)
+            load(&mut node, &root.domain, &root.descriptors, false)
                 .map_err(|e| format!("domain {:?}: {e}", root.domain))?;
             limits.domains.insert(root.domain, node);
         }
@@ -297,7 +301,13 @@ fn wildcard_match(parts: &[String], value: &str) -> bool {
     true
 }
 
-fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result<(), String> {
+/// Loads `descriptors` under `node`; `values`: a descriptor above asked for `value_to_metric`.
+fn load(
+    node: &mut Node,
+    parent: &str,
+    descriptors: &[YamlDescriptor],
+    values: bool,
+) -> Result<(), String> {
     for (i, d) in descriptors.iter().enumerate() {
         let step = if d.value.is_empty() {
             d.key.clone()
@@ -318,18 +328,22 @@ fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result
                 "share_threshold: needs a wildcard value (with '*')".into()
             ));
         }
+        let values = values || d.value_to_metric;
         let limit = match &d.rate_limit {
             None => None,
-            Some(r) => Some(Arc::new(
-                limit_of(r, d.shadow_mode, &path).map_err(|m| at(format!("rate_limit.{m}")))?,
-            )),
+            Some(r) => {
+                let mut l =
+                    limit_of(r, d.shadow_mode, &path).map_err(|m| at(format!("rate_limit.{m}")))?;
+                l.detailed_metric = d.detailed_metric || values;
+                Some(Arc::new(l))
+            }
         };
         let mut child = Node {
             limit,
             share_threshold: d.share_threshold,
             ..Node::default()
         };
-        load(&mut child, &path, &d.descriptors)?;
+        load(&mut child, &path, &d.descriptors, values)?;
         if d.value.contains('*') {
             node.wildcards.push(Wildcard {
                 key: d.key.clone(),
@@ -421,6 +435,7 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, S
         algorithm,
         capacity,
         path: path.to_string(),
+        detailed_metric: false,
         charge_response,
     })
 }
@@ -451,12 +466,9 @@ struct YamlDescriptor {
     #[serde(default)]
     #[allow(dead_code)]
     quota_mode: bool,
-    /// Accepted; metric names are envoyproxy/ratelimit's concern, not Tollgate's.
     #[serde(default)]
-    #[allow(dead_code)]
     detailed_metric: bool,
     #[serde(default)]
-    #[allow(dead_code)]
     value_to_metric: bool,
     #[serde(default)]
     share_threshold: bool,

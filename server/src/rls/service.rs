@@ -33,6 +33,7 @@ use crate::domain::{
     validate, BucketDecision, BucketSpec, RawBucket, RawSettle, RawSettleBucket, RawTake,
     MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES,
 };
+use crate::metrics::RlsHits;
 
 /// The RLS v3 service.
 pub struct RlsService {
@@ -144,6 +145,7 @@ fn plan(limits: &Limits, req: &RateLimitRequest) -> Result<Vec<Plan>, Status> {
                     algorithm: crate::domain::Algorithm::TokenBucket,
                     capacity: rpu,
                     path: format!("{}.<override>", req.domain),
+                    detailed_metric: true,
                     charge_response: false,
                 };
                 let entries = entries.map(|(k, v)| (k.to_string(), v.to_string()));
@@ -425,7 +427,8 @@ impl RlsService {
             over |= status.code == Code::OverLimit as i32;
             set(&mut statuses, i, status);
         }
-        self.shadow(&shadow_checks, &shadow_charges, &mut statuses)
+        let shadow_over = self
+            .shadow(&shadow_checks, &shadow_charges, &mut statuses)
             .await;
         let response_headers_to_add = if self.limits.headers() {
             let applied: Vec<Option<&Limit>> = plans
@@ -443,12 +446,60 @@ impl RlsService {
         } else {
             Vec::new()
         };
+        self.count(req, &plans, &statuses, &shadow_over);
         let overall = if over { Code::OverLimit } else { Code::Ok };
         Ok(RateLimitResponse {
             overall_code: overall as i32,
             statuses,
             response_headers_to_add,
         })
+    }
+
+    /// Counts every descriptor that matched a limit in `/metrics` (`tollgate_rls_hits_total`),
+    /// keyed as envoyproxy/ratelimit keys its statistics: the limit's place in the file without
+    /// the domain, or with `detailed_metric` the request's entries (`key_value.key_value`).
+    fn count(
+        &self,
+        req: &RateLimitRequest,
+        plans: &[Plan],
+        statuses: &[DescriptorStatus],
+        shadow_over: &[usize],
+    ) {
+        for (i, ((p, s), d)) in plans.iter().zip(statuses).zip(&req.descriptors).enumerate() {
+            let (limit, hits) = match p {
+                Plan::Free { .. } => continue,
+                Plan::Check { limit, .. } => (limit, 0),
+                Plan::Charge { limit, cost, .. } => (limit, *cost),
+            };
+            let key = if limit.detailed_metric {
+                let parts: Vec<String> = d
+                    .entries
+                    .iter()
+                    .map(|e| format!("{}_{}", e.key, e.value))
+                    .collect();
+                parts.join(".")
+            } else {
+                let prefix = format!("{}.", req.domain);
+                limit
+                    .path
+                    .strip_prefix(&prefix)
+                    .unwrap_or(&limit.path)
+                    .to_string()
+            };
+            // Within 20 % of the limit after this descriptor (an allowed status's remaining).
+            let near = u64::from(s.limit_remaining).saturating_mul(5) <= limit.capacity;
+            let over = s.code == Code::OverLimit as i32 || shadow_over.contains(&i);
+            self.api.metrics.rls_hits(
+                &req.domain,
+                &key,
+                RlsHits {
+                    hits,
+                    over,
+                    near,
+                    shadow: limit.shadow_mode,
+                },
+            );
+        }
     }
 
     /// Charges `asks` in one take, all or nothing.
@@ -525,8 +576,14 @@ impl RlsService {
     }
 
     /// Shadow-mode limits: checks probed, charges taken, each reported `OK` whatever its
-    /// bucket said; a store failure changes nothing either.
-    async fn shadow(&self, checks: &[Ask], charges: &[Ask], statuses: &mut [DescriptorStatus]) {
+    /// bucket said; a store failure changes nothing either. Returns the descriptors that were
+    /// over their limit.
+    async fn shadow(
+        &self,
+        checks: &[Ask],
+        charges: &[Ask],
+        statuses: &mut [DescriptorStatus],
+    ) -> Vec<usize> {
         let mut decided_all = Vec::new();
         if !checks.is_empty() {
             match self.probe(checks).await {
@@ -543,14 +600,17 @@ impl RlsService {
                 Err(e) => tracing::debug!(error = %e, "shadow take failed"),
             }
         }
+        let mut over = Vec::new();
         for ((i, l, _, c), d, charged) in decided_all {
             if !d.allowed {
                 tracing::debug!(limit = %l.path, "shadow limit over");
+                over.push(*i);
             }
             let mut s = decided(l, &d, *c, charged);
             s.code = Code::Ok as i32;
             set(statuses, *i, s);
         }
+        over
     }
 }
 
@@ -621,6 +681,9 @@ descriptors:
     rate_limit: {unit: minute, requests_per_unit: 0}
   - key: many
     rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: user
+    detailed_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 5}
   - key: k
     value: five
     rate_limit: {unit: minute, unit_multiplier: 5, requests_per_unit: 10, name: five}
@@ -930,6 +993,60 @@ descriptors:
         assert_eq!(resp.overall_code, OVER);
         let wait = until_ms(&resp.statuses[0]).unwrap_or(0);
         assert!(wait > 0 && wait <= 365 * 86_400_000, "{wait}");
+    }
+
+    #[tokio::test]
+    async fn statistics_per_domain_and_descriptor_key_bounded() {
+        let s = service();
+        for _ in 0..4 {
+            let _ = s.decide(&req(vec![desc("a")], 1)).await;
+        }
+        for _ in 0..2 {
+            let _ = s.decide(&req(vec![desc("shadow")], 1)).await;
+        }
+        let user = |u: &str| RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "user".into(),
+                value: u.into(),
+            }],
+            ..RateLimitDescriptor::default()
+        };
+        let _ = s.decide(&req(vec![user("alice")], 2)).await;
+        let m = s.api.metrics.encode();
+        let line = |key: &str, stat: &str| {
+            let want =
+                format!("tollgate_rls_hits_total{{domain=\"d\",key=\"{key}\",stat=\"{stat}\"}} ");
+            m.lines()
+                .find_map(|l| l.strip_prefix(want.as_str()))
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        // 3 of 3 within (the third leaves none: near), the fourth over.
+        assert_eq!(line("k_a", "total_hits"), Some(4), "{m}");
+        assert_eq!(line("k_a", "within_limit"), Some(3));
+        assert_eq!(line("k_a", "near_limit"), Some(1));
+        assert_eq!(line("k_a", "over_limit"), Some(1));
+        // Shadow mode: answered OK, counted over and shadow_mode.
+        assert_eq!(line("k_shadow", "shadow_mode"), Some(1));
+        assert_eq!(line("k_shadow", "over_limit"), Some(1));
+        // detailed_metric: the request's value, hits as charged.
+        assert_eq!(line("user_alice", "total_hits"), Some(2));
+        // The keys a client chooses are bounded; the rest count as "other".
+        for i in 0..crate::metrics::MAX_RLS_STAT_KEYS {
+            let _ = s.decide(&req(vec![user(&format!("u{i}"))], 1)).await;
+        }
+        let m = s.api.metrics.encode();
+        let keys: std::collections::HashSet<&str> = m
+            .lines()
+            .filter(|l| l.starts_with("tollgate_rls_hits_total{"))
+            .filter_map(|l| l.split("key=\"").nth(1)?.split('"').next())
+            .collect();
+        assert_eq!(
+            keys.len(),
+            crate::metrics::MAX_RLS_STAT_KEYS + 1,
+            "the bound and other"
+        );
+        assert!(keys.contains("other"));
+        assert!(m.contains("tollgate_rls_stat_keys_overflow_total 3"), "{m}");
     }
 
     #[test]
