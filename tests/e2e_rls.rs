@@ -92,7 +92,20 @@ fn three_envoys_admit_exactly_the_limit() {
             .sum();
         assert!(over > 0, "{s:?}");
     }
-    assert!(service.metrics().contains("transport=\"rls\""));
+    let metrics = service.metrics();
+    assert!(metrics.contains("transport=\"rls\""));
+    // Per descriptor key, as envoyproxy/ratelimit's statistics: the 256 hits of the burst and the
+    // denied one after it (bucket=other matches no limit: not counted).
+    for (stat, n) in [
+        ("total_hits", 257),
+        ("within_limit", 20),
+        ("over_limit", 237),
+    ] {
+        let line = format!(
+            "tollgate_rls_hits_total{{domain=\"e2e\",key=\"bucket_exact\",stat=\"{stat}\"}} {n}"
+        );
+        assert!(metrics.contains(&line), "{line}\n{metrics}");
+    }
 }
 
 /// Requests with `x-bucket: bucket` one after the other until the first 429 (at most `max`): how
