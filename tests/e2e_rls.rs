@@ -19,7 +19,6 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::clock::sleep_into_next_window;
-use common::envoy::Route;
 use common::*;
 use rls::{native_spec, start_service, LimitsFile};
 
@@ -650,10 +649,11 @@ fn what_never_passes_has_no_retry_after() {
 
 /// Envoy Gateway's and Envoy AI Gateway's response-cost pattern, through the native filter: a
 /// check with `hits_addend: 0` when the request arrives, and the cost the response reported
-/// (here its `x-cost` header, put in dynamic metadata by `header_to_metadata`) charged with
-/// `apply_on_stream_done` when it ends. A limit of 2 per minute with `charge: response`: two
-/// responses of 1 and the third request is denied; one response of 3 leaves the bucket owing 1,
-/// and the next check waits for the debt and one unit (60 s).
+/// (here an LLM-like upstream's `x-usage-tokens` header, put in dynamic metadata by
+/// `header_to_metadata`) charged with `apply_on_stream_done` when it ends. A limit of 2 per
+/// minute with `charge: response`: two responses of 1 and the third request is denied; one
+/// response of 3 leaves the bucket owing 1, and the next check waits for the debt and one unit
+/// (60 s).
 #[test]
 fn the_response_cost_pattern_denies_once_the_responses_spent_the_limit() {
     let c = Components::get();
@@ -664,43 +664,55 @@ fn the_response_cost_pattern_denies_once_the_responses_spent_the_limit() {
         "domain: e2e\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: minute, requests_per_unit: 2, charge: response}\n",
     );
     let service = start_service(&c, &dir, Some(&redis.url()), &limits, 1000, &[]);
-    let upstream = Upstream::start();
+    let llm = Llm::start();
     let tenant = "{request_headers: {header_name: x-tenant, descriptor_key: tenant}}";
     let actions = format!(
         "[{{actions: [{tenant}], hits_addend: {{number: 0}}}}, \
          {{actions: [{tenant}], apply_on_stream_done: true, \
          hits_addend: {{format: \"%DYNAMIC_METADATA(tollgate.cost:cost)%\"}}}}]"
     );
-    let mut spec = native_spec("e2e", &actions, service.port, upstream.port);
+    let mut spec = native_spec("e2e", &actions, service.port, llm.port);
     if let Some(rls) = spec.native_rls.as_mut() {
         rls.x_ratelimit_headers = true;
         rls.per_route = true;
     }
-    // The upstream's answer reports its cost: here the request's x-cost, echoed by the route.
-    let mut route = Route::upstream("/", None);
-    route.response_headers = vec![("x-cost".into(), "%REQ(x-cost)%".into())];
-    spec.routes = vec![route];
     spec.extra_http_filters = vec![r#"name: envoy.filters.http.header_to_metadata
 typed_config:
   "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
   response_rules:
-  - header: x-cost
+  - header: x-usage-tokens
     on_header_present: {metadata_namespace: tollgate.cost, key: cost, type: STRING}
 "#
     .to_string()];
     let envoy = Envoy::start(&c, &dir, &spec);
     let client = Client::new();
-    // The charge leaves after the response: give it time to land before the next check.
+    // The charge leaves after the response: wait until the service applied it (one settlement
+    // per response the upstream served; a 429 reports no usage and charges nothing) before the
+    // next check.
     let get = |tenant: &str, cost: &str| {
-        let r = client.get(&envoy.url("/x"), &[("x-tenant", tenant), ("x-cost", cost)]);
-        std::thread::sleep(Duration::from_millis(300));
+        let h = [
+            ("x-tenant", tenant),
+            ("x-llm-usage", cost),
+            ("x-llm-report", "header"),
+        ];
+        let r = client.get(&envoy.url("/v1/chat/completions"), &h);
+        let want = format!(
+            "tollgate_settlements_total{{outcome=\"applied\"}} {}",
+            llm.served().len()
+        );
+        assert!(
+            llm.served().is_empty()
+                || eventually(Duration::from_secs(5), || service.metrics().contains(&want)),
+            "{want}"
+        );
         r
     };
     let statuses: Vec<u16> = (0..3).map(|_| get("a", "1").status).collect();
     assert_eq!(statuses, vec![200, 200, 429]);
-    assert_eq!(upstream.requests(), 2);
+    assert_eq!(llm.served().len(), 2);
     let r = get("b", "3");
     assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-usage-tokens"), Some("3"));
     assert_eq!(
         r.header("x-ratelimit-remaining"),
         Some("2"),
@@ -712,9 +724,5 @@ typed_config:
     assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
     // Owing 1: the debt and one unit refill in 60 s (2 per minute).
     assert!((55..=60).contains(&reset_secs(&r)), "{r:?}");
-    assert_eq!(upstream.requests(), 3);
-    assert!(
-        service.metrics().contains("tollgate_settlements_total"),
-        "the charges went through the settle path"
-    );
+    assert_eq!(llm.served().len(), 3);
 }

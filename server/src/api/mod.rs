@@ -305,22 +305,21 @@ impl Api {
             }
         };
         let mut d = self.take_specs(&specs).await?;
+        self.metrics.decision(d.allowed);
         self.count_rules(&d, &rules);
         d.instances = self.instances(instance.as_deref());
         Ok(d)
     }
 
-    /// Decides validated buckets: one store call, timed and counted. The RLS endpoint calls it
-    /// directly with the buckets it built itself, which may be more than a take on the wire holds.
+    /// Decides validated buckets: one store call, timed, its failure counted (the caller counts
+    /// the decision). The RLS endpoint calls it directly with the buckets it built itself, which
+    /// may be more than a take on the wire holds.
     pub async fn take_specs(&self, specs: &[BucketSpec]) -> Result<TakeDecision, ApiError> {
         let start = Instant::now();
         let result = self.store.take(specs).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
         match result {
-            Ok(d) => {
-                self.metrics.decision(d.allowed);
-                Ok(d)
-            }
+            Ok(d) => Ok(d),
             Err(e) => {
                 self.metrics.store_error(e.kind());
                 tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), "take failed");

@@ -502,10 +502,16 @@ impl RlsService {
         }
     }
 
-    /// Charges `asks` in one take, all or nothing.
+    /// Charges `asks` in one take, all or nothing (counted in `tollgate_decisions_total`).
     async fn take(&self, asks: &[Ask]) -> Result<crate::domain::TakeDecision, Status> {
         let specs = specs(asks, false)?;
-        self.api.take_specs(&specs).await.map_err(|e| status_of(&e))
+        let d = self
+            .api
+            .take_specs(&specs)
+            .await
+            .map_err(|e| status_of(&e))?;
+        self.api.metrics.decision(d.allowed);
+        Ok(d)
     }
 
     /// Decides `asks` without charging anything: one take in which each bucket is followed by
@@ -520,7 +526,10 @@ impl RlsService {
             .take_specs(&specs)
             .await
             .map_err(|e| status_of(&e))?;
-        Ok(d.buckets.into_iter().step_by(2).collect())
+        let decided: Vec<BucketDecision> = d.buckets.into_iter().step_by(2).collect();
+        // Counted as what it decided, not as the denied take it is.
+        self.api.metrics.decision(decided.iter().all(|b| b.allowed));
+        Ok(decided)
     }
 
     /// Charges `asks` (limits with `charge: response`) in full through a settlement with no
@@ -891,6 +900,16 @@ descriptors:
         let wait = until_ms(st).unwrap_or(0);
         assert!((1_199_000..=1_200_000).contains(&wait), "{wait}");
         assert_eq!(header(&resp, "retry-after").as_deref(), Some("1200"));
+        // Each check counts as what it decided (the probe's take is always denied).
+        let m = s.api.metrics.encode();
+        assert!(
+            m.contains("tollgate_decisions_total{outcome=\"allowed\"} 4"),
+            "{m}"
+        );
+        assert!(
+            m.contains("tollgate_decisions_total{outcome=\"limited\"} 1"),
+            "{m}"
+        );
     }
 
     #[tokio::test]
