@@ -12,6 +12,8 @@
 //! | `service.rs` | descriptors to one all-or-nothing take (checks by a take that cannot pass, `charge: response` through settle), statuses as envoyproxy/ratelimit's, response headers with `--rls-headers` |
 
 pub mod config;
+#[cfg(test)]
+mod migrating;
 pub mod pb;
 pub mod reload;
 pub mod service;
