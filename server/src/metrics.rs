@@ -107,7 +107,9 @@ pub struct Metrics {
     slots: Family<Outcome, Counter>,
     settlements: Family<Outcome, Counter>,
     rls_hits: Family<RlsStat, Counter>,
-    rls_stat_keys: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
+    /// The five counters (total_hits, within_limit, near_limit, over_limit, shadow_mode) of every
+    /// `(domain, key)` in use, so a descriptor is counted with one map lookup.
+    rls_stat_keys: std::sync::Mutex<std::collections::HashMap<(String, String), [Counter; 5]>>,
     rls_stat_overflow: Counter,
     allowed: OnceLock<Counter>,
     limited: OnceLock<Counter>,
@@ -234,7 +236,7 @@ impl Metrics {
             slots,
             settlements,
             rls_hits,
-            rls_stat_keys: std::sync::Mutex::new(std::collections::HashSet::new()),
+            rls_stat_keys: std::sync::Mutex::new(std::collections::HashMap::new()),
             rls_stat_overflow,
             rule_decisions,
             rule_counters: std::sync::Mutex::new(std::collections::HashMap::new()),
@@ -379,37 +381,42 @@ impl Metrics {
     /// Counts one RLS descriptor that matched a limit under `(domain, key)` (at most
     /// [`MAX_RLS_STAT_KEYS`] pairs; later ones under `key="other"`, counted in the overflow).
     pub fn rls_hits(&self, domain: &str, key: &str, h: RlsHits) {
-        let known = {
-            let mut keys = match self.rls_stat_keys.lock() {
-                Ok(g) => g,
-                Err(p) => p.into_inner(),
-            };
-            let pair = (domain.to_string(), key.to_string());
-            keys.contains(&pair) || (keys.len() < MAX_RLS_STAT_KEYS && keys.insert(pair))
+        const STATS: [&str; 5] = [
+            "total_hits",
+            "within_limit",
+            "near_limit",
+            "over_limit",
+            "shadow_mode",
+        ];
+        let mut keys = match self.rls_stat_keys.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
         };
-        if !known {
+        let mut pair = (domain.to_string(), key.to_string());
+        if !keys.contains_key(&pair) && keys.len() >= MAX_RLS_STAT_KEYS {
             self.rls_stat_overflow.inc();
+            pair.1 = "other".to_string();
         }
-        let key = if known { key } else { "other" };
-        let count = |stat: &'static str| {
-            self.rls_hits
-                .get_or_create(&RlsStat {
-                    domain: domain.to_string(),
-                    key: key.to_string(),
+        let counters = keys.entry(pair).or_insert_with_key(|(domain, key)| {
+            STATS.map(|stat| {
+                self.rls_hits.get_or_create_owned(&RlsStat {
+                    domain: domain.clone(),
+                    key: key.clone(),
                     stat,
                 })
-                .inc_by(h.hits);
-        };
-        count("total_hits");
+            })
+        });
+        let [total, within, near, over, shadow] = counters;
+        total.inc_by(h.hits);
         if h.over {
-            count("over_limit");
+            over.inc_by(h.hits);
             if h.shadow {
-                count("shadow_mode");
+                shadow.inc_by(h.hits);
             }
         } else {
-            count("within_limit");
+            within.inc_by(h.hits);
             if h.near {
-                count("near_limit");
+                near.inc_by(h.hits);
             }
         }
     }
