@@ -408,8 +408,8 @@ impl RlsService {
             }
         }
         let mut over = ban;
-        if ban || !checks.is_empty() {
-            let asks: Vec<Ask> = checks.iter().chain(&charges).cloned().collect();
+        let asks: Vec<Ask> = checks.iter().chain(&charges).cloned().collect();
+        if (ban || !checks.is_empty()) && !asks.is_empty() {
             let decisions = self.probe(&asks).await?;
             for ((i, l, _, c), d) in asks.iter().zip(&decisions) {
                 over |= !d.allowed;
