@@ -496,7 +496,7 @@ fn alert_rules_pass_promtool() {
     let out = promtool_run(&["check", "rules", "rules.yaml"], dir.path());
     assert!(out.status.success(), "{}", text(&out));
     assert!(
-        text(&out).contains("SUCCESS: 6 rules found"),
+        text(&out).contains("SUCCESS: 7 rules found"),
         "{}",
         text(&out)
     );
@@ -516,7 +516,18 @@ tests:
   - {series: 'tollgate_store_duration_seconds_bucket{le="+Inf"}', values: '0+100x30'}
   - {series: 'tollgate_rls_config_ok{pod="a"}', values: '1x10 0x20'}
   - {series: 'tollgate_rls_config_ok{pod="b"}', values: '1x30'}
+  - {series: 'tollgate_rls_stat_keys_overflow_total{pod="a"}', values: '0x5 0+60x25'}
   alert_rule_test:
+  - eval_time: 5m
+    alertname: TollgateRlsStatKeysOverflow
+    exp_alerts: []
+  - eval_time: 20m
+    alertname: TollgateRlsStatKeysOverflow
+    exp_alerts:
+    - exp_labels: {severity: info}
+      exp_annotations:
+        summary: tollgate-server's RLS statistics are at their key bound
+        description: "1 descriptors/s counted under key=\"other\"; drop detailed_metric or value_to_metric where values are unbounded."
   - eval_time: 1m
     alertname: TollgateFallbackInUse
     exp_alerts: []
@@ -632,6 +643,25 @@ fn grafana_dashboard_queries_are_valid() {
             .status
     };
     assert_eq!((take("a"), take("b")), (200, 503));
+    // One RLS call (ShouldRateLimit, domain d, descriptor k=v with hits_addend 0, a check that
+    // needs no room in the full store; gRPC framing over HTTP/1.1, which the service decides all
+    // the same), so the per-descriptor statistics have a sample.
+    let msg: &[u8] = &[
+        0x0a, 1, b'd', 0x12, 10, 0x0a, 6, 0x0a, 1, b'k', 0x12, 1, b'v', 0x1a, 0,
+    ];
+    let mut frame = vec![0, 0, 0, 0, msg.len() as u8];
+    frame.extend_from_slice(msg);
+    let _ = Client::new().post(
+        &format!(
+            "http://127.0.0.1:{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+            service.port
+        ),
+        &[("content-type", "application/grpc"), ("te", "trailers")],
+        &frame,
+    );
+    assert!(eventually(std::time::Duration::from_secs(5), || service
+        .metrics()
+        .contains("tollgate_rls_hits_total{")));
     let exposed = service.metrics();
     let documented = text_of("docs/filter-config.md").replace('.', "_");
     let mut names: Vec<String> = exprs

@@ -49,7 +49,14 @@ fn three_envoys_admit_exactly_the_limit() {
         &dir,
         "domain: e2e\ndescriptors:\n  - key: bucket\n    value: exact\n    rate_limit: {unit: hour, requests_per_unit: 20}\n",
     );
-    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 200, &[]);
+    let service = start_service(
+        &c,
+        &dir,
+        Some(&redis.url()),
+        &limits,
+        200,
+        &["--rls-headers"],
+    );
     let upstream = Upstream::start();
     let spec = native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port);
     let envoys = Envoy::start_all(&c, &dir, &vec![spec; 3]);
@@ -84,7 +91,20 @@ fn three_envoys_admit_exactly_the_limit() {
             .sum();
         assert!(over > 0, "{s:?}");
     }
-    assert!(service.metrics().contains("transport=\"rls\""));
+    let metrics = service.metrics();
+    assert!(metrics.contains("transport=\"rls\""));
+    // Per descriptor key, as envoyproxy/ratelimit's statistics: the 256 hits of the burst and the
+    // denied one after it (bucket=other matches no limit: not counted).
+    for (stat, n) in [
+        ("total_hits", 257),
+        ("within_limit", 20),
+        ("over_limit", 237),
+    ] {
+        let line = format!(
+            "tollgate_rls_hits_total{{domain=\"e2e\",key=\"bucket_exact\",stat=\"{stat}\"}} {n}"
+        );
+        assert!(metrics.contains(&line), "{line}\n{metrics}");
+    }
 }
 
 /// Requests with `x-bucket: bucket` one after the other until the first 429 (at most `max`): how
@@ -157,7 +177,14 @@ fn a_reload_under_load_keeps_the_counts() {
     let after = "domain: e2e\ndescriptors:\n  - key: bucket\n    value: keep\n    rate_limit: {unit: hour, requests_per_unit: 200}\n  - key: bucket\n    value: change\n    rate_limit: {unit: hour, requests_per_unit: 7}\n  - key: bucket\n    value: new\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
     let limits = LimitsFile::new(&dir, before);
     let poll_ms = 100;
-    let service = start_service(&c, &dir, Some(&redis.url()), &limits, poll_ms, &[]);
+    let service = start_service(
+        &c,
+        &dir,
+        Some(&redis.url()),
+        &limits,
+        poll_ms,
+        &["--rls-headers"],
+    );
     let upstream = Upstream::start();
     let spec = native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port);
     let envoys = Envoy::start_all(&c, &dir, &vec![spec; 3]);
@@ -487,4 +514,215 @@ fn the_token_travels_as_initial_metadata() {
     assert_eq!(client.get(&without[0].url("/x"), &h).status, 500);
     assert_eq!(upstream.requests(), 2);
     assert!(service.metrics().contains("code=\"unauthenticated\""));
+}
+
+/// A reply's `x-ratelimit-reset`, in seconds (0 when absent).
+fn reset_secs(r: &Reply) -> u64 {
+    r.header("x-ratelimit-reset")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Envoy's own `enable_x_ratelimit_headers` and a service that adds none unless `--rls-headers`:
+/// each header once, and what they say is what the statuses say: the remaining as the bucket
+/// holds it, the reset when it is full again (a token bucket of 20 a day: 4,320 s per request
+/// taken), and on a denial when a request could pass.
+#[test]
+fn envoys_own_headers_come_once_and_say_what_the_answer_says() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-envoy-headers");
+    let limits = LimitsFile::new(
+        &dir,
+        "domain: e2e\ndescriptors:\n  - key: bucket\n    value: day\n    rate_limit: {unit: day, requests_per_unit: 20}\n",
+    );
+    let service = start_service(&c, &dir, None, &limits, 1000, &[]);
+    let upstream = Upstream::start();
+    let mut spec = native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port);
+    if let Some(rls) = spec.native_rls.as_mut() {
+        rls.x_ratelimit_headers = true;
+    }
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let client = Client::new();
+    let h = [("x-bucket", "day")];
+    let r = client.get(&envoy.url("/x"), &h);
+    assert_eq!(r.status, 200, "{r:?}");
+    // Only the descriptor with a limit counts (generic_key=all matches none).
+    assert_eq!(
+        r.header("x-ratelimit-limit"),
+        Some("20, 20;w=86400"),
+        "{r:?}"
+    );
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("19"));
+    assert_eq!(r.header("x-ratelimit-reset"), Some("4320"));
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        None,
+        "the service's are off: {r:?}"
+    );
+    assert_eq!(r.header("ratelimit"), None);
+    let r = client.get(&envoy.url("/x"), &h);
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("18"));
+    // Full again 8,640 s after the second take (less what refilled since the first).
+    assert!((8630..=8640).contains(&reset_secs(&r)), "{r:?}");
+    assert_eq!(count(&client.statuses(&envoy.url("/x"), &h, 18), 200), 18);
+    let r = client.get(&envoy.url("/x"), &h);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    // One request passes again within 4,320 s (the refill since the first take shortens it).
+    assert!((4300..=4320).contains(&reset_secs(&r)), "{r:?}");
+    assert_eq!(upstream.requests(), 20);
+}
+
+/// A route with 20 rate limit actions: Envoy sends 20 descriptors, every one matching a limit.
+/// They are decided together, all or nothing (not refused, which Envoy's default failure mode
+/// would turn into "let everything through").
+#[test]
+fn twenty_descriptors_are_decided_together() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-many");
+    let redis = Redis::start(&c, &dir);
+    let mut file = String::from("domain: e2e\ndescriptors:\n");
+    let mut actions = Vec::new();
+    for i in 0..20 {
+        let rpu = if i == 13 { 2 } else { 5 };
+        file.push_str(&format!(
+            "  - key: d{i}\n    value: x\n    rate_limit: {{unit: minute, requests_per_unit: {rpu}}}\n"
+        ));
+        actions.push(format!(
+            "{{actions: [{{generic_key: {{descriptor_key: d{i}, descriptor_value: x}}}}]}}"
+        ));
+    }
+    let limits = LimitsFile::new(&dir, &file);
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 1000, &[]);
+    let upstream = Upstream::start();
+    let spec = native_spec(
+        "e2e",
+        &format!("[{}]", actions.join(", ")),
+        service.port,
+        upstream.port,
+    );
+    let envoy = Envoy::start(&c, &dir, &spec);
+    // d13 (2 per minute) decides: the third request is denied.
+    assert_eq!(
+        Client::new().statuses(&envoy.url("/x"), &[], 4),
+        vec![200, 200, 429, 429]
+    );
+    assert_eq!(upstream.requests(), 2);
+}
+
+/// A ban (`requests_per_unit: 0`) and a cost above the limit never pass: the 429 carries no
+/// `retry-after` (it said 1 and 60), and nothing is charged.
+#[test]
+fn what_never_passes_has_no_retry_after() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-never");
+    let limits = LimitsFile::new(
+        &dir,
+        "domain: e2e\ndescriptors:\n  - key: bucket\n    value: ban\n    rate_limit: {unit: minute, requests_per_unit: 0}\n  - key: bucket\n    value: three\n    rate_limit: {unit: minute, requests_per_unit: 3}\n",
+    );
+    let service = start_service(&c, &dir, None, &limits, 1000, &["--rls-headers"]);
+    let upstream = Upstream::start();
+    // The request's cost from its x-cost header (a descriptor's hits_addend).
+    let actions = "[{actions: [{request_headers: {header_name: x-bucket, descriptor_key: bucket}}], hits_addend: {format: \"%REQ(x-cost)%\"}}]";
+    let mut spec = native_spec("e2e", actions, service.port, upstream.port);
+    if let Some(rls) = spec.native_rls.as_mut() {
+        rls.per_route = true;
+    }
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let client = Client::new();
+    let r = client.get(&envoy.url("/x"), &[("x-bucket", "ban"), ("x-cost", "1")]);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), None, "{r:?}");
+    assert_eq!(r.header("x-ratelimit-limit"), Some("0"));
+    assert_eq!(r.header("x-ratelimit-reset"), None);
+    let r = client.get(&envoy.url("/x"), &[("x-bucket", "three"), ("x-cost", "4")]);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), None, "{r:?}");
+    let r = client.get(&envoy.url("/x"), &[("x-bucket", "three"), ("x-cost", "3")]);
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    let r = client.get(&envoy.url("/x"), &[("x-bucket", "three"), ("x-cost", "1")]);
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), Some("20"), "{r:?}");
+    assert_eq!(upstream.requests(), 1);
+}
+
+/// Envoy Gateway's and Envoy AI Gateway's response-cost pattern, through the native filter: a
+/// check with `hits_addend: 0` when the request arrives, and the cost the response reported
+/// (here an LLM-like upstream's `x-usage-tokens` header, put in dynamic metadata by
+/// `header_to_metadata`) charged with `apply_on_stream_done` when it ends. A limit of 2 per
+/// minute with `charge: response`: two responses of 1 and the third request is denied; one
+/// response of 3 leaves the bucket owing 1, and the next check waits for the debt and one unit
+/// (60 s).
+#[test]
+fn the_response_cost_pattern_denies_once_the_responses_spent_the_limit() {
+    let c = Components::get();
+    let dir = TempDir::new("rls-response-cost");
+    let redis = Redis::start(&c, &dir);
+    let limits = LimitsFile::new(
+        &dir,
+        "domain: e2e\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: minute, requests_per_unit: 2, charge: response}\n",
+    );
+    let service = start_service(&c, &dir, Some(&redis.url()), &limits, 1000, &[]);
+    let llm = Llm::start();
+    let tenant = "{request_headers: {header_name: x-tenant, descriptor_key: tenant}}";
+    let actions = format!(
+        "[{{actions: [{tenant}], hits_addend: {{number: 0}}}}, \
+         {{actions: [{tenant}], apply_on_stream_done: true, \
+         hits_addend: {{format: \"%DYNAMIC_METADATA(tollgate.cost:cost)%\"}}}}]"
+    );
+    let mut spec = native_spec("e2e", &actions, service.port, llm.port);
+    if let Some(rls) = spec.native_rls.as_mut() {
+        rls.x_ratelimit_headers = true;
+        rls.per_route = true;
+    }
+    spec.extra_http_filters = vec![r#"name: envoy.filters.http.header_to_metadata
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+  response_rules:
+  - header: x-usage-tokens
+    on_header_present: {metadata_namespace: tollgate.cost, key: cost, type: STRING}
+"#
+    .to_string()];
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let client = Client::new();
+    // The charge leaves after the response: wait until the service applied it (one settlement
+    // per response the upstream served; a 429 reports no usage and charges nothing) before the
+    // next check.
+    let get = |tenant: &str, cost: &str| {
+        let h = [
+            ("x-tenant", tenant),
+            ("x-llm-usage", cost),
+            ("x-llm-report", "header"),
+        ];
+        let r = client.get(&envoy.url("/v1/chat/completions"), &h);
+        let want = format!(
+            "tollgate_settlements_total{{outcome=\"applied\"}} {}",
+            llm.served().len()
+        );
+        assert!(
+            llm.served().is_empty()
+                || eventually(Duration::from_secs(5), || service.metrics().contains(&want)),
+            "{want}"
+        );
+        r
+    };
+    let statuses: Vec<u16> = (0..3).map(|_| get("a", "1").status).collect();
+    assert_eq!(statuses, vec![200, 200, 429]);
+    assert_eq!(llm.served().len(), 2);
+    let r = get("b", "3");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-usage-tokens"), Some("3"));
+    assert_eq!(
+        r.header("x-ratelimit-remaining"),
+        Some("2"),
+        "the check charged nothing: {r:?}"
+    );
+    let r = get("b", "1");
+    assert_eq!(r.status, 429, "{r:?}");
+    assert_eq!(r.header("x-ratelimit-limit"), Some("2, 2;w=60"));
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    // Owing 1: the debt and one unit refill in 60 s (2 per minute).
+    assert!((55..=60).contains(&reset_secs(&r)), "{r:?}");
+    assert_eq!(llm.served().len(), 3);
 }

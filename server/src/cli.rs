@@ -210,6 +210,13 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_RLS_CONFIG_POLL_MS", default_value_t = 1000)]
     pub rls_config_poll_ms: u64,
 
+    /// RLS answers carry response headers for Envoy to add (`RateLimit-Policy`, `RateLimit`,
+    /// `x-ratelimit-limit`, `-remaining`, `-reset`, `retry-after` on a denial). Off by default:
+    /// Envoy's `enable_x_ratelimit_headers` writes its own from the answer's statuses, and with
+    /// both every header would be sent twice.
+    #[arg(long, env = "TOLLGATE_RLS_HEADERS")]
+    pub rls_headers: bool,
+
     /// Tokio worker threads (0 = one per CPU).
     #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 0)]
     pub worker_threads: usize,
@@ -258,6 +265,7 @@ impl std::fmt::Debug for Cli {
             .field("memory_max_buckets", &self.memory_max_buckets)
             .field("rls_config", &self.rls_config)
             .field("rls_config_poll_ms", &self.rls_config_poll_ms)
+            .field("rls_headers", &self.rls_headers)
             .field("worker_threads", &self.worker_threads)
             .field("coalesce", &self.coalesce)
             .field("coalesce_calls", &self.coalesce_calls)
@@ -283,7 +291,7 @@ impl Cli {
                 .as_deref()
                 .map(|p| {
                     crate::rls::LimitsFile::load(p)
-                        .map(std::sync::Arc::new)
+                        .map(|f| std::sync::Arc::new(f.with_headers(self.rls_headers)))
                         .map_err(StartupError::RlsConfig)
                 })
                 .transpose()?,

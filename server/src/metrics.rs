@@ -16,6 +16,8 @@
 //! | `tollgate_connections_refused_total` | | connections closed on accept because `--max-connections` were open |
 //! | `tollgate_rls_config_reloads_total` | `outcome` = ok, refused | changes of the `--rls-config` limits file, loaded or refused |
 //! | `tollgate_rls_config_ok` | | 1 while the limits file on disk is the one in force, 0 after it was refused (gauge) |
+//! | `tollgate_rls_hits_total` | `domain`; `key` = the limit's place in the limits file (`key_value.key`; with `detailed_metric` or `value_to_metric`, the request's values; at most [`MAX_RLS_STAT_KEYS`] distinct, the rest `other`); `stat` = total_hits, within_limit, near_limit, over_limit, shadow_mode | hits (the descriptor's cost) of RLS descriptors that matched a limit, as envoyproxy/ratelimit's per-descriptor statistics: `near_limit` when at least 80 % of the limit is used after them, `shadow_mode` for shadow-mode limits over their limit (counted in `over_limit` too) |
+//! | `tollgate_rls_stat_keys_overflow_total` | | RLS descriptors counted under `key="other"` because [`MAX_RLS_STAT_KEYS`] keys were in use |
 
 use std::sync::OnceLock;
 
@@ -43,6 +45,31 @@ pub const MAX_RULE_LABELS: usize = 64;
 
 /// The `rule` label's value for decisions of rules beyond [`MAX_RULE_LABELS`].
 pub const OTHER_RULE: &str = "other";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RlsStat {
+    domain: String,
+    key: String,
+    stat: &'static str,
+}
+
+/// Most distinct `(domain, key)` pairs of `tollgate_rls_hits_total`; the descriptors seen after
+/// them count under `key="other"`. Keys come from the limits file unless a limit asks for its
+/// request values (`detailed_metric`, `value_to_metric`), which clients choose.
+pub const MAX_RLS_STAT_KEYS: usize = 1000;
+
+/// What an RLS descriptor's hits count as (`stat` of `tollgate_rls_hits_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RlsHits {
+    /// The descriptor's cost.
+    pub hits: u64,
+    /// It was over its limit.
+    pub over: bool,
+    /// At least 80 % of the limit is used after it.
+    pub near: bool,
+    /// Its limit is in shadow mode.
+    pub shadow: bool,
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Kind {
@@ -79,6 +106,11 @@ pub struct Metrics {
     live_instances: Gauge,
     slots: Family<Outcome, Counter>,
     settlements: Family<Outcome, Counter>,
+    rls_hits: Family<RlsStat, Counter>,
+    /// The five counters (total_hits, within_limit, near_limit, over_limit, shadow_mode) of every
+    /// `(domain, key)` in use, so a descriptor is counted with one map lookup.
+    rls_stat_keys: std::sync::Mutex<std::collections::HashMap<(String, String), [Counter; 5]>>,
+    rls_stat_overflow: Counter,
     allowed: OnceLock<Counter>,
     limited: OnceLock<Counter>,
     http_ok: OnceLock<Counter>,
@@ -187,10 +219,25 @@ impl Metrics {
             "Settles of reserved tokens: applied, or already applied before (a resent id)",
             settlements.clone(),
         );
+        let rls_hits = Family::<RlsStat, Counter>::default();
+        registry.register(
+            "rls_hits",
+            "Hits of RLS descriptors that matched a limit, per domain, descriptor key and stat",
+            rls_hits.clone(),
+        );
+        let rls_stat_overflow = Counter::default();
+        registry.register(
+            "rls_stat_keys_overflow",
+            "RLS descriptors counted under key=\"other\": the distinct keys were at their bound",
+            rls_stat_overflow.clone(),
+        );
         Metrics {
             registry,
             slots,
             settlements,
+            rls_hits,
+            rls_stat_keys: std::sync::Mutex::new(std::collections::HashMap::new()),
+            rls_stat_overflow,
             rule_decisions,
             rule_counters: std::sync::Mutex::new(std::collections::HashMap::new()),
             live_instances,
@@ -329,6 +376,49 @@ impl Metrics {
         let outcome = if loaded { "ok" } else { "refused" };
         self.rls_reloads.get_or_create(&Outcome { outcome }).inc();
         self.rls_config_ok.set(i64::from(loaded));
+    }
+
+    /// Counts one RLS descriptor that matched a limit under `(domain, key)` (at most
+    /// [`MAX_RLS_STAT_KEYS`] pairs; later ones under `key="other"`, counted in the overflow).
+    pub fn rls_hits(&self, domain: &str, key: &str, h: RlsHits) {
+        const STATS: [&str; 5] = [
+            "total_hits",
+            "within_limit",
+            "near_limit",
+            "over_limit",
+            "shadow_mode",
+        ];
+        let mut keys = match self.rls_stat_keys.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let mut pair = (domain.to_string(), key.to_string());
+        if !keys.contains_key(&pair) && keys.len() >= MAX_RLS_STAT_KEYS {
+            self.rls_stat_overflow.inc();
+            pair.1 = "other".to_string();
+        }
+        let counters = keys.entry(pair).or_insert_with_key(|(domain, key)| {
+            STATS.map(|stat| {
+                self.rls_hits.get_or_create_owned(&RlsStat {
+                    domain: domain.clone(),
+                    key: key.clone(),
+                    stat,
+                })
+            })
+        });
+        let [total, within, near, over, shadow] = counters;
+        total.inc_by(h.hits);
+        if h.over {
+            over.inc_by(h.hits);
+            if h.shadow {
+                shadow.inc_by(h.hits);
+            }
+        } else {
+            within.inc_by(h.hits);
+            if h.near {
+                near.inc_by(h.hits);
+            }
+        }
     }
 
     /// The Prometheus text exposition.

@@ -183,12 +183,19 @@ pub struct NativeRls {
     /// The upstream routes' `rate_limits`, as flow YAML (JSON is fine), e.g.
     /// `[{actions: [{generic_key: {descriptor_value: a}}]}]`.
     pub rate_limits: String,
+    /// Put `rate_limits` in the route's `typed_per_filter_config` (`RateLimitPerRoute`) instead
+    /// of its `route.rate_limits`: Envoy 1.40 reads a rate limit's `hits_addend` and
+    /// `apply_on_stream_done` there only (Envoy Gateway's and Envoy AI Gateway's pattern).
+    pub per_route: bool,
     /// Sent as `authorization: Bearer <token>` in the gRPC service's `initial_metadata`.
     pub token: Option<String>,
     /// The filter's and the gRPC call's timeout, in milliseconds.
     pub timeout_ms: u64,
     /// `failure_mode_deny`: a service failure is a 500, never a pass (so a test sees it).
     pub failure_mode_deny: bool,
+    /// `enable_x_ratelimit_headers: DRAFT_VERSION_03`: Envoy writes `x-ratelimit-limit`,
+    /// `-remaining` and `-reset` itself, from the answer's descriptor statuses.
+    pub x_ratelimit_headers: bool,
 }
 
 impl NativeRls {
@@ -197,9 +204,11 @@ impl NativeRls {
         NativeRls {
             domain: domain.to_string(),
             rate_limits: rate_limits.to_string(),
+            per_route: false,
             token: None,
             timeout_ms: 2000,
             failure_mode_deny: true,
+            x_ratelimit_headers: false,
         }
     }
 }
@@ -380,7 +389,7 @@ impl EnvoySpec {
                 if let Some(t) = timeout_s {
                     let _ = write!(fields, ", timeout: {t}s");
                 }
-                if let Some(rls) = &self.native_rls {
+                if let Some(rls) = self.native_rls.as_ref().filter(|r| !r.per_route) {
                     let _ = write!(fields, ", rate_limits: {}", rls.rate_limits);
                 }
                 let _ = writeln!(out, "route: {{{fields}}}");
@@ -411,10 +420,26 @@ impl EnvoySpec {
                 );
             }
         }
+        let per_route = self
+            .native_rls
+            .as_ref()
+            .filter(|rls| rls.per_route && matches!(r.action, Action::Upstream { .. }));
+        if r.skip_module || per_route.is_some() {
+            out.push_str("typed_per_filter_config:\n");
+        }
         if r.skip_module {
             out.push_str(
-                "typed_per_filter_config:\n  envoy.filters.http.wasm:\n    \"@type\": \
+                "  envoy.filters.http.wasm:\n    \"@type\": \
                  type.googleapis.com/envoy.config.route.v3.FilterConfig\n    disabled: true\n",
+            );
+        }
+        if let Some(rls) = per_route {
+            let _ = writeln!(
+                out,
+                "  envoy.filters.http.ratelimit:\n    \"@type\": \
+                 type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute\n    \
+                 rate_limits: {}",
+                rls.rate_limits
             );
         }
         out
@@ -435,13 +460,18 @@ impl EnvoySpec {
                 ),
                 None => String::new(),
             };
+            let x_headers = if rls.x_ratelimit_headers {
+                "\n  enable_x_ratelimit_headers: DRAFT_VERSION_03"
+            } else {
+                ""
+            };
             filters.push(format!(
                 r#"name: envoy.filters.http.ratelimit
 typed_config:
   "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
   domain: {domain}
   failure_mode_deny: {deny}
-  timeout: {timeout}
+  timeout: {timeout}{x_headers}
   rate_limit_service:
     transport_api_version: V3
     grpc_service:

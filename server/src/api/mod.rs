@@ -32,8 +32,8 @@ use subtle::ConstantTimeEq;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::domain::{
-    validate, validate_batch, InvalidArgument, RawBatch, RawTake, TakeDecision, MAX_BATCH_BYTES,
-    MAX_BATCH_TAKES, MAX_TAKE_BYTES,
+    validate, validate_batch, BucketSpec, InvalidArgument, RawBatch, RawTake, TakeDecision,
+    MAX_BATCH_BYTES, MAX_BATCH_TAKES, MAX_TAKE_BYTES,
 };
 use crate::metrics::Metrics;
 use crate::store::Store;
@@ -304,16 +304,22 @@ impl Api {
                 return Err(ApiError::Invalid(e));
             }
         };
+        let mut d = self.take_specs(&specs).await?;
+        self.metrics.decision(d.allowed);
+        self.count_rules(&d, &rules);
+        d.instances = self.instances(instance.as_deref());
+        Ok(d)
+    }
+
+    /// Decides validated buckets: one store call, timed, its failure counted (the caller counts
+    /// the decision). The RLS endpoint calls it directly with the buckets it built itself, which
+    /// may be more than a take on the wire holds.
+    pub async fn take_specs(&self, specs: &[BucketSpec]) -> Result<TakeDecision, ApiError> {
         let start = Instant::now();
-        let result = self.store.take(&specs).await;
+        let result = self.store.take(specs).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
         match result {
-            Ok(mut d) => {
-                self.metrics.decision(d.allowed);
-                self.count_rules(&d, &rules);
-                d.instances = self.instances(instance.as_deref());
-                Ok(d)
-            }
+            Ok(d) => Ok(d),
             Err(e) => {
                 self.metrics.store_error(e.kind());
                 tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), "take failed");

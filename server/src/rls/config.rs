@@ -13,12 +13,13 @@
 //! ```
 //!
 //! Every key envoyproxy/ratelimit accepts is accepted (`domain`, `key`, `value`, `descriptors`,
-//! `rate_limit` with `unit`, `requests_per_unit`, `unlimited`, `name`, `replaces`; `shadow_mode`,
-//! `quota_mode`, `detailed_metric`, `value_to_metric`, `share_threshold`, `metadata`), plus
-//! Tollgate's own in `rate_limit`: `algorithm` (`token_bucket`, the default, `fixed_window` or
-//! `sliding_window`: the contract's names, `contract::Algorithm`) and
-//! `burst` (token bucket: the capacity, default `requests_per_unit`). Any other key is an error,
-//! and every error names the domain and the descriptor path.
+//! `rate_limit` with `unit`, `unit_multiplier`, `requests_per_unit`, `unlimited`, `name`,
+//! `replaces`; `shadow_mode`, `quota_mode`, `detailed_metric`, `value_to_metric`,
+//! `share_threshold`, `metadata`), plus Tollgate's own in `rate_limit`: `algorithm`
+//! (`token_bucket`, the default, `fixed_window` or `sliding_window`: the contract's names,
+//! `contract::Algorithm`), `burst` (token bucket: the capacity, default `requests_per_unit`) and
+//! `charge` (`request`, the default, or `response`: see [`Limit::charge_response`]). Any other key
+//! is an error, and every error names the domain and the descriptor path.
 //!
 //! The lookup follows envoyproxy/ratelimit's: per request entry, the exact `key`+`value` first,
 //! then the first wildcard value of that key that matches, then the key alone; a limit applies only
@@ -29,7 +30,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
-use crate::domain::{Algorithm, MAX_AMOUNT};
+use crate::domain::{Algorithm, MAX_AMOUNT, MAX_PERIOD_MS};
 
 /// A time unit of `rate_limit.unit` (case-insensitive in the file). Month and year are 30 and
 /// 365 days, as in envoyproxy/ratelimit.
@@ -114,6 +115,8 @@ pub struct Limit {
     pub requests_per_unit: u64,
     /// `unit`.
     pub unit: Unit,
+    /// `unit_multiplier` (1 unless given): the window is this many units.
+    pub unit_multiplier: u64,
     /// `unlimited: true`: never limited, never counted.
     pub unlimited: bool,
     /// `shadow_mode: true`: counted, reported OK even when over.
@@ -128,12 +131,27 @@ pub struct Limit {
     pub capacity: u64,
     /// Where it sits: `domain.key_value.key` (logs, the default policy name).
     pub path: String,
+    /// `detailed_metric` on its descriptor, or `value_to_metric` on it or above it: its
+    /// statistics are keyed on the request's values, not on the file's (`/metrics`,
+    /// `tollgate_rls_hits_total`).
+    pub detailed_metric: bool,
+    /// `charge: response`: the limit is priced by what responses used, in Envoy's response-cost
+    /// pattern (a check with `hits_addend: 0` when the request arrives, the real cost sent with
+    /// `apply_on_stream_done` when it ends). A descriptor with a cost is then charged in full
+    /// even past the limit, into debt, since the work was done already; the checks deny until
+    /// the debt is repaid.
+    pub charge_response: bool,
 }
 
 impl Limit {
+    /// The window's length in seconds: the unit times `unit_multiplier`.
+    pub fn window_seconds(&self) -> u64 {
+        self.unit.seconds().saturating_mul(self.unit_multiplier)
+    }
+
     /// The bucket's period in milliseconds.
     pub fn period_ms(&self) -> u64 {
-        self.unit.seconds() * 1000
+        self.window_seconds().saturating_mul(1000)
     }
 }
 
@@ -193,7 +211,7 @@ impl Limits {
                 ));
             }
             let mut node = Node::default();
-            load(&mut node, &root.domain, &root.descriptors)
+            load(&mut node, &root.domain, &root.descriptors, false)
                 .map_err(|e| format!("domain {:?}: {e}", root.domain))?;
             limits.domains.insert(root.domain, node);
         }
@@ -201,6 +219,12 @@ impl Limits {
             return Err("no domain: the file holds no document".into());
         }
         Ok(limits)
+    }
+
+    /// Whether the file has a document for `domain` (a descriptor's own `limit` applies only
+    /// there, as in envoyproxy/ratelimit).
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
     }
 
     /// The domains, sorted (logs).
@@ -277,7 +301,13 @@ fn wildcard_match(parts: &[String], value: &str) -> bool {
     true
 }
 
-fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result<(), String> {
+/// Loads `descriptors` under `node`; `values`: a descriptor above asked for `value_to_metric`.
+fn load(
+    node: &mut Node,
+    parent: &str,
+    descriptors: &[YamlDescriptor],
+    values: bool,
+) -> Result<(), String> {
     for (i, d) in descriptors.iter().enumerate() {
         let step = if d.value.is_empty() {
             d.key.clone()
@@ -298,18 +328,22 @@ fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result
                 "share_threshold: needs a wildcard value (with '*')".into()
             ));
         }
+        let values = values || d.value_to_metric;
         let limit = match &d.rate_limit {
             None => None,
-            Some(r) => Some(Arc::new(
-                limit_of(r, d.shadow_mode, &path).map_err(|m| at(format!("rate_limit.{m}")))?,
-            )),
+            Some(r) => {
+                let mut l =
+                    limit_of(r, d.shadow_mode, &path).map_err(|m| at(format!("rate_limit.{m}")))?;
+                l.detailed_metric = d.detailed_metric || values;
+                Some(Arc::new(l))
+            }
         };
         let mut child = Node {
             limit,
             share_threshold: d.share_threshold,
             ..Node::default()
         };
-        load(&mut child, &path, &d.descriptors)?;
+        load(&mut child, &path, &d.descriptors, values)?;
         if d.value.contains('*') {
             node.wildcards.push(Wildcard {
                 key: d.key.clone(),
@@ -332,6 +366,30 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, S
             format!("unit: {u:?} is not one of second, minute, hour, day, week, month, year")
         })?,
         (None, false) => return Err("unit: is required (or unlimited: true)".into()),
+    };
+    let unit_multiplier = match r.unit_multiplier {
+        None => 1,
+        Some(0) => return Err("unit_multiplier: must be at least 1".into()),
+        Some(m) => u64::from(m),
+    };
+    let window_ms = unit
+        .seconds()
+        .saturating_mul(unit_multiplier)
+        .saturating_mul(1000);
+    if window_ms > MAX_PERIOD_MS {
+        return Err(format!(
+            "unit_multiplier: {unit_multiplier} x {} s is longer than the longest window (one year)",
+            unit.seconds()
+        ));
+    }
+    let charge_response = match r.charge.as_deref() {
+        None | Some("request") => false,
+        Some("response") => true,
+        Some(other) => {
+            return Err(format!(
+                "charge: {other:?} is not one of \"request\", \"response\""
+            ))
+        }
     };
     let rpu = u64::from(r.requests_per_unit);
     if rpu > MAX_AMOUNT {
@@ -369,6 +427,7 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, S
     Ok(Limit {
         requests_per_unit: rpu,
         unit,
+        unit_multiplier,
         unlimited: r.unlimited,
         shadow_mode,
         name: r.name.clone(),
@@ -376,6 +435,8 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, S
         algorithm,
         capacity,
         path: path.to_string(),
+        detailed_metric: false,
+        charge_response,
     })
 }
 
@@ -405,12 +466,9 @@ struct YamlDescriptor {
     #[serde(default)]
     #[allow(dead_code)]
     quota_mode: bool,
-    /// Accepted; metric names are envoyproxy/ratelimit's concern, not Tollgate's.
     #[serde(default)]
-    #[allow(dead_code)]
     detailed_metric: bool,
     #[serde(default)]
-    #[allow(dead_code)]
     value_to_metric: bool,
     #[serde(default)]
     share_threshold: bool,
@@ -427,6 +485,8 @@ struct YamlRateLimit {
     #[serde(default)]
     unit: Option<String>,
     #[serde(default)]
+    unit_multiplier: Option<u32>,
+    #[serde(default)]
     unlimited: bool,
     #[serde(default)]
     name: String,
@@ -436,6 +496,8 @@ struct YamlRateLimit {
     algorithm: Option<String>,
     #[serde(default)]
     burst: Option<u64>,
+    #[serde(default)]
+    charge: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -550,11 +612,37 @@ descriptors:
             ("descriptors: []\n", "domain: must not be empty"),
             ("domain: d\n---\ndomain: d\n", "appears twice"),
             ("", "no domain"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, unit_multiplier: 0}\n", "rate_limit.unit_multiplier: must be at least 1"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: month, requests_per_unit: 1, unit_multiplier: 13}\n", "rate_limit.unit_multiplier: 13 x 2592000 s"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, charge: later}\n", "rate_limit.charge: \"later\""),
         ];
         for (text, want) in cases {
             let got = Limits::parse(text).err().unwrap_or_default();
             assert!(got.contains(want), "{text:?}: {got:?}");
         }
+    }
+
+    #[test]
+    fn windows_of_every_unit_and_multiplier() {
+        let doc = "domain: d\ndescriptors:\n\
+          - {key: k, value: w, rate_limit: {unit: week, requests_per_unit: 7}}\n\
+          - {key: k, value: m, rate_limit: {unit: month, requests_per_unit: 30}}\n\
+          - {key: k, value: y, rate_limit: {unit: year, requests_per_unit: 365}}\n\
+          - {key: k, value: five, rate_limit: {unit: minute, unit_multiplier: 5, requests_per_unit: 10}}\n\
+          - {key: k, value: zero, rate_limit: {unit: minute, requests_per_unit: 0}}\n\
+          - {key: k, value: resp, rate_limit: {unit: minute, requests_per_unit: 2, charge: response}}\n";
+        let l = Limits::parse(doc);
+        assert!(l.is_ok(), "{l:?}");
+        let l = l.unwrap_or_default();
+        let period = |v: &str| find(&l, "d", &[("k", v)]).map(|f| f.limit.period_ms());
+        assert_eq!(period("w"), Some(7 * 86_400_000));
+        assert_eq!(period("m"), Some(30 * 86_400_000));
+        assert_eq!(period("y"), Some(365 * 86_400_000));
+        assert_eq!(period("five"), Some(300_000));
+        assert_eq!(rpu(&l, "d", &[("k", "zero")]), Some(0));
+        let resp = find(&l, "d", &[("k", "resp")]).map(|f| f.limit.charge_response);
+        assert_eq!(resp, Some(true));
+        assert!(l.has_domain("d") && !l.has_domain("e"));
     }
 
     #[test]

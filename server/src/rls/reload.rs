@@ -39,12 +39,13 @@ fn stamp(path: &Path) -> std::io::Result<Stamp> {
     })
 }
 
-/// The limits in force, and the file they come from.
+/// The limits in force, the file they come from, and how answers are written.
 #[derive(Debug)]
 pub struct LimitsFile {
     path: PathBuf,
     current: RwLock<Arc<Limits>>,
     seen: Mutex<Option<Stamp>>,
+    headers: bool,
 }
 
 impl LimitsFile {
@@ -56,7 +57,22 @@ impl LimitsFile {
             path: path.to_path_buf(),
             current: RwLock::new(Arc::new(limits)),
             seen: Mutex::new(seen),
+            headers: false,
         })
+    }
+
+    /// With `on` (`--rls-headers`), answers carry `response_headers_to_add` (`RateLimit-Policy`,
+    /// `RateLimit`, `x-ratelimit-*`, `retry-after`); without, none, as envoyproxy/ratelimit
+    /// unless `LIMIT_RESPONSE_HEADERS_ENABLED`: Envoy's own `enable_x_ratelimit_headers` writes
+    /// them from the statuses, and both at once would send every header twice.
+    pub fn with_headers(mut self, on: bool) -> Self {
+        self.headers = on;
+        self
+    }
+
+    /// Whether answers carry the service's response headers.
+    pub fn headers(&self) -> bool {
+        self.headers
     }
 
     /// Limits given directly (tests); never reloaded.
@@ -65,6 +81,7 @@ impl LimitsFile {
             path: PathBuf::new(),
             current: RwLock::new(Arc::new(limits)),
             seen: Mutex::new(None),
+            headers: false,
         }
     }
 

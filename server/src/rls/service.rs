@@ -4,9 +4,14 @@
 //! descriptor), then every limit that is enforced is charged in **one** take: all or nothing, in
 //! one atomic script. envoyproxy/ratelimit increments each descriptor's counter on its own, so a
 //! request denied by one descriptor still spends the others; here a denied request spends nothing.
-//! Shadow-mode limits are charged in a second take and always answer `OK`.
+//! A descriptor with `hits_addend: 0` is a check, decided by a take that cannot pass (nothing is
+//! written); a limit with `charge: response` is charged in full through the settle path, into
+//! debt. Shadow-mode limits are decided last and always answer `OK`. docs/rls.md describes every
+//! answer.
 
 use std::fmt::Write;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use prost_types::Duration as PbDuration;
@@ -24,18 +29,33 @@ use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitRespon
 use super::reload::LimitsFile;
 use crate::api::grpc::status_of;
 use crate::api::Api;
-use crate::domain::{BucketDecision, RawBucket, RawTake, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES};
+use crate::domain::{
+    validate, BucketDecision, BucketSpec, RawBucket, RawSettle, RawSettleBucket, RawTake,
+    MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES,
+};
+use crate::metrics::RlsHits;
 
 /// The RLS v3 service.
 pub struct RlsService {
     api: Arc<Api>,
     limits: Arc<LimitsFile>,
+    /// Random per process, and a sequence: the ids of the settlements that charge
+    /// `charge: response` limits, each applied once (the store remembers an id).
+    nonce: u64,
+    settlements: AtomicU64,
 }
 
 impl RlsService {
     /// Serves `limits` over `api`'s store and metrics.
     pub fn new(api: Arc<Api>, limits: Arc<LimitsFile>) -> Self {
-        RlsService { api, limits }
+        let nonce =
+            std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now());
+        RlsService {
+            api,
+            limits,
+            nonce,
+            settlements: AtomicU64::new(0),
+        }
     }
 }
 
@@ -47,14 +67,20 @@ enum Plan {
         /// `unlimited: true`: `limit_remaining` is `u32::MAX`, as envoyproxy/ratelimit says.
         unlimited: bool,
     },
-    /// Charged `cost` to the bucket `key` under `limit`.
+    /// Charged `cost` (at least 1) to the bucket `key` under `limit`.
     Charge {
         limit: Arc<Limit>,
         key: String,
         cost: u64,
     },
+    /// `hits_addend: 0` on the descriptor: `OVER_LIMIT` when the bucket cannot cover one more
+    /// unit (or owes), nothing charged.
+    Check { limit: Arc<Limit>, key: String },
 }
 
+/// A descriptor that asks the store: its index in the request, its limit, bucket and cost (1
+/// for a check).
+type Ask = (usize, Arc<Limit>, String, u64);
 /// The Tollgate bucket key of a descriptor: the domain and every entry, escaped so that no two
 /// descriptors share one; the limit itself is part of the store's key. Nothing else goes in, so
 /// a reload that leaves a limit alone leaves its count alone.
@@ -91,12 +117,15 @@ fn push_escaped(out: &mut String, s: &str) {
 /// A limit found for a descriptor, and the `(key, value)` entries its bucket is keyed on.
 type Hit = (Arc<Limit>, Vec<(String, String)>);
 
-/// Resolves every descriptor: the limit that applies, `replaces` applied, and the cost.
+/// Resolves every descriptor: the limit that applies, `replaces` applied, and the cost. A
+/// descriptor's own `limit` (sent by Envoy) applies only in a domain the file knows, as in
+/// envoyproxy/ratelimit.
 fn plan(limits: &Limits, req: &RateLimitRequest) -> Result<Vec<Plan>, Status> {
     let mut found: Vec<Option<Hit>> = Vec::with_capacity(req.descriptors.len());
     for (i, d) in req.descriptors.iter().enumerate() {
         let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
         let hit = match &d.limit {
+            Some(_) if !limits.has_domain(&req.domain) => None,
             Some(o) => {
                 let unit = Unit::from_proto(o.unit).ok_or_else(|| {
                     Status::invalid_argument(format!(
@@ -108,6 +137,7 @@ fn plan(limits: &Limits, req: &RateLimitRequest) -> Result<Vec<Plan>, Status> {
                 let limit = Limit {
                     requests_per_unit: rpu,
                     unit,
+                    unit_multiplier: 1,
                     unlimited: false,
                     shadow_mode: false,
                     name: String::new(),
@@ -115,6 +145,8 @@ fn plan(limits: &Limits, req: &RateLimitRequest) -> Result<Vec<Plan>, Status> {
                     algorithm: crate::domain::Algorithm::TokenBucket,
                     capacity: rpu,
                     path: format!("{}.<override>", req.domain),
+                    detailed_metric: true,
+                    charge_response: false,
                 };
                 let entries = entries.map(|(k, v)| (k.to_string(), v.to_string()));
                 Some((Arc::new(limit), entries.collect()))
@@ -139,28 +171,29 @@ fn plan(limits: &Limits, req: &RateLimitRequest) -> Result<Vec<Plan>, Status> {
             Some((l, _)) if !l.name.is_empty() && replaced.contains(&l.name) => {
                 Plan::Free { unlimited: false }
             }
-            Some((limit, entries)) => match cost(req, d) {
-                0 => Plan::Free { unlimited: false },
-                cost => Plan::Charge {
-                    key: bucket_key(&req.domain, &entries),
-                    limit,
-                    cost,
-                },
-            },
+            Some((limit, entries)) => {
+                let key = bucket_key(&req.domain, &entries);
+                match cost(req, d) {
+                    None => Plan::Free { unlimited: false },
+                    Some(0) => Plan::Check { limit, key },
+                    Some(cost) => Plan::Charge { limit, key, cost },
+                }
+            }
         })
         .collect())
 }
 
-/// Hits to charge: the descriptor's `hits_addend` when set, else the request's (0 there means 1).
-/// A descriptor asking to give hits back (`is_negative_hits`) or to charge 0 is not charged.
-fn cost(req: &RateLimitRequest, d: &RateLimitDescriptor) -> u64 {
+/// Hits to charge: the descriptor's `hits_addend` when set (0: a check), else the request's (0
+/// there means 1, as Envoy documents). `None`: a descriptor giving hits back
+/// (`is_negative_hits`), which is not charged.
+fn cost(req: &RateLimitRequest, d: &RateLimitDescriptor) -> Option<u64> {
     if d.is_negative_hits {
-        return 0;
+        return None;
     }
-    match d.hits_addend {
+    Some(match d.hits_addend {
         Some(h) => h,
         None => u64::from(req.hits_addend.max(1)),
-    }
+    })
 }
 
 fn raw_bucket(limit: &Limit, key: &str, cost: u64) -> RawBucket {
@@ -175,6 +208,29 @@ fn raw_bucket(limit: &Limit, key: &str, cost: u64) -> RawBucket {
         lease: None,
         rule: None,
     }
+}
+
+/// The buckets of `asks` (`probe`: each followed by its own key again at its capacity, see
+/// [`RlsService::probe`]), validated as any take's, [`MAX_BUCKETS`] at a time: a request may
+/// match more descriptors than a take on the wire holds, and all of them are decided in one
+/// store call.
+fn specs(asks: &[Ask], probe: bool) -> Result<Vec<BucketSpec>, Status> {
+    let mut raw = Vec::with_capacity(asks.len() * 2);
+    for (_, l, k, c) in asks {
+        raw.push(raw_bucket(l, k, *c));
+        if probe {
+            raw.push(raw_bucket(l, k, l.capacity));
+        }
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    for chunk in raw.chunks(MAX_BUCKETS) {
+        let take = RawTake {
+            buckets: Some(chunk.to_vec()),
+            instance: None,
+        };
+        out.extend(validate(take).map_err(|e| Status::internal(e.to_string()))?);
+    }
+    Ok(out)
 }
 
 fn pb_limit(l: &Limit) -> RateLimit {
@@ -192,36 +248,59 @@ fn pb_duration(ms: u64) -> PbDuration {
     }
 }
 
-fn status(code: Code, limit: &Limit, d: Option<&BucketDecision>) -> DescriptorStatus {
-    // For a denial, the time until the request could pass; otherwise until the bucket is full
-    // again (token bucket) or the window ends (fixed window).
-    let until = d.map(|d| {
-        if d.allowed {
-            d.reset_ms
-        } else {
-            d.retry_after_ms
-        }
-    });
+/// A descriptor's status from its bucket's decision; `charged`: the store charged `cost`.
+///
+/// - Denied: `limit_remaining` 0 and `duration_until_reset` the time until this cost could
+///   pass, as envoyproxy/ratelimit's window end is for a fixed window; none for a cost above
+///   the limit, which never passes.
+/// - Allowed: the tokens left (as the bucket stands when it was not charged: a check, or a
+///   request another descriptor denied) and the time until the bucket is full again (token
+///   bucket) or the window ends: when `limit_remaining` is back at the limit, which is what
+///   envoyproxy/ratelimit's reset means.
+fn decided(limit: &Limit, d: &BucketDecision, cost: u64, charged: bool) -> DescriptorStatus {
+    let (code, remaining, until) = if !d.allowed {
+        let never = cost > limit.capacity;
+        (Code::OverLimit, 0, (!never).then_some(d.retry_after_ms))
+    } else if charged {
+        (Code::Ok, d.remaining, Some(d.reset_ms))
+    } else {
+        let left = d.remaining.saturating_add(cost).min(limit.capacity);
+        (Code::Ok, left, Some(d.reset_ms))
+    };
     DescriptorStatus {
         code: code as i32,
         current_limit: Some(pb_limit(limit)),
-        limit_remaining: d
-            .map(|d| u32::try_from(d.remaining).unwrap_or(u32::MAX))
-            .unwrap_or(0),
+        limit_remaining: u32::try_from(remaining).unwrap_or(u32::MAX),
         duration_until_reset: until.map(pb_duration),
+    }
+}
+
+fn set(statuses: &mut [DescriptorStatus], i: usize, s: DescriptorStatus) {
+    if let Some(slot) = statuses.get_mut(i) {
+        *slot = s;
+    }
+}
+
+/// `requests_per_unit: 0` (a ban): denied, and no duration: nothing ever passes.
+fn banned(limit: &Limit) -> DescriptorStatus {
+    DescriptorStatus {
+        code: Code::OverLimit as i32,
+        current_limit: Some(pb_limit(limit)),
+        limit_remaining: 0,
+        duration_until_reset: None,
     }
 }
 
 /// `RateLimit-Policy` / `RateLimit` (IETF draft, as the filter writes them) and `x-ratelimit-*`
 /// for the descriptor that decided: the denying one with the longest wait, else the one with the
-/// least left.
+/// least left. The reset is the status's `duration_until_reset` (what Envoy's own headers say);
+/// a denial that never passes has none, and no `retry-after`.
 fn headers(statuses: &[DescriptorStatus], limits: &[Option<&Limit>]) -> Vec<HeaderValue> {
     let over = Code::OverLimit as i32;
     let secs = |s: &DescriptorStatus| {
         s.duration_until_reset
             .as_ref()
             .map(|d| d.seconds.max(0) as u64 + u64::from(d.nanos > 0))
-            .unwrap_or(0)
     };
     let chosen = statuses
         .iter()
@@ -230,7 +309,7 @@ fn headers(statuses: &[DescriptorStatus], limits: &[Option<&Limit>]) -> Vec<Head
         .filter(|(s, _)| s.current_limit.is_some())
         .min_by_key(|(s, _)| {
             if s.code == over {
-                (0, u64::MAX - secs(s))
+                (0, u64::MAX - secs(s).unwrap_or(u64::MAX))
             } else {
                 (1, u64::from(s.limit_remaining))
             }
@@ -242,32 +321,46 @@ fn headers(statuses: &[DescriptorStatus], limits: &[Option<&Limit>]) -> Vec<Head
         .chars()
         .filter(|c| *c != '"' && *c != '\\' && !c.is_control())
         .collect();
-    let window = l.unit.seconds();
-    let reset = secs(s);
     let h = |k: &str, v: String| HeaderValue {
         key: k.to_string(),
         value: v,
     };
+    let reset = secs(s);
+    let t = reset.map(|r| format!(";t={r}")).unwrap_or_default();
     let mut out = vec![
         h(
             "ratelimit-policy",
-            format!("\"{name}\";q={};w={window}", l.requests_per_unit),
+            format!(
+                "\"{name}\";q={};w={}",
+                l.requests_per_unit,
+                l.window_seconds()
+            ),
         ),
         h(
             "ratelimit",
-            format!("\"{name}\";r={};t={reset}", s.limit_remaining),
+            format!("\"{name}\";r={}{t}", s.limit_remaining),
         ),
         h("x-ratelimit-limit", l.requests_per_unit.to_string()),
         h("x-ratelimit-remaining", s.limit_remaining.to_string()),
-        h("x-ratelimit-reset", reset.to_string()),
     ];
-    if s.code == over {
-        out.push(h("retry-after", reset.max(1).to_string()));
+    if let Some(r) = reset {
+        out.push(h("x-ratelimit-reset", r.to_string()));
+        if s.code == over {
+            out.push(h("retry-after", r.max(1).to_string()));
+        }
     }
     out
 }
 
 impl RlsService {
+    /// Decides a request:
+    ///
+    /// 1. A ban (`requests_per_unit: 0`) among the enforced limits denies without a charge.
+    /// 2. Checks (`hits_addend: 0`) are decided by a probe that charges nothing, together with
+    ///    the charges (so a denied request reports every descriptor's true remaining).
+    /// 3. The charges, all or nothing, in one take.
+    /// 4. `charge: response` limits are charged what Envoy sent, into debt if need be.
+    /// 5. Shadow-mode limits last; they never change the answer.
     async fn decide(&self, req: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
         if req.domain.is_empty() {
             return Err(Status::invalid_argument("domain: must not be empty"));
@@ -277,24 +370,6 @@ impl RlsService {
         }
         let limits = self.limits.current();
         let plans = plan(&limits, req)?;
-        let charged = |shadow: bool| {
-            plans
-                .iter()
-                .enumerate()
-                .filter_map(move |(i, p)| match p {
-                    Plan::Charge { limit, key, cost } if limit.shadow_mode == shadow => {
-                        Some((i, limit.clone(), key.clone(), *cost))
-                    }
-                    _ => None,
-                })
-                .collect::<Vec<_>>()
-        };
-        let (enforced, shadow) = (charged(false), charged(true));
-        if enforced.len() > MAX_BUCKETS || shadow.len() > MAX_BUCKETS {
-            return Err(Status::invalid_argument(format!(
-                "descriptors: at most {MAX_BUCKETS} of them may match a limit"
-            )));
-        }
         let mut statuses: Vec<DescriptorStatus> = plans
             .iter()
             .map(|p| DescriptorStatus {
@@ -306,61 +381,73 @@ impl RlsService {
                 ..DescriptorStatus::default()
             })
             .collect();
-        let mut overall = Code::Ok;
-        // `requests_per_unit: 0` (a ban) denies without asking the store; nothing is charged.
-        let banned = enforced.iter().any(|(_, l, _, _)| l.requests_per_unit == 0);
-        if banned {
-            overall = Code::OverLimit;
-            for (i, l, _, _) in &enforced {
-                let code = if l.requests_per_unit == 0 {
-                    Code::OverLimit
-                } else {
-                    Code::Ok
-                };
-                if let Some(s) = statuses.get_mut(*i) {
-                    *s = status(code, l, None);
+        // (checks, all-or-nothing charges, charges into debt), each of enforced or shadow limits.
+        let (mut checks, mut charges, mut debts) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut shadow_checks, mut shadow_charges) = (Vec::new(), Vec::new());
+        let mut ban = false;
+        for (i, p) in plans.iter().enumerate() {
+            let (limit, key, cost) = match p {
+                Plan::Free { .. } => continue,
+                Plan::Check { limit, key } => (limit, key, 0),
+                Plan::Charge { limit, key, cost } => (limit, key, *cost),
+            };
+            if limit.requests_per_unit == 0 {
+                if !limit.shadow_mode {
+                    ban = true;
+                    set(&mut statuses, i, banned(limit));
                 }
+                continue;
             }
-        } else if !enforced.is_empty() {
-            let d = self.take(&enforced).await?;
-            if !d.allowed {
-                overall = Code::OverLimit;
-            }
-            for ((i, l, _, _), b) in enforced.iter().zip(&d.buckets) {
-                let code = if b.allowed { Code::Ok } else { Code::OverLimit };
-                if let Some(s) = statuses.get_mut(*i) {
-                    *s = status(code, l, Some(b));
-                }
+            let ask = (i, limit.clone(), key.clone(), cost.max(1));
+            match (limit.shadow_mode, cost, limit.charge_response) {
+                (false, 0, _) => checks.push(ask),
+                (false, _, true) => debts.push(ask),
+                (false, _, false) => charges.push(ask),
+                (true, 0, _) => shadow_checks.push(ask),
+                (true, _, _) => shadow_charges.push(ask),
             }
         }
-        let shadow: Vec<_> = shadow
-            .into_iter()
-            .filter(|(_, l, _, _)| l.requests_per_unit > 0)
-            .collect();
-        if !shadow.is_empty() {
-            // A shadow limit never changes the answer, nor does its store failing.
-            match self.take(&shadow).await {
-                Ok(d) => {
-                    for ((i, l, _, _), b) in shadow.iter().zip(&d.buckets) {
-                        if !b.allowed {
-                            tracing::debug!(limit = %l.path, "shadow limit over");
-                        }
-                        if let Some(s) = statuses.get_mut(*i) {
-                            *s = status(Code::Ok, l, Some(b));
-                        }
+        let mut over = ban;
+        let asks: Vec<Ask> = checks.iter().chain(&charges).cloned().collect();
+        if (ban || !checks.is_empty()) && !asks.is_empty() {
+            let decisions = self.probe(&asks).await?;
+            for ((i, l, _, c), d) in asks.iter().zip(&decisions) {
+                over |= !d.allowed;
+                set(&mut statuses, *i, decided(l, d, *c, false));
+            }
+        }
+        if !over && !charges.is_empty() {
+            let d = self.take(&charges).await?;
+            over = !d.allowed;
+            for ((i, l, _, c), b) in charges.iter().zip(&d.buckets) {
+                set(&mut statuses, *i, decided(l, b, *c, d.allowed));
+            }
+        }
+        for (i, status) in self.charge_into_debt(&debts).await? {
+            over |= status.code == Code::OverLimit as i32;
+            set(&mut statuses, i, status);
+        }
+        let shadow_over = self
+            .shadow(&shadow_checks, &shadow_charges, &mut statuses)
+            .await;
+        let response_headers_to_add = if self.limits.headers() {
+            let applied: Vec<Option<&Limit>> = plans
+                .iter()
+                .map(|p| match p {
+                    Plan::Charge { limit, .. } | Plan::Check { limit, .. }
+                        if !limit.shadow_mode =>
+                    {
+                        Some(limit.as_ref())
                     }
-                }
-                Err(e) => tracing::debug!(error = %e, "shadow take failed"),
-            }
-        }
-        let applied: Vec<Option<&Limit>> = plans
-            .iter()
-            .map(|p| match p {
-                Plan::Charge { limit, .. } if !limit.shadow_mode => Some(limit.as_ref()),
-                _ => None,
-            })
-            .collect();
-        let response_headers_to_add = headers(&statuses, &applied);
+                    _ => None,
+                })
+                .collect();
+            headers(&statuses, &applied)
+        } else {
+            Vec::new()
+        };
+        self.count(req, &plans, &statuses, &shadow_over);
+        let overall = if over { Code::OverLimit } else { Code::Ok };
         Ok(RateLimitResponse {
             overall_code: overall as i32,
             statuses,
@@ -368,20 +455,171 @@ impl RlsService {
         })
     }
 
-    async fn take(
+    /// Counts every descriptor that matched a limit in `/metrics` (`tollgate_rls_hits_total`),
+    /// keyed as envoyproxy/ratelimit keys its statistics: the limit's place in the file without
+    /// the domain, or with `detailed_metric` the request's entries (`key_value.key_value`).
+    fn count(
         &self,
-        buckets: &[(usize, Arc<Limit>, String, u64)],
-    ) -> Result<crate::domain::TakeDecision, Status> {
-        let raw = RawTake {
-            buckets: Some(
-                buckets
+        req: &RateLimitRequest,
+        plans: &[Plan],
+        statuses: &[DescriptorStatus],
+        shadow_over: &[usize],
+    ) {
+        for (i, ((p, s), d)) in plans.iter().zip(statuses).zip(&req.descriptors).enumerate() {
+            let (limit, hits) = match p {
+                Plan::Free { .. } => continue,
+                Plan::Check { limit, .. } => (limit, 0),
+                Plan::Charge { limit, cost, .. } => (limit, *cost),
+            };
+            let key = if limit.detailed_metric {
+                let parts: Vec<String> = d
+                    .entries
                     .iter()
-                    .map(|(_, l, k, c)| raw_bucket(l, k, *c))
-                    .collect(),
-            ),
-            instance: None,
-        };
-        self.api.take(Ok(raw)).await.map_err(|e| status_of(&e))
+                    .map(|e| format!("{}_{}", e.key, e.value))
+                    .collect();
+                parts.join(".")
+            } else {
+                let prefix = format!("{}.", req.domain);
+                limit
+                    .path
+                    .strip_prefix(&prefix)
+                    .unwrap_or(&limit.path)
+                    .to_string()
+            };
+            // Within 20 % of the limit after this descriptor (an allowed status's remaining).
+            let near = u64::from(s.limit_remaining).saturating_mul(5) <= limit.capacity;
+            let over = s.code == Code::OverLimit as i32 || shadow_over.contains(&i);
+            self.api.metrics.rls_hits(
+                &req.domain,
+                &key,
+                RlsHits {
+                    hits,
+                    over,
+                    near,
+                    shadow: limit.shadow_mode,
+                },
+            );
+        }
+    }
+
+    /// Charges `asks` in one take, all or nothing (counted in `tollgate_decisions_total`).
+    async fn take(&self, asks: &[Ask]) -> Result<crate::domain::TakeDecision, Status> {
+        let specs = specs(asks, false)?;
+        let d = self
+            .api
+            .take_specs(&specs)
+            .await
+            .map_err(|e| status_of(&e))?;
+        self.api.metrics.decision(d.allowed);
+        Ok(d)
+    }
+
+    /// Decides `asks` without charging anything: one take in which each bucket is followed by
+    /// its own key again at its whole capacity, which no bucket can pay after the first charge,
+    /// so the take is denied and nothing is written (a denied take writes nothing, in every
+    /// store and in every Redis Cluster slot), while each first entry says whether it could
+    /// have paid, what would be left and when. One decision per ask.
+    async fn probe(&self, asks: &[Ask]) -> Result<Vec<BucketDecision>, Status> {
+        let specs = specs(asks, true)?;
+        let d = self
+            .api
+            .take_specs(&specs)
+            .await
+            .map_err(|e| status_of(&e))?;
+        let decided: Vec<BucketDecision> = d.buckets.into_iter().step_by(2).collect();
+        // Counted as what it decided, not as the denied take it is.
+        self.api.metrics.decision(decided.iter().all(|b| b.allowed));
+        Ok(decided)
+    }
+
+    /// Charges `asks` (limits with `charge: response`) in full through a settlement with no
+    /// estimate: the store's settle path, which lets a bucket owe (contract/README.md,
+    /// "Settle"). Each call is its own settlement, with an id of its own.
+    async fn charge_into_debt(
+        &self,
+        asks: &[Ask],
+    ) -> Result<Vec<(usize, DescriptorStatus)>, Status> {
+        let mut out = Vec::with_capacity(asks.len());
+        for chunk in asks.chunks(MAX_BUCKETS) {
+            let id = format!(
+                "rls-{:016x}-{}",
+                self.nonce,
+                self.settlements.fetch_add(1, Ordering::Relaxed)
+            );
+            let raw = RawSettle {
+                id: Some(id),
+                buckets: Some(
+                    chunk
+                        .iter()
+                        .map(|(_, l, k, c)| RawSettleBucket {
+                            bucket: RawBucket {
+                                cost: None,
+                                ..raw_bucket(l, k, 1)
+                            },
+                            estimate: Some(0),
+                            used: Some((*c).min(MAX_AMOUNT)),
+                            window: None,
+                        })
+                        .collect(),
+                ),
+            };
+            let d = self.api.settle(Ok(raw)).await.map_err(|e| status_of(&e))?;
+            for ((i, l, _, _), b) in chunk.iter().zip(&d.buckets) {
+                let code = if b.debt > 0 {
+                    Code::OverLimit
+                } else {
+                    Code::Ok
+                };
+                out.push((
+                    *i,
+                    DescriptorStatus {
+                        code: code as i32,
+                        current_limit: Some(pb_limit(l)),
+                        limit_remaining: u32::try_from(b.remaining).unwrap_or(u32::MAX),
+                        duration_until_reset: None,
+                    },
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Shadow-mode limits: checks probed, charges taken, each reported `OK` whatever its
+    /// bucket said; a store failure changes nothing either. Returns the descriptors that were
+    /// over their limit.
+    async fn shadow(
+        &self,
+        checks: &[Ask],
+        charges: &[Ask],
+        statuses: &mut [DescriptorStatus],
+    ) -> Vec<usize> {
+        let mut decided_all = Vec::new();
+        if !checks.is_empty() {
+            match self.probe(checks).await {
+                Ok(d) => decided_all.extend(checks.iter().zip(d).map(|(a, d)| (a, d, false))),
+                Err(e) => tracing::debug!(error = %e, "shadow check failed"),
+            }
+        }
+        if !charges.is_empty() {
+            match self.take(charges).await {
+                Ok(d) => {
+                    let allowed = d.allowed;
+                    decided_all.extend(charges.iter().zip(d.buckets).map(|(a, d)| (a, d, allowed)));
+                }
+                Err(e) => tracing::debug!(error = %e, "shadow take failed"),
+            }
+        }
+        let mut over = Vec::new();
+        for ((i, l, _, c), d, charged) in decided_all {
+            if !d.allowed {
+                tracing::debug!(limit = %l.path, "shadow limit over");
+                over.push(*i);
+            }
+            let mut s = decided(l, &d, *c, charged);
+            s.code = Code::Ok as i32;
+            set(statuses, *i, s);
+        }
+        over
     }
 }
 
@@ -444,9 +682,36 @@ descriptors:
   - key: k
     value: boss
     rate_limit: {unit: hour, requests_per_unit: 100, replaces: [{name: b}]}
+  - key: k
+    value: resp
+    rate_limit: {unit: hour, requests_per_unit: 2, charge: response}
+  - key: k
+    value: ban
+    rate_limit: {unit: minute, requests_per_unit: 0}
+  - key: many
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: user
+    detailed_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: k
+    value: five
+    rate_limit: {unit: minute, unit_multiplier: 5, requests_per_unit: 10, name: five}
+  - key: k
+    value: week
+    rate_limit: {unit: week, requests_per_unit: 7}
+  - key: k
+    value: month
+    rate_limit: {unit: month, requests_per_unit: 30}
+  - key: k
+    value: year
+    rate_limit: {unit: year, requests_per_unit: 365, algorithm: fixed_window}
 ";
 
     fn service() -> RlsService {
+        service_with(false)
+    }
+
+    fn service_with(headers: bool) -> RlsService {
         let api = Arc::new(Api::new(
             Arc::new(MemoryStore::new()),
             None,
@@ -454,7 +719,10 @@ descriptors:
             std::time::Duration::from_millis(500),
         ));
         let limits = Limits::parse(LIMITS).unwrap_or_default();
-        RlsService::new(api, Arc::new(LimitsFile::fixed(limits)))
+        RlsService::new(
+            api,
+            Arc::new(LimitsFile::fixed(limits).with_headers(headers)),
+        )
     }
 
     fn desc(value: &str) -> RateLimitDescriptor {
@@ -492,15 +760,17 @@ descriptors:
     #[tokio::test]
     async fn hits_addend_and_all_or_nothing() {
         let s = service();
-        // hits_addend 2 of 3, then 2 more is over; the other descriptor is not charged.
+        // hits_addend 2 of 3, then 2 more is over; the other descriptor is not charged. The
+        // denying one reports 0 left, the other what it really has (10, not 8 as if charged).
         assert_eq!(
             codes(&s, &req(vec![desc("a")], 2)).await,
             (OK, vec![OK], vec![1])
         );
         assert_eq!(
             codes(&s, &req(vec![desc("b"), desc("a")], 2)).await,
-            (OVER, vec![OK, OVER], vec![8, 1])
+            (OVER, vec![OK, OVER], vec![10, 0])
         );
+        // The request's hits_addend 0 is 1 (Envoy sends 0 when it has none).
         assert_eq!(
             codes(&s, &req(vec![desc("b")], 0)).await,
             (OK, vec![OK], vec![9])
@@ -539,6 +809,17 @@ descriptors:
         assert_eq!(codes(&s, &r).await.0, OK);
         assert_eq!(codes(&s, &r).await.0, OK);
         assert_eq!(codes(&s, &r).await.0, OVER);
+        // The same descriptor limit in a domain the file does not know: ignored, as upstream.
+        let mut d = desc("unknown");
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit: 1,
+            unit: Unit::Minute.to_proto(),
+        });
+        let mut r = req(vec![d], 1);
+        r.domain = "elsewhere".into();
+        for _ in 0..3 {
+            assert_eq!(codes(&s, &r).await, (OK, vec![OK], vec![0]));
+        }
         // No match: OK, no limit.
         assert_eq!(
             codes(&s, &req(vec![desc("none")], 1)).await,
@@ -553,7 +834,7 @@ descriptors:
 
     #[tokio::test]
     async fn headers_name_the_deciding_limit() {
-        let s = service();
+        let s = service_with(true);
         let r = req(vec![desc("b"), desc("a")], 3);
         let resp = s.decide(&r).await.unwrap_or_default();
         let h: Vec<(String, String)> = resp
@@ -573,6 +854,218 @@ descriptors:
             .iter()
             .any(|h| h.key == "retry-after" && h.value.parse::<u64>().is_ok_and(|v| v >= 1));
         assert!(over, "{:?}", resp.response_headers_to_add);
+    }
+
+    fn header(resp: &RateLimitResponse, k: &str) -> Option<String> {
+        resp.response_headers_to_add
+            .iter()
+            .find(|h| h.key == k)
+            .map(|h| h.value.clone())
+    }
+
+    fn until_ms(s: &DescriptorStatus) -> Option<u64> {
+        s.duration_until_reset
+            .as_ref()
+            .map(|d| d.seconds as u64 * 1000 + d.nanos as u64 / 1_000_000)
+    }
+
+    #[tokio::test]
+    async fn headers_only_when_asked() {
+        let r = req(vec![desc("a")], 1);
+        let plain = service().decide(&r).await.unwrap_or_default();
+        assert!(plain.response_headers_to_add.is_empty(), "{plain:?}");
+        let with = service_with(true).decide(&r).await.unwrap_or_default();
+        assert_eq!(header(&with, "x-ratelimit-remaining").as_deref(), Some("2"));
+    }
+
+    #[tokio::test]
+    async fn a_zero_cost_check_charges_nothing_and_denies_an_empty_bucket() {
+        let s = service_with(true);
+        let mut check = desc("a");
+        check.hits_addend = Some(0);
+        let c = req(vec![check], 1);
+        for _ in 0..3 {
+            assert_eq!(codes(&s, &c).await, (OK, vec![OK], vec![3]));
+        }
+        assert_eq!(codes(&s, &req(vec![desc("a")], 3)).await.0, OK);
+        let resp = s.decide(&c).await.unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        let st = &resp.statuses[0];
+        assert_eq!((st.code, st.limit_remaining), (OVER, 0));
+        assert_eq!(
+            st.current_limit.as_ref().map(|l| l.requests_per_unit),
+            Some(3)
+        );
+        // 3 per hour: one unit is back in 1,200 s.
+        let wait = until_ms(st).unwrap_or(0);
+        assert!((1_199_000..=1_200_000).contains(&wait), "{wait}");
+        assert_eq!(header(&resp, "retry-after").as_deref(), Some("1200"));
+        // Each check counts as what it decided (the probe's take is always denied).
+        let m = s.api.metrics.encode();
+        assert!(
+            m.contains("tollgate_decisions_total{outcome=\"allowed\"} 4"),
+            "{m}"
+        );
+        assert!(
+            m.contains("tollgate_decisions_total{outcome=\"limited\"} 1"),
+            "{m}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_response_charge_goes_into_debt_and_the_checks_wait_for_it() {
+        let s = service();
+        let mut check = desc("resp");
+        check.hits_addend = Some(0);
+        let c = req(vec![check], 1);
+        let mut charge = desc("resp");
+        charge.hits_addend = Some(3);
+        let charge = req(vec![charge], 1);
+        assert_eq!(codes(&s, &c).await, (OK, vec![OK], vec![2]));
+        // 3 charged to a bucket of 2: applied in full, 1 owed.
+        assert_eq!(codes(&s, &charge).await, (OVER, vec![OVER], vec![0]));
+        let resp = s.decide(&c).await.unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        // 2 per hour: the debt of 1 and one unit take 2 x 1,800 s.
+        let wait = until_ms(&resp.statuses[0]).unwrap_or(0);
+        assert!((3_599_000..=3_600_000).contains(&wait), "{wait}");
+    }
+
+    #[tokio::test]
+    async fn more_descriptors_than_a_take_holds_are_decided_all_or_nothing() {
+        let s = service();
+        let many = |n: usize| {
+            (0..n)
+                .map(|i| RateLimitDescriptor {
+                    entries: vec![Entry {
+                        key: "many".into(),
+                        value: format!("v{i}"),
+                    }],
+                    ..RateLimitDescriptor::default()
+                })
+                .collect::<Vec<_>>()
+        };
+        // v0 is spent first; then 40 descriptors: denied by v0 alone, nothing charged.
+        assert_eq!(codes(&s, &req(many(1), 1)).await.0, OK);
+        let (code, each, left) = codes(&s, &req(many(40), 1)).await;
+        assert_eq!(code, OVER);
+        assert_eq!(each.iter().filter(|c| **c == OVER).count(), 1);
+        assert_eq!(left.iter().sum::<u32>(), 39);
+        // v1..v40: all 40 pass, once.
+        let r = req(many(41).split_off(1), 1);
+        assert_eq!(codes(&s, &r).await, (OK, vec![OK; 40], vec![0; 40]));
+        assert_eq!(codes(&s, &r).await.1, vec![OVER; 40]);
+    }
+
+    #[tokio::test]
+    async fn what_never_passes_says_so() {
+        let s = service_with(true);
+        // A ban: denied with no time to wait and no retry-after.
+        let resp = s
+            .decide(&req(vec![desc("ban")], 1))
+            .await
+            .unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        assert_eq!(until_ms(&resp.statuses[0]), None);
+        assert_eq!(header(&resp, "retry-after"), None);
+        assert_eq!(header(&resp, "x-ratelimit-limit").as_deref(), Some("0"));
+        // A cost above the limit: likewise.
+        let resp = s.decide(&req(vec![desc("a")], 4)).await.unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        assert_eq!(until_ms(&resp.statuses[0]), None);
+        assert_eq!(header(&resp, "retry-after"), None);
+        // Neither charged anything.
+        assert_eq!(codes(&s, &req(vec![desc("a")], 1)).await.2, vec![2]);
+    }
+
+    #[tokio::test]
+    async fn windows_of_a_unit_multiplier_and_the_long_units() {
+        let s = service_with(true);
+        // 10 per 5 minutes: spent, one is back in 30 s; the policy's window is 300 s.
+        assert_eq!(codes(&s, &req(vec![desc("five")], 10)).await.0, OK);
+        let resp = s
+            .decide(&req(vec![desc("five")], 1))
+            .await
+            .unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        let wait = until_ms(&resp.statuses[0]).unwrap_or(0);
+        assert!((29_000..=30_000).contains(&wait), "{wait}");
+        assert_eq!(
+            header(&resp, "ratelimit-policy").as_deref(),
+            Some("\"five\";q=10;w=300")
+        );
+        // A week of 7, a month of 30: one a day. A fixed window of a year: until its end.
+        for (v, n, wait_ms) in [("week", 7, 86_400_000), ("month", 30, 86_400_000)] {
+            assert_eq!(codes(&s, &req(vec![desc(v)], n)).await.0, OK, "{v}");
+            let resp = s.decide(&req(vec![desc(v)], 1)).await.unwrap_or_default();
+            let wait = until_ms(&resp.statuses[0]).unwrap_or(0);
+            assert!((wait_ms - 1000..=wait_ms).contains(&wait), "{v}: {wait}");
+            let unit = resp.statuses[0].current_limit.as_ref().map(|l| l.unit);
+            let want = if v == "week" { Unit::Week } else { Unit::Month };
+            assert_eq!(unit, Some(want.to_proto()));
+        }
+        assert_eq!(codes(&s, &req(vec![desc("year")], 365)).await.0, OK);
+        let resp = s
+            .decide(&req(vec![desc("year")], 1))
+            .await
+            .unwrap_or_default();
+        assert_eq!(resp.overall_code, OVER);
+        let wait = until_ms(&resp.statuses[0]).unwrap_or(0);
+        assert!(wait > 0 && wait <= 365 * 86_400_000, "{wait}");
+    }
+
+    #[tokio::test]
+    async fn statistics_per_domain_and_descriptor_key_bounded() {
+        let s = service();
+        for _ in 0..4 {
+            let _ = s.decide(&req(vec![desc("a")], 1)).await;
+        }
+        for _ in 0..2 {
+            let _ = s.decide(&req(vec![desc("shadow")], 1)).await;
+        }
+        let user = |u: &str| RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "user".into(),
+                value: u.into(),
+            }],
+            ..RateLimitDescriptor::default()
+        };
+        let _ = s.decide(&req(vec![user("alice")], 2)).await;
+        let m = s.api.metrics.encode();
+        let line = |key: &str, stat: &str| {
+            let want =
+                format!("tollgate_rls_hits_total{{domain=\"d\",key=\"{key}\",stat=\"{stat}\"}} ");
+            m.lines()
+                .find_map(|l| l.strip_prefix(want.as_str()))
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        // 3 of 3 within (the third leaves none: near), the fourth over.
+        assert_eq!(line("k_a", "total_hits"), Some(4), "{m}");
+        assert_eq!(line("k_a", "within_limit"), Some(3));
+        assert_eq!(line("k_a", "near_limit"), Some(1));
+        assert_eq!(line("k_a", "over_limit"), Some(1));
+        // Shadow mode: answered OK, counted over and shadow_mode.
+        assert_eq!(line("k_shadow", "shadow_mode"), Some(1));
+        assert_eq!(line("k_shadow", "over_limit"), Some(1));
+        // detailed_metric: the request's value, hits as charged.
+        assert_eq!(line("user_alice", "total_hits"), Some(2));
+        // The keys a client chooses are bounded; the rest count as "other".
+        for i in 0..crate::metrics::MAX_RLS_STAT_KEYS {
+            let _ = s.decide(&req(vec![user(&format!("u{i}"))], 1)).await;
+        }
+        let m = s.api.metrics.encode();
+        let keys: std::collections::HashSet<&str> = m
+            .lines()
+            .filter(|l| l.starts_with("tollgate_rls_hits_total{"))
+            .filter_map(|l| l.split("key=\"").nth(1)?.split('"').next())
+            .collect();
+        assert_eq!(
+            keys.len(),
+            crate::metrics::MAX_RLS_STAT_KEYS + 1,
+            "the bound and other"
+        );
+        assert!(keys.contains("other"));
+        assert!(m.contains("tollgate_rls_stat_keys_overflow_total 3"), "{m}");
     }
 
     #[test]

@@ -84,7 +84,8 @@ impl StoreError {
 #[async_trait::async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Charges `cost` to every bucket, or to none: `allowed` is true only if all could pay.
-    /// `buckets` is validated (1..=16 entries, fields within the contract's bounds).
+    /// `buckets` is validated (fields within the contract's bounds; 1..=16 entries from the
+    /// wire, any number from the RLS endpoint, which builds its takes itself).
     async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError>;
 
     /// Decides a batch of takes: each exactly as [`Store::take`] would (atomic, all-or-nothing
