@@ -321,9 +321,10 @@ fn a_timed_out_acquire_leaves_no_slot_behind() {
             })
     );
     assert!(late > 0, "the test needs acquires that time out");
-    // Nothing is in flight now: within a second Redis holds no slot.
+    // Nothing is in flight now: Redis soon holds no slot (within a second on a quiet machine; the
+    // test allows 3 s, for a suite that shares two cores with other Envoys).
     let mut held = u64::MAX;
-    while over.elapsed() < Duration::from_secs(1) {
+    while over.elapsed() < Duration::from_secs(3) {
         held = slots_in_redis(&mut conn);
         if held == 0 {
             break;
@@ -352,7 +353,8 @@ fn a_timed_out_acquire_leaves_no_slot_behind() {
             );
         }
     }
-    assert_eq!(held, 0, "slots no request owns, 1 s after the load");
+    eprintln!("no slot left {:?} after the load", over.elapsed());
+    assert_eq!(held, 0, "slots no request owns, 3 s after the load");
     // And the key is usable at once: 4 requests at a time pass.
     let after = burst(&urls, 4, 2, &[], Duration::from_secs(5));
     assert!(
