@@ -31,12 +31,22 @@ pub struct SettleBucket<'a> {
 }
 
 /// Encodes a settle: `{"id": "...", "buckets": [{"key", "capacity", ..., "estimate", "used"}]}`.
-pub fn encode_settle<'a>(id: &str, buckets: impl IntoIterator<Item = SettleBucket<'a>>) -> Vec<u8> {
+pub fn encode_settle<'a>(
+    id: &str,
+    instance: Option<&str>,
+    buckets: impl IntoIterator<Item = SettleBucket<'a>>,
+) -> Vec<u8> {
     let mut s = String::with_capacity(192);
     s.push_str("{\"");
     s.push_str(fields::ID);
     s.push_str("\":");
     push_string(&mut s, id);
+    if let Some(i) = instance {
+        s.push_str(",\"");
+        s.push_str(fields::INSTANCE);
+        s.push_str("\":");
+        push_string(&mut s, i);
+    }
     s.push_str(",\"");
     s.push_str(fields::BUCKETS);
     s.push_str("\":[");
@@ -135,7 +145,11 @@ mod tests {
                     window: b["window"].as_u64(),
                 })
                 .collect();
-            let got = encode_settle(req["id"].as_str().unwrap(), buckets);
+            let got = encode_settle(
+                req["id"].as_str().unwrap(),
+                req["instance"].as_str(),
+                buckets,
+            );
             let got: Value = serde_json::from_slice(&got).unwrap();
             assert_eq!(&got, req, "{}", c["name"]);
         }

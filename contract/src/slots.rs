@@ -16,11 +16,26 @@ pub struct SlotWant<'a> {
     pub ttl_ms: u64,
 }
 
+/// `"instance":"<id>",` when the caller sends one (an acquire's and a release's first field).
+fn push_instance(s: &mut String, instance: Option<&str>) {
+    if let Some(i) = instance {
+        s.push_str(fields::INSTANCE);
+        s.push_str("\":");
+        push_string(s, i);
+        s.push_str(",\"");
+    }
+}
+
 /// Encodes an acquire of slots the caller names `slot` (hex digits; empty: the service names
-/// them): `{"slot": "<id>", "buckets": [{"key", "limit", "ttl_ms"}, ...]}`.
-pub fn encode_acquire<'a>(slot: &str, wants: impl IntoIterator<Item = SlotWant<'a>>) -> Vec<u8> {
+/// them) from proxy `instance`: `{"instance", "slot", "buckets": [{"key", "limit", "ttl_ms"}]}`.
+pub fn encode_acquire<'a>(
+    slot: &str,
+    instance: Option<&str>,
+    wants: impl IntoIterator<Item = SlotWant<'a>>,
+) -> Vec<u8> {
     let mut s = String::with_capacity(128);
     s.push_str("{\"");
+    push_instance(&mut s, instance);
     if !slot.is_empty() {
         s.push_str(fields::SLOT);
         s.push_str("\":");
@@ -45,10 +60,12 @@ pub fn encode_acquire<'a>(slot: &str, wants: impl IntoIterator<Item = SlotWant<'
     s.into_bytes()
 }
 
-/// Encodes a release of the slot `slot` of `keys`: `{"slot": "<id>", "keys": [...]}`.
-pub fn encode_release(slot: &str, keys: &[String]) -> Vec<u8> {
+/// Encodes a release of the slot `slot` of `keys` from proxy `instance`:
+/// `{"instance": "<id>", "slot": "<id>", "keys": [...]}`.
+pub fn encode_release(slot: &str, instance: Option<&str>, keys: &[String]) -> Vec<u8> {
     let mut s = String::with_capacity(32 + slot.len() + 40 * keys.len());
     s.push_str("{\"");
+    push_instance(&mut s, instance);
     s.push_str(fields::SLOT);
     s.push_str("\":");
     push_string(&mut s, slot);
@@ -157,7 +174,12 @@ mod tests {
                 })
                 .collect();
             let slot = case["request_json"]["slot"].as_str().unwrap_or("");
-            let ours: Value = serde_json::from_slice(&encode_acquire(slot, wants)).unwrap();
+            let ours: Value = serde_json::from_slice(&encode_acquire(
+                slot,
+                case["request_json"]["instance"].as_str(),
+                wants,
+            ))
+            .unwrap();
             assert_eq!(ours, case["request_json"], "{}", case["name"]);
         }
         for case in cases("release") {
@@ -168,13 +190,16 @@ mod tests {
                 .iter()
                 .map(|k| k.as_str().unwrap().to_string())
                 .collect();
-            let ours: Value =
-                serde_json::from_slice(&encode_release(r["slot"].as_str().unwrap(), &keys))
-                    .unwrap();
+            let ours: Value = serde_json::from_slice(&encode_release(
+                r["slot"].as_str().unwrap(),
+                r["instance"].as_str(),
+                &keys,
+            ))
+            .unwrap();
             assert_eq!(&ours, r);
         }
         let escaped: Value =
-            serde_json::from_slice(&encode_release("s", &["a\"\u{1}".into()])).unwrap();
+            serde_json::from_slice(&encode_release("s", None, &["a\"\u{1}".into()])).unwrap();
         assert_eq!(escaped["keys"][0], "a\"\u{1}");
     }
 }

@@ -277,6 +277,8 @@ impl InvalidArgument {
 pub struct RawSettle {
     /// `id`: the settlement's id, applied at most once.
     pub id: Option<String>,
+    /// `instance`, as in a take.
+    pub instance: Option<String>,
     /// `buckets`, absent when missing from JSON.
     pub buckets: Option<Vec<RawSettleBucket>>,
 }

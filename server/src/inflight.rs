@@ -62,6 +62,8 @@ pub struct RawSlot {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawAcquire {
+    /// `instance`, as in a take.
+    pub instance: Option<String>,
     /// `slot`: the caller's id for the slots, if it names them.
     pub slot: Option<String>,
     /// `buckets`.
@@ -72,6 +74,8 @@ pub struct RawAcquire {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawRelease {
+    /// `instance`, as in a take.
+    pub instance: Option<String>,
     /// `slot`.
     pub slot: Option<String>,
     /// `keys`.
@@ -217,6 +221,8 @@ impl Api {
         raw: Result<RawAcquire, InvalidArgument>,
     ) -> Result<AcquireDecision, ApiError> {
         let checked = raw.and_then(|r| {
+            crate::domain::check_instance("instance", r.instance.as_deref())?;
+            self.instances(r.instance.as_deref());
             let id = acquire_slot_id(&r)?;
             validate_acquire(r).map(|specs| (specs, id))
         });
@@ -243,7 +249,12 @@ impl Api {
         &self,
         raw: Result<RawRelease, InvalidArgument>,
     ) -> Result<ReleaseDecision, ApiError> {
-        let (slot, keys) = raw.and_then(validate_release).map_err(|e| {
+        let checked = raw.and_then(|r| {
+            crate::domain::check_instance("instance", r.instance.as_deref())?;
+            self.instances(r.instance.as_deref());
+            validate_release(r)
+        });
+        let (slot, keys) = checked.map_err(|e| {
             tracing::debug!(error = %e, "invalid release");
             ApiError::Invalid(e)
         })?;
@@ -279,6 +290,7 @@ fn malformed(e: &prost::DecodeError) -> InvalidArgument {
 /// An `AcquireRequest` as a [`RawAcquire`].
 pub fn raw_acquire_from_pb(req: &pb::AcquireRequest) -> RawAcquire {
     RawAcquire {
+        instance: (!req.instance.is_empty()).then(|| req.instance.clone()),
         slot: (!req.slot.is_empty()).then(|| req.slot.clone()),
         buckets: Some(
             req.buckets
@@ -296,6 +308,7 @@ pub fn raw_acquire_from_pb(req: &pb::AcquireRequest) -> RawAcquire {
 /// A `ReleaseRequest` as a [`RawRelease`].
 pub fn raw_release_from_pb(req: &pb::ReleaseRequest) -> RawRelease {
     RawRelease {
+        instance: (!req.instance.is_empty()).then(|| req.instance.clone()),
         slot: Some(req.slot.clone()),
         keys: Some(req.keys.clone()),
     }
@@ -366,6 +379,7 @@ mod tests {
     fn validation_names_the_field() {
         let bad = |buckets: Vec<RawSlot>| {
             field(validate_acquire(RawAcquire {
+                instance: None,
                 slot: None,
                 buckets: Some(buckets),
             }))
@@ -378,6 +392,7 @@ mod tests {
         assert_eq!(field(validate_acquire(RawAcquire::default())), "buckets");
         let rel = |slot: &str, keys: Vec<String>| {
             field(validate_release(RawRelease {
+                instance: None,
                 slot: Some(slot.into()),
                 keys: Some(keys),
             }))

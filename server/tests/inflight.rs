@@ -280,6 +280,7 @@ async fn grpc_acquire_and_release() {
     let svc = common::Service::start(Arc::new(common::redis_store(&r.url(), 500)), None).await;
     let mut c = svc.grpc().await;
     let one = || pb::AcquireRequest {
+        instance: String::new(),
         slot: String::new(),
         buckets: vec![pb::SlotBucket {
             key: "g".into(),
@@ -295,6 +296,7 @@ async fn grpc_acquire_and_release() {
     assert_eq!(full.buckets[0].retry_after_ms, 1000);
     let bad = c
         .acquire(pb::AcquireRequest {
+            instance: String::new(),
             slot: String::new(),
             buckets: vec![pb::SlotBucket {
                 key: "g".into(),
@@ -312,6 +314,7 @@ async fn grpc_acquire_and_release() {
     );
     let rel = c
         .release(pb::ReleaseRequest {
+            instance: String::new(),
             slot: held.slot,
             keys: vec!["g".into()],
         })

@@ -3,6 +3,8 @@
 //! - `replicas_count_the_deployment_together`: two replicas on one Redis each hear some proxies;
 //!   within about a second every answer, from either replica and either transport, reports all of
 //!   them; a proxy that stops calling drops out after the TTL.
+//! - `every_operation_counts_its_caller`: a proxy that only settles, acquires, releases or refunds
+//!   (a lease holder that takes rarely) is live too.
 //! - `rule_label_is_bounded`: decisions are counted per rule name, and rule names beyond the cap
 //!   are folded into `other`.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -110,6 +112,63 @@ async fn replicas_count_the_deployment_together() {
     assert!(metrics.contains("tollgate_live_instances 1"), "{metrics}");
     a.stop().await;
     b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_counts_its_caller() {
+    let redis = RedisProc::start();
+    let svc = Service::start(Arc::new(common::redis_store(&redis.url(), 500)), None).await;
+    let client = reqwest::Client::new();
+    let post = |path: &'static str, body: Value| {
+        let (client, url) = (client.clone(), svc.url(path));
+        async move {
+            let r = client.post(url).json(&body).send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let b = bucket(&unique("ops"), 1000, 1000, 1000, 1);
+    let mut settle_bucket = b.clone();
+    settle_bucket["estimate"] = json!(5);
+    settle_bucket["used"] = json!(3);
+    settle_bucket.as_object_mut().unwrap().remove("cost");
+    let slot = json!({"key": unique("ops-slot"), "limit": 4, "ttl_ms": 10_000});
+    for (path, body) in [
+        (
+            "/v1/settle",
+            json!({"id": "s-1", "instance": "settler", "buckets": [settle_bucket]}),
+        ),
+        (
+            "/v1/acquire",
+            json!({"instance": "acquirer", "buckets": [slot]}),
+        ),
+        (
+            "/v1/release",
+            json!({"instance": "releaser", "slot": "00ff", "keys": ["k"]}),
+        ),
+        (
+            "/v1/refund",
+            json!({"instance": "refunder", "buckets": [b]}),
+        ),
+    ] {
+        let (status, body) = post(path, body).await;
+        assert_eq!(status, 200, "{path}: {body}");
+    }
+    // With one take of its own, the replica counts five proxies.
+    let seen = until_count(&client, &svc, "taker", 5, Duration::from_secs(5)).await;
+    assert_eq!(seen.last(), Some(&5), "{seen:?}");
+    // A bad id is refused by field on every operation.
+    let (status, body) = post(
+        "/v1/release",
+        json!({"instance": "no good", "slot": "00ff", "keys": ["k"]}),
+    )
+    .await;
+    assert_eq!(
+        (status, body["error"]["field"].as_str()),
+        (400, Some("instance")),
+        "{body}"
+    );
+    svc.stop().await;
 }
 
 #[tokio::test]

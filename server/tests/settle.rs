@@ -347,6 +347,7 @@ async fn over_grpc(store: Arc<dyn Store>) {
     let mut c = svc.grpc().await;
     let key = unique("grpc");
     let req = |id: &str| pb::SettleRequest {
+        instance: String::new(),
         id: id.into(),
         buckets: vec![pb::SettleBucket {
             key: key.clone(),

@@ -95,25 +95,29 @@ pub fn new_slot_id() -> String {
     id
 }
 
-/// The body of `POST /v1/acquire` for `wants`, the slots named `slot` (the contract's
-/// hand-written encoder: serde_json's serializer would add tens of KiB to the module).
+/// The body of `POST /v1/acquire` for `wants`, the slots named `slot`, with this VM's instance id
+/// (so that the service counts this proxy among the live ones whatever its callouts are; the
+/// contract's hand-written encoder: serde_json's serializer would add tens of KiB to the module).
 pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
-    slots::encode_acquire(
-        slot,
-        wants.iter().filter_map(|w| {
-            let f = cfg.inflight.get(w.rule)?;
-            Some(SlotWant {
-                key: &w.key,
-                limit: f.max,
-                ttl_ms: f.deadline_ms,
-            })
-        }),
-    )
+    crate::core::instance::with_id(|instance| {
+        slots::encode_acquire(
+            slot,
+            instance,
+            wants.iter().filter_map(|w| {
+                let f = cfg.inflight.get(w.rule)?;
+                Some(SlotWant {
+                    key: &w.key,
+                    limit: f.max,
+                    ttl_ms: f.deadline_ms,
+                })
+            }),
+        )
+    })
 }
 
-/// The body of `POST /v1/release` for the slot `slot` of `keys`.
+/// The body of `POST /v1/release` for the slot `slot` of `keys`, with this VM's instance id.
 pub fn encode_release(slot: &str, keys: &[String]) -> Vec<u8> {
-    slots::encode_release(slot, keys)
+    crate::core::instance::with_id(|instance| slots::encode_release(slot, instance, keys))
 }
 
 /// What an acquire's callout came back with.

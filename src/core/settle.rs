@@ -293,22 +293,22 @@ impl Owed for Vec<Item> {
     }
 }
 
-/// The JSON body of `POST /v1/settle` (the contract's encoder).
+/// The JSON body of `POST /v1/settle` (the contract's encoder), with this VM's instance id.
 pub fn encode(id: &str, items: &[Item]) -> Vec<u8> {
-    contract::settle::encode_settle(
-        id,
-        items.iter().map(|i| contract::settle::SettleBucket {
-            key: &i.bucket.key,
-            capacity: i.bucket.capacity,
-            rate: i.bucket.rate,
-            period_ms: i.bucket.period_ms,
-            algorithm: i.bucket.algorithm,
-            rule: &i.rule,
-            estimate: i.estimate,
-            used: i.used,
-            window: None,
-        }),
-    )
+    let buckets = items.iter().map(|i| contract::settle::SettleBucket {
+        key: &i.bucket.key,
+        capacity: i.bucket.capacity,
+        rate: i.bucket.rate,
+        period_ms: i.bucket.period_ms,
+        algorithm: i.bucket.algorithm,
+        rule: &i.rule,
+        estimate: i.estimate,
+        used: i.used,
+        window: None,
+    });
+    crate::core::instance::with_id(|instance| {
+        contract::settle::encode_settle(id, instance, buckets)
+    })
 }
 
 /// One settlement waiting for delivery.

@@ -269,9 +269,10 @@ impl Api {
         }
     }
 
-    /// Notes the caller's instance id and returns the live-instance count an answer carries;
+    /// Notes the caller's instance id (every operation's: a take, a batch, a refund, a settle, an
+    /// acquire, a release) and returns the live-instance count an answer carries;
     /// when a report to the store is due, starts it in the background (off the take path).
-    fn instances(&self, id: Option<&str>) -> u64 {
+    pub(crate) fn instances(&self, id: Option<&str>) -> u64 {
         let now = Instant::now();
         let (n, due) = self.instances.note(id, now);
         if due {

@@ -27,6 +27,7 @@ impl Api {
         &self,
         raw: Result<RawTake, InvalidArgument>,
     ) -> Result<Refunded, ApiError> {
+        let instance = raw.as_ref().ok().and_then(|r| r.instance.clone());
         let specs = match raw.and_then(validate).and_then(|specs| {
             for (i, b) in specs.iter().enumerate() {
                 if b.algorithm != Algorithm::TokenBucket {
@@ -50,6 +51,8 @@ impl Api {
                 return Err(ApiError::Invalid(e));
             }
         };
+        // `validate` checked the instance id: this proxy is live, whatever it is calling for.
+        self.instances(instance.as_deref());
         let start = Instant::now();
         let result = self.store.refund(&specs).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());

@@ -27,10 +27,14 @@ pub fn decode_settle(body: &[u8]) -> Result<RawSettle, InvalidArgument> {
     let obj = v
         .as_object()
         .ok_or_else(|| InvalidArgument::new("", "must be a JSON object"))?;
-    if let Some(k) = obj.keys().find(|k| *k != "id" && *k != "buckets") {
+    if let Some(k) = obj
+        .keys()
+        .find(|k| !["id", "buckets", "instance"].contains(&k.as_str()))
+    {
         return Err(InvalidArgument::new(k.clone(), "unknown field"));
     }
     let id = string(obj, "id", "id")?;
+    let instance = string(obj, "instance", "instance")?;
     let buckets = match obj.get("buckets") {
         None | Some(Value::Null) => None,
         Some(Value::Array(items)) => Some(
@@ -42,7 +46,11 @@ pub fn decode_settle(body: &[u8]) -> Result<RawSettle, InvalidArgument> {
         ),
         Some(_) => return Err(InvalidArgument::new("buckets", "must be a list")),
     };
-    Ok(RawSettle { id, buckets })
+    Ok(RawSettle {
+        id,
+        instance,
+        buckets,
+    })
 }
 
 fn string(
@@ -163,6 +171,7 @@ pub fn raw_settle_from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidA
     Ok(RawSettle {
         // An empty id is "not sent": refused as required.
         id: (!req.id.is_empty()).then(|| req.id.clone()),
+        instance: (!req.instance.is_empty()).then(|| req.instance.clone()),
         buckets: Some(buckets),
     })
 }
@@ -188,7 +197,15 @@ impl Api {
         &self,
         raw: Result<RawSettle, InvalidArgument>,
     ) -> Result<SettleDecision, ApiError> {
-        let settlement = match raw.and_then(validate_settle) {
+        let checked = raw.and_then(|r| {
+            crate::domain::check_instance("instance", r.instance.as_deref())?;
+            let instance = r.instance.clone();
+            validate_settle(r).map(|s| (s, instance))
+        });
+        let settlement = match checked.map(|(s, instance)| {
+            self.instances(instance.as_deref());
+            s
+        }) {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(error = %e, "invalid settle");

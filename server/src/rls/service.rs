@@ -548,6 +548,7 @@ impl RlsService {
             );
             let raw = RawSettle {
                 id: Some(id),
+                instance: None,
                 buckets: Some(
                     chunk
                         .iter()
