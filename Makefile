@@ -31,11 +31,18 @@ export TOLLGATE_SERVER_DYNAMIC ?= $(CURDIR)/target/debug/tollgate-server
 # configurations with, as the tests do.
 export TOLLGATE_ENVOY_CONFIG ?= $(CURDIR)/target/debug/tollgate-envoy-config
 
+# The test runner: cargo-nextest, pinned. The one on PATH is used if there is one; else `make test`
+# installs this version under .tools/ (from source, a few minutes, once).
+NEXTEST_VERSION := 0.9.143
+NEXTEST_ROOT := $(CURDIR)/.tools/cargo-nextest-$(NEXTEST_VERSION)
+# When `make` started: the suite's wall time is printed at its end (scripts/test-summary.sh).
+SUITE_START := $(shell date +%s)
+
 # $(call publish,SRC,NAME): copy SRC to dist/NAME through a temporary file and a rename, so a process
 # that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.
 publish = mkdir -p $(DIST) && cp $(1) $(DIST)/.$(2).tmp && mv -f $(DIST)/.$(2).tmp $(DIST)/$(2)
 
-.PHONY: help tools images build wasm server server-static envoy-config configs run test unit e2e bench demo image lint fmt clean fuzz soak
+.PHONY: help tools images build wasm server server-static envoy-config configs run test nextest unit e2e bench demo image lint fmt clean fuzz soak
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -74,12 +81,21 @@ image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; 
 run: build ## Start Redis, the service, Envoy with the filter and a demo upstream (Ctrl-C stops all)
 	@bash scripts/run.sh
 
-test: build image ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
+test: build image nextest ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
 	@# The test build is the lint: clippy-driver compiles the workspace's crates (scripts/clippy-rustc.sh).
-	@RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
-	  bash scripts/test-summary.sh $(CARGO) test --locked --workspace --all-targets --no-fail-fast -- --test-threads=2
+	@# nextest runs the test binaries side by side, the timing-sensitive ones in their own group
+	@# (.config/nextest.toml).
+	@PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
+	  bash scripts/test-summary.sh --since $(SUITE_START) \
+	  $(CARGO) nextest run --locked --workspace --all-targets --no-fail-fast
+
+nextest:
+	@if ! PATH="$(NEXTEST_ROOT)/bin:$$PATH" $(CARGO) nextest --version >/dev/null 2>&1; then \
+	  echo "tools: installing cargo-nextest $(NEXTEST_VERSION) into $(NEXTEST_ROOT)" >&2; \
+	  $(CARGO) install --quiet --locked --root "$(NEXTEST_ROOT)" "cargo-nextest@$(NEXTEST_VERSION)"; \
+	fi
 
 unit: ## Unit tests only (no processes started)
 	$(CARGO) test --locked --workspace --lib

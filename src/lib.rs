@@ -10,16 +10,29 @@
 //! Layout:
 //! - [`core`]: everything that decides, plain Rust without proxy-wasm, unit-tested natively.
 //!   - `config`: the plugin configuration, parsed and validated once.
-//!   - `rules`: rule matching and key building (`rules::keys`).
-//!   - `wire`: the contract codec (JSON, and hand-written protobuf for gRPC).
+//!   - `rules`: rule matching, key building (`rules::keys`), a bucket's limit (`rules::limits`).
 //!   - `decide`: the per-request decision: plan a callout, interpret its result, build the verdict.
+//!   - `plan`: the plain data of a decision (plan, callout result, outcome, verdict).
 //!   - `flow`: the per-request state machine (pause only after a dispatch, resume only if paused).
-//!   - `bucket`, `fallback`: local token bucket math and its CAS-updated shared store.
+//!   - `callout`: every callout encoded for the adapter (a take or batch, acquire, release,
+//!     refund, settle).
+//!   - `wire`: the contract crate's codecs with this VM's instance id and rule names, and Envoy's
+//!     RLS v3 request and response.
 //!   - `lease`: lease mode, pools of tokens granted by the service, spent by every worker.
+//!   - `inflight`: concurrency limits, a slot per key acquired and released once.
+//!   - `settle`: rules charged by the response: the reservation, what each ending settles, the
+//!     root context's retry queue.
+//!   - `usage`: the usage an LLM response reports (JSON body or SSE stream), in bounded memory.
+//!   - `bucket`, `fallback`: local bucket math (one module per algorithm) and the fallback shares
+//!     kept in step with the answers.
+//!   - `instance`: this Envoy's instance id and the live instance count the answers carry.
 //!   - `breaker`: the circuit breaker over a serialisable shared state.
+//!   - `table`: the shared-data tables (slots by a bucket's hashed identity, one record format).
 //!   - `headers`: `Retry-After`, `RateLimit` / `RateLimit-Policy`, `X-RateLimit-*`.
-//!   - `hash`: SHA-256 for bounding long key parts and for fallback slot identities.
+//!   - `hash`: SHA-256 for bounding long key parts and for slot identities.
 //!   - `hostmap`, `store`: the host's header map format; the CAS storage trait.
+//!   - `props` (tests only): property tests of the shares and lease pools under interleaved
+//!     workers.
 //! - `host` (wasm only): the thin adapter, the only module that calls proxy-wasm.
 
 // Tests may unwrap and index: a failing test is the point.

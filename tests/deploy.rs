@@ -162,56 +162,6 @@ fn envoy_configs() -> Vec<PathBuf> {
     files
 }
 
-/// The configuration with every `filename: <...>.wasm` pointing at the module under test, so
-/// validate mode can load it wherever the real deployment keeps it.
-fn with_module(yaml: &str, wasm: &Path) -> String {
-    let mut out = String::new();
-    for line in yaml.split_inclusive('\n') {
-        let Some(at) = line.find("filename:") else {
-            out.push_str(line);
-            continue;
-        };
-        let start = at + "filename:".len();
-        let rest = &line[start..];
-        let lead = rest.len() - rest.trim_start().len();
-        let token_end = rest[lead..]
-            .find(['}', ',', '\n', ' '])
-            .map(|i| lead + i)
-            .unwrap_or(rest.len());
-        let token = rest[lead..token_end].trim_matches(['"', '\'']);
-        if token.ends_with(".wasm") {
-            out.push_str(&line[..start]);
-            out.push_str(&format!(" \"{}\"", wasm.display()));
-            out.push_str(&rest[token_end..]);
-        } else {
-            out.push_str(line);
-        }
-    }
-    out
-}
-
-/// `envoy --mode validate`: Ok, or Err with Envoy's output.
-fn envoy_validate(envoy: &Path, config: &Path) -> Result<(), String> {
-    let out = Command::new(envoy)
-        .args([
-            "--mode",
-            "validate",
-            "--disable-hot-restart",
-            "--log-level",
-            "warn",
-            "-c",
-        ])
-        .arg(config)
-        .output()
-        .expect("run envoy --mode validate");
-    let t = text(&out);
-    if out.status.success() && t.contains("OK") {
-        Ok(())
-    } else {
-        Err(t)
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Tests
 
@@ -349,8 +299,8 @@ fn envoy_configs_validate() {
     for (i, cfg) in configs.iter().enumerate() {
         let yaml = fs::read_to_string(cfg).expect("read config");
         let path = dir.path().join(format!("envoy-{i}.yaml"));
-        fs::write(&path, with_module(&yaml, &wasm)).expect("write");
-        if let Err(out) = envoy_validate(&envoy, &path) {
+        fs::write(&path, envoy::with_module(&yaml, &wasm)).expect("write");
+        if let Err(out) = envoy::validate(&envoy, &path) {
             panic!("{} does not validate:\n{out}", cfg.display());
         }
         eprintln!("{}: OK", cfg.display());
@@ -386,7 +336,7 @@ fn shipped_plugin_configs_load_in_the_module() {
         let yaml = module_config(&wasm, &json, cluster);
         let path = dir.path().join("envoy.yaml");
         fs::write(&path, yaml).expect("write");
-        if let Err(out) = envoy_validate(&envoy, &path) {
+        if let Err(out) = envoy::validate(&envoy, &path) {
             panic!("the module refuses {}:\n{json}\n{out}", cfg.display());
         }
         eprintln!("{}: accepted by the module", cfg.display());
@@ -731,12 +681,12 @@ fn istio_ratelimit_envoyfilter_validates_in_envoy() {
     assert!(yaml.contains("envoy.filters.http.ratelimit") && yaml.contains("rate_limits:"));
     let path = dir.path().join("gateway.yaml");
     fs::write(&path, &yaml).expect("write");
-    if let Err(out) = envoy_validate(&envoy, &path) {
+    if let Err(out) = envoy::validate(&envoy, &path) {
         panic!("the EnvoyFilter's patches do not validate:\n{yaml}\n{out}");
     }
     // Not a rubber stamp: a misspelt field of the filter fails.
     let bad = yaml.replacen("failure_mode_deny", "failure_mode_denied", 1);
     fs::write(&path, &bad).expect("write");
-    let err = envoy_validate(&envoy, &path).expect_err("a misspelt field passed");
+    let err = envoy::validate(&envoy, &path).expect_err("a misspelt field passed");
     assert!(err.contains("failure_mode_denied"), "{err}");
 }

@@ -1731,21 +1731,6 @@ mod tests {
     }
 
     #[test]
-    fn the_docs_example_parses() {
-        for doc in [
-            include_str!("../../docs/filter-config.md"),
-            include_str!("../../README.md"),
-        ] {
-            let start = doc
-                .find("```json\n{\n  \"service\"")
-                .map(|i| i + 7)
-                .unwrap();
-            let end = start + doc[start..].find("```").unwrap();
-            parse(&doc[start..end]).unwrap();
-        }
-    }
-
-    #[test]
     fn errors_name_their_field() {
         let cases: Vec<(String, &str)> = vec![
             (with_rule1(r#"{"name":"b","capacity":0,"period_ms":1}"#), "rules[1].capacity"),

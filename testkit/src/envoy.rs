@@ -707,6 +707,60 @@ fn item(text: &str) -> String {
     format!("{comments}- {}", body.get(2..).unwrap_or(""))
 }
 
+/// The configuration with every `filename: <...>.wasm` pointing at the module under test, so
+/// validate mode can load it wherever the real deployment keeps it.
+pub fn with_module(yaml: &str, wasm: &Path) -> String {
+    let mut out = String::new();
+    for line in yaml.split_inclusive('\n') {
+        let Some(at) = line.find("filename:") else {
+            out.push_str(line);
+            continue;
+        };
+        let start = at + "filename:".len();
+        let rest = &line[start..];
+        let lead = rest.len() - rest.trim_start().len();
+        let token_end = rest[lead..]
+            .find(['}', ',', '\n', ' '])
+            .map(|i| lead + i)
+            .unwrap_or(rest.len());
+        let token = rest[lead..token_end].trim_matches(['"', '\'']);
+        if token.ends_with(".wasm") {
+            out.push_str(&line[..start]);
+            out.push_str(&format!(" \"{}\"", wasm.display()));
+            out.push_str(&rest[token_end..]);
+        } else {
+            out.push_str(line);
+        }
+    }
+    out
+}
+
+/// `envoy --mode validate` of the file `config`: Ok, or Err with Envoy's output.
+pub fn validate(envoy: &Path, config: &Path) -> Result<(), String> {
+    let out = std::process::Command::new(envoy)
+        .args([
+            "--mode",
+            "validate",
+            "--disable-hot-restart",
+            "--log-level",
+            "warn",
+            "-c",
+        ])
+        .arg(config)
+        .output()
+        .expect("run envoy --mode validate");
+    let t = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() && t.contains("OK") {
+        Ok(())
+    } else {
+        Err(t)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,7 +5,12 @@
 //!   scratch directories, free 127.0.0.1 ports, child processes killed by PID on drop with their
 //!   logs printed when a test panics, and waiting for readiness;
 //! - [`redis`]: a private `redis-server` per test (no persistence), PING, `redis-cli`, and joining
-//!   nodes into a Redis Cluster.
+//!   nodes into a Redis Cluster;
+//! - [`envoy`]: the one generator of Envoy configuration (tests, benchmarks, demo, checked-in
+//!   files), and `envoy --mode validate`; [`envoy_files`]: the checked-in files it writes
+//!   (`make configs`), a test failing when one differs;
+//! - [`docs`]: README.md and docs/*.md as the tests read them: code blocks with the kind each
+//!   declares (the convention is there), links and heading anchors.
 //!
 //! A test reports a failure by panicking, so the workspace's no-panic lints do not apply here.
 #![allow(
@@ -15,6 +20,7 @@
     clippy::indexing_slicing
 )]
 
+pub mod docs;
 pub mod envoy;
 pub mod envoy_files;
 pub mod process;

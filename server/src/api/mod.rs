@@ -1,9 +1,13 @@
-//! The API: one operation, take (alone or in a batch), in two wire forms on one port.
+//! The API, on one port: takes (alone or in a batch), concurrency slots (acquire, release) and
+//! settlements in two wire forms (JSON over HTTP, gRPC), refunds (JSON), health and metrics.
 //!
 //! | file | what |
 //! |---|---|
 //! | `json.rs` | JSON codec of the contract (strict: unknown fields rejected, the bad field named) |
 //! | `grpc.rs` | protobuf types generated from `contract/tollgate.proto`, the tonic service, a codec that turns malformed protobuf into `INVALID_ARGUMENT` |
+//! | `instances.rs` | the live proxy instances every answer reports (reported to the store once a second) |
+//! | `refund.rs` | `POST /v1/refund`: tokens a lease was granted and will not spend, given back |
+//! | `settle.rs` | `POST /v1/settle` and gRPC `Settle`: reserve-then-settle, applied once per settlement id |
 //! | `http.rs` | axum routes (`/v1/take`, `/v1/take_batch`, `/healthz`, `/readyz`, `/metrics`), auth, and the content-type switch that sends gRPC to tonic |
 //!
 //! Both transports go through [`Api::admit`] (the token from the headers, then the body, bounded

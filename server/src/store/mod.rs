@@ -7,6 +7,7 @@
 //! | `redis/` | Redis standalone or Cluster: the store (`mod.rs`: slot grouping, refunds), connections and TLS (`conn.rs`), scripts and their arguments (`scripts.rs`), replies (`decode.rs`) |
 //! | `coalesce.rs` | a wrapper that sends concurrent takes to the store as one batch call |
 //! | `keys.rs` | Redis key layout and hash slots (pure) |
+//! | `slots.rs` | concurrency slots: the memory store's table (the reference) and the glue of `acquire.lua` / `release.lua` |
 //! | `lua/*.lua` | the scripts: the prelude, one file per algorithm (each owned by its module in `algorithm/`), the decision of one take (`take_one.lua`), and the take, batch, refund and settle drivers, which reach an algorithm only through the prelude's `ALGORITHMS` table |
 
 pub mod algorithm;

@@ -1,5 +1,6 @@
 //! Rules: which rules a request matches ([`matches()`]) and the request view they read ([`Request`]).
-//! Key building lives in [`keys`].
+//! Key building lives in [`keys`]; the limit a rule's bucket gets for one request (overrides,
+//! tiers, the rule's own) in [`limits`].
 
 pub mod keys;
 pub mod limits;

@@ -1,0 +1,498 @@
+//! The documentation stays true:
+//! - every configuration shown in README.md and docs/*.md is accepted by the parser it belongs to:
+//!   filter configurations and rules by the filter's `Config::parse`, Envoy configurations and
+//!   excerpts by `envoy --mode validate` with the real module (limits files: server/tests/docs.rs);
+//!   a block says which it is in its info string (the convention: testkit's `docs` module), and a
+//!   configuration block that does not say is a failure;
+//! - every relative link in them resolves (the file, and the heading when it names one);
+//! - every module of the crates, and of the test harnesses, is named in its parent's `//!` map.
+//!
+//! Envoy or the module missing fails the test (`make build`, `make tools`).
+
+// A test fails by panicking; the workspace lints deny that for the module, not here.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use tollgate::core::config::Config;
+use tollgate_testkit::docs::{self, Block, Kind};
+use tollgate_testkit::envoy::{self, EnvoySpec};
+use tollgate_testkit::process::{closed_port, required_component, workspace_root, TempDir};
+
+/// The plugin configuration a rule is shown in, and the one the generated Envoy configurations run.
+fn with_rule(rule: &str) -> String {
+    format!(r#"{{"service": {{"cluster": "tollgate"}}, "rules": [{rule}]}}"#)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Code blocks
+
+#[test]
+fn every_configuration_block_says_what_it_holds() {
+    let blocks = docs::all_blocks();
+    let errors: Vec<String> = blocks.iter().filter_map(|b| b.kind().err()).collect();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+    let configs = blocks
+        .iter()
+        .filter(|b| !matches!(b.kind(), Ok(Kind::Prose | Kind::Partial)))
+        .count();
+    eprintln!("{} blocks, {configs} configurations checked", blocks.len());
+}
+
+#[test]
+fn filter_configurations_are_accepted_by_the_filter() {
+    let blocks = docs::blocks_of(Kind::Filter);
+    assert!(!blocks.is_empty(), "no `json filter` block in the docs");
+    let refused = refused_by_the_filter(&blocks, |b| b.text.clone());
+    assert!(refused.is_empty(), "{}", refused.join("\n\n"));
+}
+
+#[test]
+fn rules_are_accepted_by_the_filter() {
+    let blocks = docs::blocks_of(Kind::Rule);
+    let refused = refused_by_the_filter(&blocks, |b| with_rule(&b.text));
+    assert!(refused.is_empty(), "{}", refused.join("\n\n"));
+}
+
+fn refused_by_the_filter(blocks: &[Block], config: impl Fn(&Block) -> String) -> Vec<String> {
+    blocks
+        .iter()
+        .filter_map(|b| {
+            let json = config(b);
+            Config::parse(json.as_bytes())
+                .err()
+                .map(|e| format!("{}: the filter refuses it: {e}\n{}", b.place(), b.text))
+        })
+        .collect()
+}
+
+/// The check can fail: a rule with a field the filter does not know is refused, and a `json`
+/// block that does not say what it holds is reported.
+#[test]
+fn the_block_checks_refuse_what_is_wrong() {
+    let doc = "```json rule\n{\"name\": \"a\", \"capacity\": 5, \"period_ms\": 1000, \"burst\": 2}\n```\n\
+               ```json\n{}\n```\n```\n{\"rules\": []}\n```\n```sh\nmake run\n```\n";
+    let blocks = docs::blocks("sample.md", doc);
+    assert_eq!(blocks.len(), 4);
+    assert_eq!(blocks[0].kind(), Ok(Kind::Rule));
+    let refused = refused_by_the_filter(&blocks[..1], |b| with_rule(&b.text));
+    assert!(refused[0].contains("burst"), "{refused:?}");
+    assert!(blocks[1].kind().unwrap_err().contains("sample.md:4"));
+    assert!(blocks[2].kind().is_err(), "a bare block starting with {{");
+    assert_eq!(blocks[3].kind(), Ok(Kind::Prose));
+}
+
+#[test]
+fn envoy_configurations_validate() {
+    let envoy = required_component(
+        "TOLLGATE_ENVOY",
+        ".tools/envoy",
+        ": run `make tools`. The docs' Envoy configurations are checked by Envoy itself.",
+    );
+    let wasm = required_component(
+        "TOLLGATE_WASM",
+        "dist/tollgate.wasm",
+        ": run `make build`. Envoy's validate mode loads the module.",
+    );
+    let dir = TempDir::new("docs-envoy");
+    let mut checked = 0;
+    for (i, b) in docs::all_blocks().iter().enumerate() {
+        let yaml = match b.kind().unwrap_or_else(|e| panic!("{e}")) {
+            Kind::Envoy => envoy::with_module(&b.text, &wasm),
+            Kind::EnvoyHttpFilters => {
+                let mut spec = generated();
+                spec.extra_http_filters = list_items(&b.text);
+                assert!(
+                    !spec.extra_http_filters.is_empty(),
+                    "{}: no filter in the list",
+                    b.place()
+                );
+                spec.yaml(&wasm, closed_port(), closed_port())
+            }
+            Kind::EnvoyRoutes => with_routes(
+                &generated().yaml(&wasm, closed_port(), closed_port()),
+                &b.text,
+            )
+            .unwrap_or_else(|e| panic!("{}: {e}", b.place())),
+            _ => continue,
+        };
+        let path = dir.path().join(format!("envoy-{i}.yaml"));
+        fs::write(&path, &yaml).expect("write");
+        if let Err(out) = envoy::validate(&envoy, &path) {
+            panic!(
+                "{}: Envoy refuses it:\n{}\n--- as validated:\n{yaml}\n--- Envoy:\n{out}",
+                b.place(),
+                b.text
+            );
+        }
+        checked += 1;
+    }
+    eprintln!("{checked} Envoy blocks validated");
+}
+
+/// The bootstrap an excerpt is placed in: the Tollgate filter with one rule, the `tollgate`
+/// cluster over HTTP/2, the upstream.
+fn generated() -> EnvoySpec {
+    let plugin = with_rule(r#"{"name": "docs", "capacity": 5, "period_ms": 1000}"#);
+    EnvoySpec::new(Some(plugin), closed_port(), closed_port())
+}
+
+/// A YAML list at column 0 (`- name: ...`), each item as a mapping at column 0; comments between
+/// items are dropped.
+fn list_items(text: &str) -> Vec<String> {
+    let mut items: Vec<String> = Vec::new();
+    for line in text.lines() {
+        if let Some(first) = line.strip_prefix("- ") {
+            items.push(format!("{first}\n"));
+        } else if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        } else if let Some(item) = items.last_mut() {
+            item.push_str(line.strip_prefix("  ").unwrap_or(line));
+            item.push('\n');
+        }
+    }
+    items
+}
+
+/// `bootstrap` with the routes of `excerpt` (`routes:` and its list) placed first in the virtual
+/// host's routes.
+fn with_routes(bootstrap: &str, excerpt: &str) -> Result<String, String> {
+    let mut lines = excerpt
+        .lines()
+        .skip_while(|l| l.starts_with('#') || l.trim().is_empty());
+    if lines.next().map(str::trim_end) != Some("routes:") {
+        return Err("an `envoy-routes` block starts with `routes:`".to_string());
+    }
+    let routes: Vec<&str> = lines.collect();
+    let mut out = String::new();
+    let mut placed = false;
+    for line in bootstrap.split_inclusive('\n') {
+        out.push_str(line);
+        if !placed && line.trim_end().trim_start() == "routes:" {
+            let indent = &line[..line.len() - line.trim_start().len()];
+            for r in &routes {
+                out.push_str(indent);
+                out.push_str(r);
+                out.push('\n');
+            }
+            placed = true;
+        }
+    }
+    placed
+        .then_some(out)
+        .ok_or_else(|| "the generated bootstrap has no `routes:`".to_string())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Links
+
+#[test]
+fn relative_links_resolve() {
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for doc in docs::documents() {
+        for link in docs::links(&docs::read(&doc)) {
+            if let Some(problem) = link_problem(&doc, &link.target) {
+                broken.push(format!("{doc}:{}: {}: {problem}", link.line, link.target));
+            }
+            checked += 1;
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    eprintln!("{checked} links resolve");
+}
+
+/// Why the link `target` in `doc` does not resolve, if it does not.
+fn link_problem(doc: &str, target: &str) -> Option<String> {
+    let (path, anchor) = docs::resolve(doc, target)?;
+    if !path.exists() {
+        return Some(format!("{} does not exist", path.display()));
+    }
+    let anchor = anchor.filter(|a| !a.is_empty())?;
+    if path.extension().is_none_or(|x| x != "md") {
+        // A line anchor into source (`#L10`) is GitHub's; the file exists.
+        return None;
+    }
+    let text = fs::read_to_string(&path).expect("read the linked document");
+    (!docs::anchors(&text).contains(&anchor)).then(|| format!("no heading #{anchor}"))
+}
+
+#[test]
+fn the_link_check_finds_what_is_broken() {
+    let doc = "# Guide\n## `charge: response` and more\n[a](missing.md) [b](#guide) \
+               [c](#charge-response-and-more) [d](https://example.com/x) `[e](in-code.md)`\n\
+               [ref]: ../Cargo.toml\n```\n[f](in-a-block.md)\n```\n";
+    let targets: Vec<String> = docs::links(doc).into_iter().map(|l| l.target).collect();
+    assert_eq!(
+        targets,
+        [
+            "missing.md",
+            "#guide",
+            "#charge-response-and-more",
+            "https://example.com/x",
+            "../Cargo.toml"
+        ]
+    );
+    assert_eq!(
+        docs::anchors(doc),
+        ["guide", "charge-response-and-more"],
+        "GitHub's heading anchors"
+    );
+    assert!(link_problem("docs/x.md", "missing.md").is_some());
+    assert!(link_problem("docs/x.md", "../Cargo.toml").is_none());
+    assert!(link_problem("README.md", "#no-such-heading").is_some());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout maps
+
+/// The crates' module trees, and the test harnesses' (each `tests` module, the unit tests, is left
+/// out: it is not part of the layout).
+const ROOTS: [&str; 7] = [
+    "src/lib.rs",
+    "contract/src/lib.rs",
+    "server/src/lib.rs",
+    "server/src/main.rs",
+    "testkit/src/lib.rs",
+    "tests/common/mod.rs",
+    "server/tests/common/mod.rs",
+];
+
+/// Every source file under these is reached from a root (or is a binary's root itself).
+const SOURCE_DIRS: [&str; 4] = ["src", "contract/src", "server/src", "testkit/src"];
+
+/// A module file: its module name, its `//!` doc, its child modules declared by `mod x;`.
+struct ModFile {
+    path: PathBuf,
+    name: String,
+    doc: String,
+    children: Vec<(String, PathBuf)>,
+}
+
+fn mod_file(path: &Path) -> ModFile {
+    let text = fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let doc: String = text
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("//!"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+    let is_mod_rs = matches!(stem, "mod" | "lib" | "main");
+    let name = if stem == "mod" {
+        path.parent()
+            .and_then(|p| p.file_name())
+            .and_then(|s| s.to_str())
+            .unwrap_or("")
+            .to_string()
+    } else {
+        stem.to_string()
+    };
+    let here = path.parent().expect("a parent directory");
+    let base = if is_mod_rs {
+        here.to_path_buf()
+    } else {
+        here.join(stem)
+    };
+    let mut children = Vec::new();
+    let mut path_attr: Option<String> = None;
+    for line in text.lines() {
+        let t = line.trim();
+        if let Some(p) = t
+            .strip_prefix("#[path = \"")
+            .and_then(|r| r.strip_suffix("\"]"))
+        {
+            path_attr = Some(p.to_string());
+            continue;
+        }
+        if t.starts_with("#[") {
+            continue;
+        }
+        let decl = ["pub(crate) ", "pub(super) ", "pub "]
+            .iter()
+            .find_map(|v| t.strip_prefix(v))
+            .unwrap_or(t);
+        let attr = path_attr.take();
+        let Some(child) = decl.strip_prefix("mod ").and_then(|r| r.strip_suffix(';')) else {
+            continue;
+        };
+        let file = match attr {
+            Some(p) => here.join(p),
+            None => {
+                let flat = base.join(format!("{child}.rs"));
+                if flat.is_file() {
+                    flat
+                } else {
+                    base.join(child).join("mod.rs")
+                }
+            }
+        };
+        assert!(
+            file.is_file(),
+            "{}: mod {child}; has no file",
+            path.display()
+        );
+        children.push((child.to_string(), file));
+    }
+    ModFile {
+        path: path.to_path_buf(),
+        name,
+        doc,
+        children,
+    }
+}
+
+/// The code spans of a `//!` doc (`x`, [`x`]).
+fn code_spans(doc: &str) -> Vec<String> {
+    doc.split('`')
+        .enumerate()
+        .filter(|(i, _)| i % 2 == 1)
+        .map(|(_, s)| s.trim().to_string())
+        .collect()
+}
+
+/// Whether a code span names the module `child`: `child`, `child.rs`, `child/`, `child/mod.rs`,
+/// or a path ending in it (`rules::keys`, `store/keys.rs`).
+fn names(span: &str, child: &str) -> bool {
+    let span = span
+        .trim_start_matches("crate::")
+        .trim_start_matches("self::");
+    [
+        child.to_string(),
+        format!("{child}.rs"),
+        format!("{child}/"),
+        format!("{child}/mod.rs"),
+    ]
+    .iter()
+    .any(|form| {
+        span == form || span.ends_with(&format!("::{form}")) || span.ends_with(&format!("/{form}"))
+    })
+}
+
+/// Whether an ancestor's map names `child` of `parent`: as `parent::child`, or in a list item
+/// nested under one that names `parent` (a crate root listing its modules' modules).
+fn ancestor_names(doc: &str, parent: &str, child: &str) -> bool {
+    if code_spans(doc)
+        .iter()
+        .any(|s| s.ends_with(&format!("{parent}::{child}")))
+    {
+        return true;
+    }
+    // (indent, text) of each list item, continuation lines joined to their item.
+    let mut items: Vec<(usize, String)> = Vec::new();
+    for line in doc.lines() {
+        let indent = line.len() - line.trim_start().len();
+        let t = line.trim_start();
+        if t.starts_with("- ") || t.starts_with("* ") {
+            items.push((indent, t.to_string()));
+        } else if let Some(last) = items.last_mut() {
+            if indent > last.0 && !t.is_empty() {
+                last.1.push(' ');
+                last.1.push_str(t);
+            }
+        }
+    }
+    items.iter().enumerate().any(|(i, (indent, text))| {
+        code_spans(text).iter().any(|s| names(s, child))
+            && items[..i]
+                .iter()
+                .rev()
+                .scan(*indent, |want, (ind, t)| {
+                    if ind < want {
+                        *want = *ind;
+                        Some(Some(t))
+                    } else {
+                        Some(None)
+                    }
+                })
+                .flatten()
+                .any(|t| code_spans(t).iter().any(|s| names(s, parent)))
+    })
+}
+
+#[test]
+fn every_module_is_named_in_its_parents_map() {
+    let root = workspace_root();
+    let mut missing = Vec::new();
+    let mut reached: Vec<PathBuf> = Vec::new();
+    // (file, its ancestors' files, root first)
+    let mut todo: Vec<(PathBuf, Vec<PathBuf>)> =
+        ROOTS.iter().map(|r| (root.join(r), Vec::new())).collect();
+    while let Some((path, ancestors)) = todo.pop() {
+        let m = mod_file(&path);
+        reached.push(path.clone());
+        for (child, file) in &m.children {
+            if child == "tests" {
+                reached.push(file.clone());
+                continue;
+            }
+            let named = code_spans(&m.doc).iter().any(|s| names(s, child))
+                || ancestors
+                    .iter()
+                    .any(|a| ancestor_names(&mod_file(a).doc, &m.name, child));
+            if !named {
+                missing.push(format!(
+                    "{}: `{child}` ({}) is not in its `//!` map",
+                    rel(&m.path),
+                    rel(file)
+                ));
+            }
+            let mut up = ancestors.clone();
+            up.push(path.clone());
+            todo.push((file.clone(), up));
+        }
+    }
+    let mut orphans = Vec::new();
+    for dir in SOURCE_DIRS {
+        for file in rust_files(&root.join(dir)) {
+            let a_bin_root = file.parent().is_some_and(|p| p.ends_with("src/bin"));
+            if !a_bin_root && !reached.contains(&file) {
+                orphans.push(rel(&file));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty() && orphans.is_empty(),
+        "modules missing from their parent's map:\n{}\nfiles no module tree reaches: {orphans:?}",
+        missing.join("\n")
+    );
+}
+
+/// The map check can fail: a module named nowhere, or named only under another parent, is missing.
+#[test]
+fn the_map_check_finds_what_is_missing() {
+    let doc = "Layout:\n- [`core`]: the core.\n  - `config`: parsed once;\n    and checked.\n  \
+               - `rules::keys` and [`store`]\n- `host`: the adapter.\n  - `abi.rs`: calls.\n";
+    assert!(ancestor_names(doc, "core", "config"));
+    assert!(ancestor_names(doc, "core", "store"));
+    assert!(ancestor_names(doc, "rules", "keys"));
+    assert!(!ancestor_names(doc, "core", "abi"), "abi is under host");
+    assert!(!ancestor_names(doc, "core", "plan"));
+    assert!(names("store/keys.rs", "keys"));
+    assert!(names("redis/", "redis") && !names("redis_tls", "redis"));
+}
+
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e.expect("entry").path();
+        if p.is_dir() {
+            out.extend(rust_files(&p));
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+    out
+}
+
+fn rel(p: &Path) -> String {
+    p.strip_prefix(workspace_root())
+        .unwrap_or(p)
+        .display()
+        .to_string()
+}
