@@ -16,6 +16,9 @@
 //!   - `flow`: the per-request state machine (pause only after a dispatch, resume only if paused).
 //!   - `callout`: every callout encoded for the adapter (a take or batch, acquire, release,
 //!     refund, settle).
+//!   - `ledger`: the VM's one table of callouts in flight, and who waits for each.
+//!   - `batch`: group commit: the queue behind a configuration's callout, bounded by count and
+//!     bytes, and a batch answer split back onto its takes.
 //!   - `wire`: the contract crate's codecs with this VM's instance id and rule names, and Envoy's
 //!     RLS v3 request and response.
 //!   - `lease`: lease mode, pools of tokens granted by the service, spent by every worker.

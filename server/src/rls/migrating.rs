@@ -5,12 +5,21 @@ use super::config::Limits;
 
 const PAGE: &str = include_str!("../../../docs/migrating.md");
 
-/// The fenced block whose info string is `yaml <tag>`.
+/// The page's limits files, in order: the fenced blocks whose info string is `yaml limits` (the
+/// docs test parses every such block too; these tests check what they mean).
+const BLOCKS: [&str; 2] = ["migrating:ratelimit", "migrating:limitador"];
+
+/// The limits file `tag` of [`BLOCKS`].
 fn block(tag: &str) -> Option<String> {
-    let open = format!("```yaml {tag}\n");
-    let start = PAGE.find(&open)? + open.len();
-    let len = PAGE.get(start..)?.find("```")?;
-    PAGE.get(start..start + len).map(str::to_string)
+    let n = BLOCKS.iter().position(|t| *t == tag)?;
+    let open = "```yaml limits\n";
+    let mut rest = PAGE;
+    for _ in 0..n {
+        rest = rest.get(rest.find(open)? + open.len()..)?;
+    }
+    let start = rest.find(open)? + open.len();
+    let len = rest.get(start..)?.find("```")?;
+    rest.get(start..start + len).map(str::to_string)
 }
 
 fn limits(tag: &str) -> Limits {

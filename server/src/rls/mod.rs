@@ -9,6 +9,7 @@
 //! | `config.rs` | the limits file (envoyproxy/ratelimit's YAML format plus `algorithm` and `burst`) and the descriptor lookup |
 //! | `reload.rs` | the file loaded at startup and whenever it changes; a bad file is refused, the old limits stay |
 //! | `pb.rs` | the generated messages and server trait, in modules named as Envoy's packages |
+//! | `migrating.rs` (tests) | docs/migrating.md's limits files load and mean what the page says |
 //! | `service.rs` | descriptors to one all-or-nothing take (checks by a take that cannot pass, `charge: response` through settle), statuses as envoyproxy/ratelimit's, response headers with `--rls-headers` |
 
 pub mod config;
