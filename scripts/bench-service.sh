@@ -68,12 +68,13 @@ cpu_s() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.2f", ($14 + $15) / hz}' "/p
 REDIS_PID=$!; PIDS+=("$REDIS_PID")
 for _ in $(seq 100); do "$REDIS_CLI" -p "$RP" PING >/dev/null 2>&1 && break; sleep 0.05; done
 
-# The exact script the service runs: prelude, token bucket, fixed window, one take, take driver.
+# The exact script the service runs for a take of token buckets: prelude, token bucket, one take,
+# take driver (store/redis/scripts.rs, `take_script_source(Some(TokenBucket))`).
 # Its ARGV per bucket (take.lua's header): algorithm, capacity, rate, period_ms, cost, lease.
 SCRIPT=$(python3 - <<'EOF'
 import pathlib
 d = pathlib.Path("server/src/store/lua")
-print("\n".join((d / f).read_text() for f in ["prelude.lua", "token_bucket.lua", "fixed_window.lua", "take_one.lua", "take.lua"]), end="")
+print("\n".join((d / f).read_text() for f in ["prelude.lua", "token_bucket.lua", "take_one.lua", "take.lua"]), end="")
 EOF
 )
 SHA=$("$REDIS_CLI" -p "$RP" SCRIPT LOAD "$SCRIPT")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make bench`: every benchmark recorded in BENCHMARKS.md, one after the other (never at once: they
 # share the machine's cores). Envoy with Tollgate first, then a fleet's accuracy, then Envoy's
-# instructions per request (callgrind), then the service alone.
+# instructions per request (callgrind), then the service alone; last, the figures beside the
+# recorded ones (scripts/bench-compare.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rc=0
@@ -13,4 +14,7 @@ VARIANTS="none empty nomatch http" bash scripts/bench-instructions.sh || rc=$?
 if [ -f scripts/bench-service.sh ]; then
   bash scripts/bench-service.sh || rc=$?
 fi
+# Each tier's CPU per request and Envoy's instructions per request beside the last recorded figures
+# (bench/recorded.tsv): a WARNING line for any that grew more than 10 %, never a failure.
+bash scripts/bench-compare.sh || true
 exit "$rc"

@@ -129,8 +129,9 @@ pub fn learned_instances<S: CasStore + ?Sized>(store: &S) -> Option<u64> {
 }
 
 /// Stores `heard` (the live instances an answer reported), floored at `fallback.min_instances`,
-/// as this Envoy's number of proxies; writes only when it changed.
-pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) {
+/// as this Envoy's number of proxies; writes only when it changed. Returns that number, so the
+/// caller need not read it back.
+pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) -> u64 {
     let n = heard.max(cfg.fallback.min_instances).max(1);
     update(store, N_KEY, |cur| {
         let old = cur
@@ -142,6 +143,7 @@ pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) {
             Step::Write(n.to_le_bytes().to_vec(), ())
         }
     });
+    n
 }
 
 /// The fallback table of `max_keys` slots.
@@ -691,10 +693,15 @@ pub fn remember<S: CasStore + ?Sized>(
         Outcome::Allowed(r) | Outcome::Limited(r) => r,
         Outcome::Failed(_) => return,
     };
-    if let Some(n) = crate::core::instance::take_heard() {
-        learn(cfg, store, n);
-    }
-    let sh = Shares::of(cfg).learned(store);
+    // The number an answer reported is the one stored: read back only when none was reported
+    // (one shared-data read per answer fewer).
+    let sh = match crate::core::instance::take_heard() {
+        Some(heard) => Shares {
+            instances: learn(cfg, store, heard),
+            ..Shares::of(cfg)
+        },
+        None => Shares::of(cfg).learned(store),
+    };
     for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {
         let l = limits_of(b, sh.instances);
         let paid = repaid.get(i).copied().unwrap_or(0);

@@ -112,6 +112,15 @@ macro_rules! algorithms {
             [$(<$module::$counter as Counter>::LUA),*].join("\n")
         }
 
+        /// The Lua of `a` alone: a script whose buckets all use `a` needs no other (a script
+        /// defines every function it holds on each call, so one algorithm's script costs Redis
+        /// less per call than all of them).
+        pub fn lua_of(a: Algorithm) -> &'static str {
+            match a {
+                $(Algorithm::$variant => <$module::$counter as Counter>::LUA,)*
+            }
+        }
+
         impl State {
             /// `b`'s state at `now` ([`Counter::load`]); a stored state of another algorithm (it
             /// cannot be: the algorithm is part of the bucket's identity) counts as none.

@@ -11,7 +11,8 @@
 --          ts = Redis TIME of the last charge, microseconds
 --          f  = refill remainder, in 1/p of a micro-token (0 .. p - 1), so no fraction of a token
 --               is ever lost between charges: the refill is exact, not rounded per call
---          c, r, p = the capacity, rate and period_ms the bucket was last charged with
+--          c, r, p = the capacity, rate and period_ms the bucket was last charged with (written
+--               only when they change: a write under the limits the hash holds sets t, ts, f)
 --        A missing hash is a full bucket; that is why expiry (PEXPIRE = time until full + margin,
 --        set on every write) can never admit more than the limit.
 -- A changed limit keeps the count: when the caller's limits differ from (c, r, p), the bucket is
@@ -49,8 +50,9 @@ local function tb_load(key, cap, rate, period, now)
   if t == nil or ts == nil or f == nil then
     return { t = cap * MICRO, ts = now, f = 0, exists = false }
   end
-  local s = { t = t, ts = ts, f = f, exists = true }
   local c, r, p = tonumber(v[4]), tonumber(v[5]), tonumber(v[6])
+  -- kept: the hash already records these limits, so a write need not set them again.
+  local s = { t = t, ts = ts, f = f, exists = true, kept = c == cap and r == rate and p == period }
   if c ~= nil and r ~= nil and p ~= nil and (c ~= cap or r ~= rate or p ~= period) then
     tb_refill(s, c, r, p, now)
     if c ~= cap then
@@ -106,8 +108,12 @@ local function tb_take(s, cap, rate, period, cost, lease)
 end
 
 local function tb_store(key, s, cap, rate, period)
-  redis.call('HSET', key, 't', fmt(s.t), 'ts', fmt(s.ts), 'f', fmt(s.f), 'c', fmt(cap),
-    'r', fmt(rate), 'p', fmt(period))
+  if s.kept then
+    redis.call('HSET', key, 't', fmt(s.t), 'ts', fmt(s.ts), 'f', fmt(s.f))
+  else
+    redis.call('HSET', key, 't', fmt(s.t), 'ts', fmt(s.ts), 'f', fmt(s.f), 'c', fmt(cap),
+      'r', fmt(rate), 'p', fmt(period))
+  end
   redis.call('PEXPIRE', key, fmt(tb_reset_ms(s, cap, rate, period) + TTL_MARGIN_MS))
 end
 

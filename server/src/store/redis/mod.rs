@@ -76,7 +76,7 @@ pub use self::conn::{
 };
 use self::decode::decode_instances;
 pub use self::decode::{decode_batch, decode_settle, decode_take, GroupReply};
-use self::scripts::{evalsha, PER_BUCKET};
+use self::scripts::{evalsha, Scripts, PER_BUCKET};
 pub use self::scripts::{
     refund_script_source, settle_script_source, take_batch_script_source, take_script_source,
 };
@@ -91,8 +91,8 @@ use crate::domain::{
 pub struct RedisStore {
     conn: Conn,
     config: RedisConfig,
-    take: Arc<Script>,
-    take_batch: Arc<Script>,
+    take: Arc<Scripts>,
+    take_batch: Arc<Scripts>,
     refund: Arc<Script>,
     settle: Arc<Script>,
 }
@@ -122,8 +122,8 @@ impl RedisStore {
         Ok(RedisStore {
             conn,
             config,
-            take: Arc::new(Script::new(&take_script_source())),
-            take_batch: Arc::new(Script::new(&take_batch_script_source())),
+            take: Arc::new(Scripts::new(take_script_source)),
+            take_batch: Arc::new(Scripts::new(take_batch_script_source)),
             refund: Arc::new(Script::new(&refund_script_source())),
             settle: Arc::new(Script::new(&settle_script_source())),
         })
@@ -164,7 +164,8 @@ impl RedisStore {
             args.extend(scripts::take_args(b));
             these.push(b);
         }
-        let reply = self.invoke(&self.take, &ks, &args).await?;
+        let script = self.take.of(these.iter().copied());
+        let reply = self.invoke(script, &ks, &args).await?;
         decode_take(&reply, &these)
     }
 
@@ -178,7 +179,8 @@ impl RedisStore {
             .collect();
         let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
         let args = scripts::batch_args(takes);
-        let reply = self.invoke(&self.take_batch, &ks, &args).await?;
+        let script = self.take_batch.of(takes.iter().flat_map(|t| t.iter()));
+        let reply = self.invoke(script, &ks, &args).await?;
         decode_batch(&reply, takes)
     }
 

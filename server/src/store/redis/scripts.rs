@@ -20,7 +20,12 @@ pub(super) const INSTANCES: &str = include_str!("../lua/instances.lua");
 
 /// A script's full source: the prelude, every algorithm's Lua ([`algorithm::lua`]), then `parts`.
 fn source(parts: &[&str]) -> String {
-    let mut s = [PRELUDE, &algorithm::lua()].join("\n");
+    source_with(&algorithm::lua(), parts)
+}
+
+/// A script's full source: the prelude, the algorithms' Lua `algorithms`, then `parts`.
+fn source_with(algorithms: &str, parts: &[&str]) -> String {
+    let mut s = [PRELUDE, algorithms].join("\n");
     for p in parts {
         s.push('\n');
         s.push_str(p);
@@ -29,13 +34,57 @@ fn source(parts: &[&str]) -> String {
 }
 
 /// The full source of the take script (prelude, algorithms, driver), e.g. for `redis-benchmark`.
-pub fn take_script_source() -> String {
-    source(&[TAKE_ONE, TAKE])
+/// `Some(a)`: the script of takes whose buckets all use `a` (only `a`'s Lua); `None`: any take.
+pub fn take_script_source(only: Option<Algorithm>) -> String {
+    match only {
+        Some(a) => source_with(algorithm::lua_of(a), &[TAKE_ONE, TAKE]),
+        None => source(&[TAKE_ONE, TAKE]),
+    }
 }
 
-/// The full source of the batch script (prelude, algorithms, the take of one request, the loop).
-pub fn take_batch_script_source() -> String {
-    source(&[TAKE_ONE, TAKE_BATCH])
+/// The full source of the batch script (prelude, algorithms, the take of one request, the loop),
+/// of `only`'s algorithm or of any, as [`take_script_source`].
+pub fn take_batch_script_source(only: Option<Algorithm>) -> String {
+    match only {
+        Some(a) => source_with(algorithm::lua_of(a), &[TAKE_ONE, TAKE_BATCH]),
+        None => source(&[TAKE_ONE, TAKE_BATCH]),
+    }
+}
+
+/// One driver's scripts: one per algorithm, holding only that algorithm's Lua, and one holding
+/// every algorithm's. Redis runs a script's whole body on each call, defining every function in
+/// it, so a token-bucket take run by a script of all three algorithms paid for the other two
+/// (BENCHMARKS.md, "The exact path's regression").
+pub(super) struct Scripts {
+    each: Vec<(Algorithm, Script)>,
+    any: Script,
+}
+
+impl Scripts {
+    /// The scripts of a driver whose source is `source(only)`.
+    pub(super) fn new(source: fn(Option<Algorithm>) -> String) -> Self {
+        Scripts {
+            each: Algorithm::ALL
+                .iter()
+                .map(|&a| (a, Script::new(&source(Some(a)))))
+                .collect(),
+            any: Script::new(&source(None)),
+        }
+    }
+
+    /// The script for `buckets`: their algorithm's when they share one, else the one of all.
+    pub(super) fn of<'a>(&self, mut buckets: impl Iterator<Item = &'a BucketSpec>) -> &Script {
+        let Some(first) = buckets.next().map(|b| b.algorithm) else {
+            return &self.any;
+        };
+        if !buckets.all(|b| b.algorithm == first) {
+            return &self.any;
+        }
+        self.each
+            .iter()
+            .find(|(a, _)| *a == first)
+            .map_or(&self.any, |(_, s)| s)
+    }
 }
 
 /// The full source of the refund script.
