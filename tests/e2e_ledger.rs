@@ -321,10 +321,11 @@ fn a_timed_out_acquire_leaves_no_slot_behind() {
             })
     );
     assert!(late > 0, "the test needs acquires that time out");
-    // Nothing is in flight now: Redis soon holds no slot (within a second on a quiet machine; the
-    // test allows 3 s, for a suite that shares two cores with other Envoys).
+    // Nothing is in flight now: Redis soon holds no slot. Within a second on a quiet machine; the
+    // test allows 10 s (a third of the 30 s deadline a ghost slot would keep), since beside other
+    // Envoys on two cores the service can apply a late acquire and its release seconds after.
     let mut held = u64::MAX;
-    while over.elapsed() < Duration::from_secs(3) {
+    while over.elapsed() < Duration::from_secs(10) {
         held = slots_in_redis(&mut conn);
         if held == 0 {
             break;
@@ -354,7 +355,7 @@ fn a_timed_out_acquire_leaves_no_slot_behind() {
         }
     }
     eprintln!("no slot left {:?} after the load", over.elapsed());
-    assert_eq!(held, 0, "slots no request owns, 3 s after the load");
+    assert_eq!(held, 0, "slots no request owns, 10 s after the load");
     // And the key is usable at once: 4 requests at a time pass.
     let after = burst(&urls, 4, 2, &[], Duration::from_secs(5));
     assert!(
