@@ -500,7 +500,7 @@ pub fn spend<S: CasStore + ?Sized>(
 ) {
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
-        let (state, debt) = match decode(&slot.id, l, cur, now_ms, sh.horizon_ms) {
+        let (state, debt) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Ours(s, d, _) => (Some(s), d),
             Entry::Vacant => (None, 0),
             Entry::Missing | Entry::Other { .. } => return Step::Keep(()),

@@ -366,14 +366,7 @@ impl<T: Owed> Queue<T> {
     /// Queues `what`, due at once; returns its id. A full queue drops its oldest refund first,
     /// and its oldest item when it holds only extra charges.
     pub fn push(&mut self, what: T, now_ms: u64) -> String {
-        if self.items.len() >= MAX_PENDING {
-            let i = self
-                .items
-                .iter()
-                .position(|p| p.what.extra() == 0)
-                .unwrap_or(0);
-            self.drop_at(i);
-        }
+        self.make_room();
         let id = format!("{}-{}", self.instance, self.next_seq);
         self.next_seq += 1;
         self.items.push(Pending {
@@ -439,6 +432,21 @@ impl<T: Owed> Queue<T> {
     }
 
     /// Drops item `i`, counting it and the extra tokens it would have charged.
+    /// Makes room for one more in a full queue: drops its oldest refund, or its oldest item when
+    /// it holds only extra charges; whether one was dropped.
+    fn make_room(&mut self) -> bool {
+        if self.items.len() < MAX_PENDING {
+            return false;
+        }
+        let i = self
+            .items
+            .iter()
+            .position(|p| p.what.extra() == 0)
+            .unwrap_or(0);
+        self.drop_at(i);
+        true
+    }
+
     fn drop_at(&mut self, i: usize) {
         if i < self.items.len() {
             let p = self.items.remove(i);
@@ -474,13 +482,7 @@ impl<T: Owed> Queue<T> {
     pub fn adopt(&mut self, pending: Vec<Pending<T>>, now_ms: u64) -> u64 {
         let mut dropped = 0;
         for mut p in pending {
-            if self.items.len() >= MAX_PENDING {
-                let i = self
-                    .items
-                    .iter()
-                    .position(|p| p.what.extra() == 0)
-                    .unwrap_or(0);
-                self.drop_at(i);
+            if self.make_room() {
                 dropped += 1;
             }
             p.due_ms = p.due_ms.min(now_ms);
