@@ -1062,7 +1062,7 @@ impl<A: Abi> Dispatcher<A> {
 
     /// Root context `old` is gone, and Envoy cancelled its callouts silently: each entry ends
     /// here. A request still waiting takes its failure path (as for a reset), a refill's claim
-    /// ends, a settlement attempt is due again (handed over with the rest of the queue).
+    /// ends; a settlement attempt needs nothing here ([`Dispatcher::hand_over_settlements`]).
     fn root_ended(&mut self, old: &Rc<Plugin>) {
         for (token, waiter) in self.ledger.close_root(old.root) {
             match waiter {
@@ -1083,11 +1083,10 @@ impl<A: Abi> Dispatcher<A> {
                         },
                     );
                 }
-                Waiter::Settle { plugin, id } => {
-                    let now = self.abi.now_ms();
-                    plugin.settles.borrow_mut().answered(&id, false, now);
-                }
-                Waiter::Batch { .. }
+                // The attempt is sent again by whoever takes over the queue (its in-flight mark is
+                // cleared by the hand-over), under the same id.
+                Waiter::Settle { .. }
+                | Waiter::Batch { .. }
                 | Waiter::Refund
                 | Waiter::Release { .. }
                 | Waiter::Orphan { .. }
