@@ -356,8 +356,9 @@ fn a_timed_out_acquire_leaves_no_slot_behind() {
     }
     eprintln!("no slot left {:?} after the load", over.elapsed());
     assert_eq!(held, 0, "slots no request owns, 3 s after the load");
-    // And the key is usable at once: 4 requests at a time pass.
-    let after = burst(&urls, 4, 2, &[], Duration::from_secs(5));
+    // And the key is usable at once: 4 requests at a time pass (one each: a client's next request
+    // could arrive before Envoy has sent its previous one's release).
+    let after = burst(&urls, 4, 1, &[], Duration::from_secs(5));
     assert!(
         after.iter().all(|r| r.status == 200),
         "{:?}",
