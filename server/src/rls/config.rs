@@ -462,7 +462,7 @@ struct YamlDescriptor {
     descriptors: Vec<YamlDescriptor>,
     #[serde(default)]
     shadow_mode: bool,
-    /// Accepted; counted as an ordinary limit (README).
+    /// Accepted; counted as an ordinary limit (docs/rls.md, "What differs from envoyproxy/ratelimit").
     #[serde(default)]
     #[allow(dead_code)]
     quota_mode: bool,
