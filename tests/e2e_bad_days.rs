@@ -10,6 +10,8 @@
 //!   a drained fallback bucket drained, and Envoy's memory flat.
 //! - `a_push_that_resizes_the_fallback_table_keeps_shares_and_debts`: a push that changes
 //!   `fallback.max_keys` during an outage neither refills a share nor forgets what it owes.
+//! - `stale_answers_of_a_leasing_fleet_add_nothing_to_the_bound`: Envoys that leased in turn, then
+//!   lost the service, admit what they leased and not a share of a `remaining` grown stale.
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
     clippy::panic,
@@ -22,6 +24,7 @@ mod common;
 
 use common::config::{plugin, rule};
 use common::push::Pushed;
+use common::stats::tg_total;
 use common::*;
 use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -266,6 +269,80 @@ fn a_push_that_resizes_the_fallback_table_keeps_shares_and_debts() {
         "15 + 5: the capacity, not one more"
     );
     drop(pushed);
+    drop(gate);
+    drop(service);
+    drop(redis);
+}
+
+/// A leasing fleet whose answers are stale when the service goes: 4 Envoys, capacity 1,000, each
+/// leasing 100 in turn (their answers say 900, 800, 700 and 600 are left), then the service gone
+/// and every Envoy flooded. What the pools hold was charged before the outage; a share taken from
+/// a stale `remaining` on top of that was not (each Envoy's `remaining / 4` counts none of what the
+/// others leased later: 1,150 admitted where the bucket held 1,000). The fleet stays within
+/// `capacity + rate × elapsed + N`, and spends what it leased.
+#[test]
+fn stale_answers_of_a_leasing_fleet_add_nothing_to_the_bound() {
+    const ENVOYS: usize = 4;
+    const CAPACITY: u64 = 1000;
+    let c = Components::get();
+    let dir = TempDir::new("stale-lease");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let gate = Gate::start(GateMode::Forward, service.port);
+    let upstream = Upstream::start();
+    let mut leased = rule("k", &["literal:one"], CAPACITY);
+    leased["lease"] = json!({"size": 100, "max_age_ms": 60000});
+    let cfg = plugin(
+        Transport::Http,
+        vec![leased],
+        json!({"failure_mode": "fallback",
+               "fallback": {"instances": ENVOYS, "min_instances": ENVOYS, "max_keys": 100}}),
+    );
+    let specs: Vec<EnvoySpec> = (0..ENVOYS)
+        .map(|_| EnvoySpec::new(Some(cfg.clone()), gate.port, upstream.port))
+        .collect();
+    let envoys = Envoy::start_all(&c, &dir, &specs);
+    let client = Client::new();
+    let started = Instant::now();
+    for (i, envoy) in envoys.iter().enumerate() {
+        let reply = client.get(&envoy.url("/"), &[]);
+        assert_eq!(reply.status, 200, "envoy {i}: {reply:?}");
+    }
+    let leased_before = upstream.requests();
+    gate.set_mode(GateMode::Refuse);
+    gate.drop_connections();
+    let admitted = Arc::new(AtomicU64::new(0));
+    thread::scope(|s| {
+        for envoy in &envoys {
+            let admitted = Arc::clone(&admitted);
+            s.spawn(move || {
+                let client = Client::new();
+                for _ in 0..500 {
+                    if client.get(&envoy.url("/"), &[]).status == 200 {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    let elapsed_h = started.elapsed().as_secs_f64() / 3600.0;
+    let during = admitted.load(Ordering::Relaxed);
+    let total = upstream.requests();
+    let bound = CAPACITY as f64 + elapsed_h + ENVOYS as f64;
+    eprintln!("admitted {total} ({leased_before} before the outage, {during} during it), bound {bound:.1}");
+    assert!(
+        (total as f64) <= bound,
+        "{total} admitted ({leased_before} before the outage, {during} during it) against a bound \
+         of {bound:.1}: {:?}",
+        tg_total(&envoys)
+    );
+    // What the pools held (99 each after one request) is spent, not stranded.
+    assert!(
+        during >= ENVOYS as u64 * 99,
+        "{during} admitted during the outage, the pools held {}",
+        ENVOYS * 99
+    );
+    drop(envoys);
     drop(gate);
     drop(service);
     drop(redis);

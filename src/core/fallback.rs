@@ -705,7 +705,16 @@ pub fn remember<S: CasStore + ?Sized>(
     for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {
         let l = limits_of(b, sh.instances);
         let paid = repaid.get(i).copied().unwrap_or(0);
-        remember_one(store, &sh, &b.key, &l, now_ms, r.remaining, paid);
+        // A leasing proxy asks seldom, so its last `remaining` soon misses what the others leased
+        // since: a share of it would hand out tokens the bucket no longer holds. Its pool (charged
+        // already) is what it spends in an outage, and its share refills from empty.
+        let leases = plan
+            .rules
+            .get(i)
+            .and_then(|&k| cfg.rules.get(k))
+            .is_some_and(|rule| rule.lease.is_some());
+        let remaining = if leases { 0 } else { r.remaining };
+        remember_one(store, &sh, &b.key, &l, now_ms, remaining, paid);
     }
 }
 
@@ -1042,6 +1051,54 @@ mod tests {
             .filter(|_| take(&s, &t, "k", &l, 3_400, 1).allowed)
             .count();
         assert_eq!(admitted, 0, "share 0 after the refill token was spent");
+    }
+
+    #[test]
+    fn a_leasing_rule_takes_no_share_of_an_answer() {
+        let cfg = |lease: &str| {
+            Config::parse(format!(
+                r#"{{"service":{{"cluster":"c"}},"fallback":{{"instances":4,"min_instances":4,"max_keys":100}},
+                    "rules":[{{"name":"r","capacity":1000,"period_ms":3600000{lease}}}]}}"#
+            ).as_bytes())
+            .unwrap_or_else(|e| unreachable!("{e}"))
+        };
+        let answered = |cfg: &Config| {
+            let s = prepared(100);
+            let b = Bucket {
+                period_ms: 3_600_000,
+                ..bucket("k", 1000)
+            };
+            let plan = Plan {
+                request: TakeRequest {
+                    buckets: vec![b.clone()],
+                },
+                rules: vec![0],
+                debt: vec![],
+                rls: None,
+            };
+            let answer = BucketResult {
+                allowed: true,
+                limit: 1000,
+                remaining: 900,
+                reset_ms: 0,
+                retry_after_ms: 0,
+                granted: 1,
+            };
+            let outcome = Outcome::Allowed(TakeResponse {
+                allowed: true,
+                buckets: vec![answer],
+                instances: 4,
+            });
+            remember(cfg, &plan, &outcome, &[], &s, 0);
+            let l = limits_of(&b, 4);
+            (0..300)
+                .filter(|_| take(&s, &sh(100), "k", &l, 0, 1).allowed)
+                .count()
+        };
+        // Exact: a quarter of the 900 the answer reported.
+        assert_eq!(answered(&cfg("")), 225);
+        // Leasing: the answer may be stale by all the others leased since; the pool is the budget.
+        assert_eq!(answered(&cfg(r#","lease":{"size":100}"#)), 0);
     }
 
     #[test]
