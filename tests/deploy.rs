@@ -951,6 +951,18 @@ fn helm_chart_renders_valid_manifests() {
         assert!(t.contains(shows), "{name}: {shows} in\n{t}");
         files.push(file);
     }
+    // The values docs/deploy.md shows.
+    let guide = tollgate_testkit::docs::read("docs/deploy.md");
+    let shown = tollgate_testkit::docs::blocks("docs/deploy.md", &guide)
+        .into_iter()
+        .find(|b| b.info == "yaml partial" && b.text.starts_with("replicaCount:"))
+        .expect("docs/deploy.md shows chart values");
+    let values = dir.path().join("docs-values.yaml");
+    fs::write(&values, &shown.text).expect("write");
+    let (file, docs) = render(&dir, "docs", &["-f", values.to_str().expect("UTF-8")]);
+    assert!(kinds(&docs).contains(&"ServiceMonitor/tollgate".to_string()));
+    files.push(file);
+
     // Refused at render time, naming the value.
     for (args, names) in [
         (&["--set", "redis.mode=memory"][..], "replicaCount"),
