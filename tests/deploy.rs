@@ -989,6 +989,83 @@ fn helm_chart_renders_valid_manifests() {
     }
 }
 
+/// The chart's defaults are the flat manifests, parameterised: the same pod (security, probes,
+/// resources, ports), every environment variable deploy/kubernetes/tollgate.yaml sets with the same
+/// value, the same rollout, Service ports and disruption budget, and rls-limits.yaml's limits file.
+#[test]
+fn helm_defaults_are_the_shipped_manifests() {
+    let dir = TempDir::new("helm-defaults");
+    let (_, chart) = render(&dir, "default", &[]);
+    let flat = yaml_docs(&workspace_root().join("deploy/kubernetes/tollgate.yaml"));
+    let limits = yaml_docs(&workspace_root().join("deploy/kubernetes/rls-limits.yaml"));
+    let pod = |docs: &[serde_json::Value]| {
+        doc(docs, "Deployment", None)["spec"]["template"]["spec"].clone()
+    };
+    let (ours, theirs) = (pod(&chart), pod(&flat));
+    assert_eq!(ours["securityContext"], theirs["securityContext"]);
+    assert_eq!(
+        ours["terminationGracePeriodSeconds"],
+        theirs["terminationGracePeriodSeconds"]
+    );
+    // The chart's spread selector also names the release.
+    let spread = |p: &serde_json::Value| p["topologySpreadConstraints"][0]["topologyKey"].clone();
+    assert_eq!(spread(&ours), spread(&theirs));
+    let (c, f) = (&ours["containers"][0], &theirs["containers"][0]);
+    for field in [
+        "image",
+        "imagePullPolicy",
+        "ports",
+        "readinessProbe",
+        "livenessProbe",
+        "resources",
+        "securityContext",
+    ] {
+        assert_eq!(c[field], f[field], "container {field}");
+    }
+    let env = |c: &serde_json::Value| -> Vec<(String, String)> {
+        c["env"]
+            .as_array()
+            .expect("env")
+            .iter()
+            .map(|e| {
+                let value = e["value"].as_str().expect("a literal value");
+                (
+                    e["name"].as_str().expect("name").to_string(),
+                    value.to_string(),
+                )
+            })
+            .collect()
+    };
+    let ours_env = env(c);
+    for var in env(f) {
+        assert!(
+            ours_env.contains(&var),
+            "{var:?} not in the chart's {ours_env:?}"
+        );
+    }
+    // The chart's addition to the pod: the limits file, mounted where TOLLGATE_RLS_CONFIG points.
+    let rls = (
+        "TOLLGATE_RLS_CONFIG".to_string(),
+        "/etc/tollgate/rls/limits.yaml".to_string(),
+    );
+    assert!(ours_env.contains(&rls), "{ours_env:?}");
+    for kind in ["Deployment", "PodDisruptionBudget"] {
+        let spec = |docs: &[serde_json::Value]| {
+            let mut s = doc(docs, kind, None)["spec"].clone();
+            let s_map = s.as_object_mut().expect("spec");
+            s_map.remove("selector");
+            s_map.remove("template");
+            s
+        };
+        assert_eq!(spec(&chart), spec(&flat), "{kind}");
+    }
+    assert_eq!(
+        doc(&chart, "Service", None)["spec"]["ports"],
+        doc(&flat, "Service", None)["spec"]["ports"]
+    );
+    assert_eq!(doc(&chart, "ConfigMap", None)["data"], limits[0]["data"]);
+}
+
 /// The chart's WasmPlugin, for either transport, carries a configuration the real module accepts,
 /// calling the cluster Istio generates for the chart's Service (the shipped WasmPlugin's, for the
 /// default release) with the chart's token.
@@ -1017,9 +1094,10 @@ fn helm_wasmplugin_config_loads_in_the_module() {
         http_cfg[0]["service"]["cluster"],
         shipped[0]["spec"]["pluginConfig"]["service"]["cluster"]
     );
+    let shipped_grpc = yaml_docs(&workspace_root().join("deploy/istio/wasmplugin-grpc.yaml"));
     assert_eq!(
         grpc_cfg[0]["service"]["cluster"],
-        "outbound|9081||tollgate.tollgate-system.svc.cluster.local"
+        shipped_grpc[0]["spec"]["pluginConfig"]["service"]["cluster"]
     );
     assert_eq!(
         http_cfg[0]["service"]["token"],
@@ -1087,6 +1165,8 @@ fn helm_default_values_run_in_the_service() {
                 .find(|v| v["name"] == m["name"])
                 .expect("the mount's volume")
                 .clone();
+            // kubelet never updates a subPath mount: the limits file would never reload.
+            assert!(m["subPath"].is_null(), "a subPath mount: {m}");
             (
                 m["mountPath"].as_str().expect("mountPath").to_string(),
                 volume,
