@@ -718,17 +718,31 @@ fn istio_ratelimit_envoyfilter_validates_in_envoy() {
 const CHART: &str = "deploy/helm/tollgate";
 const NAMESPACE: &str = "tollgate-system";
 
-/// Values that turn every optional part on: monitoring and the filter.
-const ALL_ON: &[&str] = &[
-    "--set",
-    "metrics.serviceMonitor.enabled=true",
-    "--set",
-    "metrics.prometheusRule.enabled=true",
-    "--set",
-    "metrics.dashboard.enabled=true",
-    "--set",
-    "wasmPlugin.enabled=true",
+/// Each optional part: its value, and the objects it adds.
+const PARTS: &[(&str, &[&str])] = &[
+    (
+        "metrics.serviceMonitor.enabled=true",
+        &["ServiceMonitor/tollgate"],
+    ),
+    (
+        "metrics.prometheusRule.enabled=true",
+        &["PrometheusRule/tollgate"],
+    ),
+    (
+        "metrics.dashboard.enabled=true",
+        &["ConfigMap/tollgate-dashboard"],
+    ),
+    ("wasmPlugin.enabled=true", &["WasmPlugin/tollgate"]),
+    (
+        "bundledRedis.enabled=true",
+        &["Service/tollgate-redis", "StatefulSet/tollgate-redis"],
+    ),
 ];
+
+/// `--set`s that turn every optional part on.
+fn all_on() -> Vec<&'static str> {
+    PARTS.iter().flat_map(|(set, _)| ["--set", *set]).collect()
+}
 
 /// Helm, pinned, from .tools/ (`make images`; TOLLGATE_HELM overrides); missing = test failure.
 fn helm() -> PathBuf {
@@ -813,9 +827,9 @@ fn doc<'a>(docs: &'a [serde_json::Value], kind: &str, name: Option<&str>) -> &'a
 /// naming the value, on a store mode that does not exist and on a misspelt key (values.schema.json).
 #[test]
 fn helm_chart_lints() {
-    for extra in [&[][..], ALL_ON] {
+    for extra in [vec![], all_on()] {
         let mut args = vec!["lint", "--strict", CHART];
-        args.extend_from_slice(extra);
+        args.extend_from_slice(&extra);
         let out = helm_run(&args);
         assert!(out.status.success(), "helm lint {extra:?}:\n{}", text(&out));
         assert!(text(&out).contains("0 chart(s) failed"), "{}", text(&out));
@@ -853,43 +867,20 @@ fn helm_chart_renders_valid_manifests() {
     assert!(!default_text.contains("SENTINEL"), "{default_text}");
     files.push(default_file);
 
-    let parts = [
-        (
-            "serviceMonitor",
-            "metrics.serviceMonitor.enabled=true",
-            "ServiceMonitor/tollgate",
-        ),
-        (
-            "prometheusRule",
-            "metrics.prometheusRule.enabled=true",
-            "PrometheusRule/tollgate",
-        ),
-        (
-            "dashboard",
-            "metrics.dashboard.enabled=true",
-            "ConfigMap/tollgate-dashboard",
-        ),
-        (
-            "wasmPlugin",
-            "wasmPlugin.enabled=true",
-            "WasmPlugin/tollgate",
-        ),
-    ];
-    for (name, set, added) in parts {
-        let (file, docs) = render(&dir, name, &["--set", set]);
-        let mut expected: Vec<String> = base.iter().map(|s| s.to_string()).collect();
-        expected.push(added.to_string());
+    for (i, (set, added)) in PARTS.iter().enumerate() {
+        let (file, docs) = render(&dir, &format!("part-{i}"), &["--set", set]);
+        let mut expected: Vec<String> = base
+            .iter()
+            .chain(added.iter())
+            .map(|s| s.to_string())
+            .collect();
         expected.sort();
-        assert_eq!(kinds(&docs), expected, "{name} on");
+        assert_eq!(kinds(&docs), expected, "{set}");
         files.push(file);
     }
-    let (file, all) = render(&dir, "all-on", ALL_ON);
-    assert_eq!(
-        kinds(&all).len(),
-        base.len() + parts.len(),
-        "{:?}",
-        kinds(&all)
-    );
+    let (file, all) = render(&dir, "all-on", &all_on());
+    let added: usize = PARTS.iter().map(|(_, a)| a.len()).sum();
+    assert_eq!(kinds(&all).len(), base.len() + added, "{:?}", kinds(&all));
     files.push(file);
 
     // The monitoring parts are the shipped files, not copies that drift.
@@ -970,6 +961,15 @@ fn helm_chart_renders_valid_manifests() {
         (
             &["--set", "redis.tls.enabled=true"][..],
             "redis.tls.secretName",
+        ),
+        (
+            &[
+                "--set",
+                "bundledRedis.enabled=true",
+                "--set",
+                "redis.mode=sentinel",
+            ][..],
+            "bundledRedis",
         ),
     ] {
         let mut all = vec!["template", "tollgate", CHART];
@@ -1064,6 +1064,60 @@ fn helm_defaults_are_the_shipped_manifests() {
         doc(&flat, "Service", None)["spec"]["ports"]
     );
     assert_eq!(doc(&chart, "ConfigMap", None)["data"], limits[0]["data"]);
+}
+
+/// The bundled Redis is deploy/kubernetes/redis.yaml's (pod, ports, Service), the service points
+/// at it, and a real redis-server runs with its rendered arguments (no persistence, volatile-ttl
+/// eviction under the memory bound).
+#[test]
+fn helm_bundled_redis_is_the_shipped_one() {
+    let c = Components::get();
+    let dir = TempDir::new("helm-redis");
+    let (_, chart) = render(&dir, "bundled", &["--set", "bundledRedis.enabled=true"]);
+    let flat = yaml_docs(&workspace_root().join("deploy/kubernetes/redis.yaml"));
+    let pod = |docs: &[serde_json::Value]| {
+        doc(docs, "StatefulSet", None)["spec"]["template"]["spec"].clone()
+    };
+    let (ours, theirs) = (pod(&chart), pod(&flat));
+    for field in ["securityContext", "volumes", "automountServiceAccountToken"] {
+        assert_eq!(ours[field], theirs[field], "{field}");
+    }
+    assert_eq!(ours["containers"][0], theirs["containers"][0]);
+    let ports = |docs: &[serde_json::Value], name: &str| {
+        doc(docs, "Service", Some(name))["spec"]["ports"].clone()
+    };
+    assert_eq!(ports(&chart, "tollgate-redis"), ports(&flat, "redis"));
+    let deployment = doc(&chart, "Deployment", None);
+    let env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .expect("env");
+    assert!(env.iter().any(|e| e["name"] == "TOLLGATE_REDIS_URL"
+        && e["value"] == "redis://tollgate-redis.tollgate-system.svc.cluster.local:6379"));
+
+    let args: Vec<&str> = ours["containers"][0]["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("an argument"))
+        .collect();
+    let port = free_port();
+    let mut redis = tollgate_testkit::redis::spawn(
+        &c.redis_server,
+        port,
+        dir.path(),
+        &args,
+        dir.log_file("redis"),
+    );
+    wait_until("redis-server", &mut redis, || redis_ping(port)).expect("redis-server started");
+    let config = |key: &str| {
+        tollgate_testkit::redis::cli(port, &[], &["CONFIG", "GET", key]).unwrap_or_default()
+    };
+    assert_eq!(config("maxmemory-policy"), "maxmemory-policy\nvolatile-ttl");
+    assert_eq!(
+        config("maxmemory"),
+        format!("maxmemory\n{}", 192 * 1024 * 1024)
+    );
+    assert_eq!(config("appendonly"), "appendonly\nno");
 }
 
 /// The chart's WasmPlugin, for either transport, carries a configuration the real module accepts,

@@ -31,6 +31,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
+{{/* The bundled Redis's: its own name, so the service's selector never matches it. */}}
+{{- define "tollgate.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "tollgate.name" . }}-redis
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tollgate.redisLabels" -}}
+{{ include "tollgate.redisSelectorLabels" . }}
+app.kubernetes.io/part-of: tollgate
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
 {{/* The Service's name in DNS: <fullname>.<namespace>.svc.<clusterDomain>. */}}
 {{- define "tollgate.host" -}}
 {{- printf "%s.%s.svc.%s" (include "tollgate.fullname" .) .Release.Namespace .Values.clusterDomain -}}
@@ -62,7 +75,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
     secretKeyRef: {name: {{ $r.urlSecret.name | quote }}, key: {{ $r.urlSecret.key | quote }}}
 {{- else }}
 - name: TOLLGATE_REDIS_URL
-  value: {{ default (printf "redis://redis.%s.svc.%s:6379" .Release.Namespace .Values.clusterDomain) $r.url | quote }}
+  value: {{ default (printf "redis://%s.%s.svc.%s:6379" (ternary (printf "%s-redis" (include "tollgate.fullname" .)) "redis" .Values.bundledRedis.enabled) .Release.Namespace .Values.clusterDomain) $r.url | quote }}
 {{- end }}
 {{- else if eq $r.mode "cluster" }}
 - name: TOLLGATE_REDIS_CLUSTER
