@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use clap::{Parser, ValueEnum};
+use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::store::redis::{ClientIdentity, RedisConfigError, RedisTls, TlsFileError};
 
@@ -231,6 +231,19 @@ pub struct Cli {
     /// Redis only: most store calls in flight at once while coalescing.
     #[arg(long, env = "TOLLGATE_COALESCE_CALLS", default_value_t = 2)]
     pub coalesce_calls: usize,
+
+    /// Instead of serving: a subcommand.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// What the binary does instead of serving.
+#[derive(Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Check filter configurations and RLS limits files with the module's and the service's own
+    /// readers, as a CI step: every refusal is reported with the field it names. Exit status 0
+    /// when all are accepted, 1 when one is refused, 2 when a file cannot be read.
+    Check(crate::check::CheckArgs),
 }
 
 impl std::fmt::Debug for Cli {
@@ -269,6 +282,7 @@ impl std::fmt::Debug for Cli {
             .field("worker_threads", &self.worker_threads)
             .field("coalesce", &self.coalesce)
             .field("coalesce_calls", &self.coalesce_calls)
+            .field("command", &self.command)
             .finish()
     }
 }

@@ -17,6 +17,7 @@
 //! | [`metrics`] | Prometheus metrics |
 //! | [`rls`] | Envoy's rate limit service (RLS v3) over the same store, limits from a file reloaded when it changes |
 //! | [`serve`] | the accept loop: connection cap, header and idle timeouts, HTTP/2 limits |
+//! | [`check`] | `tollgate-server check`: filter configurations and limits files checked by the module's and the service's own readers (a CI step) |
 //! | [`cli`] | flags and environment variables; reads and checks the `--redis-tls-*` and `--token-file` files |
 //! | `main.rs` | parse flags, set up tracing, bind, build the store, call [`run`] |
 //! | `build.rs` | protobuf/gRPC code from `contract/tollgate.proto` (protox, no `protoc`) |
@@ -41,6 +42,7 @@
 //!   gets the detail (with Redis passwords redacted by parsing the URL).
 
 pub mod api;
+pub mod check;
 pub mod cli;
 pub mod domain;
 pub mod inflight;

@@ -1,11 +1,12 @@
-//! The `tollgate-server` binary: flags, tracing, bind, store, [`tollgate_server::run`].
+//! The `tollgate-server` binary: flags, tracing, bind, store, [`tollgate_server::run`]; or
+//! `tollgate-server check` ([`tollgate_server::check`]).
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use tollgate_server::cli::{Cli, LogFormat, StartupError};
+use tollgate_server::cli::{Cli, Command, LogFormat, StartupError};
 use tollgate_server::run;
 use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::redis::{redact_url, RedisConfig, RedisStore};
@@ -17,6 +18,9 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Check(args)) = &cli.command {
+        return tollgate_server::check::main(args);
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     // Colours only on a terminal: log collectors would store the escape codes.
