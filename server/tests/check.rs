@@ -1,0 +1,486 @@
+//! `tollgate-server check` says what Envoy and the service say: every filter configuration the
+//! project ships or fuzzes from (the fuzz seeds, the docs' `json filter` blocks, the WasmPlugins
+//! and the EnvoyExtensionPolicy in deploy/, envoy.yaml and deploy/envoy/envoy.yaml) and copies made
+//! wrong are run through the checker binary, through the module's parser natively, and through a
+//! real Envoy loading the real module (`envoy --mode validate` runs its `on_configure`); every
+//! limits file shipped (deploy/'s ConfigMap, the docs' `yaml limits` blocks) and copies made wrong
+//! through the checker and the real service started on it. The verdicts must agree, and a refusal
+//! must carry the very error Envoy's log or the service's shows.
+//!
+//! Envoy, the module or the CRD schemas (for what Istio hands the module) missing fails the test
+//! (`make build`, `make images`).
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use tollgate::core::config::Config;
+use tollgate_testkit::docs::{self, Kind};
+use tollgate_testkit::envoy::{self, EnvoySpec};
+use tollgate_testkit::process::{closed_port, required_component, workspace_root, Proc, TempDir};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tollgate-server");
+
+/// `tollgate-server check ARGS`: (exit status, stdout, stderr).
+fn check(args: &[&str]) -> (i32, String, String) {
+    let out: Output = Command::new(BIN)
+        .arg("check")
+        .args(args)
+        .env_clear()
+        .output()
+        .expect("run tollgate-server check");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// What one reader said: `None` accepted, `Some(error)` refused.
+type Verdict = Option<String>;
+
+/// The checker's verdict on a file holding one configuration, from its one line and exit status.
+fn checker(flag: &str, file: &Path) -> Verdict {
+    let (code, out, err) = check(&[flag, file.to_str().expect("UTF-8 path")]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "one configuration in {}:\n{out}{err}",
+        file.display()
+    );
+    match code {
+        0 => {
+            assert!(
+                lines[0].ends_with(": ok") || lines[0].contains(": ok ("),
+                "{out}"
+            );
+            None
+        }
+        1 => {
+            let (_, why) = lines[0]
+                .split_once(": refused: ")
+                .unwrap_or_else(|| panic!("a refusal line: {out}"));
+            Some(why.to_string())
+        }
+        _ => panic!("check {}: exit {code}:\n{out}{err}", file.display()),
+    }
+}
+
+/// The module's parser, natively, as `on_configure` calls it (an empty configuration never
+/// reaches it: the adapter refuses it first).
+fn native(json: &[u8]) -> Verdict {
+    if json.is_empty() {
+        return Some("config: missing".into());
+    }
+    Config::parse(json).err().map(|e| e.to_string())
+}
+
+/// Envoy's verdict on a bootstrap: validate mode loads the module and configures it; a refusal is
+/// the module's `invalid configuration: ...` line.
+fn envoy_verdict(envoy_bin: &Path, bootstrap: &Path) -> Verdict {
+    match envoy::validate(envoy_bin, bootstrap) {
+        Ok(()) => None,
+        Err(log) => {
+            let line = log
+                .lines()
+                .find_map(|l| l.split_once("invalid configuration: ").map(|(_, e)| e))
+                .unwrap_or_else(|| {
+                    panic!(
+                        "Envoy refused {} without the module's error:\n{log}",
+                        bootstrap.display()
+                    )
+                });
+            Some(line.trim_end().to_string())
+        }
+    }
+}
+
+/// One filter configuration: the file the checker reads and the Envoy bootstrap that loads the
+/// same configuration (and, for a plugin configuration, its JSON).
+struct FilterCase {
+    label: String,
+    file: PathBuf,
+    bootstrap: PathBuf,
+    json: Option<Vec<u8>>,
+}
+
+/// A case for a plugin configuration as JSON: the checker reads `checked` (the JSON itself, or
+/// the YAML it came from); Envoy runs it in a generated bootstrap.
+fn plugin_case(
+    dir: &Path,
+    wasm: &Path,
+    label: &str,
+    checked: Option<&Path>,
+    json: &[u8],
+) -> FilterCase {
+    let n = fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    let text = std::str::from_utf8(json).expect("a UTF-8 plugin configuration");
+    let spec = EnvoySpec::new(Some(text.to_string()), closed_port(), closed_port());
+    let bootstrap = dir.join(format!("envoy-{n}.yaml"));
+    fs::write(&bootstrap, spec.yaml(wasm, closed_port(), closed_port())).expect("write");
+    let file = match checked {
+        Some(f) => f.to_path_buf(),
+        None => {
+            let f = dir.join(format!("plugin-{n}.json"));
+            fs::write(&f, json).expect("write");
+            f
+        }
+    };
+    FilterCase {
+        label: label.to_string(),
+        file,
+        bootstrap,
+        json: Some(json.to_vec()),
+    }
+}
+
+/// A case for a whole Envoy bootstrap: the checker reads it; Envoy validates it with every
+/// `*.wasm` being the module under test.
+fn bootstrap_case(dir: &Path, wasm: &Path, label: &str, yaml: &str) -> FilterCase {
+    let n = fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    let file = dir.join(format!("bootstrap-{n}.yaml"));
+    fs::write(&file, yaml).expect("write");
+    let bootstrap = dir.join(format!("bootstrap-{n}-module.yaml"));
+    fs::write(&bootstrap, envoy::with_module(yaml, wasm)).expect("write");
+    FilterCase {
+        label: label.to_string(),
+        file,
+        bootstrap,
+        json: None,
+    }
+}
+
+/// The free-form plugin configurations of `manifest` as Istio and Envoy Gateway hand them over,
+/// read by deploy/check/crds.mjs (their published CRD schemas, node's YAML reader): the checker's
+/// own reading of the YAML is not its oracle.
+fn handed_over(manifest: &Path, out: &Path) -> Vec<Vec<u8>> {
+    let schemas = workspace_root().join(".tools/crd-schemas");
+    assert!(
+        schemas
+            .join("node_modules/@kubernetes-models/istio")
+            .is_dir(),
+        "{} is missing: run `make images`. The check does not skip.",
+        schemas.display()
+    );
+    let _ = fs::remove_dir_all(out);
+    fs::create_dir_all(out).expect("mkdir");
+    let run = Command::new("node")
+        .arg(workspace_root().join("deploy/check/crds.mjs"))
+        .arg(&schemas)
+        .arg("--plugin-configs")
+        .arg(out)
+        .arg(manifest)
+        .output()
+        .expect("node is required to run deploy/check/crds.mjs");
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stdout)
+    );
+    let mut files: Vec<PathBuf> = fs::read_dir(out)
+        .expect("configs")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    files.sort();
+    files.iter().map(|f| fs::read(f).expect("read")).collect()
+}
+
+/// Every filter configuration: the checker, the module's parser and Envoy agree, and a refusal is
+/// reported with Envoy's own text.
+#[test]
+fn the_checker_accepts_what_envoy_accepts_and_refuses_what_it_refuses() {
+    let envoy_bin = required_component("TOLLGATE_ENVOY", ".tools/envoy", ": run `make tools`.");
+    let wasm = required_component("TOLLGATE_WASM", "dist/tollgate.wasm", ": run `make build`.");
+    let root = workspace_root();
+    let tmp = TempDir::new("check-filter");
+    let dir = tmp.path().join("cases");
+    fs::create_dir_all(&dir).expect("mkdir");
+    let mut cases = Vec::new();
+
+    // The fuzz seeds, good and bad (fuzz/src/lib.rs's CONFIGS are among them).
+    let mut seeds: Vec<PathBuf> = fs::read_dir(root.join("fuzz/seeds/filter_config"))
+        .expect("fuzz/seeds/filter_config")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    seeds.sort();
+    assert!(seeds.len() >= 10, "fuzz seeds: {seeds:?}");
+    for s in &seeds {
+        let label = format!("fuzz seed {}", s.display());
+        cases.push(plugin_case(
+            &dir,
+            &wasm,
+            &label,
+            Some(s),
+            &fs::read(s).expect("read"),
+        ));
+    }
+
+    // The docs' plugin configurations.
+    let blocks = docs::blocks_of(Kind::Filter);
+    assert!(!blocks.is_empty(), "no `json filter` block in the docs");
+    for b in &blocks {
+        cases.push(plugin_case(
+            &dir,
+            &wasm,
+            &b.place(),
+            None,
+            b.text.as_bytes(),
+        ));
+    }
+
+    // deploy/'s WasmPlugins and EnvoyExtensionPolicy, and copies with a capacity of 0 and 100.0.
+    let manifests = [
+        "deploy/istio/wasmplugin.yaml",
+        "deploy/istio/wasmplugin-grpc.yaml",
+        "deploy/istio/wasmplugin-llm-tokens.yaml",
+        "deploy/envoy-gateway/envoyextensionpolicy.yaml",
+    ];
+    let mut manifest_files: Vec<(String, PathBuf)> = manifests
+        .iter()
+        .map(|m| (m.to_string(), root.join(m)))
+        .collect();
+    let plugin = fs::read_to_string(root.join(manifests[0])).expect("read");
+    assert!(plugin.contains("capacity: 100\n"), "{plugin}");
+    // A capacity of 0: refused. A float that is an integer reaches the module as an integer
+    // (Istio's Struct, Kubernetes' YAML to JSON): accepted.
+    for (n, capacity) in ["0", "100.0"].iter().enumerate() {
+        let copy = dir.join(format!("wasmplugin-{n}.yaml"));
+        let text = plugin.replacen("capacity: 100\n", &format!("capacity: {capacity}\n"), 1);
+        fs::write(&copy, text).expect("write");
+        manifest_files.push((format!("{} with capacity {capacity}", manifests[0]), copy));
+    }
+    for (label, file) in &manifest_files {
+        let configs = handed_over(file, &tmp.path().join("handed-over"));
+        assert_eq!(configs.len(), 1, "{label}: one plugin configuration");
+        cases.push(plugin_case(&dir, &wasm, label, Some(file), &configs[0]));
+    }
+
+    // The bootstraps, and envoy.yaml with a field misspelt inside its plugin configuration.
+    for f in ["envoy.yaml", "deploy/envoy/envoy.yaml"] {
+        let yaml = fs::read_to_string(root.join(f)).expect("read");
+        cases.push(bootstrap_case(&dir, &wasm, f, &yaml));
+    }
+    let demo = fs::read_to_string(root.join("envoy.yaml")).expect("read");
+    assert!(
+        demo.contains("\"period_ms\""),
+        "envoy.yaml's rule has a period_ms"
+    );
+    let typo = demo.replacen("\"period_ms\"", "\"period\"", 1);
+    cases.push(bootstrap_case(
+        &dir,
+        &wasm,
+        "envoy.yaml with `period`",
+        &typo,
+    ));
+
+    // Envoy on two threads: about half a second a configuration.
+    let started = Instant::now();
+    let run = |part: &[FilterCase]| -> Vec<Verdict> {
+        part.iter()
+            .map(|c| envoy_verdict(&envoy_bin, &c.bootstrap))
+            .collect()
+    };
+    let (a, b) = cases.split_at(cases.len() / 2);
+    let envoy_verdicts: Vec<Verdict> = std::thread::scope(|s| {
+        let ha = s.spawn(|| run(a));
+        let hb = s.spawn(|| run(b));
+        let mut v = ha.join().expect("envoy thread");
+        v.extend(hb.join().expect("envoy thread"));
+        v
+    });
+    eprintln!(
+        "{} configurations through Envoy in {:?}",
+        cases.len(),
+        started.elapsed()
+    );
+
+    let mut refused = 0;
+    for (c, by_envoy) in cases.iter().zip(envoy_verdicts) {
+        let by_checker = checker("--filter", &c.file);
+        eprintln!("{}: checker {by_checker:?}, Envoy {by_envoy:?}", c.label);
+        assert_eq!(
+            by_checker, by_envoy,
+            "{}: the checker and Envoy disagree",
+            c.label
+        );
+        if let Some(json) = &c.json {
+            let by_module = native(json);
+            assert_eq!(
+                by_checker.is_some(),
+                by_module.is_some(),
+                "{}: the checker and the module's parser disagree: {by_module:?}",
+                c.label
+            );
+            if let (Some(a), Some(b)) = (&by_checker, &by_module) {
+                assert!(a.starts_with(b.as_str()), "{}: {a} / {b}", c.label);
+            }
+        }
+        refused += usize::from(by_checker.is_some());
+    }
+    // Both verdicts are exercised: the bad seeds and the copies made wrong are refused.
+    assert!(refused >= 5, "{refused} refused");
+    assert!(refused < cases.len(), "all refused");
+}
+
+/// The service's verdict on a limits file: it starts on it (`listening`), or exits with the
+/// reader's error in its log.
+fn service_verdict(dir: &Path, file: &Path) -> Verdict {
+    let mut cmd = Command::new(BIN);
+    cmd.env_clear()
+        .args(["--listen", "127.0.0.1:0", "--rls-config"])
+        .arg(file);
+    let log = dir.join(format!(
+        "{}.log",
+        file.file_name().and_then(|n| n.to_str()).unwrap_or("s")
+    ));
+    let mut proc = Proc::spawn("tollgate-server", cmd, log);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if proc.log_text().contains("listening") {
+            proc.kill();
+            return None;
+        }
+        if let Some(st) = proc.exited() {
+            assert!(!st.success(), "{}", proc.log_text());
+            return Some(proc.log_text());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the service neither started nor exited"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Every limits file: the checker and the real service agree, and a refusal carries the service's
+/// own error.
+#[test]
+fn the_checker_accepts_what_the_service_accepts_and_refuses_what_it_refuses() {
+    let tmp = TempDir::new("check-limits");
+    let root = workspace_root();
+    // (label, the file the checker reads, the limits file the service loads)
+    let mut cases: Vec<(String, PathBuf, PathBuf)> = Vec::new();
+    let file = |name: String, text: &str| {
+        let p = tmp.path().join(name);
+        fs::write(&p, text).expect("write");
+        p
+    };
+
+    let cm_path = root.join("deploy/kubernetes/rls-limits.yaml");
+    let cm: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&fs::read_to_string(&cm_path).expect("read")).expect("YAML");
+    let limits = cm["data"]["limits.yaml"]
+        .as_str()
+        .expect("data.limits.yaml")
+        .to_string();
+    let bad = limits.replacen("requests_per_unit", "request_per_unit", 1);
+    cases.push((
+        "deploy/kubernetes/rls-limits.yaml".into(),
+        cm_path.clone(),
+        file("cm-limits.yaml".into(), &limits),
+    ));
+    let bad_cm = fs::read_to_string(&cm_path).expect("read").replacen(
+        "requests_per_unit",
+        "request_per_unit",
+        1,
+    );
+    cases.push((
+        "rls-limits.yaml with `request_per_unit`".into(),
+        file("bad-cm.yaml".into(), &bad_cm),
+        file("bad-cm-limits.yaml".into(), &bad),
+    ));
+
+    let blocks = docs::blocks_of(Kind::Limits);
+    assert!(!blocks.is_empty(), "no `yaml limits` block in the docs");
+    for (i, b) in blocks.iter().enumerate() {
+        let f = file(format!("docs-{i}.yaml"), &b.text);
+        cases.push((b.place(), f.clone(), f));
+    }
+    let broken = blocks[0].text.replacen("domain:", "domains:", 1);
+    let f = file("docs-broken.yaml".into(), &broken);
+    cases.push((
+        format!("{} with `domains`", blocks[0].place()),
+        f.clone(),
+        f,
+    ));
+
+    let mut refused = 0;
+    for (label, checked, loaded) in &cases {
+        let by_checker = checker("--limits", checked);
+        let by_service = service_verdict(tmp.path(), loaded);
+        eprintln!("{label}: checker {by_checker:?}");
+        match (&by_checker, &by_service) {
+            (None, None) => {}
+            (Some(why), Some(log)) => {
+                assert!(
+                    log.contains(why.as_str()),
+                    "{label}: the service's log lacks {why:?}:\n{log}"
+                );
+                refused += 1;
+            }
+            _ => panic!("{label}: checker {by_checker:?}, service {by_service:?}"),
+        }
+    }
+    assert_eq!(refused, 2, "the two copies made wrong are refused");
+}
+
+/// Exit statuses a pipeline can act on, and every configuration reported, not just the first
+/// refused one.
+#[test]
+fn exit_status_fits_ci() {
+    let tmp = TempDir::new("check-exit");
+    let good = tmp.path().join("good.json");
+    let bad = tmp.path().join("bad.json");
+    fs::write(
+        &good,
+        r#"{"service": {"cluster": "c"}, "rules": [{"name": "r", "key": ["client_ip"], "capacity": 5, "period_ms": 1000}]}"#,
+    )
+    .unwrap();
+    fs::write(&bad, r#"{"service": {"cluster": "c"}, "rules": []}"#).unwrap();
+    let limits = tmp.path().join("limits.yaml");
+    fs::write(
+        &limits,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 5, burstt: 1}\n",
+    )
+    .unwrap();
+    let (g, b, l) = (
+        good.to_str().unwrap(),
+        bad.to_str().unwrap(),
+        limits.to_str().unwrap(),
+    );
+
+    let (code, out, _) = check(&["--filter", g]);
+    assert_eq!((code, out), (0, format!("{g}: ok\n")));
+
+    let (code, out, _) = check(&["--filter", b, "--filter", g, "--limits", l]);
+    assert_eq!(code, 1, "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert_eq!(
+        lines[0],
+        format!("{b}: refused: rules: must hold between 1 and 16 rules")
+    );
+    assert_eq!(lines[1], format!("{g}: ok"));
+    assert!(lines[2].starts_with(&format!("{l}: refused: ")), "{out}");
+    assert!(lines[2].contains("burstt"), "{out}");
+
+    let (code, _, err) = check(&["--filter", "/nonexistent/plugin.json", "--filter", g]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("/nonexistent/plugin.json: cannot read"),
+        "{err}"
+    );
+    let (code, _, err) = check(&[]);
+    assert_eq!(code, 2, "{err}");
+    let limits_as_filter = check(&["--filter", l]);
+    assert_eq!(limits_as_filter.0, 2, "{limits_as_filter:?}");
+}
