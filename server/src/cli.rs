@@ -242,7 +242,8 @@ pub struct Cli {
 pub enum Command {
     /// Check filter configurations and RLS limits files with the module's and the service's own
     /// readers, as a CI step: every refusal is reported with the field it names. Exit status 0
-    /// when all are accepted, 1 when one is refused, 2 when a file cannot be read.
+    /// when all are accepted, 1 when one is refused, 2 when a file cannot be read or holds
+    /// nothing to check.
     Check(crate::check::CheckArgs),
 }
 
