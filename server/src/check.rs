@@ -29,8 +29,9 @@
 //! `5`. A wasm `configuration` of another type (a Struct) reaches the module as protobuf bytes,
 //! which it refuses.
 //!
-//! A limits file (`--limits FILE`) is the file `--rls-config` names, or a Kubernetes ConfigMap
-//! (`kind: ConfigMap`) whose every `data` entry is one.
+//! A limits file (`--limits FILE`) is the file `--rls-config` names, or YAML holding Kubernetes
+//! ConfigMaps (`kind: ConfigMap`, e.g. a chart's rendered manifests) whose every `data` entry
+//! named `*.yaml` or `*.yml` is one.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -154,8 +155,8 @@ pub fn plugin_configs(text: &[u8], json: bool) -> Result<Vec<PluginConfig>, Stri
     Ok(found)
 }
 
-/// Every limits file in a `--limits` file: the file itself, or each `data` entry of a ConfigMap
-/// (`(where, text)`).
+/// Every limits file in a `--limits` file: the file itself, or each `*.yaml` / `*.yml` `data`
+/// entry of its ConfigMaps (`(where, text)`).
 pub fn limits_files(text: &str) -> Vec<(String, String)> {
     let docs = documents(text.as_bytes()).unwrap_or_default();
     let configmaps: Vec<(usize, &Yaml)> = docs
@@ -174,6 +175,10 @@ pub fn limits_files(text: &str) -> Vec<(String, String)> {
         let data = cm.get("data").and_then(Yaml::as_mapping);
         for (k, v) in data.into_iter().flatten() {
             let key = k.as_str().unwrap_or_default();
+            // A limits file is YAML; other entries (a dashboard in JSON) are not for the service.
+            if !(key.ends_with(".yaml") || key.ends_with(".yml")) {
+                continue;
+            }
             files.push((
                 format!("{name}: data.{key}"),
                 v.as_str().unwrap_or_default().to_string(),
@@ -473,7 +478,7 @@ mod tests {
     #[test]
     fn a_configmap_holds_limits_files() {
         let files = limits_files(
-            "kind: ConfigMap\nmetadata: {name: l}\ndata:\n  a.yaml: |\n    domain: d\n  b.yaml: \"domain: [\"\n",
+            "kind: ConfigMap\nmetadata: {name: l}\ndata:\n  a.yaml: |\n    domain: d\n  b.yaml: \"domain: [\"\n  d.json: \"{}\"\n",
         );
         assert_eq!(files.len(), 2);
         assert_eq!(files[0].0, "ConfigMap l: data.a.yaml");
