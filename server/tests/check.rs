@@ -1,9 +1,9 @@
 //! `tollgate-server check` says what Envoy and the service say: every filter configuration the
 //! project ships or fuzzes from (the fuzz seeds, the docs' `json filter` blocks, the WasmPlugins
-//! and the EnvoyExtensionPolicy in deploy/, envoy.yaml and deploy/envoy/envoy.yaml) and copies made
+//! the EnvoyExtensionPolicy and the Helm chart in deploy/, envoy.yaml and deploy/envoy/envoy.yaml) and copies made
 //! wrong are run through the checker binary, through the module's parser natively, and through a
 //! real Envoy loading the real module (`envoy --mode validate` runs its `on_configure`); every
-//! limits file shipped (deploy/'s ConfigMap, the docs' `yaml limits` blocks) and copies made wrong
+//! limits file shipped (deploy/'s ConfigMap and Helm chart, the docs' `yaml limits` blocks) and copies made wrong
 //! through the checker and the real service started on it. The verdicts must agree, and a refusal
 //! must carry the very error Envoy's log or the service's shows.
 //!
@@ -198,6 +198,33 @@ fn handed_over(manifest: &Path, out: &Path) -> Vec<Vec<u8>> {
     files.iter().map(|f| fs::read(f).expect("read")).collect()
 }
 
+/// The Helm chart (deploy/helm/tollgate) as `helm template` renders it with `sets`, written to
+/// `dir/<name>.yaml`.
+fn chart(dir: &Path, name: &str, sets: &[&str]) -> PathBuf {
+    let helm = required_component("TOLLGATE_HELM", ".tools/helm", ": run `make images`.");
+    let mut cmd = Command::new(helm);
+    cmd.args([
+        "template",
+        "tollgate",
+        "deploy/helm/tollgate",
+        "--namespace",
+        "tollgate-system",
+    ])
+    .current_dir(workspace_root());
+    for set in sets {
+        cmd.args(["--set", set]);
+    }
+    let out = cmd.output().expect("run helm");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = dir.join(format!("{name}.yaml"));
+    fs::write(&path, &out.stdout).expect("write");
+    path
+}
+
 /// Every filter configuration: the checker, the module's parser and Envoy agree, and a refusal is
 /// reported with Envoy's own text.
 #[test]
@@ -241,7 +268,7 @@ fn the_checker_accepts_what_envoy_accepts_and_refuses_what_it_refuses() {
         ));
     }
 
-    // deploy/'s WasmPlugins and EnvoyExtensionPolicy, and copies with a capacity of 0 and 100.0.
+    // deploy/'s WasmPlugins, EnvoyExtensionPolicy and Helm chart, and copies with a capacity of 0 and 100.0.
     let manifests = [
         "deploy/istio/wasmplugin.yaml",
         "deploy/istio/wasmplugin-grpc.yaml",
@@ -252,6 +279,10 @@ fn the_checker_accepts_what_envoy_accepts_and_refuses_what_it_refuses() {
         .iter()
         .map(|m| (m.to_string(), root.join(m)))
         .collect();
+    manifest_files.push((
+        "deploy/helm/tollgate with wasmPlugin.enabled".into(),
+        chart(&dir, "chart", &["wasmPlugin.enabled=true"]),
+    ));
     let plugin = fs::read_to_string(root.join(manifests[0])).expect("read");
     assert!(plugin.contains("capacity: 100\n"), "{plugin}");
     // A capacity of 0: refused. A float that is an integer reaches the module as an integer
@@ -425,6 +456,22 @@ fn the_checker_accepts_what_the_service_accepts_and_refuses_what_it_refuses() {
         "rls-limits.yaml with `request_per_unit`".into(),
         file("bad-cm.yaml".into(), &bad_cm),
         file("bad-cm-limits.yaml".into(), &bad),
+    ));
+    // The chart's ConfigMap, beside the dashboard's (JSON, not a limits file).
+    let rendered = chart(tmp.path(), "chart", &["metrics.dashboard.enabled=true"]);
+    let text = fs::read_to_string(&rendered).expect("read");
+    let chart_limits = serde_yaml_ng::Deserializer::from_str(&text)
+        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .find_map(|d: serde_yaml_ng::Value| d["data"]["limits.yaml"].as_str().map(String::from))
+        .expect("the chart's limits file");
+    assert!(
+        text.contains("grafana-dashboard.json"),
+        "the dashboard is rendered"
+    );
+    cases.push((
+        "deploy/helm/tollgate".into(),
+        rendered,
+        file("chart-limits.yaml".into(), &chart_limits),
     ));
 
     let blocks = docs::blocks_of(Kind::Limits);
