@@ -520,7 +520,7 @@ mod tests {
         let b = tb(1_000_000_000, 1, 31_536_000_000, 1_000_000_000);
         let d = at(&s, std::slice::from_ref(&b), 0);
         assert!(d.allowed);
-        assert_eq!(d.buckets[0].reset_ms, algorithm::MAX_MS as u64);
+        assert_eq!(d.buckets[0].reset_ms, algorithm::MAX_MS);
         assert!(s.is_empty() || s.len() == 1);
     }
 
