@@ -52,15 +52,23 @@ impl Limits {
 }
 
 /// A millisecond count clamped to [`MAX_MS`].
+#[inline(never)]
 pub fn cap_ms(v: u128) -> u64 {
     v.min(MAX_MS as u128) as u64
 }
 
 /// `used` scaled from capacity `old` to `new`, keeping the fraction used, rounded up (against
-/// the caller). The windows carry a changed limit so.
+/// the caller); a capacity of 0 is all used. The windows carry a changed limit so.
+#[inline(never)]
 pub fn scale_used(used: u64, old: u64, new: u64) -> u64 {
-    if used == 0 || old == new {
+    if old == new {
         return used;
+    }
+    if old == 0 {
+        return new;
+    }
+    if used == 0 {
+        return 0;
     }
     to_u64((u128::from(used) * u128::from(new)).div_ceil(u128::from(old.max(1))))
 }

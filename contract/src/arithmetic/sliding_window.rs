@@ -9,7 +9,7 @@
 //! capacity keeping the fraction used (rounded up); with another period, the estimate under the
 //! old limits becomes the new current window's count (scaled likewise).
 
-use super::{cap_ms, scale_used, to_u64, Limits};
+use super::{scale_used, to_u64, Limits, MAX_MS};
 use crate::bounds::MAX_DEBT;
 use crate::take::BucketResult;
 
@@ -25,12 +25,18 @@ pub struct Counts {
 }
 
 /// Milliseconds from `now_ms` until `e` ms into window `w`.
+#[inline(never)]
 fn until(w: u64, period: u64, e: u64, now_ms: u64) -> u64 {
-    cap_ms((u128::from(w) * u128::from(period) + u128::from(e)).saturating_sub(u128::from(now_ms)))
+    // Saturated only past 2^64 ms of clock, where any answer is MAX_MS anyway.
+    w.saturating_mul(period)
+        .saturating_add(e)
+        .saturating_sub(now_ms)
+        .min(MAX_MS)
 }
 
 /// The first `elapsed` into a window at which `weight` counted in the window before it has slid
 /// out far enough to leave `room` (`ceil(weight × (period − e) / period) <= room`).
+#[inline(never)]
 fn room_at(weight: u64, room: u64, period: u64) -> u64 {
     if weight == 0 {
         return 0;

@@ -28,14 +28,24 @@ pub struct Tokens {
 
 /// Micro-tokens of capacity.
 fn cap_m(l: &Limits) -> i128 {
-    i128::from(l.capacity) * MICRO_I
+    micro(l.capacity)
+}
+
+/// Micro-tokens of `tokens`.
+fn micro(tokens: u64) -> i128 {
+    i128::from(tokens) * MICRO_I
+}
+
+/// Micro-tokens from `a` up to `b`, 0 if none.
+fn gap(a: i128, b: i128) -> u128 {
+    u128::try_from(b - a).unwrap_or(0)
 }
 
 /// Milliseconds for `micro` micro-tokens to refill under `l`, rounded up.
+#[inline(never)]
 pub fn fill_ms(l: &Limits, micro: u128) -> u64 {
-    let time = micro
-        .saturating_mul(u128::from(l.period_ms))
-        .saturating_mul(u128::from(l.divisor));
+    // At most (capacity + MAX_DEBT) × 10⁶ × one year × divisor: it fits.
+    let time = micro * u128::from(l.period_ms) * u128::from(l.divisor);
     cap_ms(time.div_ceil((u128::from(l.rate) * u128::from(MICRO)).max(1)))
 }
 
@@ -52,6 +62,7 @@ impl Tokens {
     /// Adds the micro-tokens earned between the last update and `now_us`: `elapsed_us × rate ×
     /// 10⁶ / (period_ms × 1000 × divisor)`, the remainder kept. A clock behind the last update
     /// refills nothing (and does not refill twice later).
+    #[inline(never)]
     pub fn refill(&mut self, l: &Limits, now_us: u64) {
         if now_us <= self.at_us {
             return;
@@ -62,18 +73,15 @@ impl Tokens {
             self.rem = 0;
         } else {
             let per = (u128::from(l.period_ms) * u128::from(l.divisor)).max(1);
-            let x = u128::from(now_us - self.at_us)
-                .saturating_mul(u128::from(l.rate))
-                .saturating_mul(1000)
-                .saturating_add(self.rem);
+            // At most 2^64 µs × 10^9 × 1000 + rem: it fits.
+            let x = u128::from(now_us - self.at_us) * u128::from(l.rate) * 1000 + self.rem;
             let add = x / per;
             // Positive here, at most the capacity plus MAX_DEBT in micro-tokens (with a debt).
-            let missing = u128::try_from(cap_m - self.held).unwrap_or(0);
-            if add >= missing {
+            if add >= gap(self.held, cap_m) {
                 self.held = cap_m;
                 self.rem = 0;
             } else {
-                // add < missing <= 2e15: it fits.
+                // add < missing <= 9e15: it fits.
                 self.held += i128::try_from(add).unwrap_or(0);
                 self.rem = x % per;
             }
@@ -87,8 +95,14 @@ impl Tokens {
     pub fn carry(&mut self, old: &Limits, new: &Limits, now_us: u64) {
         self.refill(old, now_us);
         if old.capacity != new.capacity {
-            self.held =
-                (self.held * i128::from(new.capacity)).div_euclid(i128::from(old.capacity.max(1)));
+            // Rounded down, a debt too: -ceil(-held × new / old).
+            let (new_c, old_c) = (u128::from(new.capacity), u128::from(old.capacity.max(1)));
+            let size = self.held.unsigned_abs() * new_c;
+            self.held = if self.held >= 0 {
+                i128::try_from(size / old_c).unwrap_or(i128::MAX)
+            } else {
+                -i128::try_from(size.div_ceil(old_c)).unwrap_or(i128::MAX)
+            };
         }
         self.held = self.held.clamp(FLOOR_M, cap_m(new));
         self.rem = 0;
@@ -97,19 +111,19 @@ impl Tokens {
     /// Takes `cost` (brought up to now by [`Tokens::refill`]) when the bucket holds it: as many
     /// whole tokens as held up to `lease`, at least `cost`.
     pub fn take(&mut self, l: &Limits, cost: u64, lease: u64) -> BucketResult {
-        let cost_m = i128::from(cost) * MICRO_I;
+        let cost_m = micro(cost);
         let allowed = cost <= l.capacity && self.held >= cost_m;
         let mut granted = 0;
         let retry_after_ms = if allowed {
             granted = lease.min(self.whole()).max(cost);
-            self.held -= i128::from(granted) * MICRO_I;
+            self.held -= micro(granted);
             0
         } else if cost > l.capacity {
             // Can never be paid: a full period is the honest "not soon".
             l.period_ms
         } else {
             // The whole deficit, a debt included.
-            fill_ms(l, u128::try_from(cost_m - self.held).unwrap_or(0)).max(1)
+            fill_ms(l, gap(self.held, cost_m)).max(1)
         };
         BucketResult {
             allowed,
@@ -123,7 +137,7 @@ impl Tokens {
 
     /// Gives back `amount` tokens, capped at the capacity.
     pub fn refund(&mut self, l: &Limits, amount: u64) {
-        self.held = (self.held + i128::from(amount) * MICRO_I).min(cap_m(l));
+        self.held = (self.held + micro(amount)).min(cap_m(l));
     }
 
     /// Settles a reservation of `estimate` that used `used` (contract/README.md, "Settle"): a
@@ -134,7 +148,7 @@ impl Tokens {
             self.refund(l, estimate - used);
             true
         } else if used > estimate {
-            self.held = (self.held - i128::from(used - estimate) * MICRO_I).max(FLOOR_M);
+            self.held = (self.held - micro(used - estimate)).max(FLOOR_M);
             true
         } else {
             false
@@ -148,13 +162,16 @@ impl Tokens {
 
     /// Whole tokens owed, rounded up: 0 unless the balance is below zero.
     pub fn debt(&self) -> u64 {
-        let owed = u128::try_from(-self.held).unwrap_or(0);
-        to_u64(owed.div_ceil(u128::from(MICRO)))
+        to_u64(
+            u128::try_from(-self.held)
+                .unwrap_or(0)
+                .div_ceil(u128::from(MICRO)),
+        )
     }
 
     /// Milliseconds until the bucket is full again.
     pub fn reset_ms(&self, l: &Limits) -> u64 {
-        fill_ms(l, u128::try_from(cap_m(l) - self.held).unwrap_or(0))
+        fill_ms(l, gap(self.held, cap_m(l)))
     }
 }
 
