@@ -2,6 +2,7 @@
 //! (wasm32-wasip1) and the decision service depend on this crate and define none of it again.
 //!
 //! - [`algorithm`]: how a bucket counts, with its JSON name, protobuf code and store tag;
+//! - [`arithmetic`]: each algorithm's integer arithmetic, the one both sides count with;
 //! - [`bounds`]: the largest values, lists and bodies a valid message holds;
 //! - [`fields`]: the JSON field names;
 //! - [`take`]: a take and its answer (and a batch's), the messages themselves;
@@ -13,6 +14,7 @@
 //! serde derives of the answers; the filter leaves it off, so its module does not carry them.
 
 pub mod algorithm;
+pub mod arithmetic;
 pub mod bounds;
 pub mod fields;
 pub mod json;

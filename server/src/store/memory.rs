@@ -2,8 +2,8 @@
 //!
 //! Used when no Redis is configured (a single replica, development, tests). One mutex guards a
 //! map of bucket states, so a take is atomic; a batch holds it once for all its takes, in order.
-//! The arithmetic is each algorithm's own ([`super::algorithm`], the reference its Lua mirrors
-//! exactly); this store only keeps the states, the clock and the bounds. A bucket is its algorithm
+//! The arithmetic is the contract's ([`contract::arithmetic`], through [`super::algorithm`]: the
+//! reference its Lua is tested against, `server/tests/lua_reference.rs`); this store only keeps the states, the clock and the bounds. A bucket is its algorithm
 //! and key; its state records the limits it was last charged with, and a take with other limits
 //! carries it over as the scripts do. The clock is monotonic (`Instant`); windows are counted from
 //! the store's creation.
@@ -520,7 +520,7 @@ mod tests {
         let b = tb(1_000_000_000, 1, 31_536_000_000, 1_000_000_000);
         let d = at(&s, std::slice::from_ref(&b), 0);
         assert!(d.allowed);
-        assert_eq!(d.buckets[0].reset_ms, algorithm::MAX_MS as u64);
+        assert_eq!(d.buckets[0].reset_ms, algorithm::MAX_MS);
         assert!(s.is_empty() || s.len() == 1);
     }
 

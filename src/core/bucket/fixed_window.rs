@@ -1,50 +1,47 @@
-//! Fixed window: at most the local capacity per window `floor(now_ms / period_ms)`. State:
-//! `level` tokens used, `stamp` the window index.
+//! Fixed window: at most the local capacity per window `floor(now_ms / period_ms)`: the
+//! contract's arithmetic ([`contract::arithmetic::fixed_window`]). State: `level` tokens used,
+//! `stamp` the window index.
 
-use super::{Limits, Local, State};
+use super::{counted, Limits, Local, State};
 use crate::core::wire::BucketResult;
+use contract::arithmetic::fixed_window::Window;
 
 pub(super) struct FixedWindow;
+
+fn window(s: State) -> Window {
+    Window {
+        w: s.stamp,
+        count: s.level,
+    }
+}
+
+fn state(w: Window) -> State {
+    State {
+        level: w.count,
+        stamp: w.w,
+    }
+}
 
 impl Local for FixedWindow {
     const CODE: u8 = 1;
     const REFUNDABLE: bool = false;
     const WINDOWED: bool = true;
 
-    fn take(l: &Limits, state: Option<State>, now_ms: u64, cost: u64) -> (State, BucketResult) {
-        let period = l.period_ms.max(1);
+    fn take(l: &Limits, s: Option<State>, now_ms: u64, cost: u64) -> (State, BucketResult) {
+        let c = counted(l);
         // A clock behind the newest window stored counts in that window (see `project`).
-        let (mut used, window) = match state {
-            Some(s) => {
-                let p = Self::project(l, s, now_ms);
-                (p.level, p.stamp)
-            }
-            None => (0, now_ms / period),
+        let mut w = match s {
+            Some(s) => window(Self::project(l, s, now_ms)),
+            None => Window::new(&c, now_ms),
         };
-        let allowed = used.saturating_add(cost) <= l.capacity;
-        if allowed {
-            used += cost;
+        let mut result = w.take(&c, now_ms, cost, cost);
+        result.reset_ms = result.reset_ms.max(1);
+        if !result.allowed {
+            // A share retries at its window's end, even for a cost above it (the service answers
+            // a period there: it can never pay), as the share may grow with the next answer.
+            result.retry_after_ms = result.reset_ms;
         }
-        let reset_ms = window
-            .saturating_add(1)
-            .saturating_mul(period)
-            .saturating_sub(now_ms)
-            .max(1);
-        let result = BucketResult {
-            allowed,
-            limit: l.capacity,
-            remaining: l.capacity.saturating_sub(used),
-            reset_ms,
-            retry_after_ms: if allowed { 0 } else { reset_ms },
-            granted: if allowed { cost } else { 0 },
-        };
-        (
-            State {
-                level: used,
-                stamp: window,
-            },
-            result,
-        )
+        (state(w), result)
     }
 
     /// The answer's `reset_ms` is the window's end.
@@ -52,18 +49,11 @@ impl Local for FixedWindow {
         Some(reset_ms)
     }
 
+    /// Going back never reopens a window that was already spent.
     fn project(l: &Limits, s: State, now_ms: u64) -> State {
-        let window = now_ms / l.period_ms.max(1);
-        // A clock behind the newest window counts in that window: going back never reopens
-        // a window that was already spent.
-        if window <= s.stamp {
-            s
-        } else {
-            State {
-                level: 0,
-                stamp: window,
-            }
-        }
+        let mut w = window(s);
+        w.roll(&counted(l), now_ms);
+        state(w)
     }
 
     fn holding(l: &Limits, left: u64, now_ms: u64) -> State {
@@ -78,35 +68,16 @@ impl Local for FixedWindow {
     }
 
     fn refund(_: &Limits, s: State, cost: u64) -> State {
-        State {
-            level: s.level.saturating_sub(cost),
-            stamp: s.stamp,
-        }
+        let mut w = window(s);
+        w.refund(cost, w.w);
+        state(w)
     }
 
-    /// The count used, rounded up, while the window it was counted in lasts (under the old
-    /// period); a new period starts its first window with it.
-    fn carry(
-        old: &Limits,
-        p: State,
-        new: &Limits,
-        now_ms: u64,
-        scale: &dyn Fn(u64, bool) -> u64,
-    ) -> State {
-        let window = now_ms / new.period_ms.max(1);
-        let old_end = p.stamp.saturating_add(1).saturating_mul(old.period_ms);
-        let used = if old.period_ms == new.period_ms || now_ms < old_end {
-            scale(p.level, true).min(new.capacity)
-        } else {
-            0
-        };
-        State {
-            level: used,
-            stamp: if old.period_ms == new.period_ms {
-                p.stamp
-            } else {
-                window
-            },
-        }
+    /// The count used, rounded up, never above the new capacity.
+    fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State {
+        let p = window(Self::project(old, s, now_ms));
+        let mut w = p.carry(&counted(old), &counted(new), now_ms);
+        w.count = w.count.min(new.capacity);
+        state(w)
     }
 }

@@ -1,12 +1,11 @@
-//! Local bucket math, in integer micro-tokens: one module per algorithm behind one trait
-//! ([`Local`]), shared by the fallback shares ([`crate::core::fallback`]) and the lease pools
-//! ([`crate::core::lease`]), which call the functions below and know no algorithm's internals.
+//! Local buckets: one module per algorithm behind one trait ([`Local`]), shared by the fallback
+//! shares ([`crate::core::fallback`]) and the lease pools ([`crate::core::lease`]), which call the
+//! functions below and know no algorithm's internals.
 //!
-//! The same algorithms as the service (contract/README.md), scaled for one of `instances`
-//! proxies: capacity is `floor(capacity / instances)` and the refill rate is exactly
-//! `rate / instances` per period (the division is folded into the refill computation, so no rate
-//! is rounded away). Intermediates are `u128`: `capacity × period × instances × 10⁶` does not fit
-//! in 64 bits at the contract's upper bounds.
+//! The arithmetic is the service's own, the contract's ([`contract::arithmetic`]), scaled for one
+//! of `instances` proxies: capacity is `floor(capacity / instances)` and the refill rate is
+//! exactly `rate / instances` per period (the contract's `divisor`). Each module maps its two
+//! words of [`State`] onto the contract's state of its algorithm.
 //!
 //! | module | algorithm | [`State`] |
 //! |---|---|---|
@@ -23,8 +22,7 @@ mod token_bucket;
 use crate::core::config::Algorithm;
 use crate::core::wire::BucketResult;
 
-/// Micro-tokens per token.
-pub const MICRO: u64 = 1_000_000;
+pub use contract::arithmetic::token_bucket::MICRO;
 
 /// The limits of one local bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +59,16 @@ impl Limits {
             divisor,
             algorithm,
         }
+    }
+}
+
+/// The contract's limits of `l`.
+fn counted(l: &Limits) -> contract::arithmetic::Limits {
+    contract::arithmetic::Limits {
+        capacity: l.capacity,
+        rate: l.rate,
+        period_ms: l.period_ms,
+        divisor: l.divisor,
     }
 }
 
@@ -103,15 +111,8 @@ trait Local {
     }
     /// See [`refund`].
     fn refund(l: &Limits, s: State, cost: u64) -> State;
-    /// `p`, brought up to `now_ms` under `old`, under `new` ([`carry`]); `scale(v, up)` scales a
-    /// count from the old capacity to the new one, rounded up or down.
-    fn carry(
-        old: &Limits,
-        p: State,
-        new: &Limits,
-        now_ms: u64,
-        scale: &dyn Fn(u64, bool) -> u64,
-    ) -> State;
+    /// See [`carry`].
+    fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State;
 }
 
 /// Calls `$f` of the [`Local`] of algorithm `$alg`.
@@ -130,17 +131,6 @@ macro_rules! dispatch {
             Algorithm::SlidingWindow => <sliding_window::SlidingWindow as Local>::$c,
         }
     };
-}
-
-fn to_u64(v: u128) -> u64 {
-    u64::try_from(v).unwrap_or(u64::MAX)
-}
-
-fn div_ceil(a: u128, b: u128) -> u128 {
-    if b == 0 {
-        return 0;
-    }
-    a.div_ceil(b)
 }
 
 /// The byte of `a` in a bucket's identity.
@@ -225,20 +215,7 @@ pub fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State {
     if old == new {
         return s;
     }
-    let p = project(old, s, now_ms);
-    let scale = |v: u64, up: bool| -> u64 {
-        if old.capacity == new.capacity {
-            return v;
-        }
-        if old.capacity == 0 {
-            // Nothing was held: nothing is held (or everything is used) now.
-            return if up { new.capacity } else { 0 };
-        }
-        let x = u128::from(v) * u128::from(new.capacity);
-        let d = u128::from(old.capacity);
-        to_u64(if up { x.div_ceil(d) } else { x / d })
-    };
-    dispatch!(new.algorithm, carry(old, p, new, now_ms, &scale))
+    dispatch!(new.algorithm, carry(old, s, new, now_ms))
 }
 
 #[cfg(test)]

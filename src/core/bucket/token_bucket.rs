@@ -1,17 +1,34 @@
 //! Token bucket: holds up to the local capacity in micro-tokens, refills continuously at
-//! `rate / divisor` per period. State: `level` micro-tokens held, `stamp` the last update (ms).
+//! `rate / divisor` per period: the contract's arithmetic
+//! ([`contract::arithmetic::token_bucket`]), with no refill remainder kept (less than a
+//! micro-token is dropped per update). State: `level` micro-tokens held, `stamp` the last update
+//! (ms).
 
-use super::{div_ceil, to_u64, Limits, Local, State, MICRO};
+use super::{counted, Limits, Local, State, MICRO};
 use crate::core::wire::BucketResult;
+use contract::arithmetic::token_bucket::Tokens;
 
 pub(super) struct TokenBucket;
 
-/// ms for `micro` micro-tokens to refill.
-fn refill_time(l: &Limits, micro: u128) -> u128 {
-    div_ceil(
-        micro * u128::from(l.period_ms) * u128::from(l.divisor),
-        u128::from(l.rate) * u128::from(MICRO),
-    )
+/// `ms` in µs, the contract's token-bucket clock (saturated: no clock is that late).
+fn us(ms: u64) -> u64 {
+    ms.min(u64::MAX / 1000) * 1000
+}
+
+/// The contract's state of `s` (a local share never owes).
+fn tokens(s: State) -> Tokens {
+    Tokens {
+        held: i128::from(s.level),
+        at_us: us(s.stamp),
+        rem: 0,
+    }
+}
+
+fn state(t: Tokens) -> State {
+    State {
+        level: u64::try_from(t.held).unwrap_or(0),
+        stamp: t.at_us / 1000,
+    }
 }
 
 impl Local for TokenBucket {
@@ -19,54 +36,21 @@ impl Local for TokenBucket {
     const REFUNDABLE: bool = true;
     const WINDOWED: bool = false;
 
-    fn take(l: &Limits, state: Option<State>, now_ms: u64, cost: u64) -> (State, BucketResult) {
-        let cap = u128::from(l.capacity) * u128::from(MICRO);
-        let (mut tokens, stamp) = match state {
-            None => (cap, now_ms),
-            Some(s) => {
-                let s = Self::project(l, s, now_ms);
-                (u128::from(s.level), s.stamp)
-            }
+    fn take(l: &Limits, s: Option<State>, now_ms: u64, cost: u64) -> (State, BucketResult) {
+        let (c, now_us) = (counted(l), us(now_ms));
+        let mut t = match s {
+            None => Tokens::full(&c, now_us),
+            Some(s) => tokens(s),
         };
-        let need = u128::from(cost) * u128::from(MICRO);
-        let allowed = tokens >= need;
-        if allowed {
-            tokens -= need;
-        }
-        let retry_after_ms = if allowed {
-            0
-        } else if need > cap {
-            // Can never be paid: tell the client to come back after a period.
-            l.period_ms
-        } else {
-            to_u64(refill_time(l, need - tokens).max(1))
-        };
-        let result = BucketResult {
-            allowed,
-            limit: l.capacity,
-            remaining: to_u64(tokens / u128::from(MICRO)),
-            reset_ms: to_u64(refill_time(l, cap - tokens)),
-            retry_after_ms,
-            granted: if allowed { cost } else { 0 },
-        };
-        (
-            State {
-                level: to_u64(tokens),
-                stamp,
-            },
-            result,
-        )
+        t.refill(&c, now_us);
+        let result = t.take(&c, cost, cost);
+        (state(t), result)
     }
 
     fn project(l: &Limits, s: State, now_ms: u64) -> State {
-        let cap = u128::from(l.capacity) * u128::from(MICRO);
-        let elapsed = now_ms.saturating_sub(s.stamp);
-        let refill = u128::from(elapsed) * u128::from(l.rate) * u128::from(MICRO)
-            / (u128::from(l.period_ms) * u128::from(l.divisor)).max(1);
-        State {
-            level: to_u64((u128::from(s.level) + refill).min(cap)),
-            stamp: s.stamp.max(now_ms),
-        }
+        let mut t = tokens(s);
+        t.refill(&counted(l), us(now_ms));
+        state(t)
     }
 
     fn holding(_: &Limits, left: u64, now_ms: u64) -> State {
@@ -86,25 +70,15 @@ impl Local for TokenBucket {
     }
 
     fn refund(l: &Limits, s: State, cost: u64) -> State {
-        let cap = u128::from(l.capacity) * u128::from(MICRO);
-        let level = (u128::from(s.level) + u128::from(cost) * u128::from(MICRO)).min(cap);
-        State {
-            level: to_u64(level),
-            stamp: s.stamp,
-        }
+        let mut t = tokens(s);
+        t.refund(&counted(l), cost);
+        state(t)
     }
 
     /// The tokens held, rounded down.
-    fn carry(
-        _old: &Limits,
-        p: State,
-        new: &Limits,
-        _now_ms: u64,
-        scale: &dyn Fn(u64, bool) -> u64,
-    ) -> State {
-        State {
-            level: scale(p.level, false).min(new.capacity.saturating_mul(MICRO)),
-            stamp: p.stamp,
-        }
+    fn carry(old: &Limits, s: State, new: &Limits, now_ms: u64) -> State {
+        let mut t = tokens(s);
+        t.carry(&counted(old), &counted(new), us(now_ms));
+        state(t)
     }
 }

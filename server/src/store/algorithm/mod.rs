@@ -1,13 +1,15 @@
-//! The algorithms, one module each, behind one trait ([`Counter`]): each owns its arithmetic (the
-//! reference the memory store runs, in exact integers), its Lua (the same arithmetic on Redis, in
-//! `lua/<name>.lua`, registered in the scripts' `ALGORITHMS` table under its code) and that code
-//! in the scripts' ARGV; its name, protobuf code and key tag are the contract's
-//! (`contract::Algorithm`). The stores and the script drivers (take, batch, refund, settle)
+//! The algorithms, one module each, behind one trait ([`Counter`]): each maps the memory store's
+//! state onto its arithmetic (the contract's, [`contract::arithmetic`], in exact integers: the
+//! reference `server/tests/lua_reference.rs` tests the Lua against), and owns its Lua (the same
+//! arithmetic on Redis, in `lua/<name>.lua`, registered in the scripts' `ALGORITHMS` table under
+//! its code) and that code in the scripts' ARGV; its name, protobuf code and key tag are the
+//! contract's (`contract::Algorithm`). The stores and the script drivers (take, batch, refund, settle)
 //! dispatch through this module and know no algorithm's internals.
 //!
 //! Every algorithm gets the bucket's limits (capacity, rate, period_ms) in the same ARGV places
 //! (`redis/scripts.rs`) and ignores those it does not use. Adding an algorithm: a module with a
-//! [`Counter`] and its `.lua`, one line in [`algorithms!`] below, and its name in the contract.
+//! [`Counter`] and its `.lua`, one line in [`algorithms!`] below; its arithmetic and name in the
+//! contract.
 //!
 //! | module | algorithm |
 //! |---|---|
@@ -21,37 +23,14 @@ pub mod token_bucket;
 
 use crate::domain::{Algorithm, BucketDecision, BucketSpec, SettleResult, SettleSpec};
 
-/// Same clamp as the scripts' `MAX_MS` (2^53 - 1): every time answered is an exact integer.
-pub const MAX_MS: u128 = 9_007_199_254_740_991;
+pub use contract::arithmetic::{Limits, MAX_MS};
 /// Extra lifetime of a bucket beyond the moment it would be full again (or its windows end), as
 /// the scripts' `TTL_MARGIN_MS`.
 pub const TTL_MARGIN_MS: u64 = 1000;
 
-/// The limits a bucket was last charged with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
-    /// Capacity.
-    pub capacity: u64,
-    /// Tokens per period.
-    pub rate: u64,
-    /// Period (or window) in ms.
-    pub period_ms: u64,
-}
-
-impl Limits {
-    /// The limits a bucket is charged with.
-    pub fn of(b: &BucketSpec) -> Self {
-        Limits {
-            capacity: b.capacity,
-            rate: b.rate,
-            period_ms: b.period_ms,
-        }
-    }
-}
-
-/// A millisecond count clamped to [`MAX_MS`].
-pub fn cap_ms(v: u128) -> u64 {
-    u64::try_from(v.min(MAX_MS)).unwrap_or(u64::MAX)
+/// The limits a bucket is charged with (shared by no one: the service's buckets are whole).
+pub fn limits(b: &BucketSpec) -> Limits {
+    Limits::whole(b.capacity, b.rate, b.period_ms)
 }
 
 /// One algorithm: its memory-store arithmetic (the reference its Lua is tested against, both

@@ -1,0 +1,292 @@
+//! The Lua against the reference: every algorithm's scripts (take, refund, settle, as the Redis
+//! store sends them) run on a real Redis, and the contract's arithmetic (as the memory store runs
+//! it, `store::algorithm::State`) on the same generated cases; every answer must be the same.
+//!
+//! The scripts read Redis `TIME`. The only change made to them is that their clock reports what it
+//! read (`now_us` of prelude.lua is wrapped to keep the value, and the reply carries it last), and
+//! the reference is driven with that time: nothing of the scripts' arithmetic is replaced.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tollgate_server::domain::{Algorithm, BucketSpec, SettleSpec, MAX_AMOUNT, MAX_PERIOD_MS};
+use tollgate_server::store::algorithm::State;
+use tollgate_server::store::redis::{
+    refund_script_source, settle_script_source, take_script_source,
+};
+
+/// A script's source with its clock reporting the time it read: the reply gets it appended.
+fn reporting(source: &str) -> redis::Script {
+    let clock = "local function now_us()\n  local t = redis.call('TIME')\n  return tonumber(t[1]) * MICRO + tonumber(t[2])\nend\n";
+    let at = source.find(clock).expect("prelude.lua's clock") + clock.len();
+    let wrapped = format!(
+        "local SEEN\nlocal reply = (function()\n{}\nlocal redis_now_us = now_us\n\
+         local function now_us() SEEN = redis_now_us(); return SEEN end\n{}\nend)()\n\
+         reply[#reply + 1] = SEEN\nreturn reply\n",
+        &source[..at],
+        &source[at..]
+    );
+    redis::Script::new(&wrapped)
+}
+
+/// One bucket's limits.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    capacity: u64,
+    rate: u64,
+    period_ms: u64,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A take of `cost` (up to `cost + extra` with a lease) under the first or second limits.
+    Take { second: bool, cost: u64, extra: u64 },
+    /// A refund of the last take's grant (token buckets: the only refunds the service makes
+    /// outside a Redis Cluster's undo, and the only ones the memory store gives back).
+    Refund,
+    /// A settle; `window`: the last take's mark, moved by -1, 0 or 1, or none; `again`: with the
+    /// previous settle's id (a duplicate).
+    Settle {
+        second: bool,
+        estimate: u64,
+        used: u64,
+        window: Option<i64>,
+        again: bool,
+    },
+    /// Real time passing, in ms.
+    Sleep(u64),
+}
+
+fn amount() -> impl Strategy<Value = u64> {
+    prop_oneof![4 => 1..=20u64, 1 => 1..=MAX_AMOUNT]
+}
+
+fn limits() -> impl Strategy<Value = Limits> {
+    (
+        amount(),
+        amount(),
+        prop_oneof![3 => 1..=40u64, 1 => 1..=MAX_PERIOD_MS],
+    )
+        .prop_map(|(capacity, rate, period_ms)| Limits {
+            capacity,
+            rate,
+            period_ms,
+        })
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (any::<bool>(), amount(), prop_oneof![0..=0u64, 0..=10u64]).prop_map(
+            |(second, cost, extra)| Op::Take { second, cost, extra }
+        ),
+        1 => Just(Op::Refund),
+        2 => (
+            any::<bool>(),
+            0..=30u64,
+            0..=30u64,
+            proptest::option::of(-1..=1i64),
+            any::<bool>()
+        )
+            .prop_map(|(second, estimate, used, window, again)| Op::Settle {
+                second,
+                estimate,
+                used,
+                window,
+                again,
+            }),
+        2 => (0..=3u64).prop_map(Op::Sleep),
+    ]
+}
+
+fn algorithm() -> impl Strategy<Value = Algorithm> {
+    proptest::sample::select(Algorithm::ALL.to_vec())
+}
+
+fn spec(key: &str, a: Algorithm, l: Limits, cost: u64, lease: u64) -> BucketSpec {
+    BucketSpec {
+        key: key.into(),
+        capacity: l.capacity,
+        rate: l.rate,
+        period_ms: l.period_ms,
+        cost,
+        algorithm: a,
+        lease: lease.min(MAX_AMOUNT),
+    }
+}
+
+fn code(a: Algorithm) -> u64 {
+    tollgate_server::store::algorithm::code(a)
+}
+
+struct Scripts {
+    take: redis::Script,
+    refund: redis::Script,
+    settle: redis::Script,
+}
+
+/// Runs `script` on `keys` with ARGV `before`, then `b`'s algorithm and limits, then `after`;
+/// returns the reply without its last integer, and that: the time the script's clock read (µs).
+fn eval<T: redis::ToRedisArgs>(
+    con: &mut redis::Connection,
+    script: &redis::Script,
+    keys: &[&str],
+    before: &[i64],
+    b: &BucketSpec,
+    after: &[T],
+) -> (Vec<i64>, u64) {
+    let mut call = script.prepare_invoke();
+    for k in keys {
+        call.key(*k);
+    }
+    call.arg(before)
+        .arg(code(b.algorithm))
+        .arg(b.capacity)
+        .arg(b.rate)
+        .arg(b.period_ms)
+        .arg(after);
+    let mut reply: Vec<i64> = call.invoke(con).unwrap();
+    let now = reply.pop().and_then(|t| u64::try_from(t).ok()).unwrap();
+    (reply, now)
+}
+
+/// The reference's bucket: its state as the memory store keeps it (none before the first write).
+struct Reference {
+    stored: Option<State>,
+}
+
+/// Runs `ops` on one bucket of algorithm `a` on both sides; the first difference fails.
+fn run(
+    con: &mut redis::Connection,
+    s: &Scripts,
+    a: Algorithm,
+    (first, second): (Limits, Limits),
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
+    static CASE: AtomicU64 = AtomicU64::new(0);
+    let case = CASE.fetch_add(1, Ordering::Relaxed);
+    let key = format!("ref:{{{case}}}:{}", a.tag());
+    let mut r = Reference { stored: None };
+    let (mut granted, mut mark, mut settles) = (0u64, 0u64, 0u64);
+    for op in ops {
+        match *op {
+            Op::Take {
+                second: which,
+                cost,
+                extra,
+            } => {
+                let l = if which { second } else { first };
+                let b = spec(&key, a, l, cost, cost + extra);
+                let (reply, now) = eval(con, &s.take, &[&key], &[], &b, &[b.cost, b.lease]);
+                let mut state = State::load(&b, r.stored, now);
+                let (d, charged) = state.take(&b, now);
+                if charged {
+                    r.stored = Some(state);
+                }
+                let expect = [
+                    i64::from(d.allowed),
+                    i64::from(d.allowed),
+                    d.remaining as i64,
+                    d.reset_ms as i64,
+                    d.retry_after_ms as i64,
+                    d.granted as i64,
+                    state.mark() as i64,
+                ];
+                prop_assert_eq!(&reply[..7], &expect[..], "take {:?} at {} µs", b, now);
+                if d.allowed {
+                    (granted, mark) = (d.granted, state.mark());
+                }
+            }
+            Op::Refund if a == Algorithm::TokenBucket && granted > 0 => {
+                let b = spec(&key, a, first, granted, granted);
+                let (reply, now) = eval(con, &s.refund, &[&key], &[], &b, &[granted, mark]);
+                let mut n = 0;
+                if let Some(stored) = r.stored {
+                    let mut state = State::load(&b, Some(stored), now);
+                    if state.refund(&b, granted, mark) {
+                        r.stored = Some(state);
+                        n = 1;
+                    }
+                }
+                prop_assert_eq!(reply[0], n, "refund of {} at {} µs", granted, now);
+                granted = 0;
+            }
+            Op::Refund => {}
+            Op::Settle {
+                second: which,
+                estimate,
+                used,
+                window,
+                again,
+            } => {
+                let l = if which { second } else { first };
+                let b = spec(&key, a, l, 1, 1);
+                let window = window.and_then(|d| mark.checked_add_signed(d));
+                let repeat = again && settles > 0;
+                if !repeat {
+                    settles += 1;
+                }
+                let id = format!("ref:{{{case}}}:settled:{settles}");
+                let window_arg = window.map_or(-1, |w| w as i64);
+                let (reply, now) = eval(
+                    con,
+                    &s.settle,
+                    &[&id, &key],
+                    &[60_000],
+                    &b,
+                    &[estimate as i64, used as i64, window_arg],
+                );
+                let duplicate = reply[0] == 1;
+                prop_assert_eq!(duplicate, repeat, "settle id {}", id);
+                let settle = SettleSpec {
+                    bucket: b.clone(),
+                    estimate,
+                    used,
+                    window,
+                };
+                let mut state = State::load(&b, r.stored, now);
+                if !duplicate && state.settle(&settle, r.stored.is_some()) {
+                    r.stored = Some(state);
+                }
+                let res = state.settle_result(&b, now);
+                prop_assert_eq!(
+                    &reply[1..3],
+                    &[res.remaining as i64, res.debt as i64][..],
+                    "settle {:?} at {} µs",
+                    settle,
+                    now
+                );
+            }
+            Op::Sleep(ms) => std::thread::sleep(Duration::from_millis(ms)),
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn the_scripts_answer_as_the_contracts_arithmetic() {
+    let redis = common::RedisProc::start();
+    // The runner's closure is `Fn`: the one connection is borrowed per case.
+    let con = std::cell::RefCell::new(redis.conn());
+    let scripts = Scripts {
+        take: reporting(&take_script_source(None)),
+        refund: reporting(&refund_script_source()),
+        settle: reporting(&settle_script_source()),
+    };
+    let config = ProptestConfig {
+        cases: 192,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    proptest!(config, |(
+        a in algorithm(),
+        first in limits(),
+        second in limits(),
+        ops in proptest::collection::vec(op(), 1..32),
+    )| {
+        run(&mut con.borrow_mut(), &scripts, a, (first, second), &ops)?;
+    });
+}
