@@ -114,6 +114,35 @@ async fn replicas_count_the_deployment_together() {
     b.stop().await;
 }
 
+/// A replica started while the deployment runs has heard only its own callers: its answers say
+/// "unknown" (0, the filter keeps the count it had) until it has learned the shared count, never
+/// its own smaller one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_started_mid_run_answers_the_shared_count() {
+    let redis = RedisProc::start();
+    let a = Service::start(Arc::new(common::redis_store(&redis.url(), 500)), None).await;
+    let client = reqwest::Client::new();
+    for p in ["p1", "p2", "p3"] {
+        post_take(&client, &a, &take_from(p, "k")).await;
+    }
+    let seen = until_count(&client, &a, "p1", 3, Duration::from_secs(5)).await;
+    assert_eq!(seen.last(), Some(&3), "{seen:?}");
+    // One more take after the report interval: replica a reports all three to Redis.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    post_take(&client, &a, &take_from("p1", "k")).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let b = Service::start(Arc::new(common::redis_store(&redis.url(), 500)), None).await;
+    let seen = until_count(&client, &b, "p4", 4, Duration::from_secs(5)).await;
+    assert_eq!(seen.last(), Some(&4), "{seen:?}");
+    assert!(
+        seen.iter().all(|&n| n == 0 || n == 4),
+        "a fresh replica answered a count of its own: {seen:?}"
+    );
+    a.stop().await;
+    b.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operation_counts_its_caller() {
     let redis = RedisProc::start();

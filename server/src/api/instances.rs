@@ -46,6 +46,8 @@ pub struct Instances {
     learned: AtomicU64,
     /// This replica's own live ids (as of the last prune) plus the ids heard since.
     known: AtomicU64,
+    /// Whether a report to the store has succeeded yet: until then the count is unknown.
+    reported: AtomicBool,
     flushing: AtomicBool,
 }
 
@@ -58,6 +60,7 @@ impl Default for Instances {
             }),
             learned: AtomicU64::new(0),
             known: AtomicU64::new(0),
+            reported: AtomicBool::new(false),
             flushing: AtomicBool::new(false),
         }
     }
@@ -98,8 +101,14 @@ impl Instances {
         (self.count(), due)
     }
 
-    /// The count an answer carries: the deployment's as last learned, at least this replica's own.
+    /// The count an answer carries: the deployment's as last learned, at least this replica's own;
+    /// 0 (unknown: the filter keeps the count it had) until the first report to the store came
+    /// back. A replica started mid-run has heard only its own few callers, and answering that as
+    /// the deployment's size would grow every fallback share those callers hold.
     pub fn count(&self) -> u64 {
+        if !self.reported.load(Ordering::Acquire) {
+            return 0;
+        }
         self.learned
             .load(Ordering::Relaxed)
             .max(self.known.load(Ordering::Relaxed))
@@ -127,10 +136,15 @@ impl Instances {
                 .collect()
         };
         match store.live_instances(&report, TTL_MS).await {
-            Ok(Some(n)) => self.learned.store(n, Ordering::Relaxed),
-            Ok(None) => self
-                .learned
-                .store(self.known.load(Ordering::Relaxed), Ordering::Relaxed),
+            Ok(Some(n)) => {
+                self.learned.store(n, Ordering::Relaxed);
+                self.reported.store(true, Ordering::Release);
+            }
+            Ok(None) => {
+                self.learned
+                    .store(self.known.load(Ordering::Relaxed), Ordering::Relaxed);
+                self.reported.store(true, Ordering::Release);
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "live instances not reported; keeping the last count");
                 let mut l = self.lock();
@@ -157,7 +171,7 @@ mod tests {
         let store = MemoryStore::new();
         let t0 = Instant::now();
         let (n, due) = reg.note(Some("a"), t0);
-        assert_eq!((n, due), (1, true), "the first take is counted at once");
+        assert_eq!((n, due), (0, true), "unknown until the store answered");
         assert_eq!(reg.flush(&store, t0).await, 1);
         let (n, due) = reg.note(Some("b"), t0 + Duration::from_millis(10));
         assert_eq!((n, due), (2, false), "a report a second at most");
