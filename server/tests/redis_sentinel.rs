@@ -1,0 +1,297 @@
+//! Redis Sentinel with real processes: a master, its replica and three sentinels (testkit's
+//! `SentinelSetup`). Decisions go to the master the sentinels name; after `SENTINEL FAILOVER` they
+//! go to the promoted replica, with the counts replication carried over, and in between clients
+//! see 503 at worst, never "allowed" from nowhere.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{bucket, post_take, Service};
+use serde_json::json;
+use tollgate_server::domain::{Algorithm, BucketSpec};
+use tollgate_server::store::redis::{RedisConfig, RedisStore, SentinelConfig};
+use tollgate_server::store::Store;
+use tollgate_testkit::redis::{cli, SentinelSetup};
+
+const NAME: &str = "tollgate-master";
+
+fn store(setup: &SentinelSetup, timeout_ms: u64) -> RedisStore {
+    RedisStore::with_sentinel(
+        RedisConfig {
+            url: None,
+            cluster: vec![],
+            key_prefix: "test:".into(),
+            timeout: Duration::from_millis(timeout_ms),
+            tls: None,
+        },
+        &SentinelConfig {
+            sentinels: setup.sentinel_urls(),
+            master: setup.name.clone(),
+            master_password: None,
+        },
+    )
+    .expect("sentinel store")
+}
+
+/// A token bucket that never refills during a test: every count stays visible.
+fn hourly(key: &str, capacity: u64) -> BucketSpec {
+    BucketSpec {
+        key: key.into(),
+        capacity,
+        rate: 1,
+        period_ms: 3_600_000,
+        cost: 1,
+        algorithm: Algorithm::TokenBucket,
+        lease: 1,
+    }
+}
+
+fn keys_on(port: u16) -> String {
+    cli(port, &[], &["KEYS", "test:*"]).unwrap_or_default()
+}
+
+/// Waits until the sentinels name a master other than `old`; the new master's port and how
+/// long it took.
+fn wait_switched(setup: &SentinelSetup, old: u16, limit: Duration) -> (u16, Duration) {
+    let t = Instant::now();
+    let new = setup.other(old);
+    assert!(
+        tollgate_testkit::process::eventually(limit, || setup.master() == Some(new)),
+        "the sentinels still name {old} after {limit:?}"
+    );
+    (new, t.elapsed())
+}
+
+/// Whether the node on `port` is a replica now.
+fn demoted(port: u16) -> bool {
+    cli(port, &[], &["ROLE"]).is_some_and(|r| r.starts_with("slave"))
+}
+
+/// Takes `b` until a take is decided (at most 1 s of failures); the decision and the failures.
+async fn decided(
+    s: &RedisStore,
+    b: &BucketSpec,
+) -> (tollgate_server::domain::TakeDecision, Vec<String>) {
+    let since = Instant::now();
+    let mut failed = Vec::new();
+    loop {
+        match s.take(std::slice::from_ref(b)).await {
+            Ok(d) => return (d, failed),
+            Err(e) => failed.push(e.to_string()),
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(1),
+            "no decision within 1 s: {failed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn decides_on_the_master_the_sentinels_name() {
+    let setup = SentinelSetup::start(NAME, &[]);
+    let master = setup.master().expect("a master");
+    assert_eq!(master, setup.nodes[0]);
+    let s = Arc::new(store(&setup, 500));
+    assert_eq!(s.kind(), "redis-sentinel");
+    s.ping().await.expect("PING through the sentinels");
+
+    let b = hourly("one", 3);
+    for left in [2, 1, 0] {
+        let d = s.take(std::slice::from_ref(&b)).await.unwrap();
+        assert!(d.allowed);
+        assert_eq!(d.buckets[0].remaining, left);
+    }
+    assert!(!s.take(std::slice::from_ref(&b)).await.unwrap().allowed);
+    // A batch, as the coalescer sends them: one script run on the master.
+    let batch = s
+        .take_batch(&[vec![hourly("two", 1)], vec![hourly("two", 1)]])
+        .await
+        .unwrap();
+    assert_eq!(
+        batch.iter().map(|d| d.allowed).collect::<Vec<_>>(),
+        [true, false]
+    );
+    // The buckets live on the master (and reach its replica), nowhere else.
+    let on_master = keys_on(master);
+    assert!(
+        on_master.contains("one") && on_master.contains("two"),
+        "{on_master}"
+    );
+    assert!(setup.wait_replicated(master, Duration::from_secs(5)));
+    assert!(keys_on(setup.other(master)).contains("one"));
+
+    // Through the service: JSON answers as with any Redis.
+    let svc = Service::start(s.clone(), None).await;
+    let client = reqwest::Client::new();
+    let body = json!({"buckets": [bucket("svc", 2, 1, 3_600_000, 1)]});
+    let answers: Vec<bool> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            let (status, a) = post_take(&client, &svc, &body).await;
+            assert_eq!(status, 200, "{a}");
+            v.push(a["allowed"] == true);
+        }
+        v
+    };
+    assert_eq!(answers, [true, true, false]);
+    assert_eq!(
+        reqwest::get(svc.url("/readyz")).await.unwrap().status(),
+        200
+    );
+    svc.stop().await;
+}
+
+/// No load during the failover: every count replicated before it is on the new master, and the
+/// first take after the promotion is decided there (the demoted master's `READONLY` or its
+/// dropped connection sends the service back to the sentinels within that take).
+#[tokio::test]
+async fn failover_between_takes_keeps_every_count() {
+    let setup = SentinelSetup::start(NAME, &[]);
+    let old = setup.master().expect("a master");
+    let s = store(&setup, 200);
+    let b = hourly("kept", 100);
+    for _ in 0..30 {
+        assert!(s.take(std::slice::from_ref(&b)).await.unwrap().allowed);
+    }
+    assert!(setup.wait_replicated(old, Duration::from_secs(5)));
+
+    let t = Instant::now();
+    assert!(setup.failover(), "SENTINEL FAILOVER refused");
+    let (new, promoted) = wait_switched(&setup, old, Duration::from_secs(20));
+    eprintln!("SENTINEL FAILOVER: {new} named master after {promoted:?}");
+
+    // The old master turns replica once the sentinels reconfigure it.
+    assert!(
+        tollgate_testkit::process::eventually(Duration::from_secs(20), || demoted(old)),
+        "{old} was not demoted"
+    );
+    eprintln!("{old} demoted {:?} after the failover", t.elapsed());
+
+    let since = Instant::now();
+    let (d, failed) = decided(&s, &b).await;
+    eprintln!(
+        "first decision {:?} after the demotion, {} failed before it: {failed:?}",
+        since.elapsed(),
+        failed.len()
+    );
+    assert!(d.allowed);
+    assert_eq!(
+        d.buckets[0].remaining, 69,
+        "the 30 takes before the failover are kept, this one charged once"
+    );
+    // Decided on the new master: its replica (the old master) receives the charge.
+    assert!(setup.wait_replicated(new, Duration::from_secs(5)));
+    let (d, _) = decided(&s, &b).await;
+    assert_eq!(d.buckets[0].remaining, 68);
+    assert_eq!(setup.master(), Some(new));
+}
+
+/// A client taking without pause while `SENTINEL FAILOVER` runs: every answer is a decision or a
+/// 503 (never another 5xx, never "allowed" without a master), the 503s last a bounded time, and
+/// the bucket on the new master holds the counts replication carried (at most the takes the old
+/// master answered after the replica was promoted are lost with it).
+#[tokio::test]
+async fn failover_under_load_answers_503_at_most_briefly() {
+    let setup = SentinelSetup::start(NAME, &[]);
+    let old = setup.master().expect("a master");
+    let svc = Service::start(Arc::new(store(&setup, 100)), None).await;
+    let client = reqwest::Client::new();
+    const CAPACITY: u64 = 100_000;
+    let body = json!({"buckets": [bucket("load", CAPACITY, 1, 3_600_000, 1)]});
+    for _ in 0..30 {
+        assert_eq!(post_take(&client, &svc, &body).await.0, 200);
+    }
+    assert!(setup.wait_replicated(old, Duration::from_secs(5)));
+
+    // (time since start, status, allowed, remaining)
+    let start = Instant::now();
+    let mut answers: Vec<(Duration, u16, bool, u64)> = Vec::new();
+    let mut failover_at = None;
+    let mut named_at = None;
+    let mut switched_at = None;
+    let deadline = Duration::from_secs(30);
+    loop {
+        let (status, v) = post_take(&client, &svc, &body).await;
+        let allowed = v["allowed"] == true;
+        let remaining = v["buckets"][0]["remaining"].as_u64().unwrap_or(0);
+        answers.push((start.elapsed(), status, allowed, remaining));
+        let now = start.elapsed();
+        if failover_at.is_none() && now > Duration::from_millis(300) {
+            assert!(setup.failover(), "SENTINEL FAILOVER refused");
+            failover_at = Some(start.elapsed());
+        }
+        if failover_at.is_some() && named_at.is_none() && setup.master() != Some(old) {
+            named_at = Some(start.elapsed());
+        }
+        if named_at.is_some() && switched_at.is_none() && demoted(old) {
+            switched_at = Some(start.elapsed());
+        }
+        // Run on for 2 s once the old master is a replica.
+        if switched_at.is_some_and(|s| now > s + Duration::from_secs(2)) {
+            break;
+        }
+        assert!(now < deadline, "no failover within {deadline:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (failover_at, named_at, switched_at) = (
+        failover_at.unwrap(),
+        named_at.unwrap(),
+        switched_at.unwrap(),
+    );
+
+    let bad: Vec<_> = answers
+        .iter()
+        .filter(|(_, st, _, _)| *st != 200 && *st != 503)
+        .collect();
+    assert!(bad.is_empty(), "answers other than 200 and 503: {bad:?}");
+    let unavailable: Vec<Duration> = answers
+        .iter()
+        .filter(|(_, st, _, _)| *st == 503)
+        .map(|(t, _, _, _)| *t)
+        .collect();
+    let window = match (unavailable.first(), unavailable.last()) {
+        (Some(a), Some(b)) => *b - *a,
+        _ => Duration::ZERO,
+    };
+    let last = answers.last().unwrap();
+    assert_eq!(last.1, 200, "decisions again at the end: {last:?}");
+    assert!(last.2, "still allowed: {last:?}");
+    let admitted = 30 + answers.iter().filter(|a| a.1 == 200 && a.2).count() as u64;
+    // What the new master's bucket shows beyond what was admitted: takes the old master answered
+    // and did not replicate before it was demoted.
+    let lost = (last.3 + admitted).saturating_sub(CAPACITY);
+    // The old master takes writes until the service hears of the switch (`+switch-master`, as
+    // the sentinels name the new master), not until the sentinels demote it (seconds later).
+    let after_failover = answers
+        .iter()
+        .filter(|a| a.0 >= failover_at && a.0 <= named_at + Duration::from_millis(200) && a.2)
+        .count() as u64;
+    eprintln!(
+        "{} answers, {} of them 503 over {window:?}; new master named {:?} and the old one \
+         demoted {:?} after SENTINEL FAILOVER; {admitted} admitted, {lost} lost with the old \
+         master ({after_failover} admitted from the failover to 200 ms after the naming)",
+        answers.len(),
+        unavailable.len(),
+        named_at - failover_at,
+        switched_at - failover_at,
+    );
+    assert!(
+        window < Duration::from_secs(2),
+        "503s for {window:?} around the failover"
+    );
+    assert!(
+        last.3 + 30 <= CAPACITY,
+        "the takes before the failover are kept: {} remaining",
+        last.3
+    );
+    assert!(
+        lost <= after_failover,
+        "{lost} takes lost, more than the {after_failover} admitted before the switch was announced"
+    );
+    assert!(keys_on(setup.master().unwrap()).contains("load"));
+    svc.stop().await;
+}
