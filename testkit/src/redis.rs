@@ -120,11 +120,24 @@ pub struct SentinelSetup {
     pub sentinels: Vec<u16>,
     procs: Vec<Proc>,
     dir: crate::process::TempDir,
+    /// The data nodes' and the sentinels' passwords, for redis-cli.
+    auth: [Option<String>; 2],
 }
 
 impl SentinelSetup {
     /// Starts the five processes; `extra` are more arguments of both data nodes.
     pub fn start(name: &str, extra: &[&str]) -> SentinelSetup {
+        Self::start_with_passwords(name, extra, None, None)
+    }
+
+    /// As [`SentinelSetup::start`], the data nodes with `requirepass` (and `masterauth`)
+    /// `password` and the sentinels with `requirepass` `sentinel_password`.
+    pub fn start_with_passwords(
+        name: &str,
+        extra: &[&str],
+        password: Option<&str>,
+        sentinel_password: Option<&str>,
+    ) -> SentinelSetup {
         let bin = server_bin();
         let dir = crate::process::TempDir::new("sentinel");
         let nodes = [crate::process::free_port(), crate::process::free_port()];
@@ -134,6 +147,9 @@ impl SentinelSetup {
             std::fs::create_dir_all(&node_dir).expect("node dir");
             let master = nodes[0].to_string();
             let mut args: Vec<&str> = extra.to_vec();
+            if let Some(pw) = password {
+                args.extend(["--requirepass", pw, "--masterauth", pw]);
+            }
             if i == 1 {
                 args.extend(["--replicaof", "127.0.0.1", &master]);
             }
@@ -157,6 +173,14 @@ impl SentinelSetup {
                 dir = dir.path().display(),
                 master = nodes[0],
             );
+            let mut text = text;
+            if let Some(pw) = password {
+                text.push_str(&format!("sentinel auth-pass {name} {pw}\n"));
+            }
+            if let Some(pw) = sentinel_password {
+                // The sentinels ask each other with the same password.
+                text.push_str(&format!("requirepass {pw}\nsentinel sentinel-pass {pw}\n"));
+            }
             std::fs::write(&conf, text).expect("write sentinel.conf");
             let mut cmd = Command::new(&bin);
             cmd.arg(&conf).arg("--sentinel");
@@ -168,6 +192,7 @@ impl SentinelSetup {
             .expect("redis-sentinel started");
         }
         let setup = SentinelSetup {
+            auth: [password, sentinel_password].map(|p| p.map(str::to_string)),
             name: name.to_string(),
             nodes,
             sentinels,
@@ -192,9 +217,8 @@ impl SentinelSetup {
     }
 
     fn master_by(&self, sentinel: u16) -> Option<u16> {
-        let out = cli(
+        let out = self.cli(
             sentinel,
-            &[],
             &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", &self.name],
         )?;
         out.lines().nth(1)?.trim().parse().ok()
@@ -214,9 +238,12 @@ impl SentinelSetup {
     pub fn wait_ready(&self, master: u16, limit: Duration) {
         let ok = crate::process::eventually(limit, || {
             self.sentinels.iter().all(|&s| {
-                let replicas =
-                    cli(s, &[], &["SENTINEL", "REPLICAS", &self.name]).unwrap_or_default();
-                let info = cli(s, &[], &["SENTINEL", "MASTER", &self.name]).unwrap_or_default();
+                let replicas = self
+                    .cli(s, &["SENTINEL", "REPLICAS", &self.name])
+                    .unwrap_or_default();
+                let info = self
+                    .cli(s, &["SENTINEL", "MASTER", &self.name])
+                    .unwrap_or_default();
                 let lines: Vec<&str> = info.lines().map(str::trim).collect();
                 let field = |k: &str| {
                     lines
@@ -230,7 +257,8 @@ impl SentinelSetup {
                     && !replicas.contains("s_down")
                     && field("num-other-sentinels") == Some("2")
                     && field("num-slaves") == Some("1")
-            }) && cli(self.other(master), &[], &["INFO", "REPLICATION"])
+            }) && self
+                .cli(self.other(master), &["INFO", "REPLICATION"])
                 .is_some_and(|i| i.contains("master_link_status:up"))
         });
         // The processes' logs are printed as they are dropped by the panic.
@@ -240,7 +268,7 @@ impl SentinelSetup {
     /// Waits until the replica of `master` has received every write `master` took.
     pub fn wait_replicated(&self, master: u16, limit: Duration) -> bool {
         let offset = |port: u16, key: &str| {
-            cli(port, &[], &["INFO", "REPLICATION"])?
+            self.cli(port, &["INFO", "REPLICATION"])?
                 .lines()
                 .find_map(|l| l.trim().strip_prefix(key)?.parse::<u64>().ok())
         };
@@ -253,12 +281,8 @@ impl SentinelSetup {
     /// `SENTINEL FAILOVER <name>` through the first sentinel: promotes the replica without
     /// waiting for the master to be found down. True when the sentinel accepted it.
     pub fn failover(&self) -> bool {
-        cli(
-            self.sentinels[0],
-            &[],
-            &["SENTINEL", "FAILOVER", &self.name],
-        )
-        .as_deref()
+        self.cli(self.sentinels[0], &["SENTINEL", "FAILOVER", &self.name])
+            .as_deref()
             == Some("OK")
     }
 
@@ -266,6 +290,19 @@ impl SentinelSetup {
     pub fn kill_node(&mut self, port: u16) {
         let i = usize::from(self.nodes[1] == port);
         self.procs[i].kill();
+    }
+
+    /// One command through redis-cli to the node or sentinel on `port`, with its password.
+    pub fn cli(&self, port: u16, args: &[&str]) -> Option<String> {
+        let pw = if self.sentinels.contains(&port) {
+            &self.auth[1]
+        } else {
+            &self.auth[0]
+        };
+        match pw {
+            Some(pw) => cli(port, &["--no-auth-warning", "-a", pw], args),
+            None => cli(port, &[], args),
+        }
     }
 
     /// Where the processes' files and logs are.
