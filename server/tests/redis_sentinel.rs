@@ -9,16 +9,26 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::binary::ServerProc;
 use common::{bucket, post_take, Service};
 use serde_json::json;
 use tollgate_server::domain::{Algorithm, BucketSpec};
 use tollgate_server::store::redis::{RedisConfig, RedisStore, SentinelConfig};
 use tollgate_server::store::Store;
-use tollgate_testkit::redis::{cli, SentinelSetup};
+use tollgate_testkit::redis::SentinelSetup;
 
 const NAME: &str = "tollgate-master";
 
 fn store(setup: &SentinelSetup, timeout_ms: u64) -> RedisStore {
+    store_with(setup, setup.sentinel_urls(), None, timeout_ms)
+}
+
+fn store_with(
+    setup: &SentinelSetup,
+    sentinels: Vec<String>,
+    master_password: Option<&str>,
+    timeout_ms: u64,
+) -> RedisStore {
     RedisStore::with_sentinel(
         RedisConfig {
             url: None,
@@ -28,9 +38,9 @@ fn store(setup: &SentinelSetup, timeout_ms: u64) -> RedisStore {
             tls: None,
         },
         &SentinelConfig {
-            sentinels: setup.sentinel_urls(),
+            sentinels,
             master: setup.name.clone(),
-            master_password: None,
+            master_password: master_password.map(str::to_string),
         },
     )
     .expect("sentinel store")
@@ -49,8 +59,8 @@ fn hourly(key: &str, capacity: u64) -> BucketSpec {
     }
 }
 
-fn keys_on(port: u16) -> String {
-    cli(port, &[], &["KEYS", "test:*"]).unwrap_or_default()
+fn keys_on(setup: &SentinelSetup, port: u16) -> String {
+    setup.cli(port, &["KEYS", "*"]).unwrap_or_default()
 }
 
 /// Waits until the sentinels name a master other than `old`; the new master's port and how
@@ -66,8 +76,10 @@ fn wait_switched(setup: &SentinelSetup, old: u16, limit: Duration) -> (u16, Dura
 }
 
 /// Whether the node on `port` is a replica now.
-fn demoted(port: u16) -> bool {
-    cli(port, &[], &["ROLE"]).is_some_and(|r| r.starts_with("slave"))
+fn demoted(setup: &SentinelSetup, port: u16) -> bool {
+    setup
+        .cli(port, &["ROLE"])
+        .is_some_and(|r| r.starts_with("slave"))
 }
 
 /// Takes `b` until a take is decided (at most 1 s of failures); the decision and the failures.
@@ -116,13 +128,13 @@ async fn decides_on_the_master_the_sentinels_name() {
         [true, false]
     );
     // The buckets live on the master (and reach its replica), nowhere else.
-    let on_master = keys_on(master);
+    let on_master = keys_on(&setup, master);
     assert!(
         on_master.contains("one") && on_master.contains("two"),
         "{on_master}"
     );
     assert!(setup.wait_replicated(master, Duration::from_secs(5)));
-    assert!(keys_on(setup.other(master)).contains("one"));
+    assert!(keys_on(&setup, setup.other(master)).contains("one"));
 
     // Through the service: JSON answers as with any Redis.
     let svc = Service::start(s.clone(), None).await;
@@ -166,7 +178,7 @@ async fn failover_between_takes_keeps_every_count() {
 
     // The old master turns replica once the sentinels reconfigure it.
     assert!(
-        tollgate_testkit::process::eventually(Duration::from_secs(20), || demoted(old)),
+        tollgate_testkit::process::eventually(Duration::from_secs(20), || demoted(&setup, old)),
         "{old} was not demoted"
     );
     eprintln!("{old} demoted {:?} after the failover", t.elapsed());
@@ -227,7 +239,7 @@ async fn failover_under_load_answers_503_at_most_briefly() {
         if failover_at.is_some() && named_at.is_none() && setup.master() != Some(old) {
             named_at = Some(start.elapsed());
         }
-        if named_at.is_some() && switched_at.is_none() && demoted(old) {
+        if named_at.is_some() && switched_at.is_none() && demoted(&setup, old) {
             switched_at = Some(start.elapsed());
         }
         // Run on for 2 s once the old master is a replica.
@@ -292,6 +304,86 @@ async fn failover_under_load_answers_503_at_most_briefly() {
         lost <= after_failover,
         "{lost} takes lost, more than the {after_failover} admitted before the switch was announced"
     );
-    assert!(keys_on(setup.master().unwrap()).contains("load"));
+    assert!(keys_on(&setup, setup.master().unwrap()).contains("load"));
     svc.stop().await;
+}
+
+/// The real binary, its flags from the environment, with passwords on the data nodes and on the
+/// sentinels: takes are decided, and neither password shows in its logs; a wrong master password
+/// is 503, never "allowed".
+#[tokio::test]
+async fn the_binary_through_password_protected_sentinels() {
+    let setup =
+        SentinelSetup::start_with_passwords(NAME, &[], Some("node-pw-123"), Some("sent-pw-456"));
+    let help = std::process::Command::new(common::binary::bin())
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--redis-sentinel ",
+        "TOLLGATE_REDIS_SENTINEL]",
+        "--redis-sentinel-master",
+        "TOLLGATE_REDIS_SENTINEL_MASTER",
+        "--redis-master-password",
+        "TOLLGATE_REDIS_MASTER_PASSWORD",
+    ] {
+        assert!(help.contains(flag), "--help lacks {flag}:\n{help}");
+    }
+    let urls: Vec<String> = setup
+        .sentinels
+        .iter()
+        .map(|p| format!("redis://:sent-pw-456@127.0.0.1:{p}"))
+        .collect();
+    let svc = ServerProc::start(&[
+        "--redis-sentinel",
+        &urls.join(","),
+        "--redis-sentinel-master",
+        NAME,
+        "--redis-master-password",
+        "node-pw-123",
+    ]);
+    let client = reqwest::Client::new();
+    let take = || async {
+        let r = client
+            .post(svc.url("/v1/take"))
+            .json(&json!({"buckets": [bucket("bin", 2, 1, 3_600_000, 1)]}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (
+            status,
+            r.json::<serde_json::Value>().await.unwrap_or_default(),
+        )
+    };
+    let mut allowed = Vec::new();
+    for _ in 0..3 {
+        let (status, v) = take().await;
+        assert_eq!(status, 200, "{v}\n{}", svc.logs());
+        allowed.push(v["allowed"] == true);
+    }
+    assert_eq!(allowed, [true, true, false]);
+    let logs = svc.logs();
+    assert!(logs.contains("using Redis Sentinel"), "{logs}");
+    assert!(
+        !logs.contains("node-pw-123") && !logs.contains("sent-pw-456"),
+        "{logs}"
+    );
+    assert!(keys_on(&setup, setup.master().unwrap()).contains("bin"));
+
+    // The master's password wrong: no decision, 503.
+    let s = Service::start(
+        Arc::new(store_with(&setup, urls.clone(), Some("wrong"), 200)),
+        None,
+    )
+    .await;
+    let (status, v) = post_take(
+        &client,
+        &s,
+        &json!({"buckets": [bucket("bin2", 2, 1, 3_600_000, 1)]}),
+    )
+    .await;
+    assert_eq!(status, 503, "{v}");
+    s.stop().await;
 }
