@@ -202,6 +202,26 @@ async fn failover_between_takes_keeps_every_count() {
     assert_eq!(setup.master(), Some(new));
 }
 
+/// Capacity of the buckets taken under load.
+const CAPACITY: u64 = 100_000;
+
+/// The service on the setup, 30 takes of a bucket of `key` (`CAPACITY`, no refill in the test),
+/// and the master's replica caught up with them; the service, a client and the take's body.
+async fn thirty_replicated(
+    setup: &SentinelSetup,
+    key: &str,
+) -> (Service, reqwest::Client, serde_json::Value) {
+    let svc = Service::start(Arc::new(store(setup, 100)), None).await;
+    let client = reqwest::Client::new();
+    let body = json!({"buckets": [bucket(key, CAPACITY, 1, 3_600_000, 1)]});
+    for _ in 0..30 {
+        assert_eq!(post_take(&client, &svc, &body).await.0, 200);
+    }
+    let master = setup.master().expect("a master");
+    assert!(setup.wait_replicated(master, Duration::from_secs(5)));
+    (svc, client, body)
+}
+
 /// A client taking without pause while `SENTINEL FAILOVER` runs: every answer is a decision or a
 /// 503 (never another 5xx, never "allowed" without a master), the 503s last a bounded time, and
 /// the bucket on the new master holds the counts replication carried (at most the takes the old
@@ -210,14 +230,7 @@ async fn failover_between_takes_keeps_every_count() {
 async fn failover_under_load_answers_503_at_most_briefly() {
     let setup = SentinelSetup::start(NAME, &[]);
     let old = setup.master().expect("a master");
-    let svc = Service::start(Arc::new(store(&setup, 100)), None).await;
-    let client = reqwest::Client::new();
-    const CAPACITY: u64 = 100_000;
-    let body = json!({"buckets": [bucket("load", CAPACITY, 1, 3_600_000, 1)]});
-    for _ in 0..30 {
-        assert_eq!(post_take(&client, &svc, &body).await.0, 200);
-    }
-    assert!(setup.wait_replicated(old, Duration::from_secs(5)));
+    let (svc, client, body) = thirty_replicated(&setup, "load").await;
 
     // (time since start, status, allowed, remaining)
     let start = Instant::now();
@@ -386,4 +399,95 @@ async fn the_binary_through_password_protected_sentinels() {
     .await;
     assert_eq!(status, 503, "{v}");
     s.stop().await;
+}
+
+/// The master killed (SIGKILL) under load: 503 while no master answers (never another 5xx,
+/// never "allowed"), decisions again within 1 s of a sentinel naming the promoted replica (the
+/// replica answers `ROLE` as master about a second before the sentinels confirm it; the service
+/// follows the sentinels, not a node's own word), and the counts replicated before the kill kept.
+#[tokio::test]
+async fn master_killed_under_load_decisions_back_within_a_second_of_the_promotion() {
+    let mut setup = SentinelSetup::start(NAME, &[]);
+    let old = setup.master().expect("a master");
+    let (svc, client, body) = thirty_replicated(&setup, "killed").await;
+
+    let start = Instant::now();
+    setup.kill_node(old);
+    let mut answers: Vec<(Duration, u16, bool, u64)> = Vec::new();
+    let new = setup.other(old);
+    let mut promoted_at = None;
+    let mut named_at = None;
+    // Answers given while the replica was still a replica afterwards: no master anywhere.
+    let mut masterless = Vec::new();
+    loop {
+        let (status, v) = post_take(&client, &svc, &body).await;
+        let now = start.elapsed();
+        answers.push((
+            now,
+            status,
+            v["allowed"] == true,
+            v["buckets"][0]["remaining"].as_u64().unwrap_or(0),
+        ));
+        if promoted_at.is_none() {
+            if setup
+                .cli(new, &["ROLE"])
+                .is_some_and(|r| r.starts_with("master"))
+            {
+                promoted_at = Some(start.elapsed());
+            } else {
+                masterless.push(answers.len() - 1);
+            }
+        }
+        if named_at.is_none() && setup.masters().contains(&Some(new)) {
+            named_at = Some(start.elapsed());
+        }
+        if named_at.is_some_and(|p| now > p + Duration::from_secs(2)) {
+            break;
+        }
+        assert!(
+            now < Duration::from_secs(30),
+            "no promotion within 30 s of the kill"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (promoted_at, named_at) = (promoted_at.unwrap(), named_at.unwrap());
+    let bad: Vec<_> = answers
+        .iter()
+        .filter(|a| a.1 != 200 && a.1 != 503)
+        .collect();
+    assert!(bad.is_empty(), "answers other than 200 and 503: {bad:?}");
+    let before: Vec<_> = masterless.iter().map(|&i| answers[i]).collect();
+    assert!(
+        before.iter().all(|a| a.1 == 503),
+        "decided with no master: {:?}",
+        before.iter().find(|a| a.1 != 503)
+    );
+    let back = *answers
+        .iter()
+        .find(|a| a.1 == 200)
+        .expect("decisions after the promotion");
+    let named = setup.master();
+    let last = answers.last().unwrap();
+    eprintln!(
+        "master killed: the replica promoted after {promoted_at:?}, named by a sentinel after \
+         {named_at:?}; {} answers 503 before the promotion, first decision {:?} after the naming; \
+         {} remaining at the end",
+        before.len(),
+        back.0.saturating_sub(named_at),
+        last.3
+    );
+    assert_eq!(named, Some(new));
+    assert!(
+        back.0.saturating_sub(named_at) < Duration::from_secs(1),
+        "decisions back {:?} after a sentinel named the new master",
+        back.0.saturating_sub(named_at)
+    );
+    assert!(answers.iter().filter(|a| a.0 > back.0).all(|a| a.1 == 200));
+    let admitted_after = answers.iter().filter(|a| a.1 == 200 && a.2).count() as u64;
+    assert_eq!(
+        last.3,
+        CAPACITY - 30 - admitted_after,
+        "the 30 replicated takes kept, every later one charged once"
+    );
+    svc.stop().await;
 }

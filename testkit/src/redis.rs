@@ -216,6 +216,11 @@ impl SentinelSetup {
         self.master_by(self.sentinels[0])
     }
 
+    /// The master's port as each sentinel names it, in the order of [`SentinelSetup::sentinels`].
+    pub fn masters(&self) -> Vec<Option<u16>> {
+        self.sentinels.iter().map(|&s| self.master_by(s)).collect()
+    }
+
     fn master_by(&self, sentinel: u16) -> Option<u16> {
         let out = self.cli(
             sentinel,
