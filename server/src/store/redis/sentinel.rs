@@ -17,7 +17,9 @@
 //! events and forgets the master as soon as a sentinel announces another one.
 //!
 //! The sentinels are asked by one task at a time, spawned so that a request that gives up (its
-//! timeout) does not cancel it; every request waiting meanwhile shares its answer.
+//! timeout) does not cancel it; every request waiting meanwhile shares its answer. A lookup that
+//! found no master is not repeated for [`LOOKUP_GAP`]: the commands in between fail with its
+//! error, so an outage does not turn every request into a round of questions to the sentinels.
 
 use std::fmt;
 use std::future::Future;
@@ -68,6 +70,9 @@ struct Master {
 
 type Lookup = Shared<BoxFuture<'static, Result<Master, StoreError>>>;
 
+/// How long a lookup that found no master stands for the next ones.
+const LOOKUP_GAP: Duration = Duration::from_millis(25);
+
 #[derive(Default)]
 struct State {
     generation: u64,
@@ -76,6 +81,8 @@ struct State {
     lookup: Option<Lookup>,
     /// Whether the `+switch-master` watcher was started (with the first lookup).
     watching: bool,
+    /// When the last lookup found no master, and why.
+    failed: Option<(std::time::Instant, StoreError)>,
 }
 
 struct Inner {
@@ -222,6 +229,11 @@ impl SentinelConn {
             if let Some(m) = &state.master {
                 return Ok(m.clone());
             }
+            if let Some((at, e)) = &state.failed {
+                if state.lookup.is_none() && at.elapsed() < LOOKUP_GAP {
+                    return Err(e.clone());
+                }
+            }
             if !state.watching {
                 state.watching = true;
                 tokio::spawn(Inner::watch(Arc::downgrade(&self.inner)));
@@ -259,6 +271,7 @@ impl Inner {
             state.lookup = None;
             match found {
                 Ok((addr, conn)) => {
+                    state.failed = None;
                     state.generation += 1;
                     let m = Master {
                         generation: state.generation,
@@ -271,6 +284,7 @@ impl Inner {
                 }
                 Err(e) => {
                     tracing::warn!(name = %inner.master_name, error = %e, "no Redis master found through the sentinels");
+                    state.failed = Some((std::time::Instant::now(), e.clone()));
                     Err(e)
                 }
             }
