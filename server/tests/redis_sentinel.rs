@@ -516,17 +516,34 @@ fn sentinel_calls(setup: &SentinelSetup) -> u64 {
         .sum()
 }
 
-/// No master at all (both data nodes killed): every take is 503, and the sentinels are asked at
-/// most once per 25 ms however many takes arrive, not once per take.
+/// No master at all (both data nodes killed): every take is 503 / `UNAVAILABLE`, and the
+/// sentinels are asked at most once per 25 ms however many takes arrive, not once per take.
 #[tokio::test]
 async fn without_any_master_takes_fail_and_the_sentinels_are_not_flooded() {
     let mut setup = SentinelSetup::start(NAME, &[]);
-    let s = store(&setup, 100);
+    let s = Arc::new(store(&setup, 100));
     let b = hourly("none", 10);
     assert!(s.take(std::slice::from_ref(&b)).await.unwrap().allowed);
     for port in setup.nodes {
         setup.kill_node(port);
     }
+    // What clients see: 503 / UNAVAILABLE.
+    let svc = Service::start(s.clone(), None).await;
+    let body = json!({"buckets": [bucket("none", 10, 1, 3_600_000, 1)]});
+    let (status, v) = post_take(&reqwest::Client::new(), &svc, &body).await;
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["code"], "unavailable");
+    let e = svc
+        .grpc()
+        .await
+        .take(tollgate_server::api::grpc::pb::TakeRequest {
+            buckets: vec![common::pb_bucket("none")],
+            ..Default::default()
+        })
+        .await
+        .expect_err("no master");
+    assert_eq!(e.code(), tonic::Code::Unavailable);
+    svc.stop().await;
     let before = sentinel_calls(&setup);
     let start = Instant::now();
     let mut takes = 0u64;
