@@ -19,6 +19,10 @@ use tollgate_testkit::redis::SentinelSetup;
 
 const NAME: &str = "tollgate-master";
 
+/// One Sentinel setup at a time: each is five processes whose failover timing (sentinels' pings,
+/// INFO every second during a failover) suffers when several compete for a busy machine.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn store(setup: &SentinelSetup, timeout_ms: u64) -> RedisStore {
     store_with(setup, setup.sentinel_urls(), None, timeout_ms)
 }
@@ -104,6 +108,7 @@ async fn decided(
 
 #[tokio::test]
 async fn decides_on_the_master_the_sentinels_name() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let setup = SentinelSetup::start(NAME, &[]);
     let master = setup.master().expect("a master");
     assert_eq!(master, setup.nodes[0]);
@@ -162,6 +167,7 @@ async fn decides_on_the_master_the_sentinels_name() {
 /// dropped connection sends the service back to the sentinels within that take).
 #[tokio::test]
 async fn failover_between_takes_keeps_every_count() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let setup = SentinelSetup::start(NAME, &[]);
     let old = setup.master().expect("a master");
     let s = store(&setup, 200);
@@ -229,6 +235,7 @@ async fn thirty_replicated(
 /// master answered after the replica was promoted are lost with it).
 #[tokio::test]
 async fn failover_under_load_answers_503_at_most_briefly() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let setup = SentinelSetup::start(NAME, &[]);
     let old = setup.master().expect("a master");
     let (svc, client, body) = thirty_replicated(&setup, "load").await;
@@ -332,6 +339,7 @@ async fn failover_under_load_answers_503_at_most_briefly() {
 /// is 503, never "allowed".
 #[tokio::test]
 async fn the_binary_through_password_protected_sentinels() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let setup =
         SentinelSetup::start_with_passwords(NAME, &[], Some("node-pw-123"), Some("sent-pw-456"));
     let help = std::process::Command::new(common::binary::bin())
@@ -413,6 +421,7 @@ async fn the_binary_through_password_protected_sentinels() {
 /// follows the sentinels, not a node's own word), and the counts replicated before the kill kept.
 #[tokio::test]
 async fn master_killed_under_load_decisions_back_within_a_second_of_the_promotion() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let mut setup = SentinelSetup::start(NAME, &[]);
     let old = setup.master().expect("a master");
     let (svc, client, body) = thirty_replicated(&setup, "killed").await;
@@ -520,6 +529,7 @@ fn sentinel_calls(setup: &SentinelSetup) -> u64 {
 /// sentinels are asked at most once per 25 ms however many takes arrive, not once per take.
 #[tokio::test]
 async fn without_any_master_takes_fail_and_the_sentinels_are_not_flooded() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let mut setup = SentinelSetup::start(NAME, &[]);
     let s = Arc::new(store(&setup, 100));
     let b = hourly("none", 10);
