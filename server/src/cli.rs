@@ -43,7 +43,7 @@ pub enum StartupError {
     TlsWithoutRediss {
         /// The --redis-tls-* flags given, comma-separated.
         given: String,
-        /// --redis-url or --redis-cluster.
+        /// --redis-url, --redis-cluster or --redis-sentinel.
         flag: &'static str,
         /// The URL, redacted.
         url: String,
@@ -67,7 +67,8 @@ pub enum StartupError {
     /// The --rls-config file cannot be loaded (the text names the file and what is wrong).
     #[error("--rls-config {0}")]
     RlsConfig(String),
-    /// --redis-url, --redis-cluster, --key-prefix or the TLS files cannot make a Redis store.
+    /// --redis-url, --redis-cluster, --redis-sentinel, --key-prefix or the TLS files cannot make
+    /// a Redis store.
     #[error(transparent)]
     Redis(#[from] RedisConfigError),
     /// --listen cannot be bound.
@@ -93,7 +94,8 @@ pub enum LogFormat {
 }
 
 /// tollgate-server: Tollgate's decision service. Answers "may this request pass?" for a list of
-/// rate-limit buckets, exactly and atomically, from Redis (standalone or Cluster) or from memory.
+/// rate-limit buckets, exactly and atomically, from Redis (standalone, Cluster or Sentinel) or
+/// from memory.
 ///
 /// One port serves HTTP/1.1 and HTTP/2 cleartext: JSON `POST /v1/take`, gRPC
 /// `tollgate.v1.RateLimiter/Take`, Envoy's RLS v3 (with --rls-config), `GET /healthz`, `GET /readyz`, `GET /metrics`.
@@ -106,7 +108,8 @@ pub struct Cli {
     pub listen: SocketAddr,
 
     /// Standalone Redis: `redis://[user:password@]host:port[/db]`, or `rediss://` for TLS.
-    /// Neither this nor --redis-cluster: buckets are kept in memory (one replica only).
+    /// None of this, --redis-cluster and --redis-sentinel: buckets are kept in memory (one replica
+    /// only).
     #[arg(long, env = "TOLLGATE_REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
 
@@ -118,6 +121,35 @@ pub struct Cli {
         hide_env_values = true
     )]
     pub redis_cluster: Vec<String>,
+
+    /// Redis Sentinel: the sentinels, comma-separated URLs (`redis://[user:password@]host:26379,...`;
+    /// the credentials are the sentinels' own). Decisions go to the master they name for
+    /// --redis-sentinel-master, asked again after a failover; `rediss://` for TLS to the
+    /// sentinels and to the master (with the --redis-tls-* files). Instead of --redis-url or
+    /// --redis-cluster (envoyproxy/ratelimit's `REDIS_TYPE=sentinel`).
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_SENTINEL",
+        value_delimiter = ',',
+        hide_env_values = true,
+        conflicts_with_all = ["redis_url", "redis_cluster"],
+        requires = "redis_sentinel_master"
+    )]
+    pub redis_sentinel: Vec<String>,
+
+    /// The master's name in the sentinels' configuration (`sentinel monitor <name> ...`).
+    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL_MASTER", value_name = "NAME")]
+    pub redis_sentinel_master: Option<String>,
+
+    /// With --redis-sentinel: the password of the master (and of the replica promoted in its
+    /// place), Redis's `requirepass`. The sentinels' own password goes in their URLs.
+    #[arg(
+        long,
+        env = "TOLLGATE_REDIS_MASTER_PASSWORD",
+        hide_env_values = true,
+        requires = "redis_sentinel"
+    )]
+    pub redis_master_password: Option<String>,
 
     /// Prefix of every Redis key (no `{` or `}`).
     #[arg(long, env = "TOLLGATE_KEY_PREFIX", default_value = "tollgate:")]
@@ -261,6 +293,15 @@ impl std::fmt::Debug for Cli {
                     .map(|u| redact_url(u))
                     .collect::<Vec<_>>(),
             )
+            .field(
+                "redis_sentinel",
+                &crate::store::redis::redact_urls(&self.redis_sentinel),
+            )
+            .field("redis_sentinel_master", &self.redis_sentinel_master)
+            .field(
+                "redis_master_password",
+                &self.redis_master_password.as_ref().map(|_| "***"),
+            )
             .field("key_prefix", &self.key_prefix)
             .field("redis_timeout_ms", &self.redis_timeout_ms)
             .field("redis_tls_ca", &self.redis_tls_ca)
@@ -364,7 +405,12 @@ impl Cli {
         .collect::<Vec<_>>()
         .join(", ");
         // Which URLs the files would apply to (--redis-cluster wins over --redis-url).
-        let urls: Vec<(&str, &str)> = if !self.redis_cluster.is_empty() {
+        let urls: Vec<(&str, &str)> = if !self.redis_sentinel.is_empty() {
+            self.redis_sentinel
+                .iter()
+                .map(|u| ("--redis-sentinel", u.as_str()))
+                .collect()
+        } else if !self.redis_cluster.is_empty() {
             self.redis_cluster
                 .iter()
                 .map(|u| ("--redis-cluster", u.as_str()))
@@ -427,6 +473,54 @@ mod tests {
     fn cli(args: &[&str]) -> Cli {
         Cli::try_parse_from(std::iter::once("tollgate-server").chain(args.iter().copied()))
             .unwrap_or_else(|e| unreachable!("{e}"))
+    }
+
+    /// --redis-sentinel needs the master's name, takes the place of --redis-url and
+    /// --redis-cluster, carries the TLS files only as rediss://, and shows no password.
+    #[test]
+    fn sentinel_flags() {
+        let parse = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("tollgate-server").chain(args.iter().copied()))
+        };
+        assert!(parse(&["--redis-sentinel", "redis://h:26379"]).is_err());
+        assert!(parse(&[
+            "--redis-sentinel",
+            "redis://h:26379",
+            "--redis-sentinel-master",
+            "m",
+            "--redis-url",
+            "redis://h:6379"
+        ])
+        .is_err());
+        assert!(parse(&["--redis-master-password", "pw"]).is_err());
+        let c = cli(&[
+            "--redis-sentinel",
+            "redis://:sentinelpw@a:26379,redis://:sentinelpw@b:26379",
+            "--redis-sentinel-master",
+            "m",
+            "--redis-master-password",
+            "masterpw",
+        ]);
+        assert_eq!(c.redis_sentinel.len(), 2);
+        let dbg = format!("{c:?}");
+        assert!(
+            !dbg.contains("sentinelpw") && !dbg.contains("masterpw"),
+            "{dbg}"
+        );
+        let e = cli(&[
+            "--redis-sentinel",
+            "redis://a:26379",
+            "--redis-sentinel-master",
+            "m",
+            "--redis-tls-ca",
+            "/x",
+        ])
+        .redis_tls()
+        .err();
+        assert_eq!(
+            e.map(|e| e.to_string()).as_deref(),
+            Some("--redis-tls-ca apply to TLS connections only, but --redis-sentinel is redis://a:26379 (use rediss://)")
+        );
     }
 
     /// Each refusal is its own variant, naming the flag, with the text the log has always shown.

@@ -9,7 +9,7 @@ use clap::Parser;
 use tollgate_server::cli::{Cli, Command, LogFormat, StartupError};
 use tollgate_server::run;
 use tollgate_server::store::memory::MemoryStore;
-use tollgate_server::store::redis::{redact_url, RedisConfig, RedisStore};
+use tollgate_server::store::redis::{redact_url, RedisConfig, RedisStore, SentinelConfig};
 use tollgate_server::store::Store;
 
 /// mimalloc: about a tenth of the service's CPU went to glibc malloc/free under load.
@@ -56,7 +56,28 @@ fn main() -> ExitCode {
 async fn serve(cli: Cli) -> Result<(), StartupError> {
     let tls = cli.redis_tls()?;
     let config = cli.service_config()?;
-    let store: Arc<dyn Store> = if cli.redis_url.is_some() || !cli.redis_cluster.is_empty() {
+    let store: Arc<dyn Store> = if !cli.redis_sentinel.is_empty() {
+        let config = RedisConfig {
+            url: None,
+            cluster: vec![],
+            key_prefix: cli.key_prefix.clone(),
+            timeout: Duration::from_millis(cli.redis_timeout_ms.max(1)),
+            tls,
+        };
+        let sentinel = SentinelConfig {
+            sentinels: cli.redis_sentinel.clone(),
+            master: cli.redis_sentinel_master.clone().unwrap_or_default(),
+            master_password: cli.redis_master_password.clone(),
+        };
+        let store = RedisStore::with_sentinel(config, &sentinel)?;
+        tracing::info!(
+            sentinels = cli.redis_sentinel.len(),
+            master = %sentinel.master,
+            tls = ?store_tls(&cli),
+            "using Redis Sentinel"
+        );
+        Arc::new(store)
+    } else if cli.redis_url.is_some() || !cli.redis_cluster.is_empty() {
         let config = RedisConfig {
             url: cli.redis_url.clone(),
             cluster: cli.redis_cluster.clone(),
@@ -95,6 +116,10 @@ async fn serve(cli: Cli) -> Result<(), StartupError> {
 /// certificate files.
 fn store_tls(cli: &Cli) -> String {
     let tls = match &cli.redis_url {
+        _ if !cli.redis_sentinel.is_empty() => cli
+            .redis_sentinel
+            .iter()
+            .all(|u| u.starts_with("rediss://")),
         _ if !cli.redis_cluster.is_empty() => {
             cli.redis_cluster.iter().all(|u| u.starts_with("rediss://"))
         }

@@ -117,7 +117,7 @@ impl RedisTls {
         Ok(())
     }
 
-    fn certificates(&self) -> redis::TlsCertificates {
+    pub(super) fn certificates(&self) -> redis::TlsCertificates {
         redis::TlsCertificates {
             client_tls: self.client.as_ref().map(|c| redis::ClientTlsConfig {
                 client_cert: c.cert.clone(),
@@ -152,6 +152,20 @@ pub enum RedisConfigError {
     /// Cluster seed nodes of both schemes.
     #[error("Redis Cluster seed nodes mix redis:// and rediss://")]
     MixedSchemes,
+    /// Sentinels of both schemes.
+    #[error("the sentinel URLs mix redis:// and rediss://")]
+    SentinelMixedSchemes,
+    /// Sentinels given without the name of the master they watch.
+    #[error("no Redis Sentinel master name given")]
+    NoSentinelMaster,
+    /// TLS certificates for sentinels that are not `rediss://`.
+    #[error("TLS certificates given for redis:// sentinels (use rediss://)")]
+    SentinelCertsWithoutTls,
+    /// Sentinel URLs with different credentials (one set authenticates to every sentinel).
+    #[error(
+        "the sentinel URLs carry different credentials (give the same user and password in each)"
+    )]
+    SentinelCredentials,
     /// TLS certificates for Cluster seed nodes that are not `rediss://`.
     #[error("TLS certificates given for redis:// Cluster seed nodes (use rediss://)")]
     ClusterCertsWithoutTls,
@@ -171,7 +185,7 @@ pub enum RedisConfigError {
 
 /// rustls needs a process-wide crypto provider before the first handshake, and the redis crate
 /// asks for the default one. Installing `ring` when one is already installed is a no-op.
-fn install_crypto_provider() {
+pub(super) fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
@@ -231,9 +245,16 @@ pub fn redact_url(url: &str) -> String {
     u.to_string()
 }
 
+/// Each of `urls` redacted ([`redact_url`]).
+pub fn redact_urls(urls: &[String]) -> Vec<String> {
+    urls.iter().map(|u| redact_url(u)).collect()
+}
+
 pub(super) enum Conn {
     Single(ConnectionManager),
     Cluster(Box<ClusterConn>),
+    /// The master named by Redis Sentinel ([`super::sentinel`]).
+    Sentinel(Box<super::sentinel::SentinelConn>),
 }
 
 pub(super) struct ClusterConn {
@@ -277,7 +298,7 @@ pub(super) fn map_err(e: RedisError) -> StoreError {
 
 /// Parses a URL and turns Nagle's algorithm off: small pipelined commands must not wait for an ACK
 /// (with delayed ACKs that is a 40 ms stall).
-fn connection_info(url: &str) -> Result<redis::ConnectionInfo, RedisConfigError> {
+pub(super) fn connection_info(url: &str) -> Result<redis::ConnectionInfo, RedisConfigError> {
     use redis::IntoConnectionInfo;
     let info = url
         .into_connection_info()
@@ -288,7 +309,7 @@ fn connection_info(url: &str) -> Result<redis::ConnectionInfo, RedisConfigError>
     Ok(info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true)))
 }
 
-fn is_tls(info: &redis::ConnectionInfo) -> bool {
+pub(super) fn is_tls(info: &redis::ConnectionInfo) -> bool {
     matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. })
 }
 

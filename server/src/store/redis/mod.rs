@@ -1,4 +1,5 @@
-//! The Redis store: standalone (`redis://`, `rediss://`) or Redis Cluster (seed nodes).
+//! The Redis store: standalone (`redis://`, `rediss://`), Redis Cluster (seed nodes) or the
+//! master of a Redis Sentinel setup (standalone as far as scripts go: [`sentinel`]).
 //!
 //! # What is guaranteed
 //!
@@ -60,10 +61,12 @@
 //! | `conn.rs` | standalone and Cluster clients, timeouts, TLS (rustls), [`redact_url`] |
 //! | `scripts.rs` | the scripts' sources, each operation's ARGV, EVALSHA with `NOSCRIPT` recovery |
 //! | `decode.rs` | script replies into decisions (pure) |
+//! | `sentinel.rs` | the master Redis Sentinel names, asked again after a failover |
 
 mod conn;
 mod decode;
 mod scripts;
+mod sentinel;
 
 use std::fmt;
 use std::sync::Arc;
@@ -72,7 +75,7 @@ use redis::Script;
 
 use self::conn::{map_err, Conn};
 pub use self::conn::{
-    redact_url, ClientIdentity, RedisConfig, RedisConfigError, RedisTls, TlsFileError,
+    redact_url, redact_urls, ClientIdentity, RedisConfig, RedisConfigError, RedisTls, TlsFileError,
 };
 use self::decode::decode_instances;
 pub use self::decode::{decode_batch, decode_settle, decode_take, GroupReply};
@@ -80,6 +83,7 @@ use self::scripts::{evalsha, Scripts, PER_BUCKET};
 pub use self::scripts::{
     refund_script_source, settle_script_source, take_batch_script_source, take_script_source,
 };
+pub use self::sentinel::SentinelConfig;
 use super::keys::{redis_key, slot};
 use super::{Store, StoreError};
 use crate::domain::{
@@ -119,14 +123,34 @@ impl RedisStore {
             tls.check()?;
         }
         let conn = Conn::open(&config)?;
-        Ok(RedisStore {
+        Ok(Self::with_conn(config, conn))
+    }
+
+    /// Creates the store on the master that Redis Sentinel names (`config`'s URL and Cluster
+    /// nodes are not used; its prefix, timeout and TLS files are). Connects lazily, as [`new`].
+    ///
+    /// [`new`]: RedisStore::new
+    pub fn with_sentinel(
+        config: RedisConfig,
+        sentinel: &SentinelConfig,
+    ) -> Result<Self, RedisConfigError> {
+        super::keys::check_prefix(&config.key_prefix).map_err(RedisConfigError::KeyPrefix)?;
+        if let Some(tls) = &config.tls {
+            tls.check()?;
+        }
+        let conn = sentinel::SentinelConn::open(sentinel, config.tls.as_ref(), config.timeout)?;
+        Ok(Self::with_conn(config, Conn::Sentinel(Box::new(conn))))
+    }
+
+    fn with_conn(config: RedisConfig, conn: Conn) -> Self {
+        RedisStore {
             conn,
             config,
             take: Arc::new(Scripts::new(take_script_source)),
             take_batch: Arc::new(Scripts::new(take_batch_script_source)),
             refund: Arc::new(Script::new(&refund_script_source())),
             settle: Arc::new(Script::new(&settle_script_source())),
-        })
+        }
     }
 
     /// The indexes of `keys` grouped by Redis Cluster hash slot, groups in order of first
@@ -135,7 +159,7 @@ impl RedisStore {
         let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
         for (i, k) in keys.iter().enumerate() {
             let at = match self.conn {
-                Conn::Single(_) => 0,
+                Conn::Single(_) | Conn::Sentinel(_) => 0,
                 Conn::Cluster(_) => slot(k),
             };
             match groups.iter_mut().find(|(g, _)| *g == at) {
@@ -292,7 +316,7 @@ impl Store for RedisStore {
     }
 
     async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
-        if let Conn::Single(_) = self.conn {
+        if let Conn::Single(_) | Conn::Sentinel(_) = self.conn {
             let all: Vec<&[BucketSpec]> = takes.iter().map(Vec::as_slice).collect();
             return self.batch_call(&all).await;
         }
@@ -466,6 +490,11 @@ impl Store for RedisStore {
                     let mut c = cc.side().await?;
                     evalsha(&SCRIPT, &cmd, &mut c).await.map_err(map_err)
                 }
+                Conn::Sentinel(s) => {
+                    let cmd = &cmd;
+                    s.query(|mut c| async move { evalsha(&SCRIPT, cmd, &mut c).await })
+                        .await
+                }
             }
         };
         let reply = match tokio::time::timeout(self.config.timeout, call).await {
@@ -492,6 +521,12 @@ impl Store for RedisStore {
                         .await
                         .map_err(map_err)
                 }
+                Conn::Sentinel(s) => {
+                    s.query(|mut c| async move {
+                        redis::cmd("PING").query_async::<String>(&mut c).await
+                    })
+                    .await
+                }
             }
         };
         match tokio::time::timeout(self.config.timeout, call).await {
@@ -505,6 +540,7 @@ impl Store for RedisStore {
         match self.conn {
             Conn::Single(_) => "redis",
             Conn::Cluster(_) => "redis-cluster",
+            Conn::Sentinel(_) => "redis-sentinel",
         }
     }
 }

@@ -214,6 +214,11 @@ impl RedisStore {
                     let mut c = cc.get().await?;
                     evalsha(script, &cmd, &mut c).await.map_err(map_err)
                 }
+                Conn::Sentinel(s) => {
+                    let cmd = &cmd;
+                    s.query(|mut c| async move { evalsha(script, cmd, &mut c).await })
+                        .await
+                }
             }
         };
         match tokio::time::timeout(self.config.timeout, call).await {
