@@ -12,16 +12,18 @@ use std::fmt;
 
 /// Largest capacity, rate and cost (the contract's); longest period (one year, in ms); at most
 /// this many rules, one bucket each per request.
-pub use contract::bounds::{MAX_AMOUNT as MAX_TOKENS, MAX_BUCKETS as MAX_RULES, MAX_PERIOD_MS};
+pub use contract::bounds::{MAX_AMOUNT, MAX_BUCKETS, MAX_PERIOD_MS};
 /// Key parts per rule; with [`MAX_PART_BYTES`] this bounds a key well below the contract's 4096
 /// bytes.
 pub const MAX_KEY_PARTS: usize = 8;
 /// Longest key part kept verbatim (escaped); a longer one is hashed (`crate::core::rules::keys`),
 /// and a literal part may not be longer.
 pub const MAX_PART_BYTES: usize = 256;
+/// Most takes in one batch callout (`service.batch`).
+pub use contract::bounds::MAX_BATCH_TAKES;
 /// Longest rule name (it appears in keys, logs and the `RateLimit-Policy` header, and is sent as
 /// a bucket's `rule`).
-pub use contract::bounds::MAX_RULE_BYTES as MAX_NAME_LEN;
+pub use contract::bounds::MAX_RULE_BYTES;
 
 /// A configuration error: the field path and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,9 +161,6 @@ impl core::fmt::Debug for Service {
             .finish()
     }
 }
-
-/// Most takes in one batch callout (the contract's bound on `takes`).
-pub const MAX_BATCH: usize = 64;
 
 /// One rate limit rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -659,10 +658,10 @@ impl Config {
             field: "rules".into(),
             message: "missing (required)".into(),
         })?;
-        if raw_rules.is_empty() || raw_rules.len() > MAX_RULES {
+        if raw_rules.is_empty() || raw_rules.len() > MAX_BUCKETS {
             return err(
                 "rules",
-                format!("must hold between 1 and {MAX_RULES} rules"),
+                format!("must hold between 1 and {MAX_BUCKETS} rules"),
             );
         }
         let shadow = root.boolean("shadow")?;
@@ -895,10 +894,10 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
         Some(if transport == Transport::Rls {
             0
         } else {
-            MAX_BATCH as u64
+            MAX_BATCH_TAKES as u64
         }),
         0,
-        MAX_BATCH as u64,
+        MAX_BATCH_TAKES as u64,
     )? as usize;
     if batch > 0 && transport == Transport::Rls {
         return err("service.batch", "not available with transport rls");
@@ -960,14 +959,14 @@ fn read_rule(
         _ => String::new(),
     };
     let name_ok = !name.is_empty()
-        && name.len() <= MAX_NAME_LEN
+        && name.len() <= MAX_RULE_BYTES
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.:/".contains(&b));
     if !name_ok {
         return err(
             r.path("name"),
-            format!("must be 1..={MAX_NAME_LEN} characters from A-Z a-z 0-9 - _ . : /"),
+            format!("must be 1..={MAX_RULE_BYTES} characters from A-Z a-z 0-9 - _ . : /"),
         );
     }
     let matcher = match r.get("match") {
@@ -1008,9 +1007,9 @@ fn read_rule(
                 return err(r.path(f), "only for a rule of kind \"concurrency\"");
             }
         }
-        r.int("capacity", None, 1, MAX_TOKENS)?
+        r.int("capacity", None, 1, MAX_AMOUNT)?
     };
-    let rate = r.int("rate", Some(capacity), 1, MAX_TOKENS)?;
+    let rate = r.int("rate", Some(capacity), 1, MAX_AMOUNT)?;
     // A concurrency rule keeps its slots' deadline here (it has no period).
     let period_ms = if concurrency {
         let (lo, hi) = crate::core::inflight::DEADLINE_MS;
@@ -1033,7 +1032,7 @@ fn read_rule(
             )?,
             capacity,
         )?,
-        Some(v) => Cost::Fixed(int_value(&r.path("cost"), v, 1, MAX_TOKENS)?),
+        Some(v) => Cost::Fixed(int_value(&r.path("cost"), v, 1, MAX_AMOUNT)?),
     };
     let algorithms: Vec<_> = Algorithm::ALL.iter().map(|&a| (a.name(), a)).collect();
     let algorithm = r.choice("algorithm", &algorithms, Algorithm::default())?;
@@ -1147,10 +1146,10 @@ fn read_cost(c: &Obj, capacity: u64) -> Result<Cost, ConfigError> {
                 "not with \"reserve\": \"max\" (every request reserves `max`)",
             );
         }
-        return Ok(Cost::Fixed(c.int("max", None, 1, MAX_TOKENS)?));
+        return Ok(Cost::Fixed(c.int("max", None, 1, MAX_AMOUNT)?));
     }
     let name = header_name(&c.path("header"), &c.string("header")?.unwrap_or_default())?;
-    let max = c.int("max", Some(capacity), 1, MAX_TOKENS)?;
+    let max = c.int("max", Some(capacity), 1, MAX_AMOUNT)?;
     let min = c.int("min", Some(1), 1, max)?;
     let default = c.int("default", Some(min), min, max)?;
     Ok(Cost::Header {
@@ -1204,7 +1203,7 @@ fn read_charge(r: &Obj) -> Result<Option<Charge>, ConfigError> {
         header,
         body,
         weights,
-        max: u.int("max", Some(MAX_TOKENS), 1, MAX_TOKENS)?,
+        max: u.int("max", Some(MAX_AMOUNT), 1, MAX_AMOUNT)?,
         cut: u.choice(
             "cut",
             &[("bound", Cut::Bound), ("reserved", Cut::Reserved)],
@@ -1246,10 +1245,10 @@ fn read_limit(o: &Obj<'_>, rule_period_ms: u64) -> Result<Limit, ConfigError> {
         }
         return Ok(Limit::Unlimited);
     }
-    let capacity = o.int("capacity", None, 1, MAX_TOKENS)?;
+    let capacity = o.int("capacity", None, 1, MAX_AMOUNT)?;
     Ok(Limit::Tokens {
         capacity,
-        rate: o.int("rate", Some(capacity), 1, MAX_TOKENS)?,
+        rate: o.int("rate", Some(capacity), 1, MAX_AMOUNT)?,
         period_ms: o.int("period_ms", Some(rule_period_ms), 1, MAX_PERIOD_MS)?,
     })
 }
@@ -1341,8 +1340,8 @@ fn read_tiers(at: &str, v: &Value, rule_period_ms: u64) -> Result<Tiers, ConfigE
     let mut limits = Vec::with_capacity(map.len());
     for (name, lv) in map {
         let lat = format!("{}.{name}", t.path("limits"));
-        if name.is_empty() || name.len() > MAX_NAME_LEN {
-            return err(lat, format!("tier names are 1..={MAX_NAME_LEN} bytes"));
+        if name.is_empty() || name.len() > MAX_RULE_BYTES {
+            return err(lat, format!("tier names are 1..={MAX_RULE_BYTES} bytes"));
         }
         let o = Obj::new(lv, &lat, &["unlimited", "capacity", "rate", "period_ms"])?;
         limits.push((name.clone(), read_limit(&o, rule_period_ms)?));
@@ -1839,7 +1838,7 @@ mod tests {
         let b = cfg.rules[1].charge.clone().unwrap();
         assert_eq!(
             (b.header, b.body, b.weights, b.max, b.cut),
-            (None, true, None, MAX_TOKENS, Cut::Bound)
+            (None, true, None, MAX_AMOUNT, Cut::Bound)
         );
         assert_eq!(cfg.rules[2].charge, None);
     }
@@ -1907,7 +1906,7 @@ mod tests {
             r#"{"name":"b","capacity":1000000000,"rate":1000000000,"period_ms":31536000000,"cost":1000000000}"#,
         ))
         .unwrap();
-        assert_eq!(c.rules[1].capacity, MAX_TOKENS);
+        assert_eq!(c.rules[1].capacity, MAX_AMOUNT);
         assert_eq!(c.rules[1].period_ms, MAX_PERIOD_MS);
     }
 

@@ -23,6 +23,7 @@ use crate::core::plan::{CalloutResult, LocalReply};
 use crate::core::rules::{keys, matches, Request};
 use crate::core::store::{self, CasStore};
 use crate::core::wire::BucketResult;
+use contract::bounds::SLOT_DENIED_RETRY_MS;
 use contract::fields;
 use contract::slots::{self, SlotWant};
 use serde_json::Value;
@@ -35,9 +36,6 @@ pub const DEFAULT_DEADLINE_MS: u64 = 60_000;
 pub const DEADLINE_MS: (u64, u64) = (100, contract::bounds::MAX_SLOT_TTL_MS);
 /// Shared-data table of the local fallback slots.
 pub const TABLE: &str = "tollgate.cc";
-/// What a denial asks the client to wait when the service gave no better figure (the service's
-/// own most).
-pub use contract::bounds::SLOT_DENIED_RETRY_MS as DENIED_RETRY_MS;
 
 /// A concurrency rule: the rule (conditions, key, shadow, response) and its slots.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -170,7 +168,7 @@ pub fn interpret(result: &CalloutResult, n: usize) -> Acquired {
                 .iter()
                 .filter_map(|&i| buckets.get(i)?.get(fields::RETRY_AFTER_MS)?.as_u64())
                 .max()
-                .unwrap_or(DENIED_RETRY_MS);
+                .unwrap_or(SLOT_DENIED_RETRY_MS);
             Acquired::Denied(full, wait)
         }
         _ => Acquired::Failed,
@@ -492,7 +490,7 @@ impl Slots {
             FailureMode::Deny => deny_or_shadow(
                 cfg,
                 &rules,
-                DENIED_RETRY_MS,
+                SLOT_DENIED_RETRY_MS,
                 paused,
                 host,
                 Count::FailureClosed,
@@ -508,7 +506,7 @@ impl Slots {
                     deny_or_shadow(
                         cfg,
                         &rule,
-                        DENIED_RETRY_MS,
+                        SLOT_DENIED_RETRY_MS,
                         paused,
                         host,
                         Count::FallbackLimited,

@@ -16,7 +16,7 @@ pub use contract::take::{Bucket, BucketResult, DecodeError, TakeRequest, TakeRes
 fn rule_of(key: &str) -> Option<&str> {
     let name = key.split('|').next()?;
     let ok = !name.is_empty()
-        && name.len() <= crate::core::config::MAX_NAME_LEN
+        && name.len() <= contract::bounds::MAX_RULE_BYTES
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.:/".contains(&b));

@@ -2,7 +2,7 @@
 //! `level` tokens used, `stamp` the window index.
 
 use super::{Limits, Local, State};
-use crate::core::wire::BucketResult;
+use contract::take::BucketResult;
 
 pub(super) struct FixedWindow;
 

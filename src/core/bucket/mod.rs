@@ -20,8 +20,8 @@ mod fixed_window;
 mod sliding_window;
 mod token_bucket;
 
-use crate::core::config::Algorithm;
-use crate::core::wire::BucketResult;
+use contract::take::BucketResult;
+use contract::Algorithm;
 
 /// Micro-tokens per token.
 pub const MICRO: u64 = 1_000_000;

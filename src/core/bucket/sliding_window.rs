@@ -5,7 +5,7 @@
 //! index, `level` both counts (`prev << 32 | cur`; a local capacity is at most 10⁹ < 2³²).
 
 use super::{to_u64, Limits, Local, State};
-use crate::core::wire::BucketResult;
+use contract::take::BucketResult;
 
 pub(super) struct SlidingWindow;
 
@@ -187,7 +187,7 @@ impl Local for SlidingWindow {
 #[cfg(test)]
 mod tests {
     use super::super::{available, carry, share, take, Limits};
-    use crate::core::config::Algorithm;
+    use contract::Algorithm;
 
     fn sw(capacity: u64, period_ms: u64, instances: u64) -> Limits {
         Limits::local(

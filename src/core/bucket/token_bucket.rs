@@ -2,7 +2,7 @@
 //! `rate / divisor` per period. State: `level` micro-tokens held, `stamp` the last update (ms).
 
 use super::{div_ceil, to_u64, Limits, Local, State, MICRO};
-use crate::core::wire::BucketResult;
+use contract::take::BucketResult;
 
 pub(super) struct TokenBucket;
 
