@@ -694,13 +694,13 @@ pub fn remember<S: CasStore + ?Sized>(
         Outcome::Failed(_) => return,
     };
     // The number an answer reported is the one stored: read back only when none was reported
-    // (one shared-data read per answer fewer).
-    let sh = match crate::core::instance::take_heard() {
-        Some(heard) => Shares {
+    // (0; one shared-data read per answer fewer).
+    let sh = match resp.instances {
+        0 => Shares::of(cfg).learned(store),
+        heard => Shares {
             instances: learn(cfg, store, heard),
             ..Shares::of(cfg)
         },
-        None => Shares::of(cfg).learned(store),
     };
     for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {
         let l = limits_of(b, sh.instances);
@@ -937,6 +937,42 @@ mod tests {
         let t = prepared(10);
         learn(&cfg, &t, 1);
         assert_eq!(admitted(&t), 50);
+    }
+
+    #[test]
+    fn an_answer_teaches_the_count_it_carries() {
+        let cfg = Config::parse(
+            br#"{"service":{"cluster":"c"},"fallback":{"instances":4,"max_keys":10},
+                 "rules":[{"name":"a","capacity":100,"period_ms":1000}]}"#,
+        )
+        .unwrap();
+        let s = prepared(10);
+        let plan = Plan {
+            request: TakeRequest {
+                buckets: vec![bucket("k", 100)],
+            },
+            rules: vec![0],
+            debt: Vec::new(),
+            rls: None,
+        };
+        let answer = |body: &str| {
+            let resp = crate::core::wire::decode_json(body.as_bytes()).unwrap();
+            Outcome::Allowed(resp)
+        };
+        let body = |n: u64| {
+            format!(
+                r#"{{"allowed":true,"instances":{n},"buckets":[{{"allowed":true,"remaining":50,"retry_after_ms":0,"reset_after_ms":0,"limit":100,"granted":1}}]}}"#
+            )
+        };
+        let eight = answer(&body(8));
+        // Another answer decoded before the first is remembered does not speak for it.
+        let _five = answer(&body(5));
+        remember(&cfg, &plan, &eight, &[], &s, 0);
+        assert_eq!(learned_instances(&s), Some(8));
+        // An answer without a count leaves the learned one.
+        let none = Outcome::Allowed(crate::core::wire::decode_json(body(0).as_bytes()).unwrap());
+        remember(&cfg, &plan, &none, &[], &s, 0);
+        assert_eq!(learned_instances(&s), Some(8));
     }
 
     #[test]

@@ -39,12 +39,6 @@ fn as_this_vm<R>(f: impl FnOnce(&Sender<'_>) -> R) -> R {
     })
 }
 
-/// Records the live-instance count an answer carried.
-fn heard(r: TakeResponse) -> TakeResponse {
-    crate::core::instance::heard(r.instances);
-    r
-}
-
 /// Encodes a take as JSON (`POST /v1/take`).
 pub fn encode_json(req: &TakeRequest) -> Vec<u8> {
     as_this_vm(|s| json::encode_take(req, s))
@@ -67,22 +61,22 @@ pub fn encode_batch_proto(takes: &[&TakeRequest]) -> Vec<u8> {
 
 /// Decodes a JSON answer.
 pub fn decode_json(body: &[u8]) -> Result<TakeResponse, DecodeError> {
-    json::decode_answer(body).map(heard)
+    json::decode_answer(body)
 }
 
 /// Decodes a JSON batch answer: one answer per take, in order.
 pub fn decode_batch_json(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
-    json::decode_batch_answer(body).map(|v| v.into_iter().map(heard).collect())
+    json::decode_batch_answer(body)
 }
 
 /// Decodes a protobuf answer (`tollgate.v1.TakeResponse`).
 pub fn decode_proto(body: &[u8]) -> Result<TakeResponse, DecodeError> {
-    proto::decode_answer(body).map(heard)
+    proto::decode_answer(body)
 }
 
 /// Decodes a protobuf batch answer (`tollgate.v1.TakeBatchResponse`).
 pub fn decode_batch_proto(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
-    proto::decode_batch_answer(body).map(|v| v.into_iter().map(heard).collect())
+    proto::decode_batch_answer(body)
 }
 
 #[cfg(test)]
@@ -147,14 +141,16 @@ mod tests {
         assert_eq!(json, case["request_json"]);
         assert_eq!(pb, hex(case["request_pb_hex"].as_str().unwrap()));
         let resp = serde_json::to_vec(&case["response_json"]).unwrap();
-        assert_eq!(decode_batch_json(&resp).unwrap().len(), 1);
-        assert_eq!(crate::core::instance::take_heard(), Some(3));
+        let answers = decode_batch_json(&resp).unwrap();
+        assert_eq!(answers.len(), 1);
+        assert_eq!(answers[0].instances, 3);
         let resp = hex(case["response_pb_hex"].as_str().unwrap());
-        assert_eq!(decode_batch_proto(&resp).unwrap().len(), 1);
-        assert_eq!(crate::core::instance::take_heard(), Some(3));
+        let answers = decode_batch_proto(&resp).unwrap();
+        assert_eq!(answers.len(), 1);
+        assert_eq!(answers[0].instances, 3);
         let one = case_answer();
-        assert!(decode_json(&one.0).is_ok() && decode_proto(&one.1).is_ok());
-        assert_eq!(crate::core::instance::take_heard(), one.2);
+        assert_eq!(decode_json(&one.0).unwrap().instances, one.2.unwrap());
+        assert_eq!(decode_proto(&one.1).unwrap().instances, one.2.unwrap());
     }
 
     /// The answer of `rule_and_instance`, JSON and protobuf, and the count it carries.
