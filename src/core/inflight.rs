@@ -17,7 +17,7 @@
 //! Pure: the state machine in [`crate::core::flow`] drives it, the adapter moves the bytes.
 
 use crate::core::breaker::{self, Admission};
-use crate::core::config::{Config, FailureMode, Rule};
+use crate::core::config::{Config, FailureMode, InFlight};
 use crate::core::headers::{rate_limit_headers, retry_after};
 use crate::core::plan::{CalloutResult, LocalReply};
 use crate::core::rules::{keys, matches, Request};
@@ -28,39 +28,8 @@ use contract::fields;
 use contract::slots::{self, SlotWant};
 use serde_json::Value;
 
-/// Most requests in flight a concurrency rule may allow per key.
-pub const MAX_IN_FLIGHT: u64 = 1_000_000;
-/// Default slot deadline: a request that outlives it no longer holds its slot.
-pub const DEFAULT_DEADLINE_MS: u64 = 60_000;
-/// Shortest and longest slot deadline (the contract's bound is one day).
-pub const DEADLINE_MS: (u64, u64) = (100, contract::bounds::MAX_SLOT_TTL_MS);
 /// Shared-data table of the local fallback slots.
 pub const TABLE: &str = "tollgate.cc";
-
-/// A concurrency rule: the rule (conditions, key, shadow, response) and its slots.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InFlight {
-    /// Name, conditions, key, `on_missing`, `shadow` and `response` (`capacity` is `max`,
-    /// `period_ms` is `deadline_ms`; nothing else reads them).
-    pub rule: Rule,
-    /// Most requests per key in flight across the fleet.
-    pub max: u64,
-    /// A slot's lifetime: the slot of a request still running after it is freed anyway.
-    pub deadline_ms: u64,
-}
-
-/// Fields of a rate rule that a concurrency rule refuses.
-pub const RATE_ONLY: [&str; 9] = [
-    "capacity",
-    "rate",
-    "period_ms",
-    "cost",
-    "algorithm",
-    "lease",
-    "overrides",
-    "tiers",
-    "descriptor",
-];
 
 /// One slot a request asks for: the index of its rule in `Config::inflight`, and the key.
 #[derive(Debug, Clone, PartialEq, Eq)]
