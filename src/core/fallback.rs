@@ -63,10 +63,6 @@ pub use crate::core::table::Slot;
 use crate::core::table::{self, slot_of};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
-/// Shared-data tables of the fallback shares: one per table size, `tollgate.fb.<max_keys>` (a
-/// bucket's slot depends on the size, so a push that changes it starts a table of its own and
-/// reads what the earlier ones hold, [`Shares::previous`]).
-pub const TABLE: &str = "tollgate.fb";
 /// Shared-data key of the table sizes this Envoy's configurations used, newest first (at most 4,
 /// each 4 bytes little endian).
 pub const SIZES_KEY: &str = "tollgate.fb.sizes";
@@ -148,7 +144,7 @@ pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) -> u64 {
 
 /// The fallback table of `max_keys` slots.
 fn table_name(max_keys: u32) -> String {
-    format!("{TABLE}.{max_keys}")
+    format!("{}.{max_keys}", table::SHARES_TABLE)
 }
 
 /// The slot of a fallback bucket (in the table of `max_keys` slots). The identity covers the key
@@ -265,7 +261,7 @@ pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
         // A lease pool decodes anything that is not one of its own records as an empty pool.
         prepare_table(
             store,
-            crate::core::lease::TABLE,
+            table::POOLS_TABLE,
             cfg.fallback.max_keys,
             &table::vacant(),
         );

@@ -488,7 +488,12 @@ mod tests {
         fn default() -> Self {
             let store = FakeStore::default();
             crate::core::fallback::prepare(&store, 10_000);
-            crate::core::fallback::prepare_table(&store, crate::core::lease::TABLE, 10_000, &[0]);
+            crate::core::fallback::prepare_table(
+                &store,
+                crate::core::table::POOLS_TABLE,
+                10_000,
+                &[0],
+            );
             FakeHost {
                 store,
                 now: 0,

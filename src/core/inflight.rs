@@ -28,9 +28,6 @@ use contract::fields;
 use contract::slots::{self, SlotWant};
 use serde_json::Value;
 
-/// Shared-data table of the local fallback slots.
-pub const TABLE: &str = "tollgate.cc";
-
 /// One slot a request asks for: the index of its rule in `Config::inflight`, and the key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Want {
@@ -238,14 +235,18 @@ pub fn local_enabled(cfg: &Config) -> bool {
     cfg.failure_mode == FailureMode::Fallback && !cfg.inflight.is_empty()
 }
 
-/// The counter (in [`TABLE`]) of `key`: FNV-1a of the key, modulo the table size.
+/// The counter (in [`crate::core::table::SLOTS_TABLE`]) of `key`: FNV-1a of the key, modulo the table size.
 fn counter_of(cfg: &Config, key: &str) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in key.bytes() {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    format!("{TABLE}.{}", h % u64::from(cfg.fallback.max_keys.max(1)))
+    format!(
+        "{}.{}",
+        crate::core::table::SLOTS_TABLE,
+        h % u64::from(cfg.fallback.max_keys.max(1))
+    )
 }
 
 fn read_count(v: Option<&[u8]>) -> u64 {
@@ -700,7 +701,7 @@ mod tests {
         let w = plan(&c, &req("/slow", "u"));
         // Not prepared: nothing is held.
         assert_eq!(acquire_local(&c, &w, &s), Err(0));
-        crate::core::fallback::prepare_table(&s, TABLE, 16, &[0; 8]);
+        crate::core::fallback::prepare_table(&s, crate::core::table::SLOTS_TABLE, 16, &[0; 8]);
         let a = acquire_local(&c, &w, &s).unwrap();
         let b = acquire_local(&c, &w, &s).unwrap();
         assert_eq!(acquire_local(&c, &w, &s), Err(0), "4 / 2 proxies = 2 here");
@@ -714,7 +715,7 @@ mod tests {
         let c = cfg(r#","fallback":{"instances":1,"max_keys":16}"#);
         let s = FakeStore::default();
         let w = plan(&c, &req("/slow", "u"));
-        crate::core::fallback::prepare_table(&s, TABLE, 16, &[0; 8]);
+        crate::core::fallback::prepare_table(&s, crate::core::table::SLOTS_TABLE, 16, &[0; 8]);
         // The service counted 2 proxies: 4 / 2 = 2 here, not the configured 4 / 1.
         crate::core::fallback::learn(&c, &s, 2);
         assert!(acquire_local(&c, &w, &s).is_ok());
@@ -880,7 +881,7 @@ mod tests {
             acquire_fails: true,
             ..Fake::default()
         };
-        crate::core::fallback::prepare_table(&h.store, TABLE, 8, &[0; 8]);
+        crate::core::fallback::prepare_table(&h.store, crate::core::table::SLOTS_TABLE, 8, &[0; 8]);
         let mut flows: Vec<Flow> = (0..5).map(|_| Flow::default()).collect();
         let next: Vec<Next> = flows
             .iter_mut()

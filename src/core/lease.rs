@@ -47,8 +47,6 @@ use crate::core::store::{update, CasStore, Step};
 use crate::core::table::{self, Slot};
 use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
 
-/// Shared-data table of the pools.
-pub const TABLE: &str = "tollgate.lease";
 /// Words per pool record ([`table`]).
 const WORDS: usize = 11;
 /// Stored bytes per pool.
@@ -240,7 +238,7 @@ impl Sizing {
 /// limits, so a changed limit is another pool.
 pub fn slot(rule: &Rule, key: &str, max_keys: u32) -> Slot {
     let l = Limits::local(rule.capacity, rule.rate, rule.period_ms, rule.algorithm, 1);
-    fallback::slot_in(TABLE, key, &l, max_keys)
+    fallback::slot_in(table::POOLS_TABLE, key, &l, max_keys)
 }
 
 /// What one pool says about one request's cost.

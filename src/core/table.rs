@@ -26,6 +26,15 @@ pub const POOL: u8 = 0x12;
 /// The breaker's state ([`crate::core::breaker`]).
 pub const BREAKER: u8 = 0x13;
 
+/// Shared-data tables of the fallback shares: one per table size, `tollgate.fb.<max_keys>` (a
+/// bucket's slot depends on the size, so a push that changes it starts a table of its own and
+/// reads what the earlier ones hold, `fallback::Shares::previous`).
+pub const SHARES_TABLE: &str = "tollgate.fb";
+/// The lease pools' table.
+pub const POOLS_TABLE: &str = "tollgate.lease";
+/// The local fallback slots' table (concurrency rules; counters, not records).
+pub const SLOTS_TABLE: &str = "tollgate.cc";
+
 /// Length of the identity kept in a record.
 pub const ID_BYTES: usize = 16;
 

@@ -817,7 +817,7 @@ impl<A: Abi> Dispatcher<A> {
                     abi: &self.abi,
                     prefix: &prefix,
                 },
-                inflight::TABLE,
+                crate::core::table::SLOTS_TABLE,
                 config.fallback.max_keys,
                 &[0; 8],
             );
