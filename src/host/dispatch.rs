@@ -1032,11 +1032,13 @@ impl<A: Abi> Dispatcher<A> {
                     })
                 }
                 Some(Waiter::Acquire { .. }) => match &f.flow.slots {
-                    inflight::Slots::Acquiring { wants, slot, .. } => Some(Waiter::Orphan {
-                        plugin: p.clone(),
-                        slot: slot.clone(),
-                        keys: wants.iter().map(|w| w.key.clone()).collect(),
-                    }),
+                    crate::core::flow::Slots::Acquiring { wants, slot, .. } => {
+                        Some(Waiter::Orphan {
+                            plugin: p.clone(),
+                            slot: slot.clone(),
+                            keys: wants.iter().map(|w| w.key.clone()).collect(),
+                        })
+                    }
                     _ => Some(Waiter::Refund),
                 },
                 _ => None,
@@ -1052,7 +1054,10 @@ impl<A: Abi> Dispatcher<A> {
                 }
             }
         }
-        let holds = !matches!(f.flow.slots, inflight::Slots::None | inflight::Slots::Done);
+        let holds = !matches!(
+            f.flow.slots,
+            crate::core::flow::Slots::None | crate::core::flow::Slots::Done
+        );
         if holds {
             // The stream is over, however it ended: its concurrency slots go back now.
             let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);

@@ -31,6 +31,9 @@ use crate::core::store::CasStore;
 use crate::core::wire::TakeRequest;
 use log::debug;
 
+mod slots;
+pub use slots::Slots;
+
 /// What the state machine needs from the proxy.
 pub trait Host {
     /// The shared store (fallback buckets, breaker).
@@ -118,7 +121,7 @@ pub struct Flow {
     pub shadow_counts: Vec<(usize, RuleCount)>,
     /// Concurrency slots ([`crate::core::inflight`]): taken after the rate rules admitted the
     /// request, released by [`Flow::on_end`].
-    pub slots: crate::core::inflight::Slots,
+    pub slots: Slots,
     /// Rules charged by the response: what the admitted request reserved, settled when its
     /// stream ends ([`crate::core::settle`]).
     pub meter: Option<crate::core::settle::Meter>,
@@ -130,7 +133,7 @@ impl Default for Flow {
             phase: Phase::Idle,
             response_headers: Vec::new(),
             shadow_counts: Vec::new(),
-            slots: crate::core::inflight::Slots::None,
+            slots: Slots::None,
             meter: None,
         }
     }
