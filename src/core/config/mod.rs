@@ -8,10 +8,12 @@
 //! (contract/README.md), so the service never rejects what the filter accepted.
 //!
 //! - `model`: the validated configuration ([`Config`], [`Rule`], ...) and its bounds.
+//! - `rules`: a rule's fields, once: which exist and which kind of rule each belongs to.
 //! - `reader`: [`Config::parse`], the JSON walked by hand, every error naming its field.
 
 mod model;
 mod reader;
+pub mod rules;
 #[cfg(test)]
 mod tests;
 

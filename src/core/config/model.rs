@@ -512,16 +512,3 @@ pub struct InFlight {
     /// A slot's lifetime: the slot of a request still running after it is freed anyway.
     pub deadline_ms: u64,
 }
-
-/// Fields of a rate rule that a concurrency rule refuses.
-pub const RATE_ONLY: [&str; 9] = [
-    "capacity",
-    "rate",
-    "period_ms",
-    "cost",
-    "algorithm",
-    "lease",
-    "overrides",
-    "tiers",
-    "descriptor",
-];

@@ -1,6 +1,7 @@
 //! Reading the JSON plugin configuration into a [`Config`].
 
 use super::model::*;
+use super::rules;
 use serde_json::{Map, Value};
 
 fn err<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, ConfigError> {
@@ -426,34 +427,9 @@ fn read_rule(
     global_response: &Response,
     concurrency: bool,
 ) -> Result<Rule, ConfigError> {
-    let r = Obj::new(
-        v,
-        at,
-        &[
-            "name",
-            "match",
-            "key",
-            "on_missing",
-            "capacity",
-            "rate",
-            "period_ms",
-            "cost",
-            "algorithm",
-            "lease",
-            "overrides",
-            "tiers",
-            "shadow",
-            "response",
-            "descriptor",
-            "kind",
-            "max_in_flight",
-            "deadline_ms",
-            "charge",
-            "usage",
-        ],
-    )?;
+    let r = Obj::new(v, at, &rules::names())?;
     if concurrency {
-        for f in RATE_ONLY {
+        for f in rules::of_the_other_kind(true) {
             if r.get(f).is_some() {
                 return err(r.path(f), "not for a concurrency rule");
             }
@@ -502,7 +478,7 @@ fn read_rule(
     let capacity = if concurrency {
         r.int("max_in_flight", None, 1, MAX_IN_FLIGHT)?
     } else {
-        for f in ["max_in_flight", "deadline_ms"] {
+        for f in rules::of_the_other_kind(false) {
             if r.get(f).is_some() {
                 return err(r.path(f), "only for a rule of kind \"concurrency\"");
             }
