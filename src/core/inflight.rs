@@ -16,11 +16,11 @@
 //!
 //! Pure: the state machine in [`crate::core::flow`] drives it, the adapter moves the bytes.
 
+use crate::core::base::store::{self, CasStore};
 use crate::core::config::{Config, FailureMode, InFlight};
-use crate::core::headers::{rate_limit_headers, retry_after};
-use crate::core::plan::{CalloutResult, LocalReply};
+use crate::core::decide::headers::{rate_limit_headers, retry_after};
 use crate::core::rules::{keys, matches, Request};
-use crate::core::store::{self, CasStore};
+use crate::core::wire::plan::{CalloutResult, LocalReply};
 use crate::core::wire::BucketResult;
 use contract::bounds::SLOT_DENIED_RETRY_MS;
 use contract::fields;
@@ -53,8 +53,8 @@ pub fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
 /// A new slot id for an acquire: 32 hex digits, from the process's random hash keys (as the
 /// service draws its own): unique across proxies with overwhelming probability.
 pub fn new_slot_id() -> String {
-    let mut id = crate::core::instance::fresh();
-    id.push_str(&crate::core::instance::fresh());
+    let mut id = crate::core::wire::instance::fresh();
+    id.push_str(&crate::core::wire::instance::fresh());
     id
 }
 
@@ -62,7 +62,7 @@ pub fn new_slot_id() -> String {
 /// (so that the service counts this proxy among the live ones whatever its callouts are; the
 /// contract's hand-written encoder: serde_json's serializer would add tens of KiB to the module).
 pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
-    crate::core::instance::with_id(|instance| {
+    crate::core::wire::instance::with_id(|instance| {
         slots::encode_acquire(
             slot,
             instance,
@@ -80,7 +80,7 @@ pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
 
 /// The body of `POST /v1/release` for the slot `slot` of `keys`, with this VM's instance id.
 pub fn encode_release(slot: &str, keys: &[String]) -> Vec<u8> {
-    crate::core::instance::with_id(|instance| slots::encode_release(slot, instance, keys))
+    crate::core::wire::instance::with_id(|instance| slots::encode_release(slot, instance, keys))
 }
 
 /// What an acquire's callout came back with.
@@ -234,7 +234,7 @@ pub fn local_enabled(cfg: &Config) -> bool {
     cfg.failure_mode == FailureMode::Fallback && !cfg.inflight.is_empty()
 }
 
-/// The counter (in [`crate::core::table::SLOTS_TABLE`]) of `key`: FNV-1a of the key, modulo the table size.
+/// The counter (in [`crate::core::local::table::SLOTS_TABLE`]) of `key`: FNV-1a of the key, modulo the table size.
 fn counter_of(cfg: &Config, key: &str) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in key.bytes() {
@@ -243,7 +243,7 @@ fn counter_of(cfg: &Config, key: &str) -> String {
     }
     format!(
         "{}.{}",
-        crate::core::table::SLOTS_TABLE,
+        crate::core::local::table::SLOTS_TABLE,
         h % u64::from(cfg.fallback.max_keys.max(1))
     )
 }
@@ -263,7 +263,7 @@ pub fn acquire_local<S: CasStore + ?Sized>(
     store_: &S,
 ) -> Result<Vec<String>, usize> {
     let mut taken: Vec<String> = Vec::with_capacity(wants.len());
-    let n = crate::core::fallback::learned_instances(store_)
+    let n = crate::core::local::fallback::learned_instances(store_)
         .unwrap_or(cfg.fallback.instances.max(cfg.fallback.min_instances))
         .max(1);
     for (i, w) in wants.iter().enumerate() {
@@ -309,7 +309,7 @@ fn add<S: CasStore + ?Sized>(store_: &S, name: &str, up: bool, cap: u64) -> bool
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::base::store::fake::FakeStore;
 
     fn cfg(extra: &str) -> Config {
         let json = format!(
@@ -464,7 +464,12 @@ mod tests {
         let w = plan(&c, &req("/slow", "u"));
         // Not prepared: nothing is held.
         assert_eq!(acquire_local(&c, &w, &s), Err(0));
-        crate::core::fallback::prepare_table(&s, crate::core::table::SLOTS_TABLE, 16, &[0; 8]);
+        crate::core::local::fallback::prepare_table(
+            &s,
+            crate::core::local::table::SLOTS_TABLE,
+            16,
+            &[0; 8],
+        );
         let a = acquire_local(&c, &w, &s).unwrap();
         let b = acquire_local(&c, &w, &s).unwrap();
         assert_eq!(acquire_local(&c, &w, &s), Err(0), "4 / 2 proxies = 2 here");
@@ -478,9 +483,14 @@ mod tests {
         let c = cfg(r#","fallback":{"instances":1,"max_keys":16}"#);
         let s = FakeStore::default();
         let w = plan(&c, &req("/slow", "u"));
-        crate::core::fallback::prepare_table(&s, crate::core::table::SLOTS_TABLE, 16, &[0; 8]);
+        crate::core::local::fallback::prepare_table(
+            &s,
+            crate::core::local::table::SLOTS_TABLE,
+            16,
+            &[0; 8],
+        );
         // The service counted 2 proxies: 4 / 2 = 2 here, not the configured 4 / 1.
-        crate::core::fallback::learn(&c, &s, 2);
+        crate::core::local::fallback::learn(&c, &s, 2);
         assert!(acquire_local(&c, &w, &s).is_ok());
         assert!(acquire_local(&c, &w, &s).is_ok());
         assert_eq!(acquire_local(&c, &w, &s), Err(0));
@@ -506,7 +516,11 @@ mod tests {
         fn now_ms(&self) -> u64 {
             0
         }
-        fn dispatch(&mut self, _: &Config, _: &crate::core::plan::Plan) -> Result<u32, String> {
+        fn dispatch(
+            &mut self,
+            _: &Config,
+            _: &crate::core::wire::plan::Plan,
+        ) -> Result<u32, String> {
             Ok(100)
         }
         fn resume(&mut self) {
@@ -515,15 +529,15 @@ mod tests {
         fn reply(&mut self, r: &LocalReply) {
             self.replies.push(r.clone());
         }
-        fn count(&mut self, _: crate::core::plan::Decision) {}
-        fn count_rule(&mut self, _: usize, _: crate::core::plan::RuleCount) {}
-        fn count_failure(&mut self, _: crate::core::plan::Cause) {}
-        fn breaker_event(&mut self, _: crate::core::breaker::Event) {}
-        fn count_lease(&mut self, _: crate::core::lease::Count, _: u64) {}
+        fn count(&mut self, _: crate::core::wire::plan::Decision) {}
+        fn count_rule(&mut self, _: usize, _: crate::core::wire::plan::RuleCount) {}
+        fn count_failure(&mut self, _: crate::core::wire::plan::Cause) {}
+        fn breaker_event(&mut self, _: crate::core::local::breaker::Event) {}
+        fn count_lease(&mut self, _: crate::core::local::lease::Count, _: u64) {}
         fn dispatch_refill(
             &mut self,
             _: &Config,
-            _: crate::core::plan::Plan,
+            _: crate::core::wire::plan::Plan,
         ) -> Result<(), String> {
             Ok(())
         }
@@ -644,7 +658,12 @@ mod tests {
             acquire_fails: true,
             ..Fake::default()
         };
-        crate::core::fallback::prepare_table(&h.store, crate::core::table::SLOTS_TABLE, 8, &[0; 8]);
+        crate::core::local::fallback::prepare_table(
+            &h.store,
+            crate::core::local::table::SLOTS_TABLE,
+            8,
+            &[0; 8],
+        );
         let mut flows: Vec<Flow> = (0..5).map(|_| Flow::default()).collect();
         let next: Vec<Next> = flows
             .iter_mut()

@@ -184,7 +184,7 @@ pub struct Rule {
     pub charge: Option<Charge>,
 }
 
-/// Where a rule charged by the response reads what it used ([`crate::core::usage`]).
+/// Where a rule charged by the response reads what it used ([`crate::core::settle::usage`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Charge {
     /// A response header that holds the count (lower case); read before the body.
@@ -338,7 +338,7 @@ pub struct Tiers {
 }
 
 /// Lease mode of a rule: the proxy asks the service for tokens in batches and admits later
-/// requests from that local pool, shared by its worker threads (see [`crate::core::lease`]).
+/// requests from that local pool, shared by its worker threads (see [`crate::core::local::lease`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
     /// Most tokens a proxy holds for one key (1..=capacity); `None`: adaptive, about what the key
@@ -442,7 +442,7 @@ impl Cost {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fallback {
     /// Proxies sharing the global limit: each local bucket gets capacity/instances, rate/instances.
-    /// Used until the service reports the live instances (`crate::core::instance`), which then
+    /// Used until the service reports the live instances (`crate::core::wire::instance`), which then
     /// replace it.
     pub instances: u64,
     /// The floor of the number of proxies a limit is split by, whatever the service reports.
@@ -454,7 +454,7 @@ pub struct Fallback {
     pub debt_horizon_ms: u64,
     /// The table sizes earlier configurations of this Envoy used, newest first (0: none): not
     /// read from the JSON but learned when the configuration is applied
-    /// ([`crate::core::fallback::prepare_for`]), so that a share or a debt recorded under another
+    /// ([`crate::core::local::fallback::prepare_for`]), so that a share or a debt recorded under another
     /// `max_keys` is carried over instead of starting afresh.
     pub previous_max_keys: [u32; 3],
 }

@@ -12,22 +12,22 @@
 //! synchronous failure is decided on the spot, and a stream that was never paused is never
 //! resumed. A reply for another token (or a second reply) is ignored.
 //!
-//! Lease mode ([`crate::core::lease`]) sits in front of the callout: when the pools of every
+//! Lease mode ([`crate::core::local::lease`]) sits in front of the callout: when the pools of every
 //! bucket can pay (or one holds a cached denial) the request is decided on the spot; otherwise the
 //! callout carries `lease` on the buckets this request refills, and its outcome (whatever it is,
 //! the breaker's refusal and a dispatch error included) is settled into the pools before the
 //! verdict.
 
-use crate::core::breaker::{self, Admission, Event};
+use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::decide;
-use crate::core::fallback;
-use crate::core::lease::{self, Count, Local};
-use crate::core::plan::{
+use crate::core::local::breaker::{self, Admission, Event};
+use crate::core::local::fallback;
+use crate::core::local::lease::{self, Count, Local};
+use crate::core::rules::Request;
+use crate::core::wire::plan::{
     Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step,
 };
-use crate::core::rules::Request;
-use crate::core::store::CasStore;
 use crate::core::wire::TakeRequest;
 use log::debug;
 
@@ -465,7 +465,7 @@ pub fn on_refill_result<H: Host>(cfg: &Config, plan: &Plan, result: CalloutResul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::base::store::fake::FakeStore;
 
     struct FakeHost {
         store: FakeStore,
@@ -490,10 +490,10 @@ mod tests {
         /// A host whose shared tables were prepared, as `on_configure` does.
         fn default() -> Self {
             let store = FakeStore::default();
-            crate::core::fallback::prepare(&store, 10_000);
-            crate::core::fallback::prepare_table(
+            crate::core::local::fallback::prepare(&store, 10_000);
+            crate::core::local::fallback::prepare_table(
                 &store,
-                crate::core::table::POOLS_TABLE,
+                crate::core::local::table::POOLS_TABLE,
                 10_000,
                 &[0],
             );

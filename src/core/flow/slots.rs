@@ -3,14 +3,14 @@
 //! ([`crate::core::inflight`] holds the slots' bodies, answers and local counters).
 
 use super::{Host, Next};
-use crate::core::breaker::{self, Admission};
 use crate::core::config::{Config, FailureMode};
 use crate::core::inflight::{
     acquire_local, denial, encode_acquire, encode_release, interpret, new_slot_id, plan,
     release_local, Acquired, Count, Want,
 };
-use crate::core::plan::CalloutResult;
+use crate::core::local::breaker::{self, Admission};
 use crate::core::rules::Request;
+use crate::core::wire::plan::CalloutResult;
 use contract::bounds::SLOT_DENIED_RETRY_MS;
 
 /// A request's concurrency slots, driven by [`super::Flow`].

@@ -1,6 +1,6 @@
 //! Local bucket math, in integer micro-tokens: one module per algorithm behind one trait
-//! ([`Local`]), shared by the fallback shares ([`crate::core::fallback`]) and the lease pools
-//! ([`crate::core::lease`]), which call the functions below and know no algorithm's internals.
+//! ([`Local`]), shared by the fallback shares ([`crate::core::local::fallback`]) and the lease pools
+//! ([`crate::core::local::lease`]), which call the functions below and know no algorithm's internals.
 //!
 //! The same algorithms as the service (contract/README.md), scaled for one of `instances`
 //! proxies: capacity is `floor(capacity / instances)` and the refill rate is exactly

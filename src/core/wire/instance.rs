@@ -9,7 +9,7 @@
 //!
 //! **The count.** Every answer carries the deployment's live instances (`instances`); after each
 //! answer the fallback stores it in shared data for every worker of this Envoy
-//! (`crate::core::fallback`), which splits limits by it.
+//! (`crate::core::local::fallback`), which splits limits by it.
 //!
 //! The id is kept per VM in a thread-local (a VM is one thread): a constant of the VM the codec
 //! adds to what it encodes. Passing it through the wire structs instead would touch every place
@@ -19,7 +19,7 @@
 use std::cell::RefCell;
 use std::hash::{BuildHasher, Hasher};
 
-use crate::core::store::CasStore;
+use crate::core::base::store::CasStore;
 
 /// Shared-data key of this Envoy's instance id.
 pub const ID_KEY: &str = "tollgate.instance";
@@ -41,7 +41,7 @@ pub fn fresh() -> String {
     let n = h.finish();
     (0..ID_LEN)
         .rev()
-        .map(|i| crate::core::hash::hex_digit(((n >> (4 * i)) & 0xf) as u8, false))
+        .map(|i| crate::core::base::hash::hex_digit(((n >> (4 * i)) & 0xf) as u8, false))
         .collect()
 }
 
@@ -78,7 +78,7 @@ pub fn with_id<R>(f: impl FnOnce(Option<&str>) -> R) -> R {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::base::store::fake::FakeStore;
 
     #[test]
     fn one_id_per_envoy() {

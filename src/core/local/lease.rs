@@ -39,12 +39,12 @@
 //! [`refilled`] and [`rescue`] (after it) over a request's [`Plan`]; [`Chores`], the callouts they
 //! leave to send; [`Count`], the lease metrics.
 
-use crate::core::bucket::{self, Limits};
+use crate::core::base::store::{update, CasStore, Step};
 use crate::core::config::{Config, Lease, Rule};
-use crate::core::fallback::{self, learned_instances};
-use crate::core::plan::{Outcome, Plan};
-use crate::core::store::{update, CasStore, Step};
-use crate::core::table::{self, Slot};
+use crate::core::local::bucket::{self, Limits};
+use crate::core::local::fallback::{self, learned_instances};
+use crate::core::local::table::{self, Slot};
+use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
 
 /// Words per pool record ([`table`]).
@@ -970,10 +970,10 @@ pub fn abandon<S: CasStore + ?Sized>(cfg: &Config, plan: &Plan, store: &S) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::base::store::fake::FakeStore;
     use crate::core::decide::decide;
-    use crate::core::plan::Step as DecideStep;
     use crate::core::rules::Request;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::wire::plan::Step as DecideStep;
 
     /// A fixed size of 8, claims holding 70 ms.
     const L: Sizing = Sizing {
@@ -1191,7 +1191,7 @@ mod tests {
         assert_eq!(stored(&s, &sl).tokens, 0);
         // Not stored (contention): nothing reclaimed, the tokens stay where they are.
         deposit(&s, &sl, 3, &answer(true, 3, 0), 1001, 2000, 0);
-        s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
+        s.conflicts.set(crate::core::base::store::MAX_CAS_ATTEMPTS);
         assert_eq!(reclaim(&s, &sl, 2000), 0);
         assert_eq!(reclaim(&s, &sl, 2000), 3);
     }
@@ -1337,7 +1337,7 @@ mod tests {
         let s = FakeStore::default();
         let sl = the_slot();
         deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000, 0);
-        s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
+        s.conflicts.set(crate::core::base::store::MAX_CAS_ATTEMPTS);
         assert_eq!(take(&s, &sl, &L, 100, 1, 1).0, Take::Ask(None));
         let mut n = 0;
         while let Take::Hit(..) = take(&s, &sl, &L, 100, 1, 2).0 {
@@ -1444,7 +1444,7 @@ mod tests {
         refilled(
             &c,
             r,
-            &Outcome::Failed(crate::core::plan::Cause::Timeout),
+            &Outcome::Failed(crate::core::wire::plan::Cause::Timeout),
             &s,
             2,
         );
@@ -1579,7 +1579,7 @@ mod tests {
         settle(
             &c,
             &p,
-            &Outcome::Failed(crate::core::plan::Cause::Timeout),
+            &Outcome::Failed(crate::core::wire::plan::Cause::Timeout),
             &s,
             0,
         );

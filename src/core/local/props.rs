@@ -9,11 +9,11 @@
 //!   than `capacity + rate × t` (local terms) over the run, whatever evicts it or answers say;
 //! - a lease pool never pays out more tokens than were deposited into it.
 
-use crate::core::bucket::{Limits, MICRO};
+use crate::core::base::store::fake::FakeStore;
 use crate::core::config::{Algorithm, Lease};
-use crate::core::fallback::{self, Shares};
-use crate::core::lease;
-use crate::core::store::fake::FakeStore;
+use crate::core::local::bucket::{Limits, MICRO};
+use crate::core::local::fallback::{self, Shares};
+use crate::core::local::lease;
 use crate::core::wire::BucketResult;
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -162,10 +162,10 @@ proptest! {
         max_keys in 1u32..3,
     ) {
         let store = FakeStore::default();
-        fallback::prepare_table(&store, crate::core::table::POOLS_TABLE, max_keys, &[0]);
+        fallback::prepare_table(&store, crate::core::local::table::POOLS_TABLE, max_keys, &[0]);
         let rule_l = Limits::local(100, 100, 10_000, Algorithm::TokenBucket, 1);
         let slots: Vec<_> = (0..3)
-            .map(|k| fallback::slot_in(crate::core::table::POOLS_TABLE, &format!("k{k}"), &rule_l, max_keys))
+            .map(|k| fallback::slot_in(crate::core::local::table::POOLS_TABLE, &format!("k{k}"), &rule_l, max_keys))
             .collect();
         let size = lease::Sizing { lease: Lease { size: Some(20), max_age_ms: 1_000 }, capacity: 100, instances: 1, claim_ms: 50 };
         let mut now = 1_000_000u64;

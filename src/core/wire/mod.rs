@@ -1,10 +1,23 @@
 //! The filter's side of the wire contract (contract/README.md): the contract crate's take and
-//! answer, sent with this VM's instance id and its buckets' rule names, the live-instance count
-//! of every answer recorded ([`crate::core::instance`]); and Envoy's RLS v3 for transport `rls`,
-//! mapped onto the same take.
+//! answer, sent with this VM's instance id ([`instance`]) and its buckets' rule names; and Envoy's
+//! RLS v3 for transport `rls`, mapped onto the same take.
 //!
 //! The contract's codecs (JSON for the HTTP transport, hand-written protobuf for gRPC) are the
 //! `contract` crate's, tested there byte for byte against contract/fixtures/cases.json.
+//!
+//! What a callout carries, the layer above the configuration:
+//! - `plan`: the plain data of a decision (the plan, a callout's result, the outcome, the
+//!   verdict).
+//! - `instance`: this Envoy's instance id, sent with every take.
+//! - `callout`: every callout encoded for the adapter (a take or batch, acquire, release, refund,
+//!   settle).
+//! - `batch`: group commit: the queue behind a configuration's callout, bounded by count and
+//!   bytes, and a batch answer split back onto its takes.
+
+pub mod batch;
+pub mod callout;
+pub mod instance;
+pub mod plan;
 
 use contract::proto::{put_bytes, put_u64, Field as Value, Reader};
 use contract::{json, proto, Sender};
@@ -28,9 +41,9 @@ fn bucket_rule(b: &Bucket) -> Option<&str> {
 }
 
 /// Runs `f` with this VM as the sender: only a VM with an instance id sends it and the buckets'
-/// rule names ([`crate::core::instance`]).
+/// rule names ([`crate::core::wire::instance`]).
 fn as_this_vm<R>(f: impl FnOnce(&Sender<'_>) -> R) -> R {
-    crate::core::instance::with_id(|id| match id {
+    crate::core::wire::instance::with_id(|id| match id {
         Some(_) => f(&Sender {
             instance: id,
             rule: bucket_rule,
@@ -92,7 +105,7 @@ mod tests {
     }
 
     fn case(list: &str, name: &str) -> Json {
-        let text = include_str!("../../contract/fixtures/cases.json");
+        let text = include_str!("../../../contract/fixtures/cases.json");
         let v: Json = serde_json::from_str(text).unwrap();
         v[list]
             .as_array()
@@ -111,10 +124,10 @@ mod tests {
     fn a_vm_with_an_id_sends_it_and_the_rule_names() {
         let case = case("cases", "rule_and_instance");
         let req = request_from_json(&case["request_json"]);
-        crate::core::instance::set_id(case["request_json"]["instance"].as_str());
+        crate::core::wire::instance::set_id(case["request_json"]["instance"].as_str());
         let json: Json = serde_json::from_slice(&encode_json(&req)).unwrap();
         let pb = encode_proto(&req);
-        crate::core::instance::set_id(None);
+        crate::core::wire::instance::set_id(None);
         assert_eq!(json, case["request_json"]);
         assert_eq!(pb, hex(case["request_pb_hex"].as_str().unwrap()));
         // Without an id: neither.
@@ -134,10 +147,10 @@ mod tests {
             .map(request_from_json)
             .collect();
         let refs: Vec<&TakeRequest> = takes.iter().collect();
-        crate::core::instance::set_id(case["request_json"]["instance"].as_str());
+        crate::core::wire::instance::set_id(case["request_json"]["instance"].as_str());
         let json: Json = serde_json::from_slice(&encode_batch_json(&refs)).unwrap();
         let pb = encode_batch_proto(&refs);
-        crate::core::instance::set_id(None);
+        crate::core::wire::instance::set_id(None);
         assert_eq!(json, case["request_json"]);
         assert_eq!(pb, hex(case["request_pb_hex"].as_str().unwrap()));
         let resp = serde_json::to_vec(&case["response_json"]).unwrap();
