@@ -17,6 +17,8 @@
 //! callout carries `lease` on the buckets this request refills, and its outcome (whatever it is,
 //! the breaker's refusal and a dispatch error included) is settled into the pools before the
 //! verdict.
+//!
+//! `slots`: a request's concurrency slots ([`crate::core::inflight`]) as the flow drives them.
 
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
