@@ -26,7 +26,7 @@ def write(target, name, data):
 
 
 def hostmap(pairs):
-    """The host's header map format (src/core/hostmap.rs)."""
+    """The host's header map format (src/core/base/hostmap.rs)."""
     pairs = [(k.encode() if isinstance(k, str) else k, v.encode() if isinstance(v, str) else v)
              for k, v in pairs]
     out = struct.pack("<I", len(pairs))

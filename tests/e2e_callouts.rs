@@ -22,7 +22,7 @@ use common::*;
 use serde_json::json;
 use std::thread;
 use std::time::{Duration, Instant};
-use tollgate::core::plan::Decision;
+use tollgate::core::wire::plan::Decision;
 
 both_transports!(clients_that_disconnect_mid_callout_leave_envoy_flat);
 

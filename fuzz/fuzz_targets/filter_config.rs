@@ -5,8 +5,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use tollgate::core::config::{
-    Config, Cost, HeaderMatch, KeyPart, PathMatch, MAX_KEY_PARTS, MAX_NAME_LEN, MAX_PERIOD_MS,
-    MAX_RULES, MAX_TOKENS,
+    Config, Cost, HeaderMatch, KeyPart, PathMatch, MAX_KEY_PARTS, MAX_RULE_BYTES, MAX_PERIOD_MS,
+    MAX_BUCKETS, MAX_AMOUNT,
 };
 use tollgate::core::rules::keys::{build_key, MAX_KEY_BYTES};
 use tollgate::core::rules::Request;
@@ -22,9 +22,9 @@ fn check(cfg: &Config) {
         assert!(!t.is_empty() && t.len() <= 4096 && header_value_safe(t));
     }
     assert!(cfg.trusted_hops <= 16);
-    assert!((1..=MAX_RULES).contains(&cfg.rules.len()));
+    assert!((1..=MAX_BUCKETS).contains(&cfg.rules.len()));
     for (i, r) in cfg.rules.iter().enumerate() {
-        assert!(!r.name.is_empty() && r.name.len() <= MAX_NAME_LEN);
+        assert!(!r.name.is_empty() && r.name.len() <= MAX_RULE_BYTES);
         assert!(
             !r.name.contains('|'),
             "a rule name would break the key layout"
@@ -34,14 +34,14 @@ fn check(cfg: &Config) {
             "duplicate name"
         );
         assert!(r.key.len() <= MAX_KEY_PARTS);
-        assert!((1..=MAX_TOKENS).contains(&r.capacity));
-        assert!((1..=MAX_TOKENS).contains(&r.rate));
+        assert!((1..=MAX_AMOUNT).contains(&r.capacity));
+        assert!((1..=MAX_AMOUNT).contains(&r.rate));
         assert!((1..=MAX_PERIOD_MS).contains(&r.period_ms));
         match &r.cost {
-            Cost::Fixed(c) => assert!((1..=MAX_TOKENS).contains(c)),
+            Cost::Fixed(c) => assert!((1..=MAX_AMOUNT).contains(c)),
             Cost::Header { name, default, max } => {
                 assert!(header_name_safe(name));
-                assert!(1 <= *default && default <= max && *max <= MAX_TOKENS);
+                assert!(1 <= *default && default <= max && *max <= MAX_AMOUNT);
             }
         }
         if let Some(l) = &r.lease {

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tollgate::core::hostmap::{parse, serialize};
+use tollgate::core::base::hostmap::{parse, serialize};
 use tollgate_fuzz::hostmap_bytes;
 
 fuzz_target!(|data: &[u8]| {

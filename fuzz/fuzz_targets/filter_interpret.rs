@@ -15,8 +15,8 @@ use std::sync::OnceLock;
 use libfuzzer_sys::fuzz_target;
 use tollgate::core::config::{Config, HeaderStyle, KeyPart, Match};
 use tollgate::core::decide::{decide, interpret};
-use tollgate::core::headers::{rate_limit_headers, retry_after};
-use tollgate::core::plan::{CalloutResult, Outcome, Plan, Step};
+use tollgate::core::decide::headers::{rate_limit_headers, retry_after};
+use tollgate::core::wire::plan::{CalloutResult, Outcome, Plan, Step};
 use tollgate::core::rules::Request;
 use tollgate_fuzz::{configs, header_name_safe, header_value_safe};
 

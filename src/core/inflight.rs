@@ -16,53 +16,16 @@
 //!
 //! Pure: the state machine in [`crate::core::flow`] drives it, the adapter moves the bytes.
 
-use crate::core::breaker::{self, Admission};
-use crate::core::config::{Config, FailureMode, Rule};
-use crate::core::headers::{rate_limit_headers, retry_after};
-use crate::core::plan::{CalloutResult, LocalReply};
+use crate::core::base::store::{self, CasStore};
+use crate::core::config::{Config, FailureMode, InFlight};
+use crate::core::decide::headers::{rate_limit_headers, retry_after};
 use crate::core::rules::{keys, matches, Request};
-use crate::core::store::{self, CasStore};
+use crate::core::wire::plan::{CalloutResult, LocalReply};
 use crate::core::wire::BucketResult;
+use contract::bounds::SLOT_DENIED_RETRY_MS;
 use contract::fields;
 use contract::slots::{self, SlotWant};
 use serde_json::Value;
-
-/// Most requests in flight a concurrency rule may allow per key.
-pub const MAX_IN_FLIGHT: u64 = 1_000_000;
-/// Default slot deadline: a request that outlives it no longer holds its slot.
-pub const DEFAULT_DEADLINE_MS: u64 = 60_000;
-/// Shortest and longest slot deadline (the contract's bound is one day).
-pub const DEADLINE_MS: (u64, u64) = (100, contract::bounds::MAX_SLOT_TTL_MS);
-/// Shared-data table of the local fallback slots.
-pub const TABLE: &str = "tollgate.cc";
-/// What a denial asks the client to wait when the service gave no better figure (the service's
-/// own most).
-pub use contract::bounds::SLOT_DENIED_RETRY_MS as DENIED_RETRY_MS;
-
-/// A concurrency rule: the rule (conditions, key, shadow, response) and its slots.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InFlight {
-    /// Name, conditions, key, `on_missing`, `shadow` and `response` (`capacity` is `max`,
-    /// `period_ms` is `deadline_ms`; nothing else reads them).
-    pub rule: Rule,
-    /// Most requests per key in flight across the fleet.
-    pub max: u64,
-    /// A slot's lifetime: the slot of a request still running after it is freed anyway.
-    pub deadline_ms: u64,
-}
-
-/// Fields of a rate rule that a concurrency rule refuses.
-pub const RATE_ONLY: [&str; 9] = [
-    "capacity",
-    "rate",
-    "period_ms",
-    "cost",
-    "algorithm",
-    "lease",
-    "overrides",
-    "tiers",
-    "descriptor",
-];
 
 /// One slot a request asks for: the index of its rule in `Config::inflight`, and the key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,8 +53,8 @@ pub fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
 /// A new slot id for an acquire: 32 hex digits, from the process's random hash keys (as the
 /// service draws its own): unique across proxies with overwhelming probability.
 pub fn new_slot_id() -> String {
-    let mut id = crate::core::instance::fresh();
-    id.push_str(&crate::core::instance::fresh());
+    let mut id = crate::core::wire::instance::fresh();
+    id.push_str(&crate::core::wire::instance::fresh());
     id
 }
 
@@ -99,7 +62,7 @@ pub fn new_slot_id() -> String {
 /// (so that the service counts this proxy among the live ones whatever its callouts are; the
 /// contract's hand-written encoder: serde_json's serializer would add tens of KiB to the module).
 pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
-    crate::core::instance::with_id(|instance| {
+    crate::core::wire::instance::with_id(|instance| {
         slots::encode_acquire(
             slot,
             instance,
@@ -117,7 +80,7 @@ pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
 
 /// The body of `POST /v1/release` for the slot `slot` of `keys`, with this VM's instance id.
 pub fn encode_release(slot: &str, keys: &[String]) -> Vec<u8> {
-    crate::core::instance::with_id(|instance| slots::encode_release(slot, instance, keys))
+    crate::core::wire::instance::with_id(|instance| slots::encode_release(slot, instance, keys))
 }
 
 /// What an acquire's callout came back with.
@@ -170,7 +133,7 @@ pub fn interpret(result: &CalloutResult, n: usize) -> Acquired {
                 .iter()
                 .filter_map(|&i| buckets.get(i)?.get(fields::RETRY_AFTER_MS)?.as_u64())
                 .max()
-                .unwrap_or(DENIED_RETRY_MS);
+                .unwrap_or(SLOT_DENIED_RETRY_MS);
             Acquired::Denied(full, wait)
         }
         _ => Acquired::Failed,
@@ -271,14 +234,18 @@ pub fn local_enabled(cfg: &Config) -> bool {
     cfg.failure_mode == FailureMode::Fallback && !cfg.inflight.is_empty()
 }
 
-/// The counter (in [`TABLE`]) of `key`: FNV-1a of the key, modulo the table size.
+/// The counter (in [`crate::core::local::table::SLOTS_TABLE`]) of `key`: FNV-1a of the key, modulo the table size.
 fn counter_of(cfg: &Config, key: &str) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in key.bytes() {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    format!("{TABLE}.{}", h % u64::from(cfg.fallback.max_keys.max(1)))
+    format!(
+        "{}.{}",
+        crate::core::local::table::SLOTS_TABLE,
+        h % u64::from(cfg.fallback.max_keys.max(1))
+    )
 }
 
 fn read_count(v: Option<&[u8]>) -> u64 {
@@ -296,7 +263,7 @@ pub fn acquire_local<S: CasStore + ?Sized>(
     store_: &S,
 ) -> Result<Vec<String>, usize> {
     let mut taken: Vec<String> = Vec::with_capacity(wants.len());
-    let n = crate::core::fallback::learned_instances(store_)
+    let n = crate::core::local::fallback::learned_instances(store_)
         .unwrap_or(cfg.fallback.instances.max(cfg.fallback.min_instances))
         .max(1);
     for (i, w) in wants.iter().enumerate() {
@@ -339,246 +306,10 @@ fn add<S: CasStore + ?Sized>(store_: &S, name: &str, up: bool, cap: u64) -> bool
     u.stored && u.value
 }
 
-/// A request's concurrency slots, driven by [`crate::core::flow::Flow`].
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum Slots {
-    /// No concurrency rule applies (or the request was decided without a slot).
-    #[default]
-    None,
-    /// Slots to take once the rate rules admitted the request.
-    Wanted(Vec<Want>),
-    /// Paused, waiting for the acquire callout `token`.
-    Acquiring {
-        /// Callout token.
-        token: u32,
-        /// The id this proxy gave the slots it asked for: what a release names even when the
-        /// answer never arrives (the service may have taken them before the callout timed out).
-        slot: String,
-        /// What was asked.
-        wants: Vec<Want>,
-        /// Whether this callout is the breaker's probe.
-        probe: bool,
-    },
-    /// Held at the service under `slot`; released when the stream ends.
-    Held {
-        /// Slot id.
-        slot: String,
-        /// The keys it holds.
-        keys: Vec<String>,
-    },
-    /// Held locally (fallback): the shared counters to give back when the stream ends.
-    Local(Vec<String>),
-    /// Released (or never held): nothing more to do.
-    Done,
-}
-
-use crate::core::flow::{Host, Next};
-
-impl Slots {
-    /// Notes the slots `req` needs.
-    pub fn plan(&mut self, cfg: &Config, req: &Request) {
-        if cfg.inflight.is_empty() {
-            return;
-        }
-        let wants = plan(cfg, req);
-        if !wants.is_empty() {
-            *self = Slots::Wanted(wants);
-        }
-    }
-
-    /// Whether slots are still to be taken.
-    pub fn wanted(&self) -> bool {
-        matches!(self, Slots::Wanted(_))
-    }
-
-    /// The acquire callout this request waits for.
-    pub fn token(&self) -> Option<u32> {
-        match self {
-            Slots::Acquiring { token, .. } => Some(*token),
-            _ => None,
-        }
-    }
-
-    /// Asks the service for the wanted slots (`paused`: whether the stream is paused already).
-    pub fn acquire<H: Host>(&mut self, cfg: &Config, paused: bool, host: &mut H) -> Next {
-        let Slots::Wanted(wants) = std::mem::replace(self, Slots::Done) else {
-            return allow(paused, host);
-        };
-        // The breaker the takes feed: while it is open, no acquire is sent either.
-        let (admission, _) = breaker::admit_shared(host.store(), &cfg.breaker, host.now_ms());
-        if admission == Admission::Reject {
-            return self.failed(cfg, &wants, paused, host);
-        }
-        let probe = admission == Admission::Probe;
-        let slot = new_slot_id();
-        match host.acquire(cfg, &encode_acquire(cfg, &slot, &wants)) {
-            Ok(token) => {
-                *self = Slots::Acquiring {
-                    token,
-                    slot,
-                    wants,
-                    probe,
-                };
-                Next::Pause
-            }
-            Err(_) => {
-                record(cfg, false, probe, host);
-                self.failed(cfg, &wants, paused, host)
-            }
-        }
-    }
-
-    /// The acquire callout `token` ended with `result` (the stream is paused on it).
-    pub fn on_result<H: Host>(
-        &mut self,
-        cfg: &Config,
-        token: u32,
-        result: &CalloutResult,
-        host: &mut H,
-    ) {
-        if self.token() != Some(token) {
-            return;
-        }
-        let Slots::Acquiring {
-            wants, probe, slot, ..
-        } = std::mem::replace(self, Slots::Done)
-        else {
-            return;
-        };
-        let acquired = interpret(result, wants.len());
-        record(cfg, acquired != Acquired::Failed, probe, host);
-        match acquired {
-            Acquired::Held(slot) => {
-                host.count_inflight(Count::Acquired);
-                *self = Slots::Held {
-                    slot,
-                    keys: wants.into_iter().map(|w| w.key).collect(),
-                };
-                host.resume();
-            }
-            Acquired::Denied(full, wait) => {
-                let rules: Vec<usize> = full
-                    .iter()
-                    .filter_map(|&i| wants.get(i).map(|w| w.rule))
-                    .collect();
-                deny_or_shadow(cfg, &rules, wait, true, host, Count::Limited);
-            }
-            Acquired::Failed => {
-                // The service may have taken the slots before the answer was lost (a timeout):
-                // they are released by name, or they would count until their deadline.
-                let keys: Vec<String> = wants.iter().map(|w| w.key.clone()).collect();
-                if !host.release(cfg, &encode_release(&slot, &keys)) {
-                    host.count_inflight(Count::ReleaseFailed);
-                }
-                self.failed(cfg, &wants, true, host);
-            }
-        }
-    }
-
-    /// No answer from the service: the failure mode decides.
-    fn failed<H: Host>(
-        &mut self,
-        cfg: &Config,
-        wants: &[Want],
-        paused: bool,
-        host: &mut H,
-    ) -> Next {
-        let rules: Vec<usize> = wants.iter().map(|w| w.rule).collect();
-        match cfg.failure_mode {
-            FailureMode::Allow => {
-                host.count_inflight(Count::FailureOpen);
-                allow(paused, host)
-            }
-            FailureMode::Deny => deny_or_shadow(
-                cfg,
-                &rules,
-                DENIED_RETRY_MS,
-                paused,
-                host,
-                Count::FailureClosed,
-            ),
-            FailureMode::Fallback => match acquire_local(cfg, wants, host.store()) {
-                Ok(counters) => {
-                    host.count_inflight(Count::FallbackAcquired);
-                    *self = Slots::Local(counters);
-                    allow(paused, host)
-                }
-                Err(i) => {
-                    let rule: Vec<usize> = wants.get(i).map(|w| w.rule).into_iter().collect();
-                    deny_or_shadow(
-                        cfg,
-                        &rule,
-                        DENIED_RETRY_MS,
-                        paused,
-                        host,
-                        Count::FallbackLimited,
-                    )
-                }
-            },
-        }
-    }
-
-    /// The stream ended (however): gives back what it holds, once.
-    pub fn release<H: Host>(&mut self, cfg: &Config, host: &mut H) {
-        match std::mem::replace(self, Slots::Done) {
-            Slots::Held { slot, keys } => {
-                if !host.release(cfg, &encode_release(&slot, &keys)) {
-                    host.count_inflight(Count::ReleaseFailed);
-                }
-            }
-            Slots::Local(counters) => release_local(host.store(), &counters),
-            other => *self = other,
-        }
-    }
-}
-
-/// Feeds an acquire's success or failure to the breaker.
-fn record<H: Host>(cfg: &Config, success: bool, probe: bool, host: &mut H) {
-    let now = host.now_ms();
-    let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, probe);
-    if event != breaker::Event::None {
-        host.breaker_event(event);
-    }
-}
-
-fn allow<H: Host>(paused: bool, host: &mut H) -> Next {
-    if paused {
-        host.resume();
-    }
-    Next::Continue
-}
-
-/// Denies with the first rule of `rules` that is not in shadow mode, counting `count`; when all
-/// are in shadow mode, lets the request through without a slot.
-fn deny_or_shadow<H: Host>(
-    cfg: &Config,
-    rules: &[usize],
-    wait_ms: u64,
-    paused: bool,
-    host: &mut H,
-    count: Count,
-) -> Next {
-    let enforcing = rules
-        .iter()
-        .filter_map(|&i| cfg.inflight.get(i))
-        .find(|f| !f.rule.shadow);
-    match enforcing {
-        Some(f) => {
-            host.count_inflight(count);
-            host.reply(&denial(f, wait_ms));
-            Next::Pause
-        }
-        None => {
-            host.count_inflight(Count::ShadowLimited);
-            allow(paused, host)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::base::store::fake::FakeStore;
 
     fn cfg(extra: &str) -> Config {
         let json = format!(
@@ -733,7 +464,12 @@ mod tests {
         let w = plan(&c, &req("/slow", "u"));
         // Not prepared: nothing is held.
         assert_eq!(acquire_local(&c, &w, &s), Err(0));
-        crate::core::fallback::prepare_table(&s, TABLE, 16, &[0; 8]);
+        crate::core::local::fallback::prepare_table(
+            &s,
+            crate::core::local::table::SLOTS_TABLE,
+            16,
+            &[0; 8],
+        );
         let a = acquire_local(&c, &w, &s).unwrap();
         let b = acquire_local(&c, &w, &s).unwrap();
         assert_eq!(acquire_local(&c, &w, &s), Err(0), "4 / 2 proxies = 2 here");
@@ -747,9 +483,14 @@ mod tests {
         let c = cfg(r#","fallback":{"instances":1,"max_keys":16}"#);
         let s = FakeStore::default();
         let w = plan(&c, &req("/slow", "u"));
-        crate::core::fallback::prepare_table(&s, TABLE, 16, &[0; 8]);
+        crate::core::local::fallback::prepare_table(
+            &s,
+            crate::core::local::table::SLOTS_TABLE,
+            16,
+            &[0; 8],
+        );
         // The service counted 2 proxies: 4 / 2 = 2 here, not the configured 4 / 1.
-        crate::core::fallback::learn(&c, &s, 2);
+        crate::core::local::fallback::learn(&c, &s, 2);
         assert!(acquire_local(&c, &w, &s).is_ok());
         assert!(acquire_local(&c, &w, &s).is_ok());
         assert_eq!(acquire_local(&c, &w, &s), Err(0));
@@ -775,7 +516,11 @@ mod tests {
         fn now_ms(&self) -> u64 {
             0
         }
-        fn dispatch(&mut self, _: &Config, _: &crate::core::plan::Plan) -> Result<u32, String> {
+        fn dispatch(
+            &mut self,
+            _: &Config,
+            _: &crate::core::wire::plan::Plan,
+        ) -> Result<u32, String> {
             Ok(100)
         }
         fn resume(&mut self) {
@@ -784,15 +529,15 @@ mod tests {
         fn reply(&mut self, r: &LocalReply) {
             self.replies.push(r.clone());
         }
-        fn count(&mut self, _: crate::core::plan::Decision) {}
-        fn count_rule(&mut self, _: usize, _: crate::core::plan::RuleCount) {}
-        fn count_failure(&mut self, _: crate::core::plan::Cause) {}
-        fn breaker_event(&mut self, _: crate::core::breaker::Event) {}
-        fn count_lease(&mut self, _: crate::core::lease::Count, _: u64) {}
+        fn count(&mut self, _: crate::core::wire::plan::Decision) {}
+        fn count_rule(&mut self, _: usize, _: crate::core::wire::plan::RuleCount) {}
+        fn count_failure(&mut self, _: crate::core::wire::plan::Cause) {}
+        fn breaker_event(&mut self, _: crate::core::local::breaker::Event) {}
+        fn count_lease(&mut self, _: crate::core::local::lease::Count, _: u64) {}
         fn dispatch_refill(
             &mut self,
             _: &Config,
-            _: crate::core::plan::Plan,
+            _: crate::core::wire::plan::Plan,
         ) -> Result<(), String> {
             Ok(())
         }
@@ -823,7 +568,7 @@ mod tests {
     const HELD: &str = r#"{"allowed":true,"slot":"ab","buckets":[{"allowed":true,"limit":4,"in_flight":1,"retry_after_ms":0}]}"#;
     const FULL: &str = r#"{"allowed":false,"buckets":[{"allowed":false,"limit":4,"in_flight":4,"retry_after_ms":1000}]}"#;
 
-    use crate::core::flow::{Flow, Next};
+    use crate::core::flow::{Flow, Host, Next};
 
     #[test]
     fn flow_pauses_resumes_and_releases_exactly_once() {
@@ -913,7 +658,12 @@ mod tests {
             acquire_fails: true,
             ..Fake::default()
         };
-        crate::core::fallback::prepare_table(&h.store, TABLE, 8, &[0; 8]);
+        crate::core::local::fallback::prepare_table(
+            &h.store,
+            crate::core::local::table::SLOTS_TABLE,
+            8,
+            &[0; 8],
+        );
         let mut flows: Vec<Flow> = (0..5).map(|_| Flow::default()).collect();
         let next: Vec<Next> = flows
             .iter_mut()

@@ -1,27 +1,26 @@
 //! The pure core: no proxy-wasm import; every function here is deterministic given its inputs
 //! (time is passed in), so it is unit-tested on the host target.
+//!
+//! In layers, from the ground up; each uses only those below it:
+//! - `base`: hashing, the host's header map format, the CAS store trait, the callout ledger.
+//! - `config`: the plugin configuration (model, reader, a rule's fields), parsed once.
+//! - `rules`: rule matching, key building, a bucket's limit.
+//! - `wire`: what a callout carries: the codecs, the plain data of a decision (`wire::plan`),
+//!   the instance id, every callout's body, batches.
+//! - `settle`: rules charged by the response, and the usage a response reports.
+//! - `local`: this Envoy's state in shared data: tables, bucket math, breaker, fallback shares,
+//!   lease pools.
+//! - `decide`: the per-request decision (plan a callout, interpret its result, resolve the
+//!   verdict) and the rate limit headers.
+//! - `inflight`: concurrency limits, a slot per key acquired and released once.
+//! - `flow`: the per-request state machine over the `Host` port, on top.
 
-pub mod batch;
-pub mod breaker;
-pub mod bucket;
-pub mod callout;
+pub mod base;
 pub mod config;
 pub mod decide;
-pub mod fallback;
 pub mod flow;
-pub mod hash;
-pub mod headers;
-pub mod hostmap;
 pub mod inflight;
-pub mod instance;
-pub mod lease;
-pub mod ledger;
-pub mod plan;
-#[cfg(test)]
-mod props;
+pub mod local;
 pub mod rules;
 pub mod settle;
-pub mod store;
-pub mod table;
-pub mod usage;
 pub mod wire;

@@ -2,7 +2,7 @@
 //! imports of the running Envoy, the dispatcher's tests with a fake host. Every call returns what
 //! the host said (a value, or its status code); none of them can panic.
 
-use crate::core::store::SetError;
+use crate::core::base::store::SetError;
 
 /// A proxy-wasm status code (`WasmResult`), as the host returns it.
 pub type Status = u32;

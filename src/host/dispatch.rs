@@ -20,18 +20,18 @@
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 
 use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind, Status};
-use crate::core::batch;
-use crate::core::breaker::Event;
-use crate::core::callout::{self, CalloutRequest};
+use crate::core::base::ledger::{IdMap, Ledger};
+use crate::core::base::store::{CasStore, SetError};
 use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
 use crate::core::flow::{self, Flow, Host, Next, Phase};
 use crate::core::inflight;
-use crate::core::lease;
-use crate::core::ledger::{IdMap, Ledger};
-use crate::core::plan::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCount};
+use crate::core::local::breaker::Event;
+use crate::core::local::lease;
 use crate::core::rules::{keys, matches_headers, Headers, Request};
 use crate::core::settle;
-use crate::core::store::{CasStore, SetError};
+use crate::core::wire::batch;
+use crate::core::wire::callout::{self, CalloutRequest};
+use crate::core::wire::plan::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCount};
 use crate::core::wire::TakeRequest;
 use contract::bounds::MAX_ANSWER_BYTES;
 use log::{debug, error, info, warn};
@@ -59,7 +59,7 @@ struct Plugin {
     root: u32,
     config: Config,
     metrics: Metrics,
-    /// Shared-data key prefix ([`crate::core::fallback::state_prefix`]: a digest of the service
+    /// Shared-data key prefix ([`crate::core::local::fallback::state_prefix`]: a digest of the service
     /// cluster), so a configuration push keeps the fallback shares, lease pools and breaker.
     prefix: String,
     /// `authorization` value of every callout.
@@ -800,10 +800,10 @@ impl<A: Abi> Dispatcher<A> {
             config.failure_mode,
             if config.shadow { ", shadow mode" } else { "" }
         );
-        let prefix = crate::core::fallback::state_prefix(&config);
+        let prefix = crate::core::local::fallback::state_prefix(&config);
         // Every slot exists before any request writes one (shared data has no insert-if-absent).
         let mut config = config;
-        config.fallback.previous_max_keys = crate::core::fallback::prepare_for(
+        config.fallback.previous_max_keys = crate::core::local::fallback::prepare_for(
             &config,
             &Shared {
                 abi: &self.abi,
@@ -812,12 +812,12 @@ impl<A: Abi> Dispatcher<A> {
         );
         if inflight::local_enabled(&config) {
             // The local fallback slots' counters, zero, before any request.
-            crate::core::fallback::prepare_table(
+            crate::core::local::fallback::prepare_table(
                 &Shared {
                     abi: &self.abi,
                     prefix: &prefix,
                 },
-                inflight::TABLE,
+                crate::core::local::table::SLOTS_TABLE,
                 config.fallback.max_keys,
                 &[0; 8],
             );
@@ -831,7 +831,7 @@ impl<A: Abi> Dispatcher<A> {
             request_headers: request_headers(&config),
             queue: RefCell::new(batch::Queue::default()),
             held: RefCell::new(Vec::new()),
-            settles: RefCell::new(settle::Queue::new(&crate::core::instance::fresh())),
+            settles: RefCell::new(settle::Queue::new(&crate::core::wire::instance::fresh())),
             config,
             metrics,
         };
@@ -1001,7 +1001,7 @@ impl<A: Abi> Dispatcher<A> {
                     abi: &self.abi,
                     prefix: &p.prefix,
                 };
-                crate::core::fallback::spend_extras(&p.config, &shares, &items, now);
+                crate::core::local::fallback::spend_extras(&p.config, &shares, &items, now);
                 let dropped = {
                     let mut q = p.settles.borrow_mut();
                     let before = q.given_up;
@@ -1025,18 +1025,22 @@ impl<A: Abi> Dispatcher<A> {
             };
             let heir = match self.ledger.get(token).map(|e| &e.waiter) {
                 Some(w) if !mine(w) => None,
-                Some(Waiter::Take { gates, .. }) if token & crate::core::ledger::VIRTUAL == 0 => {
+                Some(Waiter::Take { gates, .. })
+                    if token & crate::core::base::ledger::VIRTUAL == 0 =>
+                {
                     Some(Waiter::Abandoned {
                         plugin: p.clone(),
                         gates: *gates,
                     })
                 }
                 Some(Waiter::Acquire { .. }) => match &f.flow.slots {
-                    inflight::Slots::Acquiring { wants, slot, .. } => Some(Waiter::Orphan {
-                        plugin: p.clone(),
-                        slot: slot.clone(),
-                        keys: wants.iter().map(|w| w.key.clone()).collect(),
-                    }),
+                    crate::core::flow::Slots::Acquiring { wants, slot, .. } => {
+                        Some(Waiter::Orphan {
+                            plugin: p.clone(),
+                            slot: slot.clone(),
+                            keys: wants.iter().map(|w| w.key.clone()).collect(),
+                        })
+                    }
                     _ => Some(Waiter::Refund),
                 },
                 _ => None,
@@ -1052,7 +1056,10 @@ impl<A: Abi> Dispatcher<A> {
                 }
             }
         }
-        let holds = !matches!(f.flow.slots, inflight::Slots::None | inflight::Slots::Done);
+        let holds = !matches!(
+            f.flow.slots,
+            crate::core::flow::Slots::None | crate::core::flow::Slots::Done
+        );
         if holds {
             // The stream is over, however it ended: its concurrency slots go back now.
             let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);

@@ -3,7 +3,7 @@
 //! callouts in between, and implements the core's [`crate::core::flow::Host`] port over them.
 //!
 //! - `abi.rs`: the host calls the adapter makes, as a trait (Envoy's imports, or a fake in tests).
-//! - `dispatch.rs`: contexts, the VM's ledger of callouts ([`crate::core::ledger`]: one entry per
+//! - `dispatch.rs`: contexts, the VM's ledger of callouts ([`crate::core::base::ledger`]: one entry per
 //!   callout, its variant says who waits), and what each callback does; pure over `abi`.
 //! - `wasm.rs` (wasm only): the imports, the `proxy_on_*` exports, allocator, logger, panic hook.
 

@@ -10,8 +10,8 @@
 
 use super::abi::{self, Abi, Buffer, HeaderMap, Level, MetricKind, Status};
 use super::dispatch::{Dispatcher, CONTINUE};
-use crate::core::hostmap;
-use crate::core::store::SetError;
+use crate::core::base::hostmap;
+use crate::core::base::store::SetError;
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
 use std::ptr::{null, null_mut};

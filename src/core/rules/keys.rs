@@ -13,8 +13,8 @@
 //!   missing" differs from "header empty" and from every value.
 //! - The rule name leads, so two rules never share a bucket by accident.
 
+use crate::core::base::hash::{hex_digit, sha256_hex};
 use crate::core::config::{Cost, HeaderMatch, KeyPart, Match, OnMissing, Rule, MAX_PART_BYTES};
-use crate::core::hash::{hex_digit, sha256_hex};
 use crate::core::rules::Request;
 use std::net::{IpAddr, SocketAddr};
 
@@ -462,7 +462,7 @@ mod tests {
                 }
             }
             let step = decide(&c, &whole);
-            assert_ne!(step, crate::core::plan::Step::Continue, "{r} matches");
+            assert_ne!(step, crate::core::wire::plan::Step::Continue, "{r} matches");
             assert_eq!(decide(&c, &part), step, "{r}: {names:?}");
         }
         // The client address from x-forwarded-for needs every value: the whole map.

@@ -179,7 +179,7 @@ mod tests {
             Some("10.0.0.7:1"),
         );
         let plan = match crate::core::decide::decide(&c, &r) {
-            crate::core::plan::Step::Callout(p) => p,
+            crate::core::wire::plan::Step::Callout(p) => p,
             _ => panic!(),
         };
         let rls = plan.rls.unwrap();

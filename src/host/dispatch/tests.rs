@@ -3,7 +3,7 @@
 //! without a word about their callouts, and delivers replies late or for tokens nobody knows.
 
 use super::*;
-use crate::core::plan::Decision;
+use crate::core::wire::plan::Decision;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
@@ -511,7 +511,7 @@ fn the_match_prefilter_agrees_with_the_core() {
             let pre = may_match(&fake, &plugin, &mut Vec::new());
             assert_eq!(
                 pre,
-                !matches!(core, crate::core::plan::Step::Continue),
+                !matches!(core, crate::core::wire::plan::Step::Continue),
                 "{r:?} under {rules}"
             );
         }

@@ -5,7 +5,7 @@
 //! A lone request still calls at once, so light load gets no added latency.
 //!
 //! Queued requests wait under a virtual token the VM's ledger hands out
-//! ([`crate::core::ledger::Ledger::reserve`]); the core's [`crate::core::flow::Flow`] does not
+//! ([`crate::core::base::ledger::Ledger::reserve`]); the core's [`crate::core::flow::Flow`] does not
 //! know the difference. A full queue is a dispatch failure (the failure mode decides); a failed
 //! batch fails each of its requests the way a single callout would have.
 //!
@@ -15,7 +15,7 @@
 //! [`contract::bounds::MAX_ANSWER_BYTES`] (64 takes of 12 buckets each would be answered with
 //! about 100 KB). What does not fit waits for the next batch.
 
-use crate::core::plan::CalloutResult;
+use crate::core::wire::plan::CalloutResult;
 use crate::core::wire::{self, TakeRequest};
 use contract::bounds::{
     batch_answer_bytes, take_request_bytes, BUCKET_OVERHEAD_BYTES, MAX_ANSWER_BYTES,
@@ -127,9 +127,9 @@ pub fn split(result: CalloutResult, members: usize) -> Vec<CalloutResult> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::base::ledger::VIRTUAL;
     use crate::core::decide::interpret;
-    use crate::core::ledger::VIRTUAL;
-    use crate::core::plan::{Cause, Outcome, Plan};
+    use crate::core::wire::plan::{Cause, Outcome, Plan};
     use crate::core::wire::{Bucket, TakeResponse};
 
     fn take() -> TakeRequest {

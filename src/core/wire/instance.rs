@@ -7,20 +7,19 @@
 //! Envoy: the service then counts one proxy too many, which only makes every fallback share
 //! smaller. The id travels with every take (`instance`, contract/README.md), 16 bytes.
 //!
-//! **The count.** Every answer carries the deployment's live instances (`instances`). The codec
-//! hands it here ([`heard`]) and, after each answer, the fallback stores it in shared data for
-//! every worker of this Envoy (`crate::core::fallback`), which splits limits by it.
+//! **The count.** Every answer carries the deployment's live instances (`instances`); after each
+//! answer the fallback stores it in shared data for every worker of this Envoy
+//! (`crate::core::local::fallback`), which splits limits by it.
 //!
-//! Both are kept per VM in thread-locals (a VM is one thread): the id is a constant of the VM the
-//! codec adds to what it encodes, and the count is an observation of the last answer the codec
-//! decoded. Passing them through the wire structs instead would touch every place that builds a
-//! take or an answer; here the codec alone knows of them, and tests that never set an id encode
+//! The id is kept per VM in a thread-local (a VM is one thread): a constant of the VM the codec
+//! adds to what it encodes. Passing it through the wire structs instead would touch every place
+//! that builds a take; here the codec alone knows of it, and tests that never set an id encode
 //! exactly what they did before.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::hash::{BuildHasher, Hasher};
 
-use crate::core::store::CasStore;
+use crate::core::base::store::CasStore;
 
 /// Shared-data key of this Envoy's instance id.
 pub const ID_KEY: &str = "tollgate.instance";
@@ -29,7 +28,6 @@ pub const ID_LEN: usize = 16;
 
 thread_local! {
     static ID: RefCell<Option<String>> = const { RefCell::new(None) };
-    static HEARD: Cell<u64> = const { Cell::new(0) };
 }
 
 fn valid(id: &[u8]) -> bool {
@@ -43,7 +41,7 @@ pub fn fresh() -> String {
     let n = h.finish();
     (0..ID_LEN)
         .rev()
-        .map(|i| crate::core::hash::hex_digit(((n >> (4 * i)) & 0xf) as u8, false))
+        .map(|i| crate::core::base::hash::hex_digit(((n >> (4 * i)) & 0xf) as u8, false))
         .collect()
 }
 
@@ -77,23 +75,10 @@ pub fn with_id<R>(f: impl FnOnce(Option<&str>) -> R) -> R {
     ID.with(|c| f(c.borrow().as_deref()))
 }
 
-/// Records the live-instance count an answer carried (0: the answer carried none).
-pub fn heard(n: u64) {
-    if n > 0 {
-        HEARD.with(|c| c.set(n));
-    }
-}
-
-/// The count the last answers carried, once: `None` when none was heard since the last call.
-pub fn take_heard() -> Option<u64> {
-    let n = HEARD.with(|c| c.replace(0));
-    (n > 0).then_some(n)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::base::store::fake::FakeStore;
 
     #[test]
     fn one_id_per_envoy() {
@@ -105,15 +90,5 @@ mod tests {
         with_id(|id| assert_eq!(id, Some(a.as_str())));
         set_id(None);
         with_id(|id| assert_eq!(id, None));
-    }
-
-    #[test]
-    fn heard_once() {
-        assert_eq!(take_heard(), None);
-        heard(0);
-        assert_eq!(take_heard(), None);
-        heard(8);
-        assert_eq!(take_heard(), Some(8));
-        assert_eq!(take_heard(), None);
     }
 }

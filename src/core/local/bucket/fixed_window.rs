@@ -3,8 +3,8 @@
 //! `stamp` the window index.
 
 use super::{counted, Limits, Local, State};
-use crate::core::wire::BucketResult;
 use contract::arithmetic::fixed_window::Window;
+use contract::take::BucketResult;
 
 pub(super) struct FixedWindow;
 

@@ -8,7 +8,7 @@
 //! port too), at `<base>/<op>` beside the take path.
 
 use crate::core::config::{Config, Transport};
-use crate::core::plan::Plan;
+use crate::core::wire::plan::Plan;
 use crate::core::wire::{self, TakeRequest};
 
 /// One callout, encoded.

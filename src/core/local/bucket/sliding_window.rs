@@ -5,8 +5,8 @@
 //! window index, `level` both counts (`prev << 32 | cur`; a local capacity is at most 10⁹ < 2³²).
 
 use super::{counted, Limits, Local, State};
-use crate::core::wire::BucketResult;
 use contract::arithmetic::sliding_window::Counts;
+use contract::take::BucketResult;
 
 pub(super) struct SlidingWindow;
 
@@ -89,7 +89,7 @@ impl Local for SlidingWindow {
 #[cfg(test)]
 mod tests {
     use super::super::{available, carry, share, take, Limits};
-    use crate::core::config::Algorithm;
+    use contract::Algorithm;
 
     fn sw(capacity: u64, period_ms: u64, instances: u64) -> Limits {
         Limits::local(

@@ -22,6 +22,7 @@
 //! (the caller's estimate stands). How the bytes are split never changes the result (a property
 //! test checks it).
 
+use crate::core::config::Weights;
 use serde_json::Value;
 
 /// Largest `usage` object kept (bytes); a larger one is ignored.
@@ -57,15 +58,6 @@ pub struct Usage {
     pub completion: Option<u64>,
     /// `total_tokens`.
     pub total: Option<u64>,
-}
-
-/// How prompt and completion tokens are priced against each other.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Weights {
-    /// Cost of one prompt token.
-    pub prompt: u64,
-    /// Cost of one completion token.
-    pub completion: u64,
 }
 
 impl Usage {

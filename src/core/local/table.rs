@@ -14,17 +14,26 @@
 //! shared data) reads as foreign, and each table's rule for a foreign record applies (the
 //! fallback: a newcomer starts empty; a lease pool: none; the breaker: closed).
 
-use crate::core::hash::sha256;
-use crate::core::store::CasStore;
+use crate::core::base::hash::sha256;
+use crate::core::base::store::CasStore;
 
 /// A vacant slot (created, never written by a bucket).
 pub const VACANT: u8 = 0;
-/// A fallback share ([`crate::core::fallback`]).
+/// A fallback share ([`crate::core::local::fallback`]).
 pub const SHARE: u8 = 0x11;
-/// A lease pool ([`crate::core::lease`]).
+/// A lease pool ([`crate::core::local::lease`]).
 pub const POOL: u8 = 0x12;
-/// The breaker's state ([`crate::core::breaker`]).
+/// The breaker's state ([`crate::core::local::breaker`]).
 pub const BREAKER: u8 = 0x13;
+
+/// Shared-data tables of the fallback shares: one per table size, `tollgate.fb.<max_keys>` (a
+/// bucket's slot depends on the size, so a push that changes it starts a table of its own and
+/// reads what the earlier ones hold, `fallback::Shares::previous`).
+pub const SHARES_TABLE: &str = "tollgate.fb";
+/// The lease pools' table.
+pub const POOLS_TABLE: &str = "tollgate.lease";
+/// The local fallback slots' table (concurrency rules; counters, not records).
+pub const SLOTS_TABLE: &str = "tollgate.cc";
 
 /// Length of the identity kept in a record.
 pub const ID_BYTES: usize = 16;

@@ -25,7 +25,7 @@ pub fn retry_after(ms: u64) -> String {
 
 /// The policy window of a rule, in seconds (at least 1).
 pub fn window_secs(rule: &Rule) -> u64 {
-    let ms = if crate::core::bucket::windowed(rule.algorithm) {
+    let ms = if crate::core::local::bucket::windowed(rule.algorithm) {
         u128::from(rule.period_ms)
     } else {
         (u128::from(rule.capacity) * u128::from(rule.period_ms))

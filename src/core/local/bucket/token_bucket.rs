@@ -5,8 +5,8 @@
 //! (ms).
 
 use super::{counted, Limits, Local, State, MICRO};
-use crate::core::wire::BucketResult;
 use contract::arithmetic::token_bucket::Tokens;
+use contract::take::BucketResult;
 
 pub(super) struct TokenBucket;
 

@@ -24,10 +24,15 @@
 //! refill has repaid it); each response's charge is capped at its rule's `usage.max`, so one
 //! settlement pushes a bucket at most `usage.max - reservation` deeper.
 
+//!
+//! `usage`: the usage an LLM response reports (JSON body or SSE stream), read in bounded memory.
+
+pub mod usage;
+
 use crate::core::config::{Charge, Config, Cut};
-use crate::core::plan::Plan;
-use crate::core::usage::{self, Format, UsageReader};
+use crate::core::wire::plan::Plan;
 use crate::core::wire::Bucket;
+use usage::{Format, UsageReader};
 
 /// Attempts before a settlement that only gives tokens back is dropped (and counted): with the
 /// backoff below, about 7 seconds (100, 200, 400, 800, 1,600, 2,000, 2,000 ms apart). Dropping a
@@ -306,7 +311,7 @@ pub fn encode(id: &str, items: &[Item]) -> Vec<u8> {
         used: i.used,
         window: None,
     });
-    crate::core::instance::with_id(|instance| {
+    crate::core::wire::instance::with_id(|instance| {
         contract::settle::encode_settle(id, instance, buckets)
     })
 }

@@ -1,5 +1,5 @@
 //! Local buckets: one module per algorithm behind one trait ([`Local`]), shared by the fallback
-//! shares ([`crate::core::fallback`]) and the lease pools ([`crate::core::lease`]), which call the
+//! shares ([`crate::core::local::fallback`]) and the lease pools ([`crate::core::local::lease`]), which call the
 //! functions below and know no algorithm's internals.
 //!
 //! The arithmetic is the service's own, the contract's ([`contract::arithmetic`]), scaled for one
@@ -19,8 +19,8 @@ mod fixed_window;
 mod sliding_window;
 mod token_bucket;
 
-use crate::core::config::Algorithm;
-use crate::core::wire::BucketResult;
+use contract::take::BucketResult;
+use contract::Algorithm;
 
 pub use contract::arithmetic::token_bucket::MICRO;
 

@@ -44,7 +44,7 @@
 //! to 8, halves what each share holds instead of handing out a fresh one.
 //!
 //! **N, learned.** The number of proxies a limit is split by starts as `fallback.instances` and then
-//! follows the live instances the service reports in its answers ([`crate::core::instance`]),
+//! follows the live instances the service reports in its answers ([`crate::core::wire::instance`]),
 //! never below `fallback.min_instances`. It is kept in shared data ([`N_KEY`]) so every worker of
 //! this Envoy splits by the same N, and a change carries the shares over like any other change of
 //! the limits: a fleet grown from 4 to 8 proxies halves every share at its next use. While the
@@ -54,19 +54,15 @@
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
 //! ([`take_all`], [`attach_debts`], [`remember`]).
 
-use crate::core::bucket::{self, Limits, State};
+use crate::core::base::store::{update, CasStore, Step};
 use crate::core::config::{Algorithm, Config, FailureMode};
-use crate::core::plan::{Outcome, Plan};
+use crate::core::local::bucket::{self, Limits, State};
+pub use crate::core::local::table::Slot;
+use crate::core::local::table::{self, slot_of};
 use crate::core::settle;
-use crate::core::store::{update, CasStore, Step};
-pub use crate::core::table::Slot;
-use crate::core::table::{self, slot_of};
+use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
-/// Shared-data tables of the fallback shares: one per table size, `tollgate.fb.<max_keys>` (a
-/// bucket's slot depends on the size, so a push that changes it starts a table of its own and
-/// reads what the earlier ones hold, [`Shares::previous`]).
-pub const TABLE: &str = "tollgate.fb";
 /// Shared-data key of the table sizes this Envoy's configurations used, newest first (at most 4,
 /// each 4 bytes little endian).
 pub const SIZES_KEY: &str = "tollgate.fb.sizes";
@@ -148,7 +144,7 @@ pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) -> u64 {
 
 /// The fallback table of `max_keys` slots.
 fn table_name(max_keys: u32) -> String {
-    format!("{TABLE}.{max_keys}")
+    format!("{}.{max_keys}", table::SHARES_TABLE)
 }
 
 /// The slot of a fallback bucket (in the table of `max_keys` slots). The identity covers the key
@@ -200,7 +196,7 @@ fn alg_byte(a: Algorithm) -> u8 {
 
 /// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The identity
 /// covers the key and the global limits (not the number of proxies), like the service's bucket
-/// identity. The lease pools ([`crate::core::lease`]) use the same scheme in a table of their own.
+/// identity. The lease pools ([`crate::core::local::lease`]) use the same scheme in a table of their own.
 pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
     let mut material = Vec::with_capacity(key.len() + 48);
     material.extend_from_slice(key.as_bytes());
@@ -214,7 +210,7 @@ pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
 
 /// The tables are created as [`table::prepare`] does (kept under this name for the callers that
 /// prepare a table of their own).
-pub use crate::core::table::prepare as prepare_table;
+pub use crate::core::local::table::prepare as prepare_table;
 
 /// [`prepare_table`] for the fallback table of `max_keys` slots.
 pub fn prepare<S: CasStore + ?Sized>(store: &S, max_keys: u32) {
@@ -255,7 +251,7 @@ pub fn record_size<S: CasStore + ?Sized>(store: &S, max_keys: u32) -> [u32; 3] {
 /// the fallback table sizes earlier configurations used (for `fallback.previous_max_keys`).
 pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
     // Every take carries this Envoy's instance id from now on.
-    crate::core::instance::adopt(store);
+    crate::core::wire::instance::adopt(store);
     let mut previous = [0; 3];
     if enabled(cfg) {
         prepare(store, cfg.fallback.max_keys);
@@ -265,7 +261,7 @@ pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
         // A lease pool decodes anything that is not one of its own records as an empty pool.
         prepare_table(
             store,
-            crate::core::lease::TABLE,
+            table::POOLS_TABLE,
             cfg.fallback.max_keys,
             &table::vacant(),
         );
@@ -278,7 +274,7 @@ pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
 /// and limits, like the service's own), so a configuration push that keeps the cluster keeps them,
 /// and two plugins calling one service share them; memory stays bounded by the largest table.
 pub fn state_prefix(cfg: &Config) -> String {
-    let digest = crate::core::hash::sha256_hex(cfg.service.cluster.as_bytes());
+    let digest = crate::core::base::hash::sha256_hex(cfg.service.cluster.as_bytes());
     format!("{}/", digest.get(..12).unwrap_or(&digest))
 }
 
@@ -586,7 +582,7 @@ fn enabled(cfg: &Config) -> bool {
 
 /// Before a callout: every bucket that owes tokens carries its debt as a lease on top of what
 /// it asks (`lease = (lease or cost) + debt`, within the contract's bound), recorded in
-/// `plan.debt`. Call only when debt may exist ([`crate::core::breaker`] keeps that flag), since it
+/// `plan.debt`. Call only when debt may exist ([`crate::core::local::breaker`] keeps that flag), since it
 /// reads one slot per bucket.
 pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: &S, now_ms: u64) {
     // An RLS server grants no leases: a debt cannot ride on its callouts (it lapses instead).
@@ -694,13 +690,13 @@ pub fn remember<S: CasStore + ?Sized>(
         Outcome::Failed(_) => return,
     };
     // The number an answer reported is the one stored: read back only when none was reported
-    // (one shared-data read per answer fewer).
-    let sh = match crate::core::instance::take_heard() {
-        Some(heard) => Shares {
+    // (0; one shared-data read per answer fewer).
+    let sh = match resp.instances {
+        0 => Shares::of(cfg).learned(store),
+        heard => Shares {
             instances: learn(cfg, store, heard),
             ..Shares::of(cfg)
         },
-        None => Shares::of(cfg).learned(store),
     };
     for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {
         let l = limits_of(b, sh.instances);
@@ -728,7 +724,7 @@ pub fn debt_horizon_ms(cfg: &Config) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::base::store::fake::FakeStore;
     use crate::core::wire::Bucket;
 
     fn tb(cap: u64) -> Limits {
@@ -949,6 +945,42 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_teaches_the_count_it_carries() {
+        let cfg = Config::parse(
+            br#"{"service":{"cluster":"c"},"fallback":{"instances":4,"max_keys":10},
+                 "rules":[{"name":"a","capacity":100,"period_ms":1000}]}"#,
+        )
+        .unwrap();
+        let s = prepared(10);
+        let plan = Plan {
+            request: TakeRequest {
+                buckets: vec![bucket("k", 100)],
+            },
+            rules: vec![0],
+            debt: Vec::new(),
+            rls: None,
+        };
+        let answer = |body: &str| {
+            let resp = crate::core::wire::decode_json(body.as_bytes()).unwrap();
+            Outcome::Allowed(resp)
+        };
+        let body = |n: u64| {
+            format!(
+                r#"{{"allowed":true,"instances":{n},"buckets":[{{"allowed":true,"remaining":50,"retry_after_ms":0,"reset_after_ms":0,"limit":100,"granted":1}}]}}"#
+            )
+        };
+        let eight = answer(&body(8));
+        // Another answer decoded before the first is remembered does not speak for it.
+        let _five = answer(&body(5));
+        remember(&cfg, &plan, &eight, &[], &s, 0);
+        assert_eq!(learned_instances(&s), Some(8));
+        // An answer without a count leaves the learned one.
+        let none = Outcome::Allowed(crate::core::wire::decode_json(body(0).as_bytes()).unwrap());
+        remember(&cfg, &plan, &none, &[], &s, 0);
+        assert_eq!(learned_instances(&s), Some(8));
+    }
+
+    #[test]
     fn a_changed_window_limit_keeps_the_count() {
         let (s, t) = (prepared(10), sh(10));
         let of = |cap, period| Limits::local(cap, cap, period, Algorithm::FixedWindow, 1);
@@ -978,7 +1010,7 @@ mod tests {
     #[test]
     fn a_charge_that_cannot_be_stored_is_denied() {
         let s = prepared(10);
-        s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
+        s.conflicts.set(crate::core::base::store::MAX_CAS_ATTEMPTS);
         assert!(!take(&s, &sh(10), "k", &tb(5), 0, 1).allowed, "CAS gave up");
         assert_eq!(owed(&s, &sh(10), "k", &tb(5), 0), 0);
         // A table that was never prepared stores nothing, so admits nothing.

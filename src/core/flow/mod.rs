@@ -12,24 +12,29 @@
 //! synchronous failure is decided on the spot, and a stream that was never paused is never
 //! resumed. A reply for another token (or a second reply) is ignored.
 //!
-//! Lease mode ([`crate::core::lease`]) sits in front of the callout: when the pools of every
+//! Lease mode ([`crate::core::local::lease`]) sits in front of the callout: when the pools of every
 //! bucket can pay (or one holds a cached denial) the request is decided on the spot; otherwise the
 //! callout carries `lease` on the buckets this request refills, and its outcome (whatever it is,
 //! the breaker's refusal and a dispatch error included) is settled into the pools before the
 //! verdict.
+//!
+//! `slots`: a request's concurrency slots ([`crate::core::inflight`]) as the flow drives them.
 
-use crate::core::breaker::{self, Admission, Event};
+use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::decide;
-use crate::core::fallback;
-use crate::core::lease::{self, Count, Local};
-use crate::core::plan::{
+use crate::core::local::breaker::{self, Admission, Event};
+use crate::core::local::fallback;
+use crate::core::local::lease::{self, Count, Local};
+use crate::core::rules::Request;
+use crate::core::wire::plan::{
     Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step,
 };
-use crate::core::rules::Request;
-use crate::core::store::CasStore;
 use crate::core::wire::TakeRequest;
 use log::debug;
+
+mod slots;
+pub use slots::Slots;
 
 /// What the state machine needs from the proxy.
 pub trait Host {
@@ -118,7 +123,7 @@ pub struct Flow {
     pub shadow_counts: Vec<(usize, RuleCount)>,
     /// Concurrency slots ([`crate::core::inflight`]): taken after the rate rules admitted the
     /// request, released by [`Flow::on_end`].
-    pub slots: crate::core::inflight::Slots,
+    pub slots: Slots,
     /// Rules charged by the response: what the admitted request reserved, settled when its
     /// stream ends ([`crate::core::settle`]).
     pub meter: Option<crate::core::settle::Meter>,
@@ -130,7 +135,7 @@ impl Default for Flow {
             phase: Phase::Idle,
             response_headers: Vec::new(),
             shadow_counts: Vec::new(),
-            slots: crate::core::inflight::Slots::None,
+            slots: Slots::None,
             meter: None,
         }
     }
@@ -462,7 +467,7 @@ pub fn on_refill_result<H: Host>(cfg: &Config, plan: &Plan, result: CalloutResul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::base::store::fake::FakeStore;
 
     struct FakeHost {
         store: FakeStore,
@@ -487,8 +492,13 @@ mod tests {
         /// A host whose shared tables were prepared, as `on_configure` does.
         fn default() -> Self {
             let store = FakeStore::default();
-            crate::core::fallback::prepare(&store, 10_000);
-            crate::core::fallback::prepare_table(&store, crate::core::lease::TABLE, 10_000, &[0]);
+            crate::core::local::fallback::prepare(&store, 10_000);
+            crate::core::local::fallback::prepare_table(
+                &store,
+                crate::core::local::table::POOLS_TABLE,
+                10_000,
+                &[0],
+            );
             FakeHost {
                 store,
                 now: 0,

@@ -1,10 +1,23 @@
 //! The filter's side of the wire contract (contract/README.md): the contract crate's take and
-//! answer, sent with this VM's instance id and its buckets' rule names, the live-instance count
-//! of every answer recorded ([`crate::core::instance`]); and Envoy's RLS v3 for transport `rls`,
-//! mapped onto the same take.
+//! answer, sent with this VM's instance id ([`instance`]) and its buckets' rule names; and Envoy's
+//! RLS v3 for transport `rls`, mapped onto the same take.
 //!
 //! The contract's codecs (JSON for the HTTP transport, hand-written protobuf for gRPC) are the
 //! `contract` crate's, tested there byte for byte against contract/fixtures/cases.json.
+//!
+//! What a callout carries, the layer above the configuration:
+//! - `plan`: the plain data of a decision (the plan, a callout's result, the outcome, the
+//!   verdict).
+//! - `instance`: this Envoy's instance id, sent with every take.
+//! - `callout`: every callout encoded for the adapter (a take or batch, acquire, release, refund,
+//!   settle).
+//! - `batch`: group commit: the queue behind a configuration's callout, bounded by count and
+//!   bytes, and a batch answer split back onto its takes.
+
+pub mod batch;
+pub mod callout;
+pub mod instance;
+pub mod plan;
 
 use contract::proto::{put_bytes, put_u64, Field as Value, Reader};
 use contract::{json, proto, Sender};
@@ -16,7 +29,7 @@ pub use contract::take::{Bucket, BucketResult, DecodeError, TakeRequest, TakeRes
 fn rule_of(key: &str) -> Option<&str> {
     let name = key.split('|').next()?;
     let ok = !name.is_empty()
-        && name.len() <= crate::core::config::MAX_NAME_LEN
+        && name.len() <= contract::bounds::MAX_RULE_BYTES
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"-_.:/".contains(&b));
@@ -28,21 +41,15 @@ fn bucket_rule(b: &Bucket) -> Option<&str> {
 }
 
 /// Runs `f` with this VM as the sender: only a VM with an instance id sends it and the buckets'
-/// rule names ([`crate::core::instance`]).
+/// rule names ([`crate::core::wire::instance`]).
 fn as_this_vm<R>(f: impl FnOnce(&Sender<'_>) -> R) -> R {
-    crate::core::instance::with_id(|id| match id {
+    crate::core::wire::instance::with_id(|id| match id {
         Some(_) => f(&Sender {
             instance: id,
             rule: bucket_rule,
         }),
         None => f(&Sender::ANONYMOUS),
     })
-}
-
-/// Records the live-instance count an answer carried.
-fn heard(r: TakeResponse) -> TakeResponse {
-    crate::core::instance::heard(r.instances);
-    r
 }
 
 /// Encodes a take as JSON (`POST /v1/take`).
@@ -67,22 +74,22 @@ pub fn encode_batch_proto(takes: &[&TakeRequest]) -> Vec<u8> {
 
 /// Decodes a JSON answer.
 pub fn decode_json(body: &[u8]) -> Result<TakeResponse, DecodeError> {
-    json::decode_answer(body).map(heard)
+    json::decode_answer(body)
 }
 
 /// Decodes a JSON batch answer: one answer per take, in order.
 pub fn decode_batch_json(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
-    json::decode_batch_answer(body).map(|v| v.into_iter().map(heard).collect())
+    json::decode_batch_answer(body)
 }
 
 /// Decodes a protobuf answer (`tollgate.v1.TakeResponse`).
 pub fn decode_proto(body: &[u8]) -> Result<TakeResponse, DecodeError> {
-    proto::decode_answer(body).map(heard)
+    proto::decode_answer(body)
 }
 
 /// Decodes a protobuf batch answer (`tollgate.v1.TakeBatchResponse`).
 pub fn decode_batch_proto(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
-    proto::decode_batch_answer(body).map(|v| v.into_iter().map(heard).collect())
+    proto::decode_batch_answer(body)
 }
 
 #[cfg(test)]
@@ -98,7 +105,7 @@ mod tests {
     }
 
     fn case(list: &str, name: &str) -> Json {
-        let text = include_str!("../../contract/fixtures/cases.json");
+        let text = include_str!("../../../contract/fixtures/cases.json");
         let v: Json = serde_json::from_str(text).unwrap();
         v[list]
             .as_array()
@@ -117,10 +124,10 @@ mod tests {
     fn a_vm_with_an_id_sends_it_and_the_rule_names() {
         let case = case("cases", "rule_and_instance");
         let req = request_from_json(&case["request_json"]);
-        crate::core::instance::set_id(case["request_json"]["instance"].as_str());
+        crate::core::wire::instance::set_id(case["request_json"]["instance"].as_str());
         let json: Json = serde_json::from_slice(&encode_json(&req)).unwrap();
         let pb = encode_proto(&req);
-        crate::core::instance::set_id(None);
+        crate::core::wire::instance::set_id(None);
         assert_eq!(json, case["request_json"]);
         assert_eq!(pb, hex(case["request_pb_hex"].as_str().unwrap()));
         // Without an id: neither.
@@ -140,21 +147,23 @@ mod tests {
             .map(request_from_json)
             .collect();
         let refs: Vec<&TakeRequest> = takes.iter().collect();
-        crate::core::instance::set_id(case["request_json"]["instance"].as_str());
+        crate::core::wire::instance::set_id(case["request_json"]["instance"].as_str());
         let json: Json = serde_json::from_slice(&encode_batch_json(&refs)).unwrap();
         let pb = encode_batch_proto(&refs);
-        crate::core::instance::set_id(None);
+        crate::core::wire::instance::set_id(None);
         assert_eq!(json, case["request_json"]);
         assert_eq!(pb, hex(case["request_pb_hex"].as_str().unwrap()));
         let resp = serde_json::to_vec(&case["response_json"]).unwrap();
-        assert_eq!(decode_batch_json(&resp).unwrap().len(), 1);
-        assert_eq!(crate::core::instance::take_heard(), Some(3));
+        let answers = decode_batch_json(&resp).unwrap();
+        assert_eq!(answers.len(), 1);
+        assert_eq!(answers[0].instances, 3);
         let resp = hex(case["response_pb_hex"].as_str().unwrap());
-        assert_eq!(decode_batch_proto(&resp).unwrap().len(), 1);
-        assert_eq!(crate::core::instance::take_heard(), Some(3));
+        let answers = decode_batch_proto(&resp).unwrap();
+        assert_eq!(answers.len(), 1);
+        assert_eq!(answers[0].instances, 3);
         let one = case_answer();
-        assert!(decode_json(&one.0).is_ok() && decode_proto(&one.1).is_ok());
-        assert_eq!(crate::core::instance::take_heard(), one.2);
+        assert_eq!(decode_json(&one.0).unwrap().instances, one.2.unwrap());
+        assert_eq!(decode_proto(&one.1).unwrap().instances, one.2.unwrap());
     }
 
     /// The answer of `rule_and_instance`, JSON and protobuf, and the count it carries.

@@ -9,9 +9,9 @@
 //! callout timeout per interval instead of one per request. Failures of callouts that started
 //! before the breaker opened do not extend it: only the probe's result counts while open.
 
+use crate::core::base::store::{update, CasStore, Step};
 use crate::core::config::Breaker;
-use crate::core::store::{update, CasStore, Step};
-use crate::core::table;
+use crate::core::local::table;
 
 /// Shared-data key of the breaker state.
 pub const KEY: &str = "tollgate.breaker";
@@ -26,7 +26,7 @@ pub struct State {
     /// Current open interval (doubles after each failed probe).
     pub interval_ms: u64,
     /// Until when fallback debts may be outstanding (0: none): while it lasts, callouts carry
-    /// them ([`crate::core::fallback::attach_debts`]). Kept here because every request reads
+    /// them ([`crate::core::local::fallback::attach_debts`]). Kept here because every request reads
     /// this entry anyway.
     pub debt_until_ms: u64,
 }
@@ -235,7 +235,7 @@ pub fn record_shared<S: CasStore + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::store::fake::FakeStore;
+    use crate::core::base::store::fake::FakeStore;
 
     const CFG: Breaker = Breaker {
         failures: 3,
@@ -357,7 +357,7 @@ mod tests {
         for _ in 0..3 {
             record_shared(&s, &CFG, 0, false, false);
         }
-        s.conflicts.set(crate::core::store::MAX_CAS_ATTEMPTS);
+        s.conflicts.set(crate::core::base::store::MAX_CAS_ATTEMPTS);
         assert_eq!(admit_shared(&s, &CFG, 100).0, Admission::Reject);
     }
 

@@ -9,11 +9,11 @@
 //!   than `capacity + rate × t` (local terms) over the run, whatever evicts it or answers say;
 //! - a lease pool never pays out more tokens than were deposited into it.
 
-use crate::core::bucket::{Limits, MICRO};
+use crate::core::base::store::fake::FakeStore;
 use crate::core::config::{Algorithm, Lease};
-use crate::core::fallback::{self, Shares};
-use crate::core::lease;
-use crate::core::store::fake::FakeStore;
+use crate::core::local::bucket::{Limits, MICRO};
+use crate::core::local::fallback::{self, Shares};
+use crate::core::local::lease;
 use crate::core::wire::BucketResult;
 use proptest::prelude::*;
 use std::collections::HashMap;
@@ -162,12 +162,12 @@ proptest! {
         max_keys in 1u32..3,
     ) {
         let store = FakeStore::default();
-        fallback::prepare_table(&store, lease::TABLE, max_keys, &[0]);
+        fallback::prepare_table(&store, crate::core::local::table::POOLS_TABLE, max_keys, &[0]);
         let rule_l = Limits::local(100, 100, 10_000, Algorithm::TokenBucket, 1);
         let slots: Vec<_> = (0..3)
-            .map(|k| fallback::slot_in(lease::TABLE, &format!("k{k}"), &rule_l, max_keys))
+            .map(|k| fallback::slot_in(crate::core::local::table::POOLS_TABLE, &format!("k{k}"), &rule_l, max_keys))
             .collect();
-        let size = lease::Sizing { lease: Lease { size: Some(20), max_age_ms: 1_000 }, capacity: 100, instances: 1, claim_ms: 50 };
+        let size = lease::pool::Sizing { lease: Lease { size: Some(20), max_age_ms: 1_000 }, capacity: 100, instances: 1, claim_ms: 50 };
         let mut now = 1_000_000u64;
         let (mut deposited, mut paid) = (vec![0u64; 3], vec![0u64; 3]);
         let mut key = 0usize;
@@ -177,29 +177,29 @@ proptest! {
             match kind {
                 // A request's take from the pool.
                 0 => {
-                    if let (lease::Take::Hit(..), _) = lease::take(&store, slot, &size, 100, n, now) {
+                    if let (lease::pool::Take::Hit(..), _) = lease::pool::take(&store, slot, &size, 100, n, now) {
                         paid[key] += n;
                     }
                 }
                 // An allowed refill deposits `n` extra tokens.
                 1 => {
                     let answer = BucketResult { allowed: true, limit: 100, remaining: 50, ..BucketResult::default() };
-                    lease::deposit(&store, slot, n, &answer, now, now + size.lease.max_age_ms, 0);
+                    lease::pool::deposit(&store, slot, n, &answer, now, now + size.lease.max_age_ms, 0);
                     deposited[key] += n;
                 }
                 // A rescue spends what is there, then gives it back (the request was denied after all).
                 2 => {
-                    if lease::spend(&store, slot, 100, n, now).is_some() {
+                    if lease::pool::spend(&store, slot, 100, n, now).is_some() {
                         paid[key] += n;
                         if w == 0 {
-                            lease::refund(&store, slot, n, now);
+                            lease::pool::refund(&store, slot, n, now);
                             paid[key] -= n;
                         }
                     }
                 }
                 3 => store.conflicts.set(n as u32),
                 4 => now += n,
-                _ => lease::release(&store, slot),
+                _ => lease::pool::release(&store, slot),
             }
             // Pools of colliding keys share nothing: each key's payout is bounded by its own
             // deposits (an evicted pool's tokens are lost, never handed to the newcomer).

@@ -10,16 +10,21 @@
 //!    as is, or the failure mode (`fallback` / `allow` / `deny`) for a failure (the breaker's
 //!    refusal included), then shadow mode on top.
 
+//!
+//! `headers`: `Retry-After`, `RateLimit` / `RateLimit-Policy`, `X-RateLimit-*`.
+
+pub mod headers;
+
+use crate::core::base::store::CasStore;
 use crate::core::config::{Config, FailureMode, Limit, Rule, Transport};
-use crate::core::fallback;
-use crate::core::headers::{rate_limit_headers, retry_after};
+use crate::core::local::fallback;
 use crate::core::rules::limits::limit_for;
 use crate::core::rules::{keys, matches, Request};
-use crate::core::store::CasStore;
 use crate::core::wire::{self, Bucket, BucketResult, TakeRequest, TakeResponse};
+use headers::{rate_limit_headers, retry_after};
 use std::borrow::Cow;
 
-use crate::core::plan::{
+use crate::core::wire::plan::{
     Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step, Verdict,
 };
 
@@ -425,8 +430,8 @@ pub fn resolve<S: CasStore + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::base::store::fake::FakeStore;
     use crate::core::config::{Config, HeaderStyle};
-    use crate::core::store::fake::FakeStore;
     use crate::core::wire::decode_proto;
 
     fn cfg(extra: &str) -> Config {
@@ -626,7 +631,7 @@ mod tests {
         // Fallback: capacity 2 per key, shared through the store.
         let c = cfg(r#","failure_mode":"fallback""#);
         let store = FakeStore::default();
-        crate::core::fallback::prepare(&store, c.fallback.max_keys);
+        crate::core::local::fallback::prepare(&store, c.fallback.max_keys);
         let p = p_for(&c);
         let ds: Vec<Decision> = (0..3)
             .map(|_| resolve(&c, &p, &failed, &store, 0).decision)
@@ -654,7 +659,7 @@ mod tests {
         // instances divides the local capacity: 2 / 2 = 1.
         let c = cfg(r#","fallback":{"instances":2}"#);
         let store = FakeStore::default();
-        crate::core::fallback::prepare(&store, c.fallback.max_keys);
+        crate::core::local::fallback::prepare(&store, c.fallback.max_keys);
         let p = p_for(&c);
         let ds: Vec<Decision> = (0..2)
             .map(|_| resolve(&c, &p, &failed, &store, 0).decision)

@@ -14,7 +14,7 @@ pub struct Plan {
     /// For bucket `i`, the index of its rule in `Config::rules`.
     pub rules: Vec<usize>,
     /// For bucket `i`, the tokens it owes from the fallback and carries in its `lease` on top of
-    /// what it asks for itself (empty: none; see [`crate::core::fallback`]).
+    /// what it asks for itself (empty: none; see [`crate::core::local::fallback`]).
     pub debt: Vec<u64>,
     /// Transport `rls`: the domain and, for bucket `i`, its descriptor's entries.
     pub rls: Option<wire::RlsRequest>,

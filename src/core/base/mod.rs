@@ -1,0 +1,11 @@
+//! The ground floor: plain tools that know nothing of rules or the service.
+//!
+//! - `hash`: SHA-256 for bounding long key parts and for slot identities.
+//! - `hostmap`: the host's header map wire format.
+//! - `store`: the CAS storage trait (shared data) and its bounded retry loop.
+//! - `ledger`: the VM's one table of callouts in flight, and who waits for each.
+
+pub mod hash;
+pub mod hostmap;
+pub mod ledger;
+pub mod store;

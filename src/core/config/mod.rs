@@ -1,0 +1,20 @@
+//! The plugin configuration (docs/filter-config.md is the user-facing reference).
+//!
+//! Parsed and validated once, in `on_configure`; the result is immutable and shared by every
+//! request: [`Config`] holds the validated values with every default resolved. Unknown fields
+//! are errors (a typo must not silently leave a limit unset), and every error names the offending
+//! field, e.g.
+//! `rules[1].capacity: must be between 1 and 1000000000`. The numeric bounds are the contract's
+//! (contract/README.md), so the service never rejects what the filter accepted.
+//!
+//! - `model`: the validated configuration ([`Config`], [`Rule`], ...) and its bounds.
+//! - `rules`: a rule's fields, once: which exist and which kind of rule each belongs to.
+//! - `reader`: [`Config::parse`], the JSON walked by hand, every error naming its field.
+
+mod model;
+mod reader;
+pub mod rules;
+#[cfg(test)]
+mod tests;
+
+pub use model::*;

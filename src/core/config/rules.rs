@@ -1,0 +1,55 @@
+//! A rule's fields, once: the one table the reader checks a rule against (which fields exist,
+//! and which kind of rule each belongs to).
+
+/// The kind of rule a field belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kinds {
+    /// Every rule.
+    Every,
+    /// Rate rules only (`kind` absent or `"rate"`).
+    Rate,
+    /// Concurrency rules only (`kind: "concurrency"`).
+    Concurrency,
+}
+
+/// Every field a rule may hold, in the order the reader reads them, with the kind it belongs to.
+pub const RULE_FIELDS: [(&str, Kinds); 20] = [
+    ("name", Kinds::Every),
+    ("match", Kinds::Every),
+    ("key", Kinds::Every),
+    ("on_missing", Kinds::Every),
+    ("capacity", Kinds::Rate),
+    ("rate", Kinds::Rate),
+    ("period_ms", Kinds::Rate),
+    ("cost", Kinds::Rate),
+    ("algorithm", Kinds::Rate),
+    ("lease", Kinds::Rate),
+    ("overrides", Kinds::Rate),
+    ("tiers", Kinds::Rate),
+    ("shadow", Kinds::Every),
+    ("response", Kinds::Every),
+    ("descriptor", Kinds::Rate),
+    ("kind", Kinds::Every),
+    ("max_in_flight", Kinds::Concurrency),
+    ("deadline_ms", Kinds::Concurrency),
+    ("charge", Kinds::Every),
+    ("usage", Kinds::Every),
+];
+
+/// The names of [`RULE_FIELDS`].
+pub fn names() -> [&'static str; RULE_FIELDS.len()] {
+    RULE_FIELDS.map(|(name, _)| name)
+}
+
+/// The fields of a rule of the other kind than `concurrency` says, in table order.
+pub fn of_the_other_kind(concurrency: bool) -> impl Iterator<Item = &'static str> {
+    let other = if concurrency {
+        Kinds::Rate
+    } else {
+        Kinds::Concurrency
+    };
+    RULE_FIELDS
+        .into_iter()
+        .filter(move |&(_, k)| k == other)
+        .map(|(name, _)| name)
+}

@@ -1,0 +1,359 @@
+//! The reader's tests: every field read, every refusal naming its field.
+
+use super::*;
+
+const MINIMAL: &str = r#"{"service":{"cluster":"tollgate"},
+    "rules":[{"name":"per-ip","key":["client_ip"],"capacity":100,"period_ms":60000}]}"#;
+
+fn parse(s: &str) -> Result<Config, ConfigError> {
+    Config::parse(s.as_bytes())
+}
+
+fn error_of(s: &str) -> ConfigError {
+    match parse(s) {
+        Ok(_) => ConfigError {
+            field: "<accepted>".into(),
+            message: String::new(),
+        },
+        Err(e) => e,
+    }
+}
+
+/// A full config with one substitution: `"rules":[R0, R1]` where R1 is given.
+fn with_rule1(rule1: &str) -> String {
+    format!(
+        r#"{{"service":{{"cluster":"c"}},"rules":[
+          {{"name":"a","capacity":1,"period_ms":1000}}, {rule1}]}}"#
+    )
+}
+
+#[test]
+fn minimal_config_gets_defaults() {
+    let c = parse(MINIMAL).unwrap();
+    assert_eq!(c.service.authority, "tollgate");
+    assert_eq!(c.service.transport, Transport::Http);
+    assert_eq!(c.service.timeout_ms, 20);
+    assert_eq!(c.service.path, "/v1/take");
+    assert_eq!(c.service.token, None);
+    assert_eq!(c.trusted_hops, 0);
+    assert_eq!(c.failure_mode, FailureMode::Fallback);
+    assert_eq!(
+        c.fallback,
+        Fallback {
+            instances: 1,
+            min_instances: 1,
+            max_keys: 10_000,
+            // 100 tokens at 100 per minute fill in a minute (+1 ms of rounding up).
+            debt_horizon_ms: 60_001,
+            previous_max_keys: [0; 3],
+        }
+    );
+    assert_eq!(
+        c.breaker,
+        Breaker {
+            failures: 5,
+            open_ms: 250,
+            max_open_ms: 5000
+        }
+    );
+    assert!(!c.shadow);
+    assert_eq!(c.response.status, 429);
+    assert_eq!(c.response.body, "rate limited\n");
+    assert_eq!(c.response.content_type, "text/plain");
+    assert_eq!(c.response.headers, vec![HeaderStyle::Draft]);
+    assert!(!c.response.on_allowed);
+    let r = &c.rules[0];
+    assert_eq!(r.rate, 100);
+    assert_eq!(r.cost, Cost::Fixed(1));
+    assert_eq!(r.algorithm, Algorithm::TokenBucket);
+    assert_eq!(r.on_missing, OnMissing::Skip);
+    assert_eq!(r.lease, None);
+    assert!(c.needs_peer_address);
+}
+
+#[test]
+fn lease_defaults_and_bounds() {
+    let c = parse(&with_rule1(
+        r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":50}}"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        c.rules[1].lease,
+        Some(Lease {
+            size: Some(50),
+            max_age_ms: 1000
+        })
+    );
+    let c = parse(&with_rule1(
+        r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{}}"#,
+    ))
+    .unwrap();
+    assert_eq!(c.rules[1].lease.map(|l| l.size), Some(None), "adaptive");
+    let c = parse(&with_rule1(
+        r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":1,"max_age_ms":60000}}"#,
+    ))
+    .unwrap();
+    assert_eq!(c.rules[1].lease.map(|l| l.max_age_ms), Some(60_000));
+    assert_eq!(
+        error_of(&with_rule1(
+            r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":51}}"#
+        ))
+        .to_string(),
+        "rules[1].lease.size: must be between 1 and 50"
+    );
+}
+
+#[test]
+fn full_config_from_the_docs_parses() {
+    let full = r#"{
+      "service": {"cluster": "tollgate", "authority": "tollgate.local", "transport": "grpc",
+                  "timeout_ms": 50, "path": "/v1/take", "token": "secret"},
+      "trusted_hops": 1,
+      "rules": [{
+        "name": "per-ip",
+        "match": {"path_prefix": "/api/", "methods": ["get", "POST"],
+                  "headers": [{"name": "X-Tenant", "present": true}, {"name": "x-plan", "equals": "free"}]},
+        "key": ["literal:api", "header:x-api-key", "client_ip", "path", "method", "authority"],
+        "on_missing": "shared",
+        "capacity": 100, "rate": 10, "period_ms": 60000,
+        "cost": {"header": "x-cost", "default": 2, "max": 50},
+        "algorithm": "fixed_window"
+      }],
+      "failure_mode": "deny",
+      "fallback": {"instances": 3, "max_keys": 100},
+      "breaker": {"failures": 3, "open_ms": 100, "max_open_ms": 1000},
+      "shadow": true,
+      "response": {"status": 503, "body": "slow down", "content_type": "text/html",
+                   "headers": ["draft", "x-ratelimit"], "on_allowed": true}
+    }"#;
+    let c = parse(full).unwrap();
+    assert_eq!(c.service.transport, Transport::Grpc);
+    assert_eq!(c.service.token.as_deref(), Some("secret"));
+    let shown = format!("{c:?}");
+    assert!(!shown.contains("secret") && shown.contains("<redacted>"));
+    let r = &c.rules[0];
+    assert_eq!(r.matcher.methods, vec!["GET", "POST"]);
+    assert_eq!(
+        r.matcher.headers,
+        vec![
+            HeaderMatch::Present("x-tenant".into(), true),
+            HeaderMatch::Equals("x-plan".into(), "free".into())
+        ]
+    );
+    assert_eq!(r.key.len(), 6);
+    assert_eq!(
+        r.cost,
+        Cost::Header {
+            name: "x-cost".into(),
+            default: 2,
+            min: 1,
+            max: 50
+        }
+    );
+    assert_eq!(r.algorithm, Algorithm::FixedWindow);
+    assert_eq!(c.failure_mode, FailureMode::Deny);
+    assert_eq!(
+        c.response.headers,
+        vec![HeaderStyle::Draft, HeaderStyle::XRateLimit]
+    );
+    assert!(
+        !c.needs_peer_address,
+        "trusted_hops > 0 reads x-forwarded-for instead"
+    );
+}
+
+#[test]
+fn an_empty_unknown_key_is_named() {
+    let e = Config::parse(br#"{"service":{"cluster":"c"},"":[1]}"#).unwrap_err();
+    assert_eq!(e.field, "\"\"");
+}
+
+#[test]
+fn errors_name_their_field() {
+    let cases: Vec<(String, &str)> = vec![
+        (with_rule1(r#"{"name":"b","capacity":0,"period_ms":1}"#), "rules[1].capacity"),
+        (with_rule1(r#"{"name":"b","capacity":1000000001,"period_ms":1}"#), "rules[1].capacity"),
+        (with_rule1(r#"{"name":"b","capacity":5,"rate":0,"period_ms":1}"#), "rules[1].rate"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":0}"#), "rules[1].period_ms"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":31536000001}"#), "rules[1].period_ms"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":0}"#), "rules[1].cost"),
+        (with_rule1(r#"{"name":"a","capacity":5,"period_ms":1}"#), "rules[1].name"),
+        (with_rule1(r#"{"name":"","capacity":5,"period_ms":1}"#), "rules[1].name"),
+        (with_rule1(r#"{"name":"b c","capacity":5,"period_ms":1}"#), "rules[1].name"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":["cookie"]}"#), "rules[1].key[0]"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":["path","header:"]}"#), "rules[1].key[1]"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":["path","path","path","path","path","path","path","path","path"]}"#), "rules[1].key"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"path_exact":"/a","path_prefix":"/b"}}"#), "rules[1].match.path_prefix"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"path_exact":"a"}}"#), "rules[1].match.path_exact"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"methods":[]}}"#), "rules[1].match.methods"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"headers":[{"name":"x"}]}}"#), "rules[1].match.headers[0]"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"headers":[{"name":"x y","present":true}]}}"#), "rules[1].match.headers[0].name"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"header":"x","max":10,"default":11}}"#), "rules[1].cost.default"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"on_missing":"ignore"}"#), "rules[1].on_missing"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"algorithm":"leaky"}"#), "rules[1].algorithm"),
+        (with_rule1(r#"{"name":"b","capacity":-5,"period_ms":1}"#), "rules[1].capacity"),
+        (with_rule1(r#"{"name":"b","capacity":1.5,"period_ms":1}"#), "rules[1].capacity"),
+        (with_rule1(r#"{"name":"b","period_ms":1}"#), "rules[1].capacity"),
+        (with_rule1(r#"{"name":"b","capacity":"5","period_ms":1}"#), "rules[1].capacity"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":"path"}"#), "rules[1].key"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":[1]}"#), "rules[1].key[0]"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":"x"}"#), "rules[1].cost"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"max":3}}"#), "rules[1].cost.header"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"header":"x","min":4,"max":3}}"#), "rules[1].cost.min"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"header":"x","min":2,"default":1}}"#), "rules[1].cost.default"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"reserve":"all","max":3}}"#), "rules[1].cost.reserve"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"reserve":"max"}}"#), "rules[1].cost.max"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"reserve":"max","max":3,"header":"x"}}"#), "rules[1].cost.header"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"reserve":"max","max":3,"min":1}}"#), "rules[1].cost.min"),
+        (with_rule1(r#"{"capacity":5,"period_ms":1}"#), "rules[1].name"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":6}}"#), "rules[1].lease.size"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":0}}"#), "rules[1].lease.size"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":"8"}}"#), "rules[1].lease.size"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"max_age_ms":0}}"#), "rules[1].lease.max_age_ms"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"max_age_ms":60001}}"#), "rules[1].lease.max_age_ms"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":{"size":2,"ttl":5}}"#), "rules[1].lease.ttl"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"lease":50}"#), "rules[1].lease"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"reply"}"#), "rules[1].charge"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"usage":{"header":"x-u"}}"#), "rules[1].usage"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"body":false}}"#), "rules[1].usage.body"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"header":"a b"}}"#), "rules[1].usage.header"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"weights":{"prompt":1001}}}"#), "rules[1].usage.weights.prompt"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"weights":{"cached":1}}}"#), "rules[1].usage.weights.cached"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"max":0}}"#), "rules[1].usage.max"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"from":"body"}}"#), "rules[1].usage.from"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","usage":{"cut":"seen"}}"#), "rules[1].usage.cut"),
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"charge":"response","lease":{}}"#), "rules[1].lease"),
+        (r#"{"service":{"cluster":"c","transport":"rls","domain":"d"},"rules":[{"name":"a","capacity":1,"period_ms":1,"charge":"response"}]}"#.into(), "rules[0].charge"),
+        (r#"[1]"#.into(), "config"),
+        (r#"{"service":{"cluster":"c"},"rules":[{"name":"a","capacity":1,"period_ms":1}],"shadow":"yes"}"#.into(), "shadow"),
+        (r#"{"service":{"cluster":"c"},"rules":[{"name":"a","capacity":1,"period_ms":1}],"response":{"on_allowed":1}}"#.into(), "response.on_allowed"),
+        (r#"{"service":{"cluster":"c"},"rules":[]}"#.into(), "rules"),
+        (r#"{"rules":[]}"#.into(), "service"),
+        (r#"{"service":{"cluster":"c"}"#.into(), "config"),
+        (r#"{"service":{"cluster":""},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.cluster"),
+        (r#"{"service":{"cluster":"c","transport":"udp"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.transport"),
+        (r#"{"service":{"cluster":"c","timeout_ms":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.timeout_ms"),
+        (r#"{"service":{"cluster":"c","path":"v1"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.path"),
+        (r#"{"service":{"cluster":"c","token":"a\nb"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "service.token"),
+        (r#"{"service":{"cluster":"c"},"trusted_hops":17,"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "trusted_hops"),
+        (r#"{"service":{"cluster":"c"},"failure_mode":"open","rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "failure_mode"),
+        (r#"{"service":{"cluster":"c"},"fallback":{"instances":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "fallback.instances"),
+        (r#"{"service":{"cluster":"c"},"fallback":{"min_instances":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "fallback.min_instances"),
+        (r#"{"service":{"cluster":"c"},"fallback":{"max_keys":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "fallback.max_keys"),
+        (r#"{"service":{"cluster":"c"},"breaker":{"open_ms":0},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "breaker.open_ms"),
+        (r#"{"service":{"cluster":"c"},"breaker":{"open_ms":100,"max_open_ms":50},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "breaker.max_open_ms"),
+        (r#"{"service":{"cluster":"c"},"response":{"status":200},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "response.status"),
+        (r#"{"service":{"cluster":"c"},"response":{"headers":["ietf"]},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "response.headers[0]"),
+        (r#"{"service":{"cluster":"c"},"response":{"content_type":"a\r\nb: c"},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(), "response.content_type"),
+    ];
+    for (json, field) in cases {
+        let e = error_of(&json);
+        assert_eq!(e.field, field, "config {json}: got error `{e}`");
+        assert!(!e.message.is_empty());
+    }
+}
+
+#[test]
+fn a_rule_charged_by_the_response_reads_its_usage_as_configured() {
+    let cfg = Config::parse(
+        br#"{"service":{"cluster":"c"},"rules":[
+            {"name":"a","capacity":10000,"period_ms":60000,"cost":{"header":"x-max-tokens","default":500,"max":4000},
+             "charge":"response","usage":{"header":"X-Tokens","weights":{"prompt":1,"completion":3},"max":8000,"cut":"reserved"}},
+            {"name":"b","capacity":10,"period_ms":1000,"charge":"response"},
+            {"name":"c","capacity":10,"period_ms":1000}]}"#,
+    )
+    .unwrap();
+    let a = cfg.rules[0].charge.clone().unwrap();
+    assert_eq!(a.header.as_deref(), Some("x-tokens"));
+    assert!(a.body);
+    assert_eq!(
+        a.weights,
+        Some(Weights {
+            prompt: 1,
+            completion: 3
+        })
+    );
+    assert_eq!((a.max, a.cut), (8000, Cut::Reserved));
+    let b = cfg.rules[1].charge.clone().unwrap();
+    assert_eq!(
+        (b.header, b.body, b.weights, b.max, b.cut),
+        (None, true, None, MAX_AMOUNT, Cut::Bound)
+    );
+    assert_eq!(cfg.rules[2].charge, None);
+}
+
+#[test]
+fn a_reservation_is_a_floored_hint_or_the_rules_max() {
+    let cfg = Config::parse(
+        br#"{"service":{"cluster":"c"},"rules":[
+            {"name":"a","capacity":10000,"period_ms":60000,"charge":"response",
+             "cost":{"header":"x-max-tokens","min":256,"max":4000}},
+            {"name":"b","capacity":10000,"period_ms":60000,"charge":"response",
+             "cost":{"reserve":"max","max":4000}}]}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.rules[0].cost,
+        Cost::Header {
+            name: "x-max-tokens".into(),
+            default: 256,
+            min: 256,
+            max: 4000
+        }
+    );
+    assert_eq!(cfg.rules[1].cost, Cost::Fixed(4000));
+    assert_eq!(
+        (cfg.rules[0].cost.bound(), cfg.rules[1].cost.bound()),
+        (4000, 4000)
+    );
+}
+
+#[test]
+fn unknown_fields_are_errors_that_name_them() {
+    for (json, needle) in [
+        (r#"{"service":{"cluster":"c"},"rulez":[]}"#, "rulez"),
+        (
+            r#"{"service":{"cluster":"c","timeout":5},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#,
+            "timeout",
+        ),
+        (
+            &with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"burst":3}"#)[..],
+            "burst",
+        ),
+        (
+            &with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":{"path":"/x"}}"#)[..],
+            "path",
+        ),
+        (
+            r#"{"service":{"cluster":"c"},"breaker":{"failure":3},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#,
+            "failure",
+        ),
+    ] {
+        let e = error_of(json);
+        assert_ne!(e.field, "<accepted>", "{json} was accepted");
+        assert!(e.to_string().contains(needle), "{json}: {e}");
+    }
+    let e = error_of(&with_rule1(
+        r#"{"name":"b","capacity":5,"period_ms":1,"burst":3}"#,
+    ));
+    assert!(e.field.starts_with("rules[1]"), "{e}");
+}
+
+#[test]
+fn bounds_are_inclusive() {
+    let c = parse(&with_rule1(
+        r#"{"name":"b","capacity":1000000000,"rate":1000000000,"period_ms":31536000000,"cost":1000000000}"#,
+    ))
+    .unwrap();
+    assert_eq!(c.rules[1].capacity, MAX_AMOUNT);
+    assert_eq!(c.rules[1].period_ms, MAX_PERIOD_MS);
+}
+
+#[test]
+fn display_is_field_colon_message() {
+    let e = error_of(&with_rule1(r#"{"name":"b","capacity":0,"period_ms":1}"#));
+    assert_eq!(
+        e.to_string(),
+        "rules[1].capacity: must be between 1 and 1000000000"
+    );
+}

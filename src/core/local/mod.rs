@@ -1,0 +1,18 @@
+//! This Envoy's own state in shared data, kept in step with the service's answers: what decides
+//! when the service cannot be asked, or need not be.
+//!
+//! - `table`: the shared-data tables (slots by a bucket's hashed identity, one record format).
+//! - `bucket`: local bucket math (integer micro-tokens), one module per algorithm.
+//! - `breaker`: the circuit breaker over a serialisable shared state.
+//! - `fallback`: the fallback shares kept in step with the answers, and their debts.
+//! - `lease`: lease mode, pools of tokens granted by the service, spent by every worker.
+//! - `props` (tests only): property tests of the shares and lease pools under interleaved
+//!   workers.
+
+pub mod breaker;
+pub mod bucket;
+pub mod fallback;
+pub mod lease;
+#[cfg(test)]
+mod props;
+pub mod table;
