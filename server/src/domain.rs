@@ -36,9 +36,32 @@ pub struct BucketSpec {
 
 /// The answer for one bucket, for a take, and for a batch: the contract's messages, whose serde
 /// forms are the JSON bodies (the protobuf ones are mapped in `api::grpc`).
-pub use contract::take::{
-    BatchResponse as BatchDecision, BucketResult as BucketDecision, TakeResponse as TakeDecision,
-};
+pub use contract::take::{BatchResponse, BucketResult, TakeResponse};
+
+/// The contract's slot bounds: longest deadline (one day), longest slot id, and what a denial
+/// suggests waiting at most.
+pub use contract::bounds::{MAX_SLOT_BYTES, MAX_SLOT_TTL_MS, SLOT_DENIED_RETRY_MS};
+
+/// The answers to an acquire (per key, and in all) and to a release: the contract's, whose serde
+/// forms are the JSON response bodies of `POST /v1/acquire` and `POST /v1/release`.
+pub use contract::slots::{AcquireResponse, ReleaseResponse, SlotResult};
+
+/// One validated key of an acquire (concurrency slots, contract/README.md "Acquire and release").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotSpec {
+    /// The key, 1..=4096 bytes; distinct from the other keys of the acquire.
+    pub key: String,
+    /// Most slots held at once for this key, 1..=1e9.
+    pub limit: u64,
+    /// The slot's deadline from now, 1..=[`MAX_SLOT_TTL_MS`] ms.
+    pub ttl_ms: u64,
+}
+
+/// The delay a denied slot key suggests: [`SLOT_DENIED_RETRY_MS`], or sooner when the oldest
+/// slot's deadline (`earliest_left_ms` from now) is sooner.
+pub fn slot_retry_after(earliest_left_ms: Option<u64>) -> u64 {
+    earliest_left_ms.map_or(SLOT_DENIED_RETRY_MS, |ms| ms.clamp(1, SLOT_DENIED_RETRY_MS))
+}
 
 /// A bucket as decoded from either wire form, before validation. `None` means "absent".
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -318,8 +341,8 @@ pub struct Settlement {
     pub buckets: Vec<SettleSpec>,
 }
 
-/// The answers to a settle are the contract's (`SettleDecision` is its `SettleResponse`).
-pub use contract::settle::{SettleResponse as SettleDecision, SettleResult};
+/// The answers to a settle: the contract's.
+pub use contract::settle::{SettleResponse, SettleResult};
 
 /// Checks a decoded settle: the id, then every bucket as a take's (same fields, same bounds and
 /// the same error names; a settle has no `cost` nor `lease`), then its amounts.

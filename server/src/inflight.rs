@@ -20,31 +20,10 @@ use serde::Deserialize;
 use crate::api::{Api, ApiError};
 use crate::domain::{InvalidArgument, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES};
 
-/// The contract's slot bounds: longest deadline (one day), longest slot id, and what a denial
-/// suggests waiting at most.
-pub use contract::bounds::{
-    MAX_SLOT_BYTES, MAX_SLOT_TTL_MS as MAX_TTL_MS, SLOT_DENIED_RETRY_MS as DENIED_RETRY_MS,
-};
+use crate::domain::{AcquireResponse, ReleaseResponse, SlotSpec};
+pub use crate::domain::{MAX_SLOT_BYTES, MAX_SLOT_TTL_MS};
 /// Largest acquire or release body accepted.
 pub const MAX_BODY_BYTES: usize = MAX_BUCKETS * (MAX_KEY_BYTES + 128) + 512;
-
-/// One validated key of an acquire.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SlotSpec {
-    /// The key, 1..=4096 bytes; distinct from the other keys of the acquire.
-    pub key: String,
-    /// Most slots held at once for this key, 1..=1e9.
-    pub limit: u64,
-    /// The slot's deadline from now, 1..=[`MAX_TTL_MS`] ms.
-    pub ttl_ms: u64,
-}
-
-/// The answers to an acquire (per key, and in all) and to a release: the contract's, whose serde
-/// forms are the JSON response bodies of `POST /v1/acquire` and `POST /v1/release`.
-pub use contract::slots::{
-    AcquireResponse as AcquireDecision, ReleaseResponse as ReleaseDecision,
-    SlotResult as SlotDecision,
-};
 
 /// One key of an acquire as decoded, before validation.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -150,11 +129,11 @@ pub fn validate_acquire(raw: RawAcquire) -> Result<Vec<SlotSpec>, InvalidArgumen
             }
         };
         let ttl_ms = match b.ttl_ms {
-            Some(n) if (1..=MAX_TTL_MS).contains(&n) => n,
+            Some(n) if (1..=MAX_SLOT_TTL_MS).contains(&n) => n,
             _ => {
                 return Err(InvalidArgument::new(
                     at("ttl_ms"),
-                    format!("must be between 1 and {MAX_TTL_MS}"),
+                    format!("must be between 1 and {MAX_SLOT_TTL_MS}"),
                 ))
             }
         };
@@ -208,18 +187,12 @@ pub fn new_slot_id() -> String {
     format!("{:016x}{:016x}", h1.finish(), h2.finish())
 }
 
-/// The delay a denied key suggests: [`DENIED_RETRY_MS`], or sooner when the oldest slot's
-/// deadline (`earliest_left_ms` from now) is sooner.
-pub fn retry_after(earliest_left_ms: Option<u64>) -> u64 {
-    earliest_left_ms.map_or(DENIED_RETRY_MS, |ms| ms.clamp(1, DENIED_RETRY_MS))
-}
-
 impl Api {
     /// Validates and decides one admitted acquire.
     pub async fn acquire(
         &self,
         raw: Result<RawAcquire, InvalidArgument>,
-    ) -> Result<AcquireDecision, ApiError> {
+    ) -> Result<AcquireResponse, ApiError> {
         let checked = raw.and_then(|r| {
             crate::domain::check_instance("instance", r.instance.as_deref())?;
             self.instances(r.instance.as_deref());
@@ -248,7 +221,7 @@ impl Api {
     pub async fn release(
         &self,
         raw: Result<RawRelease, InvalidArgument>,
-    ) -> Result<ReleaseDecision, ApiError> {
+    ) -> Result<ReleaseResponse, ApiError> {
         let checked = raw.and_then(|r| {
             crate::domain::check_instance("instance", r.instance.as_deref())?;
             self.instances(r.instance.as_deref());
@@ -267,7 +240,7 @@ impl Api {
             self.metrics.slots("already_free", r.len() as u64 - found);
         }
         result
-            .map(|released| ReleaseDecision { released })
+            .map(|released| ReleaseResponse { released })
             .map_err(|e| {
                 self.metrics.store_error(e.kind());
                 tracing::warn!(error = %e, store = self.store.kind(), "release failed; the slot is left to its deadline");
@@ -314,8 +287,8 @@ pub fn raw_release_from_pb(req: &pb::ReleaseRequest) -> RawRelease {
     }
 }
 
-/// An [`AcquireDecision`] as an `AcquireResponse` (`slot` empty when not allowed).
-pub fn pb_from_acquire(d: &AcquireDecision) -> pb::AcquireResponse {
+/// An [`AcquireResponse`] as an `AcquireResponse` (`slot` empty when not allowed).
+pub fn pb_from_acquire(d: &AcquireResponse) -> pb::AcquireResponse {
     pb::AcquireResponse {
         allowed: d.allowed,
         slot: d.slot.clone().unwrap_or_default(),
@@ -387,7 +360,10 @@ mod tests {
         assert_eq!(bad(vec![]), "buckets");
         assert_eq!(bad(vec![raw("", 1, 1)]), "buckets[0].key");
         assert_eq!(bad(vec![raw("a", 0, 1)]), "buckets[0].limit");
-        assert_eq!(bad(vec![raw("a", 1, MAX_TTL_MS + 1)]), "buckets[0].ttl_ms");
+        assert_eq!(
+            bad(vec![raw("a", 1, MAX_SLOT_TTL_MS + 1)]),
+            "buckets[0].ttl_ms"
+        );
         assert_eq!(bad(vec![raw("a", 1, 1), raw("a", 1, 1)]), "buckets[1].key");
         assert_eq!(field(validate_acquire(RawAcquire::default())), "buckets");
         let rel = |slot: &str, keys: Vec<String>| {

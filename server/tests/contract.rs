@@ -8,7 +8,7 @@ use prost::Message;
 use serde_json::Value;
 use tollgate_server::api::grpc::{self, pb};
 use tollgate_server::api::json;
-use tollgate_server::domain::{validate, validate_batch, BatchDecision, TakeDecision};
+use tollgate_server::domain::{validate, validate_batch, BatchResponse, TakeResponse};
 
 fn hex_decode(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -75,7 +75,7 @@ fn requests_agree_in_both_encodings() {
 fn responses_agree_in_both_encodings() {
     for case in cases() {
         let name = case["name"].as_str().unwrap();
-        let decision: TakeDecision =
+        let decision: TakeResponse =
             serde_json::from_value(case["response_json"].clone()).expect(name);
         // domain -> JSON.
         assert_eq!(
@@ -148,7 +148,7 @@ fn batch_requests_agree_in_both_encodings() {
 fn batch_responses_agree_in_both_encodings() {
     for case in batch_cases() {
         let name = case["name"].as_str().unwrap();
-        let batch: BatchDecision =
+        let batch: BatchResponse =
             serde_json::from_value(case["response_json"].clone()).expect(name);
         assert_eq!(
             serde_json::to_value(&batch).unwrap(),
@@ -231,7 +231,7 @@ mod contract_codec {
             let prost =
                 grpc::decision_from_pb(&pb::TakeResponse::decode(bytes.as_slice()).unwrap());
             assert_eq!(cproto::decode_answer(&bytes).unwrap(), prost, "{name}");
-            let serde: TakeDecision =
+            let serde: TakeResponse =
                 serde_json::from_value(case["response_json"].clone()).unwrap();
             let body = serde_json::to_vec(&case["response_json"]).unwrap();
             assert_eq!(cjson::decode_answer(&body).unwrap(), serde, "{name}");
@@ -263,7 +263,7 @@ mod contract_codec {
                 prost,
                 "{name}"
             );
-            let serde: BatchDecision =
+            let serde: BatchResponse =
                 serde_json::from_value(case["response_json"].clone()).unwrap();
             let body = serde_json::to_vec(&case["response_json"]).unwrap();
             assert_eq!(

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tollgate_server::inflight::{new_slot_id, SlotSpec};
+use tollgate_server::domain::SlotSpec;
+use tollgate_server::inflight::new_slot_id;
 use tollgate_server::store::Store;
 
 fn spec(key: &str, limit: u64, ttl_ms: u64) -> SlotSpec {
@@ -332,9 +333,9 @@ async fn grpc_acquire_and_release() {
 fn slot_fixtures_agree_in_both_encodings() {
     use prost::Message;
     use tollgate_server::api::grpc::pb;
+    use tollgate_server::domain::{AcquireResponse, ReleaseResponse};
     use tollgate_server::inflight::{
         decode_acquire, decode_release, pb_from_acquire, raw_acquire_from_pb, raw_release_from_pb,
-        AcquireDecision, ReleaseDecision,
     };
     let text = std::fs::read_to_string(common::workspace().join("contract/fixtures/cases.json"))
         .expect("read cases.json");
@@ -356,7 +357,7 @@ fn slot_fixtures_agree_in_both_encodings() {
             Some("acquire") => {
                 let from_pb = raw_acquire_from_pb(&pb::AcquireRequest::decode(&*req_pb).unwrap());
                 assert_eq!(decode_acquire(&req_json).unwrap(), from_pb, "{name}");
-                let d: AcquireDecision =
+                let d: AcquireResponse =
                     serde_json::from_value(c["response_json"].clone()).unwrap();
                 assert_eq!(
                     serde_json::to_value(&d).unwrap(),
@@ -368,7 +369,7 @@ fn slot_fixtures_agree_in_both_encodings() {
             Some("release") => {
                 let from_pb = raw_release_from_pb(&pb::ReleaseRequest::decode(&*req_pb).unwrap());
                 assert_eq!(decode_release(&req_json).unwrap(), from_pb, "{name}");
-                let d: ReleaseDecision =
+                let d: ReleaseResponse =
                     serde_json::from_value(c["response_json"].clone()).unwrap();
                 let pb_resp = pb::ReleaseResponse {
                     released: d.released.clone(),

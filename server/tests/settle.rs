@@ -545,7 +545,7 @@ fn settle_fixtures_agree_in_both_encodings() {
     use prost::Message;
     use tollgate_server::api::grpc::pb;
     use tollgate_server::api::settle::{decode_settle, pb_from_settle, raw_settle_from_pb};
-    use tollgate_server::domain::{validate_settle, SettleDecision};
+    use tollgate_server::domain::{validate_settle, SettleResponse};
     let text = std::fs::read_to_string(common::workspace().join("contract/fixtures/cases.json"))
         .expect("read cases.json");
     let v: Value = serde_json::from_str(&text).expect("parse cases.json");
@@ -568,7 +568,7 @@ fn settle_fixtures_agree_in_both_encodings() {
         )
         .unwrap();
         assert_eq!(from_json, from_pb, "{name}");
-        let d: SettleDecision = serde_json::from_value(c["response_json"].clone()).unwrap();
+        let d: SettleResponse = serde_json::from_value(c["response_json"].clone()).unwrap();
         assert_eq!(
             serde_json::to_value(&d).unwrap(),
             c["response_json"],

@@ -13,7 +13,7 @@ use tonic_prost::{ProstDecoder, ProstEncoder};
 use super::ApiError;
 use crate::api::Api;
 use crate::domain::{
-    Algorithm, BucketDecision, InvalidArgument, RawBatch, RawBucket, RawTake, TakeDecision,
+    Algorithm, BucketResult, InvalidArgument, RawBatch, RawBucket, RawTake, TakeResponse,
     MAX_BATCH_TAKES, MAX_BUCKETS,
 };
 
@@ -273,14 +273,14 @@ pub fn pb_batch_from_raw(raw: &RawBatch) -> pb::TakeBatchRequest {
 }
 
 /// Encodes a batch's decisions as protobuf.
-pub fn pb_from_batch(ds: &[TakeDecision]) -> pb::TakeBatchResponse {
+pub fn pb_from_batch(ds: &[TakeResponse]) -> pb::TakeBatchResponse {
     pb::TakeBatchResponse {
         results: ds.iter().map(pb_from_decision).collect(),
     }
 }
 
 /// Decodes a protobuf batch response.
-pub fn batch_from_pb(r: &pb::TakeBatchResponse) -> Vec<TakeDecision> {
+pub fn batch_from_pb(r: &pb::TakeBatchResponse) -> Vec<TakeResponse> {
     r.results.iter().map(decision_from_pb).collect()
 }
 
@@ -307,7 +307,7 @@ pub fn pb_from_raw(raw: &RawTake) -> pb::TakeRequest {
 }
 
 /// Encodes a decision as protobuf.
-pub fn pb_from_decision(d: &TakeDecision) -> pb::TakeResponse {
+pub fn pb_from_decision(d: &TakeResponse) -> pb::TakeResponse {
     pb::TakeResponse {
         allowed: d.allowed,
         buckets: d
@@ -327,13 +327,13 @@ pub fn pb_from_decision(d: &TakeDecision) -> pb::TakeResponse {
 }
 
 /// Decodes a protobuf decision.
-pub fn decision_from_pb(r: &pb::TakeResponse) -> TakeDecision {
-    TakeDecision {
+pub fn decision_from_pb(r: &pb::TakeResponse) -> TakeResponse {
+    TakeResponse {
         allowed: r.allowed,
         buckets: r
             .buckets
             .iter()
-            .map(|b| BucketDecision {
+            .map(|b| BucketResult {
                 allowed: b.allowed,
                 limit: b.limit,
                 remaining: b.remaining,

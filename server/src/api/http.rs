@@ -20,7 +20,7 @@ use tower::{Service, ServiceExt};
 use super::grpc::{pb::rate_limiter_server::RateLimiterServer, status_of, RateLimiterService};
 use super::json::{decode_batch, decode_take, error_body};
 use super::{Api, ApiError, GRPC_FRAMING_BYTES};
-use crate::domain::{BatchDecision, MAX_BATCH_BYTES, MAX_TAKE_BYTES};
+use crate::domain::{BatchResponse, MAX_BATCH_BYTES, MAX_TAKE_BYTES};
 use crate::rls::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use crate::rls::{LimitsFile, RlsService};
 
@@ -79,7 +79,7 @@ async fn take_batch(State(api): State<Arc<Api>>, req: Request) -> Response {
     match result {
         Ok(results) => {
             api.metrics.request("http", "ok");
-            Json(BatchDecision { results }).into_response()
+            Json(BatchResponse { results }).into_response()
         }
         Err(e) => {
             api.metrics.request("http", e.code());

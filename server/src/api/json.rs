@@ -2,7 +2,7 @@
 //! [`decode_batch`] a batch into a [`RawBatch`], stopping at the 65th take) with
 //! serde visitors (no `serde_json::Value` tree, so memory stays bounded by the body and 16
 //! buckets), naming the field of every error (`buckets[0].capacity`) and refusing unknown fields;
-//! encoding uses serde. A response body is the serde form of [`crate::domain::TakeDecision`].
+//! encoding uses serde. A response body is the serde form of [`crate::domain::TakeResponse`].
 
 use std::fmt;
 

@@ -36,7 +36,7 @@ use subtle::ConstantTimeEq;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::domain::{
-    validate, validate_batch, BucketSpec, InvalidArgument, RawBatch, RawTake, TakeDecision,
+    validate, validate_batch, BucketSpec, InvalidArgument, RawBatch, RawTake, TakeResponse,
     MAX_BATCH_BYTES, MAX_BATCH_TAKES, MAX_TAKE_BYTES,
 };
 use crate::metrics::Metrics;
@@ -297,7 +297,7 @@ impl Api {
     pub async fn take(
         &self,
         raw: Result<RawTake, InvalidArgument>,
-    ) -> Result<TakeDecision, ApiError> {
+    ) -> Result<TakeResponse, ApiError> {
         let (instance, rules) = match &raw {
             Ok(r) => (r.instance.clone(), rule_names(r)),
             Err(_) => (None, Vec::new()),
@@ -319,7 +319,7 @@ impl Api {
     /// Decides validated buckets: one store call, timed, its failure counted (the caller counts
     /// the decision). The RLS endpoint calls it directly with the buckets it built itself, which
     /// may be more than a take on the wire holds.
-    pub async fn take_specs(&self, specs: &[BucketSpec]) -> Result<TakeDecision, ApiError> {
+    pub async fn take_specs(&self, specs: &[BucketSpec]) -> Result<TakeResponse, ApiError> {
         let start = Instant::now();
         let result = self.store.take(specs).await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
@@ -340,7 +340,7 @@ impl Api {
     pub async fn take_batch(
         &self,
         raw: Result<RawBatch, InvalidArgument>,
-    ) -> Result<Vec<TakeDecision>, ApiError> {
+    ) -> Result<Vec<TakeResponse>, ApiError> {
         let (instance, rules) = match &raw {
             Ok(b) => (
                 b.instance.clone(),
@@ -391,7 +391,7 @@ fn rule_names(raw: &RawTake) -> Vec<Option<String>> {
 
 impl Api {
     /// Counts a decision per rule named in its take.
-    fn count_rules(&self, d: &TakeDecision, rules: &[Option<String>]) {
+    fn count_rules(&self, d: &TakeResponse, rules: &[Option<String>]) {
         if rules.iter().all(Option::is_none) {
             return;
         }

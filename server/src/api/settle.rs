@@ -16,7 +16,7 @@ use super::grpc::pb;
 use super::{Api, ApiError};
 use crate::domain::{
     validate_settle, Algorithm, InvalidArgument, RawBucket, RawSettle, RawSettleBucket,
-    SettleDecision, SettleResult,
+    SettleResponse, SettleResult,
 };
 
 /// Decodes a JSON settle body. Unknown fields are refused (naming them), `null` is absent, and
@@ -177,7 +177,7 @@ pub fn raw_settle_from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidA
 }
 
 /// The protobuf form of a settle's answer.
-pub fn pb_from_settle(d: &SettleDecision) -> pb::SettleResponse {
+pub fn pb_from_settle(d: &SettleResponse) -> pb::SettleResponse {
     pb::SettleResponse {
         duplicate: d.duplicate,
         buckets: d
@@ -196,7 +196,7 @@ impl Api {
     pub async fn settle(
         &self,
         raw: Result<RawSettle, InvalidArgument>,
-    ) -> Result<SettleDecision, ApiError> {
+    ) -> Result<SettleResponse, ApiError> {
         let checked = raw.and_then(|r| {
             crate::domain::check_instance("instance", r.instance.as_deref())?;
             let instance = r.instance.clone();

@@ -30,8 +30,8 @@ use super::reload::LimitsFile;
 use crate::api::grpc::status_of;
 use crate::api::Api;
 use crate::domain::{
-    validate, BucketDecision, BucketSpec, RawBucket, RawSettle, RawSettleBucket, RawTake,
-    MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES,
+    validate, BucketResult, BucketSpec, RawBucket, RawSettle, RawSettleBucket, RawTake, MAX_AMOUNT,
+    MAX_BUCKETS, MAX_KEY_BYTES,
 };
 use crate::metrics::RlsHits;
 
@@ -257,7 +257,7 @@ fn pb_duration(ms: u64) -> PbDuration {
 ///   request another descriptor denied) and the time until the bucket is full again (token
 ///   bucket) or the window ends: when `limit_remaining` is back at the limit, which is what
 ///   envoyproxy/ratelimit's reset means.
-fn decided(limit: &Limit, d: &BucketDecision, cost: u64, charged: bool) -> DescriptorStatus {
+fn decided(limit: &Limit, d: &BucketResult, cost: u64, charged: bool) -> DescriptorStatus {
     let (code, remaining, until) = if !d.allowed {
         let never = cost > limit.capacity;
         (Code::OverLimit, 0, (!never).then_some(d.retry_after_ms))
@@ -503,7 +503,7 @@ impl RlsService {
     }
 
     /// Charges `asks` in one take, all or nothing (counted in `tollgate_decisions_total`).
-    async fn take(&self, asks: &[Ask]) -> Result<crate::domain::TakeDecision, Status> {
+    async fn take(&self, asks: &[Ask]) -> Result<crate::domain::TakeResponse, Status> {
         let specs = specs(asks, false)?;
         let d = self
             .api
@@ -519,14 +519,14 @@ impl RlsService {
     /// so the take is denied and nothing is written (a denied take writes nothing, in every
     /// store and in every Redis Cluster slot), while each first entry says whether it could
     /// have paid, what would be left and when. One decision per ask.
-    async fn probe(&self, asks: &[Ask]) -> Result<Vec<BucketDecision>, Status> {
+    async fn probe(&self, asks: &[Ask]) -> Result<Vec<BucketResult>, Status> {
         let specs = specs(asks, true)?;
         let d = self
             .api
             .take_specs(&specs)
             .await
             .map_err(|e| status_of(&e))?;
-        let decided: Vec<BucketDecision> = d.buckets.into_iter().step_by(2).collect();
+        let decided: Vec<BucketResult> = d.buckets.into_iter().step_by(2).collect();
         // Counted as what it decided, not as the denied take it is.
         self.api.metrics.decision(decided.iter().all(|b| b.allowed));
         Ok(decided)

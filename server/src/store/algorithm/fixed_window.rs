@@ -3,7 +3,8 @@
 //! and the carry-over of a changed limit). Windows are counted on the store's clock.
 
 use super::{Counter, Limits};
-use crate::domain::{BucketDecision, BucketSpec, SettleResult, SettleSpec};
+use crate::domain::{BucketSpec, SettleResult, SettleSpec};
+use contract::take::BucketResult as BucketDecision;
 
 /// The fixed window.
 #[derive(Debug)]

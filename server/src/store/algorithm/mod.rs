@@ -19,7 +19,8 @@ pub mod fixed_window;
 pub mod sliding_window;
 pub mod token_bucket;
 
-use crate::domain::{Algorithm, BucketDecision, BucketSpec, SettleResult, SettleSpec};
+use crate::domain::{Algorithm, BucketSpec, SettleResult, SettleSpec};
+use contract::take::BucketResult as BucketDecision;
 
 /// Same clamp as the scripts' `MAX_MS` (2^53 - 1): every time answered is an exact integer.
 pub const MAX_MS: u128 = 9_007_199_254_740_991;

@@ -15,7 +15,8 @@
 
 use super::fixed_window::scale_used;
 use super::{cap_ms, Counter, Limits};
-use crate::domain::{BucketDecision, BucketSpec, SettleResult, SettleSpec};
+use crate::domain::{BucketSpec, SettleResult, SettleSpec};
+use contract::take::BucketResult as BucketDecision;
 
 /// The sliding window counter.
 #[derive(Debug)]

@@ -6,7 +6,8 @@
 //! carry-over of a changed limit).
 
 use super::{cap_ms, Counter, Limits};
-use crate::domain::{BucketDecision, BucketSpec, SettleResult, SettleSpec};
+use crate::domain::{BucketSpec, SettleResult, SettleSpec};
+use contract::take::BucketResult as BucketDecision;
 
 const MICRO: u128 = 1_000_000;
 const MICRO_I: i128 = 1_000_000;
