@@ -128,7 +128,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Records the proxy instance ids this replica heard from since the last call, and counts the
     /// deployment's live instances (heard from by any replica within `ttl_ms`). Called about once
-    /// a second by [`crate::api::instances`], never on the take path. `None`: the store is this
+    /// a second by the live-instance registry (`api/instances.rs`), never on the take path. `None`: the store is this
     /// replica's alone (memory), so the replica's own count is the whole truth.
     async fn live_instances(&self, seen: &[String], ttl_ms: u64)
         -> Result<Option<u64>, StoreError>;
