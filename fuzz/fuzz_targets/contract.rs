@@ -9,10 +9,8 @@ use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use tollgate::core::config::Algorithm as FilterAlgorithm;
 use tollgate::core::wire::{self, Bucket, TakeRequest};
-use tollgate_server::api::{grpc, json};
-use tollgate_server::domain::{
-    validate, Algorithm, BucketDecision, RawBucket, TakeDecision, MAX_BUCKETS,
-};
+use tollgate_server::domain::{Algorithm, BucketResult, TakeResponse, MAX_BUCKETS};
+use tollgate_server::ops::take::{self, RawBucket};
 
 /// A number near the contract's bounds more often than a uniform `u64` would be.
 #[derive(Debug, Arbitrary)]
@@ -73,8 +71,8 @@ fuzz_target!(|input: Input| {
             })
             .collect(),
     };
-    let over_json = json::decode_take(&wire::encode_json(&req));
-    let over_grpc = grpc::decode_take(&wire::encode_proto(&req));
+    let over_json = take::decode_json(&wire::encode_json(&req));
+    let over_grpc = take::decode_pb(&wire::encode_proto(&req));
     if req.buckets.len() > MAX_BUCKETS {
         assert!(over_json.is_err() && over_grpc.is_err());
     } else {
@@ -111,20 +109,20 @@ fuzz_target!(|input: Input| {
         }
         assert_eq!(from_pb.buckets.as_ref(), Some(&expected_pb));
     }
-    let a = over_json.and_then(validate);
-    let b = over_grpc.and_then(validate);
+    let a = over_json.and_then(take::validate);
+    let b = over_grpc.and_then(take::validate);
     assert_eq!(a.is_ok(), b.is_ok(), "{a:?} / {b:?}");
     if let (Ok(a), Ok(b)) = (&a, &b) {
         assert_eq!(a, b, "the transports disagree");
     }
 
-    let decision = TakeDecision {
+    let decision = TakeResponse {
         allowed: input.allowed,
         buckets: input
             .answer
             .iter()
             .map(
-                |&(allowed, limit, remaining, reset_ms, retry_after_ms, granted)| BucketDecision {
+                |&(allowed, limit, remaining, reset_ms, retry_after_ms, granted)| BucketResult {
                     allowed,
                     limit,
                     remaining,
@@ -141,6 +139,6 @@ fuzz_target!(|input: Input| {
     let expected = &decision;
     let body = serde_json::to_vec(&decision).expect("encodes");
     assert_eq!(wire::decode_json(&body).as_ref(), Ok(expected));
-    let message = grpc::pb_from_decision(&decision).encode_to_vec();
+    let message = take::pb_from_answer(&decision).encode_to_vec();
     assert_eq!(wire::decode_proto(&message).as_ref(), Ok(expected));
 });

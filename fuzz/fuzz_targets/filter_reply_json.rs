@@ -7,7 +7,7 @@
 use libfuzzer_sys::fuzz_target;
 use tollgate::core::wire::{decode_json, decode_proto};
 use tollgate_fuzz::{response_json, response_proto};
-use tollgate_server::domain::TakeDecision;
+use tollgate_server::domain::TakeResponse;
 
 fuzz_target!(|data: &[u8]| {
     let ours = decode_json(data);
@@ -17,7 +17,7 @@ fuzz_target!(|data: &[u8]| {
         serde_json::from_slice::<serde_json::Value>(data),
         Ok(serde_json::Value::Object(_))
     );
-    if let (true, Ok(service)) = (object, serde_json::from_slice::<TakeDecision>(data)) {
+    if let (true, Ok(service)) = (object, serde_json::from_slice::<TakeResponse>(data)) {
         assert_eq!(
             ours.as_ref().ok(),
             Some(&service),

@@ -1,4 +1,4 @@
-//! The service's JSON take decoder (`api::json::decode_take`) and validation (`domain::validate`)
+//! The service's JSON take decoder (`ops::take::decode_json`) and validation (`ops::take::validate`)
 //! over any body, as any client could send it.
 //!
 //! Properties: no panic; what it decodes agrees with the reference reading of the contract (a
@@ -12,13 +12,11 @@
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use tollgate_fuzz::server::{check_store_keys, has_duplicate_fields, reference_take};
-use tollgate_server::api::{grpc, json};
-use tollgate_server::domain::{
-    validate, RawTake, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES, MAX_PERIOD_MS,
-};
+use tollgate_server::domain::{MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES, MAX_PERIOD_MS};
+use tollgate_server::ops::take::{self, RawTake};
 
 fuzz_target!(|data: &[u8]| {
-    let decoded = json::decode_take(data);
+    let decoded = take::decode_json(data);
     let reference = reference_take(data);
     match &decoded {
         Ok(raw) => {
@@ -42,14 +40,14 @@ fuzz_target!(|data: &[u8]| {
     let Ok(raw) = decoded else { return };
 
     // Encoding what was decoded gives it back (an absent list is written as an empty one).
-    let again = serde_json::to_vec(&json::encode_request(&raw)).expect("encodes");
+    let again = serde_json::to_vec(&take::encode_json(&raw)).expect("encodes");
     let expected = RawTake {
         buckets: Some(raw.buckets.clone().unwrap_or_default()),
         instance: raw.instance.clone(),
     };
-    assert_eq!(json::decode_take(&again).as_ref(), Ok(&expected));
+    assert_eq!(take::decode_json(&again).as_ref(), Ok(&expected));
 
-    let Ok(specs) = validate(raw.clone()) else {
+    let Ok(specs) = take::validate(raw.clone()) else {
         return;
     };
     assert!((1..=MAX_BUCKETS).contains(&specs.len()));
@@ -64,7 +62,7 @@ fuzz_target!(|data: &[u8]| {
     check_store_keys(&specs);
 
     // The same take over gRPC is the same take.
-    let pb = grpc::pb_from_raw(&raw).encode_to_vec();
-    let over_grpc = grpc::decode_take(&pb).and_then(validate);
+    let pb = take::pb_from_raw(&raw).encode_to_vec();
+    let over_grpc = take::decode_pb(&pb).and_then(take::validate);
     assert_eq!(over_grpc.as_ref(), Ok(&specs));
 });

@@ -153,7 +153,8 @@ pub fn header_name_safe(s: &str) -> bool {
 pub mod server {
     use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
     use serde_json::Value;
-    use tollgate_server::domain::{Algorithm, BucketSpec, RawBucket, RawTake};
+    use tollgate_server::domain::{Algorithm, BucketSpec};
+    use tollgate_server::ops::take::{RawBucket, RawTake};
     use tollgate_server::store::keys::{redis_key, slot};
 
     /// The reference reading of a JSON take, a walk over a `serde_json::Value` as the contract

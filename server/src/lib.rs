@@ -1,21 +1,23 @@
 //! tollgate-server: Tollgate's decision service.
 //!
-//! It answers one question, *take*: may this request pass, given a list of rate-limit buckets
+//! Its main question is *take*: may this request pass, given a list of rate-limit buckets
 //! `(key, capacity, rate per period, cost, algorithm)`? All buckets are charged or none is
 //! (contract/README.md is the normative wire contract). The state lives in Redis, decided by Lua
 //! scripts that read Redis's own clock, so any number of service replicas share exact limits; or,
-//! with no Redis configured, in memory for a single replica.
+//! with no Redis configured, in memory for a single replica. Beside it: batches of takes,
+//! concurrency slots (acquire, release), refunds and settlements, each an operation of [`ops`].
 //!
 //! # Layout
 //!
 //! | module | what |
 //! |---|---|
-//! | [`domain`] | bucket specs, decisions, the one validation both transports share |
-//! | [`inflight`] | concurrency limits: acquire and release slots, their validation |
-//! | [`api`] | JSON over HTTP (`POST /v1/take`, `POST /v1/take_batch`), gRPC (`tollgate.v1.RateLimiter/Take`, `TakeBatch`), health, metrics, auth, the one-port switch |
-//! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`] |
+//! | [`domain`] | the bottom layer: validated buckets, settlements and slots, the contract's answers under its own names, the contract's bounds, [`domain::InvalidArgument`] |
+//! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`], [`store::coalesce`]; imports only `domain` |
 //! | [`metrics`] | Prometheus metrics |
-//! | [`rls`] | Envoy's rate limit service (RLS v3) over the same store, limits from a file reloaded when it changes |
+//! | [`api`] | what every operation shares: [`api::Api`] (store, metrics, auth, readiness, live instances, admission, one store call), the strict JSON reader, the gRPC codec and status, the HTTP answer |
+//! | [`ops`] | one module per operation (take, batch, acquire, release, refund, settle): its raw form, validation, both wire forms and handler; the tonic service; [`ops::Decide`], all RLS may ask |
+//! | [`rls`] | Envoy's rate limit service (RLS v3) over [`ops::Decide`], limits from a file reloaded when it changes |
+//! | [`router`] | the one port: JSON routes, health, metrics, and the content-type switch to gRPC |
 //! | [`serve`] | the accept loop: connection cap, header and idle timeouts, HTTP/2 limits |
 //! | [`check`] | `tollgate-server check`: filter configurations and limits files checked by the module's and the service's own readers (a CI step) |
 //! | [`cli`] | flags and environment variables; reads and checks the `--redis-tls-*` and `--token-file` files |
@@ -45,9 +47,10 @@ pub mod api;
 pub mod check;
 pub mod cli;
 pub mod domain;
-pub mod inflight;
 pub mod metrics;
+pub mod ops;
 pub mod rls;
+pub mod router;
 pub mod serve;
 pub mod store;
 
@@ -170,7 +173,7 @@ pub async fn run(
         .rls
         .clone()
         .map(|f| f.watch(config.rls_poll, api.metrics.clone()));
-    let app = api::http::router(api.clone(), config.rls.clone());
+    let app = router::router(api.clone(), config.rls.clone());
     tracing::info!(%addr, store = store.kind(), auth = config.token.is_some(), "listening on {addr}");
     let limits = ConnectionLimits {
         max_connections: config.max_connections,

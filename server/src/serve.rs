@@ -8,7 +8,7 @@
 //! | `idle_timeout` | a connection with no request in progress for this long is shut down gracefully (HTTP/2: GOAWAY) |
 //! | `http2_max_streams` | concurrent streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS) |
 //!
-//! Request bodies are bounded in size and time per take by [`crate::api::Api::admit`].
+//! Request bodies are bounded in size and time per request by `Api::admit` (`api/mod.rs`), before any decoding.
 
 use std::convert::Infallible;
 use std::future::Future;

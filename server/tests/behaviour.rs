@@ -38,7 +38,7 @@ fn sw(key: &str, capacity: u64, period_ms: u64, cost: u64) -> BucketSpec {
 /// A long period makes refill negligible during a test.
 const HOUR: u64 = 3_600_000;
 
-async fn take(s: &dyn Store, b: &[BucketSpec]) -> tollgate_server::domain::TakeDecision {
+async fn take(s: &dyn Store, b: &[BucketSpec]) -> tollgate_server::domain::TakeResponse {
     s.take(b).await.expect("store answers")
 }
 
@@ -397,7 +397,7 @@ async fn sliding_window_on_a_cluster() {
 async fn batch(
     s: &dyn Store,
     takes: &[Vec<BucketSpec>],
-) -> Vec<tollgate_server::domain::TakeDecision> {
+) -> Vec<tollgate_server::domain::TakeResponse> {
     let ds = s.take_batch(takes).await.expect("store answers");
     assert_eq!(ds.len(), takes.len());
     ds

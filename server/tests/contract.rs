@@ -6,9 +6,9 @@ mod common;
 
 use prost::Message;
 use serde_json::Value;
-use tollgate_server::api::grpc::{self, pb};
-use tollgate_server::api::json;
-use tollgate_server::domain::{validate, validate_batch, BatchDecision, TakeDecision};
+use tollgate_server::api::grpc::pb;
+use tollgate_server::domain::{BatchResponse, TakeResponse};
+use tollgate_server::ops::{batch, take};
 
 fn hex_decode(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -36,36 +36,28 @@ fn requests_agree_in_both_encodings() {
         let name = case["name"].as_str().unwrap();
         // JSON -> domain -> JSON.
         let body = serde_json::to_vec(&case["request_json"]).unwrap();
-        let raw_json = json::decode_take(&body).expect(name);
-        assert_eq!(
-            json::encode_request(&raw_json),
-            case["request_json"],
-            "{name}"
-        );
+        let raw_json = take::decode_json(&body).expect(name);
+        assert_eq!(take::encode_json(&raw_json), case["request_json"], "{name}");
         // protobuf bytes -> domain -> bytes.
         let bytes = hex_decode(case["request_pb_hex"].as_str().unwrap());
         let msg = pb::TakeRequest::decode(bytes.as_slice()).expect(name);
+        assert_eq!(take::decode_message(&bytes).expect(name), msg, "{name}");
+        let raw_pb = take::raw_from_pb(&msg).expect(name);
         assert_eq!(
-            grpc::decode_take_message(&bytes).expect(name),
-            msg,
-            "{name}"
-        );
-        let raw_pb = grpc::raw_from_pb(&msg).expect(name);
-        assert_eq!(
-            hex_encode(&grpc::pb_from_raw(&raw_pb).encode_to_vec()),
+            hex_encode(&take::pb_from_raw(&raw_pb).encode_to_vec()),
             case["request_pb_hex"],
             "{name}"
         );
         // JSON -> protobuf bytes.
         assert_eq!(
-            hex_encode(&grpc::pb_from_raw(&raw_json).encode_to_vec()),
+            hex_encode(&take::pb_from_raw(&raw_json).encode_to_vec()),
             case["request_pb_hex"],
             "{name}"
         );
         // Both mean the same validated request.
         assert_eq!(
-            validate(raw_json).expect(name),
-            validate(raw_pb).expect(name),
+            take::validate(raw_json).expect(name),
+            take::validate(raw_pb).expect(name),
             "{name}"
         );
     }
@@ -75,7 +67,7 @@ fn requests_agree_in_both_encodings() {
 fn responses_agree_in_both_encodings() {
     for case in cases() {
         let name = case["name"].as_str().unwrap();
-        let decision: TakeDecision =
+        let decision: TakeResponse =
             serde_json::from_value(case["response_json"].clone()).expect(name);
         // domain -> JSON.
         assert_eq!(
@@ -84,13 +76,13 @@ fn responses_agree_in_both_encodings() {
             "{name}"
         );
         // domain -> protobuf bytes, and back.
-        let bytes = grpc::pb_from_decision(&decision).encode_to_vec();
+        let bytes = take::pb_from_answer(&decision).encode_to_vec();
         assert_eq!(hex_encode(&bytes), case["response_pb_hex"], "{name}");
         let back = pb::TakeResponse::decode(
             hex_decode(case["response_pb_hex"].as_str().unwrap()).as_slice(),
         )
         .expect(name);
-        assert_eq!(grpc::decision_from_pb(&back), decision, "{name}");
+        assert_eq!(take::answer_from_pb(&back), decision, "{name}");
     }
 }
 
@@ -109,37 +101,33 @@ fn batch_requests_agree_in_both_encodings() {
         let name = case["name"].as_str().unwrap();
         // JSON -> domain -> JSON.
         let body = serde_json::to_vec(&case["request_json"]).unwrap();
-        let raw_json = json::decode_batch(&body).expect(name);
+        let raw_json = batch::decode_json(&body).expect(name);
         assert_eq!(
-            json::encode_batch_request(&raw_json),
+            batch::encode_json(&raw_json),
             case["request_json"],
             "{name}"
         );
         // protobuf bytes -> domain -> bytes.
         let bytes = hex_decode(case["request_pb_hex"].as_str().unwrap());
         let msg = pb::TakeBatchRequest::decode(bytes.as_slice()).expect(name);
+        assert_eq!(batch::decode_message(&bytes).expect(name), msg, "{name}");
+        let raw_pb = batch::raw_from_pb(&msg).expect(name);
         assert_eq!(
-            grpc::decode_batch_message(&bytes).expect(name),
-            msg,
-            "{name}"
-        );
-        let raw_pb = grpc::raw_batch_from_pb(&msg).expect(name);
-        assert_eq!(
-            hex_encode(&grpc::pb_batch_from_raw(&raw_pb).encode_to_vec()),
+            hex_encode(&batch::pb_from_raw(&raw_pb).encode_to_vec()),
             case["request_pb_hex"],
             "{name}"
         );
         // JSON -> protobuf bytes.
         assert_eq!(
-            hex_encode(&grpc::pb_batch_from_raw(&raw_json).encode_to_vec()),
+            hex_encode(&batch::pb_from_raw(&raw_json).encode_to_vec()),
             case["request_pb_hex"],
             "{name}"
         );
         // Both mean the same validated batch, and each take the same as it would alone.
-        let takes = validate_batch(raw_json.clone()).expect(name);
-        assert_eq!(takes, validate_batch(raw_pb).expect(name), "{name}");
+        let takes = batch::validate(raw_json.clone()).expect(name);
+        assert_eq!(takes, batch::validate(raw_pb).expect(name), "{name}");
         for (take, raw) in takes.iter().zip(raw_json.takes.unwrap()) {
-            assert_eq!(take, &validate(raw).expect(name), "{name}");
+            assert_eq!(take, &take::validate(raw).expect(name), "{name}");
         }
     }
 }
@@ -148,20 +136,20 @@ fn batch_requests_agree_in_both_encodings() {
 fn batch_responses_agree_in_both_encodings() {
     for case in batch_cases() {
         let name = case["name"].as_str().unwrap();
-        let batch: BatchDecision =
+        let batch: BatchResponse =
             serde_json::from_value(case["response_json"].clone()).expect(name);
         assert_eq!(
             serde_json::to_value(&batch).unwrap(),
             case["response_json"],
             "{name}"
         );
-        let bytes = grpc::pb_from_batch(&batch.results).encode_to_vec();
+        let bytes = batch::pb_from_answer(&batch.results).encode_to_vec();
         assert_eq!(hex_encode(&bytes), case["response_pb_hex"], "{name}");
         let back = pb::TakeBatchResponse::decode(
             hex_decode(case["response_pb_hex"].as_str().unwrap()).as_slice(),
         )
         .expect(name);
-        assert_eq!(grpc::batch_from_pb(&back), batch.results, "{name}");
+        assert_eq!(batch::answer_from_pb(&back), batch.results, "{name}");
     }
 }
 
@@ -169,7 +157,7 @@ fn batch_responses_agree_in_both_encodings() {
 mod contract_codec {
     use super::*;
     use contract::{json as cjson, proto as cproto, Bucket, Sender, TakeRequest};
-    use tollgate_server::domain::RawTake;
+    use tollgate_server::ops::take::RawTake;
 
     /// The fixtures' rule names are the keys' leading parts (`<rule>|...`), as the filter sends.
     fn rule_of_key(b: &Bucket) -> Option<&str> {
@@ -216,22 +204,21 @@ mod contract_codec {
         for case in cases() {
             let name = case["name"].as_str().unwrap();
             let body = serde_json::to_vec(&case["request_json"]).unwrap();
-            let raw = json::decode_take(&body).expect(name);
+            let raw = take::decode_json(&body).expect(name);
             let req = request(&raw);
             let from = sender(raw.instance.as_deref());
             assert_eq!(
                 cproto::encode_take(&req, &from),
-                grpc::pb_from_raw(&raw).encode_to_vec(),
+                take::pb_from_raw(&raw).encode_to_vec(),
                 "{name}: protobuf"
             );
             let ours: Value = serde_json::from_slice(&cjson::encode_take(&req, &from)).unwrap();
-            assert_eq!(ours, json::encode_request(&raw), "{name}: JSON");
+            assert_eq!(ours, take::encode_json(&raw), "{name}: JSON");
 
             let bytes = hex_decode(case["response_pb_hex"].as_str().unwrap());
-            let prost =
-                grpc::decision_from_pb(&pb::TakeResponse::decode(bytes.as_slice()).unwrap());
+            let prost = take::answer_from_pb(&pb::TakeResponse::decode(bytes.as_slice()).unwrap());
             assert_eq!(cproto::decode_answer(&bytes).unwrap(), prost, "{name}");
-            let serde: TakeDecision =
+            let serde: TakeResponse =
                 serde_json::from_value(case["response_json"].clone()).unwrap();
             let body = serde_json::to_vec(&case["response_json"]).unwrap();
             assert_eq!(cjson::decode_answer(&body).unwrap(), serde, "{name}");
@@ -243,27 +230,27 @@ mod contract_codec {
         for case in batch_cases() {
             let name = case["name"].as_str().unwrap();
             let body = serde_json::to_vec(&case["request_json"]).unwrap();
-            let raw = json::decode_batch(&body).expect(name);
+            let raw = batch::decode_json(&body).expect(name);
             let takes: Vec<TakeRequest> = raw.takes.iter().flatten().map(request).collect();
             let refs: Vec<&TakeRequest> = takes.iter().collect();
             let from = sender(raw.instance.as_deref());
             assert_eq!(
                 cproto::encode_batch(&refs, &from),
-                grpc::pb_batch_from_raw(&raw).encode_to_vec(),
+                batch::pb_from_raw(&raw).encode_to_vec(),
                 "{name}: protobuf"
             );
             let ours: Value = serde_json::from_slice(&cjson::encode_batch(&refs, &from)).unwrap();
-            assert_eq!(ours, json::encode_batch_request(&raw), "{name}: JSON");
+            assert_eq!(ours, batch::encode_json(&raw), "{name}: JSON");
 
             let bytes = hex_decode(case["response_pb_hex"].as_str().unwrap());
             let prost =
-                grpc::batch_from_pb(&pb::TakeBatchResponse::decode(bytes.as_slice()).unwrap());
+                batch::answer_from_pb(&pb::TakeBatchResponse::decode(bytes.as_slice()).unwrap());
             assert_eq!(
                 cproto::decode_batch_answer(&bytes).unwrap(),
                 prost,
                 "{name}"
             );
-            let serde: BatchDecision =
+            let serde: BatchResponse =
                 serde_json::from_value(case["response_json"].clone()).unwrap();
             let body = serde_json::to_vec(&case["response_json"]).unwrap();
             assert_eq!(

@@ -29,3 +29,32 @@ fn a_wrong_limits_file_is_refused() {
     assert_eq!(blocks[0].kind(), Ok(Kind::Limits));
     assert!(Limits::parse(&blocks[0].text).is_err());
 }
+
+/// docs/migrating.md's tables name only flags the service accepts.
+#[test]
+fn every_flag_the_page_names_exists() {
+    use clap::CommandFactory;
+    let page = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/migrating.md"),
+    )
+    .expect("read docs/migrating.md");
+    let cmd = tollgate_server::cli::Cli::command();
+    let known: Vec<String> = cmd
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+        .collect();
+    // Every inline `--flag` (a backtick, two dashes, a letter), up to its value or its end.
+    let named: Vec<&str> = page
+        .match_indices("`--")
+        .filter_map(|(at, _)| page.get(at + 1..))
+        .filter(|rest| rest.chars().nth(2).is_some_and(|c| c.is_ascii_lowercase()))
+        .filter_map(|rest| rest.split(['`', ' ', '=']).next())
+        .collect();
+    assert!(named.len() >= 8, "{named:?}");
+    for flag in named {
+        assert!(
+            known.iter().any(|k| k == flag),
+            "docs/migrating.md names {flag}"
+        );
+    }
+}

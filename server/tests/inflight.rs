@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tollgate_server::inflight::{new_slot_id, SlotSpec};
+use tollgate_server::domain::SlotSpec;
+use tollgate_server::ops::acquire::new_slot_id;
 use tollgate_server::store::Store;
 
 fn spec(key: &str, limit: u64, ttl_ms: u64) -> SlotSpec {
@@ -332,10 +333,8 @@ async fn grpc_acquire_and_release() {
 fn slot_fixtures_agree_in_both_encodings() {
     use prost::Message;
     use tollgate_server::api::grpc::pb;
-    use tollgate_server::inflight::{
-        decode_acquire, decode_release, pb_from_acquire, raw_acquire_from_pb, raw_release_from_pb,
-        AcquireDecision, ReleaseDecision,
-    };
+    use tollgate_server::domain::{AcquireResponse, ReleaseResponse};
+    use tollgate_server::ops::{acquire, release};
     let text = std::fs::read_to_string(common::workspace().join("contract/fixtures/cases.json"))
         .expect("read cases.json");
     let v: Value = serde_json::from_str(&text).expect("parse cases.json");
@@ -354,21 +353,25 @@ fn slot_fixtures_agree_in_both_encodings() {
         let (req_pb, resp_pb) = (hex(&c["request_pb_hex"]), hex(&c["response_pb_hex"]));
         match c["op"].as_str() {
             Some("acquire") => {
-                let from_pb = raw_acquire_from_pb(&pb::AcquireRequest::decode(&*req_pb).unwrap());
-                assert_eq!(decode_acquire(&req_json).unwrap(), from_pb, "{name}");
-                let d: AcquireDecision =
+                let from_pb = acquire::raw_from_pb(&pb::AcquireRequest::decode(&*req_pb).unwrap());
+                assert_eq!(acquire::decode_json(&req_json).unwrap(), from_pb, "{name}");
+                let d: AcquireResponse =
                     serde_json::from_value(c["response_json"].clone()).unwrap();
                 assert_eq!(
                     serde_json::to_value(&d).unwrap(),
                     c["response_json"],
                     "{name}"
                 );
-                assert_eq!(pb_from_acquire(&d).encode_to_vec(), resp_pb, "{name}");
+                assert_eq!(
+                    acquire::pb_from_answer(&d).encode_to_vec(),
+                    resp_pb,
+                    "{name}"
+                );
             }
             Some("release") => {
-                let from_pb = raw_release_from_pb(&pb::ReleaseRequest::decode(&*req_pb).unwrap());
-                assert_eq!(decode_release(&req_json).unwrap(), from_pb, "{name}");
-                let d: ReleaseDecision =
+                let from_pb = release::raw_from_pb(&pb::ReleaseRequest::decode(&*req_pb).unwrap());
+                assert_eq!(release::decode_json(&req_json).unwrap(), from_pb, "{name}");
+                let d: ReleaseResponse =
                     serde_json::from_value(c["response_json"].clone()).unwrap();
                 let pb_resp = pb::ReleaseResponse {
                     released: d.released.clone(),

@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::{bucket, post_take, RedisProc, Service};
 use serde_json::json;
-use tollgate_server::api::json;
-use tollgate_server::domain::validate;
+use tollgate_server::ops::take;
 use tollgate_server::store::redis::{ClientIdentity, RedisConfig, RedisStore, RedisTls};
 use tollgate_server::store::Store;
 
@@ -244,7 +243,8 @@ async fn unavailable(client: &reqwest::Client, svc: &Service, what: &str, why: O
                 !msg.contains(why),
                 "{what}: {why:?} reached the caller: {v}"
             );
-            let spec = validate(json::decode_take(body.to_string().as_bytes()).unwrap()).unwrap();
+            let spec =
+                take::validate(take::decode_json(body.to_string().as_bytes()).unwrap()).unwrap();
             let detail = svc.store.take(&spec).await.expect_err(what).to_string();
             assert!(detail.contains(why), "{what}: expected {why:?} in {detail}");
         }

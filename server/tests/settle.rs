@@ -544,8 +544,8 @@ async fn redis_cluster_settles_across_slots_once() {
 fn settle_fixtures_agree_in_both_encodings() {
     use prost::Message;
     use tollgate_server::api::grpc::pb;
-    use tollgate_server::api::settle::{decode_settle, pb_from_settle, raw_settle_from_pb};
-    use tollgate_server::domain::{validate_settle, SettleDecision};
+    use tollgate_server::domain::SettleResponse;
+    use tollgate_server::ops::settle as op;
     let text = std::fs::read_to_string(common::workspace().join("contract/fixtures/cases.json"))
         .expect("read cases.json");
     let v: Value = serde_json::from_str(&text).expect("parse cases.json");
@@ -562,22 +562,21 @@ fn settle_fixtures_agree_in_both_encodings() {
         let name = c["name"].as_str().expect("name");
         let req_json = serde_json::to_vec(&c["request_json"]).unwrap();
         let (req_pb, resp_pb) = (hex(&c["request_pb_hex"]), hex(&c["response_pb_hex"]));
-        let from_json = validate_settle(decode_settle(&req_json).unwrap()).unwrap();
-        let from_pb = validate_settle(
-            raw_settle_from_pb(&pb::SettleRequest::decode(&*req_pb).unwrap()).unwrap(),
-        )
-        .unwrap();
+        let from_json = op::validate(op::decode_json(&req_json).unwrap()).unwrap();
+        let from_pb =
+            op::validate(op::raw_from_pb(&pb::SettleRequest::decode(&*req_pb).unwrap()).unwrap())
+                .unwrap();
         assert_eq!(from_json, from_pb, "{name}");
-        let d: SettleDecision = serde_json::from_value(c["response_json"].clone()).unwrap();
+        let d: SettleResponse = serde_json::from_value(c["response_json"].clone()).unwrap();
         assert_eq!(
             serde_json::to_value(&d).unwrap(),
             c["response_json"],
             "{name}"
         );
-        assert_eq!(pb_from_settle(&d).encode_to_vec(), resp_pb, "{name}");
+        assert_eq!(op::pb_from_answer(&d).encode_to_vec(), resp_pb, "{name}");
         assert_eq!(
             pb::SettleResponse::decode(&*resp_pb).unwrap(),
-            pb_from_settle(&d),
+            op::pb_from_answer(&d),
             "{name}"
         );
     }

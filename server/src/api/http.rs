@@ -1,30 +1,15 @@
-//! HTTP routes and the one-port switch between HTTP/JSON and gRPC.
-//!
-//! A request whose `content-type` starts with `application/grpc` goes to the tonic service (which
-//! answers unknown methods with gRPC `UNIMPLEMENTED`); everything else to the JSON routes. A take,
-//! in either form, passes [`Api::admit`] first: its body is not read before its token is checked,
-//! nor decoded before it arrived whole within the bound, and it is shed at once when the take
-//! limit is reached. `/healthz`, `/readyz` and `/metrics` never wait behind takes.
+//! The HTTP answer of every operation: its JSON body, or the error mapped to its status (the one
+//! mapping of an [`ApiError`] to HTTP; [`super::grpc::status_of`] is gRPC's).
 
-use std::convert::Infallible;
-use std::sync::Arc;
-
-use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
-use tonic::server::NamedService;
-use tower::{Service, ServiceExt};
+use axum::Json;
 
-use super::grpc::{pb::rate_limiter_server::RateLimiterServer, status_of, RateLimiterService};
-use super::json::{decode_batch, decode_take, error_body};
-use super::{Api, ApiError, GRPC_FRAMING_BYTES};
-use crate::domain::{BatchDecision, MAX_BATCH_BYTES, MAX_TAKE_BYTES};
-use crate::rls::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use crate::rls::{LimitsFile, RlsService};
+use super::json::error_body;
+use super::{Api, ApiError};
 
-fn error_response(e: &ApiError) -> Response {
+/// An error as its HTTP answer: status, `{"error": ..}` body, and the headers it calls for.
+pub fn error_response(e: &ApiError) -> Response {
     let (status, field) = match e {
         ApiError::Invalid(inv) => (StatusCode::BAD_REQUEST, Some(inv.field.as_str())),
         ApiError::Unauthenticated => (StatusCode::UNAUTHORIZED, None),
@@ -47,12 +32,8 @@ fn error_response(e: &ApiError) -> Response {
     resp
 }
 
-async fn take(State(api): State<Arc<Api>>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    let result = match api.admit(&parts.headers, body, 0).await {
-        Ok((bytes, _permit)) => api.take(decode_take(&bytes)).await,
-        Err(e) => Err(e),
-    };
+/// An operation's answer as HTTP, counted under the `http` transport.
+pub fn answer<T: serde::Serialize>(api: &Api, result: Result<T, ApiError>) -> Response {
     match result {
         Ok(d) => {
             api.metrics.request("http", "ok");
@@ -62,252 +43,5 @@ async fn take(State(api): State<Arc<Api>>, req: Request) -> Response {
             api.metrics.request("http", e.code());
             error_response(&e)
         }
-    }
-}
-
-/// `POST /v1/take_batch`: admitted like a take (token first, one permit) with the batch's body
-/// bound, then every take decided by one store call.
-async fn take_batch(State(api): State<Arc<Api>>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    let result = match api
-        .admit_bounded(&parts.headers, body, MAX_BATCH_BYTES, 0)
-        .await
-    {
-        Ok((bytes, _permit)) => api.take_batch(decode_batch(&bytes)).await,
-        Err(e) => Err(e),
-    };
-    match result {
-        Ok(results) => {
-            api.metrics.request("http", "ok");
-            Json(BatchDecision { results }).into_response()
-        }
-        Err(e) => {
-            api.metrics.request("http", e.code());
-            error_response(&e)
-        }
-    }
-}
-
-/// `POST /v1/acquire` and `POST /v1/release` (concurrency slots, [`crate::inflight`]): admitted
-/// like a take (token first, bounded body, one permit).
-async fn acquire(State(api): State<Arc<Api>>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    let result = match api
-        .admit_bounded(&parts.headers, body, crate::inflight::MAX_BODY_BYTES, 0)
-        .await
-    {
-        Ok((bytes, _permit)) => api.acquire(crate::inflight::decode_acquire(&bytes)).await,
-        Err(e) => Err(e),
-    };
-    json_or_error(&api, result)
-}
-
-async fn release(State(api): State<Arc<Api>>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    let result = match api
-        .admit_bounded(&parts.headers, body, crate::inflight::MAX_BODY_BYTES, 0)
-        .await
-    {
-        Ok((bytes, _permit)) => api.release(crate::inflight::decode_release(&bytes)).await,
-        Err(e) => Err(e),
-    };
-    json_or_error(&api, result)
-}
-
-/// `POST /v1/refund`: tokens given back ([`super::refund`]); admitted like a take.
-async fn refund(State(api): State<Arc<Api>>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    let result = match api.admit(&parts.headers, body, 0).await {
-        Ok((bytes, _permit)) => api.refund(decode_take(&bytes)).await,
-        Err(e) => Err(e),
-    };
-    json_or_error(&api, result)
-}
-
-/// `POST /v1/settle`: a reservation settled ([`super::settle`]); admitted like a take.
-async fn settle(State(api): State<Arc<Api>>, req: Request) -> Response {
-    let (parts, body) = req.into_parts();
-    let result = match api.admit(&parts.headers, body, 0).await {
-        Ok((bytes, _permit)) => api.settle(super::settle::decode_settle(&bytes)).await,
-        Err(e) => Err(e),
-    };
-    json_or_error(&api, result)
-}
-
-fn json_or_error<T: serde::Serialize>(api: &Api, result: Result<T, ApiError>) -> Response {
-    match result {
-        Ok(d) => {
-            api.metrics.request("http", "ok");
-            Json(d).into_response()
-        }
-        Err(e) => {
-            api.metrics.request("http", e.code());
-            error_response(&e)
-        }
-    }
-}
-
-async fn healthz() -> &'static str {
-    "ok\n"
-}
-
-/// Answers from the cached store check; never asks the store itself.
-async fn readyz(State(api): State<Arc<Api>>) -> Response {
-    if api.readiness.is_ready() {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()
-    }
-}
-
-async fn metrics(State(api): State<Arc<Api>>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        api.metrics.encode(),
-    )
-        .into_response()
-}
-
-fn is_grpc(req: &Request) -> bool {
-    req.headers()
-        .get(header::CONTENT_TYPE)
-        .map(|v| v.as_bytes().starts_with(b"application/grpc"))
-        .unwrap_or(false)
-}
-
-/// A gRPC call of one of our methods (Take, or RLS's ShouldRateLimit): admitted like a JSON take,
-/// then handed to the generated server with its body already read (and the permit held until the
-/// answer).
-async fn grpc_take<S>(api: Arc<Api>, server: S, req: Request) -> Response
-where
-    S: Service<
-        axum::http::Request<tonic::body::Body>,
-        Response = axum::http::Response<tonic::body::Body>,
-        Error = Infallible,
-    >,
-{
-    let (parts, body) = req.into_parts();
-    let limit = body_bound(parts.uri.path());
-    match api
-        .admit_bounded(&parts.headers, body, limit, GRPC_FRAMING_BYTES)
-        .await
-    {
-        Ok((bytes, permit)) => {
-            let req =
-                Request::from_parts(parts, tonic::body::Body::new(axum::body::Body::from(bytes)));
-            let resp = match server.oneshot(req).await {
-                Ok(r) => r.map(axum::body::Body::new),
-                Err(never) => match never {},
-            };
-            drop(permit);
-            resp
-        }
-        Err(e) => {
-            api.metrics.request("grpc", e.code());
-            status_of(&e).into_http()
-        }
-    }
-}
-
-/// The whole application: JSON routes and the gRPC service behind the content-type switch.
-/// [`crate::run`] serves it as it is (no outer `Router`): the switch is the only thing in front
-/// of the two services.
-pub fn router(
-    api: Arc<Api>,
-    rls: Option<Arc<LimitsFile>>,
-) -> impl Service<Request, Response = Response, Error = Infallible, Future: Send + 'static>
-       + Clone
-       + Send
-       + 'static {
-    let http = Router::new()
-        .route("/v1/take", post(take))
-        .route("/v1/take_batch", post(take_batch))
-        .route("/v1/acquire", post(acquire))
-        .route("/v1/release", post(release))
-        .route("/v1/refund", post(refund))
-        .route("/v1/settle", post(settle))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .with_state(api.clone());
-    // The body reaching tonic was bounded already (by method); this is the larger bound, a batch's.
-    let server = RateLimiterServer::new(RateLimiterService::new(api.clone()))
-        .max_decoding_message_size(MAX_BATCH_BYTES);
-    // A call of one of our methods goes straight to the generated server, which dispatches on the
-    // full path itself (and answers an unknown method of the service with UNIMPLEMENTED). Any
-    // other gRPC path goes through tonic's router as before (UNIMPLEMENTED for unknown services):
-    // routing every call through it matched the path twice and captured it as a parameter.
-    let grpc = tonic::service::Routes::new(server.clone()).into_axum_router();
-    // Envoy's RLS v3, when a limits file is given; otherwise its calls are UNIMPLEMENTED.
-    let rls = rls.map(|limits| {
-        RateLimitServiceServer::new(RlsService::new(api.clone(), limits))
-            .max_decoding_message_size(MAX_TAKE_BYTES)
-    });
-    tower::service_fn(move |req: Request| {
-        let (http, grpc, server, api) = (http.clone(), grpc.clone(), server.clone(), api.clone());
-        let rls = rls.clone();
-        async move {
-            let head = req.method() == Method::HEAD;
-            let resp = if !is_grpc(&req) {
-                match http.oneshot(req).await {
-                    Ok(r) => r,
-                    Err(never) => match never {},
-                }
-            } else if is_our_method(req.uri().path()) {
-                grpc_take(api, server, req).await
-            } else if let Some(rls) = rls.filter(|_| is_rls_method(req.uri().path())) {
-                grpc_take(api, rls, req).await
-            } else {
-                match grpc.oneshot(req).await {
-                    Ok(r) => r,
-                    Err(never) => match never {},
-                }
-            };
-            Ok::<Response, Infallible>(top_level(resp, head))
-        }
-    })
-}
-
-/// What axum's `Router` did to every response when the switch was its fallback: a body of known
-/// size gets its `content-length`, and the answer to a `HEAD` has no body.
-fn top_level(mut resp: Response, head: bool) -> Response {
-    if !resp.headers().contains_key(header::CONTENT_LENGTH) {
-        if let Some(len) = axum::body::HttpBody::size_hint(resp.body()).exact() {
-            resp.headers_mut()
-                .insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-        }
-    }
-    if head {
-        *resp.body_mut() = axum::body::Body::empty();
-    }
-    resp
-}
-
-/// `/envoy.service.ratelimit.v3.RateLimitService/<method>` with a non-empty method.
-fn is_rls_method(path: &str) -> bool {
-    path.strip_prefix('/')
-        .and_then(|p| p.strip_prefix(<RateLimitServiceServer<RlsService> as NamedService>::NAME))
-        .and_then(|p| p.strip_prefix('/'))
-        .is_some_and(|method| !method.is_empty())
-}
-
-/// `/tollgate.v1.RateLimiter/<method>` with a non-empty method: the paths tonic's router sends to
-/// the generated server.
-fn is_our_method(path: &str) -> bool {
-    path.strip_prefix('/')
-        .and_then(|p| p.strip_prefix(<RateLimiterServer<RateLimiterService> as NamedService>::NAME))
-        .and_then(|p| p.strip_prefix('/'))
-        .is_some_and(|method| !method.is_empty())
-}
-
-/// The body bound of a gRPC call: a batch's for `TakeBatch`, a take's for anything else.
-fn body_bound(path: &str) -> usize {
-    if is_our_method(path) && path.ends_with("/TakeBatch") {
-        MAX_BATCH_BYTES
-    } else {
-        MAX_TAKE_BYTES
     }
 }

@@ -1,29 +1,23 @@
-//! The API, on one port: takes (alone or in a batch), concurrency slots (acquire, release) and
-//! settlements in two wire forms (JSON over HTTP, gRPC), refunds (JSON), health and metrics.
+//! What every operation shares, below them all (`ops/` holds the operations): the store, the
+//! metrics, the token check, readiness, the live instances, and admission. Both transports admit a
+//! request through [`Api::admit`] (the token from the headers, then the body, bounded in
+//! size and time, then a permit or an immediate 503) before anything is decoded; an operation then
+//! reaches the store through [`Api::store_call`] (timed, a failure counted and logged, answered
+//! 503 / `UNAVAILABLE`).
 //!
 //! | file | what |
 //! |---|---|
-//! | `json.rs` | JSON codec of the contract (strict: unknown fields rejected, the bad field named) |
-//! | `grpc.rs` | protobuf types generated from `contract/tollgate.proto`, the tonic service, a codec that turns malformed protobuf into `INVALID_ARGUMENT` |
+//! | `json.rs` | the one strict JSON reader (unknown fields refused, the bad field named) and the error body |
+//! | `grpc.rs` | protobuf types generated from `contract/tollgate.proto`, a codec that turns malformed protobuf into `INVALID_ARGUMENT`, the gRPC status of an error |
+//! | `http.rs` | an operation's answer over HTTP: its JSON body, or its error's status and body |
 //! | `instances.rs` | the live proxy instances every answer reports (reported to the store once a second) |
-//! | `refund.rs` | `POST /v1/refund`: tokens a lease was granted and will not spend, given back |
-//! | `settle.rs` | `POST /v1/settle` and gRPC `Settle`: reserve-then-settle, applied once per settlement id |
-//! | `http.rs` | axum routes (`/v1/take`, `/v1/take_batch`, `/healthz`, `/readyz`, `/metrics`), auth, and the content-type switch that sends gRPC to tonic |
-//!
-//! Both transports go through [`Api::admit`] (the token from the headers, then the body, bounded
-//! in size and time, then a take permit or an immediate 503) before anything is decoded, and
-//! then [`Api::take`]: validate (the one shared [`crate::domain::validate`]), ask the store,
-//! count. A batch goes through [`Api::admit_bounded`] with the batch's bound
-//! ([`crate::domain::MAX_BATCH_BYTES`]) and then [`Api::take_batch`]: every take validated as one,
-//! then one store call for all of them.
 
 pub mod grpc;
 pub mod http;
 pub mod instances;
 pub mod json;
-pub mod refund;
-pub mod settle;
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,12 +29,9 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::domain::{
-    validate, validate_batch, BucketSpec, InvalidArgument, RawBatch, RawTake, TakeDecision,
-    MAX_BATCH_BYTES, MAX_BATCH_TAKES, MAX_TAKE_BYTES,
-};
+use crate::domain::{InvalidArgument, MAX_BATCH_BYTES, MAX_BATCH_TAKES};
 use crate::metrics::Metrics;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// Why a take was not answered. Each maps to one HTTP status and one gRPC code.
 #[derive(Debug)]
@@ -212,25 +203,13 @@ impl Api {
         }
     }
 
-    /// Everything a take goes through before it is decoded, in this order: the token (from the
-    /// headers alone), the body (at most [`MAX_TAKE_BYTES`] plus the transport's `framing`
-    /// bytes, within the body timeout: no permit is held while a slow client sends it), then a
-    /// take permit, granted at once or refused (shed). The permit is held until the answer is
-    /// ready.
+    /// Everything a request goes through before it is decoded, in this order: the token (from
+    /// the headers alone), the body (at most `limit` bytes, its operation's bound, plus the
+    /// transport's `framing` bytes, within the body timeout: no permit is held while a slow client
+    /// sends it), then a permit, granted at once or refused (shed). The permit is held until the
+    /// answer is ready. A batch holds one permit, like a take: the permits bound the requests
+    /// being decided, each of which is one store call on standalone Redis.
     pub async fn admit(
-        &self,
-        headers: &HeaderMap,
-        body: Body,
-        framing: usize,
-    ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
-        self.admit_bounded(headers, body, MAX_TAKE_BYTES, framing)
-            .await
-    }
-
-    /// [`Api::admit`] with the body bound `limit` (plus `framing`): [`MAX_TAKE_BYTES`] for a
-    /// take, [`MAX_BATCH_BYTES`] for a batch. A batch holds one permit, like a take: the permits
-    /// bound the requests being decided, each of which is one store call on standalone Redis.
-    pub async fn admit_bounded(
         &self,
         headers: &HeaderMap,
         body: Body,
@@ -293,120 +272,26 @@ impl Api {
         n
     }
 
-    /// Validates and decides one admitted take.
-    pub async fn take(
+    /// One store call of an operation (`what`, for the log): timed, its failure counted and
+    /// logged with the store's detail, and answered with what a caller may see.
+    pub async fn store_call<T>(
         &self,
-        raw: Result<RawTake, InvalidArgument>,
-    ) -> Result<TakeDecision, ApiError> {
-        let (instance, rules) = match &raw {
-            Ok(r) => (r.instance.clone(), rule_names(r)),
-            Err(_) => (None, Vec::new()),
-        };
-        let specs = match raw.and_then(validate) {
-            Ok(specs) => specs,
-            Err(e) => {
-                tracing::debug!(error = %e, "invalid take");
-                return Err(ApiError::Invalid(e));
-            }
-        };
-        let mut d = self.take_specs(&specs).await?;
-        self.metrics.decision(d.allowed);
-        self.count_rules(&d, &rules);
-        d.instances = self.instances(instance.as_deref());
-        Ok(d)
-    }
-
-    /// Decides validated buckets: one store call, timed, its failure counted (the caller counts
-    /// the decision). The RLS endpoint calls it directly with the buckets it built itself, which
-    /// may be more than a take on the wire holds.
-    pub async fn take_specs(&self, specs: &[BucketSpec]) -> Result<TakeDecision, ApiError> {
+        what: &'static str,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, ApiError> {
         let start = Instant::now();
-        let result = self.store.take(specs).await;
+        let result = call.await;
         self.metrics.store_duration(start.elapsed().as_secs_f64());
-        match result {
-            Ok(d) => Ok(d),
-            Err(e) => {
-                self.metrics.store_error(e.kind());
-                tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), "take failed");
-                Err(ApiError::Unavailable(e.public_message()))
-            }
-        }
-    }
-}
-
-impl Api {
-    /// Validates and decides one admitted batch: every take is validated first (one invalid
-    /// take rejects the batch, nothing charged), then the store decides them all in one call.
-    pub async fn take_batch(
-        &self,
-        raw: Result<RawBatch, InvalidArgument>,
-    ) -> Result<Vec<TakeDecision>, ApiError> {
-        let (instance, rules) = match &raw {
-            Ok(b) => (
-                b.instance.clone(),
-                b.takes.iter().flatten().map(rule_names).collect(),
-            ),
-            Err(_) => (None, Vec::new()),
-        };
-        let takes = match raw.and_then(validate_batch) {
-            Ok(takes) => takes,
-            Err(e) => {
-                tracing::debug!(error = %e, "invalid batch");
-                return Err(ApiError::Invalid(e));
-            }
-        };
-        self.metrics.batch(takes.len());
-        let start = Instant::now();
-        let result = self.store.take_batch(&takes).await;
-        self.metrics.store_duration(start.elapsed().as_secs_f64());
-        match result {
-            Ok(mut ds) => {
-                let n = self.instances(instance.as_deref());
-                for (i, d) in ds.iter_mut().enumerate() {
-                    self.metrics.decision(d.allowed);
-                    if let Some(r) = rules.get(i) {
-                        self.count_rules(d, r);
-                    }
-                    d.instances = n;
-                }
-                Ok(ds)
-            }
-            Err(e) => {
-                self.metrics.store_error(e.kind());
-                tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), takes = takes.len(), "batch failed");
-                Err(ApiError::Unavailable(e.public_message()))
-            }
-        }
-    }
-}
-
-/// The rule name of each bucket of a take (for the `rule` label), before validation consumes it.
-fn rule_names(raw: &RawTake) -> Vec<Option<String>> {
-    raw.buckets
-        .iter()
-        .flatten()
-        .map(|b| b.rule.clone())
-        .collect()
-}
-
-impl Api {
-    /// Counts a decision per rule named in its take.
-    fn count_rules(&self, d: &TakeDecision, rules: &[Option<String>]) {
-        if rules.iter().all(Option::is_none) {
-            return;
-        }
-        self.metrics.rule_decisions(
-            d.allowed,
-            rules
-                .iter()
-                .zip(&d.buckets)
-                .map(|(r, b)| (r.as_deref(), b.allowed)),
-        );
+        result.map_err(|e| {
+            self.metrics.store_error(e.kind());
+            tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), "{what} failed");
+            ApiError::Unavailable(e.public_message())
+        })
     }
 }
 
 /// gRPC's frame header before a message (compression flag, length): a gRPC take's body is one
-/// message of at most [`MAX_TAKE_BYTES`] behind it.
+/// message of at most [`crate::domain::MAX_TAKE_BYTES`] behind it.
 pub const GRPC_FRAMING_BYTES: usize = 5;
 
 #[cfg(test)]

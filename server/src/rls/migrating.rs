@@ -1,5 +1,6 @@
 //! docs/migrating.md, checked: its limits files load as the service loads them and mean what the
-//! page says, and every flag its tables name is one the service accepts.
+//! page says (that every flag its tables name is one the service accepts is checked in
+//! server/tests/docs.rs, beside the command line).
 
 use super::config::Limits;
 
@@ -76,28 +77,4 @@ fn the_limitador_conversion_loads_and_keys_per_user() {
         limit(&l, "api", &[("path", "/other"), ("user", "u1")]),
         None
     );
-}
-
-#[test]
-fn every_flag_the_page_names_exists() {
-    use clap::CommandFactory;
-    let cmd = crate::cli::Cli::command();
-    let known: Vec<String> = cmd
-        .get_arguments()
-        .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
-        .collect();
-    // Every inline `--flag` (a backtick, two dashes, a letter), up to its value or its end.
-    let named: Vec<&str> = PAGE
-        .match_indices("`--")
-        .filter_map(|(at, _)| PAGE.get(at + 1..))
-        .filter(|rest| rest.chars().nth(2).is_some_and(|c| c.is_ascii_lowercase()))
-        .filter_map(|rest| rest.split(['`', ' ', '=']).next())
-        .collect();
-    assert!(named.len() >= 8, "{named:?}");
-    for flag in named {
-        assert!(
-            known.iter().any(|k| k == flag),
-            "docs/migrating.md names {flag}"
-        );
-    }
 }

@@ -28,16 +28,18 @@ use super::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLim
 use super::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use super::reload::LimitsFile;
 use crate::api::grpc::status_of;
-use crate::api::Api;
 use crate::domain::{
-    validate, BucketDecision, BucketSpec, RawBucket, RawSettle, RawSettleBucket, RawTake,
-    MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES,
+    BucketResult, BucketSpec, TakeResponse, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES,
 };
 use crate::metrics::RlsHits;
+use crate::ops::settle::{RawSettle, RawSettleBucket};
+use crate::ops::take::{validate, RawBucket, RawTake};
+use crate::ops::Decide;
 
 /// The RLS v3 service.
-pub struct RlsService {
-    api: Arc<Api>,
+pub struct RlsService<D> {
+    /// What it may ask of the service: takes, settlements, metrics.
+    api: Arc<D>,
     limits: Arc<LimitsFile>,
     /// Random per process, and a sequence: the ids of the settlements that charge
     /// `charge: response` limits, each applied once (the store remembers an id).
@@ -45,9 +47,9 @@ pub struct RlsService {
     settlements: AtomicU64,
 }
 
-impl RlsService {
-    /// Serves `limits` over `api`'s store and metrics.
-    pub fn new(api: Arc<Api>, limits: Arc<LimitsFile>) -> Self {
+impl<D: Decide> RlsService<D> {
+    /// Serves `limits` over `api`'s takes, settlements and metrics.
+    pub fn new(api: Arc<D>, limits: Arc<LimitsFile>) -> Self {
         let nonce =
             std::collections::hash_map::RandomState::new().hash_one(std::time::SystemTime::now());
         RlsService {
@@ -257,7 +259,7 @@ fn pb_duration(ms: u64) -> PbDuration {
 ///   request another descriptor denied) and the time until the bucket is full again (token
 ///   bucket) or the window ends: when `limit_remaining` is back at the limit, which is what
 ///   envoyproxy/ratelimit's reset means.
-fn decided(limit: &Limit, d: &BucketDecision, cost: u64, charged: bool) -> DescriptorStatus {
+fn decided(limit: &Limit, d: &BucketResult, cost: u64, charged: bool) -> DescriptorStatus {
     let (code, remaining, until) = if !d.allowed {
         let never = cost > limit.capacity;
         (Code::OverLimit, 0, (!never).then_some(d.retry_after_ms))
@@ -352,7 +354,7 @@ fn headers(statuses: &[DescriptorStatus], limits: &[Option<&Limit>]) -> Vec<Head
     out
 }
 
-impl RlsService {
+impl<D: Decide> RlsService<D> {
     /// Decides a request:
     ///
     /// 1. A ban (`requests_per_unit: 0`) among the enforced limits denies without a charge.
@@ -489,7 +491,7 @@ impl RlsService {
             // Within 20 % of the limit after this descriptor (an allowed status's remaining).
             let near = u64::from(s.limit_remaining).saturating_mul(5) <= limit.capacity;
             let over = s.code == Code::OverLimit as i32 || shadow_over.contains(&i);
-            self.api.metrics.rls_hits(
+            self.api.metrics().rls_hits(
                 &req.domain,
                 &key,
                 RlsHits {
@@ -503,14 +505,14 @@ impl RlsService {
     }
 
     /// Charges `asks` in one take, all or nothing (counted in `tollgate_decisions_total`).
-    async fn take(&self, asks: &[Ask]) -> Result<crate::domain::TakeDecision, Status> {
+    async fn take(&self, asks: &[Ask]) -> Result<TakeResponse, Status> {
         let specs = specs(asks, false)?;
         let d = self
             .api
             .take_specs(&specs)
             .await
             .map_err(|e| status_of(&e))?;
-        self.api.metrics.decision(d.allowed);
+        self.api.metrics().decision(d.allowed);
         Ok(d)
     }
 
@@ -519,16 +521,18 @@ impl RlsService {
     /// so the take is denied and nothing is written (a denied take writes nothing, in every
     /// store and in every Redis Cluster slot), while each first entry says whether it could
     /// have paid, what would be left and when. One decision per ask.
-    async fn probe(&self, asks: &[Ask]) -> Result<Vec<BucketDecision>, Status> {
+    async fn probe(&self, asks: &[Ask]) -> Result<Vec<BucketResult>, Status> {
         let specs = specs(asks, true)?;
         let d = self
             .api
             .take_specs(&specs)
             .await
             .map_err(|e| status_of(&e))?;
-        let decided: Vec<BucketDecision> = d.buckets.into_iter().step_by(2).collect();
+        let decided: Vec<BucketResult> = d.buckets.into_iter().step_by(2).collect();
         // Counted as what it decided, not as the denied take it is.
-        self.api.metrics.decision(decided.iter().all(|b| b.allowed));
+        self.api
+            .metrics()
+            .decision(decided.iter().all(|b| b.allowed));
         Ok(decided)
     }
 
@@ -564,7 +568,7 @@ impl RlsService {
                         .collect(),
                 ),
             };
-            let d = self.api.settle(Ok(raw)).await.map_err(|e| status_of(&e))?;
+            let d = self.api.settle(raw).await.map_err(|e| status_of(&e))?;
             for ((i, l, _, _), b) in chunk.iter().zip(&d.buckets) {
                 let code = if b.debt > 0 {
                     Code::OverLimit
@@ -624,21 +628,21 @@ impl RlsService {
     }
 }
 
-/// Reached only through [`crate::api::http::router`], after [`Api::admit`] (token, bounded body,
+/// Reached only through [`crate::router::router`], after [`crate::api::Api::admit`] (token, bounded body,
 /// permit).
 #[tonic::async_trait]
-impl RateLimitService for RlsService {
+impl<D: Decide> RateLimitService for RlsService<D> {
     async fn should_rate_limit(
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         match self.decide(request.get_ref()).await {
             Ok(r) => {
-                self.api.metrics.request("rls", "ok");
+                self.api.metrics().request("rls", "ok");
                 Ok(Response::new(r))
             }
             Err(s) => {
-                self.api.metrics.request("rls", code_label(&s));
+                self.api.metrics().request("rls", code_label(&s));
                 Err(s)
             }
         }
@@ -659,6 +663,7 @@ fn code_label(s: &Status) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::Api;
     use crate::rls::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
         Entry, RateLimitOverride,
     };
@@ -708,11 +713,11 @@ descriptors:
     rate_limit: {unit: year, requests_per_unit: 365, algorithm: fixed_window}
 ";
 
-    fn service() -> RlsService {
+    fn service() -> RlsService<Api> {
         service_with(false)
     }
 
-    fn service_with(headers: bool) -> RlsService {
+    fn service_with(headers: bool) -> RlsService<Api> {
         let api = Arc::new(Api::new(
             Arc::new(MemoryStore::new()),
             None,
@@ -744,7 +749,7 @@ descriptors:
         }
     }
 
-    async fn codes(s: &RlsService, r: &RateLimitRequest) -> (i32, Vec<i32>, Vec<u32>) {
+    async fn codes(s: &RlsService<Api>, r: &RateLimitRequest) -> (i32, Vec<i32>, Vec<u32>) {
         match s.decide(r).await {
             Ok(resp) => (
                 resp.overall_code,

@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use super::{Store, StoreError};
-use crate::domain::{BucketSpec, TakeDecision, MAX_BATCH_TAKES};
+use crate::domain::{BucketSpec, TakeResponse, MAX_BATCH_TAKES};
 
 /// How takes are coalesced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,7 +52,7 @@ impl Default for CoalesceConfig {
     }
 }
 
-type Reply = Result<TakeDecision, StoreError>;
+type Reply = Result<TakeResponse, StoreError>;
 
 /// A queued take and where its answer goes.
 struct Job {
@@ -200,7 +200,7 @@ impl Drop for Slot<'_> {
 
 #[async_trait::async_trait]
 impl Store for Coalescer {
-    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
+    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeResponse, StoreError> {
         let waiting = {
             let mut st = self.inner.lock();
             if st.free > 0 {
@@ -231,15 +231,15 @@ impl Store for Coalescer {
         }
     }
 
-    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
+    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeResponse>, StoreError> {
         self.inner.store.take_batch(takes).await
     }
 
     async fn acquire(
         &self,
-        specs: &[crate::inflight::SlotSpec],
+        specs: &[crate::domain::SlotSpec],
         slot: &str,
-    ) -> Result<crate::inflight::AcquireDecision, StoreError> {
+    ) -> Result<crate::domain::AcquireResponse, StoreError> {
         self.inner.store.acquire(specs, slot).await
     }
 
@@ -254,7 +254,7 @@ impl Store for Coalescer {
     async fn settle(
         &self,
         settlement: &crate::domain::Settlement,
-    ) -> Result<crate::domain::SettleDecision, StoreError> {
+    ) -> Result<crate::domain::SettleResponse, StoreError> {
         self.inner.store.settle(settlement).await
     }
 
@@ -294,7 +294,7 @@ mod tests {
 
     #[async_trait::async_trait]
     impl Store for Counting {
-        async fn take(&self, b: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
+        async fn take(&self, b: &[BucketSpec]) -> Result<TakeResponse, StoreError> {
             self.singles.fetch_add(1, Ordering::SeqCst);
             tokio::time::sleep(self.delay).await;
             if self.fail {
@@ -302,7 +302,7 @@ mod tests {
             }
             self.mem.take(b).await
         }
-        async fn take_batch(&self, t: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
+        async fn take_batch(&self, t: &[Vec<BucketSpec>]) -> Result<Vec<TakeResponse>, StoreError> {
             self.batches.fetch_add(1, Ordering::SeqCst);
             self.batched.fetch_add(t.len(), Ordering::SeqCst);
             tokio::time::sleep(self.delay).await;
@@ -313,9 +313,9 @@ mod tests {
         }
         async fn acquire(
             &self,
-            specs: &[crate::inflight::SlotSpec],
+            specs: &[crate::domain::SlotSpec],
             slot: &str,
-        ) -> Result<crate::inflight::AcquireDecision, StoreError> {
+        ) -> Result<crate::domain::AcquireResponse, StoreError> {
             self.mem.acquire(specs, slot).await
         }
         async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError> {
@@ -327,7 +327,7 @@ mod tests {
         async fn settle(
             &self,
             s: &crate::domain::Settlement,
-        ) -> Result<crate::domain::SettleDecision, StoreError> {
+        ) -> Result<crate::domain::SettleResponse, StoreError> {
             self.mem.settle(s).await
         }
         async fn ping(&self) -> Result<(), StoreError> {

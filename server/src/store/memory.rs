@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use super::algorithm::{self, State};
 use super::{Store, StoreError};
 use crate::domain::{
-    Algorithm, BucketSpec, SettleDecision, Settlement, TakeDecision, SETTLE_ID_TTL_MS,
+    Algorithm, BucketSpec, SettleResponse, Settlement, TakeResponse, SETTLE_ID_TTL_MS,
 };
 
 /// Longest time an idle bucket is kept: one day.
@@ -174,7 +174,7 @@ impl MemoryStore {
     }
 
     /// Decides and charges at the given clock reading (µs since the store's epoch).
-    fn take_at(&self, specs: &[BucketSpec], now: u64) -> Result<TakeDecision, StoreError> {
+    fn take_at(&self, specs: &[BucketSpec], now: u64) -> Result<TakeResponse, StoreError> {
         self.take_locked(&mut self.lock(), specs, now)
     }
 
@@ -184,7 +184,7 @@ impl MemoryStore {
         &self,
         takes: &[Vec<BucketSpec>],
         now: u64,
-    ) -> Result<Vec<TakeDecision>, StoreError> {
+    ) -> Result<Vec<TakeResponse>, StoreError> {
         let mut inner = self.lock();
         takes
             .iter()
@@ -223,7 +223,7 @@ impl MemoryStore {
     }
 
     /// Settles at the given clock reading, as `settle.lua` does.
-    fn settle_at(&self, s: &Settlement, now: u64) -> Result<SettleDecision, StoreError> {
+    fn settle_at(&self, s: &Settlement, now: u64) -> Result<SettleResponse, StoreError> {
         let mut inner = self.lock();
         inner.sweep(now, SWEEP_BATCH);
         while let Some((expires_us, _)) = inner.settled_order.front() {
@@ -282,7 +282,7 @@ impl MemoryStore {
             }
             out.push(state.settle_result(b, now));
         }
-        Ok(SettleDecision {
+        Ok(SettleResponse {
             duplicate,
             buckets: out,
         })
@@ -294,7 +294,7 @@ impl MemoryStore {
         inner: &mut Inner,
         specs: &[BucketSpec],
         now: u64,
-    ) -> Result<TakeDecision, StoreError> {
+    ) -> Result<TakeResponse, StoreError> {
         inner.sweep(now, SWEEP_BATCH);
         let mut scratch: HashMap<Id, (State, bool)> = HashMap::new();
         let mut out = Vec::with_capacity(specs.len());
@@ -315,7 +315,7 @@ impl MemoryStore {
             entry.1 |= charged;
             out.push(decision);
         }
-        let decision = TakeDecision::from_buckets(out);
+        let decision = TakeResponse::from_buckets(out);
         if decision.allowed {
             let new = scratch
                 .iter()
@@ -347,19 +347,19 @@ fn ttl_ms(state: &State, now: u64) -> u64 {
 
 #[async_trait::async_trait]
 impl Store for MemoryStore {
-    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
+    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeResponse, StoreError> {
         self.take_at(buckets, self.now_us())
     }
 
-    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
+    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeResponse>, StoreError> {
         self.take_batch_at(takes, self.now_us())
     }
 
     async fn acquire(
         &self,
-        specs: &[crate::inflight::SlotSpec],
+        specs: &[crate::domain::SlotSpec],
         slot: &str,
-    ) -> Result<crate::inflight::AcquireDecision, StoreError> {
+    ) -> Result<crate::domain::AcquireResponse, StoreError> {
         Ok(self.slots.acquire(specs, slot, self.now_us() / 1000))
     }
 
@@ -371,7 +371,7 @@ impl Store for MemoryStore {
         Ok(self.refund_at(buckets, self.now_us()))
     }
 
-    async fn settle(&self, settlement: &Settlement) -> Result<SettleDecision, StoreError> {
+    async fn settle(&self, settlement: &Settlement) -> Result<SettleResponse, StoreError> {
         self.settle_at(settlement, self.now_us())
     }
 
@@ -415,7 +415,7 @@ mod tests {
         }
     }
 
-    fn at(s: &MemoryStore, specs: &[BucketSpec], now: u64) -> TakeDecision {
+    fn at(s: &MemoryStore, specs: &[BucketSpec], now: u64) -> TakeResponse {
         s.take_at(specs, now)
             .unwrap_or_else(|e| unreachable!("{e}"))
     }

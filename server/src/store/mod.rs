@@ -17,8 +17,9 @@ pub mod memory;
 pub mod redis;
 pub mod slots;
 
-use crate::domain::{BucketSpec, SettleDecision, Settlement, TakeDecision};
-use crate::inflight::{AcquireDecision, SlotSpec};
+use crate::domain::{
+    AcquireResponse, BucketSpec, SettleResponse, Settlement, SlotSpec, TakeResponse,
+};
 
 /// A store failure. Every one of them becomes 503 / gRPC `UNAVAILABLE`: the service never answers
 /// "allowed" when it could not decide.
@@ -87,19 +88,19 @@ pub trait Store: Send + Sync + 'static {
     /// Charges `cost` to every bucket, or to none: `allowed` is true only if all could pay.
     /// `buckets` is validated (fields within the contract's bounds; 1..=16 entries from the
     /// wire, any number from the RLS endpoint, which builds its takes itself).
-    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeDecision, StoreError>;
+    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeResponse, StoreError>;
 
     /// Decides a batch of takes: each exactly as [`Store::take`] would (atomic, all-or-nothing
     /// within itself, independent of the others), answered in order. `takes` holds
     /// 1..=[`crate::domain::MAX_BATCH_TAKES`] validated takes. An error fails the whole batch;
     /// takes decided before it may have been charged (a possible false denial, never an
     /// admission).
-    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError>;
+    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeResponse>, StoreError>;
 
     /// Takes one slot of every key (under the id `slot`), or of none: allowed only if every key
     /// holds fewer than its limit after dropping the slots whose deadline passed (see
-    /// [`crate::inflight`]). `specs` is validated (1..=16 distinct keys).
-    async fn acquire(&self, specs: &[SlotSpec], slot: &str) -> Result<AcquireDecision, StoreError>;
+    /// `ops/acquire.rs`). `specs` is validated (1..=16 distinct keys).
+    async fn acquire(&self, specs: &[SlotSpec], slot: &str) -> Result<AcquireResponse, StoreError>;
 
     /// Gives back the slot `slot` of each key; per key, whether it was still held.
     async fn release(&self, slot: &str, keys: &[String]) -> Result<Vec<bool>, StoreError>;
@@ -120,14 +121,14 @@ pub trait Store: Send + Sync + 'static {
     /// without `window` goes to the current one). The id is remembered
     /// [`crate::domain::SETTLE_ID_TTL_MS`] beside the buckets; a repeated id changes nothing and
     /// answers `duplicate`.
-    async fn settle(&self, settlement: &Settlement) -> Result<SettleDecision, StoreError>;
+    async fn settle(&self, settlement: &Settlement) -> Result<SettleResponse, StoreError>;
 
     /// Checks the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;
 
     /// Records the proxy instance ids this replica heard from since the last call, and counts the
     /// deployment's live instances (heard from by any replica within `ttl_ms`). Called about once
-    /// a second by [`crate::api::instances`], never on the take path. `None`: the store is this
+    /// a second by the live-instance registry (`api/instances.rs`), never on the take path. `None`: the store is this
     /// replica's alone (memory), so the replica's own count is the whole truth.
     async fn live_instances(&self, seen: &[String], ttl_ms: u64)
         -> Result<Option<u64>, StoreError>;

@@ -1,4 +1,4 @@
-//! Concurrency slots ([`crate::inflight`]): the memory store's table, and what the Redis store
+//! Concurrency slots ((`ops/acquire.rs`, `ops/release.rs`)): the memory store's table, and what the Redis store
 //! sends to and reads from `lua/acquire.lua` and `lua/release.lua`.
 //!
 //! The memory table is the reference the scripts are tested against (server/tests/inflight.rs
@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use super::keys::push_tag;
 use super::StoreError;
-use crate::inflight::{retry_after, AcquireDecision, SlotDecision, SlotSpec};
+use crate::domain::{slot_retry_after, AcquireResponse, SlotResult, SlotSpec};
 use contract::bounds::RELEASED_SLOT_MEMORY_MS;
 
 /// Source of `lua/acquire.lua`.
@@ -44,7 +44,7 @@ pub fn acquire_args(specs: &[&SlotSpec], slot: &str) -> Vec<String> {
 pub fn decode_acquire(
     reply: &[i64],
     specs: &[&SlotSpec],
-) -> Result<(bool, Vec<SlotDecision>), StoreError> {
+) -> Result<(bool, Vec<SlotResult>), StoreError> {
     if reply.len() != 1 + 3 * specs.len() {
         return Err(StoreError::Protocol(format!(
             "acquire reply has {} integers for {} keys",
@@ -62,7 +62,7 @@ pub fn decode_acquire(
     let mut out = Vec::with_capacity(specs.len());
     for (i, s) in specs.iter().enumerate() {
         let r = &reply[1 + 3 * i..4 + 3 * i];
-        out.push(SlotDecision {
+        out.push(SlotResult {
             allowed: flag(r[0])?,
             limit: s.limit,
             in_flight: nat(r[1])?,
@@ -116,7 +116,7 @@ impl SlotTable {
     }
 
     /// `acquire.lua`'s semantics at the clock reading `now_ms`.
-    pub fn acquire(&self, specs: &[SlotSpec], slot: &str, now_ms: u64) -> AcquireDecision {
+    pub fn acquire(&self, specs: &[SlotSpec], slot: &str, now_ms: u64) -> AcquireResponse {
         let mut t = self.lock();
         if now_ms >= t.swept_ms.saturating_add(SWEEP_EVERY_MS) {
             t.sets.retain(|_, v| {
@@ -146,22 +146,22 @@ impl SlotTable {
                 None => (0, None),
             };
             out.push(if n < s.limit && !released {
-                SlotDecision {
+                SlotResult {
                     allowed: true,
                     limit: s.limit,
                     in_flight: n + 1,
                     retry_after_ms: 0,
                 }
             } else {
-                SlotDecision {
+                SlotResult {
                     allowed: false,
                     limit: s.limit,
                     in_flight: n,
-                    retry_after_ms: retry_after(oldest.map(|d| d.saturating_sub(now_ms))),
+                    retry_after_ms: slot_retry_after(oldest.map(|d| d.saturating_sub(now_ms))),
                 }
             });
         }
-        let d = AcquireDecision::from_buckets(out, slot);
+        let d = AcquireResponse::from_buckets(out, slot);
         if d.allowed {
             let ttl = specs.iter().map(|s| s.ttl_ms).max().unwrap_or(1);
             for s in specs {

@@ -4,7 +4,8 @@
 //! carry-over of a changed limit). Windows are counted on the store's clock.
 
 use super::{limits, Counter, Limits};
-use crate::domain::{BucketDecision, BucketSpec, SettleResult, SettleSpec};
+use crate::domain::{BucketSpec, SettleResult, SettleSpec};
+use contract::take::BucketResult;
 use contract::arithmetic::fixed_window::Window;
 
 /// The fixed window.
@@ -37,7 +38,7 @@ impl Counter for FixedWindow {
         }
     }
 
-    fn take(b: &BucketSpec, s: &mut Counted, now: u64) -> (BucketDecision, bool) {
+    fn take(b: &BucketSpec, s: &mut Counted, now: u64) -> (BucketResult, bool) {
         let d = s.window.take(&limits(b), now / 1000, b.cost, b.lease);
         (d, d.allowed)
     }

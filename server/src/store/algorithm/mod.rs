@@ -21,7 +21,8 @@ pub mod fixed_window;
 pub mod sliding_window;
 pub mod token_bucket;
 
-use crate::domain::{Algorithm, BucketDecision, BucketSpec, SettleResult, SettleSpec};
+use crate::domain::{Algorithm, BucketSpec, SettleResult, SettleSpec};
+use contract::take::BucketResult;
 
 pub use contract::arithmetic::{Limits, MAX_MS};
 /// Extra lifetime of a bucket beyond the moment it would be full again (or its windows end), as
@@ -49,7 +50,7 @@ pub trait Counter {
     fn load(b: &BucketSpec, stored: Option<Self::State>, now: u64) -> Self::State;
     /// Decides one bucket of a take on its loaded state, charging it when it can pay (granted =
     /// `cost`, or up to `lease`). Returns the decision and whether the state changed.
-    fn take(b: &BucketSpec, s: &mut Self::State, now: u64) -> (BucketDecision, bool);
+    fn take(b: &BucketSpec, s: &mut Self::State, now: u64) -> (BucketResult, bool);
     /// What a refund of the charge just made needs to find it again (a window index; 0 if
     /// nothing).
     fn mark(s: &Self::State) -> u64;
@@ -117,7 +118,7 @@ macro_rules! algorithms {
             }
 
             /// [`Counter::take`].
-            pub fn take(&mut self, b: &BucketSpec, now: u64) -> (BucketDecision, bool) {
+            pub fn take(&mut self, b: &BucketSpec, now: u64) -> (BucketResult, bool) {
                 match self {
                     $(State::$variant(s) => $module::$counter::take(b, s, now),)*
                 }

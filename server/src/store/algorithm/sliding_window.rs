@@ -5,7 +5,8 @@
 //! header documents the stored fields).
 
 use super::{limits, Counter, Limits};
-use crate::domain::{BucketDecision, BucketSpec, SettleResult, SettleSpec};
+use crate::domain::{BucketSpec, SettleResult, SettleSpec};
+use contract::take::BucketResult;
 
 /// The sliding window counter.
 #[derive(Debug)]
@@ -35,7 +36,7 @@ impl Counter for SlidingWindow {
         }
     }
 
-    fn take(b: &BucketSpec, s: &mut Counts, now: u64) -> (BucketDecision, bool) {
+    fn take(b: &BucketSpec, s: &mut Counts, now: u64) -> (BucketResult, bool) {
         let d = s.counts.take(&limits(b), now / 1000, b.cost, b.lease);
         (d, d.allowed)
     }
@@ -82,7 +83,7 @@ mod tests {
         }
     }
 
-    fn take_at(b: &BucketSpec, s: Option<Counts>, ms: u64) -> (Counts, BucketDecision) {
+    fn take_at(b: &BucketSpec, s: Option<Counts>, ms: u64) -> (Counts, BucketResult) {
         let mut st = SlidingWindow::load(b, s, ms * 1000);
         let (d, _) = SlidingWindow::take(b, &mut st, ms * 1000);
         (st, d)

@@ -4,7 +4,8 @@
 //! header documents the stored fields and the carry-over of a changed limit).
 
 use super::{limits, Counter, Limits};
-use crate::domain::{BucketDecision, BucketSpec, SettleResult, SettleSpec};
+use crate::domain::{BucketSpec, SettleResult, SettleSpec};
+use contract::take::BucketResult;
 use contract::arithmetic::token_bucket::{self as tb, Tokens, MICRO};
 
 /// The token bucket.
@@ -48,7 +49,7 @@ impl Counter for TokenBucket {
         s
     }
 
-    fn take(b: &BucketSpec, s: &mut Held, _now: u64) -> (BucketDecision, bool) {
+    fn take(b: &BucketSpec, s: &mut Held, _now: u64) -> (BucketResult, bool) {
         let d = s.tokens.take(&limits(b), b.cost, b.lease);
         (d, d.allowed)
     }

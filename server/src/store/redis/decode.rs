@@ -2,7 +2,7 @@
 //! checking the reply's shape (see each script's header) before trusting it.
 
 use super::scripts::PER_BUCKET;
-use crate::domain::{BucketDecision, BucketSpec, SettleResult, TakeDecision};
+use crate::domain::{BucketResult, BucketSpec, SettleResult, TakeResponse};
 use crate::store::StoreError;
 
 /// What one `take.lua` call answered.
@@ -12,11 +12,11 @@ pub struct GroupReply {
     pub charged: bool,
     /// Per bucket: the decision (with the tokens charged if the call charged) and the fixed window
     /// index charged (0 for token buckets).
-    pub buckets: Vec<(BucketDecision, u64)>,
+    pub buckets: Vec<(BucketResult, u64)>,
 }
 
 /// Turns a `take.lua` reply (see its header) into decisions for `specs` (the call's buckets).
-/// `granted` is kept as the script charged it (a refund needs it); [`TakeDecision::from_buckets`]
+/// `granted` is kept as the script charged it (a refund needs it); [`TakeResponse::from_buckets`]
 /// reports 0 for a denied request.
 pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, StoreError> {
     if reply.len() != 1 + PER_BUCKET * specs.len() {
@@ -40,7 +40,7 @@ pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, S
     let mut buckets = Vec::with_capacity(specs.len());
     for (i, spec) in specs.iter().enumerate() {
         let r = &reply[1 + PER_BUCKET * i..1 + PER_BUCKET * (i + 1)];
-        let d = BucketDecision {
+        let d = BucketResult {
             allowed: flag(r[0])?,
             limit: spec.capacity,
             remaining: num(r[1], "remaining")?,
@@ -69,7 +69,7 @@ pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, S
 pub fn decode_batch(
     reply: &[i64],
     takes: &[&[BucketSpec]],
-) -> Result<Vec<TakeDecision>, StoreError> {
+) -> Result<Vec<TakeResponse>, StoreError> {
     let expected: usize = takes.iter().map(|t| 1 + PER_BUCKET * t.len()).sum();
     if reply.len() != expected {
         return Err(StoreError::Protocol(format!(
@@ -84,7 +84,7 @@ pub fn decode_batch(
         let these: Vec<&BucketSpec> = specs.iter().collect();
         let g = decode_take(&reply[at..at + len], &these)?;
         at += len;
-        out.push(TakeDecision::from_buckets(
+        out.push(TakeResponse::from_buckets(
             g.buckets.into_iter().map(|(d, _)| d).collect(),
         ));
     }
@@ -159,7 +159,7 @@ mod tests {
             g.buckets,
             vec![
                 (
-                    BucketDecision {
+                    BucketResult {
                         allowed: true,
                         limit: 10,
                         remaining: 9,
@@ -170,7 +170,7 @@ mod tests {
                     0
                 ),
                 (
-                    BucketDecision {
+                    BucketResult {
                         allowed: false,
                         limit: 3,
                         remaining: 2,

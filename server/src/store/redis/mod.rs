@@ -87,7 +87,7 @@ pub use self::sentinel::SentinelConfig;
 use super::keys::{redis_key, slot};
 use super::{Store, StoreError};
 use crate::domain::{
-    Algorithm, BucketDecision, BucketSpec, SettleDecision, SettleResult, Settlement, TakeDecision,
+    Algorithm, BucketResult, BucketSpec, SettleResponse, SettleResult, Settlement, TakeResponse,
     SETTLE_ID_TTL_MS,
 };
 
@@ -195,7 +195,7 @@ impl RedisStore {
 
     /// Decides `takes` with one call of `take_batch.lua`: one round trip, each take atomic. On a
     /// cluster every key of every take must be in one slot.
-    async fn batch_call(&self, takes: &[&[BucketSpec]]) -> Result<Vec<TakeDecision>, StoreError> {
+    async fn batch_call(&self, takes: &[&[BucketSpec]]) -> Result<Vec<TakeResponse>, StoreError> {
         let keys: Vec<String> = takes
             .iter()
             .flat_map(|t| t.iter())
@@ -271,7 +271,7 @@ impl RedisStore {
 
 #[async_trait::async_trait]
 impl Store for RedisStore {
-    async fn take(&self, specs: &[BucketSpec]) -> Result<TakeDecision, StoreError> {
+    async fn take(&self, specs: &[BucketSpec]) -> Result<TakeResponse, StoreError> {
         let keys: Vec<String> = specs
             .iter()
             .map(|b| redis_key(&self.config.key_prefix, b))
@@ -283,7 +283,7 @@ impl Store for RedisStore {
             .collect();
         if let [group] = groups.as_slice() {
             let reply = self.take_group(group, &keys, specs).await?;
-            return Ok(TakeDecision::from_buckets(
+            return Ok(TakeResponse::from_buckets(
                 reply.buckets.into_iter().map(|(d, _)| d).collect(),
             ));
         }
@@ -302,20 +302,20 @@ impl Store for RedisStore {
                 }
             }
         }
-        let mut out: Vec<Option<BucketDecision>> = vec![None; specs.len()];
+        let mut out: Vec<Option<BucketResult>> = vec![None; specs.len()];
         for (g, r) in groups.iter().zip(replies) {
             let reply = r?;
             for (&i, (d, _)) in g.idx.iter().zip(reply.buckets) {
                 out[i] = Some(d);
             }
         }
-        let buckets: Option<Vec<BucketDecision>> = out.into_iter().collect();
+        let buckets: Option<Vec<BucketResult>> = out.into_iter().collect();
         let buckets =
             buckets.ok_or_else(|| StoreError::Protocol("a bucket got no decision".into()))?;
-        Ok(TakeDecision::from_buckets(buckets))
+        Ok(TakeResponse::from_buckets(buckets))
     }
 
-    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeDecision>, StoreError> {
+    async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeResponse>, StoreError> {
         if let Conn::Single(_) | Conn::Sentinel(_) = self.conn {
             let all: Vec<&[BucketSpec]> = takes.iter().map(Vec::as_slice).collect();
             return self.batch_call(&all).await;
@@ -345,7 +345,7 @@ impl Store for RedisStore {
         }));
         let single = futures_util::future::join_all(spanning.iter().map(|&i| self.take(&takes[i])));
         let (grouped, single) = futures_util::future::join(grouped, single).await;
-        let mut out: Vec<Option<TakeDecision>> = vec![None; takes.len()];
+        let mut out: Vec<Option<TakeResponse>> = vec![None; takes.len()];
         for ((_, idx), r) in by_slot.iter().zip(grouped) {
             for (&i, d) in idx.iter().zip(r?) {
                 out[i] = Some(d);
@@ -361,9 +361,9 @@ impl Store for RedisStore {
 
     async fn acquire(
         &self,
-        specs: &[crate::inflight::SlotSpec],
+        specs: &[crate::domain::SlotSpec],
         slot_id: &str,
-    ) -> Result<crate::inflight::AcquireDecision, StoreError> {
+    ) -> Result<crate::domain::AcquireResponse, StoreError> {
         use super::slots;
         static ACQUIRE: std::sync::LazyLock<Script> =
             std::sync::LazyLock::new(|| Script::new(slots::ACQUIRE));
@@ -375,7 +375,7 @@ impl Store for RedisStore {
         let groups = self.slot_groups(&keys);
         let calls = groups.iter().map(|(_, idx)| {
             let ks: Vec<&str> = idx.iter().map(|&i| keys[i].as_str()).collect();
-            let these: Vec<&crate::inflight::SlotSpec> = idx.iter().map(|&i| &specs[i]).collect();
+            let these: Vec<&crate::domain::SlotSpec> = idx.iter().map(|&i| &specs[i]).collect();
             async move {
                 let reply = self
                     .invoke(&ACQUIRE, &ks, &slots::acquire_args(&these, slot_id))
@@ -396,7 +396,7 @@ impl Store for RedisStore {
                 }
             }
         }
-        let mut out: Vec<Option<crate::inflight::SlotDecision>> = vec![None; specs.len()];
+        let mut out: Vec<Option<crate::domain::SlotResult>> = vec![None; specs.len()];
         for ((_, idx), r) in groups.iter().zip(replies) {
             let (taken, ds) = r?;
             for (&i, mut d) in idx.iter().zip(ds) {
@@ -407,11 +407,11 @@ impl Store for RedisStore {
                 out[i] = Some(d);
             }
         }
-        let buckets: Vec<crate::inflight::SlotDecision> = out
-            .into_iter()
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| StoreError::Protocol("a key got no decision".into()))?;
-        Ok(crate::inflight::AcquireDecision::from_buckets(
+        let buckets: Vec<crate::domain::SlotResult> =
+            out.into_iter()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| StoreError::Protocol("a key got no decision".into()))?;
+        Ok(crate::domain::AcquireResponse::from_buckets(
             buckets, slot_id,
         ))
     }
@@ -441,7 +441,7 @@ impl Store for RedisStore {
         self.refund_each(buckets).await
     }
 
-    async fn settle(&self, s: &Settlement) -> Result<SettleDecision, StoreError> {
+    async fn settle(&self, s: &Settlement) -> Result<SettleResponse, StoreError> {
         let keys: Vec<String> = s
             .buckets
             .iter()
@@ -463,7 +463,7 @@ impl Store for RedisStore {
                 out[i] = r;
             }
         }
-        Ok(SettleDecision {
+        Ok(SettleResponse {
             duplicate,
             buckets: out,
         })
