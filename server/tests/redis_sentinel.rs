@@ -90,7 +90,7 @@ fn demoted(setup: &SentinelSetup, port: u16) -> bool {
 async fn decided(
     s: &RedisStore,
     b: &BucketSpec,
-) -> (tollgate_server::domain::TakeDecision, Vec<String>) {
+) -> (tollgate_server::domain::TakeResponse, Vec<String>) {
     let since = Instant::now();
     let mut failed = Vec::new();
     loop {

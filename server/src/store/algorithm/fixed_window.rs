@@ -5,8 +5,8 @@
 
 use super::{limits, Counter, Limits};
 use crate::domain::{BucketSpec, SettleResult, SettleSpec};
-use contract::take::BucketResult;
 use contract::arithmetic::fixed_window::Window;
+use contract::take::BucketResult;
 
 /// The fixed window.
 #[derive(Debug)]

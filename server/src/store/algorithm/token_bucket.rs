@@ -5,8 +5,8 @@
 
 use super::{limits, Counter, Limits};
 use crate::domain::{BucketSpec, SettleResult, SettleSpec};
-use contract::take::BucketResult;
 use contract::arithmetic::token_bucket::{self as tb, Tokens, MICRO};
+use contract::take::BucketResult;
 
 /// The token bucket.
 #[derive(Debug)]

@@ -58,13 +58,15 @@
 //! | file | what |
 //! |---|---|
 //! | `mod.rs` | [`RedisStore`] and its [`Store`] impl: slot grouping, refunds across slots |
-//! | `conn.rs` | standalone and Cluster clients, timeouts, TLS (rustls), [`redact_url`] |
+//! | `conn.rs` | where Redis is, timeouts, TLS (rustls), [`redact_url`], client errors |
+//! | `link.rs` | the connection: standalone, Cluster or the Sentinel-named master |
 //! | `scripts.rs` | the scripts' sources, each operation's ARGV, EVALSHA with `NOSCRIPT` recovery |
 //! | `decode.rs` | script replies into decisions (pure) |
 //! | `sentinel.rs` | the master Redis Sentinel names, asked again after a failover |
 
 mod conn;
 mod decode;
+mod link;
 mod scripts;
 mod sentinel;
 
@@ -73,12 +75,13 @@ use std::sync::Arc;
 
 use redis::Script;
 
-use self::conn::{map_err, Conn};
+use self::conn::map_err;
 pub use self::conn::{
     redact_url, redact_urls, ClientIdentity, RedisConfig, RedisConfigError, RedisTls, TlsFileError,
 };
 use self::decode::decode_instances;
 pub use self::decode::{decode_batch, decode_settle, decode_take, GroupReply};
+use self::link::Conn;
 use self::scripts::{evalsha, Scripts, PER_BUCKET};
 pub use self::scripts::{
     refund_script_source, settle_script_source, take_batch_script_source, take_script_source,

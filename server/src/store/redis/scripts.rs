@@ -3,7 +3,8 @@
 
 use redis::{RedisError, Script};
 
-use super::conn::{map_err, Conn};
+use super::conn::map_err;
+use super::link::Conn;
 use super::RedisStore;
 use crate::domain::{Algorithm, BucketSpec, Settlement};
 use crate::store::StoreError;
