@@ -202,7 +202,7 @@ async fn failover_between_takes_keeps_every_count() {
         "the 30 takes before the failover are kept, this one charged once"
     );
     // Decided on the new master: its replica (the old master) receives the charge.
-    assert!(setup.wait_replicated(new, Duration::from_secs(5)));
+    assert!(setup.wait_replicated(new, Duration::from_secs(20)));
     let (d, _) = decided(&s, &b).await;
     assert_eq!(d.buckets[0].remaining, 68);
     assert_eq!(setup.master(), Some(new));
