@@ -148,18 +148,13 @@ impl Object for RawSettleBucket {
         name: &'static str,
         v: Field<'_, '_, A>,
     ) -> Result<(), A::Error> {
-        let b = &mut self.bucket;
         match name {
-            fields::KEY => b.key = v.string()?,
-            fields::CAPACITY => b.capacity = v.uint()?,
-            fields::RATE => b.rate = v.uint()?,
-            fields::PERIOD_MS => b.period_ms = v.uint()?,
-            fields::ALGORITHM => b.algorithm = v.algorithm()?,
-            fields::RULE => b.rule = v.string()?,
             fields::ESTIMATE => self.estimate = v.uint()?,
             fields::USED => self.used = v.uint()?,
             fields::WINDOW => self.window = v.uint()?,
-            _ => {}
+            // The bucket's own fields, read as a take's bucket reads them (FIELDS holds no `cost`
+            // or `lease`, so those never reach it).
+            _ => self.bucket.read(name, v)?,
         }
         Ok(())
     }
