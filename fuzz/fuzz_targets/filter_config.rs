@@ -5,8 +5,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use tollgate::core::config::{
-    Config, Cost, HeaderMatch, KeyPart, PathMatch, MAX_KEY_PARTS, MAX_RULE_BYTES, MAX_PERIOD_MS,
-    MAX_BUCKETS, MAX_AMOUNT,
+    Config, Cost, HeaderMatch, KeyPart, PathMatch, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_PARTS,
+    MAX_PERIOD_MS, MAX_RULE_BYTES,
 };
 use tollgate::core::rules::keys::{build_key, MAX_KEY_BYTES};
 use tollgate::core::rules::Request;
@@ -39,9 +39,14 @@ fn check(cfg: &Config) {
         assert!((1..=MAX_PERIOD_MS).contains(&r.period_ms));
         match &r.cost {
             Cost::Fixed(c) => assert!((1..=MAX_AMOUNT).contains(c)),
-            Cost::Header { name, default, max } => {
+            Cost::Header {
+                name,
+                default,
+                min,
+                max,
+            } => {
                 assert!(header_name_safe(name));
-                assert!(1 <= *default && default <= max && *max <= MAX_AMOUNT);
+                assert!(1 <= *min && min <= default && default <= max && *max <= MAX_AMOUNT);
             }
         }
         if let Some(l) = &r.lease {
