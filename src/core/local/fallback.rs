@@ -50,7 +50,7 @@
 //! the limits: a fleet grown from 4 to 8 proxies halves every share at its next use. While the
 //! service is away N stays what it last said.
 //!
-//! Layout: the slot scheme ([`slot`], [`slot_in`], [`prepare`]); the record ([`Entry`]); the
+//! Layout: the slot scheme ([`slot`], [`slot_in`], [`prepare`]); the record (`Entry`); the
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
 //! ([`take_all`], [`attach_debts`], [`remember`]).
 

@@ -95,7 +95,7 @@ pub fn matches(m: &Match, req: &Request, trusted_hops: u32) -> bool {
     header_conditions(m, req)
 }
 
-/// [`matches`] for conditions that do not read the client address (`!m.reads_client_ip()`),
+/// [`matches()`] for conditions that do not read the client address (`!m.reads_client_ip()`),
 /// over any view of the headers they name.
 pub fn matches_headers(m: &Match, req: &impl Headers) -> bool {
     if let Some(not) = &m.not {

@@ -8,7 +8,7 @@
 //!
 //! Every algorithm gets the bucket's limits (capacity, rate, period_ms) in the same ARGV places
 //! (`redis/scripts.rs`) and ignores those it does not use. Adding an algorithm: a module with a
-//! [`Counter`] and its `.lua`, one line in [`algorithms!`] below; its arithmetic and name in the
+//! [`Counter`] and its `.lua`, one line in `algorithms!` below; its arithmetic and name in the
 //! contract.
 //!
 //! | module | algorithm |

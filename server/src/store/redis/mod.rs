@@ -1,5 +1,5 @@
 //! The Redis store: standalone (`redis://`, `rediss://`), Redis Cluster (seed nodes) or the
-//! master of a Redis Sentinel setup (standalone as far as scripts go: [`sentinel`]).
+//! master of a Redis Sentinel setup (standalone as far as scripts go: `sentinel`).
 //!
 //! # What is guaranteed
 //!

@@ -1,4 +1,4 @@
-//! Local buckets: one module per algorithm behind one trait ([`Local`]), shared by the fallback
+//! Local buckets: one module per algorithm behind one trait (`Local`), shared by the fallback
 //! shares ([`crate::core::local::fallback`]) and the lease pools ([`crate::core::local::lease`]), which call the
 //! functions below and know no algorithm's internals.
 //!
@@ -13,7 +13,7 @@
 //! | `fixed_window` | at most capacity per window | `level` tokens used, `stamp` the window index |
 //! | `sliding_window` | the current window's count plus the previous one's, weighted | `level` both counts, `stamp` the window index |
 //!
-//! Adding an algorithm: a module with a [`Local`] and one line in [`dispatch!`] below.
+//! Adding an algorithm: a module with a `Local` and one line in `dispatch!` below.
 
 mod fixed_window;
 mod sliding_window;
