@@ -173,6 +173,7 @@ pub fn status_of(e: &ApiError) -> Status {
     match e {
         ApiError::Invalid(_) => Status::invalid_argument(e.message()),
         ApiError::Unauthenticated => Status::unauthenticated(e.message()),
+        ApiError::AdminOff => Status::not_found(e.message()),
         ApiError::TooLarge(_) => Status::resource_exhausted(e.message()),
         ApiError::BodyTimeout(_) => Status::deadline_exceeded(e.message()),
         ApiError::Overloaded(_) | ApiError::Unavailable(_) => Status::unavailable(e.message()),
