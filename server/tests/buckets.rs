@@ -376,3 +376,105 @@ async fn only_the_admin_token_opens_them() {
     assert_eq!(take.status().as_u16(), 401, "the admin token does not take");
     on.stop().await;
 }
+
+/// The gRPC form (`tollgate.admin.v1.Admin`): the same reading and reset, the same token rules.
+async fn over_grpc(store: Arc<dyn Store>) {
+    use tollgate_server::api::grpc::admin_pb::{admin_client::AdminClient, BucketRef};
+    let svc = Service::start_with(
+        store,
+        ServiceConfig {
+            token: Some(TAKES.into()),
+            admin_token: Some(ADMIN.into()),
+            ..ServiceConfig::default()
+        },
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let key = unique("grpc");
+    let take = client
+        .post(svc.url("/v1/take"))
+        .bearer_auth(TAKES)
+        .json(&json!({ "buckets": [bucket(&key, 5, 5, 10_000, 3)] }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(take.status().as_u16(), 200);
+    let mut admin = AdminClient::connect(format!("http://{}", svc.addr))
+        .await
+        .expect("connect");
+    let with = |token: Option<&str>, r: BucketRef| {
+        let mut req = tonic::Request::new(r);
+        if let Some(t) = token {
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {t}").parse().unwrap());
+        }
+        req
+    };
+    let tb = BucketRef {
+        key: key.clone(),
+        capacity: 5,
+        period_ms: 10_000,
+        ..BucketRef::default()
+    };
+    let v = admin
+        .inspect_bucket(with(Some(ADMIN), tb.clone()))
+        .await
+        .expect("inspect")
+        .into_inner();
+    assert_eq!((v.exists, v.remaining, v.used), (true, 2, 3), "{v:?}");
+    assert!(v.reset_ms > 5_000 && v.reset_ms <= 6_000, "{v:?}");
+    for token in [None, Some(TAKES)] {
+        let e = admin
+            .inspect_bucket(with(token, tb.clone()))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{token:?}");
+    }
+    let e = admin
+        .inspect_bucket(with(
+            Some(ADMIN),
+            BucketRef {
+                capacity: 0,
+                ..tb.clone()
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("capacity"), "{e:?}");
+    let r = admin
+        .reset_bucket(with(Some(ADMIN), tb.clone()))
+        .await
+        .expect("reset")
+        .into_inner();
+    assert!(r.reset);
+    let v = admin
+        .inspect_bucket(with(Some(ADMIN), tb))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((v.exists, v.remaining), (false, 5), "{v:?}");
+    svc.stop().await;
+
+    let off = Service::start(Arc::new(MemoryStore::new()), None).await;
+    let mut admin = AdminClient::connect(format!("http://{}", off.addr))
+        .await
+        .expect("connect");
+    let e = admin
+        .reset_bucket(with(Some(ADMIN), BucketRef::default()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    off.stop().await;
+}
+
+#[tokio::test]
+async fn memory_over_grpc() {
+    over_grpc(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn redis_over_grpc() {
+    let redis = RedisProc::start();
+    over_grpc(Arc::new(redis_store(&redis.url(), 1000))).await;
+}

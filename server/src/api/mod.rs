@@ -226,9 +226,10 @@ impl Api {
         headers: &HeaderMap,
         body: Body,
         limit: usize,
+        framing: usize,
     ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
         let admin = self.admin.as_ref().ok_or(ApiError::AdminOff)?;
-        self.admit_as(admin, headers, body, limit, 0).await
+        self.admit_as(admin, headers, body, limit, framing).await
     }
 
     /// Everything a request goes through before it is decoded, in this order: the token (from

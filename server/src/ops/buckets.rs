@@ -9,6 +9,9 @@
 //! rule says), under which it is read, as a take would read it. `kind=concurrency` names a
 //! concurrency rule's key instead: its live slots and their deadlines (no limits needed).
 //!
+//! gRPC: `tollgate.admin.v1.Admin` (`server/proto/tollgate/admin.proto`), `InspectBucket` and
+//! `ResetBucket`, with the same fields.
+//!
 //! Guarded by a token of their own (`--admin-token`, `TOLLGATE_ADMIN_TOKEN` or
 //! `--admin-token-file`), never the takes' token: without one set, both answer 404 (the
 //! endpoints do not exist); with one, any other bearer (the takes' token included) is 401.
@@ -24,11 +27,12 @@ use serde_json::{Map, Value};
 
 use super::invalid;
 use super::take::{self, RawBucket, RawTake};
+use crate::api::grpc::{admin_pb, non_empty, status_of};
 use crate::api::http::answer;
 use crate::api::json::{self, Field, Object};
 use crate::api::{Api, ApiError};
 use crate::domain::{
-    BucketSpec, BucketState, InvalidArgument, ResetTarget, SlotsState, MAX_KEY_BYTES,
+    Algorithm, BucketSpec, BucketState, InvalidArgument, ResetTarget, SlotsState, MAX_KEY_BYTES,
 };
 use contract::fields;
 
@@ -223,7 +227,7 @@ pub async fn reset(api: &Api, target: &ResetTarget) -> Result<Reset, ApiError> {
 /// `GET /v1/buckets?...`: admitted as an admin call (no body), decoded from the query, read.
 pub async fn http_inspect(State(api): State<Arc<Api>>, req: Request) -> Response {
     let (parts, _) = req.into_parts();
-    let result = match api.admit_admin(&parts.headers, Body::empty(), 0).await {
+    let result = match api.admit_admin(&parts.headers, Body::empty(), 0, 0).await {
         Ok((_, _permit)) => {
             let raw = query_object(parts.uri.query().unwrap_or_default())
                 .and_then(|body| json::decode::<RawBucketRef>(&body))
@@ -242,7 +246,7 @@ pub async fn http_inspect(State(api): State<Arc<Api>>, req: Request) -> Response
 /// `POST /v1/buckets/reset`: admitted as an admin call, its JSON body decoded, applied.
 pub async fn http_reset(State(api): State<Arc<Api>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
-    let result = match api.admit_admin(&parts.headers, body, BODY_BYTES).await {
+    let result = match api.admit_admin(&parts.headers, body, BODY_BYTES, 0).await {
         Ok((bytes, _permit)) => {
             match json::decode::<RawBucketRef>(&bytes)
                 .and_then(validate_reset)
@@ -255,6 +259,111 @@ pub async fn http_reset(State(api): State<Arc<Api>>, req: Request) -> Response {
         Err(e) => Err(e),
     };
     answer(&api, result)
+}
+
+// ---------------------------------------------------------------------------------------------
+// gRPC: `tollgate.admin.v1.Admin` (server/proto/tollgate/admin.proto)
+
+/// A `BucketRef` as a [`RawBucketRef`] (zero values are "not sent", then refused by validation
+/// with the field's name, as the query's absent fields are).
+pub fn raw_from_pb(r: &admin_pb::BucketRef) -> Result<RawBucketRef, InvalidArgument> {
+    let algorithm = match r.algorithm {
+        0 => None,
+        code => Some(Algorithm::from_code(code).ok_or_else(|| {
+            InvalidArgument::new(fields::ALGORITHM, format!("unknown algorithm {code}"))
+        })?),
+    };
+    let nonzero = |v: u64| (v != 0).then_some(v);
+    Ok(RawBucketRef {
+        kind: non_empty(&r.kind),
+        bucket: RawBucket {
+            key: Some(r.key.clone()),
+            algorithm,
+            capacity: nonzero(r.capacity),
+            rate: nonzero(r.rate),
+            period_ms: nonzero(r.period_ms),
+            ..RawBucket::default()
+        },
+    })
+}
+
+/// An inspection's answer in protobuf.
+pub fn inspected_to_pb(i: &Inspected) -> admin_pb::InspectBucketResponse {
+    match i {
+        Inspected::Bucket(b) => admin_pb::InspectBucketResponse {
+            exists: b.exists,
+            remaining: b.remaining,
+            debt: b.debt,
+            used: b.used,
+            reset_ms: b.reset_ms,
+            ..Default::default()
+        },
+        Inspected::Slots(s) => admin_pb::InspectBucketResponse {
+            in_flight: s.in_flight,
+            deadlines_ms: s.deadlines_ms.clone(),
+            ..Default::default()
+        },
+    }
+}
+
+/// The tonic service of `tollgate.admin.v1.Admin`: reached only through
+/// [`crate::router::router`], after [`Api::admit_admin`] (the admin token, bounded body, permit).
+pub struct AdminService {
+    api: Arc<Api>,
+}
+
+impl AdminService {
+    /// Wraps the shared API.
+    pub fn new(api: Arc<Api>) -> Self {
+        AdminService { api }
+    }
+
+    /// One call's answer, counted under the `grpc` transport.
+    fn counted<T>(&self, r: Result<T, ApiError>) -> Result<tonic::Response<T>, tonic::Status> {
+        match r {
+            Ok(a) => {
+                self.api.metrics.request("grpc", "ok");
+                Ok(tonic::Response::new(a))
+            }
+            Err(e) => {
+                self.api.metrics.request("grpc", e.code());
+                Err(status_of(&e))
+            }
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl admin_pb::admin_server::Admin for AdminService {
+    async fn inspect_bucket(
+        &self,
+        request: tonic::Request<admin_pb::BucketRef>,
+    ) -> Result<tonic::Response<admin_pb::InspectBucketResponse>, tonic::Status> {
+        let what = raw_from_pb(request.get_ref())
+            .and_then(validate_inspect)
+            .map_err(|e| invalid("inspect", e));
+        let r = match what {
+            Ok(w) => inspect(&self.api, &w).await.map(|i| inspected_to_pb(&i)),
+            Err(e) => Err(e),
+        };
+        self.counted(r)
+    }
+
+    async fn reset_bucket(
+        &self,
+        request: tonic::Request<admin_pb::BucketRef>,
+    ) -> Result<tonic::Response<admin_pb::ResetBucketResponse>, tonic::Status> {
+        let target = raw_from_pb(request.get_ref())
+            .and_then(validate_reset)
+            .map_err(|e| invalid("reset", e));
+        let r = match target {
+            Ok(t) => reset(&self.api, &t)
+                .await
+                .map(|r| admin_pb::ResetBucketResponse { reset: r.reset }),
+            Err(e) => Err(e),
+        };
+        self.counted(r)
+    }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@
 //! | `batch.rs` | `POST /v1/take_batch`, `TakeBatch`: 1..=64 takes, one store call |
 //! | `acquire.rs` | `POST /v1/acquire`, `Acquire`: concurrency slots taken |
 //! | `release.rs` | `POST /v1/release`, `Release`: slots given back |
-//! | `buckets.rs` | `GET /v1/buckets`, `POST /v1/buckets/reset` (admin token): one bucket's state read on the store's clock, or deleted |
+//! | `buckets.rs` | `GET /v1/buckets`, `POST /v1/buckets/reset`, `tollgate.admin.v1.Admin` (admin token): one bucket's state read on the store's clock, or deleted |
 //! | `refund.rs` | `POST /v1/refund` (JSON only): a lease's unspent tokens given back |
 //! | `settle.rs` | `POST /v1/settle`, `Settle`: reserve-then-settle, applied once per settlement id |
 //!
