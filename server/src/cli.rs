@@ -536,6 +536,36 @@ mod tests {
             .unwrap_or_else(|e| unreachable!("{e}"))
     }
 
+    /// The admin token: off when unset, read from its file, refused when empty or the takes' own.
+    #[test]
+    fn admin_token() {
+        assert_eq!(cli(&[]).admin_token().ok(), Some(None));
+        assert_eq!(
+            cli(&["--admin-token", "a", "--token", "t"])
+                .admin_token()
+                .ok(),
+            Some(Some("a".to_string()))
+        );
+        let refused = |args: &[&str]| cli(args).admin_token().err().map(|e| e.to_string());
+        assert_eq!(
+            refused(&["--admin-token="]).as_deref(),
+            Some("the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file) is empty")
+        );
+        assert!(
+            refused(&["--admin-token", "same", "--token", "same"])
+                .is_some_and(|e| e
+                    .ends_with("is the takes' token (--token): it must be a secret of its own"))
+        );
+        let file = std::env::temp_dir().join(format!("tollgate-admin-{}", std::process::id()));
+        std::fs::write(&file, "from-file\n").unwrap_or_else(|e| unreachable!("{e}"));
+        let path = file.to_str().unwrap_or_default();
+        assert_eq!(
+            cli(&["--admin-token-file", path]).admin_token().ok(),
+            Some(Some("from-file".to_string()))
+        );
+        let _ = std::fs::remove_file(&file);
+    }
+
     /// --redis-sentinel needs the master's name, takes the place of --redis-url and
     /// --redis-cluster, carries the TLS files only as rediss://, and shows no password.
     #[test]
