@@ -280,6 +280,48 @@ async fn redis_inspect_and_reset() {
     inspect_and_reset(Arc::new(redis_store(&redis.url(), 1000))).await;
 }
 
+/// Reading a bucket on Redis writes nothing: its hash and its TTL stay as the take left them
+/// (the TTL only runs down), and a bucket never charged is not created.
+#[tokio::test]
+async fn redis_inspection_writes_nothing() {
+    let redis = RedisProc::start();
+    let svc = admin_service(Arc::new(redis_store(&redis.url(), 1000))).await;
+    let client = reqwest::Client::new();
+    let key = unique("ro");
+    assert!(allowed(&client, &svc, bucket(&key, 5, 5, 10_000, 3)).await);
+    let hkey = format!("test:tb:{{{key}}}");
+    let read = |args: &[&str]| redis.cmd(args).unwrap_or_default();
+    let (hash, ttl) = (
+        read(&["HGETALL", &hkey]),
+        read(&["PTTL", &hkey]).trim().parse::<i64>().unwrap(),
+    );
+    assert!(ttl > 0, "{ttl}");
+    for _ in 0..5 {
+        let (s, _) = inspect(
+            &client,
+            &svc,
+            &format!("key={key}&capacity=5&period_ms=10000"),
+        )
+        .await;
+        assert_eq!(s, 200);
+    }
+    assert_eq!(read(&["HGETALL", &hkey]), hash);
+    let after = read(&["PTTL", &hkey]).trim().parse::<i64>().unwrap();
+    assert!(after > 0 && after <= ttl, "{ttl} then {after}");
+    let none = unique("none");
+    inspect(
+        &client,
+        &svc,
+        &format!("key={none}&capacity=5&period_ms=10000"),
+    )
+    .await;
+    assert_eq!(
+        read(&["EXISTS", &format!("test:tb:{{{none}}}")]).trim(),
+        "0"
+    );
+    svc.stop().await;
+}
+
 /// On a Cluster, each bucket is one key in its own hash slot: keys whose braces would move the
 /// hash tag are read and reset as any other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
