@@ -567,6 +567,19 @@ fn grafana_dashboard_queries_are_valid() {
         }
     }
     assert!(exprs.len() >= 8, "{exprs:?}");
+    // The operator's next step from a limited client: the admin endpoints' URL forms.
+    let inspect = panels
+        .iter()
+        .find(|p| p["title"] == "Inspect a bucket")
+        .and_then(|p| p["options"]["content"].as_str())
+        .expect("the \"Inspect a bucket\" text panel");
+    for form in [
+        "/v1/buckets?key=",
+        "/v1/buckets?kind=concurrency",
+        "/v1/buckets/reset",
+    ] {
+        assert!(inspect.contains(form), "{form} in {inspect}");
+    }
     // Grafana's $__rate_interval is not PromQL: promtool sees 5m.
     let mut rules = String::from("groups:\n- name: dashboard\n  rules:\n");
     for (i, e) in exprs.iter().enumerate() {
@@ -1328,4 +1341,50 @@ fn helm_default_values_run_in_the_service() {
         proc.log_text()
     );
     assert!(metrics().contains("tollgate_rls_config_ok 1"));
+}
+
+/// The admin token (`GET /v1/buckets`, `POST /v1/buckets/reset`) is off by default; given a
+/// Secret, the service reads it from that Secret's file, mounted apart from the takes' token.
+#[test]
+fn helm_admin_token_is_mounted_from_its_secret() {
+    let dir = TempDir::new("helm-admin");
+    let container = |docs: &[serde_json::Value]| {
+        doc(docs, "Deployment", None)["spec"]["template"]["spec"]["containers"][0].clone()
+    };
+    let env = |c: &serde_json::Value, name: &str| {
+        c["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["name"] == name)
+            .map(|e| e["value"].clone())
+    };
+    let (_, docs) = render(&dir, "admin-off", &[]);
+    assert_eq!(env(&container(&docs), "TOLLGATE_ADMIN_TOKEN_FILE"), None);
+    let (_, docs) = render(
+        &dir,
+        "admin-on",
+        &["--set", "adminToken.existingSecret=tollgate-admin"],
+    );
+    let c = container(&docs);
+    assert_eq!(
+        env(&c, "TOLLGATE_ADMIN_TOKEN_FILE"),
+        Some(serde_json::json!("/etc/tollgate/admin-token/token"))
+    );
+    let mounts = c["volumeMounts"].as_array().expect("mounts");
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m["name"] == "admin-token" && m["mountPath"] == "/etc/tollgate/admin-token"),
+        "{mounts:?}"
+    );
+    let volumes = doc(&docs, "Deployment", None)["spec"]["template"]["spec"]["volumes"].clone();
+    assert!(
+        volumes
+            .as_array()
+            .expect("volumes")
+            .iter()
+            .any(|v| v["name"] == "admin-token" && v["secret"]["secretName"] == "tollgate-admin"),
+        "{volumes}"
+    );
 }

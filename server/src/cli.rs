@@ -30,6 +30,9 @@ pub enum StartupError {
     /// --token, TOLLGATE_TOKEN or --token-file holds a token no header can carry.
     #[error("the bearer token holds control characters, which no header can carry (--token, TOLLGATE_TOKEN or --token-file)")]
     TokenControl,
+    /// --admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file cannot be used (the text says why).
+    #[error("the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file) {0}")]
+    AdminToken(String),
     /// --redis-tls-* given, but neither --redis-url nor --redis-cluster.
     #[error(
         "{given} given but no Redis is configured (--redis-url or --redis-cluster with rediss://)"
@@ -189,6 +192,21 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_TOKEN_FILE", value_name = "FILE")]
     pub token_file: Option<PathBuf>,
 
+    /// Bearer token of the admin endpoints (`GET /v1/buckets`, `POST /v1/buckets/reset`), which
+    /// must differ from --token. Unset: those endpoints are off and answer 404.
+    #[arg(
+        long,
+        env = "TOLLGATE_ADMIN_TOKEN",
+        hide_env_values = true,
+        conflicts_with = "admin_token_file"
+    )]
+    pub admin_token: Option<String>,
+
+    /// File holding the admin token (e.g. a mounted Kubernetes Secret); surrounding whitespace is
+    /// ignored. Read once at startup.
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN_FILE", value_name = "FILE")]
+    pub admin_token_file: Option<PathBuf>,
+
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -329,12 +347,32 @@ impl std::fmt::Debug for Cli {
     }
 }
 
+/// A secret given as a flag's value or in a file (named by `file_flag`; surrounding whitespace
+/// trimmed); `None` when neither is given.
+fn secret(
+    value: Option<&String>,
+    file: Option<&Path>,
+    file_flag: &'static str,
+    not_utf8: impl FnOnce(&Path) -> StartupError,
+) -> Result<Option<String>, StartupError> {
+    match (value, file) {
+        (Some(t), _) => Ok(Some(t.clone())),
+        (None, Some(path)) => {
+            let bytes = read(file_flag, path)?;
+            let text = String::from_utf8(bytes).map_err(|_| not_utf8(path))?;
+            Ok(Some(text.trim().to_string()))
+        }
+        (None, None) => Ok(None),
+    }
+}
+
 impl Cli {
     /// The service's settings from the flags; reads --token-file. Errors name the flag.
     pub fn service_config(&self) -> Result<crate::ServiceConfig, StartupError> {
         let ms = |v: u64| std::time::Duration::from_millis(v.max(1));
         Ok(crate::ServiceConfig {
             token: self.token()?,
+            admin_token: self.admin_token()?,
             max_in_flight: self.max_in_flight,
             max_connections: self.max_connections,
             header_timeout: ms(self.header_timeout_ms),
@@ -362,22 +400,45 @@ impl Cli {
 
     /// The bearer token, from --token (or TOLLGATE_TOKEN) or --token-file.
     pub fn token(&self) -> Result<Option<String>, StartupError> {
-        let token = match (&self.token, &self.token_file) {
-            (Some(t), _) => t.clone(),
-            (None, Some(path)) => {
-                let bytes = read("--token-file", path)?;
-                String::from_utf8(bytes)
-                    .map_err(|_| StartupError::TokenFileNotUtf8(path.clone()))?
-                    .trim()
-                    .to_string()
-            }
-            (None, None) => return Ok(None),
+        let Some(token) = secret(
+            self.token.as_ref(),
+            self.token_file.as_deref(),
+            "--token-file",
+            |path| StartupError::TokenFileNotUtf8(path.to_path_buf()),
+        )?
+        else {
+            return Ok(None);
         };
         if token.is_empty() {
             return Err(StartupError::TokenEmpty);
         }
         if token.bytes().any(|b| b.is_ascii_control()) {
             return Err(StartupError::TokenControl);
+        }
+        Ok(Some(token))
+    }
+
+    /// The admin token, from --admin-token (or TOLLGATE_ADMIN_TOKEN) or --admin-token-file:
+    /// refused when empty, unfit for a header, or the takes' token (which must not open them).
+    pub fn admin_token(&self) -> Result<Option<String>, StartupError> {
+        let Some(token) = secret(
+            self.admin_token.as_ref(),
+            self.admin_token_file.as_deref(),
+            "--admin-token-file",
+            |path| StartupError::AdminToken(format!("{}: not UTF-8", path.display())),
+        )?
+        else {
+            return Ok(None);
+        };
+        let refused = |why: &str| Err(StartupError::AdminToken(why.to_string()));
+        if token.is_empty() {
+            return refused("is empty");
+        }
+        if token.bytes().any(|b| b.is_ascii_control()) {
+            return refused("holds control characters, which no header can carry");
+        }
+        if self.token()?.as_deref() == Some(token.as_str()) {
+            return refused("is the takes' token (--token): it must be a secret of its own");
         }
         Ok(Some(token))
     }
@@ -473,6 +534,36 @@ mod tests {
     fn cli(args: &[&str]) -> Cli {
         Cli::try_parse_from(std::iter::once("tollgate-server").chain(args.iter().copied()))
             .unwrap_or_else(|e| unreachable!("{e}"))
+    }
+
+    /// The admin token: off when unset, read from its file, refused when empty or the takes' own.
+    #[test]
+    fn admin_token() {
+        assert_eq!(cli(&[]).admin_token().ok(), Some(None));
+        assert_eq!(
+            cli(&["--admin-token", "a", "--token", "t"])
+                .admin_token()
+                .ok(),
+            Some(Some("a".to_string()))
+        );
+        let refused = |args: &[&str]| cli(args).admin_token().err().map(|e| e.to_string());
+        assert_eq!(
+            refused(&["--admin-token="]).as_deref(),
+            Some("the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file) is empty")
+        );
+        assert!(
+            refused(&["--admin-token", "same", "--token", "same"])
+                .is_some_and(|e| e
+                    .ends_with("is the takes' token (--token): it must be a secret of its own"))
+        );
+        let file = std::env::temp_dir().join(format!("tollgate-admin-{}", std::process::id()));
+        std::fs::write(&file, "from-file\n").unwrap_or_else(|e| unreachable!("{e}"));
+        let path = file.to_str().unwrap_or_default();
+        assert_eq!(
+            cli(&["--admin-token-file", path]).admin_token().ok(),
+            Some(Some("from-file".to_string()))
+        );
+        let _ = std::fs::remove_file(&file);
     }
 
     /// --redis-sentinel needs the master's name, takes the place of --redis-url and

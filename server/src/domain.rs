@@ -153,3 +153,57 @@ pub struct Settlement {
 
 /// The answers to a settle: the contract's.
 pub use contract::settle::{SettleResponse, SettleResult};
+
+/// A rate bucket as it stands, read on the store's clock without changing it (`GET /v1/buckets`,
+/// `ops/buckets.rs`). A bucket that is not stored reads as a new one: full, owing nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct BucketState {
+    /// Whether the store holds the bucket (false: never charged, or expired, so full).
+    pub exists: bool,
+    /// Whole tokens a take could use now (a window: capacity minus its count; 0 while it owes).
+    pub remaining: u64,
+    /// Whole tokens owed (a token bucket below zero, a window counted above its capacity).
+    pub debt: u64,
+    /// Tokens or requests counted against the limit now: `capacity - remaining + debt`.
+    pub used: u64,
+    /// Milliseconds until the bucket is full again (a token bucket) or its window ends.
+    pub reset_ms: u64,
+}
+
+impl BucketState {
+    /// The state of a bucket of `capacity` that holds `held` (remaining and debt) and is full
+    /// again (or its window ends) in `reset_ms`.
+    pub fn new(exists: bool, capacity: u64, held: SettleResult, reset_ms: u64) -> Self {
+        BucketState {
+            exists,
+            remaining: held.remaining,
+            debt: held.debt,
+            used: capacity
+                .saturating_sub(held.remaining)
+                .saturating_add(held.debt),
+            reset_ms,
+        }
+    }
+}
+
+/// A key's concurrency slots as they stand, read on the store's clock without changing them.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SlotsState {
+    /// Live slots (deadline not passed).
+    pub in_flight: u64,
+    /// Milliseconds until each live slot's deadline, soonest first; at most
+    /// [`MAX_LISTED_SLOTS`] listed (`in_flight` counts them all).
+    pub deadlines_ms: Vec<u64>,
+}
+
+/// Most slot deadlines one inspection lists.
+pub const MAX_LISTED_SLOTS: usize = 100;
+
+/// What a reset deletes: every key of one bucket (`POST /v1/buckets/reset`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResetTarget {
+    /// A rate bucket: its algorithm and key.
+    Bucket(Algorithm, String),
+    /// A concurrency key's slot set (its live slots and the names released early).
+    Slots(String),
+}

@@ -70,6 +70,8 @@ use crate::store::Store;
 pub struct ServiceConfig {
     /// Bearer token every take must carry; `None` = no auth.
     pub token: Option<String>,
+    /// Bearer token of the admin endpoints (`ops/buckets.rs`); `None`: they answer 404.
+    pub admin_token: Option<String>,
     /// Most takes being decoded or decided at once; more are answered 503 / `UNAVAILABLE` at once.
     pub max_in_flight: usize,
     /// Most connections served at once; more are closed on accept.
@@ -99,6 +101,7 @@ impl std::fmt::Debug for ServiceConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServiceConfig")
             .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "***"))
             .field("max_in_flight", &self.max_in_flight)
             .field("max_connections", &self.max_connections)
             .field("header_timeout", &self.header_timeout)
@@ -117,6 +120,7 @@ impl Default for ServiceConfig {
     fn default() -> Self {
         ServiceConfig {
             token: None,
+            admin_token: None,
             max_in_flight: 1024,
             max_connections: 1024,
             header_timeout: Duration::from_millis(5000),
@@ -146,12 +150,15 @@ pub async fn run(
         }
         _ => store,
     };
-    let api = Arc::new(Api::new(
-        store.clone(),
-        config.token.as_deref(),
-        config.max_in_flight,
-        config.body_timeout,
-    ));
+    let api = Arc::new(
+        Api::new(
+            store.clone(),
+            config.token.as_deref(),
+            config.max_in_flight,
+            config.body_timeout,
+        )
+        .with_admin_token(config.admin_token.as_deref()),
+    );
     // /readyz answers from this check, refreshed in the background: probes never reach the store.
     api.readiness.refresh(store.as_ref()).await;
     let refresher = tokio::spawn({

@@ -4,7 +4,9 @@
 //! answers unknown methods with gRPC `UNIMPLEMENTED`); everything else to the JSON routes. A take,
 //! in either form, passes [`Api::admit`] first: its body is not read before its token is checked,
 //! nor decoded before it arrived whole within the bound, and it is shed at once when the take
-//! limit is reached. `/healthz`, `/readyz` and `/metrics` never wait behind takes.
+//! limit is reached. The admin service's calls (`tollgate.admin.v1.Admin`, `ops/buckets.rs`) pass
+//! [`Api::admit_admin`] instead: the admin token, never the takes'. `/healthz`, `/readyz` and
+//! `/metrics` never wait behind takes.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,9 +18,11 @@ use axum::routing::get;
 use tonic::server::NamedService;
 use tower::{Service, ServiceExt};
 
+use crate::api::grpc::admin_pb::admin_server::AdminServer;
 use crate::api::grpc::{pb::rate_limiter_server::RateLimiterServer, status_of};
 use crate::api::{Api, GRPC_FRAMING_BYTES};
 use crate::domain::{MAX_BATCH_BYTES, MAX_TAKE_BYTES};
+use crate::ops::buckets::AdminService;
 use crate::ops::{self, RateLimiterService};
 use crate::rls::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use crate::rls::{LimitsFile, RlsService};
@@ -54,10 +58,10 @@ fn is_grpc(req: &Request) -> bool {
         .unwrap_or(false)
 }
 
-/// A gRPC call of one of our methods (Take, or RLS's ShouldRateLimit): admitted like a JSON take,
-/// then handed to the generated server with its body already read (and the permit held until the
-/// answer).
-async fn grpc_take<S>(api: Arc<Api>, server: S, req: Request) -> Response
+/// A gRPC call of one of our methods (Take, or RLS's ShouldRateLimit): admitted like a JSON take
+/// (`admin`: with the admin token, as the admin endpoints are), then handed to the generated
+/// server with its body already read (and the permit held until the answer).
+async fn grpc_take<S>(api: Arc<Api>, server: S, req: Request, admin: bool) -> Response
 where
     S: Service<
         axum::http::Request<tonic::body::Body>,
@@ -67,10 +71,19 @@ where
 {
     let (parts, body) = req.into_parts();
     let limit = body_bound(parts.uri.path());
-    match api
-        .admit(&parts.headers, body, limit, GRPC_FRAMING_BYTES)
+    let admitted = if admin {
+        api.admit_admin(
+            &parts.headers,
+            body,
+            ops::buckets::BODY_BYTES,
+            GRPC_FRAMING_BYTES,
+        )
         .await
-    {
+    } else {
+        api.admit(&parts.headers, body, limit, GRPC_FRAMING_BYTES)
+            .await
+    };
+    match admitted {
         Ok((bytes, permit)) => {
             let req =
                 Request::from_parts(parts, tonic::body::Body::new(axum::body::Body::from(bytes)));
@@ -111,6 +124,8 @@ pub fn router(
     // other gRPC path goes through tonic's router as before (UNIMPLEMENTED for unknown services):
     // routing every call through it matched the path twice and captured it as a parameter.
     let grpc = tonic::service::Routes::new(server.clone()).into_axum_router();
+    // The operator's service (ops/buckets.rs), behind the admin token.
+    let admin = AdminServer::new(AdminService::new(api.clone()));
     // Envoy's RLS v3, when a limits file is given; otherwise its calls are UNIMPLEMENTED.
     let rls = rls.map(|limits| {
         RateLimitServiceServer::new(RlsService::new(api.clone(), limits))
@@ -118,6 +133,7 @@ pub fn router(
     });
     tower::service_fn(move |req: Request| {
         let (http, grpc, server, api) = (http.clone(), grpc.clone(), server.clone(), api.clone());
+        let admin = admin.clone();
         let rls = rls.clone();
         async move {
             let head = req.method() == Method::HEAD;
@@ -127,9 +143,11 @@ pub fn router(
                     Err(never) => match never {},
                 }
             } else if is_our_method(req.uri().path()) {
-                grpc_take(api, server, req).await
+                grpc_take(api, server, req, false).await
+            } else if is_method_of::<AdminServer<AdminService>>(req.uri().path()) {
+                grpc_take(api, admin, req, true).await
             } else if let Some(rls) = rls.filter(|_| is_rls_method(req.uri().path())) {
-                grpc_take(api, rls, req).await
+                grpc_take(api, rls, req, false).await
             } else {
                 match grpc.oneshot(req).await {
                     Ok(r) => r,
@@ -162,6 +180,14 @@ fn is_rls_method(path: &str) -> bool {
         .and_then(|p| {
             p.strip_prefix(<RateLimitServiceServer<RlsService<Api>> as NamedService>::NAME)
         })
+        .and_then(|p| p.strip_prefix('/'))
+        .is_some_and(|method| !method.is_empty())
+}
+
+/// `/<S's service name>/<method>` with a non-empty method.
+fn is_method_of<S: NamedService>(path: &str) -> bool {
+    path.strip_prefix('/')
+        .and_then(|p| p.strip_prefix(S::NAME))
         .and_then(|p| p.strip_prefix('/'))
         .is_some_and(|method| !method.is_empty())
 }

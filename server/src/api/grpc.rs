@@ -1,5 +1,6 @@
 //! The gRPC machinery every operation shares: the protobuf types generated at build time from
-//! `contract/tollgate.proto` (protox + tonic-prost-build, no protoc), a codec that turns malformed
+//! `contract/tollgate.proto` and the operator's `proto/tollgate/admin.proto` (protox +
+//! tonic-prost-build, no protoc), a codec that turns malformed
 //! protobuf into `INVALID_ARGUMENT`, a constant-memory scan of a message's repeated field, and
 //! the one mapping of an [`ApiError`] to a gRPC status. Each operation's messages are converted in
 //! its own module (`ops/`).
@@ -19,6 +20,12 @@ use crate::domain::{Algorithm, InvalidArgument};
 #[allow(missing_docs, clippy::all)]
 pub mod pb {
     tonic::include_proto!("tollgate.v1");
+}
+
+/// Generated from `proto/tollgate/admin.proto`: the operator's service (`ops/buckets.rs`).
+#[allow(missing_docs, clippy::all)]
+pub mod admin_pb {
+    tonic::include_proto!("tollgate.admin.v1");
 }
 
 pub(crate) fn malformed(e: &dyn std::fmt::Display) -> InvalidArgument {
@@ -114,7 +121,10 @@ decode_plain!(
     pb::ReleaseRequest,
     pb::ReleaseResponse,
     pb::SettleRequest,
-    pb::SettleResponse
+    pb::SettleResponse,
+    admin_pb::BucketRef,
+    admin_pb::InspectBucketResponse,
+    admin_pb::ResetBucketResponse
 );
 
 impl<U: DecodeStrict + Message + Default> Decoder for StrictDecoder<U> {
@@ -173,6 +183,7 @@ pub fn status_of(e: &ApiError) -> Status {
     match e {
         ApiError::Invalid(_) => Status::invalid_argument(e.message()),
         ApiError::Unauthenticated => Status::unauthenticated(e.message()),
+        ApiError::AdminOff => Status::not_found(e.message()),
         ApiError::TooLarge(_) => Status::resource_exhausted(e.message()),
         ApiError::BodyTimeout(_) => Status::deadline_exceeded(e.message()),
         ApiError::Overloaded(_) | ApiError::Unavailable(_) => Status::unavailable(e.message()),

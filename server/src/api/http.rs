@@ -13,6 +13,7 @@ pub fn error_response(e: &ApiError) -> Response {
     let (status, field) = match e {
         ApiError::Invalid(inv) => (StatusCode::BAD_REQUEST, Some(inv.field.as_str())),
         ApiError::Unauthenticated => (StatusCode::UNAUTHORIZED, None),
+        ApiError::AdminOff => (StatusCode::NOT_FOUND, None),
         ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, None),
         ApiError::BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, None),
         ApiError::Overloaded(_) | ApiError::Unavailable(_) => {

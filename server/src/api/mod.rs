@@ -47,6 +47,8 @@ pub enum ApiError {
     BodyTimeout(u64),
     /// 503 / `UNAVAILABLE`: this many takes were already in flight; the take was shed, not queued.
     Overloaded(usize),
+    /// 404 / `NOT_FOUND`: the admin endpoints (`ops/buckets.rs`) are off: no admin token is set.
+    AdminOff,
     /// 503 / `UNAVAILABLE`: the store could not decide. The text is what the caller may see (the
     /// detail went to the log).
     Unavailable(&'static str),
@@ -58,6 +60,7 @@ impl ApiError {
         match self {
             ApiError::Invalid(_) => "invalid_argument",
             ApiError::Unauthenticated => "unauthenticated",
+            ApiError::AdminOff => "not_found",
             ApiError::TooLarge(_) => "resource_exhausted",
             ApiError::BodyTimeout(_) => "deadline_exceeded",
             ApiError::Overloaded(_) | ApiError::Unavailable(_) => "unavailable",
@@ -69,6 +72,9 @@ impl ApiError {
         match self {
             ApiError::Invalid(inv) => inv.to_string(),
             ApiError::Unauthenticated => "missing or wrong bearer token".to_string(),
+            ApiError::AdminOff => {
+                "not found: the admin endpoints are off (no --admin-token)".to_string()
+            }
             ApiError::TooLarge(bound) if *bound == MAX_BATCH_BYTES => format!(
                 "request body over the bound of {bound} bytes (a batch: 1 MiB, at most {MAX_BATCH_TAKES} takes)"
             ),
@@ -171,6 +177,9 @@ pub struct Api {
     pub metrics: Arc<Metrics>,
     /// Bearer token check.
     pub auth: Auth,
+    /// The admin endpoints' token check (`ops/buckets.rs`), never the takes' token; `None`: the
+    /// endpoints are off and answer 404.
+    pub admin: Option<Auth>,
     /// Cached store readiness.
     pub readiness: Readiness,
     /// The live proxy instances every answer reports.
@@ -195,12 +204,32 @@ impl Api {
             store,
             metrics: Arc::new(Metrics::new()),
             auth: Auth::new(token),
+            admin: None,
             readiness: Readiness::default(),
             instances: Arc::new(instances::Instances::default()),
             body_timeout,
             in_flight: Arc::new(Semaphore::new(max_in_flight)),
             max_in_flight,
         }
+    }
+
+    /// Turns the admin endpoints on, guarded by `token` (`None`: off, the default).
+    pub fn with_admin_token(mut self, token: Option<&str>) -> Self {
+        self.admin = token.map(|t| Auth::new(Some(t)));
+        self
+    }
+
+    /// [`Api::admit`] for the admin endpoints: 404 when they are off, then their own token (the
+    /// takes' token does not open them), the body and a permit as any request.
+    pub async fn admit_admin(
+        &self,
+        headers: &HeaderMap,
+        body: Body,
+        limit: usize,
+        framing: usize,
+    ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
+        let admin = self.admin.as_ref().ok_or(ApiError::AdminOff)?;
+        self.admit_as(admin, headers, body, limit, framing).await
     }
 
     /// Everything a request goes through before it is decoded, in this order: the token (from
@@ -216,9 +245,22 @@ impl Api {
         limit: usize,
         framing: usize,
     ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
+        self.admit_as(&self.auth, headers, body, limit, framing)
+            .await
+    }
+
+    /// [`Api::admit`] under the token check `auth`.
+    async fn admit_as(
+        &self,
+        auth: &Auth,
+        headers: &HeaderMap,
+        body: Body,
+        limit: usize,
+        framing: usize,
+    ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
         let bound = limit + framing;
-        let auth = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
-        if !self.auth.check(auth) {
+        let header = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+        if !auth.check(header) {
             return Err(ApiError::Unauthenticated);
         }
         let declared = headers

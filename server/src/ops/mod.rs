@@ -9,6 +9,7 @@
 //! | `batch.rs` | `POST /v1/take_batch`, `TakeBatch`: 1..=64 takes, one store call |
 //! | `acquire.rs` | `POST /v1/acquire`, `Acquire`: concurrency slots taken |
 //! | `release.rs` | `POST /v1/release`, `Release`: slots given back |
+//! | `buckets.rs` | `GET /v1/buckets`, `POST /v1/buckets/reset`, `tollgate.admin.v1.Admin` (admin token): one bucket's state read on the store's clock, or deleted |
 //! | `refund.rs` | `POST /v1/refund` (JSON only): a lease's unspent tokens given back |
 //! | `settle.rs` | `POST /v1/settle`, `Settle`: reserve-then-settle, applied once per settlement id |
 //!
@@ -17,6 +18,7 @@
 
 pub mod acquire;
 pub mod batch;
+pub mod buckets;
 pub mod refund;
 pub mod release;
 pub mod settle;
@@ -27,7 +29,7 @@ use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::response::Response;
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::Router;
 use tonic::Status;
 
@@ -96,6 +98,8 @@ pub fn routes() -> Router<Arc<Api>> {
         .route("/v1/release", post(http::<release::Release>))
         .route("/v1/refund", post(http::<refund::Refund>))
         .route("/v1/settle", post(http::<settle::Settle>))
+        .route("/v1/buckets", get(buckets::http_inspect))
+        .route("/v1/buckets/reset", post(buckets::http_reset))
 }
 
 /// One gRPC call, admitted before it reached tonic: decided and counted.

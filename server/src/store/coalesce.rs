@@ -235,6 +235,18 @@ impl Store for Coalescer {
         self.inner.store.take_batch(takes).await
     }
 
+    async fn inspect(&self, b: &BucketSpec) -> Result<crate::domain::BucketState, StoreError> {
+        self.inner.store.inspect(b).await
+    }
+
+    async fn inspect_slots(&self, key: &str) -> Result<crate::domain::SlotsState, StoreError> {
+        self.inner.store.inspect_slots(key).await
+    }
+
+    async fn reset(&self, target: &crate::domain::ResetTarget) -> Result<bool, StoreError> {
+        self.inner.store.reset(target).await
+    }
+
     async fn acquire(
         &self,
         specs: &[crate::domain::SlotSpec],
@@ -323,6 +335,15 @@ mod tests {
         }
         async fn refund(&self, b: &[BucketSpec]) -> Result<u64, StoreError> {
             self.mem.refund(b).await
+        }
+        async fn inspect(&self, b: &BucketSpec) -> Result<crate::domain::BucketState, StoreError> {
+            self.mem.inspect(b).await
+        }
+        async fn inspect_slots(&self, k: &str) -> Result<crate::domain::SlotsState, StoreError> {
+            self.mem.inspect_slots(k).await
+        }
+        async fn reset(&self, t: &crate::domain::ResetTarget) -> Result<bool, StoreError> {
+            self.mem.reset(t).await
         }
         async fn settle(
             &self,

@@ -13,7 +13,7 @@ use std::fmt::Write;
 
 use sha2::{Digest, Sha256};
 
-use crate::domain::BucketSpec;
+use crate::domain::{Algorithm, BucketSpec};
 
 /// Keys longer than this many bytes are replaced by their SHA-256 in the Redis key.
 pub const HASH_ABOVE: usize = 100;
@@ -48,17 +48,22 @@ pub(crate) fn push_tag(out: &mut String, key: &str) {
 
 /// The Redis key of a bucket, built in one allocation.
 pub fn redis_key(prefix: &str, b: &BucketSpec) -> String {
+    bucket_key(prefix, b.algorithm, &b.key)
+}
+
+/// The Redis key of the bucket of `algorithm` and `key` (its limits are not part of it).
+pub fn bucket_key(prefix: &str, algorithm: Algorithm, key: &str) -> String {
     // Room for the tag unescaped (or `#` and its hash), the algorithm and the braces.
-    let tag = if b.key.len() > HASH_ABOVE {
+    let tag = if key.len() > HASH_ABOVE {
         65
     } else {
-        b.key.len()
+        key.len()
     };
     let mut out = String::with_capacity(prefix.len() + tag + 8);
     out.push_str(prefix);
-    out.push_str(b.algorithm.tag());
+    out.push_str(algorithm.tag());
     out.push_str(":{");
-    push_tag(&mut out, &b.key);
+    push_tag(&mut out, key);
     out.push('}');
     out
 }

@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use super::algorithm::{self, State};
 use super::{Store, StoreError};
 use crate::domain::{
-    Algorithm, BucketSpec, SettleResponse, Settlement, TakeResponse, SETTLE_ID_TTL_MS,
+    Algorithm, BucketSpec, BucketState, ResetTarget, SettleResponse, Settlement, SlotsState,
+    TakeResponse, SETTLE_ID_TTL_MS,
 };
 
 /// Longest time an idle bucket is kept: one day.
@@ -288,6 +289,47 @@ impl MemoryStore {
         })
     }
 
+    /// Reads a bucket at the given clock reading, changing nothing (as `inspect.lua`).
+    fn inspect_at(&self, b: &BucketSpec, now: u64) -> BucketState {
+        let inner = self.lock();
+        let stored = inner
+            .buckets
+            .get(&Id {
+                algorithm: b.algorithm,
+                key: b.key.clone(),
+            })
+            .filter(|e| e.expires_us > now)
+            .map(|e| e.state);
+        let mut state = State::load(b, stored, now);
+        // A cost above the capacity can never be paid: the take charges nothing and answers the
+        // time until full (or the window's end).
+        let never = b.capacity.saturating_add(1);
+        let probe = BucketSpec {
+            cost: never,
+            lease: never,
+            ..b.clone()
+        };
+        let (d, _) = state.take(&probe, now);
+        let held = state.settle_result(b, now);
+        BucketState::new(stored.is_some(), b.capacity, held, d.reset_ms)
+    }
+
+    /// Forgets a bucket at the given clock reading; whether it was held (and not expired).
+    fn reset_at(&self, algorithm: Algorithm, key: &str, now: u64) -> bool {
+        let mut inner = self.lock();
+        let id = Id {
+            algorithm,
+            key: key.to_string(),
+        };
+        match inner.buckets.remove(&id) {
+            Some(e) => {
+                inner.expiry.remove(&(e.expires_us, e.seq));
+                e.expires_us > now
+            }
+            None => false,
+        }
+    }
+
     /// One take, with the lock held.
     fn take_locked(
         &self,
@@ -373,6 +415,22 @@ impl Store for MemoryStore {
 
     async fn settle(&self, settlement: &Settlement) -> Result<SettleResponse, StoreError> {
         self.settle_at(settlement, self.now_us())
+    }
+
+    async fn inspect(&self, bucket: &BucketSpec) -> Result<BucketState, StoreError> {
+        Ok(self.inspect_at(bucket, self.now_us()))
+    }
+
+    async fn inspect_slots(&self, key: &str) -> Result<SlotsState, StoreError> {
+        Ok(self.slots.inspect(key, self.now_us() / 1000))
+    }
+
+    async fn reset(&self, target: &ResetTarget) -> Result<bool, StoreError> {
+        let now = self.now_us();
+        Ok(match target {
+            ResetTarget::Bucket(a, key) => self.reset_at(*a, key, now),
+            ResetTarget::Slots(key) => self.slots.reset(key, now / 1000),
+        })
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -8,7 +8,7 @@
 //! | `coalesce.rs` | a wrapper that sends concurrent takes to the store as one batch call |
 //! | `keys.rs` | Redis key layout and hash slots (pure) |
 //! | `slots.rs` | concurrency slots: the memory store's table (the reference) and the glue of `acquire.lua` / `release.lua` |
-//! | `lua/*.lua` | the scripts: the prelude, one file per algorithm (each owned by its module in `algorithm/`), the decision of one take (`take_one.lua`), and the take, batch, refund and settle drivers, which reach an algorithm only through the prelude's `ALGORITHMS` table |
+//! | `lua/*.lua` | the scripts: the prelude, one file per algorithm (each owned by its module in `algorithm/`), the decision of one take (`take_one.lua`), and the take, batch, refund, settle and inspect drivers, which reach an algorithm only through the prelude's `ALGORITHMS` table; `reset.lua` deletes one bucket's key |
 
 pub mod algorithm;
 pub mod coalesce;
@@ -18,7 +18,8 @@ pub mod redis;
 pub mod slots;
 
 use crate::domain::{
-    AcquireResponse, BucketSpec, SettleResponse, Settlement, SlotSpec, TakeResponse,
+    AcquireResponse, BucketSpec, BucketState, ResetTarget, SettleResponse, Settlement, SlotSpec,
+    SlotsState, TakeResponse,
 };
 
 /// A store failure. Every one of them becomes 503 / gRPC `UNAVAILABLE`: the service never answers
@@ -122,6 +123,17 @@ pub trait Store: Send + Sync + 'static {
     /// [`crate::domain::SETTLE_ID_TTL_MS`] beside the buckets; a repeated id changes nothing and
     /// answers `duplicate`.
     async fn settle(&self, settlement: &Settlement) -> Result<SettleResponse, StoreError>;
+
+    /// Reads a bucket under `bucket`'s limits (its cost is not used) on the store's clock,
+    /// changing nothing: what a take would find now.
+    async fn inspect(&self, bucket: &BucketSpec) -> Result<BucketState, StoreError>;
+
+    /// Reads the live concurrency slots of `key` on the store's clock, changing nothing.
+    async fn inspect_slots(&self, key: &str) -> Result<SlotsState, StoreError>;
+
+    /// Deletes what `target` names, so the next take finds a new bucket (full) or no slot held.
+    /// Returns whether anything was stored.
+    async fn reset(&self, target: &ResetTarget) -> Result<bool, StoreError>;
 
     /// Checks the store answers (readiness).
     async fn ping(&self) -> Result<(), StoreError>;

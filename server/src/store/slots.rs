@@ -10,7 +10,9 @@ use std::sync::Mutex;
 
 use super::keys::push_tag;
 use super::StoreError;
-use crate::domain::{slot_retry_after, AcquireResponse, SlotResult, SlotSpec};
+use crate::domain::{
+    slot_retry_after, AcquireResponse, SlotResult, SlotSpec, SlotsState, MAX_LISTED_SLOTS,
+};
 use contract::bounds::RELEASED_SLOT_MEMORY_MS;
 
 /// Source of `lua/acquire.lua`.
@@ -208,6 +210,41 @@ impl SlotTable {
                 found
             })
             .collect()
+    }
+
+    /// `inspect.lua`'s slot reading at `now_ms`: the live slots of `key`, nothing changed.
+    pub fn inspect(&self, key: &str, now_ms: u64) -> SlotsState {
+        let t = self.lock();
+        let mut left: Vec<u64> = t
+            .sets
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter(|(_, d)| *d > now_ms)
+            .map(|(_, d)| d - now_ms)
+            .collect();
+        left.sort_unstable();
+        let in_flight = left.len() as u64;
+        left.truncate(MAX_LISTED_SLOTS);
+        SlotsState {
+            in_flight,
+            deadlines_ms: left,
+        }
+    }
+
+    /// Forgets `key`'s slots and released names, as `reset.lua` deletes its set; whether a live
+    /// slot or a remembered name was held.
+    pub fn reset(&self, key: &str, now_ms: u64) -> bool {
+        let mut t = self.lock();
+        let slots = t
+            .sets
+            .remove(key)
+            .is_some_and(|v| v.iter().any(|(_, d)| *d > now_ms));
+        let names = t
+            .released
+            .remove(key)
+            .is_some_and(|v| v.iter().any(|(_, until)| *until > now_ms));
+        slots || names
     }
 
     /// Keys with slots held (expired ones included until swept).

@@ -2,7 +2,9 @@
 //! checking the reply's shape (see each script's header) before trusting it.
 
 use super::scripts::PER_BUCKET;
-use crate::domain::{BucketResult, BucketSpec, SettleResult, TakeResponse};
+use crate::domain::{
+    BucketResult, BucketSpec, BucketState, SettleResult, SlotsState, TakeResponse, MAX_LISTED_SLOTS,
+};
 use crate::store::StoreError;
 
 /// What one `take.lua` call answered.
@@ -114,6 +116,51 @@ pub fn decode_settle(reply: &[i64], n: usize) -> Result<(bool, Vec<SettleResult>
         })
         .collect::<Result<Vec<_>, StoreError>>()?;
     Ok((reply[0] == 1, results))
+}
+
+/// Turns an `inspect.lua` reply for a bucket of `capacity` (see its header) into its state.
+pub fn decode_inspect(reply: &[i64], capacity: u64) -> Result<BucketState, StoreError> {
+    let uint = |v: i64| {
+        u64::try_from(v)
+            .map_err(|_| StoreError::Protocol(format!("negative value {v} in inspect reply")))
+    };
+    match reply {
+        [exists @ (0 | 1), remaining, debt, reset_ms] => Ok(BucketState::new(
+            *exists == 1,
+            capacity,
+            SettleResult {
+                remaining: uint(*remaining)?,
+                debt: uint(*debt)?,
+            },
+            uint(*reset_ms)?,
+        )),
+        r => Err(StoreError::Protocol(format!(
+            "inspect reply has {} integers, expected 4",
+            r.len()
+        ))),
+    }
+}
+
+/// Turns an `inspect.lua` reply for a slot set into its live slots.
+pub fn decode_slots(reply: &[i64]) -> Result<SlotsState, StoreError> {
+    let uint = |v: &i64| {
+        u64::try_from(*v)
+            .map_err(|_| StoreError::Protocol(format!("negative value {v} in inspect reply")))
+    };
+    let Some((n, deadlines)) = reply.split_first() else {
+        return Err(StoreError::Protocol("empty inspect reply".into()));
+    };
+    let in_flight = uint(n)?;
+    if deadlines.len() > MAX_LISTED_SLOTS || deadlines.len() as u64 > in_flight {
+        return Err(StoreError::Protocol(format!(
+            "inspect reply lists {} deadlines of {in_flight} slots",
+            deadlines.len()
+        )));
+    }
+    Ok(SlotsState {
+        in_flight,
+        deadlines_ms: deadlines.iter().map(uint).collect::<Result<_, _>>()?,
+    })
 }
 
 /// Turns an `instances.lua` reply (one integer) into the deployment's count of live instances.

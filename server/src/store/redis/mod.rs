@@ -43,7 +43,7 @@
 //!
 //! # Scripts
 //!
-//! `take.lua`, `take_batch.lua`, `refund.lua` and `settle.lua` are built by concatenating
+//! `take.lua`, `take_batch.lua`, `refund.lua`, `settle.lua` and `inspect.lua` are built by concatenating
 //! `prelude.lua` (exact integer arithmetic, the TIME clock, the `ALGORITHMS` table), every
 //! algorithm's file (one per module of [`super::algorithm`], each registering its functions),
 //! `take_one.lua` (the decision of one take; takes only) and the driver, which reaches each
@@ -51,7 +51,8 @@
 //! all buckets of a slot are taken in one call. They are sent with EVALSHA; on `NOSCRIPT` (after a restart or `SCRIPT FLUSH`)
 //! `redis::Script` loads them (`SCRIPT LOAD`, sent to every primary on a cluster) and retries.
 //! Keys are laid out by [`super::keys`]. The reply is turned into decisions by [`decode_take`], a
-//! pure function.
+//! pure function. `reset.lua` (one `DEL` of a bucket's one key, in its own hash slot) stands
+//! alone, as `acquire.lua`, `release.lua` and `instances.lua` do.
 //!
 //! # Layout
 //!
@@ -87,11 +88,11 @@ pub use self::scripts::{
     refund_script_source, settle_script_source, take_batch_script_source, take_script_source,
 };
 pub use self::sentinel::SentinelConfig;
-use super::keys::{redis_key, slot};
+use super::keys::{bucket_key, redis_key, slot};
 use super::{Store, StoreError};
 use crate::domain::{
-    Algorithm, BucketResult, BucketSpec, SettleResponse, SettleResult, Settlement, TakeResponse,
-    SETTLE_ID_TTL_MS,
+    Algorithm, BucketResult, BucketSpec, BucketState, ResetTarget, SettleResponse, SettleResult,
+    Settlement, SlotsState, TakeResponse, SETTLE_ID_TTL_MS,
 };
 
 /// The Redis [`Store`]. Cheap to share behind an `Arc`.
@@ -470,6 +471,44 @@ impl Store for RedisStore {
             duplicate,
             buckets: out,
         })
+    }
+
+    async fn inspect(&self, b: &BucketSpec) -> Result<BucketState, StoreError> {
+        static SCRIPT: std::sync::LazyLock<Script> =
+            std::sync::LazyLock::new(|| Script::new(&scripts::inspect_script_source()));
+        let key = redis_key(&self.config.key_prefix, b);
+        let reply = self
+            .invoke(&SCRIPT, &[key.as_str()], &scripts::inspect_args(b))
+            .await?;
+        decode::decode_inspect(&reply, b.capacity)
+    }
+
+    async fn inspect_slots(&self, key: &str) -> Result<SlotsState, StoreError> {
+        static SCRIPT: std::sync::LazyLock<Script> =
+            std::sync::LazyLock::new(|| Script::new(&scripts::inspect_script_source()));
+        let set = super::slots::redis_key(&self.config.key_prefix, key);
+        let reply = self
+            .invoke(&SCRIPT, &[set.as_str()], &scripts::INSPECT_SLOTS_ARGS)
+            .await?;
+        decode::decode_slots(&reply)
+    }
+
+    async fn reset(&self, target: &ResetTarget) -> Result<bool, StoreError> {
+        static SCRIPT: std::sync::LazyLock<Script> =
+            std::sync::LazyLock::new(|| Script::new(scripts::RESET));
+        let key = match target {
+            ResetTarget::Bucket(a, k) => bucket_key(&self.config.key_prefix, *a, k),
+            ResetTarget::Slots(k) => super::slots::redis_key(&self.config.key_prefix, k),
+        };
+        let none: [i64; 0] = [];
+        match self
+            .invoke(&SCRIPT, &[key.as_str()], &none)
+            .await?
+            .as_slice()
+        {
+            [n @ (0 | 1)] => Ok(*n == 1),
+            r => Err(StoreError::Protocol(format!("reset reply {r:?}"))),
+        }
     }
 
     async fn live_instances(

@@ -17,6 +17,8 @@ const TAKE: &str = include_str!("../lua/take.lua");
 const TAKE_BATCH: &str = include_str!("../lua/take_batch.lua");
 const REFUND: &str = include_str!("../lua/refund.lua");
 const SETTLE: &str = include_str!("../lua/settle.lua");
+const INSPECT: &str = include_str!("../lua/inspect.lua");
+pub(super) const RESET: &str = include_str!("../lua/reset.lua");
 pub(super) const INSTANCES: &str = include_str!("../lua/instances.lua");
 
 /// A script's full source: the prelude, every algorithm's Lua ([`algorithm::lua`]), then `parts`.
@@ -97,6 +99,25 @@ pub fn refund_script_source() -> String {
 pub fn settle_script_source() -> String {
     source(&[SETTLE])
 }
+
+/// The full source of the inspect script.
+pub fn inspect_script_source() -> String {
+    source(&[INSPECT])
+}
+
+/// `inspect.lua`'s ARGV for a bucket: algorithm, capacity, rate, period.
+pub(super) fn inspect_args(b: &BucketSpec) -> [i64; 4] {
+    // Every amount is at most 1e9 and a period at most a year: all fit an i64.
+    [
+        alg_code(b.algorithm) as i64,
+        b.capacity as i64,
+        b.rate as i64,
+        b.period_ms as i64,
+    ]
+}
+
+/// `inspect.lua`'s ARGV for a slot set.
+pub(super) const INSPECT_SLOTS_ARGS: [i64; 1] = [-1];
 
 /// Sends `cmd` (an EVALSHA of `script`); on `NOSCRIPT` (Redis restarted, or `SCRIPT FLUSH`) loads
 /// the script and sends it once more, as `redis::Script::invoke_async` does.

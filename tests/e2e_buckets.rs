@@ -1,0 +1,98 @@
+//! End to end, an operator's question "why is this client limited?": a client drains its bucket
+//! through real Envoy (429), the operator reads the bucket from the real service on real Redis
+//! (`GET /v1/buckets` with the admin token: no tokens left, full again later), resets it
+//! (`POST /v1/buckets/reset`), and the client's next request passes.
+
+// A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
+#![allow(
+    clippy::panic,
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use common::config::{plugin, rule, SLOW_PERIOD_MS};
+use common::envoy::EnvoySpec;
+use common::envoy_process::Envoy;
+use common::http::Client;
+use common::process::{Components, TempDir};
+use common::redis::Redis;
+use common::service::Service;
+use common::upstream::Upstream;
+use common::*;
+use serde_json::{json, Value};
+
+both_transports!(drained_inspected_reset_and_passing_again);
+
+const ADMIN: &str = "e2e-admin-token";
+
+fn drained_inspected_reset_and_passing_again(t: Transport) {
+    let c = Components::get();
+    let dir = TempDir::new("buckets");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start_with(&c, &dir, Some(&redis.url()), &["--admin-token", ADMIN]);
+    let upstream = Upstream::start();
+    let cfg = plugin(
+        t,
+        vec![rule("per-key", &["header:x-api-key"], 2)],
+        json!({}),
+    );
+    let envoy = Envoy::start(
+        &c,
+        &dir,
+        &EnvoySpec::new(Some(cfg), service.port, upstream.port),
+    );
+    let client = Client::new();
+    let url = envoy.url("/");
+    let tenant = [("x-api-key", "tenant-a")];
+    assert_eq!(client.statuses(&url, &tenant, 3), vec![200, 200, 429]);
+
+    // The key as the filter sends it: the rule's name, then each key part (src/core/rules/keys.rs).
+    let admin = format!("http://127.0.0.1:{}", service.port);
+    let auth = format!("Bearer {ADMIN}");
+    let query =
+        format!("/v1/buckets?key=per-key%7Ctenant-a&capacity=2&rate=1&period_ms={SLOW_PERIOD_MS}");
+    let r = client.get(&format!("{admin}{query}"), &[("authorization", &auth)]);
+    assert_eq!(r.status, 200, "{r:?}");
+    let v: Value = serde_json::from_str(&r.body).expect("JSON");
+    assert_eq!(
+        (
+            v["exists"].clone(),
+            v["remaining"].clone(),
+            v["used"].clone()
+        ),
+        (json!(true), json!(0), json!(2)),
+        "{v}"
+    );
+    // Two tokens at one per hour: full again in (1 h, 2 h].
+    let reset_ms = v["reset_ms"].as_u64().expect("reset_ms");
+    assert!(
+        reset_ms > SLOW_PERIOD_MS && reset_ms <= 2 * SLOW_PERIOD_MS,
+        "{v}"
+    );
+    // The admin endpoints are not reachable with no token.
+    assert_eq!(client.get(&format!("{admin}{query}"), &[]).status, 401);
+
+    let r = client.post(
+        &format!("{admin}/v1/buckets/reset"),
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+        ],
+        br#"{"key": "per-key|tenant-a"}"#,
+    );
+    assert_eq!(
+        (r.status, r.body.trim()),
+        (200, r#"{"reset":true}"#),
+        "{r:?}"
+    );
+    assert_eq!(client.statuses(&url, &tenant, 3), vec![200, 200, 429]);
+    // Another client's bucket was not touched by any of it.
+    assert_eq!(
+        client.statuses(&url, &[("x-api-key", "tenant-b")], 3),
+        vec![200, 200, 429]
+    );
+    assert_eq!(upstream.requests(), 6);
+}
