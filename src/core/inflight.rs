@@ -62,25 +62,24 @@ pub fn new_slot_id() -> String {
 /// (so that the service counts this proxy among the live ones whatever its callouts are; the
 /// contract's hand-written encoder: serde_json's serializer would add tens of KiB to the module).
 pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
-    crate::core::wire::instance::with_id(|instance| {
-        slots::encode_acquire(
-            slot,
-            instance,
-            wants.iter().filter_map(|w| {
-                let f = cfg.inflight.get(w.rule)?;
-                Some(SlotWant {
-                    key: &w.key,
-                    limit: f.max,
-                    ttl_ms: f.deadline_ms,
-                })
-            }),
-        )
-    })
+    slots::encode_acquire(
+        slot,
+        cfg.instance.as_deref(),
+        wants.iter().filter_map(|w| {
+            let f = cfg.inflight.get(w.rule)?;
+            Some(SlotWant {
+                key: &w.key,
+                limit: f.max,
+                ttl_ms: f.deadline_ms,
+            })
+        }),
+    )
 }
 
-/// The body of `POST /v1/release` for the slot `slot` of `keys`, with this VM's instance id.
-pub fn encode_release(slot: &str, keys: &[String]) -> Vec<u8> {
-    crate::core::wire::instance::with_id(|instance| slots::encode_release(slot, instance, keys))
+/// The body of `POST /v1/release` for the slot `slot` of `keys`, with this VM's instance id
+/// (`cfg.instance`).
+pub fn encode_release(cfg: &Config, slot: &str, keys: &[String]) -> Vec<u8> {
+    slots::encode_release(slot, cfg.instance.as_deref(), keys)
 }
 
 /// What an acquire's callout came back with.
@@ -408,7 +407,7 @@ mod tests {
         );
         assert_ne!(id, new_slot_id());
         let body: Value =
-            serde_json::from_slice(&encode_release("ab", &["cc|u".to_string()])).unwrap();
+            serde_json::from_slice(&encode_release(&c, "ab", &["cc|u".to_string()])).unwrap();
         assert_eq!(body, serde_json::json!({"slot":"ab","keys":["cc|u"]}));
     }
 
@@ -583,7 +582,7 @@ mod tests {
         assert_eq!((h.resumed, h.counts.clone()), (1, vec![Count::Acquired]));
         f.on_end(&c, &mut h);
         f.on_end(&c, &mut h);
-        assert_eq!(h.releases, vec![encode_release("ab", &["cc|u".into()])]);
+        assert_eq!(h.releases, vec![encode_release(&c, "ab", &["cc|u".into()])]);
         // No rule matches: no acquire, no pause.
         let (mut h, mut f) = (Fake::default(), Flow::default());
         assert_eq!(
@@ -647,7 +646,7 @@ mod tests {
             let asked: Value = serde_json::from_slice(&h.acquires[0]).unwrap();
             let slot = asked["slot"].as_str().unwrap();
             assert_eq!(slot.len(), 32);
-            assert_eq!(h.releases, vec![encode_release(slot, &["cc|u".into()])]);
+            assert_eq!(h.releases, vec![encode_release(&c, slot, &["cc|u".into()])]);
             f.on_end(&c, &mut h);
             assert_eq!(h.releases.len(), 1, "{mode}: released once");
         }
@@ -763,7 +762,8 @@ mod tests {
         );
         let release = case("release");
         let sent: Value =
-            serde_json::from_slice(&encode_release(&slot, &["reports|acme".to_string()])).unwrap();
+            serde_json::from_slice(&encode_release(&c, &slot, &["reports|acme".to_string()]))
+                .unwrap();
         assert_eq!(sent, release["request_json"]);
         assert!(released(&body(&release)));
     }

@@ -453,7 +453,12 @@ impl<'a, A: Abi> Proxy<'a, A> {
             .borrow_mut()
             .due(now)
             .into_iter()
-            .map(|p| (p.id.clone(), settle::encode(&p.id, &p.what)))
+            .map(|p| {
+                (
+                    p.id.clone(),
+                    settle::encode(&p.id, cfg.instance.as_deref(), &p.what),
+                )
+            })
             .collect();
         for (id, body) in due {
             self.count_settle(SettleCount::Sent, 1);
@@ -803,6 +808,11 @@ impl<A: Abi> Dispatcher<A> {
         let prefix = crate::core::local::fallback::state_prefix(&config);
         // Every slot exists before any request writes one (shared data has no insert-if-absent).
         let mut config = config;
+        // Every callout of this configuration carries this Envoy's instance id.
+        config.instance = Some(crate::core::wire::instance::adopt(&Shared {
+            abi: &self.abi,
+            prefix: &prefix,
+        }));
         config.fallback.previous_max_keys = crate::core::local::fallback::prepare_for(
             &config,
             &Shared {
@@ -1277,7 +1287,10 @@ impl<A: Abi> Dispatcher<A> {
                     inflight::Acquired::Failed => slot,
                 };
                 let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-                if !proxy.release(&plugin.config, &inflight::encode_release(&id, &keys)) {
+                if !proxy.release(
+                    &plugin.config,
+                    &inflight::encode_release(&plugin.config, &id, &keys),
+                ) {
                     proxy.count_inflight(inflight::Count::ReleaseFailed);
                 }
             }

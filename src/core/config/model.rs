@@ -106,6 +106,10 @@ pub struct Config {
     pub near_limit_left_permille: u64,
     /// Concurrency rules (`kind: "concurrency"`), in configuration order; not in `rules`.
     pub inflight: Vec<InFlight>,
+    /// This Envoy's instance id, which every callout carries (`crate::core::wire::instance`). Not
+    /// part of the JSON: the adapter adopts it when it takes the configuration; `None` (callouts
+    /// without an id) until then, in native tests and in the checker.
+    pub instance: Option<String>,
 }
 
 /// The decision service. Its `Debug` output never shows the bearer token.

@@ -315,6 +315,7 @@ impl Config {
             needs_peer_address,
             near_limit_left_permille,
             inflight,
+            instance: None,
         })
     }
 }

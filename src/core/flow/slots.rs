@@ -139,7 +139,7 @@ impl Slots {
                 // The service may have taken the slots before the answer was lost (a timeout):
                 // they are released by name, or they would count until their deadline.
                 let keys: Vec<String> = wants.iter().map(|w| w.key.clone()).collect();
-                if !host.release(cfg, &encode_release(&slot, &keys)) {
+                if !host.release(cfg, &encode_release(cfg, &slot, &keys)) {
                     host.count_inflight(Count::ReleaseFailed);
                 }
                 self.failed(cfg, &wants, true, host);
@@ -194,7 +194,7 @@ impl Slots {
     pub fn release<H: Host>(&mut self, cfg: &Config, host: &mut H) {
         match std::mem::replace(self, Slots::Done) {
             Slots::Held { slot, keys } => {
-                if !host.release(cfg, &encode_release(&slot, &keys)) {
+                if !host.release(cfg, &encode_release(cfg, &slot, &keys)) {
                     host.count_inflight(Count::ReleaseFailed);
                 }
             }

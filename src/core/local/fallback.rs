@@ -250,8 +250,6 @@ pub fn record_size<S: CasStore + ?Sized>(store: &S, max_keys: u32) -> [u32; 3] {
 /// Creates the tables a configuration uses (fallback shares, lease pools) before any request;
 /// the fallback table sizes earlier configurations used (for `fallback.previous_max_keys`).
 pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
-    // Every take carries this Envoy's instance id from now on.
-    crate::core::wire::instance::adopt(store);
     let mut previous = [0; 3];
     if enabled(cfg) {
         prepare(store, cfg.fallback.max_keys);

@@ -299,7 +299,7 @@ impl Owed for Vec<Item> {
 }
 
 /// The JSON body of `POST /v1/settle` (the contract's encoder), with this VM's instance id.
-pub fn encode(id: &str, items: &[Item]) -> Vec<u8> {
+pub fn encode(id: &str, instance: Option<&str>, items: &[Item]) -> Vec<u8> {
     let buckets = items.iter().map(|i| contract::settle::SettleBucket {
         key: &i.bucket.key,
         capacity: i.bucket.capacity,
@@ -311,9 +311,7 @@ pub fn encode(id: &str, items: &[Item]) -> Vec<u8> {
         used: i.used,
         window: None,
     });
-    crate::core::wire::instance::with_id(|instance| {
-        contract::settle::encode_settle(id, instance, buckets)
-    })
+    contract::settle::encode_settle(id, instance, buckets)
 }
 
 /// One settlement waiting for delivery.

@@ -40,7 +40,7 @@ pub fn take(cfg: &Config, plan: &Plan) -> CalloutRequest {
     match (cfg.service.transport, &plan.rls) {
         (Transport::Http, _) => CalloutRequest::Http {
             path: cfg.service.path.clone(),
-            body: wire::encode_json(&plan.request),
+            body: wire::encode_json(&plan.request, cfg.instance.as_deref()),
         },
         (Transport::Grpc | Transport::Rls, Some(rls)) => CalloutRequest::Grpc {
             service: RLS,
@@ -50,7 +50,7 @@ pub fn take(cfg: &Config, plan: &Plan) -> CalloutRequest {
         (Transport::Grpc | Transport::Rls, None) => CalloutRequest::Grpc {
             service: TOLLGATE,
             method: "Take",
-            message: wire::encode_proto(&plan.request),
+            message: wire::encode_proto(&plan.request, cfg.instance.as_deref()),
         },
     }
 }
@@ -61,11 +61,11 @@ pub fn batch(cfg: &Config, takes: &[&TakeRequest]) -> CalloutRequest {
         Transport::Grpc => CalloutRequest::Grpc {
             service: TOLLGATE,
             method: "TakeBatch",
-            message: wire::encode_batch_proto(takes),
+            message: wire::encode_batch_proto(takes, cfg.instance.as_deref()),
         },
         Transport::Http | Transport::Rls => CalloutRequest::Http {
             path: format!("{}_batch", cfg.service.path),
-            body: wire::encode_batch_json(takes),
+            body: wire::encode_batch_json(takes, cfg.instance.as_deref()),
         },
     }
 }
@@ -83,7 +83,11 @@ pub fn beside(cfg: &Config, op: &str, body: Vec<u8>) -> CalloutRequest {
 
 /// A refund: `request`'s costs go back to their buckets.
 pub fn refund(cfg: &Config, request: &TakeRequest) -> CalloutRequest {
-    beside(cfg, "refund", wire::encode_json(request))
+    beside(
+        cfg,
+        "refund",
+        wire::encode_json(request, cfg.instance.as_deref()),
+    )
 }
 
 #[cfg(test)]

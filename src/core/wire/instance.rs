@@ -11,12 +11,10 @@
 //! answer the fallback stores it in shared data for every worker of this Envoy
 //! (`crate::core::local::fallback`), which splits limits by it.
 //!
-//! The id is kept per VM in a thread-local (a VM is one thread): a constant of the VM the codec
-//! adds to what it encodes. Passing it through the wire structs instead would touch every place
-//! that builds a take; here the codec alone knows of it, and tests that never set an id encode
-//! exactly what they did before.
+//! The adapter adopts the id when it takes a configuration and keeps it in that configuration
+//! (`Config::instance`); every encoder is given it (`None`: a callout without one, as in native
+//! tests and the checker).
 
-use std::cell::RefCell;
 use std::hash::{BuildHasher, Hasher};
 
 use crate::core::base::store::CasStore;
@@ -25,10 +23,6 @@ use crate::core::base::store::CasStore;
 pub const ID_KEY: &str = "tollgate.instance";
 /// Length of an id: 16 hex digits.
 pub const ID_LEN: usize = 16;
-
-thread_local! {
-    static ID: RefCell<Option<String>> = const { RefCell::new(None) };
-}
 
 fn valid(id: &[u8]) -> bool {
     id.len() == ID_LEN && id.iter().all(u8::is_ascii_hexdigit)
@@ -45,7 +39,7 @@ pub fn fresh() -> String {
         .collect()
 }
 
-/// Adopts this Envoy's id (creating it when no VM has yet) as the id this VM sends.
+/// This Envoy's id, created when no VM has one yet.
 pub fn adopt<S: CasStore + ?Sized>(store: &S) -> String {
     let stored = |s: &S| {
         s.get(ID_KEY)
@@ -61,18 +55,7 @@ pub fn adopt<S: CasStore + ?Sized>(store: &S) -> String {
             stored(store).unwrap_or(mine)
         }
     };
-    set_id(Some(&id));
     id
-}
-
-/// Sets (or clears) the id this VM's takes carry.
-pub fn set_id(id: Option<&str>) {
-    ID.with(|c| *c.borrow_mut() = id.map(str::to_string));
-}
-
-/// Calls `f` with this VM's id, if it has one.
-pub fn with_id<R>(f: impl FnOnce(Option<&str>) -> R) -> R {
-    ID.with(|c| f(c.borrow().as_deref()))
 }
 
 #[cfg(test)]
@@ -87,8 +70,5 @@ mod tests {
         assert!(valid(a.as_bytes()), "{a}");
         assert_eq!(adopt(&store), a, "a second VM adopts the first one's id");
         assert_ne!(fresh(), fresh(), "random");
-        with_id(|id| assert_eq!(id, Some(a.as_str())));
-        set_id(None);
-        with_id(|id| assert_eq!(id, None));
     }
 }

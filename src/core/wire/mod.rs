@@ -40,36 +40,37 @@ fn bucket_rule(b: &Bucket) -> Option<&str> {
     rule_of(&b.key)
 }
 
-/// Runs `f` with this VM as the sender: only a VM with an instance id sends it and the buckets'
+/// The sender a VM with instance id `instance` is: only a VM with an id sends it and the buckets'
 /// rule names ([`crate::core::wire::instance`]).
-fn as_this_vm<R>(f: impl FnOnce(&Sender<'_>) -> R) -> R {
-    crate::core::wire::instance::with_id(|id| match id {
-        Some(_) => f(&Sender {
-            instance: id,
+fn sender(instance: Option<&str>) -> Sender<'_> {
+    match instance {
+        Some(_) => Sender {
+            instance,
             rule: bucket_rule,
-        }),
-        None => f(&Sender::ANONYMOUS),
-    })
+        },
+        None => Sender::ANONYMOUS,
+    }
 }
 
-/// Encodes a take as JSON (`POST /v1/take`).
-pub fn encode_json(req: &TakeRequest) -> Vec<u8> {
-    as_this_vm(|s| json::encode_take(req, s))
+/// Encodes a take as JSON (`POST /v1/take`), sent by the VM with id `instance`.
+pub fn encode_json(req: &TakeRequest, instance: Option<&str>) -> Vec<u8> {
+    json::encode_take(req, &sender(instance))
 }
 
-/// Encodes a batch of takes as JSON (`POST /v1/take_batch`).
-pub fn encode_batch_json(takes: &[&TakeRequest]) -> Vec<u8> {
-    as_this_vm(|s| json::encode_batch(takes, s))
+/// Encodes a batch of takes as JSON (`POST /v1/take_batch`), sent by the VM with id `instance`.
+pub fn encode_batch_json(takes: &[&TakeRequest], instance: Option<&str>) -> Vec<u8> {
+    json::encode_batch(takes, &sender(instance))
 }
 
-/// Encodes a take as protobuf (`tollgate.v1.TakeRequest`).
-pub fn encode_proto(req: &TakeRequest) -> Vec<u8> {
-    as_this_vm(|s| proto::encode_take(req, s))
+/// Encodes a take as protobuf (`tollgate.v1.TakeRequest`), sent by the VM with id `instance`.
+pub fn encode_proto(req: &TakeRequest, instance: Option<&str>) -> Vec<u8> {
+    proto::encode_take(req, &sender(instance))
 }
 
-/// Encodes a batch of takes as protobuf (`tollgate.v1.TakeBatchRequest`).
-pub fn encode_batch_proto(takes: &[&TakeRequest]) -> Vec<u8> {
-    as_this_vm(|s| proto::encode_batch(takes, s))
+/// Encodes a batch of takes as protobuf (`tollgate.v1.TakeBatchRequest`), sent by the VM with id
+/// `instance`.
+pub fn encode_batch_proto(takes: &[&TakeRequest], instance: Option<&str>) -> Vec<u8> {
+    proto::encode_batch(takes, &sender(instance))
 }
 
 /// Decodes a JSON answer.
@@ -124,17 +125,16 @@ mod tests {
     fn a_vm_with_an_id_sends_it_and_the_rule_names() {
         let case = case("cases", "rule_and_instance");
         let req = request_from_json(&case["request_json"]);
-        crate::core::wire::instance::set_id(case["request_json"]["instance"].as_str());
-        let json: Json = serde_json::from_slice(&encode_json(&req)).unwrap();
-        let pb = encode_proto(&req);
-        crate::core::wire::instance::set_id(None);
+        let id = case["request_json"]["instance"].as_str();
+        let json: Json = serde_json::from_slice(&encode_json(&req, id)).unwrap();
+        let pb = encode_proto(&req, id);
         assert_eq!(json, case["request_json"]);
         assert_eq!(pb, hex(case["request_pb_hex"].as_str().unwrap()));
         // Without an id: neither.
-        let json: Json = serde_json::from_slice(&encode_json(&req)).unwrap();
+        let json: Json = serde_json::from_slice(&encode_json(&req, None)).unwrap();
         assert_eq!(json["instance"], Json::Null);
         assert_eq!(json["buckets"][0]["rule"], Json::Null);
-        assert_ne!(encode_proto(&req), pb);
+        assert_ne!(encode_proto(&req, None), pb);
     }
 
     #[test]
@@ -147,10 +147,9 @@ mod tests {
             .map(request_from_json)
             .collect();
         let refs: Vec<&TakeRequest> = takes.iter().collect();
-        crate::core::wire::instance::set_id(case["request_json"]["instance"].as_str());
-        let json: Json = serde_json::from_slice(&encode_batch_json(&refs)).unwrap();
-        let pb = encode_batch_proto(&refs);
-        crate::core::wire::instance::set_id(None);
+        let id = case["request_json"]["instance"].as_str();
+        let json: Json = serde_json::from_slice(&encode_batch_json(&refs, id)).unwrap();
+        let pb = encode_batch_proto(&refs, id);
         assert_eq!(json, case["request_json"]);
         assert_eq!(pb, hex(case["request_pb_hex"].as_str().unwrap()));
         let resp = serde_json::to_vec(&case["response_json"]).unwrap();

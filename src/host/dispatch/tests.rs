@@ -1030,3 +1030,40 @@ fn a_queue_the_byte_bounds_split_leaves_in_several_batches_at_once() {
     }
     assert_eq!(d.abi.metric("tollgate.callout_failure.dispatch"), 0);
 }
+
+#[test]
+fn every_callout_of_every_configuration_carries_this_envoys_one_id() {
+    let id_of = |body: &[u8]| -> String {
+        let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+        v["instance"].as_str().unwrap_or_default().to_string()
+    };
+    // A take of the first configuration.
+    let mut d = dispatcher(&config("http", ""));
+    allowed_reply(&d);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let first = id_of(&d.abi.dispatched.borrow()[0].1);
+    assert!(
+        first.len() == 16 && first.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{first:?}"
+    );
+    d.on_http_call_response(last_token(&d), 1, 200);
+    // A second configuration of the same VM (a second listener, or a push), whose request settles.
+    configure(&mut d, 2, &charged_config());
+    allowed_reply(&d);
+    d.on_context_create(20, 2);
+    d.abi.known.borrow_mut().push(20);
+    d.abi.set_request("/v1/chat");
+    assert_eq!(d.on_request_headers(20), PAUSE);
+    let take = d.abi.dispatched.borrow().last().unwrap().1.clone();
+    assert_eq!(id_of(&take), first, "the second configuration's take");
+    d.on_http_call_response(last_token(&d), 1, 200);
+    *d.abi.response.borrow_mut() = vec![("x-usage".into(), b"30".to_vec())];
+    assert_eq!(d.on_response_headers(20, true), CONTINUE);
+    d.on_delete(20);
+    let settle = d.abi.dispatched.borrow().last().unwrap().1.clone();
+    assert!(
+        String::from_utf8_lossy(&settle).contains("\"used\":30"),
+        "a settle was sent"
+    );
+    assert_eq!(id_of(&settle), first, "its settle");
+}
