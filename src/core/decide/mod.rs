@@ -8,7 +8,8 @@
 //!    becomes one value, [`Outcome::Failed`] with its [`Cause`].
 //! 3. [`resolve`]: the single place that turns an outcome into a [`Verdict`]: the service's answer
 //!    as is, or the failure mode (`fallback` / `allow` / `deny`) for a failure (the breaker's
-//!    refusal included), then shadow mode on top.
+//!    refusal included), then shadow mode on top. [`resolve_slots`] is its counterpart for a
+//!    concurrency rule's acquire that got no answer: the same `failure_mode`, applied to slots.
 
 //!
 //! `headers`: `Retry-After`, `RateLimit` / `RateLimit-Policy`, `X-RateLimit-*`.
@@ -18,6 +19,7 @@ pub mod headers;
 use crate::core::base::store::CasStore;
 use crate::core::config::{Config, FailureMode, Limit, Rule, Transport};
 use crate::core::local::fallback;
+use crate::core::local::slots::{self, Want};
 use crate::core::rules::limits::limit_for;
 use crate::core::rules::{keys, matches, Request};
 use crate::core::wire::{self, Bucket, BucketResult, TakeRequest, TakeResponse};
@@ -427,6 +429,40 @@ pub fn resolve<S: CasStore + ?Sized>(
     }
 }
 
+/// What a request whose acquire of concurrency slots got no answer does: `failure_mode` applied
+/// to slots (shadow mode is the caller's, per rule, as for a denial the service gave).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlotsVerdict {
+    /// `allow`: admitted without a slot.
+    Open,
+    /// `deny`: refused by the rules of `Config::inflight` listed.
+    Closed(Vec<usize>),
+    /// `fallback`: admitted on these local slots (give them back with
+    /// [`slots::release_local`] when the stream ends).
+    Local(Vec<String>),
+    /// `fallback`, and this rule's local slots are all taken: refused by it.
+    LocalFull(usize),
+}
+
+/// Turns a failed acquire of `wants` into its [`SlotsVerdict`]; with [`resolve`], the only place
+/// that applies `failure_mode`. `store` holds the local slots.
+pub fn resolve_slots<S: CasStore + ?Sized>(
+    cfg: &Config,
+    wants: &[Want],
+    store: &S,
+) -> SlotsVerdict {
+    match cfg.failure_mode {
+        FailureMode::Allow => SlotsVerdict::Open,
+        FailureMode::Deny => SlotsVerdict::Closed(wants.iter().map(|w| w.rule).collect()),
+        FailureMode::Fallback => match slots::acquire_local(cfg, wants, store) {
+            Ok(counters) => SlotsVerdict::Local(counters),
+            Err(i) => wants.get(i).map_or(SlotsVerdict::Closed(Vec::new()), |w| {
+                SlotsVerdict::LocalFull(w.rule)
+            }),
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -824,6 +860,53 @@ mod tests {
                 "grpc_status",
                 "decode"
             ]
+        );
+    }
+
+    #[test]
+    fn a_failed_acquire_follows_the_failure_mode() {
+        let slots_cfg = |mode: &str| {
+            let json = format!(
+                r#"{{"service":{{"cluster":"svc"}},"failure_mode":"{mode}","fallback":{{"max_keys":8,"instances":2}},
+                    "rules":[{{"name":"cc","kind":"concurrency","key":["literal:k"],"max_in_flight":4,"deadline_ms":5000}}]}}"#
+            );
+            Config::parse(json.as_bytes()).unwrap()
+        };
+        let wants = [Want {
+            rule: 0,
+            key: "cc|k".into(),
+        }];
+        let store = FakeStore::default();
+        assert_eq!(
+            resolve_slots(&slots_cfg("allow"), &wants, &store),
+            SlotsVerdict::Open
+        );
+        assert_eq!(
+            resolve_slots(&slots_cfg("deny"), &wants, &store),
+            SlotsVerdict::Closed(vec![0])
+        );
+        // fallback: this proxy's share, 4 / 2 instances = 2 local slots, then full.
+        let c = slots_cfg("fallback");
+        fallback::prepare_table(&store, crate::core::local::table::SLOTS_TABLE, 8, &[0; 8]);
+        let first = resolve_slots(&c, &wants, &store);
+        assert!(
+            matches!(first, SlotsVerdict::Local(ref held) if held.len() == 1),
+            "{first:?}"
+        );
+        assert!(matches!(
+            resolve_slots(&c, &wants, &store),
+            SlotsVerdict::Local(_)
+        ));
+        assert_eq!(
+            resolve_slots(&c, &wants, &store),
+            SlotsVerdict::LocalFull(0)
+        );
+        if let SlotsVerdict::Local(held) = first {
+            slots::release_local(&store, &held);
+        }
+        assert!(
+            matches!(resolve_slots(&c, &wants, &store), SlotsVerdict::Local(_)),
+            "one given back"
         );
     }
 }

@@ -1,12 +1,14 @@
 //! A request's concurrency slots as the flow drives them: planned with the rate rules, acquired
 //! once they admitted the request, released once when its stream ends
-//! ([`crate::core::inflight`] holds the slots' bodies, answers and local counters).
+//! ([`crate::core::inflight`] holds the slots' bodies and answers, [`crate::core::local::slots`]
+//! the local counters, and [`crate::core::decide::resolve_slots`] applies the failure mode).
 
 use super::{Host, Next};
-use crate::core::config::{Config, FailureMode};
+use crate::core::config::Config;
+use crate::core::decide::{resolve_slots, SlotsVerdict};
 use crate::core::inflight::{
-    acquire_local, denial, encode_acquire, encode_release, interpret, new_slot_id, plan,
-    release_local, Acquired, Count, Want,
+    denial, encode_acquire, encode_release, interpret, new_slot_id, plan, release_local, Acquired,
+    Count, Want,
 };
 use crate::core::local::breaker::{self, Admission};
 use crate::core::rules::Request;
@@ -155,13 +157,12 @@ impl Slots {
         paused: bool,
         host: &mut H,
     ) -> Next {
-        let rules: Vec<usize> = wants.iter().map(|w| w.rule).collect();
-        match cfg.failure_mode {
-            FailureMode::Allow => {
+        match resolve_slots(cfg, wants, host.store()) {
+            SlotsVerdict::Open => {
                 host.count_inflight(Count::FailureOpen);
                 allow(paused, host)
             }
-            FailureMode::Deny => deny_or_shadow(
+            SlotsVerdict::Closed(rules) => deny_or_shadow(
                 cfg,
                 &rules,
                 SLOT_DENIED_RETRY_MS,
@@ -169,24 +170,19 @@ impl Slots {
                 host,
                 Count::FailureClosed,
             ),
-            FailureMode::Fallback => match acquire_local(cfg, wants, host.store()) {
-                Ok(counters) => {
-                    host.count_inflight(Count::FallbackAcquired);
-                    *self = Slots::Local(counters);
-                    allow(paused, host)
-                }
-                Err(i) => {
-                    let rule: Vec<usize> = wants.get(i).map(|w| w.rule).into_iter().collect();
-                    deny_or_shadow(
-                        cfg,
-                        &rule,
-                        SLOT_DENIED_RETRY_MS,
-                        paused,
-                        host,
-                        Count::FallbackLimited,
-                    )
-                }
-            },
+            SlotsVerdict::Local(counters) => {
+                host.count_inflight(Count::FallbackAcquired);
+                *self = Slots::Local(counters);
+                allow(paused, host)
+            }
+            SlotsVerdict::LocalFull(rule) => deny_or_shadow(
+                cfg,
+                &[rule],
+                SLOT_DENIED_RETRY_MS,
+                paused,
+                host,
+                Count::FallbackLimited,
+            ),
         }
     }
 

@@ -6,6 +6,7 @@
 //! - `breaker`: the circuit breaker over a serialisable shared state.
 //! - `fallback`: the fallback shares kept in step with the answers, and their debts.
 //! - `lease`: lease mode, pools of tokens granted by the service, spent by every worker.
+//! - `slots`: local concurrency slots, for concurrency rules when the service cannot be asked.
 //! - `props` (tests only): property tests of the shares and lease pools under interleaved
 //!   workers.
 
@@ -15,4 +16,5 @@ pub mod fallback;
 pub mod lease;
 #[cfg(test)]
 mod props;
+pub mod slots;
 pub mod table;
