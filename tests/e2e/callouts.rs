@@ -14,7 +14,8 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::both_transports;
+use crate::common;
 
 use common::config::{plugin, rule};
 use common::loopback::{reset_all, rss_kib, send_requests};
