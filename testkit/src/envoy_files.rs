@@ -2,7 +2,7 @@
 //! (what `make run` starts) and `deploy/envoy/envoy.yaml` (plain Envoy in front of an application).
 //! They are edited here and written with `make configs`; `cargo test -p tollgate-testkit` fails
 //! when a checked-in file differs from what this module generates. Envoy loads both in the tests
-//! (`cargo test --test deploy --test e2e_config`, and `--test e2e_tokens` starts `envoy.yaml`).
+//! (`cargo test --test deploy --test e2e config::`, and `--test e2e tokens::` starts `envoy.yaml`).
 
 use std::path::Path;
 

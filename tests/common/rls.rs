@@ -2,7 +2,7 @@
 //! `tollgate-server`'s RLS v3 endpoint: its Envoy configuration (from the one generator), and the
 //! service started with a limits file.
 //!
-//! Included by the tests that need it with `#[path = "common/rls.rs"] mod rls;` beside `mod common;`.
+//! Included once by the end-to-end binary (`tests/e2e/main.rs`) as `crate::native_rls`, beside `crate::common`.
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -1,4 +1,4 @@
-//! Faults under load: what `tests/e2e_faults.rs` breaks and how it watches.
+//! Faults under load: what `tests/e2e/faults.rs` breaks and how it watches.
 //!
 //! - [`delay`]: a TCP proxy that delays the service's answers (a slow service).
 //! - [`redis_ctl`]: commands to a Redis mid-load, signals by PID, a Redis Cluster with replicas.

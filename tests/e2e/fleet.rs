@@ -25,7 +25,7 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::collections::BTreeMap;

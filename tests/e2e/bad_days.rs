@@ -20,7 +20,8 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::both_transports;
+use crate::common;
 
 use common::config::{plugin, rule};
 use common::push::Pushed;

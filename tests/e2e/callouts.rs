@@ -4,7 +4,7 @@
 //!
 //! `TOLLGATE_DISCONNECTS` sets how many clients disconnect (default 5,000, about 15 s per transport
 //! here; the figure, 100,000, about 2 minutes per transport: `TOLLGATE_DISCONNECTS=100000
-//! cargo test --test e2e_callouts disconnect -- --nocapture` prints Envoy's heap and RSS and the
+//! cargo test --test e2e callouts:: disconnect -- --nocapture` prints Envoy's heap and RSS and the
 //! VMs' linear memory before and after).
 
 #![allow(
@@ -14,7 +14,8 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::both_transports;
+use crate::common;
 
 use common::config::{plugin, rule};
 use common::loopback::{reset_all, rss_kib, send_requests};

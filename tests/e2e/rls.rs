@@ -9,9 +9,8 @@
     clippy::indexing_slicing
 )]
 
-mod common;
-#[path = "common/rls.rs"]
-mod rls;
+use crate::common;
+use crate::native_rls as rls;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -12,7 +12,7 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::common;
 
 use common::config::plugin;
 use common::push::Pushed;

@@ -22,7 +22,7 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::common;
 
 use common::config::{plugin, rule};
 use common::faults::delay::DelayProxy;

@@ -10,11 +10,10 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::common;
 // Only its service and limits-file helpers are used here.
 #[allow(dead_code)]
-#[path = "common/rls.rs"]
-mod rls;
+use crate::native_rls as rls;
 
 use common::*;
 use rls::{start_service, LimitsFile};

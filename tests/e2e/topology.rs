@@ -18,7 +18,7 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::common;
 
 use common::config::{plugin, rule};
 use common::loopback::{get_from, XffProxy};

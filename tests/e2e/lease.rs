@@ -28,7 +28,8 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::both_transports;
+use crate::common;
 
 use common::config::{plugin, SLOW_PERIOD_MS};
 use common::*;

@@ -39,7 +39,7 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::common;
 
 use common::faults::delay::DelayProxy;
 use common::faults::fleet::{

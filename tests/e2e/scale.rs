@@ -13,7 +13,7 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::common;
 
 use common::config::{plugin, SLOW_PERIOD_MS};
 use common::*;

@@ -10,7 +10,7 @@
     clippy::indexing_slicing
 )]
 
-mod common;
+use crate::common;
 
 use common::config::plugin;
 use common::{
