@@ -6,6 +6,7 @@
 //! - [`common`]: the harness (`tests/common/`, shared with `tests/deploy.rs` and `tests/image.rs`);
 //!   [`native_rls`]: Envoy's native ratelimit filter against the service's RLS endpoint.
 //! - [`bad_days`]
+//! - [`buckets`]
 //! - [`callouts`]
 //! - [`concurrency`]
 //! - [`config`]
@@ -38,6 +39,7 @@ mod common;
 mod native_rls;
 
 mod bad_days;
+mod buckets;
 mod callouts;
 mod concurrency;
 mod config;

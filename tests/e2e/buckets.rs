@@ -3,15 +3,8 @@
 //! (`GET /v1/buckets` with the admin token: no tokens left, full again later), resets it
 //! (`POST /v1/buckets/reset`), and the client's next request passes.
 
-// A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
-#![allow(
-    clippy::panic,
-    clippy::expect_used,
-    clippy::unwrap_used,
-    clippy::indexing_slicing
-)]
-
-mod common;
+use crate::both_transports;
+use crate::common;
 
 use common::config::{plugin, rule, SLOW_PERIOD_MS};
 use common::envoy::EnvoySpec;
