@@ -106,6 +106,8 @@ pub enum Phase {
         plan: Plan,
         /// Whether this callout is the breaker's probe.
         probe: bool,
+        /// The admission saw a clean breaker: a success records nothing.
+        clean: bool,
     },
     /// Decided.
     Done,
@@ -171,8 +173,9 @@ impl Flow {
             host.count_lease(count, 1);
             return self.conclude(cfg, &plan, &outcome, false, host);
         }
-        let (admission, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
-        if debt {
+        let seen = breaker::admit_seen(host.store(), &cfg.breaker, now);
+        let (admission, clean) = (seen.admission, seen.clean);
+        if seen.debt {
             // The fallback admitted on credit recently: this callout repays what its buckets owe.
             fallback::attach_debts(cfg, &mut plan, host.store(), now);
         }
@@ -183,7 +186,12 @@ impl Flow {
         let probe = admission == Admission::Probe;
         match host.dispatch(cfg, &plan) {
             Ok(token) => {
-                self.phase = Phase::Calling { token, plan, probe };
+                self.phase = Phase::Calling {
+                    token,
+                    plan,
+                    probe,
+                    clean,
+                };
                 Next::Pause
             }
             Err(why) => {
@@ -194,7 +202,7 @@ impl Flow {
                 self.after_callout(
                     cfg,
                     &plan,
-                    probe,
+                    (probe, clean),
                     Outcome::Failed(Cause::Dispatch),
                     false,
                     host,
@@ -240,7 +248,9 @@ impl Flow {
         if !self.waits_for(token) {
             return;
         }
-        let Phase::Calling { plan, probe, .. } = std::mem::replace(&mut self.phase, Phase::Done)
+        let Phase::Calling {
+            plan, probe, clean, ..
+        } = std::mem::replace(&mut self.phase, Phase::Done)
         else {
             return;
         };
@@ -249,11 +259,7 @@ impl Flow {
             // Only shadow rules denied, and the service charges all or nothing: it charged none
             // of the enforced rules' buckets. Settle this answer, then ask again for those alone,
             // so shadow rules never change what enforced rules count.
-            let event =
-                breaker::record_shared(host.store(), &cfg.breaker, host.now_ms(), true, probe);
-            if event != Event::None {
-                host.breaker_event(event);
-            }
+            self.record(cfg, probe, clean, true, host);
             settle(cfg, &plan, outcome, host);
             self.shadow_counts = shadowed;
             let mut enforced = enforced;
@@ -268,13 +274,14 @@ impl Flow {
                         token,
                         plan: enforced,
                         probe: false,
+                        clean: false,
                     };
                 }
                 Err(_) => {
                     self.after_callout(
                         cfg,
                         &enforced,
-                        false,
+                        (false, false),
                         Outcome::Failed(Cause::Dispatch),
                         true,
                         host,
@@ -283,7 +290,20 @@ impl Flow {
             }
             return;
         }
-        self.after_callout(cfg, &plan, probe, outcome, true, host);
+        self.after_callout(cfg, &plan, (probe, clean), outcome, true, host);
+    }
+
+    /// Feeds a callout's result to the breaker (nothing to do for a success after a clean
+    /// admission: the steady path reads the shared state once).
+    fn record<H: Host>(&self, cfg: &Config, probe: bool, clean: bool, success: bool, host: &mut H) {
+        if !breaker::needs_record(clean, success) {
+            return;
+        }
+        let event =
+            breaker::record_shared(host.store(), &cfg.breaker, host.now_ms(), success, probe);
+        if event != Event::None {
+            host.breaker_event(event);
+        }
     }
 
     /// A callout ended or could not start: count it, feed the breaker, conclude.
@@ -291,7 +311,7 @@ impl Flow {
         &mut self,
         cfg: &Config,
         plan: &Plan,
-        probe: bool,
+        (probe, clean): (bool, bool),
         outcome: Outcome,
         paused: bool,
         host: &mut H,
@@ -300,11 +320,7 @@ impl Flow {
         if let Outcome::Failed(cause) = outcome {
             host.count_failure(cause);
         }
-        let event =
-            breaker::record_shared(host.store(), &cfg.breaker, host.now_ms(), success, probe);
-        if event != Event::None {
-            host.breaker_event(event);
-        }
+        self.record(cfg, probe, clean, success, host);
         let outcome = settle(cfg, plan, outcome, host);
         self.conclude(cfg, plan, &outcome, paused, host)
     }

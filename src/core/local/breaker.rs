@@ -169,20 +169,56 @@ pub fn admit_shared<S: CasStore + ?Sized>(
     cfg: &Breaker,
     now_ms: u64,
 ) -> (Admission, bool) {
+    let seen = admit_seen(store, cfg, now_ms);
+    (seen.admission, seen.debt)
+}
+
+/// What one read of the shared state said at admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seen {
+    /// May this request call the service?
+    pub admission: Admission,
+    /// Whether fallback debts may be outstanding.
+    pub debt: bool,
+    /// Closed with no failures counted: a success of this callout has nothing to record
+    /// ([`needs_record`]).
+    pub clean: bool,
+}
+
+/// [`admit_shared`], also saying whether the state was clean.
+pub fn admit_seen<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -> Seen {
     let u = update(store, KEY, |cur| {
         let s = State::decode(cur);
         let debt = now_ms < s.debt_until_ms;
+        let clean = !s.is_open() && s.failures == 0;
         match admit(cfg, s, now_ms) {
-            (a, Some(next)) => Step::Write(next.encode(), (a, debt)),
-            (a, None) => Step::Keep((a, debt)),
+            (a, Some(next)) => Step::Write(next.encode(), (a, debt, clean)),
+            (a, None) => Step::Keep((a, debt, clean)),
         }
     });
+    let (admission, debt, clean) = u.value;
     if u.stored {
-        u.value
+        Seen {
+            admission,
+            debt,
+            clean,
+        }
     } else {
         // Could not claim the probe: someone else is probing.
-        (Admission::Reject, u.value.1)
+        Seen {
+            admission: Admission::Reject,
+            debt,
+            clean: false,
+        }
     }
+}
+
+/// Whether a callout's result must be recorded ([`record_shared`]): a success after a clean
+/// admission is not, so the steady path reads the state once per request, not twice. A failure
+/// another worker recorded meanwhile is then reset by the next success whose admission saw it:
+/// failures count as consecutive to within the callouts in flight when they began.
+pub fn needs_record(seen_clean: bool, success: bool) -> bool {
+    !(seen_clean && success)
 }
 
 /// Records that the fallback admitted on credit: debts may be outstanding until `until_ms`.
@@ -326,6 +362,35 @@ mod tests {
             record_shared(&s, &CFG, 0, true, false);
         }
         assert_eq!(s.writes.get(), 0, "the hot path only reads");
+    }
+
+    #[test]
+    fn a_success_after_a_clean_admission_records_nothing_and_one_after_failures_resets() {
+        let s = FakeStore::default();
+        let seen = admit_seen(&s, &CFG, 0);
+        assert!(seen.clean);
+        assert!(
+            !needs_record(seen.clean, true),
+            "steady success: no second read"
+        );
+        assert!(
+            needs_record(seen.clean, false),
+            "a failure is always recorded"
+        );
+        record_shared(&s, &CFG, 0, false, false);
+        record_shared(&s, &CFG, 0, false, false);
+        let seen = admit_seen(&s, &CFG, 0);
+        assert!(!seen.clean, "failures counted");
+        assert!(needs_record(seen.clean, true));
+        record_shared(&s, &CFG, 0, true, false);
+        // The success reset the count: two more failures do not open it (three would).
+        record_shared(&s, &CFG, 0, false, false);
+        record_shared(&s, &CFG, 0, false, false);
+        assert_eq!(admit_shared(&s, &CFG, 1).0, Admission::Call);
+        for _ in 0..3 {
+            record_shared(&s, &CFG, 1, false, false);
+        }
+        assert!(!admit_seen(&s, &CFG, 2).clean, "open is never clean");
     }
 
     #[test]
