@@ -131,9 +131,8 @@ pub struct Limit {
     pub capacity: u64,
     /// Where it sits: `domain.key_value.key` (logs, the default policy name).
     pub path: String,
-    /// `detailed_metric` on its descriptor, or `value_to_metric` on it or above it: its
-    /// statistics are keyed on the request's values, not on the file's (`/metrics`,
-    /// `tollgate_rls_hits_total`).
+    /// `detailed_metric` on its descriptor: its statistics are keyed on every value of the
+    /// request (`/metrics`, `tollgate_rls_hits_total`), not on the file's; see [`Found::stat`].
     pub detailed_metric: bool,
     /// `charge: response`: the limit is priced by what responses used, in Envoy's response-cost
     /// pattern (a check with `hits_addend: 0` when the request arrives, the real cost sent with
@@ -170,6 +169,8 @@ struct Node {
     limit: Option<Arc<Limit>>,
     /// `share_threshold`: every value the wildcard matches shares one bucket.
     share_threshold: bool,
+    /// `value_to_metric`: statistics name the request's value at this level, not the file's.
+    value_to_metric: bool,
 }
 
 #[derive(Debug)]
@@ -187,6 +188,12 @@ pub struct Found {
     /// `(key, value)` per request entry; under `share_threshold`, the wildcard instead of the
     /// value.
     pub entries: Vec<(String, String)>,
+    /// The key of its statistics, without the domain, as envoyproxy/ratelimit builds it: with
+    /// `detailed_metric` every entry's `key_value` (the wildcard under `share_threshold`);
+    /// otherwise the path through the file (`key_value`, `key_wildcard*` or `key` per level),
+    /// where a level matched by its key alone or by a wildcard names the request's value
+    /// instead if its descriptor has `value_to_metric` (`share_threshold` wins over it).
+    pub stat: String,
 }
 
 impl Limits {
@@ -211,7 +218,7 @@ impl Limits {
                 ));
             }
             let mut node = Node::default();
-            load(&mut node, &root.domain, &root.descriptors, false)
+            load(&mut node, &root.domain, &root.descriptors)
                 .map_err(|e| format!("domain {:?}: {e}", root.domain))?;
             limits.domains.insert(root.domain, node);
         }
@@ -243,26 +250,35 @@ impl Limits {
         let mut node = self.domains.get(domain)?;
         let n = entries.len();
         let mut keyed = Vec::with_capacity(n);
+        let mut path = Vec::with_capacity(n);
         let mut found = None;
         for (i, (key, value)) in entries.enumerate() {
             let exact = node.children.get(&(key.to_string(), value.to_string()));
-            let (next, shared) = match exact {
+            // The node, the wildcard it was matched by if any, and whether by the key alone.
+            let (next, wildcard) = match exact {
                 Some(next) => (Some(next), None),
                 None => match node
                     .wildcards
                     .iter()
                     .find(|w| w.key == key && wildcard_match(&w.parts, value))
                 {
-                    Some(w) => {
-                        let next = node.children.get(&(w.key.clone(), w.value.clone()));
-                        let shared = next.filter(|n| n.share_threshold).map(|_| w.value.clone());
-                        (next, shared)
-                    }
-                    None => (node.children.get(&(key.to_string(), String::new())), None),
+                    Some(w) => (
+                        node.children.get(&(w.key.clone(), w.value.clone())),
+                        Some(w.value.as_str()),
+                    ),
+                    None => (
+                        node.children.get(&(key.to_string(), String::new())),
+                        Some(""),
+                    ),
                 },
             };
             let next = next?;
-            keyed.push((key.to_string(), shared.unwrap_or_else(|| value.to_string())));
+            let shared = wildcard.filter(|_| next.share_threshold);
+            keyed.push((key.to_string(), shared.unwrap_or(value).to_string()));
+            path.push(match wildcard {
+                Some(w) if next.share_threshold || !next.value_to_metric => stat_step(key, w),
+                _ => stat_step(key, value),
+            });
             if i + 1 == n {
                 found = next.limit.clone();
             }
@@ -271,10 +287,28 @@ impl Limits {
             }
             node = next;
         }
-        found.filter(|_| keyed.len() == n).map(|limit| Found {
-            limit,
-            entries: keyed,
+        found.filter(|_| keyed.len() == n).map(|limit| {
+            let stat = if limit.detailed_metric {
+                let steps: Vec<String> = keyed.iter().map(|(k, v)| stat_step(k, v)).collect();
+                steps.join(".")
+            } else {
+                path.join(".")
+            };
+            Found {
+                limit,
+                entries: keyed,
+                stat,
+            }
         })
+    }
+}
+
+/// One level of a statistics key: `key_value`, or `key` for an empty value.
+pub fn stat_step(key: &str, value: &str) -> String {
+    if value.is_empty() {
+        key.to_string()
+    } else {
+        format!("{key}_{value}")
     }
 }
 
@@ -301,20 +335,10 @@ fn wildcard_match(parts: &[String], value: &str) -> bool {
     true
 }
 
-/// Loads `descriptors` under `node`; `values`: a descriptor above asked for `value_to_metric`.
-fn load(
-    node: &mut Node,
-    parent: &str,
-    descriptors: &[YamlDescriptor],
-    values: bool,
-) -> Result<(), String> {
+/// Loads `descriptors` under `node`.
+fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result<(), String> {
     for (i, d) in descriptors.iter().enumerate() {
-        let step = if d.value.is_empty() {
-            d.key.clone()
-        } else {
-            format!("{}_{}", d.key, d.value)
-        };
-        let path = format!("{parent}.{step}");
+        let path = format!("{parent}.{}", stat_step(&d.key, &d.value));
         let at = |m: String| format!("descriptor {path} (descriptors[{i}]): {m}");
         if d.key.is_empty() {
             return Err(at("key: must not be empty".into()));
@@ -328,22 +352,22 @@ fn load(
                 "share_threshold: needs a wildcard value (with '*')".into()
             ));
         }
-        let values = values || d.value_to_metric;
         let limit = match &d.rate_limit {
             None => None,
             Some(r) => {
                 let mut l =
                     limit_of(r, d.shadow_mode, &path).map_err(|m| at(format!("rate_limit.{m}")))?;
-                l.detailed_metric = d.detailed_metric || values;
+                l.detailed_metric = d.detailed_metric;
                 Some(Arc::new(l))
             }
         };
         let mut child = Node {
             limit,
             share_threshold: d.share_threshold,
+            value_to_metric: d.value_to_metric,
             ..Node::default()
         };
-        load(&mut child, &path, &d.descriptors, values)?;
+        load(&mut child, &path, &d.descriptors)?;
         if d.value.contains('*') {
             node.wildcards.push(Wildcard {
                 key: d.key.clone(),

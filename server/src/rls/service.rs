@@ -18,7 +18,7 @@ use prost_types::Duration as PbDuration;
 use sha2::{Digest, Sha256};
 use tonic::{Request, Response, Status};
 
-use super::config::{Limit, Limits, Unit};
+use super::config::{stat_step, Found, Limit, Limits, Unit};
 use super::pb::envoy::config::core::v3::HeaderValue;
 use super::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use super::pb::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -69,15 +69,21 @@ enum Plan {
         /// `unlimited: true`: `limit_remaining` is `u32::MAX`, as envoyproxy/ratelimit says.
         unlimited: bool,
     },
-    /// Charged `cost` (at least 1) to the bucket `key` under `limit`.
+    /// Charged `cost` (at least 1) to the bucket `key` under `limit`; counted under `stat`
+    /// ([`Found::stat`]).
     Charge {
         limit: Arc<Limit>,
         key: String,
         cost: u64,
+        stat: String,
     },
     /// `hits_addend: 0` on the descriptor: `OVER_LIMIT` when the bucket cannot cover one more
     /// unit (or owes), nothing charged.
-    Check { limit: Arc<Limit>, key: String },
+    Check {
+        limit: Arc<Limit>,
+        key: String,
+        stat: String,
+    },
 }
 
 /// A descriptor that asks the store: its index in the request, its limit, bucket and cost (1
@@ -117,13 +123,11 @@ fn push_escaped(out: &mut String, s: &str) {
 }
 
 /// A limit found for a descriptor, and the `(key, value)` entries its bucket is keyed on.
-type Hit = (Arc<Limit>, Vec<(String, String)>);
-
 /// Resolves every descriptor: the limit that applies, `replaces` applied, and the cost. A
 /// descriptor's own `limit` (sent by Envoy) applies only in a domain the file knows, as in
 /// envoyproxy/ratelimit.
 fn plan(limits: &Limits, req: &RateLimitRequest) -> Result<Vec<Plan>, Status> {
-    let mut found: Vec<Option<Hit>> = Vec::with_capacity(req.descriptors.len());
+    let mut found: Vec<Option<Found>> = Vec::with_capacity(req.descriptors.len());
     for (i, d) in req.descriptors.iter().enumerate() {
         let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
         let hit = match &d.limit {
@@ -150,35 +154,49 @@ fn plan(limits: &Limits, req: &RateLimitRequest) -> Result<Vec<Plan>, Status> {
                     detailed_metric: true,
                     charge_response: false,
                 };
-                let entries = entries.map(|(k, v)| (k.to_string(), v.to_string()));
-                Some((Arc::new(limit), entries.collect()))
+                let entries: Vec<(String, String)> = entries
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+                let steps: Vec<String> = entries.iter().map(|(k, v)| stat_step(k, v)).collect();
+                Some(Found {
+                    limit: Arc::new(limit),
+                    entries,
+                    stat: steps.join("."),
+                })
             }
-            None => limits
-                .lookup(&req.domain, entries)
-                .map(|f| (f.limit, f.entries)),
+            None => limits.lookup(&req.domain, entries),
         };
         found.push(hit);
     }
     let replaced: Vec<String> = found
         .iter()
         .flatten()
-        .flat_map(|(l, _)| l.replaces.iter().cloned())
+        .flat_map(|f| f.limit.replaces.iter().cloned())
         .collect();
     Ok(found
         .into_iter()
         .zip(&req.descriptors)
         .map(|(hit, d)| match hit {
             None => Plan::Free { unlimited: false },
-            Some((l, _)) if l.unlimited => Plan::Free { unlimited: true },
-            Some((l, _)) if !l.name.is_empty() && replaced.contains(&l.name) => {
+            Some(f) if f.limit.unlimited => Plan::Free { unlimited: true },
+            Some(f) if !f.limit.name.is_empty() && replaced.contains(&f.limit.name) => {
                 Plan::Free { unlimited: false }
             }
-            Some((limit, entries)) => {
+            Some(Found {
+                limit,
+                entries,
+                stat,
+            }) => {
                 let key = bucket_key(&req.domain, &entries);
                 match cost(req, d) {
                     None => Plan::Free { unlimited: false },
-                    Some(0) => Plan::Check { limit, key },
-                    Some(cost) => Plan::Charge { limit, key, cost },
+                    Some(0) => Plan::Check { limit, key, stat },
+                    Some(cost) => Plan::Charge {
+                        limit,
+                        key,
+                        cost,
+                        stat,
+                    },
                 }
             }
         })
@@ -390,8 +408,10 @@ impl<D: Decide> RlsService<D> {
         for (i, p) in plans.iter().enumerate() {
             let (limit, key, cost) = match p {
                 Plan::Free { .. } => continue,
-                Plan::Check { limit, key } => (limit, key, 0),
-                Plan::Charge { limit, key, cost } => (limit, key, *cost),
+                Plan::Check { limit, key, .. } => (limit, key, 0),
+                Plan::Charge {
+                    limit, key, cost, ..
+                } => (limit, key, *cost),
             };
             if limit.requests_per_unit == 0 {
                 if !limit.shadow_mode {
@@ -458,8 +478,7 @@ impl<D: Decide> RlsService<D> {
     }
 
     /// Counts every descriptor that matched a limit in `/metrics` (`tollgate_rls_hits_total`),
-    /// keyed as envoyproxy/ratelimit keys its statistics: the limit's place in the file without
-    /// the domain, or with `detailed_metric` the request's entries (`key_value.key_value`).
+    /// keyed as envoyproxy/ratelimit keys its statistics ([`Found::stat`]).
     fn count(
         &self,
         req: &RateLimitRequest,
@@ -467,33 +486,20 @@ impl<D: Decide> RlsService<D> {
         statuses: &[DescriptorStatus],
         shadow_over: &[usize],
     ) {
-        for (i, ((p, s), d)) in plans.iter().zip(statuses).zip(&req.descriptors).enumerate() {
-            let (limit, hits) = match p {
+        for (i, (p, s)) in plans.iter().zip(statuses).enumerate() {
+            let (limit, hits, key) = match p {
                 Plan::Free { .. } => continue,
-                Plan::Check { limit, .. } => (limit, 0),
-                Plan::Charge { limit, cost, .. } => (limit, *cost),
-            };
-            let key = if limit.detailed_metric {
-                let parts: Vec<String> = d
-                    .entries
-                    .iter()
-                    .map(|e| format!("{}_{}", e.key, e.value))
-                    .collect();
-                parts.join(".")
-            } else {
-                let prefix = format!("{}.", req.domain);
-                limit
-                    .path
-                    .strip_prefix(&prefix)
-                    .unwrap_or(&limit.path)
-                    .to_string()
+                Plan::Check { limit, stat, .. } => (limit, 0, stat),
+                Plan::Charge {
+                    limit, cost, stat, ..
+                } => (limit, *cost, stat),
             };
             // Within 20 % of the limit after this descriptor (an allowed status's remaining).
             let near = u64::from(s.limit_remaining).saturating_mul(5) <= limit.capacity;
             let over = s.code == Code::OverLimit as i32 || shadow_over.contains(&i);
             self.api.metrics().rls_hits(
                 &req.domain,
-                &key,
+                key,
                 RlsHits {
                     hits,
                     over,
@@ -718,13 +724,17 @@ descriptors:
     }
 
     fn service_with(headers: bool) -> RlsService<Api> {
+        service_of(LIMITS, headers)
+    }
+
+    fn service_of(text: &str, headers: bool) -> RlsService<Api> {
         let api = Arc::new(Api::new(
             Arc::new(MemoryStore::new()),
             None,
             16,
             std::time::Duration::from_millis(500),
         ));
-        let limits = Limits::parse(LIMITS).unwrap_or_default();
+        let limits = Limits::parse(text).unwrap_or_default();
         RlsService::new(
             api,
             Arc::new(LimitsFile::fixed(limits).with_headers(headers)),
@@ -1038,13 +1048,7 @@ descriptors:
         };
         let _ = s.decide(&req(vec![user("alice")], 2)).await;
         let m = s.api.metrics.encode();
-        let line = |key: &str, stat: &str| {
-            let want =
-                format!("tollgate_rls_hits_total{{domain=\"d\",key=\"{key}\",stat=\"{stat}\"}} ");
-            m.lines()
-                .find_map(|l| l.strip_prefix(want.as_str()))
-                .and_then(|v| v.parse::<u64>().ok())
-        };
+        let line = |key: &str, stat: &str| stat_of(&m, "d", key, stat);
         // 3 of 3 within (the third leaves none: near), the fourth over.
         assert_eq!(line("k_a", "total_hits"), Some(4), "{m}");
         assert_eq!(line("k_a", "within_limit"), Some(3));
@@ -1072,6 +1076,104 @@ descriptors:
         );
         assert!(keys.contains("other"));
         assert!(m.contains("tollgate_rls_stat_keys_overflow_total 3"), "{m}");
+    }
+
+    /// `tollgate_rls_hits_total{domain, key, stat}` in `m`, if there.
+    fn stat_of(m: &str, domain: &str, key: &str, stat: &str) -> Option<u64> {
+        let want = format!(
+            "tollgate_rls_hits_total{{domain=\"{domain}\",key=\"{key}\",stat=\"{stat}\"}} "
+        );
+        m.lines()
+            .find_map(|l| l.strip_prefix(want.as_str()))
+            .and_then(|v| v.parse::<u64>().ok())
+    }
+
+    #[tokio::test]
+    async fn value_to_metric_names_only_its_own_descriptors_value() {
+        // As envoyproxy/ratelimit: the flag puts the request's value in the statistics key at
+        // its own level only (matched by the key alone or by a wildcard), never at the levels
+        // below or above it; share_threshold keeps the wildcard; detailed_metric names all.
+        let s = service_of(
+            r#"
+domain: v
+descriptors:
+  - key: route
+    value_to_metric: true
+    descriptors:
+      - key: user
+        rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: team
+    descriptors:
+      - key: user
+        value_to_metric: true
+        rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: path
+    value: "/api/*"
+    value_to_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: path
+    value: "/static/*"
+    rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: path
+    value: "/shared/*"
+    share_threshold: true
+    value_to_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: client
+    value: known
+    value_to_metric: true
+    rate_limit: {unit: hour, requests_per_unit: 5}
+  - key: plan
+    value_to_metric: true
+    descriptors:
+      - key: user
+        detailed_metric: true
+        rate_limit: {unit: hour, requests_per_unit: 5}
+"#,
+            false,
+        );
+        let d = |entries: &[(&str, &str)]| RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: (*k).into(),
+                    value: (*v).into(),
+                })
+                .collect(),
+            ..RateLimitDescriptor::default()
+        };
+        let asks = [
+            vec![("route", "r1"), ("user", "alice")],
+            vec![("team", "t1"), ("user", "bob")],
+            vec![("path", "/api/x")],
+            vec![("path", "/static/a.css")],
+            vec![("path", "/shared/y")],
+            vec![("client", "known")],
+            vec![("plan", "pro"), ("user", "carol")],
+        ];
+        for a in &asks {
+            let mut r = req(vec![d(a)], 1);
+            r.domain = "v".into();
+            assert_eq!(codes(&s, &r).await.0, OK, "{a:?}");
+        }
+        let m = s.api.metrics.encode();
+        for key in [
+            "route_r1.user",
+            "team.user_bob",
+            "path_/api/x",
+            "path_/static/*",
+            "path_/shared/*",
+            "client_known",
+            "plan_pro.user_carol",
+        ] {
+            assert_eq!(stat_of(&m, "v", key, "total_hits"), Some(1), "{key}: {m}");
+        }
+        let keys = m.matches("tollgate_rls_hits_total{domain=\"v\"").count();
+        assert_eq!(
+            keys,
+            asks.len() * 5,
+            "one key per descriptor, five stats each: {m}"
+        );
     }
 
     #[test]
