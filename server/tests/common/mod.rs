@@ -196,15 +196,26 @@ pub struct Service {
 
 impl Service {
     pub async fn start(store: Arc<dyn Store>, token: Option<&str>) -> Self {
+        Self::start_with(
+            store,
+            ServiceConfig {
+                token: token.map(str::to_string),
+                ..ServiceConfig::default()
+            },
+        )
+        .await
+    }
+
+    /// As [`Service::start`], with `config` (its `ready_interval` shortened for the tests).
+    pub async fn start_with(store: Arc<dyn Store>, config: ServiceConfig) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let addr = listener.local_addr().expect("addr");
         let (tx, rx) = oneshot::channel::<()>();
         let config = ServiceConfig {
-            token: token.map(str::to_string),
             ready_interval: Duration::from_millis(50),
-            ..ServiceConfig::default()
+            ..config
         };
         let task = tokio::spawn(run(listener, store.clone(), config, async {
             let _ = rx.await;
