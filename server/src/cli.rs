@@ -282,6 +282,15 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_COALESCE_CALLS", default_value_t = 2)]
     pub coalesce_calls: usize,
 
+    /// Milliseconds a proxy instance stays counted after its last callout (`instances` in every
+    /// answer, the fallback's N). Above the longest `lease.max_age_ms` (60 s), so a proxy serving
+    /// its keys from leases, calling out about once a minute, stays counted; a proxy that stopped
+    /// drops out after it. Give every replica of a deployment the same value.
+    #[arg(long, env = "TOLLGATE_INSTANCE_TTL_MS", default_value_t = crate::api::instances::DEFAULT_TTL_MS,
+          value_parser = clap::value_parser!(u64).range(
+              crate::api::instances::MIN_TTL_MS..=crate::api::instances::MAX_TTL_MS))]
+    pub instance_ttl_ms: u64,
+
     /// Instead of serving: a subcommand.
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -342,6 +351,7 @@ impl std::fmt::Debug for Cli {
             .field("worker_threads", &self.worker_threads)
             .field("coalesce", &self.coalesce)
             .field("coalesce_calls", &self.coalesce_calls)
+            .field("instance_ttl_ms", &self.instance_ttl_ms)
             .field("command", &self.command)
             .finish()
     }
@@ -395,6 +405,7 @@ impl Cli {
                 calls: self.coalesce_calls,
                 max_wait: Some(ms(self.redis_timeout_ms)),
             }),
+            instance_ttl_ms: self.instance_ttl_ms,
         })
     }
 
@@ -612,6 +623,22 @@ mod tests {
             e.map(|e| e.to_string()).as_deref(),
             Some("--redis-tls-ca apply to TLS connections only, but --redis-sentinel is redis://a:26379 (use rediss://)")
         );
+    }
+
+    /// --instance-ttl-ms: 90 s unless given, and a value outside 1 s..=1 day is refused naming
+    /// the flag.
+    #[test]
+    fn instance_ttl() {
+        let ttl = |args: &[&str]| cli(args).service_config().map(|c| c.instance_ttl_ms).ok();
+        assert_eq!(ttl(&[]), Some(90_000));
+        assert_eq!(ttl(&["--instance-ttl-ms", "3000"]), Some(3_000));
+        for bad in ["0", "999", "86400001", "x"] {
+            let e = Cli::try_parse_from(["tollgate-server", "--instance-ttl-ms", bad])
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains("--instance-ttl-ms"), "{bad}: {e}");
+        }
     }
 
     /// Each refusal is its own variant, naming the flag, with the text the log has always shown.

@@ -95,6 +95,9 @@ pub struct ServiceConfig {
     /// Coalescing of concurrent takes into batch calls of a Redis store
     /// ([`store::coalesce`]); `None`: every take is its own store call.
     pub coalesce: Option<store::coalesce::CoalesceConfig>,
+    /// Milliseconds a proxy instance stays counted after its last callout
+    /// ([`api::instances`]).
+    pub instance_ttl_ms: u64,
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -112,6 +115,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("rls", &self.rls.as_ref().map(|f| f.path().to_path_buf()))
             .field("rls_poll", &self.rls_poll)
             .field("coalesce", &self.coalesce)
+            .field("instance_ttl_ms", &self.instance_ttl_ms)
             .finish()
     }
 }
@@ -131,6 +135,7 @@ impl Default for ServiceConfig {
             rls: None,
             rls_poll: Duration::from_millis(1000),
             coalesce: Some(store::coalesce::CoalesceConfig::default()),
+            instance_ttl_ms: api::instances::DEFAULT_TTL_MS,
         }
     }
 }
@@ -157,7 +162,8 @@ pub async fn run(
             config.max_in_flight,
             config.body_timeout,
         )
-        .with_admin_token(config.admin_token.as_deref()),
+        .with_admin_token(config.admin_token.as_deref())
+        .with_instance_ttl(config.instance_ttl_ms),
     );
     // /readyz answers from this check, refreshed in the background: probes never reach the store.
     api.readiness.refresh(store.as_ref()).await;

@@ -6,7 +6,7 @@
 //! | `tollgate_rule_decisions_total` | `rule` = a rule name the filter sent (at most [`MAX_RULE_LABELS`] distinct, the rest `other`); `outcome` = allowed, limited | per rule named in a take (each rule once per take): `allowed` when the take was, `limited` when that rule's own bucket denied it |
 //! | `tollgate_slots_total` | `outcome` = acquired, limited, released, already_free | concurrency slots (`ops/acquire.rs`, `ops/release.rs`): acquires that took their slots or were denied, releases that found their slot or found it gone (expired at its deadline, or released before) |
 //! | `tollgate_settlements_total` | `outcome` = applied, duplicate | settles (`/v1/settle`, `Settle`): applied, or found already applied (a resent id) |
-//! | `tollgate_live_instances` | | proxy instances of the deployment heard from within the last 10 s, as last counted (gauge) |
+//! | `tollgate_live_instances` | | proxy instances of the deployment heard from within the instance TTL (`--instance-ttl-ms`, 90 s by default), as last counted (gauge) |
 //! | `tollgate_store_duration_seconds` | | time of one store call: a take, or a whole batch (histogram) |
 //! | `tollgate_batch_takes` | | takes per batch (`/v1/take_batch`, `TakeBatch`; histogram: its count is the number of batches) |
 //! | `tollgate_store_errors_total` | `kind` = timeout, connection, server, protocol | failed takes |

@@ -3,6 +3,9 @@
 //! - `replicas_count_the_deployment_together`: two replicas on one Redis each hear some proxies;
 //!   within about a second every answer, from either replica and either transport, reports all of
 //!   them; a proxy that stops calling drops out after the TTL.
+//! - `an_instance_stays_counted_for_the_configured_ttl`: with `instance_ttl_ms` 4 s, a proxy heard
+//!   again 3 s after its first call is still counted when one that called once has dropped out,
+//!   and drops out itself 4 s after its last call.
 //! - `every_operation_counts_its_caller`: a proxy that only settles, acquires, releases or refunds
 //!   (a lease holder that takes rarely) is live too.
 //! - `rule_label_is_bounded`: decisions are counted per rule name, and rule names beyond the cap
@@ -17,8 +20,9 @@ use std::time::{Duration, Instant};
 use common::{bucket, get_text, post_take, unique, RedisProc, Service};
 use serde_json::{json, Value};
 use tollgate_server::api::grpc::pb;
-use tollgate_server::api::instances::TTL_MS;
+use tollgate_server::api::instances::DEFAULT_TTL_MS;
 use tollgate_server::metrics::MAX_RULE_LABELS;
+use tollgate_server::ServiceConfig;
 
 fn take_from(instance: &str, key: &str) -> Value {
     json!({"buckets": [bucket(key, 1000, 1000, 1000, 1)], "instance": instance})
@@ -47,11 +51,35 @@ async fn until_count(
     }
 }
 
+/// A replica on `redis` counting instances for `ttl_ms`.
+async fn replica(redis: &RedisProc, ttl_ms: u64) -> Service {
+    let config = ServiceConfig {
+        instance_ttl_ms: ttl_ms,
+        ..ServiceConfig::default()
+    };
+    Service::start_with(Arc::new(common::redis_store(&redis.url(), 500)), config).await
+}
+
+/// The count an answer to a take without an id reports, asked twice 1.1 s apart: the second
+/// answer carries the count the first one's report (one a second at most) learned.
+async fn count_now(client: &reqwest::Client, svc: &Service) -> u64 {
+    let take = json!({"buckets": [bucket(&unique("watch"), 1000, 1000, 1000, 1)]});
+    post_take(client, svc, &take).await;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    post_take(client, svc, &take).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (status, body) = post_take(client, svc, &take).await;
+    assert_eq!(status, 200, "{body}");
+    body["instances"].as_u64().unwrap_or(0)
+}
+
+const TEST_TTL_MS: u64 = 3_000;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_count_the_deployment_together() {
     let redis = RedisProc::start();
-    let a = Service::start(Arc::new(common::redis_store(&redis.url(), 500)), None).await;
-    let b = Service::start(Arc::new(common::redis_store(&redis.url(), 500)), None).await;
+    let a = replica(&redis, TEST_TTL_MS).await;
+    let b = replica(&redis, TEST_TTL_MS).await;
     let client = reqwest::Client::new();
 
     // Proxies p1, p2 call replica a; p3 calls replica b. A take without an id is not counted.
@@ -106,12 +134,56 @@ async fn replicas_count_the_deployment_together() {
     );
 
     // Only p1 keeps calling: p2 and p3 drop out once the TTL has passed.
-    let seen = until_count(&client, &a, "p1", 1, Duration::from_millis(TTL_MS + 4_000)).await;
+    let seen = until_count(
+        &client,
+        &a,
+        "p1",
+        1,
+        Duration::from_millis(TEST_TTL_MS + 4_000),
+    )
+    .await;
     assert_eq!(seen.last(), Some(&1), "{seen:?}");
     let metrics = get_text(a.url("/metrics")).await;
     assert!(metrics.contains("tollgate_live_instances 1"), "{metrics}");
     a.stop().await;
     b.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_stays_counted_for_the_configured_ttl() {
+    const TTL: Duration = Duration::from_millis(4_000);
+    let redis = RedisProc::start();
+    let svc = replica(&redis, 4_000).await;
+    let client = reqwest::Client::new();
+    let t0 = Instant::now();
+    post_take(&client, &svc, &take_from("once", "k")).await;
+    post_take(&client, &svc, &take_from("again", "k")).await;
+    assert_eq!(count_now(&client, &svc).await, 2);
+    // `again` is heard 3 s in, within its TTL; `once` never again.
+    tokio::time::sleep(
+        (t0 + Duration::from_millis(3_000)).saturating_duration_since(Instant::now()),
+    )
+    .await;
+    post_take(&client, &svc, &take_from("again", "k")).await;
+    // Past `once`'s TTL (and the report that follows it), well before `again`'s ends.
+    tokio::time::sleep(
+        (t0 + TTL + Duration::from_millis(200)).saturating_duration_since(Instant::now()),
+    )
+    .await;
+    let n = count_now(&client, &svc).await;
+    let at = t0.elapsed();
+    assert!(
+        at < Duration::from_millis(7_000),
+        "too slow to tell ({at:?})"
+    );
+    assert_eq!(n, 1, "{at:?} in: `again` counted, `once` dropped out");
+    // 4 s after `again`'s last call it has dropped out too.
+    tokio::time::sleep(
+        (t0 + Duration::from_millis(7_200)).saturating_duration_since(Instant::now()),
+    )
+    .await;
+    assert_eq!(count_now(&client, &svc).await, 0);
+    svc.stop().await;
 }
 
 /// A replica started while the deployment runs has heard only its own callers: its answers say
@@ -276,16 +348,22 @@ async fn on_a_cluster() {
     let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert_eq!(
         store
-            .live_instances(&ids(&["a", "b"]), TTL_MS)
+            .live_instances(&ids(&["a", "b"]), DEFAULT_TTL_MS)
             .await
             .unwrap(),
         Some(2)
     );
     assert_eq!(
-        store.live_instances(&ids(&["c"]), TTL_MS).await.unwrap(),
+        store
+            .live_instances(&ids(&["c"]), DEFAULT_TTL_MS)
+            .await
+            .unwrap(),
         Some(3)
     );
-    assert_eq!(store.live_instances(&[], TTL_MS).await.unwrap(), Some(3));
+    assert_eq!(
+        store.live_instances(&[], DEFAULT_TTL_MS).await.unwrap(),
+        Some(3)
+    );
     // Two buckets in different slots, one take: lowered limits carry both over.
     let spec = |key: &str, cap: u64, cost: u64| BucketSpec {
         key: key.into(),

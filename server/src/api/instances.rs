@@ -16,7 +16,9 @@
 //! shares too large). One single-key call per replica per second is cluster-safe by construction.
 //! On the memory store the replica's own view is the count.
 //!
-//! The count is conservative where it can be: ids stay live for [`TTL_MS`] after their last take,
+//! The count is conservative where it can be: ids stay live for the registry's TTL
+//! (`--instance-ttl-ms`, [`DEFAULT_TTL_MS`] by default: longer than a leasing proxy's quietest
+//! stretch, `lease.max_age_ms` at most 60 s) after their last take,
 //! replicas' views are merged in the store, and every proxy sharing the key prefix counts (two
 //! fleets calling one service count as one deployment: a larger N only makes each fallback share
 //! smaller, never larger).
@@ -26,8 +28,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// An instance not heard from for this long is no longer live.
-pub const TTL_MS: u64 = 10_000;
+/// By default, an instance not heard from for this long is no longer live: above the longest
+/// `lease.max_age_ms` (60 s), so a proxy that serves a hot key from its leases, calling out once a
+/// minute or so, stays counted.
+pub const DEFAULT_TTL_MS: u64 = 90_000;
+/// The shortest TTL `--instance-ttl-ms` accepts: the report interval ([`FLUSH_EVERY`]); a shorter
+/// one would forget an id between two reports.
+pub const MIN_TTL_MS: u64 = 1_000;
+/// The longest TTL `--instance-ttl-ms` accepts (one day).
+pub const MAX_TTL_MS: u64 = 86_400_000;
 /// How often a replica reports the ids it heard to the store and learns the count.
 pub const FLUSH_EVERY: Duration = Duration::from_secs(1);
 /// Most ids one replica remembers; ids heard beyond that are not counted by it until some expire.
@@ -49,10 +58,19 @@ pub struct Instances {
     /// Whether a report to the store has succeeded yet: until then the count is unknown.
     reported: AtomicBool,
     flushing: AtomicBool,
+    /// An id not heard from for this many milliseconds is no longer live.
+    ttl_ms: u64,
 }
 
 impl Default for Instances {
     fn default() -> Self {
+        Instances::new(DEFAULT_TTL_MS)
+    }
+}
+
+impl Instances {
+    /// An empty registry whose ids stay live for `ttl_ms` after they were last heard.
+    pub fn new(ttl_ms: u64) -> Self {
         Instances {
             local: Mutex::new(Local {
                 seen: HashMap::new(),
@@ -62,11 +80,10 @@ impl Default for Instances {
             known: AtomicU64::new(0),
             reported: AtomicBool::new(false),
             flushing: AtomicBool::new(false),
+            ttl_ms,
         }
     }
-}
 
-impl Instances {
     fn lock(&self) -> std::sync::MutexGuard<'_, Local> {
         match self.local.lock() {
             Ok(g) => g,
@@ -115,10 +132,10 @@ impl Instances {
     }
 
     /// Reports the ids heard since the last report (and those re-heard) to the store, learns the
-    /// deployment's count, and forgets ids not heard for [`TTL_MS`]. Only after a `note` said a
+    /// deployment's count, and forgets ids not heard for the TTL. Only after a `note` said a
     /// report is due. A store error keeps the last count (and the ids, for the next report).
     pub async fn flush(&self, store: &dyn crate::store::Store, now: Instant) -> u64 {
-        let ttl = Duration::from_millis(TTL_MS);
+        let ttl = Duration::from_millis(self.ttl_ms);
         let report: Vec<String> = {
             let mut l = self.lock();
             l.seen
@@ -135,7 +152,7 @@ impl Instances {
                 })
                 .collect()
         };
-        match store.live_instances(&report, TTL_MS).await {
+        match store.live_instances(&report, self.ttl_ms).await {
             Ok(Some(n)) => {
                 self.learned.store(n, Ordering::Relaxed);
                 self.reported.store(true, Ordering::Release);
@@ -167,7 +184,7 @@ mod tests {
 
     #[tokio::test]
     async fn counts_what_it_hears_and_forgets_the_silent() {
-        let reg = Instances::default();
+        let reg = Instances::new(10_000);
         let store = MemoryStore::new();
         let t0 = Instant::now();
         let (n, due) = reg.note(Some("a"), t0);
@@ -192,5 +209,44 @@ mod tests {
         let (_, due) = reg.note(None, later);
         assert!(due);
         assert_eq!(reg.flush(&store, later).await, 1, "a went silent");
+    }
+
+    /// By default an id silent for a minute (a proxy serving a hot key from a lease with
+    /// `max_age_ms` 60 s) is still counted; one silent for longer than 90 s is not.
+    #[tokio::test]
+    async fn a_leasing_proxy_stays_counted_by_default() {
+        let reg = Instances::default();
+        let store = MemoryStore::new();
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        reg.note(Some("leaser"), t0);
+        reg.note(Some("taker"), t0);
+        assert_eq!(reg.flush(&store, t0).await, 2);
+        for ms in [30_000, 60_000, 89_000] {
+            reg.note(Some("taker"), at(ms));
+            assert_eq!(reg.flush(&store, at(ms)).await, 2, "{ms} ms in");
+        }
+        reg.note(Some("taker"), at(90_500));
+        assert_eq!(reg.flush(&store, at(90_500)).await, 1, "90.5 s of silence");
+    }
+
+    /// A configured TTL: an id heard again within it stays, one silent for longer goes.
+    #[tokio::test]
+    async fn a_configured_ttl_is_kept() {
+        let reg = Instances::new(3_000);
+        let store = MemoryStore::new();
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        reg.note(Some("a"), t0);
+        reg.note(Some("b"), t0);
+        assert_eq!(reg.flush(&store, t0).await, 2);
+        reg.note(Some("a"), at(1_500));
+        assert_eq!(reg.flush(&store, at(1_500)).await, 2);
+        reg.note(Some("a"), at(2_900));
+        assert_eq!(reg.flush(&store, at(2_900)).await, 2, "b within its 3 s");
+        reg.note(Some("a"), at(3_100));
+        assert_eq!(reg.flush(&store, at(3_100)).await, 1, "b silent for 3.1 s");
+        assert_eq!(reg.flush(&store, at(4_600)).await, 1, "a heard 1.5 s ago");
+        assert_eq!(reg.flush(&store, at(6_200)).await, 0, "both silent");
     }
 }

@@ -232,6 +232,13 @@ impl Api {
         self.admit_as(admin, headers, body, limit, framing).await
     }
 
+    /// The same, with proxy instances counted for `ttl_ms` after their last callout (the default:
+    /// [`instances::DEFAULT_TTL_MS`]).
+    pub fn with_instance_ttl(mut self, ttl_ms: u64) -> Self {
+        self.instances = Arc::new(instances::Instances::new(ttl_ms));
+        self
+    }
+
     /// Everything a request goes through before it is decoded, in this order: the token (from
     /// the headers alone), the body (at most `limit` bytes, its operation's bound, plus the
     /// transport's `framing` bytes, within the body timeout: no permit is held while a slow client
