@@ -69,13 +69,9 @@ impl Object for RawBucketRef {
     ) -> Result<(), A::Error> {
         match name {
             KIND => self.kind = v.string()?,
-            fields::KEY => self.bucket.key = v.string()?,
-            fields::ALGORITHM => self.bucket.algorithm = v.algorithm()?,
-            fields::CAPACITY => self.bucket.capacity = v.uint()?,
-            fields::RATE => self.bucket.rate = v.uint()?,
-            fields::PERIOD_MS => self.bucket.period_ms = v.uint()?,
-            // FIELDS holds no other name.
-            _ => {}
+            // The bucket's own fields, read as a take's bucket reads them (FIELDS holds no `cost`,
+            // `lease` or `rule`, so those never reach it).
+            _ => self.bucket.read(name, v)?,
         }
         Ok(())
     }
