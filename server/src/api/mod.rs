@@ -219,6 +219,13 @@ impl Api {
         self
     }
 
+    /// Counts proxy instances counted for `ttl_ms` after their last callout (the default:
+    /// [`instances::DEFAULT_TTL_MS`]).
+    pub fn with_instance_ttl(mut self, ttl_ms: u64) -> Self {
+        self.instances = Arc::new(instances::Instances::new(ttl_ms));
+        self
+    }
+
     /// [`Api::admit`] for the admin endpoints: 404 when they are off, then their own token (the
     /// takes' token does not open them), the body and a permit as any request.
     pub async fn admit_admin(
@@ -230,13 +237,6 @@ impl Api {
     ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
         let admin = self.admin.as_ref().ok_or(ApiError::AdminOff)?;
         self.admit_as(admin, headers, body, limit, framing).await
-    }
-
-    /// The same, with proxy instances counted for `ttl_ms` after their last callout (the default:
-    /// [`instances::DEFAULT_TTL_MS`]).
-    pub fn with_instance_ttl(mut self, ttl_ms: u64) -> Self {
-        self.instances = Arc::new(instances::Instances::new(ttl_ms));
-        self
     }
 
     /// Everything a request goes through before it is decoded, in this order: the token (from
