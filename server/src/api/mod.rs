@@ -219,7 +219,7 @@ impl Api {
         self
     }
 
-    /// Counts proxy instances counted for `ttl_ms` after their last callout (the default:
+    /// Keeps a proxy instance counted for `ttl_ms` after its last callout (the default:
     /// [`instances::DEFAULT_TTL_MS`]).
     pub fn with_instance_ttl(mut self, ttl_ms: u64) -> Self {
         self.instances = Arc::new(instances::Instances::new(ttl_ms));
