@@ -14,7 +14,8 @@
 //!   Envoy; `start_fleet` builds the fleet's Envoy specs.
 //! - `Load` (concurrent clients, round-robin over the Envoys) and `Sampler` (the fleet's decision
 //!   counters over time), at the end of the file.
-//! - the tests: `global_mode_is_one_bucket_across_envoys`, `fallback_splits_the_limit_across_envoys`,
+//! - the tests: `global_mode_is_one_bucket_across_envoys`,
+//!   `a_flood_of_denials_is_answered_locally_and_still_exact`, `fallback_splits_the_limit_across_envoys`,
 //!   `service_killed_under_load_falls_back_then_resumes`, `redis_killed_under_load_falls_back_then_resumes`,
 //!   `skewed_service_clock_still_one_bucket`.
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
@@ -89,6 +90,64 @@ fn plugin(key: &str, capacity: u64, rate: u64, period_ms: u64, extra: serde_json
     cfg.to_string()
 }
 
+/// What a fleet admitted of a load against one key.
+struct OneKey {
+    run: Tally,
+    /// What reached the upstream.
+    admitted: u64,
+    /// The ideal: capacity + floor(refill over the measured time).
+    expected: u64,
+    /// The fleet's Tollgate stats, summed.
+    stats: BTreeMap<String, u64>,
+    /// What reached the upstream, per Envoy.
+    per_envoy: BTreeMap<String, u64>,
+    /// Callouts the Envoys sent to the service.
+    callouts: u64,
+}
+
+/// `n` Envoys (failing closed: a failed callout shows as a missing admission, never as a fallback
+/// one) in front of the real service and Redis, one key at `capacity, rate per period_ms`,
+/// `clients` round-robin clients for `millis` ms (at most `max_total` requests).
+fn one_key_under_load(
+    name: &str,
+    n: usize,
+    (capacity, rate, period_ms): (u64, u64, u64),
+    clients: usize,
+    millis: u64,
+    max_total: u64,
+) -> OneKey {
+    let c = Components::get();
+    let dir = TempDir::new(name);
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start_with(&c, &dir, Some(&redis.url()), SERVICE_FLAGS);
+    let upstream = Upstream::start_counting_by(ENVOY_HEADER);
+    let cfg = plugin(
+        name,
+        capacity,
+        rate,
+        period_ms,
+        serde_json::json!({"failure_mode": "deny"}),
+    );
+    let envoys = start_fleet(&c, &dir, n, &cfg, &[service.port], upstream.port);
+    let run = Load::run(
+        &envoys,
+        clients,
+        Duration::from_millis(millis),
+        max_total,
+        Duration::ZERO,
+    );
+    let elapsed_ms = run.elapsed.as_secs_f64() * 1000.0;
+    let refill = (rate as f64 * elapsed_ms / period_ms as f64).floor() as u64;
+    OneKey {
+        admitted: upstream.requests(),
+        expected: capacity + refill,
+        stats: tg_total(&envoys),
+        per_envoy: upstream.counts(),
+        callouts: replica_requests(&envoys, &[service.port]).values().sum(),
+        run,
+    }
+}
+
 /// Global mode through three Envoys hit round-robin by 16 concurrent clients: what reaches the upstream
 /// is exactly the capacity plus the tokens refilled while the test ran.
 #[test]
@@ -101,41 +160,23 @@ fn global_mode_is_one_bucket_across_envoys() {
     const RATE: u64 = 2;
     const PERIOD_MS: u64 = 1000;
 
-    let c = Components::get();
-    let dir = TempDir::new("global");
-    let redis = Redis::start(&c, &dir);
-    let service = Service::start_with(&c, &dir, Some(&redis.url()), SERVICE_FLAGS);
-    let upstream = Upstream::start_counting_by(ENVOY_HEADER);
     // Failing closed here: a failed callout must show up as a missing admission, never hide behind a
-    // fallback admission.
-    let cfg = plugin(
-        "global",
-        CAPACITY,
-        RATE,
-        PERIOD_MS,
-        serde_json::json!({"failure_mode": "deny"}),
-    );
-    let envoys = start_fleet(&c, &dir, N, &cfg, &[service.port], upstream.port);
-
-    // 3.25 s: refill × duration (6.5 tokens) sits between two whole tokens, so the measured window's
-    // few ms of edges rarely decide the last token (with exactly 3 s they nearly always would).
-    let run = Load::run(
-        &envoys,
-        16,
-        Duration::from_millis(3250),
-        30_000,
-        Duration::ZERO,
-    );
-    let admitted = upstream.requests();
+    // fallback admission. 3.25 s: refill × duration (6.5 tokens) sits between two whole tokens, so
+    // the measured window's few ms of edges rarely decide the last token (with exactly 3 s they
+    // nearly always would).
+    let OneKey {
+        run,
+        admitted,
+        expected,
+        stats,
+        per_envoy,
+        ..
+    } = one_key_under_load("global", N, (CAPACITY, RATE, PERIOD_MS), 16, 3250, 30_000);
     let elapsed = run.elapsed.as_secs_f64();
-    let refill = (RATE as f64 * elapsed * 1000.0 / PERIOD_MS as f64).floor() as u64;
-    let expected = CAPACITY + refill;
-    let stats = tg_total(&envoys);
     eprintln!(
         "global: {} requests in {elapsed:.3} s, admitted {admitted} (expected {expected} = {CAPACITY} + \
-         floor({RATE}/s × {elapsed:.3} s)), per Envoy {:?}, statuses {:?}, filter stats {stats:?}",
+         floor({RATE}/s × {elapsed:.3} s)), per Envoy {per_envoy:?}, statuses {:?}, filter stats {stats:?}",
         run.sent(),
-        upstream.counts(),
         run.statuses
     );
 
@@ -170,8 +211,72 @@ fn global_mode_is_one_bucket_across_envoys() {
         "no callout may fail: {stats:?}"
     );
     // Every Envoy took part: the one bucket is shared, not merely one Envoy's.
-    let per = upstream.counts();
-    assert_eq!(per.len(), N, "every Envoy admitted some: {per:?}");
+    assert_eq!(
+        per_envoy.len(),
+        N,
+        "every Envoy admitted some: {per_envoy:?}"
+    );
+}
+
+/// A flood against one key at 100 a minute through four Envoys (99 % denied): each denial the
+/// service gives is remembered by every worker of that Envoy until the bucket could pay again (at
+/// most `service.remember_denials_ms`, 1 s by default), so most 429s are answered without a
+/// callout, while what reaches the upstream stays the ideal count to within one token.
+#[test]
+fn a_flood_of_denials_is_answered_locally_and_still_exact() {
+    let _serial = serial();
+    const N: usize = 4;
+    const CAPACITY: u64 = 100;
+    const RATE: u64 = 100;
+    const PERIOD_MS: u64 = 60_000;
+
+    // 3.9 s: 6.5 tokens refilled, between two whole tokens (as in the test above).
+    let OneKey {
+        run,
+        admitted,
+        expected,
+        stats,
+        callouts,
+        ..
+    } = one_key_under_load("flood", N, (CAPACITY, RATE, PERIOD_MS), 64, 3900, 200_000);
+    let elapsed = run.elapsed.as_secs_f64();
+    let (limited, locally) = (
+        stat(&stats, "rule.fleet.limited"),
+        stat(&stats, "rule.fleet.limited_locally"),
+    );
+    eprintln!(
+        "flood: {} requests in {elapsed:.3} s, admitted {admitted} (expected {expected}), statuses \
+         {:?}, {callouts} callouts, {limited} limited of which {locally} from a remembered denial",
+        run.sent(),
+        run.statuses
+    );
+    assert_eq!(run.other(), 0, "only 200 and 429: {:?}", run.statuses);
+    assert_eq!(run.count(200), admitted);
+    assert!(
+        run.sent() > 10 * expected,
+        "a flood: {} requests",
+        run.sent()
+    );
+    assert!(
+        admitted <= expected && admitted + 1 >= expected,
+        "admitted {admitted}, expected {expected} (or one less, for the token in flight at the edge)"
+    );
+    assert_eq!(limited, run.count(429), "every 429 is a denial: {stats:?}");
+    assert!(
+        locally * 10 >= limited * 8,
+        "most denials answered from memory: {locally} of {limited}"
+    );
+    assert!(
+        callouts * 4 <= run.sent(),
+        "a flood costs few callouts: {callouts} for {} requests",
+        run.sent()
+    );
+    // A remembered denial still says when to come back: within the second it is remembered for.
+    assert!(
+        run.retry_after.iter().all(|&s| (1..=1).contains(&s)),
+        "Retry-After of a 100/min bucket is one second: {:?}",
+        run.retry_after.iter().max()
+    );
 }
 
 /// The service unreachable (its cluster points at a closed port): each Envoy falls back to a local

@@ -132,6 +132,10 @@ pub struct Service {
     /// Group commit: while a callout is in flight, at most this many requests of a worker wait
     /// to go together in the next callout (0: every request calls on its own).
     pub batch: usize,
+    /// How long a denial from the service is remembered by every worker of this Envoy, at most:
+    /// until its `retry_after_ms` or this long, whichever is sooner (0: not remembered; see
+    /// [`crate::core::local::denials`]).
+    pub remember_denials_ms: u64,
 }
 
 impl core::fmt::Debug for Service {
@@ -145,6 +149,7 @@ impl core::fmt::Debug for Service {
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("domain", &self.domain)
             .field("batch", &self.batch)
+            .field("remember_denials_ms", &self.remember_denials_ms)
             .finish()
     }
 }

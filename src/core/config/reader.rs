@@ -350,6 +350,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             "token",
             "domain",
             "batch",
+            "remember_denials_ms",
         ],
     )?;
     let cluster = s.string("cluster")?.unwrap_or_default();
@@ -409,6 +410,22 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
     if batch > 0 && transport == Transport::Rls {
         return err("service.batch", "not available with transport rls");
     }
+    let remember_denials_ms = s.int(
+        "remember_denials_ms",
+        Some(if transport == Transport::Rls {
+            0
+        } else {
+            DEFAULT_REMEMBER_DENIALS_MS
+        }),
+        0,
+        MAX_REMEMBER_DENIALS_MS,
+    )?;
+    if remember_denials_ms > 0 && transport == Transport::Rls {
+        return err(
+            "service.remember_denials_ms",
+            "not available with transport rls (another server's retry times are not known)",
+        );
+    }
     Ok(Service {
         cluster,
         authority,
@@ -418,6 +435,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
         token,
         domain,
         batch,
+        remember_denials_ms,
     })
 }
 
@@ -686,6 +704,13 @@ fn read_charge(r: &Obj) -> Result<Option<Charge>, ConfigError> {
 
 /// Largest price of one prompt or completion token (`usage.weights`).
 pub const MAX_WEIGHT: u64 = 1000;
+
+/// How long a denial is remembered at most by default (`service.remember_denials_ms`): short
+/// enough that a bucket reset or a refund is seen within a second, long enough that a flood of
+/// denied requests costs about one callout per key and second.
+pub const DEFAULT_REMEMBER_DENIALS_MS: u64 = 1000;
+/// The longest `service.remember_denials_ms`.
+pub const MAX_REMEMBER_DENIALS_MS: u64 = 60_000;
 
 /// The RLS descriptor a rule gets without `descriptor`: `("rule", <name>)`, then per key part the
 /// entry Envoy's own rate limit actions would use (`remote_address`, the header's name, `path`,

@@ -24,6 +24,7 @@ use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::decide;
 use crate::core::local::breaker::{self, Admission, Event};
+use crate::core::local::denials;
 use crate::core::local::fallback;
 use crate::core::local::lease::{self, Count, Local};
 use crate::core::rules::Request;
@@ -120,8 +121,9 @@ pub struct Flow {
     pub phase: Phase,
     /// Headers to add to the upstream's response (`response.on_allowed`).
     pub response_headers: Vec<(String, String)>,
-    /// Shadow rules that denied in a first answer, counted with the final verdict (see
-    /// [`decide::without_shadow`]).
+    /// Per-rule counts beside the verdict's, counted with it: shadow rules that denied in a first
+    /// answer (see [`decide::without_shadow`]), rules whose remembered denial answered
+    /// ([`denials`]).
     pub shadow_counts: Vec<(usize, RuleCount)>,
     /// Concurrency slots ([`crate::core::inflight`]): taken after the rate rules admitted the
     /// request, released by [`Flow::on_end`].
@@ -175,6 +177,17 @@ impl Flow {
         }
         let seen = breaker::admit_seen(host.store(), &cfg.breaker, now);
         let (admission, clean) = (seen.admission, seen.clean);
+        if seen.denials && admission == Admission::Call {
+            if let Some(resp) = denials::recall(cfg, &plan, host.store(), now) {
+                // The service denied this cost moments ago and could not pay it yet.
+                for (i, b) in resp.buckets.iter().enumerate() {
+                    if let (false, Some(&r)) = (b.allowed, plan.rules.get(i)) {
+                        self.shadow_counts.push((r, RuleCount::LimitedLocally));
+                    }
+                }
+                return self.conclude(cfg, &plan, &Outcome::Limited(resp), false, host);
+            }
+        }
         if seen.debt {
             // The fallback admitted on credit recently: this callout repays what its buckets owe.
             fallback::attach_debts(cfg, &mut plan, host.store(), now);
@@ -404,6 +417,10 @@ fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) ->
     let now = host.now_ms();
     let (outcome, repaid) = fallback::settle_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
+    let until = denials::remember(cfg, plan, &outcome, host.store(), now);
+    if until > 0 {
+        breaker::mark_denied(host.store(), until);
+    }
     let (granted, chores) = lease::settle(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {
         host.count_lease(Count::Granted, granted);

@@ -29,6 +29,9 @@ pub struct State {
     /// them ([`crate::core::local::fallback::attach_debts`]). Kept here because every request reads
     /// this entry anyway.
     pub debt_until_ms: u64,
+    /// Until when a remembered denial may hold (0: none): while it lasts, requests look their
+    /// buckets up in [`crate::core::local::denials`] before calling. Kept here for the same reason.
+    pub denied_until_ms: u64,
 }
 
 impl State {
@@ -39,14 +42,15 @@ impl State {
             self.open_until_ms,
             self.interval_ms,
             self.debt_until_ms,
+            self.denied_until_ms,
         ];
         table::encode(table::BREAKER, &[0; table::ID_BYTES], &words)
     }
 
     /// Parses [`State::encode`]'s output; anything else reads as a fresh, closed breaker.
     pub fn decode(b: Option<&[u8]>) -> State {
-        let Some((_, [failures, open_until_ms, interval_ms, debt_until_ms])) =
-            b.and_then(|b| table::decode::<4>(table::BREAKER, b))
+        let Some((_, [failures, open_until_ms, interval_ms, debt_until_ms, denied_until_ms])) =
+            b.and_then(|b| table::decode::<5>(table::BREAKER, b))
         else {
             return State::default();
         };
@@ -55,6 +59,7 @@ impl State {
             open_until_ms,
             interval_ms,
             debt_until_ms,
+            denied_until_ms,
         }
     }
 
@@ -107,6 +112,7 @@ pub fn admit(cfg: &Breaker, s: State, now_ms: u64) -> (Admission, Option<State>)
 pub fn on_success(s: State) -> (Option<State>, Event) {
     let closed = State {
         debt_until_ms: s.debt_until_ms,
+        denied_until_ms: s.denied_until_ms,
         ..State::default()
     };
     if s.is_open() {
@@ -137,6 +143,7 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             open_until_ms: now_ms.saturating_add(interval),
             interval_ms: interval,
             debt_until_ms: s.debt_until_ms,
+            denied_until_ms: s.denied_until_ms,
         };
         return (Some(next), Event::Reopened);
     }
@@ -147,6 +154,7 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             open_until_ms: now_ms.saturating_add(cfg.open_ms),
             interval_ms: cfg.open_ms,
             debt_until_ms: s.debt_until_ms,
+            denied_until_ms: s.denied_until_ms,
         };
         (Some(next), Event::Opened)
     } else {
@@ -154,6 +162,7 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             Some(State {
                 failures,
                 debt_until_ms: s.debt_until_ms,
+                denied_until_ms: s.denied_until_ms,
                 ..State::default()
             }),
             Event::None,
@@ -180,6 +189,8 @@ pub struct Seen {
     pub admission: Admission,
     /// Whether fallback debts may be outstanding.
     pub debt: bool,
+    /// Whether a remembered denial may hold ([`mark_denied`]).
+    pub denials: bool,
     /// Closed with no failures counted: a success of this callout has nothing to record
     /// ([`needs_record`]).
     pub clean: bool,
@@ -190,17 +201,19 @@ pub fn admit_seen<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -
     let u = update(store, KEY, |cur| {
         let s = State::decode(cur);
         let debt = now_ms < s.debt_until_ms;
+        let denials = now_ms < s.denied_until_ms;
         let clean = !s.is_open() && s.failures == 0;
         match admit(cfg, s, now_ms) {
-            (a, Some(next)) => Step::Write(next.encode(), (a, debt, clean)),
-            (a, None) => Step::Keep((a, debt, clean)),
+            (a, Some(next)) => Step::Write(next.encode(), (a, debt, denials, clean)),
+            (a, None) => Step::Keep((a, debt, denials, clean)),
         }
     });
-    let (admission, debt, clean) = u.value;
+    let (admission, debt, denials, clean) = u.value;
     if u.stored {
         Seen {
             admission,
             debt,
+            denials,
             clean,
         }
     } else {
@@ -208,6 +221,7 @@ pub fn admit_seen<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -
         Seen {
             admission: Admission::Reject,
             debt,
+            denials,
             clean: false,
         }
     }
@@ -232,6 +246,23 @@ pub fn mark_debt<S: CasStore + ?Sized>(store: &S, until_ms: u64) {
         }
         let next = State {
             debt_until_ms: until_ms,
+            ..s
+        };
+        Step::Write(next.encode(), ())
+    });
+}
+
+/// Records that a denial is remembered until `until_ms` ([`crate::core::local::denials`]). The
+/// mark runs a second past the latest denial it covers, so a flood of denials writes here about
+/// once a second, not once per denial; a mark that runs long only costs a lookup.
+pub fn mark_denied<S: CasStore + ?Sized>(store: &S, until_ms: u64) {
+    update(store, KEY, |cur| {
+        let s = State::decode(cur);
+        if s.denied_until_ms >= until_ms {
+            return Step::Keep(());
+        }
+        let next = State {
+            denied_until_ms: until_ms.saturating_add(1000),
             ..s
         };
         Step::Write(next.encode(), ())
@@ -433,6 +464,7 @@ mod tests {
             open_until_ms: u64::MAX,
             interval_ms: 3,
             debt_until_ms: 9,
+            denied_until_ms: 11,
         };
         assert_eq!(State::decode(Some(&st.encode())), st);
         assert_eq!(State::decode(Some(&[1, 2, 3])), State::default());

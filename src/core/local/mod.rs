@@ -5,6 +5,7 @@
 //! - `bucket`: local bucket math (integer micro-tokens), one module per algorithm.
 //! - `breaker`: the circuit breaker over a serialisable shared state.
 //! - `fallback`: the fallback shares kept in step with the answers, and their debts.
+//! - `denials`: exact mode's remembered denials, answered by every worker without a callout.
 //! - `lease`: lease mode, pools of tokens granted by the service, spent by every worker.
 //! - `slots`: local concurrency slots, for concurrency rules when the service cannot be asked.
 //! - `props` (tests only): property tests of the shares and lease pools under interleaved
@@ -12,6 +13,7 @@
 
 pub mod breaker;
 pub mod bucket;
+pub mod denials;
 pub mod fallback;
 pub mod lease;
 #[cfg(test)]

@@ -25,6 +25,8 @@ pub const SHARE: u8 = 0x11;
 pub const POOL: u8 = 0x12;
 /// The breaker's state ([`crate::core::local::breaker`]).
 pub const BREAKER: u8 = 0x13;
+/// A remembered denial ([`crate::core::local::denials`]).
+pub const DENIAL: u8 = 0x14;
 
 /// Shared-data tables of the fallback shares: one per table size, `tollgate.fb.<max_keys>` (a
 /// bucket's slot depends on the size, so a push that changes it starts a table of its own and
@@ -32,6 +34,8 @@ pub const BREAKER: u8 = 0x13;
 pub const SHARES_TABLE: &str = "tollgate.fb";
 /// The lease pools' table.
 pub const POOLS_TABLE: &str = "tollgate.lease";
+/// The remembered denials' table (written without CAS: a lost write only costs a callout).
+pub const DENIALS_TABLE: &str = "tollgate.deny";
 /// The local fallback slots' table (concurrency rules; counters, not records).
 pub const SLOTS_TABLE: &str = "tollgate.cc";
 

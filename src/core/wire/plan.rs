@@ -241,15 +241,19 @@ pub enum RuleCount {
     ShadowLimited,
     /// An admitted take left the bucket at or under the `near_limit` share.
     NearLimit,
+    /// This rule's bucket denied the request from a remembered denial, without a callout (also
+    /// counted as `limited`).
+    LimitedLocally,
 }
 
 impl RuleCount {
     /// Every counter, for defining the metrics.
-    pub const ALL: [RuleCount; 4] = [
+    pub const ALL: [RuleCount; 5] = [
         RuleCount::Allowed,
         RuleCount::Limited,
         RuleCount::ShadowLimited,
         RuleCount::NearLimit,
+        RuleCount::LimitedLocally,
     ];
 
     /// The metric name's last part.
@@ -259,6 +263,7 @@ impl RuleCount {
             RuleCount::Limited => "limited",
             RuleCount::ShadowLimited => "shadow_limited",
             RuleCount::NearLimit => "near_limit",
+            RuleCount::LimitedLocally => "limited_locally",
         }
     }
 

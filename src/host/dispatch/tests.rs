@@ -608,6 +608,13 @@ fn queued_requests_leave_in_one_batch_and_each_gets_its_own_answer() {
     );
     assert_eq!(*d.abi.replied.borrow(), vec![(13, 429)]);
     assert_eq!(d.pending_callouts(), 0, "nothing left waiting");
+    // The denial is remembered by the worker until it could be paid (9 ms): a request meanwhile
+    // is answered without a callout, and one after it calls again.
+    assert_eq!(start(&mut d, 14, "/api"), PAUSE);
+    assert_eq!(d.abi.dispatched.borrow().len(), 2, "denied from memory");
+    assert_eq!(d.abi.replied.borrow().len(), 2, "and answered 429");
+    assert_eq!(d.abi.metric("tollgate.rule.r.limited_locally"), 1);
+    d.abi.clock.set(d.abi.clock.get() + 9);
     // A failed batch fails each of its requests (here: the fallback decides).
     assert_eq!(start(&mut d, 20, "/api"), PAUSE);
     let lone = last_token(&d);
