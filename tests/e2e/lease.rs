@@ -19,6 +19,8 @@
 //!   limit of 200/s for 5 s: exact mode and adaptive lease each admit at most the ideal
 //!   (capacity + rate × elapsed, counted at the upstream), and lease at least 0.98 of it.
 //! - `service_down_falls_back`: with the service unreachable, lease rules use the fallback buckets.
+//! - `a_quiet_leasing_fleet_stays_counted`: two Envoys paying from minute-long leases make no
+//!   callout for 12 s and are still counted among the live instances.
 
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
@@ -496,4 +498,71 @@ fn service_down_falls_back() {
     assert_eq!(s.envoy.tg("fallback.limited"), 5);
     assert_eq!(s.envoy.tg("lease.local"), 0);
     assert_eq!(s.envoy.tg("lease.granted"), 0);
+}
+
+/// Two Envoys serving one hot key from leases that last a minute call the service seldom: for
+/// 12 s (longer than the 10 s the instance registry used to keep an id) neither calls at all.
+/// The service still counts both: a proxy that asks seldom because its lease pays is still part
+/// of the fleet, so no other proxy's fallback share grows while it is quiet.
+#[test]
+fn a_quiet_leasing_fleet_stays_counted() {
+    let c = Components::get();
+    let dir = TempDir::new("lease-quiet");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let upstream = Upstream::start();
+    let cfg = plugin(
+        Transport::Http,
+        vec![lease_rule(100_000, 100_000, 60_000, 200, 60_000)],
+        json!({"failure_mode": "deny"}),
+    );
+    let envoys: Vec<Envoy> = (0..2)
+        .map(|_| {
+            Envoy::start(
+                &c,
+                &dir,
+                &EnvoySpec::new(Some(cfg.clone()), service.port, upstream.port),
+            )
+        })
+        .collect();
+    let client = Client::new();
+    // Each Envoy's first request leases 200 tokens: its pool pays the rest.
+    for e in &envoys {
+        assert_eq!(client.statuses(&e.url("/"), &[], 2), vec![200, 200]);
+    }
+    let asked = decisions(&service);
+    let quiet = Instant::now();
+    while quiet.elapsed() < Duration::from_secs(12) {
+        for e in &envoys {
+            assert_eq!(client.statuses(&e.url("/"), &[], 1), vec![200]);
+        }
+        thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(
+        decisions(&service),
+        asked,
+        "for 12 s the pools paid every request: no callout"
+    );
+    // A third caller asks now: the first answer may still be the count as last learned; the one a
+    // report later is the registry's after the quiet spell.
+    let take = |id: &str| -> u64 {
+        let body = format!(
+            r#"{{"buckets":[{{"key":"probe","capacity":10,"period_ms":60000}}],"instance":"{id}"}}"#
+        );
+        let r = client.post(
+            &format!("http://127.0.0.1:{}/v1/take", service.port),
+            &[("content-type", "application/json")],
+            body.as_bytes(),
+        );
+        assert_eq!(r.status, 200, "{r:?}");
+        let v: serde_json::Value = serde_json::from_str(&r.body).expect("JSON");
+        v["instances"].as_u64().expect("instances")
+    };
+    take("00000000000000aa");
+    thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        take("00000000000000aa"),
+        3,
+        "both quiet Envoys and the new caller are live instances"
+    );
 }
