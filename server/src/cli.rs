@@ -21,6 +21,9 @@ pub enum StartupError {
         /// Why it cannot be read.
         source: std::io::Error,
     },
+    /// The OTLP exporter could not be set up (the text says why).
+    #[error("{0}")]
+    Otlp(String),
     /// The --token-file is not UTF-8.
     #[error("--token-file {}: not UTF-8", .0.display())]
     TokenFileNotUtf8(PathBuf),
@@ -291,9 +294,29 @@ pub struct Cli {
               crate::api::instances::MIN_TTL_MS..=crate::api::instances::MAX_TTL_MS))]
     pub instance_ttl_ms: u64,
 
+    /// Export OpenTelemetry traces over OTLP/gRPC to this collector (e.g.
+    /// `http://otel-collector:4317`): a span per decision, joined to the caller's `traceparent`.
+    /// Unset: no traces.
+    #[arg(long, env = "TOLLGATE_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+
+    /// With --otlp-endpoint: the share of calls without a `traceparent` that start a trace (0..=1);
+    /// a call with one follows its sampling decision.
+    #[arg(long, env = "TOLLGATE_OTLP_SAMPLE_RATIO", default_value_t = 1.0,
+          value_parser = parse_ratio)]
+    pub otlp_sample_ratio: f64,
+
     /// Instead of serving: a subcommand.
     #[command(subcommand)]
     pub command: Option<Command>,
+}
+
+/// A ratio 0..=1.
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?} is not a ratio from 0 to 1")),
+    }
 }
 
 /// What the binary does instead of serving.
@@ -352,6 +375,8 @@ impl std::fmt::Debug for Cli {
             .field("coalesce", &self.coalesce)
             .field("coalesce_calls", &self.coalesce_calls)
             .field("instance_ttl_ms", &self.instance_ttl_ms)
+            .field("otlp_endpoint", &self.otlp_endpoint)
+            .field("otlp_sample_ratio", &self.otlp_sample_ratio)
             .field("command", &self.command)
             .finish()
     }

@@ -14,6 +14,7 @@
 //! | [`domain`] | the bottom layer: validated buckets, settlements and slots, the contract's answers under its own names, the contract's bounds, [`domain::InvalidArgument`] |
 //! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`], [`store::coalesce`]; imports only `domain` |
 //! | [`metrics`] | Prometheus metrics |
+//! | [`trace`] | OpenTelemetry traces (`--otlp-endpoint`): a span per decision, its parent the call's `traceparent` |
 //! | [`api`] | what every operation shares: [`api::Api`] (store, metrics, auth, readiness, live instances, admission, one store call), the strict JSON reader, the gRPC codec and status, the HTTP answer |
 //! | [`ops`] | one module per operation (take, batch, acquire, release, refund, settle): its raw form, validation, both wire forms and handler; the tonic service; [`ops::Decide`], all RLS may ask |
 //! | [`rls`] | Envoy's rate limit service (RLS v3) over [`ops::Decide`], limits from a file reloaded when it changes |
@@ -53,6 +54,7 @@ pub mod rls;
 pub mod router;
 pub mod serve;
 pub mod store;
+pub mod trace;
 
 use std::future::Future;
 use std::sync::Arc;

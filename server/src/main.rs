@@ -101,15 +101,29 @@ async fn serve(cli: Cli) -> Result<(), StartupError> {
         tracing::info!("no Redis configured: buckets are kept in memory (one replica only)");
         Arc::new(MemoryStore::with_max_buckets(cli.memory_max_buckets))
     };
+    let traces = match &cli.otlp_endpoint {
+        Some(endpoint) => {
+            let provider = tollgate_server::trace::init(endpoint, cli.otlp_sample_ratio)
+                .map_err(StartupError::Otlp)?;
+            tracing::info!(endpoint = %endpoint, sample_ratio = cli.otlp_sample_ratio, "exporting traces over OTLP");
+            Some(provider)
+        }
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(cli.listen)
         .await
         .map_err(|source| StartupError::Listen {
             addr: cli.listen,
             source,
         })?;
-    run(listener, store, config, shutdown_signal())
+    let served = run(listener, store, config, shutdown_signal())
         .await
-        .map_err(StartupError::Server)
+        .map_err(StartupError::Server);
+    if let Some(provider) = traces {
+        // The last spans leave before the process does (the batch processor's own thread).
+        let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+    }
+    served
 }
 
 /// How Redis's TLS is set up, for the startup line: off, public roots, or the private CA / client

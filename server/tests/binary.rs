@@ -56,6 +56,10 @@ fn help_documents_every_flag_and_env_var() {
         "TOLLGATE_READY_INTERVAL_MS",
         "--memory-max-buckets",
         "TOLLGATE_MEMORY_MAX_BUCKETS",
+        "--otlp-endpoint",
+        "TOLLGATE_OTLP_ENDPOINT",
+        "--otlp-sample-ratio",
+        "TOLLGATE_OTLP_SAMPLE_RATIO",
     ] {
         assert!(help.contains(s), "--help lacks {s}:\n{help}");
     }

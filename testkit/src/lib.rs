@@ -10,7 +10,9 @@
 //!   files), and `envoy --mode validate`; [`envoy_files`]: the checked-in files it writes
 //!   (`make configs`), a test failing when one differs;
 //! - [`docs`]: README.md and docs/*.md as the tests read them: code blocks with the kind each
-//!   declares (the convention is there), links and heading anchors.
+//!   declares (the convention is there), links and heading anchors;
+//! - [`otlp`]: an OTLP/gRPC trace receiver (OpenTelemetry's generated collector service) that
+//!   keeps the spans it is sent, for the tests of the service's traces.
 //!
 //! A test reports a failure by panicking, so the workspace's no-panic lints do not apply here.
 #![allow(
@@ -23,5 +25,6 @@
 pub mod docs;
 pub mod envoy;
 pub mod envoy_files;
+pub mod otlp;
 pub mod process;
 pub mod redis;

@@ -330,7 +330,14 @@ impl Api {
     ) -> Result<T, ApiError> {
         let start = Instant::now();
         let result = call.await;
-        self.metrics.store_duration(start.elapsed().as_secs_f64());
+        let took = start.elapsed().as_secs_f64();
+        self.metrics.store_duration(took);
+        crate::trace::note(|| {
+            vec![opentelemetry::KeyValue::new(
+                "tollgate.store_ms",
+                took * 1000.0,
+            )]
+        });
         result.map_err(|e| {
             self.metrics.store_error(e.kind());
             tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), "{what} failed");

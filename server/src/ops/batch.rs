@@ -171,6 +171,7 @@ impl Operation for Batch {
     type Raw = RawBatch;
     type Answer = BatchResponse;
     const BODY_BYTES: usize = MAX_BATCH_BYTES;
+    const SPAN: Option<&'static str> = Some("tollgate.batch");
 
     /// Validates and decides one admitted batch: every take is validated first (one invalid
     /// take rejects the batch, nothing charged), then the store decides them all in one call.
@@ -191,6 +192,26 @@ impl Operation for Batch {
             .store_call("batch", api.store.take_batch(&takes))
             .await?;
         let n = api.instances(instance.as_deref());
+        crate::trace::note(|| {
+            let allowed = results.iter().filter(|d| d.allowed).count();
+            let mut names: Vec<&str> = rules
+                .iter()
+                .flatten()
+                .flatten()
+                .map(String::as_str)
+                .collect();
+            names.sort_unstable();
+            names.dedup();
+            vec![
+                opentelemetry::KeyValue::new("tollgate.batch.takes", results.len() as i64),
+                opentelemetry::KeyValue::new("tollgate.batch.allowed", allowed as i64),
+                opentelemetry::KeyValue::new(
+                    "tollgate.batch.limited",
+                    (results.len() - allowed) as i64,
+                ),
+                opentelemetry::KeyValue::new("tollgate.rules", names.join(",")),
+            ]
+        });
         for (i, d) in results.iter_mut().enumerate() {
             api.metrics.decision(d.allowed);
             if let Some(r) = rules.get(i) {

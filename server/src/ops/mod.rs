@@ -39,6 +39,7 @@ use crate::api::json::{self, Object};
 use crate::api::{Api, ApiError};
 use crate::domain::{BucketSpec, InvalidArgument, SettleResponse, TakeResponse};
 use crate::metrics::Metrics;
+use crate::trace;
 
 /// One operation: how its JSON body is read and how it is decided.
 pub trait Operation {
@@ -48,6 +49,8 @@ pub trait Operation {
     type Answer: serde::Serialize;
     /// The largest JSON body accepted (gRPC's framing not counted).
     const BODY_BYTES: usize;
+    /// The name of its span when traces are on ([`crate::trace`]); `None`: not traced.
+    const SPAN: Option<&'static str> = None;
 
     /// Validates and decides one admitted request (a decoding error is answered as it is).
     fn handle(
@@ -75,9 +78,15 @@ pub trait GrpcOperation: Operation {
 /// body timeout, then a permit or an immediate 503), decoded, decided, counted.
 async fn http<Op: Operation>(State(api): State<Arc<Api>>, req: Request) -> Response {
     let (parts, body) = req.into_parts();
-    let result = match api.admit(&parts.headers, body, Op::BODY_BYTES, 0).await {
-        Ok((bytes, _permit)) => Op::handle(&api, json::decode(&bytes)).await,
-        Err(e) => Err(e),
+    let call = async {
+        match api.admit(&parts.headers, body, Op::BODY_BYTES, 0).await {
+            Ok((bytes, _permit)) => Op::handle(&api, json::decode(&bytes)).await,
+            Err(e) => Err(e),
+        }
+    };
+    let result = match Op::SPAN {
+        Some(name) => trace::traced(name, trace::Parent::of_headers(&parts.headers), call).await,
+        None => call.await,
     };
     answer(&api, result)
 }
@@ -107,7 +116,14 @@ async fn grpc<Op: GrpcOperation>(
     api: &Api,
     request: tonic::Request<Op::Request>,
 ) -> Result<tonic::Response<Op::Response>, Status> {
-    match Op::handle(api, Op::from_pb(request.get_ref())).await {
+    let call = Op::handle(api, Op::from_pb(request.get_ref()));
+    let result = match Op::SPAN {
+        Some(name) => {
+            trace::traced(name, trace::Parent::of_metadata(request.metadata()), call).await
+        }
+        None => call.await,
+    };
+    match result {
         Ok(a) => {
             api.metrics.request("grpc", "ok");
             Ok(tonic::Response::new(Op::to_pb(&a)))

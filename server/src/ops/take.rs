@@ -379,6 +379,7 @@ impl Operation for Take {
     type Raw = RawTake;
     type Answer = TakeResponse;
     const BODY_BYTES: usize = MAX_TAKE_BYTES;
+    const SPAN: Option<&'static str> = Some("tollgate.take");
 
     /// Validates and decides one admitted take.
     async fn handle(
@@ -392,6 +393,7 @@ impl Operation for Take {
         let specs = raw.and_then(validate).map_err(|e| invalid("take", e))?;
         let mut d = take_specs(api, &specs).await?;
         api.metrics.decision(d.allowed);
+        crate::trace::note(|| crate::trace::decision(d.allowed, &rules));
         count_rules(api, &d, &rules);
         d.instances = api.instances(instance.as_deref());
         Ok(d)
