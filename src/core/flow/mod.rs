@@ -417,9 +417,11 @@ fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) ->
     let now = host.now_ms();
     let (outcome, repaid) = fallback::settle_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
-    let until = denials::remember(cfg, plan, &outcome, host.store(), now);
-    if until > 0 {
-        breaker::mark_denied(host.store(), until);
+    if matches!(outcome, Outcome::Limited(_)) {
+        let until = denials::remember(cfg, plan, &outcome, host.store(), now);
+        if until > 0 {
+            breaker::mark_denied(host.store(), until);
+        }
     }
     let (granted, chores) = lease::settle(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {
