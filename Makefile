@@ -57,7 +57,7 @@ build: tools wasm server ## Build dist/tollgate.wasm and dist/tollgate-server
 
 wasm:
 	$(CARGO) build --locked --profile wasm-release --target $(WASM_TARGET) -p tollgate
-	$(WASM_OPT) -O3 $(WASM_FEATURES) $(WASM_OUT) -o $(WASM_OPT_OUT)
+	$(WASM_OPT) -O3 --converge $(WASM_FEATURES) $(WASM_OUT) -o $(WASM_OPT_OUT)
 	@$(call publish,$(WASM_OPT_OUT),tollgate.wasm)
 	@ls -l $(DIST)/tollgate.wasm | awk '{printf "dist/tollgate.wasm: %d bytes\n", $$5}'
 

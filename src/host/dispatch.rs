@@ -340,7 +340,16 @@ impl<'a, A: Abi> Proxy<'a, A> {
     /// plugin batches and one of its callouts is in flight. Its token (virtual if queued).
     fn take(&mut self, cfg: &Config, plan: &Plan, refill: bool) -> Result<u32, String> {
         let plugin = self.plugin.clone();
-        let batching = cfg.service.batch > 0 && plan.rls.is_none();
+        // `service.trace`: a sampled request's callout carries its `traceparent`, and goes alone
+        // (a batch has no one parent). Read here, so a configuration without it pays nothing.
+        let trace = if cfg.service.trace && !refill {
+            self.abi
+                .header(HeaderMap::Request, callout::TRACEPARENT)
+                .and_then(|v| callout::sampled_traceparent(&v))
+        } else {
+            None
+        };
+        let batching = cfg.service.batch > 0 && plan.rls.is_none() && trace.is_none();
         let waiter = |gates: bool| {
             if refill {
                 Waiter::Refill {
@@ -369,7 +378,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
             }
             return Ok(token);
         }
-        let token = self.send(cfg, callout::take(cfg, plan)).map_err(|why| {
+        let timeout = cfg.service.timeout_ms;
+        let sent = self.send_within(cfg, callout::take(cfg, plan), timeout, trace.as_deref());
+        let token = sent.map_err(|why| {
             warn!(
                 "callout to cluster {:?} failed to dispatch: {why}",
                 cfg.service.cluster
@@ -387,7 +398,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
     /// Dispatches `request` to the service cluster, with its timeout and bearer token; the
     /// callout's token.
     fn send(&self, cfg: &Config, request: CalloutRequest) -> Result<u32, String> {
-        self.send_within(cfg, request, cfg.service.timeout_ms)
+        self.send_within(cfg, request, cfg.service.timeout_ms, None)
     }
 
     /// [`Proxy::send`] for a callout no request waits for (a release, a refund, a settlement):
@@ -395,14 +406,17 @@ impl<'a, A: Abi> Proxy<'a, A> {
     /// one under load would leave its slot to the deadline. So at least [`BACKGROUND_TIMEOUT_MS`].
     fn send_background(&self, cfg: &Config, request: CalloutRequest) -> Result<u32, String> {
         let timeout = cfg.service.timeout_ms.max(BACKGROUND_TIMEOUT_MS);
-        self.send_within(cfg, request, timeout)
+        self.send_within(cfg, request, timeout, None)
     }
 
+    /// [`Proxy::send`] with a timeout, and the request's `traceparent` when it is traced
+    /// (`service.trace`): an HTTP header, or gRPC metadata.
     fn send_within(
         &self,
         cfg: &Config,
         request: CalloutRequest,
         timeout_ms: u64,
+        trace: Option<&str>,
     ) -> Result<u32, String> {
         let svc = &cfg.service;
         let timeout = u32::try_from(timeout_ms).unwrap_or(u32::MAX);
@@ -418,6 +432,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
                 if let Some(b) = bearer {
                     headers.push(("authorization", b));
                 }
+                if let Some(t) = trace {
+                    headers.push((callout::TRACEPARENT, t));
+                }
                 self.abi.http_call(&svc.cluster, &headers, body, timeout)
             }
             CalloutRequest::Grpc {
@@ -428,6 +445,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
                 let mut metadata: Vec<(&str, &str)> = Vec::new();
                 if let Some(b) = bearer {
                     metadata.push(("authorization", b));
+                }
+                if let Some(t) = trace {
+                    metadata.push((callout::TRACEPARENT, t));
                 }
                 self.abi.grpc_call(
                     &self.plugin.grpc_service,

@@ -218,7 +218,13 @@ impl Abi for Envoy {
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        let joined = path.join("\0");
+        let mut joined = String::new();
+        for (i, p) in path.iter().enumerate() {
+            if i > 0 {
+                joined.push('\0');
+            }
+            joined.push_str(p);
+        }
         // SAFETY: a pointer into a live local string and out-pointers to `fetch`'s locals.
         fetch(|d, s| unsafe { proxy_get_property(joined.as_ptr(), joined.len(), d, s) }).ok()
     }

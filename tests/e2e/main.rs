@@ -26,6 +26,7 @@
 //! - [`sliding_window`]
 //! - [`tokens`]
 //! - [`topology`]
+//! - [`traces`]
 #![allow(
     clippy::panic,
     clippy::expect_used,
@@ -59,3 +60,4 @@ mod scale;
 mod sliding_window;
 mod tokens;
 mod topology;
+mod traces;

@@ -136,6 +136,9 @@ pub struct Service {
     /// until its `retry_after_ms` or this long, whichever is sooner (0: not remembered; see
     /// [`crate::core::local::denials`]).
     pub remember_denials_ms: u64,
+    /// Forward a sampled request's W3C `traceparent` on its callout (which then goes alone, not
+    /// in a batch), so the service's span joins the request's trace.
+    pub trace: bool,
 }
 
 impl core::fmt::Debug for Service {
@@ -150,6 +153,7 @@ impl core::fmt::Debug for Service {
             .field("domain", &self.domain)
             .field("batch", &self.batch)
             .field("remember_denials_ms", &self.remember_denials_ms)
+            .field("trace", &self.trace)
             .finish()
     }
 }

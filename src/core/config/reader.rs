@@ -45,7 +45,7 @@ impl<'a> Obj<'a> {
                 let name = if k.is_empty() { "\"\"" } else { k.as_str() };
                 return err(
                     join(at, name),
-                    format!("unknown field (expected one of: {})", known.join(", ")),
+                    format!("unknown field (expected one of: {})", listed(known, "")),
                 );
             }
         }
@@ -132,8 +132,22 @@ fn choice_value<T: Copy>(at: &str, v: &Value, options: &[(&str, T)]) -> Result<T
             return Ok(*t);
         }
     }
-    let names: Vec<String> = options.iter().map(|(n, _)| format!("\"{n}\"")).collect();
-    err(at, format!("must be one of {}", names.join(", ")))
+    let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
+    err(at, format!("must be one of {}", listed(&names, "\"")))
+}
+
+/// `names` separated by `, `, each between `quote`s (one loop, not `join`'s code per type).
+fn listed(names: &[&str], quote: &str) -> String {
+    let mut out = String::new();
+    for (i, n) in names.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push_str(quote);
+        out.push_str(n);
+        out.push_str(quote);
+    }
+    out
 }
 
 impl Config {
@@ -351,6 +365,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             "domain",
             "batch",
             "remember_denials_ms",
+            "trace",
         ],
     )?;
     let cluster = s.string("cluster")?.unwrap_or_default();
@@ -426,6 +441,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             "not available with transport rls (another server's retry times are not known)",
         );
     }
+    let trace = s.boolean("trace")?;
     Ok(Service {
         cluster,
         authority,
@@ -436,6 +452,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
         domain,
         batch,
         remember_denials_ms,
+        trace,
     })
 }
 

@@ -32,6 +32,32 @@ pub enum CalloutRequest {
     },
 }
 
+/// The W3C trace-context header a callout forwards (`service.trace`).
+pub const TRACEPARENT: &str = "traceparent";
+
+/// `v` if it is a version-00 `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`, ids not all zero)
+/// whose flags say sampled; else `None` (an unsampled request's decision is not traced, so its
+/// callout need not leave its batch).
+pub fn sampled_traceparent(v: &[u8]) -> Option<String> {
+    let hex = |b: &u8| b.is_ascii_digit() || (b'a'..=b'f').contains(b);
+    let id = |from: usize, to: usize| {
+        v.get(from..to)
+            .is_some_and(|p| p.iter().all(hex) && p.iter().any(|&b| b != b'0'))
+    };
+    let ok = v.len() == 55
+        && v.starts_with(b"00-")
+        && v.get(35) == Some(&b'-')
+        && v.get(52) == Some(&b'-')
+        && id(3, 35)
+        && id(36, 52)
+        && v.get(53).is_some_and(hex)
+        && matches!(
+            v.get(54),
+            Some(b'1' | b'3' | b'5' | b'7' | b'9' | b'b' | b'd' | b'f')
+        );
+    ok.then(|| String::from_utf8_lossy(v).into_owned())
+}
+
 const TOLLGATE: &str = "tollgate.v1.RateLimiter";
 const RLS: &str = "envoy.service.ratelimit.v3.RateLimitService";
 

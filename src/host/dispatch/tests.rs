@@ -29,6 +29,8 @@ struct Fake {
     full_reads: Cell<u32>,
     header_reads: Cell<u32>,
     dispatched: RefCell<Vec<(u32, Vec<u8>)>>,
+    /// The headers (HTTP) or metadata (gRPC) of each dispatch, in order.
+    sent_headers: RefCell<Vec<Vec<(String, String)>>>,
     resumed: RefCell<Vec<u32>>,
     replied: RefCell<Vec<(u32, u32)>>,
     /// The tick period asked for (0: none).
@@ -142,10 +144,22 @@ impl Abi for Fake {
             m.1 = i64::try_from(value).unwrap();
         }
     }
-    fn http_call(&self, _: &str, _: &[(&str, &str)], body: &[u8], _: u32) -> Result<u32, Status> {
+    fn http_call(
+        &self,
+        _: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        _: u32,
+    ) -> Result<u32, Status> {
         if let Some(s) = self.refuse.get() {
             return Err(s);
         }
+        self.sent_headers.borrow_mut().push(
+            headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
         let token = self.next_http.get().wrapping_add(4);
         self.next_http.set(token);
         self.dispatched.borrow_mut().push((token, body.to_vec()));
@@ -156,13 +170,19 @@ impl Abi for Fake {
         service: &[u8],
         _: &str,
         _: &str,
-        _: &[(&str, &str)],
+        metadata: &[(&str, &str)],
         _: &[u8],
         _: u32,
     ) -> Result<u32, Status> {
         if let Some(s) = self.refuse.get() {
             return Err(s);
         }
+        self.sent_headers.borrow_mut().push(
+            metadata
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
         let token = self.next_grpc.get().wrapping_add(4);
         self.next_grpc.set(token);
         self.dispatched.borrow_mut().push((token, service.to_vec()));
@@ -1073,4 +1093,77 @@ fn every_callout_of_every_configuration_carries_this_envoys_one_id() {
         "a settle was sent"
     );
     assert_eq!(id_of(&settle), first, "its settle");
+}
+
+/// `service.trace`: a sampled request's `traceparent` goes on its callout (header or metadata), and
+/// the callout leaves at once even while a batch is forming; an unsampled or malformed one is not
+/// forwarded and the request batches as before.
+#[test]
+fn a_sampled_traceparent_rides_its_own_callout() {
+    const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    for transport in ["http", "grpc"] {
+        let cfg = config(transport, "").replace(r#""batch":0"#, r#""batch":8,"trace":true"#);
+        let mut d = dispatcher(&cfg);
+        let traced = |d: &Dispatcher<Fake>, i: usize| {
+            d.abi.sent_headers.borrow()[i]
+                .iter()
+                .find(|(k, _)| k == "traceparent")
+                .map(|(_, v)| v.clone())
+        };
+        // A request without one calls at once (nothing in flight) and carries none.
+        assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+        assert_eq!(traced(&d, 0), None);
+        // While that callout is in flight a plain request queues, a traced one calls alone.
+        assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+        assert_eq!(d.abi.dispatched.borrow().len(), 1, "queued");
+        d.on_context_create(12, ROOT);
+        d.abi.known.borrow_mut().push(12);
+        d.abi.set_request("/api");
+        d.abi
+            .request
+            .borrow_mut()
+            .push(("traceparent".into(), TP.as_bytes().to_vec()));
+        assert_eq!(d.on_request_headers(12), PAUSE);
+        assert_eq!(
+            d.abi.dispatched.borrow().len(),
+            2,
+            "{transport}: traced, alone"
+        );
+        assert_eq!(traced(&d, 1).as_deref(), Some(TP), "{transport}");
+        // Unsampled, or not a traceparent: not forwarded, queued with the others.
+        for tp in [
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "garbage",
+        ] {
+            d.on_context_create(13, ROOT);
+            d.abi.known.borrow_mut().push(13);
+            d.abi.set_request("/api");
+            d.abi
+                .request
+                .borrow_mut()
+                .push(("traceparent".into(), tp.as_bytes().to_vec()));
+            assert_eq!(d.on_request_headers(13), PAUSE);
+            assert_eq!(
+                d.abi.dispatched.borrow().len(),
+                2,
+                "{transport} {tp}: queued"
+            );
+            disconnect(&mut d, 13);
+        }
+    }
+    // Off (the default): the header is not even read.
+    let mut d = dispatcher(&config("http", ""));
+    d.on_context_create(12, ROOT);
+    d.abi.known.borrow_mut().push(12);
+    d.abi.set_request("/api");
+    d.abi
+        .request
+        .borrow_mut()
+        .push(("traceparent".into(), TP.as_bytes().to_vec()));
+    d.on_request_headers(12);
+    assert!(d.abi.sent_headers.borrow()[0]
+        .iter()
+        .all(|(k, _)| k != "traceparent"));
 }
