@@ -42,7 +42,7 @@ SUITE_START := $(shell date +%s)
 # that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.
 publish = mkdir -p $(DIST) && cp $(1) $(DIST)/.$(2).tmp && mv -f $(DIST)/.$(2).tmp $(DIST)/$(2)
 
-.PHONY: help tools images build wasm server server-static envoy-config configs run test nextest unit e2e bench demo image lint fmt clean fuzz soak
+.PHONY: help tools images build wasm server server-static envoy-config configs run test nextest unit e2e bench demo flood image lint fmt clean fuzz soak
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -107,6 +107,10 @@ bench: build envoy-config ## Benchmarks recorded in BENCHMARKS.md (ratios measur
 demo: build envoy-config ## N proxies, one limit: 4 Envoys with Envoy's local_ratelimit, Tollgate, and its fallback, side by side
 	@bash scripts/tools.sh demo
 	@PYTHONPATH=$(CURDIR)/.tools/py-demo python3 scripts/demo.py
+
+flood: build envoy-config ## The same fleet flooded (wrk -c64, nearly all denied): req/s of local_ratelimit, exact, lease side by side
+	@bash scripts/tools.sh bench
+	@python3 scripts/demo.py --flood
 
 fuzz: ## Fuzz the filter's parsers and decoders and the service's (FUZZ_SECONDS per target, default 20); fails on a crash
 	@bash scripts/tools.sh fuzz

@@ -20,6 +20,11 @@ and, for the filter, Redis and tollgate-server. The same client load runs agains
 
 Each Tollgate setup has a key of its own, so one setup's spending does not show in the next.
 
+`--flood` (`make flood`) runs another load instead: wrk's 64 connections through the same fleet, so
+nearly every request is denied, for Envoy's local_ratelimit, Tollgate exact (denials remembered, the
+default, and not), and lease mode, in interleaved rounds; it prints requests per second, p99 and what
+reached the upstream against the ideal.
+
 It prints a table (admitted, expected bound, limited) and writes a chart of cumulative admitted
 requests over time (.run/demo/demo.png, when matplotlib from `scripts/tools.sh demo` is importable).
 Everything it starts it stops, by PID, also on Ctrl-C.
@@ -195,12 +200,14 @@ def local_ratelimit_args() -> list[str]:
     return ["--local-ratelimit", f"{CAPACITY},{RATE},{PERIOD_S}"]
 
 
-def tollgate_args(wasm: str, key: str, service_port: int) -> list[str]:
-    """The Tollgate filter: one global bucket for every request (key `literal:<key>`)."""
+def tollgate_args(wasm: str, key: str, service_port: int, service: dict | None = None,
+                  rule: dict | None = None) -> list[str]:
+    """The Tollgate filter: one global bucket for every request (key `literal:<key>`); `service` and
+    `rule` add to the plugin's `service` and to its rule."""
     plugin = {
-        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 250},
+        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 250, **(service or {})},
         "rules": [{"name": "demo", "key": [f"literal:{key}"], "capacity": CAPACITY, "rate": RATE,
-                   "period_ms": PERIOD_S * 1000}],
+                   "period_ms": PERIOD_S * 1000, **(rule or {})}],
         "failure_mode": "fallback",
         # Four Envoys: each one's fallback bucket holds a quarter of the limit and refills at a quarter rate.
         "fallback": {"instances": N_ENVOYS, "max_keys": 1000},
@@ -292,11 +299,27 @@ def drive(port: int, duration_s: float, rps: float) -> tuple[Counter, float]:
 # One setup, end to end
 
 
-def run_mode(procs: Procs, envoy_bin: str, generator: str, upstream: Upstream, mode: str,
-             limiter: list[str], midway=None) -> dict:
-    """Runs the client load against a fresh fleet whose Envoys run `limiter` (generator options).
-    `midway`, if given, is called half-way through the load (e.g. to stop the service); the time it
-    was called at is in the result."""
+def flood(port: int, duration_s: float) -> tuple[float, float]:
+    """wrk -t2 -c64 for `duration_s` against `port` (after a 1 s warm-up): requests per second and
+    the p99 latency in ms."""
+    subprocess.run(["wrk", "-t2", "-c64", "-d1s", f"http://127.0.0.1:{port}/"], capture_output=True)
+    out = subprocess.run(["wrk", "-t2", "-c64", f"-d{duration_s:g}s", "--latency",
+                          f"http://127.0.0.1:{port}/"], capture_output=True, text=True).stdout
+    rps, p99 = 0.0, 0.0
+    for line in out.splitlines():
+        f = line.split()
+        if line.startswith("Requests/sec:"):
+            rps = float(f[1])
+        elif f[:1] == ["99%"]:
+            v = f[1]
+            p99 = (float(v[:-2]) / 1000 if v.endswith("us") else float(v[:-2]) if v.endswith("ms")
+                   else float(v[:-1]) * 1000)
+    return rps, p99
+
+
+def start_fleet(procs: Procs, envoy_bin: str, generator: str, upstream: Upstream, mode: str,
+                limiter: list[str]) -> tuple[list, "Envoy", int]:
+    """N Envoys running `limiter` behind a round-robin front Envoy; the fleet, the front, its port."""
     fleet_ports = [free_port() for _ in range(N_ENVOYS)]
     fleet = [Envoy(procs, envoy_bin, f"{mode}-envoy{i + 1}",
                    envoy_config(generator, port, limiter + ["--upstream", str(upstream.port),
@@ -308,6 +331,68 @@ def run_mode(procs: Procs, envoy_bin: str, generator: str, upstream: Upstream, m
     front = Envoy(procs, envoy_bin, f"{mode}-front", envoy_config(generator, front_port, spread), concurrency=1)
     for e in fleet + [front]:
         e.wait_ready()
+    return fleet, front, front_port
+
+
+def flood_main(procs: Procs, envoy_bin: str, generator: str, upstream: Upstream, wasm: str,
+               service_port: int) -> None:
+    """`--flood`: the fleet under wrk's 64 connections (nearly every request denied), each setup in
+    FLOOD_ROUNDS interleaved rounds of FLOOD_S seconds: requests per second at the front, p99, what
+    reached the upstream against the ideal, and the filter's callouts."""
+    rounds = int(os.environ.get("FLOOD_ROUNDS", "3"))
+    seconds = float(os.environ.get("FLOOD_S", "5"))
+    setups = [
+        ("local_ratelimit", lambda k: local_ratelimit_args()),
+        ("exact", lambda k: tollgate_args(wasm, k, service_port)),
+        ("exact, denials not remembered",
+         lambda k: tollgate_args(wasm, k, service_port, service={"remember_denials_ms": 0})),
+        ("lease (adaptive)", lambda k: tollgate_args(wasm, k, service_port, rule={"lease": {}})),
+    ]
+    print(f"flood: {N_ENVOYS} Envoys behind a front Envoy, one key at {CAPACITY}/min, wrk -t2 -c64, "
+          f"{rounds} rounds of {seconds:g} s per setup, interleaved; load average {os.getloadavg()[0]:.2f}",
+          flush=True)
+    rows: dict[str, list[tuple[float, float, int, float, int]]] = {name: [] for name, _ in setups}
+    for r in range(rounds):
+        for i, (name, args) in enumerate(setups):
+            mode = f"flood{r}-{i}"
+            fleet, front, port = start_fleet(procs, envoy_bin, generator, upstream, mode, args(f"flood-{r}-{i}"))
+            upstream.begin(mode)
+            t0 = time.monotonic()
+            rps, p99 = flood(port, seconds)
+            elapsed = time.monotonic() - t0
+            time.sleep(0.2)
+            admitted = len(upstream.end())
+            stats = Counter()
+            for e in fleet:
+                stats.update(e.tollgate_stats())
+            callouts = stats.get("cluster.tollgate.upstream_rq_total", 0)
+            for e in [front] + fleet:
+                procs.stop(e.name)
+            # local_ratelimit: one bucket per Envoy; Tollgate: one, so capacity + refill over the run.
+            ideal = (N_ENVOYS if name == "local_ratelimit" else 1) * (CAPACITY + RATE * elapsed / PERIOD_S)
+            rows[name].append((rps, p99, admitted, ideal, callouts))
+            print(f"  round {r + 1} {name}: {rps:.0f} req/s, p99 {p99:.2f} ms, admitted {admitted} "
+                  f"(ideal {ideal:.1f}), callouts {callouts}", flush=True)
+    base = sorted(x[0] for x in rows["local_ratelimit"])[rounds // 2]
+    print()
+    print("| setup | req/s (median) | ratio to local_ratelimit | p99 ms (median) | admitted per round | ideal | callouts per request |")
+    print("|---|---|---|---|---|---|---|")
+    for name, _ in setups:
+        xs = rows[name]
+        rps = sorted(x[0] for x in xs)[rounds // 2]
+        p99 = sorted(x[1] for x in xs)[rounds // 2]
+        admitted = ", ".join(str(x[2]) for x in xs)
+        ideal = ", ".join(f"{x[3]:.1f}" for x in xs)
+        per = sorted(x[4] / max(1.0, x[0] * seconds) for x in xs)[rounds // 2]
+        print(f"| {name} | {rps:.0f} | {rps / base:.2f} | {p99:.2f} | {admitted} | {ideal} | {per:.3f} |")
+
+
+def run_mode(procs: Procs, envoy_bin: str, generator: str, upstream: Upstream, mode: str,
+             limiter: list[str], midway=None) -> dict:
+    """Runs the client load against a fresh fleet whose Envoys run `limiter` (generator options).
+    `midway`, if given, is called half-way through the load (e.g. to stop the service); the time it
+    was called at is in the result."""
+    fleet, front, front_port = start_fleet(procs, envoy_bin, generator, upstream, mode, limiter)
 
     print(f"  {mode}: {N_ENVOYS} Envoys + front up; {int(DURATION_S * REQ_PER_S)} requests over "
           f"{DURATION_S:.0f} s ...", flush=True)
@@ -411,6 +496,9 @@ def main() -> int:
             return http_get(f"http://127.0.0.1:{service_port}/readyz")[0] == 200
 
         wait_until("tollgate-server (and Redis behind it)", service_ready)
+        if "--flood" in sys.argv[1:]:
+            flood_main(procs, envoy_bin, generator, upstream, wasm, service_port)
+            return 0
         print(f"demo: {N_ENVOYS} Envoys, limit {CAPACITY} per {PERIOD_S} s, the same client in each setup",
               flush=True)
 
