@@ -526,7 +526,11 @@ fn skewed_service_clock_still_one_bucket() {
         CAPACITY,
         RATE,
         PERIOD_MS,
-        serde_json::json!({"failure_mode": "deny"}),
+        // Every request asks a replica (no remembered denials): the replicas' clocks are what is
+        // tested, and each must decide its share of the denials.
+        serde_json::json!({"failure_mode": "deny",
+            "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 1000,
+                        "remember_denials_ms": 0}}),
     );
     // One `tollgate` cluster with both replicas, ROUND_ROBIN: consecutive decisions alternate.
     let envoys = start_fleet(
