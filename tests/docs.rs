@@ -21,7 +21,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use tollgate::core::config::Config;
-use tollgate_testkit::docs::{self, Block, Kind};
+use tollgate_testkit::docs::{self, list_items, with_routes, Block, Kind};
 use tollgate_testkit::envoy::{self, EnvoySpec};
 use tollgate_testkit::process::{closed_port, required_component, workspace_root, TempDir};
 
@@ -141,52 +141,6 @@ fn envoy_configurations_validate() {
 fn generated() -> EnvoySpec {
     let plugin = with_rule(r#"{"name": "docs", "capacity": 5, "period_ms": 1000}"#);
     EnvoySpec::new(Some(plugin), closed_port(), closed_port())
-}
-
-/// A YAML list at column 0 (`- name: ...`), each item as a mapping at column 0; comments between
-/// items are dropped.
-fn list_items(text: &str) -> Vec<String> {
-    let mut items: Vec<String> = Vec::new();
-    for line in text.lines() {
-        if let Some(first) = line.strip_prefix("- ") {
-            items.push(format!("{first}\n"));
-        } else if line.starts_with('#') || line.trim().is_empty() {
-            continue;
-        } else if let Some(item) = items.last_mut() {
-            item.push_str(line.strip_prefix("  ").unwrap_or(line));
-            item.push('\n');
-        }
-    }
-    items
-}
-
-/// `bootstrap` with the routes of `excerpt` (`routes:` and its list) placed first in the virtual
-/// host's routes.
-fn with_routes(bootstrap: &str, excerpt: &str) -> Result<String, String> {
-    let mut lines = excerpt
-        .lines()
-        .skip_while(|l| l.starts_with('#') || l.trim().is_empty());
-    if lines.next().map(str::trim_end) != Some("routes:") {
-        return Err("an `envoy-routes` block starts with `routes:`".to_string());
-    }
-    let routes: Vec<&str> = lines.collect();
-    let mut out = String::new();
-    let mut placed = false;
-    for line in bootstrap.split_inclusive('\n') {
-        out.push_str(line);
-        if !placed && line.trim_end().trim_start() == "routes:" {
-            let indent = &line[..line.len() - line.trim_start().len()];
-            for r in &routes {
-                out.push_str(indent);
-                out.push_str(r);
-                out.push('\n');
-            }
-            placed = true;
-        }
-    }
-    placed
-        .then_some(out)
-        .ok_or_else(|| "the generated bootstrap has no `routes:`".to_string())
 }
 
 // ---------------------------------------------------------------------------------------------

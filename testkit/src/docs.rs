@@ -199,9 +199,15 @@ pub fn all_blocks() -> Vec<Block> {
 
 /// The blocks of `kind` in every document; fails the test if one declares a kind badly.
 pub fn blocks_of(kind: Kind) -> Vec<Block> {
+    blocks_in_of(None, kind)
+}
+
+/// The blocks of `kind` in `file` (relative to the workspace root, e.g. `docs/migrating.md`), or in
+/// every document when `None`.
+pub fn blocks_in_of(file: Option<&str>, kind: Kind) -> Vec<Block> {
     let mut out = Vec::new();
     for b in all_blocks() {
-        if b.kind().unwrap_or_else(|e| panic!("{e}")) == kind {
+        if b.kind().unwrap_or_else(|e| panic!("{e}")) == kind && file.is_none_or(|f| b.file == f) {
             out.push(b);
         }
     }
@@ -399,4 +405,50 @@ pub fn resolve(doc: &str, target: &str) -> Option<(PathBuf, Option<String>)> {
             .join(path)
     };
     Some((file, anchor))
+}
+
+/// An `envoy-http-filters` block as the generator's extra filters: a YAML list at column 0
+/// (`- name: ...`), each item as a mapping at column 0; comments between items are dropped.
+pub fn list_items(text: &str) -> Vec<String> {
+    let mut items: Vec<String> = Vec::new();
+    for line in text.lines() {
+        if let Some(first) = line.strip_prefix("- ") {
+            items.push(format!("{first}\n"));
+        } else if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        } else if let Some(item) = items.last_mut() {
+            item.push_str(line.strip_prefix("  ").unwrap_or(line));
+            item.push('\n');
+        }
+    }
+    items
+}
+
+/// `bootstrap` with the routes of `excerpt` (`routes:` and its list) placed first in the virtual
+/// host's routes.
+pub fn with_routes(bootstrap: &str, excerpt: &str) -> Result<String, String> {
+    let mut lines = excerpt
+        .lines()
+        .skip_while(|l| l.starts_with('#') || l.trim().is_empty());
+    if lines.next().map(str::trim_end) != Some("routes:") {
+        return Err("an `envoy-routes` block starts with `routes:`".to_string());
+    }
+    let routes: Vec<&str> = lines.collect();
+    let mut out = String::new();
+    let mut placed = false;
+    for line in bootstrap.split_inclusive('\n') {
+        out.push_str(line);
+        if !placed && line.trim_end().trim_start() == "routes:" {
+            let indent = &line[..line.len() - line.trim_start().len()];
+            for r in &routes {
+                out.push_str(indent);
+                out.push_str(r);
+                out.push('\n');
+            }
+            placed = true;
+        }
+    }
+    placed
+        .then_some(out)
+        .ok_or_else(|| "the generated bootstrap has no `routes:`".to_string())
 }

@@ -725,3 +725,66 @@ typed_config:
     assert!((55..=60).contains(&reset_secs(&r)), "{r:?}");
     assert_eq!(llm.served().len(), 3);
 }
+
+/// The migration page's own configuration, run: docs/migrating.md's limits file in the service,
+/// its Envoy filter and routes in a real Envoy (as the page writes them; only the RLS call's
+/// timeout is raised from 50 ms, so a loaded test machine cannot turn a decision into a failure
+/// Envoy lets through). `/login` from one address: the page's 20 per hour for that address, then
+/// 429 with Envoy's own rate limit headers; another path from the same address is still admitted
+/// (its 100 a minute has room).
+#[test]
+fn the_migration_page_s_configuration_limits_as_it_says() {
+    use tollgate_testkit::docs::{blocks_in_of, list_items, with_routes, Kind};
+    const PAGE: &str = "docs/migrating.md";
+    let one = |kind: Kind| {
+        blocks_in_of(Some(PAGE), kind)
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| panic!("{PAGE} has no {kind:?} block"))
+            .text
+    };
+    let (limits, filters, routes) = (
+        one(Kind::Limits),
+        one(Kind::EnvoyHttpFilters),
+        one(Kind::EnvoyRoutes),
+    );
+    assert!(limits.contains("requests_per_unit: 20"), "{limits}");
+    let filters = filters.replace("timeout: 0.05s", "timeout: 1s");
+
+    let c = Components::get();
+    let dir = TempDir::new("migrating");
+    let file = LimitsFile::new(&dir, &limits);
+    let service = start_service(&c, &dir, None, &file, 1000, &[]);
+    let upstream = Upstream::start();
+    let mut spec = EnvoySpec::new(None, service.port, upstream.port);
+    spec.extra_http_filters = list_items(&filters);
+    let envoy = Envoy::try_start_from(&c, &dir, &spec, Duration::from_secs(20), &|port, admin| {
+        with_routes(&spec.yaml(&c.wasm, port, admin), &routes).expect("the page's routes")
+    })
+    .unwrap_or_else(|f| panic!("Envoy with the page's configuration: {f:?}"));
+    let client = Client::new();
+    let login = envoy.url("/login");
+    let statuses = client.statuses(&login, &[], 21);
+    assert_eq!(
+        statuses.iter().filter(|&&s| s == 200).count(),
+        20,
+        "20 an hour for one address at /login: {statuses:?}"
+    );
+    let denied = client.get(&login, &[]);
+    assert_eq!(denied.status, 429);
+    // Envoy's DRAFT_VERSION_03 headers: the denying limit first, then each descriptor's policy.
+    assert_eq!(
+        denied.header("x-ratelimit-limit").map(str::trim),
+        Some("20, 100;w=60, 20;w=3600"),
+        "{denied:?}"
+    );
+    assert_eq!(denied.header("x-ratelimit-remaining"), Some("0"));
+    // A token of 20 an hour comes every 180 s: the next request could pass within that.
+    let reset: u64 = denied
+        .header("x-ratelimit-reset")
+        .and_then(|v| v.parse().ok())
+        .expect("x-ratelimit-reset");
+    assert!((1..=180).contains(&reset), "{denied:?}");
+    assert_eq!(client.get(&envoy.url("/other"), &[]).status, 200);
+    assert_eq!(upstream.requests(), 21);
+}
