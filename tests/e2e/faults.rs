@@ -86,9 +86,14 @@ const AFTER: Duration = Duration::from_millis(2500);
 const TO_FALLBACK_MAX: Duration = Duration::from_millis(100);
 const BACK_MAX: Duration = Duration::from_secs(1);
 
+/// Denials are not remembered here (`remember_denials_ms: 0`): what is timed is how soon the
+/// fallback takes over from the service, and a remembered denial answers without asking either
+/// (for up to its retry time), which would only move that moment later. Remembered denials are
+/// `fleet::a_flood_of_denials_is_answered_locally_and_still_exact`'s subject.
 fn plugin(key: &str) -> String {
     serde_json::json!({
-        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": CALLOUT_TIMEOUT_MS},
+        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": CALLOUT_TIMEOUT_MS,
+                    "remember_denials_ms": 0},
         "rules": [{"name": "faults", "key": [format!("literal:{key}")], "capacity": CAPACITY,
                    "rate": RATE, "period_ms": PERIOD_MS}],
         "failure_mode": "fallback",
