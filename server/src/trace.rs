@@ -32,7 +32,12 @@ use opentelemetry_sdk::trace::{
 };
 use opentelemetry_sdk::Resource;
 
-use crate::api::ApiError;
+/// An error a traced call can end with: its code names the outcome (`tollgate.outcome`) and the
+/// span's error status. The API's error implements it; this module imports nothing above it.
+pub trait Coded {
+    /// The error's code (`invalid_argument`, `unavailable`, ...).
+    fn code(&self) -> &'static str;
+}
 
 /// Whether spans are made at all: set once, by [`init`].
 static ON: OnceLock<()> = OnceLock::new();
@@ -125,11 +130,11 @@ impl Extractor for Parent<'_> {
 /// Runs `call` in a span `name` whose parent is `parent` (when traces are on; else just runs it),
 /// and ends the span with the call's outcome: an error sets the span's status and
 /// `tollgate.outcome` to its code; a success leaves the outcome to the call ([`note`]).
-pub async fn traced<T>(
+pub async fn traced<T, E: Coded>(
     name: &'static str,
     parent: Parent<'_>,
-    call: impl Future<Output = Result<T, ApiError>>,
-) -> Result<T, ApiError> {
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, E> {
     if !enabled() {
         return call.await;
     }

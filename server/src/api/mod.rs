@@ -54,6 +54,12 @@ pub enum ApiError {
     Unavailable(&'static str),
 }
 
+impl crate::trace::Coded for ApiError {
+    fn code(&self) -> &'static str {
+        ApiError::code(self)
+    }
+}
+
 impl ApiError {
     /// The contract's error code, also the metrics label.
     pub fn code(&self) -> &'static str {

@@ -1095,6 +1095,18 @@ fn every_callout_of_every_configuration_carries_this_envoys_one_id() {
     assert_eq!(id_of(&settle), first, "its settle");
 }
 
+/// [`start`] for `/api` with a `traceparent` header.
+fn start_traced(d: &mut Dispatcher<Fake>, id: u32, traceparent: &str) -> u32 {
+    d.on_context_create(id, ROOT);
+    d.abi.known.borrow_mut().push(id);
+    d.abi.set_request("/api");
+    d.abi
+        .request
+        .borrow_mut()
+        .push(("traceparent".into(), traceparent.as_bytes().to_vec()));
+    d.on_request_headers(id)
+}
+
 /// `service.trace`: a sampled request's `traceparent` goes on its callout (header or metadata), and
 /// the callout leaves at once even while a batch is forming; an unsampled or malformed one is not
 /// forwarded and the request batches as before.
@@ -1116,14 +1128,7 @@ fn a_sampled_traceparent_rides_its_own_callout() {
         // While that callout is in flight a plain request queues, a traced one calls alone.
         assert_eq!(start(&mut d, 11, "/api"), PAUSE);
         assert_eq!(d.abi.dispatched.borrow().len(), 1, "queued");
-        d.on_context_create(12, ROOT);
-        d.abi.known.borrow_mut().push(12);
-        d.abi.set_request("/api");
-        d.abi
-            .request
-            .borrow_mut()
-            .push(("traceparent".into(), TP.as_bytes().to_vec()));
-        assert_eq!(d.on_request_headers(12), PAUSE);
+        assert_eq!(start_traced(&mut d, 12, TP), PAUSE);
         assert_eq!(
             d.abi.dispatched.borrow().len(),
             2,
@@ -1137,14 +1142,7 @@ fn a_sampled_traceparent_rides_its_own_callout() {
             "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "garbage",
         ] {
-            d.on_context_create(13, ROOT);
-            d.abi.known.borrow_mut().push(13);
-            d.abi.set_request("/api");
-            d.abi
-                .request
-                .borrow_mut()
-                .push(("traceparent".into(), tp.as_bytes().to_vec()));
-            assert_eq!(d.on_request_headers(13), PAUSE);
+            assert_eq!(start_traced(&mut d, 13, tp), PAUSE);
             assert_eq!(
                 d.abi.dispatched.borrow().len(),
                 2,
@@ -1155,14 +1153,7 @@ fn a_sampled_traceparent_rides_its_own_callout() {
     }
     // Off (the default): the header is not even read.
     let mut d = dispatcher(&config("http", ""));
-    d.on_context_create(12, ROOT);
-    d.abi.known.borrow_mut().push(12);
-    d.abi.set_request("/api");
-    d.abi
-        .request
-        .borrow_mut()
-        .push(("traceparent".into(), TP.as_bytes().to_vec()));
-    d.on_request_headers(12);
+    start_traced(&mut d, 12, TP);
     assert!(d.abi.sent_headers.borrow()[0]
         .iter()
         .all(|(k, _)| k != "traceparent"));
