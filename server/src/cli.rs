@@ -105,7 +105,7 @@ pub enum LogFormat {
 ///
 /// One port serves HTTP/1.1 and HTTP/2 cleartext: JSON `POST /v1/take`, gRPC
 /// `tollgate.v1.RateLimiter/Take`, Envoy's RLS v3 (with --rls-config), `GET /healthz`, `GET /readyz`, `GET /metrics`.
-/// Log level: RUST_LOG (default `info`).
+/// Log level: RUST_LOG, a level or `target=level` pairs (default `info`).
 #[derive(Parser, Clone)]
 #[command(name = "tollgate-server", version, about, long_about)]
 pub struct Cli {

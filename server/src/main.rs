@@ -11,6 +11,10 @@ use tollgate_server::run;
 use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::redis::{redact_url, RedisConfig, RedisStore, SentinelConfig};
 use tollgate_server::store::Store;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{registry, Layer};
 
 /// mimalloc: about a tenth of the service's CPU went to glibc malloc/free under load.
 #[global_allocator]
@@ -21,16 +25,18 @@ fn main() -> ExitCode {
     if let Some(Command::Check(args)) = &cli.command {
         return tollgate_server::check::main(args);
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // RUST_LOG: a level, or `target=level` pairs (`info,tollgate_server=debug`); anything else
+    // is `info`.
+    let targets = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|s| s.parse::<Targets>().ok())
+        .unwrap_or_else(|| Targets::new().with_default(tracing::Level::INFO));
     // Colours only on a terminal: log collectors would store the escape codes.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi);
+    let layer = tracing_subscriber::fmt::layer().with_ansi(ansi);
     match cli.log_format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
+        LogFormat::Json => registry().with(layer.json().with_filter(targets)).init(),
+        LogFormat::Text => registry().with(layer.with_filter(targets)).init(),
     }
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     rt.enable_all();
