@@ -1,7 +1,7 @@
 //! The documentation stays true:
 //! - every configuration shown in README.md and docs/*.md is accepted by the parser it belongs to:
 //!   filter configurations and rules by the filter's `Config::parse`, Envoy configurations and
-//!   excerpts by `envoy --mode validate` with the real module (limits files: server/tests/docs.rs);
+//!   excerpts by `envoy --mode validate` with the real module (limits files: server/tests/integration/docs.rs);
 //!   a block says which it is in its info string (the convention: testkit's `docs` module), and a
 //!   configuration block that does not say is a failure;
 //! - every relative link in them resolves (the file, and the heading when it names one);
@@ -215,7 +215,7 @@ const ROOTS: [&str; 7] = [
     "server/src/main.rs",
     "testkit/src/lib.rs",
     "tests/common/mod.rs",
-    "server/tests/common/mod.rs",
+    "server/tests/integration/common/mod.rs",
 ];
 
 /// Every source file under these is reached from a root (or is a binary's root itself).

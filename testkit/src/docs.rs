@@ -1,4 +1,4 @@
-//! The documentation as the tests read it (tests/docs.rs, server/tests/docs.rs): README.md and
+//! The documentation as the tests read it (tests/docs.rs, server/tests/integration/docs.rs): README.md and
 //! docs/*.md, their fenced code blocks with the kind each one declares, and their links.
 //!
 //! A fenced block that holds a configuration says so in its info string, after the language, and
@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | `json filter` | a whole plugin configuration | the filter's `Config::parse` (tests/docs.rs) |
 //! | `json rule` | one rule | `Config::parse`, as the only rule of `{"service": {"cluster": "tollgate"}}` |
-//! | `yaml limits` | a limits file for the RLS endpoint | the service's reader, `rls::config::Limits::parse` (server/tests/docs.rs) |
+//! | `yaml limits` | a limits file for the RLS endpoint | the service's reader, `rls::config::Limits::parse` (server/tests/integration/docs.rs) |
 //! | `yaml envoy` | a whole Envoy bootstrap | `envoy --mode validate`, every `*.wasm` file being dist/tollgate.wasm |
 //! | `yaml envoy-http-filters` | a list of HTTP filters | `envoy --mode validate`, placed before the router of a generated bootstrap |
 //! | `yaml envoy-routes` | `routes:` and its list | `envoy --mode validate`, as the first routes of a generated bootstrap |

@@ -1,5 +1,5 @@
 //! Each algorithm's integer arithmetic, once: the service's memory store runs it (the reference
-//! its Lua is tested against, `server/tests/lua_reference.rs`) and the filter's local buckets run
+//! its Lua is tested against, `server/tests/integration/lua_reference.rs`) and the filter's local buckets run
 //! it for their fallback shares and lease pools. Pure: no allocation, nothing beyond `core`.
 //!
 //! Every function gets a bucket's [`Limits`]. The service's are the take's own (`divisor` 1); the

@@ -1,6 +1,6 @@
 //! docs/migrating.md, checked: its limits files load as the service loads them and mean what the
 //! page says (that every flag its tables name is one the service accepts is checked in
-//! server/tests/docs.rs, beside the command line).
+//! server/tests/integration/docs.rs, beside the command line).
 
 use super::config::Limits;
 

@@ -3,7 +3,7 @@
 //! Used when no Redis is configured (a single replica, development, tests). One mutex guards a
 //! map of bucket states, so a take is atomic; a batch holds it once for all its takes, in order.
 //! The arithmetic is the contract's ([`contract::arithmetic`], through [`super::algorithm`]: the
-//! reference its Lua is tested against, `server/tests/lua_reference.rs`); this store only keeps the states, the clock and the bounds. A bucket is its algorithm
+//! reference its Lua is tested against, `server/tests/integration/lua_reference.rs`); this store only keeps the states, the clock and the bounds. A bucket is its algorithm
 //! and key; its state records the limits it was last charged with, and a take with other limits
 //! carries it over as the scripts do. The clock is monotonic (`Instant`); windows are counted from
 //! the store's creation.

@@ -1,7 +1,7 @@
 //! Concurrency slots ((`ops/acquire.rs`, `ops/release.rs`)): the memory store's table, and what the Redis store
 //! sends to and reads from `lua/acquire.lua` and `lua/release.lua`.
 //!
-//! The memory table is the reference the scripts are tested against (server/tests/inflight.rs
+//! The memory table is the reference the scripts are tested against (server/tests/integration/inflight.rs
 //! runs one suite over both): per key, the live slots with their deadlines; an acquire first
 //! drops the expired ones, then takes a slot of every key or of none.
 

@@ -1,6 +1,6 @@
 //! The algorithms, one module each, behind one trait ([`Counter`]): each maps the memory store's
 //! state onto its arithmetic (the contract's, [`contract::arithmetic`], in exact integers: the
-//! reference `server/tests/lua_reference.rs` tests the Lua against), and owns its Lua (the same
+//! reference `server/tests/integration/lua_reference.rs` tests the Lua against), and owns its Lua (the same
 //! arithmetic on Redis, in `lua/<name>.lua`, registered in the scripts' `ALGORITHMS` table under
 //! its code) and that code in the scripts' ARGV; its name, protobuf code and key tag are the
 //! contract's (`contract::Algorithm`). The stores and the script drivers (take, batch, refund, settle)

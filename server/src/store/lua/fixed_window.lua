@@ -1,5 +1,5 @@
 -- Fixed window (algorithm 1, ALGORITHMS[1]; contract/src/arithmetic/fixed_window.rs is the
--- reference arithmetic, server/tests/lua_reference.rs compares them): at most `capacity` tokens per window floor(now_ms / period_ms);
+-- reference arithmetic, server/tests/integration/lua_reference.rs compares them): at most `capacity` tokens per window floor(now_ms / period_ms);
 -- `rate` is ignored.
 --
 -- KEYS:  the bucket's hash, e.g. `tollgate:fw:{<key>}`: algorithm and key only, not the limits.

@@ -1,5 +1,5 @@
 -- Sliding window counter (algorithm 2, ALGORITHMS[2]; contract/src/arithmetic/sliding_window.rs
--- is the reference arithmetic, server/tests/lua_reference.rs compares them): a window of `period_ms` that slides with the clock, estimated from
+-- is the reference arithmetic, server/tests/integration/lua_reference.rs compares them): a window of `period_ms` that slides with the clock, estimated from
 -- two fixed windows as the current window's count plus the previous window's count weighted by
 -- the part of it the sliding window still covers:
 --   used = n + ceil(m * (period - elapsed) / period)     (elapsed: ms into the current window)

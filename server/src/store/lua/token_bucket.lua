@@ -1,5 +1,5 @@
 -- Token bucket (algorithm 0, ALGORITHMS[0]; contract/src/arithmetic/token_bucket.rs is the
--- reference arithmetic, server/tests/lua_reference.rs compares them): holds at most `capacity` tokens, refills continuously at
+-- reference arithmetic, server/tests/integration/lua_reference.rs compares them): holds at most `capacity` tokens, refills continuously at
 -- `rate` per `period_ms`, starts full.
 --
 -- KEYS:  the bucket's hash, e.g. `tollgate:tb:{<key>}`: algorithm and key only, not the limits.

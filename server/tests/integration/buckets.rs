@@ -4,7 +4,7 @@
 //! Redis and a real Redis Cluster; and that only the admin token opens them.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

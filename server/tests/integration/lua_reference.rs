@@ -7,7 +7,7 @@
 //! the reference is driven with that time: nothing of the scripts' arithmetic is replaced.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! for the whole batch, and exactness with 32 concurrent batch clients against real Redis.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

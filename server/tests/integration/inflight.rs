@@ -2,7 +2,7 @@
 //! scripts' atomicity under concurrent acquires, the Redis key's TTL, and the JSON routes.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

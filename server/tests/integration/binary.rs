@@ -2,7 +2,7 @@
 //! exit on SIGTERM, no secret in its logs (Redis URLs of any shape), the token from a file.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -5,7 +5,7 @@
 //! and every invalid field is named. The fixtures of `settle_cases` are read by both codecs.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

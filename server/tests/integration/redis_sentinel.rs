@@ -4,7 +4,7 @@
 //! see 503 at worst, never "allowed" from nowhere.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! a full memory store answering clearly. Figures are printed (`--nocapture` shows them).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,7 @@
 //! field named; over the memory store and real Redis alike.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

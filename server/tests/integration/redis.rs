@@ -2,7 +2,7 @@
 //! outages and recovery, NOSCRIPT recovery, and a real 3-master Redis Cluster.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -399,7 +399,7 @@ async fn redis_cluster_slots_and_all_or_nothing() {
 #[tokio::test]
 async fn lua_integer_arithmetic_is_exact() {
     let r = RedisProc::start();
-    let prelude = include_str!("../src/store/lua/prelude.lua");
+    let prelude = include_str!("../../src/store/lua/prelude.lua");
     let script = redis::Script::new(&format!(
         "{prelude}\nlocal q, r = muldivmod(tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))\nreturn {{fmt(q), fmt(r)}}"
     ));

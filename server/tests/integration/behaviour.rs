@@ -1,7 +1,7 @@
 //! One behavioural suite, run against every store: the memory store and real Redis.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

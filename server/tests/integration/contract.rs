@@ -2,7 +2,7 @@
 //! and protobuf (prost), in both directions.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
+use crate::common;
 
 use prost::Message;
 use serde_json::Value;
