@@ -81,14 +81,23 @@ image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; 
 run: build ## Start Redis, the service, Envoy with the filter and a demo upstream (Ctrl-C stops all)
 	@bash scripts/run.sh
 
-test: build image nextest ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
+test: nextest ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
+	@# The test binaries build first, with the tools and the validators installing beside them
+	@# (downloads and apt, which the build does not need); then the module, the release service
+	@# and the images the tests run. The test build is the lint: clippy-driver compiles the
+	@# workspace's crates (scripts/clippy-rustc.sh).
+	@t0=$$(date +%s); bash scripts/tools.sh image & tools=$$!; \
+	  PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
+	  $(CARGO) nextest run --locked --workspace --all-targets --no-run; built=$$?; \
+	  wait $$tools; installed=$$?; mkdir -p target; echo $$(( $$(date +%s) - t0 )) > target/.test-build-secs; \
+	  [ $$built = 0 ] && [ $$installed = 0 ]
+	@$(MAKE) --no-print-directory build image
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
-	@# The test build is the lint: clippy-driver compiles the workspace's crates (scripts/clippy-rustc.sh).
 	@# nextest runs the test binaries side by side, the timing-sensitive ones in their own group
 	@# (.config/nextest.toml).
 	@PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
-	  bash scripts/test-summary.sh --since $(SUITE_START) \
+	  bash scripts/test-summary.sh --since $(SUITE_START) --build-secs $$(cat target/.test-build-secs) \
 	  $(CARGO) nextest run --locked --workspace --all-targets --no-fail-fast
 
 nextest:

@@ -2,18 +2,24 @@
 # Runs a test command, passes its output through, and closes with the suite's wall time and one line
 # that counts every test: `tests: N passed, N failed`.
 #
-#   scripts/test-summary.sh [--since EPOCH] CMD...
+#   scripts/test-summary.sh [--since EPOCH] [--build-secs N] CMD...
 #
 # CMD is `cargo nextest run` (its `Summary [..] N tests run: P passed, F failed, T timed out, ...`
 # line) or `cargo test` (every binary's `test result:` line, added up: the last one is often an
 # example's empty `0 passed`, which would misstate the run). --since is when the suite started
 # (`make test` passes the time make started): the time line splits what came before the test
 # command (tools, release builds, images, lint), the test build (cargo's `Finished` line) and the
-# test run. A run that ran no test fails.
+# test run. --build-secs is the test build's time when it ran before (`make test` builds the test
+# binaries while the tools install). A run that ran no test fails.
 set -uo pipefail
 since=""
 if [ "${1:-}" = --since ]; then
   since=$2
+  shift 2
+fi
+built=""
+if [ "${1:-}" = --build-secs ]; then
+  built=$2
   shift 2
 fi
 start=$(date +%s)
@@ -43,8 +49,14 @@ build_s=$(sed -nE 's/.*Finished `test` profile.* in (([0-9]+)m )?([0-9]+)(\.[0-9
 
 mmss() { printf '%d min %d s' $(($1 / 60)) $(($1 % 60)); }
 total=$((end - since))
-parts="before the test command $(mmss $((start - since)))"
-if [ -n "$build_s" ]; then parts="$parts, test build $(mmss "$build_s")"; fi
+if [ -n "$built" ]; then
+  # The test build ran first (tools installing beside it), then the release builds and images.
+  parts="test build $(mmss "$built") (the tools installing beside it)"
+  parts="$parts, release builds, images and lint $(mmss $((start - since - built)))"
+else
+  parts="before the test command $(mmss $((start - since)))"
+  if [ -n "$build_s" ]; then parts="$parts, test build $(mmss "$build_s")"; fi
+fi
 if [ -n "$run_s" ]; then parts="$parts, tests $(mmss "$run_s")"; fi
 echo
 echo "suite: $(mmss "$total") ($parts; load average $(cut -d' ' -f1-3 /proc/loadavg))"
