@@ -38,7 +38,11 @@ fn main() {
         .or_else(|| {
             let head = git(&["rev-parse", "--short=12", "HEAD"])?;
             // Only files of the filter count: a change elsewhere does not make the module dirty.
+            // `--no-optional-locks`: `git status` would otherwise refresh and rewrite the index,
+            // which this script watches: the next build would run it again and rebuild the
+            // filter, the service and every test binary.
             let dirty = git(&[
+                "--no-optional-locks",
                 "status",
                 "--porcelain",
                 "--",
