@@ -54,6 +54,14 @@ pub fn ping(port: u16) -> bool {
     matches!(s.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG") || buf[..n].starts_with(b"-NOAUTH"))
 }
 
+/// Whether the process on `port` answers: [`ping`], or over TLS a `PING` through redis-cli.
+fn up(port: u16, tls: Option<&SentinelTls>) -> bool {
+    match tls {
+        None => ping(port),
+        Some(t) => cli(port, &t.cli_args(), &["PING"]).as_deref() == Some("PONG"),
+    }
+}
+
 /// One command through `redis-cli` to 127.0.0.1:`port` (`cli`: more redis-cli arguments, e.g.
 /// `--tls --cacert ca.pem`): its output, trimmed; `None` when redis-cli failed or could not connect.
 pub fn cli(port: u16, cli: &[&str], args: &[&str]) -> Option<String> {
@@ -122,6 +130,28 @@ pub struct SentinelSetup {
     dir: crate::process::TempDir,
     /// The data nodes' and the sentinels' passwords, for redis-cli.
     auth: [Option<String>; 2],
+    /// TLS only, on every process ([`SentinelSetup::start_tls`]).
+    tls: Option<SentinelTls>,
+}
+
+/// The files of a TLS-only Sentinel setup: every process serves TLS only (`port 0`, `tls-port`)
+/// with this certificate (valid for 127.0.0.1, server and client use: the nodes replicate and the
+/// sentinels talk to each other over TLS), trusting `ca`; clients need no certificate.
+#[derive(Clone, Debug)]
+pub struct SentinelTls {
+    /// The processes' certificate (PEM).
+    pub cert: String,
+    /// Its key (PEM).
+    pub key: String,
+    /// The CA that signed it (PEM).
+    pub ca: String,
+}
+
+impl SentinelTls {
+    /// What redis-cli needs to reach a process of the setup.
+    fn cli_args(&self) -> [&str; 3] {
+        ["--tls", "--cacert", &self.ca]
+    }
 }
 
 impl SentinelSetup {
@@ -138,6 +168,22 @@ impl SentinelSetup {
         password: Option<&str>,
         sentinel_password: Option<&str>,
     ) -> SentinelSetup {
+        Self::start_with(name, extra, password, sentinel_password, None)
+    }
+
+    /// As [`SentinelSetup::start`], every process serving TLS only with the files of `tls`
+    /// (the nodes replicating and the sentinels asking each other over TLS too).
+    pub fn start_tls(name: &str, tls: &SentinelTls) -> SentinelSetup {
+        Self::start_with(name, &[], None, None, Some(tls))
+    }
+
+    fn start_with(
+        name: &str,
+        extra: &[&str],
+        password: Option<&str>,
+        sentinel_password: Option<&str>,
+        tls: Option<&SentinelTls>,
+    ) -> SentinelSetup {
         let bin = server_bin();
         let dir = crate::process::TempDir::new("sentinel");
         let nodes = [crate::process::free_port(), crate::process::free_port()];
@@ -153,10 +199,18 @@ impl SentinelSetup {
             if i == 1 {
                 args.extend(["--replicaof", "127.0.0.1", &master]);
             }
+            let port_s = port.to_string();
+            if let Some(t) = tls {
+                // The last `--port` wins: no plaintext port, TLS on this one.
+                args.extend(["--port", "0", "--tls-port", &port_s]);
+                args.extend(["--tls-cert-file", &t.cert, "--tls-key-file", &t.key]);
+                args.extend(["--tls-ca-cert-file", &t.ca, "--tls-auth-clients", "no"]);
+                args.extend(["--tls-replication", "yes"]);
+            }
             let log = dir.log_file(&format!("redis-{port}"));
             procs.push(spawn(&bin, port, &node_dir, &args, log));
             crate::process::wait_until("redis-server", procs.last_mut().expect("proc"), || {
-                ping(port)
+                up(port, tls)
             })
             .expect("redis-server started");
         }
@@ -164,8 +218,16 @@ impl SentinelSetup {
         for &port in &sentinels {
             // A sentinel rewrites its configuration file: one writable file each.
             let conf = dir.path().join(format!("sentinel-{port}.conf"));
+            let listen = match tls {
+                None => format!("port {port}\n"),
+                Some(t) => format!(
+                    "port 0\ntls-port {port}\ntls-cert-file {}\ntls-key-file {}\n\
+                     tls-ca-cert-file {}\ntls-auth-clients no\ntls-replication yes\n",
+                    t.cert, t.key, t.ca
+                ),
+            };
             let text = format!(
-                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                "{listen}bind 127.0.0.1\ndir {dir}\n\
                  sentinel monitor {name} 127.0.0.1 {master} 2\n\
                  sentinel down-after-milliseconds {name} 1000\n\
                  sentinel failover-timeout {name} 10000\n\
@@ -187,7 +249,7 @@ impl SentinelSetup {
             let log = dir.log_file(&format!("sentinel-{port}"));
             procs.push(Proc::spawn("redis-sentinel", cmd, log));
             crate::process::wait_until("redis-sentinel", procs.last_mut().expect("proc"), || {
-                ping(port)
+                up(port, tls)
             })
             .expect("redis-sentinel started");
         }
@@ -198,16 +260,22 @@ impl SentinelSetup {
             sentinels,
             procs,
             dir,
+            tls: tls.cloned(),
         };
         setup.wait_ready(nodes[0], Duration::from_secs(30));
         setup
     }
 
-    /// The sentinels as URLs, `redis://127.0.0.1:<port>` each.
+    /// The sentinels as URLs, `redis://127.0.0.1:<port>` each (`rediss://` over TLS).
     pub fn sentinel_urls(&self) -> Vec<String> {
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
         self.sentinels
             .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .map(|p| format!("{scheme}://127.0.0.1:{p}"))
             .collect()
     }
 
@@ -304,10 +372,14 @@ impl SentinelSetup {
         } else {
             &self.auth[0]
         };
-        match pw {
-            Some(pw) => cli(port, &["--no-auth-warning", "-a", pw], args),
-            None => cli(port, &[], args),
+        let mut with: Vec<&str> = Vec::new();
+        if let Some(pw) = pw {
+            with.extend(["--no-auth-warning", "-a", pw]);
         }
+        if let Some(t) = &self.tls {
+            with.extend(t.cli_args());
+        }
+        cli(port, &with, args)
     }
 
     /// Where the processes' files and logs are.

@@ -731,3 +731,88 @@ async fn tls_redis_cluster_with_a_private_ca() {
     .await;
     svc.stop().await;
 }
+
+/// Redis Sentinel over TLS, as most Redis charts deploy it with TLS on: the real binary finds the
+/// master through `rediss://` sentinels (the private CA its only TLS file), decides on it over TLS,
+/// and after a failover decides on the new master with every count kept.
+#[test]
+fn sentinel_over_tls_decides_on_the_master_and_follows_a_failover() {
+    use tollgate_testkit::redis::{SentinelSetup, SentinelTls};
+    let pki = Pki::new();
+    let tls = SentinelTls {
+        cert: pki.path("node.crt"),
+        key: pki.path("node.key"),
+        ca: pki.path("ca.crt"),
+    };
+    let name = "tls-master";
+    let mut setup = SentinelSetup::start_tls(name, &tls);
+    let urls = setup.sentinel_urls();
+    assert!(urls.iter().all(|u| u.starts_with("rediss://")), "{urls:?}");
+    let port = common::free_port();
+    let b = Bin::start(&[
+        ("TOLLGATE_LISTEN", format!("127.0.0.1:{port}")),
+        ("TOLLGATE_REDIS_SENTINEL", urls.join(",")),
+        ("TOLLGATE_REDIS_SENTINEL_MASTER", name.to_string()),
+        ("TOLLGATE_REDIS_TLS_CA", pki.path("ca.crt")),
+        // The point is TLS, not the timeout: a busy machine may need more than 50 ms.
+        ("TOLLGATE_REDIS_TIMEOUT_MS", "1000".to_string()),
+    ]);
+    b.wait_listening();
+    let old = setup.master().expect("a master");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = reqwest::Client::new();
+    let body = json!({"buckets": [{"key": "sentinel-tls", "capacity": 3, "rate": 1, "period_ms": 3_600_000}]});
+    // Takes until one is decided (a failover answers 503 for a moment); whether it was allowed.
+    let take = || {
+        rt.block_on(async {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let r = client
+                    .post(format!("http://127.0.0.1:{port}/v1/take"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                let v = r.json::<serde_json::Value>().await.unwrap_or_default();
+                if status == 200 {
+                    return v["allowed"] == true;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "no decision within 10 s: {status} {v}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    assert!(take());
+    assert!(take());
+    // The writes reached the master over TLS: its key is there, read with the CA alone.
+    let keys = setup.cli(old, &["KEYS", "*"]).unwrap_or_default();
+    assert!(
+        keys.contains("sentinel-tls"),
+        "keys on the master: {keys:?}"
+    );
+    assert!(
+        setup.wait_replicated(old, Duration::from_secs(10)),
+        "the replica did not catch up"
+    );
+    // The master dies (so no write can land on it any more) and its replica is promoted.
+    setup.kill_node(old);
+    assert!(setup.failover(), "SENTINEL FAILOVER refused");
+    let new = setup.other(old);
+    assert!(
+        tollgate_testkit::process::eventually(Duration::from_secs(30), || setup.master()
+            == Some(new)),
+        "the sentinels still name {old}"
+    );
+    // The new master holds the count: one token left of three, then denied.
+    assert!(take(), "the third token, on the new master");
+    assert!(!take(), "a fourth take after the failover was allowed");
+    let (_, logs) = b.finish(true);
+    assert!(
+        logs.contains(&format!("127.0.0.1:{new}")),
+        "the service never named the new master:\n{logs}"
+    );
+}
