@@ -1,5 +1,6 @@
 //! Envoy's native rate limit filter (`envoy.filters.http.ratelimit`) with `tollgate-server` as its
-//! RLS v3 server: real Envoys, real Redis, the real service with a limits file.
+//! RLS v3 server: real Envoys, real Redis (and a Sentinel setup whose master is killed under load),
+//! the real service with a limits file.
 
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
@@ -792,4 +793,137 @@ fn the_migration_page_s_configuration_limits_as_it_says() {
     assert!((1..=180).contains(&reset), "{denied:?}");
     assert_eq!(client.get(&envoy.url("/other"), &[]).status, 200);
     assert_eq!(upstream.requests(), 21);
+}
+
+/// Envoy's native filter in front of a service on Redis Sentinel (upstream's
+/// `REDIS_TYPE=sentinel`), the master killed (SIGKILL) under load: every client gets 200 or 429
+/// (the moment without a master is Envoy's `failure_mode_deny: false`, requests let through
+/// undecided, never a 5xx), decisions are back within 1 s of a sentinel naming the promoted
+/// replica, and the limit holds across the failover: the decided admissions exceed it by at most
+/// the clients in flight at the kill (whose writes may not have reached the replica).
+#[test]
+fn a_sentinel_master_killed_under_load_no_5xx_and_the_limit_holds() {
+    const LIMIT: usize = 1000;
+    const CLIENTS: usize = 8;
+    let c = Components::get();
+    let dir = TempDir::new("rls-sentinel");
+    let name = "e2e-master";
+    let mut setup = tollgate_testkit::redis::SentinelSetup::start(name, &[]);
+    let limits = LimitsFile::new(
+        &dir,
+        &format!(
+            "domain: e2e\ndescriptors:\n  - key: bucket\n    value: ha\n    rate_limit: {{unit: hour, requests_per_unit: {LIMIT}}}\n"
+        ),
+    );
+    let sentinels = setup.sentinel_urls().join(",");
+    let service = start_service(
+        &c,
+        &dir,
+        None,
+        &limits,
+        200,
+        &[
+            "--rls-headers",
+            "--redis-sentinel",
+            &sentinels,
+            "--redis-sentinel-master",
+            name,
+        ],
+    );
+    let upstream = Upstream::start();
+    let mut spec = native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port);
+    // Envoy's default: a request the service cannot decide goes through.
+    if let Some(rls) = spec.native_rls.as_mut() {
+        rls.failure_mode_deny = false;
+    }
+    let envoys = Envoy::start_all(&c, &dir, &vec![spec; 2]);
+    let old = setup.master().expect("a master");
+    let new = setup.other(old);
+
+    // (when, status, decided): a decided answer carries the service's headers; one Envoy let
+    // through without an answer carries none.
+    let answers = std::sync::Mutex::new(Vec::<(Duration, u16, bool)>::new());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let start = Instant::now();
+    let (killed_at, named_at) = thread::scope(|s| {
+        for i in 0..CLIENTS {
+            let (url, answers, stop) = (envoys[i % envoys.len()].url("/x"), &answers, &stop);
+            s.spawn(move || {
+                let client = Client::new();
+                while !stop.load(Ordering::Relaxed) && start.elapsed() < Duration::from_secs(40) {
+                    let r = client.get(&url, &[("x-bucket", "ha")]);
+                    let decided = r.header("x-ratelimit-limit").is_some();
+                    answers
+                        .lock()
+                        .unwrap()
+                        .push((start.elapsed(), r.status, decided));
+                }
+            });
+        }
+        thread::sleep(Duration::from_millis(400));
+        let killed_at = start.elapsed();
+        setup.kill_node(old);
+        let named = tollgate_testkit::process::eventually(Duration::from_secs(30), || {
+            setup.masters().contains(&Some(new))
+        });
+        let named_at = start.elapsed();
+        // Load on until the limit has been denying for a second (or 40 s in all).
+        let denying = tollgate_testkit::process::eventually(Duration::from_secs(20), || {
+            let a = answers.lock().unwrap();
+            a.iter()
+                .find(|x| x.0 > named_at && x.1 == 429)
+                .is_some_and(|first| start.elapsed() > first.0 + Duration::from_secs(1))
+        });
+        stop.store(true, Ordering::Relaxed);
+        assert!(named, "no sentinel named {new} within 30 s of the kill");
+        assert!(denying, "the limit never denied after the failover");
+        (killed_at, named_at)
+    });
+    let answers = answers.into_inner().unwrap();
+    let bad: Vec<_> = answers
+        .iter()
+        .filter(|a| a.1 != 200 && a.1 != 429)
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "answers other than 200 and 429: {:?}",
+        &bad[..bad.len().min(5)]
+    );
+    let undecided = answers.iter().filter(|a| !a.2).count();
+    let decided_ok = answers.iter().filter(|a| a.1 == 200 && a.2).count();
+    let back = answers
+        .iter()
+        .find(|a| a.0 > named_at && a.2)
+        .expect("decisions after the promotion");
+    let late_undecided = answers
+        .iter()
+        .filter(|a| a.0 > named_at + Duration::from_secs(1) && !a.2)
+        .count();
+    eprintln!(
+        "sentinel: killed at {killed_at:?}, named at {named_at:?}, first decision {:?} after; \
+         {} answers, {undecided} let through undecided, {decided_ok} admitted by decision (limit \
+         {LIMIT}), upstream saw {}",
+        back.0.saturating_sub(named_at),
+        answers.len(),
+        upstream.requests()
+    );
+    assert!(
+        undecided > 0,
+        "the kill went unnoticed: no answer was undecided"
+    );
+    assert!(
+        back.0.saturating_sub(named_at) < Duration::from_secs(1),
+        "decisions back {:?} after a sentinel named the new master",
+        back.0.saturating_sub(named_at)
+    );
+    assert_eq!(
+        late_undecided, 0,
+        "undecided answers more than 1 s after the naming"
+    );
+    assert!(
+        decided_ok <= LIMIT + CLIENTS,
+        "{decided_ok} admitted by decision for a limit of {LIMIT}"
+    );
+    let admitted = answers.iter().filter(|a| a.1 == 200).count() as u64;
+    assert_eq!(upstream.requests(), admitted);
 }
