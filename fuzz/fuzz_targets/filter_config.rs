@@ -5,12 +5,34 @@
 
 use libfuzzer_sys::fuzz_target;
 use tollgate::core::config::{
-    Config, Cost, HeaderMatch, KeyPart, PathMatch, MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_PARTS,
-    MAX_PERIOD_MS, MAX_RULE_BYTES,
+    Config, Cost, HeaderMatch, KeyPart, PathMatch, RateLimit, RuleKind, Transport, DEADLINE_MS,
+    MAX_AMOUNT, MAX_BUCKETS, MAX_IN_FLIGHT, MAX_KEY_PARTS, MAX_PERIOD_MS, MAX_RULE_BYTES,
 };
 use tollgate::core::rules::keys::{build_key, MAX_KEY_BYTES};
 use tollgate::core::rules::Request;
 use tollgate_fuzz::{header_name_safe, header_value_safe};
+
+fn check_rate(l: &RateLimit) {
+    assert!((1..=MAX_AMOUNT).contains(&l.capacity));
+    assert!((1..=MAX_AMOUNT).contains(&l.rate));
+    assert!((1..=MAX_PERIOD_MS).contains(&l.period_ms));
+    match &l.cost {
+        Cost::Fixed(c) => assert!((1..=MAX_AMOUNT).contains(c)),
+        Cost::Header {
+            name,
+            default,
+            min,
+            max,
+        } => {
+            assert!(header_name_safe(name));
+            assert!(1 <= *min && min <= default && default <= max && *max <= MAX_AMOUNT);
+        }
+    }
+    if let Some(lease) = &l.lease {
+        assert!(lease.size.is_none_or(|s| 1 <= s && s <= l.capacity));
+        assert!(lease.max_age_ms >= 1);
+    }
+}
 
 fn check(cfg: &Config) {
     let s = &cfg.service;
@@ -34,24 +56,13 @@ fn check(cfg: &Config) {
             "duplicate name"
         );
         assert!(r.key.len() <= MAX_KEY_PARTS);
-        assert!((1..=MAX_AMOUNT).contains(&r.capacity));
-        assert!((1..=MAX_AMOUNT).contains(&r.rate));
-        assert!((1..=MAX_PERIOD_MS).contains(&r.period_ms));
-        match &r.cost {
-            Cost::Fixed(c) => assert!((1..=MAX_AMOUNT).contains(c)),
-            Cost::Header {
-                name,
-                default,
-                min,
-                max,
-            } => {
-                assert!(header_name_safe(name));
-                assert!(1 <= *min && min <= default && default <= max && *max <= MAX_AMOUNT);
+        match &r.kind {
+            RuleKind::Rate(l) => check_rate(l),
+            RuleKind::Concurrency(c) => {
+                assert!((1..=MAX_IN_FLIGHT).contains(&c.max_in_flight));
+                assert!((DEADLINE_MS.0..=DEADLINE_MS.1).contains(&c.deadline_ms));
+                assert_ne!(cfg.service.transport, Transport::Rls);
             }
-        }
-        if let Some(l) = &r.lease {
-            assert!(l.size.is_none_or(|s| 1 <= s && s <= r.capacity));
-            assert!(l.max_age_ms >= 1);
         }
         for p in &r.key {
             if let KeyPart::Header(h) = p {

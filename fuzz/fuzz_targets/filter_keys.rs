@@ -116,13 +116,16 @@ fuzz_target!(|data: &[u8]| {
     }
     for rule in &cfg.rules {
         check_rule(rule, &req, cfg.trusted_hops);
-        let c = cost(rule, &req);
-        match &rule.cost {
+        let Some(l) = rule.rate_limit() else {
+            continue;
+        };
+        let c = cost(l, &req);
+        match &l.cost {
             Cost::Fixed(f) => assert_eq!(c, *f),
             Cost::Header { default, max, .. } => assert!(c >= 1 && (c == *default || c <= *max)),
         }
     }
-    if let Step::Callout(plan) = decide(&cfg, &req) {
+    if let Step::Callout(plan) = decide(&cfg, &req).step {
         assert_eq!(plan.request.buckets.len(), plan.rules.len());
         let body: serde_json::Value =
             serde_json::from_slice(&encode_json(&plan.request)).expect("the callout is JSON");

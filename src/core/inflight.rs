@@ -15,32 +15,20 @@
 //! worker (hashed into `fallback.max_keys` counters: two keys on one counter share it, which can
 //! only admit fewer) and given back when the stream ends.
 //!
+//! The slots a request wants are found with its buckets, in the one pass of
+//! [`crate::core::decide::decide`] over the rules.
+//!
 //! Pure: the state machine in [`crate::core::flow`] drives it, the adapter moves the bytes.
 
-use crate::core::config::{Config, InFlight};
+use crate::core::config::{Concurrency, Config, Rule};
 use crate::core::decide::headers::{rate_limit_headers, retry_after};
 pub use crate::core::local::slots::{acquire_local, local_enabled, release_local, Want};
-use crate::core::rules::{keys, matches, Request};
 use crate::core::wire::plan::{CalloutResult, LocalReply};
 use crate::core::wire::BucketResult;
 use contract::bounds::SLOT_DENIED_RETRY_MS;
 use contract::fields;
 use contract::slots::{self, SlotWant};
 use serde_json::Value;
-
-/// The slots `req` needs: one per matching concurrency rule whose key could be built.
-pub fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
-    let mut wants = Vec::new();
-    for (i, f) in cfg.inflight.iter().enumerate() {
-        if !matches(&f.rule.matcher, req, cfg.trusted_hops) {
-            continue;
-        }
-        if let Some(key) = keys::build_key(&f.rule, req, cfg.trusted_hops) {
-            wants.push(Want { rule: i, key });
-        }
-    }
-    wants
-}
 
 /// A new slot id for an acquire: 32 hex digits, from the process's random hash keys (as the
 /// service draws its own): unique across proxies with overwhelming probability.
@@ -58,11 +46,11 @@ pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
         slot,
         cfg.instance.as_deref(),
         wants.iter().filter_map(|w| {
-            let f = cfg.inflight.get(w.rule)?;
+            let c = cfg.rules.get(w.rule)?.concurrency()?;
             Some(SlotWant {
                 key: &w.key,
-                limit: f.max,
-                ttl_ms: f.deadline_ms,
+                limit: c.max_in_flight,
+                ttl_ms: c.deadline_ms,
             })
         }),
     )
@@ -143,15 +131,14 @@ pub fn released(result: &CalloutResult) -> bool {
     )
 }
 
-/// The denial of concurrency rule `f` (its status, body, content type): `Retry-After`, and the
-/// rate limit headers the rule asks for, as for a bucket of `max_in_flight` with none left that
-/// may have room again after `wait_ms`.
-pub fn denial(f: &InFlight, wait_ms: u64) -> LocalReply {
-    let r = &f.rule;
+/// The denial of concurrency rule `r` (limited by `c`; its status, body, content type):
+/// `Retry-After`, and the rate limit headers the rule asks for, as for a bucket of
+/// `max_in_flight` with none left that may have room again after `wait_ms`.
+pub fn denial(r: &Rule, c: Concurrency, wait_ms: u64) -> LocalReply {
     let wait_ms = wait_ms.max(1);
     let state = BucketResult {
         allowed: false,
-        limit: f.max,
+        limit: c.max_in_flight,
         remaining: 0,
         reset_ms: wait_ms,
         retry_after_ms: wait_ms,
@@ -224,6 +211,13 @@ impl Count {
 mod tests {
     use super::*;
     use crate::core::base::store::fake::FakeStore;
+    use crate::core::config::RuleKind;
+    use crate::core::rules::Request;
+
+    /// The slots `req` wants under `cfg` (the concurrency half of the one matching pass).
+    fn plan(cfg: &Config, req: &Request) -> Vec<Want> {
+        crate::core::decide::decide(cfg, req).slots
+    }
 
     fn cfg(extra: &str) -> Config {
         let json = format!(
@@ -248,8 +242,14 @@ mod tests {
     #[test]
     fn config_reads_and_refuses() {
         let c = cfg("");
-        assert!(c.rules.is_empty());
-        assert_eq!((c.inflight[0].max, c.inflight[0].deadline_ms), (4, 5000));
+        assert!(c.rules[0].rate_limit().is_none());
+        assert_eq!(
+            c.rules[0].kind,
+            RuleKind::Concurrency(Concurrency {
+                max_in_flight: 4,
+                deadline_ms: 5000
+            })
+        );
         let bad = |rule: &str| {
             let json = format!(r#"{{"service":{{"cluster":"svc"}},"rules":[{rule}]}}"#);
             Config::parse(json.as_bytes()).unwrap_err().field
@@ -363,7 +363,7 @@ mod tests {
     #[test]
     fn denial_has_retry_after_and_the_rules_headers() {
         let c = cfg(r#","response":{"headers":["x-ratelimit"]}"#);
-        let r = denial(&c.inflight[0], 1000);
+        let r = denial(&c.rules[0], c.rules[0].concurrency().unwrap(), 1000);
         assert_eq!(r.status, 429);
         assert!(r.headers.contains(&("retry-after".into(), "1".into())));
         assert!(r
@@ -420,6 +420,7 @@ mod tests {
         resumed: u32,
         replies: Vec<LocalReply>,
         counts: Vec<Count>,
+        rule_counts: Vec<(usize, crate::core::wire::plan::RuleCount)>,
     }
 
     impl Host for Fake {
@@ -444,7 +445,9 @@ mod tests {
             self.replies.push(r.clone());
         }
         fn count(&mut self, _: crate::core::wire::plan::Decision) {}
-        fn count_rule(&mut self, _: usize, _: crate::core::wire::plan::RuleCount) {}
+        fn count_rule(&mut self, rule: usize, what: crate::core::wire::plan::RuleCount) {
+            self.rule_counts.push((rule, what));
+        }
         fn count_failure(&mut self, _: crate::core::wire::plan::Cause) {}
         fn breaker_event(&mut self, _: crate::core::local::breaker::Event) {}
         fn count_lease(&mut self, _: crate::core::local::lease::Count, _: u64) {}
@@ -506,6 +509,38 @@ mod tests {
         );
         f.on_end(&c, &mut h);
         assert!(h.acquires.is_empty() && h.releases.is_empty());
+    }
+
+    /// Rules of both kinds in one list: the rate rule's bucket is counted under its own index,
+    /// the slot is asked for the concurrency rule (limit, deadline) and denied with its response.
+    #[test]
+    fn a_rate_rule_after_a_concurrency_rule_keeps_its_index() {
+        let json = r#"{"service":{"cluster":"svc"},"rules":[
+            {"name":"cc","kind":"concurrency","key":["header:x-user"],"max_in_flight":4,
+             "deadline_ms":5000,"response":{"status":503}},
+            {"name":"r","capacity":5,"period_ms":1000}]}"#;
+        let c = Config::parse(json.as_bytes()).unwrap();
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        assert_eq!(
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h),
+            Next::Pause
+        );
+        assert!(f.waits_for(100), "the take goes first");
+        let took = r#"{"allowed":true,"buckets":[{"allowed":true,"limit":5,"remaining":4,"reset_ms":200,"retry_after_ms":0}]}"#;
+        f.on_callout_result(&c, 100, answer(took), &mut h);
+        assert_eq!(
+            h.rule_counts,
+            vec![(1, crate::core::wire::plan::RuleCount::Allowed)]
+        );
+        let asked: Value = serde_json::from_slice(&h.acquires[0]).unwrap();
+        assert_eq!(
+            asked["buckets"],
+            serde_json::json!([{"key":"cc|u","limit":4,"ttl_ms":5000}])
+        );
+        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        assert_eq!(h.replies.len(), 1);
+        assert_eq!(h.replies[0].status, 503);
+        assert_eq!(h.counts, vec![Count::Limited]);
     }
 
     #[test]

@@ -22,7 +22,7 @@
 use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind, Status};
 use crate::core::base::ledger::{IdMap, Ledger};
 use crate::core::base::store::{CasStore, SetError};
-use crate::core::config::{Config, FailureMode, HeaderMatch, Transport};
+use crate::core::config::{Config, FailureMode, HeaderMatch, Rule, Transport};
 use crate::core::flow::{self, Flow, Host, Next, Phase};
 use crate::core::inflight;
 use crate::core::local::breaker::Event;
@@ -187,7 +187,8 @@ struct Metrics {
     batch_callouts: u32,
     batch_takes: u32,
     decisions: Vec<u32>,
-    /// Per rule (in configuration order), one id per [`RuleCount::ALL`].
+    /// Per rule (in configuration order), one id per [`RuleCount::ALL`] (none for a rule of
+    /// another kind than rate: those count `inflight`).
     rules: Vec<Vec<u32>>,
     failures: Vec<u32>,
     breaker_opened: u32,
@@ -239,8 +240,10 @@ impl Metrics {
         let mut rules = Vec::with_capacity(cfg.rules.len());
         for r in &cfg.rules {
             let mut ids = Vec::with_capacity(RuleCount::ALL.len());
-            for c in RuleCount::ALL {
-                ids.push(abi.define_metric(MetricKind::Counter, &c.metric(&r.name))?);
+            if r.rate_limit().is_some() {
+                for c in RuleCount::ALL {
+                    ids.push(abi.define_metric(MetricKind::Counter, &c.metric(&r.name))?);
+                }
             }
             rules.push(ids);
         }
@@ -254,13 +257,13 @@ impl Metrics {
             leases.push(abi.define_metric(MetricKind::Counter, c.metric())?);
         }
         let mut inflight = Vec::new();
-        if !cfg.inflight.is_empty() {
+        if cfg.rules.iter().any(|r| r.concurrency().is_some()) {
             for c in inflight::Count::ALL {
                 inflight.push(abi.define_metric(MetricKind::Counter, c.metric())?);
             }
         }
         let mut settles = Vec::new();
-        if cfg.rules.iter().any(|r| r.charge.is_some()) {
+        if charges_by_response(cfg) {
             for c in SettleCount::ALL {
                 settles.push(abi.define_metric(MetricKind::Counter, c.metric())?);
             }
@@ -804,18 +807,23 @@ impl<A: Abi> Dispatcher<A> {
         }
         if config.failure_mode == FailureMode::Fallback {
             for r in &config.rules {
-                if r.capacity < config.fallback.instances {
+                let Some(l) = r.rate_limit() else { continue };
+                if l.capacity < config.fallback.instances {
                     warn!(
                         "rule {}: capacity {} < fallback.instances {}: its fallback bucket admits nothing",
-                        r.name, r.capacity, config.fallback.instances
+                        r.name, l.capacity, config.fallback.instances
                     );
                 }
             }
         }
         info!(
             "configured {} rule(s) ({} of kind concurrency), service cluster {:?} over {}, failure_mode {:?}{}",
-            config.rules.len() + config.inflight.len(),
-            config.inflight.len(),
+            config.rules.len(),
+            config
+                .rules
+                .iter()
+                .filter(|r| r.concurrency().is_some())
+                .count(),
             config.service.cluster,
             match config.service.transport {
                 Transport::Http => "http",
@@ -1428,17 +1436,25 @@ impl<A: Abi> Dispatcher<A> {
 /// How often a configuration's lease pools are looked at for expired tokens: half the shortest
 /// `max_age_ms` of its token-bucket lease rules, between 100 ms and a second; `None` without any.
 fn tick_period_ms(cfg: &Config) -> Option<u32> {
-    if cfg.rules.iter().any(|r| r.charge.is_some()) {
+    if charges_by_response(cfg) {
         // Settlements are tried again from the timer (the first backoff is 100 ms).
         return u32::try_from(settle::FIRST_BACKOFF_MS).ok();
     }
     let shortest = cfg
         .rules
         .iter()
+        .filter_map(Rule::rate_limit)
         .filter(|r| r.algorithm == crate::core::config::Algorithm::TokenBucket)
         .filter_map(|r| r.lease.map(|l| l.max_age_ms))
         .min()?;
     u32::try_from((shortest / 2).clamp(100, 1000)).ok()
+}
+
+/// Whether some rule is charged by the response (`charge: response`).
+fn charges_by_response(cfg: &Config) -> bool {
+    cfg.rules
+        .iter()
+        .any(|r| r.rate_limit().is_some_and(|l| l.charge.is_some()))
 }
 
 /// `GrpcService { envoy_grpc: EnvoyGrpc { cluster_name } }`, serialised (both field 1, length
@@ -1473,7 +1489,7 @@ fn match_headers(cfg: &Config) -> Option<Vec<String>> {
             names.push(n.to_string());
         }
     };
-    for r in cfg.rules.iter().chain(cfg.inflight.iter().map(|f| &f.rule)) {
+    for r in &cfg.rules {
         let m = &r.matcher;
         // A rule for every request, or one whose conditions read the client address or negate
         // (a partial view of the request could not tell): read the request whole.
@@ -1522,10 +1538,7 @@ fn may_match(abi: &impl Abi, plugin: &Plugin, values: &mut Vec<Option<Vec<u8>>>)
     let view = Probe { names, values };
     let cfg = &plugin.config;
     // `match_headers` is `None` when a condition reads the client address: not here.
-    cfg.rules
-        .iter()
-        .chain(cfg.inflight.iter().map(|f| &f.rule))
-        .any(|r| matches_headers(&r.matcher, &view))
+    cfg.rules.iter().any(|r| matches_headers(&r.matcher, &view))
 }
 
 /// Most headers read one by one; a configuration whose rules read more gets the whole map in one
@@ -1536,7 +1549,7 @@ const MAX_HEADERS_BY_NAME: usize = 8;
 /// for the whole map.
 fn request_headers(cfg: &Config) -> Option<Vec<String>> {
     let mut names = Vec::new();
-    for r in cfg.rules.iter().chain(cfg.inflight.iter().map(|f| &f.rule)) {
+    for r in &cfg.rules {
         if !keys::headers_read(r, cfg.trusted_hops, &mut names) {
             return None;
         }

@@ -86,7 +86,8 @@ pub struct Config {
     pub service: Service,
     /// How many x-forwarded-for entries (from the right) were written by trusted proxies.
     pub trusted_hops: u32,
-    /// Rules, in configuration order (also the order of buckets in a callout).
+    /// Rules of every kind, in configuration order: a rule's index here is how the flow, the
+    /// metrics and the slots name it (rate rules' buckets go in a callout in this order).
     pub rules: Vec<Rule>,
     /// What decides when the service cannot.
     pub failure_mode: FailureMode,
@@ -104,8 +105,6 @@ pub struct Config {
     /// A bucket is near its limit when an allowed take leaves at most this share of it, in
     /// thousandths (`tollgate.rule.<name>.near_limit`; from `near_limit`, the used fraction).
     pub near_limit_left_permille: u64,
-    /// Concurrency rules (`kind: "concurrency"`), in configuration order; not in `rules`.
-    pub inflight: Vec<InFlight>,
     /// This Envoy's instance id, which every callout carries (`crate::core::wire::instance`). Not
     /// part of the JSON: the adapter adopts it when it takes the configuration; `None` (callouts
     /// without an id) until then, in native tests and in the checker.
@@ -158,7 +157,8 @@ impl core::fmt::Debug for Service {
     }
 }
 
-/// One rate limit rule.
+/// One rule: what every kind shares (name, conditions, key, shadow, response) and what its
+/// kind limits ([`RuleKind`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
     /// Unique name: key prefix, logs, `RateLimit-Policy` item.
@@ -169,6 +169,30 @@ pub struct Rule {
     pub key: Vec<KeyPart>,
     /// What a missing key part does.
     pub on_missing: OnMissing,
+    /// Evaluate and count, never deny (the rule's own `shadow`, else the global one).
+    pub shadow: bool,
+    /// The denial and headers of this rule (its own `response` fields over the global ones).
+    pub response: Response,
+    /// What the rule limits (`kind`).
+    pub kind: RuleKind,
+}
+
+/// What a rule limits: its `kind` and the fields of that kind
+/// ([`crate::core::config::rules::RULE_FIELDS`] says which field belongs to which).
+// One per rule, built once per configuration: the size of the larger variant costs nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuleKind {
+    /// `kind` absent or `"rate"`: a bucket per key, taken from at every matching request.
+    Rate(RateLimit),
+    /// `kind: "concurrency"`: a slot per key, held while the request runs
+    /// ([`crate::core::inflight`]).
+    Concurrency(Concurrency),
+}
+
+/// The limit of a rate rule (`kind` absent or `"rate"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateLimit {
     /// Burst size.
     pub capacity: u64,
     /// Tokens per period.
@@ -185,16 +209,39 @@ pub struct Rule {
     pub overrides: Vec<Override>,
     /// Limits by a tier name that a trusted filter in front wrote into a request header.
     pub tiers: Option<Tiers>,
-    /// Evaluate and count, never deny (the rule's own `shadow`, else the global one).
-    pub shadow: bool,
-    /// The denial and headers of this rule (its own `response` fields over the global ones).
-    pub response: Response,
     /// The RLS descriptor of this rule's bucket (transport `rls`): (entry key, where its value
     /// comes from). Default: `("rule", <name>)`, then one entry per key part.
     pub descriptor: Vec<(String, KeyPart)>,
     /// `"charge": "response"`: `cost` is an estimate taken at the request, and what the response
     /// reports using is settled when it ends (`None`: the cost is the whole charge).
     pub charge: Option<Charge>,
+}
+
+/// The limit of a concurrency rule (`kind: "concurrency"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Concurrency {
+    /// Most requests per key in flight across the fleet.
+    pub max_in_flight: u64,
+    /// A slot's lifetime: the slot of a request still running after it is freed anyway.
+    pub deadline_ms: u64,
+}
+
+impl Rule {
+    /// The limit of a rate rule; `None` for another kind.
+    pub fn rate_limit(&self) -> Option<&RateLimit> {
+        match &self.kind {
+            RuleKind::Rate(l) => Some(l),
+            RuleKind::Concurrency(_) => None,
+        }
+    }
+
+    /// The limit of a concurrency rule; `None` for another kind.
+    pub fn concurrency(&self) -> Option<Concurrency> {
+        match &self.kind {
+            RuleKind::Concurrency(c) => Some(*c),
+            RuleKind::Rate(_) => None,
+        }
+    }
 }
 
 /// Where a rule charged by the response reads what it used ([`crate::core::settle::usage`]).
@@ -234,14 +281,6 @@ impl Rule {
             matcher: Match::default(),
             key: Vec::new(),
             on_missing: OnMissing::Skip,
-            capacity,
-            rate: capacity,
-            period_ms: 1000,
-            cost: Cost::Fixed(1),
-            algorithm: Algorithm::TokenBucket,
-            lease: None,
-            overrides: Vec::new(),
-            tiers: None,
             shadow: false,
             response: Response {
                 status: 429,
@@ -250,6 +289,25 @@ impl Rule {
                 headers: Vec::new(),
                 on_allowed: false,
             },
+            kind: RuleKind::Rate(RateLimit::for_test(capacity)),
+        }
+    }
+}
+
+impl RateLimit {
+    /// The limit of [`Rule::for_test`]: a token bucket of `capacity` refilling `capacity` per
+    /// second, every other field at its default.
+    #[cfg(test)]
+    pub fn for_test(capacity: u64) -> RateLimit {
+        RateLimit {
+            capacity,
+            rate: capacity,
+            period_ms: 1000,
+            cost: Cost::Fixed(1),
+            algorithm: Algorithm::TokenBucket,
+            lease: None,
+            overrides: Vec::new(),
+            tiers: None,
             descriptor: Vec::new(),
             charge: None,
         }
@@ -513,15 +571,3 @@ pub const MAX_IN_FLIGHT: u64 = 1_000_000;
 pub const DEFAULT_DEADLINE_MS: u64 = 60_000;
 /// Shortest and longest slot deadline (the contract's bound is one day).
 pub const DEADLINE_MS: (u64, u64) = (100, contract::bounds::MAX_SLOT_TTL_MS);
-
-/// A concurrency rule: the rule (conditions, key, shadow, response) and its slots.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InFlight {
-    /// Name, conditions, key, `on_missing`, `shadow` and `response` (`capacity` is `max`,
-    /// `period_ms` is `deadline_ms`; nothing else reads them).
-    pub rule: Rule,
-    /// Most requests per key in flight across the fleet.
-    pub max: u64,
-    /// A slot's lifetime: the slot of a request still running after it is freed anyway.
-    pub deadline_ms: u64,
-}

@@ -195,10 +195,9 @@ impl Config {
             None,
         )?;
         let mut rules: Vec<Rule> = Vec::with_capacity(raw_rules.len());
-        let mut inflight: Vec<InFlight> = Vec::new();
         for (i, r) in raw_rules.iter().enumerate() {
             let at = format!("rules[{i}]");
-            let kind = match r.get("kind").filter(|v| !v.is_null()) {
+            let concurrency = match r.get("kind").filter(|v| !v.is_null()) {
                 None => false,
                 Some(v) if v.as_str() == Some("rate") => false,
                 Some(v) if v.as_str() == Some("concurrency") => true,
@@ -209,49 +208,30 @@ impl Config {
                     )
                 }
             };
-            if kind {
-                if service.transport == Transport::Rls {
-                    return err(
-                        format!("{at}.kind"),
-                        "concurrency is not available with transport rls (an RLS server holds no slots)",
-                    );
-                }
-                let rule = read_rule(&at, r, shadow, &response, true)?;
-                let f = InFlight {
-                    max: rule.capacity,
-                    deadline_ms: rule.period_ms,
-                    rule,
-                };
-                let name = &f.rule.name;
-                if rules.iter().any(|o| &o.name == name)
-                    || inflight.iter().any(|o| &o.rule.name == name)
-                {
-                    return err(
-                        format!("{at}.name"),
-                        format!("duplicate rule name {name:?}"),
-                    );
-                }
-                inflight.push(f);
-                continue;
-            }
-            let rule = read_rule(&at, r, shadow, &response, false)?;
-            if service.transport == Transport::Rls && rule.lease.is_some() {
+            if concurrency && service.transport == Transport::Rls {
                 return err(
-                    format!("rules[{i}].lease"),
-                    "not available with transport rls (an RLS server grants no leases)",
+                    format!("{at}.kind"),
+                    "concurrency is not available with transport rls (an RLS server holds no slots)",
                 );
             }
-            if service.transport == Transport::Rls && rule.charge.is_some() {
-                return err(
-                    format!("rules[{i}].charge"),
-                    "\"response\" is not available with transport rls (an RLS server settles nothing)",
-                );
+            let rule = read_rule(&at, r, shadow, &response, concurrency)?;
+            if let (Transport::Rls, Some(l)) = (service.transport, rule.rate_limit()) {
+                if l.lease.is_some() {
+                    return err(
+                        format!("{at}.lease"),
+                        "not available with transport rls (an RLS server grants no leases)",
+                    );
+                }
+                if l.charge.is_some() {
+                    return err(
+                        format!("{at}.charge"),
+                        "\"response\" is not available with transport rls (an RLS server settles nothing)",
+                    );
+                }
             }
-            if rules.iter().any(|o| o.name == rule.name)
-                || inflight.iter().any(|o| o.rule.name == rule.name)
-            {
+            if rules.iter().any(|o| o.name == rule.name) {
                 return err(
-                    format!("rules[{i}].name"),
+                    format!("{at}.name"),
                     format!("duplicate rule name {:?}", rule.name),
                 );
             }
@@ -273,6 +253,7 @@ impl Config {
         )?;
         let fill_ms = rules
             .iter()
+            .filter_map(Rule::rate_limit)
             .map(|r| {
                 let ms =
                     u128::from(r.capacity) * u128::from(r.period_ms) / u128::from(r.rate.max(1));
@@ -304,15 +285,14 @@ impl Config {
             },
         };
         let needs_peer_address = trusted_hops == 0
-            && rules
-                .iter()
-                .chain(inflight.iter().map(|f| &f.rule))
-                .any(|r| {
-                    r.key.contains(&KeyPart::ClientIp)
-                        || r.matcher.reads_client_ip()
-                        || (service.transport == Transport::Rls
-                            && r.descriptor.iter().any(|(_, p)| *p == KeyPart::ClientIp))
-                });
+            && rules.iter().any(|r| {
+                r.key.contains(&KeyPart::ClientIp)
+                    || r.matcher.reads_client_ip()
+                    || (service.transport == Transport::Rls
+                        && r.rate_limit().is_some_and(|l| {
+                            l.descriptor.iter().any(|(_, p)| *p == KeyPart::ClientIp)
+                        }))
+            });
         Ok(Config {
             service,
             trusted_hops,
@@ -328,7 +308,6 @@ impl Config {
             response,
             needs_peer_address,
             near_limit_left_permille,
-            inflight,
             instance: None,
         })
     }
@@ -510,25 +489,57 @@ fn read_rule(
         &[("skip", OnMissing::Skip), ("shared", OnMissing::Shared)],
         OnMissing::Skip,
     )?;
-    // A concurrency rule (crate::core::inflight) has its own limit and no rate fields.
-    let capacity = if concurrency {
-        r.int("max_in_flight", None, 1, MAX_IN_FLIGHT)?
+    let mut kind = if concurrency {
+        // A concurrency rule (crate::core::inflight) has its own limit and no rate fields.
+        let (lo, hi) = DEADLINE_MS;
+        RuleKind::Concurrency(Concurrency {
+            max_in_flight: r.int("max_in_flight", None, 1, MAX_IN_FLIGHT)?,
+            deadline_ms: r.int("deadline_ms", Some(DEFAULT_DEADLINE_MS), lo, hi)?,
+        })
     } else {
         for f in rules::of_the_other_kind(false) {
             if r.get(f).is_some() {
                 return err(r.path(f), "only for a rule of kind \"concurrency\"");
             }
         }
-        r.int("capacity", None, 1, MAX_AMOUNT)?
+        RuleKind::Rate(read_rate(&r, raw_key, &key)?)
     };
+    let shadow = match r.get("shadow") {
+        None => global_shadow,
+        Some(_) => r.boolean("shadow")?,
+    };
+    let response = match r.get("response") {
+        None => global_response.clone(),
+        Some(v) => read_response(
+            &Obj::new(v, &r.path("response"), RESPONSE_FIELDS)?,
+            Some(global_response),
+        )?,
+    };
+    match &mut kind {
+        RuleKind::Rate(l) => finish_rate(&r, l, &name, &key)?,
+        RuleKind::Concurrency(_) => {
+            // `charge` and `usage` are checked as for any rule; a slot charges nothing.
+            read_charge(&r)?;
+        }
+    }
+    Ok(Rule {
+        name,
+        matcher,
+        key,
+        on_missing,
+        shadow,
+        response,
+        kind,
+    })
+}
+
+/// A rate rule's `capacity`, `rate`, `period_ms`, `cost`, `algorithm`, `lease`, `overrides` and
+/// `tiers`, read before the rule's `shadow` and `response` (its `descriptor` and `charge` after
+/// them, by [`finish_rate`]).
+fn read_rate(r: &Obj<'_>, raw_key: &[Value], key: &[KeyPart]) -> Result<RateLimit, ConfigError> {
+    let capacity = r.int("capacity", None, 1, MAX_AMOUNT)?;
     let rate = r.int("rate", Some(capacity), 1, MAX_AMOUNT)?;
-    // A concurrency rule keeps its slots' deadline here (it has no period).
-    let period_ms = if concurrency {
-        let (lo, hi) = DEADLINE_MS;
-        r.int("deadline_ms", Some(DEFAULT_DEADLINE_MS), lo, hi)?
-    } else {
-        r.int("period_ms", None, 1, MAX_PERIOD_MS)?
-    };
+    let period_ms = r.int("period_ms", None, 1, MAX_PERIOD_MS)?;
     let cost = match r.get("cost") {
         None => Cost::Fixed(1),
         Some(Value::Object(_)) => read_cost(
@@ -569,7 +580,7 @@ fn read_rule(
             &format!("{}[{k}]", r.path("overrides")),
             o,
             raw_key,
-            &key,
+            key,
             period_ms,
         )?);
     }
@@ -577,19 +588,29 @@ fn read_rule(
         None => None,
         Some(v) => Some(read_tiers(&r.path("tiers"), v, period_ms)?),
     };
-    let shadow = match r.get("shadow") {
-        None => global_shadow,
-        Some(_) => r.boolean("shadow")?,
-    };
-    let response = match r.get("response") {
-        None => global_response.clone(),
-        Some(v) => read_response(
-            &Obj::new(v, &r.path("response"), RESPONSE_FIELDS)?,
-            Some(global_response),
-        )?,
-    };
-    let descriptor = match r.array("descriptor")? {
-        None => default_descriptor(&name, &key),
+    Ok(RateLimit {
+        capacity,
+        rate,
+        period_ms,
+        cost,
+        algorithm,
+        lease,
+        overrides,
+        tiers,
+        descriptor: Vec::new(),
+        charge: None,
+    })
+}
+
+/// A rate rule's `descriptor` and `charge`, read into `l`.
+fn finish_rate(
+    r: &Obj<'_>,
+    l: &mut RateLimit,
+    name: &str,
+    key: &[KeyPart],
+) -> Result<(), ConfigError> {
+    l.descriptor = match r.array("descriptor")? {
+        None => default_descriptor(name, key),
         Some(entries) => {
             if entries.is_empty() || entries.len() > MAX_KEY_PARTS + 1 {
                 return err(
@@ -611,31 +632,14 @@ fn read_rule(
             d
         }
     };
-    let charge = read_charge(&r)?;
-    if charge.is_some() && lease.is_some() {
+    l.charge = read_charge(r)?;
+    if l.charge.is_some() && l.lease.is_some() {
         return err(
             r.path("lease"),
             "not with \"charge\": \"response\" (a lease spends tokens no response settles)",
         );
     }
-    Ok(Rule {
-        name,
-        matcher,
-        key,
-        on_missing,
-        capacity,
-        rate,
-        period_ms,
-        cost,
-        algorithm,
-        lease,
-        overrides,
-        tiers,
-        shadow,
-        response,
-        descriptor,
-        charge,
-    })
+    Ok(())
 }
 
 /// A `cost` object: a header's value bounded by `min` and `max` (`reserve: "hint"`, the default),

@@ -9,6 +9,11 @@ fn parse(s: &str) -> Result<Config, ConfigError> {
     Config::parse(s.as_bytes())
 }
 
+/// The limit of rule `i`, a rate rule.
+fn rate(c: &Config, i: usize) -> &RateLimit {
+    c.rules[i].rate_limit().unwrap()
+}
+
 fn error_of(s: &str) -> ConfigError {
     match parse(s) {
         Ok(_) => ConfigError {
@@ -63,11 +68,12 @@ fn minimal_config_gets_defaults() {
     assert_eq!(c.response.headers, vec![HeaderStyle::Draft]);
     assert!(!c.response.on_allowed);
     let r = &c.rules[0];
-    assert_eq!(r.rate, 100);
-    assert_eq!(r.cost, Cost::Fixed(1));
-    assert_eq!(r.algorithm, Algorithm::TokenBucket);
+    let l = r.rate_limit().unwrap();
+    assert_eq!(l.rate, 100);
+    assert_eq!(l.cost, Cost::Fixed(1));
+    assert_eq!(l.algorithm, Algorithm::TokenBucket);
     assert_eq!(r.on_missing, OnMissing::Skip);
-    assert_eq!(r.lease, None);
+    assert_eq!(l.lease, None);
     assert!(c.needs_peer_address);
 }
 
@@ -78,7 +84,7 @@ fn lease_defaults_and_bounds() {
     ))
     .unwrap();
     assert_eq!(
-        c.rules[1].lease,
+        rate(&c, 1).lease,
         Some(Lease {
             size: Some(50),
             max_age_ms: 1000
@@ -88,12 +94,12 @@ fn lease_defaults_and_bounds() {
         r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{}}"#,
     ))
     .unwrap();
-    assert_eq!(c.rules[1].lease.map(|l| l.size), Some(None), "adaptive");
+    assert_eq!(rate(&c, 1).lease.map(|l| l.size), Some(None), "adaptive");
     let c = parse(&with_rule1(
         r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":1,"max_age_ms":60000}}"#,
     ))
     .unwrap();
-    assert_eq!(c.rules[1].lease.map(|l| l.max_age_ms), Some(60_000));
+    assert_eq!(rate(&c, 1).lease.map(|l| l.max_age_ms), Some(60_000));
     assert_eq!(
         error_of(&with_rule1(
             r#"{"name":"b","capacity":50,"period_ms":1000,"lease":{"size":51}}"#
@@ -132,6 +138,7 @@ fn full_config_from_the_docs_parses() {
     let shown = format!("{c:?}");
     assert!(!shown.contains("secret") && shown.contains("<redacted>"));
     let r = &c.rules[0];
+    let l = r.rate_limit().unwrap();
     assert_eq!(r.matcher.methods, vec!["GET", "POST"]);
     assert_eq!(
         r.matcher.headers,
@@ -142,7 +149,7 @@ fn full_config_from_the_docs_parses() {
     );
     assert_eq!(r.key.len(), 6);
     assert_eq!(
-        r.cost,
+        l.cost,
         Cost::Header {
             name: "x-cost".into(),
             default: 2,
@@ -150,7 +157,7 @@ fn full_config_from_the_docs_parses() {
             max: 50
         }
     );
-    assert_eq!(r.algorithm, Algorithm::FixedWindow);
+    assert_eq!(l.algorithm, Algorithm::FixedWindow);
     assert_eq!(c.failure_mode, FailureMode::Deny);
     assert_eq!(
         c.response.headers,
@@ -263,7 +270,7 @@ fn a_rule_charged_by_the_response_reads_its_usage_as_configured() {
             {"name":"c","capacity":10,"period_ms":1000}]}"#,
     )
     .unwrap();
-    let a = cfg.rules[0].charge.clone().unwrap();
+    let a = rate(&cfg, 0).charge.clone().unwrap();
     assert_eq!(a.header.as_deref(), Some("x-tokens"));
     assert!(a.body);
     assert_eq!(
@@ -274,12 +281,12 @@ fn a_rule_charged_by_the_response_reads_its_usage_as_configured() {
         })
     );
     assert_eq!((a.max, a.cut), (8000, Cut::Reserved));
-    let b = cfg.rules[1].charge.clone().unwrap();
+    let b = rate(&cfg, 1).charge.clone().unwrap();
     assert_eq!(
         (b.header, b.body, b.weights, b.max, b.cut),
         (None, true, None, MAX_AMOUNT, Cut::Bound)
     );
-    assert_eq!(cfg.rules[2].charge, None);
+    assert_eq!(rate(&cfg, 2).charge, None);
 }
 
 #[test]
@@ -293,7 +300,7 @@ fn a_reservation_is_a_floored_hint_or_the_rules_max() {
     )
     .unwrap();
     assert_eq!(
-        cfg.rules[0].cost,
+        rate(&cfg, 0).cost,
         Cost::Header {
             name: "x-max-tokens".into(),
             default: 256,
@@ -301,9 +308,9 @@ fn a_reservation_is_a_floored_hint_or_the_rules_max() {
             max: 4000
         }
     );
-    assert_eq!(cfg.rules[1].cost, Cost::Fixed(4000));
+    assert_eq!(rate(&cfg, 1).cost, Cost::Fixed(4000));
     assert_eq!(
-        (cfg.rules[0].cost.bound(), cfg.rules[1].cost.bound()),
+        (rate(&cfg, 0).cost.bound(), rate(&cfg, 1).cost.bound()),
         (4000, 4000)
     );
 }
@@ -345,8 +352,8 @@ fn bounds_are_inclusive() {
         r#"{"name":"b","capacity":1000000000,"rate":1000000000,"period_ms":31536000000,"cost":1000000000}"#,
     ))
     .unwrap();
-    assert_eq!(c.rules[1].capacity, MAX_AMOUNT);
-    assert_eq!(c.rules[1].period_ms, MAX_PERIOD_MS);
+    assert_eq!(rate(&c, 1).capacity, MAX_AMOUNT);
+    assert_eq!(rate(&c, 1).period_ms, MAX_PERIOD_MS);
 }
 
 #[test]

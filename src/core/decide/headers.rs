@@ -10,7 +10,7 @@
 //! - `x-ratelimit`: the de-facto `X-RateLimit-Limit`, `-Remaining`, `-Reset` (seconds), for the
 //!   most restrictive bucket (least remaining).
 
-use crate::core::config::{HeaderStyle, Rule};
+use crate::core::config::{HeaderStyle, Rule, RuleKind};
 use crate::core::wire::BucketResult;
 use std::fmt::Write as _;
 
@@ -23,13 +23,16 @@ pub fn retry_after(ms: u64) -> String {
     ceil_secs(ms).max(1).to_string()
 }
 
-/// The policy window of a rule, in seconds (at least 1).
+/// The policy window of a rule, in seconds (at least 1): a concurrency rule's is its deadline.
 pub fn window_secs(rule: &Rule) -> u64 {
-    let ms = if crate::core::local::bucket::windowed(rule.algorithm) {
-        u128::from(rule.period_ms)
-    } else {
-        (u128::from(rule.capacity) * u128::from(rule.period_ms))
-            .div_ceil(u128::from(rule.rate.max(1)))
+    let ms = match &rule.kind {
+        RuleKind::Rate(l) if crate::core::local::bucket::windowed(l.algorithm) => {
+            u128::from(l.period_ms)
+        }
+        RuleKind::Rate(l) => {
+            (u128::from(l.capacity) * u128::from(l.period_ms)).div_ceil(u128::from(l.rate.max(1)))
+        }
+        RuleKind::Concurrency(c) => u128::from(c.deadline_ms),
     };
     u64::try_from(ms.div_ceil(1000)).unwrap_or(u64::MAX).max(1)
 }
@@ -100,13 +103,16 @@ pub fn rate_limit_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::config::Algorithm;
+    use crate::core::config::{Algorithm, RateLimit};
 
     fn rule(name: &str, capacity: u64, rate: u64, period_ms: u64, algorithm: Algorithm) -> Rule {
         Rule {
-            rate,
-            period_ms,
-            algorithm,
+            kind: RuleKind::Rate(RateLimit {
+                rate,
+                period_ms,
+                algorithm,
+                ..RateLimit::for_test(capacity)
+            }),
             ..Rule::for_test(name, capacity)
         }
     }

@@ -1,8 +1,9 @@
 //! The per-request decision, as pure functions the adapter drives:
 //!
-//! 1. [`decide`]: which buckets a request takes from. No matching rule → [`Step::Continue`], no
-//!    callout at all; otherwise one [`Plan`] with every matching rule's bucket (one callout, all or
-//!    nothing, in rule order).
+//! 1. [`decide`]: which buckets a request takes from, and which concurrency slots it wants, in one
+//!    pass over the rules. No matching rate rule → [`Step::Continue`], no callout at all; otherwise
+//!    one [`Plan`] with every matching rate rule's bucket (one callout, all or nothing, in rule
+//!    order).
 //! 2. [`interpret`]: what a callout's result means. Every way a callout can fail (dispatch error,
 //!    timeout, reset, connect failure, non-2xx, gRPC status ≠ 0, undecodable or mismatched body)
 //!    becomes one value, [`Outcome::Failed`] with its [`Cause`].
@@ -17,7 +18,7 @@
 pub mod headers;
 
 use crate::core::base::store::CasStore;
-use crate::core::config::{Config, FailureMode, Limit, Rule, Transport};
+use crate::core::config::{Config, FailureMode, Limit, Rule, RuleKind, Transport};
 use crate::core::local::fallback;
 use crate::core::local::slots::{self, Want};
 use crate::core::rules::limits::limit_for;
@@ -30,8 +31,18 @@ use crate::core::wire::plan::{
     Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step, Verdict,
 };
 
-/// Plans the callout for `req`.
-pub fn decide(cfg: &Config, req: &Request) -> Step {
+/// What `req`'s rules ask of it, found in one pass over `Config::rules`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matched {
+    /// The callout of the matching rate rules (or none).
+    pub step: Step,
+    /// The slots of the matching concurrency rules, taken once the rate rules admitted it.
+    pub slots: Vec<Want>,
+}
+
+/// Plans the callout for `req` and notes the slots it wants: each rule that matches and whose key
+/// could be built gives a bucket (a rate rule) or a slot (a concurrency rule).
+pub fn decide(cfg: &Config, req: &Request) -> Matched {
     let mut plan = Plan {
         request: TakeRequest::default(),
         rules: Vec::new(),
@@ -41,6 +52,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
             descriptors: Vec::new(),
         }),
     };
+    let mut slots = Vec::new();
     for (i, rule) in cfg.rules.iter().enumerate() {
         if !matches(&rule.matcher, req, cfg.trusted_hops) {
             continue;
@@ -48,7 +60,14 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
         let Some(key) = keys::build_key(rule, req, cfg.trusted_hops) else {
             continue;
         };
-        let (capacity, rate, period_ms) = match limit_for(rule, req, cfg.trusted_hops) {
+        let l = match &rule.kind {
+            RuleKind::Rate(l) => l,
+            RuleKind::Concurrency(_) => {
+                slots.push(Want { rule: i, key });
+                continue;
+            }
+        };
+        let (capacity, rate, period_ms) = match limit_for(rule, l, req, cfg.trusted_hops) {
             // An allow-listed key: this rule takes no bucket for the request.
             Limit::Unlimited => continue,
             Limit::Tokens {
@@ -62,22 +81,23 @@ pub fn decide(cfg: &Config, req: &Request) -> Step {
             capacity,
             rate: Some(rate),
             period_ms,
-            cost: Some(keys::cost(rule, req)),
-            algorithm: Some(rule.algorithm),
+            cost: Some(keys::cost(l, req)),
+            algorithm: Some(l.algorithm),
             // Set by the lease pools when this request is the one that refills (core::lease).
             lease: None,
         });
         plan.rules.push(i);
         if let Some(rls) = &mut plan.rls {
             rls.descriptors
-                .push(keys::descriptor(rule, req, cfg.trusted_hops));
+                .push(keys::descriptor(l, req, cfg.trusted_hops));
         }
     }
-    if plan.rules.is_empty() {
+    let step = if plan.rules.is_empty() {
         Step::Continue
     } else {
         Step::Callout(plan)
-    }
+    };
+    Matched { step, slots }
 }
 
 /// When an answer denied only because of rules in shadow mode while other rules of the request
@@ -226,12 +246,15 @@ fn effective<'a>(cfg: &'a Config, plan: &Plan) -> Vec<Cow<'a, Rule>> {
         .zip(&plan.request.buckets)
         .filter_map(|(&i, b)| {
             let rule = cfg.rules.get(i)?;
+            let l = rule.rate_limit()?;
             let rate = b.rate.unwrap_or(b.capacity);
-            if (b.capacity, rate, b.period_ms) == (rule.capacity, rule.rate, rule.period_ms) {
+            if (b.capacity, rate, b.period_ms) == (l.capacity, l.rate, l.period_ms) {
                 return Some(Cow::Borrowed(rule));
             }
             let mut r = rule.clone();
-            (r.capacity, r.rate, r.period_ms) = (b.capacity, rate, b.period_ms);
+            if let RuleKind::Rate(l) = &mut r.kind {
+                (l.capacity, l.rate, l.period_ms) = (b.capacity, rate, b.period_ms);
+            }
             Some(Cow::Owned(r))
         })
         .collect()
@@ -435,7 +458,7 @@ pub fn resolve<S: CasStore + ?Sized>(
 pub enum SlotsVerdict {
     /// `allow`: admitted without a slot.
     Open,
-    /// `deny`: refused by the rules of `Config::inflight` listed.
+    /// `deny`: refused by the concurrency rules listed (indices in `Config::rules`).
     Closed(Vec<usize>),
     /// `fallback`: admitted on these local slots (give them back with
     /// [`slots::release_local`] when the stream ends).
@@ -496,7 +519,7 @@ mod tests {
     }
 
     fn plan_of(c: &Config, r: &Request) -> Plan {
-        match decide(c, r) {
+        match decide(c, r).step {
             Step::Callout(p) => p,
             Step::Continue => panic!("expected a callout"),
         }
@@ -534,12 +557,12 @@ mod tests {
             br#"{"service":{"cluster":"svc"},"rules":[{"name":"a","match":{"path_prefix":"/api/"},"capacity":1,"period_ms":1}]}"#,
         )
         .unwrap();
-        assert_eq!(decide(&c, &req("/other", "GET", None)), Step::Continue);
+        assert_eq!(decide(&c, &req("/other", "GET", None)).step, Step::Continue);
         // A rule whose key part is missing is skipped (on_missing: skip).
         let c = cfg("");
         let mut r = req("/x", "GET", None);
         r.peer = None;
-        assert_eq!(decide(&c, &r), Step::Continue);
+        assert_eq!(decide(&c, &r).step, Step::Continue);
     }
 
     #[test]
@@ -859,6 +882,39 @@ mod tests {
                 "status",
                 "grpc_status",
                 "decode"
+            ]
+        );
+    }
+
+    /// One pass gives the rate rules' buckets and the concurrency rules' slots, each naming its
+    /// rule by its index in `Config::rules`, whatever the kinds' order.
+    #[test]
+    fn one_pass_gives_buckets_and_slots_by_rule_index() {
+        let c = Config::parse(
+            br#"{"service":{"cluster":"svc"},"rules":[
+                {"name":"cc","kind":"concurrency","key":["literal:k"],"max_in_flight":4},
+                {"name":"r","capacity":5,"period_ms":1000},
+                {"name":"off","kind":"concurrency","match":{"path_exact":"/never"},"max_in_flight":1},
+                {"name":"dd","kind":"concurrency","max_in_flight":2}]}"#,
+        )
+        .unwrap();
+        let m = decide(&c, &req("/api", "GET", None));
+        let Step::Callout(plan) = m.step else {
+            panic!("expected a callout")
+        };
+        assert_eq!(plan.rules, vec![1]);
+        assert_eq!(plan.request.buckets[0].key, "r");
+        assert_eq!(
+            m.slots,
+            vec![
+                Want {
+                    rule: 0,
+                    key: "cc|k".into()
+                },
+                Want {
+                    rule: 3,
+                    key: "dd".into()
+                }
             ]
         );
     }

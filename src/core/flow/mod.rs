@@ -156,8 +156,9 @@ impl Flow {
         if self.phase != Phase::Idle {
             return Next::Continue;
         }
-        self.slots.plan(cfg, req);
-        let mut plan = match decide::decide(cfg, req) {
+        let matched = decide::decide(cfg, req);
+        self.slots.want(matched.slots);
+        let mut plan = match matched.step {
             Step::Continue => {
                 self.phase = Phase::Done;
                 return self.slots.acquire(cfg, false, host);

@@ -7,11 +7,10 @@ use super::{Host, Next};
 use crate::core::config::Config;
 use crate::core::decide::{resolve_slots, SlotsVerdict};
 use crate::core::inflight::{
-    denial, encode_acquire, encode_release, interpret, new_slot_id, plan, release_local, Acquired,
-    Count, Want,
+    denial, encode_acquire, encode_release, interpret, new_slot_id, release_local, Acquired, Count,
+    Want,
 };
 use crate::core::local::breaker::{self, Admission};
-use crate::core::rules::Request;
 use crate::core::wire::plan::CalloutResult;
 use contract::bounds::SLOT_DENIED_RETRY_MS;
 
@@ -49,12 +48,9 @@ pub enum Slots {
 }
 
 impl Slots {
-    /// Notes the slots `req` needs.
-    pub fn plan(&mut self, cfg: &Config, req: &Request) {
-        if cfg.inflight.is_empty() {
-            return;
-        }
-        let wants = plan(cfg, req);
+    /// Notes the slots a request wants (its matching concurrency rules',
+    /// [`crate::core::decide::Matched::slots`]).
+    pub fn want(&mut self, wants: Vec<Want>) {
         if !wants.is_empty() {
             *self = Slots::Wanted(wants);
         }
@@ -228,12 +224,13 @@ fn deny_or_shadow<H: Host>(
 ) -> Next {
     let enforcing = rules
         .iter()
-        .filter_map(|&i| cfg.inflight.get(i))
-        .find(|f| !f.rule.shadow);
+        .filter_map(|&i| cfg.rules.get(i))
+        .filter(|r| !r.shadow)
+        .find_map(|r| Some((r, r.concurrency()?)));
     match enforcing {
-        Some(f) => {
+        Some((r, c)) => {
             host.count_inflight(count);
-            host.reply(&denial(f, wait_ms));
+            host.reply(&denial(r, c, wait_ms));
             Next::Pause
         }
         None => {

@@ -60,7 +60,8 @@ fn slot(b: &Bucket, max_keys: u32) -> Slot {
 fn eligible(cfg: &Config, plan: &Plan, i: usize) -> bool {
     let rule = plan.rules.get(i).and_then(|&r| cfg.rules.get(r));
     let bucket = plan.request.buckets.get(i);
-    matches!((rule, bucket), (Some(r), Some(b)) if !r.shadow && r.lease.is_none() && b.lease.is_none())
+    matches!((rule, bucket), (Some(r), Some(b))
+        if !r.shadow && r.rate_limit().is_some_and(|l| l.lease.is_none()) && b.lease.is_none())
 }
 
 /// One remembered denial.
@@ -229,7 +230,7 @@ mod tests {
             ],
             peer: None,
         };
-        match decide::decide(c, &req) {
+        match decide::decide(c, &req).step {
             Step::Callout(p) => p,
             Step::Continue => panic!("rules match"),
         }

@@ -255,7 +255,11 @@ pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
         prepare(store, cfg.fallback.max_keys);
         previous = record_size(store, cfg.fallback.max_keys);
     }
-    if cfg.rules.iter().any(|r| r.lease.is_some()) {
+    if cfg
+        .rules
+        .iter()
+        .any(|r| r.rate_limit().is_some_and(|l| l.lease.is_some()))
+    {
         // A lease pool decodes anything that is not one of its own records as an empty pool.
         prepare_table(
             store,
@@ -705,8 +709,8 @@ pub fn remember<S: CasStore + ?Sized>(
         let leases = plan
             .rules
             .get(i)
-            .and_then(|&k| cfg.rules.get(k))
-            .is_some_and(|rule| rule.lease.is_some());
+            .and_then(|&k| cfg.rules.get(k)?.rate_limit())
+            .is_some_and(|l| l.lease.is_some());
         let remaining = if leases { 0 } else { r.remaining };
         remember_one(store, &sh, &b.key, &l, now_ms, remaining, paid);
     }

@@ -6,12 +6,13 @@
 //! decides when they are used.
 
 use crate::core::base::store::{self, CasStore};
-use crate::core::config::{Config, FailureMode};
+use crate::core::config::{Config, FailureMode, Rule};
 
-/// One slot a request asks for: the index of its rule in `Config::inflight`, and the key.
+/// One slot a request asks for: the index of its (concurrency) rule in `Config::rules`, and the
+/// key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Want {
-    /// Index in `Config::inflight`.
+    /// Index in `Config::rules`.
     pub rule: usize,
     /// The key (`<rule name>|<parts>`, as a rate rule's).
     pub key: String,
@@ -19,7 +20,7 @@ pub struct Want {
 
 /// Whether local fallback slots are in use (their table is created at configure time).
 pub fn local_enabled(cfg: &Config) -> bool {
-    cfg.failure_mode == FailureMode::Fallback && !cfg.inflight.is_empty()
+    cfg.failure_mode == FailureMode::Fallback && cfg.rules.iter().any(|r| r.concurrency().is_some())
 }
 
 /// The counter (in [`crate::core::local::table::SLOTS_TABLE`]) of `key`: FNV-1a of the key, modulo the table size.
@@ -55,10 +56,10 @@ pub fn acquire_local<S: CasStore + ?Sized>(
         .unwrap_or(cfg.fallback.instances.max(cfg.fallback.min_instances))
         .max(1);
     for (i, w) in wants.iter().enumerate() {
-        let Some(f) = cfg.inflight.get(w.rule) else {
+        let Some(c) = cfg.rules.get(w.rule).and_then(Rule::concurrency) else {
             continue;
         };
-        let cap = f.max / n;
+        let cap = c.max_in_flight / n;
         let name = counter_of(cfg, &w.key);
         if !add(store_, &name, true, cap) {
             release_local(store_, &taken);

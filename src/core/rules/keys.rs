@@ -14,7 +14,9 @@
 //! - The rule name leads, so two rules never share a bucket by accident.
 
 use crate::core::base::hash::{hex_digit, sha256_hex};
-use crate::core::config::{Cost, HeaderMatch, KeyPart, Match, OnMissing, Rule, MAX_PART_BYTES};
+use crate::core::config::{
+    Cost, HeaderMatch, KeyPart, Match, OnMissing, RateLimit, Rule, MAX_PART_BYTES,
+};
 use crate::core::rules::Request;
 use std::net::{IpAddr, SocketAddr};
 
@@ -83,10 +85,11 @@ pub fn part_value(part: &KeyPart, req: &Request, trusted_hops: u32) -> Option<Ve
     }
 }
 
-/// The RLS descriptor of `rule`'s bucket for `req`: its entries with their values. A value that is
-/// not UTF-8 or is long is escaped (or hashed) as in keys; an absent one is `%-`.
-pub fn descriptor(rule: &Rule, req: &Request, trusted_hops: u32) -> Vec<(String, String)> {
-    rule.descriptor
+/// The RLS descriptor of a rate rule's bucket (`l`: its limit) for `req`: its entries with their
+/// values. A value that is not UTF-8 or is long is escaped (or hashed) as in keys; an absent one is
+/// `%-`.
+pub fn descriptor(l: &RateLimit, req: &Request, trusted_hops: u32) -> Vec<(String, String)> {
+    l.descriptor
         .iter()
         .map(|(k, part)| {
             let v = match part_value(part, req, trusted_hops) {
@@ -132,10 +135,10 @@ pub fn build_key(rule: &Rule, req: &Request, trusted_hops: u32) -> Option<String
     Some(key)
 }
 
-/// The cost of `req` under `rule`: fixed, or read from a header (`default` when absent or not a
-/// positive decimal integer, clamped to `min ..= max`).
-pub fn cost(rule: &Rule, req: &Request) -> u64 {
-    match &rule.cost {
+/// The cost of `req` under a rate rule's limit `l`: fixed, or read from a header (`default` when
+/// absent or not a positive decimal integer, clamped to `min ..= max`).
+pub fn cost(l: &RateLimit, req: &Request) -> u64 {
+    match &l.cost {
         Cost::Fixed(c) => *c,
         Cost::Header {
             name,
@@ -204,20 +207,22 @@ pub fn headers_read(rule: &Rule, trusted_hops: u32, names: &mut Vec<String>) -> 
     if !conditions(&rule.matcher, trusted_hops, names) {
         return false;
     }
-    for p in rule
-        .key
-        .iter()
-        .chain(rule.descriptor.iter().map(|(_, p)| p))
-    {
+    let rate = rule.rate_limit();
+    for p in rule.key.iter().chain(
+        rate.iter()
+            .flat_map(|l| l.descriptor.iter().map(|(_, p)| p)),
+    ) {
         if !part(p, trusted_hops, names) {
             return false;
         }
     }
-    if let Cost::Header { name, .. } = &rule.cost {
-        add(names, name);
-    }
-    if let Some(t) = &rule.tiers {
-        add(names, &t.header);
+    if let Some(l) = rate {
+        if let Cost::Header { name, .. } = &l.cost {
+            add(names, name);
+        }
+        if let Some(t) = &l.tiers {
+            add(names, &t.header);
+        }
     }
     true
 }
@@ -388,7 +393,7 @@ mod tests {
 
     #[test]
     fn cost_from_header_is_bounded() {
-        let mut r = rule(vec![], OnMissing::Skip);
+        let mut r = RateLimit::for_test(10);
         r.cost = Cost::Header {
             name: "x-cost".into(),
             default: 2,
@@ -461,9 +466,9 @@ mod tests {
                     part.headers.push((n.clone(), v.to_vec()));
                 }
             }
-            let step = decide(&c, &whole);
+            let step = decide(&c, &whole).step;
             assert_ne!(step, crate::core::wire::plan::Step::Continue, "{r} matches");
-            assert_eq!(decide(&c, &part), step, "{r}: {names:?}");
+            assert_eq!(decide(&c, &part).step, step, "{r}: {names:?}");
         }
         // The client address from x-forwarded-for needs every value: the whole map.
         let c = Config::parse(

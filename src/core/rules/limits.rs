@@ -2,14 +2,14 @@
 //! key's value meets, else the tier named in the trusted tier header (if the rule has tiers and the
 //! name is configured), else the rule's own limit. `Unlimited` means the rule takes no bucket.
 
-use crate::core::config::{Limit, Rule, ValueMatch};
+use crate::core::config::{Limit, RateLimit, Rule, ValueMatch};
 use crate::core::rules::keys::part_value;
 use crate::core::rules::Request;
 use std::net::IpAddr;
 
-/// The limit of `rule`'s bucket for `req`.
-pub fn limit_for(rule: &Rule, req: &Request, trusted_hops: u32) -> Limit {
-    for o in &rule.overrides {
+/// The limit of the bucket of `rule` (a rate rule, limited by `l`) for `req`.
+pub fn limit_for(rule: &Rule, l: &RateLimit, req: &Request, trusted_hops: u32) -> Limit {
+    for o in &l.overrides {
         let Some(p) = rule.key.get(o.part) else {
             continue;
         };
@@ -28,7 +28,7 @@ pub fn limit_for(rule: &Rule, req: &Request, trusted_hops: u32) -> Limit {
             return o.limit;
         }
     }
-    if let Some(t) = &rule.tiers {
+    if let Some(t) = &l.tiers {
         if let Some(name) = req.header(&t.header) {
             if let Some((_, l)) = t.limits.iter().find(|(n, _)| n.as_bytes() == name) {
                 return *l;
@@ -36,9 +36,9 @@ pub fn limit_for(rule: &Rule, req: &Request, trusted_hops: u32) -> Limit {
         }
     }
     Limit::Tokens {
-        capacity: rule.capacity,
-        rate: rule.rate,
-        period_ms: rule.period_ms,
+        capacity: l.capacity,
+        rate: l.rate,
+        period_ms: l.period_ms,
     }
 }
 
@@ -80,7 +80,8 @@ mod tests {
                 "tiers":{"header":"x-tier","limits":{"gold":{"capacity":100},"free":{"capacity":2}}}}"#,
         );
         let r = &c.rules[0];
-        let l = |h: &[(&str, &str)]| limit_for(r, &req(h, None), 0);
+        let rl = r.rate_limit().unwrap();
+        let l = |h: &[(&str, &str)]| limit_for(r, rl, &req(h, None), 0);
         assert_eq!(l(&[("x-key", "vip")]), tokens(1000, 1000, 1000));
         assert_eq!(l(&[("x-key", "test-1")]), Limit::Unlimited);
         assert_eq!(l(&[("x-key", "tx")]), tokens(5, 1, 60_000));
@@ -109,7 +110,8 @@ mod tests {
                              {"cidr":"2001:db8::/32","capacity":1}]}"#,
         );
         let r = &c.rules[0];
-        let l = |peer: &str| limit_for(r, &req(&[], Some(peer)), 0);
+        let rl = r.rate_limit().unwrap();
+        let l = |peer: &str| limit_for(r, rl, &req(&[], Some(peer)), 0);
         assert_eq!(l("10.1.2.3:5000"), Limit::Unlimited);
         assert_eq!(l("11.1.2.3:5000"), tokens(10, 10, 1000));
         assert_eq!(l("[2001:db8::7]:80"), tokens(1, 1, 1000));
@@ -178,7 +180,7 @@ mod tests {
             &[(":method", "GET"), ("x-api-key", "k1")],
             Some("10.0.0.7:1"),
         );
-        let plan = match crate::core::decide::decide(&c, &r) {
+        let plan = match crate::core::decide::decide(&c, &r).step {
             crate::core::wire::plan::Step::Callout(p) => p,
             _ => panic!(),
         };

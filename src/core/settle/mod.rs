@@ -29,7 +29,7 @@
 
 pub mod usage;
 
-use crate::core::config::{Charge, Config, Cut};
+use crate::core::config::{Charge, Config, Cut, Rule};
 use crate::core::wire::plan::Plan;
 use crate::core::wire::Bucket;
 use usage::{Format, UsageReader};
@@ -136,7 +136,12 @@ pub fn reserve(cfg: &Config, plan: &Plan) -> Option<Meter> {
         .buckets
         .iter()
         .zip(&plan.rules)
-        .filter(|(_, &r)| cfg.rules.get(r).is_some_and(|r| r.charge.is_some()))
+        .filter(|(_, &r)| {
+            cfg.rules
+                .get(r)
+                .and_then(Rule::rate_limit)
+                .is_some_and(|l| l.charge.is_some())
+        })
         .map(|(b, &rule)| Reserved {
             bucket: Bucket {
                 lease: None,
@@ -155,7 +160,7 @@ pub fn reserve(cfg: &Config, plan: &Plan) -> Option<Meter> {
 
 impl Meter {
     fn charge<'c>(&self, cfg: &'c Config, r: &Reserved) -> Option<&'c Charge> {
-        cfg.rules.get(r.rule)?.charge.as_ref()
+        cfg.rules.get(r.rule)?.rate_limit()?.charge.as_ref()
     }
 
     /// The usage headers to read from the response (each once).
@@ -239,7 +244,10 @@ impl Meter {
             let Some(rule) = cfg.rules.get(r.rule) else {
                 continue;
             };
-            let Some(c) = &rule.charge else {
+            let Some((l, c)) = rule
+                .rate_limit()
+                .and_then(|l| Some((l, l.charge.as_ref()?)))
+            else {
                 continue;
             };
             // A usage header came before the body: the count was final, however the body ended.
@@ -247,7 +255,7 @@ impl Meter {
                 Some(u) => (Some(u), Ending::Complete),
                 None => (body.and_then(|u| u.tokens(c.weights)), ending),
             };
-            let used = charged(r.estimate(), rule.cost.bound(), seen, ending, c.cut, c.max);
+            let used = charged(r.estimate(), l.cost.bound(), seen, ending, c.cut, c.max);
             if amount(r.estimate(), used) == Amount::Stands {
                 continue;
             }

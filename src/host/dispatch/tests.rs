@@ -527,7 +527,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 held: Default::default(),
                 settles: RefCell::new(settle::Queue::new("t")),
             };
-            let core = crate::core::decide::decide(&cfg, &full);
+            let core = crate::core::decide::decide(&cfg, &full).step;
             let pre = may_match(&fake, &plugin, &mut Vec::new());
             assert_eq!(
                 pre,

@@ -40,7 +40,7 @@
 //! leave to send; [`Count`], the lease metrics; `tests`.
 
 use crate::core::base::store::CasStore;
-use crate::core::config::{Config, Lease, Rule};
+use crate::core::config::{Config, Lease, RateLimit, Rule};
 use crate::core::local::bucket;
 use crate::core::local::fallback::learned_instances;
 use crate::core::local::table::Slot;
@@ -245,14 +245,14 @@ impl Chores {
     }
 }
 
-/// The lease-rule buckets of a plan: (bucket index, rule, lease).
-fn leased<'a>(cfg: &'a Config, plan: &Plan) -> Vec<(usize, &'a Rule, Lease)> {
+/// The lease-rule buckets of a plan: (bucket index, the rule's limit, lease).
+fn leased<'a>(cfg: &'a Config, plan: &Plan) -> Vec<(usize, &'a RateLimit, Lease)> {
     plan.rules
         .iter()
         .enumerate()
         .filter_map(|(i, &r)| {
-            let rule = cfg.rules.get(r)?;
-            Some((i, rule, rule.lease?))
+            let l = cfg.rules.get(r)?.rate_limit()?;
+            Some((i, l, l.lease?))
         })
         .collect()
 }
@@ -279,12 +279,12 @@ pub fn local<S: CasStore + ?Sized>(
     let mut hits: Vec<(Slot, u64)> = Vec::new();
     let mut claims: Vec<(usize, Slot, u64)> = Vec::new();
     let mut denied = false;
-    for (i, rule, lease) in &lease_buckets {
+    for (i, l, lease) in &lease_buckets {
         let Some(b) = plan.request.buckets.get(*i) else {
             continue;
         };
         let cost = b.cost.unwrap_or(1);
-        let slot = slot(rule, &b.key, cfg.fallback.max_keys);
+        let slot = slot(l, &b.key, cfg.fallback.max_keys);
         let sizing = Sizing::new(cfg, *lease, b.capacity);
         let (t, e) = take(store, &slot, &sizing, b.capacity, cost, now_ms);
         chores.expired(plan, *i, e);
@@ -337,7 +337,11 @@ pub fn local<S: CasStore + ?Sized>(
             .zip(results)
             .map(|(&r, res)| {
                 res.unwrap_or_else(|| {
-                    let cap = cfg.rules.get(r).map_or(0, |rule| rule.capacity);
+                    let cap = cfg
+                        .rules
+                        .get(r)
+                        .and_then(Rule::rate_limit)
+                        .map_or(0, |l| l.capacity);
                     BucketResult {
                         allowed: true,
                         limit: cap,
@@ -380,11 +384,11 @@ pub fn rescue<S: CasStore + ?Sized>(
     }
     let mut paid: Vec<(Slot, u64)> = Vec::new();
     let mut results = Vec::with_capacity(lease_buckets.len());
-    for (i, rule, _) in &lease_buckets {
+    for (i, l, _) in &lease_buckets {
         let b = plan.request.buckets.get(*i)?;
         let cost = b.cost.unwrap_or(1);
-        let slot = slot(rule, &b.key, cfg.fallback.max_keys);
-        match spend(store, &slot, rule.capacity, cost, now_ms) {
+        let slot = slot(l, &b.key, cfg.fallback.max_keys);
+        match spend(store, &slot, l.capacity, cost, now_ms) {
             Some(r) => {
                 results.push(r);
                 paid.push((slot, cost));
@@ -404,10 +408,10 @@ pub fn rescue<S: CasStore + ?Sized>(
     }))
 }
 
-/// When tokens granted now to a bucket of `rule` stop being spendable.
-fn expiry(rule: &Rule, lease: &Lease, answer: &BucketResult, now_ms: u64) -> u64 {
+/// When tokens granted now to a bucket of a rule limited by `l` stop being spendable.
+fn expiry(l: &RateLimit, lease: &Lease, answer: &BucketResult, now_ms: u64) -> u64 {
     let until = now_ms.saturating_add(lease.max_age_ms);
-    match bucket::spend_within_ms(rule.algorithm, answer.reset_ms, rule.period_ms) {
+    match bucket::spend_within_ms(l.algorithm, answer.reset_ms, l.period_ms) {
         // A token of this window must not be spent in the next one.
         Some(ms) => until.min(now_ms.saturating_add(ms)),
         None => until,
@@ -425,14 +429,14 @@ pub fn settle<S: CasStore + ?Sized>(
     now_ms: u64,
 ) -> (u64, Chores) {
     let (mut granted, mut chores) = (0, Chores::default());
-    for (i, rule, lease) in leased(cfg, plan) {
+    for (i, l, lease) in leased(cfg, plan) {
         let Some(b) = plan.request.buckets.get(i) else {
             continue;
         };
         // A lease that only carries a fallback debt is no refill claim.
         let claimed = plan.own_lease(i).is_some();
         let cost = b.cost.unwrap_or(1);
-        let slot = slot(rule, &b.key, cfg.fallback.max_keys);
+        let slot = slot(l, &b.key, cfg.fallback.max_keys);
         match outcome {
             Outcome::Allowed(resp) => {
                 let Some(r) = resp.buckets.get(i) else {
@@ -448,7 +452,7 @@ pub fn settle<S: CasStore + ?Sized>(
                     .saturating_sub(plan.repaid(i, r.granted))
                     .min(plan.own_lease(i).unwrap_or(cost));
                 granted += g;
-                let until = expiry(rule, &lease, r, now_ms);
+                let until = expiry(l, &lease, r, now_ms);
                 let n = learned_instances(store).unwrap_or(0);
                 let d = deposit(store, &slot, g.saturating_sub(cost), r, now_ms, until, n);
                 chores.dropped += d.evicted;
@@ -483,13 +487,13 @@ pub fn refilled<S: CasStore + ?Sized>(
     now_ms: u64,
 ) -> (u64, Chores) {
     let mut chores = Chores::default();
-    let Some((i, rule, lease)) = leased(cfg, plan).into_iter().next() else {
+    let Some((i, l, lease)) = leased(cfg, plan).into_iter().next() else {
         return (0, chores);
     };
     let Some(b) = plan.request.buckets.get(i) else {
         return (0, chores);
     };
-    let slot = slot(rule, &b.key, cfg.fallback.max_keys);
+    let slot = slot(l, &b.key, cfg.fallback.max_keys);
     let asked = b.lease.unwrap_or(1);
     match outcome {
         Outcome::Allowed(resp) => {
@@ -498,7 +502,7 @@ pub fn refilled<S: CasStore + ?Sized>(
                 return (0, chores);
             };
             let g = r.granted.min(asked);
-            let until = expiry(rule, &lease, r, now_ms);
+            let until = expiry(l, &lease, r, now_ms);
             let n = learned_instances(store).unwrap_or(0);
             let d = deposit(store, &slot, g, r, now_ms, until, n);
             chores.dropped += d.evicted;
@@ -524,9 +528,9 @@ pub fn refilled<S: CasStore + ?Sized>(
 
 /// A background refill that could not be sent (breaker open, dispatch failed): ends its claim.
 pub fn abandon<S: CasStore + ?Sized>(cfg: &Config, plan: &Plan, store: &S) {
-    for (i, rule, _) in leased(cfg, plan) {
+    for (i, l, _) in leased(cfg, plan) {
         if let Some(b) = plan.request.buckets.get(i) {
-            release(store, &slot(rule, &b.key, cfg.fallback.max_keys));
+            release(store, &slot(l, &b.key, cfg.fallback.max_keys));
         }
     }
 }

@@ -3,7 +3,7 @@
 //! [`reclaim`]), each one compare-and-swap on its slot.
 
 use crate::core::base::store::{update, CasStore, Step};
-use crate::core::config::{Config, Lease, Rule};
+use crate::core::config::{Config, Lease, RateLimit};
 use crate::core::local::bucket::Limits;
 use crate::core::local::fallback;
 use crate::core::local::table::{self, Slot};
@@ -196,9 +196,9 @@ impl Sizing {
     }
 }
 
-/// The pool slot of a rule's bucket `key`. The identity covers the key and the rule's global
-/// limits, so a changed limit is another pool.
-pub fn slot(rule: &Rule, key: &str, max_keys: u32) -> Slot {
+/// The pool slot of bucket `key` of a rule limited by `rule`. The identity covers the key and the
+/// rule's global limits, so a changed limit is another pool.
+pub fn slot(rule: &RateLimit, key: &str, max_keys: u32) -> Slot {
     let l = Limits::local(rule.capacity, rule.rate, rule.period_ms, rule.algorithm, 1);
     fallback::slot_in(table::POOLS_TABLE, key, &l, max_keys)
 }

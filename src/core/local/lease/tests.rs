@@ -45,7 +45,7 @@ fn plan(c: &Config) -> Plan {
         headers: vec![(":path".into(), b"/".to_vec())],
         peer: None,
     };
-    match decide(c, &req) {
+    match decide(c, &req).step {
         DecideStep::Callout(p) => p,
         DecideStep::Continue => panic!("no rule matched"),
     }
@@ -64,7 +64,11 @@ fn answer(allowed: bool, granted: u64, retry: u64) -> BucketResult {
 
 fn pool(s: &FakeStore, c: &Config) -> Pool {
     let p = plan(c);
-    let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+    let sl = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     Pool::decode(&sl.id, s.map.borrow().get(&sl.name).map(|e| e.0.as_slice())).unwrap()
 }
 
@@ -465,7 +469,11 @@ fn a_background_refill_denied_or_failed_ends_its_claim() {
     let c = one();
     let s = FakeStore::default();
     let p = plan(&c);
-    let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+    let sl = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000, 0);
     let mut p = plan(&c);
     let (_, chores) = local(&c, &mut p, &s, 1);
@@ -497,7 +505,11 @@ fn expired_token_bucket_tokens_are_given_back_and_fixed_window_ones_are_not() {
     let c = one();
     let s = FakeStore::default();
     let p = plan(&c);
-    let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+    let sl = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     deposit(&s, &sl, 5, &answer(true, 6, 0), 0, 1000, 0);
     let mut p = plan(&c);
     let (_, chores) = local(&c, &mut p, &s, 1000);
@@ -513,7 +525,11 @@ fn expired_token_bucket_tokens_are_given_back_and_fixed_window_ones_are_not() {
     );
     let s = FakeStore::default();
     let p = plan(&c);
-    let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+    let sl = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     deposit(&s, &sl, 5, &answer(true, 6, 0), 0, 500, 0);
     let mut p = plan(&c);
     let (_, chores) = local(&c, &mut p, &s, 500);
@@ -528,7 +544,11 @@ fn a_rule_without_lease_means_one_callout_and_the_pool_is_refunded() {
     );
     let s = FakeStore::default();
     let p = plan(&c);
-    let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+    let sl = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     deposit(&s, &sl, 7, &answer(true, 8, 0), 0, 1000, 0);
     let mut p = plan(&c);
     assert_eq!(local(&c, &mut p, &s, 1).0, Local::Call);
@@ -545,7 +565,11 @@ fn partial_local_then_callout_refunds_and_claims() {
     );
     let s = FakeStore::default();
     let p0 = plan(&c);
-    let sa = slot(&c.rules[0], &p0.request.buckets[0].key, c.fallback.max_keys);
+    let sa = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p0.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     deposit(&s, &sa, 7, &answer(true, 8, 0), 0, 1000, 0);
     let mut p = plan(&c);
     assert_eq!(local(&c, &mut p, &s, 1).0, Local::Call);
@@ -575,7 +599,11 @@ fn a_cached_denial_denies_the_request_without_a_callout() {
     );
     let s = FakeStore::default();
     let p0 = plan(&c);
-    let sa = slot(&c.rules[0], &p0.request.buckets[0].key, c.fallback.max_keys);
+    let sa = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p0.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     deposit(&s, &sa, 7, &answer(true, 8, 0), 0, 1000, 0);
     // The service denied b (a could pay): b's denial is cached, a stays as it was.
     let mut p = plan(&c);
@@ -626,7 +654,11 @@ fn rescue_spends_below_the_mark_and_is_all_or_nothing() {
     let c = one();
     let s = FakeStore::default();
     let p = plan(&c);
-    let sl = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+    let sl = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000, 0);
     for _ in 0..2 {
         assert!(matches!(rescue(&c, &p, &s, 1), Some(Outcome::Allowed(_))));
@@ -641,7 +673,11 @@ fn rescue_spends_below_the_mark_and_is_all_or_nothing() {
     );
     let s = FakeStore::default();
     let p = plan(&c);
-    let sa = slot(&c.rules[0], &p.request.buckets[0].key, c.fallback.max_keys);
+    let sa = slot(
+        c.rules[0].rate_limit().unwrap(),
+        &p.request.buckets[0].key,
+        c.fallback.max_keys,
+    );
     deposit(&s, &sa, 2, &answer(true, 3, 0), 0, 1000, 0);
     assert_eq!(rescue(&c, &p, &s, 1), None);
     assert_eq!(pool(&s, &c).tokens, 2);
