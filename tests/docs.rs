@@ -4,6 +4,8 @@
 //!   excerpts by `envoy --mode validate` with the real module (limits files: server/tests/integration/docs.rs);
 //!   a block says which it is in its info string (the convention: testkit's `docs` module), and a
 //!   configuration block that does not say is a failure;
+//! - every field a rule may hold (the reader's table, `config::rules::RULE_FIELDS`) is documented in
+//!   docs/filter-config.md with the kind of rule it belongs to, and no other;
 //! - every relative link in them resolves (the file, and the heading when it names one);
 //! - every module of the crates, and of the test harnesses, is named in its parent's `//!` map.
 //!
@@ -20,6 +22,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use tollgate::core::config::rules::{self, Kinds};
 use tollgate::core::config::Config;
 use tollgate_testkit::docs::{self, list_items, with_routes, Block, Kind};
 use tollgate_testkit::envoy::{self, EnvoySpec};
@@ -141,6 +144,90 @@ fn envoy_configurations_validate() {
 fn generated() -> EnvoySpec {
     let plugin = with_rule(r#"{"name": "docs", "capacity": 5, "period_ms": 1000}"#);
     EnvoySpec::new(Some(plugin), closed_port(), closed_port())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule fields
+
+/// The part of `doc` under the first heading that starts with `heading` (`## ...`), up to the next
+/// heading of its level or above.
+fn section<'a>(doc: &'a str, heading: &str) -> &'a str {
+    let level = heading.len() - heading.trim_start_matches('#').len();
+    let start = doc
+        .find(&format!("\n{heading}"))
+        .unwrap_or_else(|| panic!("no heading {heading:?}"))
+        + 1;
+    let body = &doc[start..];
+    let end = body
+        .match_indices("\n#")
+        .find(|(i, _)| {
+            let line = &body[i + 1..];
+            let hashes = line.len() - line.trim_start_matches('#').len();
+            hashes <= level && line[hashes..].starts_with(' ')
+        })
+        .map_or(body.len(), |(i, _)| i);
+    &body[..end]
+}
+
+/// The first cells of the first table in `text`, without their backticks (header and separator
+/// rows left out).
+fn table_fields(text: &str) -> Vec<String> {
+    text.lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .skip(2)
+        .filter_map(|l| l.split('|').nth(1))
+        .map(|c| c.trim().trim_matches('`').to_string())
+        .collect()
+}
+
+fn sorted(names: impl IntoIterator<Item = impl Into<String>>) -> Vec<String> {
+    let mut v: Vec<String> = names.into_iter().map(Into::into).collect();
+    v.sort();
+    v
+}
+
+/// The rule table of docs/filter-config.md lists the fields of every rule and of rate rules, the
+/// concurrency section's table those of concurrency rules, and that section names every field a
+/// concurrency rule refuses: each as the reader's table says.
+#[test]
+fn every_rule_field_is_documented_with_its_kind() {
+    let doc = docs::read("docs/filter-config.md");
+    let rules_section = section(&doc, "## `rules`");
+    let concurrency = section(rules_section, "### Concurrency limits");
+    assert_eq!(
+        sorted(table_fields(rules_section)),
+        sorted(rules::of(Kinds::Every).chain(rules::of(Kinds::Rate))),
+        "docs/filter-config.md, the table of `rules`: every rule's fields and a rate rule's"
+    );
+    assert_eq!(
+        sorted(table_fields(concurrency)),
+        sorted(rules::of(Kinds::Concurrency)),
+        "docs/filter-config.md, the table of \"Concurrency limits\": a concurrency rule's fields"
+    );
+    let named: Vec<&str> = concurrency.split('`').skip(1).step_by(2).collect();
+    let unnamed: Vec<&str> = rules::of(Kinds::Rate)
+        .filter(|f| !named.contains(f))
+        .collect();
+    assert!(
+        unnamed.is_empty(),
+        "docs/filter-config.md, \"Concurrency limits\" does not say that a concurrency rule \
+         refuses {unnamed:?}"
+    );
+}
+
+#[test]
+fn the_rule_field_check_reads_sections_and_tables() {
+    let doc =
+        "# T\n## `rules` (required)\nText.\n\n| field | meaning |\n|---|---|\n| `name` | a |\n\
+               | `key` | b |\n\nMore `x`.\n### Sub\n| f | m |\n|---|---|\n| `max_in_flight` | c |\n\
+               #### Deeper\n`y`\n## Next\n| `other` | d |\n";
+    let rules_section = section(doc, "## `rules`");
+    assert_eq!(table_fields(rules_section), ["name", "key"]);
+    assert!(!rules_section.contains("Next"));
+    let sub = section(rules_section, "### Sub");
+    assert_eq!(table_fields(sub), ["max_in_flight"]);
+    assert!(sub.contains("`y`"), "a deeper heading stays in its section");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-//! A rule's fields, once: the one table the reader checks a rule against (which fields exist,
-//! and which kind of rule each belongs to).
+//! A rule's fields, once: the one table of which fields exist and which kind of rule each belongs
+//! to. The reader checks a rule against it (unknown fields, and fields of the other kind), and
+//! tests/docs.rs checks against it that docs/filter-config.md documents every field with its kind.
 
 /// The kind of rule a field belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,15 +42,19 @@ pub fn names() -> [&'static str; RULE_FIELDS.len()] {
     RULE_FIELDS.map(|(name, _)| name)
 }
 
+/// The fields that belong to `kinds`, in table order.
+pub fn of(kinds: Kinds) -> impl Iterator<Item = &'static str> {
+    RULE_FIELDS
+        .into_iter()
+        .filter(move |&(_, k)| k == kinds)
+        .map(|(name, _)| name)
+}
+
 /// The fields of a rule of the other kind than `concurrency` says, in table order.
 pub fn of_the_other_kind(concurrency: bool) -> impl Iterator<Item = &'static str> {
-    let other = if concurrency {
+    of(if concurrency {
         Kinds::Rate
     } else {
         Kinds::Concurrency
-    };
-    RULE_FIELDS
-        .into_iter()
-        .filter(move |&(_, k)| k == other)
-        .map(|(name, _)| name)
+    })
 }
