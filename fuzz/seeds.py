@@ -57,7 +57,7 @@ def yaml_plugin_config(path, *keys):
 CONFIGS = {
     "deploy-envoy.json": envoy_plugin_config("deploy/envoy/envoy.yaml"),
     "docs-filter-config.json": json.dumps(json.loads(re.search(
-        r"```json\n(.*?)```", (ROOT / "docs/filter-config.md").read_text(), re.S).group(1)), indent=1),
+        r"```json(?: filter)?\n(.*?)```", (ROOT / "docs/filter-config.md").read_text(), re.S).group(1)), indent=1),
     "deploy-istio.json": yaml_plugin_config("deploy/istio/wasmplugin.yaml", "spec", "pluginConfig"),
     "every-key-part.json": json.dumps({
         "service": {"cluster": "tollgate", "transport": "grpc", "token": "t0k3n"},
@@ -95,6 +95,33 @@ CONFIGS = {
     "deploy-istio-grpc.json": yaml_plugin_config("deploy/istio/wasmplugin-grpc.yaml", "spec", "pluginConfig"),
     "deploy-envoy-gateway.json": yaml_plugin_config(
         "deploy/envoy-gateway/envoyextensionpolicy.yaml", "spec", "wasm", "config"),
+    # Every rule field of both kinds (src/core/config/rules.rs, RULE_FIELDS; a unit test,
+    # `the_fuzz_seeds_reach_every_rule_field`, checks that the accepted seeds reach them all).
+    "every-rule-field.json": json.dumps({
+        "service": {"cluster": "c"},
+        "rules": [
+            {"name": "rate", "kind": "rate",
+             "match": {"path_prefix": "/api", "not": {"client_ip": ["10.0.0.0/8"]}},
+             "key": ["header:x-user", "client_ip"], "on_missing": "shared",
+             "capacity": 100, "rate": 10, "period_ms": 1000,
+             "cost": {"header": "x-cost", "default": 2, "min": 1, "max": 50},
+             "algorithm": "sliding_window",
+             "overrides": [{"key_part": "header:x-user", "value": "vip", "capacity": 1000},
+                           {"key_part": "client_ip", "cidr": "192.0.2.0/24", "unlimited": True}],
+             "tiers": {"header": "x-tier", "limits": {"gold": {"capacity": 500},
+                                                      "free": {"unlimited": True}}},
+             "shadow": True, "response": {"status": 503, "headers": ["x-ratelimit"]},
+             "descriptor": [{"key": "user", "value": "header:x-user"}],
+             "charge": "response",
+             "usage": {"header": "x-tokens", "weights": {"prompt": 1, "completion": 3},
+                       "max": 8000, "cut": "reserved"}},
+            {"name": "leased", "key": ["literal:k"], "capacity": 10, "period_ms": 1000,
+             "lease": {"size": 5, "max_age_ms": 500}},
+            {"name": "slots", "kind": "concurrency", "match": {"methods": ["POST"]},
+             "key": ["header:x-tenant"], "on_missing": "skip", "max_in_flight": 4,
+             "deadline_ms": 30000, "shadow": False, "response": {"body": "busy\n"}},
+        ],
+    }),
     "bad-empty.json": "",
     "bad-nested.json": "[" * 200 + "]" * 200,
     "bad-numbers.json": '{"service":{"cluster":"c"},"rules":[{"name":"n","capacity":1e3,'

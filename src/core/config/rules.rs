@@ -1,6 +1,8 @@
 //! A rule's fields, once: the one table of which fields exist and which kind of rule each belongs
 //! to. The reader checks a rule against it (unknown fields, and fields of the other kind), and
-//! tests/docs.rs checks against it that docs/filter-config.md documents every field with its kind.
+//! the tests check against it that docs/filter-config.md documents every field with its kind
+//! (tests/docs.rs) and that the fuzz seeds reach every field (fuzz/seeds/filter_config, written by
+//! fuzz/seeds.py; `config::tests`).
 
 /// The kind of rule a field belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -364,3 +364,43 @@ fn display_is_field_colon_message() {
         "rules[1].capacity: must be between 1 and 1000000000"
     );
 }
+
+/// The filter_config fuzz seeds (fuzz/seeds/filter_config, written by fuzz/seeds.py) that the
+/// reader accepts reach every field of the table, each in a rule of the kind it belongs to: the
+/// fuzzer starts from every field there is.
+#[test]
+fn the_fuzz_seeds_reach_every_rule_field() {
+    use super::rules::{Kinds, RULE_FIELDS};
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/seeds/filter_config");
+    let mut seen: Vec<(String, Kinds)> = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+        if Config::parse(&bytes).is_err() {
+            continue;
+        }
+        let doc: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        for rule in doc["rules"].as_array().unwrap() {
+            let kind = if rule["kind"] == "concurrency" {
+                Kinds::Concurrency
+            } else {
+                Kinds::Rate
+            };
+            for field in rule.as_object().unwrap().keys() {
+                seen.push((field.clone(), kind));
+            }
+        }
+    }
+    let unreached: Vec<&str> = RULE_FIELDS
+        .iter()
+        .filter(|(name, kinds)| {
+            !seen
+                .iter()
+                .any(|(f, k)| f == name && (*kinds == Kinds::Every || k == kinds))
+        })
+        .map(|(name, _)| *name)
+        .collect();
+    assert!(
+        unreached.is_empty(),
+        "no accepted seed in {dir} holds {unreached:?} (add one to fuzz/seeds.py)"
+    );
+}
