@@ -71,8 +71,8 @@ fuzz_target!(|input: Input| {
             })
             .collect(),
     };
-    let over_json = take::decode_json(&wire::encode_json(&req));
-    let over_grpc = take::decode_pb(&wire::encode_proto(&req));
+    let over_json = take::decode_json(&wire::encode_json(&req, None));
+    let over_grpc = take::decode_pb(&wire::encode_proto(&req, None));
     if req.buckets.len() > MAX_BUCKETS {
         assert!(over_json.is_err() && over_grpc.is_err());
     } else {

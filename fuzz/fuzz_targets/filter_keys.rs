@@ -128,7 +128,7 @@ fuzz_target!(|data: &[u8]| {
     if let Step::Callout(plan) = decide(&cfg, &req).step {
         assert_eq!(plan.request.buckets.len(), plan.rules.len());
         let body: serde_json::Value =
-            serde_json::from_slice(&encode_json(&plan.request)).expect("the callout is JSON");
+            serde_json::from_slice(&encode_json(&plan.request, None)).expect("the callout is JSON");
         for (i, b) in plan.request.buckets.iter().enumerate() {
             assert_eq!(body["buckets"][i]["key"].as_str(), Some(b.key.as_str()));
             assert!(!b.key.is_empty() && b.key.len() <= MAX_KEY_BYTES);
