@@ -139,11 +139,11 @@ pub struct SentinelSetup {
 /// sentinels talk to each other over TLS), trusting `ca`; clients need no certificate.
 #[derive(Clone, Debug)]
 pub struct SentinelTls {
-    /// The processes' certificate (PEM).
+    /// The path of the processes' certificate (PEM).
     pub cert: String,
-    /// Its key (PEM).
+    /// The path of its key (PEM).
     pub key: String,
-    /// The CA that signed it (PEM).
+    /// The path of the CA that signed it (PEM).
     pub ca: String,
 }
 

@@ -69,7 +69,7 @@ fn keys_on(setup: &SentinelSetup, port: u16) -> String {
 
 /// Waits until the sentinels name a master other than `old`; the new master's port and how
 /// long it took.
-fn wait_switched(setup: &SentinelSetup, old: u16, limit: Duration) -> (u16, Duration) {
+pub(crate) fn wait_switched(setup: &SentinelSetup, old: u16, limit: Duration) -> (u16, Duration) {
     let t = Instant::now();
     let new = setup.other(old);
     assert!(

@@ -801,12 +801,7 @@ fn sentinel_over_tls_decides_on_the_master_and_follows_a_failover() {
     // The master dies (so no write can land on it any more) and its replica is promoted.
     setup.kill_node(old);
     assert!(setup.failover(), "SENTINEL FAILOVER refused");
-    let new = setup.other(old);
-    assert!(
-        tollgate_testkit::process::eventually(Duration::from_secs(30), || setup.master()
-            == Some(new)),
-        "the sentinels still name {old}"
-    );
+    let (new, _) = crate::redis_sentinel::wait_switched(&setup, old, Duration::from_secs(30));
     // The new master holds the count: one token left of three, then denied.
     assert!(take(), "the third token, on the new master");
     assert!(!take(), "a fourth take after the failover was allowed");
