@@ -431,12 +431,21 @@ mod tests {
         fn now_ms(&self) -> u64 {
             0
         }
-        fn dispatch(
-            &mut self,
-            _: &Config,
-            _: &crate::core::wire::plan::Plan,
-        ) -> Result<u32, String> {
-            Ok(100)
+        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<u32, String> {
+            match out {
+                Callout::Acquire(body) => {
+                    self.acquires.push(body);
+                    if self.acquire_fails {
+                        return Err("BadArgument".into());
+                    }
+                    Ok(7)
+                }
+                Callout::Release(body) => {
+                    self.releases.push(body);
+                    Ok(8)
+                }
+                Callout::Take(_) | Callout::Refill(_) | Callout::Refund(_) => Ok(100),
+            }
         }
         fn resume(&mut self) {
             self.resumed += 1;
@@ -444,34 +453,21 @@ mod tests {
         fn reply(&mut self, r: &LocalReply) {
             self.replies.push(r.clone());
         }
-        fn count(&mut self, _: crate::core::wire::plan::Decision) {}
-        fn count_rule(&mut self, rule: usize, what: crate::core::wire::plan::RuleCount) {
-            self.rule_counts.push((rule, what));
-        }
-        fn count_failure(&mut self, _: crate::core::wire::plan::Cause) {}
-        fn breaker_event(&mut self, _: crate::core::local::breaker::Event) {}
-        fn count_lease(&mut self, _: crate::core::local::lease::Count, _: u64) {}
-        fn dispatch_refill(
-            &mut self,
-            _: &Config,
-            _: crate::core::wire::plan::Plan,
-        ) -> Result<(), String> {
-            Ok(())
-        }
-        fn give_back(&mut self, _: &Config, _: &crate::core::wire::TakeRequest) {}
-        fn acquire(&mut self, _: &Config, body: &[u8]) -> Result<u32, String> {
-            self.acquires.push(body.to_vec());
-            if self.acquire_fails {
-                return Err("BadArgument".into());
+        fn count(&mut self, metric: Metric) {
+            match metric {
+                Metric::Rule(rule, what) => self.rule_counts.push((rule, what)),
+                Metric::Slots(c) => self.counts.push(c),
+                _ => {}
             }
-            Ok(7)
         }
-        fn release(&mut self, _: &Config, body: &[u8]) -> bool {
-            self.releases.push(body.to_vec());
-            true
-        }
-        fn count_inflight(&mut self, c: Count) {
-            self.counts.push(c);
+    }
+
+    /// Ends `f` as the adapter does: a slot it still holds is released (the leftover's callout).
+    fn end(f: &mut Flow, c: &Config, h: &mut Fake) {
+        for left in f.on_end(c, h) {
+            if let Leftover::Release(body) = left {
+                crate::core::flow::release(c, body, h);
+            }
         }
     }
 
@@ -485,7 +481,7 @@ mod tests {
     const HELD: &str = r#"{"allowed":true,"slot":"ab","buckets":[{"allowed":true,"limit":4,"in_flight":1,"retry_after_ms":0}]}"#;
     const FULL: &str = r#"{"allowed":false,"buckets":[{"allowed":false,"limit":4,"in_flight":4,"retry_after_ms":1000}]}"#;
 
-    use crate::core::flow::{Flow, Host, Next};
+    use crate::core::flow::{Callout, Flow, Host, Leftover, Metric, Next};
 
     #[test]
     fn flow_pauses_resumes_and_releases_exactly_once() {
@@ -498,8 +494,8 @@ mod tests {
         assert!(f.waits_for(7));
         f.on_callout_result(&c, 7, answer(HELD), &mut h);
         assert_eq!((h.resumed, h.counts.clone()), (1, vec![Count::Acquired]));
-        f.on_end(&c, &mut h);
-        f.on_end(&c, &mut h);
+        end(&mut f, &c, &mut h);
+        end(&mut f, &c, &mut h);
         assert_eq!(h.releases, vec![encode_release(&c, "ab", &["cc|u".into()])]);
         // No rule matches: no acquire, no pause.
         let (mut h, mut f) = (Fake::default(), Flow::default());
@@ -507,7 +503,7 @@ mod tests {
             f.on_request_headers(&c, &req("/fast", "u"), &mut h),
             Next::Continue
         );
-        f.on_end(&c, &mut h);
+        end(&mut f, &c, &mut h);
         assert!(h.acquires.is_empty() && h.releases.is_empty());
     }
 
@@ -554,7 +550,7 @@ mod tests {
         assert!(h.replies[0]
             .headers
             .contains(&("retry-after".into(), "1".into())));
-        f.on_end(&c, &mut h);
+        end(&mut f, &c, &mut h);
         assert!(h.releases.is_empty());
         // In shadow mode the same answer lets the request through, without a slot.
         let c = cfg(r#","shadow":true"#);
@@ -597,7 +593,7 @@ mod tests {
             let slot = asked["slot"].as_str().unwrap();
             assert_eq!(slot.len(), 32);
             assert_eq!(h.releases, vec![encode_release(&c, slot, &["cc|u".into()])]);
-            f.on_end(&c, &mut h);
+            end(&mut f, &c, &mut h);
             assert_eq!(h.releases.len(), 1, "{mode}: released once");
         }
         // fallback: local slots, 4 here; given back when each stream ends. A dispatch error is
@@ -630,7 +626,7 @@ mod tests {
         );
         assert_eq!(h.replies.len(), 1);
         assert_eq!(h.resumed, 0, "never paused");
-        flows[0].on_end(&c, &mut h);
+        end(&mut flows[0], &c, &mut h);
         let mut again = Flow::default();
         assert_eq!(
             again.on_request_headers(&c, &req("/slow", "u"), &mut h),

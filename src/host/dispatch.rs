@@ -19,19 +19,19 @@
 //!
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 
-use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind, Status};
-use crate::core::base::ledger::{IdMap, Ledger};
+use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind};
+use super::metrics::{Metrics, SettleCount, VmGauges};
+use super::request::{may_match, read_request, Reads};
+use crate::core::base::ledger::{IdMap, Ledger, VIRTUAL};
 use crate::core::base::store::{CasStore, SetError};
-use crate::core::config::{Config, FailureMode, HeaderMatch, Rule, Transport};
-use crate::core::flow::{self, Flow, Host, Next, Phase};
+use crate::core::config::{Config, FailureMode, Transport};
+use crate::core::flow::{self, Callout, Flow, Host, Leftover, Metric, Next, Phase};
 use crate::core::inflight;
-use crate::core::local::breaker::Event;
 use crate::core::local::lease;
-use crate::core::rules::{keys, matches_headers, Headers, Request};
 use crate::core::settle;
 use crate::core::wire::batch;
 use crate::core::wire::callout::{self, CalloutRequest};
-use crate::core::wire::plan::{CalloutResult, Cause, Decision, LocalReply, Plan, RuleCount};
+use crate::core::wire::plan::{CalloutResult, LocalReply, Plan};
 use crate::core::wire::TakeRequest;
 use contract::bounds::MAX_ANSWER_BYTES;
 use log::{debug, error, info, warn};
@@ -64,18 +64,10 @@ struct Plugin {
     prefix: String,
     /// `authorization` value of every callout.
     bearer: Option<String>,
-    /// The gRPC target as a serialised `GrpcService { envoy_grpc { cluster_name } }`: Envoy tries
-    /// to parse the name it is given as that message first, and a cluster name whose bytes happen
-    /// to parse (e.g. `abcdefghi`) makes it abort the whole process. Sent serialised, the cluster
-    /// name is never read as protobuf.
+    /// The gRPC target ([`callout::grpc_service`]).
     grpc_service: Vec<u8>,
-    /// The headers whose first values decide whether any rule matches; `None` when some rule
-    /// matches every request. Lets a request no rule matches be passed after reading only these.
-    match_headers: Option<Vec<String>>,
-    /// The headers the rules can read, each read by name for a request some rule may match;
-    /// `None`: the whole header map is read (a rule needs every value of a header, or reads so
-    /// many that one read of the map is cheaper).
-    request_headers: Option<Vec<String>>,
+    /// What its requests are read for.
+    reads: Reads,
     /// Group commit of this plugin's takes (`service.batch`): the requests queued for the next
     /// batch (their virtual tokens are the ledger's).
     queue: RefCell<batch::Queue>,
@@ -180,129 +172,6 @@ impl Waiter {
     }
 }
 
-/// Metric ids, defined once per configuration.
-struct Metrics {
-    /// `tollgate.batch.callouts` and `tollgate.batch.takes`: batch callouts and the takes they
-    /// carried.
-    batch_callouts: u32,
-    batch_takes: u32,
-    decisions: Vec<u32>,
-    /// Per rule (in configuration order), one id per [`RuleCount::ALL`] (none for a rule of
-    /// another kind than rate: those count `inflight`).
-    rules: Vec<Vec<u32>>,
-    failures: Vec<u32>,
-    breaker_opened: u32,
-    breaker_open: u32,
-    leases: Vec<u32>,
-    /// One id per [`inflight::Count::ALL`] (empty without concurrency rules).
-    inflight: Vec<u32>,
-    /// One id per [`SettleCount::ALL`] (empty without rules charged by the response).
-    settles: Vec<u32>,
-}
-
-/// What happens to settlements, counted as `tollgate.settle.<name>`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SettleCount {
-    /// Settle callouts sent (first attempts and retries).
-    Sent,
-    /// Settlements the service applied (or had applied before).
-    Delivered,
-    /// Attempts that failed and will be tried again.
-    Retried,
-    /// Settlements never applied: attempts exhausted, refused, or dropped from a full queue.
-    GivenUp,
-}
-
-impl SettleCount {
-    const ALL: [SettleCount; 4] = [
-        SettleCount::Sent,
-        SettleCount::Delivered,
-        SettleCount::Retried,
-        SettleCount::GivenUp,
-    ];
-
-    fn metric(self) -> &'static str {
-        match self {
-            SettleCount::Sent => "tollgate.settle.sent",
-            SettleCount::Delivered => "tollgate.settle.delivered",
-            SettleCount::Retried => "tollgate.settle.retried",
-            SettleCount::GivenUp => "tollgate.settle.given_up",
-        }
-    }
-}
-
-impl Metrics {
-    fn define(abi: &impl Abi, cfg: &Config) -> Result<Metrics, Status> {
-        let mut decisions = Vec::with_capacity(Decision::ALL.len());
-        for d in Decision::ALL {
-            decisions.push(abi.define_metric(MetricKind::Counter, d.metric())?);
-        }
-        let mut rules = Vec::with_capacity(cfg.rules.len());
-        for r in &cfg.rules {
-            let mut ids = Vec::with_capacity(RuleCount::ALL.len());
-            if r.rate_limit().is_some() {
-                for c in RuleCount::ALL {
-                    ids.push(abi.define_metric(MetricKind::Counter, &c.metric(&r.name))?);
-                }
-            }
-            rules.push(ids);
-        }
-        let mut failures = Vec::with_capacity(Cause::CALLOUT.len());
-        for c in Cause::CALLOUT {
-            let name = format!("tollgate.callout_failure.{}", c.name());
-            failures.push(abi.define_metric(MetricKind::Counter, &name)?);
-        }
-        let mut leases = Vec::with_capacity(lease::Count::ALL.len());
-        for c in lease::Count::ALL {
-            leases.push(abi.define_metric(MetricKind::Counter, c.metric())?);
-        }
-        let mut inflight = Vec::new();
-        if cfg.rules.iter().any(|r| r.concurrency().is_some()) {
-            for c in inflight::Count::ALL {
-                inflight.push(abi.define_metric(MetricKind::Counter, c.metric())?);
-            }
-        }
-        let mut settles = Vec::new();
-        if charges_by_response(cfg) {
-            for c in SettleCount::ALL {
-                settles.push(abi.define_metric(MetricKind::Counter, c.metric())?);
-            }
-        }
-        Ok(Metrics {
-            inflight,
-            settles,
-            batch_callouts: abi.define_metric(MetricKind::Counter, "tollgate.batch.callouts")?,
-            batch_takes: abi.define_metric(MetricKind::Counter, "tollgate.batch.takes")?,
-            decisions,
-            rules,
-            failures,
-            leases,
-            breaker_opened: abi.define_metric(MetricKind::Counter, "tollgate.breaker.opened")?,
-            breaker_open: abi.define_metric(MetricKind::Gauge, "tollgate.breaker.open")?,
-        })
-    }
-}
-
-/// Gauges of the VM itself (defined at the first configuration). Both are process-wide sums: each
-/// VM adds and subtracts its own share.
-struct VmGauges {
-    /// `tollgate.callouts.pending`: callouts whose request still waits for them.
-    pending: u32,
-    /// `tollgate.vm.memory_bytes`: linear memory of the VMs.
-    memory: u32,
-}
-
-impl Metrics {
-    fn batched(&self, abi: &impl Abi, takes: usize) {
-        abi.increment_metric(self.batch_callouts, 1);
-        abi.increment_metric(self.batch_takes, i64::try_from(takes).unwrap_or(i64::MAX));
-    }
-}
-
-fn nth<T: PartialEq>(all: &[T], x: &T) -> Option<usize> {
-    all.iter().position(|y| y == x)
-}
-
 /// The proxy side of the core's [`Host`] port, acting for one request context (or for the root
 /// itself: `context` 0). Every callout it starts is recorded in the ledger as it starts.
 struct Proxy<'a, A: Abi> {
@@ -398,22 +267,25 @@ impl<'a, A: Abi> Proxy<'a, A> {
         Ok(token)
     }
 
-    /// Dispatches `request` to the service cluster, with its timeout and bearer token; the
-    /// callout's token.
-    fn send(&self, cfg: &Config, request: CalloutRequest) -> Result<u32, String> {
-        self.send_within(cfg, request, cfg.service.timeout_ms, None)
-    }
-
-    /// [`Proxy::send`] for a callout no request waits for (a release, a refund, a settlement):
-    /// `service.timeout_ms` bounds how long a *request* waits, and a release cut off by a short
-    /// one under load would leave its slot to the deadline. So at least [`BACKGROUND_TIMEOUT_MS`].
-    fn send_background(&self, cfg: &Config, request: CalloutRequest) -> Result<u32, String> {
+    /// Sends a callout no request waits for (a release, a refund, a settlement) and records it
+    /// for `waiter`. `service.timeout_ms` bounds how long a *request* waits, and a release cut
+    /// off by a short one under load would leave its slot to the deadline: so the timeout is at
+    /// least [`BACKGROUND_TIMEOUT_MS`].
+    fn send_background(
+        &mut self,
+        cfg: &Config,
+        request: CalloutRequest,
+        waiter: Waiter,
+    ) -> Result<u32, String> {
         let timeout = cfg.service.timeout_ms.max(BACKGROUND_TIMEOUT_MS);
-        self.send_within(cfg, request, timeout, None)
+        let token = self.send_within(cfg, request, timeout, None)?;
+        self.open(token, waiter);
+        Ok(token)
     }
 
-    /// [`Proxy::send`] with a timeout, and the request's `traceparent` when it is traced
-    /// (`service.trace`): an HTTP header, or gRPC metadata.
+    /// Dispatches `request` to the service cluster with `timeout_ms`, the bearer token, and the
+    /// request's `traceparent` when it is traced (`service.trace`: an HTTP header or gRPC
+    /// metadata); the callout's token.
     fn send_within(
         &self,
         cfg: &Config,
@@ -468,10 +340,10 @@ impl<'a, A: Abi> Proxy<'a, A> {
     /// Sends the settlements that are due (`POST <base>/settle`, JSON whatever the transport, as
     /// acquires and releases).
     fn send_settles(&mut self) {
-        let cfg = &self.plugin.config;
+        let plugin = self.plugin;
+        let cfg = &plugin.config;
         let now = self.abi.now_ms();
-        let due: Vec<(String, Vec<u8>)> = self
-            .plugin
+        let due: Vec<(String, Vec<u8>)> = plugin
             .settles
             .borrow_mut()
             .due(now)
@@ -485,16 +357,15 @@ impl<'a, A: Abi> Proxy<'a, A> {
             .collect();
         for (id, body) in due {
             self.count_settle(SettleCount::Sent, 1);
-            match self.send_background(cfg, callout::beside(cfg, "settle", body)) {
-                Ok(token) => {
-                    let plugin = self.plugin.clone();
-                    self.open(token, Waiter::Settle { plugin, id });
-                }
-                Err(why) => {
-                    debug!("settlement {id} not dispatched: {why}");
-                    let outcome = self.plugin.settles.borrow_mut().answered(&id, false, now);
-                    self.settle_outcome(&id, outcome);
-                }
+            let waiter = Waiter::Settle {
+                plugin: plugin.clone(),
+                id: id.clone(),
+            };
+            let attempt = callout::beside(cfg, "settle", body);
+            if let Err(why) = self.send_background(cfg, attempt, waiter) {
+                debug!("settlement {id} not dispatched: {why}");
+                let outcome = plugin.settles.borrow_mut().answered(&id, false, now);
+                self.settle_outcome(&id, outcome);
             }
         }
     }
@@ -535,18 +406,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
     }
 
     fn count_settle(&self, what: SettleCount, n: u64) {
-        let n = i64::try_from(n).unwrap_or(i64::MAX);
-        self.counter(
-            &self.plugin.metrics.settles,
-            nth(&SettleCount::ALL, &what),
-            n,
-        );
-    }
-
-    fn counter(&self, ids: &[u32], idx: Option<usize>, n: i64) {
-        if let Some(&id) = idx.and_then(|i| ids.get(i)) {
-            self.abi.increment_metric(id, n);
-        }
+        self.plugin.metrics.settled(self.abi, what, n);
     }
 }
 
@@ -578,8 +438,26 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
         self.abi.now_ms()
     }
 
-    fn dispatch(&mut self, cfg: &Config, plan: &Plan) -> Result<u32, String> {
-        self.take(cfg, plan, false)
+    fn send(&mut self, cfg: &Config, out: Callout<'_>) -> Result<u32, String> {
+        match out {
+            Callout::Take(plan) => self.take(cfg, plan, false),
+            Callout::Refill(plan) => self.take(cfg, plan, true),
+            Callout::Refund(request) => {
+                self.send_background(cfg, callout::refund(cfg, request), Waiter::Refund)
+            }
+            Callout::Acquire(body) => {
+                let acquire = callout::beside(cfg, "acquire", body);
+                let token = self.send_within(cfg, acquire, cfg.service.timeout_ms, None)?;
+                let context = self.context;
+                self.open(token, Waiter::Acquire { context });
+                Ok(token)
+            }
+            Callout::Release(body) => {
+                let plugin = self.plugin.clone();
+                let release = callout::beside(cfg, "release", body);
+                self.send_background(cfg, release, Waiter::Release { plugin })
+            }
+        }
     }
 
     fn resume(&mut self) {
@@ -597,84 +475,8 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
         }
     }
 
-    fn count(&mut self, decision: Decision) {
-        let m = &self.plugin.metrics;
-        self.counter(&m.decisions, nth(&Decision::ALL, &decision), 1);
-    }
-
-    fn count_rule(&mut self, rule: usize, what: RuleCount) {
-        if let Some(ids) = self.plugin.metrics.rules.get(rule) {
-            self.counter(ids, nth(&RuleCount::ALL, &what), 1);
-        }
-    }
-
-    fn count_failure(&mut self, cause: Cause) {
-        let m = &self.plugin.metrics;
-        self.counter(&m.failures, nth(&Cause::CALLOUT, &cause), 1);
-    }
-
-    fn breaker_event(&mut self, event: Event) {
-        let m = &self.plugin.metrics;
-        match event {
-            Event::Opened => {
-                self.abi.increment_metric(m.breaker_opened, 1);
-                self.abi.record_metric(m.breaker_open, 1);
-                warn!("circuit breaker opened: the decision service is failing, using the failure mode");
-            }
-            Event::Reopened => debug!("breaker probe failed, staying open"),
-            Event::Closed => {
-                self.abi.record_metric(m.breaker_open, 0);
-                info!("circuit breaker closed: the decision service answers again");
-            }
-            Event::None => {}
-        }
-    }
-
-    fn count_lease(&mut self, count: lease::Count, n: u64) {
-        let m = &self.plugin.metrics;
-        let n = i64::try_from(n).unwrap_or(i64::MAX);
-        self.counter(&m.leases, nth(&lease::Count::ALL, &count), n);
-    }
-
-    fn dispatch_refill(&mut self, cfg: &Config, plan: Plan) -> Result<(), String> {
-        self.take(cfg, &plan, true).map(|_| ())
-    }
-
-    fn acquire(&mut self, cfg: &Config, body: &[u8]) -> Result<u32, String> {
-        let token = self.send(cfg, callout::beside(cfg, "acquire", body.to_vec()))?;
-        let context = self.context;
-        self.open(token, Waiter::Acquire { context });
-        Ok(token)
-    }
-
-    fn release(&mut self, cfg: &Config, body: &[u8]) -> bool {
-        match self.send_background(cfg, callout::beside(cfg, "release", body.to_vec())) {
-            Ok(token) => {
-                let plugin = self.plugin.clone();
-                self.open(token, Waiter::Release { plugin });
-                true
-            }
-            Err(why) => {
-                debug!("release not dispatched: {why}");
-                false
-            }
-        }
-    }
-
-    fn count_inflight(&mut self, count: inflight::Count) {
-        let m = &self.plugin.metrics;
-        self.counter(&m.inflight, nth(&inflight::Count::ALL, &count), 1);
-    }
-
-    fn give_back(&mut self, cfg: &Config, request: &TakeRequest) {
-        match self.send_background(cfg, callout::refund(cfg, request)) {
-            Ok(token) => self.open(token, Waiter::Refund),
-            Err(why) => debug!("refund not dispatched: {why}"),
-        }
-    }
-
-    fn watch(&mut self, held: lease::Held) {
-        lease::watch(&mut self.plugin.held.borrow_mut(), held);
+    fn count(&mut self, metric: Metric) {
+        self.plugin.metrics.count(self.abi, metric);
     }
 }
 
@@ -683,13 +485,6 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
 struct Filter {
     plugin: Option<Rc<Plugin>>,
     flow: Flow,
-}
-
-fn waiting_token(flow: &Flow) -> Option<u32> {
-    match flow.phase {
-        Phase::Calling { token, .. } => Some(token),
-        _ => flow.slots.token(),
-    }
 }
 
 /// Every context of one VM and the callouts they wait for.
@@ -864,16 +659,15 @@ impl<A: Abi> Dispatcher<A> {
             root: id,
             prefix,
             bearer: config.service.token.as_ref().map(|t| format!("Bearer {t}")),
-            grpc_service: grpc_service(&config.service.cluster),
-            match_headers: match_headers(&config),
-            request_headers: request_headers(&config),
+            grpc_service: callout::grpc_service(&config.service.cluster),
+            reads: Reads::of(&config),
             queue: RefCell::new(batch::Queue::default()),
             held: RefCell::new(Vec::new()),
             settles: RefCell::new(settle::Queue::new(&crate::core::wire::instance::fresh())),
             config,
             metrics,
         };
-        if let Some(ms) = tick_period_ms(&plugin.config) {
+        if let Some(ms) = flow::tick_period_ms(&plugin.config) {
             // The timer that gives back the tokens of pools nobody spends any more, and sends
             // settlements again.
             if let Err(s) = self.abi.set_tick_period(ms) {
@@ -901,15 +695,7 @@ impl<A: Abi> Dispatcher<A> {
             return;
         }
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-        let now = proxy.now_ms();
-        let (returns, tokens) = lease::sweep(proxy.store(), &mut plugin.held.borrow_mut(), now);
-        for r in &returns {
-            proxy.give_back(&plugin.config, r);
-        }
-        if tokens > 0 {
-            proxy.count_lease(lease::Count::Expired, tokens);
-            proxy.count_lease(lease::Count::Returned, tokens);
-        }
+        flow::sweep(&plugin.config, &mut plugin.held.borrow_mut(), &mut proxy);
     }
 
     pub fn on_request_headers(&mut self, id: u32) -> u32 {
@@ -922,13 +708,14 @@ impl<A: Abi> Dispatcher<A> {
         if f.flow.phase != Phase::Idle {
             return CONTINUE;
         }
-        if !may_match(&self.abi, &plugin, &mut self.probe) {
+        if !may_match(&self.abi, &plugin.config, &plugin.reads, &mut self.probe) {
             f.flow.phase = Phase::Done;
             return CONTINUE;
         }
-        let req = read_request(&self.abi, &plugin);
+        let req = read_request(&self.abi, &plugin.config, &plugin.reads);
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, id);
         let next = f.flow.on_request_headers(&plugin.config, &req, &mut proxy);
+        keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
         self.report_pending();
         status_code(next)
     }
@@ -1028,22 +815,23 @@ impl<A: Abi> Dispatcher<A> {
     }
 
     fn request_ended(&mut self, id: u32, f: &mut Filter, p: &Rc<Plugin>) {
-        if let Some(meter) = f.flow.meter.take() {
-            // The response ended, however it ended: what it used is settled once.
-            let items = meter.finish(&p.config);
-            if !items.is_empty() {
-                let now = self.abi.now_ms();
-                // What a response used beyond its reservation also comes out of this proxy's
-                // fallback share, so an outage does not admit as if it had not been used.
-                let shares = Shared {
-                    abi: &self.abi,
-                    prefix: &p.prefix,
-                };
-                crate::core::local::fallback::spend_extras(&p.config, &shares, &items, now);
+        let left = f.flow.on_end(
+            &p.config,
+            &mut Proxy::new(&self.abi, p, &mut self.ledger, 0),
+        );
+        for leftover in left {
+            self.carry_out(id, p, leftover);
+        }
+    }
+
+    /// Carries out what request `id` left behind.
+    fn carry_out(&mut self, id: u32, p: &Rc<Plugin>, leftover: Leftover) {
+        match leftover {
+            Leftover::Settle(items) => {
                 let dropped = {
                     let mut q = p.settles.borrow_mut();
                     let before = q.given_up;
-                    q.push(items, now);
+                    q.push(items, self.abi.now_ms());
                     q.given_up - before
                 };
                 let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);
@@ -1053,55 +841,36 @@ impl<A: Abi> Dispatcher<A> {
                 }
                 proxy.send_settles();
             }
-        }
-        if let Some(token) = waiting_token(&f.flow) {
-            // A callout this request waits for: its answer is the root's now. A queued take has
-            // no callout yet: it leaves the queue.
-            let mine = |w: &Waiter| match w {
-                Waiter::Take { context, .. } | Waiter::Acquire { context, .. } => *context == id,
-                _ => false,
-            };
-            let heir = match self.ledger.get(token).map(|e| &e.waiter) {
-                Some(w) if !mine(w) => None,
-                Some(Waiter::Take { gates, .. })
-                    if token & crate::core::base::ledger::VIRTUAL == 0 =>
-                {
-                    Some(Waiter::Abandoned {
-                        plugin: p.clone(),
-                        gates: *gates,
-                    })
-                }
-                Some(Waiter::Acquire { .. }) => match &f.flow.slots {
-                    crate::core::flow::Slots::Acquiring { wants, slot, .. } => {
-                        Some(Waiter::Orphan {
-                            plugin: p.clone(),
-                            slot: slot.clone(),
-                            keys: wants.iter().map(|w| w.key.clone()).collect(),
-                        })
-                    }
-                    _ => Some(Waiter::Refund),
-                },
-                _ => None,
-            };
-            match heir {
-                Some(w) => {
-                    self.ledger.replace(token, w);
-                }
-                None => {
-                    if self.ledger.close_if(token, mine).is_some() {
+            Leftover::Release(body) => {
+                let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);
+                flow::release(&p.config, body, &mut proxy);
+            }
+            // The take's answer is the root's now (it still holds the batch queue back until it
+            // arrives); a queued take has no callout yet: it leaves the queue.
+            Leftover::Abandoned { token } => match self.ledger.get(token).map(|e| &e.waiter) {
+                Some(Waiter::Take { context, gates, .. }) if *context == id => {
+                    if token & VIRTUAL == 0 {
+                        let gates = *gates;
+                        let plugin = p.clone();
+                        self.ledger
+                            .replace(token, Waiter::Abandoned { plugin, gates });
+                    } else {
+                        self.ledger.close(token);
                         p.queue.borrow_mut().forget(token);
                     }
                 }
+                _ => {}
+            },
+            Leftover::Orphan { token, slot, keys } => {
+                if matches!(
+                    self.ledger.get(token).map(|e| &e.waiter),
+                    Some(Waiter::Acquire { context }) if *context == id
+                ) {
+                    let plugin = p.clone();
+                    self.ledger
+                        .replace(token, Waiter::Orphan { plugin, slot, keys });
+                }
             }
-        }
-        let holds = !matches!(
-            f.flow.slots,
-            crate::core::flow::Slots::None | crate::core::flow::Slots::Done
-        );
-        if holds {
-            // The stream is over, however it ended: its concurrency slots go back now.
-            let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);
-            f.flow.on_end(&p.config, &mut proxy);
         }
     }
 
@@ -1154,7 +923,7 @@ impl<A: Abi> Dispatcher<A> {
     /// `heir` takes over something that needs its timer: started at a second if its own
     /// configuration asks for none.
     fn wake(&self, heir: &Plugin) {
-        if tick_period_ms(&heir.config).is_none()
+        if flow::tick_period_ms(&heir.config).is_none()
             && self.abi.set_effective_context(heir.root).is_ok()
         {
             if let Err(s) = self.abi.set_tick_period(1000) {
@@ -1177,12 +946,7 @@ impl<A: Abi> Dispatcher<A> {
         let Some(heir) = self.heir(old) else {
             return;
         };
-        {
-            let mut watched = heir.held.borrow_mut();
-            for h in held {
-                lease::watch(&mut watched, h);
-            }
-        }
+        keep_watching(&heir, held);
         self.wake(&heir);
     }
 
@@ -1295,16 +1059,19 @@ impl<A: Abi> Dispatcher<A> {
             Waiter::Refill { plugin, plan, .. } => {
                 let result = read.read(&self.abi);
                 let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-                flow::on_refill_result(&plugin.config, &plan, result, &mut proxy);
+                let held = flow::on_refill_result(&plugin.config, &plan, result, &mut proxy);
+                keep_watching(&plugin, held);
             }
             Waiter::Release { plugin } => {
                 let result = read.read(&self.abi);
-                let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-                proxy.count_inflight(if inflight::released(&result) {
-                    inflight::Count::Released
-                } else {
-                    inflight::Count::ReleaseFailed
-                });
+                plugin.metrics.count(
+                    &self.abi,
+                    Metric::Slots(if inflight::released(&result) {
+                        inflight::Count::Released
+                    } else {
+                        inflight::Count::ReleaseFailed
+                    }),
+                );
             }
             Waiter::Orphan { plugin, slot, keys } => {
                 let result = read.read(&self.abi);
@@ -1315,12 +1082,8 @@ impl<A: Abi> Dispatcher<A> {
                     inflight::Acquired::Failed => slot,
                 };
                 let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-                if !proxy.release(
-                    &plugin.config,
-                    &inflight::encode_release(&plugin.config, &id, &keys),
-                ) {
-                    proxy.count_inflight(inflight::Count::ReleaseFailed);
-                }
+                let body = inflight::encode_release(&plugin.config, &id, &keys);
+                flow::release(&plugin.config, body, &mut proxy);
             }
             Waiter::Settle { plugin, id } => {
                 let result = read.read(&self.abi);
@@ -1360,6 +1123,7 @@ impl<A: Abi> Dispatcher<A> {
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, context);
         f.flow
             .on_callout_result(&plugin.config, token, result, &mut proxy);
+        keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
     }
 
     /// Sends the requests queued on `plugin`: one batch callout, or several when the batch's byte
@@ -1385,7 +1149,13 @@ impl<A: Abi> Dispatcher<A> {
         let takes: Vec<&TakeRequest> = queued.iter().map(|(_, t)| t).collect();
         let members: Vec<u32> = queued.iter().map(|(t, _)| *t).collect();
         let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);
-        match proxy.send(&plugin.config, callout::batch(&plugin.config, &takes)) {
+        let cfg = &plugin.config;
+        match proxy.send_within(
+            cfg,
+            callout::batch(cfg, &takes),
+            cfg.service.timeout_ms,
+            None,
+        ) {
             Ok(token) => {
                 plugin.metrics.batched(&self.abi, members.len());
                 plugin.queue.borrow_mut().started();
@@ -1433,148 +1203,15 @@ impl<A: Abi> Dispatcher<A> {
     }
 }
 
-/// How often a configuration's lease pools are looked at for expired tokens: half the shortest
-/// `max_age_ms` of its token-bucket lease rules, between 100 ms and a second; `None` without any.
-fn tick_period_ms(cfg: &Config) -> Option<u32> {
-    if charges_by_response(cfg) {
-        // Settlements are tried again from the timer (the first backoff is 100 ms).
-        return u32::try_from(settle::FIRST_BACKOFF_MS).ok();
+/// The lease pools a request or a refill deposited into: `plugin`'s timer watches them.
+fn keep_watching(plugin: &Plugin, held: Vec<lease::Held>) {
+    if held.is_empty() {
+        return;
     }
-    let shortest = cfg
-        .rules
-        .iter()
-        .filter_map(Rule::rate_limit)
-        .filter(|r| r.algorithm == crate::core::config::Algorithm::TokenBucket)
-        .filter_map(|r| r.lease.map(|l| l.max_age_ms))
-        .min()?;
-    u32::try_from((shortest / 2).clamp(100, 1000)).ok()
-}
-
-/// Whether some rule is charged by the response (`charge: response`).
-fn charges_by_response(cfg: &Config) -> bool {
-    cfg.rules
-        .iter()
-        .any(|r| r.rate_limit().is_some_and(|l| l.charge.is_some()))
-}
-
-/// `GrpcService { envoy_grpc: EnvoyGrpc { cluster_name } }`, serialised (both field 1, length
-/// delimited).
-fn grpc_service(cluster: &str) -> Vec<u8> {
-    fn field1(out: &mut Vec<u8>, bytes: &[u8]) {
-        out.push(0x0a);
-        let mut n = bytes.len();
-        loop {
-            let b = (n & 0x7f) as u8;
-            n >>= 7;
-            if n == 0 {
-                out.push(b);
-                break;
-            }
-            out.push(b | 0x80);
-        }
-        out.extend_from_slice(bytes);
+    let mut watched = plugin.held.borrow_mut();
+    for h in held {
+        lease::watch(&mut watched, h);
     }
-    let mut inner = Vec::with_capacity(cluster.len() + 4);
-    field1(&mut inner, cluster.as_bytes());
-    let mut out = Vec::with_capacity(inner.len() + 4);
-    field1(&mut out, &inner);
-    out
-}
-
-/// The header names the rules' match conditions read, or `None` if a rule matches everything.
-fn match_headers(cfg: &Config) -> Option<Vec<String>> {
-    let mut names: Vec<String> = Vec::new();
-    let mut add = |n: &str| {
-        if !names.iter().any(|x| x == n) {
-            names.push(n.to_string());
-        }
-    };
-    for r in &cfg.rules {
-        let m = &r.matcher;
-        // A rule for every request, or one whose conditions read the client address or negate
-        // (a partial view of the request could not tell): read the request whole.
-        if (m.path.is_none() && m.methods.is_empty() && m.headers.is_empty())
-            || m.reads_client_ip()
-            || m.not.is_some()
-        {
-            return None;
-        }
-        if m.path.is_some() {
-            add(":path");
-        }
-        if !m.methods.is_empty() {
-            add(":method");
-        }
-        for h in &m.headers {
-            match h {
-                HeaderMatch::Present(n, _) | HeaderMatch::Equals(n, _) => add(n),
-            }
-        }
-    }
-    Some(names)
-}
-
-/// The headers `match_headers` names, as read for one request (`values[i]` is `names[i]`'s).
-struct Probe<'a> {
-    names: &'a [String],
-    values: &'a [Option<Vec<u8>>],
-}
-
-impl Headers for Probe<'_> {
-    fn first(&self, name: &str) -> Option<&[u8]> {
-        let i = self.names.iter().position(|n| n == name)?;
-        self.values.get(i)?.as_deref()
-    }
-}
-
-/// Whether some rule may match, reading only the headers the conditions name into `values`, which
-/// is kept from request to request: the only allocations are the host's copies of the values.
-fn may_match(abi: &impl Abi, plugin: &Plugin, values: &mut Vec<Option<Vec<u8>>>) -> bool {
-    let Some(names) = &plugin.match_headers else {
-        return true;
-    };
-    values.clear();
-    values.extend(names.iter().map(|n| abi.header(HeaderMap::Request, n)));
-    let view = Probe { names, values };
-    let cfg = &plugin.config;
-    // `match_headers` is `None` when a condition reads the client address: not here.
-    cfg.rules.iter().any(|r| matches_headers(&r.matcher, &view))
-}
-
-/// Most headers read one by one; a configuration whose rules read more gets the whole map in one
-/// host call instead.
-const MAX_HEADERS_BY_NAME: usize = 8;
-
-/// The headers [`read_request`] reads by name ([`keys::headers_read`] over every rule), or `None`
-/// for the whole map.
-fn request_headers(cfg: &Config) -> Option<Vec<String>> {
-    let mut names = Vec::new();
-    for r in &cfg.rules {
-        if !keys::headers_read(r, cfg.trusted_hops, &mut names) {
-            return None;
-        }
-    }
-    (names.len() <= MAX_HEADERS_BY_NAME).then_some(names)
-}
-
-/// What the core reads of a request: the headers its rules can read (by name, or the whole map),
-/// and the peer address when a rule needs it.
-fn read_request(abi: &impl Abi, plugin: &Plugin) -> Request {
-    let cfg = &plugin.config;
-    let headers = match &plugin.request_headers {
-        Some(names) => names
-            .iter()
-            .filter_map(|n| abi.header(HeaderMap::Request, n).map(|v| (n.clone(), v)))
-            .collect(),
-        None => abi.headers(HeaderMap::Request).unwrap_or_default(),
-    };
-    let peer = if cfg.needs_peer_address {
-        abi.property(&["source", "address"])
-            .and_then(|b| String::from_utf8(b).ok())
-    } else {
-        None
-    };
-    Request { headers, peer }
 }
 
 #[cfg(test)]

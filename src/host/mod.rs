@@ -5,9 +5,13 @@
 //! - `abi.rs`: the host calls the adapter makes, as a trait (Envoy's imports, or a fake in tests).
 //! - `dispatch.rs`: contexts, the VM's ledger of callouts ([`crate::core::base::ledger`]: one entry per
 //!   callout, its variant says who waits), and what each callback does; pure over `abi`.
+//! - `metrics.rs`: the metric ids each configuration defines, and what the core's counts add to.
+//! - `request.rs`: what the adapter reads of a request for the core (match headers first).
 //! - `wasm.rs` (wasm only): the imports, the `proxy_on_*` exports, allocator, logger, panic hook.
 
 mod abi;
 mod dispatch;
+mod metrics;
+mod request;
 #[cfg(target_family = "wasm")]
 mod wasm;

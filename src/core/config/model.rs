@@ -244,6 +244,15 @@ impl Rule {
     }
 }
 
+impl Config {
+    /// Whether some rule is charged by the response (`charge: response`).
+    pub fn charges_by_response(&self) -> bool {
+        self.rules
+            .iter()
+            .any(|r| r.rate_limit().is_some_and(|l| l.charge.is_some()))
+    }
+}
+
 /// Where a rule charged by the response reads what it used ([`crate::core::settle::usage`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Charge {

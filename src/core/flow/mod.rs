@@ -35,54 +35,87 @@ use crate::core::wire::TakeRequest;
 use log::debug;
 
 mod slots;
-pub use slots::Slots;
+pub use slots::{release, Slots};
 
-/// What the state machine needs from the proxy.
+/// What the state machine needs from the proxy: I/O alone (shared data, the clock, starting a
+/// callout, resuming or answering the request, counting). Whatever a request leaves behind when
+/// it ends comes back from [`Flow::on_end`] as [`Leftover`] values.
 pub trait Host {
-    /// The shared store (fallback buckets, breaker).
+    /// The shared store (fallback buckets, breaker, pools, slots).
     type Store: CasStore + ?Sized;
     /// The shared store.
     fn store(&self) -> &Self::Store;
     /// Wall-clock time in ms since the epoch.
     fn now_ms(&self) -> u64;
-    /// Starts the callout; its token, or why it could not start.
-    fn dispatch(&mut self, cfg: &Config, plan: &Plan) -> Result<u32, String>;
+    /// Starts `callout`; its token, or why it could not start.
+    fn send(&mut self, cfg: &Config, callout: Callout<'_>) -> Result<u32, String>;
     /// Resumes the paused request.
     fn resume(&mut self);
     /// Sends a local reply (the request ends there).
     fn reply(&mut self, reply: &LocalReply);
-    /// Counts a decision.
-    fn count(&mut self, decision: Decision);
-    /// Counts a per-rule event of rule `rule` (index in `Config::rules`).
-    fn count_rule(&mut self, rule: usize, what: RuleCount);
-    /// Counts a failed callout.
-    fn count_failure(&mut self, cause: Cause);
-    /// Reports a breaker transition (metrics, log).
-    fn breaker_event(&mut self, event: Event);
-    /// Adds `n` to a lease counter.
-    fn count_lease(&mut self, count: Count, n: u64);
-    /// Starts a background lease refill (a callout no request waits for); its answer must reach
-    /// [`on_refill_result`] with the same plan.
-    fn dispatch_refill(&mut self, cfg: &Config, plan: Plan) -> Result<(), String>;
-    /// Sends a refund: `request`'s costs are unspent tokens given back to the global bucket. Its
-    /// answer is not awaited (a lost refund only leaves those tokens spent).
-    fn give_back(&mut self, cfg: &Config, request: &TakeRequest);
-    /// Watches a pool this worker deposited into, so that its tokens are given back when they
-    /// expire ([`lease::sweep`], on the proxy's timer).
-    fn watch(&mut self, held: lease::Held) {
-        let _ = held;
-    }
-    /// Starts an acquire of concurrency slots (`body`: JSON, `POST /v1/acquire`); its token.
-    fn acquire(&mut self, _cfg: &Config, _body: &[u8]) -> Result<u32, String> {
-        Err("concurrency slots are not supported by this host".into())
-    }
-    /// Sends a release (`body`: JSON, `POST /v1/release`), not awaited by any request; whether
-    /// it was dispatched.
-    fn release(&mut self, _cfg: &Config, _body: &[u8]) -> bool {
-        false
-    }
-    /// Counts a concurrency-slot event.
-    fn count_inflight(&mut self, _count: crate::core::inflight::Count) {}
+    /// Counts `metric`.
+    fn count(&mut self, metric: Metric);
+}
+
+/// A callout the flow starts; the variant says where its answer goes.
+#[derive(Debug)]
+pub enum Callout<'a> {
+    /// The request's take: its answer comes to [`Flow::on_callout_result`].
+    Take(&'a Plan),
+    /// A background lease refill no request waits for: its answer comes to [`on_refill_result`]
+    /// with this plan.
+    Refill(&'a Plan),
+    /// Unspent tokens given back to the global bucket. Not awaited (a lost refund only leaves
+    /// those tokens spent).
+    Refund(&'a TakeRequest),
+    /// The request's acquire of concurrency slots (JSON, `POST /v1/acquire`): its answer comes to
+    /// [`Flow::on_callout_result`].
+    Acquire(Vec<u8>),
+    /// A release of concurrency slots (JSON, `POST /v1/release`), awaited by no request (its
+    /// answer is counted).
+    Release(Vec<u8>),
+}
+
+/// What the flow counts: every metric goes through one call of the port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// A request's decision.
+    Decision(Decision),
+    /// A per-rule event of rule `.0` (index in `Config::rules`).
+    Rule(usize, RuleCount),
+    /// A failed callout.
+    Failure(Cause),
+    /// A breaker transition (metrics, log).
+    Breaker(Event),
+    /// `n` added to a lease counter.
+    Lease(Count, u64),
+    /// A concurrency-slot event.
+    Slots(crate::core::inflight::Count),
+}
+
+/// What a request leaves behind when its stream ends, for the adapter to carry out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leftover {
+    /// What the response used, to settle with the service (already spent from this proxy's
+    /// fallback shares).
+    Settle(Vec<crate::core::settle::Item>),
+    /// Slots held at the service, to release: the release's JSON body.
+    Release(Vec<u8>),
+    /// The take in flight under `token` (or queued under it): its answer is no one's now.
+    Abandoned {
+        /// Callout token.
+        token: u32,
+    },
+    /// The acquire in flight under `token`: unless its answer is a denial (nothing taken), the
+    /// slots go back at once, by the name this proxy gave them.
+    Orphan {
+        /// Callout token.
+        token: u32,
+        /// The slots' id.
+        slot: String,
+        /// The keys asked for.
+        keys: Vec<String>,
+    },
 }
 
 /// What to tell the proxy about the current callback.
@@ -131,6 +164,9 @@ pub struct Flow {
     /// Rules charged by the response: what the admitted request reserved, settled when its
     /// stream ends ([`crate::core::settle`]).
     pub meter: Option<crate::core::settle::Meter>,
+    /// Lease pools this request's work deposited into: the adapter's timer watches them
+    /// ([`lease::sweep`]), and takes them from here after each call.
+    pub watched: Vec<lease::Held>,
 }
 
 impl Default for Flow {
@@ -141,6 +177,7 @@ impl Default for Flow {
             shadow_counts: Vec::new(),
             slots: Slots::None,
             meter: None,
+            watched: Vec::new(),
         }
     }
 }
@@ -167,13 +204,13 @@ impl Flow {
         };
         let now = host.now_ms();
         let (local, chores) = lease::local(cfg, &mut plan, host.store(), now);
-        run_chores(cfg, chores, host);
+        run_chores(cfg, chores, &mut self.watched, host);
         if let Local::Answer(outcome) = local {
             let count = match outcome {
                 Outcome::Allowed(_) => Count::Local,
                 _ => Count::LocalLimited,
             };
-            host.count_lease(count, 1);
+            host.count(Metric::Lease(count, 1));
             return self.conclude(cfg, &plan, &outcome, false, host);
         }
         let seen = breaker::admit_seen(host.store(), &cfg.breaker, now);
@@ -194,11 +231,17 @@ impl Flow {
             fallback::attach_debts(cfg, &mut plan, host.store(), now);
         }
         if admission == Admission::Reject {
-            let outcome = settle(cfg, &plan, Outcome::Failed(Cause::Breaker), host);
+            let outcome = settle(
+                cfg,
+                &plan,
+                Outcome::Failed(Cause::Breaker),
+                &mut self.watched,
+                host,
+            );
             return self.conclude(cfg, &plan, &outcome, false, host);
         }
         let probe = admission == Admission::Probe;
-        match host.dispatch(cfg, &plan) {
+        match host.send(cfg, Callout::Take(&plan)) {
             Ok(token) => {
                 self.phase = Phase::Calling {
                     token,
@@ -241,10 +284,25 @@ impl Flow {
             || self.slots.token() == Some(token)
     }
 
-    /// The stream ended, however it ended (response sent, upstream reset, client gone): gives
-    /// back the concurrency slots the request holds, exactly once.
-    pub fn on_end<H: Host>(&mut self, cfg: &Config, host: &mut H) {
-        self.slots.release(cfg, host);
+    /// The stream ended, however it ended (response sent, upstream reset, client gone): what the
+    /// request leaves behind, exactly once (a second call leaves nothing). What the response used
+    /// beyond its reservation is spent from this proxy's fallback shares here (so an outage does
+    /// not admit as if it had not been used), and locally held slots go back to the shared
+    /// counters; the rest is for the adapter to carry out.
+    pub fn on_end<H: Host>(&mut self, cfg: &Config, host: &mut H) -> Vec<Leftover> {
+        let mut left = Vec::new();
+        if let Some(meter) = self.meter.take() {
+            let items = meter.finish(cfg);
+            if !items.is_empty() {
+                fallback::spend_extras(cfg, host.store(), &items, host.now_ms());
+                left.push(Leftover::Settle(items));
+            }
+        }
+        if let Phase::Calling { token, .. } = std::mem::replace(&mut self.phase, Phase::Done) {
+            left.push(Leftover::Abandoned { token });
+        }
+        left.extend(self.slots.end(cfg, host));
+        left
     }
 
     /// The callout `token` ended with `result`. Ignored unless this request is paused on it.
@@ -274,7 +332,7 @@ impl Flow {
             // of the enforced rules' buckets. Settle this answer, then ask again for those alone,
             // so shadow rules never change what enforced rules count.
             self.record(cfg, probe, clean, true, host);
-            settle(cfg, &plan, outcome, host);
+            settle(cfg, &plan, outcome, &mut self.watched, host);
             self.shadow_counts = shadowed;
             let mut enforced = enforced;
             let now = host.now_ms();
@@ -282,7 +340,7 @@ impl Flow {
             if debt {
                 fallback::attach_debts(cfg, &mut enforced, host.store(), now);
             }
-            match host.dispatch(cfg, &enforced) {
+            match host.send(cfg, Callout::Take(&enforced)) {
                 Ok(token) => {
                     self.phase = Phase::Calling {
                         token,
@@ -316,7 +374,7 @@ impl Flow {
         let event =
             breaker::record_shared(host.store(), &cfg.breaker, host.now_ms(), success, probe);
         if event != Event::None {
-            host.breaker_event(event);
+            host.count(Metric::Breaker(event));
         }
     }
 
@@ -332,10 +390,10 @@ impl Flow {
     ) -> Next {
         let success = !matches!(outcome, Outcome::Failed(_));
         if let Outcome::Failed(cause) = outcome {
-            host.count_failure(cause);
+            host.count(Metric::Failure(cause));
         }
         self.record(cfg, probe, clean, success, host);
-        let outcome = settle(cfg, plan, outcome, host);
+        let outcome = settle(cfg, plan, outcome, &mut self.watched, host);
         self.conclude(cfg, plan, &outcome, paused, host)
     }
 
@@ -350,13 +408,13 @@ impl Flow {
     ) -> Next {
         let now = host.now_ms();
         let verdict = decide::resolve(cfg, plan, outcome, host.store(), now);
-        host.count(verdict.decision);
+        host.count(Metric::Decision(verdict.decision));
         for &(rule, what) in verdict
             .rule_counts
             .iter()
             .chain(std::mem::take(&mut self.shadow_counts).iter())
         {
-            host.count_rule(rule, what);
+            host.count(Metric::Rule(rule, what));
         }
         if verdict.decision == Decision::FallbackAllowed {
             // Admitted on credit: the next callouts must carry the debt until it is repaid.
@@ -414,7 +472,13 @@ impl Flow {
 /// denial or failure that the pools can still pay (granted tokens stay good) becomes an admission
 /// from the pools (counted as allowed, not as `lease.local`: it did make a callout); any other
 /// outcome is returned as is.
-fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) -> Outcome {
+fn settle<H: Host>(
+    cfg: &Config,
+    plan: &Plan,
+    outcome: Outcome,
+    watched: &mut Vec<lease::Held>,
+    host: &mut H,
+) -> Outcome {
     let now = host.now_ms();
     let (outcome, repaid) = fallback::settle_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
@@ -426,9 +490,9 @@ fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) ->
     }
     let (granted, chores) = lease::settle(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {
-        host.count_lease(Count::Granted, granted);
+        host.count(Metric::Lease(Count::Granted, granted));
     }
-    run_chores(cfg, chores, host);
+    run_chores(cfg, chores, watched, host);
     if !matches!(outcome, Outcome::Allowed(_)) {
         if let Some(paid) = lease::rescue(cfg, plan, host.store(), now) {
             return paid;
@@ -438,18 +502,22 @@ fn settle<H: Host>(cfg: &Config, plan: &Plan, outcome: Outcome, host: &mut H) ->
 }
 
 /// Sends what the lease pools left to do: expired tokens back to the service, and background
-/// refills (not while the breaker is open: the requests' own callouts probe it).
-fn run_chores<H: Host>(cfg: &Config, chores: lease::Chores, host: &mut H) {
+/// refills (not while the breaker is open: the requests' own callouts probe it). The pools this
+/// worker deposited into go to `watched`, for the adapter's timer ([`lease::sweep`]).
+fn run_chores<H: Host>(
+    cfg: &Config,
+    chores: lease::Chores,
+    watched: &mut Vec<lease::Held>,
+    host: &mut H,
+) {
     if chores.dropped > 0 {
-        host.count_lease(Count::Expired, chores.dropped);
+        host.count(Metric::Lease(Count::Expired, chores.dropped));
     }
-    for h in chores.watch {
-        host.watch(h);
-    }
+    watched.extend(chores.watch);
     for r in &chores.returns {
-        host.give_back(cfg, r);
+        refund(cfg, r, host);
         let n = r.buckets.iter().map(|b| b.cost.unwrap_or(1)).sum();
-        host.count_lease(Count::Returned, n);
+        host.count(Metric::Lease(Count::Returned, n));
     }
     if chores.refills.is_empty() {
         return;
@@ -466,12 +534,11 @@ fn run_chores<H: Host>(cfg: &Config, chores: lease::Chores, host: &mut H) {
             lease::abandon(cfg, &plan, host.store());
             continue;
         }
-        let kept = plan.clone();
-        match host.dispatch_refill(cfg, plan) {
-            Ok(()) => host.count_lease(Count::Refills, 1),
+        match host.send(cfg, Callout::Refill(&plan)) {
+            Ok(_) => host.count(Metric::Lease(Count::Refills, 1)),
             Err(why) => {
                 debug!("background lease refill not dispatched: {why}");
-                lease::abandon(cfg, &kept, host.store());
+                lease::abandon(cfg, &plan, host.store());
             }
         }
     }
@@ -479,25 +546,74 @@ fn run_chores<H: Host>(cfg: &Config, chores: lease::Chores, host: &mut H) {
 
 /// A background lease refill ended with `result`: its grant goes to the pool (or its denial is
 /// cached, or its claim ends), the breaker and the fallback shares learn from it as from any
-/// answer. No request waits for it.
-pub fn on_refill_result<H: Host>(cfg: &Config, plan: &Plan, result: CalloutResult, host: &mut H) {
+/// answer. No request waits for it. The pools this worker deposited into, for the adapter's
+/// timer ([`lease::sweep`]).
+#[must_use]
+pub fn on_refill_result<H: Host>(
+    cfg: &Config,
+    plan: &Plan,
+    result: CalloutResult,
+    host: &mut H,
+) -> Vec<lease::Held> {
     let outcome = decide::interpret(plan, result);
     let success = !matches!(outcome, Outcome::Failed(_));
     if let Outcome::Failed(cause) = outcome {
-        host.count_failure(cause);
+        host.count(Metric::Failure(cause));
     }
     let now = host.now_ms();
     let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, false);
     if event != Event::None {
-        host.breaker_event(event);
+        host.count(Metric::Breaker(event));
     }
     let (outcome, repaid) = fallback::settle_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
     let (granted, chores) = lease::refilled(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {
-        host.count_lease(Count::Granted, granted);
+        host.count(Metric::Lease(Count::Granted, granted));
     }
-    run_chores(cfg, chores, host);
+    let mut watched = Vec::new();
+    run_chores(cfg, chores, &mut watched, host);
+    watched
+}
+
+/// Sends `request`'s costs back to the global bucket as unspent tokens, not awaited.
+fn refund<H: Host>(cfg: &Config, request: &TakeRequest, host: &mut H) {
+    if let Err(why) = host.send(cfg, Callout::Refund(request)) {
+        debug!("refund not dispatched: {why}");
+    }
+}
+
+/// The timer's look at the lease pools this worker deposited into (`held`): tokens left unspent
+/// past their age go back to the service.
+pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
+    let now = host.now_ms();
+    let (returns, tokens) = lease::sweep(host.store(), held, now);
+    for r in &returns {
+        refund(cfg, r, host);
+    }
+    if tokens > 0 {
+        host.count(Metric::Lease(Count::Expired, tokens));
+        host.count(Metric::Lease(Count::Returned, tokens));
+    }
+}
+
+/// How often the adapter's timer should call: every first backoff of the settlements when a rule
+/// is charged by the response, else to look at the lease pools for expired tokens, half the
+/// shortest `max_age_ms` of the token-bucket lease rules, between 100 ms and a second; `None`:
+/// never.
+pub fn tick_period_ms(cfg: &Config) -> Option<u32> {
+    if cfg.charges_by_response() {
+        // Settlements are tried again from the timer (the first backoff is 100 ms).
+        return u32::try_from(crate::core::settle::FIRST_BACKOFF_MS).ok();
+    }
+    let shortest = cfg
+        .rules
+        .iter()
+        .filter_map(crate::core::config::Rule::rate_limit)
+        .filter(|r| r.algorithm == crate::core::config::Algorithm::TokenBucket)
+        .filter_map(|r| r.lease.map(|l| l.max_age_ms))
+        .min()?;
+    u32::try_from((shortest / 2).clamp(100, 1000)).ok()
 }
 
 #[cfg(test)]
@@ -521,7 +637,9 @@ mod tests {
         rule_counts: Vec<(usize, RuleCount)>,
         refills: Vec<Plan>,
         given_back: Vec<TakeRequest>,
-        watched: Vec<lease::Held>,
+        acquires: Vec<Vec<u8>>,
+        releases: Vec<Vec<u8>>,
+        slot_counts: Vec<crate::core::inflight::Count>,
     }
 
     impl Default for FakeHost {
@@ -551,7 +669,9 @@ mod tests {
                 rule_counts: Vec::new(),
                 refills: Vec::new(),
                 given_back: Vec::new(),
-                watched: Vec::new(),
+                acquires: Vec::new(),
+                releases: Vec::new(),
+                slot_counts: Vec::new(),
             }
         }
     }
@@ -564,27 +684,32 @@ mod tests {
         fn now_ms(&self) -> u64 {
             self.now
         }
-        fn dispatch(&mut self, _: &Config, plan: &Plan) -> Result<u32, String> {
-            self.sent.push(plan.clone());
-            if self.dispatch_fails {
-                return Err("BadArgument".into());
+        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<u32, String> {
+            match out {
+                Callout::Take(plan) => {
+                    self.sent.push(plan.clone());
+                    if self.dispatch_fails {
+                        return Err("BadArgument".into());
+                    }
+                    self.dispatched += 1;
+                }
+                Callout::Refill(plan) => {
+                    if self.dispatch_fails {
+                        return Err("BadArgument".into());
+                    }
+                    self.refills.push(plan.clone());
+                }
+                Callout::Refund(request) => self.given_back.push(request.clone()),
+                Callout::Acquire(body) => {
+                    self.acquires.push(body);
+                    if self.dispatch_fails {
+                        return Err("BadArgument".into());
+                    }
+                }
+                Callout::Release(body) => self.releases.push(body),
             }
-            self.dispatched += 1;
             self.next_token += 1;
             Ok(self.next_token)
-        }
-        fn dispatch_refill(&mut self, _: &Config, plan: Plan) -> Result<(), String> {
-            if self.dispatch_fails {
-                return Err("BadArgument".into());
-            }
-            self.refills.push(plan);
-            Ok(())
-        }
-        fn give_back(&mut self, _: &Config, request: &TakeRequest) {
-            self.given_back.push(request.clone());
-        }
-        fn watch(&mut self, held: lease::Held) {
-            self.watched.push(held);
         }
         fn resume(&mut self) {
             self.resumed += 1;
@@ -592,20 +717,15 @@ mod tests {
         fn reply(&mut self, reply: &LocalReply) {
             self.replies.push(reply.clone());
         }
-        fn count(&mut self, d: Decision) {
-            self.counts.push(d);
-        }
-        fn count_rule(&mut self, rule: usize, what: RuleCount) {
-            self.rule_counts.push((rule, what));
-        }
-        fn count_failure(&mut self, c: Cause) {
-            self.failures.push(c);
-        }
-        fn breaker_event(&mut self, e: Event) {
-            self.events.push(e);
-        }
-        fn count_lease(&mut self, c: Count, n: u64) {
-            self.leases.push((c, n));
+        fn count(&mut self, metric: Metric) {
+            match metric {
+                Metric::Decision(d) => self.counts.push(d),
+                Metric::Rule(rule, what) => self.rule_counts.push((rule, what)),
+                Metric::Failure(c) => self.failures.push(c),
+                Metric::Breaker(e) => self.events.push(e),
+                Metric::Lease(c, n) => self.leases.push((c, n)),
+                Metric::Slots(c) => self.slot_counts.push(c),
+            }
         }
     }
 
@@ -997,8 +1117,13 @@ mod tests {
         assert_eq!(h.sent[1].request.buckets[0].lease, None);
         // The refill's answer fills the pool: local again.
         let refill = h.refills[0].clone();
-        on_refill_result(&c, &refill, lease_answer(true, 7, 0), &mut h);
+        let watched = on_refill_result(&c, &refill, lease_answer(true, 7, 0), &mut h);
         assert_eq!(h.leases.last(), Some(&(Count::Granted, 7)));
+        assert_eq!(
+            watched.len(),
+            1,
+            "the pool it filled is watched from then on"
+        );
         let mut f = Flow::default();
         assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Continue);
         assert_eq!(h.dispatched, 2);
@@ -1045,7 +1170,8 @@ mod tests {
             status: Some(504),
             body: vec![],
         };
-        on_refill_result(&c, &refill, timeout, &mut h);
+        let watched = on_refill_result(&c, &refill, timeout, &mut h);
+        assert!(watched.is_empty(), "nothing was deposited");
         assert_eq!(h.failures, vec![Cause::Timeout]);
         assert_eq!(h.replies.len(), 0, "no request waited for it");
         // Its claim ended: the last token is spent and claims the refill again.

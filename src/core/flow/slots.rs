@@ -3,7 +3,7 @@
 //! ([`crate::core::inflight`] holds the slots' bodies and answers, [`crate::core::local::slots`]
 //! the local counters, and [`crate::core::decide::resolve_slots`] applies the failure mode).
 
-use super::{Host, Next};
+use super::{Callout, Host, Leftover, Metric, Next};
 use crate::core::config::Config;
 use crate::core::decide::{resolve_slots, SlotsVerdict};
 use crate::core::inflight::{
@@ -81,7 +81,7 @@ impl Slots {
         }
         let probe = admission == Admission::Probe;
         let slot = new_slot_id();
-        match host.acquire(cfg, &encode_acquire(cfg, &slot, &wants)) {
+        match host.send(cfg, Callout::Acquire(encode_acquire(cfg, &slot, &wants))) {
             Ok(token) => {
                 *self = Slots::Acquiring {
                     token,
@@ -119,7 +119,7 @@ impl Slots {
         record(cfg, acquired != Acquired::Failed, probe, host);
         match acquired {
             Acquired::Held(slot) => {
-                host.count_inflight(Count::Acquired);
+                host.count(Metric::Slots(Count::Acquired));
                 *self = Slots::Held {
                     slot,
                     keys: wants.into_iter().map(|w| w.key).collect(),
@@ -137,9 +137,7 @@ impl Slots {
                 // The service may have taken the slots before the answer was lost (a timeout):
                 // they are released by name, or they would count until their deadline.
                 let keys: Vec<String> = wants.iter().map(|w| w.key.clone()).collect();
-                if !host.release(cfg, &encode_release(cfg, &slot, &keys)) {
-                    host.count_inflight(Count::ReleaseFailed);
-                }
+                release(cfg, encode_release(cfg, &slot, &keys), host);
                 self.failed(cfg, &wants, true, host);
             }
         }
@@ -155,7 +153,7 @@ impl Slots {
     ) -> Next {
         match resolve_slots(cfg, wants, host.store()) {
             SlotsVerdict::Open => {
-                host.count_inflight(Count::FailureOpen);
+                host.count(Metric::Slots(Count::FailureOpen));
                 allow(paused, host)
             }
             SlotsVerdict::Closed(rules) => deny_or_shadow(
@@ -167,7 +165,7 @@ impl Slots {
                 Count::FailureClosed,
             ),
             SlotsVerdict::Local(counters) => {
-                host.count_inflight(Count::FallbackAcquired);
+                host.count(Metric::Slots(Count::FallbackAcquired));
                 *self = Slots::Local(counters);
                 allow(paused, host)
             }
@@ -182,17 +180,36 @@ impl Slots {
         }
     }
 
-    /// The stream ended (however): gives back what it holds, once.
-    pub fn release<H: Host>(&mut self, cfg: &Config, host: &mut H) {
+    /// The stream ended (however): what it holds goes back, once. Local slots are given back
+    /// here; slots held at the service, or asked for by an acquire still in flight, are left to
+    /// the adapter.
+    pub fn end<H: Host>(&mut self, cfg: &Config, host: &mut H) -> Option<Leftover> {
         match std::mem::replace(self, Slots::Done) {
             Slots::Held { slot, keys } => {
-                if !host.release(cfg, &encode_release(cfg, &slot, &keys)) {
-                    host.count_inflight(Count::ReleaseFailed);
-                }
+                Some(Leftover::Release(encode_release(cfg, &slot, &keys)))
             }
-            Slots::Local(counters) => release_local(host.store(), &counters),
-            other => *self = other,
+            Slots::Acquiring {
+                token, slot, wants, ..
+            } => Some(Leftover::Orphan {
+                token,
+                slot,
+                keys: wants.into_iter().map(|w| w.key).collect(),
+            }),
+            Slots::Local(counters) => {
+                release_local(host.store(), &counters);
+                None
+            }
+            Slots::None | Slots::Wanted(_) | Slots::Done => None,
         }
+    }
+}
+
+/// Sends a release of concurrency slots no request waits for (`body`: its JSON), counted as
+/// failed when it cannot start.
+pub fn release<H: Host>(cfg: &Config, body: Vec<u8>, host: &mut H) {
+    if let Err(why) = host.send(cfg, Callout::Release(body)) {
+        log::debug!("release not dispatched: {why}");
+        host.count(Metric::Slots(Count::ReleaseFailed));
     }
 }
 
@@ -201,7 +218,7 @@ fn record<H: Host>(cfg: &Config, success: bool, probe: bool, host: &mut H) {
     let now = host.now_ms();
     let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, probe);
     if event != breaker::Event::None {
-        host.breaker_event(event);
+        host.count(Metric::Breaker(event));
     }
 }
 
@@ -229,12 +246,12 @@ fn deny_or_shadow<H: Host>(
         .find_map(|r| Some((r, r.concurrency()?)));
     match enforcing {
         Some((r, c)) => {
-            host.count_inflight(count);
+            host.count(Metric::Slots(count));
             host.reply(&denial(r, c, wait_ms));
             Next::Pause
         }
         None => {
-            host.count_inflight(Count::ShadowLimited);
+            host.count(Metric::Slots(Count::ShadowLimited));
             allow(paused, host)
         }
     }

@@ -116,6 +116,32 @@ pub fn refund(cfg: &Config, request: &TakeRequest) -> CalloutRequest {
     )
 }
 
+/// `GrpcService { envoy_grpc: EnvoyGrpc { cluster_name } }`, serialised (both field 1, length
+/// delimited): the target of a gRPC callout. Envoy tries to parse the name it is given as that
+/// message first, and a cluster name whose bytes happen to parse (e.g. `abcdefghi`) makes it
+/// abort the whole process; sent serialised, the cluster name is never read as protobuf.
+pub fn grpc_service(cluster: &str) -> Vec<u8> {
+    fn field1(out: &mut Vec<u8>, bytes: &[u8]) {
+        out.push(0x0a);
+        let mut n = bytes.len();
+        loop {
+            let b = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                out.push(b);
+                break;
+            }
+            out.push(b | 0x80);
+        }
+        out.extend_from_slice(bytes);
+    }
+    let mut inner = Vec::with_capacity(cluster.len() + 4);
+    field1(&mut inner, cluster.as_bytes());
+    let mut out = Vec::with_capacity(inner.len() + 4);
+    field1(&mut out, &inner);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

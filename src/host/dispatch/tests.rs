@@ -3,7 +3,11 @@
 //! without a word about their callouts, and delivers replies late or for tokens nobody knows.
 
 use super::*;
+use crate::core::rules::Request;
+use crate::core::wire::callout::grpc_service;
 use crate::core::wire::plan::Decision;
+use crate::host::abi::Status;
+use crate::host::request::match_headers;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
@@ -521,14 +525,16 @@ fn the_match_prefilter_agrees_with_the_core() {
                 prefix: String::new(),
                 bearer: None,
                 grpc_service: Vec::new(),
-                match_headers: Some(names.clone()),
-                request_headers: None,
+                reads: Reads {
+                    match_headers: Some(names.clone()),
+                    request_headers: None,
+                },
                 queue: Default::default(),
                 held: Default::default(),
                 settles: RefCell::new(settle::Queue::new("t")),
             };
             let core = crate::core::decide::decide(&cfg, &full).step;
-            let pre = may_match(&fake, &plugin, &mut Vec::new());
+            let pre = may_match(&fake, &plugin.config, &plugin.reads, &mut Vec::new());
             assert_eq!(
                 pre,
                 !matches!(core, crate::core::wire::plan::Step::Continue),

@@ -1,0 +1,173 @@
+//! The filter's metrics: the ids each configuration defines, and what each of the core's
+//! [`Metric`]s adds to (`tollgate.*` counters and gauges, as docs/operations.md lists them).
+
+use super::abi::{Abi, MetricKind, Status};
+use crate::core::config::Config;
+use crate::core::flow::Metric;
+use crate::core::inflight;
+use crate::core::local::breaker::Event;
+use crate::core::local::lease;
+use crate::core::wire::plan::{Cause, Decision, RuleCount};
+use log::{debug, info, warn};
+
+/// Metric ids, defined once per configuration.
+pub(super) struct Metrics {
+    /// `tollgate.batch.callouts` and `tollgate.batch.takes`: batch callouts and the takes they
+    /// carried.
+    batch_callouts: u32,
+    batch_takes: u32,
+    decisions: Vec<u32>,
+    /// Per rule (in configuration order), one id per [`RuleCount::ALL`] (none for a rule of
+    /// another kind than rate: those count `inflight`).
+    rules: Vec<Vec<u32>>,
+    failures: Vec<u32>,
+    breaker_opened: u32,
+    breaker_open: u32,
+    leases: Vec<u32>,
+    /// One id per [`inflight::Count::ALL`] (empty without concurrency rules).
+    inflight: Vec<u32>,
+    /// One id per [`SettleCount::ALL`] (empty without rules charged by the response).
+    settles: Vec<u32>,
+}
+
+/// What happens to settlements, counted as `tollgate.settle.<name>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SettleCount {
+    /// Settle callouts sent (first attempts and retries).
+    Sent,
+    /// Settlements the service applied (or had applied before).
+    Delivered,
+    /// Attempts that failed and will be tried again.
+    Retried,
+    /// Settlements never applied: attempts exhausted, refused, or dropped from a full queue.
+    GivenUp,
+}
+
+impl SettleCount {
+    const ALL: [SettleCount; 4] = [
+        SettleCount::Sent,
+        SettleCount::Delivered,
+        SettleCount::Retried,
+        SettleCount::GivenUp,
+    ];
+
+    fn metric(self) -> &'static str {
+        match self {
+            SettleCount::Sent => "tollgate.settle.sent",
+            SettleCount::Delivered => "tollgate.settle.delivered",
+            SettleCount::Retried => "tollgate.settle.retried",
+            SettleCount::GivenUp => "tollgate.settle.given_up",
+        }
+    }
+}
+
+impl Metrics {
+    pub(super) fn define(abi: &impl Abi, cfg: &Config) -> Result<Metrics, Status> {
+        let mut decisions = Vec::with_capacity(Decision::ALL.len());
+        for d in Decision::ALL {
+            decisions.push(abi.define_metric(MetricKind::Counter, d.metric())?);
+        }
+        let mut rules = Vec::with_capacity(cfg.rules.len());
+        for r in &cfg.rules {
+            let mut ids = Vec::with_capacity(RuleCount::ALL.len());
+            if r.rate_limit().is_some() {
+                for c in RuleCount::ALL {
+                    ids.push(abi.define_metric(MetricKind::Counter, &c.metric(&r.name))?);
+                }
+            }
+            rules.push(ids);
+        }
+        let mut failures = Vec::with_capacity(Cause::CALLOUT.len());
+        for c in Cause::CALLOUT {
+            let name = format!("tollgate.callout_failure.{}", c.name());
+            failures.push(abi.define_metric(MetricKind::Counter, &name)?);
+        }
+        let mut leases = Vec::with_capacity(lease::Count::ALL.len());
+        for c in lease::Count::ALL {
+            leases.push(abi.define_metric(MetricKind::Counter, c.metric())?);
+        }
+        let mut inflight = Vec::new();
+        if cfg.rules.iter().any(|r| r.concurrency().is_some()) {
+            for c in inflight::Count::ALL {
+                inflight.push(abi.define_metric(MetricKind::Counter, c.metric())?);
+            }
+        }
+        let mut settles = Vec::new();
+        if cfg.charges_by_response() {
+            for c in SettleCount::ALL {
+                settles.push(abi.define_metric(MetricKind::Counter, c.metric())?);
+            }
+        }
+        Ok(Metrics {
+            inflight,
+            settles,
+            batch_callouts: abi.define_metric(MetricKind::Counter, "tollgate.batch.callouts")?,
+            batch_takes: abi.define_metric(MetricKind::Counter, "tollgate.batch.takes")?,
+            decisions,
+            rules,
+            failures,
+            leases,
+            breaker_opened: abi.define_metric(MetricKind::Counter, "tollgate.breaker.opened")?,
+            breaker_open: abi.define_metric(MetricKind::Gauge, "tollgate.breaker.open")?,
+        })
+    }
+}
+
+/// Gauges of the VM itself (defined at the first configuration). Both are process-wide sums: each
+/// VM adds and subtracts its own share.
+pub(super) struct VmGauges {
+    /// `tollgate.callouts.pending`: callouts whose request still waits for them.
+    pub(super) pending: u32,
+    /// `tollgate.vm.memory_bytes`: linear memory of the VMs.
+    pub(super) memory: u32,
+}
+
+impl Metrics {
+    /// A batch callout carrying `takes` takes.
+    pub(super) fn batched(&self, abi: &impl Abi, takes: usize) {
+        abi.increment_metric(self.batch_callouts, 1);
+        abi.increment_metric(self.batch_takes, i64::try_from(takes).unwrap_or(i64::MAX));
+    }
+
+    /// `n` settlements `what`.
+    pub(super) fn settled(&self, abi: &impl Abi, what: SettleCount, n: u64) {
+        add(abi, &self.settles, nth(&SettleCount::ALL, &what), n);
+    }
+
+    /// Counts what the core's flow counts (a breaker transition is also logged).
+    pub(super) fn count(&self, abi: &impl Abi, metric: Metric) {
+        match metric {
+            Metric::Decision(d) => add(abi, &self.decisions, nth(&Decision::ALL, &d), 1),
+            Metric::Rule(rule, what) => {
+                if let Some(ids) = self.rules.get(rule) {
+                    add(abi, ids, nth(&RuleCount::ALL, &what), 1);
+                }
+            }
+            Metric::Failure(cause) => add(abi, &self.failures, nth(&Cause::CALLOUT, &cause), 1),
+            Metric::Lease(count, n) => add(abi, &self.leases, nth(&lease::Count::ALL, &count), n),
+            Metric::Slots(count) => add(abi, &self.inflight, nth(&inflight::Count::ALL, &count), 1),
+            Metric::Breaker(Event::Opened) => {
+                abi.increment_metric(self.breaker_opened, 1);
+                abi.record_metric(self.breaker_open, 1);
+                warn!("circuit breaker opened: the decision service is failing, using the failure mode");
+            }
+            Metric::Breaker(Event::Reopened) => debug!("breaker probe failed, staying open"),
+            Metric::Breaker(Event::Closed) => {
+                abi.record_metric(self.breaker_open, 0);
+                info!("circuit breaker closed: the decision service answers again");
+            }
+            Metric::Breaker(Event::None) => {}
+        }
+    }
+}
+
+/// Adds `n` to the counter of `ids` at `idx` (none: a metric this configuration did not define).
+fn add(abi: &impl Abi, ids: &[u32], idx: Option<usize>, n: u64) {
+    if let Some(&id) = idx.and_then(|i| ids.get(i)) {
+        abi.increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}
+
+fn nth<T: PartialEq>(all: &[T], x: &T) -> Option<usize> {
+    all.iter().position(|y| y == x)
+}
