@@ -6,12 +6,16 @@
 //! - `dispatch.rs`: contexts, the VM's ledger of callouts ([`crate::core::base::ledger`]: one entry per
 //!   callout, its variant says who waits), and what each callback does; pure over `abi`.
 //! - `metrics.rs`: the metric ids each configuration defines, and what the core's counts add to.
+//! - `plugin.rs`: one configuration as the adapter keeps it, and who waits for each callout.
+//! - `proxy.rs`: the core's `Host` port over the ABI, for one context; settlement delivery.
 //! - `request.rs`: what the adapter reads of a request for the core (match headers first).
 //! - `wasm.rs` (wasm only): the imports, the `proxy_on_*` exports, allocator, logger, panic hook.
 
 mod abi;
 mod dispatch;
 mod metrics;
+mod plugin;
+mod proxy;
 mod request;
 #[cfg(target_family = "wasm")]
 mod wasm;

@@ -3,6 +3,7 @@
 //! without a word about their callouts, and delivers replies late or for tokens nobody knows.
 
 use super::*;
+use crate::core::base::store::SetError;
 use crate::core::rules::Request;
 use crate::core::wire::callout::grpc_service;
 use crate::core::wire::plan::Decision;

@@ -1,0 +1,107 @@
+//! What one configuration is to the adapter ([`Plugin`]: its configuration, metric ids, batch
+//! queue, watched lease pools and settlements), and who waits for each callout in the VM's ledger
+//! ([`Waiter`]).
+
+use super::metrics::Metrics;
+use super::request::Reads;
+use crate::core::config::Config;
+use crate::core::local::lease;
+use crate::core::settle;
+use crate::core::wire::batch;
+use crate::core::wire::plan::Plan;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+/// One configured plugin (a root context's configuration), shared by its requests.
+pub(super) struct Plugin {
+    /// Its root context.
+    pub(super) root: u32,
+    pub(super) config: Config,
+    pub(super) metrics: Metrics,
+    /// Shared-data key prefix ([`crate::core::local::fallback::state_prefix`]: a digest of the service
+    /// cluster), so a configuration push keeps the fallback shares, lease pools and breaker.
+    pub(super) prefix: String,
+    /// `authorization` value of every callout.
+    pub(super) bearer: Option<String>,
+    /// The gRPC target ([`callout::grpc_service`]).
+    pub(super) grpc_service: Vec<u8>,
+    /// What its requests are read for.
+    pub(super) reads: Reads,
+    /// Group commit of this plugin's takes (`service.batch`): the requests queued for the next
+    /// batch (their virtual tokens are the ledger's).
+    pub(super) queue: RefCell<batch::Queue>,
+    /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
+    pub(super) held: RefCell<Vec<lease::Held>>,
+    /// Settlements of responses that ended (rules charged by the response), delivered from here
+    /// with bounded retries (an attempt in flight is a [`Waiter::Settle`] in the ledger).
+    pub(super) settles: RefCell<settle::Queue<Vec<settle::Item>>>,
+}
+
+/// Who waits for a callout's answer: the variant of a ledger entry.
+pub(super) enum Waiter {
+    /// A request's take (or a request queued for the next batch, under a virtual token); `gates`:
+    /// the callout holds the plugin's batch queue back until it ends.
+    Take {
+        context: u32,
+        plugin: Rc<Plugin>,
+        gates: bool,
+    },
+    /// A request's acquire of concurrency slots.
+    Acquire { context: u32 },
+    /// A batch callout, carrying the virtual tokens of its takes (each its own entry).
+    Batch {
+        plugin: Rc<Plugin>,
+        members: Vec<u32>,
+    },
+    /// A background lease refill (no request waits).
+    Refill {
+        plugin: Rc<Plugin>,
+        plan: Plan,
+        gates: bool,
+    },
+    /// A refund of unspent lease tokens: nothing to do with the answer.
+    Refund,
+    /// A release of concurrency slots: its answer is counted.
+    Release { plugin: Rc<Plugin> },
+    /// The acquire of a request that ended first, the id it gave the slots and the keys it asked
+    /// for: unless the answer is a denial (nothing taken), the slots go back at once, by name.
+    Orphan {
+        plugin: Rc<Plugin>,
+        slot: String,
+        keys: Vec<String>,
+    },
+    /// An attempt to deliver settlement `id`.
+    Settle { plugin: Rc<Plugin>, id: String },
+    /// The take of a request that went away: its answer is dropped (it still holds the batch
+    /// queue back until it arrives).
+    Abandoned { plugin: Rc<Plugin>, gates: bool },
+}
+
+impl Waiter {
+    /// A request waits (a paused stream): what the `tollgate.callouts.pending` gauge counts.
+    pub(super) fn is_request(&self) -> bool {
+        matches!(self, Waiter::Take { .. } | Waiter::Acquire { .. })
+    }
+
+    /// The plugin whose batch queue this callout holds back, if any.
+    pub(super) fn gate(&self) -> Option<&Rc<Plugin>> {
+        match self {
+            Waiter::Take {
+                plugin,
+                gates: true,
+                ..
+            }
+            | Waiter::Refill {
+                plugin,
+                gates: true,
+                ..
+            }
+            | Waiter::Abandoned {
+                plugin,
+                gates: true,
+            }
+            | Waiter::Batch { plugin, .. } => Some(plugin),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,329 @@
+//! The proxy side of the core's [`Host`] port: what a request's flow (or the root's timer) asks
+//! of Envoy, over an [`Abi`], every callout recorded in the VM's ledger the moment it starts, and
+//! the delivery of settlements.
+
+use super::abi::{self, Abi, HeaderMap};
+use super::metrics::SettleCount;
+use super::plugin::{Plugin, Waiter};
+use crate::core::base::ledger::Ledger;
+use crate::core::base::store::{CasStore, SetError};
+use crate::core::config::Config;
+use crate::core::flow::{Callout, Host, Metric};
+use crate::core::settle;
+use crate::core::wire::batch;
+use crate::core::wire::callout::{self, CalloutRequest};
+use crate::core::wire::plan::{CalloutResult, LocalReply, Plan};
+use log::{debug, warn};
+use std::rc::Rc;
+
+/// The shortest timeout of a callout no request waits for (releases, refunds, settlements), ms.
+const BACKGROUND_TIMEOUT_MS: u64 = 1000;
+
+/// The proxy side of the core's [`Host`] port, acting for one request context (or for the root
+/// itself: `context` 0). Every callout it starts is recorded in the ledger as it starts.
+pub(super) struct Proxy<'a, A: Abi> {
+    abi: &'a A,
+    plugin: &'a Rc<Plugin>,
+    shared: Shared<'a, A>,
+    ledger: &'a mut Ledger<Waiter>,
+    context: u32,
+}
+
+impl<'a, A: Abi> Proxy<'a, A> {
+    pub(super) fn new(
+        abi: &'a A,
+        plugin: &'a Rc<Plugin>,
+        ledger: &'a mut Ledger<Waiter>,
+        context: u32,
+    ) -> Self {
+        Proxy {
+            abi,
+            plugin,
+            shared: Shared {
+                abi,
+                prefix: &plugin.prefix,
+            },
+            ledger,
+            context,
+        }
+    }
+
+    /// Records callout `token` (just dispatched) in the ledger.
+    pub(super) fn open(&mut self, token: u32, waiter: Waiter) {
+        if self.ledger.open(token, self.plugin.root, waiter).is_some() {
+            warn!("callout token {token} handed out again while still in flight");
+        }
+    }
+
+    /// Starts a take (`plan`'s, for `waiter`): sent now, or queued for the next batch when the
+    /// plugin batches and one of its callouts is in flight. Its token (virtual if queued).
+    pub(super) fn take(&mut self, cfg: &Config, plan: &Plan, refill: bool) -> Result<u32, String> {
+        let plugin = self.plugin.clone();
+        // `service.trace`: a sampled request's callout carries its `traceparent`, and goes alone
+        // (a batch has no one parent). Read here, so a configuration without it pays nothing.
+        let trace = if cfg.service.trace && !refill {
+            self.abi
+                .header(HeaderMap::Request, callout::TRACEPARENT)
+                .and_then(|v| callout::sampled_traceparent(&v))
+        } else {
+            None
+        };
+        let batching = cfg.service.batch > 0 && plan.rls.is_none() && trace.is_none();
+        let waiter = |gates: bool| {
+            if refill {
+                Waiter::Refill {
+                    plugin: plugin.clone(),
+                    plan: plan.clone(),
+                    gates,
+                }
+            } else {
+                Waiter::Take {
+                    context: self.context,
+                    plugin: plugin.clone(),
+                    gates,
+                }
+            }
+        };
+        if batching && self.plugin.queue.borrow().busy() {
+            let token = self.ledger.reserve(self.plugin.root, waiter(false));
+            let queued = self.plugin.queue.borrow_mut().push(
+                batch::QUEUE_BATCHES * cfg.service.batch,
+                token,
+                &plan.request,
+            );
+            if let Err(why) = queued {
+                self.ledger.close(token);
+                return Err(why);
+            }
+            return Ok(token);
+        }
+        let timeout = cfg.service.timeout_ms;
+        let sent = self.send_within(cfg, callout::take(cfg, plan), timeout, trace.as_deref());
+        let token = sent.map_err(|why| {
+            warn!(
+                "callout to cluster {:?} failed to dispatch: {why}",
+                cfg.service.cluster
+            );
+            why
+        })?;
+        if batching {
+            self.plugin.queue.borrow_mut().started();
+        }
+        let w = waiter(batching);
+        self.open(token, w);
+        Ok(token)
+    }
+
+    /// Sends a callout no request waits for (a release, a refund, a settlement) and records it
+    /// for `waiter`. `service.timeout_ms` bounds how long a *request* waits, and a release cut
+    /// off by a short one under load would leave its slot to the deadline: so the timeout is at
+    /// least [`BACKGROUND_TIMEOUT_MS`].
+    pub(super) fn send_background(
+        &mut self,
+        cfg: &Config,
+        request: CalloutRequest,
+        waiter: Waiter,
+    ) -> Result<u32, String> {
+        let timeout = cfg.service.timeout_ms.max(BACKGROUND_TIMEOUT_MS);
+        let token = self.send_within(cfg, request, timeout, None)?;
+        self.open(token, waiter);
+        Ok(token)
+    }
+
+    /// Dispatches `request` to the service cluster with `timeout_ms`, the bearer token, and the
+    /// request's `traceparent` when it is traced (`service.trace`: an HTTP header or gRPC
+    /// metadata); the callout's token.
+    pub(super) fn send_within(
+        &self,
+        cfg: &Config,
+        request: CalloutRequest,
+        timeout_ms: u64,
+        trace: Option<&str>,
+    ) -> Result<u32, String> {
+        let svc = &cfg.service;
+        let timeout = u32::try_from(timeout_ms).unwrap_or(u32::MAX);
+        let bearer = self.plugin.bearer.as_deref();
+        let sent = match &request {
+            CalloutRequest::Http { path, body } => {
+                let mut headers = vec![
+                    (":method", "POST"),
+                    (":path", path.as_str()),
+                    (":authority", svc.authority.as_str()),
+                    ("content-type", "application/json"),
+                ];
+                if let Some(b) = bearer {
+                    headers.push(("authorization", b));
+                }
+                if let Some(t) = trace {
+                    headers.push((callout::TRACEPARENT, t));
+                }
+                self.abi.http_call(&svc.cluster, &headers, body, timeout)
+            }
+            CalloutRequest::Grpc {
+                service,
+                method,
+                message,
+            } => {
+                let mut metadata: Vec<(&str, &str)> = Vec::new();
+                if let Some(b) = bearer {
+                    metadata.push(("authorization", b));
+                }
+                if let Some(t) = trace {
+                    metadata.push((callout::TRACEPARENT, t));
+                }
+                self.abi.grpc_call(
+                    &self.plugin.grpc_service,
+                    service,
+                    method,
+                    &metadata,
+                    message,
+                    timeout,
+                )
+            }
+        };
+        sent.map_err(|status| abi::status_name(status).to_string())
+    }
+
+    /// Sends the settlements that are due (`POST <base>/settle`, JSON whatever the transport, as
+    /// acquires and releases).
+    pub(super) fn send_settles(&mut self) {
+        let plugin = self.plugin;
+        let cfg = &plugin.config;
+        let now = self.abi.now_ms();
+        let due: Vec<(String, Vec<u8>)> = plugin
+            .settles
+            .borrow_mut()
+            .due(now)
+            .into_iter()
+            .map(|p| {
+                (
+                    p.id.clone(),
+                    settle::encode(&p.id, cfg.instance.as_deref(), &p.what),
+                )
+            })
+            .collect();
+        for (id, body) in due {
+            self.count_settle(SettleCount::Sent, 1);
+            let waiter = Waiter::Settle {
+                plugin: plugin.clone(),
+                id: id.clone(),
+            };
+            let attempt = callout::beside(cfg, "settle", body);
+            if let Err(why) = self.send_background(cfg, attempt, waiter) {
+                debug!("settlement {id} not dispatched: {why}");
+                let outcome = plugin.settles.borrow_mut().answered(&id, false, now);
+                self.settle_outcome(&id, outcome);
+            }
+        }
+    }
+
+    /// The answer to settlement `id`: applied (or applied before), refused for good, or failed
+    /// (tried again from the timer).
+    pub(super) fn settle_answer(&self, id: &str, result: &CalloutResult) {
+        let now = self.abi.now_ms();
+        let status = match result {
+            CalloutResult::Http { status, .. } => *status,
+            _ => None,
+        };
+        let mut q = self.plugin.settles.borrow_mut();
+        let outcome = match status {
+            Some(200..=299) => q.answered(id, true, now),
+            Some(s @ 400..=499) if s != 408 && s != 429 => {
+                warn!("settlement {id} refused by the service (HTTP {s}): not sent again");
+                q.refused(id)
+            }
+            _ => q.answered(id, false, now),
+        };
+        drop(q);
+        self.settle_outcome(id, outcome);
+    }
+
+    pub(super) fn settle_outcome(&self, id: &str, outcome: settle::Outcome) {
+        match outcome {
+            settle::Outcome::Delivered => self.count_settle(SettleCount::Delivered, 1),
+            settle::Outcome::Retry { at_ms } => {
+                debug!("settlement {id} failed; trying again at {at_ms}");
+                self.count_settle(SettleCount::Retried, 1);
+            }
+            settle::Outcome::GaveUp => {
+                warn!("settlement {id} given up: the service never applied it");
+                self.count_settle(SettleCount::GivenUp, 1);
+            }
+        }
+    }
+
+    pub(super) fn count_settle(&self, what: SettleCount, n: u64) {
+        self.plugin.metrics.settled(self.abi, what, n);
+    }
+}
+
+/// Proxy-wasm shared data: process-wide, shared by every worker's VM of the same `vm_id`.
+pub(super) struct Shared<'a, A: Abi> {
+    pub(super) abi: &'a A,
+    /// The plugin's shared-data key prefix.
+    pub(super) prefix: &'a str,
+}
+
+impl<A: Abi> CasStore for Shared<'_, A> {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.abi.shared_get(&format!("{}{key}", self.prefix))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
+        self.abi
+            .shared_set(&format!("{}{key}", self.prefix), value, cas)
+    }
+}
+
+impl<'a, A: Abi> Host for Proxy<'a, A> {
+    type Store = Shared<'a, A>;
+
+    fn store(&self) -> &Shared<'a, A> {
+        &self.shared
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.abi.now_ms()
+    }
+
+    fn send(&mut self, cfg: &Config, out: Callout<'_>) -> Result<u32, String> {
+        match out {
+            Callout::Take(plan) => self.take(cfg, plan, false),
+            Callout::Refill(plan) => self.take(cfg, plan, true),
+            Callout::Refund(request) => {
+                self.send_background(cfg, callout::refund(cfg, request), Waiter::Refund)
+            }
+            Callout::Acquire(body) => {
+                let acquire = callout::beside(cfg, "acquire", body);
+                let token = self.send_within(cfg, acquire, cfg.service.timeout_ms, None)?;
+                let context = self.context;
+                self.open(token, Waiter::Acquire { context });
+                Ok(token)
+            }
+            Callout::Release(body) => {
+                let plugin = self.plugin.clone();
+                let release = callout::beside(cfg, "release", body);
+                self.send_background(cfg, release, Waiter::Release { plugin })
+            }
+        }
+    }
+
+    fn resume(&mut self) {
+        if let Err(s) = self.abi.resume_request() {
+            warn!("could not resume the request: {}", abi::status_name(s));
+        }
+    }
+
+    fn reply(&mut self, reply: &LocalReply) {
+        if let Err(s) =
+            self.abi
+                .send_local_response(reply.status, &reply.headers, reply.body.as_bytes())
+        {
+            warn!("could not send the denial: {}", abi::status_name(s));
+        }
+    }
+
+    fn count(&mut self, metric: Metric) {
+        self.plugin.metrics.count(self.abi, metric);
+    }
+}
