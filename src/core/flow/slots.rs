@@ -256,3 +256,267 @@ fn deny_or_shadow<H: Host>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The flow driving a request's slots over a recording host.
+
+    use super::*;
+    use crate::core::base::store::fake::FakeStore;
+    use crate::core::flow::Flow;
+    use crate::core::inflight::tests::{cfg, req};
+    use crate::core::inflight::{encode_release, Count};
+    use crate::core::wire::plan::LocalReply;
+    use serde_json::Value;
+
+    /// A host that records what the flow asks of it.
+    #[derive(Default)]
+    struct Fake {
+        store: FakeStore,
+        acquire_fails: bool,
+        acquires: Vec<Vec<u8>>,
+        releases: Vec<Vec<u8>>,
+        resumed: u32,
+        replies: Vec<LocalReply>,
+        counts: Vec<Count>,
+        rule_counts: Vec<(usize, crate::core::wire::plan::RuleCount)>,
+    }
+
+    impl Host for Fake {
+        type Store = FakeStore;
+        fn store(&self) -> &FakeStore {
+            &self.store
+        }
+        fn now_ms(&self) -> u64 {
+            0
+        }
+        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<u32, String> {
+            match out {
+                Callout::Acquire(body) => {
+                    self.acquires.push(body);
+                    if self.acquire_fails {
+                        return Err("BadArgument".into());
+                    }
+                    Ok(7)
+                }
+                Callout::Release(body) => {
+                    self.releases.push(body);
+                    Ok(8)
+                }
+                Callout::Take(_) | Callout::Refill(_) | Callout::Refund(_) => Ok(100),
+            }
+        }
+        fn resume(&mut self) {
+            self.resumed += 1;
+        }
+        fn reply(&mut self, r: &LocalReply) {
+            self.replies.push(r.clone());
+        }
+        fn count(&mut self, metric: Metric) {
+            match metric {
+                Metric::Rule(rule, what) => self.rule_counts.push((rule, what)),
+                Metric::Slots(c) => self.counts.push(c),
+                _ => {}
+            }
+        }
+    }
+
+    /// Ends `f` as the adapter does: a slot it still holds is released (the leftover's callout).
+    fn end(f: &mut Flow, c: &Config, h: &mut Fake) {
+        for left in f.on_end(c, h) {
+            if let Leftover::Release(body) = left {
+                crate::core::flow::release(c, body, h);
+            }
+        }
+    }
+
+    fn answer(body: &str) -> CalloutResult {
+        CalloutResult::Http {
+            status: Some(200),
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    const HELD: &str = r#"{"allowed":true,"slot":"ab","buckets":[{"allowed":true,"limit":4,"in_flight":1,"retry_after_ms":0}]}"#;
+    const FULL: &str = r#"{"allowed":false,"buckets":[{"allowed":false,"limit":4,"in_flight":4,"retry_after_ms":1000}]}"#;
+
+    #[test]
+    fn flow_pauses_resumes_and_releases_exactly_once() {
+        let c = cfg("");
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        assert_eq!(
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h),
+            Next::Pause
+        );
+        assert!(f.waits_for(7));
+        f.on_callout_result(&c, 7, answer(HELD), &mut h);
+        assert_eq!((h.resumed, h.counts.clone()), (1, vec![Count::Acquired]));
+        end(&mut f, &c, &mut h);
+        end(&mut f, &c, &mut h);
+        assert_eq!(h.releases, vec![encode_release(&c, "ab", &["cc|u".into()])]);
+        // No rule matches: no acquire, no pause.
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        assert_eq!(
+            f.on_request_headers(&c, &req("/fast", "u"), &mut h),
+            Next::Continue
+        );
+        end(&mut f, &c, &mut h);
+        assert!(h.acquires.is_empty() && h.releases.is_empty());
+    }
+
+    /// Rules of both kinds in one list: the rate rule's bucket is counted under its own index,
+    /// the slot is asked for the concurrency rule (limit, deadline) and denied with its response.
+    #[test]
+    fn a_rate_rule_after_a_concurrency_rule_keeps_its_index() {
+        let json = r#"{"service":{"cluster":"svc"},"rules":[
+            {"name":"cc","kind":"concurrency","key":["header:x-user"],"max_in_flight":4,
+             "deadline_ms":5000,"response":{"status":503}},
+            {"name":"r","capacity":5,"period_ms":1000}]}"#;
+        let c = Config::parse(json.as_bytes()).unwrap();
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        assert_eq!(
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h),
+            Next::Pause
+        );
+        assert!(f.waits_for(100), "the take goes first");
+        let took = r#"{"allowed":true,"buckets":[{"allowed":true,"limit":5,"remaining":4,"reset_ms":200,"retry_after_ms":0}]}"#;
+        f.on_callout_result(&c, 100, answer(took), &mut h);
+        assert_eq!(
+            h.rule_counts,
+            vec![(1, crate::core::wire::plan::RuleCount::Allowed)]
+        );
+        let asked: Value = serde_json::from_slice(&h.acquires[0]).unwrap();
+        assert_eq!(
+            asked["buckets"],
+            serde_json::json!([{"key":"cc|u","limit":4,"ttl_ms":5000}])
+        );
+        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        assert_eq!(h.replies.len(), 1);
+        assert_eq!(h.replies[0].status, 503);
+        assert_eq!(h.counts, vec![Count::Limited]);
+    }
+
+    #[test]
+    fn flow_denies_a_full_key_and_holds_nothing() {
+        let c = cfg("");
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        f.on_request_headers(&c, &req("/slow", "u"), &mut h);
+        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        assert_eq!((h.resumed, h.replies.len()), (0, 1));
+        assert_eq!(h.replies[0].status, 429);
+        assert!(h.replies[0]
+            .headers
+            .contains(&("retry-after".into(), "1".into())));
+        end(&mut f, &c, &mut h);
+        assert!(h.releases.is_empty());
+        // In shadow mode the same answer lets the request through, without a slot.
+        let c = cfg(r#","shadow":true"#);
+        let (mut h, mut f) = (Fake::default(), Flow::default());
+        f.on_request_headers(&c, &req("/slow", "u"), &mut h);
+        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        assert_eq!(
+            (h.resumed, h.counts.clone()),
+            (1, vec![Count::ShadowLimited])
+        );
+    }
+
+    #[test]
+    fn flow_without_an_answer_follows_the_failure_mode() {
+        // allow: through, nothing held; deny: 429.
+        for (mode, resumed, replies, count) in [
+            ("allow", 1, 0, Count::FailureOpen),
+            ("deny", 0, 1, Count::FailureClosed),
+        ] {
+            let c = cfg(&format!(r#","failure_mode":"{mode}""#));
+            let (mut h, mut f) = (Fake::default(), Flow::default());
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h);
+            f.on_callout_result(
+                &c,
+                7,
+                CalloutResult::Http {
+                    status: Some(503),
+                    body: vec![],
+                },
+                &mut h,
+            );
+            assert_eq!(
+                (h.resumed, h.replies.len(), h.counts.clone()),
+                (resumed, replies, vec![count]),
+                "{mode}"
+            );
+            // The service may have taken the slots before its answer was lost: they are released
+            // under the id the acquire gave them.
+            let asked: Value = serde_json::from_slice(&h.acquires[0]).unwrap();
+            let slot = asked["slot"].as_str().unwrap();
+            assert_eq!(slot.len(), 32);
+            assert_eq!(h.releases, vec![encode_release(&c, slot, &["cc|u".into()])]);
+            end(&mut f, &c, &mut h);
+            assert_eq!(h.releases.len(), 1, "{mode}: released once");
+        }
+        // fallback: local slots, 4 here; given back when each stream ends. A dispatch error is
+        // decided at once, without pausing.
+        let c = cfg(r#","fallback":{"max_keys":8}"#);
+        let mut h = Fake {
+            acquire_fails: true,
+            ..Fake::default()
+        };
+        crate::core::local::fallback::prepare_table(
+            &h.store,
+            crate::core::local::table::SLOTS_TABLE,
+            8,
+            &[0; 8],
+        );
+        let mut flows: Vec<Flow> = (0..5).map(|_| Flow::default()).collect();
+        let next: Vec<Next> = flows
+            .iter_mut()
+            .map(|f| f.on_request_headers(&c, &req("/slow", "u"), &mut h))
+            .collect();
+        assert_eq!(
+            next,
+            vec![
+                Next::Continue,
+                Next::Continue,
+                Next::Continue,
+                Next::Continue,
+                Next::Pause
+            ]
+        );
+        assert_eq!(h.replies.len(), 1);
+        assert_eq!(h.resumed, 0, "never paused");
+        end(&mut flows[0], &c, &mut h);
+        let mut again = Flow::default();
+        assert_eq!(
+            again.on_request_headers(&c, &req("/slow", "u"), &mut h),
+            Next::Continue
+        );
+        assert!(h.releases.is_empty(), "local slots are not the service's");
+    }
+
+    #[test]
+    fn a_failing_service_opens_the_breaker_and_acquires_stop() {
+        let c = cfg(r#","failure_mode":"allow","breaker":{"failures":2,"open_ms":1000}"#);
+        let mut h = Fake::default();
+        for _ in 0..2 {
+            let mut f = Flow::default();
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h);
+            f.on_callout_result(
+                &c,
+                7,
+                CalloutResult::Http {
+                    status: Some(504),
+                    body: vec![],
+                },
+                &mut h,
+            );
+        }
+        assert_eq!(h.acquires.len(), 2);
+        let mut f = Flow::default();
+        assert_eq!(
+            f.on_request_headers(&c, &req("/slow", "u"), &mut h),
+            Next::Continue,
+            "decided at once by the failure mode"
+        );
+        assert_eq!(h.acquires.len(), 2, "no callout while the breaker is open");
+        assert_eq!(h.counts.last(), Some(&Count::FailureOpen));
+    }
+}
