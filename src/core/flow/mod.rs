@@ -298,7 +298,8 @@ impl Flow {
                 left.push(Leftover::Settle(items));
             }
         }
-        if let Phase::Calling { token, .. } = std::mem::replace(&mut self.phase, Phase::Done) {
+        if let Phase::Calling { token, .. } = self.phase {
+            self.phase = Phase::Done;
             left.push(Leftover::Abandoned { token });
         }
         left.extend(self.slots.end(cfg, host));
