@@ -57,7 +57,9 @@ build: tools wasm server ## Build dist/tollgate.wasm and dist/tollgate-server
 
 wasm:
 	$(CARGO) build --locked --profile wasm-release --target $(WASM_TARGET) -p tollgate
-	$(WASM_OPT) -O3 --converge $(WASM_FEATURES) $(WASM_OUT) -o $(WASM_OPT_OUT)
+	@# Binaryen runs again only when rustc wrote a new module.
+	@[ $(WASM_OPT_OUT) -nt $(WASM_OUT) ] || { echo "$(WASM_OPT) -O3 --converge ... $(WASM_OUT)"; \
+	  $(WASM_OPT) -O3 --converge $(WASM_FEATURES) $(WASM_OUT) -o $(WASM_OPT_OUT); }
 	@$(call publish,$(WASM_OPT_OUT),tollgate.wasm)
 	@ls -l $(DIST)/tollgate.wasm | awk '{printf "dist/tollgate.wasm: %d bytes\n", $$5}'
 
@@ -82,20 +84,22 @@ run: build ## Start Redis, the service, Envoy with the filter and a demo upstrea
 	@bash scripts/run.sh
 
 test: nextest ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
-	@# The test binaries build first, with the tools and the validators installing beside them
-	@# (downloads and apt, which the build does not need); then the module, the release service
-	@# and the images the tests run. The test build is the lint: clippy-driver compiles the
-	@# workspace's crates (scripts/clippy-rustc.sh).
-	@t0=$$(date +%s); bash scripts/tools.sh image & tools=$$!; \
+	@# Three builds side by side: the test binaries (compiled by clippy-driver, so building them
+	@# is the lint: scripts/clippy-rustc.sh), and, once the base tools are in, the module and the
+	@# static service the tests run; the validators install beside them (downloads and apt, which
+	@# the test build does not need). Then the images, and nextest runs the test binaries.
+	@t0=$$(date +%s); \
+	  { bash scripts/tools.sh && { $(MAKE) --no-print-directory wasm server-static & rel=$$!; \
+	    bash scripts/tools.sh image; img=$$?; wait $$rel && [ $$img = 0 ]; }; } & side=$$!; \
 	  PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
 	  $(CARGO) nextest run --locked --workspace --all-targets --no-run; built=$$?; \
-	  wait $$tools; installed=$$?; mkdir -p target; echo $$(( $$(date +%s) - t0 )) > target/.test-build-secs; \
-	  [ $$built = 0 ] && [ $$installed = 0 ]
+	  wait $$side; sided=$$?; mkdir -p target; echo $$(( $$(date +%s) - t0 )) > target/.test-build-secs; \
+	  [ $$built = 0 ] && [ $$sided = 0 ]
 	@$(MAKE) --no-print-directory build image
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
 	@# nextest runs the test binaries side by side, the timing-sensitive ones in their own group
-	@# (.config/nextest.toml).
+	@# and the longest first (.config/nextest.toml).
 	@PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
 	  bash scripts/test-summary.sh --since $(SUITE_START) --build-secs $$(cat target/.test-build-secs) \
 	  $(CARGO) nextest run --locked --workspace --all-targets --no-fail-fast

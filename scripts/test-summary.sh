@@ -9,8 +9,8 @@
 # example's empty `0 passed`, which would misstate the run). --since is when the suite started
 # (`make test` passes the time make started): the time line splits what came before the test
 # command (tools, release builds, images, lint), the test build (cargo's `Finished` line) and the
-# test run. --build-secs is the test build's time when it ran before (`make test` builds the test
-# binaries while the tools install). A run that ran no test fails.
+# test run. --build-secs is the builds' time when they ran before (`make test` builds the test
+# binaries, the module and the service side by side while the tools install). A run that ran no test fails.
 set -uo pipefail
 since=""
 if [ "${1:-}" = --since ]; then
@@ -50,9 +50,10 @@ build_s=$(sed -nE 's/.*Finished `test` profile.* in (([0-9]+)m )?([0-9]+)(\.[0-9
 mmss() { printf '%d min %d s' $(($1 / 60)) $(($1 % 60)); }
 total=$((end - since))
 if [ -n "$built" ]; then
-  # The test build ran first (tools installing beside it), then the release builds and images.
-  parts="test build $(mmss "$built") (the tools installing beside it)"
-  parts="$parts, release builds, images and lint $(mmss $((start - since - built)))"
+  # The builds ran first, side by side (the test binaries, the module and the static service, the
+  # tools installing beside them), then the images and the lint.
+  parts="builds $(mmss "$built") (tests, module and service side by side, the tools beside them)"
+  parts="$parts, images and lint $(mmss $((start - since - built)))"
 else
   parts="before the test command $(mmss $((start - since)))"
   if [ -n "$build_s" ]; then parts="$parts, test build $(mmss "$build_s")"; fi
