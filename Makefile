@@ -37,12 +37,14 @@ NEXTEST_VERSION := 0.9.143
 NEXTEST_ROOT := $(CURDIR)/.tools/cargo-nextest-$(NEXTEST_VERSION)
 # When `make` started: the suite's wall time is printed at its end (scripts/test-summary.sh).
 SUITE_START := $(shell date +%s)
+# Job slots for `make test`'s builds: one per core.
+BUILD_JOBS := $(shell nproc)
 
 # $(call publish,SRC,NAME): copy SRC to dist/NAME through a temporary file and a rename, so a process
 # that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.
 publish = mkdir -p $(DIST) && cp $(1) $(DIST)/.$(2).tmp && mv -f $(DIST)/.$(2).tmp $(DIST)/$(2)
 
-.PHONY: help tools images build wasm server server-static envoy-config configs run test nextest unit e2e bench demo flood image lint fmt clean fuzz soak
+.PHONY: help tools images build wasm server server-static envoy-config protos configs run test nextest test-binaries test-artifacts unit e2e bench demo flood image lint fmt clean fuzz soak
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -74,6 +76,9 @@ server-static: server
 envoy-config:
 	$(CARGO) build --locked -q -p tollgate-testkit --bin tollgate-envoy-config
 
+protos: ## Write the service's protobuf and gRPC code (server/src/generated/) from contract/ and server/proto/
+	CARGO_TARGET_DIR=$(CURDIR)/target/protogen $(CARGO) run --locked -q --manifest-path server/protogen/Cargo.toml
+
 configs: envoy-config ## Write the checked-in Envoy configurations (envoy.yaml, deploy/envoy/) from testkit/src/envoy_files.rs
 	$(TOLLGATE_ENVOY_CONFIG) checked-in --write $(CURDIR)
 
@@ -84,17 +89,13 @@ run: build ## Start Redis, the service, Envoy with the filter and a demo upstrea
 	@bash scripts/run.sh
 
 test: nextest ## Every test: lint, unit, service against real Redis, end-to-end with real Envoy
-	@# Three builds side by side: the test binaries (compiled by clippy-driver, so building them
-	@# is the lint: scripts/clippy-rustc.sh), and, once the base tools are in, the module and the
-	@# static service the tests run; the validators install beside them (downloads and apt, which
-	@# the test build does not need). Then the images, and nextest runs the test binaries.
-	@t0=$$(date +%s); \
-	  { bash scripts/tools.sh && { $(MAKE) --no-print-directory wasm server-static & rel=$$!; \
-	    bash scripts/tools.sh image; img=$$?; wait $$rel && [ $$img = 0 ]; }; } & side=$$!; \
-	  PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
-	  $(CARGO) nextest run --locked --workspace --all-targets --no-run; built=$$?; \
-	  wait $$side; sided=$$?; mkdir -p target; echo $$(( $$(date +%s) - t0 )) > target/.test-build-secs; \
-	  [ $$built = 0 ] && [ $$sided = 0 ]
+	@# The builds first, two at a time through make's job slots (cargo takes its jobs from them,
+	@# so the two builds share the cores instead of each asking for all of them): the test
+	@# binaries (compiled by clippy-driver, so building them is the lint: scripts/clippy-rustc.sh)
+	@# and, once the base tools are in, the module and the static service the tests run, the
+	@# validators installing beside them. Then the images, and nextest runs the test binaries.
+	@t0=$$(date +%s); $(MAKE) --no-print-directory -j$(BUILD_JOBS) test-binaries test-artifacts; built=$$?; \
+	  mkdir -p target; echo $$(( $$(date +%s) - t0 )) > target/.test-build-secs; exit $$built
 	@$(MAKE) --no-print-directory build image
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
@@ -109,6 +110,15 @@ nextest:
 	  echo "tools: installing cargo-nextest $(NEXTEST_VERSION) into $(NEXTEST_ROOT)" >&2; \
 	  $(CARGO) install --quiet --locked --root "$(NEXTEST_ROOT)" "cargo-nextest@$(NEXTEST_VERSION)"; \
 	fi
+
+# `make test`'s two builds (run together by it, with -j).
+test-binaries:
+	+@PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
+	  $(CARGO) nextest run --locked --workspace --all-targets --no-run
+
+test-artifacts:
+	+@bash scripts/tools.sh && { $(MAKE) --no-print-directory wasm server-static & rel=$$!; \
+	  bash scripts/tools.sh image; img=$$?; wait $$rel && [ $$img = 0 ]; }
 
 unit: ## Unit tests only (no processes started)
 	$(CARGO) test --locked --workspace --lib
