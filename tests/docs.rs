@@ -308,12 +308,14 @@ const ROOTS: [&str; 7] = [
 /// Every source file under these is reached from a root (or is a binary's root itself).
 const SOURCE_DIRS: [&str; 4] = ["src", "contract/src", "server/src", "testkit/src"];
 
-/// A module file: its module name, its `//!` doc, its child modules declared by `mod x;`.
+/// A module file: its module name, its `//!` doc, its child modules declared by `mod x;`, and the
+/// files it pastes in with `include!("x")` (generated code: part of the tree, not modules).
 struct ModFile {
     path: PathBuf,
     name: String,
     doc: String,
     children: Vec<(String, PathBuf)>,
+    included: Vec<PathBuf>,
 }
 
 fn mod_file(path: &Path) -> ModFile {
@@ -341,9 +343,17 @@ fn mod_file(path: &Path) -> ModFile {
         here.join(stem)
     };
     let mut children = Vec::new();
+    let mut included = Vec::new();
     let mut path_attr: Option<String> = None;
     for line in text.lines() {
         let t = line.trim();
+        if let Some(p) = t
+            .strip_prefix("include!(\"")
+            .and_then(|r| r.strip_suffix("\");"))
+        {
+            included.push(here.join(p));
+            continue;
+        }
         if let Some(p) = t
             .strip_prefix("#[path = \"")
             .and_then(|r| r.strip_suffix("\"]"))
@@ -385,6 +395,7 @@ fn mod_file(path: &Path) -> ModFile {
         name,
         doc,
         children,
+        included,
     }
 }
 
@@ -467,6 +478,10 @@ fn every_module_is_named_in_its_parents_map() {
     while let Some((path, ancestors)) = todo.pop() {
         let m = mod_file(&path);
         reached.push(path.clone());
+        reached.extend(m.included.iter().map(|f| {
+            f.canonicalize()
+                .unwrap_or_else(|e| panic!("{}: include!: {e}", f.display()))
+        }));
         for (child, file) in &m.children {
             if child == "tests" {
                 reached.push(file.clone());

@@ -23,7 +23,7 @@
 //! | [`check`] | `tollgate-server check`: filter configurations and limits files checked by the module's and the service's own readers (a CI step) |
 //! | [`cli`] | flags and environment variables; reads and checks the `--redis-tls-*` and `--token-file` files |
 //! | `main.rs` | parse flags, set up tracing, bind, build the store, call [`run`] |
-//! | `build.rs` | protobuf/gRPC code from `contract/tollgate.proto` (protox, no `protoc`) |
+//! | `src/generated/` | protobuf/gRPC code from `contract/tollgate.proto`, `proto/tollgate/admin.proto` and `proto/envoy/`, written by `make protos` (`protogen/`: protox, no `protoc`) |
 //! | `tests/` | behaviour suite over both stores, contract fixtures, the service over HTTP and gRPC, Redis outages and Cluster, TLS to Redis (private CA, mutual TLS, TLS Cluster; certificates made with `openssl`), the real binary (each test starts its own `redis-server`) |
 //! | `examples/loadgen.rs` | load generator used by `scripts/bench-service.sh` |
 //!

@@ -1,6 +1,6 @@
-//! The gRPC machinery every operation shares: the protobuf types generated at build time from
-//! `contract/tollgate.proto` and the operator's `proto/tollgate/admin.proto` (protox +
-//! tonic-prost-build, no protoc), a codec that turns malformed
+//! The gRPC machinery every operation shares: the protobuf types generated from
+//! `contract/tollgate.proto` and the operator's `proto/tollgate/admin.proto` (checked in under
+//! `src/generated/`; `make protos` writes them again after a proto changes), a codec that turns malformed
 //! protobuf into `INVALID_ARGUMENT`, a constant-memory scan of a message's repeated field, and
 //! the one mapping of an [`ApiError`] to a gRPC status. Each operation's messages are converted in
 //! its own module (`ops/`).
@@ -19,13 +19,13 @@ use crate::domain::{Algorithm, InvalidArgument};
 /// Generated protobuf messages, server and client.
 #[allow(missing_docs, clippy::all)]
 pub mod pb {
-    tonic::include_proto!("tollgate.v1");
+    include!("../generated/tollgate.v1.rs");
 }
 
 /// Generated from `proto/tollgate/admin.proto`: the operator's service (`ops/buckets.rs`).
 #[allow(missing_docs, clippy::all)]
 pub mod admin_pb {
-    tonic::include_proto!("tollgate.admin.v1");
+    include!("../generated/tollgate.admin.v1.rs");
 }
 
 pub(crate) fn malformed(e: &dyn std::fmt::Display) -> InvalidArgument {
@@ -187,5 +187,63 @@ pub fn status_of(e: &ApiError) -> Status {
         ApiError::TooLarge(_) => Status::resource_exhausted(e.message()),
         ApiError::BodyTimeout(_) => Status::deadline_exceeded(e.message()),
         ApiError::Overloaded(_) | ApiError::Unavailable(_) => Status::unavailable(e.message()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sha2::{Digest, Sha256};
+    use std::collections::BTreeSet;
+    use std::fs;
+    use std::path::{Path, PathBuf};
+
+    fn hex_sha256(file: &Path) -> Result<String, String> {
+        let bytes = fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        Ok(Sha256::digest(bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect())
+    }
+
+    /// Every `.proto` under `dir`, relative to the repository root `root`.
+    fn protos_under(root: &Path, dir: &Path, into: &mut BTreeSet<PathBuf>) -> Result<(), String> {
+        let entries =
+            fs::read_dir(root.join(dir)).map_err(|e| format!("{}: {e}", dir.display()))?;
+        for entry in entries {
+            let path = dir.join(entry.map_err(|e| e.to_string())?.file_name());
+            if root.join(&path).is_dir() {
+                protos_under(root, &path, into)?;
+            } else if path.extension().is_some_and(|e| e == "proto") {
+                into.insert(path);
+            }
+        }
+        Ok(())
+    }
+
+    /// The checked-in code in `src/generated/` is what `make protos` makes of today's protos:
+    /// `inputs.sha256` names every proto the service is built from, with the digest it had then.
+    #[test]
+    fn generated_code_is_from_these_protos() -> Result<(), String> {
+        let server = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let root = server.parent().ok_or("the repository root")?;
+        let list = fs::read_to_string(server.join("src/generated/inputs.sha256"))
+            .map_err(|e| format!("src/generated/inputs.sha256: {e}"))?;
+        let mut listed = BTreeSet::new();
+        for line in list.lines() {
+            let (digest, path) = line.split_once("  ").ok_or("`<sha256>  <path>` lines")?;
+            assert_eq!(
+                hex_sha256(&root.join(path))?,
+                digest,
+                "{path} changed since src/generated/ was written: run `make protos`"
+            );
+            listed.insert(PathBuf::from(path));
+        }
+        let mut protos = BTreeSet::from([PathBuf::from("contract/tollgate.proto")]);
+        protos_under(root, Path::new("server/proto"), &mut protos)?;
+        assert_eq!(
+            listed, protos,
+            "the protos changed since src/generated/ was written: run `make protos`"
+        );
+        Ok(())
     }
 }
