@@ -20,18 +20,13 @@ fn main() -> Result<(), Box<dyn Error>> {
     let _ = fs::remove_dir_all(out);
     fs::create_dir_all(out)?;
 
-    // The take operations, client and server; malformed protobuf must be INVALID_ARGUMENT, not the
-    // INTERNAL that prost's codec gives.
-    let fds = protox::compile(["contract/tollgate.proto"], ["contract"])?;
-    tonic_prost_build::configure()
-        .out_dir(out)
-        .build_client(true)
-        .build_server(true)
-        .codec_path("crate::api::grpc::StrictCodec")
-        .compile_fds(fds)?;
-
-    // The operator's service (ops/buckets.rs), behind the admin token.
-    let fds = protox::compile(["server/proto/tollgate/admin.proto"], ["server/proto"])?;
+    // The take operations and the operator's service (ops/buckets.rs, behind the admin token),
+    // client and server; malformed protobuf must be INVALID_ARGUMENT, not the INTERNAL that
+    // prost's codec gives.
+    let fds = protox::compile(
+        ["contract/tollgate.proto", "server/proto/tollgate/admin.proto"],
+        ["contract", "server/proto"],
+    )?;
     tonic_prost_build::configure()
         .out_dir(out)
         .build_client(true)
