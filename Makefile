@@ -92,13 +92,12 @@ test: nextest ## Every test: lint, unit, service against real Redis, end-to-end 
 	@# The builds first, two at a time through make's job slots (cargo takes its jobs from them,
 	@# so the two builds share the cores instead of each asking for all of them): the test
 	@# binaries (compiled by clippy-driver, so building them is the lint: scripts/clippy-rustc.sh)
-	@# and, once the base tools are in, the module and the static service the tests run, the
-	@# validators installing beside them. Then the images, and nextest runs the test binaries.
+	@# and, once the base tools are in, the module and the static service the tests run (the
+	@# validators installing beside them), their images and the module's lint. Then nextest
+	@# runs the test binaries.
 	@t0=$$(date +%s); $(MAKE) --no-print-directory -j$(BUILD_JOBS) test-binaries test-artifacts; built=$$?; \
 	  mkdir -p target; echo $$(( $$(date +%s) - t0 )) > target/.test-build-secs; exit $$built
-	@$(MAKE) --no-print-directory build image
 	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
 	@# nextest runs the test binaries side by side, the timing-sensitive ones in their own group
 	@# and the longest first (.config/nextest.toml).
 	@PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
@@ -118,7 +117,9 @@ test-binaries:
 
 test-artifacts:
 	+@bash scripts/tools.sh && { $(MAKE) --no-print-directory wasm server-static & rel=$$!; \
-	  bash scripts/tools.sh image; img=$$?; wait $$rel && [ $$img = 0 ]; }
+	  bash scripts/tools.sh image; img=$$?; wait $$rel && [ $$img = 0 ]; } \
+	  && $(MAKE) --no-print-directory image \
+	  && $(CARGO) clippy --locked -q -p tollgate --target $(WASM_TARGET) -- -D warnings
 
 unit: ## Unit tests only (no processes started)
 	$(CARGO) test --locked --workspace --lib

@@ -50,10 +50,10 @@ build_s=$(sed -nE 's/.*Finished `test` profile.* in (([0-9]+)m )?([0-9]+)(\.[0-9
 mmss() { printf '%d min %d s' $(($1 / 60)) $(($1 % 60)); }
 total=$((end - since))
 if [ -n "$built" ]; then
-  # The builds ran first, side by side (the test binaries, the module and the static service, the
-  # tools installing beside them), then the images and the lint.
-  parts="builds $(mmss "$built") (tests, module and service side by side, the tools beside them)"
-  parts="$parts, images and lint $(mmss $((start - since - built)))"
+  # The builds ran first, side by side (the test binaries; the module, the static service, their
+  # images and the module's lint; the tools installing beside them), then the format check.
+  parts="builds $(mmss "$built") (the test binaries beside the module, the service and their images)"
+  parts="$parts, then $(mmss $((start - since - built))) to the tests"
 else
   parts="before the test command $(mmss $((start - since)))"
   if [ -n "$build_s" ]; then parts="$parts, test build $(mmss "$build_s")"; fi
