@@ -406,7 +406,7 @@ pub(crate) mod tests {
             &[0; 8],
         );
         // The service counted 2 proxies: 4 / 2 = 2 here, not the configured 4 / 1.
-        crate::core::local::fallback::learn(&c, &s, 2);
+        crate::core::local::fallback::learn(&c, &s, 2, 0);
         assert!(acquire_local(&c, &w, &s).is_ok());
         assert!(acquire_local(&c, &w, &s).is_ok());
         assert_eq!(acquire_local(&c, &w, &s), Err(0));

@@ -51,6 +51,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
             domain: cfg.service.domain.clone(),
             descriptors: Vec::new(),
         }),
+        instances: 0,
     };
     let mut slots = Vec::new();
     for (i, rule) in cfg.rules.iter().enumerate() {
@@ -132,6 +133,7 @@ pub fn without_shadow(
             domain: r.domain.clone(),
             descriptors: Vec::new(),
         }),
+        instances: plan.instances,
     };
     for i in (0..n).filter(|&i| !shadow(i)) {
         if let (Some(b), Some(&r)) = (plan.request.buckets.get(i), plan.rules.get(i)) {

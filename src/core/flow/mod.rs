@@ -215,6 +215,7 @@ impl Flow {
         }
         let seen = breaker::admit_seen(host.store(), &cfg.breaker, now);
         let (admission, clean) = (seen.admission, seen.clean);
+        plan.instances = seen.instances;
         if seen.denials && admission == Admission::Call {
             if let Some(resp) = denials::recall(cfg, &plan, host.store(), now) {
                 // The service denied this cost moments ago and could not pay it yet.

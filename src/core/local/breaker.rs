@@ -32,13 +32,21 @@ pub struct State {
     /// Until when a remembered denial may hold (0: none): while it lasts, requests look their
     /// buckets up in [`crate::core::local::denials`] before calling. Kept here for the same reason.
     pub denied_until_ms: u64,
+    /// The number of proxies last learned from the service's answers (0: none yet), what the
+    /// fallback splits a limit by ([`crate::core::local::fallback::learn`]). Kept here for the same
+    /// reason: an answer that reports the number its request's admission read writes nothing and
+    /// reads nothing more.
+    pub instances: u64,
 }
 
 impl State {
-    /// Serialised form: a [`table`] record of format [`table::BREAKER`] (no identity).
+    /// Serialised form: a [`table`] record of format [`table::BREAKER`] (no identity), five words;
+    /// the first holds the failures in its low half and the number of proxies (at most
+    /// `u32::MAX`) in its high half.
     pub fn encode(&self) -> Vec<u8> {
+        let counts = u64::from(self.failures) | (self.instances.min(u64::from(u32::MAX)) << 32);
         let words = [
-            u64::from(self.failures),
+            counts,
             self.open_until_ms,
             self.interval_ms,
             self.debt_until_ms,
@@ -49,17 +57,18 @@ impl State {
 
     /// Parses [`State::encode`]'s output; anything else reads as a fresh, closed breaker.
     pub fn decode(b: Option<&[u8]>) -> State {
-        let Some((_, [failures, open_until_ms, interval_ms, debt_until_ms, denied_until_ms])) =
+        let Some((_, [counts, open_until_ms, interval_ms, debt_until_ms, denied_until_ms])) =
             b.and_then(|b| table::decode::<5>(table::BREAKER, b))
         else {
             return State::default();
         };
         State {
-            failures: u32::try_from(failures).unwrap_or(u32::MAX),
+            failures: (counts & u64::from(u32::MAX)) as u32,
             open_until_ms,
             interval_ms,
             debt_until_ms,
             denied_until_ms,
+            instances: counts >> 32,
         }
     }
 
@@ -113,6 +122,7 @@ pub fn on_success(s: State) -> (Option<State>, Event) {
     let closed = State {
         debt_until_ms: s.debt_until_ms,
         denied_until_ms: s.denied_until_ms,
+        instances: s.instances,
         ..State::default()
     };
     if s.is_open() {
@@ -142,8 +152,7 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             failures: s.failures,
             open_until_ms: now_ms.saturating_add(interval),
             interval_ms: interval,
-            debt_until_ms: s.debt_until_ms,
-            denied_until_ms: s.denied_until_ms,
+            ..s
         };
         return (Some(next), Event::Reopened);
     }
@@ -153,8 +162,7 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             failures,
             open_until_ms: now_ms.saturating_add(cfg.open_ms),
             interval_ms: cfg.open_ms,
-            debt_until_ms: s.debt_until_ms,
-            denied_until_ms: s.denied_until_ms,
+            ..s
         };
         (Some(next), Event::Opened)
     } else {
@@ -163,6 +171,7 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
                 failures,
                 debt_until_ms: s.debt_until_ms,
                 denied_until_ms: s.denied_until_ms,
+                instances: s.instances,
                 ..State::default()
             }),
             Event::None,
@@ -194,6 +203,8 @@ pub struct Seen {
     /// Closed with no failures counted: a success of this callout has nothing to record
     /// ([`needs_record`]).
     pub clean: bool,
+    /// The number of proxies learned so far (0: none), [`State::instances`].
+    pub instances: u64,
 }
 
 /// [`admit_shared`], also saying whether the state was clean.
@@ -203,18 +214,20 @@ pub fn admit_seen<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -
         let debt = now_ms < s.debt_until_ms;
         let denials = now_ms < s.denied_until_ms;
         let clean = !s.is_open() && s.failures == 0;
+        let seen = (debt, denials, clean, s.instances);
         match admit(cfg, s, now_ms) {
-            (a, Some(next)) => Step::Write(next.encode(), (a, debt, denials, clean)),
-            (a, None) => Step::Keep((a, debt, denials, clean)),
+            (a, Some(next)) => Step::Write(next.encode(), (a, seen)),
+            (a, None) => Step::Keep((a, seen)),
         }
     });
-    let (admission, debt, denials, clean) = u.value;
+    let (admission, (debt, denials, clean, instances)) = u.value;
     if u.stored {
         Seen {
             admission,
             debt,
             denials,
             clean,
+            instances,
         }
     } else {
         // Could not claim the probe: someone else is probing.
@@ -223,6 +236,7 @@ pub fn admit_seen<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -
             debt,
             denials,
             clean: false,
+            instances,
         }
     }
 }
@@ -239,16 +253,11 @@ pub fn needs_record(seen_clean: bool, success: bool) -> bool {
 /// Written only when it extends the mark by more than a second, so an outage costs about one
 /// write per second here.
 pub fn mark_debt<S: CasStore + ?Sized>(store: &S, until_ms: u64) {
-    update(store, KEY, |cur| {
-        let s = State::decode(cur);
-        if s.debt_until_ms.saturating_add(1000) >= until_ms {
-            return Step::Keep(());
-        }
-        let next = State {
+    rewrite(store, &|s| {
+        (s.debt_until_ms.saturating_add(1000) < until_ms).then_some(State {
             debt_until_ms: until_ms,
             ..s
-        };
-        Step::Write(next.encode(), ())
+        })
     });
 }
 
@@ -256,16 +265,21 @@ pub fn mark_debt<S: CasStore + ?Sized>(store: &S, until_ms: u64) {
 /// mark runs a second past the latest denial it covers, so a flood of denials writes here about
 /// once a second, not once per denial; a mark that runs long only costs a lookup.
 pub fn mark_denied<S: CasStore + ?Sized>(store: &S, until_ms: u64) {
-    update(store, KEY, |cur| {
-        let s = State::decode(cur);
-        if s.denied_until_ms >= until_ms {
-            return Step::Keep(());
-        }
-        let next = State {
+    rewrite(store, &|s| {
+        (s.denied_until_ms < until_ms).then_some(State {
             denied_until_ms: until_ms.saturating_add(1000),
             ..s
-        };
-        Step::Write(next.encode(), ())
+        })
+    });
+}
+
+/// Rewrites the shared state as `change` says (`None`: leaves it as it is), under CAS: the one
+/// read-modify-write of the marks kept in this entry ([`mark_debt`], [`mark_denied`], the learned
+/// number of proxies).
+pub fn rewrite<S: CasStore + ?Sized>(store: &S, change: &dyn Fn(State) -> Option<State>) {
+    update(store, KEY, |cur| match change(State::decode(cur)) {
+        Some(next) => Step::Write(next.encode(), ()),
+        None => Step::Keep(()),
     });
 }
 
@@ -465,6 +479,7 @@ mod tests {
             interval_ms: 3,
             debt_until_ms: 9,
             denied_until_ms: 11,
+            instances: 13,
         };
         assert_eq!(State::decode(Some(&st.encode())), st);
         assert_eq!(State::decode(Some(&[1, 2, 3])), State::default());

@@ -56,6 +56,7 @@
 
 use crate::core::base::store::{update, CasStore, Step};
 use crate::core::config::{Algorithm, Config, FailureMode};
+use crate::core::local::breaker;
 use crate::core::local::bucket::{self, Limits, State};
 pub use crate::core::local::table::Slot;
 use crate::core::local::table::{self, slot_of};
@@ -66,8 +67,6 @@ use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 /// Shared-data key of the table sizes this Envoy's configurations used, newest first (at most 4,
 /// each 4 bytes little endian).
 pub const SIZES_KEY: &str = "tollgate.fb.sizes";
-/// Shared-data key of the number of proxies learned from the answers (8 bytes, little endian).
-pub const N_KEY: &str = "tollgate.fb.instances";
 /// Words per share record ([`table`]): level, stamp, debt, last write, and the limits written with
 /// (global capacity, rate, period, number of proxies).
 const WORDS: usize = 8;
@@ -117,27 +116,26 @@ impl Shares {
     }
 }
 
-/// The number of proxies last learned from the service's answers, if any.
+/// The number of proxies last learned from the service's answers, if any. It is kept in the
+/// breaker's entry ([`breaker::State::instances`]), which every request reads at admission.
 pub fn learned_instances<S: CasStore + ?Sized>(store: &S) -> Option<u64> {
-    let (v, _) = store.get(N_KEY)?;
-    let b = <[u8; 8]>::try_from(v.get(..8)?).ok()?;
-    Some(u64::from_le_bytes(b)).filter(|&n| n > 0)
+    let (v, _) = store.get(breaker::KEY)?;
+    Some(breaker::State::decode(Some(&v)).instances).filter(|&n| n > 0)
 }
 
 /// Stores `heard` (the live instances an answer reported), floored at `fallback.min_instances`,
-/// as this Envoy's number of proxies; writes only when it changed. Returns that number, so the
-/// caller need not read it back.
-pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64) -> u64 {
+/// as this Envoy's number of proxies; writes only when it changed. `known` is the number the
+/// request's admission read ([`breaker::Seen::instances`], 0 if none): when the floored number is
+/// that one, nothing is read or written (another worker may have stored a different number since;
+/// the next admission reads it, and the next answer that differs from it writes). Returns that
+/// number, so the caller need not read it back.
+pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64, known: u64) -> u64 {
     let n = heard.max(cfg.fallback.min_instances).max(1);
-    update(store, N_KEY, |cur| {
-        let old = cur
-            .and_then(|v| <[u8; 8]>::try_from(v.get(..8)?).ok())
-            .map(u64::from_le_bytes);
-        if old == Some(n) {
-            Step::Keep(())
-        } else {
-            Step::Write(n.to_le_bytes().to_vec(), ())
-        }
+    if n == known {
+        return n;
+    }
+    breaker::rewrite(store, &|s| {
+        (s.instances != n).then_some(breaker::State { instances: n, ..s })
     });
     n
 }
@@ -696,7 +694,7 @@ pub fn remember<S: CasStore + ?Sized>(
     let sh = match resp.instances {
         0 => Shares::of(cfg).learned(store),
         heard => Shares {
-            instances: learn(cfg, store, heard),
+            instances: learn(cfg, store, heard, plan.instances),
             ..Shares::of(cfg)
         },
     };
@@ -937,22 +935,66 @@ mod tests {
         // Before any answer: the configured 4, a share of 25.
         assert_eq!(admitted(&prepared(10)), 25);
         // The service reports 8 live instances: 12 each.
-        learn(&cfg, &s, 8);
+        learn(&cfg, &s, 8, 0);
         assert_eq!(learned_instances(&s), Some(8));
         assert_eq!(admitted(&s), 12);
         // A report of 1 is floored at min_instances (2).
         let t = prepared(10);
-        learn(&cfg, &t, 1);
+        learn(&cfg, &t, 1, 0);
         assert_eq!(admitted(&t), 50);
+    }
+
+    /// Four proxies configured, one rule of 100 a second.
+    fn four_proxies() -> Config {
+        Config::parse(
+            br#"{"service":{"cluster":"c"},"fallback":{"instances":4,"max_keys":10},
+                 "rules":[{"name":"a","capacity":100,"period_ms":1000}]}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn the_count_lives_in_the_breaker_entry_and_a_known_count_costs_nothing() {
+        let cfg = four_proxies();
+        let s = prepared(10);
+        let open = breaker::State {
+            failures: 3,
+            open_until_ms: 9_000,
+            interval_ms: 100,
+            debt_until_ms: 7,
+            denied_until_ms: 8,
+            instances: 0,
+        };
+        s.set(breaker::KEY, &open.encode(), None).unwrap();
+        // Learned: written into the breaker's entry, the breaker's own state kept.
+        assert_eq!(learn(&cfg, &s, 5, 0), 5);
+        let stored = breaker::State::decode(s.get(breaker::KEY).map(|(v, _)| v).as_deref());
+        assert_eq!(
+            stored,
+            breaker::State {
+                instances: 5,
+                ..open
+            }
+        );
+        assert_eq!(learned_instances(&s), Some(5));
+        // A success closing the breaker keeps the count.
+        let (closed, _) = breaker::on_success(stored);
+        assert_eq!(closed.map(|c| c.instances), Some(5));
+        // The number the admission read: nothing is written (that nothing is read either is
+        // counted by the dispatcher's `a_steady_exact_request_reads_shared_data_twice`).
+        let before = s.map.borrow().clone();
+        s.map.borrow_mut().clear();
+        assert_eq!(learn(&cfg, &s, 5, 5), 5);
+        assert!(s.map.borrow().is_empty());
+        *s.map.borrow_mut() = before;
+        // Another number than the admission read: stored.
+        assert_eq!(learn(&cfg, &s, 6, 5), 6);
+        assert_eq!(learned_instances(&s), Some(6));
     }
 
     #[test]
     fn an_answer_teaches_the_count_it_carries() {
-        let cfg = Config::parse(
-            br#"{"service":{"cluster":"c"},"fallback":{"instances":4,"max_keys":10},
-                 "rules":[{"name":"a","capacity":100,"period_ms":1000}]}"#,
-        )
-        .unwrap();
+        let cfg = four_proxies();
         let s = prepared(10);
         let plan = Plan {
             request: TakeRequest {
@@ -961,6 +1003,7 @@ mod tests {
             rules: vec![0],
             debt: Vec::new(),
             rls: None,
+            instances: 0,
         };
         let answer = |body: &str| {
             let resp = crate::core::wire::decode_json(body.as_bytes()).unwrap();
@@ -1109,6 +1152,7 @@ mod tests {
                 rules: vec![0],
                 debt: vec![],
                 rls: None,
+                instances: 0,
             };
             let answer = BucketResult {
                 allowed: true,

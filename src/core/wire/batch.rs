@@ -249,6 +249,7 @@ mod tests {
             rules: vec![0],
             debt: Vec::new(),
             rls: None,
+            instances: 0,
         };
         // One result for two members: a decode failure for both.
         for p in split(

@@ -31,6 +31,8 @@ struct Fake {
     known: RefCell<Vec<u32>>,
     metrics: RefCell<Vec<(String, i64)>>,
     shared: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    /// Shared-data reads (each copies a value into the module: Envoy calls back to allocate).
+    shared_reads: Cell<u32>,
     full_reads: Cell<u32>,
     header_reads: Cell<u32>,
     dispatched: RefCell<Vec<(u32, Vec<u8>)>>,
@@ -119,6 +121,7 @@ impl Abi for Fake {
         Some(b"10.0.0.1:5555".to_vec())
     }
     fn shared_get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.shared_reads.set(self.shared_reads.get() + 1);
         self.shared.borrow().get(key).cloned()
     }
     fn shared_set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
@@ -446,6 +449,29 @@ fn a_request_no_rule_matches_reads_only_the_match_headers() {
         ":path to match, :path for the request"
     );
     assert_eq!(d.on_request_data(6), PAUSE, "body waits for the decision");
+}
+
+#[test]
+fn a_steady_exact_request_reads_shared_data_twice() {
+    let cfg = config("http", "");
+    let mut d = dispatcher(&cfg);
+    // As the service answers: with the live instances it counts.
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        br#"{"allowed":true,"instances":3,"buckets":[{"allowed":true,"limit":5,"remaining":4,"reset_ms":1000,"retry_after_ms":0}]}"#.to_vec(),
+    );
+    let mut reads = Vec::new();
+    for id in [101, 102, 103] {
+        let before = d.abi.shared_reads.get();
+        assert_eq!(start(&mut d, id, "/api/x"), PAUSE);
+        d.on_http_call_response(last_token(&d), 1, 1000);
+        d.on_delete(id);
+        reads.push(d.abi.shared_reads.get() - before);
+    }
+    // The breaker's entry at admission (which also holds the learned number of proxies), and the
+    // bucket's fallback share with the answer: an answer reporting the number its admission read
+    // reads nothing more. The first answer also learned the number (one read, one write).
+    assert_eq!(reads, vec![3, 2, 2]);
 }
 
 #[test]

@@ -241,6 +241,7 @@ impl Chores {
             rules: vec![rule],
             debt: Vec::new(),
             rls: None,
+            instances: 0,
         });
     }
 }
