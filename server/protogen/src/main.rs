@@ -24,7 +24,10 @@ fn main() -> Result<(), Box<dyn Error>> {
     // client and server; malformed protobuf must be INVALID_ARGUMENT, not the INTERNAL that
     // prost's codec gives.
     let fds = protox::compile(
-        ["contract/tollgate.proto", "server/proto/tollgate/admin.proto"],
+        [
+            "contract/tollgate.proto",
+            "server/proto/tollgate/admin.proto",
+        ],
         ["contract", "server/proto"],
     )?;
     tonic_prost_build::configure()
