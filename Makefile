@@ -98,6 +98,7 @@ test: nextest ## Every test: lint, unit, service against real Redis, end-to-end 
 	@t0=$$(date +%s); $(MAKE) --no-print-directory -j$(BUILD_JOBS) test-binaries test-artifacts; built=$$?; \
 	  mkdir -p target; echo $$(( $$(date +%s) - t0 )) > target/.test-build-secs; exit $$built
 	$(CARGO) fmt --all -- --check
+	$(CARGO) fmt --manifest-path server/protogen/Cargo.toml -- --check
 	@# nextest runs the test binaries side by side, the timing-sensitive ones in their own group
 	@# and the longest first (.config/nextest.toml).
 	@PATH="$(NEXTEST_ROOT)/bin:$$PATH" RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc.sh \
@@ -145,11 +146,13 @@ soak: tools server ## The service for SOAK_SECONDS (600) under valid and hostile
 
 lint: ## clippy (panics denied in the filter) and rustfmt
 	$(CARGO) fmt --all -- --check
+	$(CARGO) fmt --manifest-path server/protogen/Cargo.toml -- --check
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all
+	$(CARGO) fmt --manifest-path server/protogen/Cargo.toml
 
 clean:
 	$(CARGO) clean
