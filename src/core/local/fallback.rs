@@ -103,6 +103,18 @@ impl Shares {
         }
     }
 
+    /// The shares `plan` is taken in: split by the number of proxies its admission read
+    /// ([`Plan::instances`]), or, when it read none, by the one stored now ([`Shares::learned`]).
+    pub fn of_plan<S: CasStore + ?Sized>(cfg: &Config, plan: &Plan, store: &S) -> Shares {
+        match plan.instances {
+            0 => Shares::of(cfg).learned(store),
+            known => Shares {
+                instances: known,
+                ..Shares::of(cfg)
+            },
+        }
+    }
+
     /// These shares split by the number of proxies learned from the answers, when one was
     /// ([`learn`]; it is stored already floored).
     pub fn learned<S: CasStore + ?Sized>(self, store: &S) -> Shares {
@@ -589,7 +601,7 @@ pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: 
     if !enabled(cfg) || plan.rls.is_some() {
         return;
     }
-    let sh = Shares::of(cfg).learned(store);
+    let sh = Shares::of_plan(cfg, plan, store);
     let n = plan.request.buckets.len();
     let mut debts = vec![0u64; n];
     let mut any = false;
@@ -689,10 +701,10 @@ pub fn remember<S: CasStore + ?Sized>(
         Outcome::Allowed(r) | Outcome::Limited(r) => r,
         Outcome::Failed(_) => return,
     };
-    // The number an answer reported is the one stored: read back only when none was reported
-    // (0; one shared-data read per answer fewer).
+    // The number an answer reported is the one stored; an answer that reports none (an RLS
+    // server's) is split as its admission read.
     let sh = match resp.instances {
-        0 => Shares::of(cfg).learned(store),
+        0 => Shares::of_plan(cfg, plan, store),
         heard => Shares {
             instances: learn(cfg, store, heard, plan.instances),
             ..Shares::of(cfg)
