@@ -225,27 +225,20 @@ impl<A: Abi> Dispatcher<A> {
             if config.shadow { ", shadow mode" } else { "" }
         );
         let prefix = crate::core::local::fallback::state_prefix(&config);
+        let shared = Shared {
+            abi: &self.abi,
+            prefix: &prefix,
+        };
         // Every slot exists before any request writes one (shared data has no insert-if-absent).
         let mut config = config;
         // Every callout of this configuration carries this Envoy's instance id.
-        config.instance = Some(crate::core::wire::instance::adopt(&Shared {
-            abi: &self.abi,
-            prefix: &prefix,
-        }));
-        config.fallback.previous_max_keys = crate::core::local::fallback::prepare_for(
-            &config,
-            &Shared {
-                abi: &self.abi,
-                prefix: &prefix,
-            },
-        );
+        config.instance = Some(crate::core::wire::instance::adopt(&shared));
+        config.fallback.previous_max_keys =
+            crate::core::local::fallback::prepare_for(&config, &shared);
         if inflight::local_enabled(&config) {
             // The local fallback slots' counters, zero, before any request.
             crate::core::local::fallback::prepare_table(
-                &Shared {
-                    abi: &self.abi,
-                    prefix: &prefix,
-                },
+                &shared,
                 crate::core::local::table::SLOTS_TABLE,
                 config.fallback.max_keys,
                 &[0; 8],
