@@ -80,12 +80,12 @@ fn calls(r: &RedisProc, cmd: &str) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_tasks_one_bucket_exactly_capacity_and_fewer_script_calls() {
+async fn many_tasks_one_bucket_exactly_capacity_and_fewer_redis_calls() {
     let r = RedisProc::start();
     for calls_in_flight in [1, 2] {
         let store = coalescing(redis_store(&r.url(), 1000), calls_in_flight);
         store.ping().await.expect("redis answers");
-        let before = calls(&r, "evalsha");
+        let before = calls(&r, "fcall");
         let key = format!("one-bucket-{calls_in_flight}");
         // 64 tasks x 8 takes = 512 takes for 300 tokens (no refill within the test).
         let admitted: usize = race(store, 64, 8, |_| vec![tb(&key, 300)])
@@ -96,10 +96,10 @@ async fn many_tasks_one_bucket_exactly_capacity_and_fewer_script_calls() {
             admitted, 300,
             "exactly the capacity ({calls_in_flight} calls)"
         );
-        let scripts = calls(&r, "evalsha") - before;
+        let scripts = calls(&r, "fcall") - before;
         assert!(
             scripts < 512 / 2,
-            "512 takes shared {scripts} script calls ({calls_in_flight} calls)"
+            "512 takes shared {scripts} calls of the take function ({calls_in_flight} calls)"
         );
         assert!(scripts > 0);
     }
@@ -112,7 +112,7 @@ async fn through_the_service_exactly_capacity() {
     let svc = Service::start(Arc::new(redis_store(&r.url(), 1000)), None).await;
     let key = unique("svc-coalesce");
     let body = serde_json::json!({ "buckets": [bucket(&key, 100, 1, HOUR, 1)] });
-    let before = calls(&r, "evalsha");
+    let before = calls(&r, "fcall");
     let handles: Vec<_> = (0..32)
         .map(|_| {
             let body = body.clone();
@@ -143,8 +143,11 @@ async fn through_the_service_exactly_capacity() {
         admitted += h.await.unwrap();
     }
     assert_eq!(admitted, 100, "192 takes of a 100-token bucket");
-    let scripts = calls(&r, "evalsha") - before;
-    assert!(scripts > 0 && scripts <= 192, "{scripts} script calls");
+    let scripts = calls(&r, "fcall") - before;
+    assert!(
+        scripts > 0 && scripts <= 192,
+        "{scripts} calls of the take function"
+    );
     // The next take sees the bucket empty, as a lone take.
     let (status, v) = post_take(&reqwest::Client::new(), &svc, &body).await;
     assert_eq!((status, v["allowed"].as_bool()), (200, Some(false)), "{v}");

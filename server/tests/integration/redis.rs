@@ -151,9 +151,99 @@ async fn password_in_the_url_is_used_and_never_shown() {
     assert!(!e.to_string().contains("wrong@"), "{e}");
 }
 
+/// How many times Redis ran `command` (`INFO commandstats`), 0 when never.
+fn calls_of(r: &RedisProc, command: &str) -> u64 {
+    let stats = r.cmd(&["INFO", "commandstats"]).unwrap_or_default();
+    let prefix = format!("cmdstat_{command}:calls=");
+    stats
+        .lines()
+        .find_map(|l| l.trim().strip_prefix(prefix.as_str()))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().expect("a call count"))
+}
+
+/// On Redis 7 the takes are `FCALL`s of the library (no script runs), which the store loads
+/// itself, and loads again after `FUNCTION FLUSH` (or a restart without persistence).
+#[tokio::test]
+async fn takes_run_as_functions_and_a_flushed_library_is_loaded_again() {
+    let r = RedisProc::start();
+    let s = common::redis_store(&r.url(), 1000);
+    let b = tb("fn", 4, 4, 3_600_000, 1);
+    assert!(s.take(std::slice::from_ref(&b)).await.unwrap().allowed);
+    assert!(s.take_batch(&[vec![b.clone()]]).await.unwrap()[0].allowed);
+    let list = r.cmd(&["FUNCTION", "LIST"]).unwrap_or_default();
+    assert!(list.contains("tollgate_"), "the library is loaded: {list}");
+    assert_eq!(
+        calls_of(&r, "fcall"),
+        3,
+        "the first take finds no library, loads it and calls again; the batch finds it"
+    );
+    assert_eq!(calls_of(&r, "evalsha"), 0, "no script ran");
+
+    assert_eq!(r.cmd(&["FUNCTION", "FLUSH"]).as_deref(), Some("OK"));
+    let d = s
+        .take(std::slice::from_ref(&b))
+        .await
+        .expect("the library is loaded again");
+    assert_eq!(d.buckets[0].remaining, 1);
+    assert_eq!(r.cmd(&["FUNCTION", "FLUSH"]).as_deref(), Some("OK"));
+    let ds = s
+        .take_batch(&[vec![b.clone()], vec![b]])
+        .await
+        .expect("the library is loaded again for a batch");
+    assert_eq!(
+        ds.iter().map(|d| d.allowed).collect::<Vec<_>>(),
+        [true, false]
+    );
+    assert_eq!(calls_of(&r, "evalsha"), 0, "still no script");
+}
+
+/// A Redis without functions (before 7.0: `FCALL` unknown, as here with it renamed away; or an
+/// ACL that refuses it) is taken with the scripts, as exactly.
+#[tokio::test]
+async fn a_redis_without_functions_is_taken_with_scripts() {
+    let renamed = RedisProc::start_on(
+        common::free_port(),
+        &["--rename-command", "FCALL", "fcall-renamed-away"],
+    );
+    let refused = RedisProc::start();
+    assert_eq!(
+        refused
+            .cmd(&["ACL", "SETUSER", "default", "-fcall", "-function"])
+            .as_deref(),
+        Some("OK")
+    );
+    for r in [&renamed, &refused] {
+        let s = common::redis_store(&r.url(), 1000);
+        let b = tb("nofn", 3, 3, 3_600_000, 1);
+        let d = s.take(std::slice::from_ref(&b)).await.unwrap();
+        assert!(d.allowed && d.buckets[0].remaining == 2, "{d:?}");
+        let ds = s
+            .take_batch(&[vec![b.clone()], vec![b.clone()], vec![b]])
+            .await;
+        assert_eq!(
+            ds.unwrap().iter().map(|d| d.allowed).collect::<Vec<_>>(),
+            [true, true, false]
+        );
+        assert!(calls_of(r, "evalsha") >= 2, "the takes ran as scripts");
+    }
+    assert!(
+        !refused
+            .cmd(&["FUNCTION", "LIST"])
+            .unwrap_or_default()
+            .contains("tollgate_"),
+        "nothing was loaded where functions are refused"
+    );
+}
+
+/// `NOSCRIPT` (after a restart or `SCRIPT FLUSH`) is recovered: on a Redis without functions,
+/// whose takes are scripts.
 #[tokio::test]
 async fn script_flush_is_recovered() {
-    let r = RedisProc::start();
+    let r = RedisProc::start_on(
+        common::free_port(),
+        &["--rename-command", "FCALL", "fcall-renamed-away"],
+    );
     let s = common::redis_store(&r.url(), 1000);
     let b = tb("flush", 3, 3, 3_600_000, 1);
     assert!(s.take(std::slice::from_ref(&b)).await.unwrap().allowed);
@@ -322,14 +412,14 @@ async fn redis_cluster_slots_and_all_or_nothing() {
     assert!(d.allowed);
     assert_eq!((d.buckets[0].remaining, d.buckets[1].remaining), (3, 1));
 
-    // NOSCRIPT recovery on every node.
+    // The takes' library loaded again on every primary after a flush.
     for n in &cluster.nodes {
-        assert_eq!(n.cmd(&["SCRIPT", "FLUSH"]).as_deref(), Some("OK"));
+        assert_eq!(n.cmd(&["FUNCTION", "FLUSH"]).as_deref(), Some("OK"));
     }
     let d = s
         .take(&[c, b2])
         .await
-        .expect("NOSCRIPT recovered on the cluster");
+        .expect("the library is loaded again on the cluster");
     assert!(d.allowed);
     assert_eq!((d.buckets[0].remaining, d.buckets[1].remaining), (2, 0));
 

@@ -50,6 +50,9 @@
 //! bucket's algorithm through `ALGORITHMS[code]`. One script handles a mix of algorithms so that
 //! all buckets of a slot are taken in one call. They are sent with EVALSHA; on `NOSCRIPT` (after a restart or `SCRIPT FLUSH`)
 //! `redis::Script` loads them (`SCRIPT LOAD`, sent to every primary on a cluster) and retries.
+//! The takes (`take.lua`, `take_batch.lua`) are `FCALL`s of one Redis Functions library built
+//! from the same files (`library.rs`), which defines the prelude and the algorithms once instead
+//! of on every call; on a Redis without functions they are sent as scripts too.
 //! Keys are laid out by [`super::keys`]. The reply is turned into decisions by [`decode_take`], a
 //! pure function. `reset.lua` (one `DEL` of a bucket's one key, in its own hash slot) stands
 //! alone, as `acquire.lua`, `release.lua` and `instances.lua` do.
@@ -62,11 +65,13 @@
 //! | `conn.rs` | where Redis is, timeouts, TLS (rustls), [`redact_url`], client errors |
 //! | `link.rs` | the connection: standalone, Cluster or the Sentinel-named master |
 //! | `scripts.rs` | the scripts' sources, each operation's ARGV, EVALSHA with `NOSCRIPT` recovery |
+//! | `library.rs` | the takes as one Redis Functions library: `FCALL`, loaded on demand, scripts without functions |
 //! | `decode.rs` | script replies into decisions (pure) |
 //! | `sentinel.rs` | the master Redis Sentinel names, asked again after a failover |
 
 mod conn;
 mod decode;
+mod library;
 mod link;
 mod scripts;
 mod sentinel;
@@ -82,10 +87,12 @@ pub use self::conn::{
 };
 use self::decode::decode_instances;
 pub use self::decode::{decode_batch, decode_settle, decode_take, GroupReply};
+use self::library::{Function, Library};
 use self::link::Conn;
 use self::scripts::{evalsha, Scripts, PER_BUCKET};
 pub use self::scripts::{
-    refund_script_source, settle_script_source, take_batch_script_source, take_script_source,
+    refund_script_source, settle_script_source, take_batch_script_source, take_library_source,
+    take_script_source,
 };
 pub use self::sentinel::SentinelConfig;
 use super::keys::{bucket_key, redis_key, slot};
@@ -99,6 +106,9 @@ use crate::domain::{
 pub struct RedisStore {
     conn: Conn,
     config: RedisConfig,
+    /// The takes as Redis functions; `take` and `take_batch` are their scripts, for a Redis
+    /// without functions.
+    library: Arc<Library>,
     take: Arc<Scripts>,
     take_batch: Arc<Scripts>,
     refund: Arc<Script>,
@@ -150,6 +160,7 @@ impl RedisStore {
         RedisStore {
             conn,
             config,
+            library: Arc::new(scripts::take_library()),
             take: Arc::new(Scripts::new(take_script_source)),
             take_batch: Arc::new(Scripts::new(take_batch_script_source)),
             refund: Arc::new(Script::new(&refund_script_source())),
@@ -193,7 +204,9 @@ impl RedisStore {
             these.push(b);
         }
         let script = self.take.of(these.iter().copied());
-        let reply = self.invoke(script, &ks, &args).await?;
+        let reply = self
+            .invoke_function(Function::Take, script, &ks, &args)
+            .await?;
         decode_take(&reply, &these)
     }
 
@@ -208,7 +221,9 @@ impl RedisStore {
         let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
         let args = scripts::batch_args(takes);
         let script = self.take_batch.of(takes.iter().flat_map(|t| t.iter()));
-        let reply = self.invoke(script, &ks, &args).await?;
+        let reply = self
+            .invoke_function(Function::Batch, script, &ks, &args)
+            .await?;
         decode_batch(&reply, takes)
     }
 

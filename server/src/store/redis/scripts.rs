@@ -1,9 +1,11 @@
 //! The Lua scripts: their sources (the shared files concatenated before each driver), how each
-//! operation lays out its ARGV, and EVALSHA with recovery from `NOSCRIPT`.
+//! operation lays out its ARGV, EVALSHA with recovery from `NOSCRIPT`, and the takes' `FCALL` of
+//! the library built from the same sources (`library.rs`).
 
 use redis::{RedisError, Script};
 
 use super::conn::map_err;
+use super::library::{Called, Function, Library};
 use super::link::Conn;
 use super::RedisStore;
 use crate::domain::{Algorithm, BucketSpec, Settlement};
@@ -52,6 +54,17 @@ pub fn take_batch_script_source(only: Option<Algorithm>) -> String {
         Some(a) => source_with(algorithm::lua_of(a), &[TAKE_ONE, TAKE_BATCH]),
         None => source(&[TAKE_ONE, TAKE_BATCH]),
     }
+}
+
+/// The takes' library (`library.rs`): the prelude, every algorithm and `take_one.lua`, with
+/// `take.lua` and `take_batch.lua` as its two functions.
+pub(super) fn take_library() -> Library {
+    Library::new(&source(&[TAKE_ONE]), TAKE, TAKE_BATCH)
+}
+
+/// The full source of the takes' library, as `FUNCTION LOAD` receives it.
+pub fn take_library_source() -> String {
+    take_library().source().to_string()
 }
 
 /// One driver's scripts: one per algorithm, holding only that algorithm's Lua, and one holding
@@ -212,6 +225,49 @@ pub(super) fn instances_args(seen: &[String], ttl_ms: u64) -> Vec<String> {
 }
 
 impl RedisStore {
+    /// Calls the library's function `f` with keys and integer args on the right connection, within
+    /// the timeout; on a Redis without functions runs `script` (the same driver) instead, from then
+    /// on (`library.rs`).
+    pub(super) async fn invoke_function<A: redis::ToRedisArgs>(
+        &self,
+        f: Function,
+        script: &Script,
+        keys: &[&str],
+        args: &[A],
+    ) -> Result<Vec<i64>, StoreError> {
+        let lib = &self.library;
+        if lib.scripts_only() {
+            return self.invoke(script, keys, args).await;
+        }
+        let cmd = lib.call(f, keys, args);
+        let call = async {
+            match &self.conn {
+                Conn::Single(m) => {
+                    let mut m = m.clone();
+                    lib.fcall(&cmd, &mut m).await.map_err(map_err)
+                }
+                Conn::Cluster(cc) => {
+                    let mut c = cc.get().await?;
+                    lib.fcall(&cmd, &mut c).await.map_err(map_err)
+                }
+                Conn::Sentinel(s) => {
+                    let cmd = &cmd;
+                    s.query(|mut c| async move { lib.fcall(cmd, &mut c).await })
+                        .await
+                }
+            }
+        };
+        match tokio::time::timeout(self.config.timeout, call).await {
+            Ok(Ok(Called::Reply(v))) => Ok(v),
+            Ok(Ok(Called::Refused)) => {
+                lib.use_scripts();
+                self.invoke(script, keys, args).await
+            }
+            Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(self.timeout_ms())),
+            Ok(Err(e)) => Err(e),
+        }
+    }
+
     /// Runs `script` with keys and integer args on the right connection, within the timeout.
     pub(super) async fn invoke<A: redis::ToRedisArgs>(
         &self,
