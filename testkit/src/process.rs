@@ -152,9 +152,42 @@ pub fn free_port() -> u16 {
 /// How many times a component is started on a new port after it exited at start (port clash).
 pub const START_ATTEMPTS: usize = 3;
 
-/// A 127.0.0.1 port where nothing listens (connections are refused).
+/// A 127.0.0.1 port where nothing listens (connections are refused), and where nothing of the suite
+/// will: it lies below the kernel's ephemeral range (`ip_local_port_range`), from which every
+/// `free_port` of every test process comes. A port from `free_port` would only be closed until
+/// another test, in another process, was handed it for its service: a test of a refused connection
+/// then reached someone else's service.
 pub fn closed_port() -> u16 {
-    free_port()
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let low = ephemeral_low();
+    // 12,000 ports below the range, visited from a point of this process's own.
+    let span = 12_000u64.min(u64::from(low).saturating_sub(1025)).max(1);
+    let start = u64::from(std::process::id()).wrapping_mul(7919);
+    for _ in 0..1000 {
+        let n = SEQ.fetch_add(1, Ordering::Relaxed);
+        let offset = u16::try_from((start + n * 101) % span).unwrap_or(0);
+        let port = low - 1 - offset;
+        // Nothing bound there now (the bind is released at once) and nothing listening.
+        if TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && TcpStream::connect_timeout(
+                &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                Duration::from_millis(200),
+            )
+            .is_err()
+        {
+            return port;
+        }
+    }
+    panic!("no closed port found below {low}");
+}
+
+/// The first port of the kernel's ephemeral range (Linux's default 32768 when it cannot be read).
+fn ephemeral_low() -> u16 {
+    fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .filter(|&p: &u16| p > 2048)
+        .unwrap_or(32768)
 }
 
 /// A child process killed by PID on drop; its combined output goes to `log`.
@@ -298,4 +331,26 @@ pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
         thread::sleep(Duration::from_millis(20));
     }
     cond()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_closed_port_is_refused_and_never_one_a_test_is_handed() {
+        let low = ephemeral_low();
+        for _ in 0..20 {
+            let closed = closed_port();
+            assert!(
+                closed < low,
+                "{closed} is in the ephemeral range from {low}"
+            );
+            assert!(TcpStream::connect(("127.0.0.1", closed)).is_err());
+            assert!(
+                free_port() >= low,
+                "free ports come from the ephemeral range"
+            );
+        }
+    }
 }
