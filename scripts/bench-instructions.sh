@@ -52,27 +52,6 @@ trap stop_started EXIT INT TERM
 start_redis "$OUT"
 start_service "$OUT"
 
-# The client: N GETs over C keep-alive connections at once (one after the other on each); fails on
-# any non-200.
-cat >"$OUT/drive.py" <<'PY'
-import http.client, sys, threading
-port, n, clients = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-failed = []
-def client(count):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    for _ in range(count):
-        c.request("GET", "/x")
-        r = c.getresponse()
-        r.read()
-        if r.status != 200:
-            failed.append(r.status)
-            return
-threads = [threading.Thread(target=client, args=(n // clients + (i < n % clients),)) for i in range(clients)]
-for t in threads: t.start()
-for t in threads: t.join()
-if failed:
-    sys.exit(f"statuses {failed}")
-PY
 
 plugin() { # $1: transport, $2: extra rule fields, $3: extra service fields
   printf '{"service": {"cluster": "tollgate", "transport": "%s", "timeout_ms": 1000%s}, "rules": [{"name": "all", %s "key": ["literal:bench"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000}]}' "$1" "${3:-}" "$2"
@@ -95,32 +74,10 @@ for variant in $VARIANTS; do
     *) die "unknown variant $variant" ;;
   esac
   envoy_config "${args[@]}" >"$OUT/envoy-$variant.yaml"
-  valgrind --tool=callgrind --smc-check=all-non-file --callgrind-out-file="$OUT/callgrind-$variant.out" \
-    "$ENVOY" -c "$OUT/envoy-$variant.yaml" --concurrency 1 --disable-hot-restart --log-level warn \
-    >"$OUT/envoy-$variant.log" 2>&1 &
-  pid=$!; PIDS+=("$pid")
-  for _ in $(seq 240); do
-    curl -fsS "http://127.0.0.1:$admin/ready" >/dev/null 2>&1 && break
-    kill -0 "$pid" 2>/dev/null || { tail -n 20 "$OUT/envoy-$variant.log" >&2; die "$variant: Envoy exited"; }
-    sleep 0.5
-  done
-  python3 "$OUT/drive.py" "$port" "$WARMUP" "$CLIENTS" || die "$variant: warm-up failed"
-  counts=()
-  for round in $(seq "$ROUNDS"); do
-    callgrind_control -z "$pid" >/dev/null 2>&1
-    python3 "$OUT/drive.py" "$port" "$REQUESTS" "$CLIENTS" || die "$variant: round $round failed"
-    dump=$OUT/callgrind-$variant.out.$round
-    callgrind_control -d "$pid" >/dev/null 2>&1
-    for _ in $(seq 100); do
-      [ -s "$dump" ] && break
-      sleep 0.1
-    done
-    [ -s "$dump" ] || die "$variant: no callgrind dump $dump"
-    counts+=("$(awk -v n="$REQUESTS" '/^totals:/ {printf "%.0f", $2 / n}' "$dump")")
-  done
-  kill "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  median=$(printf '%s\n' "${counts[@]}" | sort -n | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}')
+  callgrind_envoy "$variant" "$OUT" "$admin"
+  python3 scripts/drive.py "$port" "$WARMUP" "$CLIENTS" || die "$variant: warm-up failed"
+  callgrind_rounds "$variant" "$OUT" "$ROUNDS" "$REQUESTS" python3 scripts/drive.py "$port" "$REQUESTS" "$CLIENTS"
+  counts=("${COUNTS[@]}"); median=$MEDIAN
   say "$variant: ${counts[*]} instructions per request (median $median)"
   printf '%s\t%s\t%s\n' "$variant" "$median" "${counts[*]}" >>"$RESULTS"
 done

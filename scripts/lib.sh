@@ -134,3 +134,44 @@ envoy_config() {
   [ -x "$ENVOY_CONFIG" ] || die "missing $ENVOY_CONFIG (run \`make envoy-config\`)"
   "$ENVOY_CONFIG" "$@"
 }
+
+# callgrind_envoy NAME OUT ADMIN: Envoy (--concurrency 1, bare) under `valgrind --tool=callgrind`
+# with the configuration OUT/envoy-NAME.yaml, waited for on its admin port ADMIN; its log is
+# OUT/envoy-NAME.log, its dumps OUT/callgrind-NAME.out.<n>. Sets CG_PID.
+callgrind_envoy() {
+  local name=$1 out=$2 admin=$3
+  valgrind --tool=callgrind --smc-check=all-non-file --callgrind-out-file="$out/callgrind-$name.out" \
+    "$ENVOY" -c "$out/envoy-$name.yaml" --concurrency 1 --disable-hot-restart --log-level warn \
+    >"$out/envoy-$name.log" 2>&1 &
+  CG_PID=$!; PIDS+=("$CG_PID")
+  for _ in $(seq 240); do
+    curl -fsS "http://127.0.0.1:$admin/ready" >/dev/null 2>&1 && return 0
+    kill -0 "$CG_PID" 2>/dev/null || { tail -n 20 "$out/envoy-$name.log" >&2; die "$name: Envoy exited"; }
+    sleep 0.5
+  done
+  die "$name: Envoy not ready"
+}
+
+# callgrind_rounds NAME OUT ROUNDS REQUESTS CMD...: ROUNDS runs of CMD (which sends REQUESTS
+# requests) against callgrind_envoy's Envoy, its counters zeroed before and dumped after each, then
+# Envoy stopped. Sets COUNTS (Envoy's instructions per request, one per round) and MEDIAN.
+callgrind_rounds() {
+  local name=$1 out=$2 rounds=$3 requests=$4 dump
+  shift 4
+  COUNTS=()
+  for round in $(seq "$rounds"); do
+    callgrind_control -z "$CG_PID" >/dev/null 2>&1
+    "$@" || die "$name: round $round failed"
+    dump=$out/callgrind-$name.out.$round
+    callgrind_control -d "$CG_PID" >/dev/null 2>&1
+    for _ in $(seq 100); do
+      [ -s "$dump" ] && break
+      sleep 0.1
+    done
+    [ -s "$dump" ] || die "$name: no callgrind dump $dump"
+    COUNTS+=("$(awk -v n="$requests" '/^totals:/ {printf "%.0f", $2 / n}' "$dump")")
+  done
+  kill "$CG_PID" 2>/dev/null || true
+  wait "$CG_PID" 2>/dev/null || true
+  MEDIAN=$(printf '%s\n' "${COUNTS[@]}" | sort -n | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}')
+}

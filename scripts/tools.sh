@@ -72,14 +72,24 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq --no-install-recommends "${apt_pkgs[@]}" >/dev/null
   $SUDO rm -f /usr/sbin/policy-rc.d
 fi
+# pip_pinned DIR PACKAGE VERSION: PACKAGE==VERSION into the project-local folder DIR (its user puts
+# it on PYTHONPATH), unless it is there already.
+pip_pinned() {
+  local dir=$1 package=$2 version=$3
+  [ -f "$dir/.$package-$version" ] && return 0
+  say "installing $package==$version into $dir"
+  rm -rf "$dir.tmp"
+  python3 -m pip install --quiet --disable-pip-version-check --target "$dir.tmp" "$package==$version"
+  touch "$dir.tmp/.$package-$version"
+  rm -rf "$dir" && mv "$dir.tmp" "$dir"
+}
 # 4. The demo's chart: matplotlib, pinned, in a project-local folder (the demo puts it on PYTHONPATH).
-MATPLOTLIB_VERSION=3.10.8
-if [ "${1:-}" = demo ] && [ ! -f "$TOOLS/py-demo/.matplotlib-$MATPLOTLIB_VERSION" ]; then
-  say "installing matplotlib==$MATPLOTLIB_VERSION into $TOOLS/py-demo"
-  rm -rf "$TOOLS/py-demo.tmp"
-  python3 -m pip install --quiet --disable-pip-version-check --target "$TOOLS/py-demo.tmp" "matplotlib==$MATPLOTLIB_VERSION"
-  touch "$TOOLS/py-demo.tmp/.matplotlib-$MATPLOTLIB_VERSION"
-  rm -rf "$TOOLS/py-demo" && mv "$TOOLS/py-demo.tmp" "$TOOLS/py-demo"
+if [ "${1:-}" = demo ]; then
+  pip_pinned "$TOOLS/py-demo" matplotlib 3.10.8
+fi
+# 4a. The stream probe's gRPC peer (scripts/bench-stream.sh): grpcio, pinned, project-local.
+if [ "${1:-}" = bench ]; then
+  pip_pinned "$TOOLS/py-grpc" grpcio 1.68.1
 fi
 
 # 4b. Fuzzing: cargo-fuzz, pinned, project-local. It drives libFuzzer through the libfuzzer-sys crate

@@ -1,0 +1,22 @@
+"""N GETs of /x on 127.0.0.1:PORT over C keep-alive connections at once, one after the other on
+each; exits non-zero on any status but 200. The benchmarks' client under callgrind
+(bench-instructions.sh, bench-stream.sh): `python3 scripts/drive.py PORT N [C]`.
+"""
+import http.client, sys, threading
+port, n = int(sys.argv[1]), int(sys.argv[2])
+clients = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+failed = []
+def client(count):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    for _ in range(count):
+        c.request("GET", "/x")
+        r = c.getresponse()
+        r.read()
+        if r.status != 200:
+            failed.append(r.status)
+            return
+threads = [threading.Thread(target=client, args=(n // clients + (i < n % clients),)) for i in range(clients)]
+for t in threads: t.start()
+for t in threads: t.join()
+if failed:
+    sys.exit(f"statuses {failed}")
