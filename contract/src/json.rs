@@ -162,6 +162,7 @@ pub fn read_take(v: &Value) -> Result<TakeRequest, DecodeError> {
     Ok(TakeRequest { buckets })
 }
 
+#[cfg(test)]
 fn json_bool(v: &Value, field: &str) -> Result<bool, DecodeError> {
     v.get(field)
         .and_then(Value::as_bool)
@@ -179,14 +180,306 @@ fn json_u64(v: &Value, field: &str) -> Result<u64, DecodeError> {
 }
 
 /// Decodes an answer. `allowed` is required at both levels, and `buckets`; the numbers default
-/// to 0; unknown fields are ignored (a newer service may add some).
+/// to 0; unknown fields are ignored (a newer service may add some). Read by one serde visitor
+/// ([`Read`]) into the fields an answer holds, so no `serde_json::Value` tree is built for it:
+/// every exact decision over HTTP reads one. [`read_answer`], through `Value`, is the reference
+/// it is tested against.
 pub fn decode_answer(body: &[u8]) -> Result<TakeResponse, DecodeError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))?;
-    answer(&v)
+    match read(body, Want::Answer)? {
+        Got::Answer(a) => a.answer(),
+        _ => Err(missing_allowed()),
+    }
 }
 
 /// Decodes a batch answer (`{"results": [...]}`): one answer per take, in order.
 pub fn decode_batch_answer(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
+    let Got::Batch(Some(list)) = read(body, Want::Batch)? else {
+        return Err(DecodeError(format!(
+            "`{}` missing or not a list",
+            fields::RESULTS
+        )));
+    };
+    list.into_iter()
+        .map(|a| match a {
+            Got::Answer(a) => a.answer(),
+            _ => Err(missing_allowed()),
+        })
+        .collect()
+}
+
+fn read(body: &[u8], want: Want) -> Result<Got, DecodeError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let got = serde::de::DeserializeSeed::deserialize(Read(want), &mut de)
+        .and_then(|g| de.end().map(|()| g))
+        .map_err(|e| DecodeError(e.to_string()))?;
+    Ok(got)
+}
+
+fn missing_allowed() -> DecodeError {
+    DecodeError(format!("`{}` missing or not a boolean", fields::ALLOWED))
+}
+
+/// A scalar where an answer holds one, as read: what `serde_json::Value` would have held there,
+/// kept only as far as the answer looks at it. Any other value (a string, a list, an object) is
+/// `Other`.
+#[derive(Clone, Copy, Default, PartialEq)]
+enum Scalar {
+    #[default]
+    Absent,
+    Null,
+    Bool(bool),
+    /// A number `Value::as_u64` reads (a non-negative integer).
+    Unsigned(u64),
+    Other,
+}
+
+impl Scalar {
+    fn boolean(self, field: &str) -> Result<bool, DecodeError> {
+        match self {
+            Scalar::Bool(b) => Ok(b),
+            _ => Err(DecodeError(format!("`{field}` missing or not a boolean"))),
+        }
+    }
+
+    /// An optional non-negative integer (absent or null = 0, as in protobuf).
+    fn unsigned(self, field: &str) -> Result<u64, DecodeError> {
+        match self {
+            Scalar::Absent | Scalar::Null => Ok(0),
+            Scalar::Unsigned(n) => Ok(n),
+            _ => Err(DecodeError(format!(
+                "`{field}` is not a non-negative integer"
+            ))),
+        }
+    }
+}
+
+/// What [`Read`] is reading: the shape it expects where it is.
+#[derive(Clone, Copy)]
+enum Want {
+    /// A value the answer holds as a scalar, or one it does not hold at all.
+    Scalar,
+    /// An answer (`{"allowed": .., "buckets": [..], "instances": ..}`).
+    Answer,
+    /// A bucket's result.
+    Bucket,
+    /// A batch answer (`{"results": [..]}`).
+    Batch,
+    /// A list of answers or buckets.
+    List(Element),
+}
+
+#[derive(Clone, Copy)]
+enum Element {
+    Answer,
+    Bucket,
+}
+
+/// An answer's fields as read (`None` for a list of buckets that is absent or not a list).
+#[derive(Default)]
+struct RawAnswer {
+    allowed: Scalar,
+    buckets: Option<Vec<Got>>,
+    instances: Scalar,
+}
+
+/// What [`Read`] read. A value of another shape than the one wanted is `Scalar(Other)` (or the
+/// scalar it is): what a field holds is judged when the answer is read, after the whole body, so a
+/// later duplicate replaces an earlier one as in `Value`'s map.
+enum Got {
+    Scalar(Scalar),
+    Answer(RawAnswer),
+    /// A bucket's result: allowed, limit, remaining, reset_ms, retry_after_ms, granted.
+    Bucket([Scalar; 6]),
+    Batch(Option<Vec<Got>>),
+    List(Vec<Got>),
+}
+
+impl Got {
+    fn scalar(self) -> Scalar {
+        match self {
+            Got::Scalar(s) => s,
+            _ => Scalar::Other,
+        }
+    }
+
+    fn list(self) -> Option<Vec<Got>> {
+        match self {
+            Got::List(l) => Some(l),
+            _ => None,
+        }
+    }
+}
+
+impl RawAnswer {
+    fn answer(self) -> Result<TakeResponse, DecodeError> {
+        let allowed = self.allowed.boolean(fields::ALLOWED)?;
+        let list = self
+            .buckets
+            .ok_or_else(|| DecodeError(format!("`{}` missing or not a list", fields::BUCKETS)))?;
+        let mut buckets = Vec::with_capacity(list.len());
+        for b in list {
+            let Got::Bucket([a, limit, remaining, reset_ms, retry_after_ms, granted]) = b else {
+                return Err(missing_allowed());
+            };
+            buckets.push(BucketResult {
+                allowed: a.boolean(fields::ALLOWED)?,
+                limit: limit.unsigned(fields::LIMIT)?,
+                remaining: remaining.unsigned(fields::REMAINING)?,
+                reset_ms: reset_ms.unsigned(fields::RESET_MS)?,
+                retry_after_ms: retry_after_ms.unsigned(fields::RETRY_AFTER_MS)?,
+                granted: granted.unsigned(fields::GRANTED)?,
+            });
+        }
+        Ok(TakeResponse {
+            allowed,
+            buckets,
+            // A count that is not a number is no count (as protobuf's absent field).
+            instances: self.instances.unsigned(fields::INSTANCES).unwrap_or(0),
+        })
+    }
+}
+
+/// The names of a bucket's result, in the order of [`Got::Bucket`].
+const BUCKET_FIELDS: [&str; 6] = [
+    fields::ALLOWED,
+    fields::LIMIT,
+    fields::REMAINING,
+    fields::RESET_MS,
+    fields::RETRY_AFTER_MS,
+    fields::GRANTED,
+];
+
+/// The one visitor of an answer, at every level: it reads every value, those the answer does not
+/// hold too (as [`Scalar::Other`], not passed over with serde's `IgnoredAny`, so their strings are
+/// checked as `Value` checks them: escapes, UTF-8). One visitor type, so the module carries
+/// serde_json's reader once for it.
+struct Read(Want);
+
+impl<'de> serde::de::DeserializeSeed<'de> for Read {
+    type Value = Got;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Got, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Read {
+    type Value = Got;
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, b: bool) -> Result<Got, E> {
+        Ok(Got::Scalar(Scalar::Bool(b)))
+    }
+    fn visit_u64<E>(self, n: u64) -> Result<Got, E> {
+        Ok(Got::Scalar(Scalar::Unsigned(n)))
+    }
+    fn visit_i64<E>(self, n: i64) -> Result<Got, E> {
+        // serde_json hands non-negative integers to visit_u64; `Value::as_u64` reads no other.
+        Ok(Got::Scalar(
+            u64::try_from(n).map_or(Scalar::Other, Scalar::Unsigned),
+        ))
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Got, E> {
+        Ok(Got::Scalar(Scalar::Other))
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Got, E> {
+        Ok(Got::Scalar(Scalar::Other))
+    }
+    fn visit_unit<E>(self) -> Result<Got, E> {
+        Ok(Got::Scalar(Scalar::Null))
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Got, A::Error> {
+        let element = match self.0 {
+            Want::List(Element::Answer) => Want::Answer,
+            Want::List(Element::Bucket) => Want::Bucket,
+            _ => Want::Scalar,
+        };
+        let mut out = Vec::new();
+        while let Some(g) = a.next_element_seed(Read(element))? {
+            if matches!(self.0, Want::List(_)) {
+                out.push(g);
+            }
+        }
+        Ok(match self.0 {
+            Want::List(_) => Got::List(out),
+            _ => Got::Scalar(Scalar::Other),
+        })
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Got, A::Error> {
+        let mut answer = RawAnswer::default();
+        let mut bucket = [Scalar::Absent; 6];
+        let mut results = None;
+        while let Some(key) = a.next_key::<Key<'de>>()? {
+            let key: &str = &key.0;
+            match self.0 {
+                Want::Answer if key == fields::ALLOWED => {
+                    answer.allowed = a.next_value_seed(Read(Want::Scalar))?.scalar();
+                }
+                Want::Answer if key == fields::INSTANCES => {
+                    answer.instances = a.next_value_seed(Read(Want::Scalar))?.scalar();
+                }
+                Want::Answer if key == fields::BUCKETS => {
+                    answer.buckets = a.next_value_seed(Read(Want::List(Element::Bucket)))?.list();
+                }
+                Want::Batch if key == fields::RESULTS => {
+                    results = a.next_value_seed(Read(Want::List(Element::Answer)))?.list();
+                }
+                Want::Bucket => {
+                    let v = a.next_value_seed(Read(Want::Scalar))?.scalar();
+                    if let Some(slot) = BUCKET_FIELDS
+                        .iter()
+                        .position(|n| *n == key)
+                        .and_then(|i| bucket.get_mut(i))
+                    {
+                        *slot = v;
+                    }
+                }
+                _ => {
+                    a.next_value_seed(Read(Want::Scalar))?;
+                }
+            }
+        }
+        Ok(match self.0 {
+            Want::Answer => Got::Answer(answer),
+            Want::Bucket => Got::Bucket(bucket),
+            Want::Batch => Got::Batch(results),
+            _ => Got::Scalar(Scalar::Other),
+        })
+    }
+}
+
+/// A key, borrowed when it holds no escape.
+struct Key<'a>(std::borrow::Cow<'a, str>);
+
+impl<'de> serde::Deserialize<'de> for Key<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(std::borrow::Cow::Borrowed(s)))
+            }
+            fn visit_str<E>(self, s: &str) -> Result<Key<'de>, E> {
+                Ok(Key(std::borrow::Cow::Owned(s.to_string())))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+/// [`decode_answer`] through `serde_json::Value`: the reference reading.
+#[cfg(test)]
+pub(crate) fn read_answer(body: &[u8]) -> Result<TakeResponse, DecodeError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))?;
+    answer(&v)
+}
+
+/// [`decode_batch_answer`] through `serde_json::Value`: the reference reading.
+#[cfg(test)]
+pub(crate) fn read_batch_answer(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| DecodeError(e.to_string()))?;
     v.get(fields::RESULTS)
         .and_then(Value::as_array)
@@ -196,6 +489,7 @@ pub fn decode_batch_answer(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError
         .collect()
 }
 
+#[cfg(test)]
 fn answer(v: &Value) -> Result<TakeResponse, DecodeError> {
     let allowed = json_bool(v, fields::ALLOWED)?;
     let list = buckets_of(v)?;

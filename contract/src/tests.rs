@@ -128,6 +128,11 @@ fn takes_and_answers_both_ways() {
 
         let resp_json = serde_json::to_vec(&case["response_json"]).unwrap();
         let from_json = json::decode_answer(&resp_json).unwrap();
+        assert_eq!(
+            Ok(&from_json),
+            json::read_answer(&resp_json).as_ref(),
+            "{name}: reference"
+        );
         let resp_pb = hex(case["response_pb_hex"].as_str().unwrap());
         let from_pb = proto::decode_answer(&resp_pb).unwrap();
         assert_eq!(from_json, from_pb, "{name}: JSON vs protobuf");
@@ -158,6 +163,11 @@ fn batches_both_ways() {
 
         let body = serde_json::to_vec(&case["response_json"]).unwrap();
         let from_json = json::decode_batch_answer(&body).unwrap();
+        assert_eq!(
+            Ok(&from_json),
+            json::read_batch_answer(&body).as_ref(),
+            "{name}: reference"
+        );
         let from_pb =
             proto::decode_batch_answer(&hex(case["response_pb_hex"].as_str().unwrap())).unwrap();
         assert_eq!(from_json, from_pb, "{name}: JSON vs protobuf");
@@ -238,6 +248,7 @@ fn json_answers_that_are_not_answers() {
             "{}",
             String::from_utf8_lossy(bad)
         );
+        assert!(json::read_answer(bad).is_err());
     }
     assert!(json::decode_batch_answer(b"{\"results\":{}}").is_err());
     // Unknown fields are ignored; a count that is not a number is no count.
@@ -249,4 +260,185 @@ fn json_answers_that_are_not_answers() {
             ..TakeResponse::default()
         })
     );
+}
+
+/// The answer read by visitors and the reference reading through `serde_json::Value` agree on
+/// what they accept, refuse and read.
+fn agree(body: &[u8]) {
+    let text = String::from_utf8_lossy(body);
+    let (ours, reference) = (json::decode_answer(body), json::read_answer(body));
+    match (&ours, &reference) {
+        (Ok(a), Ok(b)) => assert_eq!(a, b, "{text}"),
+        (Err(_), Err(_)) => {}
+        _ => panic!("{text}: visitors {ours:?}, reference {reference:?}"),
+    }
+    let (ours, reference) = (
+        json::decode_batch_answer(body),
+        json::read_batch_answer(body),
+    );
+    match (&ours, &reference) {
+        (Ok(a), Ok(b)) => assert_eq!(a, b, "batch {text}"),
+        (Err(_), Err(_)) => {}
+        _ => panic!("batch {text}: visitors {ours:?}, reference {reference:?}"),
+    }
+}
+
+#[test]
+fn the_answer_reader_agrees_with_the_reference_on_edges() {
+    let deep = |n: usize| {
+        format!(
+            r#"{{"allowed":true,"buckets":[],"x":{}{}}}"#,
+            "[".repeat(n),
+            "]".repeat(n)
+        )
+    };
+    for body in [
+        r#"{"allowed":true,"buckets":[{"allowed":true,"limit":5,"remaining":4}],"instances":3}"#.to_string(),
+        r#" { "allowed" : false , "buckets" : [ { "allowed" : false } , {"allowed":true} ] } "#.into(),
+        r#"{"allowed":true,"allowed":false,"buckets":[]}"#.into(),
+        r#"{"allowed":true,"buckets":{},"buckets":[]}"#.into(),
+        r#"{"allowed":true,"buckets":[],"buckets":1}"#.into(),
+        r#"{"allow\u0065d":true,"buckets":[{"allowed":true,"rem\u0061ining":7}]}"#.into(),
+        r#"{"allowed":true,"buckets":[{"allowed":true,"limit":null,"granted":18446744073709551615}]}"#.into(),
+        r#"{"allowed":true,"buckets":[{"allowed":true,"limit":18446744073709551616}]}"#.into(),
+        r#"{"allowed":true,"buckets":[{"allowed":true,"limit":1.0}]}"#.into(),
+        r#"{"allowed":true,"buckets":[{"allowed":true,"limit":1e2}]}"#.into(),
+        r#"{"allowed":true,"buckets":[{"allowed":true,"limit":-0}]}"#.into(),
+        r#"{"allowed":true,"buckets":[{"allowed":true,"limit":01}]}"#.into(),
+        r#"{"allowed":true,"buckets":[],"x":-1e-400}"#.into(),
+        r#"{"allowed":true,"buckets":[],"x":99999999999999999999999999}"#.into(),
+        r#"{"allowed":true,"buckets":[],"x":"\ud83d\ude00 \u00e9 \n"}"#.into(),
+        r#"{"allowed":true,"buckets":[],"x":"\ud83d"}"#.into(),
+        r#"{"allowed":true,"buckets":[],"x":"\ude00"}"#.into(),
+        r#"{"allowed":true,"buckets":[],"x":"\x"}"#.into(),
+        "{\"allowed\":true,\"buckets\":[],\"x\":\"\t\"}".into(),
+        r#"{"allowed":true,"buckets":[],"x":[1,2,]}"#.into(),
+        r#"{"allowed":true,"buckets":[],}"#.into(),
+        r#"{"allowed":true,"buckets":[]} x"#.into(),
+        r#"{"allowed":true,"buckets":[3,"x",null]}"#.into(),
+        r#"{"allowed":true,"buckets":[{"allowed":true,"limit":"5"}]}"#.into(),
+        r#"{"allowed":true,"buckets":[],"instances":-1}"#.into(),
+        r#"{"allowed":true,"buckets":[],"instances":2.5}"#.into(),
+        r#"[{"allowed":true,"buckets":[]}]"#.into(),
+        r#"{"results":[{"allowed":true,"buckets":[]},{"allowed":false,"buckets":[{"allowed":false,"retry_after_ms":9}]}]}"#.into(),
+        r#"{"results":[{"allowed":true,"buckets":[]},7]}"#.into(),
+        r#"{"results":[],"results":{}}"#.into(),
+        "true".into(),
+        "nul".into(),
+        "".into(),
+        deep(126),
+        deep(127),
+        deep(128),
+    ] {
+        agree(body.as_bytes());
+    }
+    agree(b"{\"allowed\":true,\"buckets\":[],\"x\":\"\xff\"}");
+    agree(br#"{"allowed":true,"buckets":[],"x":1e400}"#);
+}
+
+mod generated {
+    use proptest::prelude::*;
+
+    /// A JSON value of up to three levels, of every kind.
+    fn value() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            Just("null".to_string()),
+            Just("true".to_string()),
+            Just("false".to_string()),
+            any::<u64>().prop_map(|n| n.to_string()),
+            any::<i64>().prop_map(|n| n.to_string()),
+            (-1e6f64..1e6).prop_map(|f| format!("{f:e}")),
+            "[a-z\\\\\"\u{e9}]{0,6}".prop_map(|s| serde_json::to_string(&s).unwrap_or_default()),
+            Just(r#""\u00e9\ud83d\ude00""#.to_string()),
+        ];
+        leaf.prop_recursive(3, 16, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4)
+                    .prop_map(|v| format!("[{}]", v.join(","))),
+                prop::collection::vec((key(), inner), 0..4).prop_map(|v| {
+                    let m: Vec<String> = v.into_iter().map(|(k, v)| format!("{k}:{v}")).collect();
+                    format!("{{{}}}", m.join(","))
+                }),
+            ]
+        })
+    }
+
+    /// Field names an answer holds (some written with an escape), and others.
+    fn key() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("\"allowed\"".to_string()),
+            Just("\"buckets\"".to_string()),
+            Just("\"instances\"".to_string()),
+            Just("\"limit\"".to_string()),
+            Just("\"remaining\"".to_string()),
+            Just("\"reset_ms\"".to_string()),
+            Just("\"retry_after_ms\"".to_string()),
+            Just("\"granted\"".to_string()),
+            Just("\"results\"".to_string()),
+            Just("\"gr\\u0061nted\"".to_string()),
+            "[a-z]{1,5}".prop_map(|s| format!("\"{s}\"")),
+        ]
+    }
+
+    /// A bucket's result: its fields, some of another type, some twice, in any order.
+    fn bucket() -> impl Strategy<Value = String> {
+        let field = prop_oneof![
+            4 => (key(), any::<u32>()).prop_map(|(k, n)| format!("{k}:{n}")),
+            2 => any::<bool>().prop_map(|b| format!("\"allowed\":{b}")),
+            1 => (key(), value()).prop_map(|(k, v)| format!("{k}:{v}")),
+        ];
+        prop::collection::vec(field, 0..8).prop_map(|f| format!("{{{}}}", f.join(",")))
+    }
+
+    fn answer() -> impl Strategy<Value = String> {
+        let field = prop_oneof![
+            3 => any::<bool>().prop_map(|b| format!("\"allowed\":{b}")),
+            3 => prop::collection::vec(bucket(), 0..4).prop_map(|b| format!("\"buckets\":[{}]", b.join(","))),
+            1 => any::<u8>().prop_map(|n| format!("\"instances\":{n}")),
+            1 => (key(), value()).prop_map(|(k, v)| format!("{k}:{v}")),
+        ];
+        prop::collection::vec(field, 0..7).prop_map(|f| format!("{{{}}}", f.join(",")))
+    }
+
+    /// A document as the service writes one, or one it never would: spaces added, cut short, a
+    /// byte changed.
+    fn document() -> impl Strategy<Value = Vec<u8>> {
+        let whole = prop_oneof![
+            3 => answer(),
+            1 => prop::collection::vec(answer(), 0..3).prop_map(|a| format!("{{\"results\":[{}]}}", a.join(","))),
+            1 => value(),
+        ];
+        (
+            whole,
+            any::<u8>(),
+            any::<prop::sample::Index>(),
+            any::<u8>(),
+        )
+            .prop_map(|(d, how, at, byte)| {
+                let mut b = d.into_bytes();
+                let i = at.index(b.len() + 1);
+                match how % 8 {
+                    0 => b.truncate(i),
+                    1 => {
+                        if let Some(c) = b.get_mut(i) {
+                            *c = byte;
+                        }
+                    }
+                    2 => {
+                        let spaces = b" \n\t\r".get(..usize::from(byte % 4) + 1).unwrap_or(b" ");
+                        b.splice(i..i, spaces.iter().copied()).for_each(drop);
+                    }
+                    _ => {}
+                }
+                b
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4000))]
+        #[test]
+        fn the_answer_reader_agrees_with_the_reference(doc in document()) {
+            super::agree(&doc);
+        }
+    }
 }
