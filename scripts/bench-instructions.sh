@@ -79,9 +79,8 @@ for variant in $VARIANTS; do
   callgrind_envoy "$variant" "$OUT" "$admin"
   python3 scripts/drive.py "$port" "$WARMUP" "$CLIENTS" || die "$variant: warm-up failed"
   callgrind_rounds "$variant" "$OUT" "$ROUNDS" "$REQUESTS" python3 scripts/drive.py "$port" "$REQUESTS" "$CLIENTS"
-  counts=("${COUNTS[@]}"); median=$MEDIAN
-  say "$variant: ${counts[*]} instructions per request (median $median)"
-  printf '%s\t%s\t%s\n' "$variant" "$median" "${counts[*]}" >>"$RESULTS"
+  say "$variant: ${COUNTS[*]} instructions per request (median $MEDIAN)"
+  printf '%s\t%s\t%s\n' "$variant" "$MEDIAN" "${COUNTS[*]}" >>"$RESULTS"
 done
 
 base=$(awk -F'\t' '$1 == "none" {print $2}' "$RESULTS")

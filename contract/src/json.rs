@@ -123,7 +123,7 @@ fn push_take(s: &mut String, req: &TakeRequest, sender: &Sender<'_>) {
 fn buckets_of(v: &Value) -> Result<&Vec<Value>, DecodeError> {
     v.get(fields::BUCKETS)
         .and_then(Value::as_array)
-        .ok_or_else(|| DecodeError(format!("`{}` missing or not a list", fields::BUCKETS)))
+        .ok_or_else(|| missing_list(fields::BUCKETS))
 }
 
 /// Reads a take back from its JSON form, as [`encode_take`] writes it (for tests and tools: the
@@ -194,10 +194,7 @@ pub fn decode_answer(body: &[u8]) -> Result<TakeResponse, DecodeError> {
 /// Decodes a batch answer (`{"results": [...]}`): one answer per take, in order.
 pub fn decode_batch_answer(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
     let Got::Batch(Some(list)) = read(body, Want::Batch)? else {
-        return Err(DecodeError(format!(
-            "`{}` missing or not a list",
-            fields::RESULTS
-        )));
+        return Err(missing_list(fields::RESULTS));
     };
     list.into_iter()
         .map(|a| match a {
@@ -209,14 +206,17 @@ pub fn decode_batch_answer(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError
 
 fn read(body: &[u8], want: Want) -> Result<Got, DecodeError> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let got = serde::de::DeserializeSeed::deserialize(Read(want), &mut de)
+    serde::de::DeserializeSeed::deserialize(Read(want), &mut de)
         .and_then(|g| de.end().map(|()| g))
-        .map_err(|e| DecodeError(e.to_string()))?;
-    Ok(got)
+        .map_err(|e| DecodeError(e.to_string()))
 }
 
 fn missing_allowed() -> DecodeError {
     DecodeError(format!("`{}` missing or not a boolean", fields::ALLOWED))
+}
+
+fn missing_list(field: &str) -> DecodeError {
+    DecodeError(format!("`{field}` missing or not a list"))
 }
 
 /// A scalar where an answer holds one, as read: what `serde_json::Value` would have held there,
@@ -313,9 +313,7 @@ impl Got {
 impl RawAnswer {
     fn answer(self) -> Result<TakeResponse, DecodeError> {
         let allowed = self.allowed.boolean(fields::ALLOWED)?;
-        let list = self
-            .buckets
-            .ok_or_else(|| DecodeError(format!("`{}` missing or not a list", fields::BUCKETS)))?;
+        let list = self.buckets.ok_or_else(|| missing_list(fields::BUCKETS))?;
         let mut buckets = Vec::with_capacity(list.len());
         for b in list {
             let Got::Bucket([a, limit, remaining, reset_ms, retry_after_ms, granted]) = b else {

@@ -168,17 +168,22 @@ pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
     let s = match &last {
         Some((k, a, m, s)) if *a == alg && *m == max_keys && k == key => s.clone(),
         _ => {
-            let mut material = Vec::with_capacity(key.len() + 2);
-            material.extend_from_slice(key.as_bytes());
-            material.push(0);
-            material.push(alg);
-            let s = slot_of(&table_name(max_keys), &material, max_keys);
+            let s = compute_slot(key, alg, max_keys);
             last = Some((key.to_string(), alg, max_keys, s.clone()));
             s
         }
     };
     LAST.set(last);
     s
+}
+
+/// [`slot`] without the memo: the key and the algorithm's code, hashed into the table.
+fn compute_slot(key: &str, alg: u8, max_keys: u32) -> Slot {
+    let mut material = Vec::with_capacity(key.len() + 2);
+    material.extend_from_slice(key.as_bytes());
+    material.push(0);
+    material.push(alg);
+    slot_of(&table_name(max_keys), &material, max_keys)
 }
 
 thread_local! {
@@ -986,12 +991,7 @@ mod tests {
 
     #[test]
     fn a_remembered_slot_is_the_one_computed() {
-        let computed = |key: &str, l: &Limits, n: u32| {
-            let mut m = key.as_bytes().to_vec();
-            m.push(0);
-            m.push(alg_byte(l.algorithm));
-            slot_of(&table_name(n), &m, n)
-        };
+        let computed = |key: &str, l: &Limits, n: u32| compute_slot(key, alg_byte(l.algorithm), n);
         let fw = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 1);
         // Asked again, in turn and after others: the same key with another algorithm or table
         // size is another slot.
