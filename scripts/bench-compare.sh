@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The figures of this `make bench` beside the last recorded ones (bench/recorded.tsv), so a
 # regression is seen the day it lands: CPU µs per request of each tier (Envoy, service, Redis; the
-# median of bench-envoy.sh's rounds) and Envoy's instructions per request (bench-instructions.sh).
+# median of bench-envoy.sh's rounds) and each tier's instructions per request (bench-instructions.sh:
+# Envoy's, and with TIER=service and TIER=redis the service's and Redis's per take).
 # A figure more than THRESHOLD % (10) above its record prints a WARNING line. It is a warning, not
 # a test: the exit status is 0 whatever the figures. CPU per request moves with the machine's load
 # (compare the load averages); instruction counts do not, so a warning on those is the one to chase.
@@ -18,6 +19,9 @@ ROOT=$PWD
 RECORDED=${RECORDED:-$ROOT/bench/recorded.tsv}
 ENVOY_RESULTS=${ENVOY_RESULTS:-$ROOT/bench-out/envoy/results.tsv}
 INSTR_RESULTS=${INSTR_RESULTS:-$ROOT/bench-out/instructions/results.tsv}
+# The service's and Redis's instructions per take (bench-instructions.sh with TIER=service, redis).
+INSTR_SERVICE_RESULTS=${INSTR_SERVICE_RESULTS:-$ROOT/bench-out/instructions-service/results.tsv}
+INSTR_REDIS_RESULTS=${INSTR_REDIS_RESULTS:-$ROOT/bench-out/instructions-redis/results.tsv}
 THRESHOLD=${THRESHOLD:-10}
 
 NOW=$(mktemp)
@@ -38,9 +42,12 @@ if [ -s "$ENVOY_RESULTS" ]; then
     } }' "$ENVOY_RESULTS" >>"$NOW"
 fi
 # bench-instructions.sh's results: variant, median, rounds.
-if [ -s "$INSTR_RESULTS" ]; then
-  awk -F'\t' '{ printf "instructions\t%s\tenvoy\t%s\n", $1, $2 }' "$INSTR_RESULTS" >>"$NOW"
-fi
+for tier in envoy service redis; do
+  case $tier in envoy) f=$INSTR_RESULTS ;; service) f=$INSTR_SERVICE_RESULTS ;; redis) f=$INSTR_REDIS_RESULTS ;; esac
+  if [ -s "$f" ]; then
+    awk -F'\t' -v t="$tier" '{ printf "instructions\t%s\t%s\t%s\n", $1, t, $2 }' "$f" >>"$NOW"
+  fi
+done
 if [ ! -s "$NOW" ]; then
   echo "bench-compare: no results in $ENVOY_RESULTS or $INSTR_RESULTS (run bench-envoy.sh or bench-instructions.sh first)" >&2
   exit 0

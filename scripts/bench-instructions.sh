@@ -22,7 +22,13 @@
 #             that arrive while a callout is in flight leave together in one batch callout
 #   lease     Tollgate with an adaptive lease: most requests spend a local pool
 #
+# TIER=service counts the decision service instead, TIER=redis Redis (variants http, grpc and
+# http-batch only): that process under callgrind (the service with --worker-threads 1, all its
+# threads), the others run normally; its instructions per request are its cost per take.
+#
 #   scripts/bench-instructions.sh            # REQUESTS=500 ROUNDS=3 WARMUP=2000
+#   TIER=service VARIANTS="http grpc" scripts/bench-instructions.sh
+#   TIER=redis VARIANTS=http scripts/bench-instructions.sh
 #   VARIANTS="empty nomatch" scripts/bench-instructions.sh
 #   CLIENTS=8 VARIANTS="http http-batch" scripts/bench-instructions.sh
 set -euo pipefail
@@ -37,7 +43,10 @@ ROUNDS=${ROUNDS:-3}
 # V8's tier-up (350k, 349k, 349k, then 326k), so their median was not the steady figure.
 WARMUP=${WARMUP:-2000}
 CLIENTS=${CLIENTS:-1}
-OUT=${OUT:-$ROOT/bench-out/instructions}
+TIER=${TIER:-envoy}
+# Envoy's counts in bench-out/instructions, the service's and Redis's beside them (bench-compare.sh
+# reads all three).
+if [ "$TIER" = envoy ]; then OUT=${OUT:-$ROOT/bench-out/instructions}; else OUT=${OUT:-$ROOT/bench-out/instructions-$TIER}; fi
 WASM=$(readlink -f "$WASM")
 
 require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM" "$ENVOY_CONFIG"
@@ -51,8 +60,12 @@ fi
 rm -rf "$OUT" && mkdir -p "$OUT"
 
 trap stop_started EXIT INT TERM
-start_redis "$OUT"
-start_service "$OUT"
+case $TIER in
+  envoy) start_redis "$OUT"; start_service "$OUT" ;;
+  service) start_redis "$OUT" ;;
+  redis) ;;
+  *) die "TIER is envoy, service or redis, not $TIER" ;;
+esac
 
 
 plugin() { # $1: transport, $2: extra rule fields, $3: extra service fields
@@ -62,6 +75,19 @@ plugin() { # $1: transport, $2: extra rule fields, $3: extra service fields
 RESULTS=$OUT/results.tsv
 : >"$RESULTS"
 for variant in $VARIANTS; do
+  if [ "$TIER" != envoy ]; then
+    case $variant in http | grpc | http-batch) ;; *) die "TIER=$TIER: $variant makes no take" ;; esac
+  fi
+  if [ "$TIER" = service ]; then
+    SVC_PORT=$(free_port)
+    callgrind_start "$variant" "$OUT" "curl -fsS http://127.0.0.1:$SVC_PORT/healthz" "$SERVER" --listen "127.0.0.1:$SVC_PORT" \
+      --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text --worker-threads 1
+  elif [ "$TIER" = redis ]; then
+    REDIS_PORT=$(free_port)
+    callgrind_start "$variant" "$OUT" "$REDIS_CLI -p $REDIS_PORT ping" "$REDIS_SERVER" --port "$REDIS_PORT" \
+      --bind 127.0.0.1 --save '' --appendonly no --dir "$OUT"
+    start_service "$OUT"
+  fi
   port=$(free_port); admin=$(free_port)
   args=(--listen "$port" --admin "$admin" --direct $'hello from the edge\n' --service "$SVC_PORT")
   case $variant in
@@ -76,15 +102,27 @@ for variant in $VARIANTS; do
     *) die "unknown variant $variant" ;;
   esac
   envoy_config "${args[@]}" >"$OUT/envoy-$variant.yaml"
-  callgrind_envoy "$variant" "$OUT" "$admin"
+  if [ "$TIER" != envoy ]; then
+    "$ENVOY" -c "$OUT/envoy-$variant.yaml" --concurrency 1 --disable-hot-restart --log-level warn \
+      >"$OUT/envoy-$variant.log" 2>&1 &
+    envoy_pid=$!; PIDS+=("$envoy_pid")
+    wait_for "envoy ($variant)" "$OUT/envoy-$variant.log" "$envoy_pid" curl -fsS "http://127.0.0.1:$admin/ready"
+  else
+    callgrind_envoy "$variant" "$OUT" "$admin"
+  fi
   python3 scripts/drive.py "$port" "$WARMUP" "$CLIENTS" || die "$variant: warm-up failed"
   callgrind_rounds "$variant" "$OUT" "$ROUNDS" "$REQUESTS" python3 scripts/drive.py "$port" "$REQUESTS" "$CLIENTS"
-  say "$variant: ${COUNTS[*]} instructions per request (median $MEDIAN)"
+  if [ "$TIER" != envoy ]; then kill "$envoy_pid"; wait "$envoy_pid" 2>/dev/null || true; fi
+  if [ "$TIER" = redis ]; then kill "$SVC_PID"; wait "$SVC_PID" 2>/dev/null || true; fi
+  say "$variant: ${COUNTS[*]} $TIER instructions per request (median $MEDIAN)"
   printf '%s\t%s\t%s\n' "$variant" "$MEDIAN" "${COUNTS[*]}" >>"$RESULTS"
 done
 
 base=$(awk -F'\t' '$1 == "none" {print $2}' "$RESULTS")
-echo "Envoy --concurrency 1 under callgrind, bare (direct_response), $ROUNDS × $REQUESTS requests from $CLIENTS keep-alive client(s), $(date -u +%Y-%m-%dT%H:%MZ)"
+counted="Envoy --concurrency 1"
+[ "$TIER" = service ] && counted="the service (--worker-threads 1)"
+[ "$TIER" = redis ] && counted="Redis"
+echo "$counted under callgrind, Envoy bare (direct_response), $ROUNDS × $REQUESTS requests from $CLIENTS keep-alive client(s), $(date -u +%Y-%m-%dT%H:%MZ)"
 echo "module: $(stat -c %s "$WASM") bytes"
 echo
 echo "| path | instructions per request (median) | rounds | vs no filter |"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make bench`: every benchmark recorded in BENCHMARKS.md, one after the other (never at once: they
 # share the machine's cores). Envoy with Tollgate first, then a fleet's accuracy, then Envoy's
-# instructions per request (callgrind) and a stream message's against a unary call, then the
+# instructions per request (callgrind), the service's and Redis's per take, and a stream message's
+# against a unary call, then the
 # service alone; last, the figures beside the recorded ones (scripts/bench-compare.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +12,9 @@ bash scripts/bench-accuracy.sh || rc=$?
 # The idle path and one exact decision (every variant: run the script alone; each costs a minute or two
 # under valgrind).
 VARIANTS="none empty nomatch http" bash scripts/bench-instructions.sh || rc=$?
+# The service's and Redis's instructions per take, each under callgrind behind a plain Envoy.
+TIER=service VARIANTS="http grpc" bash scripts/bench-instructions.sh || rc=$?
+TIER=redis VARIANTS=http bash scripts/bench-instructions.sh || rc=$?
 # A decision asked over a unary gRPC call against one message on a per-worker stream.
 bash scripts/bench-stream.sh || rc=$?
 if [ -f scripts/bench-service.sh ]; then

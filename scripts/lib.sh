@@ -135,21 +135,28 @@ envoy_config() {
   "$ENVOY_CONFIG" "$@"
 }
 
-# callgrind_envoy NAME OUT ADMIN: Envoy (--concurrency 1, bare) under `valgrind --tool=callgrind`
-# with the configuration OUT/envoy-NAME.yaml, waited for on its admin port ADMIN; its log is
-# OUT/envoy-NAME.log, its dumps OUT/callgrind-NAME.out.<n>. Sets CG_PID.
-callgrind_envoy() {
-  local name=$1 out=$2 admin=$3
+# callgrind_start NAME OUT READY CMD...: CMD under `valgrind --tool=callgrind`, its log OUT/NAME.log,
+# its dumps OUT/callgrind-NAME.out.<n>, waited for until the command line READY succeeds (2 minutes
+# at most). Sets CG_PID.
+callgrind_start() {
+  local name=$1 out=$2 ready=$3
+  shift 3
   valgrind --tool=callgrind --smc-check=all-non-file --callgrind-out-file="$out/callgrind-$name.out" \
-    "$ENVOY" -c "$out/envoy-$name.yaml" --concurrency 1 --disable-hot-restart --log-level warn \
-    >"$out/envoy-$name.log" 2>&1 &
+    "$@" >"$out/$name.log" 2>&1 &
   CG_PID=$!; PIDS+=("$CG_PID")
   for _ in $(seq 240); do
-    curl -fsS "http://127.0.0.1:$admin/ready" >/dev/null 2>&1 && return 0
-    kill -0 "$CG_PID" 2>/dev/null || { tail -n 20 "$out/envoy-$name.log" >&2; die "$name: Envoy exited"; }
+    bash -c "$ready" >/dev/null 2>&1 && return 0
+    kill -0 "$CG_PID" 2>/dev/null || { tail -n 20 "$out/$name.log" >&2; die "$name: exited under callgrind"; }
     sleep 0.5
   done
-  die "$name: Envoy not ready"
+  die "$name: not ready under callgrind"
+}
+
+# callgrind_envoy NAME OUT ADMIN: Envoy (--concurrency 1, bare) under callgrind_start with the
+# configuration OUT/envoy-NAME.yaml, waited for on its admin port ADMIN; its log is OUT/NAME.log.
+callgrind_envoy() {
+  callgrind_start "$1" "$2" "curl -fsS http://127.0.0.1:$3/ready" \
+    "$ENVOY" -c "$2/envoy-$1.yaml" --concurrency 1 --disable-hot-restart --log-level warn
 }
 
 # callgrind_rounds NAME OUT ROUNDS REQUESTS CMD...: ROUNDS runs of CMD (which sends REQUESTS
