@@ -19,13 +19,18 @@ use tollgate_server::store::redis::{
     refund_script_source, settle_script_source, take_script_source,
 };
 
-/// A script's source with its clock reporting the time it read: the reply gets it appended.
+/// A script's source with its clock reporting the time it read: the reply (a take's packed reply
+/// unpacked first) gets it appended.
 fn reporting(source: &str) -> redis::Script {
     let clock = "local function now_us()\n  local t = redis.call('TIME')\n  return tonumber(t[1]) * MICRO + tonumber(t[2])\nend\n";
     let at = source.find(clock).expect("prelude.lua's clock") + clock.len();
     let wrapped = format!(
         "local SEEN\nlocal reply = (function()\n{}\nlocal redis_now_us = now_us\n\
          local function now_us() SEEN = redis_now_us(); return SEEN end\n{}\nend)()\n\
+         if type(reply) == 'string' then\n\
+           reply = {{struct.unpack('<' .. string.rep('i8', #reply / 8), reply)}}\n\
+           reply[#reply] = nil\n\
+         end\n\
          reply[#reply + 1] = SEEN\nreturn reply\n",
         &source[..at],
         &source[at..]

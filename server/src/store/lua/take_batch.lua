@@ -6,7 +6,7 @@
 -- ARGV:  [1] = T, the number of takes; [2 .. T+1] = the number of buckets of each take; then 6
 --        integers per bucket, in KEYS order, as in take.lua.
 -- Reply: the replies of take.lua for each take, one after the other (1 + 6 * n integers for a take
---        of n buckets).
+--        of n buckets), packed as take.lua's.
 -- Clock: one Redis TIME read per call, shared by all takes.
 
 local t = tonumber(ARGV[1])
@@ -19,4 +19,4 @@ for j = 1, t do
   k = k + n
   a = a + 6 * n
 end
-return out
+return packed(out)

@@ -51,3 +51,31 @@ local function take_one(k, a, n, now, out)
   end
   return out
 end
+
+-- The reply of a take call: the integers of `out` as one string of 8-byte little-endian signed
+-- integers (Redis's `struct` library). Redis answers a string as one bulk string, which the
+-- service's Redis client reads as one value; an array of integers costs it a parse per element,
+-- and writing each integer as decimal text costs Redis a sprintf (BENCHMARKS.md, "The service's
+-- instructions per take"). At most PACK_AT_ONCE integers are packed by one call (unpack() puts
+-- them all on Lua's stack); their formats are built once per length.
+local PACK_AT_ONCE = 96
+local PACK_FORMATS = {}
+local function pack(out, i, j)
+  local n = j - i + 1
+  local f = PACK_FORMATS[n]
+  if f == nil then
+    f = '<' .. string.rep('i8', n)
+    PACK_FORMATS[n] = f
+  end
+  return struct.pack(f, unpack(out, i, j))
+end
+
+local function packed(out)
+  local n = #out
+  if n <= PACK_AT_ONCE then return pack(out, 1, n) end
+  local parts = {}
+  for i = 1, n, PACK_AT_ONCE do
+    parts[#parts + 1] = pack(out, i, math.min(i + PACK_AT_ONCE - 1, n))
+  end
+  return table.concat(parts)
+end

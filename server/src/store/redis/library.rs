@@ -28,6 +28,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::{aio::ConnectionLike, Cmd, RedisError};
 use sha2::{Digest, Sha256};
 
+use super::decode::Ints;
+
 /// The library: its source and its functions' names.
 pub(super) struct Library {
     source: String,
@@ -128,8 +130,8 @@ impl Library {
         cmd: &Cmd,
         con: &mut C,
     ) -> Result<Called, RedisError> {
-        match cmd.query_async::<Vec<i64>>(con).await {
-            Ok(v) => Ok(Called::Reply(v)),
+        match cmd.query_async::<Ints>(con).await {
+            Ok(v) => Ok(Called::Reply(v.0)),
             Err(e) if refused(&e) => Ok(Called::Refused),
             Err(e) if not_loaded(&e) => {
                 let load = redis::cmd("FUNCTION")
@@ -139,7 +141,10 @@ impl Library {
                     .query_async::<String>(con)
                     .await;
                 match load {
-                    Ok(_) => cmd.query_async::<Vec<i64>>(con).await.map(Called::Reply),
+                    Ok(_) => cmd
+                        .query_async::<Ints>(con)
+                        .await
+                        .map(|v| Called::Reply(v.0)),
                     Err(e) if refused(&e) => Ok(Called::Refused),
                     Err(e) => Err(e),
                 }

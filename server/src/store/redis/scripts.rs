@@ -5,6 +5,7 @@
 use redis::{RedisError, Script};
 
 use super::conn::map_err;
+use super::decode::Ints;
 use super::library::{Called, Function, Library};
 use super::link::Conn;
 use super::RedisStore;
@@ -139,12 +140,12 @@ pub(super) async fn evalsha<C: redis::aio::ConnectionLike>(
     cmd: &redis::Cmd,
     con: &mut C,
 ) -> Result<Vec<i64>, RedisError> {
-    match cmd.query_async::<Vec<i64>>(con).await {
+    match cmd.query_async::<Ints>(con).await {
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             script.load_async(con).await?;
-            cmd.query_async::<Vec<i64>>(con).await
+            cmd.query_async::<Ints>(con).await.map(|v| v.0)
         }
-        r => r,
+        r => r.map(|v| v.0),
     }
 }
 
