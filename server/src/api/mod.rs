@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -32,6 +32,47 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::domain::{InvalidArgument, MAX_BATCH_BYTES, MAX_BATCH_TAKES};
 use crate::metrics::Metrics;
 use crate::store::{Store, StoreError};
+
+/// Why a body was not read.
+enum BodyError {
+    /// It was over the bound.
+    TooLarge,
+    /// The connection failed while it was read.
+    Read(axum::Error),
+}
+
+/// A request's whole body, at most `bound` bytes (more is refused as soon as it arrives). A body
+/// of one data frame, as a proxy sends a small body, is returned as it came, without a copy;
+/// trailers are ignored.
+async fn read_body(mut body: Body, bound: usize) -> Result<Bytes, BodyError> {
+    // The first data frame, kept as it came until a second one arrives; from then on every byte
+    // so far is in `joined`.
+    let mut first: Option<Bytes> = None;
+    let mut joined: Vec<u8> = Vec::new();
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(BodyError::Read)?.into_data() else {
+            continue;
+        };
+        len += data.len();
+        if len > bound {
+            return Err(BodyError::TooLarge);
+        }
+        if data.is_empty() {
+            continue;
+        }
+        match first.take() {
+            None if joined.is_empty() => first = Some(data),
+            earlier => {
+                if let Some(f) = earlier {
+                    joined.extend_from_slice(&f);
+                }
+                joined.extend_from_slice(&data);
+            }
+        }
+    }
+    Ok(first.unwrap_or_else(|| Bytes::from(joined)))
+}
 
 /// Why a take was not answered. Each maps to one HTTP status and one gRPC code.
 #[derive(Debug)]
@@ -283,20 +324,19 @@ impl Api {
         if declared.is_some_and(|n| n > bound as u64) {
             return Err(ApiError::TooLarge(limit));
         }
-        let read = Limited::new(body, bound).collect();
-        let bytes = match tokio::time::timeout(self.body_timeout, read).await {
+        let bytes = match tokio::time::timeout(self.body_timeout, read_body(body, bound)).await {
             Err(_) => {
                 let ms = u64::try_from(self.body_timeout.as_millis()).unwrap_or(u64::MAX);
                 return Err(ApiError::BodyTimeout(ms));
             }
-            Ok(Err(e)) if e.is::<LengthLimitError>() => return Err(ApiError::TooLarge(limit)),
-            Ok(Err(e)) => {
+            Ok(Err(BodyError::TooLarge)) => return Err(ApiError::TooLarge(limit)),
+            Ok(Err(BodyError::Read(e))) => {
                 return Err(ApiError::Invalid(InvalidArgument::new(
                     "",
                     format!("cannot read the body: {e}"),
                 )))
             }
-            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Ok(bytes)) => bytes,
         };
         match self.in_flight.clone().try_acquire_owned() {
             Ok(permit) => Ok((bytes, permit)),
@@ -370,5 +410,36 @@ mod tests {
         assert!(!a.check(None));
         assert!(Auth::new(None).check(None));
         assert!(!format!("{a:?}").contains("s3cret"));
+    }
+
+    /// A body sent in `parts` (HTTP/1.1 chunks, HTTP/2 DATA frames).
+    fn sent_in(parts: &[&'static str]) -> Body {
+        let chunks: Vec<Result<Bytes, std::io::Error>> = parts
+            .iter()
+            .map(|p| Ok(Bytes::from_static(p.as_bytes())))
+            .collect();
+        Body::from_stream(futures_util::stream::iter(chunks))
+    }
+
+    /// The body as read, or whether it was refused as too large.
+    async fn read(parts: &[&'static str], bound: usize) -> Result<Vec<u8>, bool> {
+        read_body(sent_in(parts), bound)
+            .await
+            .map(|b| b.to_vec())
+            .map_err(|e| matches!(e, BodyError::TooLarge))
+    }
+
+    #[tokio::test]
+    async fn a_body_is_read_whole_and_refused_past_its_bound() {
+        assert_eq!(
+            read(&["{\"a\":", "", "1", "}"], 64).await,
+            Ok(b"{\"a\":1}".to_vec())
+        );
+        assert_eq!(read(&["one"], 3).await, Ok(b"one".to_vec()));
+        assert_eq!(read(&["", "one"], 3).await, Ok(b"one".to_vec()));
+        assert_eq!(read(&[], 3).await, Ok(Vec::new()));
+        assert_eq!(read(&["ab", "c"], 3).await, Ok(b"abc".to_vec()));
+        assert_eq!(read(&["ab", "cd"], 3).await, Err(true));
+        assert_eq!(read(&["abcd"], 3).await, Err(true));
     }
 }
