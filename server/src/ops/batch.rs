@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use contract::fields;
 
-use super::take::{self, count_rules, rule_names, scan_take, RawTake};
+use super::take::{self, count_rules, scan_take, RawTake};
 use super::{invalid, GrpcOperation, Operation};
 use crate::api::grpc::{malformed, non_empty, pb, scan_field_one, DecodeStrict};
 use crate::api::json::{self, Field, Object};
@@ -32,6 +32,22 @@ pub struct RawBatch {
 /// a single take. The first invalid take rejects the whole batch, its field named from the batch
 /// (`takes[3].buckets[0].capacity`).
 pub fn validate(raw: RawBatch) -> Result<Vec<Vec<BucketSpec>>, InvalidArgument> {
+    validate_batch(raw).map(|v| v.takes)
+}
+
+/// A validated batch: its takes' buckets, and what its answer and metrics need of the rest.
+#[derive(Debug)]
+pub struct ValidatedBatch {
+    /// Each take's buckets, defaults applied.
+    pub takes: Vec<Vec<BucketSpec>>,
+    /// Each take's rule names ([`take::Validated::rules`]).
+    pub rules: Vec<Vec<Option<String>>>,
+    /// The caller's instance id, when sent.
+    pub instance: Option<String>,
+}
+
+/// [`validate`], keeping the instance id and the rule names (moved, not copied).
+pub fn validate_batch(raw: RawBatch) -> Result<ValidatedBatch, InvalidArgument> {
     check_instance("instance", raw.instance.as_deref())?;
     let takes = raw
         .takes
@@ -48,11 +64,17 @@ pub fn validate(raw: RawBatch) -> Result<Vec<Vec<BucketSpec>>, InvalidArgument> 
             ),
         ));
     }
-    takes
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| take::validate(t).map_err(|e| e.within_take(i)))
-        .collect()
+    let mut out = ValidatedBatch {
+        takes: Vec::with_capacity(takes.len()),
+        rules: Vec::with_capacity(takes.len()),
+        instance: raw.instance,
+    };
+    for (i, t) in takes.into_iter().enumerate() {
+        let v = take::validate_take(t).map_err(|e| e.within_take(i))?;
+        out.takes.push(v.specs);
+        out.rules.push(v.rules);
+    }
+    Ok(out)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -179,14 +201,13 @@ impl Operation for Batch {
         api: &Api,
         raw: Result<RawBatch, InvalidArgument>,
     ) -> Result<BatchResponse, ApiError> {
-        let (instance, rules) = match &raw {
-            Ok(b) => (
-                b.instance.clone(),
-                b.takes.iter().flatten().map(rule_names).collect(),
-            ),
-            Err(_) => (None, Vec::new()),
-        };
-        let takes = raw.and_then(validate).map_err(|e| invalid("batch", e))?;
+        let ValidatedBatch {
+            takes,
+            rules,
+            instance,
+        } = raw
+            .and_then(validate_batch)
+            .map_err(|e| invalid("batch", e))?;
         api.metrics.batch(takes.len());
         let mut results = api
             .store_call("batch", api.store.take_batch(&takes))

@@ -84,11 +84,27 @@ fn bounded(
     }
 }
 
+/// A validated take: its buckets, and what its answer and metrics need of the rest.
+#[derive(Debug)]
+pub struct Validated {
+    /// The buckets, defaults applied.
+    pub specs: Vec<BucketSpec>,
+    /// The caller's instance id, when sent.
+    pub instance: Option<String>,
+    /// Each bucket's rule name, when sent (for the `rule` label).
+    pub rules: Vec<Option<String>>,
+}
+
 /// Checks a decoded take against the contract and applies its defaults.
 ///
 /// The one validation function of the service: both transports call it, and stores only ever see
 /// its output.
 pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
+    validate_take(raw).map(|v| v.specs)
+}
+
+/// [`validate`], keeping the instance id and the rule names (moved, not copied).
+pub fn validate_take(raw: RawTake) -> Result<Validated, InvalidArgument> {
     check_instance("instance", raw.instance.as_deref())?;
     let buckets = raw
         .buckets
@@ -108,46 +124,60 @@ pub fn validate(raw: RawTake) -> Result<Vec<BucketSpec>, InvalidArgument> {
             ),
         ));
     }
-    buckets
-        .into_iter()
-        .enumerate()
-        .map(|(i, b)| {
-            let f = |name: &str| format!("buckets[{i}].{name}");
-            check_rule(|| f("rule"), b.rule.as_deref())?;
-            let key = b
-                .key
-                .ok_or_else(|| InvalidArgument::new(f("key"), "is required"))?;
-            if key.is_empty() {
-                return Err(InvalidArgument::new(f("key"), "must not be empty"));
-            }
-            if key.len() > MAX_KEY_BYTES {
-                return Err(InvalidArgument::new(
-                    f("key"),
-                    format!("must be at most {MAX_KEY_BYTES} bytes, got {}", key.len()),
-                ));
-            }
-            let capacity = bounded(|| f("capacity"), b.capacity, MAX_AMOUNT)?;
-            let rate = bounded(|| f("rate"), Some(b.rate.unwrap_or(capacity)), MAX_AMOUNT)?;
-            let period_ms = bounded(|| f("period_ms"), b.period_ms, MAX_PERIOD_MS)?;
-            let cost = bounded(|| f("cost"), Some(b.cost.unwrap_or(1)), MAX_AMOUNT)?;
-            let lease = bounded(|| f("lease"), Some(b.lease.unwrap_or(cost)), MAX_AMOUNT)?;
-            if lease < cost {
-                return Err(InvalidArgument::new(
-                    f("lease"),
-                    format!("must be at least cost ({cost}), got {lease}"),
-                ));
-            }
-            Ok(BucketSpec {
-                key,
-                capacity,
-                rate,
-                period_ms,
-                cost,
-                algorithm: b.algorithm.unwrap_or(Algorithm::TokenBucket),
-                lease,
-            })
-        })
-        .collect()
+    let mut specs = Vec::with_capacity(buckets.len());
+    let mut rules = Vec::with_capacity(buckets.len());
+    for (i, b) in buckets.into_iter().enumerate() {
+        let (spec, rule) = validate_bucket(i, b)?;
+        specs.push(spec);
+        rules.push(rule);
+    }
+    Ok(Validated {
+        specs,
+        instance: raw.instance,
+        rules,
+    })
+}
+
+/// Bucket `i` of a take, checked, with its defaults applied, and its rule name.
+fn validate_bucket(
+    i: usize,
+    b: RawBucket,
+) -> Result<(BucketSpec, Option<String>), InvalidArgument> {
+    let f = |name: &str| format!("buckets[{i}].{name}");
+    check_rule(|| f("rule"), b.rule.as_deref())?;
+    let key = b
+        .key
+        .ok_or_else(|| InvalidArgument::new(f("key"), "is required"))?;
+    if key.is_empty() {
+        return Err(InvalidArgument::new(f("key"), "must not be empty"));
+    }
+    if key.len() > MAX_KEY_BYTES {
+        return Err(InvalidArgument::new(
+            f("key"),
+            format!("must be at most {MAX_KEY_BYTES} bytes, got {}", key.len()),
+        ));
+    }
+    let capacity = bounded(|| f("capacity"), b.capacity, MAX_AMOUNT)?;
+    let rate = bounded(|| f("rate"), Some(b.rate.unwrap_or(capacity)), MAX_AMOUNT)?;
+    let period_ms = bounded(|| f("period_ms"), b.period_ms, MAX_PERIOD_MS)?;
+    let cost = bounded(|| f("cost"), Some(b.cost.unwrap_or(1)), MAX_AMOUNT)?;
+    let lease = bounded(|| f("lease"), Some(b.lease.unwrap_or(cost)), MAX_AMOUNT)?;
+    if lease < cost {
+        return Err(InvalidArgument::new(
+            f("lease"),
+            format!("must be at least cost ({cost}), got {lease}"),
+        ));
+    }
+    let spec = BucketSpec {
+        key,
+        capacity,
+        rate,
+        period_ms,
+        cost,
+        algorithm: b.algorithm.unwrap_or(Algorithm::TokenBucket),
+        lease,
+    };
+    Ok((spec, b.rule))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -386,16 +416,14 @@ impl Operation for Take {
         api: &Api,
         raw: Result<RawTake, InvalidArgument>,
     ) -> Result<TakeResponse, ApiError> {
-        let (instance, rules) = match &raw {
-            Ok(r) => (r.instance.clone(), rule_names(r)),
-            Err(_) => (None, Vec::new()),
-        };
-        let specs = raw.and_then(validate).map_err(|e| invalid("take", e))?;
-        let mut d = take_specs(api, &specs).await?;
+        let v = raw
+            .and_then(validate_take)
+            .map_err(|e| invalid("take", e))?;
+        let mut d = take_specs(api, &v.specs).await?;
         api.metrics.decision(d.allowed);
-        crate::trace::note(|| crate::trace::decision(d.allowed, &rules));
-        count_rules(api, &d, &rules);
-        d.instances = api.instances(instance.as_deref());
+        crate::trace::note(|| crate::trace::decision(d.allowed, &v.rules));
+        count_rules(api, &d, &v.rules);
+        d.instances = api.instances(v.instance.as_deref());
         Ok(d)
     }
 }
@@ -418,15 +446,6 @@ impl GrpcOperation for Take {
 /// itself, which may be more than a take on the wire holds.
 pub async fn take_specs(api: &Api, specs: &[BucketSpec]) -> Result<TakeResponse, ApiError> {
     api.store_call("take", api.store.take(specs)).await
-}
-
-/// The rule name of each bucket of a take (for the `rule` label), before validation consumes it.
-pub(super) fn rule_names(raw: &RawTake) -> Vec<Option<String>> {
-    raw.buckets
-        .iter()
-        .flatten()
-        .map(|b| b.rule.clone())
-        .collect()
 }
 
 /// Counts a decision per rule named in its take.
