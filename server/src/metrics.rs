@@ -276,34 +276,42 @@ impl Metrics {
         take_allowed: bool,
         rules: impl Iterator<Item = (Option<&'a str>, bool)>,
     ) {
-        let mut done: Vec<&str> = Vec::new();
+        // The rules counted so far: the first without an allocation (a take usually names one).
+        let (mut first, mut more): (Option<&str>, Vec<&str>) = (None, Vec::new());
         let mut map = match self.rule_counters.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
         for (rule, bucket_allowed) in rules {
             let Some(rule) = rule else { continue };
-            if done.contains(&rule) || (!take_allowed && bucket_allowed) {
+            if (!take_allowed && bucket_allowed) || first == Some(rule) || more.contains(&rule) {
                 continue;
             }
-            done.push(rule);
-            let label = if map.contains_key(rule) || map.len() < MAX_RULE_LABELS {
-                rule
+            if first.is_none() {
+                first = Some(rule);
             } else {
-                OTHER_RULE
+                more.push(rule);
+            }
+            let counters = match map.get(rule) {
+                Some(c) => c,
+                None => {
+                    let label = if map.len() < MAX_RULE_LABELS {
+                        rule
+                    } else {
+                        OTHER_RULE
+                    };
+                    let c = |outcome| {
+                        self.rule_decisions.get_or_create_owned(&RuleOutcome {
+                            rule: label.to_string(),
+                            outcome,
+                        })
+                    };
+                    map.entry(label.to_string())
+                        .or_insert_with(|| [c("allowed"), c("limited")])
+                }
             };
-            if !map.contains_key(label) {
-                let c = |outcome| {
-                    self.rule_decisions.get_or_create_owned(&RuleOutcome {
-                        rule: label.to_string(),
-                        outcome,
-                    })
-                };
-                map.insert(label.to_string(), [c("allowed"), c("limited")]);
-            }
-            if let Some([a, l]) = map.get(label) {
-                if take_allowed { a } else { l }.inc();
-            }
+            let [a, l] = counters;
+            if take_allowed { a } else { l }.inc();
         }
     }
 
