@@ -663,6 +663,8 @@ async fn tls_redis_cluster_with_a_private_ca() {
     let pki = Pki::new();
     let nodes: Vec<RedisProc> = (0..3)
         .map(|_| {
+            // The cluster bus on a free port of its own, not `port + 10000`.
+            let bus = common::free_port().to_string();
             pki.redis(
                 true,
                 &[
@@ -670,6 +672,8 @@ async fn tls_redis_cluster_with_a_private_ca() {
                     "yes",
                     "--cluster-enabled",
                     "yes",
+                    "--cluster-port",
+                    &bus,
                     "--cluster-config-file",
                     "nodes.conf",
                     "--cluster-node-timeout",

@@ -197,6 +197,8 @@ impl Cluster {
             let port = free_port();
             let node_timeout = node_timeout_ms.to_string();
             let conf = format!("nodes-{port}.conf");
+            // The cluster bus on a free port of its own, not `port + 10000`.
+            let bus = free_port().to_string();
             let mut proc = tollgate_testkit::redis::spawn(
                 &c.redis_server,
                 port,
@@ -204,6 +206,8 @@ impl Cluster {
                 &[
                     "--cluster-enabled",
                     "yes",
+                    "--cluster-port",
+                    &bus,
                     "--cluster-config-file",
                     &conf,
                     "--cluster-node-timeout",

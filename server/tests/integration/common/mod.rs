@@ -27,11 +27,16 @@ pub fn start_cluster(n: usize) -> Vec<RedisProc> {
         .map(|_| {
             let port = free_port();
             let conf = format!("nodes-{port}.conf");
+            // The cluster bus on a free port of its own: by default it is `port + 10000`, which
+            // another process may hold (the node then exits at start).
+            let bus = free_port().to_string();
             RedisProc::start_on(
                 port,
                 &[
                     "--cluster-enabled",
                     "yes",
+                    "--cluster-port",
+                    &bus,
                     "--cluster-config-file",
                     &conf,
                     "--cluster-node-timeout",
