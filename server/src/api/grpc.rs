@@ -178,6 +178,11 @@ pub(crate) fn non_empty(s: &str) -> Option<String> {
     (!s.is_empty()).then(|| s.to_string())
 }
 
+/// [`non_empty`] of a string the caller owns: moved, not copied.
+pub(crate) fn non_empty_owned(s: String) -> Option<String> {
+    (!s.is_empty()).then_some(s)
+}
+
 /// A gRPC status for an API error.
 pub fn status_of(e: &ApiError) -> Status {
     match e {

@@ -273,8 +273,8 @@ impl GrpcOperation for Acquire {
     type Request = pb::AcquireRequest;
     type Response = pb::AcquireResponse;
 
-    fn from_pb(req: &pb::AcquireRequest) -> Result<RawAcquire, InvalidArgument> {
-        Ok(raw_from_pb(req))
+    fn from_pb(req: pb::AcquireRequest) -> Result<RawAcquire, InvalidArgument> {
+        Ok(raw_from_pb(&req))
     }
 
     fn to_pb(answer: &AcquireResponse) -> pb::AcquireResponse {

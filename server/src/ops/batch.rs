@@ -11,7 +11,7 @@ use contract::fields;
 
 use super::take::{self, count_rules, scan_take, RawTake};
 use super::{invalid, GrpcOperation, Operation};
-use crate::api::grpc::{malformed, non_empty, pb, scan_field_one, DecodeStrict};
+use crate::api::grpc::{malformed, non_empty_owned, pb, scan_field_one, DecodeStrict};
 use crate::api::json::{self, Field, Object};
 use crate::api::{Api, ApiError};
 use crate::domain::{
@@ -139,21 +139,21 @@ pub fn decode_message(bytes: &[u8]) -> Result<pb::TakeBatchRequest, InvalidArgum
 
 /// Decodes a `TakeBatchRequest` message into the domain's [`RawBatch`].
 pub fn decode_pb(bytes: &[u8]) -> Result<RawBatch, InvalidArgument> {
-    decode_message(bytes).and_then(|m| raw_from_pb(&m))
+    decode_message(bytes).and_then(raw_from_pb)
 }
 
 /// Converts a decoded protobuf batch: each take as [`take::raw_from_pb`] converts one, its errors named
 /// from the batch.
-pub fn raw_from_pb(req: &pb::TakeBatchRequest) -> Result<RawBatch, InvalidArgument> {
+pub fn raw_from_pb(req: pb::TakeBatchRequest) -> Result<RawBatch, InvalidArgument> {
     let takes = req
         .takes
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, t)| take::raw_from_pb(t).map_err(|e| e.within_take(i)))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(RawBatch {
         takes: Some(takes),
-        instance: non_empty(&req.instance),
+        instance: non_empty_owned(req.instance),
     })
 }
 
@@ -248,7 +248,7 @@ impl GrpcOperation for Batch {
     type Request = pb::TakeBatchRequest;
     type Response = pb::TakeBatchResponse;
 
-    fn from_pb(req: &pb::TakeBatchRequest) -> Result<RawBatch, InvalidArgument> {
+    fn from_pb(req: pb::TakeBatchRequest) -> Result<RawBatch, InvalidArgument> {
         raw_from_pb(req)
     }
 

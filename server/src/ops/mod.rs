@@ -68,7 +68,7 @@ pub trait GrpcOperation: Operation {
 
     /// Converts a decoded request. Protobuf cannot tell an absent scalar from zero; zero values
     /// are passed on and rejected by validation with the field's name.
-    fn from_pb(req: &Self::Request) -> Result<Self::Raw, InvalidArgument>;
+    fn from_pb(req: Self::Request) -> Result<Self::Raw, InvalidArgument>;
 
     /// Encodes an answer.
     fn to_pb(answer: &Self::Answer) -> Self::Response;
@@ -116,11 +116,10 @@ async fn grpc<Op: GrpcOperation>(
     api: &Api,
     request: tonic::Request<Op::Request>,
 ) -> Result<tonic::Response<Op::Response>, Status> {
-    let call = Op::handle(api, Op::from_pb(request.get_ref()));
+    let (metadata, _, message) = request.into_parts();
+    let call = Op::handle(api, Op::from_pb(message));
     let result = match Op::SPAN {
-        Some(name) => {
-            trace::traced(name, trace::Parent::of_metadata(request.metadata()), call).await
-        }
+        Some(name) => trace::traced(name, trace::Parent::of_metadata(&metadata), call).await,
         None => call.await,
     };
     match result {

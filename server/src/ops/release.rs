@@ -117,8 +117,8 @@ impl GrpcOperation for Release {
     type Request = pb::ReleaseRequest;
     type Response = pb::ReleaseResponse;
 
-    fn from_pb(req: &pb::ReleaseRequest) -> Result<RawRelease, InvalidArgument> {
-        Ok(raw_from_pb(req))
+    fn from_pb(req: pb::ReleaseRequest) -> Result<RawRelease, InvalidArgument> {
+        Ok(raw_from_pb(&req))
     }
 
     fn to_pb(answer: &ReleaseResponse) -> pb::ReleaseResponse {

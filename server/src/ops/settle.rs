@@ -284,8 +284,8 @@ impl GrpcOperation for Settle {
     type Request = pb::SettleRequest;
     type Response = pb::SettleResponse;
 
-    fn from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidArgument> {
-        raw_from_pb(req)
+    fn from_pb(req: pb::SettleRequest) -> Result<RawSettle, InvalidArgument> {
+        raw_from_pb(&req)
     }
 
     fn to_pb(answer: &SettleResponse) -> pb::SettleResponse {

@@ -11,7 +11,9 @@ use serde_json::Value;
 use contract::fields;
 
 use super::{invalid, GrpcOperation, Operation};
-use crate::api::grpc::{algorithm_from_pb, malformed, non_empty, pb, scan_field_one, DecodeStrict};
+use crate::api::grpc::{
+    algorithm_from_pb, malformed, non_empty_owned, pb, scan_field_one, DecodeStrict,
+};
 use crate::api::json::{self, Field, Object};
 use crate::api::{Api, ApiError};
 use crate::domain::{
@@ -305,29 +307,29 @@ pub fn decode_message(bytes: &[u8]) -> Result<pb::TakeRequest, InvalidArgument> 
 
 /// Decodes a `TakeRequest` message into a [`RawTake`]: [`decode_message`], then [`raw_from_pb`].
 pub fn decode_pb(bytes: &[u8]) -> Result<RawTake, InvalidArgument> {
-    decode_message(bytes).and_then(|m| raw_from_pb(&m))
+    decode_message(bytes).and_then(raw_from_pb)
 }
 
 /// Converts a decoded protobuf request. Protobuf cannot tell an absent scalar from zero; zero
 /// values are passed on and rejected by validation with the field's name.
-pub fn raw_from_pb(req: &pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
+pub fn raw_from_pb(req: pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
     let mut buckets = Vec::with_capacity(req.buckets.len());
-    for (i, b) in req.buckets.iter().enumerate() {
+    for (i, b) in req.buckets.into_iter().enumerate() {
         let algorithm = algorithm_from_pb(i, b.algorithm)?;
         buckets.push(RawBucket {
-            key: Some(b.key.clone()),
+            key: Some(b.key),
             capacity: Some(b.capacity),
             rate: b.rate,
             period_ms: Some(b.period_ms),
             cost: b.cost,
             algorithm: Some(algorithm),
             lease: b.lease,
-            rule: non_empty(&b.rule),
+            rule: non_empty_owned(b.rule),
         });
     }
     Ok(RawTake {
         buckets: Some(buckets),
-        instance: non_empty(&req.instance),
+        instance: non_empty_owned(req.instance),
     })
 }
 
@@ -432,7 +434,7 @@ impl GrpcOperation for Take {
     type Request = pb::TakeRequest;
     type Response = pb::TakeResponse;
 
-    fn from_pb(req: &pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
+    fn from_pb(req: pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
         raw_from_pb(req)
     }
 

@@ -42,7 +42,7 @@ fn requests_agree_in_both_encodings() {
         let bytes = hex_decode(case["request_pb_hex"].as_str().unwrap());
         let msg = pb::TakeRequest::decode(bytes.as_slice()).expect(name);
         assert_eq!(take::decode_message(&bytes).expect(name), msg, "{name}");
-        let raw_pb = take::raw_from_pb(&msg).expect(name);
+        let raw_pb = take::raw_from_pb(msg).expect(name);
         assert_eq!(
             hex_encode(&take::pb_from_raw(&raw_pb).encode_to_vec()),
             case["request_pb_hex"],
@@ -111,7 +111,7 @@ fn batch_requests_agree_in_both_encodings() {
         let bytes = hex_decode(case["request_pb_hex"].as_str().unwrap());
         let msg = pb::TakeBatchRequest::decode(bytes.as_slice()).expect(name);
         assert_eq!(batch::decode_message(&bytes).expect(name), msg, "{name}");
-        let raw_pb = batch::raw_from_pb(&msg).expect(name);
+        let raw_pb = batch::raw_from_pb(msg).expect(name);
         assert_eq!(
             hex_encode(&batch::pb_from_raw(&raw_pb).encode_to_vec()),
             case["request_pb_hex"],
