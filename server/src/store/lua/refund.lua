@@ -20,5 +20,6 @@ for i = 1, #KEYS do
     tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
   n = n + ALGORITHMS[alg].refund(KEYS[i], cap, rate, period, cost, mark, now)
 end
--- An array, as the other scripts reply (the service reads every script reply as a list).
+-- An array, as the scripts other than the takes reply (the service reads an array or a take's packed
+-- string alike, decode::Ints).
 return {n}
