@@ -230,8 +230,42 @@ fn alg_byte(a: Algorithm) -> u8 {
 
 /// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The identity
 /// covers the key and the global limits (not the number of proxies), like the service's bucket
-/// identity. The lease pools ([`crate::core::local::lease`]) use the same scheme in a table of their own.
-pub fn slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
+/// identity. The lease pools ([`crate::core::local::lease`]) use the same scheme in a table of their
+/// own, and so do the remembered denials. The last slot computed is remembered ([`LAST_IN`]), as
+/// [`slot`]'s is: every request of a flood denied from memory asks for the same one, and its SHA-256
+/// and formatted name were a quarter of such a request's work in the module.
+pub fn slot_in(table: &'static str, key: &str, l: &Limits, max_keys: u32) -> Slot {
+    let id = (
+        table,
+        l.global,
+        l.rate,
+        l.period_ms,
+        alg_byte(l.algorithm),
+        max_keys,
+    );
+    let mut last = LAST_IN.take();
+    let s = match &last {
+        Some((i, k, s)) if *i == id && k == key => s.clone(),
+        _ => {
+            let s = compute_slot_in(table, key, l, max_keys);
+            last = Some((id, key.to_string(), s.clone()));
+            s
+        }
+    };
+    LAST_IN.set(last);
+    s
+}
+
+/// The identity [`slot_in`] remembers its last slot under, beside the key.
+type SlotInId = (&'static str, u64, u64, u64, u8, u32);
+
+thread_local! {
+    /// The last bucket [`slot_in`] was asked for and its slot; a memo like [`LAST`].
+    static LAST_IN: std::cell::Cell<Option<(SlotInId, String, Slot)>> = const { std::cell::Cell::new(None) };
+}
+
+/// [`slot_in`] without the memo.
+fn compute_slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
     let mut material = Vec::with_capacity(key.len() + 48);
     material.extend_from_slice(key.as_bytes());
     material.push(0);
@@ -1007,6 +1041,46 @@ mod tests {
             assert_eq!(slot(key, &l, n), computed(key, &l, n), "{key} {n}");
         }
         assert_ne!(slot("a", &tb(10), 64), slot("a", &fw, 64));
+    }
+
+    #[test]
+    fn a_remembered_slot_in_a_table_is_the_one_computed() {
+        use crate::core::local::table::{DENIALS_TABLE, POOLS_TABLE};
+        let fw = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 1);
+        // Asked again, in turn and after others: another table, key, limit, algorithm or table
+        // size is another slot; the number of proxies is not part of the identity.
+        for (table, key, l, n) in [
+            (DENIALS_TABLE, "a", tb(10), 64),
+            (DENIALS_TABLE, "a", tb(10), 64),
+            (POOLS_TABLE, "a", tb(10), 64),
+            (DENIALS_TABLE, "a", fw, 64),
+            (DENIALS_TABLE, "a", tb(11), 64),
+            (
+                DENIALS_TABLE,
+                "a",
+                Limits::local(10, 10, 2000, Algorithm::TokenBucket, 1),
+                64,
+            ),
+            (DENIALS_TABLE, "a", tb(10), 128),
+            (DENIALS_TABLE, "b", tb(10), 64),
+            (
+                DENIALS_TABLE,
+                "a",
+                Limits::local(10, 10, 1000, Algorithm::TokenBucket, 3),
+                64,
+            ),
+            (DENIALS_TABLE, "", tb(10), 64),
+        ] {
+            assert_eq!(
+                slot_in(table, key, &l, n),
+                compute_slot_in(table, key, &l, n),
+                "{table} {key} {n}"
+            );
+        }
+        assert_ne!(
+            slot_in(DENIALS_TABLE, "a", &tb(10), 64),
+            slot_in(POOLS_TABLE, "a", &tb(10), 64)
+        );
     }
 
     #[test]
