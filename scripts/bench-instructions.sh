@@ -21,6 +21,9 @@
 #   http-batch  as http with group commit (the default, `"batch": 64`): with CLIENTS > 1, requests
 #             that arrive while a callout is in flight leave together in one batch callout
 #   lease     Tollgate with an adaptive lease: most requests spend a local pool
+#   denied    Tollgate exact, its bucket empty (capacity 1 an hour): a flood's request, denied from
+#             the remembered denial (one callout a second, `remember_denials_ms`), not by a callout
+#   local-denied  no module: Envoy's own local_ratelimit, its bucket empty: what a 429 costs Envoy
 #
 # TIER=service counts the decision service instead, TIER=redis Redis (variants http, grpc and
 # http-batch only): that process under callgrind (the service with --worker-threads 1, all its
@@ -68,8 +71,14 @@ case $TIER in
 esac
 
 
-plugin() { # $1: transport, $2: extra rule fields, $3: extra service fields
-  printf '{"service": {"cluster": "tollgate", "transport": "%s", "timeout_ms": 1000%s}, "rules": [{"name": "all", %s "key": ["literal:bench"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000}]}' "$1" "${3:-}" "$2"
+# The bench's rule: every request admitted (capacity and rate 10^9 a second), or with $4 set, those
+# key and limits instead.
+ADMIT_ALL='"key": ["literal:bench"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000'
+# A callout's timeout of 10 s: the first requests under callgrind wait for V8 to compile the module,
+# and a first callout timed out would be admitted on credit, whose debt then rides on the callouts
+# after it (an empty bucket never repays it, so its denials would not be remembered either).
+plugin() { # $1: transport, $2: extra rule fields, $3: extra service fields, $4: key and limits
+  printf '{"service": {"cluster": "tollgate", "transport": "%s", "timeout_ms": 10000%s}, "rules": [{"name": "all", %s %s}]}' "$1" "${3:-}" "$2" "${4:-$ADMIT_ALL}"
 }
 
 RESULTS=$OUT/results.tsv
@@ -99,6 +108,9 @@ for variant in $VARIANTS; do
     grpc) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 0')") ;;
     http-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 64')") ;;
     lease) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"lease": {},')") ;;
+    local-denied) args+=(--local-ratelimit 1,1,3600) ;;
+    denied) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 0' \
+      '"key": ["literal:denied"], "capacity": 1, "rate": 1, "period_ms": 3600000')") ;;
     *) die "unknown variant $variant" ;;
   esac
   envoy_config "${args[@]}" >"$OUT/envoy-$variant.yaml"
@@ -110,8 +122,10 @@ for variant in $VARIANTS; do
   else
     callgrind_envoy "$variant" "$OUT" "$admin"
   fi
-  python3 scripts/drive.py "$port" "$WARMUP" "$CLIENTS" || die "$variant: warm-up failed"
-  callgrind_rounds "$variant" "$OUT" "$ROUNDS" "$REQUESTS" python3 scripts/drive.py "$port" "$REQUESTS" "$CLIENTS"
+  statuses=200
+  case $variant in denied | local-denied) statuses=200,429 ;; esac
+  python3 scripts/drive.py "$port" "$WARMUP" "$CLIENTS" "$statuses" || die "$variant: warm-up failed"
+  callgrind_rounds "$variant" "$OUT" "$ROUNDS" "$REQUESTS" python3 scripts/drive.py "$port" "$REQUESTS" "$CLIENTS" "$statuses"
   if [ "$TIER" != envoy ]; then kill "$envoy_pid"; wait "$envoy_pid" 2>/dev/null || true; fi
   if [ "$TIER" = redis ]; then kill "$SVC_PID"; wait "$SVC_PID" 2>/dev/null || true; fi
   say "$variant: ${COUNTS[*]} $TIER instructions per request (median $MEDIAN)"
