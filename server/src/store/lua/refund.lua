@@ -21,5 +21,5 @@ for i = 1, #KEYS do
   n = n + ALGORITHMS[alg].refund(KEYS[i], cap, rate, period, cost, mark, now)
 end
 -- An array, as the scripts other than the takes reply (the service reads an array or a take's packed
--- string alike, decode::Ints).
+-- string alike, reply::Ints).
 return {n}

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::{aio::ConnectionLike, Cmd, RedisError};
 use sha2::{Digest, Sha256};
 
-use super::decode::Ints;
+use super::reply::Ints;
 
 /// The library: its source and its functions' names.
 pub(super) struct Library {

@@ -66,6 +66,7 @@
 //! | `link.rs` | the connection: standalone, Cluster or the Sentinel-named master |
 //! | `scripts.rs` | the scripts' sources, each operation's ARGV, EVALSHA with `NOSCRIPT` recovery |
 //! | `library.rs` | the takes as one Redis Functions library: `FCALL`, loaded on demand, scripts without functions |
+//! | `reply.rs` | a script's reply as its integers: an array, or a take's packed string |
 //! | `decode.rs` | script replies into decisions (pure) |
 //! | `sentinel.rs` | the master Redis Sentinel names, asked again after a failover |
 
@@ -73,6 +74,7 @@ mod conn;
 mod decode;
 mod library;
 mod link;
+mod reply;
 mod scripts;
 mod sentinel;
 

@@ -5,9 +5,9 @@
 use redis::{RedisError, Script};
 
 use super::conn::map_err;
-use super::decode::Ints;
 use super::library::{Called, Function, Library};
 use super::link::Conn;
+use super::reply::Ints;
 use super::RedisStore;
 use crate::domain::{Algorithm, BucketSpec, Settlement};
 use crate::store::StoreError;
