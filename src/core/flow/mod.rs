@@ -482,9 +482,12 @@ fn settle<H: Host>(
     host: &mut H,
 ) -> Outcome {
     let now = host.now_ms();
+    // Only the service's own denials are remembered: one `settle_debts` makes of an admission whose
+    // grant fell short of the debt it carried is about the debt, and the next callout repays more.
+    let denied_by_service = matches!(outcome, Outcome::Limited(_));
     let (outcome, repaid) = fallback::settle_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
-    if matches!(outcome, Outcome::Limited(_)) {
+    if denied_by_service {
         let until = denials::remember(cfg, plan, &outcome, host.store(), now);
         if until > 0 {
             breaker::mark_denied(host.store(), until);
@@ -968,12 +971,55 @@ mod tests {
             &mut h,
         );
         assert_eq!(h.counts, vec![Decision::FallbackAllowed]);
-        for _ in 0..2 {
+        for round in 0..2 {
             let mut f = Flow::default();
-            f.on_request_headers(&c, &req("/api"), &mut h);
+            assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
+            assert_eq!(h.dispatched, round + 2);
             assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
             f.on_callout_result(&c, h.next_token, answer(false), &mut h);
+            // Past the denial's retry_after (1 s): the next request asks again.
+            h.now += 1000;
         }
+    }
+
+    #[test]
+    fn a_denial_carrying_a_debt_is_remembered_and_one_the_debt_caused_is_not() {
+        let c = cfg(r#","breaker":{"failures":0}"#);
+        let mut h = FakeHost::default();
+        let timeout = || CalloutResult::Http {
+            status: Some(504),
+            body: vec![],
+        };
+        // One admitted on credit: the callouts after it carry the debt (lease 2 = cost 1 + 1).
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        f.on_callout_result(&c, h.next_token, timeout(), &mut h);
+        assert_eq!(h.counts, vec![Decision::FallbackAllowed]);
+        // The service denies (the bucket cannot pay the cost): remembered for a second.
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
+        f.on_callout_result(&c, h.next_token, answer(false), &mut h);
+        assert_eq!(h.dispatched, 2);
+        // A flood meanwhile is answered here, the debt still owed.
+        for n in 0..3 {
+            let replied = h.replies.len();
+            let mut f = Flow::default();
+            f.on_request_headers(&c, &req("/api"), &mut h);
+            assert_eq!(h.replies.len(), replied + 1, "request {n} answered at once");
+            assert_eq!(h.replies.last().unwrap().status, 429);
+        }
+        assert_eq!(h.dispatched, 2, "no callout while the denial holds");
+        // Past it, the service admits with a grant short of the debt: denied here, debt first,
+        // and that denial is not remembered: the next request asks (and repays) again.
+        h.now += 1000;
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        f.on_callout_result(&c, h.next_token, granted(true, 0, 1), &mut h);
+        assert_eq!(h.counts.last(), Some(&Decision::Limited), "debt first");
+        let mut f = Flow::default();
+        assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
+        assert_eq!(h.dispatched, 4);
     }
 
     #[test]

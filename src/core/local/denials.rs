@@ -19,8 +19,13 @@
 //! in a bounded table of `fallback.max_keys` slots in shared data (`tollgate.deny.<n>`, the slot
 //! scheme of [`table`]): until when, the cost denied, and the answer's limit, remaining and reset
 //! for the headers of the 429s it answers. Only buckets of enforcing rules without a lease (lease
-//! pools remember their own denials) and without debt attached, and only answers of this
-//! project's service (not `transport: rls`: another server's reset times mean other things).
+//! pools remember their own denials), and only answers of this project's service (not
+//! `transport: rls`: another server's reset times mean other things). A bucket carrying a
+//! fallback debt (its `lease` is its cost plus the debt) is remembered for its cost: the service
+//! grants a lease from the cost up, so it denied because the bucket could not pay the cost. A
+//! denial the debt itself caused (the service admitted, its grant fell short of the debt:
+//! `fallback::settle_debts`) is not the service's and is not remembered (`flow`'s `settle`): the
+//! next callout repays what it can.
 //! A slot another bucket holds is overwritten; writes are not compare-and-swap, since a lost
 //! write only costs a callout.
 //!
@@ -60,8 +65,8 @@ fn slot(b: &Bucket, max_keys: u32) -> Slot {
 fn eligible(cfg: &Config, plan: &Plan, i: usize) -> bool {
     let rule = plan.rules.get(i).and_then(|&r| cfg.rules.get(r));
     let bucket = plan.request.buckets.get(i);
-    matches!((rule, bucket), (Some(r), Some(b))
-        if !r.shadow && r.rate_limit().is_some_and(|l| l.lease.is_none()) && b.lease.is_none())
+    matches!((rule, bucket), (Some(r), Some(_))
+        if !r.shadow && r.rate_limit().is_some_and(|l| l.lease.is_none()) && plan.own_lease(i).is_none())
 }
 
 /// One remembered denial.
@@ -322,11 +327,11 @@ mod tests {
             0
         );
         assert_eq!(recall(&c, &p, &s, 1), None);
-        // A bucket that carried a debt: its denial is about the debt, not the cost.
-        let mut with_debt = p.clone();
-        with_debt.request.buckets[0].lease = Some(5);
+        // A bucket asking for a lease of its own (not a rule's): not remembered.
+        let mut leasing = p.clone();
+        leasing.request.buckets[0].lease = Some(5);
         assert_eq!(
-            remember(&c, &with_debt, &limited(vec![denied(600), full(5)]), &s, 0),
+            remember(&c, &leasing, &limited(vec![denied(600), full(5)]), &s, 0),
             0
         );
         let c = cfg(r#","lease":{"size":5}"#, "");
@@ -335,6 +340,25 @@ mod tests {
             remember(&c, &p, &limited(vec![denied(600), full(5)]), &s, 0),
             0
         );
+    }
+
+    #[test]
+    fn a_denial_of_a_bucket_carrying_a_debt_is_remembered_for_its_cost() {
+        let c = cfg("", "");
+        let s = FakeStore::default();
+        let p = plan(&c, 1);
+        // Cost 1 with a debt of 4 riding on it as a lease of 5: the service could not pay the 1.
+        let mut with_debt = p.clone();
+        with_debt.request.buckets[0].lease = Some(5);
+        with_debt.debt = vec![4, 0];
+        assert_eq!(
+            remember(&c, &with_debt, &limited(vec![denied(600), full(5)]), &s, 0),
+            600
+        );
+        // A request without the debt (another worker repaid it) is denied as the service would.
+        assert!(recall(&c, &p, &s, 599).is_some());
+        assert!(recall(&c, &with_debt, &s, 599).is_some());
+        assert_eq!(recall(&c, &p, &s, 600), None);
     }
 
     #[test]
