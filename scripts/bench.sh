@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 rc=0
 bash scripts/bench-envoy.sh || rc=$?
 bash scripts/bench-accuracy.sh || rc=$?
-# The idle path and one exact decision (every variant: run the script alone; each costs a minute or two
-# under valgrind).
-VARIANTS="none empty nomatch http" bash scripts/bench-instructions.sh || rc=$?
+# The idle path, one exact decision, and a flood's 429 from a remembered denial beside Envoy's own
+# (every variant: run the script alone; each costs a minute or two under valgrind).
+VARIANTS="none empty nomatch http denied local-denied" bash scripts/bench-instructions.sh || rc=$?
 # The service's and Redis's instructions per take, each under callgrind behind a plain Envoy.
 TIER=service VARIANTS="http grpc" bash scripts/bench-instructions.sh || rc=$?
 TIER=redis VARIANTS=http bash scripts/bench-instructions.sh || rc=$?
