@@ -55,9 +55,9 @@ end
 -- The reply of a take call: the integers of `out` as one string of 8-byte little-endian signed
 -- integers (Redis's `struct` library). Redis answers a string as one bulk string, which the
 -- service's Redis client reads as one value; an array of integers costs it a parse per element,
--- and writing each integer as decimal text costs Redis a sprintf (BENCHMARKS.md, "The service's
--- instructions per take"). At most PACK_AT_ONCE integers are packed by one call (unpack() puts
--- them all on Lua's stack); their formats are built once per length.
+-- and writing each integer as decimal text costs Redis a sprintf (BENCHMARKS.md, "The service
+-- and Redis per take below 8ee304b's"). At most PACK_AT_ONCE integers are packed by one call
+-- (unpack() puts them all on Lua's stack); their formats are built once per length.
 local PACK_AT_ONCE = 96
 local PACK_FORMATS = {}
 local function pack(out, i, j)
