@@ -164,16 +164,33 @@ fn table_name(max_keys: u32) -> String {
 /// exact request's 326,000.
 pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
     let alg = alg_byte(l.algorithm);
-    let mut last = LAST.take();
+    remembered(&LAST, (alg, max_keys), key, || {
+        compute_slot(key, alg, max_keys)
+    })
+}
+
+/// The last slot a memo ([`LAST`], [`LAST_IN`]) computed: the identity it was computed for beside
+/// the key, and the slot.
+type Memo<I> = std::cell::Cell<Option<(I, String, Slot)>>;
+
+/// The slot of `id` and `key`: the one `memo` holds when it was asked for the same last, else
+/// `compute`'s, which it then holds.
+fn remembered<I: PartialEq + 'static>(
+    memo: &'static std::thread::LocalKey<Memo<I>>,
+    id: I,
+    key: &str,
+    compute: impl FnOnce() -> Slot,
+) -> Slot {
+    let mut last = memo.take();
     let s = match &last {
-        Some((k, a, m, s)) if *a == alg && *m == max_keys && k == key => s.clone(),
+        Some((i, k, s)) if *i == id && k == key => s.clone(),
         _ => {
-            let s = compute_slot(key, alg, max_keys);
-            last = Some((key.to_string(), alg, max_keys, s.clone()));
+            let s = compute();
+            last = Some((id, key.to_string(), s.clone()));
             s
         }
     };
-    LAST.set(last);
+    memo.set(last);
     s
 }
 
@@ -187,9 +204,9 @@ fn compute_slot(key: &str, alg: u8, max_keys: u32) -> Slot {
 }
 
 thread_local! {
-    /// The last bucket [`slot`] was asked for (key, algorithm, table size) and its slot. One per
-    /// VM, so one per Envoy worker: a memo, which changes no answer (`slot`'s tests).
-    static LAST: std::cell::Cell<Option<(String, u8, u32, Slot)>> = const { std::cell::Cell::new(None) };
+    /// The last bucket [`slot`] was asked for (algorithm and table size, key) and its slot. One
+    /// per VM, so one per Envoy worker: a memo, which changes no answer (`slot`'s tests).
+    static LAST: Memo<(u8, u32)> = const { std::cell::Cell::new(None) };
 }
 
 /// What the bucket `key` holds: its slot in this table, or, when that slot was never written,
@@ -243,17 +260,9 @@ pub fn slot_in(table: &'static str, key: &str, l: &Limits, max_keys: u32) -> Slo
         alg_byte(l.algorithm),
         max_keys,
     );
-    let mut last = LAST_IN.take();
-    let s = match &last {
-        Some((i, k, s)) if *i == id && k == key => s.clone(),
-        _ => {
-            let s = compute_slot_in(table, key, l, max_keys);
-            last = Some((id, key.to_string(), s.clone()));
-            s
-        }
-    };
-    LAST_IN.set(last);
-    s
+    remembered(&LAST_IN, id, key, || {
+        compute_slot_in(table, key, l, max_keys)
+    })
 }
 
 /// The identity [`slot_in`] remembers its last slot under, beside the key.
@@ -261,7 +270,7 @@ type SlotInId = (&'static str, u64, u64, u64, u8, u32);
 
 thread_local! {
     /// The last bucket [`slot_in`] was asked for and its slot; a memo like [`LAST`].
-    static LAST_IN: std::cell::Cell<Option<(SlotInId, String, Slot)>> = const { std::cell::Cell::new(None) };
+    static LAST_IN: Memo<SlotInId> = const { std::cell::Cell::new(None) };
 }
 
 /// [`slot_in`] without the memo.
