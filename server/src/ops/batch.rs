@@ -28,13 +28,6 @@ pub struct RawBatch {
     pub instance: Option<String>,
 }
 
-/// Checks a decoded batch: 1..=[`MAX_BATCH_TAKES`] takes, each checked by [`take::validate`] exactly as
-/// a single take. The first invalid take rejects the whole batch, its field named from the batch
-/// (`takes[3].buckets[0].capacity`).
-pub fn validate(raw: RawBatch) -> Result<Vec<Vec<BucketSpec>>, InvalidArgument> {
-    validate_batch(raw).map(|v| v.takes)
-}
-
 /// A validated batch: its takes' buckets, and what its answer and metrics need of the rest.
 #[derive(Debug)]
 pub struct ValidatedBatch {
@@ -46,8 +39,11 @@ pub struct ValidatedBatch {
     pub instance: Option<String>,
 }
 
-/// [`validate`], keeping the instance id and the rule names (moved, not copied).
-pub fn validate_batch(raw: RawBatch) -> Result<ValidatedBatch, InvalidArgument> {
+/// Checks a decoded batch: 1..=[`MAX_BATCH_TAKES`] takes, each checked by [`take::validate_take`]
+/// exactly as a single take. The first invalid take rejects the whole batch, its field named from
+/// the batch (`takes[3].buckets[0].capacity`). The instance id and the rule names are moved into
+/// the result, not copied.
+pub fn validate(raw: RawBatch) -> Result<ValidatedBatch, InvalidArgument> {
     check_instance("instance", raw.instance.as_deref())?;
     let takes = raw
         .takes
@@ -205,9 +201,7 @@ impl Operation for Batch {
             takes,
             rules,
             instance,
-        } = raw
-            .and_then(validate_batch)
-            .map_err(|e| invalid("batch", e))?;
+        } = raw.and_then(validate).map_err(|e| invalid("batch", e))?;
         api.metrics.batch(takes.len());
         let mut results = api
             .store_call("batch", api.store.take_batch(&takes))
@@ -297,7 +291,7 @@ mod tests {
             batch(vec![ok.clone(); 65]).err().map(|e| e.field),
             Some("takes".into())
         );
-        assert_eq!(batch(vec![ok.clone(); 64]).map(|v| v.len()), Ok(64));
+        assert_eq!(batch(vec![ok.clone(); 64]).map(|v| v.takes.len()), Ok(64));
         let mut bad = raw("a");
         bad.capacity = Some(0);
         let e = batch(vec![ok.clone(), ok.clone(), ok.clone(), take(vec![bad])]).err();
