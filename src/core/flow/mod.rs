@@ -838,6 +838,14 @@ mod tests {
         }
     }
 
+    /// The service did not answer in time (Envoy's 504 for a callout past its timeout).
+    fn timed_out() -> CalloutResult {
+        CalloutResult::Http {
+            status: Some(504),
+            body: vec![],
+        }
+    }
+
     #[test]
     fn the_fallback_continues_from_the_last_answer_and_its_debt_is_repaid() {
         // Capacity 2, no refill to speak of. The service said 1 left: the fallback admits 1, not 2.
@@ -846,14 +854,10 @@ mod tests {
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
         f.on_callout_result(&c, h.next_token, granted(true, 1, 1), &mut h);
-        let timeout = || CalloutResult::Http {
-            status: Some(504),
-            body: vec![],
-        };
         for _ in 0..2 {
             let mut f = Flow::default();
             f.on_request_headers(&c, &req("/api"), &mut h);
-            f.on_callout_result(&c, h.next_token, timeout(), &mut h);
+            f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
         }
         assert_eq!(
             h.counts,
@@ -886,15 +890,11 @@ mod tests {
     fn a_grant_short_of_the_debt_repays_first_and_denies() {
         let c = cfg(r#","breaker":{"failures":0}"#);
         let mut h = FakeHost::default();
-        let timeout = || CalloutResult::Http {
-            status: Some(504),
-            body: vec![],
-        };
         // Two admitted on credit (capacity 2, a vacant share starts full).
         for _ in 0..2 {
             let mut f = Flow::default();
             f.on_request_headers(&c, &req("/api"), &mut h);
-            f.on_callout_result(&c, h.next_token, timeout(), &mut h);
+            f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
         }
         // The service has 1 token: it grants 1 of the 3 asked (cost 1 + debt 2) and allows.
         let mut f = Flow::default();
@@ -986,14 +986,10 @@ mod tests {
     fn a_denial_carrying_a_debt_is_remembered_and_one_the_debt_caused_is_not() {
         let c = cfg(r#","breaker":{"failures":0}"#);
         let mut h = FakeHost::default();
-        let timeout = || CalloutResult::Http {
-            status: Some(504),
-            body: vec![],
-        };
         // One admitted on credit: the callouts after it carry the debt (lease 2 = cost 1 + 1).
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, h.next_token, timeout(), &mut h);
+        f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
         assert_eq!(h.counts, vec![Decision::FallbackAllowed]);
         // The service denies (the bucket cannot pay the cost): remembered for a second.
         let mut f = Flow::default();

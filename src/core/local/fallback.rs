@@ -1056,6 +1056,8 @@ mod tests {
     fn a_remembered_slot_in_a_table_is_the_one_computed() {
         use crate::core::local::table::{DENIALS_TABLE, POOLS_TABLE};
         let fw = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 1);
+        let slower = Limits::local(10, 10, 2000, Algorithm::TokenBucket, 1);
+        let shared_by_3 = Limits::local(10, 10, 1000, Algorithm::TokenBucket, 3);
         // Asked again, in turn and after others: another table, key, limit, algorithm or table
         // size is another slot; the number of proxies is not part of the identity.
         for (table, key, l, n) in [
@@ -1064,20 +1066,10 @@ mod tests {
             (POOLS_TABLE, "a", tb(10), 64),
             (DENIALS_TABLE, "a", fw, 64),
             (DENIALS_TABLE, "a", tb(11), 64),
-            (
-                DENIALS_TABLE,
-                "a",
-                Limits::local(10, 10, 2000, Algorithm::TokenBucket, 1),
-                64,
-            ),
+            (DENIALS_TABLE, "a", slower, 64),
             (DENIALS_TABLE, "a", tb(10), 128),
             (DENIALS_TABLE, "b", tb(10), 64),
-            (
-                DENIALS_TABLE,
-                "a",
-                Limits::local(10, 10, 1000, Algorithm::TokenBucket, 3),
-                64,
-            ),
+            (DENIALS_TABLE, "a", shared_by_3, 64),
             (DENIALS_TABLE, "", tb(10), 64),
         ] {
             assert_eq!(
