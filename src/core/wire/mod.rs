@@ -13,11 +13,14 @@
 //!   settle).
 //! - `batch`: group commit: the queue behind a configuration's callout, bounded by count and
 //!   bytes, and a batch answer split back onto its takes.
+//! - `stream`: a worker's stream of takes (transport `grpc`): each batch one message on it, the
+//!   messages' deadlines, the stream's reopening.
 
 pub mod batch;
 pub mod callout;
 pub mod instance;
 pub mod plan;
+pub mod stream;
 
 use contract::proto::{put_bytes, put_u64, Field as Value, Reader};
 use contract::{json, proto, Sender};
