@@ -131,6 +131,9 @@ pub struct Service {
     /// Group commit: while a callout is in flight, at most this many requests of a worker wait
     /// to go together in the next callout (0: every request calls on its own).
     pub batch: usize,
+    /// Transport `grpc`: each worker keeps one `TakeStream` open and sends every take (or batch
+    /// of takes) as a message on it instead of a call of its own ([`crate::core::wire::stream`]).
+    pub stream: bool,
     /// How long a denial from the service is remembered by every worker of this Envoy, at most:
     /// until its `retry_after_ms` or this long, whichever is sooner (0: not remembered; see
     /// [`crate::core::local::denials`]).
@@ -151,6 +154,7 @@ impl core::fmt::Debug for Service {
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("domain", &self.domain)
             .field("batch", &self.batch)
+            .field("stream", &self.stream)
             .field("remember_denials_ms", &self.remember_denials_ms)
             .field("trace", &self.trace)
             .finish()

@@ -90,8 +90,13 @@ impl<'a> Obj<'a> {
     }
 
     fn boolean(&self, f: &str) -> Result<bool, ConfigError> {
+        self.boolean_or(f, false)
+    }
+
+    /// A boolean field, `default` when absent.
+    fn boolean_or(&self, f: &str, default: bool) -> Result<bool, ConfigError> {
         match self.get(f) {
-            None => Ok(false),
+            None => Ok(default),
             Some(Value::Bool(b)) => Ok(*b),
             Some(_) => err(self.path(f), "must be true or false"),
         }
@@ -343,6 +348,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             "token",
             "domain",
             "batch",
+            "stream",
             "remember_denials_ms",
             "trace",
         ],
@@ -404,6 +410,10 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
     if batch > 0 && transport == Transport::Rls {
         return err("service.batch", "not available with transport rls");
     }
+    let stream = s.boolean_or("stream", transport == Transport::Grpc)?;
+    if stream && transport != Transport::Grpc {
+        return err("service.stream", "only with transport grpc");
+    }
     let remember_denials_ms = s.int(
         "remember_denials_ms",
         Some(if transport == Transport::Rls {
@@ -430,6 +440,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
         token,
         domain,
         batch,
+        stream,
         remember_denials_ms,
         trace,
     })
