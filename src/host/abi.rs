@@ -144,6 +144,21 @@ pub trait Abi {
         message: &[u8],
         timeout_ms: u32,
     ) -> Result<u32, Status>;
+    /// Opens a bidirectional gRPC stream from the current (root) context; its token. Its
+    /// messages arrive as `proxy_on_grpc_receive` and its end as `proxy_on_grpc_close`, both with
+    /// this token, on the root context.
+    fn grpc_stream(
+        &self,
+        service: &[u8],
+        service_name: &str,
+        method: &str,
+        metadata: &[(&str, &str)],
+    ) -> Result<u32, Status>;
+    /// Sends one message on stream `token`.
+    fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status>;
+    /// Resets stream `token` (or cancels a unary call): no callback follows, and Envoy forgets
+    /// the token.
+    fn grpc_cancel(&self, token: u32) -> Result<(), Status>;
     /// The gRPC status message of the callout being reported.
     fn grpc_status_message(&self) -> Option<String>;
     /// Asks for `proxy_on_tick` on the current (root) context every `period_ms` (0: never).

@@ -33,6 +33,7 @@ use crate::core::settle;
 use crate::core::wire::batch;
 use crate::core::wire::callout;
 use crate::core::wire::plan::CalloutResult;
+use crate::core::wire::stream::Stream;
 use crate::core::wire::TakeRequest;
 use contract::bounds::MAX_ANSWER_BYTES;
 use log::{debug, error, info, warn};
@@ -251,17 +252,18 @@ impl<A: Abi> Dispatcher<A> {
             grpc_service: callout::grpc_service(&config.service.cluster),
             reads: Reads::of(&config),
             queue: RefCell::new(batch::Queue::default()),
+            stream: RefCell::new(Stream::default()),
             held: RefCell::new(Vec::new()),
             settles: RefCell::new(settle::Queue::new(&crate::core::wire::instance::fresh())),
             config,
             metrics,
         };
         if let Some(ms) = flow::tick_period_ms(&plugin.config) {
-            // The timer that gives back the tokens of pools nobody spends any more, and sends
-            // settlements again.
+            // The timer that times out the stream's messages, gives back the tokens of pools
+            // nobody spends any more, and sends settlements again.
             if let Err(s) = self.abi.set_tick_period(ms) {
                 warn!(
-                    "no timer for lease pools and settlements: {}",
+                    "no timer for the stream, lease pools and settlements: {}",
                     abi::status_name(s)
                 );
             }
@@ -271,12 +273,16 @@ impl<A: Abi> Dispatcher<A> {
         true
     }
 
-    /// The root context's timer: expired tokens of the lease pools this worker filled go back to
-    /// the service.
+    /// The root context's timer: the stream's messages past their deadline fail, settlements
+    /// due are sent again, expired tokens of the lease pools this worker filled go back to the
+    /// service.
     pub fn on_tick(&mut self, id: u32) {
         let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
             return;
         };
+        if plugin.config.service.stream {
+            self.expire_messages(&plugin);
+        }
         if !plugin.settles.borrow().is_empty() {
             Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).send_settles();
         }
@@ -490,6 +496,7 @@ impl<A: Abi> Dispatcher<A> {
                 // cleared by the hand-over), under the same id.
                 Waiter::Settle { .. }
                 | Waiter::Batch { .. }
+                | Waiter::Stream { .. }
                 | Waiter::Refund
                 | Waiter::Release { .. }
                 | Waiter::Orphan { .. }
@@ -586,6 +593,94 @@ impl<A: Abi> Dispatcher<A> {
         );
     }
 
+    /// A gRPC message arrived (`proxy_on_grpc_receive`): the answer to the oldest message in
+    /// flight on a stream, or a unary call's answer.
+    pub fn on_grpc_receive(&mut self, token: u32, size: usize) {
+        let Some(plugin) = self.stream_of(token) else {
+            self.on_grpc_response(token, 0, size);
+            return;
+        };
+        let message = plugin.stream.borrow_mut().answered(token);
+        let Some(message) = message else {
+            debug!("stream {token}: an answer with no message in flight");
+            return;
+        };
+        self.deliver(message, &mut FromHost(|abi: &A| grpc_message(abi, size)));
+    }
+
+    /// A gRPC call or stream ended (`proxy_on_grpc_close`): a unary call's failure, or a stream's
+    /// end, which fails every message in flight on it with its status.
+    pub fn on_grpc_close(&mut self, token: u32, status: u32) {
+        let Some(plugin) = self.stream_of(token) else {
+            self.on_grpc_response(token, status, 0);
+            return;
+        };
+        let message = self.abi.grpc_status_message();
+        // Envoy keeps a stream the service closed until the module closes its side too: cancel
+        // it, which frees it (and, the stream being over, sends nothing).
+        let _ = self.abi.grpc_cancel(token);
+        self.ledger.close(token);
+        let now = self.abi.now_ms();
+        let failed =
+            plugin
+                .stream
+                .borrow_mut()
+                .ended(token, now, plugin.config.breaker.open_ms);
+        if !failed.is_empty() {
+            debug!(
+                "stream {token} ended with gRPC status {status} ({}): {} message(s) in flight fail",
+                message.as_deref().unwrap_or(""),
+                failed.len()
+            );
+        }
+        // A stream that ends OK with messages unanswered broke the contract: a failure, not OK.
+        let status = if status == 0 { 2 } else { status };
+        for m in failed {
+            let ended = CalloutResult::Grpc {
+                status,
+                message: message.clone(),
+                body: Vec::new(),
+            };
+            self.deliver(m, &mut Ready(Some(ended)));
+        }
+    }
+
+    /// The plugin whose stream `token` is.
+    fn stream_of(&self, token: u32) -> Option<Rc<Plugin>> {
+        match self.ledger.get(token).map(|e| &e.waiter) {
+            Some(Waiter::Stream { plugin }) => Some(plugin.clone()),
+            _ => None,
+        }
+    }
+
+    /// The tick of a streaming plugin: its messages whose deadline passed fail as timeouts, and
+    /// the stream they were on is cancelled (an answer arriving later could no longer be matched).
+    fn expire_messages(&mut self, plugin: &Rc<Plugin>) {
+        let now = self.abi.now_ms();
+        let expired = plugin
+            .stream
+            .borrow_mut()
+            .expired(now, plugin.config.breaker.open_ms);
+        let Some(expired) = expired else {
+            return;
+        };
+        if let Some(token) = expired.cancel {
+            if let Err(s) = self.abi.grpc_cancel(token) {
+                debug!("stream {token} not cancelled: {}", abi::status_name(s));
+            }
+            self.ledger.close(token);
+        }
+        for m in expired.messages {
+            // As Envoy reports a unary call's timeout.
+            let timeout = CalloutResult::Grpc {
+                status: 4,
+                message: None,
+                body: Vec::new(),
+            };
+            self.deliver(m, &mut Ready(Some(timeout)));
+        }
+    }
+
     /// A unary gRPC callout ended: `status` 0 with the message (`proxy_on_grpc_receive`), or a
     /// failure status without one (`proxy_on_grpc_close`).
     pub fn on_grpc_response(&mut self, token: u32, status: u32, size: usize) {
@@ -599,15 +694,7 @@ impl<A: Abi> Dispatcher<A> {
                         body: Vec::new(),
                     };
                 }
-                if size > MAX_ANSWER_BYTES {
-                    return CalloutResult::TooLarge { size };
-                }
-                let body = abi.buffer(Buffer::GrpcReceive, size);
-                CalloutResult::Grpc {
-                    status: 0,
-                    message: None,
-                    body,
-                }
+                grpc_message(abi, size)
             }),
         );
     }
@@ -678,7 +765,8 @@ impl<A: Abi> Dispatcher<A> {
                 let result = read.read(&self.abi);
                 Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).settle_answer(&id, &result);
             }
-            Waiter::Refund | Waiter::Abandoned { .. } => {}
+            // A stream's answers go to its messages ([`Dispatcher::on_grpc_receive`]).
+            Waiter::Refund | Waiter::Abandoned { .. } | Waiter::Stream { .. } => {}
         }
     }
 
@@ -733,32 +821,15 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    /// One batch callout carrying `queued`.
+    /// One batch carrying `queued` (a callout, or a message on the stream).
     fn send_batch(&mut self, plugin: &Rc<Plugin>, queued: Vec<(u32, TakeRequest)>) {
         let takes: Vec<&TakeRequest> = queued.iter().map(|(_, t)| t).collect();
         let members: Vec<u32> = queued.iter().map(|(t, _)| *t).collect();
         let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);
-        let cfg = &plugin.config;
-        match proxy.send_within(
-            cfg,
-            callout::batch(cfg, &takes),
-            cfg.service.timeout_ms,
-            None,
-        ) {
-            Ok(token) => {
-                plugin.metrics.batched(&self.abi, members.len());
-                plugin.queue.borrow_mut().started();
-                let batch = Waiter::Batch {
-                    plugin: plugin.clone(),
-                    members,
-                };
-                proxy.open(token, batch);
-            }
-            Err(why) => {
-                debug!("batch of {} not dispatched: {why}", members.len());
-                for m in members {
-                    self.answer_member(m, CalloutResult::DispatchError);
-                }
+        if let Err(why) = proxy.send_batch(&plugin.config, members.clone(), &takes) {
+            debug!("batch of {} not dispatched: {why}", members.len());
+            for m in members {
+                self.answer_member(m, CalloutResult::DispatchError);
             }
         }
     }
@@ -789,6 +860,19 @@ impl<A: Abi> Dispatcher<A> {
             self.abi.increment_metric(g.memory, delta);
             self.memory_reported = now;
         }
+    }
+}
+
+/// The gRPC message being reported, `size` bytes (unary answer or stream message): not read when
+/// it is larger than any valid answer.
+fn grpc_message(abi: &impl Abi, size: usize) -> CalloutResult {
+    if size > MAX_ANSWER_BYTES {
+        return CalloutResult::TooLarge { size };
+    }
+    CalloutResult::Grpc {
+        status: 0,
+        message: None,
+        body: abi.buffer(Buffer::GrpcReceive, size),
     }
 }
 

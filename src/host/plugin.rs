@@ -1,6 +1,6 @@
 //! What one configuration is to the adapter ([`Plugin`]: its configuration, metric ids, batch
-//! queue, watched lease pools and settlements), and who waits for each callout in the VM's ledger
-//! ([`Waiter`]).
+//! queue, stream, watched lease pools and settlements), and who waits for each callout in the VM's
+//! ledger ([`Waiter`]).
 
 use super::metrics::Metrics;
 use super::request::Reads;
@@ -9,6 +9,7 @@ use crate::core::local::lease;
 use crate::core::settle;
 use crate::core::wire::batch;
 use crate::core::wire::plan::Plan;
+use crate::core::wire::stream::Stream;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -30,6 +31,10 @@ pub(super) struct Plugin {
     /// Group commit of this plugin's takes (`service.batch`): the requests queued for the next
     /// batch (their virtual tokens are the ledger's).
     pub(super) queue: RefCell<batch::Queue>,
+    /// Its stream of takes in this worker (`service.stream`): the open stream's token (a
+    /// [`Waiter::Stream`] in the ledger) and its messages in flight, in order (each a
+    /// [`Waiter::Batch`] under a virtual token).
+    pub(super) stream: RefCell<Stream>,
     /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
     pub(super) held: RefCell<Vec<lease::Held>>,
     /// Settlements of responses that ended (rules charged by the response), delivered from here
@@ -48,11 +53,14 @@ pub(super) enum Waiter {
     },
     /// A request's acquire of concurrency slots.
     Acquire { context: u32 },
-    /// A batch callout, carrying the virtual tokens of its takes (each its own entry).
+    /// A batch callout, or a message on the plugin's stream, carrying the virtual tokens of its
+    /// takes (each its own entry).
     Batch {
         plugin: Rc<Plugin>,
         members: Vec<u32>,
     },
+    /// The plugin's stream of takes: its answers go to its messages in flight, in order.
+    Stream { plugin: Rc<Plugin> },
     /// A background lease refill (no request waits).
     Refill {
         plugin: Rc<Plugin>,

@@ -13,6 +13,8 @@ use crate::core::settle;
 use crate::core::wire::batch;
 use crate::core::wire::callout::{self, CalloutRequest};
 use crate::core::wire::plan::{CalloutResult, LocalReply, Plan};
+use crate::core::wire::stream::Route;
+use crate::core::wire::TakeRequest;
 use log::{debug, warn};
 use std::rc::Rc;
 
@@ -69,6 +71,8 @@ impl<'a, A: Abi> Proxy<'a, A> {
             None
         };
         let batching = cfg.service.batch > 0 && plan.rls.is_none() && trace.is_none();
+        // A traced take goes alone, as a call of its own with the trace in its metadata.
+        let streaming = cfg.service.stream && trace.is_none();
         let waiter = |gates: bool| {
             if refill {
                 Waiter::Refill {
@@ -97,6 +101,15 @@ impl<'a, A: Abi> Proxy<'a, A> {
             }
             return Ok(token);
         }
+        if streaming {
+            // Alone now, it leaves at once: a message of one take on the stream.
+            let token = self.ledger.reserve(self.plugin.root, waiter(false));
+            if let Err(why) = self.send_batch(cfg, vec![token], &[&plan.request]) {
+                self.ledger.close(token);
+                return Err(why);
+            }
+            return Ok(token);
+        }
         let timeout = cfg.service.timeout_ms;
         let sent = self.send_within(cfg, callout::take(cfg, plan), timeout, trace.as_deref());
         let token = sent.map_err(|why| {
@@ -112,6 +125,115 @@ impl<'a, A: Abi> Proxy<'a, A> {
         let w = waiter(batching);
         self.open(token, w);
         Ok(token)
+    }
+
+    /// Sends `takes` (for the waiters of the virtual tokens `members`, in order) as one batch: a
+    /// message on the plugin's stream (`service.stream`), or a batch callout. It holds the batch
+    /// queue back until it ends, and is recorded in the ledger as a [`Waiter::Batch`].
+    pub(super) fn send_batch(
+        &mut self,
+        cfg: &Config,
+        members: Vec<u32>,
+        takes: &[&TakeRequest],
+    ) -> Result<(), String> {
+        let n = members.len();
+        let batch = Waiter::Batch {
+            plugin: self.plugin.clone(),
+            members,
+        };
+        if cfg.service.stream {
+            self.send_message(cfg, takes, batch)?;
+        } else {
+            let request = callout::batch(cfg, takes);
+            let token = self.send_within(cfg, request, cfg.service.timeout_ms, None)?;
+            self.open(token, batch);
+        }
+        self.plugin.metrics.batched(self.abi, n);
+        self.plugin.queue.borrow_mut().started();
+        Ok(())
+    }
+
+    /// Sends `takes` as one message on the plugin's stream (opening one if need be), due within
+    /// `service.timeout_ms`; `batch` waits for its answer under a virtual token.
+    fn send_message(
+        &mut self,
+        cfg: &Config,
+        takes: &[&TakeRequest],
+        batch: Waiter,
+    ) -> Result<(), String> {
+        let now = self.abi.now_ms();
+        let stream = self.stream(cfg, now)?;
+        let message = callout::stream_message(cfg, takes);
+        if let Err(status) = self.abi.grpc_send(stream, &message) {
+            // Envoy does not know the stream: nothing more will come of it.
+            self.plugin
+                .stream
+                .borrow_mut()
+                .lost(stream, now, cfg.breaker.open_ms);
+            self.ledger.close(stream);
+            return Err(format!(
+                "stream {stream} lost: {}",
+                abi::status_name(status)
+            ));
+        }
+        let token = self.ledger.reserve(self.plugin.root, batch);
+        self.plugin
+            .stream
+            .borrow_mut()
+            .sent(token, now.saturating_add(cfg.service.timeout_ms));
+        Ok(())
+    }
+
+    /// The plugin's open stream, opened now if there is none (an old idle one is replaced):
+    /// its token, or why there is none (backing off after streams that answered nothing, or
+    /// Envoy refused to open one).
+    fn stream(&mut self, cfg: &Config, now: u64) -> Result<u32, String> {
+        let route = self.plugin.stream.borrow().route(now);
+        match route {
+            Route::Send(token) => return Ok(token),
+            Route::Wait(until) => {
+                return Err(format!(
+                    "no stream to the service for {} ms more (backing off)",
+                    until.saturating_sub(now)
+                ))
+            }
+            Route::Replace(old) => {
+                // Nothing is in flight on it: cancelled, it loses nothing.
+                if let Err(s) = self.abi.grpc_cancel(old) {
+                    debug!("stream {old} not cancelled: {}", abi::status_name(s));
+                }
+                self.ledger.close(old);
+                self.plugin.stream.borrow_mut().retired(old);
+            }
+            Route::Open => {}
+        }
+        let mut metadata: Vec<(&str, &str)> = Vec::new();
+        if let Some(b) = self.plugin.bearer.as_deref() {
+            metadata.push(("authorization", b));
+        }
+        let (service, method) = callout::STREAM;
+        match self
+            .abi
+            .grpc_stream(&self.plugin.grpc_service, service, method, &metadata)
+        {
+            Ok(token) => {
+                self.plugin.stream.borrow_mut().opened(token, now);
+                let plugin = self.plugin.clone();
+                self.open(token, Waiter::Stream { plugin });
+                Ok(token)
+            }
+            Err(status) => {
+                self.plugin
+                    .stream
+                    .borrow_mut()
+                    .open_failed(now, cfg.breaker.open_ms);
+                Err(format!(
+                    "stream to cluster {:?} not opened: {}",
+                    cfg.service.cluster,
+                    abi::status_name(status)
+                ))
+            }
+        }
     }
 
     /// Sends a callout no request waits for (a release, a refund, a settlement) and records it

@@ -101,6 +101,24 @@ extern "C" {
         timeout: u32,
         return_token: *mut u32,
     ) -> u32;
+    fn proxy_grpc_stream(
+        upstream_data: *const u8,
+        upstream_size: usize,
+        service_name_data: *const u8,
+        service_name_size: usize,
+        method_name_data: *const u8,
+        method_name_size: usize,
+        initial_metadata_data: *const u8,
+        initial_metadata_size: usize,
+        return_token: *mut u32,
+    ) -> u32;
+    fn proxy_grpc_send(
+        token: u32,
+        message_data: *const u8,
+        message_size: usize,
+        end_stream: u32,
+    ) -> u32;
+    fn proxy_grpc_cancel(token: u32) -> u32;
     fn proxy_get_status(
         return_code: *mut u32,
         return_message_data: *mut *mut u8,
@@ -333,6 +351,42 @@ impl Abi for Envoy {
         result(status).map(|()| token)
     }
 
+    fn grpc_stream(
+        &self,
+        service: &[u8],
+        service_name: &str,
+        method: &str,
+        metadata: &[(&str, &str)],
+    ) -> Result<u32, Status> {
+        let metadata = map(metadata);
+        let mut token = 0u32;
+        // SAFETY: pointers into live local and borrowed buffers, an out-pointer to a local.
+        let status = unsafe {
+            proxy_grpc_stream(
+                service.as_ptr(),
+                service.len(),
+                service_name.as_ptr(),
+                service_name.len(),
+                method.as_ptr(),
+                method.len(),
+                metadata.as_ptr(),
+                metadata.len(),
+                &mut token,
+            )
+        };
+        result(status).map(|()| token)
+    }
+
+    fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status> {
+        // SAFETY: a pointer into a live borrowed buffer; 0: the stream stays open.
+        result(unsafe { proxy_grpc_send(token, message.as_ptr(), message.len(), 0) })
+    }
+
+    fn grpc_cancel(&self, token: u32) -> Result<(), Status> {
+        // SAFETY: plain host call.
+        result(unsafe { proxy_grpc_cancel(token) })
+    }
+
     fn grpc_status_message(&self) -> Option<String> {
         let mut code = 0u32;
         // SAFETY: plain host call with out-pointers to locals.
@@ -529,7 +583,7 @@ pub extern "C" fn proxy_on_http_call_response(
 
 #[no_mangle]
 pub extern "C" fn proxy_on_grpc_receive(_context_id: u32, token: u32, response_size: u32) {
-    with((), |d| d.on_grpc_response(token, 0, size(response_size)));
+    with((), |d| d.on_grpc_receive(token, size(response_size)));
 }
 
 #[no_mangle]
@@ -539,5 +593,5 @@ pub extern "C" fn proxy_on_tick(context_id: u32) {
 
 #[no_mangle]
 pub extern "C" fn proxy_on_grpc_close(_context_id: u32, token: u32, status: u32) {
-    with((), |d| d.on_grpc_response(token, status, 0));
+    with((), |d| d.on_grpc_close(token, status));
 }

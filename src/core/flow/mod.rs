@@ -602,11 +602,25 @@ pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
     }
 }
 
-/// How often the adapter's timer should call: every first backoff of the settlements when a rule
-/// is charged by the response, else to look at the lease pools for expired tokens, half the
-/// shortest `max_age_ms` of the token-bucket lease rules, between 100 ms and a second; `None`:
-/// never.
+/// How often the adapter's timer should call: as often as the stream's messages need their
+/// deadlines looked at (`service.stream`: [`crate::core::wire::stream::tick_period_ms`]), and at
+/// least as often as the settlements and lease pools need ([`chores_period_ms`]); `None`: never.
 pub fn tick_period_ms(cfg: &Config) -> Option<u32> {
+    let stream = cfg
+        .service
+        .stream
+        .then(|| crate::core::wire::stream::tick_period_ms(cfg.service.timeout_ms));
+    match (stream, chores_period_ms(cfg)) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The timer the settlements and lease pools need: every first backoff of the settlements when
+/// a rule is charged by the response, else to look at the lease pools for expired tokens, half
+/// the shortest `max_age_ms` of the token-bucket lease rules, between 100 ms and a second;
+/// `None`: never.
+fn chores_period_ms(cfg: &Config) -> Option<u32> {
     if cfg.charges_by_response() {
         // Settlements are tried again from the timer (the first backoff is 100 ms).
         return u32::try_from(crate::core::settle::FIRST_BACKOFF_MS).ok();

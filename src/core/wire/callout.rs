@@ -3,7 +3,7 @@
 //! Every callout goes to the configured service cluster with its timeout and bearer token. A take
 //! goes over the configured transport (JSON `POST <path>`, gRPC `tollgate.v1.RateLimiter/Take`, or
 //! Envoy's `ShouldRateLimit` for transport `rls`); a batch of takes likewise (`<path>_batch` or
-//! `TakeBatch`). The operations beside a take (acquire and release of concurrency slots, refunds,
+//! `TakeBatch`), or, with `service.stream`, as one message on the worker's `TakeStream`. The operations beside a take (acquire and release of concurrency slots, refunds,
 //! settlements) are JSON over HTTP whatever the transport (the service answers JSON on its gRPC
 //! port too), at `<base>/<op>` beside the take path.
 
@@ -94,6 +94,15 @@ pub fn batch(cfg: &Config, takes: &[&TakeRequest]) -> CalloutRequest {
             body: wire::encode_batch_json(takes, cfg.instance.as_deref()),
         },
     }
+}
+
+/// The service and method of a worker's stream of takes ([`crate::core::wire::stream`]).
+pub const STREAM: (&str, &str) = (TOLLGATE, "TakeStream");
+
+/// One message on the stream: the takes of `takes`, as a batch (`TakeBatchRequest`), answered
+/// by one `TakeBatchResponse`.
+pub fn stream_message(cfg: &Config, takes: &[&TakeRequest]) -> Vec<u8> {
+    wire::encode_batch_proto(takes, cfg.instance.as_deref())
 }
 
 /// An operation beside the take (`acquire`, `release`, `refund`, `settle`): `POST <base>/<op>`

@@ -14,6 +14,9 @@ use std::collections::HashMap;
 
 const ROOT: u32 = 1;
 
+/// The metadata (or headers) a call or stream was opened with.
+type Metadata = Vec<(String, String)>;
+
 #[derive(Default)]
 struct Fake {
     /// The plugin configuration the next `on_configure` reads.
@@ -22,6 +25,14 @@ struct Fake {
     request: RefCell<Vec<(String, Vec<u8>)>>,
     next_http: Cell<u32>,
     next_grpc: Cell<u32>,
+    next_stream: Cell<u32>,
+    /// Streams opened (token, metadata), messages sent (stream token, message), streams
+    /// cancelled, in order.
+    streams: RefCell<Vec<(u32, Metadata)>>,
+    stream_sent: RefCell<Vec<(u32, Vec<u8>)>>,
+    cancelled: RefCell<Vec<u32>>,
+    /// Status every stream send fails with, if set.
+    refuse_send: Cell<Option<Status>>,
     /// Status every dispatch fails with, if set.
     refuse: Cell<Option<Status>>,
     /// Reply to the callout being reported: (`:status`, body).
@@ -56,6 +67,7 @@ impl Fake {
             ..Fake::default()
         };
         f.next_grpc.set(1);
+        f.next_stream.set(2);
         f
     }
 
@@ -196,6 +208,39 @@ impl Abi for Fake {
         self.dispatched.borrow_mut().push((token, service.to_vec()));
         Ok(token)
     }
+    fn grpc_stream(
+        &self,
+        _: &[u8],
+        service: &str,
+        method: &str,
+        metadata: &[(&str, &str)],
+    ) -> Result<u32, Status> {
+        if let Some(s) = self.refuse.get() {
+            return Err(s);
+        }
+        assert_eq!((service, method), ("tollgate.v1.RateLimiter", "TakeStream"));
+        let token = self.next_stream.get().wrapping_add(4);
+        self.next_stream.set(token);
+        let metadata = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.streams.borrow_mut().push((token, metadata));
+        Ok(token)
+    }
+    fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status> {
+        if let Some(s) = self.refuse_send.get() {
+            return Err(s);
+        }
+        self.stream_sent
+            .borrow_mut()
+            .push((token, message.to_vec()));
+        Ok(())
+    }
+    fn grpc_cancel(&self, token: u32) -> Result<(), Status> {
+        self.cancelled.borrow_mut().push(token);
+        Ok(())
+    }
     fn grpc_status_message(&self) -> Option<String> {
         Some("unavailable".into())
     }
@@ -227,9 +272,16 @@ impl Abi for Fake {
     }
 }
 
+/// A configuration over `transport`, every take a callout of its own (no batches; gRPC's takes
+/// unary calls, not messages on a stream: [`stream_config`]).
 fn config(transport: &str, extra: &str) -> String {
+    let stream = if transport == "grpc" {
+        r#","stream":false"#
+    } else {
+        ""
+    };
     format!(
-        r#"{{"service":{{"cluster":"svc","transport":"{transport}","batch":0}},
+        r#"{{"service":{{"cluster":"svc","transport":"{transport}","batch":0{stream}}},
              "rules":[{{"name":"r","match":{{"path_prefix":"/api"}},"key":["literal:k"],"capacity":5,"period_ms":60000}}],
              "breaker":{{"failures":10000,"open_ms":100}}{extra}}}"#
     )
@@ -253,6 +305,8 @@ fn start_on(d: &mut Dispatcher<Fake>, root: u32, id: u32, path: &str) -> u32 {
     d.on_context_create(id, root);
     d.abi.known.borrow_mut().push(id);
     d.abi.set_request(path);
+    // Envoy calls into the module as the request's context.
+    d.abi.effective.set(id);
     d.on_request_headers(id)
 }
 
@@ -557,6 +611,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                     request_headers: None,
                 },
                 queue: Default::default(),
+                stream: Default::default(),
                 held: Default::default(),
                 settles: RefCell::new(settle::Queue::new("t")),
             };
@@ -1191,3 +1246,5 @@ fn a_sampled_traceparent_rides_its_own_callout() {
         .iter()
         .all(|(k, _)| k != "traceparent"));
 }
+
+mod stream;

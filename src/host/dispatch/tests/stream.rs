@@ -1,0 +1,253 @@
+//! The stream of takes (transport `grpc`, `service.stream`) as the dispatcher drives it against
+//! the fake host: one stream per configuration and worker, each batch a message on it, answers
+//! matched in order, a deadline per message on the tick, and what a stream's end, a lost stream
+//! and a removed configuration leave.
+
+use super::*;
+use contract::proto::{put_bytes, put_u64};
+
+/// A streaming configuration (the default for `grpc`): batches of up to `batch` takes, a 20 ms
+/// timeout, a bearer token, denials not remembered (each request here asks the service).
+fn stream_config(batch: usize, extra: &str) -> String {
+    format!(
+        r#"{{"service":{{"cluster":"svc","transport":"grpc","batch":{batch},"timeout_ms":20,
+                       "token":"s3","remember_denials_ms":0}},
+             "rules":[{{"name":"r","match":{{"path_prefix":"/api"}},"key":["literal:k"],"capacity":5,"period_ms":60000}}],
+             "breaker":{{"failures":10000,"open_ms":100}}{extra}}}"#
+    )
+}
+
+/// The next message's answer: one `TakeResponse` per take, allowed or denied in turn (a
+/// `TakeBatchResponse`); its size.
+fn answer(d: &Dispatcher<Fake>, allowed: &[bool]) -> usize {
+    let mut body = Vec::new();
+    for &ok in allowed {
+        let mut bucket = Vec::new();
+        put_u64(&mut bucket, 1, u64::from(ok));
+        put_u64(&mut bucket, 2, 5);
+        put_u64(&mut bucket, 3, if ok { 4 } else { 0 });
+        put_u64(&mut bucket, 4, 1000);
+        put_u64(&mut bucket, 5, if ok { 0 } else { 1000 });
+        let mut take = Vec::new();
+        put_u64(&mut take, 1, u64::from(ok));
+        put_bytes(&mut take, 2, &bucket);
+        put_bytes(&mut body, 1, &take);
+    }
+    let n = body.len();
+    *d.abi.reply.borrow_mut() = (None, body);
+    n
+}
+
+fn streams(d: &Dispatcher<Fake>) -> Vec<u32> {
+    d.abi.streams.borrow().iter().map(|(t, _)| *t).collect()
+}
+
+fn messages(d: &Dispatcher<Fake>) -> usize {
+    d.abi.stream_sent.borrow().len()
+}
+
+fn later(d: &Dispatcher<Fake>, ms: u64) {
+    d.abi.clock.set(d.abi.clock.get() + ms);
+}
+
+#[test]
+fn takes_ride_one_stream_as_messages_answered_in_order() {
+    let mut d = dispatcher(&stream_config(8, ""));
+    assert_eq!(d.abi.tick_ms.get(), 5, "a quarter of the 20 ms timeout");
+    // A lone request opens the stream, its bearer token in the metadata, and sends at once.
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let s = streams(&d);
+    assert_eq!(s.len(), 1);
+    assert_eq!(
+        d.abi.streams.borrow()[0].1,
+        vec![("authorization".to_string(), "Bearer s3".to_string())]
+    );
+    assert_eq!(messages(&d), 1);
+    assert!(d.abi.dispatched.borrow().is_empty(), "no call of its own");
+    // Two more while it is in flight: queued.
+    for id in [11, 12] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    assert_eq!(messages(&d), 1);
+    // The answer resumes the first; the queue leaves as one message on the same stream.
+    let n = answer(&d, &[true]);
+    d.on_grpc_receive(s[0], n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10]);
+    assert_eq!(messages(&d), 2);
+    assert_eq!(d.abi.stream_sent.borrow()[1].0, s[0]);
+    let sent = d.abi.stream_sent.borrow()[1].1.clone();
+    let mut r = contract::proto::Reader::new(&sent);
+    let mut takes = 0;
+    while let Some((field, _)) = r.field().unwrap() {
+        takes += usize::from(field == 1);
+    }
+    assert_eq!(takes, 2, "a TakeBatchRequest of the two queued takes");
+    assert_eq!(d.abi.metric("tollgate.batch.takes"), 3);
+    // Its answer, in order: 11 allowed, 12 denied.
+    let n = answer(&d, &[true, false]);
+    d.on_grpc_receive(s[0], n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10, 11]);
+    assert_eq!(*d.abi.replied.borrow(), vec![(12, 429)]);
+    // An answer with nothing in flight is no one's.
+    let n = answer(&d, &[true]);
+    d.on_grpc_receive(s[0], n);
+    assert_eq!(d.abi.resumed.borrow().len(), 2);
+    // One stream all along, and nothing left in the ledger but the stream itself.
+    assert_eq!(streams(&d).len(), 1);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
+    assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
+}
+
+#[test]
+fn a_message_past_its_deadline_fails_and_its_stream_is_cancelled() {
+    let mut d = dispatcher(&stream_config(8, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    let old = streams(&d)[0];
+    later(&d, 19);
+    d.on_tick(ROOT);
+    assert!(d.abi.replied.borrow().is_empty(), "not due yet");
+    later(&d, 1);
+    d.on_tick(ROOT);
+    // The stream is cancelled and its message fails as a timeout.
+    assert_eq!(*d.abi.cancelled.borrow(), vec![old]);
+    assert_eq!(*d.abi.replied.borrow(), vec![(10, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 1);
+    // The queued request left on a new stream.
+    let s = streams(&d);
+    assert_eq!(s.len(), 2);
+    assert_eq!(d.abi.stream_sent.borrow().last().map(|m| m.0), Some(s[1]));
+    // A late answer on the cancelled stream touches nothing; the new stream's answer resumes 11.
+    let n = answer(&d, &[true]);
+    d.on_grpc_receive(old, n);
+    assert!(d.abi.resumed.borrow().is_empty());
+    d.on_grpc_receive(s[1], n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11]);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
+}
+
+#[test]
+fn a_stream_that_ends_fails_its_messages_and_is_reopened_with_backoff() {
+    let mut d = dispatcher(&stream_config(8, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let first = streams(&d)[0];
+    let n = answer(&d, &[true]);
+    d.on_grpc_receive(first, n);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    // The service ends the stream (a replica shutting down): Envoy's entry is freed, the
+    // message in flight fails with the stream's status.
+    d.on_grpc_close(first, 14);
+    assert_eq!(*d.abi.cancelled.borrow(), vec![first]);
+    assert_eq!(*d.abi.replied.borrow(), vec![(11, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.grpc_status"), 1);
+    assert_eq!(d.ledger_entries(), 0);
+    // It had answered: the next take opens a new stream at once.
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    assert_eq!(streams(&d).len(), 2);
+    // Streams that answer nothing: the first reopens at once, the second waits 10 ms, and a take
+    // meanwhile fails at once (a dispatch error), opening nothing.
+    d.on_grpc_close(streams(&d)[1], 14);
+    assert_eq!(start(&mut d, 13, "/api"), PAUSE);
+    assert_eq!(streams(&d).len(), 3);
+    d.on_grpc_close(streams(&d)[2], 14);
+    assert_eq!(start(&mut d, 14, "/api"), PAUSE);
+    assert_eq!(streams(&d).len(), 3, "backing off");
+    assert_eq!(d.abi.replied.borrow().last(), Some(&(14, 429)));
+    assert_eq!(d.abi.metric("tollgate.callout_failure.dispatch"), 1);
+    later(&d, 10);
+    assert_eq!(start(&mut d, 15, "/api"), PAUSE);
+    assert_eq!(streams(&d).len(), 4);
+    // A late close of a stream that is gone is no one's.
+    d.on_grpc_close(first, 14);
+    assert_eq!(d.pending_callouts(), 1);
+    let n = answer(&d, &[true]);
+    d.on_grpc_receive(streams(&d)[3], n);
+    assert_eq!(d.abi.resumed.borrow().last(), Some(&15));
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
+}
+
+#[test]
+fn an_old_stream_is_replaced_when_idle() {
+    let mut d = dispatcher(&stream_config(8, ""));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let first = streams(&d)[0];
+    let n = answer(&d, &[true]);
+    d.on_grpc_receive(first, n);
+    later(&d, 29_999);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    assert_eq!(streams(&d).len(), 1, "young enough");
+    d.on_grpc_receive(first, n);
+    later(&d, 1);
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    // Idle and 30 s old: cancelled (nothing was in flight) and replaced.
+    assert_eq!(*d.abi.cancelled.borrow(), vec![first]);
+    let s = streams(&d);
+    assert_eq!(s.len(), 2);
+    d.on_grpc_receive(s[1], n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10, 11, 12]);
+    assert_eq!(d.ledger_entries(), 1);
+}
+
+#[test]
+fn a_send_envoy_refuses_fails_at_once_and_the_lost_streams_messages_on_the_next_tick() {
+    // No batching: each take is its own message, sent at once (several in flight).
+    let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    assert_eq!(messages(&d), 2);
+    d.abi.refuse_send.set(Some(abi::NOT_FOUND));
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    assert_eq!(*d.abi.replied.borrow(), vec![(12, 429)], "failed at once");
+    // The two messages in flight on the lost stream fail on the next tick.
+    d.abi.refuse_send.set(None);
+    d.on_tick(ROOT);
+    assert_eq!(
+        *d.abi.replied.borrow(),
+        vec![(12, 429), (10, 429), (11, 429)]
+    );
+    assert!(
+        d.abi.cancelled.borrow().is_empty(),
+        "Envoy forgot it already"
+    );
+    // The next take opens a new stream.
+    assert_eq!(start(&mut d, 13, "/api"), PAUSE);
+    assert_eq!(streams(&d).len(), 2);
+    // The stream, its message and the request waiting for it.
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (1, 3));
+}
+
+#[test]
+fn a_removed_configuration_takes_its_stream_and_fails_its_waiting_requests() {
+    let cfg = stream_config(8, r#","failure_mode":"deny""#);
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    configure(&mut d, 7, &cfg);
+    d.on_delete(ROOT);
+    // Envoy reset the old root's stream without a word: both requests take the failure path.
+    let mut replied = d.abi.replied.borrow().clone();
+    replied.sort_unstable();
+    assert_eq!(replied, vec![(10, 429), (11, 429)]);
+    assert_eq!(d.ledger_entries(), 0);
+    // The new configuration opens a stream of its own.
+    assert_eq!(start_on(&mut d, 7, 12, "/api"), PAUSE);
+    assert_eq!(streams(&d).len(), 2);
+}
+
+#[test]
+fn a_traced_take_and_a_configuration_that_does_not_stream_make_calls_of_their_own() {
+    let unary = stream_config(8, "").replace(r#""batch":8"#, r#""batch":8,"stream":false"#);
+    let mut d = dispatcher(&unary);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    assert_eq!(d.abi.dispatched.borrow().len(), 1);
+    assert!(streams(&d).is_empty());
+    assert_eq!(d.abi.tick_ms.get(), 0, "no timer needed");
+    let traced = stream_config(8, "").replace(r#""batch":8"#, r#""batch":8,"trace":true"#);
+    let mut d = dispatcher(&traced);
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    assert_eq!(start_traced(&mut d, 10, tp), PAUSE);
+    assert_eq!(d.abi.dispatched.borrow().len(), 1, "the traced take alone");
+    assert!(streams(&d).is_empty());
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    assert_eq!(streams(&d).len(), 1, "an untraced one on the stream");
+}
