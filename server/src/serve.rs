@@ -5,20 +5,24 @@
 //! |---|---|
 //! | `max_connections` | a connection accepted beyond it is closed at once (counted) |
 //! | `header_timeout` | HTTP/1.1: a request head (also the next one on a keep-alive connection) must arrive within it, else hyper closes the connection; any protocol: a connection that has sent no request by then is closed |
-//! | `idle_timeout` | a connection with no request in progress for this long is shut down gracefully (HTTP/2: GOAWAY) |
+//! | `idle_timeout` | a connection with no request in progress for this long is shut down gracefully (HTTP/2: GOAWAY); a request is in progress until its response body has ended (or was dropped), so an open stream (`TakeStream`) keeps its connection |
 //! | `http2_max_streams` | concurrent streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS) |
 //!
-//! Request bodies are bounded in size and time per request by `Api::admit` (`api/mod.rs`), before any decoding.
+//! Request bodies are bounded in size and time per request by `Api::admit` (`api/mod.rs`), before any decoding;
+//! a stream's messages one by one, by their length prefix (`ops/stream.rs`).
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::Request;
 use axum::response::Response;
+use hyper::body::{Frame, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use tokio::net::{TcpListener, TcpStream};
@@ -144,7 +148,8 @@ impl Activity {
     }
 }
 
-/// Counts a request in progress; dropped when its response is ready or the client went away.
+/// Counts a request in progress; dropped with its response body ([`Tracked`]), or with the
+/// request when the client went away before the response was ready.
 struct InFlight(Arc<Activity>);
 
 impl InFlight {
@@ -162,6 +167,39 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.touch();
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A response body that keeps its request counted in progress until the body has ended or is
+/// dropped: a response whose head is sent is not finished while its body still streams (a
+/// stream's answers), and its connection must not be idled out under it.
+struct Tracked {
+    body: Body,
+    in_flight: Option<InFlight>,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        let frame = Pin::new(&mut this.body).poll_frame(cx);
+        if matches!(frame, Poll::Ready(None | Some(Err(_)))) {
+            this.in_flight = None;
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -189,12 +227,16 @@ impl Conn {
         });
         let a = activity.clone();
         let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-            let guard = InFlight::new(&a);
+            let in_flight = InFlight::new(&a);
             let app = app.clone();
             async move {
                 let resp = app.oneshot(req.map(Body::new)).await;
-                drop(guard);
-                resp
+                resp.map(|r| {
+                    r.map(|body| Tracked {
+                        body,
+                        in_flight: Some(in_flight),
+                    })
+                })
             }
         });
         let conn = self.builder.serve_connection(TokioIo::new(stream), svc);
