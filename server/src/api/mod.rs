@@ -1,9 +1,11 @@
 //! What every operation shares, below them all (`ops/` holds the operations): the store, the
-//! metrics, the token check, readiness, the live instances, and admission. Both transports admit a
-//! request through [`Api::admit`] (the token from the headers, then the body, bounded in
-//! size and time, then a permit or an immediate 503) before anything is decoded; an operation then
-//! reaches the store through [`Api::store_call`] (timed, a failure counted and logged, answered
-//! 503 / `UNAVAILABLE`).
+//! metrics, the token check, readiness, the live instances, admission and the shutdown signal.
+//! Both transports admit a request through [`Api::admit`] (the token from the headers, then the
+//! body, bounded in size and time, then a permit or an immediate 503) before anything is decoded;
+//! a stream of batches (`ops/stream.rs`), whose body is never read whole, through
+//! [`Api::admit_token`] when it opens and [`Api::permit`] for each of its messages. An operation
+//! then reaches the store through [`Api::store_call`] (timed, a failure counted and logged,
+//! answered 503 / `UNAVAILABLE`).
 //!
 //! | file | what |
 //! |---|---|
@@ -27,7 +29,7 @@ use axum::http::{header, HeaderMap};
 use http_body_util::BodyExt;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::domain::{InvalidArgument, MAX_BATCH_BYTES, MAX_BATCH_TAKES};
 use crate::metrics::Metrics;
@@ -236,6 +238,9 @@ pub struct Api {
     /// Takes being decoded or decided at once (after their body arrived); more are shed.
     in_flight: Arc<Semaphore>,
     max_in_flight: usize,
+    /// `true` once the service began to shut down ([`Api::shut_down`]). A value, not a
+    /// notification: a stream that opens or looks after it began still sees it.
+    shutdown: watch::Sender<bool>,
 }
 
 impl Api {
@@ -257,6 +262,7 @@ impl Api {
             body_timeout,
             in_flight: Arc::new(Semaphore::new(max_in_flight)),
             max_in_flight,
+            shutdown: watch::Sender::new(false),
         }
     }
 
@@ -303,6 +309,35 @@ impl Api {
             .await
     }
 
+    /// The token check alone, from the headers: the admission of a stream (`ops/stream.rs`),
+    /// whose body is never read whole here. Its messages are bounded one by one by the generated
+    /// server (`max_decoding_message_size`), and each takes its own [`Api::permit`].
+    pub fn admit_token(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        token(&self.auth, headers)
+    }
+
+    /// One permit of the take limiter, granted at once or refused (counted as shed, answered
+    /// 503 / `UNAVAILABLE`), never waited for: held while one admitted request, or one message of
+    /// a stream, is decided.
+    pub fn permit(&self) -> Result<OwnedSemaphorePermit, ApiError> {
+        self.in_flight.clone().try_acquire_owned().map_err(|_| {
+            self.metrics.shed();
+            ApiError::Overloaded(self.max_in_flight)
+        })
+    }
+
+    /// Begins the shutdown ([`crate::run`] calls it before the connections are told to close):
+    /// every open stream ends with `UNAVAILABLE` once the message it is deciding is answered.
+    pub fn shut_down(&self) {
+        self.shutdown.send_replace(true);
+    }
+
+    /// What [`Api::shut_down`] sets: `true` once the shutdown began, also for a receiver made
+    /// after it.
+    pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
+        self.shutdown.subscribe()
+    }
+
     /// [`Api::admit`] under the token check `auth`.
     async fn admit_as(
         &self,
@@ -313,10 +348,7 @@ impl Api {
         framing: usize,
     ) -> Result<(Bytes, OwnedSemaphorePermit), ApiError> {
         let bound = limit + framing;
-        let header = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
-        if !auth.check(header) {
-            return Err(ApiError::Unauthenticated);
-        }
+        token(auth, headers)?;
         let declared = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
@@ -338,13 +370,7 @@ impl Api {
             }
             Ok(Ok(bytes)) => bytes,
         };
-        match self.in_flight.clone().try_acquire_owned() {
-            Ok(permit) => Ok((bytes, permit)),
-            Err(_) => {
-                self.metrics.shed();
-                Err(ApiError::Overloaded(self.max_in_flight))
-            }
-        }
+        self.permit().map(|permit| (bytes, permit))
     }
 
     /// Notes the caller's instance id (every operation's: a take, a batch, a refund, a settle, an
@@ -389,6 +415,16 @@ impl Api {
             tracing::warn!(error = %e, transient = e.is_transient(), store = self.store.kind(), "{what} failed");
             ApiError::Unavailable(e.public_message())
         })
+    }
+}
+
+/// The `authorization` header checked by `auth`.
+fn token(auth: &Auth, headers: &HeaderMap) -> Result<(), ApiError> {
+    let header = headers.get(header::AUTHORIZATION).map(|v| v.as_bytes());
+    if auth.check(header) {
+        Ok(())
+    } else {
+        Err(ApiError::Unauthenticated)
     }
 }
 
