@@ -4,8 +4,9 @@
 //! `(key, capacity, rate per period, cost, algorithm)`? All buckets are charged or none is
 //! (contract/README.md is the normative wire contract). The state lives in Redis, decided by Lua
 //! scripts that read Redis's own clock, so any number of service replicas share exact limits; or,
-//! with no Redis configured, in memory for a single replica. Beside it: batches of takes,
-//! concurrency slots (acquire, release), refunds and settlements, each an operation of [`ops`].
+//! with no Redis configured, in memory for a single replica. Beside it: batches of takes (also as
+//! messages on one gRPC stream), concurrency slots (acquire, release), refunds and settlements,
+//! each an operation of [`ops`].
 //!
 //! # Layout
 //!
@@ -15,8 +16,8 @@
 //! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`], [`store::coalesce`]; imports only `domain` |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`trace`] | OpenTelemetry traces (`--otlp-endpoint`): a span per decision, its parent the call's `traceparent` |
-//! | [`api`] | what every operation shares: [`api::Api`] (store, metrics, auth, readiness, live instances, admission, one store call), the strict JSON reader, the gRPC codec and status, the HTTP answer |
-//! | [`ops`] | one module per operation (take, batch, acquire, release, refund, settle): its raw form, validation, both wire forms and handler; the tonic service; [`ops::Decide`], all RLS may ask |
+//! | [`api`] | what every operation shares: [`api::Api`] (store, metrics, auth, readiness, live instances, admission, one store call, the shutdown signal), the strict JSON reader, the gRPC codec and status, the HTTP answer |
+//! | [`ops`] | one module per operation (take, batch, a stream of batches, acquire, release, refund, settle): its raw form, validation, both wire forms and handler; the tonic service; [`ops::Decide`], all RLS may ask |
 //! | [`rls`] | Envoy's rate limit service (RLS v3) over [`ops::Decide`], limits from a file reloaded when it changes |
 //! | [`router`] | the one port: JSON routes, health, metrics, and the content-type switch to gRPC |
 //! | [`serve`] | the accept loop: connection cap, header and idle timeouts, HTTP/2 limits |
@@ -40,7 +41,8 @@
 //!   its body is read; the body is bounded ([`domain::MAX_TAKE_BYTES`], 413 /
 //!   `RESOURCE_EXHAUSTED`; a batch by [`domain::MAX_BATCH_BYTES`]) and timed; decoding stops at
 //!   a 17th bucket (a 65th take); takes beyond
-//!   `max_in_flight` are shed at once (503), never queued; probes never wait behind takes;
+//!   `max_in_flight` are shed at once (503), never queued (a stream's messages likewise, each
+//!   bounded and holding a permit while it is decided); probes never wait behind takes;
 //!   connections are capped and timed out ([`serve`]); callers get generic error texts, the log
 //!   gets the detail (with Redis passwords redacted by parsing the URL).
 
@@ -74,7 +76,8 @@ pub struct ServiceConfig {
     pub token: Option<String>,
     /// Bearer token of the admin endpoints (`ops/buckets.rs`); `None`: they answer 404.
     pub admin_token: Option<String>,
-    /// Most takes being decoded or decided at once; more are answered 503 / `UNAVAILABLE` at once.
+    /// Most takes being decoded or decided at once (a stream's message counts while it is
+    /// decided); more are answered 503 / `UNAVAILABLE` at once.
     pub max_in_flight: usize,
     /// Most connections served at once; more are closed on accept.
     pub max_connections: usize,
@@ -83,7 +86,8 @@ pub struct ServiceConfig {
     pub header_timeout: Duration,
     /// Time to receive a take's whole body.
     pub body_timeout: Duration,
-    /// A connection with no request in progress for this long is closed (gracefully).
+    /// A connection with no request in progress for this long is closed (gracefully); a request
+    /// is in progress until its response body has ended, so an open stream keeps its connection.
     pub idle_timeout: Duration,
     /// Concurrent streams per HTTP/2 connection.
     pub http2_max_streams: u32,
@@ -142,7 +146,9 @@ impl Default for ServiceConfig {
     }
 }
 
-/// Serves the API on `listener` until `shutdown` completes, then drains in-flight requests.
+/// Serves the API on `listener` until `shutdown` completes, then drains in-flight requests: open
+/// streams end with `UNAVAILABLE` (each once the message it is deciding is answered) before the
+/// connections are told to close.
 pub async fn run(
     listener: TcpListener,
     store: Arc<dyn Store>,
@@ -195,6 +201,15 @@ pub async fn run(
         header_timeout: config.header_timeout,
         idle_timeout: config.idle_timeout,
         http2_max_streams: config.http2_max_streams,
+    };
+    // The streams learn of the shutdown first, so a proxy reopens its stream on another replica
+    // at once, instead of when its connection is closed under it.
+    let shutdown = {
+        let api = api.clone();
+        async move {
+            shutdown.await;
+            api.shut_down();
+        }
     };
     let result = serve::serve(listener, app, limits, api.metrics.clone(), shutdown).await;
     refresher.abort();

@@ -13,6 +13,7 @@
 //! | `tollgate_requests_total` | `transport` = http, grpc; `code` = ok, invalid_argument, unauthenticated, resource_exhausted, deadline_exceeded, unavailable | API calls |
 //! | `tollgate_shed_total` | | takes answered 503 / `UNAVAILABLE` at once because `--max-in-flight` takes were being decided |
 //! | `tollgate_connections_open` | | connections being served (gauge) |
+//! | `tollgate_streams_open` | | `TakeStream` streams open (gauge; each of their messages is counted as a `TakeBatch` call in the metrics above) |
 //! | `tollgate_connections_refused_total` | | connections closed on accept because `--max-connections` were open |
 //! | `tollgate_rls_config_reloads_total` | `outcome` = ok, refused | changes of the `--rls-config` limits file, loaded or refused |
 //! | `tollgate_rls_config_ok` | | 1 while the limits file on disk is the one in force, 0 after it was refused (gauge) |
@@ -96,6 +97,7 @@ pub struct Metrics {
     requests: Family<Call, Counter>,
     shed: Counter,
     connections_open: Gauge,
+    streams_open: Gauge,
     connections_refused: Counter,
     rls_reloads: Family<Outcome, Counter>,
     rls_config_ok: Gauge,
@@ -176,6 +178,12 @@ impl Metrics {
             "Connections being served",
             connections_open.clone(),
         );
+        let streams_open = Gauge::default();
+        registry.register(
+            "streams_open",
+            "TakeStream streams open",
+            streams_open.clone(),
+        );
         let connections_refused = Counter::default();
         registry.register(
             "connections_refused",
@@ -248,6 +256,7 @@ impl Metrics {
             requests,
             shed,
             connections_open,
+            streams_open,
             connections_refused,
             rls_reloads,
             rls_config_ok,
@@ -360,6 +369,15 @@ impl Metrics {
             self.connections_open.inc();
         } else {
             self.connections_open.dec();
+        }
+    }
+
+    /// A `TakeStream` stream was opened (`true`) or has ended (`false`).
+    pub fn stream(&self, opened: bool) {
+        if opened {
+            self.streams_open.inc();
+        } else {
+            self.streams_open.dec();
         }
     }
 

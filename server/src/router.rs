@@ -4,9 +4,11 @@
 //! answers unknown methods with gRPC `UNIMPLEMENTED`); everything else to the JSON routes. A take,
 //! in either form, passes [`Api::admit`] first: its body is not read before its token is checked,
 //! nor decoded before it arrived whole within the bound, and it is shed at once when the take
-//! limit is reached. The admin service's calls (`tollgate.admin.v1.Admin`, `ops/buckets.rs`) pass
-//! [`Api::admit_admin`] instead: the admin token, never the takes'. `/healthz`, `/readyz` and
-//! `/metrics` never wait behind takes.
+//! limit is reached. A `TakeStream` stream (`ops/stream.rs`), whose body is never read whole,
+//! passes [`Api::admit_token`] alone and reaches tonic with its body streaming: the generated
+//! server bounds each message, and each takes its own permit. The admin service's calls
+//! (`tollgate.admin.v1.Admin`, `ops/buckets.rs`) pass [`Api::admit_admin`] instead: the admin
+//! token, never the takes'. `/healthz`, `/readyz` and `/metrics` never wait behind takes.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -101,6 +103,27 @@ where
     }
 }
 
+/// A `TakeStream` stream (`ops/stream.rs`): admitted by its token alone, from the headers, then
+/// handed to the generated server with its body still streaming. Each message is bounded by the
+/// server's `max_decoding_message_size` and holds a permit of its own while it is decided.
+async fn grpc_stream<S>(api: &Api, server: S, req: Request) -> Response
+where
+    S: Service<
+        axum::http::Request<tonic::body::Body>,
+        Response = axum::http::Response<tonic::body::Body>,
+        Error = Infallible,
+    >,
+{
+    if let Err(e) = api.admit_token(req.headers()) {
+        api.metrics.request("grpc", e.code());
+        return status_of(&e).into_http();
+    }
+    match server.oneshot(req.map(tonic::body::Body::new)).await {
+        Ok(r) => r.map(axum::body::Body::new),
+        Err(never) => match never {},
+    }
+}
+
 /// The whole application: JSON routes and the gRPC service behind the content-type switch.
 /// [`crate::run`] serves it as it is (no outer `Router`): the switch is the only thing in front
 /// of the two services.
@@ -116,7 +139,8 @@ pub fn router(
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(api.clone());
-    // The body reaching tonic was bounded already (by method); this is the larger bound, a batch's.
+    // A unary call's body reaching tonic was bounded already (by method); this is the larger
+    // bound, a batch's, and the bound of each message on a stream.
     let server = RateLimiterServer::new(RateLimiterService::new(api.clone()))
         .max_decoding_message_size(MAX_BATCH_BYTES);
     // A call of one of our methods goes straight to the generated server, which dispatches on the
@@ -142,6 +166,8 @@ pub fn router(
                     Ok(r) => r,
                     Err(never) => match never {},
                 }
+            } else if is_stream(req.uri().path()) {
+                grpc_stream(&api, server, req).await
             } else if is_our_method(req.uri().path()) {
                 grpc_take(api, server, req, false).await
             } else if is_method_of::<AdminServer<AdminService>>(req.uri().path()) {
@@ -199,6 +225,11 @@ fn is_our_method(path: &str) -> bool {
         .and_then(|p| p.strip_prefix(<RateLimiterServer<RateLimiterService> as NamedService>::NAME))
         .and_then(|p| p.strip_prefix('/'))
         .is_some_and(|method| !method.is_empty())
+}
+
+/// `/tollgate.v1.RateLimiter/TakeStream`: a stream, admitted by [`grpc_stream`].
+fn is_stream(path: &str) -> bool {
+    is_our_method(path) && path.ends_with("/TakeStream")
 }
 
 /// The body bound of a gRPC call: a batch's for `TakeBatch`, a take's for anything else.

@@ -1,15 +1,17 @@
 //! OpenTelemetry traces: a span per decision, exported over OTLP/gRPC (`--otlp-endpoint`; off by
 //! default, and then nothing here runs on the take path).
 //!
-//! **Spans.** `tollgate.take` for a take, `tollgate.batch` for a batch call (its takes are decided
-//! in one store call, so one span), `tollgate.should_rate_limit` for an RLS call. Attributes:
-//! `tollgate.rules` (the rule names the buckets were sent with, never a key), `tollgate.buckets`,
+//! **Spans.** `tollgate.take` for a take, `tollgate.batch` for a batch call or a batch message on
+//! a stream (its takes are decided in one store call, so one span), `tollgate.should_rate_limit`
+//! for an RLS call. Attributes: `tollgate.rules` (the rule names the buckets were sent with, never
+//! a key), `tollgate.buckets`,
 //! `tollgate.outcome` (`allowed`, `limited`, or the error's code), `tollgate.store_ms` (the store
 //! call, on its clock), and for a batch `tollgate.batch.takes`, `tollgate.batch.allowed`,
 //! `tollgate.batch.limited`; for RLS `tollgate.rls.domain`.
 //!
 //! **Joined to the request's trace.** The parent is the W3C `traceparent` (and `tracestate`) of
-//! the call: an HTTP header, or gRPC metadata. The filter forwards the request's own on its
+//! the call: an HTTP header, or gRPC metadata (a message on a `TakeStream` stream has none of its
+//! own: its span is a root, `ops/stream.rs`). The filter forwards the request's own on its
 //! callout when `service.trace` is on (a sampled request then calls on its own, outside any batch,
 //! so its decision has its one parent); Envoy's native rate limit filter sends Envoy's when Envoy
 //! traces. A call without a parent starts a trace of its own, sampled at `--otlp-sample-ratio`;

@@ -132,7 +132,8 @@ impl<U: DecodeStrict + Message + Default> Decoder for StrictDecoder<U> {
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        // The body was read whole (and bounded) before tonic saw it: one contiguous copy.
+        // One message, bounded by its length prefix: a unary call's body was read whole before
+        // tonic saw it, a stream's message was gathered by tonic; one contiguous copy.
         let bytes = buf.copy_to_bytes(buf.remaining());
         U::decode_strict(&bytes)
             .map(Some)

@@ -389,6 +389,38 @@ pub mod rate_limiter_client {
                 .insert(GrpcMethod::new("tollgate.v1.RateLimiter", "TakeBatch"));
             self.inner.unary(req, path, codec).await
         }
+        /// Batches on one long-lived stream (README, "Batches on a stream"): every request message is
+        /// one batch, validated and decided exactly as TakeBatch decides it, and answered by exactly one
+        /// response message, in the order the messages arrived (there are no ids: the client matches
+        /// answers to messages by order). The bearer token is read from the stream's metadata once, when
+        /// it opens. An error ends the stream with the status TakeBatch would have answered; the
+        /// messages answered before it stay answered, the failing one and those after it get no answer.
+        /// The service shutting down answers the message it is deciding, then ends the stream with
+        /// UNAVAILABLE; the client half-closing ends it with OK once the messages received are answered.
+        pub async fn take_stream(
+            &mut self,
+            request: impl tonic::IntoStreamingRequest<Message = super::TakeBatchRequest>,
+        ) -> std::result::Result<
+            tonic::Response<tonic::codec::Streaming<super::TakeBatchResponse>>,
+            tonic::Status,
+        > {
+            self.inner
+                .ready()
+                .await
+                .map_err(|e| {
+                    tonic::Status::unknown(
+                        format!("Service was not ready: {}", e.into()),
+                    )
+                })?;
+            let codec = crate::api::grpc::StrictCodec::default();
+            let path = http::uri::PathAndQuery::from_static(
+                "/tollgate.v1.RateLimiter/TakeStream",
+            );
+            let mut req = request.into_streaming_request();
+            req.extensions_mut()
+                .insert(GrpcMethod::new("tollgate.v1.RateLimiter", "TakeStream"));
+            self.inner.streaming(req, path, codec).await
+        }
         /// Take one concurrency slot of every key at once, or of none (README, "Acquire and release").
         pub async fn acquire(
             &mut self,
@@ -491,6 +523,24 @@ pub mod rate_limiter_server {
             tonic::Response<super::TakeBatchResponse>,
             tonic::Status,
         >;
+        /// Server streaming response type for the TakeStream method.
+        type TakeStreamStream: tonic::codegen::tokio_stream::Stream<
+                Item = std::result::Result<super::TakeBatchResponse, tonic::Status>,
+            >
+            + std::marker::Send
+            + 'static;
+        /// Batches on one long-lived stream (README, "Batches on a stream"): every request message is
+        /// one batch, validated and decided exactly as TakeBatch decides it, and answered by exactly one
+        /// response message, in the order the messages arrived (there are no ids: the client matches
+        /// answers to messages by order). The bearer token is read from the stream's metadata once, when
+        /// it opens. An error ends the stream with the status TakeBatch would have answered; the
+        /// messages answered before it stay answered, the failing one and those after it get no answer.
+        /// The service shutting down answers the message it is deciding, then ends the stream with
+        /// UNAVAILABLE; the client half-closing ends it with OK once the messages received are answered.
+        async fn take_stream(
+            &self,
+            request: tonic::Request<tonic::Streaming<super::TakeBatchRequest>>,
+        ) -> std::result::Result<tonic::Response<Self::TakeStreamStream>, tonic::Status>;
         /// Take one concurrency slot of every key at once, or of none (README, "Acquire and release").
         async fn acquire(
             &self,
@@ -668,6 +718,54 @@ pub mod rate_limiter_server {
                                 max_encoding_message_size,
                             );
                         let res = grpc.unary(method, req).await;
+                        Ok(res)
+                    };
+                    Box::pin(fut)
+                }
+                "/tollgate.v1.RateLimiter/TakeStream" => {
+                    #[allow(non_camel_case_types)]
+                    struct TakeStreamSvc<T: RateLimiter>(pub Arc<T>);
+                    impl<
+                        T: RateLimiter,
+                    > tonic::server::StreamingService<super::TakeBatchRequest>
+                    for TakeStreamSvc<T> {
+                        type Response = super::TakeBatchResponse;
+                        type ResponseStream = T::TakeStreamStream;
+                        type Future = BoxFuture<
+                            tonic::Response<Self::ResponseStream>,
+                            tonic::Status,
+                        >;
+                        fn call(
+                            &mut self,
+                            request: tonic::Request<
+                                tonic::Streaming<super::TakeBatchRequest>,
+                            >,
+                        ) -> Self::Future {
+                            let inner = Arc::clone(&self.0);
+                            let fut = async move {
+                                <T as RateLimiter>::take_stream(&inner, request).await
+                            };
+                            Box::pin(fut)
+                        }
+                    }
+                    let accept_compression_encodings = self.accept_compression_encodings;
+                    let send_compression_encodings = self.send_compression_encodings;
+                    let max_decoding_message_size = self.max_decoding_message_size;
+                    let max_encoding_message_size = self.max_encoding_message_size;
+                    let inner = self.inner.clone();
+                    let fut = async move {
+                        let method = TakeStreamSvc(inner);
+                        let codec = crate::api::grpc::StrictCodec::default();
+                        let mut grpc = tonic::server::Grpc::new(codec)
+                            .apply_compression_config(
+                                accept_compression_encodings,
+                                send_compression_encodings,
+                            )
+                            .apply_max_message_size_config(
+                                max_decoding_message_size,
+                                max_encoding_message_size,
+                            );
+                        let res = grpc.streaming(method, req).await;
                         Ok(res)
                     };
                     Box::pin(fut)

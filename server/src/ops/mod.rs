@@ -7,14 +7,16 @@
 //! |---|---|
 //! | `take.rs` | `POST /v1/take`, `Take`: 1..=16 buckets charged all or none; the take's validation every other operation reuses |
 //! | `batch.rs` | `POST /v1/take_batch`, `TakeBatch`: 1..=64 takes, one store call |
+//! | `stream.rs` | `TakeStream`: batches as messages on one gRPC stream, each decided by `batch.rs` and answered in order |
 //! | `acquire.rs` | `POST /v1/acquire`, `Acquire`: concurrency slots taken |
 //! | `release.rs` | `POST /v1/release`, `Release`: slots given back |
 //! | `buckets.rs` | `GET /v1/buckets`, `POST /v1/buckets/reset`, `tollgate.admin.v1.Admin` (admin token): one bucket's state read on the store's clock, or deleted |
 //! | `refund.rs` | `POST /v1/refund` (JSON only): a lease's unspent tokens given back |
 //! | `settle.rs` | `POST /v1/settle`, `Settle`: reserve-then-settle, applied once per settlement id |
 //!
-//! This file: the two traits, the one HTTP handler and the one gRPC call over them, the routes,
-//! the tonic service of `tollgate.v1.RateLimiter`, and [`Decide`], what RLS may ask.
+//! This file: the two traits, the one HTTP handler and the one gRPC message handler over them
+//! (a unary call's, or a stream's message), the routes, the tonic service of
+//! `tollgate.v1.RateLimiter`, and [`Decide`], what RLS may ask.
 
 pub mod acquire;
 pub mod batch;
@@ -22,6 +24,7 @@ pub mod buckets;
 pub mod refund;
 pub mod release;
 pub mod settle;
+pub mod stream;
 pub mod take;
 
 use std::future::Future;
@@ -117,19 +120,32 @@ async fn grpc<Op: GrpcOperation>(
     request: tonic::Request<Op::Request>,
 ) -> Result<tonic::Response<Op::Response>, Status> {
     let (metadata, _, message) = request.into_parts();
+    grpc_message::<Op>(api, trace::Parent::of_metadata(&metadata), message)
+        .await
+        .map(tonic::Response::new)
+        .map_err(|e| status_of(&e))
+}
+
+/// One admitted gRPC message of `Op` (a unary call's, or one on a stream), its span a child of
+/// `parent`: decided, and counted as one call of `Op`.
+async fn grpc_message<Op: GrpcOperation>(
+    api: &Api,
+    parent: trace::Parent<'_>,
+    message: Op::Request,
+) -> Result<Op::Response, ApiError> {
     let call = Op::handle(api, Op::from_pb(message));
     let result = match Op::SPAN {
-        Some(name) => trace::traced(name, trace::Parent::of_metadata(&metadata), call).await,
+        Some(name) => trace::traced(name, parent, call).await,
         None => call.await,
     };
     match result {
         Ok(a) => {
             api.metrics.request("grpc", "ok");
-            Ok(tonic::Response::new(Op::to_pb(&a)))
+            Ok(Op::to_pb(&a))
         }
         Err(e) => {
             api.metrics.request("grpc", e.code());
-            Err(status_of(&e))
+            Err(e)
         }
     }
 }
@@ -147,9 +163,12 @@ impl RateLimiterService {
 }
 
 /// Reached only through [`crate::router::router`], after [`Api::admit`] (token, bounded body,
-/// permit).
+/// permit); `TakeStream` after [`Api::admit_token`] (its messages each take a permit in
+/// [`stream`]).
 #[tonic::async_trait]
 impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
+    type TakeStreamStream = stream::Answers;
+
     async fn take(
         &self,
         request: tonic::Request<pb::TakeRequest>,
@@ -162,6 +181,16 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         request: tonic::Request<pb::TakeBatchRequest>,
     ) -> Result<tonic::Response<pb::TakeBatchResponse>, Status> {
         grpc::<batch::Batch>(&self.api, request).await
+    }
+
+    async fn take_stream(
+        &self,
+        request: tonic::Request<tonic::Streaming<pb::TakeBatchRequest>>,
+    ) -> Result<tonic::Response<Self::TakeStreamStream>, Status> {
+        Ok(tonic::Response::new(stream::answers(
+            self.api.clone(),
+            request.into_inner(),
+        )))
     }
 
     async fn acquire(

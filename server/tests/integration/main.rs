@@ -26,4 +26,5 @@ mod redis_tls;
 mod refund;
 mod service;
 mod settle;
+mod take_stream;
 mod traces;
