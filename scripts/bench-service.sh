@@ -7,7 +7,8 @@
 # 1. redis-benchmark runs the service's own take script (EVALSHA, one token-bucket key) at the
 #    given concurrency: the ceiling, Redis alone.
 # 2. The service (dist/tollgate-server or target/x86_64-unknown-linux-musl/release/tollgate-server) on the same Redis, driven
-#    at the same concurrency by server/examples/loadgen.rs over gRPC (HTTP/2) and JSON over HTTP/2,
+#    at the same concurrency by server/examples/loadgen.rs over gRPC (HTTP/2; unary, and as messages on
+#    one TakeStream stream per task) and JSON over HTTP/2,
 #    by h2load (nghttp2-client; C, cheap per request) over gRPC and JSON over HTTP/2 when it is
 #    installed, and by wrk (JSON over HTTP/1.1, one connection per in-flight request). The service
 #    runs with its default settings (takes arriving together coalesced into one batch script call);
@@ -209,6 +210,7 @@ else
   say "h2load not installed (apt-get install nghttp2-client): skipping the h2load rows"
 fi
 measure "service, gRPC (loadgen, 4 h2 conns)" lg grpc 4
+measure "service, gRPC stream (loadgen, 4 h2 conns)" lg stream 4
 measure "service, JSON over h2 (loadgen)" lg h2 4
 measure "service, JSON over HTTP/1.1 (wrk)" wrk_h1
 read -r SVC_RSS SVC_HWM < <(proc_mem "$SERVICE_PID")

@@ -3,10 +3,12 @@
 //! `cargo run --release -p tollgate-server --example loadgen -- --addr 127.0.0.1:8081 --mode grpc
 //! --connections 4 --concurrency 32 --seconds 5`
 //!
-//! Modes: `grpc` (tonic, HTTP/2), `h2` (JSON over HTTP/2 prior knowledge), `h1` (JSON over
-//! HTTP/1.1, one request in flight per connection). Every request takes 1 token from one bucket
-//! that never runs dry, so each one runs the full script and writes. `--batch N` (N > 1) sends N
-//! such takes per call instead (`TakeBatch`, `POST /v1/take_batch`). Prints decisions/s and the
+//! Modes: `grpc` (tonic, HTTP/2), `stream` (`TakeStream`: each task keeps one stream open on its
+//! connection and sends one batch message at a time, as a proxy's worker does), `h2` (JSON over
+//! HTTP/2 prior knowledge), `h1` (JSON over HTTP/1.1, one request in flight per connection). Every
+//! request takes 1 token from one bucket that never runs dry, so each one runs the full script and
+//! writes. `--batch N` (N > 1) sends N such takes per call or message instead (`TakeBatch`,
+//! `POST /v1/take_batch`; a stream's messages are batches of 1 by default). Prints decisions/s and the
 //! latency percentiles of a call. Loopback only; bounded in time (at most 120 s) and count.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -61,6 +63,22 @@ fn parse() -> Args {
     a
 }
 
+type Client = pb::rate_limiter_client::RateLimiterClient<tonic::transport::Channel>;
+
+/// A `TakeStream` stream on `g`'s connection: where its messages go, and its answers.
+async fn open_stream(
+    mut g: Client,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<pb::TakeBatchRequest>,
+    tonic::Streaming<pb::TakeBatchResponse>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let messages =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let answers = g.take_stream(messages).await.expect("TakeStream");
+    (tx, answers.into_inner())
+}
+
 /// Capacity and rate so high that the bucket never runs dry during a run.
 const CAP: u64 = 1_000_000_000;
 
@@ -85,7 +103,7 @@ async fn main() {
     let mut http_clients = Vec::new();
     for _ in 0..args.connections {
         match args.mode.as_str() {
-            "grpc" => grpc_clients.push(
+            "grpc" | "stream" => grpc_clients.push(
                 pb::rate_limiter_client::RateLimiterClient::connect(format!(
                     "http://{}",
                     args.addr
@@ -115,6 +133,10 @@ async fn main() {
             _ => http_clients.get(i % args.connections.max(1)).cloned(),
         };
         tasks.push(tokio::spawn(async move {
+            let mut stream = match &grpc {
+                Some(g) if args.mode == "stream" => Some(open_stream(g.clone()).await),
+                _ => None,
+            };
             let mut lat = Vec::with_capacity(100_000);
             let mut errors = 0u64;
             let mut n = 0;
@@ -135,7 +157,14 @@ async fn main() {
                         }],
                         ..Default::default()
                     };
-                    if args.batch > 1 {
+                    if let Some((tx, answers)) = &mut stream {
+                        let req = pb::TakeBatchRequest {
+                            takes: vec![take; args.batch],
+                            ..Default::default()
+                        };
+                        tx.send(req).is_ok()
+                            && matches!(answers.message().await, Ok(Some(r)) if r.results.iter().all(|t| t.allowed))
+                    } else if args.batch > 1 {
                         let req = pb::TakeBatchRequest {
                             takes: vec![take; args.batch],
                             ..Default::default()
