@@ -17,6 +17,9 @@ pub fn plugin(transport: Transport, rules: Vec<Value>, extra: Value) -> String {
         "service": {"cluster": "tollgate", "transport": transport.name(), "timeout_ms": 1000},
         "rules": rules,
     });
+    if transport == Transport::GrpcUnary {
+        cfg["service"]["stream"] = json!(false);
+    }
     if let (Some(obj), Value::Object(extra)) = (cfg.as_object_mut(), extra) {
         for (k, v) in extra {
             match (k.as_str(), v) {
@@ -53,18 +56,44 @@ macro_rules! both_transports {
     )*};
 }
 
+/// Expands `$name(Transport)` into a module `$name` with tests `http`, `grpc` (a stream per
+/// worker, the default) and `grpc_unary` (a call per batch, `"stream": false`).
+#[macro_export]
+macro_rules! every_transport {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn http() {
+                super::$name($crate::common::Transport::Http)
+            }
+            #[test]
+            fn grpc() {
+                super::$name($crate::common::Transport::Grpc)
+            }
+            #[test]
+            fn grpc_unary() {
+                super::$name($crate::common::Transport::GrpcUnary)
+            }
+        }
+    )*};
+}
+
 /// The transports every behaviour is checked over.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
     Http,
+    /// gRPC, takes as messages on a stream per worker (`service.stream`, the default).
     Grpc,
+    /// gRPC, a call per take or batch (`"stream": false`; [`plugin`] sets it).
+    GrpcUnary,
 }
 
 impl Transport {
+    /// The `service.transport` value.
     pub fn name(self) -> &'static str {
         match self {
             Transport::Http => "http",
-            Transport::Grpc => "grpc",
+            Transport::Grpc | Transport::GrpcUnary => "grpc",
         }
     }
 }

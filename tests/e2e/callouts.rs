@@ -18,6 +18,7 @@ use crate::both_transports;
 use crate::common;
 
 use common::config::{plugin, rule};
+use common::faults::delay::DelayProxy;
 use common::loopback::{reset_all, rss_kib, send_requests};
 use common::*;
 use serde_json::json;
@@ -34,6 +35,9 @@ const BATCH: u64 = 200;
 const TIMEOUT_MS: u64 = 300;
 /// At most this many callouts in flight before the next batch is sent.
 const MAX_ACTIVE: u64 = 1_024 - 2 * BATCH;
+/// How late the service's answers are on the stream: each batch's messages are answered this long
+/// after it was sent, and the next batch waits as long (two batches in flight, as the calls').
+const LATE: Duration = Duration::from_millis(TIMEOUT_MS / 3);
 
 /// Envoy's live heap may differ by this much between two quiet moments (stats, caches).
 const HEAP_SLACK: u64 = 2 * 1024 * 1024;
@@ -54,11 +58,62 @@ fn cluster_stat(e: &Envoy, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// Waits until no callout is pending (the abandoned ones timed out at Envoy).
-fn settle(e: &Envoy) {
+/// Callouts started so far: the `tollgate` cluster's requests, or, for the stream of takes
+/// (each take its own message here), the messages sent on it.
+fn callouts(e: &Envoy, t: Transport) -> u64 {
+    if t == Transport::Grpc {
+        e.tg("batch.callouts")
+    } else {
+        cluster_stat(e, "upstream_rq_total")
+    }
+}
+
+/// What stands between Envoy and the service while clients leave: a black hole for calls (each
+/// abandoned call ends at its timeout); for the stream, a proxy that holds every answer back
+/// (each message is answered after its client left: a black-holed stream would time out, be
+/// given up and back off, failing takes before they are sent).
+enum Between {
+    Hole(Gate),
+    Late(DelayProxy),
+}
+
+impl Between {
+    fn start(t: Transport, service: u16) -> Between {
+        if t == Transport::Grpc {
+            let late = DelayProxy::start(service);
+            late.set_delay(LATE);
+            Between::Late(late)
+        } else {
+            Between::Hole(Gate::start(GateMode::BlackHole, service))
+        }
+    }
+
+    fn port(&self) -> u16 {
+        match self {
+            Between::Hole(g) => g.port,
+            Between::Late(p) => p.port,
+        }
+    }
+
+    /// The service answers again, at once.
+    fn open(&self) {
+        match self {
+            Between::Hole(g) => {
+                g.set_mode(GateMode::Forward);
+                g.drop_connections();
+            }
+            Between::Late(p) => p.set_delay(Duration::ZERO),
+        }
+    }
+}
+
+/// Waits until no callout is pending (the abandoned ones ended at Envoy). The stream of each
+/// worker stays open (`--concurrency 2`: two).
+fn settle(e: &Envoy, t: Transport) {
+    let open = if t == Transport::Grpc { 2 } else { 0 };
     assert!(
         eventually(Duration::from_secs(20), || e.tg("callouts.pending") == 0
-            && cluster_stat(e, "upstream_rq_active") == 0),
+            && cluster_stat(e, "upstream_rq_active") <= open),
         "callouts still pending: {} (cluster active {})",
         e.tg("callouts.pending"),
         cluster_stat(e, "upstream_rq_active")
@@ -106,8 +161,8 @@ fn quiet_heap(e: &Envoy) -> u64 {
 /// Sends requests whose clients leave mid-callout until `n` callouts were dispatched: batch by
 /// batch, each batch's clients reset once the cluster shows its callouts started. Returns
 /// (requests sent, callouts dispatched).
-fn abandon_callouts(e: &Envoy, n: u64) -> (u64, u64) {
-    let calls0 = cluster_stat(e, "upstream_rq_total");
+fn abandon_callouts(e: &Envoy, t: Transport, n: u64) -> (u64, u64) {
+    let calls0 = callouts(e, t);
     let (mut sent, mut calls) = (0, 0);
     let deadline = Instant::now() + Duration::from_secs(240);
     while calls < n {
@@ -122,18 +177,22 @@ fn abandon_callouts(e: &Envoy, n: u64) -> (u64, u64) {
             ) <= MAX_ACTIVE),
             "callouts do not end"
         );
-        let before = cluster_stat(e, "upstream_rq_total");
+        let before = callouts(e, t);
         let batch = send_requests(e.port, "/x", BATCH.min(n - calls), sent);
         let want = before + batch.len() as u64;
         eventually(Duration::from_millis(TIMEOUT_MS / 2), || {
-            cluster_stat(e, "upstream_rq_total") >= want
+            callouts(e, t) >= want
         });
         sent += batch.len() as u64;
         reset_all(batch);
-        calls = cluster_stat(e, "upstream_rq_total") - calls0;
+        if t == Transport::Grpc {
+            // The stream's messages in flight show in no cluster stat: bounded by time instead.
+            thread::sleep(LATE);
+        }
+        calls = callouts(e, t) - calls0;
     }
-    settle(e);
-    (sent, cluster_stat(e, "upstream_rq_total") - calls0)
+    settle(e, t);
+    (sent, callouts(e, t) - calls0)
 }
 
 fn clients_that_disconnect_mid_callout_leave_envoy_flat(t: Transport) {
@@ -141,30 +200,32 @@ fn clients_that_disconnect_mid_callout_leave_envoy_flat(t: Transport) {
     let dir = TempDir::new("callouts-disconnect");
     let redis = Redis::start(&c, &dir);
     let service = Service::start(&c, &dir, Some(&redis.url()));
-    // Black-holed: every callout stays in flight until its timeout.
-    let gate = Gate::start(GateMode::BlackHole, service.port);
+    // Every callout stays in flight until its timeout, or every message until after its client
+    // left.
+    let between = Between::start(t, service.port);
     let upstream = Upstream::start();
     let cfg = plugin(
         t,
-        vec![rule("all", &["literal:all"], 1_000)],
+        // Room for every take: the stream's reach the service (only their answers are late).
+        vec![rule("all", &["literal:all"], 1_000_000)],
         // One callout per request (no group commit): what is measured is each request's own
         // callout being abandoned.
         json!({"service": {"timeout_ms": TIMEOUT_MS, "batch": 0}, "failure_mode": "allow",
                "breaker": {"failures": 10_000}}),
     );
-    let mut spec = EnvoySpec::new(Some(cfg), gate.port, upstream.port);
+    let mut spec = EnvoySpec::new(Some(cfg), between.port(), upstream.port);
     spec.log_level = "wasm:info".to_string();
     spec.base_log_level = "warning".to_string();
     let mut envoy = Envoy::start(&c, &dir, &spec);
 
     // Warm up: connection pools, the VMs' maps at their working size, the allocator's arenas.
     let n = disconnects();
-    let warm = abandon_callouts(&envoy, (n / 10).max(1_000));
+    let warm = abandon_callouts(&envoy, t, (n / 10).max(1_000));
     let heap0 = quiet_heap(&envoy);
     let (rss0, mem0) = (rss_kib(envoy.proc.pid()), envoy.tg("vm.memory_bytes"));
     let (decided0, seen0) = (decided(&envoy), envoy.tg("callout_failure.timeout"));
     let started = Instant::now();
-    let (sent, calls) = abandon_callouts(&envoy, n);
+    let (sent, calls) = abandon_callouts(&envoy, t, n);
     let took = started.elapsed();
     // Envoy gives a closed connection's memory back over the following seconds; a leak never.
     let freeing = Instant::now();
@@ -208,8 +269,7 @@ fn clients_that_disconnect_mid_callout_leave_envoy_flat(t: Transport) {
     );
 
     // The module is healthy: with the service reachable again, a request is decided by it.
-    gate.set_mode(GateMode::Forward);
-    gate.drop_connections();
+    between.open();
     let client = Client::new();
     assert!(
         eventually(Duration::from_secs(5), || client

@@ -10,8 +10,8 @@
     clippy::indexing_slicing
 )]
 
-use crate::both_transports;
 use crate::common;
+use crate::{both_transports, every_transport};
 
 use common::config::{plugin, rule};
 use common::*;
@@ -19,9 +19,9 @@ use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
 
-both_transports!(
+both_transports!(fallback_exact_under_32_parallel_clients);
+every_transport!(
     exactly_capacity_admitted_under_32_parallel_clients,
-    fallback_exact_under_32_parallel_clients,
     exactly_capacity_admitted_with_batched_callouts,
 );
 

@@ -90,7 +90,7 @@ fn fallback_when_redis_down(t: Transport) {
     }
     let causes: &[&str] = match t {
         Transport::Http => &["status"],
-        Transport::Grpc => &["grpc_status"],
+        Transport::Grpc | Transport::GrpcUnary => &["grpc_status"],
     };
     assert_fallback(&s, causes);
 }
@@ -226,9 +226,12 @@ fn breaker_opens_and_closes(t: Transport) {
         "fallback while the service is down"
     );
     let calls = gate.accepted();
+    // A stream that answered nothing is reopened at once, then after a backoff: a take in it
+    // fails without a connection (a failure all the same).
+    let least = if t == Transport::Grpc { 2 } else { 3 };
     assert!(
-        (3..=6).contains(&calls),
-        "3 failures (per worker at most) before opening, got {calls}"
+        (least..=6).contains(&calls),
+        "3 failures (per worker at most) before opening, got {calls} connections"
     );
     let more = client.statuses(&url, &[("x-user", "b")], 20);
     assert_eq!(count(&more, 200), 2, "{more:?}");
@@ -297,7 +300,7 @@ fn service_token_required(t: Transport) {
             assert_eq!(st, vec![200, 200, 429, 429, 429], "fallback: floor(4/2)");
             let cause = match t {
                 Transport::Http => "callout_failure.status",
-                Transport::Grpc => "callout_failure.grpc_status",
+                Transport::Grpc | Transport::GrpcUnary => "callout_failure.grpc_status",
             };
             assert!(get(cause) >= 1, "{stats:?}");
             assert_eq!(get("allowed"), 0, "{stats:?}");

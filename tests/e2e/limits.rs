@@ -373,12 +373,35 @@ fn http_transport_over_an_http1_cluster() {
     assert_eq!(s.upstream.requests(), 2);
 }
 
-/// gRPC over a cluster without HTTP/2 cannot work; Envoy accepts the configuration and every call
-/// fails. The filter treats that as a failed callout (here: the fallback), not as an answer.
+/// A unary gRPC call over a cluster without HTTP/2 cannot work: Envoy accepts the configuration
+/// and every call fails (its answer's status travels in trailers, which HTTP/1.1 does not carry
+/// here). The filter treats that as a failed callout (here: the fallback), not as an answer.
 #[test]
-fn grpc_transport_over_an_http1_cluster_falls_back() {
+fn unary_grpc_over_an_http1_cluster_falls_back() {
     let s = Stack::start_with(
         "grpc-http1",
+        &plugin(
+            Transport::GrpcUnary,
+            vec![rule("per-ip", &["client_ip"], 4)],
+            json!({"fallback": {"instances": 2}}),
+        ),
+        |spec| spec.service_http2 = false,
+    );
+    let st = s.client.statuses(&s.url("/"), &[], 3);
+    let stats = s.envoy.tg_all();
+    assert_eq!(st, vec![200, 200, 429], "{stats:?}");
+    assert_eq!(stats.get("allowed").copied().unwrap_or(0), 0, "{stats:?}");
+    assert_eq!(stats.get("fallback.allowed"), Some(&2), "{stats:?}");
+    assert_eq!(s.upstream.requests(), 2);
+}
+
+/// The stream of takes (gRPC's default) needs no HTTP/2: its messages travel in the bodies of one
+/// HTTP/1.1 request and its response, which Envoy and the service both stream; the limit is the
+/// service's, exactly.
+#[test]
+fn the_grpc_stream_works_over_an_http1_cluster() {
+    let s = Stack::start_with(
+        "stream-http1",
         &plugin(
             Transport::Grpc,
             vec![rule("per-ip", &["client_ip"], 4)],
@@ -386,11 +409,12 @@ fn grpc_transport_over_an_http1_cluster_falls_back() {
         ),
         |spec| spec.service_http2 = false,
     );
-    assert_eq!(s.client.statuses(&s.url("/"), &[], 3), vec![200, 200, 429]);
+    let st = s.client.statuses(&s.url("/"), &[], 6);
     let stats = s.envoy.tg_all();
-    assert_eq!(stats.get("allowed").copied().unwrap_or(0), 0, "{stats:?}");
-    assert_eq!(stats.get("fallback.allowed"), Some(&2), "{stats:?}");
-    assert_eq!(s.upstream.requests(), 2);
+    assert_eq!(st, vec![200, 200, 200, 200, 429, 429], "{stats:?}");
+    assert_eq!(stats.get("allowed"), Some(&4), "{stats:?}");
+    assert_eq!(stats.get("limited"), Some(&2), "{stats:?}");
+    assert_eq!(s.upstream.requests(), 4);
 }
 
 /// A POST body waits while the filter asks the service and reaches the upstream intact; a denied
