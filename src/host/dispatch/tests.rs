@@ -1,6 +1,7 @@
 //! The dispatcher driven by a fake host that hands out callout tokens the way Envoy does
 //! (`+4` per call, HTTP ids ≡ 0 mod 4, gRPC ids ≡ 1 mod 4, wrapping at 2^32), deletes contexts
 //! without a word about their callouts, and delivers replies late or for tokens nobody knows.
+//! `stream`: the stream of takes (`service.stream`) against the same fake.
 
 use super::*;
 use crate::core::base::store::SetError;
