@@ -17,7 +17,9 @@
 #   skip      Tollgate in the chain, switched off for the route (FilterConfig `disabled: true`)
 #   http      Tollgate exact, one callout per request over HTTP (`"batch": 0`; the service's
 #             decision not counted)
-#   grpc      the same over gRPC
+#   grpc      the same over gRPC: a message of one take on the worker's stream (`service.stream`,
+#             the default with gRPC)
+#   grpc-unary  the same as a unary gRPC call per request (`"stream": false`)
 #   http-batch  as http with group commit (the default, `"batch": 64`): with CLIENTS > 1, requests
 #             that arrive while a callout is in flight leave together in one batch callout
 #   lease     Tollgate with an adaptive lease: most requests spend a local pool
@@ -25,8 +27,8 @@
 #             the remembered denial (one callout a second, `remember_denials_ms`), not by a callout
 #   local-denied  no module: Envoy's own local_ratelimit, its bucket empty: what a 429 costs Envoy
 #
-# TIER=service counts the decision service instead, TIER=redis Redis (variants http, grpc and
-# http-batch only): that process under callgrind (the service with --worker-threads 1, all its
+# TIER=service counts the decision service instead, TIER=redis Redis (variants http, grpc,
+# grpc-unary and http-batch only): that process under callgrind (the service with --worker-threads 1, all its
 # threads), the others run normally; its instructions per request are its cost per take.
 #
 #   scripts/bench-instructions.sh            # REQUESTS=500 ROUNDS=3 WARMUP=2000
@@ -39,7 +41,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 # shellcheck source=scripts/lib.sh
 . scripts/lib.sh
-VARIANTS=${VARIANTS:-none empty nomatch skip http grpc lease}
+VARIANTS=${VARIANTS:-none empty nomatch skip http grpc grpc-unary lease}
 REQUESTS=${REQUESTS:-500}
 ROUNDS=${ROUNDS:-3}
 # 2,000 requests of warm-up: after 300, the first two or three rounds of the exact path still paid
@@ -85,7 +87,7 @@ RESULTS=$OUT/results.tsv
 : >"$RESULTS"
 for variant in $VARIANTS; do
   if [ "$TIER" != envoy ]; then
-    case $variant in http | grpc | http-batch) ;; *) die "TIER=$TIER: $variant makes no take" ;; esac
+    case $variant in http | grpc | grpc-unary | http-batch) ;; *) die "TIER=$TIER: $variant makes no take" ;; esac
   fi
   if [ "$TIER" = service ]; then
     SVC_PORT=$(free_port)
@@ -106,6 +108,7 @@ for variant in $VARIANTS; do
     skip) args+=(--wasm "$WASM" --plugin-config "$(plugin http '')" --skip-module) ;;
     http) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 0')") ;;
     grpc) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 0')") ;;
+    grpc-unary) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 0, "stream": false')") ;;
     http-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 64')") ;;
     lease) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"lease": {},')") ;;
     local-denied) args+=(--local-ratelimit 1,1,3600) ;;
