@@ -621,11 +621,10 @@ impl<A: Abi> Dispatcher<A> {
         let _ = self.abi.grpc_cancel(token);
         self.ledger.close(token);
         let now = self.abi.now_ms();
-        let failed =
-            plugin
-                .stream
-                .borrow_mut()
-                .ended(token, now, plugin.config.breaker.open_ms);
+        let failed = plugin
+            .stream
+            .borrow_mut()
+            .ended(token, now, plugin.config.breaker.open_ms);
         if !failed.is_empty() {
             debug!(
                 "stream {token} ended with gRPC status {status} ({}): {} message(s) in flight fail",

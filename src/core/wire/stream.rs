@@ -245,7 +245,11 @@ mod tests {
         s.sent(101, 50);
         s.sent(102, 60);
         assert_eq!(s.in_flight(), 2);
-        assert_eq!(s.answered(9), None, "another stream's answer is no message's");
+        assert_eq!(
+            s.answered(9),
+            None,
+            "another stream's answer is no message's"
+        );
         assert_eq!(s.answered(7), Some(101));
         assert_eq!(s.answered(7), Some(102));
         assert_eq!(s.answered(7), None, "nothing left in flight");
@@ -342,7 +346,11 @@ mod tests {
         s.sent(101, 1_000 + MAX_AGE_MS + 20);
         assert_eq!(s.route(1_000 + MAX_AGE_MS), Route::Send(7), "busy: kept");
         assert_eq!(s.answered(7), Some(101));
-        assert_eq!(s.route(1_000 + MAX_AGE_MS - 1), Route::Send(7), "young: kept");
+        assert_eq!(
+            s.route(1_000 + MAX_AGE_MS - 1),
+            Route::Send(7),
+            "young: kept"
+        );
         assert_eq!(s.route(1_000 + MAX_AGE_MS), Route::Replace(7));
         s.retired(7);
         assert_eq!(s.route(1_000 + MAX_AGE_MS), Route::Open);
