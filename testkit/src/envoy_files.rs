@@ -142,7 +142,7 @@ Run several of these Envoys behind one load balancer: they share every limit thr
 Check it with: envoy --mode validate -c deploy/envoy/envoy.yaml (the module must be at the path)."#;
 
 const DEMO_PLUGIN: &str = r#"{
-  "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 50},
+  "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 50},
   "trusted_hops": 0,
   "rules": [
     {"name": "per-ip", "match": {"not": {"path_prefix": "/v1/"}},
@@ -160,7 +160,7 @@ const DEMO_PLUGIN: &str = r#"{
 "#;
 
 const PLAIN_PLUGIN: &str = r#"{
-  "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 20},
+  "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 20},
   "trusted_hops": 0,
   "rules": [
     {"name": "per-ip", "key": ["client_ip"], "capacity": 100, "rate": 100, "period_ms": 60000}

@@ -368,7 +368,7 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             ("grpc", Transport::Grpc),
             ("rls", Transport::Rls),
         ],
-        Transport::Http,
+        Transport::Grpc,
     )?;
     let domain = s.string("domain")?.unwrap_or_default();
     match transport {

@@ -36,7 +36,8 @@ fn with_rule1(rule1: &str) -> String {
 fn minimal_config_gets_defaults() {
     let c = parse(MINIMAL).unwrap();
     assert_eq!(c.service.authority, "tollgate");
-    assert_eq!(c.service.transport, Transport::Http);
+    assert_eq!(c.service.transport, Transport::Grpc);
+    assert!(c.service.stream, "takes as messages on a stream");
     assert_eq!(c.service.timeout_ms, 20);
     assert_eq!(c.service.path, "/v1/take");
     assert_eq!(c.service.token, None);
@@ -403,4 +404,28 @@ fn the_fuzz_seeds_reach_every_rule_field() {
         unreached.is_empty(),
         "no accepted seed in {dir} holds {unreached:?} (add one to fuzz/seeds.py)"
     );
+}
+
+#[test]
+fn takes_stream_over_grpc_unless_told_otherwise_and_only_over_grpc() {
+    let service = |fields: &str| {
+        format!(
+            r#"{{"service":{{"cluster":"c"{fields}}},
+                 "rules":[{{"name":"a","capacity":1,"period_ms":1000}}]}}"#
+        )
+    };
+    let stream = |fields: &str| parse(&service(fields)).map(|c| c.service.stream);
+    assert_eq!(stream(""), Ok(true), "gRPC, the default transport");
+    assert_eq!(stream(r#","transport":"grpc""#), Ok(true));
+    assert_eq!(stream(r#","transport":"grpc","stream":false"#), Ok(false));
+    assert_eq!(stream(r#","transport":"http""#), Ok(false));
+    let rls = r#","transport":"rls","domain":"d""#;
+    assert_eq!(stream(rls), Ok(false));
+    for refused in [
+        r#","transport":"http","stream":true"#.to_string(),
+        format!(r#"{rls},"stream":true"#),
+        r#","stream":"yes""#.to_string(),
+    ] {
+        assert_eq!(error_of(&service(&refused)).field, "service.stream", "{refused}");
+    }
 }

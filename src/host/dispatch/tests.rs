@@ -533,7 +533,7 @@ fn a_steady_exact_request_reads_shared_data_twice() {
 fn a_matching_request_reads_the_headers_its_rules_read_and_no_more() {
     let key = |k: &str, hops: u32| {
         format!(
-            r#"{{"service":{{"cluster":"svc","batch":0}},"trusted_hops":{hops},
+            r#"{{"service":{{"cluster":"svc","transport":"http","batch":0}},"trusted_hops":{hops},
                  "rules":[{{"name":"r","key":[{k}],"capacity":5,"period_ms":60000}}]}}"#
         )
     };
@@ -741,7 +741,7 @@ fn queued_requests_leave_in_one_batch_and_each_gets_its_own_answer() {
 
 #[test]
 fn a_background_lease_refill_is_answered_without_any_request() {
-    let cfg = r#"{"service":{"cluster":"svc","batch":0},
+    let cfg = r#"{"service":{"cluster":"svc","transport":"http","batch":0},
         "rules":[{"name":"r","key":["literal:k"],"capacity":100,"period_ms":60000,"lease":{"size":4}}]}"#;
     let mut d = dispatcher(cfg);
     assert_eq!(
@@ -780,7 +780,7 @@ fn a_background_lease_refill_is_answered_without_any_request() {
 
 #[test]
 fn a_push_hands_the_watched_pools_to_the_new_configuration() {
-    let cfg = r#"{"service":{"cluster":"svc","batch":0},
+    let cfg = r#"{"service":{"cluster":"svc","transport":"http","batch":0},
         "rules":[{"name":"r","key":["literal:k"],"capacity":100,"period_ms":60000,"lease":{"size":4}}]}"#;
     let mut d = dispatcher(cfg);
     let held = |d: &Dispatcher<Fake>, root: u32| match d.roots.get(&root) {
@@ -805,7 +805,7 @@ fn a_push_hands_the_watched_pools_to_the_new_configuration() {
 
 /// A rule charged by the response: estimate 100 from `x-max-tokens` (absent: the default).
 fn charged_config() -> String {
-    r#"{"service":{"cluster":"svc","batch":0},
+    r#"{"service":{"cluster":"svc","transport":"http","batch":0},
         "rules":[{"name":"llm","key":["literal:k"],"capacity":10000,"period_ms":60000,
                   "cost":{"header":"x-max-tokens","default":100,"max":4000},
                   "charge":"response","usage":{"header":"x-usage"}}]}"#
@@ -1118,7 +1118,7 @@ fn a_queue_the_byte_bounds_split_leaves_in_several_batches_at_once() {
         })
         .collect();
     let cfg = format!(
-        r#"{{"service":{{"cluster":"svc","batch":64}},"rules":[{}]}}"#,
+        r#"{{"service":{{"cluster":"svc","transport":"http","batch":64}},"rules":[{}]}}"#,
         rules.join(",")
     );
     let mut d = dispatcher(&cfg);
