@@ -6,11 +6,14 @@
 #   none      no rate limit filter
 #   http      Tollgate, JSON over HTTP/2 to tollgate-server, Redis Lua bucket, one callout per request
 #             (`"batch": 0`; the filter's default batches)
-#   grpc      Tollgate, gRPC to tollgate-server, Redis Lua bucket, one callout per request
+#   grpc      Tollgate, gRPC to tollgate-server, Redis Lua bucket, each take one message on the
+#             worker's stream (`service.stream`, gRPC's default)
+#   grpc-unary  as grpc, one unary call per request (`"stream": false`)
 #   http-allow  as http, with failure_mode allow: no fallback share is kept in step with the answers
 #             (http keeps one per bucket: the cost of a fallback that remembers, on the exact path)
-#   http-batch, grpc-batch  as http / grpc with group commit (service.batch 64): requests behind a
-#             worker's callout in flight leave together in one batch callout
+#   http-batch, grpc-batch, grpc-unary-batch  as http / grpc / grpc-unary with group commit
+#             (service.batch 64): requests behind a worker's callout (or message) in flight leave
+#             together in one batch; grpc-batch is the filter's default configuration
 #   native-rls  no Tollgate module: Envoy's own ratelimit filter (RLS v3) against tollgate-server's
 #             RLS endpoint (--rls-config), descriptor remote_address
 #   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
@@ -40,7 +43,7 @@ ROOT=$PWD
 . scripts/lib.sh
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
-VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch}
+VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch grpc-unary grpc-unary-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch}
 ROUNDS=${ROUNDS:-3}
 OUT=${OUT:-$ROOT/bench-out/envoy}
 WASM=$(readlink -f "$WASM")
@@ -98,6 +101,8 @@ envoy_yaml() {
     http-allow) fallback='"failure_mode": "allow",'; batch=', "batch": 0' ;;
     http-batch) batch=', "batch": 64' ;;
     grpc-batch) transport=grpc; batch=', "batch": 64' ;;
+    grpc-unary) transport=grpc; batch=', "batch": 0, "stream": false' ;;
+    grpc-unary-batch) transport=grpc; batch=', "batch": 64, "stream": false' ;;
     fallback) svc_port=$CLOSED_PORT ;;
     nomatch | bare-nomatch) match='"match": {"path_exact": "/never"},' ;;
     lease) lease=', "lease": {"size": 100}' ;;

@@ -22,6 +22,8 @@
 #   grpc-unary  the same as a unary gRPC call per request (`"stream": false`)
 #   http-batch  as http with group commit (the default, `"batch": 64`): with CLIENTS > 1, requests
 #             that arrive while a callout is in flight leave together in one batch callout
+#   grpc-batch, grpc-unary-batch  the same over gRPC: batches as messages on the stream, or as
+#             unary calls
 #   lease     Tollgate with an adaptive lease: most requests spend a local pool
 #   denied    Tollgate exact, its bucket empty (capacity 1 an hour): a flood's request, denied from
 #             the remembered denial (one callout a second, `remember_denials_ms`), not by a callout
@@ -87,7 +89,8 @@ RESULTS=$OUT/results.tsv
 : >"$RESULTS"
 for variant in $VARIANTS; do
   if [ "$TIER" != envoy ]; then
-    case $variant in http | grpc | grpc-unary | http-batch) ;; *) die "TIER=$TIER: $variant makes no take" ;; esac
+    case $variant in http | grpc | grpc-unary | http-batch | grpc-batch | grpc-unary-batch) ;;
+      *) die "TIER=$TIER: $variant makes no take" ;; esac
   fi
   if [ "$TIER" = service ]; then
     SVC_PORT=$(free_port)
@@ -110,6 +113,8 @@ for variant in $VARIANTS; do
     grpc) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 0')") ;;
     grpc-unary) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 0, "stream": false')") ;;
     http-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 64')") ;;
+    grpc-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 64')") ;;
+    grpc-unary-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 64, "stream": false')") ;;
     lease) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"lease": {},')") ;;
     local-denied) args+=(--local-ratelimit 1,1,3600) ;;
     denied) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 0' \
