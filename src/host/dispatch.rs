@@ -30,7 +30,7 @@ use crate::core::flow::{self, Flow, Leftover, Metric, Next, Phase};
 use crate::core::inflight;
 use crate::core::local::lease;
 use crate::core::settle;
-use crate::core::wire::batch;
+use crate::core::wire::batch::{self, Queued};
 use crate::core::wire::callout;
 use crate::core::wire::plan::CalloutResult;
 use crate::core::wire::stream::Stream;
@@ -670,13 +670,7 @@ impl<A: Abi> Dispatcher<A> {
             self.ledger.close(token);
         }
         for m in expired.messages {
-            // As Envoy reports a unary call's timeout.
-            let timeout = CalloutResult::Grpc {
-                status: 4,
-                message: None,
-                body: Vec::new(),
-            };
-            self.deliver(m, &mut Ready(Some(timeout)));
+            self.deliver(m, &mut Ready(Some(CalloutResult::Expired)));
         }
     }
 
@@ -820,12 +814,25 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    /// One batch carrying `queued` (a callout, or a message on the stream).
-    fn send_batch(&mut self, plugin: &Rc<Plugin>, queued: Vec<(u32, TakeRequest)>) {
-        let takes: Vec<&TakeRequest> = queued.iter().map(|(_, t)| t).collect();
-        let members: Vec<u32> = queued.iter().map(|(t, _)| *t).collect();
+    /// One batch carrying `queued` (a callout, or a message on the stream), due when the first of
+    /// them must have its answer: `service.timeout_ms` bounds a request's wait from its take,
+    /// queue and batch together. One that waited that long already fails here, as a timeout.
+    fn send_batch(&mut self, plugin: &Rc<Plugin>, queued: Vec<Queued>) {
+        let timeout = plugin.config.service.timeout_ms;
+        let now = self.abi.now_ms();
+        let (late, queued): (Vec<Queued>, Vec<Queued>) = queued
+            .into_iter()
+            .partition(|q| q.deadline_ms(timeout) <= now);
+        for q in late {
+            self.answer_member(q.token, CalloutResult::Expired);
+        }
+        let Some(deadline) = queued.iter().map(|q| q.deadline_ms(timeout)).min() else {
+            return;
+        };
+        let takes: Vec<&TakeRequest> = queued.iter().map(|q| &q.take).collect();
+        let members: Vec<u32> = queued.iter().map(|q| q.token).collect();
         let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);
-        if let Err(why) = proxy.send_batch(&plugin.config, members.clone(), &takes) {
+        if let Err(why) = proxy.send_batch(&plugin.config, members.clone(), &takes, deadline) {
             debug!("batch of {} not dispatched: {why}", members.len());
             for m in members {
                 self.answer_member(m, CalloutResult::DispatchError);

@@ -94,6 +94,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
                 batch::QUEUE_BATCHES * cfg.service.batch,
                 token,
                 &plan.request,
+                self.abi.now_ms(),
             );
             if let Err(why) = queued {
                 self.ledger.close(token);
@@ -104,7 +105,8 @@ impl<'a, A: Abi> Proxy<'a, A> {
         if streaming {
             // Alone now, it leaves at once: a message of one take on the stream.
             let token = self.ledger.reserve(self.plugin.root, waiter(false));
-            if let Err(why) = self.send_batch(cfg, vec![token], &[&plan.request]) {
+            let deadline = self.abi.now_ms().saturating_add(cfg.service.timeout_ms);
+            if let Err(why) = self.send_batch(cfg, vec![token], &[&plan.request], deadline) {
                 self.ledger.close(token);
                 return Err(why);
             }
@@ -127,14 +129,16 @@ impl<'a, A: Abi> Proxy<'a, A> {
         Ok(token)
     }
 
-    /// Sends `takes` (for the waiters of the virtual tokens `members`, in order) as one batch: a
-    /// message on the plugin's stream (`service.stream`), or a batch callout. It holds the batch
-    /// queue back until it ends, and is recorded in the ledger as a [`Waiter::Batch`].
+    /// Sends `takes` (for the waiters of the virtual tokens `members`, in order) as one batch due
+    /// by `deadline_ms`: a message on the plugin's stream (`service.stream`), or a batch callout
+    /// with what is left until then as its timeout. It holds the batch queue back until it ends,
+    /// and is recorded in the ledger as a [`Waiter::Batch`].
     pub(super) fn send_batch(
         &mut self,
         cfg: &Config,
         members: Vec<u32>,
         takes: &[&TakeRequest],
+        deadline_ms: u64,
     ) -> Result<(), String> {
         let n = members.len();
         let batch = Waiter::Batch {
@@ -142,10 +146,11 @@ impl<'a, A: Abi> Proxy<'a, A> {
             members,
         };
         if cfg.service.stream {
-            self.send_message(cfg, takes, batch)?;
+            self.send_message(cfg, takes, batch, deadline_ms)?;
         } else {
             let request = callout::batch(cfg, takes);
-            let token = self.send_within(cfg, request, cfg.service.timeout_ms, None)?;
+            let left = deadline_ms.saturating_sub(self.abi.now_ms()).max(1);
+            let token = self.send_within(cfg, request, left, None)?;
             self.open(token, batch);
         }
         self.plugin.metrics.batched(self.abi, n);
@@ -153,13 +158,14 @@ impl<'a, A: Abi> Proxy<'a, A> {
         Ok(())
     }
 
-    /// Sends `takes` as one message on the plugin's stream (opening one if need be), due within
-    /// `service.timeout_ms`; `batch` waits for its answer under a virtual token.
+    /// Sends `takes` as one message on the plugin's stream (opening one if need be), due by
+    /// `deadline_ms`; `batch` waits for its answer under a virtual token.
     fn send_message(
         &mut self,
         cfg: &Config,
         takes: &[&TakeRequest],
         batch: Waiter,
+        deadline_ms: u64,
     ) -> Result<(), String> {
         let now = self.abi.now_ms();
         let stream = self.stream(cfg, now)?;
@@ -177,10 +183,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             ));
         }
         let token = self.ledger.reserve(self.plugin.root, batch);
-        self.plugin
-            .stream
-            .borrow_mut()
-            .sent(token, now.saturating_add(cfg.service.timeout_ms));
+        self.plugin.stream.borrow_mut().sent(token, deadline_ms);
         Ok(())
     }
 

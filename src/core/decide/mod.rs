@@ -221,6 +221,7 @@ pub fn interpret(plan: &Plan, result: CalloutResult) -> Outcome {
             return Outcome::Failed(Cause::Decode);
         }
         CalloutResult::BatchMismatch => return Outcome::Failed(Cause::Decode),
+        CalloutResult::Expired => return Outcome::Failed(Cause::Timeout),
     };
     let Ok(resp) = decoded else {
         return Outcome::Failed(Cause::Decode);
@@ -602,6 +603,7 @@ mod tests {
             (CalloutResult::DispatchError, "dispatch"),
             (CalloutResult::Grpc { status: 14, message: Some("upstream request timeout".into()), body: vec![] }, "timeout"),
             (CalloutResult::Grpc { status: 4, message: None, body: vec![] }, "timeout"),
+            (CalloutResult::Expired, "timeout"),
             (CalloutResult::Grpc { status: 14, message: Some("upstream connect error or disconnect/reset before headers. reset reason: connection failure".into()), body: vec![] }, "connect"),
             (CalloutResult::Grpc { status: 14, message: Some("store unavailable".into()), body: vec![] }, "grpc_status"),
             (CalloutResult::Grpc { status: 16, message: None, body: vec![] }, "grpc_status"),

@@ -27,14 +27,33 @@ use contract::bounds::{
 /// full queue is a dispatch failure.
 pub const QUEUE_BATCHES: usize = 4;
 
+/// A request waiting for the next batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Queued {
+    /// Its virtual token.
+    pub token: u32,
+    /// Its take.
+    pub take: TakeRequest,
+    /// When it joined the queue (ms): `service.timeout_ms` bounds its wait from then, in the
+    /// queue and in its batch together ([`Queued::deadline_ms`]).
+    pub since_ms: u64,
+}
+
+impl Queued {
+    /// When it must have its answer, with `timeout_ms` to wait in all.
+    pub fn deadline_ms(&self, timeout_ms: u64) -> u64 {
+        self.since_ms.saturating_add(timeout_ms)
+    }
+}
+
 /// The batching state of one plugin in one VM.
 #[derive(Debug, Default)]
 pub struct Queue {
     /// Callouts of this plugin in flight that requests queue behind (single takes, batches and
     /// refills).
     in_flight: u32,
-    /// Requests waiting for the next batch: (their virtual token, their take).
-    waiting: Vec<(u32, TakeRequest)>,
+    /// Requests waiting for the next batch, in order.
+    waiting: Vec<Queued>,
 }
 
 impl Queue {
@@ -44,13 +63,23 @@ impl Queue {
         self.in_flight > 0
     }
 
-    /// Queues `req` under `token`, unless `max` are waiting already (a plugin's bound is
-    /// [`QUEUE_BATCHES`] × its batch size).
-    pub fn push(&mut self, max: usize, token: u32, req: &TakeRequest) -> Result<(), String> {
+    /// Queues `req` under `token` at `now_ms`, unless `max` are waiting already (a plugin's
+    /// bound is [`QUEUE_BATCHES`] × its batch size).
+    pub fn push(
+        &mut self,
+        max: usize,
+        token: u32,
+        req: &TakeRequest,
+        now_ms: u64,
+    ) -> Result<(), String> {
         if self.waiting.len() >= max {
             return Err(format!("batch queue full ({max} waiting)"));
         }
-        self.waiting.push((token, req.clone()));
+        self.waiting.push(Queued {
+            token,
+            take: req.clone(),
+            since_ms: now_ms,
+        });
         Ok(())
     }
 
@@ -67,11 +96,11 @@ impl Queue {
     /// Takes the waiting requests for the next batch, in order: at most `max`, and no more than
     /// fit the contract's request and answer bounds (the first always does: one take's answer is
     /// a few KiB).
-    pub fn drain(&mut self, max: usize) -> Vec<(u32, TakeRequest)> {
+    pub fn drain(&mut self, max: usize) -> Vec<Queued> {
         let mut n = 0;
         let mut buckets = 0;
         let mut request_bytes = BUCKET_OVERHEAD_BYTES;
-        for (_, t) in &self.waiting {
+        for Queued { take: t, .. } in &self.waiting {
             let b = t.buckets.len();
             let keys: usize = t.buckets.iter().map(|b| b.key.len()).sum();
             let more = request_bytes + take_request_bytes(b, keys);
@@ -91,7 +120,7 @@ impl Queue {
 
     /// A queued request went away before its batch left: it leaves the queue.
     pub fn forget(&mut self, token: u32) {
-        self.waiting.retain(|(t, _)| *t != token);
+        self.waiting.retain(|q| q.token != token);
     }
 
     /// Requests waiting.
@@ -164,13 +193,19 @@ mod tests {
         assert!(!q.busy(), "nothing in flight: call now");
         q.started();
         assert!(q.busy());
-        q.push(2, VIRTUAL | 1, &take()).unwrap();
-        q.push(2, VIRTUAL | 2, &take()).unwrap();
-        assert!(q.push(2, VIRTUAL | 3, &take()).is_err(), "full");
+        q.push(2, VIRTUAL | 1, &take(), 10).unwrap();
+        q.push(2, VIRTUAL | 2, &take(), 12).unwrap();
+        assert!(q.push(2, VIRTUAL | 3, &take(), 13).is_err(), "full");
         q.ended();
         q.forget(VIRTUAL | 1);
-        let next: Vec<u32> = q.drain(64).into_iter().map(|(t, _)| t).collect();
-        assert_eq!(next, vec![VIRTUAL | 2]);
+        let next = q.drain(64);
+        assert_eq!(next.len(), 1);
+        assert_eq!(next[0].token, VIRTUAL | 2);
+        assert_eq!(
+            next[0].deadline_ms(20),
+            32,
+            "its wait counts from when it queued"
+        );
         assert_eq!(q.waiting(), 0);
         assert!(!q.busy(), "in flight is back to 0");
     }
@@ -181,12 +216,12 @@ mod tests {
         q.started();
         // 64 takes of 12 buckets: answered whole, about 100 KB, more than the filter reads.
         for i in 0..64 {
-            q.push(64, VIRTUAL | i, &take_of(12, 8)).unwrap();
+            q.push(64, VIRTUAL | i, &take_of(12, 8), 0).unwrap();
         }
         let mut batches = Vec::new();
         while q.waiting() > 0 {
             let b = q.drain(64);
-            let buckets: usize = b.iter().map(|(_, t)| t.buckets.len()).sum();
+            let buckets: usize = b.iter().map(|q| q.take.buckets.len()).sum();
             assert!(batch_answer_bytes(b.len(), buckets) <= MAX_ANSWER_BYTES);
             batches.push(b.len());
         }
@@ -198,12 +233,12 @@ mod tests {
         assert!(batches.len() >= 2 && batches[0] > 1, "{batches:?}");
         // Takes of long keys: the request bound (1 MiB) splits them first.
         for i in 0..64 {
-            q.push(64, VIRTUAL | i, &take_of(4, 4096)).unwrap();
+            q.push(64, VIRTUAL | i, &take_of(4, 4096), 0).unwrap();
         }
         let first = q.drain(64);
         let keys: usize = first
             .iter()
-            .map(|(_, t)| take_request_bytes(t.buckets.len(), 4 * 4096))
+            .map(|q| take_request_bytes(q.take.buckets.len(), 4 * 4096))
             .sum();
         assert!(
             first.len() < 64 && keys <= MAX_BATCH_BYTES,
@@ -213,7 +248,7 @@ mod tests {
         // The count bound still holds, and one take always leaves, however large.
         q.drain(usize::MAX);
         for i in 0..5 {
-            q.push(64, VIRTUAL | i, &take_of(16, 4096)).unwrap();
+            q.push(64, VIRTUAL | i, &take_of(16, 4096), 0).unwrap();
         }
         assert_eq!(q.drain(2).len(), 2);
         assert_eq!(q.drain(64).len(), 3);

@@ -94,6 +94,9 @@ pub enum CalloutResult {
     },
     /// A batch answer whose takes do not match the batch's (count, or an undecodable body).
     BatchMismatch,
+    /// No answer within `service.timeout_ms` of the request's take: its message on the stream
+    /// passed its deadline, or it waited that long in the batch queue.
+    Expired,
 }
 
 /// Why a callout failed, or why none was made. Names are the metric suffixes

@@ -48,6 +48,8 @@ struct Fake {
     full_reads: Cell<u32>,
     header_reads: Cell<u32>,
     dispatched: RefCell<Vec<(u32, Vec<u8>)>>,
+    /// The timeout of each call, in order.
+    timeouts: RefCell<Vec<u32>>,
     /// The headers (HTTP) or metadata (gRPC) of each dispatch, in order.
     sent_headers: RefCell<Vec<Vec<(String, String)>>>,
     resumed: RefCell<Vec<u32>>,
@@ -170,11 +172,12 @@ impl Abi for Fake {
         _: &str,
         headers: &[(&str, &str)],
         body: &[u8],
-        _: u32,
+        timeout_ms: u32,
     ) -> Result<u32, Status> {
         if let Some(s) = self.refuse.get() {
             return Err(s);
         }
+        self.timeouts.borrow_mut().push(timeout_ms);
         self.sent_headers.borrow_mut().push(
             headers
                 .iter()
@@ -737,6 +740,38 @@ fn queued_requests_leave_in_one_batch_and_each_gets_its_own_answer() {
     d.on_http_call_response(batch, 0, 0);
     assert_eq!(d.abi.metric("tollgate.callout_failure.reset"), 2);
     assert_eq!(d.pending_callouts(), 0);
+}
+
+/// `service.timeout_ms` bounds a request's wait from its take: in the batch queue and in its
+/// batch together. A batch's timeout is what is left of its oldest request's; a request that
+/// waited it all in the queue fails as a timeout without a callout.
+#[test]
+fn a_queued_request_waits_no_longer_than_its_timeout_in_all() {
+    let cfg = config("http", "").replace(r#""batch":0"#, r#""batch":8,"timeout_ms":20"#);
+    let cfg = cfg.replace(
+        r#""breaker":{"failures":10000,"open_ms":100}"#,
+        r#""breaker":{"failures":10000,"open_ms":100},"failure_mode":"deny""#,
+    );
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let first = last_token(&d);
+    d.abi.clock.set(5);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    // 10 ms later the first answer: 11 leaves with the 10 ms it has left.
+    d.abi.clock.set(15);
+    allowed_reply(&d);
+    d.on_http_call_response(first, 1, 200);
+    assert_eq!(*d.abi.timeouts.borrow(), vec![20, 10]);
+    let batch = last_token(&d);
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    // The batch times out at Envoy (a 504); 12 has waited its 20 ms by then.
+    d.abi.clock.set(40);
+    *d.abi.reply.borrow_mut() = (Some(b"504".to_vec()), Vec::new());
+    d.on_http_call_response(batch, 1, 0);
+    assert_eq!(d.abi.dispatched.borrow().len(), 2, "no callout for 12");
+    assert_eq!(*d.abi.replied.borrow(), vec![(11, 429), (12, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 2);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
 }
 
 #[test]

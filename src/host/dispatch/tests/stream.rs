@@ -102,27 +102,32 @@ fn takes_ride_one_stream_as_messages_answered_in_order() {
 fn a_message_past_its_deadline_fails_and_its_stream_is_cancelled() {
     let mut d = dispatcher(&stream_config(8, r#","failure_mode":"deny""#));
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    // Queued behind it: one at once, one 5 ms later.
     assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    later(&d, 5);
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
     let old = streams(&d)[0];
-    later(&d, 19);
+    later(&d, 14);
     d.on_tick(ROOT);
     assert!(d.abi.replied.borrow().is_empty(), "not due yet");
     later(&d, 1);
     d.on_tick(ROOT);
-    // The stream is cancelled and its message fails as a timeout.
+    // The stream is cancelled and its message fails as a timeout; so does the request queued
+    // with it, which has waited its 20 ms too, without being sent.
     assert_eq!(*d.abi.cancelled.borrow(), vec![old]);
-    assert_eq!(*d.abi.replied.borrow(), vec![(10, 429)]);
-    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 1);
-    // The queued request left on a new stream.
+    assert_eq!(*d.abi.replied.borrow(), vec![(10, 429), (11, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 2);
+    // The one queued later left on a new stream, due 20 ms after its take: 5 ms from now.
     let s = streams(&d);
     assert_eq!(s.len(), 2);
+    assert_eq!(messages(&d), 2);
     assert_eq!(d.abi.stream_sent.borrow().last().map(|m| m.0), Some(s[1]));
     // A late answer on the cancelled stream touches nothing; the new stream's answer resumes 11.
     let n = answer(&d, &[true]);
     d.on_grpc_receive(old, n);
     assert!(d.abi.resumed.borrow().is_empty());
     d.on_grpc_receive(s[1], n);
-    assert_eq!(*d.abi.resumed.borrow(), vec![11]);
+    assert_eq!(*d.abi.resumed.borrow(), vec![12]);
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
 }
 
