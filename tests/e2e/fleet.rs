@@ -28,6 +28,7 @@
 
 use crate::common;
 
+use common::faults::redis_ctl::signal;
 use common::*;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -592,6 +593,103 @@ fn skewed_service_clock_still_one_bucket() {
             "X-RateLimit-Reset {reset} s > one period"
         );
     }
+}
+
+/// The default transport over two service replicas: a stream per Envoy worker, each take a
+/// message on it. One replica is shut down under load (SIGTERM): it answers what it is deciding,
+/// ends its streams with UNAVAILABLE, and every worker reopens its stream at once, on the other
+/// replica (or, the cluster still listing the one gone, on its refused port first, and then on the
+/// other). No client sees a 5xx, the limit holds (failing closed: a failed take is never an
+/// admission), the other replica decides everything after, and few takes fail on the way.
+#[test]
+fn a_replica_shut_down_hands_its_streams_to_the_other() {
+    let _serial = serial();
+    const N: usize = 2;
+    const CAPACITY: u64 = 400;
+    let c = Components::get();
+    let dir = TempDir::new("replica-shutdown");
+    let redis = Redis::start(&c, &dir);
+    let mut a = Service::start_with(&c, &dir, Some(&redis.url()), SERVICE_FLAGS);
+    let b = Service::start_with(&c, &dir, Some(&redis.url()), SERVICE_FLAGS);
+    let upstream = Upstream::start_counting_by(ENVOY_HEADER);
+    let cfg = plugin(
+        "replicas",
+        CAPACITY,
+        1,
+        3_600_000,
+        serde_json::json!({"failure_mode": "deny",
+            "service": {"cluster": "tollgate", "timeout_ms": 1000, "remember_denials_ms": 0}}),
+    );
+    let envoys = start_fleet(&c, &dir, N, &cfg, &[a.port, b.port], upstream.port);
+    let load = Load::start(
+        &envoys,
+        16,
+        Duration::from_secs(4),
+        40_000,
+        Duration::from_millis(2),
+    );
+    thread::sleep(Duration::from_millis(1500));
+    let streams_on_a = metric_sum(&a.metrics(), "tollgate_streams_open");
+    let decided_by_a = metric_sum(&a.metrics(), "tollgate_decisions_total");
+    let failed_before = failures(&envoys);
+    let shut_down = Instant::now();
+    signal(a.proc.pid(), "TERM");
+    thread::sleep(Duration::from_millis(500));
+    let failed_after_shutdown = failures(&envoys) - failed_before;
+    let b_then = metric_sum(&b.metrics(), "tollgate_decisions_total");
+    thread::sleep(Duration::from_millis(1000));
+    let b_later = metric_sum(&b.metrics(), "tollgate_decisions_total");
+    let run = load.finish();
+    let gone = a.proc.exited();
+    let admitted = upstream.requests();
+    let stats = tg_total(&envoys);
+    eprintln!(
+        "replicas: {} requests in {:.2} s, statuses {:?}, admitted {admitted} of {CAPACITY}; replica A had \
+         {streams_on_a} stream(s) open and {decided_by_a} decisions before its shutdown, exited: \
+         {gone:?}; takes failed within 500 ms of it: {failed_after_shutdown}; replica B decided \
+         {} in the second after; stats {stats:?}",
+        run.sent(),
+        run.elapsed.as_secs_f64(),
+        run.statuses,
+        b_later - b_then,
+    );
+    assert_eq!(run.other(), 0, "only 200 and 429: {:?}", run.statuses);
+    assert!(admitted <= CAPACITY, "admitted {admitted} > {CAPACITY}");
+    assert!(
+        gone.is_some() && shut_down.elapsed() < Duration::from_secs(4),
+        "the replica shut down gracefully within its grace period"
+    );
+    assert!(
+        b_later - b_then >= 100,
+        "the other replica decided only {} takes in the second after",
+        b_later - b_then
+    );
+    // A message sent as its stream ended, and a reopen that chose the refused port: a few per
+    // worker (each failing the takes of one message).
+    assert!(
+        failed_after_shutdown <= 64,
+        "{failed_after_shutdown} takes failed over the shutdown: {stats:?}"
+    );
+}
+
+/// The sum of a Prometheus metric's samples (every label set) in `text`.
+fn metric_sum(text: &str, name: &str) -> u64 {
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Failed takes over the fleet (every `callout_failure.*`).
+fn failures(envoys: &[Envoy]) -> u64 {
+    tg_total(envoys)
+        .iter()
+        .filter(|(k, _)| k.starts_with("callout_failure."))
+        .map(|(_, v)| v)
+        .sum()
 }
 
 /// Requests each `tollgate` cluster endpoint received from all Envoys (admin `/clusters`, `rq_total`).
