@@ -426,6 +426,10 @@ fn takes_stream_over_grpc_unless_told_otherwise_and_only_over_grpc() {
         format!(r#"{rls},"stream":true"#),
         r#","stream":"yes""#.to_string(),
     ] {
-        assert_eq!(error_of(&service(&refused)).field, "service.stream", "{refused}");
+        assert_eq!(
+            error_of(&service(&refused)).field,
+            "service.stream",
+            "{refused}"
+        );
     }
 }
