@@ -92,7 +92,8 @@ pub struct Seen {
 }
 
 impl Load {
-    /// Starts `clients` connections over `ports`, pausing `pause` after each answer, for at most
+    /// Starts `clients` connections over `ports`, pausing about `pause` after each answer (drawn
+    /// around it, [`Rng::around`]), for at most
     /// `limit`. `abandon_after`: the range (ms) of how long an abandoning client waits before it closes.
     pub fn start(
         ports: &[u16],
@@ -130,7 +131,7 @@ impl Load {
                             if abandon_one(to, &path, Duration::from_millis(wait)) {
                                 abandoned.fetch_add(1, Ordering::SeqCst);
                             }
-                            thread::sleep(pause);
+                            thread::sleep(rng.around(pause));
                             continue;
                         }
                         let start = Instant::now();
@@ -144,7 +145,7 @@ impl Load {
                             latency: start.elapsed(),
                             status,
                         });
-                        thread::sleep(pause);
+                        thread::sleep(rng.around(pause));
                     }
                     recs
                 })
@@ -211,6 +212,15 @@ impl Rng {
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0 % n.max(1)
+    }
+
+    /// A pause drawn evenly from `pause / 2 ..= 3 × pause / 2` (the same mean): clients that
+    /// all paused exactly `pause` stayed in step, so requests came in waves `pause` apart, and
+    /// a fault that fell just after a wave met no request for up to `pause` (the time to the
+    /// fallback then measured the load, not the limiter).
+    fn around(&mut self, pause: Duration) -> Duration {
+        let us = u64::try_from(pause.as_micros()).unwrap_or(u64::MAX);
+        Duration::from_micros(us / 2 + self.below(us + 1))
     }
 }
 
