@@ -18,7 +18,13 @@
 //!   away) while still queued is dropped from the queue and never charged; one already sent may
 //!   have been charged (a possible false denial, as with any timeout, never an admission).
 //!
-//! Batches that arrive as batches ([`Store::take_batch`]) go to the store as they are.
+//! A batch ([`Store::take_batch`]: a `TakeBatch` call, or a message on a proxy's stream) is its
+//! takes: one that finds a call free goes out at once as it is; one that finds every call busy
+//! puts each of its takes in the queue, so the streams of many proxy workers, each sending a few
+//! takes a message, share script runs as single takes do. Its answer is its takes' answers, in
+//! order; if any of them failed (or waited `max_wait` in all) the batch fails with that error, as
+//! one store call would have (its other takes may have been charged: a possible false denial,
+//! never an admission).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -198,41 +204,76 @@ impl Drop for Slot<'_> {
     }
 }
 
-#[async_trait::async_trait]
-impl Store for Coalescer {
-    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeResponse, StoreError> {
-        let waiting = {
-            let mut st = self.inner.lock();
-            if st.free > 0 {
-                st.free -= 1;
-                None
-            } else {
+impl Coalescer {
+    /// A call slot for the caller's own call (`None`), or, every call being busy, `takes` queued,
+    /// each with the receiver of its answer.
+    fn slot_or_queue<'a>(
+        &self,
+        takes: impl Iterator<Item = &'a [BucketSpec]>,
+    ) -> Option<Vec<oneshot::Receiver<Reply>>> {
+        let mut st = self.inner.lock();
+        if st.free > 0 {
+            st.free -= 1;
+            return None;
+        }
+        let queued = takes
+            .map(|specs| {
                 let (reply, rx) = oneshot::channel();
                 st.queue.push_back(Job {
-                    specs: buckets.to_vec(),
+                    specs: specs.to_vec(),
                     reply,
                 });
-                Some(rx)
-            }
-        };
-        let Some(rx) = waiting else {
-            let _slot = Slot(&self.inner);
-            return self.inner.store.take(buckets).await;
-        };
+                rx
+            })
+            .collect();
+        Some(queued)
+    }
+
+    /// The answers of queued takes, in order, each waited for until `max_wait` from now at most;
+    /// the first error is the result.
+    async fn answers(
+        &self,
+        queued: Vec<oneshot::Receiver<Reply>>,
+    ) -> Result<Vec<TakeResponse>, StoreError> {
         let abandoned = |_| StoreError::Connection("the coalesced call was abandoned".into());
-        let Some(max_wait) = self.inner.config.max_wait else {
-            return rx.await.unwrap_or_else(|e| Err(abandoned(e)));
+        let all = async {
+            let mut out = Vec::with_capacity(queued.len());
+            for rx in queued {
+                out.push(rx.await.unwrap_or_else(|e| Err(abandoned(e)))?);
+            }
+            Ok(out)
         };
-        match tokio::time::timeout(max_wait, rx).await {
-            Ok(r) => r.unwrap_or_else(|e| Err(abandoned(e))),
+        let Some(max_wait) = self.inner.config.max_wait else {
+            return all.await;
+        };
+        match tokio::time::timeout(max_wait, all).await {
+            Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(
                 u64::try_from(max_wait.as_millis()).unwrap_or(u64::MAX),
             )),
         }
     }
+}
+
+#[async_trait::async_trait]
+impl Store for Coalescer {
+    async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeResponse, StoreError> {
+        let Some(queued) = self.slot_or_queue(std::iter::once(buckets)) else {
+            let _slot = Slot(&self.inner);
+            return self.inner.store.take(buckets).await;
+        };
+        let mut answers = self.answers(queued).await?;
+        answers
+            .pop()
+            .ok_or_else(|| StoreError::Protocol("no decision for a take".into()))
+    }
 
     async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeResponse>, StoreError> {
-        self.inner.store.take_batch(takes).await
+        let Some(queued) = self.slot_or_queue(takes.iter().map(Vec::as_slice)) else {
+            let _slot = Slot(&self.inner);
+            return self.inner.store.take_batch(takes).await;
+        };
+        self.answers(queued).await
     }
 
     async fn inspect(&self, b: &BucketSpec) -> Result<crate::domain::BucketState, StoreError> {
@@ -438,6 +479,45 @@ mod tests {
             singles + batches < 40,
             "{singles} single calls, {batches} batches"
         );
+    }
+
+    /// Batches (a stream's messages) behind a busy call share the next calls as single takes
+    /// do: 20 batches of 3 in a few script runs, each batch answered in its order, exactly.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batches_behind_a_call_leave_together_each_answered_in_order() {
+        let store = counting(20, false);
+        let c = Arc::new(Coalescer::new(store.clone(), config(1, 64)));
+        let tasks: Vec<_> = (0..20)
+            .map(|i| {
+                let c = c.clone();
+                tokio::spawn(async move {
+                    // One shared bucket, and two of the batch's own: allowed, allowed.
+                    let own = |n: u32| vec![bucket(&format!("own-{i}-{n}"), 1)];
+                    c.take_batch(&[vec![bucket("shared", 25)], own(0), own(1)])
+                        .await
+                })
+            })
+            .collect();
+        let mut shared = 0;
+        for t in tasks {
+            match t.await {
+                Ok(Ok(ds)) => {
+                    assert_eq!(ds.len(), 3);
+                    assert!(ds[1].allowed && ds[2].allowed, "its own, in order");
+                    assert_eq!(ds[1].buckets[0].limit, 1);
+                    shared += usize::from(ds[0].allowed);
+                }
+                other => unreachable!("{other:?}"),
+            }
+        }
+        assert_eq!(shared, 20, "capacity 25: all 20 pass");
+        let (singles, batches, batched) = (
+            store.singles.load(Ordering::SeqCst),
+            store.batches.load(Ordering::SeqCst),
+            store.batched.load(Ordering::SeqCst),
+        );
+        assert_eq!(singles + batched, 60, "every take sent once");
+        assert!(batches <= 4, "{batches} store calls for 20 batches");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
