@@ -55,7 +55,7 @@ for mode in $MODES; do
   lease=""
   [ "$mode" = lease ] && lease=', "lease": {}'
   plugin=$(cat <<EOF
-{"service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 200},
+{"service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 200},
  "fallback": {"instances": $FLEET},
  "rules": [{"name": "all", "key": ["literal:accuracy-$mode"],
             "capacity": $RATE, "rate": $RATE, "period_ms": 1000$lease}]}

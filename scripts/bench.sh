@@ -11,9 +11,12 @@ bash scripts/bench-envoy.sh || rc=$?
 bash scripts/bench-accuracy.sh || rc=$?
 # The idle path, one exact decision, and a flood's 429 from a remembered denial beside Envoy's own
 # (every variant: run the script alone; each costs a minute or two under valgrind).
-VARIANTS="none empty nomatch http denied local-denied" bash scripts/bench-instructions.sh || rc=$?
+VARIANTS="none empty nomatch http grpc grpc-unary denied local-denied" bash scripts/bench-instructions.sh || rc=$?
+# The same decisions in batches (8 clients at once): on the stream, as unary gRPC calls, over HTTP.
+CLIENTS=8 VARIANTS="http-batch grpc-batch grpc-unary-batch" OUT=bench-out/instructions-batch \
+  bash scripts/bench-instructions.sh || rc=$?
 # The service's and Redis's instructions per take, each under callgrind behind a plain Envoy.
-TIER=service VARIANTS="http grpc" bash scripts/bench-instructions.sh || rc=$?
+TIER=service VARIANTS="http grpc grpc-unary" bash scripts/bench-instructions.sh || rc=$?
 TIER=redis VARIANTS=http bash scripts/bench-instructions.sh || rc=$?
 # A decision asked over a unary gRPC call against one message on a per-worker stream.
 bash scripts/bench-stream.sh || rc=$?

@@ -212,7 +212,7 @@ def tollgate_args(wasm: str, key: str, service_port: int, service: dict | None =
     """The Tollgate filter: one global bucket for every request (key `literal:<key>`); `service` and
     `rule` add to the plugin's `service` and to its rule."""
     plugin = {
-        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 250, **(service or {})},
+        "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 250, **(service or {})},
         "rules": [{"name": "demo", "key": [f"literal:{key}"], "capacity": CAPACITY, "rate": RATE,
                    "period_ms": PERIOD_S * 1000, **(rule or {})}],
         "failure_mode": "fallback",
