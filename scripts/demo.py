@@ -372,10 +372,11 @@ def flood_main(procs: Procs, envoy_bin: str, generator: str, upstream: Upstream,
             stats = Counter()
             for e in fleet:
                 stats.update(e.tollgate_stats())
-            # Unary calls are the cluster's requests; on the stream (the default), a request is a
-            # whole stream and each message (`batch.callouts`) is what a callout was.
-            callouts = (stats.get("tollgate.batch.callouts", 0)
-                        or stats.get("cluster.tollgate.upstream_rq_total", 0))
+            # Unary calls are the cluster's requests (batches among them); on the stream (the
+            # default) a request is a whole stream, and each message (`batch.callouts`) is what a
+            # callout was: the larger count is the callouts'.
+            callouts = max(stats.get("tollgate.batch.callouts", 0),
+                           stats.get("cluster.tollgate.upstream_rq_total", 0))
             for e in [front] + fleet:
                 procs.stop(e.name)
             # local_ratelimit: one bucket per Envoy; Tollgate: one, so capacity + refill over the run.
