@@ -832,7 +832,8 @@ impl<A: Abi> Dispatcher<A> {
         let takes: Vec<&TakeRequest> = queued.iter().map(|q| &q.take).collect();
         let members: Vec<u32> = queued.iter().map(|q| q.token).collect();
         let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);
-        if let Err(why) = proxy.send_batch(&plugin.config, members.clone(), &takes, deadline) {
+        let sent = proxy.send_batch(&plugin.config, members.clone(), &takes, now, deadline);
+        if let Err(why) = sent {
             debug!("batch of {} not dispatched: {why}", members.len());
             for m in members {
                 self.answer_member(m, CalloutResult::DispatchError);

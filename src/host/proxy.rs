@@ -105,8 +105,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
         if streaming {
             // Alone now, it leaves at once: a message of one take on the stream.
             let token = self.ledger.reserve(self.plugin.root, waiter(false));
-            let deadline = self.abi.now_ms().saturating_add(cfg.service.timeout_ms);
-            if let Err(why) = self.send_batch(cfg, vec![token], &[&plan.request], deadline) {
+            let now = self.abi.now_ms();
+            let deadline = now.saturating_add(cfg.service.timeout_ms);
+            if let Err(why) = self.send_batch(cfg, vec![token], &[&plan.request], now, deadline) {
                 self.ledger.close(token);
                 return Err(why);
             }
@@ -129,15 +130,16 @@ impl<'a, A: Abi> Proxy<'a, A> {
         Ok(token)
     }
 
-    /// Sends `takes` (for the waiters of the virtual tokens `members`, in order) as one batch due
-    /// by `deadline_ms`: a message on the plugin's stream (`service.stream`), or a batch callout
-    /// with what is left until then as its timeout. It holds the batch queue back until it ends,
-    /// and is recorded in the ledger as a [`Waiter::Batch`].
+    /// Sends `takes` (for the waiters of the virtual tokens `members`, in order) as one batch at
+    /// `now`, due by `deadline_ms`: a message on the plugin's stream (`service.stream`), or a
+    /// batch callout with what is left until then as its timeout. It holds the batch queue back
+    /// until it ends, and is recorded in the ledger as a [`Waiter::Batch`].
     pub(super) fn send_batch(
         &mut self,
         cfg: &Config,
         members: Vec<u32>,
         takes: &[&TakeRequest],
+        now: u64,
         deadline_ms: u64,
     ) -> Result<(), String> {
         let n = members.len();
@@ -146,10 +148,10 @@ impl<'a, A: Abi> Proxy<'a, A> {
             members,
         };
         if cfg.service.stream {
-            self.send_message(cfg, takes, batch, deadline_ms)?;
+            self.send_message(cfg, takes, batch, now, deadline_ms)?;
         } else {
             let request = callout::batch(cfg, takes);
-            let left = deadline_ms.saturating_sub(self.abi.now_ms()).max(1);
+            let left = deadline_ms.saturating_sub(now).max(1);
             let token = self.send_within(cfg, request, left, None)?;
             self.open(token, batch);
         }
@@ -158,16 +160,16 @@ impl<'a, A: Abi> Proxy<'a, A> {
         Ok(())
     }
 
-    /// Sends `takes` as one message on the plugin's stream (opening one if need be), due by
-    /// `deadline_ms`; `batch` waits for its answer under a virtual token.
+    /// Sends `takes` as one message on the plugin's stream (opening one if need be) at `now`, due
+    /// by `deadline_ms`; `batch` waits for its answer under a virtual token.
     fn send_message(
         &mut self,
         cfg: &Config,
         takes: &[&TakeRequest],
         batch: Waiter,
+        now: u64,
         deadline_ms: u64,
     ) -> Result<(), String> {
-        let now = self.abi.now_ms();
         let stream = self.stream(cfg, now)?;
         let message = callout::stream_message(cfg, takes);
         if let Err(status) = self.abi.grpc_send(stream, &message) {
