@@ -321,3 +321,18 @@ pub fn unique(name: &str) -> String {
 pub async fn get_text(url: String) -> String {
     reqwest::get(url).await.unwrap().text().await.unwrap()
 }
+
+/// Whether bucket `key` still holds its one token: a take of capacity 1 over an hour passes only
+/// if nothing was ever charged to the key (a refused request charged nothing).
+pub async fn never_charged(store: &dyn Store, key: &str) -> bool {
+    let one = tollgate_server::domain::BucketSpec {
+        key: key.to_string(),
+        capacity: 1,
+        rate: 1,
+        period_ms: 3_600_000,
+        cost: 1,
+        algorithm: tollgate_server::domain::Algorithm::TokenBucket,
+        lease: 1,
+    };
+    store.take(&[one]).await.is_ok_and(|d| d.allowed)
+}
