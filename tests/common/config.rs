@@ -39,43 +39,40 @@ pub fn plugin(transport: Transport, rules: Vec<Value>, extra: Value) -> String {
     serde_json::to_string_pretty(&cfg).unwrap_or_default()
 }
 
+/// Expands `$name(Transport)`, for each `$name`, into a module `$name` with one test per
+/// `test => Variant` pair (the two macros below name the sets).
+#[macro_export]
+macro_rules! over_transports {
+    (@one [$($test:ident => $t:ident),*] $name:ident) => {
+        mod $name {
+            $(
+                #[test]
+                fn $test() {
+                    super::$name($crate::common::Transport::$t)
+                }
+            )*
+        }
+    };
+    ($tests:tt $($name:ident),* $(,)?) => {
+        $($crate::over_transports!(@one $tests $name);)*
+    };
+}
+
 /// Expands `$name(Transport)` into a module `$name` with tests `http` and `grpc`.
 #[macro_export]
 macro_rules! both_transports {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[test]
-            fn http() {
-                super::$name($crate::common::Transport::Http)
-            }
-            #[test]
-            fn grpc() {
-                super::$name($crate::common::Transport::Grpc)
-            }
-        }
-    )*};
+    ($($name:ident),* $(,)?) => {
+        $crate::over_transports!([http => Http, grpc => Grpc] $($name),*);
+    };
 }
 
 /// Expands `$name(Transport)` into a module `$name` with tests `http`, `grpc` (a stream per
 /// worker, the default) and `grpc_unary` (a call per batch, `"stream": false`).
 #[macro_export]
 macro_rules! every_transport {
-    ($($name:ident),* $(,)?) => {$(
-        mod $name {
-            #[test]
-            fn http() {
-                super::$name($crate::common::Transport::Http)
-            }
-            #[test]
-            fn grpc() {
-                super::$name($crate::common::Transport::Grpc)
-            }
-            #[test]
-            fn grpc_unary() {
-                super::$name($crate::common::Transport::GrpcUnary)
-            }
-        }
-    )*};
+    ($($name:ident),* $(,)?) => {
+        $crate::over_transports!([http => Http, grpc => Grpc, grpc_unary => GrpcUnary] $($name),*);
+    };
 }
 
 /// The transports every behaviour is checked over.
