@@ -28,5 +28,6 @@ mod tests;
 
 pub use algorithm::Algorithm;
 pub use take::{
-    BatchResponse, Bucket, BucketResult, DecodeError, Sender, TakeRequest, TakeResponse,
+    BatchResponse, Bucket, BucketResult, DecodeError, MessageError, Sender, StreamAnswer,
+    TakeRequest, TakeResponse,
 };

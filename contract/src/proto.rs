@@ -4,7 +4,9 @@
 //! and a generated codec would cost the filter's module more bytes than its whole logic. The
 //! service serves gRPC with prost; its tests check this codec against prost on the fixtures.
 
-use crate::take::{BucketResult, DecodeError, Sender, TakeRequest, TakeResponse};
+use crate::take::{
+    BucketResult, DecodeError, MessageError, Sender, StreamAnswer, TakeRequest, TakeResponse,
+};
 
 /// Appends a base-128 varint.
 pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -57,6 +59,14 @@ pub fn encode_batch(takes: &[&TakeRequest], sender: &Sender<'_>) -> Vec<u8> {
         put_bytes(&mut out, 1, &take_message(t, sender));
     }
     put_instance(&mut out, sender);
+    out
+}
+
+/// Encodes a message of a TakeStream: a `TakeBatchRequest` with its `id` (field 3, 1..), which
+/// its answer carries back ([`decode_stream_answer`]).
+pub fn encode_stream_message(takes: &[&TakeRequest], sender: &Sender<'_>, id: u64) -> Vec<u8> {
+    let mut out = encode_batch(takes, sender);
+    put_u64(&mut out, 3, id);
     out
 }
 
@@ -209,18 +219,65 @@ pub fn decode_answer(body: &[u8]) -> Result<TakeResponse, DecodeError> {
 
 /// Decodes a `TakeBatchResponse { repeated TakeResponse results = 1; }`.
 pub fn decode_batch_answer(body: &[u8]) -> Result<Vec<TakeResponse>, DecodeError> {
+    let answer = decode_stream_answer(body)?;
+    match answer.answer {
+        Ok(results) => Ok(results),
+        Err(e) => Err(DecodeError(format!(
+            "TakeBatchResponse: an error ({}) where results were due",
+            e.code
+        ))),
+    }
+}
+
+/// Decodes a `TakeBatchResponse` as a TakeStream answers one message: the message's `id` (field
+/// 2) and either its results (field 1) or its error (field 3, a `MessageError`). An answer with
+/// both is not valid.
+pub fn decode_stream_answer(body: &[u8]) -> Result<StreamAnswer, DecodeError> {
     let mut r = Reader::new(body);
-    let mut out = Vec::new();
+    let mut results = Vec::new();
+    let mut id = 0;
+    let mut error = None;
     while let Some((field, value)) = r.field()? {
         match (field, value) {
-            (1, Field::Bytes(b)) => out.push(decode_answer(b)?),
-            (1, _) => {
-                return Err(DecodeError(
-                    "TakeBatchResponse field 1: wrong wire type".into(),
-                ))
+            (1, Field::Bytes(b)) => results.push(decode_answer(b)?),
+            (2, Field::Varint(n)) => id = n,
+            (3, Field::Bytes(b)) => error = Some(message_error(b)?),
+            (1..=3, _) => {
+                return Err(DecodeError(format!(
+                    "TakeBatchResponse field {field}: wrong wire type"
+                )))
             }
             _ => {}
         }
     }
-    Ok(out)
+    let answer = match error {
+        None => Ok(results),
+        Some(e) if results.is_empty() => Err(e),
+        Some(_) => {
+            return Err(DecodeError(
+                "TakeBatchResponse: both results and an error".into(),
+            ))
+        }
+    };
+    Ok(StreamAnswer { id, answer })
+}
+
+fn message_error(buf: &[u8]) -> Result<MessageError, DecodeError> {
+    let mut r = Reader::new(buf);
+    let mut e = MessageError::default();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    while let Some((field, value)) = r.field()? {
+        match (field, value) {
+            (1, Field::Varint(c)) => e.code = u32::try_from(c).unwrap_or(u32::MAX),
+            (2, Field::Bytes(b)) => e.message = text(b),
+            (3, Field::Bytes(b)) => e.field = text(b),
+            (1..=3, _) => {
+                return Err(DecodeError(format!(
+                    "MessageError field {field}: wrong wire type"
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(e)
 }

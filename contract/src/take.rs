@@ -133,6 +133,28 @@ pub struct BatchResponse {
     pub results: Vec<TakeResponse>,
 }
 
+/// The answer to one message of a TakeStream (contract/README.md, "Batches on a stream"): the
+/// message's id and its results, one per take in order, or why it was not decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamAnswer {
+    /// The id of the message this answers (0 from a service that predates ids).
+    pub id: u64,
+    /// The message's results, or its error (the stream goes on).
+    pub answer: Result<Vec<TakeResponse>, MessageError>,
+}
+
+/// Why one message of a TakeStream was not decided: the status a TakeBatch call with it would have
+/// ended with.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MessageError {
+    /// The gRPC status code (3 invalid, 4 deadline exceeded, 8 too large, 14 unavailable).
+    pub code: u32,
+    /// For people; not to be matched.
+    pub message: String,
+    /// An invalid message: the field named from the batch (`takes[3].buckets[0].capacity`).
+    pub field: String,
+}
+
 /// A body that is not a valid answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecodeError(pub String);

@@ -442,3 +442,59 @@ mod generated {
         }
     }
 }
+
+#[test]
+fn stream_messages_carry_their_ids_both_ways() {
+    let batches = cases("batch_cases");
+    for case in cases("stream_cases") {
+        let name = case["name"].as_str().unwrap();
+        let batch = batches
+            .iter()
+            .find(|b| b["name"] == case["batch"])
+            .unwrap_or_else(|| panic!("{name}: no batch case {}", case["batch"]));
+        let takes: Vec<TakeRequest> = batch["request_json"]["takes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(request_from_json)
+            .collect();
+        let refs: Vec<&TakeRequest> = takes.iter().collect();
+        let from = sender(&batch["request_json"]);
+        let id = case["id"].as_u64().unwrap();
+        assert_eq!(
+            proto::encode_stream_message(&refs, &from, id),
+            hex(case["request_pb_hex"].as_str().unwrap()),
+            "{name}: request"
+        );
+        let got = proto::decode_stream_answer(&hex(case["response_pb_hex"].as_str().unwrap()))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(got.id, id, "{name}: the id comes back");
+        match (&got.answer, case.get("error")) {
+            (Ok(results), None) => {
+                let whole =
+                    proto::decode_batch_answer(&hex(batch["response_pb_hex"].as_str().unwrap()))
+                        .unwrap();
+                assert_eq!(results, &whole, "{name}: the batch's results");
+            }
+            (Err(e), Some(want)) => {
+                assert_eq!(u64::from(e.code), want["code"].as_u64().unwrap(), "{name}");
+                assert_eq!(e.message, want["message"].as_str().unwrap(), "{name}");
+                assert_eq!(e.field, want["field"].as_str().unwrap(), "{name}");
+            }
+            (other, want) => panic!("{name}: {other:?} against {want:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_stream_answer_with_results_and_an_error_is_refused() {
+    // results (one empty TakeResponse), id 1, and an error: not a valid answer.
+    let body = [0x0a, 0x00, 0x10, 0x01, 0x1a, 0x02, 0x08, 0x0e];
+    assert!(proto::decode_stream_answer(&body).is_err());
+    assert!(proto::decode_batch_answer(&body).is_err());
+    // An error alone is the message's answer, and no batch's results.
+    let body = [0x10, 0x01, 0x1a, 0x02, 0x08, 0x0e];
+    let got = proto::decode_stream_answer(&body).unwrap();
+    assert_eq!((got.id, got.answer.map_err(|e| e.code)), (1, Err(14)));
+    assert!(proto::decode_batch_answer(&body).is_err());
+}

@@ -83,12 +83,39 @@ pub struct TakeBatchRequest {
     /// As TakeRequest.instance, for the whole batch.
     #[prost(string, tag = "2")]
     pub instance: ::prost::alloc::string::String,
+    /// On TakeStream: the message's id, 1..=2^64-1, chosen by the client and distinct among its
+    /// messages in flight on the stream; the answer carries it back. Not set on TakeBatch calls. On a
+    /// stream, 0 is a client of the earlier contract: its messages are answered in order, one at a
+    /// time, and an error ends the stream.
+    #[prost(uint64, tag = "3")]
+    pub id: u64,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TakeBatchResponse {
-    /// One result per take, in request order.
+    /// One result per take, in request order (none when `error` is set).
     #[prost(message, repeated, tag = "1")]
     pub results: ::prost::alloc::vec::Vec<TakeResponse>,
+    /// On TakeStream: the id of the message this answers.
+    #[prost(uint64, tag = "2")]
+    pub id: u64,
+    /// On TakeStream: the message could not be decided; the stream goes on. Never set on a
+    /// TakeBatch call (its error is the call's status).
+    #[prost(message, optional, tag = "3")]
+    pub error: ::core::option::Option<MessageError>,
+}
+/// Why one message on TakeStream was not decided: what a TakeBatch call with it would have ended with.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct MessageError {
+    /// The gRPC status code: INVALID_ARGUMENT (3), DEADLINE_EXCEEDED (4), RESOURCE_EXHAUSTED (8),
+    /// UNAVAILABLE (14).
+    #[prost(uint32, tag = "1")]
+    pub code: u32,
+    /// For people; not to be matched.
+    #[prost(string, tag = "2")]
+    pub message: ::prost::alloc::string::String,
+    /// INVALID_ARGUMENT: the field named from the batch (takes\[3\].buckets\[0\].capacity).
+    #[prost(string, tag = "3")]
+    pub field: ::prost::alloc::string::String,
 }
 /// One key of an Acquire. Zero values are rejected with the field's name.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -390,13 +417,13 @@ pub mod rate_limiter_client {
             self.inner.unary(req, path, codec).await
         }
         /// Batches on one long-lived stream (README, "Batches on a stream"): every request message is
-        /// one batch, validated and decided exactly as TakeBatch decides it, and answered by exactly one
-        /// response message, in the order the messages arrived (there are no ids: the client matches
-        /// answers to messages by order). The bearer token is read from the stream's metadata once, when
-        /// it opens. An error ends the stream with the status TakeBatch would have answered; the
-        /// messages answered before it stay answered, the failing one and those after it get no answer.
-        /// The service shutting down answers the message it is deciding, then ends the stream with
-        /// UNAVAILABLE; the client half-closing ends it with OK once the messages received are answered.
+        /// one batch with an id, validated and decided exactly as TakeBatch decides it, and answered by
+        /// exactly one response message carrying that id, as soon as it is decided (messages are decided
+        /// concurrently, so answers may come in any order). A message that cannot be decided (invalid,
+        /// shed, a store failure, too large) is answered with its error and the stream goes on. The
+        /// bearer token is read from the stream's metadata once, when it opens. The service shutting
+        /// down answers the messages it is deciding, then ends the stream with UNAVAILABLE; the client
+        /// half-closing ends it with OK once the messages received are answered.
         pub async fn take_stream(
             &mut self,
             request: impl tonic::IntoStreamingRequest<Message = super::TakeBatchRequest>,
@@ -530,13 +557,13 @@ pub mod rate_limiter_server {
             + std::marker::Send
             + 'static;
         /// Batches on one long-lived stream (README, "Batches on a stream"): every request message is
-        /// one batch, validated and decided exactly as TakeBatch decides it, and answered by exactly one
-        /// response message, in the order the messages arrived (there are no ids: the client matches
-        /// answers to messages by order). The bearer token is read from the stream's metadata once, when
-        /// it opens. An error ends the stream with the status TakeBatch would have answered; the
-        /// messages answered before it stay answered, the failing one and those after it get no answer.
-        /// The service shutting down answers the message it is deciding, then ends the stream with
-        /// UNAVAILABLE; the client half-closing ends it with OK once the messages received are answered.
+        /// one batch with an id, validated and decided exactly as TakeBatch decides it, and answered by
+        /// exactly one response message carrying that id, as soon as it is decided (messages are decided
+        /// concurrently, so answers may come in any order). A message that cannot be decided (invalid,
+        /// shed, a store failure, too large) is answered with its error and the stream goes on. The
+        /// bearer token is read from the stream's metadata once, when it opens. The service shutting
+        /// down answers the messages it is deciding, then ends the stream with UNAVAILABLE; the client
+        /// half-closing ends it with OK once the messages received are answered.
         async fn take_stream(
             &self,
             request: tonic::Request<tonic::Streaming<super::TakeBatchRequest>>,

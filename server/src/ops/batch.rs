@@ -158,6 +158,7 @@ pub fn pb_from_raw(raw: &RawBatch) -> pb::TakeBatchRequest {
     pb::TakeBatchRequest {
         takes: raw.takes.iter().flatten().map(take::pb_from_raw).collect(),
         instance: raw.instance.clone().unwrap_or_default(),
+        ..Default::default()
     }
 }
 
@@ -165,6 +166,7 @@ pub fn pb_from_raw(raw: &RawBatch) -> pb::TakeBatchRequest {
 pub fn pb_from_answer(ds: &[TakeResponse]) -> pb::TakeBatchResponse {
     pb::TakeBatchResponse {
         results: ds.iter().map(take::pb_from_answer).collect(),
+        ..Default::default()
     }
 }
 

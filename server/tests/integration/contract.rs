@@ -153,6 +153,60 @@ fn batch_responses_agree_in_both_encodings() {
     }
 }
 
+/// A TakeStream's messages and answers (`stream_cases`): prost reads the id the filter's codec
+/// wrote, and writes each answer (results or a message's error, with the id) to the fixture's bytes.
+#[test]
+fn stream_messages_and_answers_agree_with_prost() {
+    let path = common::workspace().join("contract/fixtures/cases.json");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let batches = v["batch_cases"].as_array().unwrap();
+    let cases = v["stream_cases"].as_array().expect("stream_cases");
+    assert!(cases.len() >= 2);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let batch = batches.iter().find(|b| b["name"] == case["batch"]).unwrap();
+        let id = case["id"].as_u64().unwrap();
+        let msg = pb::TakeBatchRequest::decode(
+            hex_decode(case["request_pb_hex"].as_str().unwrap()).as_slice(),
+        )
+        .expect(name);
+        assert_eq!(msg.id, id, "{name}");
+        let plain = pb::TakeBatchRequest::decode(
+            hex_decode(batch["request_pb_hex"].as_str().unwrap()).as_slice(),
+        )
+        .unwrap();
+        assert_eq!(
+            pb::TakeBatchRequest { id: 0, ..msg },
+            plain,
+            "{name}: the batch"
+        );
+        let answer = match case.get("error") {
+            None => {
+                let results: BatchResponse =
+                    serde_json::from_value(batch["response_json"].clone()).unwrap();
+                pb::TakeBatchResponse {
+                    id,
+                    ..batch::pb_from_answer(&results.results)
+                }
+            }
+            Some(e) => pb::TakeBatchResponse {
+                results: Vec::new(),
+                id,
+                error: Some(pb::MessageError {
+                    code: u32::try_from(e["code"].as_u64().unwrap()).unwrap(),
+                    message: e["message"].as_str().unwrap().to_owned(),
+                    field: e["field"].as_str().unwrap().to_owned(),
+                }),
+            },
+        };
+        assert_eq!(
+            hex_encode(&answer.encode_to_vec()),
+            case["response_pb_hex"],
+            "{name}: answer"
+        );
+    }
+}
+
 /// The contract crate's codec (the filter's) against prost and serde on the same fixtures.
 mod contract_codec {
     use super::*;

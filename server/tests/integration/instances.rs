@@ -120,6 +120,7 @@ async fn replicas_count_the_deployment_together() {
         .take_batch(pb::TakeBatchRequest {
             takes: vec![one.clone(), one],
             instance: "p3".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
