@@ -8,7 +8,7 @@ use super::plugin::{Plugin, Waiter};
 use crate::core::base::ledger::Ledger;
 use crate::core::base::store::{CasStore, SetError};
 use crate::core::config::Config;
-use crate::core::flow::{Callout, Host, Metric};
+use crate::core::flow::{self, Callout, Host, Metric};
 use crate::core::settle;
 use crate::core::wire::batch;
 use crate::core::wire::callout::{self, CalloutRequest};
@@ -353,6 +353,13 @@ impl<'a, A: Abi> Proxy<'a, A> {
             _ => None,
         };
         let mut q = self.plugin.settles.borrow_mut();
+        if matches!(status, Some(200..=299)) {
+            // Applied: the tokens it gave back are in the buckets, and a denial remembered of
+            // them no longer holds.
+            if let Some(items) = q.get(id) {
+                flow::settlement_applied(&self.plugin.config, items, self.store());
+            }
+        }
         let outcome = match status {
             Some(200..=299) => q.answered(id, true, now),
             Some(s @ 400..=499) if s != 408 && s != 429 => {

@@ -28,6 +28,7 @@ use crate::core::local::denials;
 use crate::core::local::fallback;
 use crate::core::local::lease::{self, Count, Local};
 use crate::core::rules::Request;
+use crate::core::settle;
 use crate::core::wire::plan::{
     Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step,
 };
@@ -581,11 +582,20 @@ pub fn on_refill_result<H: Host>(
     watched
 }
 
-/// Sends `request`'s costs back to the global bucket as unspent tokens, not awaited.
+/// A settlement was applied: a denial this Envoy remembered of a bucket it gave tokens back to no
+/// longer holds.
+pub fn settlement_applied<S: CasStore + ?Sized>(cfg: &Config, items: &[settle::Item], store: &S) {
+    denials::forget(cfg, settle::given_back(items), store);
+}
+
+/// Sends `request`'s costs back to the global bucket as unspent tokens, not awaited. A denial this
+/// Envoy remembered of those buckets no longer holds once they are back.
 fn refund<H: Host>(cfg: &Config, request: &TakeRequest, host: &mut H) {
     if let Err(why) = host.send(cfg, Callout::Refund(request)) {
         debug!("refund not dispatched: {why}");
+        return;
     }
+    denials::forget(cfg, &request.buckets, host.store());
 }
 
 /// The timer's look at the lease pools this worker deposited into (`held`): tokens left unspent
@@ -1188,27 +1198,28 @@ mod tests {
     }
 
     #[test]
-    fn lease_denial_is_cached_until_retry_after() {
+    fn lease_denial_is_cached_until_retry_after_at_most_remember_denials_ms() {
         let c = lease_cfg("");
         let mut h = FakeHost::default();
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/"), &mut h);
         f.on_callout_result(&c, 1, lease_answer(false, 0, 2500), &mut h);
         assert_eq!(h.counts, vec![Decision::Limited]);
-        h.now = 1000;
+        h.now = 500;
         let mut f = Flow::default();
         assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
         assert_eq!(h.dispatched, 1, "denied locally");
         assert_eq!(h.replies.len(), 2);
         assert!(h.replies[1]
             .headers
-            .contains(&("retry-after".to_string(), "2".to_string())));
+            .contains(&("retry-after".to_string(), "1".to_string())));
         assert_eq!(h.counts, vec![Decision::Limited; 2]);
         assert_eq!(h.leases, vec![(Count::LocalLimited, 1)]);
-        h.now = 2500;
+        // remember_denials_ms (1 s by default) caps it, though the service said 2.5 s.
+        h.now = 1000;
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/"), &mut h);
-        assert_eq!(h.dispatched, 2, "asks again after retry_after");
+        assert_eq!(h.dispatched, 2, "asks again after remember_denials_ms");
     }
 
     #[test]

@@ -158,6 +158,34 @@ pub fn remember<S: CasStore + ?Sized>(
     latest
 }
 
+/// Tokens came back to `buckets` by this proxy's own hand (a refund it sent, a settlement that gave
+/// back part of an estimate): a denial remembered of any of them no longer holds, so the next
+/// request of that bucket asks the service. Forgetting only ever costs a callout, never an
+/// admission the service would not make.
+pub fn forget<'a, S: CasStore + ?Sized>(
+    cfg: &Config,
+    buckets: impl IntoIterator<Item = &'a Bucket>,
+    store: &S,
+) {
+    if cfg.service.remember_denials_ms == 0 {
+        return;
+    }
+    for b in buckets {
+        let slot = slot(b, cfg.fallback.max_keys);
+        let Some(mut d) = store
+            .get(&slot.name)
+            .and_then(|(v, _)| Denial::decode(&slot.id, &v))
+        else {
+            continue;
+        };
+        if d.until_ms != 0 {
+            d.until_ms = 0;
+            // Not compare-and-swap, as every write here: a lost write only costs a callout.
+            let _ = store.set(&slot.name, &d.encode(&slot.id), None);
+        }
+    }
+}
+
 /// Before a callout: when a bucket of `plan` holds a remembered denial of this request's cost or
 /// less, the denial the service would give, in the contract's shape (the buckets not denied are
 /// reported full, so the headers' tightest bucket is the one that denied); `None` otherwise.
@@ -359,6 +387,34 @@ mod tests {
         assert!(recall(&c, &p, &s, 599).is_some());
         assert!(recall(&c, &with_debt, &s, 599).is_some());
         assert_eq!(recall(&c, &p, &s, 600), None);
+    }
+
+    #[test]
+    fn tokens_this_proxy_gave_back_end_its_denial_of_that_bucket() {
+        let c = cfg("", "");
+        let s = FakeStore::default();
+        let p = plan(&c, 1);
+        remember(&c, &p, &limited(vec![denied(600), full(5)]), &s, 0);
+        // Another bucket's tokens came back: this denial holds.
+        let mut other = p.request.buckets[0].clone();
+        other.key.push('x');
+        forget(&c, [&other], &s);
+        assert!(recall(&c, &p, &s, 1).is_some());
+        // Its own bucket's: the next request asks.
+        forget(&c, &p.request.buckets, &s);
+        assert_eq!(recall(&c, &p, &s, 1), None);
+        // A settlement that gave tokens back forgets; one that charged extra does not.
+        remember(&c, &p, &limited(vec![denied(600), full(5)]), &s, 10);
+        let item = |estimate, used| crate::core::settle::Item {
+            bucket: p.request.buckets[0].clone(),
+            rule: "r".into(),
+            estimate,
+            used,
+        };
+        forget(&c, crate::core::settle::given_back(&[item(4, 9)]), &s);
+        assert!(recall(&c, &p, &s, 11).is_some(), "an extra charge");
+        forget(&c, crate::core::settle::given_back(&[item(4000, 10)]), &s);
+        assert_eq!(recall(&c, &p, &s, 11), None, "settled below its estimate");
     }
 
     #[test]

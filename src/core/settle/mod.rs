@@ -306,6 +306,14 @@ impl Owed for Vec<Item> {
     }
 }
 
+/// The buckets a settlement gives tokens back to (used less than its estimate).
+pub fn given_back(items: &[Item]) -> impl Iterator<Item = &Bucket> {
+    items
+        .iter()
+        .filter(|i| i.used < i.estimate)
+        .map(|i| &i.bucket)
+}
+
 /// The JSON body of `POST /v1/settle` (the contract's encoder), with this VM's instance id.
 pub fn encode(id: &str, instance: Option<&str>, items: &[Item]) -> Vec<u8> {
     let buckets = items.iter().map(|i| contract::settle::SettleBucket {
@@ -431,6 +439,11 @@ impl<T: Owed> Queue<T> {
             p.due_ms = at_ms;
         }
         Outcome::Retry { at_ms }
+    }
+
+    /// What settlement `id` sends, while it is queued.
+    pub fn get(&self, id: &str) -> Option<&T> {
+        self.items.iter().find(|p| p.id == id).map(|p| &p.what)
     }
 
     /// The service refused `id` for good (an invalid settlement: sending it again cannot help):

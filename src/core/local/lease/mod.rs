@@ -464,7 +464,15 @@ pub fn settle<S: CasStore + ?Sized>(
             }
             Outcome::Limited(resp) => {
                 if let Some(r) = resp.buckets.get(i) {
-                    deny(store, &slot, cost, r, claimed, now_ms);
+                    deny(
+                        store,
+                        &slot,
+                        cost,
+                        r,
+                        claimed,
+                        cfg.service.remember_denials_ms,
+                        now_ms,
+                    );
                 }
             }
             Outcome::Failed(_) => {
@@ -515,7 +523,15 @@ pub fn refilled<S: CasStore + ?Sized>(
         }
         Outcome::Limited(resp) => {
             match resp.buckets.get(i) {
-                Some(r) => deny(store, &slot, b.cost.unwrap_or(1), r, true, now_ms),
+                Some(r) => deny(
+                    store,
+                    &slot,
+                    b.cost.unwrap_or(1),
+                    r,
+                    true,
+                    cfg.service.remember_denials_ms,
+                    now_ms,
+                ),
                 None => release(store, &slot),
             }
             (0, chores)

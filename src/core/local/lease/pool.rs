@@ -415,13 +415,16 @@ fn evicted_tokens(cur: Option<&[u8]>, now_ms: u64) -> u64 {
 }
 
 /// After a denial: remembers that `cost` cannot be paid before `retry_after_ms` (if this bucket
-/// denied), and ends this request's claim if it held one.
+/// denied), for at most `cap_ms` (`service.remember_denials_ms`, as exact mode's remembered
+/// denials: a bucket an operator resets, or one a refund or settlement refilled early, is asked
+/// again within it), and ends this request's claim if it held one.
 pub fn deny<S: CasStore + ?Sized>(
     store: &S,
     slot: &Slot,
     cost: u64,
     answer: &BucketResult,
     claimed: bool,
+    cap_ms: u64,
     now_ms: u64,
 ) {
     if answer.allowed && !claimed {
@@ -435,7 +438,7 @@ pub fn deny<S: CasStore + ?Sized>(
             p.refill_until_ms = 0;
         }
         if !answer.allowed && answer.retry_after_ms > 0 {
-            p.denied_until_ms = now_ms.saturating_add(answer.retry_after_ms);
+            p.denied_until_ms = now_ms.saturating_add(answer.retry_after_ms.min(cap_ms));
             p.denied_cost = cost;
         }
         p.remaining = answer.remaining;

@@ -342,7 +342,7 @@ fn cached_denial_covers_the_cost_and_above_until_retry() {
     let s = FakeStore::default();
     let sl = the_slot();
     take(&s, &sl, &L, 100, 3, 0);
-    deny(&s, &sl, 3, &answer(false, 0, 400), true, 0);
+    deny(&s, &sl, 3, &answer(false, 0, 400), true, 1000, 0);
     let (t, _) = take(&s, &sl, &L, 100, 3, 100);
     let Take::Denied(r) = t else { panic!("{t:?}") };
     assert_eq!((r.allowed, r.retry_after_ms), (false, 300));
@@ -351,7 +351,7 @@ fn cached_denial_covers_the_cost_and_above_until_retry() {
     assert!(matches!(take(&s, &sl, &L, 100, 2, 100).0, Take::Ask(_)));
     // The claim of the denied request ended, so after the retry time the next one refills.
     let s = FakeStore::default();
-    deny(&s, &sl, 3, &answer(false, 0, 400), true, 0);
+    deny(&s, &sl, 3, &answer(false, 0, 400), true, 1000, 0);
     assert_eq!(take(&s, &sl, &L, 100, 3, 400).0, Take::Ask(Some(8)));
 }
 
@@ -361,7 +361,7 @@ fn pooled_tokens_are_spent_before_a_cached_denial_applies() {
     let s = FakeStore::default();
     let sl = the_slot();
     deposit(&s, &sl, 4, &answer(true, 5, 0), 0, 1000, 0);
-    deny(&s, &sl, 1, &answer(false, 0, 500), false, 0);
+    deny(&s, &sl, 1, &answer(false, 0, 500), false, 1000, 0);
     assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Hit(..)));
 }
 
@@ -384,7 +384,7 @@ fn no_refill_is_claimed_while_a_denial_holds() {
     let s = FakeStore::default();
     let sl = the_slot();
     deposit(&s, &sl, 2, &answer(true, 3, 0), 0, 1000, 0);
-    deny(&s, &sl, 1, &answer(false, 0, 500), false, 0);
+    deny(&s, &sl, 1, &answer(false, 0, 500), false, 1000, 0);
     // Below the mark, but the service has nothing: spend the pool down to zero.
     assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Hit(_, None)));
     assert!(matches!(take(&s, &sl, &L, 100, 1, 1).0, Take::Hit(_, None)));
@@ -625,6 +625,54 @@ fn a_cached_denial_denies_the_request_without_a_callout() {
     // After the retry time it asks again.
     let mut p = plan(&c);
     assert_eq!(local(&c, &mut p, &s, 700).0, Local::Call);
+}
+
+#[test]
+fn a_cached_denial_is_held_no_longer_than_remember_denials_ms() {
+    // A daily fixed window denied: its retry time is hours away. An operator's reset, a refund or
+    // a settlement may refill it long before, so the pool asks again after remember_denials_ms
+    // (here 250 ms), as exact mode's remembered denials do.
+    let c = Config::parse(
+        br#"{"service":{"cluster":"svc","timeout_ms":20,"remember_denials_ms":250},
+             "rules":[{"name":"r","key":["literal:k"],"capacity":100,"period_ms":86400000,
+                       "algorithm":"fixed_window","lease":{"size":8}}]}"#,
+    )
+    .unwrap();
+    let s = FakeStore::default();
+    let mut p = plan(&c);
+    local(&c, &mut p, &s, 0);
+    let resp = TakeResponse {
+        allowed: false,
+        buckets: vec![answer(false, 0, 86_000_000)],
+        instances: 0,
+    };
+    settle(&c, &p, &Outcome::Limited(resp), &s, 0);
+    let mut p = plan(&c);
+    let (l, _) = local(&c, &mut p, &s, 249);
+    let Local::Answer(Outcome::Limited(r)) = l else {
+        panic!("{l:?}")
+    };
+    assert_eq!(r.buckets[0].retry_after_ms, 1);
+    let mut p = plan(&c);
+    assert_eq!(local(&c, &mut p, &s, 250).0, Local::Call, "asks again");
+    // remember_denials_ms 0: a lease pool remembers no denial either.
+    let c0 = Config::parse(
+        br#"{"service":{"cluster":"svc","timeout_ms":20,"remember_denials_ms":0},
+             "rules":[{"name":"r","key":["literal:k"],"capacity":100,"period_ms":1000,
+                       "lease":{"size":8}}]}"#,
+    )
+    .unwrap();
+    let s = FakeStore::default();
+    let mut p = plan(&c0);
+    local(&c0, &mut p, &s, 0);
+    let resp = TakeResponse {
+        allowed: false,
+        buckets: vec![answer(false, 0, 700)],
+        instances: 0,
+    };
+    settle(&c0, &p, &Outcome::Limited(resp), &s, 0);
+    let mut p = plan(&c0);
+    assert_eq!(local(&c0, &mut p, &s, 0).0, Local::Call);
 }
 
 #[test]
