@@ -1212,7 +1212,7 @@ mod tests {
         assert_eq!(h.replies.len(), 2);
         assert!(h.replies[1]
             .headers
-            .contains(&("retry-after".to_string(), "1".to_string())));
+            .contains(&("retry-after".to_string(), "2".to_string())));
         assert_eq!(h.counts, vec![Decision::Limited; 2]);
         assert_eq!(h.leases, vec![(Count::LocalLimited, 1)]);
         // remember_denials_ms (1 s by default) caps it, though the service said 2.5 s.

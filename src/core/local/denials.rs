@@ -43,9 +43,9 @@ use crate::core::local::table::{self, Slot};
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{Bucket, BucketResult, TakeResponse};
 
-/// Words of a record: until when, the cost denied, and the answer's limit, remaining and the time
-/// its bucket is full again (ms since the epoch).
-const WORDS: usize = 5;
+/// Words of a record: until when, the cost denied, the answer's limit, remaining and the time its
+/// bucket is full again, and when the cost could be paid (ms since the epoch).
+const WORDS: usize = 6;
 
 /// The slot of a request bucket: its key and global limits, like the service's bucket identity.
 /// One table whatever `max_keys` (a push that changes it finds the records it wrote before in
@@ -72,11 +72,14 @@ fn eligible(cfg: &Config, plan: &Plan, i: usize) -> bool {
 /// One remembered denial.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Denial {
+    /// Answered here until then: the retry time, at most `remember_denials_ms` after the answer.
     until_ms: u64,
     cost: u64,
     limit: u64,
     remaining: u64,
     full_at_ms: u64,
+    /// When the service said the cost could be paid: what `Retry-After` counts down to.
+    retry_at_ms: u64,
 }
 
 impl Denial {
@@ -90,13 +93,14 @@ impl Denial {
                 self.limit,
                 self.remaining,
                 self.full_at_ms,
+                self.retry_at_ms,
             ],
         )
     }
 
     /// The record in `bytes` if it is this bucket's (`id`).
     fn decode(id: &[u8; table::ID_BYTES], bytes: &[u8]) -> Option<Denial> {
-        let (got, [until_ms, cost, limit, remaining, full_at_ms]) =
+        let (got, [until_ms, cost, limit, remaining, full_at_ms, retry_at_ms]) =
             table::decode::<WORDS>(table::DENIAL, bytes)?;
         (&got == id).then_some(Denial {
             until_ms,
@@ -104,6 +108,7 @@ impl Denial {
             limit,
             remaining,
             full_at_ms,
+            retry_at_ms,
         })
     }
 
@@ -142,6 +147,7 @@ pub fn remember<S: CasStore + ?Sized>(
             limit: r.limit,
             remaining: r.remaining,
             full_at_ms: now_ms.saturating_add(r.reset_ms),
+            retry_at_ms: now_ms.saturating_add(r.retry_after_ms),
         };
         let slot = slot(b, cfg.fallback.max_keys);
         let known = store
@@ -218,7 +224,7 @@ pub fn recall<S: CasStore + ?Sized>(
                     limit: d.limit,
                     remaining: d.remaining,
                     reset_ms: d.full_at_ms.saturating_sub(now_ms),
-                    retry_after_ms: d.until_ms - now_ms,
+                    retry_after_ms: d.retry_at_ms.max(d.until_ms) - now_ms,
                     granted: 0,
                 }
             }
@@ -334,7 +340,12 @@ mod tests {
             remember(&c, &p, &limited(vec![denied(3_600_000), full(5)]), &s, 0),
             1000
         );
-        assert!(recall(&c, &p, &s, 999).is_some());
+        let got = recall(&c, &p, &s, 999).expect("remembered");
+        assert_eq!(
+            got.buckets[0].retry_after_ms,
+            3_600_000 - 999,
+            "Retry-After is the service's, not how long it is remembered"
+        );
         assert_eq!(recall(&c, &p, &s, 1000), None);
         let c = cfg("", r#","remember_denials_ms":0"#);
         assert_eq!(

@@ -10,7 +10,7 @@ use crate::core::local::table::{self, Slot};
 use crate::core::wire::BucketResult;
 
 /// Words per pool record ([`table`]).
-const WORDS: usize = 11;
+const WORDS: usize = 12;
 /// Stored bytes per pool.
 pub const POOL_BYTES: usize = 1 + table::ID_BYTES + 8 * WORDS;
 /// How long a refill claim outlives the callout timeout: a request whose context was destroyed
@@ -26,8 +26,11 @@ pub struct Pool {
     pub expires_ms: u64,
     /// A refill callout is in flight until then (0: none).
     pub refill_until_ms: u64,
-    /// The service denied `denied_cost` until then (0: no denial known).
+    /// A denial of `denied_cost` is answered here until then, without asking (0: no denial
+    /// known): the service's retry time, at most `service.remember_denials_ms` after its answer.
     pub denied_until_ms: u64,
+    /// When the service said `denied_cost` could be paid (what `Retry-After` counts down to).
+    pub retry_at_ms: u64,
     /// The cost that was denied: a request of this cost or more cannot be paid sooner.
     pub denied_cost: u64,
     /// The global bucket's remaining tokens, as of the last answer.
@@ -59,6 +62,7 @@ impl Pool {
             self.window_ms,
             self.window_tokens,
             self.instances,
+            self.retry_at_ms,
         ];
         table::encode(table::POOL, id, &words)
     }
@@ -69,7 +73,7 @@ impl Pool {
         if owner != *id {
             return None;
         }
-        let [tokens, expires_ms, refill_until_ms, denied_until_ms, denied_cost, remaining, reset_at_ms, rate_milli, window_ms, window_tokens, instances] =
+        let [tokens, expires_ms, refill_until_ms, denied_until_ms, denied_cost, remaining, reset_at_ms, rate_milli, window_ms, window_tokens, instances, retry_at_ms] =
             n;
         Some(Pool {
             tokens,
@@ -83,6 +87,7 @@ impl Pool {
             window_ms,
             window_tokens,
             instances,
+            retry_at_ms,
         })
     }
 
@@ -247,7 +252,7 @@ pub fn take<S: CasStore + ?Sized>(
         } else if denied && cost >= p.denied_cost {
             Take::Denied(BucketResult {
                 allowed: false,
-                retry_after_ms: p.denied_until_ms - now_ms,
+                retry_after_ms: p.retry_at_ms.max(p.denied_until_ms) - now_ms,
                 ..p.result(capacity, now_ms)
             })
         } else {
@@ -439,6 +444,7 @@ pub fn deny<S: CasStore + ?Sized>(
         }
         if !answer.allowed && answer.retry_after_ms > 0 {
             p.denied_until_ms = now_ms.saturating_add(answer.retry_after_ms.min(cap_ms));
+            p.retry_at_ms = now_ms.saturating_add(answer.retry_after_ms);
             p.denied_cost = cost;
         }
         p.remaining = answer.remaining;
