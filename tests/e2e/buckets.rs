@@ -18,7 +18,10 @@ use common::upstream::Upstream;
 use common::*;
 use serde_json::{json, Value};
 
-both_transports!(drained_inspected_reset_and_passing_again);
+both_transports!(
+    drained_inspected_reset_and_passing_again,
+    a_leasing_envoy_sees_a_reset_within_remember_denials_ms
+);
 
 const ADMIN: &str = "e2e-admin-token";
 
@@ -99,4 +102,46 @@ fn drained_inspected_reset_and_passing_again(t: Transport) {
         vec![200, 200, 429]
     );
     assert_eq!(upstream.requests(), 6);
+}
+
+/// Lease mode: the pool remembers the service's denial (its `Retry-After` is an hour away) for
+/// at most `service.remember_denials_ms`, as exact mode does, so an operator's reset shows here
+/// within it too.
+fn a_leasing_envoy_sees_a_reset_within_remember_denials_ms(t: Transport) {
+    let c = Components::get();
+    let dir = TempDir::new("buckets-lease");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start_with(&c, &dir, Some(&redis.url()), &["--admin-token", ADMIN]);
+    let upstream = Upstream::start();
+    let mut leased = rule("per-key", &["header:x-api-key"], 2);
+    leased["lease"] = json!({"size": 1});
+    let cfg = plugin(t, vec![leased], json!({}));
+    let mut spec = EnvoySpec::new(Some(cfg), service.port, upstream.port);
+    spec.concurrency = 1;
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let client = Client::new();
+    let url = envoy.url("/");
+    let tenant = [("x-api-key", "tenant-l")];
+    assert_eq!(client.statuses(&url, &tenant, 3), vec![200, 200, 429]);
+    let r = client.post(
+        &format!("http://127.0.0.1:{}/v1/buckets/reset", service.port),
+        &[
+            ("authorization", &format!("Bearer {ADMIN}")),
+            ("content-type", "application/json"),
+        ],
+        br#"{"key": "per-key|tenant-l"}"#,
+    );
+    assert_eq!(r.status, 200, "{r:?}");
+    let reset_at = std::time::Instant::now();
+    while client.statuses(&url, &tenant, 1) != vec![200] {
+        assert!(
+            reset_at.elapsed() < std::time::Duration::from_millis(1500),
+            "the reset shows within the second a lease pool remembers a denial"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    eprintln!(
+        "lease pool: the reset showed after {} ms",
+        reset_at.elapsed().as_millis()
+    );
 }
