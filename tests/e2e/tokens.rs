@@ -831,3 +831,53 @@ fn the_readme_example_answers_as_written() {
     assert!((5958..6000).contains(&seen[1]), "{seen:?}");
     assert!((5916..seen[1]).contains(&seen[2]), "{seen:?}");
 }
+
+#[test]
+fn a_settlement_that_gives_tokens_back_ends_the_denial_this_envoy_remembered() {
+    // 10,000 tokens, one an hour; denials remembered up to 10 s. Two streams reserve 4,000 each, a
+    // third is refused (2,000 left) and its denial remembered; both streams settle to 10 each.
+    let cfg = plugin(
+        Transport::Grpc,
+        vec![llm_rule(10_000, SLOW.0, SLOW.1, hint())],
+        json!({"service": {"batch": 0, "remember_denials_ms": 10_000}}),
+    );
+    let f = fleet("tokens-forget", 1, &cfg);
+    let e = &f.envoys[0];
+    let url = e.url("/v1/chat/completions");
+    let streams: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            thread::spawn(move || {
+                Client::new()
+                    .post(
+                        &url,
+                        &[
+                            ("x-api-key", "team-f"),
+                            ("x-max-tokens", "4000"),
+                            ("x-llm-usage", "10"),
+                            ("x-llm-stream", "1"),
+                            ("x-llm-chunk-ms", "250"),
+                        ],
+                        br#"{"model":"m","stream":true}"#,
+                    )
+                    .status
+            })
+        })
+        .collect();
+    let client = Client::new();
+    assert!(
+        eventually(Duration::from_secs(5), || e.tg("allowed") >= 2),
+        "both streams admitted"
+    );
+    let third = ask(&client, e, "team-f", &[("x-max-tokens", "4000")]);
+    assert_eq!(third.status, 429, "8,000 of 10,000 reserved");
+    for s in streams {
+        assert_eq!(s.join().expect("stream thread"), 200);
+    }
+    delivered(e, 2);
+    // 20 used of 10,000: the service would admit 4,000, and this Envoy asks it again instead of
+    // repeating the denial it remembered (the settlements gave the tokens back).
+    let fourth = ask(&client, e, "team-f", &[("x-max-tokens", "4000")]);
+    assert_eq!(fourth.status, 200, "{:?}", fourth.header("retry-after"));
+    assert_eq!(e.tg("rule.llm.limited_locally"), 0, "{:?}", e.tg_all());
+}
