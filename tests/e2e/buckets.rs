@@ -20,7 +20,8 @@ use serde_json::{json, Value};
 
 both_transports!(drained_inspected_reset_and_passing_again);
 
-const ADMIN: &str = "e2e-admin-token";
+/// The admin token (one the service accepts: 32 bytes or more, no placeholder).
+const ADMIN: &str = "e2e-admin-token-3b9f1d7c5a0e2f4b6d8c1a3e5f7b9d0c";
 
 fn drained_inspected_reset_and_passing_again(t: Transport) {
     let c = Components::get();

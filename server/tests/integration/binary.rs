@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 use common::binary::{bin, run_to_end, ServerProc};
 use common::RedisProc;
 
+/// The takes' token the binary is started with: one it accepts (32 bytes or more, no placeholder).
+const TOKEN: &str = "tok-secret-123-4a6c8e0f2b4d6f8a1c3e";
+
 #[test]
 fn help_documents_every_flag_and_env_var() {
     let out = Command::new(bin()).arg("--help").output().unwrap();
@@ -75,7 +78,7 @@ fn serves_logs_without_secrets_and_stops_on_sigterm() {
             "TOLLGATE_REDIS_URL",
             format!("redis://:pa55-word-xyz@127.0.0.1:{}", redis.port),
         )
-        .env("TOLLGATE_TOKEN", "tok-secret-123")
+        .env("TOLLGATE_TOKEN", TOKEN)
         .env("TOLLGATE_LOG_FORMAT", "json")
         .env("RUST_LOG", "debug")
         .stdout(Stdio::piped())
@@ -113,7 +116,7 @@ fn serves_logs_without_secrets_and_stops_on_sigterm() {
             serde_json::json!({"buckets": [{"key": "bin", "capacity": 2, "period_ms": 1000}]});
         let r = client
             .post(&url)
-            .bearer_auth("tok-secret-123")
+            .bearer_auth(TOKEN)
             .json(&body)
             .send()
             .await
@@ -148,7 +151,7 @@ fn serves_logs_without_secrets_and_stops_on_sigterm() {
     let logs = reader.join().unwrap();
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-    for secret in ["pa55-word-xyz", "tok-secret-123"] {
+    for secret in ["pa55-word-xyz", TOKEN] {
         assert!(
             !logs.contains(secret) && !err.contains(secret),
             "{secret} leaked:\n{logs}{err}"
@@ -253,16 +256,18 @@ async fn token_from_a_file() {
     let dir = std::env::temp_dir().join(format!("tollgate-token-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("token");
-    std::fs::write(&file, "file-tok-9f8e\n").unwrap();
+    std::fs::write(&file, "file-tok-9f8e7d6c5b4a39281706f5e4d3c2b1a0\n").unwrap();
     let path = file.to_str().unwrap();
     let svc = ServerProc::start(&["--token-file", path]);
     let cmdline = std::fs::read(format!("/proc/{}/cmdline", svc.pid())).unwrap();
-    assert!(!String::from_utf8_lossy(&cmdline).contains("file-tok-9f8e"));
+    assert!(
+        !String::from_utf8_lossy(&cmdline).contains("file-tok-9f8e7d6c5b4a39281706f5e4d3c2b1a0")
+    );
     let client = reqwest::Client::new();
     let body = serde_json::json!({"buckets": [{"key": "k", "capacity": 1, "period_ms": 1000}]});
     let r = client
         .post(svc.url("/v1/take"))
-        .bearer_auth("file-tok-9f8e")
+        .bearer_auth("file-tok-9f8e7d6c5b4a39281706f5e4d3c2b1a0")
         .json(&body)
         .send()
         .await
