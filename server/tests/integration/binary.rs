@@ -292,3 +292,96 @@ async fn token_from_a_file() {
     assert!(!ok && out.contains("empty"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A token that is no secret stops startup (exit status non-zero) with a line that names the
+/// flags and says how to make one, and does not show the token: the placeholder the chart and
+/// deploy/ once shipped, by flag, by variable or in a file; a short one; and either as the admin
+/// token.
+#[test]
+fn a_placeholder_or_short_token_stops_startup() {
+    let dir = std::env::temp_dir().join(format!("tollgate-weak-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    std::fs::write(&file, "replace-with-a-long-random-token\n").unwrap();
+    let path = file.to_str().unwrap();
+    let run = |args: &[&str], env: Option<(&str, &str)>| {
+        let mut cmd = Command::new(bin());
+        cmd.args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("TOLLGATE_TOKEN")
+            .env_remove("TOLLGATE_ADMIN_TOKEN")
+            .env_remove("TOLLGATE_REDIS_URL");
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        // A binary that accepted the token would serve until killed: the limit turns that into a
+        // failure instead of a hang.
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("{args:?} {env:?}: still serving after 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let shown = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.status.success(), "{args:?} {env:?}: exit 0\n{shown}");
+        assert!(
+            shown.contains("make one with `openssl rand -hex 32`"),
+            "{args:?} {env:?}:\n{shown}"
+        );
+        shown
+    };
+    let placeholder = "is a placeholder (it contains \"replace-with\"), not a secret";
+    let bearer = "the bearer token (--token, TOLLGATE_TOKEN or --token-file)";
+    for (args, env) in [
+        (&["--token", "replace-with-a-long-random-token"][..], None),
+        (
+            &[][..],
+            Some(("TOLLGATE_TOKEN", "replace-with-a-long-random-token")),
+        ),
+        (&["--token-file", path][..], None),
+    ] {
+        let shown = run(args, env);
+        assert!(
+            shown.contains(&format!("{bearer} {placeholder}")),
+            "{args:?} {env:?}:\n{shown}"
+        );
+    }
+    let shown = run(&[], Some(("TOLLGATE_TOKEN", "tok-secret-123")));
+    assert!(
+        shown.contains(&format!(
+            "{bearer} is 14 bytes long, too short to be a secret (at least 32)"
+        )),
+        "{shown}"
+    );
+    assert!(
+        !shown.contains("tok-secret-123"),
+        "the token shown:\n{shown}"
+    );
+
+    let admin = "the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file)";
+    let shown = run(
+        &["--token", TOKEN],
+        Some(("TOLLGATE_ADMIN_TOKEN", "replace-with-a-long-random-token")),
+    );
+    assert!(shown.contains(&format!("{admin} {placeholder}")), "{shown}");
+    let shown = run(&["--token", TOKEN, "--admin-token", "admin-123"], None);
+    assert!(
+        shown.contains(&format!(
+            "{admin} is 9 bytes long, too short to be a secret (at least 32)"
+        )),
+        "{shown}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
