@@ -14,7 +14,9 @@
 //! - the Helm chart (deploy/helm/tollgate), by a real Helm (.tools/helm, `make images`): linted;
 //!   rendered with the defaults, each optional part and each store, every rendering through the
 //!   validators; its WasmPlugin's configuration run by the module; its default rendering run by the
-//!   real service, volumes projected as kubelet does (ready, token demanded, limits reloaded).
+//!   real service, volumes projected as kubelet does (ready, token demanded, limits reloaded); a
+//!   random token when none is given, the same in the Secret and the WasmPlugin; the schema refusing
+//!   exactly the tokens the service refuses.
 //!
 //! A missing validator, Helm, Envoy or module fails the test (`make images`, `make build`).
 
@@ -1290,7 +1292,7 @@ fn helm_bundled_redis_is_the_shipped_one() {
 #[test]
 fn helm_wasmplugin_config_loads_in_the_module() {
     let dir = TempDir::new("helm-wasmplugin");
-    let (http, _) = render(&dir, "http", &["--set", "wasmPlugin.enabled=true"]);
+    let (http, http_docs) = render(&dir, "http", &["--set", "wasmPlugin.enabled=true"]);
     let (grpc, _) = render(
         &dir,
         "grpc",
@@ -1300,7 +1302,7 @@ fn helm_wasmplugin_config_loads_in_the_module() {
             "--set",
             "wasmPlugin.pluginConfig.service.transport=grpc",
             "--set",
-            "token.value=another-token",
+            "token.value=another-token-0123456789abcdef01234",
         ],
     );
     let http_cfg = plugin_configs_load_in_the_module("helm-wasmplugin-http", &[http]);
@@ -1319,9 +1321,91 @@ fn helm_wasmplugin_config_loads_in_the_module() {
     );
     assert_eq!(
         http_cfg[0]["service"]["token"],
-        "replace-with-a-long-random-token"
+        doc(&http_docs, "Secret", None)["stringData"]["token"]
     );
-    assert_eq!(grpc_cfg[0]["service"]["token"], "another-token");
+    assert_eq!(
+        grpc_cfg[0]["service"]["token"],
+        "another-token-0123456789abcdef01234"
+    );
+}
+
+/// The takes' token of `rendered`: the Secret's, and the WasmPlugin's.
+fn rendered_tokens(rendered: &[serde_json::Value]) -> (String, String) {
+    let text = |v: &serde_json::Value, what: &str| {
+        v.as_str()
+            .unwrap_or_else(|| panic!("{what}: {v}"))
+            .to_string()
+    };
+    (
+        text(
+            &doc(rendered, "Secret", None)["stringData"]["token"],
+            "the Secret's token",
+        ),
+        text(
+            &doc(rendered, "WasmPlugin", None)["spec"]["pluginConfig"]["service"]["token"],
+            "the WasmPlugin's token",
+        ),
+    )
+}
+
+/// With no token given, the chart makes one (_helpers.tpl, `tollgate.token`): 48 letters and
+/// digits in the Secret and the same in the WasmPlugin (one named template for both, so they never
+/// differ), another on every render (random: on a cluster the chart reads its Secret back and keeps
+/// the token across upgrades, which `helm template` cannot show), and one the service starts with.
+/// A token given is the one both carry.
+#[test]
+fn helm_makes_a_random_token_when_none_is_given() {
+    let c = Components::get();
+    let dir = TempDir::new("helm-token");
+    let tokens = |name: &str, args: &[&str]| {
+        let mut all = vec!["--set", "wasmPlugin.enabled=true"];
+        all.extend_from_slice(args);
+        rendered_tokens(&render(&dir, name, &all).1)
+    };
+    let (first, in_plugin) = tokens("first", &[]);
+    assert_eq!(first.len(), 48, "{first}");
+    assert!(first.bytes().all(|b| b.is_ascii_alphanumeric()), "{first}");
+    assert_eq!(in_plugin, first, "the WasmPlugin's token is the Secret's");
+    let (second, in_plugin) = tokens("second", &[]);
+    assert_eq!(in_plugin, second, "the WasmPlugin's token is the Secret's");
+    assert_ne!(first, second, "two renders made the same token");
+    assert_eq!(service_takes_token(&c.server, &dir, "made", &first), Ok(()));
+
+    let given = "given-token-0123456789abcdef0123456789";
+    assert_eq!(
+        tokens("given", &["--set", &format!("token.value={given}")]),
+        (given.to_string(), given.to_string())
+    );
+}
+
+/// values.schema.json refuses a token.value the service would refuse, and only those: each value
+/// below is rendered by Helm exactly when the real service starts with it. The refusals name
+/// `/token/value` (the placeholder earlier charts shipped and deploy/'s marker, in any case; fewer
+/// than 32 bytes).
+#[test]
+fn helm_refuses_the_tokens_the_service_refuses() {
+    let c = Components::get();
+    let dir = TempDir::new("helm-token-schema");
+    let cases = [
+        ("replace-with-a-long-random-token", false),
+        ("REPLACE-WITH-openssl-rand-hex-32", false),
+        ("0123456789abcdef0123456789abcdef-Replace-With", false),
+        ("0123456789abcdef0123456789abcde", false),
+        ("s3cret", false),
+        ("0123456789abcdef0123456789abcdef", true),
+        ("Zx8Qm2LrT5vN0kWc7HdJ4pYs1FgB9aEu6tRoXi3MqVnKbLhC", true),
+    ];
+    for (i, (value, good)) in cases.into_iter().enumerate() {
+        let set = format!("token.value={value}");
+        let out = helm_run(&["template", "tollgate", CHART, "--set-string", &set]);
+        let t = text(&out);
+        assert_eq!(out.status.success(), good, "helm, {value}:\n{t}");
+        if !good {
+            assert!(t.contains("/token/value"), "{value}: {t}");
+        }
+        let service = service_takes_token(&c.server, &dir, &format!("schema-{i}"), value);
+        assert_eq!(service.is_ok(), good, "the service, {value}: {service:?}");
+    }
 }
 
 /// What kubelet makes of a rendered volume: its Secret's or ConfigMap's keys as files under
