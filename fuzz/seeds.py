@@ -217,7 +217,7 @@ write("server_take_proto", "bad-utf8-key", bytes([0x0a, 0x03, 0x0a, 0x01, 0xff])
 # ---- server_cli: arguments separated by NUL bytes.
 ARGS = {
     "memory": ["--listen", "0.0.0.0:8081", "--max-in-flight", "64", "--worker-threads", "2"],
-    "redis": ["--redis-url", "redis://user:s3cr3t-pw@redis:6379/0", "--token", "a-long-random-token",
+    "redis": ["--redis-url", "redis://user:s3cr3t-pw@redis:6379/0", "--token", "a-long-random-token-0f1e2d3c4b5a6978",
               "--key-prefix", "tg:", "--redis-timeout-ms", "50", "--log-format", "json"],
     "cluster": ["--redis-cluster", "rediss://:p4ss/w0rd@a:7000,redis://b:7001", "--redis-tls-ca", "/nonexistent/ca.pem"],
     "bad": ["--listen", "nowhere", "--key-prefix", "{x}", "--max-in-flight=-1", "--log-format", "xml"],

@@ -9,11 +9,14 @@
 //!   @kubernetes-models packages), both installed into .tools/ by `make images`
 //! - [`manifests`], [`envoy_configs`]: what the project ships, found by walking the tree
 //! - tests: all manifests valid; a typo'd field fails each validator; Envoy configs valid; the plugin
-//!   configurations inside WasmPlugin / EnvoyExtensionPolicy accepted by the real module.
+//!   configurations inside WasmPlugin / EnvoyExtensionPolicy accepted by the real module; no token
+//!   under deploy/ that the real service would start with (markers only).
 //! - the Helm chart (deploy/helm/tollgate), by a real Helm (.tools/helm, `make images`): linted;
 //!   rendered with the defaults, each optional part and each store, every rendering through the
 //!   validators; its WasmPlugin's configuration run by the module; its default rendering run by the
-//!   real service, volumes projected as kubelet does (ready, token demanded, limits reloaded).
+//!   real service, volumes projected as kubelet does (ready, token demanded, limits reloaded); a
+//!   random token when none is given, the same in the Secret and the WasmPlugin; the schema refusing
+//!   exactly the tokens the service refuses.
 //!
 //! A missing validator, Helm, Envoy or module fails the test (`make images`, `make build`).
 
@@ -422,6 +425,156 @@ fn rls_limits_configmap_loads_in_the_service() {
     let t = text(&out);
     assert!(!out.status.success(), "{t}");
     assert!(t.contains("request_per_unit"), "{t}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tokens
+
+/// Whether the real service starts with `token` as its takes' token (TOLLGATE_TOKEN), in memory
+/// on a port the system picks: Ok once it listens (then it is stopped), else what it said as it
+/// exited. `label` names its log in `dir`.
+fn service_takes_token(
+    server: &Path,
+    dir: &TempDir,
+    label: &str,
+    token: &str,
+) -> Result<(), String> {
+    let mut cmd = Command::new(server);
+    cmd.env_clear()
+        .env("TOLLGATE_TOKEN", token)
+        .args(["--listen", "127.0.0.1:0"]);
+    let mut proc = Proc::spawn(
+        "tollgate-server",
+        cmd,
+        dir.log_file(&format!("token-{label}")),
+    );
+    let limit = std::time::Duration::from_secs(20);
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if proc.exited().is_some() {
+            return Err(proc.log_text());
+        }
+        if proc.log_text().contains("listening") {
+            return Ok(());
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tollgate-server neither listening nor exited after {limit:?}:\n{}",
+            proc.log_text()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Every bearer token written in `text`: the value of a `token:` key (YAML, or JSON's
+/// `"token":`) and the word after `Bearer `. Comment lines, empty values and what stands for a
+/// token elsewhere (`{{ ... }}`, `$VAR`, `<token>`) are left out.
+fn tokens_in(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
+        let keys = ["token:", "\"token\":"].into_iter().flat_map(|key| {
+            line.match_indices(key)
+                .filter(|(at, _)| {
+                    line[..*at]
+                        .chars()
+                        .next_back()
+                        .is_none_or(|c| !(c.is_alphanumeric() || "_-.".contains(c)))
+                })
+                .map(move |(at, _)| &line[at + key.len()..])
+        });
+        let bearers = line
+            .match_indices("Bearer ")
+            .map(|(at, _)| &line[at + "Bearer ".len()..]);
+        for rest in keys.chain(bearers) {
+            let word = rest
+                .trim_start()
+                .split([' ', ',', '}'])
+                .next()
+                .unwrap_or("")
+                .trim_matches(['"', '\'', '\\']);
+            if !word.is_empty() && !word.starts_with(['$', '{', '<']) {
+                found.push(word.to_string());
+            }
+        }
+    }
+    found
+}
+
+/// No file under deploy/ carries a token the service would start with: each manifest's Secret,
+/// WasmPlugin, EnvoyExtensionPolicy and EnvoyFilter holds a marker that the real service refuses
+/// (a cluster applied as shipped has no token anyone could know). The check itself finds tokens
+/// in every form they take there and tells a real token from a marker.
+#[test]
+fn no_manifest_carries_a_token_the_service_accepts() {
+    let c = Components::get();
+    let dir = TempDir::new("deploy-tokens");
+    // The check can fail: it finds each form, and the service starts with a real token.
+    let sample = "  token: tok-a\n    {\"token\": \"tok-b\", \"x\": 1}\n  value: Bearer tok-c\n\
+                  # token: not-one\n  automountServiceAccountToken: false\n  token: \"{{ x }}\"\n\
+                  fail \"service.token: with ...\"\n";
+    assert_eq!(tokens_in(sample), ["tok-a", "tok-b", "tok-c"]);
+    let real = "Zx8Qm2LrT5vN0kWc7HdJ4pYs1FgB9aEu6tRoXi3MqVnKbLhC";
+    assert_eq!(service_takes_token(&c.server, &dir, "real", real), Ok(()));
+
+    let mut files = Vec::new();
+    all_files(&workspace_root().join("deploy"), &mut files);
+    let mut places = Vec::new();
+    for f in &files {
+        let Ok(text) = fs::read_to_string(f) else {
+            continue;
+        };
+        for token in tokens_in(&text) {
+            places.push((
+                f.strip_prefix(workspace_root()).unwrap_or(f).to_path_buf(),
+                token,
+            ));
+        }
+    }
+    for shipped in [
+        "deploy/kubernetes/tollgate.yaml",
+        "deploy/istio/wasmplugin.yaml",
+        "deploy/istio/wasmplugin-grpc.yaml",
+        "deploy/istio/envoyfilter-ratelimit.yaml",
+        "deploy/envoy-gateway/envoyextensionpolicy.yaml",
+    ] {
+        assert!(
+            places.iter().any(|(f, _)| f == Path::new(shipped)),
+            "no token found in {shipped}: {places:?}"
+        );
+    }
+    let mut tokens: Vec<&String> = places.iter().map(|(_, t)| t).collect();
+    tokens.sort();
+    tokens.dedup();
+    for (i, token) in tokens.into_iter().enumerate() {
+        let at: Vec<_> = places
+            .iter()
+            .filter(|(_, t)| t == token)
+            .map(|(f, _)| f)
+            .collect();
+        let said = service_takes_token(&c.server, &dir, &format!("shipped-{i}"), token)
+            .err()
+            .unwrap_or_else(|| panic!("the service starts with {token:?}, shipped in {at:?}"));
+        assert!(
+            said.contains("the bearer token (--token, TOLLGATE_TOKEN or --token-file)"),
+            "{token:?} ({at:?}) refused for another reason:\n{said}"
+        );
+        eprintln!("{token:?}, in {at:?}: refused by the service");
+    }
+}
+
+/// Every file under `dir`, recursively.
+fn all_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries {
+        let p = e.expect("dir entry").path();
+        if p.is_dir() {
+            all_files(&p, out);
+        } else {
+            out.push(p);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1139,7 +1292,7 @@ fn helm_bundled_redis_is_the_shipped_one() {
 #[test]
 fn helm_wasmplugin_config_loads_in_the_module() {
     let dir = TempDir::new("helm-wasmplugin");
-    let (http, _) = render(&dir, "http", &["--set", "wasmPlugin.enabled=true"]);
+    let (http, http_docs) = render(&dir, "http", &["--set", "wasmPlugin.enabled=true"]);
     let (grpc, _) = render(
         &dir,
         "grpc",
@@ -1149,7 +1302,7 @@ fn helm_wasmplugin_config_loads_in_the_module() {
             "--set",
             "wasmPlugin.pluginConfig.service.transport=grpc",
             "--set",
-            "token.value=another-token",
+            "token.value=another-token-0123456789abcdef01234",
         ],
     );
     let http_cfg = plugin_configs_load_in_the_module("helm-wasmplugin-http", &[http]);
@@ -1168,9 +1321,91 @@ fn helm_wasmplugin_config_loads_in_the_module() {
     );
     assert_eq!(
         http_cfg[0]["service"]["token"],
-        "replace-with-a-long-random-token"
+        doc(&http_docs, "Secret", None)["stringData"]["token"]
     );
-    assert_eq!(grpc_cfg[0]["service"]["token"], "another-token");
+    assert_eq!(
+        grpc_cfg[0]["service"]["token"],
+        "another-token-0123456789abcdef01234"
+    );
+}
+
+/// The takes' token of `rendered`: the Secret's, and the WasmPlugin's.
+fn rendered_tokens(rendered: &[serde_json::Value]) -> (String, String) {
+    let text = |v: &serde_json::Value, what: &str| {
+        v.as_str()
+            .unwrap_or_else(|| panic!("{what}: {v}"))
+            .to_string()
+    };
+    (
+        text(
+            &doc(rendered, "Secret", None)["stringData"]["token"],
+            "the Secret's token",
+        ),
+        text(
+            &doc(rendered, "WasmPlugin", None)["spec"]["pluginConfig"]["service"]["token"],
+            "the WasmPlugin's token",
+        ),
+    )
+}
+
+/// With no token given, the chart makes one (_helpers.tpl, `tollgate.token`): 48 letters and
+/// digits in the Secret and the same in the WasmPlugin (one named template for both, so they never
+/// differ), another on every render (random: on a cluster the chart reads its Secret back and keeps
+/// the token across upgrades, which `helm template` cannot show), and one the service starts with.
+/// A token given is the one both carry.
+#[test]
+fn helm_makes_a_random_token_when_none_is_given() {
+    let c = Components::get();
+    let dir = TempDir::new("helm-token");
+    let tokens = |name: &str, args: &[&str]| {
+        let mut all = vec!["--set", "wasmPlugin.enabled=true"];
+        all.extend_from_slice(args);
+        rendered_tokens(&render(&dir, name, &all).1)
+    };
+    let (first, in_plugin) = tokens("first", &[]);
+    assert_eq!(first.len(), 48, "{first}");
+    assert!(first.bytes().all(|b| b.is_ascii_alphanumeric()), "{first}");
+    assert_eq!(in_plugin, first, "the WasmPlugin's token is the Secret's");
+    let (second, in_plugin) = tokens("second", &[]);
+    assert_eq!(in_plugin, second, "the WasmPlugin's token is the Secret's");
+    assert_ne!(first, second, "two renders made the same token");
+    assert_eq!(service_takes_token(&c.server, &dir, "made", &first), Ok(()));
+
+    let given = "given-token-0123456789abcdef0123456789";
+    assert_eq!(
+        tokens("given", &["--set", &format!("token.value={given}")]),
+        (given.to_string(), given.to_string())
+    );
+}
+
+/// values.schema.json refuses a token.value the service would refuse, and only those: each value
+/// below is rendered by Helm exactly when the real service starts with it. The refusals name
+/// `/token/value` (the placeholder earlier charts shipped and deploy/'s marker, in any case; fewer
+/// than 32 bytes).
+#[test]
+fn helm_refuses_the_tokens_the_service_refuses() {
+    let c = Components::get();
+    let dir = TempDir::new("helm-token-schema");
+    let cases = [
+        ("replace-with-a-long-random-token", false),
+        ("REPLACE-WITH-openssl-rand-hex-32", false),
+        ("0123456789abcdef0123456789abcdef-Replace-With", false),
+        ("0123456789abcdef0123456789abcde", false),
+        ("s3cret", false),
+        ("0123456789abcdef0123456789abcdef", true),
+        ("Zx8Qm2LrT5vN0kWc7HdJ4pYs1FgB9aEu6tRoXi3MqVnKbLhC", true),
+    ];
+    for (i, (value, good)) in cases.into_iter().enumerate() {
+        let set = format!("token.value={value}");
+        let out = helm_run(&["template", "tollgate", CHART, "--set-string", &set]);
+        let t = text(&out);
+        assert_eq!(out.status.success(), good, "helm, {value}:\n{t}");
+        if !good {
+            assert!(t.contains("/token/value"), "{value}: {t}");
+        }
+        let service = service_takes_token(&c.server, &dir, &format!("schema-{i}"), value);
+        assert_eq!(service.is_ok(), good, "the service, {value}: {service:?}");
+    }
 }
 
 /// What kubelet makes of a rendered volume: its Secret's or ConfigMap's keys as files under

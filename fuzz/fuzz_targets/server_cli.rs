@@ -3,7 +3,8 @@
 //!
 //! Properties: no panic (clap's own checks of the flag definitions run in this build); what
 //! parses is shown by `Debug` (which the service logs at startup) without the bearer token and
-//! without the password of any Redis URL; the settings derived from it are usable; a key prefix
+//! without the password of any Redis URL; the settings derived from it are usable (their tokens
+//! pass `check_token`); a key prefix
 //! that passes its check keeps every bucket's keys in the bucket's Cluster slot.
 #![no_main]
 
@@ -13,7 +14,7 @@ use std::sync::{Once, OnceLock};
 
 use clap::{CommandFactory, FromArgMatches};
 use libfuzzer_sys::fuzz_target;
-use tollgate_server::cli::Cli;
+use tollgate_server::cli::{check_token, Cli};
 use tollgate_server::domain::{Algorithm, BucketSpec};
 use tollgate_server::store::keys::{check_prefix, redis_key, slot};
 
@@ -100,8 +101,9 @@ fuzz_target!(|data: &[u8]| {
     // The token file is not read here: its path could be anything.
     if cli.token_file.is_none() {
         if let Ok(cfg) = cli.service_config() {
-            if let Some(t) = &cfg.token {
+            for t in cfg.token.iter().chain(&cfg.admin_token) {
                 assert!(!t.is_empty() && !t.bytes().any(|b| b.is_ascii_control()));
+                assert!(check_token(t).is_ok(), "a token the service refuses: {t:?}");
             }
             for d in [
                 cfg.header_timeout,

@@ -33,6 +33,10 @@ pub enum StartupError {
     /// --token, TOLLGATE_TOKEN or --token-file holds a token no header can carry.
     #[error("the bearer token holds control characters, which no header can carry (--token, TOLLGATE_TOKEN or --token-file)")]
     TokenControl,
+    /// --token, TOLLGATE_TOKEN or --token-file holds a placeholder or a token too short to be a
+    /// secret ([`check_token`]).
+    #[error("the bearer token (--token, TOLLGATE_TOKEN or --token-file) {0}")]
+    TokenWeak(WeakToken),
     /// --admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file cannot be used (the text says why).
     #[error("the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file) {0}")]
     AdminToken(String),
@@ -88,6 +92,45 @@ pub enum StartupError {
     /// The server stopped with an error.
     #[error("server error: {0}")]
     Server(std::io::Error),
+}
+
+/// Fewest bytes a bearer token (--token, --admin-token) may have. A length is all a check sees of a
+/// secret, so the bound is the length at which a random token in the sparsest usual encoding, hex
+/// (4 bits a character), carries 128 bits (`openssl rand -hex 16`); base64 or alphanumerics carry
+/// more in as many characters.
+pub const MIN_TOKEN_BYTES: usize = 32;
+
+/// A token holding this, in any case, is a placeholder: `replace-with-a-long-random-token`, which
+/// the chart and deploy/ once shipped, and the markers deploy/ carries where a token goes.
+pub const PLACEHOLDER_MARK: &str = "replace-with";
+
+/// What a refused token's error says to do: 32 random bytes, as hex.
+const MAKE_ONE: &str =
+    "make one with `openssl rand -hex 32` (or `head -c 32 /dev/urandom | base64`)";
+
+/// Why a token that a header could carry is still not a secret.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WeakToken {
+    /// It holds [`PLACEHOLDER_MARK`].
+    #[error("is a placeholder (it contains {PLACEHOLDER_MARK:?}), not a secret: {MAKE_ONE}")]
+    Placeholder,
+    /// It has fewer than [`MIN_TOKEN_BYTES`] bytes (how many it has).
+    #[error(
+        "is {0} bytes long, too short to be a secret (at least {MIN_TOKEN_BYTES}): {MAKE_ONE}"
+    )]
+    Short(usize),
+}
+
+/// Whether `token` may guard the service: refused when it holds [`PLACEHOLDER_MARK`] (in any case)
+/// or has fewer than [`MIN_TOKEN_BYTES`] bytes. Both tokens are checked with it at startup.
+pub fn check_token(token: &str) -> Result<(), WeakToken> {
+    if token.to_ascii_lowercase().contains(PLACEHOLDER_MARK) {
+        return Err(WeakToken::Placeholder);
+    }
+    if token.len() < MIN_TOKEN_BYTES {
+        return Err(WeakToken::Short(token.len()));
+    }
+    Ok(())
 }
 
 /// Log line format.
@@ -181,7 +224,9 @@ pub struct Cli {
     pub redis_tls_key: Option<PathBuf>,
 
     /// Bearer token that every take must carry (`authorization: Bearer <token>`). Unset: no auth.
-    /// A flag shows in `ps`: prefer the environment variable or --token-file.
+    /// At least 32 bytes and no placeholder (nothing containing `replace-with`), or the service
+    /// does not start: make one with `openssl rand -hex 32`. A flag shows in `ps`: prefer the
+    /// environment variable or --token-file.
     #[arg(
         long,
         env = "TOLLGATE_TOKEN",
@@ -196,7 +241,8 @@ pub struct Cli {
     pub token_file: Option<PathBuf>,
 
     /// Bearer token of the admin endpoints (`GET /v1/buckets`, `POST /v1/buckets/reset`), which
-    /// must differ from --token. Unset: those endpoints are off and answer 404.
+    /// must differ from --token and, as it, have at least 32 bytes and no placeholder. Unset: those
+    /// endpoints are off and answer 404.
     #[arg(
         long,
         env = "TOLLGATE_ADMIN_TOKEN",
@@ -434,7 +480,8 @@ impl Cli {
         })
     }
 
-    /// The bearer token, from --token (or TOLLGATE_TOKEN) or --token-file.
+    /// The bearer token, from --token (or TOLLGATE_TOKEN) or --token-file: refused when empty,
+    /// unfit for a header, or no secret ([`check_token`]).
     pub fn token(&self) -> Result<Option<String>, StartupError> {
         let Some(token) = secret(
             self.token.as_ref(),
@@ -451,11 +498,13 @@ impl Cli {
         if token.bytes().any(|b| b.is_ascii_control()) {
             return Err(StartupError::TokenControl);
         }
+        check_token(&token).map_err(StartupError::TokenWeak)?;
         Ok(Some(token))
     }
 
     /// The admin token, from --admin-token (or TOLLGATE_ADMIN_TOKEN) or --admin-token-file:
-    /// refused when empty, unfit for a header, or the takes' token (which must not open them).
+    /// refused when empty, unfit for a header, no secret ([`check_token`]), or the takes' token
+    /// (which must not open them).
     pub fn admin_token(&self) -> Result<Option<String>, StartupError> {
         let Some(token) = secret(
             self.admin_token.as_ref(),
@@ -472,6 +521,9 @@ impl Cli {
         }
         if token.bytes().any(|b| b.is_ascii_control()) {
             return refused("holds control characters, which no header can carry");
+        }
+        if let Err(weak) = check_token(&token) {
+            return refused(&weak.to_string());
         }
         if self.token()?.as_deref() == Some(token.as_str()) {
             return refused("is the takes' token (--token): it must be a secret of its own");
@@ -572,15 +624,19 @@ mod tests {
             .unwrap_or_else(|e| unreachable!("{e}"))
     }
 
+    /// Tokens that pass [`check_token`]: 32 bytes and more, none a placeholder.
+    const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+    const ADMIN: &str = "fedcba9876543210fedcba9876543210";
+
     /// The admin token: off when unset, read from its file, refused when empty or the takes' own.
     #[test]
     fn admin_token() {
         assert_eq!(cli(&[]).admin_token().ok(), Some(None));
         assert_eq!(
-            cli(&["--admin-token", "a", "--token", "t"])
+            cli(&["--admin-token", ADMIN, "--token", TOKEN])
                 .admin_token()
                 .ok(),
-            Some(Some("a".to_string()))
+            Some(Some(ADMIN.to_string()))
         );
         let refused = |args: &[&str]| cli(args).admin_token().err().map(|e| e.to_string());
         assert_eq!(
@@ -588,18 +644,145 @@ mod tests {
             Some("the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file) is empty")
         );
         assert!(
-            refused(&["--admin-token", "same", "--token", "same"])
+            refused(&["--admin-token", TOKEN, "--token", TOKEN])
                 .is_some_and(|e| e
                     .ends_with("is the takes' token (--token): it must be a secret of its own"))
         );
         let file = std::env::temp_dir().join(format!("tollgate-admin-{}", std::process::id()));
-        std::fs::write(&file, "from-file\n").unwrap_or_else(|e| unreachable!("{e}"));
+        std::fs::write(&file, format!("{ADMIN}\n")).unwrap_or_else(|e| unreachable!("{e}"));
         let path = file.to_str().unwrap_or_default();
         assert_eq!(
             cli(&["--admin-token-file", path]).admin_token().ok(),
-            Some(Some("from-file".to_string()))
+            Some(Some(ADMIN.to_string()))
         );
         let _ = std::fs::remove_file(&file);
+    }
+
+    /// The rule: a placeholder (`replace-with`, in any case, anywhere) or fewer than 32 bytes is
+    /// refused; 32 bytes that are no placeholder pass, whatever their alphabet.
+    #[test]
+    fn check_token_refuses_placeholders_and_short_tokens() {
+        assert_eq!(check_token(TOKEN), Ok(()));
+        assert_eq!(check_token(&"x".repeat(MIN_TOKEN_BYTES)), Ok(()));
+        for placeholder in [
+            "replace-with-a-long-random-token",
+            "REPLACE-WITH-openssl-rand-hex-32",
+            "0123456789abcdef0123456789abcdef-Replace-With-yours",
+        ] {
+            assert_eq!(
+                check_token(placeholder),
+                Err(WeakToken::Placeholder),
+                "{placeholder}"
+            );
+        }
+        assert_eq!(
+            check_token(&"x".repeat(MIN_TOKEN_BYTES - 1)),
+            Err(WeakToken::Short(31))
+        );
+        assert_eq!(check_token("s3cret"), Err(WeakToken::Short(6)));
+        // Bytes, not characters: 16 two-byte characters are 32 bytes.
+        assert_eq!(check_token(&"é".repeat(16)), Ok(()));
+    }
+
+    /// --token (and TOLLGATE_TOKEN, --token-file) refuses the published placeholder and a short
+    /// token, naming the flags and saying how to make one.
+    #[test]
+    fn token_refuses_the_placeholder() {
+        let e = cli(&["--token", "replace-with-a-long-random-token"])
+            .token()
+            .err();
+        assert!(
+            matches!(e, Some(StartupError::TokenWeak(WeakToken::Placeholder))),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.map(|e| e.to_string()).as_deref(),
+            Some(
+                "the bearer token (--token, TOLLGATE_TOKEN or --token-file) is a placeholder \
+                 (it contains \"replace-with\"), not a secret: make one with `openssl rand -hex 32` \
+                 (or `head -c 32 /dev/urandom | base64`)"
+            )
+        );
+    }
+
+    #[test]
+    fn token_refuses_a_short_token() {
+        let e = cli(&["--token", "tok-secret-123"]).token().err();
+        assert!(
+            matches!(e, Some(StartupError::TokenWeak(WeakToken::Short(14)))),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.map(|e| e.to_string()).as_deref(),
+            Some(
+                "the bearer token (--token, TOLLGATE_TOKEN or --token-file) is 14 bytes long, \
+                 too short to be a secret (at least 32): make one with `openssl rand -hex 32` \
+                 (or `head -c 32 /dev/urandom | base64`)"
+            )
+        );
+        assert_eq!(
+            cli(&["--token", TOKEN]).token().ok(),
+            Some(Some(TOKEN.to_string()))
+        );
+    }
+
+    /// --token-file: the rule applies to the file's token once trimmed (a trailing newline does
+    /// not make a short token long enough).
+    #[test]
+    fn token_file_refuses_a_short_token() {
+        let file = std::env::temp_dir().join(format!("tollgate-short-{}", std::process::id()));
+        let path = file.to_str().unwrap_or_default().to_string();
+        let read = |text: &str| {
+            std::fs::write(&file, text).unwrap_or_else(|e| unreachable!("{e}"));
+            cli(&["--token-file", &path]).token()
+        };
+        let e = read(&format!("{}\n\n", &TOKEN[..31])).err();
+        assert!(
+            matches!(e, Some(StartupError::TokenWeak(WeakToken::Short(31)))),
+            "{e:?}"
+        );
+        assert!(matches!(
+            read("replace-with-a-long-random-token\n"),
+            Err(StartupError::TokenWeak(WeakToken::Placeholder))
+        ));
+        assert_eq!(
+            read(&format!("{TOKEN}\n")).ok(),
+            Some(Some(TOKEN.to_string()))
+        );
+        let _ = std::fs::remove_file(&file);
+    }
+
+    /// The admin token is held to the same rule, and the refusal names its own flags.
+    #[test]
+    fn admin_token_refuses_the_placeholder() {
+        let e = cli(&["--admin-token", "replace-with-a-long-random-token"])
+            .admin_token()
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            e.as_deref(),
+            Some(
+                "the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file) is a \
+                 placeholder (it contains \"replace-with\"), not a secret: make one with \
+                 `openssl rand -hex 32` (or `head -c 32 /dev/urandom | base64`)"
+            )
+        );
+    }
+
+    #[test]
+    fn admin_token_refuses_a_short_token() {
+        let e = cli(&["--admin-token", "e2e-admin-token", "--token", TOKEN])
+            .admin_token()
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            e.as_deref(),
+            Some(
+                "the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file) is 15 \
+                 bytes long, too short to be a secret (at least 32): make one with \
+                 `openssl rand -hex 32` (or `head -c 32 /dev/urandom | base64`)"
+            )
+        );
     }
 
     /// --redis-sentinel needs the master's name, takes the place of --redis-url and

@@ -23,7 +23,8 @@ both_transports!(
     a_leasing_envoy_sees_a_reset_within_remember_denials_ms
 );
 
-const ADMIN: &str = "e2e-admin-token";
+/// The admin token (one the service accepts: 32 bytes or more, no placeholder).
+const ADMIN: &str = "e2e-admin-token-3b9f1d7c5a0e2f4b6d8c1a3e5f7b9d0c";
 
 fn drained_inspected_reset_and_passing_again(t: Transport) {
     let c = Components::get();

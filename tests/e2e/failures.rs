@@ -270,21 +270,24 @@ fn breaker_opens_and_closes(t: Transport) {
     assert_eq!(upstream.requests(), 2 + 2 + probes as u64 + 4);
 }
 
+/// The token the service is started with (one it accepts: 32 bytes or more, no placeholder).
+const TOKEN: &str = "e2e-token-5f0c3a9e1b7d4c2a8e6f0b1d3c5a7e9f";
+
 /// The service requires a bearer token: the filter's configured token is accepted (global limit);
 /// a wrong one is refused (401 / UNAUTHENTICATED), which is a failed callout like any other.
 fn service_token_required(t: Transport) {
     let c = Components::get();
     let dir = TempDir::new("token");
     let redis = Redis::start(&c, &dir);
-    let service = Service::start_with(&c, &dir, Some(&redis.url()), &["--token", "s3cret"]);
+    let service = Service::start_with(&c, &dir, Some(&redis.url()), &["--token", TOKEN]);
     let upstream = Upstream::start();
     let client = Client::new();
-    for (token, expect) in [("s3cret", "global"), ("wrong", "fallback")] {
+    for (token, expect) in [(TOKEN, "global"), ("wrong", "fallback")] {
         let mut extra = json!({"fallback": {"instances": 2}});
         extra["service"] = json!({"token": token});
         let cfg = plugin(t, vec![rule("per-ip", &["client_ip"], 4)], extra);
         // A fresh Envoy per token; both share the service and Redis, so the rule key differs.
-        let cfg = cfg.replace("\"per-ip\"", &format!("\"per-ip-{token}\""));
+        let cfg = cfg.replace("\"per-ip\"", &format!("\"per-ip-{expect}\""));
         let envoy = Envoy::start(
             &c,
             &dir,

@@ -492,12 +492,14 @@ fn the_token_travels_as_initial_metadata() {
         &dir,
         "domain: e2e\ndescriptors:\n  - key: bucket\n    rate_limit: {unit: hour, requests_per_unit: 2}\n",
     );
-    let service = start_service(&c, &dir, None, &limits, 1000, &["--token", "s3cret-rls"]);
+    // A token the service accepts: 32 bytes or more, no placeholder.
+    let token = "e2e-rls-token-8d2f6b0a4c9e1f3a5b7d9c0e2a4f6b8d";
+    let service = start_service(&c, &dir, None, &limits, 1000, &["--token", token]);
     let upstream = Upstream::start();
     let mut spec = native_spec("e2e", BUCKET_ACTIONS, service.port, upstream.port);
     spec.concurrency = 1;
     if let Some(rls) = spec.native_rls.as_mut() {
-        rls.token = Some("s3cret-rls".into());
+        rls.token = Some(token.into());
     }
     let with_token = Envoy::start_all(&c, &dir, std::slice::from_ref(&spec));
     if let Some(rls) = spec.native_rls.as_mut() {

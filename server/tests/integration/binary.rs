@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 use common::binary::{bin, run_to_end, ServerProc};
 use common::RedisProc;
 
+/// The takes' token the binary is started with: one it accepts (32 bytes or more, no placeholder).
+const TOKEN: &str = "tok-secret-123-4a6c8e0f2b4d6f8a1c3e";
+
 #[test]
 fn help_documents_every_flag_and_env_var() {
     let out = Command::new(bin()).arg("--help").output().unwrap();
@@ -75,7 +78,7 @@ fn serves_logs_without_secrets_and_stops_on_sigterm() {
             "TOLLGATE_REDIS_URL",
             format!("redis://:pa55-word-xyz@127.0.0.1:{}", redis.port),
         )
-        .env("TOLLGATE_TOKEN", "tok-secret-123")
+        .env("TOLLGATE_TOKEN", TOKEN)
         .env("TOLLGATE_LOG_FORMAT", "json")
         .env("RUST_LOG", "debug")
         .stdout(Stdio::piped())
@@ -113,7 +116,7 @@ fn serves_logs_without_secrets_and_stops_on_sigterm() {
             serde_json::json!({"buckets": [{"key": "bin", "capacity": 2, "period_ms": 1000}]});
         let r = client
             .post(&url)
-            .bearer_auth("tok-secret-123")
+            .bearer_auth(TOKEN)
             .json(&body)
             .send()
             .await
@@ -148,7 +151,7 @@ fn serves_logs_without_secrets_and_stops_on_sigterm() {
     let logs = reader.join().unwrap();
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-    for secret in ["pa55-word-xyz", "tok-secret-123"] {
+    for secret in ["pa55-word-xyz", TOKEN] {
         assert!(
             !logs.contains(secret) && !err.contains(secret),
             "{secret} leaked:\n{logs}{err}"
@@ -253,16 +256,18 @@ async fn token_from_a_file() {
     let dir = std::env::temp_dir().join(format!("tollgate-token-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("token");
-    std::fs::write(&file, "file-tok-9f8e\n").unwrap();
+    std::fs::write(&file, "file-tok-9f8e7d6c5b4a39281706f5e4d3c2b1a0\n").unwrap();
     let path = file.to_str().unwrap();
     let svc = ServerProc::start(&["--token-file", path]);
     let cmdline = std::fs::read(format!("/proc/{}/cmdline", svc.pid())).unwrap();
-    assert!(!String::from_utf8_lossy(&cmdline).contains("file-tok-9f8e"));
+    assert!(
+        !String::from_utf8_lossy(&cmdline).contains("file-tok-9f8e7d6c5b4a39281706f5e4d3c2b1a0")
+    );
     let client = reqwest::Client::new();
     let body = serde_json::json!({"buckets": [{"key": "k", "capacity": 1, "period_ms": 1000}]});
     let r = client
         .post(svc.url("/v1/take"))
-        .bearer_auth("file-tok-9f8e")
+        .bearer_auth("file-tok-9f8e7d6c5b4a39281706f5e4d3c2b1a0")
         .json(&body)
         .send()
         .await
@@ -285,5 +290,98 @@ async fn token_from_a_file() {
     std::fs::write(&file, "\n").unwrap();
     let (ok, out) = run_to_end(&["--token-file", path], Duration::from_secs(5));
     assert!(!ok && out.contains("empty"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A token that is no secret stops startup (exit status non-zero) with a line that names the
+/// flags and says how to make one, and does not show the token: the placeholder the chart and
+/// deploy/ once shipped, by flag, by variable or in a file; a short one; and either as the admin
+/// token.
+#[test]
+fn a_placeholder_or_short_token_stops_startup() {
+    let dir = std::env::temp_dir().join(format!("tollgate-weak-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("token");
+    std::fs::write(&file, "replace-with-a-long-random-token\n").unwrap();
+    let path = file.to_str().unwrap();
+    let run = |args: &[&str], env: Option<(&str, &str)>| {
+        let mut cmd = Command::new(bin());
+        cmd.args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("TOLLGATE_TOKEN")
+            .env_remove("TOLLGATE_ADMIN_TOKEN")
+            .env_remove("TOLLGATE_REDIS_URL");
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        // A binary that accepted the token would serve until killed: the limit turns that into a
+        // failure instead of a hang.
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("{args:?} {env:?}: still serving after 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let shown = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.status.success(), "{args:?} {env:?}: exit 0\n{shown}");
+        assert!(
+            shown.contains("make one with `openssl rand -hex 32`"),
+            "{args:?} {env:?}:\n{shown}"
+        );
+        shown
+    };
+    let placeholder = "is a placeholder (it contains \"replace-with\"), not a secret";
+    let bearer = "the bearer token (--token, TOLLGATE_TOKEN or --token-file)";
+    for (args, env) in [
+        (&["--token", "replace-with-a-long-random-token"][..], None),
+        (
+            &[][..],
+            Some(("TOLLGATE_TOKEN", "replace-with-a-long-random-token")),
+        ),
+        (&["--token-file", path][..], None),
+    ] {
+        let shown = run(args, env);
+        assert!(
+            shown.contains(&format!("{bearer} {placeholder}")),
+            "{args:?} {env:?}:\n{shown}"
+        );
+    }
+    let shown = run(&[], Some(("TOLLGATE_TOKEN", "tok-secret-123")));
+    assert!(
+        shown.contains(&format!(
+            "{bearer} is 14 bytes long, too short to be a secret (at least 32)"
+        )),
+        "{shown}"
+    );
+    assert!(
+        !shown.contains("tok-secret-123"),
+        "the token shown:\n{shown}"
+    );
+
+    let admin = "the admin token (--admin-token, TOLLGATE_ADMIN_TOKEN or --admin-token-file)";
+    let shown = run(
+        &["--token", TOKEN],
+        Some(("TOLLGATE_ADMIN_TOKEN", "replace-with-a-long-random-token")),
+    );
+    assert!(shown.contains(&format!("{admin} {placeholder}")), "{shown}");
+    let shown = run(&["--token", TOKEN, "--admin-token", "admin-123"], None);
+    assert!(
+        shown.contains(&format!(
+            "{admin} is 9 bytes long, too short to be a secret (at least 32)"
+        )),
+        "{shown}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

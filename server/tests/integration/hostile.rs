@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tollgate_server::domain::MAX_TAKE_BYTES;
 
-const TOKEN: &str = "hostile-test-token";
+const TOKEN: &str = "hostile-test-token-7e1c9a3f5b0d2e4c6a8f";
 
 fn take_body(key: &str) -> Value {
     json!({"buckets": [{"key": key, "capacity": 1000000, "period_ms": 1000}]})

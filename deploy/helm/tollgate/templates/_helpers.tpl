@@ -53,6 +53,34 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- default (printf "%s-token" (include "tollgate.fullname" .)) .Values.token.existingSecret -}}
 {{- end -}}
 
+{{/* The takes' token of the Secret the chart makes, and of the WasmPlugin: one value, so the two
+never differ. token.value when given (values.schema.json refuses a placeholder or fewer than 32
+bytes, as the service does); else the token the release's Secret holds already, so an upgrade keeps
+it (unless it is one the service would refuse: the placeholder earlier charts shipped); else 48
+random letters and digits. Made once per render and kept in .Values.token for the templates after
+the first. Where the chart cannot look the Secret up (`helm template`, a dry run, Argo CD), every
+render makes a new one: set token.value or token.existingSecret there. */}}
+{{- define "tollgate.token" -}}
+{{- $t := .Values.token -}}
+{{- if not (hasKey $t "rendered") -}}
+{{- $value := $t.value -}}
+{{- if not $value -}}
+{{- $found := lookup "v1" "Secret" .Release.Namespace (include "tollgate.tokenSecret" .) -}}
+{{- $kept := "" -}}
+{{- if $found.data -}}
+{{- $kept = index $found.data $t.key | default "" | b64dec -}}
+{{- end -}}
+{{- if and (ge (len $kept) 32) (not (contains "replace-with" (lower $kept))) -}}
+{{- $value = $kept -}}
+{{- else -}}
+{{- $value = randAlphaNum 48 -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $t "rendered" $value -}}
+{{- end -}}
+{{- $t.rendered -}}
+{{- end -}}
+
 {{- define "tollgate.rlsConfigMap" -}}
 {{- default (printf "%s-rls-limits" (include "tollgate.fullname" .)) .Values.rls.existingConfigMap -}}
 {{- end -}}
