@@ -242,6 +242,12 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_HTTP2_MAX_STREAMS", default_value_t = 128)]
     pub http2_max_streams: u32,
 
+    /// Messages of one TakeStream stream decoded or decided at once (each also holds a permit of
+    /// --max-in-flight); one more is answered UNAVAILABLE at once, with its id
+    /// (`tollgate_stream_refusals_total{reason="in_flight"}`), the stream going on.
+    #[arg(long, env = "TOLLGATE_STREAM_MAX_IN_FLIGHT", default_value_t = crate::api::STREAM_MAX_IN_FLIGHT)]
+    pub stream_max_in_flight: usize,
+
     /// Milliseconds between two store checks; /readyz answers from the last one.
     #[arg(long, env = "TOLLGATE_READY_INTERVAL_MS", default_value_t = 1000)]
     pub ready_interval_ms: u64,
@@ -366,6 +372,7 @@ impl std::fmt::Debug for Cli {
             .field("body_timeout_ms", &self.body_timeout_ms)
             .field("idle_timeout_ms", &self.idle_timeout_ms)
             .field("http2_max_streams", &self.http2_max_streams)
+            .field("stream_max_in_flight", &self.stream_max_in_flight)
             .field("ready_interval_ms", &self.ready_interval_ms)
             .field("memory_max_buckets", &self.memory_max_buckets)
             .field("rls_config", &self.rls_config)
@@ -414,6 +421,7 @@ impl Cli {
             body_timeout: ms(self.body_timeout_ms),
             idle_timeout: ms(self.idle_timeout_ms),
             http2_max_streams: self.http2_max_streams,
+            stream_max_in_flight: self.stream_max_in_flight,
             ready_interval: ms(self.ready_interval_ms),
             rls: self
                 .rls_config

@@ -9,7 +9,7 @@
 //! | `http2_max_streams` | concurrent streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS) |
 //!
 //! Request bodies are bounded in size and time per request by `Api::admit` (`api/mod.rs`), before any decoding;
-//! a stream's messages one by one, by their length prefix (`ops/stream.rs`).
+//! a stream's messages one by one, by their length prefix (`api/frames.rs`).
 
 use std::convert::Infallible;
 use std::future::Future;

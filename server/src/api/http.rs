@@ -16,7 +16,7 @@ pub fn error_response(e: &ApiError) -> Response {
         ApiError::AdminOff => (StatusCode::NOT_FOUND, None),
         ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, None),
         ApiError::BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, None),
-        ApiError::Overloaded(_) | ApiError::Unavailable(_) => {
+        ApiError::Overloaded(_) | ApiError::StreamBusy(_) | ApiError::Unavailable(_) => {
             (StatusCode::SERVICE_UNAVAILABLE, None)
         }
     };
