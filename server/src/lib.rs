@@ -42,8 +42,9 @@
 //!   `RESOURCE_EXHAUSTED`; a batch by [`domain::MAX_BATCH_BYTES`]) and timed; decoding stops at
 //!   a 17th bucket (a 65th take); takes beyond
 //!   `max_in_flight` are shed at once (503), never queued (a stream's messages likewise, each
-//!   bounded, holding a permit while it is decided, a bounded number at once per stream); probes
-//!   never wait behind takes;
+//!   bounded, holding a permit while it is decided, a bounded number at once per stream, and the
+//!   bytes of messages not yet whole bounded for all streams together); probes never wait behind
+//!   takes;
 //!   connections are capped and timed out ([`serve`]); callers get generic error texts, the log
 //!   gets the detail (with Redis passwords redacted by parsing the URL).
 
@@ -95,6 +96,9 @@ pub struct ServiceConfig {
     /// Messages of one `TakeStream` stream decided at once; one more is answered `UNAVAILABLE`
     /// at once (`ops/stream.rs`).
     pub stream_max_in_flight: usize,
+    /// Bytes all `TakeStream` streams together may hold of messages not yet whole; a stream that
+    /// would hold more ends `UNAVAILABLE` (`api/frames.rs`).
+    pub stream_buffer_bytes: usize,
     /// How often the store is pinged for `/readyz`.
     pub ready_interval: Duration,
     /// Limits for Envoy's rate limit service (`--rls-config`); `None`: RLS calls are
@@ -122,6 +126,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("idle_timeout", &self.idle_timeout)
             .field("http2_max_streams", &self.http2_max_streams)
             .field("stream_max_in_flight", &self.stream_max_in_flight)
+            .field("stream_buffer_bytes", &self.stream_buffer_bytes)
             .field("ready_interval", &self.ready_interval)
             .field("rls", &self.rls.as_ref().map(|f| f.path().to_path_buf()))
             .field("rls_poll", &self.rls_poll)
@@ -143,6 +148,7 @@ impl Default for ServiceConfig {
             idle_timeout: Duration::from_millis(60_000),
             http2_max_streams: 128,
             stream_max_in_flight: api::STREAM_MAX_IN_FLIGHT,
+            stream_buffer_bytes: api::STREAM_BUFFER_BYTES,
             ready_interval: Duration::from_millis(1000),
             rls: None,
             rls_poll: Duration::from_millis(1000),
@@ -178,7 +184,7 @@ pub async fn run(
         )
         .with_admin_token(config.admin_token.as_deref())
         .with_instance_ttl(config.instance_ttl_ms)
-        .with_stream_limits(config.stream_max_in_flight),
+        .with_stream_limits(config.stream_max_in_flight, config.stream_buffer_bytes),
     );
     // /readyz answers from this check, refreshed in the background: probes never reach the store.
     api.readiness.refresh(store.as_ref()).await;

@@ -193,9 +193,10 @@ pub fn status_of(e: &ApiError) -> Status {
         ApiError::AdminOff => Status::not_found(e.message()),
         ApiError::TooLarge(_) => Status::resource_exhausted(e.message()),
         ApiError::BodyTimeout(_) => Status::deadline_exceeded(e.message()),
-        ApiError::Overloaded(_) | ApiError::StreamBusy(_) | ApiError::Unavailable(_) => {
-            Status::unavailable(e.message())
-        }
+        ApiError::Overloaded(_)
+        | ApiError::StreamBusy(_)
+        | ApiError::BufferFull(_)
+        | ApiError::Unavailable(_) => Status::unavailable(e.message()),
     }
 }
 

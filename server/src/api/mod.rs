@@ -4,14 +4,15 @@
 //! body, bounded in size and time, then a permit or an immediate 503) before anything is decoded;
 //! a stream of batches (`ops/stream.rs`), whose body is never read whole, through
 //! [`Api::admit_token`] when it opens, its messages read through [`Api::stream_messages`]
-//! (each bounded) and each decided under its own [`Api::permit`]. An operation then reaches the store through [`Api::store_call`] (timed, a
+//! (bounded, charged to the service's buffer budget, timed) and each decided under its own
+//! [`Api::permit`]. An operation then reaches the store through [`Api::store_call`] (timed, a
 //! failure counted and logged, answered 503 / `UNAVAILABLE`).
 //!
 //! | file | what |
 //! |---|---|
 //! | `json.rs` | the one strict JSON reader (unknown fields refused, the bad field named) and the error body |
 //! | `grpc.rs` | protobuf types generated from `contract/tollgate.proto`, a codec that turns malformed protobuf into `INVALID_ARGUMENT`, the gRPC status of an error (a call's, or a stream message's error answer) |
-//! | `frames.rs` | a stream's messages read from its body (gRPC's framing), each bounded by its length prefix |
+//! | `frames.rs` | a stream's messages read from its body (gRPC's framing), what it holds between reads charged to the service's budget, each message whole within the body timeout |
 //! | `http.rs` | an operation's answer over HTTP: its JSON body, or its error's status and body |
 //! | `instances.rs` | the live proxy instances every answer reports (reported to the store once a second) |
 
@@ -95,6 +96,9 @@ pub enum ApiError {
     /// `UNAVAILABLE`, a message of a `TakeStream` stream only: this many messages of its stream
     /// were being decided (`--stream-max-in-flight`); it was shed, not queued.
     StreamBusy(usize),
+    /// `UNAVAILABLE`, a `TakeStream` stream only: the message it was sending, not yet whole,
+    /// would have taken the bytes the streams hold past this bound (`--stream-buffer-bytes`).
+    BufferFull(usize),
     /// 404 / `NOT_FOUND`: the admin endpoints (`ops/buckets.rs`) are off: no admin token is set.
     AdminOff,
     /// 503 / `UNAVAILABLE`: the store could not decide. The text is what the caller may see (the
@@ -117,9 +121,10 @@ impl ApiError {
             ApiError::AdminOff => "not_found",
             ApiError::TooLarge(_) => "resource_exhausted",
             ApiError::BodyTimeout(_) => "deadline_exceeded",
-            ApiError::Overloaded(_) | ApiError::StreamBusy(_) | ApiError::Unavailable(_) => {
-                "unavailable"
-            }
+            ApiError::Overloaded(_)
+            | ApiError::StreamBusy(_)
+            | ApiError::BufferFull(_)
+            | ApiError::Unavailable(_) => "unavailable",
         }
     }
 
@@ -143,6 +148,9 @@ impl ApiError {
             }
             ApiError::StreamBusy(n) => format!(
                 "{n} messages of this stream are being decided, this one was shed; retry later"
+            ),
+            ApiError::BufferFull(n) => format!(
+                "the streams hold {n} bytes of messages not yet whole: this stream was ended; open a new one"
             ),
             ApiError::Unavailable(m) => (*m).to_string(),
         }
@@ -250,6 +258,8 @@ pub struct Api {
     max_in_flight: usize,
     /// Messages of one stream decoded or decided at once (`ops/stream.rs`); more are shed.
     pub stream_max_in_flight: usize,
+    /// The bytes the streams hold of messages not yet whole ([`frames`]).
+    stream_buffer: Arc<frames::Budget>,
     /// `true` once the service began to shut down ([`Api::shut_down`]). A value, not a
     /// notification: a stream that opens or looks after it began still sees it.
     shutdown: watch::Sender<bool>,
@@ -264,9 +274,11 @@ impl Api {
         body_timeout: Duration,
     ) -> Self {
         let max_in_flight = max_in_flight.clamp(1, Semaphore::MAX_PERMITS);
+        let metrics = Arc::new(Metrics::new());
         Api {
             store,
-            metrics: Arc::new(Metrics::new()),
+            stream_buffer: Arc::new(frames::Budget::new(STREAM_BUFFER_BYTES, metrics.clone())),
+            metrics,
             auth: Auth::new(token),
             admin: None,
             readiness: Readiness::default(),
@@ -293,9 +305,11 @@ impl Api {
     }
 
     /// Bounds the streams (`ops/stream.rs`): each decides at most `max_in_flight` of its messages
-    /// at once (the default: [`STREAM_MAX_IN_FLIGHT`]).
-    pub fn with_stream_limits(mut self, max_in_flight: usize) -> Self {
+    /// at once, and all together hold at most `buffer_bytes` of messages not yet whole (the
+    /// defaults: [`STREAM_MAX_IN_FLIGHT`], [`STREAM_BUFFER_BYTES`]).
+    pub fn with_stream_limits(mut self, max_in_flight: usize, buffer_bytes: usize) -> Self {
         self.stream_max_in_flight = max_in_flight.max(1);
+        self.stream_buffer = Arc::new(frames::Budget::new(buffer_bytes, self.metrics.clone()));
         self
     }
 
@@ -337,9 +351,10 @@ impl Api {
     }
 
     /// The messages of a stream's `body`, one at a time: each at most [`MAX_BATCH_BYTES`] (from
-    /// its length prefix).
+    /// its length prefix), what the stream holds between two reads charged to the service's
+    /// budget, and each message whole within the body timeout of its first byte.
     pub fn stream_messages(&self, body: Body) -> frames::Messages {
-        frames::Messages::new(body)
+        frames::Messages::new(body, self.stream_buffer.clone(), self.body_timeout)
     }
 
     /// One permit of the take limiter, granted at once or refused (counted as shed, answered
@@ -464,6 +479,12 @@ pub const GRPC_FRAMING_BYTES: usize = 5;
 /// as one coalesced store call carries (`--coalesce`, at most 64); 16 such streams can hold every
 /// permit of the default take limit (1024), so one proxy cannot take it all alone.
 pub const STREAM_MAX_IN_FLIGHT: usize = 64;
+
+/// The default of `--stream-buffer-bytes`: the bytes all streams together hold of messages not
+/// yet whole. A proxy's messages are a few hundred bytes and arrive whole within a frame (they
+/// charge nothing); 64 MiB holds 64 largest messages (1 MiB) half-arrived at once, a quarter of
+/// the 256 MiB the deployment gives a replica.
+pub const STREAM_BUFFER_BYTES: usize = 64 * 1024 * 1024;
 
 #[cfg(test)]
 mod tests {

@@ -15,6 +15,8 @@
 //! |---|---|---|
 //! | the token, once, from the stream's headers | `router.rs`, [`Api::admit_token`] | `UNAUTHENTICATED`, before any message is read |
 //! | each message's length prefix, at most [`MAX_BATCH_BYTES`], uncompressed | [`Api::stream_messages`], before the message is read | the stream ends: `RESOURCE_EXHAUSTED` (`INVALID_ARGUMENT` for a compression flag) |
+//! | the bytes the stream holds of a message not yet whole, within what all streams may hold (`--stream-buffer-bytes`) | [`Api::stream_messages`] | the stream ends `UNAVAILABLE` (counted `buffer`) |
+//! | a message that began to arrive is whole within `--body-timeout-ms` | [`Api::stream_messages`] | the stream ends `DEADLINE_EXCEEDED` (counted `deadline`) |
 //! | its id (field 3) can be read | `message_id` | the stream ends `INVALID_ARGUMENT`: no answer could name the message |
 //! | fewer than `--stream-max-in-flight` messages of the stream being decided | `Open::admit` | the message answered `UNAVAILABLE` at once (counted `in_flight`) |
 //! | a permit of the take limiter while the message is decoded and decided | [`Api::permit`] | the message answered `UNAVAILABLE` at once, counted as shed |
@@ -39,6 +41,19 @@
 //! when the service shuts down ([`Api::shut_down`]): no message is read after it, the messages
 //! being decided are answered, then the stream ends with `UNAVAILABLE`. An ending is logged at
 //! debug level.
+//!
+//! **What a hostile client can make the service hold**, in all, whatever it sends (with the
+//! token: without it a stream is refused before it holds anything):
+//! - bytes HTTP/2 received that no stream has read yet: at most the connection window
+//!   (`serve.rs`, 1 MiB) per connection, `--max-connections` (1,024) of them: 1 GiB at the
+//!   defaults. A stream reads its body as the bytes arrive, so this fills only while one is not
+//!   read: behind a message of id 0, or while its client does not read its answers;
+//! - bytes the streams hold between two reads of their bodies: at most `--stream-buffer-bytes`
+//!   (64 MiB, [`crate::api::STREAM_BUFFER_BYTES`]) in all, where the streams could otherwise hold
+//!   a message of up to 1 MiB each, `--max-connections` × `--http2-max-streams` (131,072) of them;
+//! - messages read whole and being decoded or decided: at most `--max-in-flight` (1,024, each
+//!   holding a permit) of up to 1 MiB, as `TakeBatch` calls; and at most `--stream-max-in-flight`
+//!   small answers per stream waiting to be sent.
 //!
 //! A message has no metadata of its own, so its span (`tollgate.batch`) has no parent
 //! ([`crate::trace`]).
@@ -293,6 +308,15 @@ impl Open {
                 "",
                 "the stream ended inside a message",
             )),
+            FrameError::Budget(bytes) => {
+                metrics.stream_refused("buffer");
+                ApiError::BufferFull(bytes)
+            }
+            FrameError::Deadline => {
+                metrics.stream_refused("deadline");
+                let ms = u64::try_from(self.api.body_timeout.as_millis()).unwrap_or(u64::MAX);
+                ApiError::BodyTimeout(ms)
+            }
             FrameError::Read(e) => {
                 return Ending::Unread(Status::unknown(format!("cannot read the stream: {e}")))
             }

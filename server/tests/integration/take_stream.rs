@@ -1,7 +1,8 @@
 //! Batches on one gRPC stream (`tollgate.v1.RateLimiter/TakeStream`). Messages with ids: answered
 //! by id as each is decided (a later one overtaking a slow one), a message's error its answer and
 //! the stream going on (invalid, shed at the take limit or at the stream's bound, a store
-//! failure), the messages being decided answered at shutdown. Messages of id 0, the earlier
+//! failure), the messages being decided answered at shutdown, the stream's bounds (a message not
+//! whole in time, the bytes held of messages not yet whole). Messages of id 0, the earlier
 //! contract: answers in order and equal to `TakeBatch`'s, exactness across streams, the stream's
 //! endings (a bad message, the token, an oversized message, a store outage, a shed message, the
 //! service's shutdown, the client's half-close), and a stream keeping its connection from idling
@@ -14,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::gated::Gated;
+use common::h2_stream::{self, H2Stream};
 use common::{pb_bucket, unique, RedisProc, Service};
 use prost::bytes::BufMut;
 use prost::Message;
@@ -624,6 +626,138 @@ async fn shutdown_answers_every_message_being_decided() {
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     assert!(e.message().contains("shutting down"), "{e:?}");
     stopping.await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds
+
+/// A gauge's value in `/metrics`.
+async fn gauge(svc: &Service, name: &str) -> i64 {
+    let m = metrics(svc).await;
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{m}"))
+}
+
+/// Waits for the gauge `name` to read `want`.
+async fn gauge_reaches(svc: &Service, name: &str, want: i64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let got = gauge(svc, name).await;
+        if got == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{name} is {got}, not {want}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A body timeout of 300 ms: after a whole message, one that began to arrive and stops ends the
+/// stream DEADLINE_EXCEEDED at the timeout, counted; a stream waiting between messages is not cut.
+#[tokio::test]
+async fn a_message_not_whole_in_time_ends_the_stream() {
+    let config = ServiceConfig {
+        body_timeout: Duration::from_millis(300),
+        ..ServiceConfig::default()
+    };
+    let svc = Service::start_with(Arc::new(MemoryStore::new()), config).await;
+    let conn = h2_stream::connect(&svc.addr.to_string()).await;
+    let mut s = H2Stream::open(&conn, None).await.unwrap();
+    s.send_message(&with_id(1, batch_of(&unique("whole"), 1, 1)));
+    let a = tokio::time::timeout(Duration::from_secs(5), s.next()).await;
+    assert_eq!(verdict(&a.unwrap().unwrap().unwrap()), (1, Ok(vec![true])));
+    // Idle for longer than the timeout: nothing is cut.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    s.send_message(&with_id(2, batch_of(&unique("whole"), 1, 1)));
+    let a = tokio::time::timeout(Duration::from_secs(5), s.next()).await;
+    assert_eq!(verdict(&a.unwrap().unwrap().unwrap()), (2, Ok(vec![true])));
+    let start = Instant::now();
+    let mut begun = h2_stream::prefix(100).to_vec();
+    begun.extend_from_slice(&[0x0a; 10]);
+    s.send(begun.into()).unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), s.next())
+        .await
+        .expect("the stream ended within 5 s")
+        .expect_err("an error");
+    let took = start.elapsed();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    let m = metrics(&svc).await;
+    for needle in [
+        r#"tollgate_stream_refusals_total{reason="deadline"} 1"#,
+        r#"tollgate_requests_total{transport="grpc",code="deadline_exceeded"} 1"#,
+    ] {
+        assert!(m.contains(needle), "no {needle} in\n{m}");
+    }
+    svc.stop().await;
+}
+
+/// A budget of 100 KiB: two streams hold 96 KiB of messages not yet whole (announced at 1 MB);
+/// a message of 8 KiB arriving whole in one frame is still decided (it holds nothing); a third
+/// stream whose message would hold 8 KiB more ends UNAVAILABLE, counted, and gives it back.
+#[tokio::test]
+async fn the_bytes_held_of_messages_not_yet_whole_are_bounded() {
+    const BUDGET: usize = 100 * 1024;
+    const GAUGE: &str = "tollgate_stream_buffered_bytes";
+    let config = ServiceConfig {
+        stream_buffer_bytes: BUDGET,
+        body_timeout: Duration::from_secs(10),
+        ..ServiceConfig::default()
+    };
+    let svc = Service::start_with(Arc::new(MemoryStore::new()), config).await;
+    let conn = h2_stream::connect(&svc.addr.to_string()).await;
+    let begun = |n: usize| {
+        let mut b = h2_stream::prefix(1_000_000).to_vec();
+        b.extend(std::iter::repeat_n(0x0a, n - 5));
+        axum::body::Bytes::from(b)
+    };
+    // 64 KiB arrive in four frames: held in a buffer doubled to 64 KiB; then 32 KiB in two.
+    let mut a = H2Stream::open(&conn, None).await.unwrap();
+    a.send(begun(60 * 1024)).unwrap();
+    gauge_reaches(&svc, GAUGE, 64 * 1024).await;
+    let mut b = H2Stream::open(&conn, None).await.unwrap();
+    b.send(begun(30 * 1024)).unwrap();
+    gauge_reaches(&svc, GAUGE, 96 * 1024).await;
+
+    let long = |i: usize| pb::TakeRequest {
+        buckets: vec![pb_bucket(&format!("{i}-{}", "k".repeat(4000)))],
+        ..Default::default()
+    };
+    let whole = pb::TakeBatchRequest {
+        takes: vec![long(1), long(2)],
+        id: 1,
+        ..Default::default()
+    };
+    assert!(
+        whole.encoded_len() > BUDGET - 96 * 1024,
+        "{}",
+        whole.encoded_len()
+    );
+    let mut s = open(&svc, None).await.unwrap();
+    assert_eq!(verdict(&s.ask(&whole).await), (1, Ok(vec![true, true])));
+
+    let mut c = H2Stream::open(&conn, None).await.unwrap();
+    c.send(begun(8 * 1024)).unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), c.next())
+        .await
+        .expect("refused within 5 s")
+        .expect_err("an error");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains(&BUDGET.to_string()), "{e:?}");
+    gauge_reaches(&svc, GAUGE, 96 * 1024).await;
+    let m = metrics(&svc).await;
+    for needle in [
+        r#"tollgate_stream_refusals_total{reason="buffer"} 1"#,
+        r#"tollgate_requests_total{transport="grpc",code="unavailable"} 1"#,
+    ] {
+        assert!(m.contains(needle), "no {needle} in\n{m}");
+    }
+    drop((a, b));
+    gauge_reaches(&svc, GAUGE, 0).await;
+    svc.stop().await;
 }
 
 // ---------------------------------------------------------------------------------------------
