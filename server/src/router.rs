@@ -7,9 +7,9 @@
 //! limit is reached. A `TakeStream` stream (`ops/stream.rs`), whose body is never read whole,
 //! passes [`Api::admit_token`] alone and goes to `ops/stream.rs` with its body streaming, not to
 //! tonic: it reads and bounds each message itself, and each takes its own permit. The admin
-//! service's calls
-//! (`tollgate.admin.v1.Admin`, `ops/buckets.rs`) pass [`Api::admit_admin`] instead: the admin
-//! token, never the takes'. `/healthz`, `/readyz` and `/metrics` never wait behind takes.
+//! service's calls (`tollgate.admin.v1.Admin`, `ops/buckets.rs`) pass [`Api::admit_admin`]
+//! instead: the admin token, never the takes'. `/healthz`, `/readyz` and `/metrics` never wait
+//! behind takes.
 
 use std::convert::Infallible;
 use std::sync::Arc;

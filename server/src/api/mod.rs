@@ -476,8 +476,9 @@ pub const GRPC_FRAMING_BYTES: usize = 5;
 /// The default of `--stream-max-in-flight`: a stream's messages decided at once. A proxy worker
 /// sends a message per callout on its one stream, so this is its callouts awaiting an answer: 64
 /// is a worker's 64,000 callouts a second at a millisecond each, and as many single-take messages
-/// as one coalesced store call carries (`--coalesce`, at most 64); 16 such streams can hold every
-/// permit of the default take limit (1024), so one proxy cannot take it all alone.
+/// as one coalesced store call carries (`--coalesce`, at most 64). One stream then holds at most
+/// a sixteenth of the default take limit (1024): a stuck or greedy worker leaves the rest to the
+/// others.
 pub const STREAM_MAX_IN_FLIGHT: usize = 64;
 
 /// The default of `--stream-buffer-bytes`: the bytes all streams together hold of messages not
