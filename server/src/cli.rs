@@ -276,7 +276,8 @@ pub struct Cli {
     pub header_timeout_ms: u64,
 
     /// Milliseconds to receive a take's whole body once its head has arrived; a slower one gets
-    /// 408 / DEADLINE_EXCEEDED and its connection is closed.
+    /// 408 / DEADLINE_EXCEEDED and its connection is closed. Also a TakeStream message's, from its
+    /// first byte: a slower one ends its stream DEADLINE_EXCEEDED.
     #[arg(long, env = "TOLLGATE_BODY_TIMEOUT_MS", default_value_t = 500)]
     pub body_timeout_ms: u64,
 
@@ -287,6 +288,19 @@ pub struct Cli {
     /// Concurrent streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS).
     #[arg(long, env = "TOLLGATE_HTTP2_MAX_STREAMS", default_value_t = 128)]
     pub http2_max_streams: u32,
+
+    /// Messages of one TakeStream stream decoded or decided at once (each also holds a permit of
+    /// --max-in-flight); one more is answered UNAVAILABLE at once, with its id
+    /// (`tollgate_stream_refusals_total{reason="in_flight"}`), the stream going on.
+    #[arg(long, env = "TOLLGATE_STREAM_MAX_IN_FLIGHT", default_value_t = crate::api::STREAM_MAX_IN_FLIGHT)]
+    pub stream_max_in_flight: usize,
+
+    /// Bytes all TakeStream streams together may hold of messages not yet whole (a message that
+    /// arrives whole within one read holds none); a stream whose message would take them past it
+    /// ends UNAVAILABLE (`tollgate_stream_refusals_total{reason="buffer"}`). Under 1 MiB, a
+    /// message of the largest size may never fit.
+    #[arg(long, env = "TOLLGATE_STREAM_BUFFER_BYTES", default_value_t = crate::api::STREAM_BUFFER_BYTES)]
+    pub stream_buffer_bytes: usize,
 
     /// Milliseconds between two store checks; /readyz answers from the last one.
     #[arg(long, env = "TOLLGATE_READY_INTERVAL_MS", default_value_t = 1000)]
@@ -412,6 +426,8 @@ impl std::fmt::Debug for Cli {
             .field("body_timeout_ms", &self.body_timeout_ms)
             .field("idle_timeout_ms", &self.idle_timeout_ms)
             .field("http2_max_streams", &self.http2_max_streams)
+            .field("stream_max_in_flight", &self.stream_max_in_flight)
+            .field("stream_buffer_bytes", &self.stream_buffer_bytes)
             .field("ready_interval_ms", &self.ready_interval_ms)
             .field("memory_max_buckets", &self.memory_max_buckets)
             .field("rls_config", &self.rls_config)
@@ -460,6 +476,8 @@ impl Cli {
             body_timeout: ms(self.body_timeout_ms),
             idle_timeout: ms(self.idle_timeout_ms),
             http2_max_streams: self.http2_max_streams,
+            stream_max_in_flight: self.stream_max_in_flight,
+            stream_buffer_bytes: self.stream_buffer_bytes,
             ready_interval: ms(self.ready_interval_ms),
             rls: self
                 .rls_config

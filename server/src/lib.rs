@@ -42,7 +42,9 @@
 //!   `RESOURCE_EXHAUSTED`; a batch by [`domain::MAX_BATCH_BYTES`]) and timed; decoding stops at
 //!   a 17th bucket (a 65th take); takes beyond
 //!   `max_in_flight` are shed at once (503), never queued (a stream's messages likewise, each
-//!   bounded and holding a permit while it is decided); probes never wait behind takes;
+//!   bounded, holding a permit while it is decided, a bounded number at once per stream, and the
+//!   bytes of messages not yet whole bounded for all streams together); probes never wait behind
+//!   takes;
 //!   connections are capped and timed out ([`serve`]); callers get generic error texts, the log
 //!   gets the detail (with Redis passwords redacted by parsing the URL).
 
@@ -91,6 +93,12 @@ pub struct ServiceConfig {
     pub idle_timeout: Duration,
     /// Concurrent streams per HTTP/2 connection.
     pub http2_max_streams: u32,
+    /// Messages of one `TakeStream` stream decided at once; one more is answered `UNAVAILABLE`
+    /// at once (`ops/stream.rs`).
+    pub stream_max_in_flight: usize,
+    /// Bytes all `TakeStream` streams together may hold of messages not yet whole; a stream that
+    /// would hold more ends `UNAVAILABLE` (`api/frames.rs`).
+    pub stream_buffer_bytes: usize,
     /// How often the store is pinged for `/readyz`.
     pub ready_interval: Duration,
     /// Limits for Envoy's rate limit service (`--rls-config`); `None`: RLS calls are
@@ -117,6 +125,8 @@ impl std::fmt::Debug for ServiceConfig {
             .field("body_timeout", &self.body_timeout)
             .field("idle_timeout", &self.idle_timeout)
             .field("http2_max_streams", &self.http2_max_streams)
+            .field("stream_max_in_flight", &self.stream_max_in_flight)
+            .field("stream_buffer_bytes", &self.stream_buffer_bytes)
             .field("ready_interval", &self.ready_interval)
             .field("rls", &self.rls.as_ref().map(|f| f.path().to_path_buf()))
             .field("rls_poll", &self.rls_poll)
@@ -137,6 +147,8 @@ impl Default for ServiceConfig {
             body_timeout: Duration::from_millis(500),
             idle_timeout: Duration::from_millis(60_000),
             http2_max_streams: 128,
+            stream_max_in_flight: api::STREAM_MAX_IN_FLIGHT,
+            stream_buffer_bytes: api::STREAM_BUFFER_BYTES,
             ready_interval: Duration::from_millis(1000),
             rls: None,
             rls_poll: Duration::from_millis(1000),
@@ -147,7 +159,7 @@ impl Default for ServiceConfig {
 }
 
 /// Serves the API on `listener` until `shutdown` completes, then drains in-flight requests: open
-/// streams end with `UNAVAILABLE` (each once the message it is deciding is answered) before the
+/// streams end with `UNAVAILABLE` (each once the messages it is deciding are answered) before the
 /// connections are told to close.
 pub async fn run(
     listener: TcpListener,
@@ -171,7 +183,8 @@ pub async fn run(
             config.body_timeout,
         )
         .with_admin_token(config.admin_token.as_deref())
-        .with_instance_ttl(config.instance_ttl_ms),
+        .with_instance_ttl(config.instance_ttl_ms)
+        .with_stream_limits(config.stream_max_in_flight, config.stream_buffer_bytes),
     );
     // /readyz answers from this check, refreshed in the background: probes never reach the store.
     api.readiness.refresh(store.as_ref()).await;

@@ -14,6 +14,8 @@
 //! | `tollgate_shed_total` | | takes answered 503 / `UNAVAILABLE` at once because `--max-in-flight` takes were being decided |
 //! | `tollgate_connections_open` | | connections being served (gauge) |
 //! | `tollgate_streams_open` | | `TakeStream` streams open (gauge; each of their messages is counted as a `TakeBatch` call in the metrics above) |
+//! | `tollgate_stream_buffered_bytes` | | bytes the `TakeStream` streams hold of messages not yet whole, against `--stream-buffer-bytes` (gauge) |
+//! | `tollgate_stream_refusals_total` | `reason` = in_flight, buffer, deadline | `TakeStream` refusals at a stream's bounds (`ops/stream.rs`; each also counted as the `TakeBatch` call it stands for): `in_flight`, a message answered `UNAVAILABLE` because `--stream-max-in-flight` messages of its stream were being decided; `buffer`, a stream ended `UNAVAILABLE` because the message it was sending would have taken the bytes the streams hold past `--stream-buffer-bytes`; `deadline`, a stream ended `DEADLINE_EXCEEDED` because a message was not whole within `--body-timeout-ms` of its first byte |
 //! | `tollgate_connections_refused_total` | | connections closed on accept because `--max-connections` were open |
 //! | `tollgate_rls_config_reloads_total` | `outcome` = ok, refused | changes of the `--rls-config` limits file, loaded or refused |
 //! | `tollgate_rls_config_ok` | | 1 while the limits file on disk is the one in force, 0 after it was refused (gauge) |
@@ -78,6 +80,11 @@ struct Kind {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct Call {
     transport: &'static str,
     code: &'static str,
@@ -98,6 +105,8 @@ pub struct Metrics {
     shed: Counter,
     connections_open: Gauge,
     streams_open: Gauge,
+    stream_refusals: Family<Reason, Counter>,
+    stream_buffered: Gauge,
     connections_refused: Counter,
     rls_reloads: Family<Outcome, Counter>,
     rls_config_ok: Gauge,
@@ -184,6 +193,18 @@ impl Metrics {
             "TakeStream streams open",
             streams_open.clone(),
         );
+        let stream_refusals = Family::<Reason, Counter>::default();
+        registry.register(
+            "stream_refusals",
+            "TakeStream refusals at a stream's bounds: messages in flight, bytes held, a message's deadline",
+            stream_refusals.clone(),
+        );
+        let stream_buffered = Gauge::default();
+        registry.register(
+            "stream_buffered_bytes",
+            "Bytes the TakeStream streams hold of messages not yet whole",
+            stream_buffered.clone(),
+        );
         let connections_refused = Counter::default();
         registry.register(
             "connections_refused",
@@ -257,6 +278,8 @@ impl Metrics {
             shed,
             connections_open,
             streams_open,
+            stream_refusals,
+            stream_buffered,
             connections_refused,
             rls_reloads,
             rls_config_ok,
@@ -379,6 +402,16 @@ impl Metrics {
         } else {
             self.streams_open.dec();
         }
+    }
+
+    /// Counts a refusal at a stream's bounds: `in_flight`, `buffer` or `deadline`.
+    pub fn stream_refused(&self, reason: &'static str) {
+        self.stream_refusals.get_or_create(&Reason { reason }).inc();
+    }
+
+    /// The bytes the streams hold of messages not yet whole grew (or, negative, shrank) by `n`.
+    pub fn stream_buffered(&self, n: i64) {
+        self.stream_buffered.inc_by(n);
     }
 
     /// Counts a connection refused at the connection limit.

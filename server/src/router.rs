@@ -5,10 +5,11 @@
 //! in either form, passes [`Api::admit`] first: its body is not read before its token is checked,
 //! nor decoded before it arrived whole within the bound, and it is shed at once when the take
 //! limit is reached. A `TakeStream` stream (`ops/stream.rs`), whose body is never read whole,
-//! passes [`Api::admit_token`] alone and reaches tonic with its body streaming: the generated
-//! server bounds each message, and each takes its own permit. The admin service's calls
-//! (`tollgate.admin.v1.Admin`, `ops/buckets.rs`) pass [`Api::admit_admin`] instead: the admin
-//! token, never the takes'. `/healthz`, `/readyz` and `/metrics` never wait behind takes.
+//! passes [`Api::admit_token`] alone and goes to `ops/stream.rs` with its body streaming, not to
+//! tonic: it reads and bounds each message itself, and each takes its own permit. The admin
+//! service's calls (`tollgate.admin.v1.Admin`, `ops/buckets.rs`) pass [`Api::admit_admin`]
+//! instead: the admin token, never the takes'. `/healthz`, `/readyz` and `/metrics` never wait
+//! behind takes.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -104,24 +105,14 @@ where
 }
 
 /// A `TakeStream` stream (`ops/stream.rs`): admitted by its token alone, from the headers, then
-/// handed to the generated server with its body still streaming. Each message is bounded by the
-/// server's `max_decoding_message_size` and holds a permit of its own while it is decided.
-async fn grpc_stream<S>(api: &Api, server: S, req: Request) -> Response
-where
-    S: Service<
-        axum::http::Request<tonic::body::Body>,
-        Response = axum::http::Response<tonic::body::Body>,
-        Error = Infallible,
-    >,
-{
+/// answered by [`ops::stream::respond`] with its body still streaming, each message read,
+/// bounded and decided under a permit of its own there.
+fn grpc_stream(api: Arc<Api>, req: Request) -> Response {
     if let Err(e) = api.admit_token(req.headers()) {
         api.metrics.request("grpc", e.code());
         return status_of(&e).into_http();
     }
-    match server.oneshot(req.map(tonic::body::Body::new)).await {
-        Ok(r) => r.map(axum::body::Body::new),
-        Err(never) => match never {},
-    }
+    ops::stream::respond(api, req.into_body()).map(axum::body::Body::new)
 }
 
 /// The whole application: JSON routes and the gRPC service behind the content-type switch.
@@ -140,7 +131,7 @@ pub fn router(
         .route("/metrics", get(metrics))
         .with_state(api.clone());
     // A unary call's body reaching tonic was bounded already (by method); this is the larger
-    // bound, a batch's, and the bound of each message on a stream.
+    // bound, a batch's.
     let server = RateLimiterServer::new(RateLimiterService::new(api.clone()))
         .max_decoding_message_size(MAX_BATCH_BYTES);
     // A call of one of our methods goes straight to the generated server, which dispatches on the
@@ -167,7 +158,7 @@ pub fn router(
                     Err(never) => match never {},
                 }
             } else if is_stream(req.uri().path()) {
-                grpc_stream(&api, server, req).await
+                grpc_stream(api, req)
             } else if is_our_method(req.uri().path()) {
                 grpc_take(api, server, req, false).await
             } else if is_method_of::<AdminServer<AdminService>>(req.uri().path()) {
@@ -227,7 +218,7 @@ fn is_our_method(path: &str) -> bool {
         .is_some_and(|method| !method.is_empty())
 }
 
-/// `/tollgate.v1.RateLimiter/TakeStream`: a stream, admitted by [`grpc_stream`].
+/// `/tollgate.v1.RateLimiter/TakeStream`: a stream, admitted and answered by [`grpc_stream`].
 fn is_stream(path: &str) -> bool {
     is_our_method(path) && path.ends_with("/TakeStream")
 }

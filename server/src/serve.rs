@@ -9,7 +9,10 @@
 //! | `http2_max_streams` | concurrent streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS) |
 //!
 //! Request bodies are bounded in size and time per request by `Api::admit` (`api/mod.rs`), before any decoding;
-//! a stream's messages one by one, by their length prefix (`ops/stream.rs`).
+//! a stream's messages one by one, by their length prefix, a deadline and one budget for the bytes
+//! of messages not yet whole (`api/frames.rs`). The flow-control windows bound what HTTP/2 holds of
+//! bodies not yet read: `H2_CONNECTION_WINDOW` per connection (`ops/stream.rs` sums up what a
+//! hostile client can make the service hold).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -54,6 +57,7 @@ const H1_MAX_BUF: usize = 64 * 1024;
 const H2_MAX_HEADER_LIST: u32 = 16 * 1024;
 /// HTTP/2 flow-control windows: a stream may send a whole take at once; a connection, a few.
 const H2_STREAM_WINDOW: u32 = 128 * 1024;
+/// What a connection may send that no request has read yet, all its streams together.
 const H2_CONNECTION_WINDOW: u32 = 1024 * 1024;
 
 /// Serves `app` on `listener` until `shutdown` completes, then lets open connections finish

@@ -2,7 +2,8 @@
 //! `contract/tollgate.proto` and the operator's `proto/tollgate/admin.proto` (checked in under
 //! `src/generated/`; `make protos` writes them again after a proto changes), a codec that turns malformed
 //! protobuf into `INVALID_ARGUMENT`, a constant-memory scan of a message's repeated field, and
-//! the one mapping of an [`ApiError`] to a gRPC status. Each operation's messages are converted in
+//! the one mapping of an [`ApiError`] to a gRPC status (a call's, or, on a stream, a message's
+//! error answer). Each operation's messages are converted in
 //! its own module (`ops/`).
 
 use std::marker::PhantomData;
@@ -192,7 +193,24 @@ pub fn status_of(e: &ApiError) -> Status {
         ApiError::AdminOff => Status::not_found(e.message()),
         ApiError::TooLarge(_) => Status::resource_exhausted(e.message()),
         ApiError::BodyTimeout(_) => Status::deadline_exceeded(e.message()),
-        ApiError::Overloaded(_) | ApiError::Unavailable(_) => Status::unavailable(e.message()),
+        ApiError::Overloaded(_)
+        | ApiError::StreamBusy(_)
+        | ApiError::BufferFull(_)
+        | ApiError::Unavailable(_) => Status::unavailable(e.message()),
+    }
+}
+
+/// A `TakeStream` message's error answer (`TakeBatchResponse.error`): the status a `TakeBatch`
+/// call would have ended with ([`status_of`]), and the field named when the message is invalid.
+pub fn message_error(e: &ApiError) -> pb::MessageError {
+    let (message, field) = match e {
+        ApiError::Invalid(inv) => (inv.message.clone(), inv.field.clone()),
+        _ => (e.message(), String::new()),
+    };
+    pb::MessageError {
+        code: u32::try_from(i32::from(status_of(e).code())).unwrap_or(2),
+        message,
+        field,
     }
 }
 

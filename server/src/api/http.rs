@@ -16,9 +16,10 @@ pub fn error_response(e: &ApiError) -> Response {
         ApiError::AdminOff => (StatusCode::NOT_FOUND, None),
         ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, None),
         ApiError::BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, None),
-        ApiError::Overloaded(_) | ApiError::Unavailable(_) => {
-            (StatusCode::SERVICE_UNAVAILABLE, None)
-        }
+        ApiError::Overloaded(_)
+        | ApiError::StreamBusy(_)
+        | ApiError::BufferFull(_)
+        | ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, None),
     };
     let field = field.filter(|f| !f.is_empty());
     let mut resp = (status, Json(error_body(e.code(), field, &e.message()))).into_response();

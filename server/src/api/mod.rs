@@ -3,17 +3,20 @@
 //! Both transports admit a request through [`Api::admit`] (the token from the headers, then the
 //! body, bounded in size and time, then a permit or an immediate 503) before anything is decoded;
 //! a stream of batches (`ops/stream.rs`), whose body is never read whole, through
-//! [`Api::admit_token`] when it opens and [`Api::permit`] for each of its messages. An operation
-//! then reaches the store through [`Api::store_call`] (timed, a failure counted and logged,
-//! answered 503 / `UNAVAILABLE`).
+//! [`Api::admit_token`] when it opens, its messages read through [`Api::stream_messages`]
+//! (bounded, charged to the service's buffer budget, timed) and each decided under its own
+//! [`Api::permit`]. An operation then reaches the store through [`Api::store_call`] (timed, a
+//! failure counted and logged, answered 503 / `UNAVAILABLE`).
 //!
 //! | file | what |
 //! |---|---|
 //! | `json.rs` | the one strict JSON reader (unknown fields refused, the bad field named) and the error body |
-//! | `grpc.rs` | protobuf types generated from `contract/tollgate.proto`, a codec that turns malformed protobuf into `INVALID_ARGUMENT`, the gRPC status of an error |
+//! | `grpc.rs` | protobuf types generated from `contract/tollgate.proto`, a codec that turns malformed protobuf into `INVALID_ARGUMENT`, the gRPC status of an error (a call's, or a stream message's error answer) |
+//! | `frames.rs` | a stream's messages read from its body (gRPC's framing), what it holds between reads charged to the service's budget, each message whole within the body timeout |
 //! | `http.rs` | an operation's answer over HTTP: its JSON body, or its error's status and body |
 //! | `instances.rs` | the live proxy instances every answer reports (reported to the store once a second) |
 
+pub mod frames;
 pub mod grpc;
 pub mod http;
 pub mod instances;
@@ -90,6 +93,12 @@ pub enum ApiError {
     BodyTimeout(u64),
     /// 503 / `UNAVAILABLE`: this many takes were already in flight; the take was shed, not queued.
     Overloaded(usize),
+    /// `UNAVAILABLE`, a message of a `TakeStream` stream only: this many messages of its stream
+    /// were being decided (`--stream-max-in-flight`); it was shed, not queued.
+    StreamBusy(usize),
+    /// `UNAVAILABLE`, a `TakeStream` stream only: the message it was sending, not yet whole,
+    /// would have taken the bytes the streams hold past this bound (`--stream-buffer-bytes`).
+    BufferFull(usize),
     /// 404 / `NOT_FOUND`: the admin endpoints (`ops/buckets.rs`) are off: no admin token is set.
     AdminOff,
     /// 503 / `UNAVAILABLE`: the store could not decide. The text is what the caller may see (the
@@ -112,7 +121,10 @@ impl ApiError {
             ApiError::AdminOff => "not_found",
             ApiError::TooLarge(_) => "resource_exhausted",
             ApiError::BodyTimeout(_) => "deadline_exceeded",
-            ApiError::Overloaded(_) | ApiError::Unavailable(_) => "unavailable",
+            ApiError::Overloaded(_)
+            | ApiError::StreamBusy(_)
+            | ApiError::BufferFull(_)
+            | ApiError::Unavailable(_) => "unavailable",
         }
     }
 
@@ -134,6 +146,12 @@ impl ApiError {
             ApiError::Overloaded(n) => {
                 format!("overloaded: {n} takes in flight, this one was shed; retry later")
             }
+            ApiError::StreamBusy(n) => format!(
+                "{n} messages of this stream are being decided, this one was shed; retry later"
+            ),
+            ApiError::BufferFull(n) => format!(
+                "the streams hold {n} bytes of messages not yet whole: this stream was ended; open a new one"
+            ),
             ApiError::Unavailable(m) => (*m).to_string(),
         }
     }
@@ -238,6 +256,10 @@ pub struct Api {
     /// Takes being decoded or decided at once (after their body arrived); more are shed.
     in_flight: Arc<Semaphore>,
     max_in_flight: usize,
+    /// Messages of one stream decoded or decided at once (`ops/stream.rs`); more are shed.
+    pub stream_max_in_flight: usize,
+    /// The bytes the streams hold of messages not yet whole ([`frames`]).
+    stream_buffer: Arc<frames::Budget>,
     /// `true` once the service began to shut down ([`Api::shut_down`]). A value, not a
     /// notification: a stream that opens or looks after it began still sees it.
     shutdown: watch::Sender<bool>,
@@ -252,9 +274,11 @@ impl Api {
         body_timeout: Duration,
     ) -> Self {
         let max_in_flight = max_in_flight.clamp(1, Semaphore::MAX_PERMITS);
+        let metrics = Arc::new(Metrics::new());
         Api {
             store,
-            metrics: Arc::new(Metrics::new()),
+            stream_buffer: Arc::new(frames::Budget::new(STREAM_BUFFER_BYTES, metrics.clone())),
+            metrics,
             auth: Auth::new(token),
             admin: None,
             readiness: Readiness::default(),
@@ -262,6 +286,7 @@ impl Api {
             body_timeout,
             in_flight: Arc::new(Semaphore::new(max_in_flight)),
             max_in_flight,
+            stream_max_in_flight: STREAM_MAX_IN_FLIGHT,
             shutdown: watch::Sender::new(false),
         }
     }
@@ -276,6 +301,15 @@ impl Api {
     /// [`instances::DEFAULT_TTL_MS`]).
     pub fn with_instance_ttl(mut self, ttl_ms: u64) -> Self {
         self.instances = Arc::new(instances::Instances::new(ttl_ms));
+        self
+    }
+
+    /// Bounds the streams (`ops/stream.rs`): each decides at most `max_in_flight` of its messages
+    /// at once, and all together hold at most `buffer_bytes` of messages not yet whole (the
+    /// defaults: [`STREAM_MAX_IN_FLIGHT`], [`STREAM_BUFFER_BYTES`]).
+    pub fn with_stream_limits(mut self, max_in_flight: usize, buffer_bytes: usize) -> Self {
+        self.stream_max_in_flight = max_in_flight.max(1);
+        self.stream_buffer = Arc::new(frames::Budget::new(buffer_bytes, self.metrics.clone()));
         self
     }
 
@@ -310,10 +344,17 @@ impl Api {
     }
 
     /// The token check alone, from the headers: the admission of a stream (`ops/stream.rs`),
-    /// whose body is never read whole here. Its messages are bounded one by one by the generated
-    /// server (`max_decoding_message_size`), and each takes its own [`Api::permit`].
+    /// whose body is never read whole here. Its messages are read through
+    /// [`Api::stream_messages`], and each takes its own [`Api::permit`].
     pub fn admit_token(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         token(&self.auth, headers)
+    }
+
+    /// The messages of a stream's `body`, one at a time: each at most [`MAX_BATCH_BYTES`] (from
+    /// its length prefix), what the stream holds between two reads charged to the service's
+    /// budget, and each message whole within the body timeout of its first byte.
+    pub fn stream_messages(&self, body: Body) -> frames::Messages {
+        frames::Messages::new(body, self.stream_buffer.clone(), self.body_timeout)
     }
 
     /// One permit of the take limiter, granted at once or refused (counted as shed, answered
@@ -431,6 +472,20 @@ fn token(auth: &Auth, headers: &HeaderMap) -> Result<(), ApiError> {
 /// gRPC's frame header before a message (compression flag, length): a gRPC take's body is one
 /// message of at most [`crate::domain::MAX_TAKE_BYTES`] behind it.
 pub const GRPC_FRAMING_BYTES: usize = 5;
+
+/// The default of `--stream-max-in-flight`: a stream's messages decided at once. A proxy worker
+/// sends a message per callout on its one stream, so this is its callouts awaiting an answer: 64
+/// is a worker's 64,000 callouts a second at a millisecond each, and as many single-take messages
+/// as one coalesced store call carries (`--coalesce`, at most 64). One stream then holds at most
+/// a sixteenth of the default take limit (1024): a stuck or greedy worker leaves the rest to the
+/// others.
+pub const STREAM_MAX_IN_FLIGHT: usize = 64;
+
+/// The default of `--stream-buffer-bytes`: the bytes all streams together hold of messages not
+/// yet whole. A proxy's messages are a few hundred bytes and arrive whole within a frame (they
+/// charge nothing); 64 MiB holds 64 largest messages (1 MiB) half-arrived at once, a quarter of
+/// the 256 MiB the deployment gives a replica.
+pub const STREAM_BUFFER_BYTES: usize = 64 * 1024 * 1024;
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | `take.rs` | `POST /v1/take`, `Take`: 1..=16 buckets charged all or none; the take's validation every other operation reuses |
 //! | `batch.rs` | `POST /v1/take_batch`, `TakeBatch`: 1..=64 takes, one store call |
-//! | `stream.rs` | `TakeStream`: batches as messages on one gRPC stream, each decided by `batch.rs` and answered in order |
+//! | `stream.rs` | `TakeStream`: batches as messages on one gRPC stream, each decided by `batch.rs`, several at once, and answered by its id as it is decided |
 //! | `acquire.rs` | `POST /v1/acquire`, `Acquire`: concurrency slots taken |
 //! | `release.rs` | `POST /v1/release`, `Release`: slots given back |
 //! | `buckets.rs` | `GET /v1/buckets`, `POST /v1/buckets/reset`, `tollgate.admin.v1.Admin` (admin token): one bucket's state read on the store's clock, or deleted |
@@ -120,20 +120,21 @@ async fn grpc<Op: GrpcOperation>(
     request: tonic::Request<Op::Request>,
 ) -> Result<tonic::Response<Op::Response>, Status> {
     let (metadata, _, message) = request.into_parts();
-    grpc_message::<Op>(api, trace::Parent::of_metadata(&metadata), message)
+    grpc_message::<Op>(api, trace::Parent::of_metadata(&metadata), Ok(message))
         .await
         .map(tonic::Response::new)
         .map_err(|e| status_of(&e))
 }
 
-/// One admitted gRPC message of `Op` (a unary call's, or one on a stream), its span a child of
-/// `parent`: decided, and counted as one call of `Op`.
+/// One admitted gRPC message of `Op` (a unary call's, or one on a stream, whose decoding error
+/// is answered as a call's), its span a child of `parent`: decided, and counted as one call of
+/// `Op`.
 async fn grpc_message<Op: GrpcOperation>(
     api: &Api,
     parent: trace::Parent<'_>,
-    message: Op::Request,
+    message: Result<Op::Request, InvalidArgument>,
 ) -> Result<Op::Response, ApiError> {
-    let call = Op::handle(api, Op::from_pb(message));
+    let call = Op::handle(api, message.and_then(Op::from_pb));
     let result = match Op::SPAN {
         Some(name) => trace::traced(name, parent, call).await,
         None => call.await,
@@ -163,8 +164,8 @@ impl RateLimiterService {
 }
 
 /// Reached only through [`crate::router::router`], after [`Api::admit`] (token, bounded body,
-/// permit); `TakeStream` after [`Api::admit_token`] (its messages each take a permit in
-/// [`stream`]).
+/// permit). `TakeStream` never reaches it: the router hands the stream to [`stream::respond`],
+/// which reads the messages from the body itself, to decode each on its own.
 #[tonic::async_trait]
 impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
     type TakeStreamStream = stream::Answers;
@@ -183,14 +184,15 @@ impl pb::rate_limiter_server::RateLimiter for RateLimiterService {
         grpc::<batch::Batch>(&self.api, request).await
     }
 
+    /// Never called (see above): the generated server would have decoded every message already,
+    /// and ended the stream at the first that does not decode.
     async fn take_stream(
         &self,
-        request: tonic::Request<tonic::Streaming<pb::TakeBatchRequest>>,
+        _request: tonic::Request<tonic::Streaming<pb::TakeBatchRequest>>,
     ) -> Result<tonic::Response<Self::TakeStreamStream>, Status> {
-        Ok(tonic::Response::new(stream::answers(
-            self.api.clone(),
-            request.into_inner(),
-        )))
+        Err(Status::unimplemented(
+            "TakeStream is served by the router (ops/stream.rs)",
+        ))
     }
 
     async fn acquire(

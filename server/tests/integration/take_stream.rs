@@ -1,8 +1,12 @@
-//! Batches on one gRPC stream (`tollgate.v1.RateLimiter/TakeStream`): answers in order and equal
-//! to `TakeBatch`'s, exactness across streams, the stream's endings (a bad message, the token, an
-//! oversized message, a store outage, a shed message, the service's shutdown, the client's
-//! half-close), and a stream keeping its connection from idling out; over the memory store and
-//! real Redis.
+//! Batches on one gRPC stream (`tollgate.v1.RateLimiter/TakeStream`). Messages with ids: answered
+//! by id as each is decided (a later one overtaking a slow one), a message's error its answer and
+//! the stream going on (invalid, shed at the take limit or at the stream's bound, a store
+//! failure), the messages being decided answered at shutdown, the stream's bounds (a message not
+//! whole in time, the bytes held of messages not yet whole). Messages of id 0, the earlier
+//! contract: answers in order and equal to `TakeBatch`'s, exactness across streams, the stream's
+//! endings (a bad message, the token, an oversized message, a store outage, a shed message, the
+//! service's shutdown, the client's half-close), and a stream keeping its connection from idling
+//! out. Over the memory store and real Redis.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use crate::common;
@@ -11,6 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::gated::Gated;
+use common::h2_stream::{self, H2Stream};
 use common::{pb_bucket, unique, RedisProc, Service};
 use prost::bytes::BufMut;
 use prost::Message;
@@ -169,6 +174,26 @@ fn batch_of(key: &str, capacity: u64, n: usize) -> pb::TakeBatchRequest {
     }
 }
 
+/// `m` as a message with `id`.
+fn with_id(id: u64, m: pb::TakeBatchRequest) -> pb::TakeBatchRequest {
+    pb::TakeBatchRequest { id, ..m }
+}
+
+/// An answer's id, and its error's code or its takes' verdicts.
+fn verdict(r: &pb::TakeBatchResponse) -> (u64, Result<Vec<bool>, u32>) {
+    match &r.error {
+        Some(e) => {
+            assert!(r.results.is_empty(), "an error and results: {r:?}");
+            (r.id, Err(e.code))
+        }
+        None => (r.id, Ok(allowed(r))),
+    }
+}
+
+/// gRPC's INVALID_ARGUMENT, DEADLINE_EXCEEDED and UNAVAILABLE, as a message's error carries them.
+const INVALID: u32 = 3;
+const UNAVAILABLE: u32 = 14;
+
 fn allowed(r: &pb::TakeBatchResponse) -> Vec<bool> {
     r.results.iter().map(|t| t.allowed).collect()
 }
@@ -305,7 +330,438 @@ async fn exact_across_streams_redis() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Endings
+// Messages with ids
+
+/// A message held in the store, then a later one: the later one is answered first, each answer
+/// carrying its message's id; the held one once the store lets it through.
+async fn a_later_message_overtakes_a_slow_one(store: Arc<dyn Store>) {
+    let gated = Arc::new(Gated::over(store).only("held"));
+    let svc = Service::start(gated.clone(), None).await;
+    let mut s = open(&svc, None).await.unwrap();
+    s.send(&with_id(7, batch_of(&unique("held"), 5, 1)));
+    gated.arrival().await;
+    s.send(&with_id(8, batch_of(&unique("free"), 5, 2)));
+    assert_eq!(verdict(&s.answer().await), (8, Ok(vec![true, true])));
+    gated.open();
+    assert_eq!(verdict(&s.answer().await), (7, Ok(vec![true])));
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn a_later_message_overtakes_a_slow_one_memory() {
+    a_later_message_overtakes_a_slow_one(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn a_later_message_overtakes_a_slow_one_redis() {
+    let r = RedisProc::start();
+    a_later_message_overtakes_a_slow_one(Arc::new(common::redis_store(&r.url(), 2000))).await;
+}
+
+/// Invalid messages (a zero capacity in a second take, 65 takes, bytes that stop being protobuf
+/// after the id) are each answered INVALID_ARGUMENT under their ids, the field named, nothing
+/// charged; the stream goes on and answers the next message. Bytes that stop being protobuf
+/// before an id could be read end it: no answer could name them.
+async fn an_invalid_message_is_answered_and_the_stream_goes_on(store: Arc<dyn Store>) {
+    let svc = Service::start(store.clone(), None).await;
+    let k = unique("untouched");
+    let mut zero = batch_of(&k, 1, 2);
+    zero.takes[1].buckets[0].capacity = 0;
+    let mut garbage = with_id(13, batch_of(&k, 1, 1)).encode_to_vec();
+    garbage.extend_from_slice(&[0xff; 3]);
+    let mut s = open(&svc, None).await.unwrap();
+    s.send(&with_id(11, zero));
+    s.send(&with_id(12, batch_of(&k, 1, 65)));
+    s.send_bytes(garbage);
+    s.send(&with_id(14, batch_of(&unique("next"), 1, 1)));
+    let mut errors = Vec::new();
+    for want in 11..=13 {
+        let a = s.answer().await;
+        assert_eq!(verdict(&a), (want, Err(INVALID)), "{a:?}");
+        let e = a.error.unwrap();
+        errors.push((e.field, e.message));
+    }
+    assert_eq!(errors[0].0, "takes[1].buckets[0].capacity");
+    assert_eq!(errors[1].0, "takes");
+    assert!(errors[1].1.contains("at most 64"), "{errors:?}");
+    assert_eq!(errors[2].0, "");
+    assert!(errors[2].1.starts_with("malformed protobuf"), "{errors:?}");
+    assert_eq!(verdict(&s.answer().await), (14, Ok(vec![true])));
+
+    s.send_bytes(vec![0xff; 3]);
+    let e = s.ending().await;
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().starts_with("malformed protobuf"), "{e:?}");
+    let m = metrics(&svc).await;
+    for needle in [
+        r#"tollgate_requests_total{transport="grpc",code="invalid_argument"} 4"#,
+        r#"tollgate_requests_total{transport="grpc",code="ok"} 1"#,
+    ] {
+        assert!(m.contains(needle), "no {needle} in\n{m}");
+    }
+    assert!(
+        common::never_charged(store.as_ref(), &k).await,
+        "a refused message charged {k}"
+    );
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn an_invalid_message_is_answered_and_the_stream_goes_on_memory() {
+    an_invalid_message_is_answered_and_the_stream_goes_on(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test]
+async fn an_invalid_message_is_answered_and_the_stream_goes_on_redis() {
+    let r = RedisProc::start();
+    an_invalid_message_is_answered_and_the_stream_goes_on(Arc::new(common::redis_store(
+        &r.url(),
+        2000,
+    )))
+    .await;
+}
+
+/// `max_in_flight` 2 and six messages on one stream, all held in the store: the first two hold
+/// the permits, the other four are answered UNAVAILABLE under their ids at once (shed, counted as
+/// such); the two are answered once the store goes on, and the stream answers the next message.
+async fn messages_shed_at_the_take_limit_are_answered(store: Arc<dyn Store>) {
+    let gated = Arc::new(Gated::over(store));
+    let config = ServiceConfig {
+        max_in_flight: 2,
+        ..ServiceConfig::default()
+    };
+    let svc = Service::start_with(gated.clone(), config).await;
+    let mut s = open(&svc, None).await.unwrap();
+    let start = Instant::now();
+    for id in 1..=6 {
+        s.send(&with_id(id, batch_of(&unique("limit"), 1, 1)));
+    }
+    for id in 3..=6 {
+        let a = s.answer().await;
+        assert_eq!(verdict(&a), (id, Err(UNAVAILABLE)), "{a:?}");
+        assert!(a.error.unwrap().message.contains("shed"));
+    }
+    let shed_in = start.elapsed();
+    assert!(shed_in < Duration::from_millis(500), "{shed_in:?}");
+    gated.open();
+    let mut held = vec![verdict(&s.answer().await), verdict(&s.answer().await)];
+    held.sort();
+    assert_eq!(held, [(1, Ok(vec![true])), (2, Ok(vec![true]))]);
+    assert_eq!(
+        verdict(&s.ask(&with_id(7, batch_of(&unique("after"), 1, 1))).await),
+        (7, Ok(vec![true]))
+    );
+    let m = metrics(&svc).await;
+    for needle in [
+        "tollgate_shed_total 4",
+        r#"tollgate_requests_total{transport="grpc",code="unavailable"} 4"#,
+        r#"tollgate_requests_total{transport="grpc",code="ok"} 3"#,
+    ] {
+        assert!(m.contains(needle), "no {needle} in\n{m}");
+    }
+    svc.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_shed_at_the_take_limit_are_answered_memory() {
+    messages_shed_at_the_take_limit_are_answered(Arc::new(MemoryStore::new())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_shed_at_the_take_limit_are_answered_redis() {
+    let r = RedisProc::start();
+    messages_shed_at_the_take_limit_are_answered(Arc::new(common::redis_store(&r.url(), 2000)))
+        .await;
+}
+
+/// `stream_max_in_flight` 3 and five messages held in the store: the fourth and fifth are
+/// answered UNAVAILABLE at once, counted at the stream's bound (not as shed at the take limit);
+/// another stream is not held back by this one's bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_decides_at_most_its_bound_at_once() {
+    let gated = Arc::new(Gated::new().only("held"));
+    let config = ServiceConfig {
+        stream_max_in_flight: 3,
+        ..ServiceConfig::default()
+    };
+    let svc = Service::start_with(gated.clone(), config).await;
+    let mut s = open(&svc, None).await.unwrap();
+    for id in 1..=5 {
+        s.send(&with_id(id, batch_of(&unique("held"), 1, 1)));
+    }
+    for id in 4..=5 {
+        let a = s.answer().await;
+        assert_eq!(verdict(&a), (id, Err(UNAVAILABLE)), "{a:?}");
+        assert!(a
+            .error
+            .unwrap()
+            .message
+            .contains("3 messages of this stream"));
+    }
+    let mut other = open(&svc, None).await.unwrap();
+    assert_eq!(
+        verdict(
+            &other
+                .ask(&with_id(1, batch_of(&unique("free"), 1, 1)))
+                .await
+        ),
+        (1, Ok(vec![true]))
+    );
+    gated.open();
+    let mut held: Vec<u64> = Vec::new();
+    for _ in 0..3 {
+        held.push(s.answer().await.id);
+    }
+    held.sort();
+    assert_eq!(held, [1, 2, 3]);
+    let m = metrics(&svc).await;
+    for needle in [
+        r#"tollgate_stream_refusals_total{reason="in_flight"} 2"#,
+        "tollgate_shed_total 0",
+    ] {
+        assert!(m.contains(needle), "no {needle} in\n{m}");
+    }
+    svc.stop().await;
+}
+
+/// Redis gone: a message is answered UNAVAILABLE under its id, and the stream goes on; once Redis
+/// is back, the same stream's messages are decided again.
+#[tokio::test]
+async fn a_store_failure_is_a_message_answer() {
+    let mut r = RedisProc::start();
+    let svc = Service::start(Arc::new(common::redis_store(&r.url(), 200)), None).await;
+    let mut s = open(&svc, None).await.unwrap();
+    let key = unique("outage");
+    assert_eq!(
+        verdict(&s.ask(&with_id(1, batch_of(&key, 5, 1))).await),
+        (1, Ok(vec![true]))
+    );
+    r.kill();
+    let start = Instant::now();
+    let a = s.ask(&with_id(2, batch_of(&key, 5, 1))).await;
+    assert_eq!(verdict(&a), (2, Err(UNAVAILABLE)), "{a:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+    r.restart();
+    let back = Instant::now() + Duration::from_secs(10);
+    let mut id = 3;
+    loop {
+        let (got, verdict) = verdict(&s.ask(&with_id(id, batch_of(&key, 5, 1))).await);
+        assert_eq!(got, id);
+        match verdict {
+            Ok(v) => {
+                assert_eq!(v, [true]);
+                break;
+            }
+            Err(code) => assert_eq!(code, UNAVAILABLE),
+        }
+        assert!(
+            Instant::now() < back,
+            "not decided again 10 s after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        id += 1;
+    }
+    eprintln!(
+        "store failure: the stream answered again after {} message(s) since Redis came back",
+        id - 2
+    );
+    let m = metrics(&svc).await;
+    assert!(m.contains("tollgate_streams_open 1"), "{m}");
+    svc.stop().await;
+}
+
+/// Messages of id 0 (the earlier contract): the second is not decided while the first is held,
+/// both are answered in order once it goes on, and an invalid one ends the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn id_zero_is_decided_one_at_a_time_in_order() {
+    let gated = Arc::new(Gated::new());
+    let svc = Service::start(gated.clone(), None).await;
+    let mut s = open(&svc, None).await.unwrap();
+    let key = unique("zero");
+    s.send(&batch_of(&key, 1, 1));
+    s.send(&batch_of(&key, 1, 1));
+    gated.arrivals(1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        gated.arrived(),
+        1,
+        "the second was decided beside the first"
+    );
+    gated.open();
+    assert_eq!(verdict(&s.answer().await), (0, Ok(vec![true])));
+    assert_eq!(verdict(&s.answer().await), (0, Ok(vec![false])));
+    s.send(&batch_of(&key, 0, 1));
+    let e = s.ending().await;
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    svc.stop().await;
+}
+
+/// The service stopping while three messages are being decided: all three are answered, then the
+/// stream ends UNAVAILABLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_every_message_being_decided() {
+    let gated = Arc::new(Gated::new());
+    let svc = Service::start(gated.clone(), None).await;
+    let mut s = open(&svc, None).await.unwrap();
+    for id in 1..=3 {
+        s.send(&with_id(id, batch_of(&unique("deciding"), 1, 1)));
+    }
+    gated.arrivals(3).await;
+    let stopping = tokio::spawn(svc.stop());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gated.open();
+    let mut ids: Vec<u64> = Vec::new();
+    for _ in 0..3 {
+        let a = s.answer().await;
+        assert_eq!(allowed(&a), [true], "{a:?}");
+        ids.push(a.id);
+    }
+    ids.sort();
+    assert_eq!(ids, [1, 2, 3]);
+    let e = s.ending().await;
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("shutting down"), "{e:?}");
+    stopping.await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds
+
+/// A gauge's value in `/metrics`.
+async fn gauge(svc: &Service, name: &str) -> i64 {
+    let m = metrics(svc).await;
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{m}"))
+}
+
+/// Waits for the gauge `name` to read `want`.
+async fn gauge_reaches(svc: &Service, name: &str, want: i64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let got = gauge(svc, name).await;
+        if got == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{name} is {got}, not {want}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A body timeout of 300 ms: after a whole message, one that began to arrive and stops ends the
+/// stream DEADLINE_EXCEEDED at the timeout, counted; a stream waiting between messages is not cut.
+#[tokio::test]
+async fn a_message_not_whole_in_time_ends_the_stream() {
+    let config = ServiceConfig {
+        body_timeout: Duration::from_millis(300),
+        ..ServiceConfig::default()
+    };
+    let svc = Service::start_with(Arc::new(MemoryStore::new()), config).await;
+    let conn = h2_stream::connect(&svc.addr.to_string()).await;
+    let mut s = H2Stream::open(&conn, None).await.unwrap();
+    s.send_message(&with_id(1, batch_of(&unique("whole"), 1, 1)));
+    let a = tokio::time::timeout(Duration::from_secs(5), s.next()).await;
+    assert_eq!(verdict(&a.unwrap().unwrap().unwrap()), (1, Ok(vec![true])));
+    // Idle for longer than the timeout: nothing is cut.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    s.send_message(&with_id(2, batch_of(&unique("whole"), 1, 1)));
+    let a = tokio::time::timeout(Duration::from_secs(5), s.next()).await;
+    assert_eq!(verdict(&a.unwrap().unwrap().unwrap()), (2, Ok(vec![true])));
+    let start = Instant::now();
+    let mut begun = h2_stream::prefix(100).to_vec();
+    begun.extend_from_slice(&[0x0a; 10]);
+    s.send(begun.into()).unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), s.next())
+        .await
+        .expect("the stream ended within 5 s")
+        .expect_err("an error");
+    let took = start.elapsed();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    let m = metrics(&svc).await;
+    for needle in [
+        r#"tollgate_stream_refusals_total{reason="deadline"} 1"#,
+        r#"tollgate_requests_total{transport="grpc",code="deadline_exceeded"} 1"#,
+    ] {
+        assert!(m.contains(needle), "no {needle} in\n{m}");
+    }
+    svc.stop().await;
+}
+
+/// A budget of 100 KiB: two streams hold 96 KiB of messages not yet whole (announced at 1 MB);
+/// a message of 8 KiB arriving whole in one frame is still decided (it holds nothing); a third
+/// stream whose message would hold 8 KiB more ends UNAVAILABLE, counted, and gives it back.
+#[tokio::test]
+async fn the_bytes_held_of_messages_not_yet_whole_are_bounded() {
+    const BUDGET: usize = 100 * 1024;
+    const GAUGE: &str = "tollgate_stream_buffered_bytes";
+    let config = ServiceConfig {
+        stream_buffer_bytes: BUDGET,
+        body_timeout: Duration::from_secs(10),
+        ..ServiceConfig::default()
+    };
+    let svc = Service::start_with(Arc::new(MemoryStore::new()), config).await;
+    let conn = h2_stream::connect(&svc.addr.to_string()).await;
+    let begun = |n: usize| {
+        let mut b = h2_stream::prefix(1_000_000).to_vec();
+        b.extend(std::iter::repeat_n(0x0a, n - 5));
+        axum::body::Bytes::from(b)
+    };
+    // 64 KiB arrive in four frames: held in a buffer doubled to 64 KiB; then 32 KiB in two.
+    let mut a = H2Stream::open(&conn, None).await.unwrap();
+    a.send(begun(60 * 1024)).unwrap();
+    gauge_reaches(&svc, GAUGE, 64 * 1024).await;
+    let mut b = H2Stream::open(&conn, None).await.unwrap();
+    b.send(begun(30 * 1024)).unwrap();
+    gauge_reaches(&svc, GAUGE, 96 * 1024).await;
+
+    let long = |i: usize| pb::TakeRequest {
+        buckets: vec![pb_bucket(&format!("{i}-{}", "k".repeat(4000)))],
+        ..Default::default()
+    };
+    let whole = pb::TakeBatchRequest {
+        takes: vec![long(1), long(2)],
+        id: 1,
+        ..Default::default()
+    };
+    assert!(
+        whole.encoded_len() > BUDGET - 96 * 1024,
+        "{}",
+        whole.encoded_len()
+    );
+    let mut s = open(&svc, None).await.unwrap();
+    assert_eq!(verdict(&s.ask(&whole).await), (1, Ok(vec![true, true])));
+
+    let mut c = H2Stream::open(&conn, None).await.unwrap();
+    c.send(begun(8 * 1024)).unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), c.next())
+        .await
+        .expect("refused within 5 s")
+        .expect_err("an error");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains(&BUDGET.to_string()), "{e:?}");
+    gauge_reaches(&svc, GAUGE, 96 * 1024).await;
+    let m = metrics(&svc).await;
+    for needle in [
+        r#"tollgate_stream_refusals_total{reason="buffer"} 1"#,
+        r#"tollgate_requests_total{transport="grpc",code="unavailable"} 1"#,
+    ] {
+        assert!(m.contains(needle), "no {needle} in\n{m}");
+    }
+    drop((a, b));
+    gauge_reaches(&svc, GAUGE, 0).await;
+    svc.stop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Endings (id 0: the earlier contract)
 
 /// After a valid message, an invalid one (a zero capacity in its second take; 65 takes; bytes
 /// that are not protobuf) ends the stream INVALID_ARGUMENT, the field named; nothing of it is

@@ -1,7 +1,10 @@
-//! A memory store whose takes wait at a gate until the test opens it: a decision held in
-//! progress for as long as the test needs (shutdown while deciding, a permit held).
+//! A store (the memory store, or any other) whose takes wait at a gate until the test opens it: a
+//! decision held in progress for as long as the test needs (shutdown while deciding, a permit
+//! held, a slow message overtaken by a later one).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{Notify, Semaphore};
@@ -12,23 +15,41 @@ use tollgate_server::domain::{
 use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::{Store, StoreError};
 
-/// [`MemoryStore`] with its takes (single and batch) held at a gate, closed at first; every other
-/// call goes straight through (the readiness ping too).
+/// A store with its takes (single and batch) held at a gate, closed at first; every other call
+/// goes straight through (the readiness ping too). [`Gated::only`]: only the takes of some keys.
 pub struct Gated {
-    inner: MemoryStore,
+    inner: Arc<dyn Store>,
+    /// Only takes with a key that starts with this wait at the gate; `None`: every take.
+    only: Option<String>,
     /// No permit while closed; one, handed back by every take that passes, once opened.
     gate: Semaphore,
     /// Notified as each take reaches the gate.
     arrived: Notify,
+    /// Takes that reached the gate so far.
+    arrivals: AtomicUsize,
 }
 
 impl Gated {
+    /// Over a fresh [`MemoryStore`].
     pub fn new() -> Self {
+        Self::over(Arc::new(MemoryStore::new()))
+    }
+
+    /// Over `inner` (its `kind` is the store's: a Redis store is coalesced as in production).
+    pub fn over(inner: Arc<dyn Store>) -> Self {
         Gated {
-            inner: MemoryStore::new(),
+            inner,
+            only: None,
             gate: Semaphore::new(0),
             arrived: Notify::new(),
+            arrivals: AtomicUsize::new(0),
         }
+    }
+
+    /// Gates only the takes with a key that starts with `prefix` (a batch: any of its keys).
+    pub fn only(mut self, prefix: &str) -> Self {
+        self.only = Some(prefix.to_string());
+        self
     }
 
     /// Lets every take waiting at the gate, and every later one, through.
@@ -43,7 +64,30 @@ impl Gated {
             .expect("a take reached the gate within 10 s");
     }
 
-    async fn pass(&self) {
+    /// Waits until `n` takes in all have reached the gate.
+    pub async fn arrivals(&self, n: usize) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while self.arrivals.load(Ordering::SeqCst) < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{n} takes did not reach the gate within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Takes that reached the gate so far.
+    pub fn arrived(&self) -> usize {
+        self.arrivals.load(Ordering::SeqCst)
+    }
+
+    async fn pass<'a>(&self, mut keys: impl Iterator<Item = &'a str>) {
+        if let Some(prefix) = &self.only {
+            if !keys.any(|k| k.starts_with(prefix.as_str())) {
+                return;
+            }
+        }
+        self.arrivals.fetch_add(1, Ordering::SeqCst);
         self.arrived.notify_one();
         drop(self.gate.acquire().await.expect("the gate is never closed"));
     }
@@ -52,12 +96,13 @@ impl Gated {
 #[async_trait::async_trait]
 impl Store for Gated {
     async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeResponse, StoreError> {
-        self.pass().await;
+        self.pass(buckets.iter().map(|b| b.key.as_str())).await;
         self.inner.take(buckets).await
     }
 
     async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeResponse>, StoreError> {
-        self.pass().await;
+        self.pass(takes.iter().flatten().map(|b| b.key.as_str()))
+            .await;
         self.inner.take_batch(takes).await
     }
 

@@ -1,12 +1,14 @@
 //! Shared test support: real redis-server processes on free ports (the shared test support's,
 //! `testkit/`: killed by PID on drop), the
 //! service started in-process on 127.0.0.1:0 through `run`, and small HTTP/gRPC helpers;
-//! [`binary`]: the real `tollgate-server` binary as a child process; [`gated`]: a memory store
-//! whose takes wait until the test lets them through.
+//! [`binary`]: the real `tollgate-server` binary as a child process; [`gated`]: a store whose
+//! takes wait until the test lets them through; [`h2_stream`]: `TakeStream` streams over bare
+//! HTTP/2, any bytes sent.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod binary;
 pub mod gated;
+pub mod h2_stream;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
