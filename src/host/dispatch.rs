@@ -24,7 +24,7 @@ use super::metrics::{Metrics, SettleCount, VmGauges};
 use super::plugin::{Plugin, Waiter};
 use super::proxy::{Proxy, Shared};
 use super::request::{may_match, read_request, Reads};
-use crate::core::base::ledger::{IdMap, Ledger, VIRTUAL};
+use crate::core::base::ledger::{CalloutId, IdMap, Ledger};
 use crate::core::config::{Config, FailureMode, Transport};
 use crate::core::flow::{self, Flow, Leftover, Metric, Next, Phase};
 use crate::core::inflight;
@@ -286,11 +286,11 @@ impl<A: Abi> Dispatcher<A> {
         if !plugin.settles.borrow().is_empty() {
             Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).send_settles();
         }
-        if plugin.held.borrow().is_empty() {
-            return;
+        if !plugin.held.borrow().is_empty() {
+            let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+            flow::sweep(&plugin.config, &mut plugin.held.borrow_mut(), &mut proxy);
         }
-        let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-        flow::sweep(&plugin.config, &mut plugin.held.borrow_mut(), &mut proxy);
+        self.end_callback();
     }
 
     pub fn on_request_headers(&mut self, id: u32) -> u32 {
@@ -311,7 +311,7 @@ impl<A: Abi> Dispatcher<A> {
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, id);
         let next = f.flow.on_request_headers(&plugin.config, &req, &mut proxy);
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
-        self.report_pending();
+        self.end_callback();
         status_code(next)
     }
 
@@ -399,13 +399,13 @@ impl<A: Abi> Dispatcher<A> {
             if let Some(p) = f.plugin.clone() {
                 self.request_ended(id, &mut f, &p);
             }
-            self.report_pending();
+            self.end_callback();
             self.report_memory();
         } else if let Some(Some(old)) = self.roots.remove(&id) {
             self.root_ended(&old);
             self.hand_over_pools(&old);
             self.hand_over_settlements(&old);
-            self.report_pending();
+            self.end_callback();
         }
     }
 
@@ -440,30 +440,36 @@ impl<A: Abi> Dispatcher<A> {
                 let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);
                 flow::release(&p.config, body, &mut proxy);
             }
-            // The take's answer is the root's now (it still holds the batch queue back until it
-            // arrives); a queued take has no callout yet: it leaves the queue.
-            Leftover::Abandoned { token } => match self.ledger.get(token).map(|e| &e.waiter) {
-                Some(Waiter::Take { context, gates, .. }) if *context == id => {
-                    if token & VIRTUAL == 0 {
+            // A take with a callout of its own: its answer is the root's now (it still holds the
+            // batch queue back until it arrives). A take in a batch: it leaves the queue (if it
+            // is still there), and its share of the batch's answer is no one's.
+            Leftover::Abandoned { id: callout } => {
+                match self.ledger.get(callout).map(|e| &e.waiter) {
+                    Some(Waiter::Take { context, gates, .. }) if *context == id => {
                         let gates = *gates;
                         let plugin = p.clone();
                         self.ledger
-                            .replace(token, Waiter::Abandoned { plugin, gates });
-                    } else {
-                        self.ledger.close(token);
-                        p.queue.borrow_mut().forget(token);
+                            .replace(callout, Waiter::Abandoned { plugin, gates });
                     }
+                    Some(Waiter::Member { context }) if *context == id => {
+                        self.ledger.close(callout);
+                        p.queue.borrow_mut().forget(callout);
+                    }
+                    _ => {}
                 }
-                _ => {}
-            },
-            Leftover::Orphan { token, slot, keys } => {
+            }
+            Leftover::Orphan {
+                id: callout,
+                slot,
+                keys,
+            } => {
                 if matches!(
-                    self.ledger.get(token).map(|e| &e.waiter),
+                    self.ledger.get(callout).map(|e| &e.waiter),
                     Some(Waiter::Acquire { context }) if *context == id
                 ) {
                     let plugin = p.clone();
                     self.ledger
-                        .replace(token, Waiter::Orphan { plugin, slot, keys });
+                        .replace(callout, Waiter::Orphan { plugin, slot, keys });
                 }
             }
         }
@@ -473,14 +479,10 @@ impl<A: Abi> Dispatcher<A> {
     /// here. A request still waiting takes its failure path (as for a reset), a refill's claim
     /// ends; a settlement attempt needs nothing here ([`Dispatcher::hand_over_settlements`]).
     fn root_ended(&mut self, old: &Rc<Plugin>) {
-        for (token, waiter) in self.ledger.close_root(old.root) {
+        for (id, waiter) in self.ledger.close_root(old.root) {
             match waiter {
-                Waiter::Take { .. } | Waiter::Acquire { .. } => {
-                    let reset = CalloutResult::Http {
-                        status: None,
-                        body: Vec::new(),
-                    };
-                    self.answer(token, waiter, &mut Ready(Some(reset)));
+                Waiter::Take { .. } | Waiter::Member { .. } | Waiter::Acquire { .. } => {
+                    self.answer(id, waiter, &mut Ready(Some(reset())));
                 }
                 Waiter::Refill { plugin, plan, .. } => {
                     lease::abandon(
@@ -572,7 +574,7 @@ impl<A: Abi> Dispatcher<A> {
 
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
         self.deliver(
-            token,
+            CalloutId::from(token),
             &mut FromHost(|abi: &A| {
                 if num_headers == 0 {
                     // Envoy reports a reset (and some other failures) as a response without headers.
@@ -619,7 +621,7 @@ impl<A: Abi> Dispatcher<A> {
         // Envoy keeps a stream the service closed until the module closes its side too: cancel
         // it, which frees it (and, the stream being over, sends nothing).
         let _ = self.abi.grpc_cancel(token);
-        self.ledger.close(token);
+        self.ledger.close(CalloutId::from(token));
         let now = self.abi.now_ms();
         let failed = plugin
             .stream
@@ -646,7 +648,7 @@ impl<A: Abi> Dispatcher<A> {
 
     /// The plugin whose stream `token` is.
     fn stream_of(&self, token: u32) -> Option<Rc<Plugin>> {
-        match self.ledger.get(token).map(|e| &e.waiter) {
+        match self.ledger.get(CalloutId::from(token)).map(|e| &e.waiter) {
             Some(Waiter::Stream { plugin }) => Some(plugin.clone()),
             _ => None,
         }
@@ -667,7 +669,7 @@ impl<A: Abi> Dispatcher<A> {
             if let Err(s) = self.abi.grpc_cancel(token) {
                 debug!("stream {token} not cancelled: {}", abi::status_name(s));
             }
-            self.ledger.close(token);
+            self.ledger.close(CalloutId::from(token));
         }
         for m in expired.messages {
             self.deliver(m, &mut Ready(Some(CalloutResult::Expired)));
@@ -678,7 +680,7 @@ impl<A: Abi> Dispatcher<A> {
     /// failure status without one (`proxy_on_grpc_close`).
     pub fn on_grpc_response(&mut self, token: u32, status: u32, size: usize) {
         self.deliver(
-            token,
+            CalloutId::from(token),
             &mut FromHost(|abi: &A| {
                 if status != 0 {
                     return CalloutResult::Grpc {
@@ -692,31 +694,58 @@ impl<A: Abi> Dispatcher<A> {
         );
     }
 
-    /// Callout `token` ended with the result `read` gives: its ledger entry says who waits.
-    /// After any callout that held a plugin's batch queue back, the requests queued behind it
-    /// leave together.
-    fn deliver(&mut self, token: u32, read: &mut dyn Read<A>) {
-        let Some(entry) = self.ledger.close(token) else {
-            debug!("reply to callout {token}: no one waits for it");
+    /// Callout `id` ended with the result `read` gives: its ledger entry says who waits.
+    fn deliver(&mut self, id: CalloutId, read: &mut dyn Read<A>) {
+        let Some(entry) = self.ledger.close(id) else {
+            debug!("reply to callout {id}: no one waits for it");
             return;
         };
-        let gate = entry.waiter.gate().cloned();
+        self.finish(id, entry.waiter, read);
+        self.end_callback();
+    }
+
+    /// Callout `id`, closed in the ledger, ended with the result `read` gives, for `waiter`.
+    /// After any callout that held a plugin's batch queue back, the requests queued behind it
+    /// leave together.
+    fn finish(&mut self, id: CalloutId, waiter: Waiter, read: &mut dyn Read<A>) {
+        let gate = waiter.gate().cloned();
         if let Some(p) = &gate {
             p.queue.borrow_mut().ended();
         }
-        self.answer(token, entry.waiter, read);
+        self.answer(id, waiter, read);
         if let Some(p) = gate {
             self.flush(&p);
+        }
+    }
+
+    /// What every callback that may start callouts ends with: the entries a token of Envoy's
+    /// displaced from the ledger fail ([`Ledger::displaced`]: a request takes its failure path
+    /// as for a reset, a stream is lost), and `tollgate.callouts.pending` is brought up to date.
+    fn end_callback(&mut self) {
+        if self.ledger.any_displaced() {
+            for (id, entry) in self.ledger.displaced() {
+                if let Waiter::Stream { plugin } = &entry.waiter {
+                    // Envoy no longer knows the stream: its messages fail on the next tick.
+                    let now = self.abi.now_ms();
+                    if let Ok(token) = u32::try_from(id.0) {
+                        let open_ms = plugin.config.breaker.open_ms;
+                        plugin.stream.borrow_mut().lost(token, now, open_ms);
+                    }
+                }
+                self.finish(id, entry.waiter, &mut Ready(Some(reset())));
+            }
         }
         self.report_pending();
     }
 
-    /// The one place an answer goes: to whoever waits for callout `token`. `read` runs only when
+    /// The one place an answer goes: to whoever waits for callout `id`. `read` runs only when
     /// someone wants the result (a stray reply costs no host calls), as the request's context.
-    fn answer(&mut self, token: u32, waiter: Waiter, read: &mut dyn Read<A>) {
+    fn answer(&mut self, id: CalloutId, waiter: Waiter, read: &mut dyn Read<A>) {
         match waiter {
-            Waiter::Take { context, .. } | Waiter::Acquire { context, .. } => {
-                self.resume_request(context, token, read);
+            Waiter::Take { context, .. }
+            | Waiter::Member { context }
+            | Waiter::Acquire { context, .. } => {
+                self.resume_request(context, id, read);
             }
             Waiter::Batch { members, .. } => {
                 // The batch's own token waits in no request; each member is its own entry.
@@ -764,35 +793,32 @@ impl<A: Abi> Dispatcher<A> {
     }
 
     /// A batch member's share of the batch answer (its entry closes here).
-    fn answer_member(&mut self, member: u32, result: CalloutResult) {
+    fn answer_member(&mut self, member: CalloutId, result: CalloutResult) {
         if let Some(e) = self.ledger.close(member) {
             self.answer(member, e.waiter, &mut Ready(Some(result)));
         }
     }
 
-    /// Hands `read`'s result to request `context`, if it still waits for `token`.
-    fn resume_request(&mut self, context: u32, token: u32, read: &mut dyn Read<A>) {
+    /// Hands `read`'s result to request `context`, if it still waits for callout `id`.
+    fn resume_request(&mut self, context: u32, id: CalloutId, read: &mut dyn Read<A>) {
         let Some(f) = self.filters.get_mut(&context) else {
             return;
         };
         let Some(plugin) = f.plugin.clone() else {
             return;
         };
-        if !f.flow.waits_for(token) {
+        if !f.flow.waits_for(id) {
             return;
         }
         // The reply arrives on the root context; resume / reply must act on the request's.
         if let Err(s) = self.abi.set_effective_context(context) {
-            debug!(
-                "request of callout {token} is gone: {}",
-                abi::status_name(s)
-            );
+            debug!("request of callout {id} is gone: {}", abi::status_name(s));
             return;
         }
         let result = read.read(&self.abi);
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, context);
         f.flow
-            .on_callout_result(&plugin.config, token, result, &mut proxy);
+            .on_callout_result(&plugin.config, id, result, &mut proxy);
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
     }
 
@@ -824,13 +850,13 @@ impl<A: Abi> Dispatcher<A> {
             .into_iter()
             .partition(|q| q.deadline_ms(timeout) <= now);
         for q in late {
-            self.answer_member(q.token, CalloutResult::Expired);
+            self.answer_member(q.id, CalloutResult::Expired);
         }
         let Some(deadline) = queued.iter().map(|q| q.deadline_ms(timeout)).min() else {
             return;
         };
         let takes: Vec<&TakeRequest> = queued.iter().map(|q| &q.take).collect();
-        let members: Vec<u32> = queued.iter().map(|q| q.token).collect();
+        let members: Vec<CalloutId> = queued.iter().map(|q| q.id).collect();
         let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);
         let sent = proxy.send_batch(&plugin.config, members.clone(), &takes, now, deadline);
         if let Err(why) = sent {
@@ -867,6 +893,15 @@ impl<A: Abi> Dispatcher<A> {
             self.abi.increment_metric(g.memory, delta);
             self.memory_reported = now;
         }
+    }
+}
+
+/// What a callout that ended without a word (its root gone, its token handed out again) ended
+/// with: a reset, as Envoy reports one.
+fn reset() -> CalloutResult {
+    CalloutResult::Http {
+        status: None,
+        body: Vec::new(),
     }
 }
 

@@ -16,6 +16,9 @@ pub(super) struct Metrics {
     /// carried.
     batch_callouts: u32,
     batch_takes: u32,
+    /// `tollgate.callouts.collided`: tokens Envoy handed out while an entry of the VM's ledger
+    /// still held them (the callout that entry waited for failed).
+    collided: u32,
     decisions: Vec<u32>,
     /// Per rule (in configuration order), one id per [`RuleCount::ALL`] (none for a rule of
     /// another kind than rate: those count `inflight`).
@@ -103,6 +106,7 @@ impl Metrics {
             settles,
             batch_callouts: abi.define_metric(MetricKind::Counter, "tollgate.batch.callouts")?,
             batch_takes: abi.define_metric(MetricKind::Counter, "tollgate.batch.takes")?,
+            collided: abi.define_metric(MetricKind::Counter, "tollgate.callouts.collided")?,
             decisions,
             rules,
             failures,
@@ -127,6 +131,11 @@ impl Metrics {
     pub(super) fn batched(&self, abi: &impl Abi, takes: usize) {
         abi.increment_metric(self.batch_callouts, 1);
         abi.increment_metric(self.batch_takes, i64::try_from(takes).unwrap_or(i64::MAX));
+    }
+
+    /// A token Envoy handed out met an entry still in the ledger.
+    pub(super) fn collided(&self, abi: &impl Abi) {
+        abi.increment_metric(self.collided, 1);
     }
 
     /// `n` settlements `what`.

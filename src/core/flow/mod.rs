@@ -5,12 +5,12 @@
 //! Idle ──no rule──────────────────────────────▶ Done            (Continue, no callout)
 //! Idle ──lease pools decide──────────▶ verdict ▶ Done           (Continue or reply, no callout)
 //! Idle ──breaker open / dispatch error──▶ verdict ▶ Done        (Continue or reply, never paused)
-//! Idle ──dispatch ok──▶ Calling{token} ──reply for token──▶ verdict ▶ Done (resume or reply)
+//! Idle ──dispatch ok──▶ Calling{id} ──reply for id──▶ verdict ▶ Done    (resume or reply)
 //! ```
 //!
 //! The stream is paused only after a dispatch succeeded, and resumed only from `Calling`: a
 //! synchronous failure is decided on the spot, and a stream that was never paused is never
-//! resumed. A reply for another token (or a second reply) is ignored.
+//! resumed. A reply for another callout (or a second reply) is ignored.
 //!
 //! Lease mode ([`crate::core::local::lease`]) sits in front of the callout: when the pools of every
 //! bucket can pay (or one holds a cached denial) the request is decided on the spot; otherwise the
@@ -20,6 +20,7 @@
 //!
 //! `slots`: a request's concurrency slots ([`crate::core::inflight`]) as the flow drives them.
 
+use crate::core::base::ledger::CalloutId;
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::decide;
@@ -47,8 +48,8 @@ pub trait Host {
     fn store(&self) -> &Self::Store;
     /// Wall-clock time in ms since the epoch.
     fn now_ms(&self) -> u64;
-    /// Starts `callout`; its token, or why it could not start.
-    fn send(&mut self, cfg: &Config, callout: Callout<'_>) -> Result<u32, String>;
+    /// Starts `callout`; its id in the ledger, or why it could not start.
+    fn send(&mut self, cfg: &Config, callout: Callout<'_>) -> Result<CalloutId, String>;
     /// Resumes the paused request.
     fn resume(&mut self);
     /// Sends a local reply (the request ends there).
@@ -101,16 +102,16 @@ pub enum Leftover {
     Settle(Vec<crate::core::settle::Item>),
     /// Slots held at the service, to release: the release's JSON body.
     Release(Vec<u8>),
-    /// The take in flight under `token` (or queued under it): its answer is no one's now.
+    /// The take in flight under `id` (or queued under it): its answer is no one's now.
     Abandoned {
-        /// Callout token.
-        token: u32,
+        /// Its callout's id in the ledger.
+        id: CalloutId,
     },
-    /// The acquire in flight under `token`: unless its answer is a denial (nothing taken), the
+    /// The acquire in flight under `id`: unless its answer is a denial (nothing taken), the
     /// slots go back at once, by the name this proxy gave them.
     Orphan {
-        /// Callout token.
-        token: u32,
+        /// Its callout's id in the ledger.
+        id: CalloutId,
         /// The slots' id.
         slot: String,
         /// The keys asked for.
@@ -132,10 +133,10 @@ pub enum Next {
 pub enum Phase {
     /// Headers not seen yet.
     Idle,
-    /// Paused, waiting for callout `token`; `probe` if it is the breaker's probe.
+    /// Paused, waiting for callout `id`; `probe` if it is the breaker's probe.
     Calling {
-        /// Callout token.
-        token: u32,
+        /// Its callout's id in the ledger.
+        id: CalloutId,
         /// What was asked.
         plan: Plan,
         /// Whether this callout is the breaker's probe.
@@ -243,9 +244,9 @@ impl Flow {
         }
         let probe = admission == Admission::Probe;
         match host.send(cfg, Callout::Take(&plan)) {
-            Ok(token) => {
+            Ok(id) => {
                 self.phase = Phase::Calling {
-                    token,
+                    id,
                     plan,
                     probe,
                     clean,
@@ -279,10 +280,10 @@ impl Flow {
         }
     }
 
-    /// Whether `token` is the callout this request waits for.
-    pub fn waits_for(&self, token: u32) -> bool {
-        matches!(self.phase, Phase::Calling { token: t, .. } if t == token)
-            || self.slots.token() == Some(token)
+    /// Whether `id` is the callout this request waits for.
+    pub fn waits_for(&self, id: CalloutId) -> bool {
+        matches!(self.phase, Phase::Calling { id: t, .. } if t == id)
+            || self.slots.callout() == Some(id)
     }
 
     /// The stream ended, however it ended (response sent, upstream reset, client gone): what the
@@ -299,9 +300,9 @@ impl Flow {
                 left.push(Leftover::Settle(items));
             }
         }
-        if let Phase::Calling { token, .. } = self.phase {
+        if let Phase::Calling { id, .. } = self.phase {
             self.phase = Phase::Done;
-            left.push(Leftover::Abandoned { token });
+            left.push(Leftover::Abandoned { id });
         }
         left.extend(self.slots.end(cfg, host));
         left
@@ -311,15 +312,15 @@ impl Flow {
     pub fn on_callout_result<H: Host>(
         &mut self,
         cfg: &Config,
-        token: u32,
+        id: CalloutId,
         result: CalloutResult,
         host: &mut H,
     ) {
-        if self.slots.token() == Some(token) {
-            self.slots.on_result(cfg, token, &result, host);
+        if self.slots.callout() == Some(id) {
+            self.slots.on_result(cfg, id, &result, host);
             return;
         }
-        if !self.waits_for(token) {
+        if !self.waits_for(id) {
             return;
         }
         let Phase::Calling {
@@ -343,9 +344,9 @@ impl Flow {
                 fallback::attach_debts(cfg, &mut enforced, host.store(), now);
             }
             match host.send(cfg, Callout::Take(&enforced)) {
-                Ok(token) => {
+                Ok(id) => {
                     self.phase = Phase::Calling {
-                        token,
+                        id,
                         plan: enforced,
                         probe: false,
                         clean: false,
@@ -644,7 +645,7 @@ mod tests {
         store: FakeStore,
         now: u64,
         dispatch_fails: bool,
-        next_token: u32,
+        next_id: CalloutId,
         dispatched: u32,
         resumed: u32,
         replies: Vec<LocalReply>,
@@ -676,7 +677,7 @@ mod tests {
                 store,
                 now: 0,
                 dispatch_fails: false,
-                next_token: 0,
+                next_id: CalloutId(0),
                 dispatched: 0,
                 resumed: 0,
                 replies: Vec::new(),
@@ -703,7 +704,7 @@ mod tests {
         fn now_ms(&self) -> u64 {
             self.now
         }
-        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<u32, String> {
+        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<CalloutId, String> {
             match out {
                 Callout::Take(plan) => {
                     self.sent.push(plan.clone());
@@ -727,8 +728,8 @@ mod tests {
                 }
                 Callout::Release(body) => self.releases.push(body),
             }
-            self.next_token += 1;
-            Ok(self.next_token)
+            self.next_id.0 += 1;
+            Ok(self.next_id)
         }
         fn resume(&mut self) {
             self.resumed += 1;
@@ -798,13 +799,13 @@ mod tests {
             Next::Pause,
             "body waits for the decision"
         );
-        assert!(f.waits_for(1));
-        f.on_callout_result(&c, 1, answer(true), &mut h);
+        assert!(f.waits_for(CalloutId(1)));
+        f.on_callout_result(&c, CalloutId(1), answer(true), &mut h);
         assert_eq!((h.resumed, h.replies.len()), (1, 0));
         assert_eq!(h.counts, vec![Decision::Allowed]);
         assert_eq!(f.on_request_data(), Next::Continue);
         // A duplicate or stale reply changes nothing.
-        f.on_callout_result(&c, 1, answer(false), &mut h);
+        f.on_callout_result(&c, CalloutId(1), answer(false), &mut h);
         assert_eq!((h.resumed, h.replies.len(), h.counts.len()), (1, 0, 1));
     }
 
@@ -812,9 +813,9 @@ mod tests {
     fn limited_replies_without_resuming() {
         let (c, mut h, mut f) = (cfg(""), FakeHost::default(), Flow::default());
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, 2, answer(false), &mut h);
-        assert!(f.waits_for(1), "another token is not ours");
-        f.on_callout_result(&c, 1, answer(false), &mut h);
+        f.on_callout_result(&c, CalloutId(2), answer(false), &mut h);
+        assert!(f.waits_for(CalloutId(1)), "another token is not ours");
+        f.on_callout_result(&c, CalloutId(1), answer(false), &mut h);
         assert_eq!((h.resumed, h.replies.len()), (0, 1));
         assert_eq!(h.replies[0].status, 429);
         assert_eq!(h.counts, vec![Decision::Limited]);
@@ -867,11 +868,11 @@ mod tests {
         let mut h = FakeHost::default();
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, h.next_token, granted(true, 1, 1), &mut h);
+        f.on_callout_result(&c, h.next_id, granted(true, 1, 1), &mut h);
         for _ in 0..2 {
             let mut f = Flow::default();
             f.on_request_headers(&c, &req("/api"), &mut h);
-            f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
+            f.on_callout_result(&c, h.next_id, timed_out(), &mut h);
         }
         assert_eq!(
             h.counts,
@@ -887,7 +888,7 @@ mod tests {
         let sent = h.sent.last().unwrap();
         assert_eq!(sent.request.buckets[0].lease, Some(2), "cost 1 + debt 1");
         assert_eq!(sent.debt, vec![1]);
-        f.on_callout_result(&c, h.next_token, granted(true, 0, 2), &mut h);
+        f.on_callout_result(&c, h.next_id, granted(true, 0, 2), &mut h);
         assert_eq!(
             h.counts.last(),
             Some(&Decision::Allowed),
@@ -908,13 +909,13 @@ mod tests {
         for _ in 0..2 {
             let mut f = Flow::default();
             f.on_request_headers(&c, &req("/api"), &mut h);
-            f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
+            f.on_callout_result(&c, h.next_id, timed_out(), &mut h);
         }
         // The service has 1 token: it grants 1 of the 3 asked (cost 1 + debt 2) and allows.
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
         assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(3));
-        f.on_callout_result(&c, h.next_token, granted(true, 0, 1), &mut h);
+        f.on_callout_result(&c, h.next_id, granted(true, 0, 1), &mut h);
         assert_eq!(h.counts.last(), Some(&Decision::Limited), "debt first");
         assert_eq!(h.replies.last().unwrap().status, 429);
         // One of the two owed was repaid; the next callout carries the other.
@@ -940,7 +941,7 @@ mod tests {
             {"allowed":false,"limit":1,"remaining":0,"reset_ms":1,"retry_after_ms":5}]}"#;
         f.on_callout_result(
             &c,
-            h.next_token,
+            h.next_id,
             CalloutResult::Http {
                 status: Some(200),
                 body: body.to_vec(),
@@ -954,7 +955,7 @@ mod tests {
         let body = br#"{"allowed":true,"buckets":[{"allowed":true,"limit":2,"remaining":1,"reset_ms":1,"retry_after_ms":0}]}"#;
         f.on_callout_result(
             &c,
-            h.next_token,
+            h.next_id,
             CalloutResult::Http {
                 status: Some(200),
                 body: body.to_vec(),
@@ -977,7 +978,7 @@ mod tests {
         f.on_request_headers(&c, &req("/api"), &mut h);
         f.on_callout_result(
             &c,
-            h.next_token,
+            h.next_id,
             CalloutResult::Http {
                 status: None,
                 body: vec![],
@@ -990,7 +991,7 @@ mod tests {
             assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
             assert_eq!(h.dispatched, round + 2);
             assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
-            f.on_callout_result(&c, h.next_token, answer(false), &mut h);
+            f.on_callout_result(&c, h.next_id, answer(false), &mut h);
             // Past the denial's retry_after (1 s): the next request asks again.
             h.now += 1000;
         }
@@ -1003,13 +1004,13 @@ mod tests {
         // One admitted on credit: the callouts after it carry the debt (lease 2 = cost 1 + 1).
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
+        f.on_callout_result(&c, h.next_id, timed_out(), &mut h);
         assert_eq!(h.counts, vec![Decision::FallbackAllowed]);
         // The service denies (the bucket cannot pay the cost): remembered for a second.
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
         assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
-        f.on_callout_result(&c, h.next_token, answer(false), &mut h);
+        f.on_callout_result(&c, h.next_id, answer(false), &mut h);
         assert_eq!(h.dispatched, 2);
         // A flood meanwhile is answered here, the debt still owed.
         for n in 0..3 {
@@ -1025,7 +1026,7 @@ mod tests {
         h.now += 1000;
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, h.next_token, granted(true, 0, 1), &mut h);
+        f.on_callout_result(&c, h.next_id, granted(true, 0, 1), &mut h);
         assert_eq!(h.counts.last(), Some(&Decision::Limited), "debt first");
         let mut f = Flow::default();
         assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
@@ -1053,7 +1054,7 @@ mod tests {
                 Next::Pause,
                 "request {i}"
             );
-            f.on_callout_result(&c, h.next_token, r, &mut h);
+            f.on_callout_result(&c, h.next_id, r, &mut h);
         }
         assert_eq!(h.failures, vec![Cause::Timeout, Cause::Reset]);
         assert_eq!(
@@ -1078,7 +1079,7 @@ mod tests {
         let mut other = Flow::default();
         other.on_request_headers(&c, &req("/api"), &mut h);
         assert_eq!(h.dispatched, 3, "only the probe calls");
-        probe.on_callout_result(&c, 3, answer(true), &mut h);
+        probe.on_callout_result(&c, CalloutId(3), answer(true), &mut h);
         assert_eq!(h.events, vec![Event::Opened, Event::Closed]);
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
@@ -1093,7 +1094,7 @@ mod tests {
             Flow::default(),
         );
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, 1, answer(false), &mut h);
+        f.on_callout_result(&c, CalloutId(1), answer(false), &mut h);
         assert_eq!((h.resumed, h.replies.len()), (1, 0));
         assert_eq!(h.counts, vec![Decision::ShadowLimited]);
     }
@@ -1124,7 +1125,7 @@ mod tests {
         let mut f = Flow::default();
         assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
         assert_eq!(h.sent[0].request.buckets[0].lease, Some(8));
-        f.on_callout_result(&c, 1, lease_answer(true, 8, 0), &mut h);
+        f.on_callout_result(&c, CalloutId(1), lease_answer(true, 8, 0), &mut h);
         assert_eq!(h.leases, vec![(Count::Granted, 8)]);
         // 7 in the pool; 5 can be spent before the refill mark (8 / 4 = 2).
         for i in 0..5 {
@@ -1193,7 +1194,7 @@ mod tests {
         let mut h = FakeHost::default();
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/"), &mut h);
-        f.on_callout_result(&c, 1, lease_answer(false, 0, 2500), &mut h);
+        f.on_callout_result(&c, CalloutId(1), lease_answer(false, 0, 2500), &mut h);
         assert_eq!(h.counts, vec![Decision::Limited]);
         h.now = 1000;
         let mut f = Flow::default();
@@ -1217,7 +1218,7 @@ mod tests {
         let mut h = FakeHost::default();
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/"), &mut h);
-        f.on_callout_result(&c, 1, lease_answer(true, 8, 0), &mut h);
+        f.on_callout_result(&c, CalloutId(1), lease_answer(true, 8, 0), &mut h);
         // 6 spent locally, the sixth starting a background refill, which fails.
         for _ in 0..6 {
             let mut f = Flow::default();
@@ -1241,7 +1242,7 @@ mod tests {
         assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
         f.on_callout_result(
             &c,
-            h.next_token,
+            h.next_id,
             CalloutResult::Http {
                 status: None,
                 body: vec![],

@@ -4,7 +4,7 @@
 //! `tollgate.v1.RateLimiter/TakeBatch`), and its answer is split back onto the waiting requests.
 //! A lone request still calls at once, so light load gets no added latency.
 //!
-//! Queued requests wait under a virtual token the VM's ledger hands out
+//! Queued requests wait under an id the VM's ledger hands out
 //! ([`crate::core::base::ledger::Ledger::reserve`]); the core's [`crate::core::flow::Flow`] does not
 //! know the difference. A full queue is a dispatch failure (the failure mode decides); a failed
 //! batch fails each of its requests the way a single callout would have.
@@ -15,6 +15,7 @@
 //! [`contract::bounds::MAX_ANSWER_BYTES`] (64 takes of 12 buckets each would be answered with
 //! about 100 KB). What does not fit waits for the next batch.
 
+use crate::core::base::ledger::CalloutId;
 use crate::core::wire::plan::CalloutResult;
 use crate::core::wire::{self, TakeRequest};
 use contract::bounds::{
@@ -30,8 +31,8 @@ pub const QUEUE_BATCHES: usize = 4;
 /// A request waiting for the next batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Queued {
-    /// Its virtual token.
-    pub token: u32,
+    /// Its id in the ledger.
+    pub id: CalloutId,
     /// Its take.
     pub take: TakeRequest,
     /// When it joined the queue (ms): `service.timeout_ms` bounds its wait from then, in the
@@ -63,12 +64,12 @@ impl Queue {
         self.in_flight > 0
     }
 
-    /// Queues `req` under `token` at `now_ms`, unless `max` are waiting already (a plugin's
+    /// Queues `req` under `id` at `now_ms`, unless `max` are waiting already (a plugin's
     /// bound is [`QUEUE_BATCHES`] × its batch size).
     pub fn push(
         &mut self,
         max: usize,
-        token: u32,
+        id: CalloutId,
         req: &TakeRequest,
         now_ms: u64,
     ) -> Result<(), String> {
@@ -76,7 +77,7 @@ impl Queue {
             return Err(format!("batch queue full ({max} waiting)"));
         }
         self.waiting.push(Queued {
-            token,
+            id,
             take: req.clone(),
             since_ms: now_ms,
         });
@@ -119,8 +120,8 @@ impl Queue {
     }
 
     /// A queued request went away before its batch left: it leaves the queue.
-    pub fn forget(&mut self, token: u32) {
-        self.waiting.retain(|q| q.token != token);
+    pub fn forget(&mut self, id: CalloutId) {
+        self.waiting.retain(|q| q.id != id);
     }
 
     /// Requests waiting.
@@ -156,7 +157,6 @@ pub fn split(result: CalloutResult, members: usize) -> Vec<CalloutResult> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::base::ledger::VIRTUAL;
     use crate::core::decide::interpret;
     use crate::core::wire::plan::{Cause, Outcome, Plan};
     use crate::core::wire::{Bucket, TakeResponse};
@@ -193,14 +193,14 @@ mod tests {
         assert!(!q.busy(), "nothing in flight: call now");
         q.started();
         assert!(q.busy());
-        q.push(2, VIRTUAL | 1, &take(), 10).unwrap();
-        q.push(2, VIRTUAL | 2, &take(), 12).unwrap();
-        assert!(q.push(2, VIRTUAL | 3, &take(), 13).is_err(), "full");
+        q.push(2, CalloutId(1), &take(), 10).unwrap();
+        q.push(2, CalloutId(2), &take(), 12).unwrap();
+        assert!(q.push(2, CalloutId(3), &take(), 13).is_err(), "full");
         q.ended();
-        q.forget(VIRTUAL | 1);
+        q.forget(CalloutId(1));
         let next = q.drain(64);
         assert_eq!(next.len(), 1);
-        assert_eq!(next[0].token, VIRTUAL | 2);
+        assert_eq!(next[0].id, CalloutId(2));
         assert_eq!(
             next[0].deadline_ms(20),
             32,
@@ -216,7 +216,7 @@ mod tests {
         q.started();
         // 64 takes of 12 buckets: answered whole, about 100 KB, more than the filter reads.
         for i in 0..64 {
-            q.push(64, VIRTUAL | i, &take_of(12, 8), 0).unwrap();
+            q.push(64, CalloutId(i), &take_of(12, 8), 0).unwrap();
         }
         let mut batches = Vec::new();
         while q.waiting() > 0 {
@@ -233,7 +233,7 @@ mod tests {
         assert!(batches.len() >= 2 && batches[0] > 1, "{batches:?}");
         // Takes of long keys: the request bound (1 MiB) splits them first.
         for i in 0..64 {
-            q.push(64, VIRTUAL | i, &take_of(4, 4096), 0).unwrap();
+            q.push(64, CalloutId(i), &take_of(4, 4096), 0).unwrap();
         }
         let first = q.drain(64);
         let keys: usize = first
@@ -248,7 +248,7 @@ mod tests {
         // The count bound still holds, and one take always leaves, however large.
         q.drain(usize::MAX);
         for i in 0..5 {
-            q.push(64, VIRTUAL | i, &take_of(16, 4096), 0).unwrap();
+            q.push(64, CalloutId(i), &take_of(16, 4096), 0).unwrap();
         }
         assert_eq!(q.drain(2).len(), 2);
         assert_eq!(q.drain(64).len(), 3);

@@ -26,6 +26,7 @@
 //!   [`MAX_AGE_MS`] is replaced when it has nothing in flight (the adapter cancels it, losing
 //!   nothing), so a replica that came up after the streams opened gets its share of new ones.
 
+use crate::core::base::ledger::CalloutId;
 use std::collections::VecDeque;
 
 /// The backoff after the first stream that ended without an answer.
@@ -68,7 +69,7 @@ struct Open {
     token: u32,
     since_ms: u64,
     /// Messages in flight, oldest first: (the message's token, its deadline).
-    in_flight: VecDeque<(u32, u64)>,
+    in_flight: VecDeque<(CalloutId, u64)>,
     /// Whether it answered a message.
     answered: bool,
 }
@@ -79,7 +80,7 @@ pub struct Expired {
     /// The stream to cancel (`None`: Envoy no longer knows it).
     pub cancel: Option<u32>,
     /// The messages that were in flight on it.
-    pub messages: Vec<u32>,
+    pub messages: Vec<CalloutId>,
 }
 
 /// One configuration's stream in one worker VM.
@@ -88,7 +89,7 @@ pub struct Stream {
     open: Option<Open>,
     /// Messages of a stream Envoy forgot without a word ([`Stream::lost`]): they fail on the
     /// next tick.
-    orphans: Vec<u32>,
+    orphans: Vec<CalloutId>,
     /// Streams in a row that ended (or could not open) without answering.
     failures: u32,
     /// No stream is opened before this time.
@@ -146,7 +147,7 @@ impl Stream {
     }
 
     /// Message `message` was sent on the open stream, to be answered by `deadline_ms`.
-    pub fn sent(&mut self, message: u32, deadline_ms: u64) {
+    pub fn sent(&mut self, message: CalloutId, deadline_ms: u64) {
         if let Some(o) = &mut self.open {
             o.in_flight.push_back((message, deadline_ms));
         }
@@ -154,7 +155,7 @@ impl Stream {
 
     /// An answer arrived on stream `token`: the message it answers (the oldest in flight), or
     /// `None` for a stream that is not the open one or has nothing in flight.
-    pub fn answered(&mut self, token: u32) -> Option<u32> {
+    pub fn answered(&mut self, token: u32) -> Option<CalloutId> {
         let o = self.open.as_mut().filter(|o| o.token == token)?;
         let (message, _) = o.in_flight.pop_front()?;
         o.answered = true;
@@ -166,14 +167,14 @@ impl Stream {
     /// Stream `token` ended at `now` (the service's status, a reset, no connection): the
     /// messages that were in flight on it, oldest first, each to fail. Not the open stream (one
     /// replaced or given up already): nothing.
-    pub fn ended(&mut self, token: u32, now: u64, max_backoff_ms: u64) -> Vec<u32> {
+    pub fn ended(&mut self, token: u32, now: u64, max_backoff_ms: u64) -> Vec<CalloutId> {
         if self.token() != Some(token) {
             return Vec::new();
         }
         self.close(now, max_backoff_ms)
     }
 
-    fn close(&mut self, now: u64, max_backoff_ms: u64) -> Vec<u32> {
+    fn close(&mut self, now: u64, max_backoff_ms: u64) -> Vec<CalloutId> {
         let Some(o) = self.open.take() else {
             return Vec::new();
         };
@@ -244,47 +245,47 @@ mod tests {
     fn answers_go_to_the_messages_in_the_order_they_were_sent() {
         let mut s = opened_at(0);
         assert_eq!(s.route(1), Route::Send(7));
-        s.sent(101, 50);
-        s.sent(102, 60);
+        s.sent(CalloutId(101), 50);
+        s.sent(CalloutId(102), 60);
         assert_eq!(s.in_flight(), 2);
         assert_eq!(
             s.answered(9),
             None,
             "another stream's answer is no message's"
         );
-        assert_eq!(s.answered(7), Some(101));
-        assert_eq!(s.answered(7), Some(102));
+        assert_eq!(s.answered(7), Some(CalloutId(101)));
+        assert_eq!(s.answered(7), Some(CalloutId(102)));
         assert_eq!(s.answered(7), None, "nothing left in flight");
     }
 
     #[test]
     fn a_missed_deadline_gives_the_stream_up_with_every_message_on_it() {
         let mut s = opened_at(0);
-        s.sent(101, 20);
-        s.sent(102, 25);
+        s.sent(CalloutId(101), 20);
+        s.sent(CalloutId(102), 25);
         assert_eq!(s.expired(19, CEILING), None);
         assert_eq!(
             s.expired(20, CEILING),
             Some(Expired {
                 cancel: Some(7),
-                messages: vec![101, 102]
+                messages: vec![CalloutId(101), CalloutId(102)]
             })
         );
         assert_eq!(s.token(), None);
         assert_eq!(s.expired(30, CEILING), None);
         // A late answer or end of the given-up stream touches nothing.
         assert_eq!(s.answered(7), None);
-        assert_eq!(s.ended(7, 30, CEILING), Vec::<u32>::new());
+        assert_eq!(s.ended(7, 30, CEILING), Vec::<CalloutId>::new());
     }
 
     #[test]
     fn a_stream_that_answered_is_reopened_at_once_and_one_that_did_not_backs_off() {
         let mut s = opened_at(0);
-        s.sent(101, 20);
-        assert_eq!(s.answered(7), Some(101));
-        s.sent(102, 40);
+        s.sent(CalloutId(101), 20);
+        assert_eq!(s.answered(7), Some(CalloutId(101)));
+        s.sent(CalloutId(102), 40);
         // The service ends a stream that answered (a replica shutting down): reopen at once.
-        assert_eq!(s.ended(7, 30, CEILING), vec![102]);
+        assert_eq!(s.ended(7, 30, CEILING), vec![CalloutId(102)]);
         assert_eq!(s.route(30), Route::Open);
         // Streams that answer nothing: at once, then 10, 20, 40 ms... up to the ceiling.
         let mut now = 30;
@@ -299,37 +300,40 @@ mod tests {
                 other => panic!("{other:?}"),
             }
             s.opened(token, now);
-            s.sent(200 + token, now + 20);
+            s.sent(CalloutId(200 + u64::from(token)), now + 20);
             let e = s.expired(now + 20, CEILING).unwrap();
-            assert_eq!((e.cancel, e.messages), (Some(token), vec![200 + token]));
+            assert_eq!(
+                (e.cancel, e.messages),
+                (Some(token), vec![CalloutId(200 + u64::from(token))])
+            );
             now += 20;
         }
         assert_eq!(waits, vec![10, 20, 40, 80, 160, 250]);
         // An answer ends the backoff.
         s.opened(20, now + 250);
-        s.sent(300, now + 270);
-        assert_eq!(s.answered(20), Some(300));
-        assert_eq!(s.ended(20, now + 260, CEILING), Vec::<u32>::new());
+        s.sent(CalloutId(300), now + 270);
+        assert_eq!(s.answered(20), Some(CalloutId(300)));
+        assert_eq!(s.ended(20, now + 260, CEILING), Vec::<CalloutId>::new());
         assert_eq!(s.route(now + 260), Route::Open);
     }
 
     #[test]
     fn a_lost_stream_is_forgotten_and_its_messages_fail_on_the_next_tick() {
         let mut s = opened_at(0);
-        s.sent(101, 20);
+        s.sent(CalloutId(101), 20);
         s.lost(7, 5, CEILING);
         assert_eq!(s.route(5), Route::Open, "a new stream at once");
         s.opened(8, 5);
-        s.sent(102, 25);
+        s.sent(CalloutId(102), 25);
         assert_eq!(
             s.expired(6, CEILING),
             Some(Expired {
                 cancel: None,
-                messages: vec![101]
+                messages: vec![CalloutId(101)]
             })
         );
         assert_eq!(s.expired(6, CEILING), None, "the new stream is on time");
-        assert_eq!(s.answered(8), Some(102));
+        assert_eq!(s.answered(8), Some(CalloutId(102)));
     }
 
     #[test]
@@ -345,9 +349,9 @@ mod tests {
     #[test]
     fn an_old_stream_is_replaced_only_when_nothing_is_in_flight() {
         let mut s = opened_at(1_000);
-        s.sent(101, 1_000 + MAX_AGE_MS + 20);
+        s.sent(CalloutId(101), 1_000 + MAX_AGE_MS + 20);
         assert_eq!(s.route(1_000 + MAX_AGE_MS), Route::Send(7), "busy: kept");
-        assert_eq!(s.answered(7), Some(101));
+        assert_eq!(s.answered(7), Some(CalloutId(101)));
         assert_eq!(
             s.route(1_000 + MAX_AGE_MS - 1),
             Route::Send(7),

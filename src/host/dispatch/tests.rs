@@ -54,6 +54,8 @@ struct Fake {
     sent_headers: RefCell<Vec<Vec<(String, String)>>>,
     resumed: RefCell<Vec<u32>>,
     replied: RefCell<Vec<(u32, u32)>>,
+    /// The `retry-after` of each local reply (in `replied`'s order), if it had one.
+    retry_after: RefCell<Vec<Option<String>>>,
     /// The tick period asked for (0: none).
     tick_ms: Cell<u32>,
     /// The upstream response's headers and the body piece being reported.
@@ -72,6 +74,15 @@ impl Fake {
         f.next_grpc.set(1);
         f.next_stream.set(2);
         f
+    }
+
+    /// Envoy's counters from `first` on: HTTP calls `first` rounded down to a multiple of 4 (then
+    /// +4 each), gRPC calls and streams 1 and 2 above it, as Envoy's one counter per kind.
+    fn tokens_from(&self, first: u32) {
+        let base = first & !3;
+        self.next_http.set(base.wrapping_sub(4));
+        self.next_grpc.set(base.wrapping_sub(3));
+        self.next_stream.set(base.wrapping_sub(2));
     }
 
     fn metric(&self, name: &str) -> i64 {
@@ -266,12 +277,16 @@ impl Abi for Fake {
     fn send_local_response(
         &self,
         status: u32,
-        _: &[(String, String)],
+        headers: &[(String, String)],
         _: &[u8],
     ) -> Result<(), Status> {
         self.replied
             .borrow_mut()
             .push((self.effective.get(), status));
+        let retry = headers.iter().find(|(k, _)| k == "retry-after");
+        self.retry_after
+            .borrow_mut()
+            .push(retry.map(|(_, v)| v.clone()));
         Ok(())
     }
 }
@@ -396,20 +411,196 @@ fn callout_ids_wrap_around_without_a_leak_or_a_trap() {
         first,
         "an id whose request vanished is handed out again"
     );
-    // A second request while the first still waits, with Envoy repeating the same id (it would
-    // take 2^30 callouts in flight): the newer request takes it, nothing panics.
-    d.abi.next_http.set(first.wrapping_sub(4));
-    let older = id;
-    id += 1;
-    assert_eq!(start(&mut d, id, "/api/x"), PAUSE);
-    assert_eq!(d.pending_callouts(), 1);
     d.on_http_call_response(first, 1, 1000);
     assert_eq!(d.abi.resumed.borrow().last(), Some(&id));
-    disconnect(&mut d, older);
     d.on_delete(id);
     assert_eq!((d.pending_callouts(), d.live_requests()), (0, 0));
     assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
     assert_eq!(d.abi.metric("tollgate.allowed"), 101);
+    assert_eq!(d.abi.metric("tollgate.callouts.collided"), 0);
+}
+
+/// Envoy repeating a token still in flight (its counter wraps unchecked: 2^30 callouts while one
+/// waits) is an error counted, and the callout the token named fails: its request takes the
+/// failure path, and the answer goes to the new callout's request alone.
+#[test]
+fn a_token_envoy_hands_out_again_fails_the_callout_it_named() {
+    for transport in ["http", "grpc"] {
+        let cfg = config(transport, r#","failure_mode":"deny""#);
+        let mut d = dispatcher(&cfg);
+        assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+        let token = last_token(&d);
+        d.abi.tokens_from(token);
+        assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+        assert_eq!(last_token(&d), token, "{transport}: the same token again");
+        assert_eq!(d.abi.metric("tollgate.callouts.collided"), 1);
+        assert_eq!(*d.abi.replied.borrow(), vec![(10, 429)], "{transport}");
+        assert_eq!(d.abi.metric("tollgate.callout_failure.reset"), 1);
+        assert_eq!((d.pending_callouts(), d.ledger_entries()), (1, 1));
+        allowed_reply(&d);
+        if transport == "http" {
+            d.on_http_call_response(token, 1, 1000);
+        } else {
+            *d.abi.reply.borrow_mut() = (None, vec![0x08, 1, 0x12, 2, 0x08, 1]);
+            d.on_grpc_response(token, 0, 6);
+        }
+        assert_eq!(*d.abi.resumed.borrow(), vec![11], "{transport}");
+        assert_eq!(d.abi.replied.borrow().len(), 1);
+        assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+        assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
+    }
+}
+
+/// What the fake service does next in [`every_request_gets_its_own_answer_across_envoys_wrap`].
+#[derive(Debug, Clone)]
+enum Step {
+    /// A request arrives (it calls, or queues behind the callout in flight).
+    Start,
+    /// The `i`-th callout not yet answered is answered, whatever its age.
+    Answer(u8),
+    /// The `i`-th request still waiting goes away.
+    Leave(u8),
+    /// Envoy's counters jump to `n` calls below 2^32 (callouts of other filters of the worker),
+    /// once.
+    Jump(u8),
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        3 => Just(Step::Start),
+        3 => any::<u8>().prop_map(Step::Answer),
+        1 => any::<u8>().prop_map(Step::Leave),
+        1 => any::<u8>().prop_map(Step::Jump),
+    ]
+}
+
+/// The fake service's answer to callout `body` (a take or a batch of them, JSON): every take
+/// denied, retried after as many seconds as the id of the request its key names, so a request's
+/// `retry-after` says whose answer it got.
+fn answer_naming_each_request(body: &[u8]) -> Vec<u8> {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    let one = |take: &serde_json::Value| {
+        let key = take["buckets"][0]["key"].as_str().unwrap();
+        let id: u64 = key.trim_start_matches("r|").parse().unwrap();
+        format!(
+            r#"{{"allowed":false,"buckets":[{{"allowed":false,"limit":5,"remaining":0,"reset_ms":1,"retry_after_ms":{}}}]}}"#,
+            id * 1000
+        )
+    };
+    match v["takes"].as_array() {
+        Some(takes) => {
+            let parts: Vec<String> = takes.iter().map(one).collect();
+            format!(r#"{{"results":[{}]}}"#, parts.join(",")).into_bytes()
+        }
+        None => one(&v).into_bytes(),
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// Envoy's tokens from just below 2^31 (where the ledger once marked its own ids), then
+    /// across 2^32 back to 0, with requests calling and queueing, clients leaving and answers
+    /// arriving in every order: every request gets its own answer or none (it left), and nothing
+    /// is left behind in the ledger or the pending gauge.
+    #[test]
+    fn every_request_gets_its_own_answer_across_envoys_wrap(
+        steps in proptest::collection::vec(step(), 1..120),
+        below in 0u32..64,
+    ) {
+        let cfg = r#"{"service":{"cluster":"svc","transport":"http","batch":4,"remember_denials_ms":0},
+            "rules":[{"name":"r","key":["header:x-id"],"capacity":5,"period_ms":60000}],
+            "breaker":{"failures":10000,"open_ms":100},"failure_mode":"deny"}"#;
+        let mut d = dispatcher(cfg);
+        d.abi.tokens_from(0x8000_0000 - 4 * below);
+        let mut next_id = 100u32;
+        let mut waiting: Vec<u32> = Vec::new();
+        let mut left: Vec<u32> = Vec::new();
+        let mut answered = 0;
+        let answer = |d: &mut Dispatcher<Fake>, answered: &mut usize, i: usize| {
+            // Answer the i-th of those not yet answered: swap it to the front of the rest.
+            let sent = d.abi.dispatched.borrow().len();
+            let k = *answered + i % (sent - *answered);
+            d.abi.dispatched.borrow_mut().swap(*answered, k);
+            let (token, body) = d.abi.dispatched.borrow()[*answered].clone();
+            *answered += 1;
+            let reply = answer_naming_each_request(&body);
+            let n = reply.len();
+            *d.abi.reply.borrow_mut() = (Some(b"200".to_vec()), reply);
+            d.on_http_call_response(token, 1, n);
+        };
+        for s in steps {
+            match s {
+                Step::Start if waiting.len() < 16 => {
+                    next_id += 1;
+                    let id = next_id;
+                    d.on_context_create(id, ROOT);
+                    d.abi.known.borrow_mut().push(id);
+                    *d.abi.request.borrow_mut() = vec![
+                        (":path".into(), b"/".to_vec()),
+                        ("x-id".into(), id.to_string().into_bytes()),
+                    ];
+                    d.abi.effective.set(id);
+                    proptest::prop_assert_eq!(d.on_request_headers(id), PAUSE);
+                    waiting.push(id);
+                }
+                Step::Start => {}
+                Step::Answer(i) => {
+                    if d.abi.dispatched.borrow().len() > answered {
+                        answer(&mut d, &mut answered, usize::from(i));
+                    }
+                }
+                Step::Leave(i) => {
+                    if !waiting.is_empty() {
+                        let id = waiting.swap_remove(usize::from(i) % waiting.len());
+                        if !d.abi.replied.borrow().iter().any(|(c, _)| *c == id) {
+                            left.push(id);
+                        }
+                        disconnect(&mut d, id);
+                    }
+                }
+                // Envoy's counter only moves on: once, from below 2^31 to below 2^32.
+                Step::Jump(n) if d.abi.next_http.get() < 0x9000_0000 => {
+                    d.abi.tokens_from(0u32.wrapping_sub(4 * u32::from(n % 16)));
+                }
+                Step::Jump(_) => {}
+            }
+            // A request answered is deleted by Envoy after its reply.
+            let replied: Vec<u32> = d.abi.replied.borrow().iter().map(|(c, _)| *c).collect();
+            for id in replied {
+                if let Some(i) = waiting.iter().position(|w| *w == id) {
+                    waiting.swap_remove(i);
+                    d.on_delete(id);
+                }
+            }
+        }
+        while d.abi.dispatched.borrow().len() > answered {
+            answer(&mut d, &mut answered, 0);
+            let replied: Vec<u32> = d.abi.replied.borrow().iter().map(|(c, _)| *c).collect();
+            for id in replied {
+                if let Some(i) = waiting.iter().position(|w| *w == id) {
+                    waiting.swap_remove(i);
+                    d.on_delete(id);
+                }
+            }
+        }
+        proptest::prop_assert!(waiting.is_empty(), "never answered: {:?}", waiting);
+        let replied = d.abi.replied.borrow();
+        let retry = d.abi.retry_after.borrow();
+        for ((c, status), r) in replied.iter().zip(retry.iter()) {
+            proptest::prop_assert_eq!(*status, 429);
+            proptest::prop_assert_eq!(r.clone(), Some(c.to_string()), "request {} got another's answer", c);
+            proptest::prop_assert!(!left.contains(c), "request {} answered after it left", c);
+        }
+        let mut seen: Vec<u32> = replied.iter().map(|(c, _)| *c).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        proptest::prop_assert_eq!(seen.len(), replied.len(), "a request answered twice");
+        proptest::prop_assert!(d.abi.resumed.borrow().is_empty());
+        proptest::prop_assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+        proptest::prop_assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
+        proptest::prop_assert_eq!(d.abi.metric("tollgate.callouts.collided"), 0);
+    }
 }
 
 #[test]
