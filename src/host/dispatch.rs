@@ -33,7 +33,7 @@ use crate::core::settle;
 use crate::core::wire::batch::{self, Queued};
 use crate::core::wire::callout;
 use crate::core::wire::plan::CalloutResult;
-use crate::core::wire::stream::Stream;
+use crate::core::wire::stream::{self, Stream};
 use crate::core::wire::TakeRequest;
 use contract::bounds::MAX_ANSWER_BYTES;
 use log::{debug, error, info, warn};
@@ -595,19 +595,31 @@ impl<A: Abi> Dispatcher<A> {
         );
     }
 
-    /// A gRPC message arrived (`proxy_on_grpc_receive`): the answer to the oldest message in
-    /// flight on a stream, or a unary call's answer.
+    /// A gRPC message arrived (`proxy_on_grpc_receive`): an answer on a stream, to the message
+    /// whose id it carries, or a unary call's answer.
     pub fn on_grpc_receive(&mut self, token: u32, size: usize) {
         let Some(plugin) = self.stream_of(token) else {
             self.on_grpc_response(token, 0, size);
             return;
         };
-        let message = plugin.stream.borrow_mut().answered(token);
-        let Some(message) = message else {
-            debug!("stream {token}: an answer with no message in flight");
+        // An answer names its message: one that cannot be read names none, and its message (if
+        // any) fails at its deadline.
+        if size > MAX_ANSWER_BYTES {
+            debug!("stream {token}: an answer of {size} bytes, larger than any valid one");
+            return;
+        }
+        let body = self.abi.buffer(Buffer::GrpcReceive, size);
+        let Some((id, result)) = stream::read_answer(&body) else {
+            debug!("stream {token}: an answer that does not decode");
             return;
         };
-        self.deliver(message, &mut FromHost(|abi: &A| grpc_message(abi, size)));
+        let now = self.abi.now_ms();
+        let message = plugin.stream.borrow_mut().answered(token, id, now);
+        let Some(message) = message else {
+            debug!("stream {token}: answer {id} names no message of it");
+            return;
+        };
+        self.deliver(message, &mut Ready(Some(result)));
     }
 
     /// A gRPC call or stream ended (`proxy_on_grpc_close`): a unary call's failure, or a stream's
@@ -654,24 +666,31 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    /// The tick of a streaming plugin: its messages whose deadline passed fail as timeouts, and
-    /// the stream they were on is cancelled (an answer arriving later could no longer be matched).
+    /// The tick of a streaming plugin: each message past its deadline fails alone, as a timeout,
+    /// and its stream goes on; a stream that answered nothing for `service.timeout_ms` while it
+    /// was waited for is lost: cancelled, and its messages in flight fail as timeouts.
     fn expire_messages(&mut self, plugin: &Rc<Plugin>) {
         let now = self.abi.now_ms();
-        let expired = plugin
-            .stream
-            .borrow_mut()
-            .expired(now, plugin.config.breaker.open_ms);
+        let cfg = &plugin.config;
+        let expired =
+            plugin
+                .stream
+                .borrow_mut()
+                .expired(now, cfg.service.timeout_ms, cfg.breaker.open_ms);
         let Some(expired) = expired else {
             return;
         };
         if let Some(token) = expired.cancel {
+            debug!("stream {token} answered nothing for the timeout: given up");
             if let Err(s) = self.abi.grpc_cancel(token) {
                 debug!("stream {token} not cancelled: {}", abi::status_name(s));
             }
             self.ledger.close(CalloutId::from(token));
         }
-        for m in expired.messages {
+        for m in expired.forgotten {
+            self.ledger.close(m);
+        }
+        for m in expired.late.into_iter().chain(expired.failed) {
             self.deliver(m, &mut Ready(Some(CalloutResult::Expired)));
         }
     }

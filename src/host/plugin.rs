@@ -33,8 +33,8 @@ pub(super) struct Plugin {
     /// batch (each a [`Waiter::Member`] under an id of the VM's own).
     pub(super) queue: RefCell<batch::Queue>,
     /// Its stream of takes in this worker (`service.stream`): the open stream's token (a
-    /// [`Waiter::Stream`] in the ledger) and its messages in flight, in order (each a
-    /// [`Waiter::Batch`] under an id of the VM's own).
+    /// [`Waiter::Stream`] in the ledger) and its messages in flight (each a [`Waiter::Batch`]
+    /// under an id of the VM's own, the id the message and its answer carry).
     pub(super) stream: RefCell<Stream>,
     /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
     pub(super) held: RefCell<Vec<lease::Held>>,
@@ -64,7 +64,7 @@ pub(super) enum Waiter {
         plugin: Rc<Plugin>,
         members: Vec<CalloutId>,
     },
-    /// The plugin's stream of takes: its answers go to its messages in flight, in order.
+    /// The plugin's stream of takes: each of its answers goes to the message whose id it carries.
     Stream { plugin: Rc<Plugin> },
     /// A background lease refill (no request waits).
     Refill {

@@ -170,7 +170,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
     }
 
     /// Sends `takes` as one message on the plugin's stream (opening one if need be) at `now`, due
-    /// by `deadline_ms`; `batch` waits for its answer under an id of the VM's own.
+    /// by `deadline_ms`; `batch` waits for its answer under an id of the VM's own, the message's.
     fn send_message(
         &mut self,
         cfg: &Config,
@@ -180,9 +180,12 @@ impl<'a, A: Abi> Proxy<'a, A> {
         deadline_ms: u64,
     ) -> Result<(), String> {
         let stream = self.stream(cfg, now)?;
-        let message = callout::stream_message(cfg, takes);
+        // Its ledger id is the message's id on the wire, which its answer carries back.
+        let id = self.ledger.reserve(self.plugin.root, batch);
+        let message = callout::stream_message(cfg, takes, id);
         if let Err(status) = self.abi.grpc_send(stream, &message) {
             // Envoy does not know the stream: nothing more will come of it.
+            self.ledger.close(id);
             self.plugin
                 .stream
                 .borrow_mut()
@@ -193,8 +196,10 @@ impl<'a, A: Abi> Proxy<'a, A> {
                 abi::status_name(status)
             ));
         }
-        let id = self.ledger.reserve(self.plugin.root, batch);
-        self.plugin.stream.borrow_mut().sent(id, deadline_ms);
+        self.plugin
+            .stream
+            .borrow_mut()
+            .sent(id, deadline_ms, takes.len(), now);
         Ok(())
     }
 

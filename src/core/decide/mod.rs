@@ -220,7 +220,10 @@ pub fn interpret(plan: &Plan, result: CalloutResult) -> Outcome {
             log::debug!("an answer of {size} bytes is larger than any valid one");
             return Outcome::Failed(Cause::Decode);
         }
-        CalloutResult::BatchMismatch => return Outcome::Failed(Cause::Decode),
+        // A batch's answers reach a take only split ([`crate::core::wire::batch::split`]).
+        CalloutResult::BatchMismatch | CalloutResult::Answers(_) => {
+            return Outcome::Failed(Cause::Decode)
+        }
         CalloutResult::Expired => return Outcome::Failed(Cause::Timeout),
     };
     let Ok(resp) = decoded else {

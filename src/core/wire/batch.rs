@@ -130,27 +130,28 @@ impl Queue {
     }
 }
 
-/// Splits a batch callout's result into one result per member: each member's own answer when
-/// the batch was answered (`Answer`), else the batch's failure for every member (so each takes
+/// Splits a batch callout's result (or a stream message's answers, decoded) into one result per
+/// member: each member's own answer when the batch was answered (`Answer`), else the batch's
+/// failure for every member (so each takes
 /// its failure path exactly as a single callout would). An answer that does not decode, or does
 /// not hold one result per member, is a decode failure for all.
 pub fn split(result: CalloutResult, members: usize) -> Vec<CalloutResult> {
-    let decoded = match &result {
+    let decoded = match result {
         CalloutResult::Http {
             status: Some(200..=299),
             body,
-        } => Some(wire::decode_batch_json(body)),
+        } => wire::decode_batch_json(&body),
         CalloutResult::Grpc {
             status: 0, body, ..
-        } => Some(wire::decode_batch_proto(body)),
-        _ => None,
+        } => wire::decode_batch_proto(&body),
+        CalloutResult::Answers(answers) => Ok(answers),
+        failure => return vec![failure; members],
     };
     match decoded {
-        Some(Ok(answers)) if answers.len() == members => {
+        Ok(answers) if answers.len() == members => {
             answers.into_iter().map(CalloutResult::Answer).collect()
         }
-        Some(_) => vec![CalloutResult::BatchMismatch; members],
-        None => vec![result; members],
+        _ => vec![CalloutResult::BatchMismatch; members],
     }
 }
 

@@ -78,6 +78,9 @@ pub enum CalloutResult {
     },
     /// This request's answer, already decoded from a batch answer (group commit).
     Answer(TakeResponse),
+    /// A batch's answers, already decoded (a message's on the stream, which carries its id):
+    /// one per take, split onto them by [`crate::core::wire::batch::split`].
+    Answers(Vec<TakeResponse>),
     /// gRPC transport.
     Grpc {
         /// gRPC status code.
