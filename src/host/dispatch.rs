@@ -498,6 +498,7 @@ impl<A: Abi> Dispatcher<A> {
                 // cleared by the hand-over), under the same id.
                 Waiter::Settle { .. }
                 | Waiter::Batch { .. }
+                | Waiter::Late { .. }
                 | Waiter::Stream { .. }
                 | Waiter::Refund
                 | Waiter::Release { .. }
@@ -688,10 +689,48 @@ impl<A: Abi> Dispatcher<A> {
             self.ledger.close(CalloutId::from(token));
         }
         for m in expired.forgotten {
-            self.ledger.close(m);
+            self.ledger
+                .close_if(m, |w| matches!(w, Waiter::Late { .. }));
         }
-        for m in expired.late.into_iter().chain(expired.failed) {
+        for m in expired.late {
+            self.go_late(m);
+        }
+        for m in expired.failed {
             self.deliver(m, &mut Ready(Some(CalloutResult::Expired)));
+        }
+    }
+
+    /// Message `id` passed its deadline while its stream goes on: each of its takes fails as a
+    /// timeout, and its entry stays for a late answer, as a [`Waiter::Late`] holding the takes
+    /// of the requests that still waited (what the answer grants them goes back).
+    fn go_late(&mut self, id: CalloutId) {
+        let (plugin, takes) = match self.ledger.get(id).map(|e| &e.waiter) {
+            Some(Waiter::Batch { plugin, members }) => (
+                plugin.clone(),
+                members.iter().map(|m| self.take_of(*m)).collect::<Vec<_>>(),
+            ),
+            _ => return,
+        };
+        let batch = if takes.iter().any(Option::is_some) {
+            self.ledger.replace(id, Waiter::Late { plugin, takes })
+        } else {
+            self.ledger.close(id).map(|e| e.waiter)
+        };
+        if let Some(batch) = batch {
+            self.finish(id, batch, &mut Ready(Some(CalloutResult::Expired)));
+        }
+    }
+
+    /// What the take waiting under `member` asked for: a request's, if it still waits for it, or
+    /// a refill's.
+    fn take_of(&self, member: CalloutId) -> Option<TakeRequest> {
+        match self.ledger.get(member).map(|e| &e.waiter)? {
+            Waiter::Member { context } => match &self.filters.get(context)?.flow.phase {
+                Phase::Calling { id, plan, .. } if *id == member => Some(plan.request.clone()),
+                _ => None,
+            },
+            Waiter::Refill { plan, .. } => Some(plan.request.clone()),
+            _ => None,
         }
     }
 
@@ -805,6 +844,11 @@ impl<A: Abi> Dispatcher<A> {
             Waiter::Settle { plugin, id } => {
                 let result = read.read(&self.abi);
                 Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).settle_answer(&id, &result);
+            }
+            Waiter::Late { plugin, takes } => {
+                let result = read.read(&self.abi);
+                let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+                flow::late_answer(&plugin.config, &takes, result, &mut proxy);
             }
             // A stream's answers go to its messages ([`Dispatcher::on_grpc_receive`]).
             Waiter::Refund | Waiter::Abandoned { .. } | Waiter::Stream { .. } => {}

@@ -31,6 +31,10 @@ pub(super) struct Metrics {
     inflight: Vec<u32>,
     /// One id per [`SettleCount::ALL`] (empty without rules charged by the response).
     settles: Vec<u32>,
+    /// `tollgate.stream.late` and `tollgate.stream.returned` (with `service.stream` only):
+    /// answers to messages that had failed at their deadline, and the tokens they granted that
+    /// went back to the service.
+    late: Option<(u32, u32)>,
 }
 
 /// What happens to settlements, counted as `tollgate.settle.<name>`.
@@ -101,9 +105,17 @@ impl Metrics {
                 settles.push(abi.define_metric(MetricKind::Counter, c.metric())?);
             }
         }
+        let late = match cfg.service.stream {
+            true => Some((
+                abi.define_metric(MetricKind::Counter, "tollgate.stream.late")?,
+                abi.define_metric(MetricKind::Counter, "tollgate.stream.returned")?,
+            )),
+            false => None,
+        };
         Ok(Metrics {
             inflight,
             settles,
+            late,
             batch_callouts: abi.define_metric(MetricKind::Counter, "tollgate.batch.callouts")?,
             batch_takes: abi.define_metric(MetricKind::Counter, "tollgate.batch.takes")?,
             collided: abi.define_metric(MetricKind::Counter, "tollgate.callouts.collided")?,
@@ -155,6 +167,12 @@ impl Metrics {
             Metric::Failure(cause) => add(abi, &self.failures, nth(&Cause::CALLOUT, &cause), 1),
             Metric::Lease(count, n) => add(abi, &self.leases, nth(&lease::Count::ALL, &count), n),
             Metric::Slots(count) => add(abi, &self.inflight, nth(&inflight::Count::ALL, &count), 1),
+            Metric::Late { returned } => {
+                if let Some((late, back)) = self.late {
+                    abi.increment_metric(late, 1);
+                    add(abi, &[back], Some(0), returned);
+                }
+            }
             Metric::Breaker(Event::Opened) => {
                 abi.increment_metric(self.breaker_opened, 1);
                 abi.record_metric(self.breaker_open, 1);

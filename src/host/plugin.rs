@@ -11,6 +11,7 @@ use crate::core::settle;
 use crate::core::wire::batch;
 use crate::core::wire::plan::Plan;
 use crate::core::wire::stream::Stream;
+use crate::core::wire::TakeRequest;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -63,6 +64,13 @@ pub(super) enum Waiter {
     Batch {
         plugin: Rc<Plugin>,
         members: Vec<CalloutId>,
+    },
+    /// A message of the plugin's stream that failed at its deadline while the stream went on: its
+    /// answer may still come, and what it granted goes back ([`crate::core::flow::late_answer`]).
+    /// The takes it carried, in order (`None`: a take whose request had gone).
+    Late {
+        plugin: Rc<Plugin>,
+        takes: Vec<Option<TakeRequest>>,
     },
     /// The plugin's stream of takes: each of its answers goes to the message whose id it carries.
     Stream { plugin: Rc<Plugin> },

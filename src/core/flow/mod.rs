@@ -92,6 +92,12 @@ pub enum Metric {
     Lease(Count, u64),
     /// A concurrency-slot event.
     Slots(crate::core::inflight::Count),
+    /// An answer on the stream to a message that had failed at its deadline, and the tokens it
+    /// granted that went back to the service ([`late_answer`]).
+    Late {
+        /// Tokens given back.
+        returned: u64,
+    },
 }
 
 /// What a request leaves behind when its stream ends, for the adapter to carry out.
@@ -589,6 +595,62 @@ fn refund<H: Host>(cfg: &Config, request: &TakeRequest, host: &mut H) {
     }
 }
 
+/// An answer on the stream, `result`, to a message that failed at its deadline, whose takes were
+/// `takes` (`None`: one whose request had gone): each of them went on without it (the failure
+/// mode decided it), so what it granted, no request spends. Those tokens go back to the global
+/// bucket as unspent ones, so nothing is charged twice: a token bucket's, by refund (one refund
+/// per bucket, at most [`contract::bounds::MAX_BUCKETS`] buckets each); a window's tokens cannot
+/// be given back. A denial or an error needs nothing.
+pub fn late_answer<H: Host>(
+    cfg: &Config,
+    takes: &[Option<TakeRequest>],
+    result: CalloutResult,
+    host: &mut H,
+) {
+    let answers = match result {
+        CalloutResult::Answers(a) if a.len() == takes.len() => a,
+        _ => Vec::new(),
+    };
+    let mut back: Vec<crate::core::wire::Bucket> = Vec::new();
+    for (take, answer) in takes.iter().zip(&answers) {
+        let Some(take) = take.as_ref().filter(|_| answer.allowed) else {
+            continue;
+        };
+        for (b, r) in take.buckets.iter().zip(&answer.buckets) {
+            if !crate::core::local::bucket::refundable(b.algorithm.unwrap_or_default()) {
+                continue;
+            }
+            // What this take was charged: its grant (its cost, debt and lease included), or its
+            // cost from a service that reports no grant.
+            let n = if r.granted > 0 {
+                r.granted
+            } else {
+                b.cost.unwrap_or(1)
+            };
+            let same = |o: &crate::core::wire::Bucket| {
+                (&o.key, o.capacity, o.rate, o.period_ms, o.algorithm)
+                    == (&b.key, b.capacity, b.rate, b.period_ms, b.algorithm)
+            };
+            match back.iter_mut().find(|o| same(o)) {
+                Some(o) => o.cost = Some(o.cost.unwrap_or(0).saturating_add(n)),
+                None => back.push(crate::core::wire::Bucket {
+                    cost: Some(n),
+                    lease: None,
+                    ..b.clone()
+                }),
+            }
+        }
+    }
+    let returned = back.iter().map(|b| b.cost.unwrap_or(0)).sum();
+    for buckets in back.chunks(contract::bounds::MAX_BUCKETS) {
+        let request = TakeRequest {
+            buckets: buckets.to_vec(),
+        };
+        refund(cfg, &request, host);
+    }
+    host.count(Metric::Late { returned });
+}
+
 /// The timer's look at the lease pools this worker deposited into (`held`): tokens left unspent
 /// past their age go back to the service.
 pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
@@ -660,6 +722,7 @@ mod tests {
         acquires: Vec<Vec<u8>>,
         releases: Vec<Vec<u8>>,
         slot_counts: Vec<crate::core::inflight::Count>,
+        late: Vec<u64>,
     }
 
     impl Default for FakeHost {
@@ -692,6 +755,7 @@ mod tests {
                 acquires: Vec::new(),
                 releases: Vec::new(),
                 slot_counts: Vec::new(),
+                late: Vec::new(),
             }
         }
     }
@@ -745,6 +809,7 @@ mod tests {
                 Metric::Breaker(e) => self.events.push(e),
                 Metric::Lease(c, n) => self.leases.push((c, n)),
                 Metric::Slots(c) => self.slot_counts.push(c),
+                Metric::Late { returned } => self.late.push(returned),
             }
         }
     }
@@ -1270,5 +1335,68 @@ mod tests {
             Some(8),
             "the probe refills"
         );
+    }
+
+    #[test]
+    fn a_late_answer_gives_back_what_it_granted_to_token_buckets_only() {
+        use crate::core::config::Algorithm;
+        use crate::core::wire::{Bucket, BucketResult, TakeResponse};
+        let c = cfg("");
+        let bucket = |key: &str, algorithm: Option<Algorithm>| Bucket {
+            key: key.into(),
+            capacity: 10,
+            rate: None,
+            period_ms: 1000,
+            cost: Some(2),
+            algorithm,
+            lease: Some(8),
+        };
+        let take = |buckets: Vec<Bucket>| Some(TakeRequest { buckets });
+        let result = |allowed: bool, granted: &[u64]| TakeResponse {
+            allowed,
+            buckets: granted
+                .iter()
+                .map(|&g| BucketResult {
+                    allowed,
+                    granted: g,
+                    ..Default::default()
+                })
+                .collect(),
+            instances: 0,
+        };
+        let takes = vec![
+            // Granted 8 on a token bucket and 2 on a fixed window (which cannot be given back).
+            take(vec![
+                bucket("a", None),
+                bucket("w", Some(Algorithm::FixedWindow)),
+            ]),
+            // A request that had gone: its grant cannot be told apart, and is not sent back.
+            None,
+            // The same token bucket again, from an older service that reports no grant: its cost.
+            take(vec![bucket("a", None)]),
+            // Denied: nothing was charged.
+            take(vec![bucket("b", None)]),
+        ];
+        let answers = CalloutResult::Answers(vec![
+            result(true, &[8, 2]),
+            result(true, &[5]),
+            result(true, &[0]),
+            result(false, &[0]),
+        ]);
+        let mut h = FakeHost::default();
+        late_answer(&c, &takes, answers, &mut h);
+        assert_eq!(h.late, vec![8 + 2]);
+        assert_eq!(h.given_back.len(), 1, "one refund");
+        let b = &h.given_back[0].buckets;
+        assert_eq!(b.len(), 1, "a's two grants in one bucket: {b:?}");
+        assert_eq!(
+            (b[0].key.as_str(), b[0].cost, b[0].lease),
+            ("a", Some(10), None)
+        );
+        // A late error, or answers that do not match the takes: counted, nothing sent.
+        let mut h = FakeHost::default();
+        late_answer(&c, &takes, CalloutResult::Expired, &mut h);
+        late_answer(&c, &takes, CalloutResult::Answers(Vec::new()), &mut h);
+        assert_eq!((h.late, h.given_back.len()), (vec![0, 0], 0));
     }
 }

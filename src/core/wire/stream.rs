@@ -16,9 +16,10 @@
 //!   tick ([`tick_period_ms`]). A message past it fails alone, as a timeout
 //!   ([`Stream::expired`]: each of its takes takes the failure path a unary callout's timeout
 //!   takes), and the stream and its other messages go on.
-//! - **A late answer is still matched**: a message that failed at its deadline is remembered
-//!   (at most [`MAX_LATE_TAKES`] takes of a configuration, each for
-//!   [`late_for_ms`]), so its answer names a known message (which no request waits for any more).
+//! - **A late answer is not lost**: a message that failed at its deadline is remembered (at
+//!   most [`MAX_LATE_TAKES`] takes of a configuration, each for [`late_for_ms`]), and the tokens
+//!   its answer granted, which no request spends (each went on without it), go back to the
+//!   service (`crate::core::flow::late_answer`), so nothing is charged twice.
 //! - **A stream is given up only when it is lost**: nothing answered for `service.timeout_ms`
 //!   while messages were in flight or awaited late. The adapter cancels it, and its messages in
 //!   flight fail as timeouts (what was awaited late on it is forgotten). A stream that ends (the

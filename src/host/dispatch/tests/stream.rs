@@ -208,6 +208,91 @@ fn a_message_past_its_deadline_fails_alone_and_the_stream_goes_on() {
 }
 
 #[test]
+fn a_late_grant_goes_back_to_the_service_and_a_late_denial_needs_nothing() {
+    let mut d = dispatcher(&stream_config(8, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    for id in [11, 12, 13] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    let s = streams(&d)[0];
+    later(&d, 1);
+    let n = answer(&d, 0, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(message(&d, 1).1, 3, "the queue left as one message");
+    // Due 20 ms after the takes queued: it fails alone, the stream answered 19 ms ago.
+    later(&d, 19);
+    d.on_tick(ROOT);
+    assert_eq!(
+        *d.abi.replied.borrow(),
+        vec![(11, 429), (12, 429), (13, 429)]
+    );
+    assert!(d.abi.cancelled.borrow().is_empty());
+    assert_eq!(
+        d.ledger_entries(),
+        2,
+        "the stream, and the message awaited late"
+    );
+    // Its answer comes: 11 granted 1 token, 12 granted 3 (a lease, or a debt repaid), 13 denied.
+    let mut body = Vec::new();
+    for (ok, granted) in [(true, 1), (true, 3), (false, 0)] {
+        put_bytes(&mut body, 1, &take_answer(ok, granted));
+    }
+    put_u64(&mut body, 2, message(&d, 1).0);
+    let n = body.len();
+    *d.abi.reply.borrow_mut() = (None, body);
+    let before = d.abi.dispatched.borrow().len();
+    d.on_grpc_receive(s, n);
+    // No request saw those tokens: one refund gives the 4 back to their bucket.
+    let sent = d.abi.dispatched.borrow()[before..].to_vec();
+    assert_eq!(sent.len(), 1);
+    let refund: serde_json::Value = serde_json::from_slice(&sent[0].1).unwrap();
+    assert_eq!(refund["buckets"].as_array().map(Vec::len), Some(1));
+    assert_eq!(refund["buckets"][0]["key"], "r|k");
+    assert_eq!(refund["buckets"][0]["cost"], 4);
+    assert!(refund["buckets"][0].get("lease").is_none());
+    assert_eq!(d.abi.metric("tollgate.stream.late"), 1);
+    assert_eq!(d.abi.metric("tollgate.stream.returned"), 4);
+    assert!(d.abi.resumed.borrow().len() == 1, "nothing resumed by it");
+    assert_eq!(d.ledger_entries(), 2, "the stream and the refund in flight");
+    // A late denial: counted, nothing sent; and a message awaited late is forgotten with its
+    // stream when that falls silent.
+    let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    later(&d, 5);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    let s = streams(&d)[0];
+    let n = answer(&d, 1, &[true]);
+    d.on_grpc_receive(s, n);
+    later(&d, 15);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.replied.borrow(), vec![(10, 429)]);
+    let n = answer(&d, 0, &[false]);
+    let before = d.abi.dispatched.borrow().len();
+    d.on_grpc_receive(s, n);
+    assert_eq!(d.abi.dispatched.borrow().len(), before);
+    assert_eq!(d.abi.metric("tollgate.stream.late"), 1);
+    assert_eq!(d.abi.metric("tollgate.stream.returned"), 0);
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    later(&d, 1);
+    assert_eq!(start(&mut d, 13, "/api"), PAUSE);
+    let n = answer(&d, 3, &[true]);
+    later(&d, 9);
+    d.on_grpc_receive(s, n);
+    later(&d, 10);
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.replied.borrow().last(), Some(&(12, 429)));
+    assert_eq!(
+        d.ledger_entries(),
+        2,
+        "the stream, and 12's message awaited late"
+    );
+    later(&d, 20);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.cancelled.borrow(), vec![s], "silent for the timeout");
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+}
+
+#[test]
 fn an_error_answer_fails_its_message_alone() {
     let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
     for id in [10, 11, 12] {
