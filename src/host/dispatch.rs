@@ -259,11 +259,11 @@ impl<A: Abi> Dispatcher<A> {
             metrics,
         };
         if let Some(ms) = flow::tick_period_ms(&plugin.config) {
-            // The timer that times out the stream's messages, gives back the tokens of pools
-            // nobody spends any more, and sends settlements again.
+            // The timer that times out the stream's messages, sends a queue that waited, gives
+            // back the tokens of pools nobody spends any more, and sends settlements again.
             if let Err(s) = self.abi.set_tick_period(ms) {
                 warn!(
-                    "no timer for the stream, lease pools and settlements: {}",
+                    "no timer for the stream, batch queue, lease pools and settlements: {}",
                     abi::status_name(s)
                 );
             }
@@ -273,8 +273,9 @@ impl<A: Abi> Dispatcher<A> {
         true
     }
 
-    /// The root context's timer: the stream's messages past their deadline fail, settlements
-    /// due are sent again, expired tokens of the lease pools this worker filled go back to the
+    /// The root context's timer: the stream's messages past their deadline fail, the batch queue
+    /// leaves if it waited (or fails what waited its whole timeout), settlements due are sent
+    /// again, expired tokens of the lease pools this worker filled go back to the
     /// service.
     pub fn on_tick(&mut self, id: u32) {
         let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
@@ -282,6 +283,9 @@ impl<A: Abi> Dispatcher<A> {
         };
         if plugin.config.service.stream {
             self.expire_messages(&plugin);
+        }
+        if plugin.config.service.batch > 0 {
+            self.tend_queue(&plugin);
         }
         if !plugin.settles.borrow().is_empty() {
             Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).send_settles();
@@ -883,6 +887,24 @@ impl<A: Abi> Dispatcher<A> {
         f.flow
             .on_callout_result(&plugin.config, id, result, &mut proxy);
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
+    }
+
+    /// The tick of a batching plugin: takes that waited their whole timeout in the queue fail
+    /// there, unsent; a queue whose oldest take waited a tick leaves beside the callouts in
+    /// flight, while fewer than [`batch::MAX_IN_FLIGHT`] are.
+    fn tend_queue(&mut self, plugin: &Rc<Plugin>) {
+        if plugin.queue.borrow().waiting() == 0 {
+            return;
+        }
+        let now = self.abi.now_ms();
+        let svc = &plugin.config.service;
+        let expired = plugin.queue.borrow_mut().expired(now, svc.timeout_ms);
+        for id in expired {
+            self.answer_member(id, CalloutResult::Expired);
+        }
+        if plugin.queue.borrow().due(now, svc.tick_ms()) {
+            self.flush(plugin);
+        }
     }
 
     /// Sends the requests queued on `plugin`: one batch callout, or several when the batch's byte

@@ -665,15 +665,14 @@ pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
     }
 }
 
-/// How often the adapter's timer should call: as often as the stream's messages need their
-/// deadlines looked at (`service.stream`: [`crate::core::wire::stream::tick_period_ms`]), and at
-/// least as often as the settlements and lease pools need ([`chores_period_ms`]); `None`: never.
+/// How often the adapter's timer should call: as often as the stream's messages and the batch
+/// queue need their deadlines looked at (`service.stream` or `service.batch`:
+/// [`crate::core::config::Service::tick_ms`]), and at least as often as the settlements and lease
+/// pools need (`chores_period_ms`); `None`: never.
 pub fn tick_period_ms(cfg: &Config) -> Option<u32> {
-    let stream = cfg
-        .service
-        .stream
-        .then(|| crate::core::wire::stream::tick_period_ms(cfg.service.timeout_ms));
-    match (stream, chores_period_ms(cfg)) {
+    let svc = &cfg.service;
+    let waits = (svc.stream || svc.batch > 0).then(|| u32::try_from(svc.tick_ms()).unwrap_or(50));
+    match (waits, chores_period_ms(cfg)) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }

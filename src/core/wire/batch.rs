@@ -1,8 +1,17 @@
 //! Group commit for callouts (`service.batch`): per worker VM and plugin, a request that needs the
 //! service while one of the plugin's callouts is in flight joins a queue instead of calling; when
 //! a callout of the plugin ends, one callout carries the queued takes (`/v1/take_batch`,
-//! `tollgate.v1.RateLimiter/TakeBatch`), and its answer is split back onto the waiting requests.
-//! A lone request still calls at once, so light load gets no added latency.
+//! `tollgate.v1.RateLimiter/TakeBatch`, or a message on the stream), and its answer is split back
+//! onto the waiting requests. A lone request still calls at once, so light load gets no added
+//! latency.
+//!
+//! **A slow callout holds no one back for long**: when the queue's oldest take has waited a tick
+//! (`service.tick_ms`, an eighth of `timeout_ms`, 5..=50 ms) and fewer than [`MAX_IN_FLIGHT`]
+//! callouts hold the queue back, the queue leaves as another batch beside them, on the root
+//! context's tick ([`Queue::due`]: so within two ticks of its oldest take's arrival). So a take
+//! pays its own round trip once, not the one before it too; and a take that waited its whole
+//! timeout in the queue (every callout slot held) fails there, on the tick, unsent
+//! ([`Queue::expired`]).
 //!
 //! Queued requests wait under an id the VM's ledger hands out
 //! ([`crate::core::base::ledger::Ledger::reserve`]); the core's [`crate::core::flow::Flow`] does not
@@ -47,6 +56,13 @@ impl Queued {
     }
 }
 
+/// The most callouts (batches, messages) of one plugin a worker keeps in flight beside each
+/// other before a queue waits for one to end: the timeout over the tick (8 × `timeout_ms`/8), so a
+/// round trip as long as the whole timeout still lets a take leave within a tick of its arrival.
+/// More could not be answered in time anyway; a slow service sees at most this many batches of a
+/// worker at once, where it saw one.
+pub const MAX_IN_FLIGHT: u32 = 8;
+
 /// The batching state of one plugin in one VM.
 #[derive(Debug, Default)]
 pub struct Queue {
@@ -62,6 +78,37 @@ impl Queue {
     /// it with [`Queue::push`]).
     pub fn busy(&self) -> bool {
         self.in_flight > 0
+    }
+
+    /// Whether the queue should leave now, at `now_ms`: its oldest take has waited `tick_ms` and
+    /// fewer than [`MAX_IN_FLIGHT`] callouts hold it back (or none does).
+    pub fn due(&self, now_ms: u64, tick_ms: u64) -> bool {
+        let Some(oldest) = self.waiting.first() else {
+            return false;
+        };
+        self.in_flight == 0
+            || (self.in_flight < MAX_IN_FLIGHT && now_ms.saturating_sub(oldest.since_ms) >= tick_ms)
+    }
+
+    /// The takes that have waited their whole `timeout_ms` by `now_ms`, out of the queue: each
+    /// fails unsent.
+    pub fn expired(&mut self, now_ms: u64, timeout_ms: u64) -> Vec<CalloutId> {
+        if self
+            .waiting
+            .first()
+            .is_none_or(|q| q.deadline_ms(timeout_ms) > now_ms)
+        {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        self.waiting.retain(|q| {
+            let late = q.deadline_ms(timeout_ms) <= now_ms;
+            if late {
+                out.push(q.id);
+            }
+            !late
+        });
+        out
     }
 
     /// Queues `req` under `id` at `now_ms`, unless `max` are waiting already (a plugin's
@@ -209,6 +256,43 @@ mod tests {
         );
         assert_eq!(q.waiting(), 0);
         assert!(!q.busy(), "in flight is back to 0");
+    }
+
+    #[test]
+    fn a_queue_that_waited_a_tick_leaves_beside_the_callouts_in_flight_up_to_a_bound() {
+        let mut q = Queue::default();
+        q.started();
+        assert!(!q.due(100, 5), "nothing waits");
+        q.push(8, CalloutId(1), &take(), 100).unwrap();
+        q.push(8, CalloutId(2), &take(), 103).unwrap();
+        assert!(!q.due(104, 5), "the oldest waited 4 ms");
+        assert!(q.due(105, 5), "a tick");
+        for _ in 1..MAX_IN_FLIGHT {
+            q.started();
+        }
+        assert!(
+            !q.due(1_000, 5),
+            "{MAX_IN_FLIGHT} in flight: it waits for one to end"
+        );
+        q.ended();
+        assert!(q.due(1_000, 5));
+        // Nothing in flight (all ended): it leaves at once.
+        let mut q = Queue::default();
+        q.push(8, CalloutId(3), &take(), 100).unwrap();
+        assert!(q.due(100, 5));
+    }
+
+    #[test]
+    fn takes_that_waited_their_timeout_leave_the_queue_unsent() {
+        let mut q = Queue::default();
+        q.started();
+        q.push(8, CalloutId(1), &take(), 100).unwrap();
+        q.push(8, CalloutId(2), &take(), 110).unwrap();
+        assert!(q.expired(119, 20).is_empty());
+        assert_eq!(q.expired(120, 20), vec![CalloutId(1)]);
+        assert_eq!(q.waiting(), 1);
+        assert_eq!(q.expired(200, 20), vec![CalloutId(2)]);
+        assert_eq!(q.waiting(), 0);
     }
 
     #[test]

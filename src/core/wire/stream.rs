@@ -13,7 +13,7 @@
 //!
 //! - **A deadline per message**, the first of its takes' (`service.timeout_ms` from each take, so
 //!   a take that waited in the batch queue waits no longer in all), checked on the root context's
-//!   tick ([`tick_period_ms`]). A message past it fails alone, as a timeout
+//!   tick ([`crate::core::config::Service::tick_ms`]). A message past it fails alone, as a timeout
 //!   ([`Stream::expired`]: each of its takes takes the failure path a unary callout's timeout
 //!   takes), and the stream and its other messages go on.
 //! - **A late answer is not lost**: a message that failed at its deadline is remembered (at
@@ -48,19 +48,6 @@ pub const FIRST_BACKOFF_MS: u64 = 10;
 
 /// A stream this old is replaced once it has nothing in flight.
 pub const MAX_AGE_MS: u64 = 30_000;
-
-/// The shortest and longest tick while streaming: a message's timeout is noticed within an
-/// eighth of `service.timeout_ms` of its deadline (plus the timer's own lateness), in these
-/// bounds. A tick is one call into the VM that looks at the deadlines: 200 a second cost a
-/// worker far less than one decision's callout.
-const MIN_TICK_MS: u64 = 5;
-const MAX_TICK_MS: u64 = 50;
-
-/// The root context's tick a stream needs: an eighth of the timeout, within
-/// [`MIN_TICK_MS`]..=[`MAX_TICK_MS`].
-pub fn tick_period_ms(timeout_ms: u64) -> u32 {
-    u32::try_from((timeout_ms / 8).clamp(MIN_TICK_MS, MAX_TICK_MS)).unwrap_or(50)
-}
 
 /// The most takes of one configuration whose messages failed and are awaited late: as many as a
 /// full batch queue holds ([`super::batch::QUEUE_BATCHES`] batches of the contract's largest),
@@ -642,15 +629,6 @@ mod tests {
         assert_eq!(s.route(old + 2), Route::Replace(7));
         s.retired(7);
         assert_eq!(s.route(old + 2), Route::Open);
-    }
-
-    #[test]
-    fn the_tick_is_an_eighth_of_the_timeout_within_its_bounds() {
-        assert_eq!(tick_period_ms(20), 5);
-        assert_eq!(tick_period_ms(50), 6);
-        assert_eq!(tick_period_ms(200), 25);
-        assert_eq!(tick_period_ms(1_000), 50);
-        assert_eq!(tick_period_ms(1), 5);
     }
 
     #[test]

@@ -965,6 +965,122 @@ fn a_queued_request_waits_no_longer_than_its_timeout_in_all() {
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
 }
 
+/// A batching configuration over HTTP with a 20 ms timeout (a 5 ms tick) that denies when the
+/// service does not answer.
+fn slow_batch_config(extra: &str) -> String {
+    config("http", extra)
+        .replace(r#""batch":0"#, r#""batch":8,"timeout_ms":20"#)
+        .replace(
+            r#""breaker":{"failures":10000,"open_ms":100}"#,
+            r#""breaker":{"failures":10000,"open_ms":100},"failure_mode":"deny""#,
+        )
+}
+
+/// A slow callout holds the queue back for a tick at most: then the queue leaves beside it, so a
+/// take pays its own round trip once; up to 8 callouts in flight, after which the queue waits.
+#[test]
+fn a_queue_behind_a_slow_callout_leaves_after_a_tick_up_to_eight_in_flight() {
+    let mut d = dispatcher(&slow_batch_config(""));
+    assert_eq!(
+        d.abi.tick_ms.get(),
+        5,
+        "a batching configuration has a tick"
+    );
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let slow = last_token(&d);
+    d.abi.clock.set(1);
+    for id in [11, 12] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    d.abi.clock.set(5);
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.dispatched.borrow().len(), 1, "waited 4 ms: not yet");
+    d.abi.clock.set(6);
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.dispatched.borrow().len(), 2, "a tick: a second batch");
+    let second = last_token(&d);
+    assert_eq!(
+        *d.abi.timeouts.borrow(),
+        vec![20, 15],
+        "due 20 ms after the first take queued"
+    );
+    // The second batch is answered first: its requests do not wait for the slow one.
+    batch_reply(&d, &[(true, 5), (true, 5)]);
+    d.on_http_call_response(second, 1, 1000);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12]);
+    allowed_reply(&d);
+    d.on_http_call_response(slow, 1, 200);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 10]);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+    // Eight callouts out: the queue waits for one of them to end.
+    let mut id = 20;
+    assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    for _ in 1..8 {
+        id += 1;
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        d.abi.clock.set(d.abi.clock.get() + 5);
+        d.on_tick(ROOT);
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 2 + 8);
+    id += 1;
+    assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    d.abi.clock.set(d.abi.clock.get() + 5);
+    d.on_tick(ROOT);
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        10,
+        "eight in flight: it waits"
+    );
+    let oldest = d.abi.dispatched.borrow()[2].0;
+    allowed_reply(&d);
+    d.on_http_call_response(oldest, 1, 200);
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        11,
+        "one ended: the queue left"
+    );
+}
+
+/// A take never waits in the queue past its deadline, even with every callout slot held: the
+/// tick fails it there, unsent.
+#[test]
+fn a_queued_take_never_outlives_its_deadline() {
+    let mut d = dispatcher(&slow_batch_config(""));
+    let mut id = 20;
+    assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    for _ in 1..8 {
+        id += 1;
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        d.abi.clock.set(d.abi.clock.get() + 5);
+        d.on_tick(ROOT);
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 8);
+    // Two more queue at 35 ms (Envoy has not timed the eight out: the fake never does).
+    for extra in [100, 101] {
+        assert_eq!(start(&mut d, extra, "/api"), PAUSE);
+    }
+    let queued_at = d.abi.clock.get();
+    d.abi.clock.set(queued_at + 19);
+    d.on_tick(ROOT);
+    assert!(d.abi.replied.borrow().iter().all(|(c, _)| *c < 100));
+    d.abi.clock.set(queued_at + 20);
+    d.on_tick(ROOT);
+    let replied: Vec<(u32, u32)> = d
+        .abi
+        .replied
+        .borrow()
+        .iter()
+        .filter(|(c, _)| *c >= 100)
+        .copied()
+        .collect();
+    assert_eq!(
+        replied,
+        vec![(100, 429), (101, 429)],
+        "failed at their deadline, unsent"
+    );
+    assert_eq!(d.abi.dispatched.borrow().len(), 8);
+}
+
 #[test]
 fn a_background_lease_refill_is_answered_without_any_request() {
     let cfg = r#"{"service":{"cluster":"svc","transport":"http","batch":0},

@@ -175,6 +175,32 @@ fn answers_in_any_order_reach_their_own_requests() {
 }
 
 #[test]
+fn a_queue_behind_a_slow_message_leaves_as_another_message_after_a_tick() {
+    let mut d = dispatcher(&stream_config(8, ""));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    later(&d, 1);
+    for id in [11, 12] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    later(&d, 3);
+    d.on_tick(ROOT);
+    assert_eq!(messages(&d), 1, "waited 3 ms: behind the first");
+    later(&d, 2);
+    d.on_tick(ROOT);
+    assert_eq!(messages(&d), 2, "a tick: a second message beside the first");
+    assert_eq!(message(&d, 1).1, 2);
+    let s = streams(&d)[0];
+    // The second is answered first: 11 and 12 do not wait for 10's slow answer.
+    let n = answer(&d, 1, &[true, true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12]);
+    let n = answer(&d, 0, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 10]);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
+}
+
+#[test]
 fn a_message_past_its_deadline_fails_alone_and_the_stream_goes_on() {
     let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
@@ -320,30 +346,32 @@ fn an_error_answer_fails_its_message_alone() {
 fn a_stream_that_answers_nothing_for_the_timeout_is_cancelled_and_its_messages_fail() {
     let mut d = dispatcher(&stream_config(8, r#","failure_mode":"deny""#));
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
-    // Queued behind it: one at once, one 5 ms later.
+    // Queued behind it, then sent beside it once it waited a tick.
     assert_eq!(start(&mut d, 11, "/api"), PAUSE);
     later(&d, 5);
-    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    d.on_tick(ROOT);
+    assert_eq!(messages(&d), 2);
     let old = streams(&d)[0];
     later(&d, 14);
     d.on_tick(ROOT);
     assert!(d.abi.replied.borrow().is_empty(), "not due yet");
     later(&d, 1);
     d.on_tick(ROOT);
-    // Nothing heard for 20 ms: the stream is cancelled and its message fails as a timeout; so
-    // does the request queued with it, which has waited its 20 ms too, without being sent.
+    // Nothing heard for 20 ms: the stream is cancelled and both its messages fail as timeouts.
     assert_eq!(*d.abi.cancelled.borrow(), vec![old]);
     assert_eq!(*d.abi.replied.borrow(), vec![(10, 429), (11, 429)]);
     assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 2);
-    // The one queued later left on a new stream, due 20 ms after its take: 5 ms from now.
+    assert_eq!(d.ledger_entries(), 0);
+    // The next take opens a new stream at once (the first stream in a row to answer nothing).
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
     let s = streams(&d);
     assert_eq!(s.len(), 2);
-    assert_eq!(messages(&d), 2);
     assert_eq!(d.abi.stream_sent.borrow().last().map(|m| m.0), Some(s[1]));
     // An answer on the cancelled stream touches nothing; the new stream's answer resumes 12.
-    let n = answer(&d, 1, &[true]);
+    let n = answer(&d, 0, &[true]);
     d.on_grpc_receive(old, n);
     assert!(d.abi.resumed.borrow().is_empty());
+    let n = answer(&d, 2, &[true]);
     d.on_grpc_receive(s[1], n);
     assert_eq!(*d.abi.resumed.borrow(), vec![12]);
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
