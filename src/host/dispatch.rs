@@ -653,13 +653,15 @@ impl<A: Abi> Dispatcher<A> {
         }
         // A stream that ends OK with messages unanswered broke the contract: a failure, not OK.
         let status = if status == 0 { 2 } else { status };
+        let mut ended = CalloutResult::Grpc {
+            status,
+            message,
+            body: Vec::new(),
+        };
         for m in failed {
-            let ended = CalloutResult::Grpc {
-                status,
-                message: message.clone(),
-                body: Vec::new(),
-            };
-            self.deliver(m, &mut Ready(Some(ended)));
+            // One end, one failure for the breaker: the other messages share it.
+            self.deliver(m, &mut Ready(Some(ended.clone())));
+            ended = ended.shared();
         }
     }
 
@@ -696,18 +698,22 @@ impl<A: Abi> Dispatcher<A> {
             self.ledger
                 .close_if(m, |w| matches!(w, Waiter::Late { .. }));
         }
+        // Messages that fail on one tick fail together: one failure for the breaker.
+        let mut timeout = CalloutResult::Expired;
         for m in expired.late {
-            self.go_late(m);
+            self.go_late(m, timeout.clone());
+            timeout = timeout.shared();
         }
         for m in expired.failed {
-            self.deliver(m, &mut Ready(Some(CalloutResult::Expired)));
+            self.deliver(m, &mut Ready(Some(timeout.clone())));
+            timeout = timeout.shared();
         }
     }
 
-    /// Message `id` passed its deadline while its stream goes on: each of its takes fails as a
-    /// timeout, and its entry stays for a late answer, as a [`Waiter::Late`] holding the takes
+    /// Message `id` passed its deadline while its stream goes on: each of its takes fails with
+    /// `timeout`, and its entry stays for a late answer, as a [`Waiter::Late`] holding the takes
     /// of the requests that still waited (what the answer grants them goes back).
-    fn go_late(&mut self, id: CalloutId) {
+    fn go_late(&mut self, id: CalloutId, timeout: CalloutResult) {
         let (plugin, takes) = match self.ledger.get(id).map(|e| &e.waiter) {
             Some(Waiter::Batch { plugin, members }) => (
                 plugin.clone(),
@@ -721,7 +727,7 @@ impl<A: Abi> Dispatcher<A> {
             self.ledger.close(id).map(|e| e.waiter)
         };
         if let Some(batch) = batch {
-            self.finish(id, batch, &mut Ready(Some(CalloutResult::Expired)));
+            self.finish(id, batch, &mut Ready(Some(timeout)));
         }
     }
 
@@ -810,10 +816,14 @@ impl<A: Abi> Dispatcher<A> {
                 self.resume_request(context, id, read);
             }
             Waiter::Batch { members, .. } => {
-                // The batch's own token waits in no request; each member is its own entry.
+                // The batch's own token waits in no request; each member is its own entry. A
+                // failed batch is one failed callout: the first member still waiting reports it,
+                // the others share it.
                 let parts = batch::split(read.read(&self.abi), members.len());
+                let mut reported = false;
                 for (member, result) in members.into_iter().zip(parts) {
-                    self.answer_member(member, result);
+                    let result = if reported { result.shared() } else { result };
+                    reported |= self.answer_member(member, result);
                 }
             }
             Waiter::Refill { plugin, plan, .. } => {
@@ -859,11 +869,14 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    /// A batch member's share of the batch answer (its entry closes here).
-    fn answer_member(&mut self, member: CalloutId, result: CalloutResult) {
-        if let Some(e) = self.ledger.close(member) {
-            self.answer(member, e.waiter, &mut Ready(Some(result)));
-        }
+    /// A batch member's share of the batch answer (its entry closes here); whether it still
+    /// waited.
+    fn answer_member(&mut self, member: CalloutId, result: CalloutResult) -> bool {
+        let Some(e) = self.ledger.close(member) else {
+            return false;
+        };
+        self.answer(member, e.waiter, &mut Ready(Some(result)));
+        true
     }
 
     /// Hands `read`'s result to request `context`, if it still waits for callout `id`.
@@ -900,7 +913,7 @@ impl<A: Abi> Dispatcher<A> {
         let svc = &plugin.config.service;
         let expired = plugin.queue.borrow_mut().expired(now, svc.timeout_ms);
         for id in expired {
-            self.answer_member(id, CalloutResult::Expired);
+            self.answer_member(id, CalloutResult::Unsent);
         }
         if plugin.queue.borrow().due(now, svc.tick_ms()) {
             self.flush(plugin);
@@ -927,7 +940,7 @@ impl<A: Abi> Dispatcher<A> {
 
     /// One batch carrying `queued` (a callout, or a message on the stream), due when the first of
     /// them must have its answer: `service.timeout_ms` bounds a request's wait from its take,
-    /// queue and batch together. One that waited that long already fails here, as a timeout.
+    /// queue and batch together. One that waited that long already fails here, unsent.
     fn send_batch(&mut self, plugin: &Rc<Plugin>, queued: Vec<Queued>) {
         let timeout = plugin.config.service.timeout_ms;
         let now = self.abi.now_ms();
@@ -935,7 +948,7 @@ impl<A: Abi> Dispatcher<A> {
             .into_iter()
             .partition(|q| q.deadline_ms(timeout) <= now);
         for q in late {
-            self.answer_member(q.id, CalloutResult::Expired);
+            self.answer_member(q.id, CalloutResult::Unsent);
         }
         let Some(deadline) = queued.iter().map(|q| q.deadline_ms(timeout)).min() else {
             return;
@@ -946,8 +959,11 @@ impl<A: Abi> Dispatcher<A> {
         let sent = proxy.send_batch(&plugin.config, members.clone(), &takes, now, deadline);
         if let Err(why) = sent {
             debug!("batch of {} not dispatched: {why}", members.len());
+            let mut failed = CalloutResult::DispatchError;
             for m in members {
-                self.answer_member(m, CalloutResult::DispatchError);
+                if self.answer_member(m, failed.clone()) {
+                    failed = failed.shared();
+                }
             }
         }
     }

@@ -125,6 +125,21 @@ pub enum Leftover {
     },
 }
 
+/// What the end of a request's callout tells the breaker ([`Flow`]'s `record`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Report {
+    /// The callout was the breaker's probe.
+    probe: bool,
+    /// A success needs no record: admitted while the breaker was clean, and answered within a
+    /// tick.
+    quiet: bool,
+    /// A failure is this callout's own, not a share of its batch's failure that another take
+    /// reported ([`CalloutResult::Shared`]).
+    counted: bool,
+    /// When the callout ended (ms).
+    now: u64,
+}
+
 /// What to tell the proxy about the current callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Next {
@@ -147,8 +162,12 @@ pub enum Phase {
         plan: Plan,
         /// Whether this callout is the breaker's probe.
         probe: bool,
-        /// The admission saw a clean breaker: a success records nothing.
+        /// The admission saw a clean breaker: a quick success records nothing.
         clean: bool,
+        /// When the callout started (ms): a success that took a tick or longer
+        /// ([`crate::core::config::Service::tick_ms`]) is recorded, so that failures counted
+        /// meanwhile (by this worker or another) do not stand against a service that answers.
+        since_ms: u64,
     },
     /// Decided.
     Done,
@@ -218,7 +237,7 @@ impl Flow {
                 _ => Count::LocalLimited,
             };
             host.count(Metric::Lease(count, 1));
-            return self.conclude(cfg, &plan, &outcome, false, host);
+            return self.conclude(cfg, &plan, &outcome, false, now, host);
         }
         let seen = breaker::admit_seen(host.store(), &cfg.breaker, now);
         let (admission, clean) = (seen.admission, seen.clean);
@@ -231,7 +250,7 @@ impl Flow {
                         self.shadow_counts.push((r, RuleCount::LimitedLocally));
                     }
                 }
-                return self.conclude(cfg, &plan, &Outcome::Limited(resp), false, host);
+                return self.conclude(cfg, &plan, &Outcome::Limited(resp), false, now, host);
             }
         }
         if seen.debt {
@@ -244,9 +263,10 @@ impl Flow {
                 &plan,
                 Outcome::Failed(Cause::Breaker),
                 &mut self.watched,
+                now,
                 host,
             );
-            return self.conclude(cfg, &plan, &outcome, false, host);
+            return self.conclude(cfg, &plan, &outcome, false, now, host);
         }
         let probe = admission == Admission::Probe;
         match host.send(cfg, Callout::Take(&plan)) {
@@ -256,6 +276,7 @@ impl Flow {
                     plan,
                     probe,
                     clean,
+                    since_ms: now,
                 };
                 Next::Pause
             }
@@ -264,14 +285,14 @@ impl Flow {
                     "callout to cluster {:?} not dispatched: {why}",
                     cfg.service.cluster
                 );
-                self.after_callout(
-                    cfg,
-                    &plan,
-                    (probe, clean),
-                    Outcome::Failed(Cause::Dispatch),
-                    false,
-                    host,
-                )
+                let report = Report {
+                    probe,
+                    quiet: clean,
+                    counted: true,
+                    now,
+                };
+                let failed = Outcome::Failed(Cause::Dispatch);
+                self.after_callout(cfg, &plan, report, failed, false, host)
             }
         }
     }
@@ -330,21 +351,37 @@ impl Flow {
             return;
         }
         let Phase::Calling {
-            plan, probe, clean, ..
+            plan,
+            probe,
+            clean,
+            since_ms,
+            ..
         } = std::mem::replace(&mut self.phase, Phase::Done)
         else {
             return;
         };
+        let now = host.now_ms();
+        // A success after a clean admission records nothing (the steady path reads the breaker
+        // once), unless it was slow: failures may have been counted while it was out, and a
+        // service that answers resets them.
+        let quiet = clean && now.saturating_sub(since_ms) < cfg.service.tick_ms();
+        // A share of a batch's failure another take fed the breaker with is not counted again.
+        let counted = !matches!(result, CalloutResult::Shared(_));
         let outcome = decide::interpret(&plan, result);
         if let Some((enforced, shadowed)) = decide::without_shadow(cfg, &plan, &outcome) {
             // Only shadow rules denied, and the service charges all or nothing: it charged none
             // of the enforced rules' buckets. Settle this answer, then ask again for those alone,
             // so shadow rules never change what enforced rules count.
-            self.record(cfg, probe, clean, true, host);
-            settle(cfg, &plan, outcome, &mut self.watched, host);
+            let report = Report {
+                probe,
+                quiet,
+                counted,
+                now,
+            };
+            self.record(cfg, report, true, host);
+            settle(cfg, &plan, outcome, &mut self.watched, now, host);
             self.shadow_counts = shadowed;
             let mut enforced = enforced;
-            let now = host.now_ms();
             let (_, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
             if debt {
                 fallback::attach_debts(cfg, &mut enforced, host.store(), now);
@@ -356,66 +393,82 @@ impl Flow {
                         plan: enforced,
                         probe: false,
                         clean: false,
+                        since_ms: now,
                     };
                 }
                 Err(_) => {
-                    self.after_callout(
-                        cfg,
-                        &enforced,
-                        (false, false),
-                        Outcome::Failed(Cause::Dispatch),
-                        true,
-                        host,
-                    );
+                    let report = Report {
+                        probe: false,
+                        quiet: false,
+                        counted: true,
+                        now,
+                    };
+                    let failed = Outcome::Failed(Cause::Dispatch);
+                    self.after_callout(cfg, &enforced, report, failed, true, host);
                 }
             }
             return;
         }
-        self.after_callout(cfg, &plan, (probe, clean), outcome, true, host);
+        let report = Report {
+            probe,
+            quiet,
+            counted,
+            now,
+        };
+        self.after_callout(cfg, &plan, report, outcome, true, host);
     }
 
-    /// Feeds a callout's result to the breaker (nothing to do for a success after a clean
-    /// admission: the steady path reads the shared state once).
-    fn record<H: Host>(&self, cfg: &Config, probe: bool, clean: bool, success: bool, host: &mut H) {
-        if !breaker::needs_record(clean, success) {
+    /// Feeds a callout's result to the breaker (nothing to do for a `quiet` success: quick, after
+    /// a clean admission, so the steady path reads the shared state once).
+    fn record<H: Host>(&self, cfg: &Config, report: Report, success: bool, host: &mut H) {
+        if !breaker::needs_record(report.quiet, success) {
             return;
         }
-        let event =
-            breaker::record_shared(host.store(), &cfg.breaker, host.now_ms(), success, probe);
+        let (now, probe) = (report.now, report.probe);
+        let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, probe);
         if event != Event::None {
             host.count(Metric::Breaker(event));
         }
     }
 
-    /// A callout ended or could not start: count it, feed the breaker, conclude.
+    /// A callout ended or could not start: count it, feed the breaker, conclude. The breaker
+    /// hears of a failure only when a callout failed (a take that was never sent, a breaker that
+    /// refused, are no news of the service) and only once per failed callout
+    /// ([`Report::counted`]; the probe's always).
     fn after_callout<H: Host>(
         &mut self,
         cfg: &Config,
         plan: &Plan,
-        (probe, clean): (bool, bool),
+        report: Report,
         outcome: Outcome,
         paused: bool,
         host: &mut H,
     ) -> Next {
-        let success = !matches!(outcome, Outcome::Failed(_));
-        if let Outcome::Failed(cause) = outcome {
-            host.count(Metric::Failure(cause));
+        match outcome {
+            Outcome::Failed(cause) if cause.is_callout() => {
+                host.count(Metric::Failure(cause));
+                if report.counted || report.probe {
+                    self.record(cfg, report, false, host);
+                }
+            }
+            Outcome::Failed(_) => {}
+            _ => self.record(cfg, report, true, host),
         }
-        self.record(cfg, probe, clean, success, host);
-        let outcome = settle(cfg, plan, outcome, &mut self.watched, host);
-        self.conclude(cfg, plan, &outcome, paused, host)
+        let now = report.now;
+        let outcome = settle(cfg, plan, outcome, &mut self.watched, now, host);
+        self.conclude(cfg, plan, &outcome, paused, now, host)
     }
 
-    /// Applies the verdict: let through (resuming only if paused) or reply locally.
+    /// Applies the verdict at `now`: let through (resuming only if paused) or reply locally.
     fn conclude<H: Host>(
         &mut self,
         cfg: &Config,
         plan: &Plan,
         outcome: &Outcome,
         paused: bool,
+        now: u64,
         host: &mut H,
     ) -> Next {
-        let now = host.now_ms();
         let verdict = decide::resolve(cfg, plan, outcome, host.store(), now);
         host.count(Metric::Decision(verdict.decision));
         for &(rule, what) in verdict
@@ -486,9 +539,9 @@ fn settle<H: Host>(
     plan: &Plan,
     outcome: Outcome,
     watched: &mut Vec<lease::Held>,
+    now: u64,
     host: &mut H,
 ) -> Outcome {
-    let now = host.now_ms();
     // Only the service's own denials are remembered: one `settle_debts` makes of an admission whose
     // grant fell short of the debt it carried is about the debt, and the next callout repays more.
     let denied_by_service = matches!(outcome, Outcome::Limited(_));
@@ -567,15 +620,23 @@ pub fn on_refill_result<H: Host>(
     result: CalloutResult,
     host: &mut H,
 ) -> Vec<lease::Held> {
+    let counted = !matches!(result, CalloutResult::Shared(_));
     let outcome = decide::interpret(plan, result);
-    let success = !matches!(outcome, Outcome::Failed(_));
-    if let Outcome::Failed(cause) = outcome {
-        host.count(Metric::Failure(cause));
-    }
     let now = host.now_ms();
-    let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, false);
-    if event != Event::None {
-        host.count(Metric::Breaker(event));
+    // As a request's callout feeds it (`Flow::after_callout`), a success always.
+    let feeds = match outcome {
+        Outcome::Failed(cause) if cause.is_callout() => {
+            host.count(Metric::Failure(cause));
+            counted.then_some(false)
+        }
+        Outcome::Failed(_) => None,
+        _ => Some(true),
+    };
+    if let Some(success) = feeds {
+        let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, false);
+        if event != Event::None {
+            host.count(Metric::Breaker(event));
+        }
     }
     let (outcome, repaid) = fallback::settle_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);

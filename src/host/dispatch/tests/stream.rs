@@ -319,6 +319,46 @@ fn a_late_grant_goes_back_to_the_service_and_a_late_denial_needs_nothing() {
 }
 
 #[test]
+fn timeouts_among_answers_do_not_open_the_breaker() {
+    let cfg = stream_config(0, r#","failure_mode":"deny""#)
+        .replace(r#""failures":10000"#, r#""failures":2"#);
+    let mut d = dispatcher(&cfg);
+    for id in 10..16 {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    let s = streams(&d)[0];
+    // Four answered, slowly (they reset what failed meanwhile); two time out on one tick.
+    later(&d, 10);
+    for i in [1, 3, 4, 5] {
+        let n = answer(&d, i, &[true]);
+        d.on_grpc_receive(s, n);
+    }
+    later(&d, 10);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.replied.borrow(), vec![(10, 429), (12, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 2);
+    assert_eq!(
+        d.abi.metric("tollgate.breaker.opened"),
+        0,
+        "one tick's timeouts: one failure"
+    );
+    // Answers go on; then two timeouts in a row with nothing answered between open it.
+    for id in [20, 21] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        later(&d, 10);
+        let n = answer(&d, messages(&d) - 1, &[true]);
+        d.on_grpc_receive(s, n);
+        later(&d, 10);
+    }
+    for id in [30, 31] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        later(&d, 20);
+        d.on_tick(ROOT);
+    }
+    assert_eq!(d.abi.metric("tollgate.breaker.opened"), 1);
+}
+
+#[test]
 fn an_error_answer_fails_its_message_alone() {
     let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
     for id in [10, 11, 12] {
