@@ -24,6 +24,9 @@ pub(super) struct Metrics {
     /// another kind than rate: those count `inflight`).
     rules: Vec<Vec<u32>>,
     failures: Vec<u32>,
+    /// `tollgate.failure_mode.<cause>`, one id per [`Cause::ALL`]: requests the failure mode
+    /// decided, by why the service did not.
+    failure_modes: Vec<u32>,
     breaker_opened: u32,
     breaker_open: u32,
     leases: Vec<u32>,
@@ -89,6 +92,11 @@ impl Metrics {
             let name = format!("tollgate.callout_failure.{}", c.name());
             failures.push(abi.define_metric(MetricKind::Counter, &name)?);
         }
+        let mut failure_modes = Vec::with_capacity(Cause::ALL.len());
+        for c in Cause::ALL {
+            let name = format!("tollgate.failure_mode.{}", c.name());
+            failure_modes.push(abi.define_metric(MetricKind::Counter, &name)?);
+        }
         let mut leases = Vec::with_capacity(lease::Count::ALL.len());
         for c in lease::Count::ALL {
             leases.push(abi.define_metric(MetricKind::Counter, c.metric())?);
@@ -122,6 +130,7 @@ impl Metrics {
             decisions,
             rules,
             failures,
+            failure_modes,
             leases,
             breaker_opened: abi.define_metric(MetricKind::Counter, "tollgate.breaker.opened")?,
             breaker_open: abi.define_metric(MetricKind::Gauge, "tollgate.breaker.open")?,
@@ -165,6 +174,9 @@ impl Metrics {
                 }
             }
             Metric::Failure(cause) => add(abi, &self.failures, nth(&Cause::CALLOUT, &cause), 1),
+            Metric::FailureMode(cause) => {
+                add(abi, &self.failure_modes, nth(&Cause::ALL, &cause), 1);
+            }
             Metric::Lease(count, n) => add(abi, &self.leases, nth(&lease::Count::ALL, &count), n),
             Metric::Slots(count) => add(abi, &self.inflight, nth(&inflight::Count::ALL, &count), 1),
             Metric::Late { returned } => {

@@ -86,6 +86,10 @@ pub enum Metric {
     Rule(usize, RuleCount),
     /// A failed callout.
     Failure(Cause),
+    /// A request the failure mode decided (`failure_mode`: the fallback, allow or deny), and why
+    /// the service did not: a failed callout, the open breaker, or a take that waited its
+    /// timeout in the batch queue.
+    FailureMode(Cause),
     /// A breaker transition (metrics, log).
     Breaker(Event),
     /// `n` added to a lease counter.
@@ -485,7 +489,8 @@ impl Flow {
                 now.saturating_add(fallback::debt_horizon_ms(cfg)),
             );
         }
-        if let Outcome::Failed(cause) = outcome {
+        if let Outcome::Failed(cause) = *outcome {
+            host.count(Metric::FailureMode(cause));
             debug!(
                 "no answer from the service ({}): {}",
                 cause.name(),
@@ -783,6 +788,7 @@ mod tests {
         releases: Vec<Vec<u8>>,
         slot_counts: Vec<crate::core::inflight::Count>,
         late: Vec<u64>,
+        decided_by: Vec<Cause>,
     }
 
     impl Default for FakeHost {
@@ -816,6 +822,7 @@ mod tests {
                 releases: Vec::new(),
                 slot_counts: Vec::new(),
                 late: Vec::new(),
+                decided_by: Vec::new(),
             }
         }
     }
@@ -866,6 +873,7 @@ mod tests {
                 Metric::Decision(d) => self.counts.push(d),
                 Metric::Rule(rule, what) => self.rule_counts.push((rule, what)),
                 Metric::Failure(c) => self.failures.push(c),
+                Metric::FailureMode(c) => self.decided_by.push(c),
                 Metric::Breaker(e) => self.events.push(e),
                 Metric::Lease(c, n) => self.leases.push((c, n)),
                 Metric::Slots(c) => self.slot_counts.push(c),

@@ -968,6 +968,9 @@ fn a_queued_request_waits_no_longer_than_its_timeout_in_all() {
         1,
         "12 was never sent: no callout of its failed"
     );
+    // What the failure mode decided, by cause.
+    assert_eq!(d.abi.metric("tollgate.failure_mode.timeout"), 1);
+    assert_eq!(d.abi.metric("tollgate.failure_mode.queued"), 1);
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
 }
 
@@ -1135,6 +1138,16 @@ fn takes_that_expire_in_the_queue_and_shares_of_one_failed_batch_do_not_open_the
     let second = d.abi.dispatched.borrow()[1].0;
     d.on_http_call_response(second, 0, 0);
     assert_eq!(d.abi.metric("tollgate.breaker.opened"), 1);
+    // What the failure mode decided, by cause: two queued too long, four reset, one refused by
+    // the open breaker.
+    assert_eq!(start(&mut d, 200, "/api"), PAUSE);
+    for (cause, n) in [("queued", 2), ("reset", 4), ("breaker", 1), ("timeout", 0)] {
+        assert_eq!(
+            d.abi.metric(&format!("tollgate.failure_mode.{cause}")),
+            n,
+            "{cause}"
+        );
+    }
 }
 
 /// Successes reset the consecutive failures even when their admission saw none, if they were
