@@ -41,7 +41,6 @@
 
 use crate::core::base::ledger::CalloutId;
 use crate::core::wire::plan::CalloutResult;
-use std::collections::VecDeque;
 
 /// The backoff after the first stream that ended without an answer.
 pub const FIRST_BACKOFF_MS: u64 = 10;
@@ -100,7 +99,7 @@ struct Open {
     token: u32,
     since_ms: u64,
     /// Messages in flight, oldest first.
-    in_flight: VecDeque<Flight>,
+    in_flight: Vec<Flight>,
     /// Whether it answered a message.
     answered: bool,
     /// When it last answered, or when it began to be waited for (a message sent while nothing
@@ -141,7 +140,7 @@ pub struct Stream {
     /// next tick.
     orphans: Vec<CalloutId>,
     /// Messages awaited late, oldest first ([`MAX_LATE_TAKES`] takes at most).
-    late: VecDeque<Late>,
+    late: Vec<Late>,
     /// Streams in a row that ended (or could not open) without answering.
     failures: u32,
     /// No stream is opened before this time.
@@ -178,7 +177,7 @@ impl Stream {
         self.open = Some(Open {
             token,
             since_ms: now,
-            in_flight: VecDeque::new(),
+            in_flight: Vec::new(),
             answered: false,
             heard_ms: now,
             skipped: false,
@@ -214,7 +213,7 @@ impl Stream {
             // Waited for from now: the silence that loses a stream counts from here.
             o.heard_ms = now;
         }
-        o.in_flight.push_back(Flight {
+        o.in_flight.push(Flight {
             id,
             deadline_ms,
             takes,
@@ -229,21 +228,15 @@ impl Stream {
         let o = self.open.as_mut().filter(|o| o.token == token)?;
         let found = if id == 0 {
             // A service that predates ids answers in order.
-            match o.skipped {
-                false => o.in_flight.pop_front().map(|f| f.id),
-                true => None,
-            }
+            (!o.skipped && !o.in_flight.is_empty()).then(|| o.in_flight.remove(0).id)
+        } else if let Some(i) = o.in_flight.iter().position(|f| f.id.0 == id) {
+            Some(o.in_flight.remove(i).id)
         } else {
-            let id = CalloutId(id);
-            match o.in_flight.iter().position(|f| f.id == id) {
-                Some(i) => o.in_flight.remove(i).map(|f| f.id),
-                None => self
-                    .late
-                    .iter()
-                    .position(|l| l.id == id && l.stream == token)
-                    .and_then(|i| self.late.remove(i))
-                    .map(|l| l.id),
-            }
+            let i = self
+                .late
+                .iter()
+                .position(|l| l.id.0 == id && l.stream == token);
+            i.map(|i| self.late.remove(i).id)
         };
         if found.is_some() {
             o.answered = true;
@@ -313,13 +306,21 @@ impl Stream {
                 out.failed.extend(failed);
             } else if let Some(o) = &mut self.open {
                 let until_ms = now.saturating_add(late_for_ms(timeout_ms));
-                while let Some(i) = o.in_flight.iter().position(|f| f.deadline_ms <= now) {
-                    let Some(f) = o.in_flight.remove(i) else {
-                        break;
-                    };
+                let mut i = 0;
+                while let Some(&f) = o.in_flight.get(i) {
+                    if f.deadline_ms > now {
+                        i += 1;
+                        continue;
+                    }
+                    o.in_flight.remove(i);
                     o.skipped = true;
+                    if f.takes > MAX_LATE_TAKES {
+                        // Too large to await: it simply fails.
+                        out.failed.push(f.id);
+                        continue;
+                    }
                     out.late.push(f.id);
-                    self.late.push_back(Late {
+                    self.late.push(Late {
                         id: f.id,
                         stream: token,
                         until_ms,
@@ -328,29 +329,26 @@ impl Stream {
                 }
             }
         }
+        // Forgotten: what is past its time, then the oldest while more takes are awaited than
+        // the bound (never one that went late just now: each fits the bound alone).
+        let awaited: usize = self
+            .late
+            .iter()
+            .filter(|l| l.until_ms > now)
+            .map(|l| l.takes)
+            .sum();
+        let mut excess = awaited.saturating_sub(MAX_LATE_TAKES);
         let forgotten = &mut out.forgotten;
         self.late.retain(|l| {
-            let keep = l.until_ms > now;
+            let keep = l.until_ms > now && excess == 0;
             if !keep {
+                if l.until_ms > now {
+                    excess = excess.saturating_sub(l.takes);
+                }
                 forgotten.push(l.id);
             }
             keep
         });
-        let mut takes: usize = self.late.iter().map(|l| l.takes).sum();
-        while takes > MAX_LATE_TAKES {
-            let Some(l) = self.late.pop_front() else {
-                break;
-            };
-            takes = takes.saturating_sub(l.takes);
-            out.forgotten.push(l.id);
-        }
-        // A message forgotten as soon as it went late is not awaited: it simply fails.
-        let (kept, gone): (Vec<CalloutId>, Vec<CalloutId>) = std::mem::take(&mut out.late)
-            .into_iter()
-            .partition(|id| !out.forgotten.contains(id));
-        out.forgotten.retain(|id| !gone.contains(id));
-        out.late = kept;
-        out.failed.extend(gone);
         (!out.is_empty()).then_some(out)
     }
 
@@ -506,8 +504,8 @@ mod tests {
         let e = s.expired(1_110, 2_000, CEILING).unwrap();
         assert_eq!(e.forgotten, vec![id(3)]);
         assert_eq!(s.answered(8, 3, 1_111), None, "forgotten: no one's");
-        // At most MAX_LATE_TAKES takes awaited: the oldest go first; a message too large for
-        // what is left fails as if it had never been awaited.
+        // At most MAX_LATE_TAKES takes awaited: the oldest go first; a message larger than the
+        // bound alone fails as if it had never been awaited, and displaces nothing.
         let big = MAX_LATE_TAKES / 2;
         s.sent(id(6), 2_000, big, 1_200);
         s.sent(id(7), 2_001, big, 1_200);
@@ -520,7 +518,7 @@ mod tests {
         let e = s.expired(2_003, 60_000, CEILING).unwrap();
         assert_eq!(e.late, Vec::<CalloutId>::new());
         assert_eq!(e.failed, vec![id(9)]);
-        assert_eq!(e.forgotten, vec![id(7), id(8)]);
+        assert_eq!(e.forgotten, Vec::<CalloutId>::new());
     }
 
     #[test]
