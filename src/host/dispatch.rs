@@ -15,7 +15,13 @@
 //! - A root context that goes (a configuration push) takes its callouts with it, silently: its
 //!   entries are expired then ([`Ledger::close_root`]): a request still waiting gets the failure
 //!   path, settlements in flight or queued go to the configuration that calls the same service.
-//! - A reply for a token nobody waits for is dropped.
+//! - A reply for a token nobody waits for is dropped; an answer on a stream goes to the message
+//!   whose id it carries (one awaited late gives back what it granted), and names no other.
+//! - A token Envoy hands out while an entry still holds it (its counter wraps unchecked) is
+//!   counted, and the displaced entry fails as if reset ([`Ledger::displaced`]), when the
+//!   callback ends.
+//! - The root's tick fails the stream's messages past their deadline (each alone) and gives up a
+//!   silent stream, and sends a batch queue that waited a tick beside the callouts in flight.
 //!
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 
