@@ -624,8 +624,7 @@ impl<A: Abi> Dispatcher<A> {
             debug!("stream {token}: an answer that does not decode");
             return;
         };
-        let now = self.abi.now_ms();
-        let message = plugin.stream.borrow_mut().answered(token, id, now);
+        let message = plugin.stream.borrow_mut().answered(token, id);
         let Some(message) = message else {
             debug!("stream {token}: answer {id} names no message of it");
             return;

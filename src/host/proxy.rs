@@ -52,7 +52,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
 
     /// Records callout `token` (just dispatched) in the ledger; its id there. A token Envoy hands
     /// out while an entry still holds it is counted (`tollgate.callouts.collided`); the entry it
-    /// displaced fails when the callback ends (`Dispatcher::fail_displaced`).
+    /// displaced fails when the callback ends (`Dispatcher::end_callback`).
     pub(super) fn open(&mut self, token: u32, waiter: Waiter) -> CalloutId {
         if self.ledger.open(token, self.plugin.root, waiter) {
             warn!("callout token {token} handed out again while still in flight: the callout it named fails");

@@ -21,6 +21,7 @@
 //!   its answer granted, which no request spends (each went on without it), go back to the
 //!   service (`crate::core::flow::late_answer`), so nothing is charged twice.
 //! - **A stream is given up only when it is lost**: nothing answered for `service.timeout_ms`
+//!   (to within a tick: an answer is noted by the next tick, so the hot path reads no clock)
 //!   while messages were in flight or awaited late. The adapter cancels it, and its messages in
 //!   flight fail as timeouts (what was awaited late on it is forgotten). A stream that ends (the
 //!   service's status, a reset, a connection Envoy could not make) fails every message in flight
@@ -102,9 +103,12 @@ struct Open {
     in_flight: Vec<Flight>,
     /// Whether it answered a message.
     answered: bool,
-    /// When it last answered, or when it began to be waited for (a message sent while nothing
-    /// was in flight nor awaited late on it).
+    /// When it was last heard from: the tick after its last answer (an answer reads no clock),
+    /// or when it began to be waited for (a message sent while nothing was in flight nor awaited
+    /// late on it).
     heard_ms: u64,
+    /// It answered since the last tick.
+    fresh: bool,
     /// A message on it failed alone: an answer without an id can no longer be placed.
     skipped: bool,
 }
@@ -180,6 +184,7 @@ impl Stream {
             in_flight: Vec::new(),
             answered: false,
             heard_ms: now,
+            fresh: false,
             skipped: false,
         });
     }
@@ -220,11 +225,11 @@ impl Stream {
         });
     }
 
-    /// An answer carrying `id` (0: none) arrived on stream `token` at `now`: the message it
-    /// answers, in flight or awaited late (its ledger entry says which), or `None` for an answer
-    /// that names no message of this stream (another stream's, another configuration's, one
-    /// forgotten, or without an id once a message failed alone).
-    pub fn answered(&mut self, token: u32, id: u64, now: u64) -> Option<CalloutId> {
+    /// An answer carrying `id` (0: none) arrived on stream `token`: the message it answers, in
+    /// flight or awaited late (its ledger entry says which), or `None` for an answer that names
+    /// no message of this stream (another stream's, another configuration's, one forgotten, or
+    /// without an id once a message failed alone).
+    pub fn answered(&mut self, token: u32, id: u64) -> Option<CalloutId> {
         let o = self.open.as_mut().filter(|o| o.token == token)?;
         let found = if id == 0 {
             // A service that predates ids answers in order.
@@ -240,7 +245,7 @@ impl Stream {
         };
         if found.is_some() {
             o.answered = true;
-            o.heard_ms = now;
+            o.fresh = true;
             self.failures = 0;
             self.not_before_ms = 0;
         }
@@ -294,6 +299,10 @@ impl Stream {
             failed: std::mem::take(&mut self.orphans),
             ..Expired::default()
         };
+        if let Some(o) = self.open.as_mut().filter(|o| o.fresh) {
+            o.heard_ms = now;
+            o.fresh = false;
+        }
         if let Some(token) = self.token() {
             let waited = self.in_flight() > 0 || self.late.iter().any(|l| l.stream == token);
             let heard = self.open.as_ref().map_or(now, |o| o.heard_ms);
@@ -408,12 +417,12 @@ mod tests {
         s.sent(id(102), 60, 2, 1);
         s.sent(id(103), 60, 1, 2);
         assert_eq!(s.in_flight(), 3);
-        assert_eq!(s.answered(9, 101, 3), None, "another stream's answer");
-        assert_eq!(s.answered(7, 555, 3), None, "an id of no message of ours");
-        assert_eq!(s.answered(7, 102, 3), Some(id(102)));
-        assert_eq!(s.answered(7, 103, 4), Some(id(103)));
-        assert_eq!(s.answered(7, 102, 4), None, "answered once");
-        assert_eq!(s.answered(7, 101, 5), Some(id(101)));
+        assert_eq!(s.answered(9, 101), None, "another stream's answer");
+        assert_eq!(s.answered(7, 555), None, "an id of no message of ours");
+        assert_eq!(s.answered(7, 102), Some(id(102)));
+        assert_eq!(s.answered(7, 103), Some(id(103)));
+        assert_eq!(s.answered(7, 102), None, "answered once");
+        assert_eq!(s.answered(7, 101), Some(id(101)));
         assert_eq!(s.in_flight(), 0);
     }
 
@@ -422,7 +431,7 @@ mod tests {
         let mut s = opened_at(0);
         s.sent(id(101), 20, 1, 0);
         s.sent(id(102), 30, 1, 10);
-        assert_eq!(s.answered(7, 102, 15), Some(id(102)), "the stream answers");
+        assert_eq!(s.answered(7, 102), Some(id(102)), "the stream answers");
         s.sent(id(103), 40, 1, 20);
         assert_eq!(s.expired(19, TIMEOUT, CEILING), None);
         assert_eq!(
@@ -435,13 +444,9 @@ mod tests {
         );
         assert_eq!(s.token(), Some(7));
         assert_eq!(s.route(21), Route::Send(7));
-        assert_eq!(
-            s.answered(7, 103, 22),
-            Some(id(103)),
-            "the next one answered"
-        );
-        assert_eq!(s.answered(7, 101, 25), Some(id(101)), "late, still matched");
-        assert_eq!(s.answered(7, 101, 26), None, "once");
+        assert_eq!(s.answered(7, 103), Some(id(103)), "the next one answered");
+        assert_eq!(s.answered(7, 101), Some(id(101)), "late, still matched");
+        assert_eq!(s.answered(7, 101), None, "once");
         assert_eq!(s.expired(2_000, TIMEOUT, CEILING), None);
     }
 
@@ -462,7 +467,7 @@ mod tests {
         assert_eq!(s.token(), None);
         assert_eq!(s.expired(30, TIMEOUT, CEILING), None);
         // A late answer or end of the given-up stream touches nothing.
-        assert_eq!(s.answered(7, 101, 30), None);
+        assert_eq!(s.answered(7, 101), None);
         assert_eq!(s.ended(7, 30, CEILING), Vec::<CalloutId>::new());
         // Silence counts from the last answer, or from a message sent when nothing was awaited.
         s.opened(8, 100);
@@ -473,7 +478,9 @@ mod tests {
             "not since 100: since 150"
         );
         s.sent(id(202), 200, 1, 160);
-        assert_eq!(s.answered(8, 201, 165), Some(id(201)));
+        assert_eq!(s.answered(8, 201), Some(id(201)));
+        // The next tick notes the answer.
+        assert_eq!(s.expired(165, TIMEOUT, CEILING), None);
         assert_eq!(s.expired(184, TIMEOUT, CEILING), None);
         let e = s.expired(185, TIMEOUT, CEILING).unwrap();
         assert_eq!((e.cancel, e.failed), (Some(8), vec![id(202)]));
@@ -484,26 +491,28 @@ mod tests {
         let mut s = opened_at(0);
         s.sent(id(1), 10, 1, 0);
         s.sent(id(2), 30, 1, 5);
-        assert_eq!(s.answered(7, 2, 8), Some(id(2)));
+        assert_eq!(s.answered(7, 2), Some(id(2)));
         let e = s.expired(10, TIMEOUT, CEILING).unwrap();
         assert_eq!(e.late, vec![id(1)]);
-        // Awaited late and nothing heard for the timeout: the stream is lost, 1 forgotten.
-        let e = s.expired(28, TIMEOUT, CEILING).unwrap();
+        // Awaited late and nothing heard for the timeout (since the tick that noted 2's answer):
+        // the stream is lost, 1 forgotten.
+        assert_eq!(s.expired(29, TIMEOUT, CEILING), None);
+        let e = s.expired(30, TIMEOUT, CEILING).unwrap();
         assert_eq!((e.cancel, e.forgotten), (Some(7), vec![id(1)]));
         // On time, forgotten after ten timeouts (at least a second).
         s.opened(8, 100);
         s.sent(id(3), 110, 1, 100);
         s.sent(id(4), 200, 1, 105);
         assert_eq!(s.expired(110, TIMEOUT, CEILING).unwrap().late, vec![id(3)]);
-        assert_eq!(s.answered(8, 4, 111), Some(id(4)));
+        assert_eq!(s.answered(8, 4), Some(id(4)));
         assert_eq!(s.route(112), Route::Send(8));
         s.sent(id(5), 200, 1, 112);
-        assert_eq!(s.answered(8, 5, 125), Some(id(5)));
+        assert_eq!(s.answered(8, 5), Some(id(5)));
         assert_eq!(late_for_ms(TIMEOUT), 1_000);
         assert_eq!(s.expired(1_109, 2_000, CEILING), None);
         let e = s.expired(1_110, 2_000, CEILING).unwrap();
         assert_eq!(e.forgotten, vec![id(3)]);
-        assert_eq!(s.answered(8, 3, 1_111), None, "forgotten: no one's");
+        assert_eq!(s.answered(8, 3), None, "forgotten: no one's");
         // At most MAX_LATE_TAKES takes awaited: the oldest go first; a message larger than the
         // bound alone fails as if it had never been awaited, and displaces nothing.
         let big = MAX_LATE_TAKES / 2;
@@ -527,17 +536,17 @@ mod tests {
         s.sent(id(101), 20, 1, 0);
         s.sent(id(102), 30, 1, 1);
         s.sent(id(103), 40, 1, 2);
-        assert_eq!(s.answered(7, 0, 15), Some(id(101)));
+        assert_eq!(s.answered(7, 0), Some(id(101)));
         assert_eq!(s.expired(30, TIMEOUT, CEILING).unwrap().late, vec![id(102)]);
-        assert_eq!(s.answered(7, 0, 31), None, "in order no more");
-        assert_eq!(s.answered(7, 103, 32), Some(id(103)));
+        assert_eq!(s.answered(7, 0), None, "in order no more");
+        assert_eq!(s.answered(7, 103), Some(id(103)));
     }
 
     #[test]
     fn a_stream_that_answered_is_reopened_at_once_and_one_that_did_not_backs_off() {
         let mut s = opened_at(0);
         s.sent(id(101), 20, 1, 0);
-        assert_eq!(s.answered(7, 101, 1), Some(id(101)));
+        assert_eq!(s.answered(7, 101), Some(id(101)));
         s.sent(id(102), 40, 1, 2);
         // The service ends a stream that answered (a replica shutting down): reopen at once.
         assert_eq!(s.ended(7, 30, CEILING), vec![id(102)]);
@@ -565,7 +574,7 @@ mod tests {
         // An answer ends the backoff.
         s.opened(20, now + 250);
         s.sent(id(300), now + 270, 1, now + 250);
-        assert_eq!(s.answered(20, 300, now + 251), Some(id(300)));
+        assert_eq!(s.answered(20, 300), Some(id(300)));
         assert_eq!(s.ended(20, now + 260, CEILING), Vec::<CalloutId>::new());
         assert_eq!(s.route(now + 260), Route::Open);
     }
@@ -590,7 +599,7 @@ mod tests {
             None,
             "the new stream is on time"
         );
-        assert_eq!(s.answered(8, 102, 7), Some(id(102)));
+        assert_eq!(s.answered(8, 102), Some(id(102)));
     }
 
     #[test]
@@ -609,7 +618,7 @@ mod tests {
         let old = 1_000 + MAX_AGE_MS;
         s.sent(id(101), old + 20, 1, 1_000);
         assert_eq!(s.route(old), Route::Send(7), "busy: kept");
-        assert_eq!(s.answered(7, 101, old), Some(id(101)));
+        assert_eq!(s.answered(7, 101), Some(id(101)));
         assert_eq!(s.route(old - 1), Route::Send(7), "young: kept");
         s.sent(id(102), old, 1, old);
         s.sent(id(103), old + 10, 1, old);
@@ -617,13 +626,13 @@ mod tests {
             s.expired(old, TIMEOUT, CEILING).unwrap().late,
             vec![id(102)]
         );
-        assert_eq!(s.answered(7, 103, old + 1), Some(id(103)));
+        assert_eq!(s.answered(7, 103), Some(id(103)));
         assert_eq!(
             s.route(old + 1),
             Route::Send(7),
             "102 may still be answered"
         );
-        assert_eq!(s.answered(7, 102, old + 2), Some(id(102)));
+        assert_eq!(s.answered(7, 102), Some(id(102)));
         assert_eq!(s.route(old + 2), Route::Replace(7));
         s.retired(7);
         assert_eq!(s.route(old + 2), Route::Open);
