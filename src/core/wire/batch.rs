@@ -6,17 +6,18 @@
 //! latency.
 //!
 //! **A slow callout holds no one back for long**: when the queue's oldest take has waited a tick
-//! (`service.tick_ms`, an eighth of `timeout_ms`, 5..=50 ms) and fewer than [`MAX_IN_FLIGHT`]
-//! callouts hold the queue back, the queue leaves as another batch beside them, on the root
-//! context's tick ([`Queue::due`]: so within two ticks of its oldest take's arrival). So a take
-//! pays its own round trip once, not the one before it too; and a take that waited its whole
-//! timeout in the queue (every callout slot held) fails there, on the tick, unsent
-//! ([`Queue::expired`]).
+//! ([`crate::core::config::Service::tick_ms`]: an eighth of `service.timeout_ms`, 5..=50 ms) and
+//! fewer than [`MAX_IN_FLIGHT`] callouts hold the queue back, the queue leaves as another batch
+//! beside them, on the root context's tick ([`Queue::due`]: so within two ticks of its oldest
+//! take's arrival). So a take pays its own round trip once, not the one before it too; and a
+//! take that waited its whole timeout in the queue (every callout slot held) fails there, on the
+//! tick, unsent ([`Queue::expired`]).
 //!
 //! Queued requests wait under an id the VM's ledger hands out
 //! ([`crate::core::base::ledger::Ledger::reserve`]); the core's [`crate::core::flow::Flow`] does not
 //! know the difference. A full queue is a dispatch failure (the failure mode decides); a failed
-//! batch fails each of its requests the way a single callout would have.
+//! batch fails each of its requests the way a single callout would have (the breaker counting it
+//! once: [`CalloutResult::Shared`]).
 //!
 //! A batch is bounded by count (`service.batch`, at most the contract's
 //! [`contract::bounds::MAX_BATCH_TAKES`]) **and by bytes**: its request within
