@@ -15,7 +15,13 @@
 //! - A root context that goes (a configuration push) takes its callouts with it, silently: its
 //!   entries are expired then ([`Ledger::close_root`]): a request still waiting gets the failure
 //!   path, settlements in flight or queued go to the configuration that calls the same service.
-//! - A reply for a token nobody waits for is dropped.
+//! - A reply for a token nobody waits for is dropped; an answer on a stream goes to the message
+//!   whose id it carries (one awaited late gives back what it granted), and names no other.
+//! - A token Envoy hands out while an entry still holds it (its counter wraps unchecked) is
+//!   counted, and the displaced entry fails as if reset ([`Ledger::displaced`]), when the
+//!   callback ends.
+//! - The root's tick fails the stream's messages past their deadline (each alone) and gives up a
+//!   silent stream, and sends a batch queue that waited a tick beside the callouts in flight.
 //!
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 
@@ -24,7 +30,7 @@ use super::metrics::{Metrics, SettleCount, VmGauges};
 use super::plugin::{Plugin, Waiter};
 use super::proxy::{Proxy, Shared};
 use super::request::{may_match, read_request, Reads};
-use crate::core::base::ledger::{IdMap, Ledger, VIRTUAL};
+use crate::core::base::ledger::{CalloutId, IdMap, Ledger};
 use crate::core::config::{Config, FailureMode, Transport};
 use crate::core::flow::{self, Flow, Leftover, Metric, Next, Phase};
 use crate::core::inflight;
@@ -33,7 +39,7 @@ use crate::core::settle;
 use crate::core::wire::batch::{self, Queued};
 use crate::core::wire::callout;
 use crate::core::wire::plan::CalloutResult;
-use crate::core::wire::stream::Stream;
+use crate::core::wire::stream::{self, Stream};
 use crate::core::wire::TakeRequest;
 use contract::bounds::MAX_ANSWER_BYTES;
 use log::{debug, error, info, warn};
@@ -259,11 +265,11 @@ impl<A: Abi> Dispatcher<A> {
             metrics,
         };
         if let Some(ms) = flow::tick_period_ms(&plugin.config) {
-            // The timer that times out the stream's messages, gives back the tokens of pools
-            // nobody spends any more, and sends settlements again.
+            // The timer that times out the stream's messages, sends a queue that waited, gives
+            // back the tokens of pools nobody spends any more, and sends settlements again.
             if let Err(s) = self.abi.set_tick_period(ms) {
                 warn!(
-                    "no timer for the stream, lease pools and settlements: {}",
+                    "no timer for the stream, batch queue, lease pools and settlements: {}",
                     abi::status_name(s)
                 );
             }
@@ -273,8 +279,9 @@ impl<A: Abi> Dispatcher<A> {
         true
     }
 
-    /// The root context's timer: the stream's messages past their deadline fail, settlements
-    /// due are sent again, expired tokens of the lease pools this worker filled go back to the
+    /// The root context's timer: the stream's messages past their deadline fail, the batch queue
+    /// leaves if it waited (or fails what waited its whole timeout), settlements due are sent
+    /// again, expired tokens of the lease pools this worker filled go back to the
     /// service.
     pub fn on_tick(&mut self, id: u32) {
         let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
@@ -283,14 +290,17 @@ impl<A: Abi> Dispatcher<A> {
         if plugin.config.service.stream {
             self.expire_messages(&plugin);
         }
+        if plugin.config.service.batch > 0 {
+            self.tend_queue(&plugin);
+        }
         if !plugin.settles.borrow().is_empty() {
             Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).send_settles();
         }
-        if plugin.held.borrow().is_empty() {
-            return;
+        if !plugin.held.borrow().is_empty() {
+            let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+            flow::sweep(&plugin.config, &mut plugin.held.borrow_mut(), &mut proxy);
         }
-        let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-        flow::sweep(&plugin.config, &mut plugin.held.borrow_mut(), &mut proxy);
+        self.end_callback();
     }
 
     pub fn on_request_headers(&mut self, id: u32) -> u32 {
@@ -311,7 +321,7 @@ impl<A: Abi> Dispatcher<A> {
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, id);
         let next = f.flow.on_request_headers(&plugin.config, &req, &mut proxy);
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
-        self.report_pending();
+        self.end_callback();
         status_code(next)
     }
 
@@ -399,13 +409,13 @@ impl<A: Abi> Dispatcher<A> {
             if let Some(p) = f.plugin.clone() {
                 self.request_ended(id, &mut f, &p);
             }
-            self.report_pending();
+            self.end_callback();
             self.report_memory();
         } else if let Some(Some(old)) = self.roots.remove(&id) {
             self.root_ended(&old);
             self.hand_over_pools(&old);
             self.hand_over_settlements(&old);
-            self.report_pending();
+            self.end_callback();
         }
     }
 
@@ -440,30 +450,36 @@ impl<A: Abi> Dispatcher<A> {
                 let mut proxy = Proxy::new(&self.abi, p, &mut self.ledger, 0);
                 flow::release(&p.config, body, &mut proxy);
             }
-            // The take's answer is the root's now (it still holds the batch queue back until it
-            // arrives); a queued take has no callout yet: it leaves the queue.
-            Leftover::Abandoned { token } => match self.ledger.get(token).map(|e| &e.waiter) {
-                Some(Waiter::Take { context, gates, .. }) if *context == id => {
-                    if token & VIRTUAL == 0 {
+            // A take with a callout of its own: its answer is the root's now (it still holds the
+            // batch queue back until it arrives). A take in a batch: it leaves the queue (if it
+            // is still there), and its share of the batch's answer is no one's.
+            Leftover::Abandoned { id: callout } => {
+                match self.ledger.get(callout).map(|e| &e.waiter) {
+                    Some(Waiter::Take { context, gates, .. }) if *context == id => {
                         let gates = *gates;
                         let plugin = p.clone();
                         self.ledger
-                            .replace(token, Waiter::Abandoned { plugin, gates });
-                    } else {
-                        self.ledger.close(token);
-                        p.queue.borrow_mut().forget(token);
+                            .replace(callout, Waiter::Abandoned { plugin, gates });
                     }
+                    Some(Waiter::Member { context }) if *context == id => {
+                        self.ledger.close(callout);
+                        p.queue.borrow_mut().forget(callout);
+                    }
+                    _ => {}
                 }
-                _ => {}
-            },
-            Leftover::Orphan { token, slot, keys } => {
+            }
+            Leftover::Orphan {
+                id: callout,
+                slot,
+                keys,
+            } => {
                 if matches!(
-                    self.ledger.get(token).map(|e| &e.waiter),
+                    self.ledger.get(callout).map(|e| &e.waiter),
                     Some(Waiter::Acquire { context }) if *context == id
                 ) {
                     let plugin = p.clone();
                     self.ledger
-                        .replace(token, Waiter::Orphan { plugin, slot, keys });
+                        .replace(callout, Waiter::Orphan { plugin, slot, keys });
                 }
             }
         }
@@ -473,14 +489,10 @@ impl<A: Abi> Dispatcher<A> {
     /// here. A request still waiting takes its failure path (as for a reset), a refill's claim
     /// ends; a settlement attempt needs nothing here ([`Dispatcher::hand_over_settlements`]).
     fn root_ended(&mut self, old: &Rc<Plugin>) {
-        for (token, waiter) in self.ledger.close_root(old.root) {
+        for (id, waiter) in self.ledger.close_root(old.root) {
             match waiter {
-                Waiter::Take { .. } | Waiter::Acquire { .. } => {
-                    let reset = CalloutResult::Http {
-                        status: None,
-                        body: Vec::new(),
-                    };
-                    self.answer(token, waiter, &mut Ready(Some(reset)));
+                Waiter::Take { .. } | Waiter::Member { .. } | Waiter::Acquire { .. } => {
+                    self.answer(id, waiter, &mut Ready(Some(reset())));
                 }
                 Waiter::Refill { plugin, plan, .. } => {
                     lease::abandon(
@@ -496,6 +508,7 @@ impl<A: Abi> Dispatcher<A> {
                 // cleared by the hand-over), under the same id.
                 Waiter::Settle { .. }
                 | Waiter::Batch { .. }
+                | Waiter::Late { .. }
                 | Waiter::Stream { .. }
                 | Waiter::Refund
                 | Waiter::Release { .. }
@@ -572,7 +585,7 @@ impl<A: Abi> Dispatcher<A> {
 
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
         self.deliver(
-            token,
+            CalloutId::from(token),
             &mut FromHost(|abi: &A| {
                 if num_headers == 0 {
                     // Envoy reports a reset (and some other failures) as a response without headers.
@@ -593,19 +606,30 @@ impl<A: Abi> Dispatcher<A> {
         );
     }
 
-    /// A gRPC message arrived (`proxy_on_grpc_receive`): the answer to the oldest message in
-    /// flight on a stream, or a unary call's answer.
+    /// A gRPC message arrived (`proxy_on_grpc_receive`): an answer on a stream, to the message
+    /// whose id it carries, or a unary call's answer.
     pub fn on_grpc_receive(&mut self, token: u32, size: usize) {
         let Some(plugin) = self.stream_of(token) else {
             self.on_grpc_response(token, 0, size);
             return;
         };
-        let message = plugin.stream.borrow_mut().answered(token);
-        let Some(message) = message else {
-            debug!("stream {token}: an answer with no message in flight");
+        // An answer names its message: one that cannot be read names none, and its message (if
+        // any) fails at its deadline.
+        if size > MAX_ANSWER_BYTES {
+            debug!("stream {token}: an answer of {size} bytes, larger than any valid one");
+            return;
+        }
+        let body = self.abi.buffer(Buffer::GrpcReceive, size);
+        let Some((id, result)) = stream::read_answer(&body) else {
+            debug!("stream {token}: an answer that does not decode");
             return;
         };
-        self.deliver(message, &mut FromHost(|abi: &A| grpc_message(abi, size)));
+        let message = plugin.stream.borrow_mut().answered(token, id);
+        let Some(message) = message else {
+            debug!("stream {token}: answer {id} names no message of it");
+            return;
+        };
+        self.deliver(message, &mut Ready(Some(result)));
     }
 
     /// A gRPC call or stream ended (`proxy_on_grpc_close`): a unary call's failure, or a stream's
@@ -619,7 +643,7 @@ impl<A: Abi> Dispatcher<A> {
         // Envoy keeps a stream the service closed until the module closes its side too: cancel
         // it, which frees it (and, the stream being over, sends nothing).
         let _ = self.abi.grpc_cancel(token);
-        self.ledger.close(token);
+        self.ledger.close(CalloutId::from(token));
         let now = self.abi.now_ms();
         let failed = plugin
             .stream
@@ -634,43 +658,94 @@ impl<A: Abi> Dispatcher<A> {
         }
         // A stream that ends OK with messages unanswered broke the contract: a failure, not OK.
         let status = if status == 0 { 2 } else { status };
+        let mut ended = CalloutResult::Grpc {
+            status,
+            message,
+            body: Vec::new(),
+        };
         for m in failed {
-            let ended = CalloutResult::Grpc {
-                status,
-                message: message.clone(),
-                body: Vec::new(),
-            };
-            self.deliver(m, &mut Ready(Some(ended)));
+            // One end, one failure for the breaker: the other messages share it.
+            self.deliver(m, &mut Ready(Some(ended.clone())));
+            ended = ended.shared();
         }
     }
 
     /// The plugin whose stream `token` is.
     fn stream_of(&self, token: u32) -> Option<Rc<Plugin>> {
-        match self.ledger.get(token).map(|e| &e.waiter) {
+        match self.ledger.get(CalloutId::from(token)).map(|e| &e.waiter) {
             Some(Waiter::Stream { plugin }) => Some(plugin.clone()),
             _ => None,
         }
     }
 
-    /// The tick of a streaming plugin: its messages whose deadline passed fail as timeouts, and
-    /// the stream they were on is cancelled (an answer arriving later could no longer be matched).
+    /// The tick of a streaming plugin: each message past its deadline fails alone, as a timeout,
+    /// and its stream goes on; a stream that answered nothing for `service.timeout_ms` while it
+    /// was waited for is lost: cancelled, and its messages in flight fail as timeouts.
     fn expire_messages(&mut self, plugin: &Rc<Plugin>) {
         let now = self.abi.now_ms();
-        let expired = plugin
-            .stream
-            .borrow_mut()
-            .expired(now, plugin.config.breaker.open_ms);
+        let cfg = &plugin.config;
+        let expired =
+            plugin
+                .stream
+                .borrow_mut()
+                .expired(now, cfg.service.timeout_ms, cfg.breaker.open_ms);
         let Some(expired) = expired else {
             return;
         };
         if let Some(token) = expired.cancel {
+            debug!("stream {token} answered nothing for the timeout: given up");
             if let Err(s) = self.abi.grpc_cancel(token) {
                 debug!("stream {token} not cancelled: {}", abi::status_name(s));
             }
-            self.ledger.close(token);
+            self.ledger.close(CalloutId::from(token));
         }
-        for m in expired.messages {
-            self.deliver(m, &mut Ready(Some(CalloutResult::Expired)));
+        for m in expired.forgotten {
+            self.ledger
+                .close_if(m, |w| matches!(w, Waiter::Late { .. }));
+        }
+        // Messages that fail on one tick fail together: one failure for the breaker.
+        let mut timeout = CalloutResult::Expired;
+        for m in expired.late {
+            self.go_late(m, timeout.clone());
+            timeout = timeout.shared();
+        }
+        for m in expired.failed {
+            self.deliver(m, &mut Ready(Some(timeout.clone())));
+            timeout = timeout.shared();
+        }
+    }
+
+    /// Message `id` passed its deadline while its stream goes on: each of its takes fails with
+    /// `timeout`, and its entry stays for a late answer, as a [`Waiter::Late`] holding the takes
+    /// of the requests that still waited (what the answer grants them goes back).
+    fn go_late(&mut self, id: CalloutId, timeout: CalloutResult) {
+        let (plugin, takes) = match self.ledger.get(id).map(|e| &e.waiter) {
+            Some(Waiter::Batch { plugin, members }) => (
+                plugin.clone(),
+                members.iter().map(|m| self.take_of(*m)).collect::<Vec<_>>(),
+            ),
+            _ => return,
+        };
+        let batch = if takes.iter().any(Option::is_some) {
+            self.ledger.replace(id, Waiter::Late { plugin, takes })
+        } else {
+            self.ledger.close(id).map(|e| e.waiter)
+        };
+        if let Some(batch) = batch {
+            self.finish(id, batch, &mut Ready(Some(timeout)));
+        }
+    }
+
+    /// What the take waiting under `member` asked for: a request's, if it still waits for it, or
+    /// a refill's.
+    fn take_of(&self, member: CalloutId) -> Option<TakeRequest> {
+        match self.ledger.get(member).map(|e| &e.waiter)? {
+            Waiter::Member { context } => match &self.filters.get(context)?.flow.phase {
+                Phase::Calling { id, plan, .. } if *id == member => Some(plan.request.clone()),
+                _ => None,
+            },
+            Waiter::Refill { plan, .. } => Some(plan.request.clone()),
+            _ => None,
         }
     }
 
@@ -678,7 +753,7 @@ impl<A: Abi> Dispatcher<A> {
     /// failure status without one (`proxy_on_grpc_close`).
     pub fn on_grpc_response(&mut self, token: u32, status: u32, size: usize) {
         self.deliver(
-            token,
+            CalloutId::from(token),
             &mut FromHost(|abi: &A| {
                 if status != 0 {
                     return CalloutResult::Grpc {
@@ -692,37 +767,68 @@ impl<A: Abi> Dispatcher<A> {
         );
     }
 
-    /// Callout `token` ended with the result `read` gives: its ledger entry says who waits.
-    /// After any callout that held a plugin's batch queue back, the requests queued behind it
-    /// leave together.
-    fn deliver(&mut self, token: u32, read: &mut dyn Read<A>) {
-        let Some(entry) = self.ledger.close(token) else {
-            debug!("reply to callout {token}: no one waits for it");
+    /// Callout `id` ended with the result `read` gives: its ledger entry says who waits.
+    fn deliver(&mut self, id: CalloutId, read: &mut dyn Read<A>) {
+        let Some(entry) = self.ledger.close(id) else {
+            debug!("reply to callout {id}: no one waits for it");
             return;
         };
-        let gate = entry.waiter.gate().cloned();
+        self.finish(id, entry.waiter, read);
+        self.end_callback();
+    }
+
+    /// Callout `id`, closed in the ledger, ended with the result `read` gives, for `waiter`.
+    /// After any callout that held a plugin's batch queue back, the requests queued behind it
+    /// leave together.
+    fn finish(&mut self, id: CalloutId, waiter: Waiter, read: &mut dyn Read<A>) {
+        let gate = waiter.gate().cloned();
         if let Some(p) = &gate {
             p.queue.borrow_mut().ended();
         }
-        self.answer(token, entry.waiter, read);
+        self.answer(id, waiter, read);
         if let Some(p) = gate {
             self.flush(&p);
+        }
+    }
+
+    /// What every callback that may start callouts ends with: the entries a token of Envoy's
+    /// displaced from the ledger fail ([`Ledger::displaced`]: a request takes its failure path
+    /// as for a reset, a stream is lost), and `tollgate.callouts.pending` is brought up to date.
+    fn end_callback(&mut self) {
+        if self.ledger.any_displaced() {
+            for (id, entry) in self.ledger.displaced() {
+                if let Waiter::Stream { plugin } = &entry.waiter {
+                    // Envoy no longer knows the stream: its messages fail on the next tick.
+                    let now = self.abi.now_ms();
+                    if let Ok(token) = u32::try_from(id.0) {
+                        let open_ms = plugin.config.breaker.open_ms;
+                        plugin.stream.borrow_mut().lost(token, now, open_ms);
+                    }
+                }
+                self.finish(id, entry.waiter, &mut Ready(Some(reset())));
+            }
         }
         self.report_pending();
     }
 
-    /// The one place an answer goes: to whoever waits for callout `token`. `read` runs only when
+    /// The one place an answer goes: to whoever waits for callout `id`. `read` runs only when
     /// someone wants the result (a stray reply costs no host calls), as the request's context.
-    fn answer(&mut self, token: u32, waiter: Waiter, read: &mut dyn Read<A>) {
+    fn answer(&mut self, id: CalloutId, waiter: Waiter, read: &mut dyn Read<A>) {
         match waiter {
-            Waiter::Take { context, .. } | Waiter::Acquire { context, .. } => {
-                self.resume_request(context, token, read);
+            Waiter::Take { context, .. }
+            | Waiter::Member { context }
+            | Waiter::Acquire { context, .. } => {
+                self.resume_request(context, id, read);
             }
             Waiter::Batch { members, .. } => {
-                // The batch's own token waits in no request; each member is its own entry.
+                // The batch's own token waits in no request; each member is its own entry. A
+                // failed batch is one failed callout: the first member still waiting reports it,
+                // the others share it.
                 let parts = batch::split(read.read(&self.abi), members.len());
+                let mut reported = false;
                 for (member, result) in members.into_iter().zip(parts) {
-                    self.answer_member(member, result);
+                    let result = if reported { result.shared() } else { result };
+                    reported |= self.answer_member(member, result);
                 }
             }
             Waiter::Refill { plugin, plan, .. } => {
@@ -758,42 +864,65 @@ impl<A: Abi> Dispatcher<A> {
                 let result = read.read(&self.abi);
                 Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).settle_answer(&id, &result);
             }
+            Waiter::Late { plugin, takes } => {
+                let result = read.read(&self.abi);
+                let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+                flow::late_answer(&plugin.config, &takes, result, &mut proxy);
+            }
             // A stream's answers go to its messages ([`Dispatcher::on_grpc_receive`]).
             Waiter::Refund | Waiter::Abandoned { .. } | Waiter::Stream { .. } => {}
         }
     }
 
-    /// A batch member's share of the batch answer (its entry closes here).
-    fn answer_member(&mut self, member: u32, result: CalloutResult) {
-        if let Some(e) = self.ledger.close(member) {
-            self.answer(member, e.waiter, &mut Ready(Some(result)));
-        }
+    /// A batch member's share of the batch answer (its entry closes here); whether it still
+    /// waited.
+    fn answer_member(&mut self, member: CalloutId, result: CalloutResult) -> bool {
+        let Some(e) = self.ledger.close(member) else {
+            return false;
+        };
+        self.answer(member, e.waiter, &mut Ready(Some(result)));
+        true
     }
 
-    /// Hands `read`'s result to request `context`, if it still waits for `token`.
-    fn resume_request(&mut self, context: u32, token: u32, read: &mut dyn Read<A>) {
+    /// Hands `read`'s result to request `context`, if it still waits for callout `id`.
+    fn resume_request(&mut self, context: u32, id: CalloutId, read: &mut dyn Read<A>) {
         let Some(f) = self.filters.get_mut(&context) else {
             return;
         };
         let Some(plugin) = f.plugin.clone() else {
             return;
         };
-        if !f.flow.waits_for(token) {
+        if !f.flow.waits_for(id) {
             return;
         }
         // The reply arrives on the root context; resume / reply must act on the request's.
         if let Err(s) = self.abi.set_effective_context(context) {
-            debug!(
-                "request of callout {token} is gone: {}",
-                abi::status_name(s)
-            );
+            debug!("request of callout {id} is gone: {}", abi::status_name(s));
             return;
         }
         let result = read.read(&self.abi);
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, context);
         f.flow
-            .on_callout_result(&plugin.config, token, result, &mut proxy);
+            .on_callout_result(&plugin.config, id, result, &mut proxy);
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
+    }
+
+    /// The tick of a batching plugin: takes that waited their whole timeout in the queue fail
+    /// there, unsent; a queue whose oldest take waited a tick leaves beside the callouts in
+    /// flight, while fewer than [`batch::MAX_IN_FLIGHT`] are.
+    fn tend_queue(&mut self, plugin: &Rc<Plugin>) {
+        if plugin.queue.borrow().waiting() == 0 {
+            return;
+        }
+        let now = self.abi.now_ms();
+        let svc = &plugin.config.service;
+        let expired = plugin.queue.borrow_mut().expired(now, svc.timeout_ms);
+        for id in expired {
+            self.answer_member(id, CalloutResult::Unsent);
+        }
+        if plugin.queue.borrow().due(now, svc.tick_ms()) {
+            self.flush(plugin);
+        }
     }
 
     /// Sends the requests queued on `plugin`: one batch callout, or several when the batch's byte
@@ -816,7 +945,7 @@ impl<A: Abi> Dispatcher<A> {
 
     /// One batch carrying `queued` (a callout, or a message on the stream), due when the first of
     /// them must have its answer: `service.timeout_ms` bounds a request's wait from its take,
-    /// queue and batch together. One that waited that long already fails here, as a timeout.
+    /// queue and batch together. One that waited that long already fails here, unsent.
     fn send_batch(&mut self, plugin: &Rc<Plugin>, queued: Vec<Queued>) {
         let timeout = plugin.config.service.timeout_ms;
         let now = self.abi.now_ms();
@@ -824,19 +953,22 @@ impl<A: Abi> Dispatcher<A> {
             .into_iter()
             .partition(|q| q.deadline_ms(timeout) <= now);
         for q in late {
-            self.answer_member(q.token, CalloutResult::Expired);
+            self.answer_member(q.id, CalloutResult::Unsent);
         }
         let Some(deadline) = queued.iter().map(|q| q.deadline_ms(timeout)).min() else {
             return;
         };
         let takes: Vec<&TakeRequest> = queued.iter().map(|q| &q.take).collect();
-        let members: Vec<u32> = queued.iter().map(|q| q.token).collect();
+        let members: Vec<CalloutId> = queued.iter().map(|q| q.id).collect();
         let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);
         let sent = proxy.send_batch(&plugin.config, members.clone(), &takes, now, deadline);
         if let Err(why) = sent {
             debug!("batch of {} not dispatched: {why}", members.len());
+            let mut failed = CalloutResult::DispatchError;
             for m in members {
-                self.answer_member(m, CalloutResult::DispatchError);
+                if self.answer_member(m, failed.clone()) {
+                    failed = failed.shared();
+                }
             }
         }
     }
@@ -867,6 +999,15 @@ impl<A: Abi> Dispatcher<A> {
             self.abi.increment_metric(g.memory, delta);
             self.memory_reported = now;
         }
+    }
+}
+
+/// What a callout that ended without a word (its root gone, its token handed out again) ended
+/// with: a reset, as Envoy reports one.
+fn reset() -> CalloutResult {
+    CalloutResult::Http {
+        status: None,
+        body: Vec::new(),
     }
 }
 

@@ -16,11 +16,17 @@ pub(super) struct Metrics {
     /// carried.
     batch_callouts: u32,
     batch_takes: u32,
+    /// `tollgate.callouts.collided`: tokens Envoy handed out while an entry of the VM's ledger
+    /// still held them (the callout that entry waited for failed).
+    collided: u32,
     decisions: Vec<u32>,
     /// Per rule (in configuration order), one id per [`RuleCount::ALL`] (none for a rule of
     /// another kind than rate: those count `inflight`).
     rules: Vec<Vec<u32>>,
     failures: Vec<u32>,
+    /// `tollgate.failure_mode.<cause>`, one id per [`Cause::ALL`]: requests the failure mode
+    /// decided, by why the service did not.
+    failure_modes: Vec<u32>,
     breaker_opened: u32,
     breaker_open: u32,
     leases: Vec<u32>,
@@ -28,6 +34,10 @@ pub(super) struct Metrics {
     inflight: Vec<u32>,
     /// One id per [`SettleCount::ALL`] (empty without rules charged by the response).
     settles: Vec<u32>,
+    /// `tollgate.stream.late` and `tollgate.stream.returned` (with `service.stream` only):
+    /// answers to messages that had failed at their deadline, and the tokens they granted that
+    /// went back to the service.
+    late: Option<(u32, u32)>,
 }
 
 /// What happens to settlements, counted as `tollgate.settle.<name>`.
@@ -82,6 +92,11 @@ impl Metrics {
             let name = format!("tollgate.callout_failure.{}", c.name());
             failures.push(abi.define_metric(MetricKind::Counter, &name)?);
         }
+        let mut failure_modes = Vec::with_capacity(Cause::ALL.len());
+        for c in Cause::ALL {
+            let name = format!("tollgate.failure_mode.{}", c.name());
+            failure_modes.push(abi.define_metric(MetricKind::Counter, &name)?);
+        }
         let mut leases = Vec::with_capacity(lease::Count::ALL.len());
         for c in lease::Count::ALL {
             leases.push(abi.define_metric(MetricKind::Counter, c.metric())?);
@@ -98,14 +113,24 @@ impl Metrics {
                 settles.push(abi.define_metric(MetricKind::Counter, c.metric())?);
             }
         }
+        let late = match cfg.service.stream {
+            true => Some((
+                abi.define_metric(MetricKind::Counter, "tollgate.stream.late")?,
+                abi.define_metric(MetricKind::Counter, "tollgate.stream.returned")?,
+            )),
+            false => None,
+        };
         Ok(Metrics {
             inflight,
             settles,
+            late,
             batch_callouts: abi.define_metric(MetricKind::Counter, "tollgate.batch.callouts")?,
             batch_takes: abi.define_metric(MetricKind::Counter, "tollgate.batch.takes")?,
+            collided: abi.define_metric(MetricKind::Counter, "tollgate.callouts.collided")?,
             decisions,
             rules,
             failures,
+            failure_modes,
             leases,
             breaker_opened: abi.define_metric(MetricKind::Counter, "tollgate.breaker.opened")?,
             breaker_open: abi.define_metric(MetricKind::Gauge, "tollgate.breaker.open")?,
@@ -129,6 +154,11 @@ impl Metrics {
         abi.increment_metric(self.batch_takes, i64::try_from(takes).unwrap_or(i64::MAX));
     }
 
+    /// A token Envoy handed out met an entry still in the ledger.
+    pub(super) fn collided(&self, abi: &impl Abi) {
+        abi.increment_metric(self.collided, 1);
+    }
+
     /// `n` settlements `what`.
     pub(super) fn settled(&self, abi: &impl Abi, what: SettleCount, n: u64) {
         add(abi, &self.settles, nth(&SettleCount::ALL, &what), n);
@@ -144,8 +174,17 @@ impl Metrics {
                 }
             }
             Metric::Failure(cause) => add(abi, &self.failures, nth(&Cause::CALLOUT, &cause), 1),
+            Metric::FailureMode(cause) => {
+                add(abi, &self.failure_modes, nth(&Cause::ALL, &cause), 1);
+            }
             Metric::Lease(count, n) => add(abi, &self.leases, nth(&lease::Count::ALL, &count), n),
             Metric::Slots(count) => add(abi, &self.inflight, nth(&inflight::Count::ALL, &count), 1),
+            Metric::Late { returned } => {
+                if let Some((late, back)) = self.late {
+                    abi.increment_metric(late, 1);
+                    add(abi, &[back], Some(0), returned);
+                }
+            }
             Metric::Breaker(Event::Opened) => {
                 abi.increment_metric(self.breaker_opened, 1);
                 abi.record_metric(self.breaker_open, 1);

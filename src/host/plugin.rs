@@ -4,12 +4,14 @@
 
 use super::metrics::Metrics;
 use super::request::Reads;
+use crate::core::base::ledger::CalloutId;
 use crate::core::config::Config;
 use crate::core::local::lease;
 use crate::core::settle;
 use crate::core::wire::batch;
 use crate::core::wire::plan::Plan;
 use crate::core::wire::stream::Stream;
+use crate::core::wire::TakeRequest;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -29,11 +31,11 @@ pub(super) struct Plugin {
     /// What its requests are read for.
     pub(super) reads: Reads,
     /// Group commit of this plugin's takes (`service.batch`): the requests queued for the next
-    /// batch (their virtual tokens are the ledger's).
+    /// batch (each a [`Waiter::Member`] under an id of the VM's own).
     pub(super) queue: RefCell<batch::Queue>,
     /// Its stream of takes in this worker (`service.stream`): the open stream's token (a
-    /// [`Waiter::Stream`] in the ledger) and its messages in flight, in order (each a
-    /// [`Waiter::Batch`] under a virtual token).
+    /// [`Waiter::Stream`] in the ledger) and its messages in flight (each a [`Waiter::Batch`]
+    /// under an id of the VM's own, the id the message and its answer carry).
     pub(super) stream: RefCell<Stream>,
     /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
     pub(super) held: RefCell<Vec<lease::Held>>,
@@ -44,22 +46,33 @@ pub(super) struct Plugin {
 
 /// Who waits for a callout's answer: the variant of a ledger entry.
 pub(super) enum Waiter {
-    /// A request's take (or a request queued for the next batch, under a virtual token); `gates`:
-    /// the callout holds the plugin's batch queue back until it ends.
+    /// A request's take, a callout of its own; `gates`: the callout holds the plugin's batch
+    /// queue back until it ends.
     Take {
         context: u32,
         plugin: Rc<Plugin>,
         gates: bool,
     },
+    /// A request's take that goes in a batch (or a message on the stream), under an id of the
+    /// VM's own: queued for the next batch, then a member of the [`Waiter::Batch`] that carries
+    /// it. Its answer is its share of the batch's.
+    Member { context: u32 },
     /// A request's acquire of concurrency slots.
     Acquire { context: u32 },
-    /// A batch callout, or a message on the plugin's stream, carrying the virtual tokens of its
-    /// takes (each its own entry).
+    /// A batch callout, or a message on the plugin's stream, carrying the ids of its takes (each
+    /// its own entry: a [`Waiter::Member`], or a refill's).
     Batch {
         plugin: Rc<Plugin>,
-        members: Vec<u32>,
+        members: Vec<CalloutId>,
     },
-    /// The plugin's stream of takes: its answers go to its messages in flight, in order.
+    /// A message of the plugin's stream that failed at its deadline while the stream went on: its
+    /// answer may still come, and what it granted goes back ([`crate::core::flow::late_answer`]).
+    /// The takes it carried, in order (`None`: a take whose request had gone).
+    Late {
+        plugin: Rc<Plugin>,
+        takes: Vec<Option<TakeRequest>>,
+    },
+    /// The plugin's stream of takes: each of its answers goes to the message whose id it carries.
     Stream { plugin: Rc<Plugin> },
     /// A background lease refill (no request waits).
     Refill {
@@ -88,7 +101,10 @@ pub(super) enum Waiter {
 impl Waiter {
     /// A request waits (a paused stream): what the `tollgate.callouts.pending` gauge counts.
     pub(super) fn is_request(&self) -> bool {
-        matches!(self, Waiter::Take { .. } | Waiter::Acquire { .. })
+        matches!(
+            self,
+            Waiter::Take { .. } | Waiter::Member { .. } | Waiter::Acquire { .. }
+        )
     }
 
     /// The plugin whose batch queue this callout holds back, if any.

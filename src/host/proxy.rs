@@ -5,7 +5,7 @@
 use super::abi::{self, Abi, HeaderMap};
 use super::metrics::SettleCount;
 use super::plugin::{Plugin, Waiter};
-use crate::core::base::ledger::Ledger;
+use crate::core::base::ledger::{CalloutId, Ledger};
 use crate::core::base::store::{CasStore, SetError};
 use crate::core::config::Config;
 use crate::core::flow::{self, Callout, Host, Metric};
@@ -50,16 +50,26 @@ impl<'a, A: Abi> Proxy<'a, A> {
         }
     }
 
-    /// Records callout `token` (just dispatched) in the ledger.
-    pub(super) fn open(&mut self, token: u32, waiter: Waiter) {
-        if self.ledger.open(token, self.plugin.root, waiter).is_some() {
-            warn!("callout token {token} handed out again while still in flight");
+    /// Records callout `token` (just dispatched) in the ledger; its id there. A token Envoy hands
+    /// out while an entry still holds it is counted (`tollgate.callouts.collided`); the entry it
+    /// displaced fails when the callback ends (`Dispatcher::end_callback`).
+    pub(super) fn open(&mut self, token: u32, waiter: Waiter) -> CalloutId {
+        if self.ledger.open(token, self.plugin.root, waiter) {
+            warn!("callout token {token} handed out again while still in flight: the callout it named fails");
+            self.plugin.metrics.collided(self.abi);
         }
+        CalloutId::from(token)
     }
 
     /// Starts a take (`plan`'s, for `waiter`): sent now, or queued for the next batch when the
-    /// plugin batches and one of its callouts is in flight. Its token (virtual if queued).
-    pub(super) fn take(&mut self, cfg: &Config, plan: &Plan, refill: bool) -> Result<u32, String> {
+    /// plugin batches and one of its callouts is in flight. Its id in the ledger (one of the
+    /// VM's own if it goes in a batch or a message).
+    pub(super) fn take(
+        &mut self,
+        cfg: &Config,
+        plan: &Plan,
+        refill: bool,
+    ) -> Result<CalloutId, String> {
         let plugin = self.plugin.clone();
         // `service.trace`: a sampled request's callout carries its `traceparent`, and goes alone
         // (a batch has no one parent). Read here, so a configuration without it pays nothing.
@@ -73,45 +83,45 @@ impl<'a, A: Abi> Proxy<'a, A> {
         let batching = cfg.service.batch > 0 && plan.rls.is_none() && trace.is_none();
         // A traced take goes alone, as a call of its own with the trace in its metadata.
         let streaming = cfg.service.stream && trace.is_none();
-        let waiter = |gates: bool| {
-            if refill {
-                Waiter::Refill {
-                    plugin: plugin.clone(),
-                    plan: plan.clone(),
-                    gates,
-                }
-            } else {
-                Waiter::Take {
-                    context: self.context,
-                    plugin: plugin.clone(),
-                    gates,
-                }
-            }
+        let context = self.context;
+        // Its own callout (`gates`: holding the batch queue back), or its place in a batch.
+        let waiter = |own: Option<bool>| match (refill, own) {
+            (true, gates) => Waiter::Refill {
+                plugin: plugin.clone(),
+                plan: plan.clone(),
+                gates: gates.unwrap_or(false),
+            },
+            (false, Some(gates)) => Waiter::Take {
+                context,
+                plugin: plugin.clone(),
+                gates,
+            },
+            (false, None) => Waiter::Member { context },
         };
         if batching && self.plugin.queue.borrow().busy() {
-            let token = self.ledger.reserve(self.plugin.root, waiter(false));
+            let id = self.ledger.reserve(self.plugin.root, waiter(None));
             let queued = self.plugin.queue.borrow_mut().push(
                 batch::QUEUE_BATCHES * cfg.service.batch,
-                token,
+                id,
                 &plan.request,
                 self.abi.now_ms(),
             );
             if let Err(why) = queued {
-                self.ledger.close(token);
+                self.ledger.close(id);
                 return Err(why);
             }
-            return Ok(token);
+            return Ok(id);
         }
         if streaming {
             // Alone now, it leaves at once: a message of one take on the stream.
-            let token = self.ledger.reserve(self.plugin.root, waiter(false));
+            let id = self.ledger.reserve(self.plugin.root, waiter(None));
             let now = self.abi.now_ms();
             let deadline = now.saturating_add(cfg.service.timeout_ms);
-            if let Err(why) = self.send_batch(cfg, vec![token], &[&plan.request], now, deadline) {
-                self.ledger.close(token);
+            if let Err(why) = self.send_batch(cfg, vec![id], &[&plan.request], now, deadline) {
+                self.ledger.close(id);
                 return Err(why);
             }
-            return Ok(token);
+            return Ok(id);
         }
         let timeout = cfg.service.timeout_ms;
         let sent = self.send_within(cfg, callout::take(cfg, plan), timeout, trace.as_deref());
@@ -125,19 +135,18 @@ impl<'a, A: Abi> Proxy<'a, A> {
         if batching {
             self.plugin.queue.borrow_mut().started();
         }
-        let w = waiter(batching);
-        self.open(token, w);
-        Ok(token)
+        let w = waiter(Some(batching));
+        Ok(self.open(token, w))
     }
 
-    /// Sends `takes` (for the waiters of the virtual tokens `members`, in order) as one batch at
+    /// Sends `takes` (for the waiters of the ids `members`, in order) as one batch at
     /// `now`, due by `deadline_ms`: a message on the plugin's stream (`service.stream`), or a
     /// batch callout with what is left until then as its timeout. It holds the batch queue back
     /// until it ends, and is recorded in the ledger as a [`Waiter::Batch`].
     pub(super) fn send_batch(
         &mut self,
         cfg: &Config,
-        members: Vec<u32>,
+        members: Vec<CalloutId>,
         takes: &[&TakeRequest],
         now: u64,
         deadline_ms: u64,
@@ -161,7 +170,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
     }
 
     /// Sends `takes` as one message on the plugin's stream (opening one if need be) at `now`, due
-    /// by `deadline_ms`; `batch` waits for its answer under a virtual token.
+    /// by `deadline_ms`; `batch` waits for its answer under an id of the VM's own, the message's.
     fn send_message(
         &mut self,
         cfg: &Config,
@@ -171,21 +180,26 @@ impl<'a, A: Abi> Proxy<'a, A> {
         deadline_ms: u64,
     ) -> Result<(), String> {
         let stream = self.stream(cfg, now)?;
-        let message = callout::stream_message(cfg, takes);
+        // Its ledger id is the message's id on the wire, which its answer carries back.
+        let id = self.ledger.reserve(self.plugin.root, batch);
+        let message = callout::stream_message(cfg, takes, id);
         if let Err(status) = self.abi.grpc_send(stream, &message) {
             // Envoy does not know the stream: nothing more will come of it.
+            self.ledger.close(id);
             self.plugin
                 .stream
                 .borrow_mut()
                 .lost(stream, now, cfg.breaker.open_ms);
-            self.ledger.close(stream);
+            self.ledger.close(CalloutId::from(stream));
             return Err(format!(
                 "stream {stream} lost: {}",
                 abi::status_name(status)
             ));
         }
-        let token = self.ledger.reserve(self.plugin.root, batch);
-        self.plugin.stream.borrow_mut().sent(token, deadline_ms);
+        self.plugin
+            .stream
+            .borrow_mut()
+            .sent(id, deadline_ms, takes.len(), now);
         Ok(())
     }
 
@@ -207,7 +221,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
                 if let Err(s) = self.abi.grpc_cancel(old) {
                     debug!("stream {old} not cancelled: {}", abi::status_name(s));
                 }
-                self.ledger.close(old);
+                self.ledger.close(CalloutId::from(old));
                 self.plugin.stream.borrow_mut().retired(old);
             }
             Route::Open => {}
@@ -250,11 +264,10 @@ impl<'a, A: Abi> Proxy<'a, A> {
         cfg: &Config,
         request: CalloutRequest,
         waiter: Waiter,
-    ) -> Result<u32, String> {
+    ) -> Result<CalloutId, String> {
         let timeout = cfg.service.timeout_ms.max(BACKGROUND_TIMEOUT_MS);
         let token = self.send_within(cfg, request, timeout, None)?;
-        self.open(token, waiter);
-        Ok(token)
+        Ok(self.open(token, waiter))
     }
 
     /// Dispatches `request` to the service cluster with `timeout_ms`, the bearer token, and the
@@ -430,7 +443,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
         self.abi.now_ms()
     }
 
-    fn send(&mut self, cfg: &Config, out: Callout<'_>) -> Result<u32, String> {
+    fn send(&mut self, cfg: &Config, out: Callout<'_>) -> Result<CalloutId, String> {
         match out {
             Callout::Take(plan) => self.take(cfg, plan, false),
             Callout::Refill(plan) => self.take(cfg, plan, true),
@@ -441,8 +454,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
                 let acquire = callout::beside(cfg, "acquire", body);
                 let token = self.send_within(cfg, acquire, cfg.service.timeout_ms, None)?;
                 let context = self.context;
-                self.open(token, Waiter::Acquire { context });
-                Ok(token)
+                Ok(self.open(token, Waiter::Acquire { context }))
             }
             Callout::Release(body) => {
                 let plugin = self.plugin.clone();

@@ -143,6 +143,22 @@ pub struct Service {
     pub trace: bool,
 }
 
+/// The shortest and longest tick of a worker that streams or batches
+/// ([`Service::tick_ms`]): a deadline is noticed within an eighth of `service.timeout_ms` (plus
+/// the timer's own lateness), in these bounds. A tick is one call into the VM that looks at the
+/// deadlines and the batch queue: 200 a second cost a worker far less than one decision's callout.
+const MIN_TICK_MS: u64 = 5;
+const MAX_TICK_MS: u64 = 50;
+
+impl Service {
+    /// An eighth of `timeout_ms`, within 5..=50 ms: how often the root context's timer looks at
+    /// what waits (the stream's messages, the batch queue), and how long a callout may be out
+    /// before it counts as slow (another batch leaves beside it, its success is recorded).
+    pub fn tick_ms(&self) -> u64 {
+        (self.timeout_ms / 8).clamp(MIN_TICK_MS, MAX_TICK_MS)
+    }
+}
+
 impl core::fmt::Debug for Service {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Service")

@@ -433,3 +433,14 @@ fn takes_stream_over_grpc_unless_told_otherwise_and_only_over_grpc() {
         );
     }
 }
+
+#[test]
+fn the_tick_is_an_eighth_of_the_timeout_within_its_bounds() {
+    for (timeout, tick) in [(20, 5), (50, 6), (200, 25), (1_000, 50), (1, 5)] {
+        let c = parse(&format!(
+            r#"{{"service":{{"cluster":"c","timeout_ms":{timeout}}},"rules":[{{"name":"r","capacity":1,"period_ms":1}}]}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.service.tick_ms(), tick, "timeout {timeout}");
+    }
+}

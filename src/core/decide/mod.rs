@@ -220,8 +220,13 @@ pub fn interpret(plan: &Plan, result: CalloutResult) -> Outcome {
             log::debug!("an answer of {size} bytes is larger than any valid one");
             return Outcome::Failed(Cause::Decode);
         }
-        CalloutResult::BatchMismatch => return Outcome::Failed(Cause::Decode),
+        // A batch's answers reach a take only split ([`crate::core::wire::batch::split`]).
+        CalloutResult::BatchMismatch | CalloutResult::Answers(_) => {
+            return Outcome::Failed(Cause::Decode)
+        }
         CalloutResult::Expired => return Outcome::Failed(Cause::Timeout),
+        CalloutResult::Unsent => return Outcome::Failed(Cause::Queued),
+        CalloutResult::Shared(inner) => return interpret(plan, *inner),
     };
     let Ok(resp) = decoded else {
         return Outcome::Failed(Cause::Decode);
@@ -613,6 +618,10 @@ mod tests {
             (CalloutResult::Grpc { status: 0, message: None, body: vec![0xff] }, "decode"),
             (CalloutResult::TooLarge { size: 1 << 20 }, "decode"),
             (CalloutResult::BatchMismatch, "decode"),
+            (CalloutResult::Answers(Vec::new()), "decode"),
+            (CalloutResult::Unsent, "queued"),
+            (CalloutResult::Expired.shared(), "timeout"),
+            (CalloutResult::DispatchError.shared().shared(), "dispatch"),
         ];
         for (i, (result, want)) in cases.into_iter().enumerate() {
             let got = match interpret(&p, result) {

@@ -5,12 +5,12 @@
 //! Idle ──no rule──────────────────────────────▶ Done            (Continue, no callout)
 //! Idle ──lease pools decide──────────▶ verdict ▶ Done           (Continue or reply, no callout)
 //! Idle ──breaker open / dispatch error──▶ verdict ▶ Done        (Continue or reply, never paused)
-//! Idle ──dispatch ok──▶ Calling{token} ──reply for token──▶ verdict ▶ Done (resume or reply)
+//! Idle ──dispatch ok──▶ Calling{id} ──reply for id──▶ verdict ▶ Done    (resume or reply)
 //! ```
 //!
 //! The stream is paused only after a dispatch succeeded, and resumed only from `Calling`: a
 //! synchronous failure is decided on the spot, and a stream that was never paused is never
-//! resumed. A reply for another token (or a second reply) is ignored.
+//! resumed. A reply for another callout (or a second reply) is ignored.
 //!
 //! Lease mode ([`crate::core::local::lease`]) sits in front of the callout: when the pools of every
 //! bucket can pay (or one holds a cached denial) the request is decided on the spot; otherwise the
@@ -20,6 +20,7 @@
 //!
 //! `slots`: a request's concurrency slots ([`crate::core::inflight`]) as the flow drives them.
 
+use crate::core::base::ledger::CalloutId;
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::decide;
@@ -48,8 +49,8 @@ pub trait Host {
     fn store(&self) -> &Self::Store;
     /// Wall-clock time in ms since the epoch.
     fn now_ms(&self) -> u64;
-    /// Starts `callout`; its token, or why it could not start.
-    fn send(&mut self, cfg: &Config, callout: Callout<'_>) -> Result<u32, String>;
+    /// Starts `callout`; its id in the ledger, or why it could not start.
+    fn send(&mut self, cfg: &Config, callout: Callout<'_>) -> Result<CalloutId, String>;
     /// Resumes the paused request.
     fn resume(&mut self);
     /// Sends a local reply (the request ends there).
@@ -86,12 +87,22 @@ pub enum Metric {
     Rule(usize, RuleCount),
     /// A failed callout.
     Failure(Cause),
+    /// A request the failure mode decided (`failure_mode`: the fallback, allow or deny), and why
+    /// the service did not: a failed callout, the open breaker, or a take that waited its
+    /// timeout in the batch queue.
+    FailureMode(Cause),
     /// A breaker transition (metrics, log).
     Breaker(Event),
     /// `n` added to a lease counter.
     Lease(Count, u64),
     /// A concurrency-slot event.
     Slots(crate::core::inflight::Count),
+    /// An answer on the stream to a message that had failed at its deadline, and the tokens it
+    /// granted that went back to the service ([`late_answer`]).
+    Late {
+        /// Tokens given back.
+        returned: u64,
+    },
 }
 
 /// What a request leaves behind when its stream ends, for the adapter to carry out.
@@ -102,21 +113,36 @@ pub enum Leftover {
     Settle(Vec<crate::core::settle::Item>),
     /// Slots held at the service, to release: the release's JSON body.
     Release(Vec<u8>),
-    /// The take in flight under `token` (or queued under it): its answer is no one's now.
+    /// The take in flight under `id` (or queued under it): its answer is no one's now.
     Abandoned {
-        /// Callout token.
-        token: u32,
+        /// Its callout's id in the ledger.
+        id: CalloutId,
     },
-    /// The acquire in flight under `token`: unless its answer is a denial (nothing taken), the
+    /// The acquire in flight under `id`: unless its answer is a denial (nothing taken), the
     /// slots go back at once, by the name this proxy gave them.
     Orphan {
-        /// Callout token.
-        token: u32,
+        /// Its callout's id in the ledger.
+        id: CalloutId,
         /// The slots' id.
         slot: String,
         /// The keys asked for.
         keys: Vec<String>,
     },
+}
+
+/// What the end of a request's callout tells the breaker ([`Flow`]'s `record`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Report {
+    /// The callout was the breaker's probe.
+    probe: bool,
+    /// A success needs no record: admitted while the breaker was clean, and answered within a
+    /// tick.
+    quiet: bool,
+    /// A failure is this callout's own, not a share of its batch's failure that another take
+    /// reported ([`CalloutResult::Shared`]).
+    counted: bool,
+    /// When the callout ended (ms).
+    now: u64,
 }
 
 /// What to tell the proxy about the current callback.
@@ -133,16 +159,20 @@ pub enum Next {
 pub enum Phase {
     /// Headers not seen yet.
     Idle,
-    /// Paused, waiting for callout `token`; `probe` if it is the breaker's probe.
+    /// Paused, waiting for callout `id`; `probe` if it is the breaker's probe.
     Calling {
-        /// Callout token.
-        token: u32,
+        /// Its callout's id in the ledger.
+        id: CalloutId,
         /// What was asked.
         plan: Plan,
         /// Whether this callout is the breaker's probe.
         probe: bool,
-        /// The admission saw a clean breaker: a success records nothing.
+        /// The admission saw a clean breaker: a quick success records nothing.
         clean: bool,
+        /// When the callout started (ms): a success that took a tick or longer
+        /// ([`crate::core::config::Service::tick_ms`]) is recorded, so that failures counted
+        /// meanwhile (by this worker or another) do not stand against a service that answers.
+        since_ms: u64,
     },
     /// Decided.
     Done,
@@ -212,7 +242,7 @@ impl Flow {
                 _ => Count::LocalLimited,
             };
             host.count(Metric::Lease(count, 1));
-            return self.conclude(cfg, &plan, &outcome, false, host);
+            return self.conclude(cfg, &plan, &outcome, false, now, host);
         }
         let seen = breaker::admit_seen(host.store(), &cfg.breaker, now);
         let (admission, clean) = (seen.admission, seen.clean);
@@ -225,7 +255,7 @@ impl Flow {
                         self.shadow_counts.push((r, RuleCount::LimitedLocally));
                     }
                 }
-                return self.conclude(cfg, &plan, &Outcome::Limited(resp), false, host);
+                return self.conclude(cfg, &plan, &Outcome::Limited(resp), false, now, host);
             }
         }
         if seen.debt {
@@ -238,18 +268,20 @@ impl Flow {
                 &plan,
                 Outcome::Failed(Cause::Breaker),
                 &mut self.watched,
+                now,
                 host,
             );
-            return self.conclude(cfg, &plan, &outcome, false, host);
+            return self.conclude(cfg, &plan, &outcome, false, now, host);
         }
         let probe = admission == Admission::Probe;
         match host.send(cfg, Callout::Take(&plan)) {
-            Ok(token) => {
+            Ok(id) => {
                 self.phase = Phase::Calling {
-                    token,
+                    id,
                     plan,
                     probe,
                     clean,
+                    since_ms: now,
                 };
                 Next::Pause
             }
@@ -258,14 +290,14 @@ impl Flow {
                     "callout to cluster {:?} not dispatched: {why}",
                     cfg.service.cluster
                 );
-                self.after_callout(
-                    cfg,
-                    &plan,
-                    (probe, clean),
-                    Outcome::Failed(Cause::Dispatch),
-                    false,
-                    host,
-                )
+                let report = Report {
+                    probe,
+                    quiet: clean,
+                    counted: true,
+                    now,
+                };
+                let failed = Outcome::Failed(Cause::Dispatch);
+                self.after_callout(cfg, &plan, report, failed, false, host)
             }
         }
     }
@@ -280,10 +312,10 @@ impl Flow {
         }
     }
 
-    /// Whether `token` is the callout this request waits for.
-    pub fn waits_for(&self, token: u32) -> bool {
-        matches!(self.phase, Phase::Calling { token: t, .. } if t == token)
-            || self.slots.token() == Some(token)
+    /// Whether `id` is the callout this request waits for.
+    pub fn waits_for(&self, id: CalloutId) -> bool {
+        matches!(self.phase, Phase::Calling { id: t, .. } if t == id)
+            || self.slots.callout() == Some(id)
     }
 
     /// The stream ended, however it ended (response sent, upstream reset, client gone): what the
@@ -300,9 +332,9 @@ impl Flow {
                 left.push(Leftover::Settle(items));
             }
         }
-        if let Phase::Calling { token, .. } = self.phase {
+        if let Phase::Calling { id, .. } = self.phase {
             self.phase = Phase::Done;
-            left.push(Leftover::Abandoned { token });
+            left.push(Leftover::Abandoned { id });
         }
         left.extend(self.slots.end(cfg, host));
         left
@@ -312,104 +344,136 @@ impl Flow {
     pub fn on_callout_result<H: Host>(
         &mut self,
         cfg: &Config,
-        token: u32,
+        id: CalloutId,
         result: CalloutResult,
         host: &mut H,
     ) {
-        if self.slots.token() == Some(token) {
-            self.slots.on_result(cfg, token, &result, host);
+        if self.slots.callout() == Some(id) {
+            self.slots.on_result(cfg, id, &result, host);
             return;
         }
-        if !self.waits_for(token) {
+        if !self.waits_for(id) {
             return;
         }
         let Phase::Calling {
-            plan, probe, clean, ..
+            plan,
+            probe,
+            clean,
+            since_ms,
+            ..
         } = std::mem::replace(&mut self.phase, Phase::Done)
         else {
             return;
         };
+        let now = host.now_ms();
+        // A success after a clean admission records nothing (the steady path reads the breaker
+        // once), unless it was slow: failures may have been counted while it was out, and a
+        // service that answers resets them.
+        let quiet = clean && now.saturating_sub(since_ms) < cfg.service.tick_ms();
+        // A share of a batch's failure another take fed the breaker with is not counted again.
+        let counted = !matches!(result, CalloutResult::Shared(_));
         let outcome = decide::interpret(&plan, result);
         if let Some((enforced, shadowed)) = decide::without_shadow(cfg, &plan, &outcome) {
             // Only shadow rules denied, and the service charges all or nothing: it charged none
             // of the enforced rules' buckets. Settle this answer, then ask again for those alone,
             // so shadow rules never change what enforced rules count.
-            self.record(cfg, probe, clean, true, host);
-            settle(cfg, &plan, outcome, &mut self.watched, host);
+            let report = Report {
+                probe,
+                quiet,
+                counted,
+                now,
+            };
+            self.record(cfg, report, true, host);
+            settle(cfg, &plan, outcome, &mut self.watched, now, host);
             self.shadow_counts = shadowed;
             let mut enforced = enforced;
-            let now = host.now_ms();
             let (_, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
             if debt {
                 fallback::attach_debts(cfg, &mut enforced, host.store(), now);
             }
             match host.send(cfg, Callout::Take(&enforced)) {
-                Ok(token) => {
+                Ok(id) => {
                     self.phase = Phase::Calling {
-                        token,
+                        id,
                         plan: enforced,
                         probe: false,
                         clean: false,
+                        since_ms: now,
                     };
                 }
                 Err(_) => {
-                    self.after_callout(
-                        cfg,
-                        &enforced,
-                        (false, false),
-                        Outcome::Failed(Cause::Dispatch),
-                        true,
-                        host,
-                    );
+                    let report = Report {
+                        probe: false,
+                        quiet: false,
+                        counted: true,
+                        now,
+                    };
+                    let failed = Outcome::Failed(Cause::Dispatch);
+                    self.after_callout(cfg, &enforced, report, failed, true, host);
                 }
             }
             return;
         }
-        self.after_callout(cfg, &plan, (probe, clean), outcome, true, host);
+        let report = Report {
+            probe,
+            quiet,
+            counted,
+            now,
+        };
+        self.after_callout(cfg, &plan, report, outcome, true, host);
     }
 
-    /// Feeds a callout's result to the breaker (nothing to do for a success after a clean
-    /// admission: the steady path reads the shared state once).
-    fn record<H: Host>(&self, cfg: &Config, probe: bool, clean: bool, success: bool, host: &mut H) {
-        if !breaker::needs_record(clean, success) {
+    /// Feeds a callout's result to the breaker (nothing to do for a `quiet` success: quick, after
+    /// a clean admission, so the steady path reads the shared state once).
+    fn record<H: Host>(&self, cfg: &Config, report: Report, success: bool, host: &mut H) {
+        if !breaker::needs_record(report.quiet, success) {
             return;
         }
-        let event =
-            breaker::record_shared(host.store(), &cfg.breaker, host.now_ms(), success, probe);
+        let (now, probe) = (report.now, report.probe);
+        let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, probe);
         if event != Event::None {
             host.count(Metric::Breaker(event));
         }
     }
 
-    /// A callout ended or could not start: count it, feed the breaker, conclude.
+    /// A callout ended or could not start: count it, feed the breaker, conclude. The breaker
+    /// hears of a failure only when a callout failed (a take that was never sent, a breaker that
+    /// refused, are no news of the service) and only once per failed callout
+    /// ([`Report::counted`]; the probe's always).
     fn after_callout<H: Host>(
         &mut self,
         cfg: &Config,
         plan: &Plan,
-        (probe, clean): (bool, bool),
+        report: Report,
         outcome: Outcome,
         paused: bool,
         host: &mut H,
     ) -> Next {
-        let success = !matches!(outcome, Outcome::Failed(_));
-        if let Outcome::Failed(cause) = outcome {
-            host.count(Metric::Failure(cause));
+        match outcome {
+            Outcome::Failed(cause) if cause.is_callout() => {
+                host.count(Metric::Failure(cause));
+                if report.counted || report.probe {
+                    self.record(cfg, report, false, host);
+                }
+            }
+            Outcome::Failed(_) => {}
+            _ => self.record(cfg, report, true, host),
         }
-        self.record(cfg, probe, clean, success, host);
-        let outcome = settle(cfg, plan, outcome, &mut self.watched, host);
-        self.conclude(cfg, plan, &outcome, paused, host)
+        let now = report.now;
+        let outcome = settle(cfg, plan, outcome, &mut self.watched, now, host);
+        self.conclude(cfg, plan, &outcome, paused, now, host)
     }
 
-    /// Applies the verdict: let through (resuming only if paused) or reply locally.
+    /// Applies the verdict at `now`: let through (resuming only if paused) or reply locally.
     fn conclude<H: Host>(
         &mut self,
         cfg: &Config,
         plan: &Plan,
         outcome: &Outcome,
         paused: bool,
+        now: u64,
         host: &mut H,
     ) -> Next {
-        let now = host.now_ms();
         let verdict = decide::resolve(cfg, plan, outcome, host.store(), now);
         host.count(Metric::Decision(verdict.decision));
         for &(rule, what) in verdict
@@ -426,7 +490,8 @@ impl Flow {
                 now.saturating_add(fallback::debt_horizon_ms(cfg)),
             );
         }
-        if let Outcome::Failed(cause) = outcome {
+        if let Outcome::Failed(cause) = *outcome {
+            host.count(Metric::FailureMode(cause));
             debug!(
                 "no answer from the service ({}): {}",
                 cause.name(),
@@ -480,9 +545,9 @@ fn settle<H: Host>(
     plan: &Plan,
     outcome: Outcome,
     watched: &mut Vec<lease::Held>,
+    now: u64,
     host: &mut H,
 ) -> Outcome {
-    let now = host.now_ms();
     // Only the service's own denials are remembered: one `settle_debts` makes of an admission whose
     // grant fell short of the debt it carried is about the debt, and the next callout repays more.
     let denied_by_service = matches!(outcome, Outcome::Limited(_));
@@ -561,15 +626,23 @@ pub fn on_refill_result<H: Host>(
     result: CalloutResult,
     host: &mut H,
 ) -> Vec<lease::Held> {
+    let counted = !matches!(result, CalloutResult::Shared(_));
     let outcome = decide::interpret(plan, result);
-    let success = !matches!(outcome, Outcome::Failed(_));
-    if let Outcome::Failed(cause) = outcome {
-        host.count(Metric::Failure(cause));
-    }
     let now = host.now_ms();
-    let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, false);
-    if event != Event::None {
-        host.count(Metric::Breaker(event));
+    // As a request's callout feeds it (`Flow::after_callout`), a success always.
+    let feeds = match outcome {
+        Outcome::Failed(cause) if cause.is_callout() => {
+            host.count(Metric::Failure(cause));
+            counted.then_some(false)
+        }
+        Outcome::Failed(_) => None,
+        _ => Some(true),
+    };
+    if let Some(success) = feeds {
+        let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, false);
+        if event != Event::None {
+            host.count(Metric::Breaker(event));
+        }
     }
     let (outcome, repaid) = fallback::settle_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
@@ -598,6 +671,62 @@ fn refund<H: Host>(cfg: &Config, request: &TakeRequest, host: &mut H) {
     denials::forget(cfg, &request.buckets, host.store());
 }
 
+/// An answer on the stream, `result`, to a message that failed at its deadline, whose takes were
+/// `takes` (`None`: one whose request had gone): each of them went on without it (the failure
+/// mode decided it), so what it granted, no request spends. Those tokens go back to the global
+/// bucket as unspent ones, so nothing is charged twice: a token bucket's, by refund (one refund
+/// per bucket, at most [`contract::bounds::MAX_BUCKETS`] buckets each); a window's tokens cannot
+/// be given back. A denial or an error needs nothing.
+pub fn late_answer<H: Host>(
+    cfg: &Config,
+    takes: &[Option<TakeRequest>],
+    result: CalloutResult,
+    host: &mut H,
+) {
+    let answers = match result {
+        CalloutResult::Answers(a) if a.len() == takes.len() => a,
+        _ => Vec::new(),
+    };
+    let mut back: Vec<crate::core::wire::Bucket> = Vec::new();
+    for (take, answer) in takes.iter().zip(&answers) {
+        let Some(take) = take.as_ref().filter(|_| answer.allowed) else {
+            continue;
+        };
+        for (b, r) in take.buckets.iter().zip(&answer.buckets) {
+            if !crate::core::local::bucket::refundable(b.algorithm.unwrap_or_default()) {
+                continue;
+            }
+            // What this take was charged: its grant (its cost, debt and lease included), or its
+            // cost from a service that reports no grant.
+            let n = if r.granted > 0 {
+                r.granted
+            } else {
+                b.cost.unwrap_or(1)
+            };
+            let same = |o: &crate::core::wire::Bucket| {
+                (&o.key, o.capacity, o.rate, o.period_ms, o.algorithm)
+                    == (&b.key, b.capacity, b.rate, b.period_ms, b.algorithm)
+            };
+            match back.iter_mut().find(|o| same(o)) {
+                Some(o) => o.cost = Some(o.cost.unwrap_or(0).saturating_add(n)),
+                None => back.push(crate::core::wire::Bucket {
+                    cost: Some(n),
+                    lease: None,
+                    ..b.clone()
+                }),
+            }
+        }
+    }
+    let returned = back.iter().map(|b| b.cost.unwrap_or(0)).sum();
+    for buckets in back.chunks(contract::bounds::MAX_BUCKETS) {
+        let request = TakeRequest {
+            buckets: buckets.to_vec(),
+        };
+        refund(cfg, &request, host);
+    }
+    host.count(Metric::Late { returned });
+}
+
 /// The timer's look at the lease pools this worker deposited into (`held`): tokens left unspent
 /// past their age go back to the service.
 pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
@@ -612,15 +741,14 @@ pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
     }
 }
 
-/// How often the adapter's timer should call: as often as the stream's messages need their
-/// deadlines looked at (`service.stream`: [`crate::core::wire::stream::tick_period_ms`]), and at
-/// least as often as the settlements and lease pools need ([`chores_period_ms`]); `None`: never.
+/// How often the adapter's timer should call: as often as the stream's messages and the batch
+/// queue need their deadlines looked at (`service.stream` or `service.batch`:
+/// [`crate::core::config::Service::tick_ms`]), and at least as often as the settlements and lease
+/// pools need (`chores_period_ms`); `None`: never.
 pub fn tick_period_ms(cfg: &Config) -> Option<u32> {
-    let stream = cfg
-        .service
-        .stream
-        .then(|| crate::core::wire::stream::tick_period_ms(cfg.service.timeout_ms));
-    match (stream, chores_period_ms(cfg)) {
+    let svc = &cfg.service;
+    let waits = (svc.stream || svc.batch > 0).then(|| u32::try_from(svc.tick_ms()).unwrap_or(50));
+    match (waits, chores_period_ms(cfg)) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
@@ -654,7 +782,7 @@ mod tests {
         store: FakeStore,
         now: u64,
         dispatch_fails: bool,
-        next_token: u32,
+        next_id: CalloutId,
         dispatched: u32,
         resumed: u32,
         replies: Vec<LocalReply>,
@@ -669,6 +797,8 @@ mod tests {
         acquires: Vec<Vec<u8>>,
         releases: Vec<Vec<u8>>,
         slot_counts: Vec<crate::core::inflight::Count>,
+        late: Vec<u64>,
+        decided_by: Vec<Cause>,
     }
 
     impl Default for FakeHost {
@@ -686,7 +816,7 @@ mod tests {
                 store,
                 now: 0,
                 dispatch_fails: false,
-                next_token: 0,
+                next_id: CalloutId(0),
                 dispatched: 0,
                 resumed: 0,
                 replies: Vec::new(),
@@ -701,6 +831,8 @@ mod tests {
                 acquires: Vec::new(),
                 releases: Vec::new(),
                 slot_counts: Vec::new(),
+                late: Vec::new(),
+                decided_by: Vec::new(),
             }
         }
     }
@@ -713,7 +845,7 @@ mod tests {
         fn now_ms(&self) -> u64 {
             self.now
         }
-        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<u32, String> {
+        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<CalloutId, String> {
             match out {
                 Callout::Take(plan) => {
                     self.sent.push(plan.clone());
@@ -737,8 +869,8 @@ mod tests {
                 }
                 Callout::Release(body) => self.releases.push(body),
             }
-            self.next_token += 1;
-            Ok(self.next_token)
+            self.next_id.0 += 1;
+            Ok(self.next_id)
         }
         fn resume(&mut self) {
             self.resumed += 1;
@@ -751,9 +883,11 @@ mod tests {
                 Metric::Decision(d) => self.counts.push(d),
                 Metric::Rule(rule, what) => self.rule_counts.push((rule, what)),
                 Metric::Failure(c) => self.failures.push(c),
+                Metric::FailureMode(c) => self.decided_by.push(c),
                 Metric::Breaker(e) => self.events.push(e),
                 Metric::Lease(c, n) => self.leases.push((c, n)),
                 Metric::Slots(c) => self.slot_counts.push(c),
+                Metric::Late { returned } => self.late.push(returned),
             }
         }
     }
@@ -808,13 +942,13 @@ mod tests {
             Next::Pause,
             "body waits for the decision"
         );
-        assert!(f.waits_for(1));
-        f.on_callout_result(&c, 1, answer(true), &mut h);
+        assert!(f.waits_for(CalloutId(1)));
+        f.on_callout_result(&c, CalloutId(1), answer(true), &mut h);
         assert_eq!((h.resumed, h.replies.len()), (1, 0));
         assert_eq!(h.counts, vec![Decision::Allowed]);
         assert_eq!(f.on_request_data(), Next::Continue);
         // A duplicate or stale reply changes nothing.
-        f.on_callout_result(&c, 1, answer(false), &mut h);
+        f.on_callout_result(&c, CalloutId(1), answer(false), &mut h);
         assert_eq!((h.resumed, h.replies.len(), h.counts.len()), (1, 0, 1));
     }
 
@@ -822,9 +956,9 @@ mod tests {
     fn limited_replies_without_resuming() {
         let (c, mut h, mut f) = (cfg(""), FakeHost::default(), Flow::default());
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, 2, answer(false), &mut h);
-        assert!(f.waits_for(1), "another token is not ours");
-        f.on_callout_result(&c, 1, answer(false), &mut h);
+        f.on_callout_result(&c, CalloutId(2), answer(false), &mut h);
+        assert!(f.waits_for(CalloutId(1)), "another token is not ours");
+        f.on_callout_result(&c, CalloutId(1), answer(false), &mut h);
         assert_eq!((h.resumed, h.replies.len()), (0, 1));
         assert_eq!(h.replies[0].status, 429);
         assert_eq!(h.counts, vec![Decision::Limited]);
@@ -877,11 +1011,11 @@ mod tests {
         let mut h = FakeHost::default();
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, h.next_token, granted(true, 1, 1), &mut h);
+        f.on_callout_result(&c, h.next_id, granted(true, 1, 1), &mut h);
         for _ in 0..2 {
             let mut f = Flow::default();
             f.on_request_headers(&c, &req("/api"), &mut h);
-            f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
+            f.on_callout_result(&c, h.next_id, timed_out(), &mut h);
         }
         assert_eq!(
             h.counts,
@@ -897,7 +1031,7 @@ mod tests {
         let sent = h.sent.last().unwrap();
         assert_eq!(sent.request.buckets[0].lease, Some(2), "cost 1 + debt 1");
         assert_eq!(sent.debt, vec![1]);
-        f.on_callout_result(&c, h.next_token, granted(true, 0, 2), &mut h);
+        f.on_callout_result(&c, h.next_id, granted(true, 0, 2), &mut h);
         assert_eq!(
             h.counts.last(),
             Some(&Decision::Allowed),
@@ -918,13 +1052,13 @@ mod tests {
         for _ in 0..2 {
             let mut f = Flow::default();
             f.on_request_headers(&c, &req("/api"), &mut h);
-            f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
+            f.on_callout_result(&c, h.next_id, timed_out(), &mut h);
         }
         // The service has 1 token: it grants 1 of the 3 asked (cost 1 + debt 2) and allows.
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
         assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(3));
-        f.on_callout_result(&c, h.next_token, granted(true, 0, 1), &mut h);
+        f.on_callout_result(&c, h.next_id, granted(true, 0, 1), &mut h);
         assert_eq!(h.counts.last(), Some(&Decision::Limited), "debt first");
         assert_eq!(h.replies.last().unwrap().status, 429);
         // One of the two owed was repaid; the next callout carries the other.
@@ -950,7 +1084,7 @@ mod tests {
             {"allowed":false,"limit":1,"remaining":0,"reset_ms":1,"retry_after_ms":5}]}"#;
         f.on_callout_result(
             &c,
-            h.next_token,
+            h.next_id,
             CalloutResult::Http {
                 status: Some(200),
                 body: body.to_vec(),
@@ -964,7 +1098,7 @@ mod tests {
         let body = br#"{"allowed":true,"buckets":[{"allowed":true,"limit":2,"remaining":1,"reset_ms":1,"retry_after_ms":0}]}"#;
         f.on_callout_result(
             &c,
-            h.next_token,
+            h.next_id,
             CalloutResult::Http {
                 status: Some(200),
                 body: body.to_vec(),
@@ -987,7 +1121,7 @@ mod tests {
         f.on_request_headers(&c, &req("/api"), &mut h);
         f.on_callout_result(
             &c,
-            h.next_token,
+            h.next_id,
             CalloutResult::Http {
                 status: None,
                 body: vec![],
@@ -1000,7 +1134,7 @@ mod tests {
             assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
             assert_eq!(h.dispatched, round + 2);
             assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
-            f.on_callout_result(&c, h.next_token, answer(false), &mut h);
+            f.on_callout_result(&c, h.next_id, answer(false), &mut h);
             // Past the denial's retry_after (1 s): the next request asks again.
             h.now += 1000;
         }
@@ -1013,13 +1147,13 @@ mod tests {
         // One admitted on credit: the callouts after it carry the debt (lease 2 = cost 1 + 1).
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, h.next_token, timed_out(), &mut h);
+        f.on_callout_result(&c, h.next_id, timed_out(), &mut h);
         assert_eq!(h.counts, vec![Decision::FallbackAllowed]);
         // The service denies (the bucket cannot pay the cost): remembered for a second.
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
         assert_eq!(h.sent.last().unwrap().request.buckets[0].lease, Some(2));
-        f.on_callout_result(&c, h.next_token, answer(false), &mut h);
+        f.on_callout_result(&c, h.next_id, answer(false), &mut h);
         assert_eq!(h.dispatched, 2);
         // A flood meanwhile is answered here, the debt still owed.
         for n in 0..3 {
@@ -1035,7 +1169,7 @@ mod tests {
         h.now += 1000;
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, h.next_token, granted(true, 0, 1), &mut h);
+        f.on_callout_result(&c, h.next_id, granted(true, 0, 1), &mut h);
         assert_eq!(h.counts.last(), Some(&Decision::Limited), "debt first");
         let mut f = Flow::default();
         assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
@@ -1063,7 +1197,7 @@ mod tests {
                 Next::Pause,
                 "request {i}"
             );
-            f.on_callout_result(&c, h.next_token, r, &mut h);
+            f.on_callout_result(&c, h.next_id, r, &mut h);
         }
         assert_eq!(h.failures, vec![Cause::Timeout, Cause::Reset]);
         assert_eq!(
@@ -1088,7 +1222,7 @@ mod tests {
         let mut other = Flow::default();
         other.on_request_headers(&c, &req("/api"), &mut h);
         assert_eq!(h.dispatched, 3, "only the probe calls");
-        probe.on_callout_result(&c, 3, answer(true), &mut h);
+        probe.on_callout_result(&c, CalloutId(3), answer(true), &mut h);
         assert_eq!(h.events, vec![Event::Opened, Event::Closed]);
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/api"), &mut h);
@@ -1103,7 +1237,7 @@ mod tests {
             Flow::default(),
         );
         f.on_request_headers(&c, &req("/api"), &mut h);
-        f.on_callout_result(&c, 1, answer(false), &mut h);
+        f.on_callout_result(&c, CalloutId(1), answer(false), &mut h);
         assert_eq!((h.resumed, h.replies.len()), (1, 0));
         assert_eq!(h.counts, vec![Decision::ShadowLimited]);
     }
@@ -1134,7 +1268,7 @@ mod tests {
         let mut f = Flow::default();
         assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
         assert_eq!(h.sent[0].request.buckets[0].lease, Some(8));
-        f.on_callout_result(&c, 1, lease_answer(true, 8, 0), &mut h);
+        f.on_callout_result(&c, CalloutId(1), lease_answer(true, 8, 0), &mut h);
         assert_eq!(h.leases, vec![(Count::Granted, 8)]);
         // 7 in the pool; 5 can be spent before the refill mark (8 / 4 = 2).
         for i in 0..5 {
@@ -1203,7 +1337,7 @@ mod tests {
         let mut h = FakeHost::default();
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/"), &mut h);
-        f.on_callout_result(&c, 1, lease_answer(false, 0, 2500), &mut h);
+        f.on_callout_result(&c, CalloutId(1), lease_answer(false, 0, 2500), &mut h);
         assert_eq!(h.counts, vec![Decision::Limited]);
         h.now = 500;
         let mut f = Flow::default();
@@ -1228,7 +1362,7 @@ mod tests {
         let mut h = FakeHost::default();
         let mut f = Flow::default();
         f.on_request_headers(&c, &req("/"), &mut h);
-        f.on_callout_result(&c, 1, lease_answer(true, 8, 0), &mut h);
+        f.on_callout_result(&c, CalloutId(1), lease_answer(true, 8, 0), &mut h);
         // 6 spent locally, the sixth starting a background refill, which fails.
         for _ in 0..6 {
             let mut f = Flow::default();
@@ -1252,7 +1386,7 @@ mod tests {
         assert_eq!(f.on_request_headers(&c, &req("/"), &mut h), Next::Pause);
         f.on_callout_result(
             &c,
-            h.next_token,
+            h.next_id,
             CalloutResult::Http {
                 status: None,
                 body: vec![],
@@ -1280,5 +1414,68 @@ mod tests {
             Some(8),
             "the probe refills"
         );
+    }
+
+    #[test]
+    fn a_late_answer_gives_back_what_it_granted_to_token_buckets_only() {
+        use crate::core::config::Algorithm;
+        use crate::core::wire::{Bucket, BucketResult, TakeResponse};
+        let c = cfg("");
+        let bucket = |key: &str, algorithm: Option<Algorithm>| Bucket {
+            key: key.into(),
+            capacity: 10,
+            rate: None,
+            period_ms: 1000,
+            cost: Some(2),
+            algorithm,
+            lease: Some(8),
+        };
+        let take = |buckets: Vec<Bucket>| Some(TakeRequest { buckets });
+        let result = |allowed: bool, granted: &[u64]| TakeResponse {
+            allowed,
+            buckets: granted
+                .iter()
+                .map(|&g| BucketResult {
+                    allowed,
+                    granted: g,
+                    ..Default::default()
+                })
+                .collect(),
+            instances: 0,
+        };
+        let takes = vec![
+            // Granted 8 on a token bucket and 2 on a fixed window (which cannot be given back).
+            take(vec![
+                bucket("a", None),
+                bucket("w", Some(Algorithm::FixedWindow)),
+            ]),
+            // A request that had gone: its grant cannot be told apart, and is not sent back.
+            None,
+            // The same token bucket again, from an older service that reports no grant: its cost.
+            take(vec![bucket("a", None)]),
+            // Denied: nothing was charged.
+            take(vec![bucket("b", None)]),
+        ];
+        let answers = CalloutResult::Answers(vec![
+            result(true, &[8, 2]),
+            result(true, &[5]),
+            result(true, &[0]),
+            result(false, &[0]),
+        ]);
+        let mut h = FakeHost::default();
+        late_answer(&c, &takes, answers, &mut h);
+        assert_eq!(h.late, vec![8 + 2]);
+        assert_eq!(h.given_back.len(), 1, "one refund");
+        let b = &h.given_back[0].buckets;
+        assert_eq!(b.len(), 1, "a's two grants in one bucket: {b:?}");
+        assert_eq!(
+            (b[0].key.as_str(), b[0].cost, b[0].lease),
+            ("a", Some(10), None)
+        );
+        // A late error, or answers that do not match the takes: counted, nothing sent.
+        let mut h = FakeHost::default();
+        late_answer(&c, &takes, CalloutResult::Expired, &mut h);
+        late_answer(&c, &takes, CalloutResult::Answers(Vec::new()), &mut h);
+        assert_eq!((h.late, h.given_back.len()), (vec![0, 0], 0));
     }
 }

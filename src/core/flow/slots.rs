@@ -4,6 +4,7 @@
 //! the local counters, and [`crate::core::decide::resolve_slots`] applies the failure mode).
 
 use super::{Callout, Host, Leftover, Metric, Next};
+use crate::core::base::ledger::CalloutId;
 use crate::core::config::Config;
 use crate::core::decide::{resolve_slots, SlotsVerdict};
 use crate::core::inflight::{
@@ -22,10 +23,10 @@ pub enum Slots {
     None,
     /// Slots to take once the rate rules admitted the request.
     Wanted(Vec<Want>),
-    /// Paused, waiting for the acquire callout `token`.
+    /// Paused, waiting for the acquire callout `id`.
     Acquiring {
-        /// Callout token.
-        token: u32,
+        /// Its callout's id in the ledger.
+        id: CalloutId,
         /// The id this proxy gave the slots it asked for: what a release names even when the
         /// answer never arrives (the service may have taken them before the callout timed out).
         slot: String,
@@ -62,9 +63,9 @@ impl Slots {
     }
 
     /// The acquire callout this request waits for.
-    pub fn token(&self) -> Option<u32> {
+    pub fn callout(&self) -> Option<CalloutId> {
         match self {
-            Slots::Acquiring { token, .. } => Some(*token),
+            Slots::Acquiring { id, .. } => Some(*id),
             _ => None,
         }
     }
@@ -82,9 +83,9 @@ impl Slots {
         let probe = admission == Admission::Probe;
         let slot = new_slot_id();
         match host.send(cfg, Callout::Acquire(encode_acquire(cfg, &slot, &wants))) {
-            Ok(token) => {
+            Ok(id) => {
                 *self = Slots::Acquiring {
-                    token,
+                    id,
                     slot,
                     wants,
                     probe,
@@ -98,15 +99,15 @@ impl Slots {
         }
     }
 
-    /// The acquire callout `token` ended with `result` (the stream is paused on it).
+    /// The acquire callout `id` ended with `result` (the stream is paused on it).
     pub fn on_result<H: Host>(
         &mut self,
         cfg: &Config,
-        token: u32,
+        id: CalloutId,
         result: &CalloutResult,
         host: &mut H,
     ) {
-        if self.token() != Some(token) {
+        if self.callout() != Some(id) {
             return;
         }
         let Slots::Acquiring {
@@ -189,9 +190,9 @@ impl Slots {
                 Some(Leftover::Release(encode_release(cfg, &slot, &keys)))
             }
             Slots::Acquiring {
-                token, slot, wants, ..
+                id, slot, wants, ..
             } => Some(Leftover::Orphan {
-                token,
+                id,
                 slot,
                 keys: wants.into_iter().map(|w| w.key).collect(),
             }),
@@ -290,20 +291,20 @@ mod tests {
         fn now_ms(&self) -> u64 {
             0
         }
-        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<u32, String> {
+        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<CalloutId, String> {
             match out {
                 Callout::Acquire(body) => {
                     self.acquires.push(body);
                     if self.acquire_fails {
                         return Err("BadArgument".into());
                     }
-                    Ok(7)
+                    Ok(CalloutId(7))
                 }
                 Callout::Release(body) => {
                     self.releases.push(body);
-                    Ok(8)
+                    Ok(CalloutId(8))
                 }
-                Callout::Take(_) | Callout::Refill(_) | Callout::Refund(_) => Ok(100),
+                Callout::Take(_) | Callout::Refill(_) | Callout::Refund(_) => Ok(CalloutId(100)),
             }
         }
         fn resume(&mut self) {
@@ -348,8 +349,8 @@ mod tests {
             f.on_request_headers(&c, &req("/slow", "u"), &mut h),
             Next::Pause
         );
-        assert!(f.waits_for(7));
-        f.on_callout_result(&c, 7, answer(HELD), &mut h);
+        assert!(f.waits_for(CalloutId(7)));
+        f.on_callout_result(&c, CalloutId(7), answer(HELD), &mut h);
         assert_eq!((h.resumed, h.counts.clone()), (1, vec![Count::Acquired]));
         end(&mut f, &c, &mut h);
         end(&mut f, &c, &mut h);
@@ -378,9 +379,9 @@ mod tests {
             f.on_request_headers(&c, &req("/slow", "u"), &mut h),
             Next::Pause
         );
-        assert!(f.waits_for(100), "the take goes first");
+        assert!(f.waits_for(CalloutId(100)), "the take goes first");
         let took = r#"{"allowed":true,"buckets":[{"allowed":true,"limit":5,"remaining":4,"reset_ms":200,"retry_after_ms":0}]}"#;
-        f.on_callout_result(&c, 100, answer(took), &mut h);
+        f.on_callout_result(&c, CalloutId(100), answer(took), &mut h);
         assert_eq!(
             h.rule_counts,
             vec![(1, crate::core::wire::plan::RuleCount::Allowed)]
@@ -390,7 +391,7 @@ mod tests {
             asked["buckets"],
             serde_json::json!([{"key":"cc|u","limit":4,"ttl_ms":5000}])
         );
-        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        f.on_callout_result(&c, CalloutId(7), answer(FULL), &mut h);
         assert_eq!(h.replies.len(), 1);
         assert_eq!(h.replies[0].status, 503);
         assert_eq!(h.counts, vec![Count::Limited]);
@@ -401,7 +402,7 @@ mod tests {
         let c = cfg("");
         let (mut h, mut f) = (Fake::default(), Flow::default());
         f.on_request_headers(&c, &req("/slow", "u"), &mut h);
-        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        f.on_callout_result(&c, CalloutId(7), answer(FULL), &mut h);
         assert_eq!((h.resumed, h.replies.len()), (0, 1));
         assert_eq!(h.replies[0].status, 429);
         assert!(h.replies[0]
@@ -413,7 +414,7 @@ mod tests {
         let c = cfg(r#","shadow":true"#);
         let (mut h, mut f) = (Fake::default(), Flow::default());
         f.on_request_headers(&c, &req("/slow", "u"), &mut h);
-        f.on_callout_result(&c, 7, answer(FULL), &mut h);
+        f.on_callout_result(&c, CalloutId(7), answer(FULL), &mut h);
         assert_eq!(
             (h.resumed, h.counts.clone()),
             (1, vec![Count::ShadowLimited])
@@ -432,7 +433,7 @@ mod tests {
             f.on_request_headers(&c, &req("/slow", "u"), &mut h);
             f.on_callout_result(
                 &c,
-                7,
+                CalloutId(7),
                 CalloutResult::Http {
                     status: Some(503),
                     body: vec![],
@@ -501,7 +502,7 @@ mod tests {
             f.on_request_headers(&c, &req("/slow", "u"), &mut h);
             f.on_callout_result(
                 &c,
-                7,
+                CalloutId(7),
                 CalloutResult::Http {
                     status: Some(504),
                     body: vec![],

@@ -1,7 +1,11 @@
 //! The circuit breaker, over a small serialisable state kept in shared data (one entry,
 //! `tollgate.breaker`, updated with CAS), so every worker sees the same breaker.
 //!
-//! Closed: every request calls the service; `failures` consecutive failed callouts open it.
+//! Closed: every request calls the service; `failures` consecutive failed callouts open it. A
+//! failed batch (or messages on the stream that failed together) is one failed callout, however
+//! many takes it carried; a take that waited its timeout in the batch queue, never sent, is none
+//! (no news of the service). Every success resets the count, but a quick one after a clean
+//! admission, which writes nothing ([`needs_record`]).
 //! Open: requests skip the callout and go straight to the failure mode, for `interval_ms`.
 //! When the interval is over, the first request to notice becomes the probe: it re-arms the
 //! interval (so the others keep skipping while it is in flight) and calls. Its success closes the
@@ -241,12 +245,13 @@ pub fn admit_seen<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -
     }
 }
 
-/// Whether a callout's result must be recorded ([`record_shared`]): a success after a clean
-/// admission is not, so the steady path reads the state once per request, not twice. A failure
-/// another worker recorded meanwhile is then reset by the next success whose admission saw it:
-/// failures count as consecutive to within the callouts in flight when they began.
-pub fn needs_record(seen_clean: bool, success: bool) -> bool {
-    !(seen_clean && success)
+/// Whether a callout's result must be recorded ([`record_shared`]): a `quiet` success (after a
+/// clean admission, answered within a tick) is not, so the steady path reads the state once per
+/// request, not twice. A failure another worker recorded meanwhile is then reset by the next
+/// success whose admission saw it, or by any slow success: failures count as consecutive to
+/// within the quick callouts in flight when they began.
+pub fn needs_record(quiet: bool, success: bool) -> bool {
+    !(quiet && success)
 }
 
 /// Records that the fallback admitted on credit: debts may be outstanding until `until_ms`.

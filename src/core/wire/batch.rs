@@ -1,13 +1,23 @@
 //! Group commit for callouts (`service.batch`): per worker VM and plugin, a request that needs the
 //! service while one of the plugin's callouts is in flight joins a queue instead of calling; when
 //! a callout of the plugin ends, one callout carries the queued takes (`/v1/take_batch`,
-//! `tollgate.v1.RateLimiter/TakeBatch`), and its answer is split back onto the waiting requests.
-//! A lone request still calls at once, so light load gets no added latency.
+//! `tollgate.v1.RateLimiter/TakeBatch`, or a message on the stream), and its answer is split back
+//! onto the waiting requests. A lone request still calls at once, so light load gets no added
+//! latency.
 //!
-//! Queued requests wait under a virtual token the VM's ledger hands out
+//! **A slow callout holds no one back for long**: when the queue's oldest take has waited a tick
+//! ([`crate::core::config::Service::tick_ms`]: an eighth of `service.timeout_ms`, 5..=50 ms) and
+//! fewer than [`MAX_IN_FLIGHT`] callouts hold the queue back, the queue leaves as another batch
+//! beside them, on the root context's tick ([`Queue::due`]: so within two ticks of its oldest
+//! take's arrival). So a take pays its own round trip once, not the one before it too; and a
+//! take that waited its whole timeout in the queue (every callout slot held) fails there, on the
+//! tick, unsent ([`Queue::expired`]).
+//!
+//! Queued requests wait under an id the VM's ledger hands out
 //! ([`crate::core::base::ledger::Ledger::reserve`]); the core's [`crate::core::flow::Flow`] does not
 //! know the difference. A full queue is a dispatch failure (the failure mode decides); a failed
-//! batch fails each of its requests the way a single callout would have.
+//! batch fails each of its requests the way a single callout would have (the breaker counting it
+//! once: [`CalloutResult::Shared`]).
 //!
 //! A batch is bounded by count (`service.batch`, at most the contract's
 //! [`contract::bounds::MAX_BATCH_TAKES`]) **and by bytes**: its request within
@@ -15,6 +25,7 @@
 //! [`contract::bounds::MAX_ANSWER_BYTES`] (64 takes of 12 buckets each would be answered with
 //! about 100 KB). What does not fit waits for the next batch.
 
+use crate::core::base::ledger::CalloutId;
 use crate::core::wire::plan::CalloutResult;
 use crate::core::wire::{self, TakeRequest};
 use contract::bounds::{
@@ -30,8 +41,8 @@ pub const QUEUE_BATCHES: usize = 4;
 /// A request waiting for the next batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Queued {
-    /// Its virtual token.
-    pub token: u32,
+    /// Its id in the ledger.
+    pub id: CalloutId,
     /// Its take.
     pub take: TakeRequest,
     /// When it joined the queue (ms): `service.timeout_ms` bounds its wait from then, in the
@@ -45,6 +56,13 @@ impl Queued {
         self.since_ms.saturating_add(timeout_ms)
     }
 }
+
+/// The most callouts (batches, messages) of one plugin a worker keeps in flight beside each
+/// other before a queue waits for one to end: the timeout over the tick (8 × `timeout_ms`/8), so a
+/// round trip as long as the whole timeout still lets a take leave within a tick of its arrival.
+/// More could not be answered in time anyway; a slow service sees at most this many batches of a
+/// worker at once, where it saw one.
+pub const MAX_IN_FLIGHT: u32 = 8;
 
 /// The batching state of one plugin in one VM.
 #[derive(Debug, Default)]
@@ -63,12 +81,43 @@ impl Queue {
         self.in_flight > 0
     }
 
-    /// Queues `req` under `token` at `now_ms`, unless `max` are waiting already (a plugin's
+    /// Whether the queue should leave now, at `now_ms`: its oldest take has waited `tick_ms` and
+    /// fewer than [`MAX_IN_FLIGHT`] callouts hold it back (or none does).
+    pub fn due(&self, now_ms: u64, tick_ms: u64) -> bool {
+        let Some(oldest) = self.waiting.first() else {
+            return false;
+        };
+        self.in_flight == 0
+            || (self.in_flight < MAX_IN_FLIGHT && now_ms.saturating_sub(oldest.since_ms) >= tick_ms)
+    }
+
+    /// The takes that have waited their whole `timeout_ms` by `now_ms`, out of the queue: each
+    /// fails unsent.
+    pub fn expired(&mut self, now_ms: u64, timeout_ms: u64) -> Vec<CalloutId> {
+        if self
+            .waiting
+            .first()
+            .is_none_or(|q| q.deadline_ms(timeout_ms) > now_ms)
+        {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        self.waiting.retain(|q| {
+            let late = q.deadline_ms(timeout_ms) <= now_ms;
+            if late {
+                out.push(q.id);
+            }
+            !late
+        });
+        out
+    }
+
+    /// Queues `req` under `id` at `now_ms`, unless `max` are waiting already (a plugin's
     /// bound is [`QUEUE_BATCHES`] × its batch size).
     pub fn push(
         &mut self,
         max: usize,
-        token: u32,
+        id: CalloutId,
         req: &TakeRequest,
         now_ms: u64,
     ) -> Result<(), String> {
@@ -76,7 +125,7 @@ impl Queue {
             return Err(format!("batch queue full ({max} waiting)"));
         }
         self.waiting.push(Queued {
-            token,
+            id,
             take: req.clone(),
             since_ms: now_ms,
         });
@@ -119,8 +168,8 @@ impl Queue {
     }
 
     /// A queued request went away before its batch left: it leaves the queue.
-    pub fn forget(&mut self, token: u32) {
-        self.waiting.retain(|q| q.token != token);
+    pub fn forget(&mut self, id: CalloutId) {
+        self.waiting.retain(|q| q.id != id);
     }
 
     /// Requests waiting.
@@ -129,34 +178,34 @@ impl Queue {
     }
 }
 
-/// Splits a batch callout's result into one result per member: each member's own answer when
-/// the batch was answered (`Answer`), else the batch's failure for every member (so each takes
+/// Splits a batch callout's result (or a stream message's answers, decoded) into one result per
+/// member: each member's own answer when the batch was answered (`Answer`), else the batch's
+/// failure for every member (so each takes
 /// its failure path exactly as a single callout would). An answer that does not decode, or does
 /// not hold one result per member, is a decode failure for all.
 pub fn split(result: CalloutResult, members: usize) -> Vec<CalloutResult> {
-    let decoded = match &result {
+    let decoded = match result {
         CalloutResult::Http {
             status: Some(200..=299),
             body,
-        } => Some(wire::decode_batch_json(body)),
+        } => wire::decode_batch_json(&body),
         CalloutResult::Grpc {
             status: 0, body, ..
-        } => Some(wire::decode_batch_proto(body)),
-        _ => None,
+        } => wire::decode_batch_proto(&body),
+        CalloutResult::Answers(answers) => Ok(answers),
+        failure => return vec![failure; members],
     };
     match decoded {
-        Some(Ok(answers)) if answers.len() == members => {
+        Ok(answers) if answers.len() == members => {
             answers.into_iter().map(CalloutResult::Answer).collect()
         }
-        Some(_) => vec![CalloutResult::BatchMismatch; members],
-        None => vec![result; members],
+        _ => vec![CalloutResult::BatchMismatch; members],
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::base::ledger::VIRTUAL;
     use crate::core::decide::interpret;
     use crate::core::wire::plan::{Cause, Outcome, Plan};
     use crate::core::wire::{Bucket, TakeResponse};
@@ -193,14 +242,14 @@ mod tests {
         assert!(!q.busy(), "nothing in flight: call now");
         q.started();
         assert!(q.busy());
-        q.push(2, VIRTUAL | 1, &take(), 10).unwrap();
-        q.push(2, VIRTUAL | 2, &take(), 12).unwrap();
-        assert!(q.push(2, VIRTUAL | 3, &take(), 13).is_err(), "full");
+        q.push(2, CalloutId(1), &take(), 10).unwrap();
+        q.push(2, CalloutId(2), &take(), 12).unwrap();
+        assert!(q.push(2, CalloutId(3), &take(), 13).is_err(), "full");
         q.ended();
-        q.forget(VIRTUAL | 1);
+        q.forget(CalloutId(1));
         let next = q.drain(64);
         assert_eq!(next.len(), 1);
-        assert_eq!(next[0].token, VIRTUAL | 2);
+        assert_eq!(next[0].id, CalloutId(2));
         assert_eq!(
             next[0].deadline_ms(20),
             32,
@@ -211,12 +260,49 @@ mod tests {
     }
 
     #[test]
+    fn a_queue_that_waited_a_tick_leaves_beside_the_callouts_in_flight_up_to_a_bound() {
+        let mut q = Queue::default();
+        q.started();
+        assert!(!q.due(100, 5), "nothing waits");
+        q.push(8, CalloutId(1), &take(), 100).unwrap();
+        q.push(8, CalloutId(2), &take(), 103).unwrap();
+        assert!(!q.due(104, 5), "the oldest waited 4 ms");
+        assert!(q.due(105, 5), "a tick");
+        for _ in 1..MAX_IN_FLIGHT {
+            q.started();
+        }
+        assert!(
+            !q.due(1_000, 5),
+            "{MAX_IN_FLIGHT} in flight: it waits for one to end"
+        );
+        q.ended();
+        assert!(q.due(1_000, 5));
+        // Nothing in flight (all ended): it leaves at once.
+        let mut q = Queue::default();
+        q.push(8, CalloutId(3), &take(), 100).unwrap();
+        assert!(q.due(100, 5));
+    }
+
+    #[test]
+    fn takes_that_waited_their_timeout_leave_the_queue_unsent() {
+        let mut q = Queue::default();
+        q.started();
+        q.push(8, CalloutId(1), &take(), 100).unwrap();
+        q.push(8, CalloutId(2), &take(), 110).unwrap();
+        assert!(q.expired(119, 20).is_empty());
+        assert_eq!(q.expired(120, 20), vec![CalloutId(1)]);
+        assert_eq!(q.waiting(), 1);
+        assert_eq!(q.expired(200, 20), vec![CalloutId(2)]);
+        assert_eq!(q.waiting(), 0);
+    }
+
+    #[test]
     fn a_batch_is_bounded_by_the_bytes_of_its_answer_and_of_its_request() {
         let mut q = Queue::default();
         q.started();
         // 64 takes of 12 buckets: answered whole, about 100 KB, more than the filter reads.
         for i in 0..64 {
-            q.push(64, VIRTUAL | i, &take_of(12, 8), 0).unwrap();
+            q.push(64, CalloutId(i), &take_of(12, 8), 0).unwrap();
         }
         let mut batches = Vec::new();
         while q.waiting() > 0 {
@@ -233,7 +319,7 @@ mod tests {
         assert!(batches.len() >= 2 && batches[0] > 1, "{batches:?}");
         // Takes of long keys: the request bound (1 MiB) splits them first.
         for i in 0..64 {
-            q.push(64, VIRTUAL | i, &take_of(4, 4096), 0).unwrap();
+            q.push(64, CalloutId(i), &take_of(4, 4096), 0).unwrap();
         }
         let first = q.drain(64);
         let keys: usize = first
@@ -248,7 +334,7 @@ mod tests {
         // The count bound still holds, and one take always leaves, however large.
         q.drain(usize::MAX);
         for i in 0..5 {
-            q.push(64, VIRTUAL | i, &take_of(16, 4096), 0).unwrap();
+            q.push(64, CalloutId(i), &take_of(16, 4096), 0).unwrap();
         }
         assert_eq!(q.drain(2).len(), 2);
         assert_eq!(q.drain(64).len(), 3);

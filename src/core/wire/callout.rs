@@ -7,6 +7,7 @@
 //! settlements) are JSON over HTTP whatever the transport (the service answers JSON on its gRPC
 //! port too), at `<base>/<op>` beside the take path.
 
+use crate::core::base::ledger::CalloutId;
 use crate::core::config::{Config, Transport};
 use crate::core::wire::plan::Plan;
 use crate::core::wire::{self, TakeRequest};
@@ -99,10 +100,10 @@ pub fn batch(cfg: &Config, takes: &[&TakeRequest]) -> CalloutRequest {
 /// The service and method of a worker's stream of takes ([`crate::core::wire::stream`]).
 pub const STREAM: (&str, &str) = (TOLLGATE, "TakeStream");
 
-/// One message on the stream: the takes of `takes`, as a batch (`TakeBatchRequest`), answered
-/// by one `TakeBatchResponse`.
-pub fn stream_message(cfg: &Config, takes: &[&TakeRequest]) -> Vec<u8> {
-    wire::encode_batch_proto(takes, cfg.instance.as_deref())
+/// One message on the stream: the takes of `takes`, as a batch (`TakeBatchRequest`) with its id
+/// `id` (its ledger id), answered by one `TakeBatchResponse` carrying the same id.
+pub fn stream_message(cfg: &Config, takes: &[&TakeRequest], id: CalloutId) -> Vec<u8> {
+    wire::encode_stream_message(takes, cfg.instance.as_deref(), id.0)
 }
 
 /// An operation beside the take (`acquire`, `release`, `refund`, `settle`): `POST <base>/<op>`

@@ -13,8 +13,9 @@
 //!   settle).
 //! - `batch`: group commit: the queue behind a configuration's callout, bounded by count and
 //!   bytes, and a batch answer split back onto its takes.
-//! - `stream`: a worker's stream of takes (transport `grpc`): each batch one message on it, the
-//!   messages' deadlines, the stream's reopening.
+//! - `stream`: a worker's stream of takes (transport `grpc`): each batch one message on it with
+//!   its id, answers matched by id, the messages' deadlines (each fails alone), a late answer
+//!   still matched, the stream given up when it falls silent, and reopened.
 
 pub mod batch;
 pub mod callout;
@@ -74,6 +75,12 @@ pub fn encode_proto(req: &TakeRequest, instance: Option<&str>) -> Vec<u8> {
 /// `instance`.
 pub fn encode_batch_proto(takes: &[&TakeRequest], instance: Option<&str>) -> Vec<u8> {
     proto::encode_batch(takes, &sender(instance))
+}
+
+/// Encodes a message of a worker's stream of takes: a batch of takes (`TakeBatchRequest`) with its
+/// `id`, sent by the VM with id `instance`.
+pub fn encode_stream_message(takes: &[&TakeRequest], instance: Option<&str>, id: u64) -> Vec<u8> {
+    proto::encode_stream_message(takes, &sender(instance), id)
 }
 
 /// Decodes a JSON answer.

@@ -78,6 +78,9 @@ pub enum CalloutResult {
     },
     /// This request's answer, already decoded from a batch answer (group commit).
     Answer(TakeResponse),
+    /// A batch's answers, already decoded (a message's on the stream, which carries its id):
+    /// one per take, split onto them by [`crate::core::wire::batch::split`].
+    Answers(Vec<TakeResponse>),
     /// gRPC transport.
     Grpc {
         /// gRPC status code.
@@ -95,8 +98,26 @@ pub enum CalloutResult {
     /// A batch answer whose takes do not match the batch's (count, or an undecodable body).
     BatchMismatch,
     /// No answer within `service.timeout_ms` of the request's take: its message on the stream
-    /// passed its deadline, or it waited that long in the batch queue.
+    /// passed its deadline.
     Expired,
+    /// Never sent: the take waited `service.timeout_ms` in the batch queue (the callouts ahead
+    /// of it held it back). No callout failed.
+    Unsent,
+    /// A take's share of its batch's failure (or of the failure of messages that failed
+    /// together), which another take already fed the breaker with: a failed batch is one failed
+    /// callout. Its failure path is the inner result's, without counting it again.
+    Shared(Box<CalloutResult>),
+}
+
+impl CalloutResult {
+    /// This result as a share of the same failure for another take ([`CalloutResult::Shared`]);
+    /// an answer is its own.
+    pub fn shared(self) -> CalloutResult {
+        match self {
+            CalloutResult::Answer(_) | CalloutResult::Answers(_) | CalloutResult::Shared(_) => self,
+            other => CalloutResult::Shared(Box::new(other)),
+        }
+    }
 }
 
 /// Why a callout failed, or why none was made. Names are the metric suffixes
@@ -119,6 +140,8 @@ pub enum Cause {
     Decode,
     /// No callout: the breaker is open.
     Breaker,
+    /// No callout: the take waited its whole timeout in the batch queue.
+    Queued,
 }
 
 impl Cause {
@@ -133,6 +156,25 @@ impl Cause {
         Cause::Decode,
     ];
 
+    /// Every cause, for defining the metrics of what the failure mode decided.
+    pub const ALL: [Cause; 9] = [
+        Cause::Dispatch,
+        Cause::Timeout,
+        Cause::Reset,
+        Cause::Connect,
+        Cause::Status,
+        Cause::GrpcStatus,
+        Cause::Decode,
+        Cause::Breaker,
+        Cause::Queued,
+    ];
+
+    /// Whether a callout failed (what `tollgate.callout_failure.*` and the breaker count), rather
+    /// than none being made.
+    pub fn is_callout(self) -> bool {
+        !matches!(self, Cause::Breaker | Cause::Queued)
+    }
+
     /// The metric / log name.
     pub fn name(self) -> &'static str {
         match self {
@@ -144,6 +186,7 @@ impl Cause {
             Cause::GrpcStatus => "grpc_status",
             Cause::Decode => "decode",
             Cause::Breaker => "breaker",
+            Cause::Queued => "queued",
         }
     }
 }

@@ -54,6 +54,8 @@ struct Fake {
     sent_headers: RefCell<Vec<Vec<(String, String)>>>,
     resumed: RefCell<Vec<u32>>,
     replied: RefCell<Vec<(u32, u32)>>,
+    /// The `retry-after` of each local reply (in `replied`'s order), if it had one.
+    retry_after: RefCell<Vec<Option<String>>>,
     /// The tick period asked for (0: none).
     tick_ms: Cell<u32>,
     /// The upstream response's headers and the body piece being reported.
@@ -72,6 +74,15 @@ impl Fake {
         f.next_grpc.set(1);
         f.next_stream.set(2);
         f
+    }
+
+    /// Envoy's counters from `first` on: HTTP calls `first` rounded down to a multiple of 4 (then
+    /// +4 each), gRPC calls and streams 1 and 2 above it, as Envoy's one counter per kind.
+    fn tokens_from(&self, first: u32) {
+        let base = first & !3;
+        self.next_http.set(base.wrapping_sub(4));
+        self.next_grpc.set(base.wrapping_sub(3));
+        self.next_stream.set(base.wrapping_sub(2));
     }
 
     fn metric(&self, name: &str) -> i64 {
@@ -266,12 +277,16 @@ impl Abi for Fake {
     fn send_local_response(
         &self,
         status: u32,
-        _: &[(String, String)],
+        headers: &[(String, String)],
         _: &[u8],
     ) -> Result<(), Status> {
         self.replied
             .borrow_mut()
             .push((self.effective.get(), status));
+        let retry = headers.iter().find(|(k, _)| k == "retry-after");
+        self.retry_after
+            .borrow_mut()
+            .push(retry.map(|(_, v)| v.clone()));
         Ok(())
     }
 }
@@ -396,20 +411,198 @@ fn callout_ids_wrap_around_without_a_leak_or_a_trap() {
         first,
         "an id whose request vanished is handed out again"
     );
-    // A second request while the first still waits, with Envoy repeating the same id (it would
-    // take 2^30 callouts in flight): the newer request takes it, nothing panics.
-    d.abi.next_http.set(first.wrapping_sub(4));
-    let older = id;
-    id += 1;
-    assert_eq!(start(&mut d, id, "/api/x"), PAUSE);
-    assert_eq!(d.pending_callouts(), 1);
     d.on_http_call_response(first, 1, 1000);
     assert_eq!(d.abi.resumed.borrow().last(), Some(&id));
-    disconnect(&mut d, older);
     d.on_delete(id);
     assert_eq!((d.pending_callouts(), d.live_requests()), (0, 0));
     assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
     assert_eq!(d.abi.metric("tollgate.allowed"), 101);
+    assert_eq!(d.abi.metric("tollgate.callouts.collided"), 0);
+}
+
+/// Envoy repeating a token still in flight (its counter wraps unchecked: 2^30 callouts while one
+/// waits) is an error counted, and the callout the token named fails: its request takes the
+/// failure path, and the answer goes to the new callout's request alone.
+#[test]
+fn a_token_envoy_hands_out_again_fails_the_callout_it_named() {
+    for transport in ["http", "grpc"] {
+        let cfg = config(transport, r#","failure_mode":"deny""#);
+        let mut d = dispatcher(&cfg);
+        assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+        let token = last_token(&d);
+        d.abi.tokens_from(token);
+        assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+        assert_eq!(last_token(&d), token, "{transport}: the same token again");
+        assert_eq!(d.abi.metric("tollgate.callouts.collided"), 1);
+        assert_eq!(*d.abi.replied.borrow(), vec![(10, 429)], "{transport}");
+        assert_eq!(d.abi.metric("tollgate.callout_failure.reset"), 1);
+        assert_eq!((d.pending_callouts(), d.ledger_entries()), (1, 1));
+        allowed_reply(&d);
+        if transport == "http" {
+            d.on_http_call_response(token, 1, 1000);
+        } else {
+            *d.abi.reply.borrow_mut() = (None, vec![0x08, 1, 0x12, 2, 0x08, 1]);
+            d.on_grpc_response(token, 0, 6);
+        }
+        assert_eq!(*d.abi.resumed.borrow(), vec![11], "{transport}");
+        assert_eq!(d.abi.replied.borrow().len(), 1);
+        assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+        assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
+    }
+}
+
+/// What the fake service does next in [`every_request_gets_its_own_answer_across_envoys_wrap`].
+#[derive(Debug, Clone)]
+enum Step {
+    /// A request arrives (it calls, or queues behind the callout in flight).
+    Start,
+    /// The `i`-th callout not yet answered is answered, whatever its age.
+    Answer(u8),
+    /// The `i`-th request still waiting goes away.
+    Leave(u8),
+    /// Envoy's counters jump to `n` calls below 2^32 (callouts of other filters of the worker),
+    /// once.
+    Jump(u8),
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        3 => Just(Step::Start),
+        3 => any::<u8>().prop_map(Step::Answer),
+        1 => any::<u8>().prop_map(Step::Leave),
+        1 => any::<u8>().prop_map(Step::Jump),
+    ]
+}
+
+/// The fake service's answer to callout `body` (a take or a batch of them, JSON): every take
+/// denied, retried after as many seconds as the id of the request its key names, so a request's
+/// `retry-after` says whose answer it got.
+fn answer_naming_each_request(body: &[u8]) -> Vec<u8> {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    let one = |take: &serde_json::Value| {
+        let key = take["buckets"][0]["key"].as_str().unwrap();
+        let id: u64 = key.trim_start_matches("r|").parse().unwrap();
+        format!(
+            r#"{{"allowed":false,"buckets":[{{"allowed":false,"limit":5,"remaining":0,"reset_ms":1,"retry_after_ms":{}}}]}}"#,
+            id * 1000
+        )
+    };
+    match v["takes"].as_array() {
+        Some(takes) => {
+            let parts: Vec<String> = takes.iter().map(one).collect();
+            format!(r#"{{"results":[{}]}}"#, parts.join(",")).into_bytes()
+        }
+        None => one(&v).into_bytes(),
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// Envoy's tokens from just below 2^31 (where the ledger once marked its own ids), then
+    /// across 2^32 back to 0, with requests calling and queueing, clients leaving and answers
+    /// arriving in every order: every request gets its own answer or none (it left), and nothing
+    /// is left behind in the ledger or the pending gauge.
+    #[test]
+    fn every_request_gets_its_own_answer_across_envoys_wrap(
+        steps in proptest::collection::vec(step(), 1..120),
+        below in 0u32..64,
+    ) {
+        let cfg = r#"{"service":{"cluster":"svc","transport":"http","batch":4,"remember_denials_ms":0},
+            "rules":[{"name":"r","key":["header:x-id"],"capacity":5,"period_ms":60000}],
+            "breaker":{"failures":10000,"open_ms":100},"failure_mode":"deny"}"#;
+        let mut d = dispatcher(cfg);
+        d.abi.tokens_from(0x8000_0000 - 4 * below);
+        let mut next_id = 100u32;
+        let mut waiting: Vec<u32> = Vec::new();
+        let mut left: Vec<u32> = Vec::new();
+        let mut answered = 0;
+        let mut jumped = false;
+        let answer = |d: &mut Dispatcher<Fake>, answered: &mut usize, i: usize| {
+            // Answer the i-th of those not yet answered: swap it to the front of the rest.
+            let sent = d.abi.dispatched.borrow().len();
+            let k = *answered + i % (sent - *answered);
+            d.abi.dispatched.borrow_mut().swap(*answered, k);
+            let (token, body) = d.abi.dispatched.borrow()[*answered].clone();
+            *answered += 1;
+            let reply = answer_naming_each_request(&body);
+            let n = reply.len();
+            *d.abi.reply.borrow_mut() = (Some(b"200".to_vec()), reply);
+            d.on_http_call_response(token, 1, n);
+        };
+        for s in steps {
+            match s {
+                Step::Start if waiting.len() < 16 => {
+                    next_id += 1;
+                    let id = next_id;
+                    d.on_context_create(id, ROOT);
+                    d.abi.known.borrow_mut().push(id);
+                    *d.abi.request.borrow_mut() = vec![
+                        (":path".into(), b"/".to_vec()),
+                        ("x-id".into(), id.to_string().into_bytes()),
+                    ];
+                    d.abi.effective.set(id);
+                    proptest::prop_assert_eq!(d.on_request_headers(id), PAUSE);
+                    waiting.push(id);
+                }
+                Step::Start => {}
+                Step::Answer(i) => {
+                    if d.abi.dispatched.borrow().len() > answered {
+                        answer(&mut d, &mut answered, usize::from(i));
+                    }
+                }
+                Step::Leave(i) => {
+                    if !waiting.is_empty() {
+                        let id = waiting.swap_remove(usize::from(i) % waiting.len());
+                        if !d.abi.replied.borrow().iter().any(|(c, _)| *c == id) {
+                            left.push(id);
+                        }
+                        disconnect(&mut d, id);
+                    }
+                }
+                // Envoy's counter only moves on: once, from below 2^31 to below 2^32.
+                Step::Jump(n) if !jumped => {
+                    d.abi.tokens_from(0u32.wrapping_sub(4 * u32::from(n % 16)));
+                    jumped = true;
+                }
+                Step::Jump(_) => {}
+            }
+            // A request answered is deleted by Envoy after its reply.
+            let replied: Vec<u32> = d.abi.replied.borrow().iter().map(|(c, _)| *c).collect();
+            for id in replied {
+                if let Some(i) = waiting.iter().position(|w| *w == id) {
+                    waiting.swap_remove(i);
+                    d.on_delete(id);
+                }
+            }
+        }
+        while d.abi.dispatched.borrow().len() > answered {
+            answer(&mut d, &mut answered, 0);
+            let replied: Vec<u32> = d.abi.replied.borrow().iter().map(|(c, _)| *c).collect();
+            for id in replied {
+                if let Some(i) = waiting.iter().position(|w| *w == id) {
+                    waiting.swap_remove(i);
+                    d.on_delete(id);
+                }
+            }
+        }
+        proptest::prop_assert!(waiting.is_empty(), "never answered: {:?}", waiting);
+        let replied = d.abi.replied.borrow();
+        let retry = d.abi.retry_after.borrow();
+        for ((c, status), r) in replied.iter().zip(retry.iter()) {
+            proptest::prop_assert_eq!(*status, 429);
+            proptest::prop_assert_eq!(r.clone(), Some(c.to_string()), "request {} got another's answer", c);
+            proptest::prop_assert!(!left.contains(c), "request {} answered after it left", c);
+        }
+        let mut seen: Vec<u32> = replied.iter().map(|(c, _)| *c).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        proptest::prop_assert_eq!(seen.len(), replied.len(), "a request answered twice");
+        proptest::prop_assert!(d.abi.resumed.borrow().is_empty());
+        proptest::prop_assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+        proptest::prop_assert_eq!(d.abi.metric("tollgate.callouts.pending"), 0);
+        proptest::prop_assert_eq!(d.abi.metric("tollgate.callouts.collided"), 0);
+    }
 }
 
 #[test]
@@ -770,8 +963,226 @@ fn a_queued_request_waits_no_longer_than_its_timeout_in_all() {
     d.on_http_call_response(batch, 1, 0);
     assert_eq!(d.abi.dispatched.borrow().len(), 2, "no callout for 12");
     assert_eq!(*d.abi.replied.borrow(), vec![(11, 429), (12, 429)]);
-    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 2);
+    assert_eq!(
+        d.abi.metric("tollgate.callout_failure.timeout"),
+        1,
+        "12 was never sent: no callout of its failed"
+    );
+    // What the failure mode decided, by cause.
+    assert_eq!(d.abi.metric("tollgate.failure_mode.timeout"), 1);
+    assert_eq!(d.abi.metric("tollgate.failure_mode.queued"), 1);
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+}
+
+/// A batching configuration over HTTP with a 20 ms timeout (a 5 ms tick) that denies when the
+/// service does not answer.
+fn slow_batch_config(extra: &str) -> String {
+    config("http", extra)
+        .replace(r#""batch":0"#, r#""batch":8,"timeout_ms":20"#)
+        .replace(
+            r#""breaker":{"failures":10000,"open_ms":100}"#,
+            r#""breaker":{"failures":10000,"open_ms":100},"failure_mode":"deny""#,
+        )
+}
+
+/// A slow callout holds the queue back for a tick at most: then the queue leaves beside it, so a
+/// take pays its own round trip once; up to 8 callouts in flight, after which the queue waits.
+#[test]
+fn a_queue_behind_a_slow_callout_leaves_after_a_tick_up_to_eight_in_flight() {
+    let mut d = dispatcher(&slow_batch_config(""));
+    assert_eq!(
+        d.abi.tick_ms.get(),
+        5,
+        "a batching configuration has a tick"
+    );
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let slow = last_token(&d);
+    d.abi.clock.set(1);
+    for id in [11, 12] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    d.abi.clock.set(5);
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.dispatched.borrow().len(), 1, "waited 4 ms: not yet");
+    d.abi.clock.set(6);
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.dispatched.borrow().len(), 2, "a tick: a second batch");
+    let second = last_token(&d);
+    assert_eq!(
+        *d.abi.timeouts.borrow(),
+        vec![20, 15],
+        "due 20 ms after the first take queued"
+    );
+    // The second batch is answered first: its requests do not wait for the slow one.
+    batch_reply(&d, &[(true, 5), (true, 5)]);
+    d.on_http_call_response(second, 1, 1000);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12]);
+    allowed_reply(&d);
+    d.on_http_call_response(slow, 1, 200);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 10]);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+    // Eight callouts out: the queue waits for one of them to end.
+    let mut id = 20;
+    assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    for _ in 1..8 {
+        id += 1;
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        d.abi.clock.set(d.abi.clock.get() + 5);
+        d.on_tick(ROOT);
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 2 + 8);
+    id += 1;
+    assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    d.abi.clock.set(d.abi.clock.get() + 5);
+    d.on_tick(ROOT);
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        10,
+        "eight in flight: it waits"
+    );
+    let oldest = d.abi.dispatched.borrow()[2].0;
+    allowed_reply(&d);
+    d.on_http_call_response(oldest, 1, 200);
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        11,
+        "one ended: the queue left"
+    );
+}
+
+/// A take never waits in the queue past its deadline, even with every callout slot held: the
+/// tick fails it there, unsent.
+#[test]
+fn a_queued_take_never_outlives_its_deadline() {
+    let mut d = dispatcher(&slow_batch_config(""));
+    let mut id = 20;
+    assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    for _ in 1..8 {
+        id += 1;
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        d.abi.clock.set(d.abi.clock.get() + 5);
+        d.on_tick(ROOT);
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 8);
+    // Two more queue at 35 ms (Envoy has not timed the eight out: the fake never does).
+    for extra in [100, 101] {
+        assert_eq!(start(&mut d, extra, "/api"), PAUSE);
+    }
+    let queued_at = d.abi.clock.get();
+    d.abi.clock.set(queued_at + 19);
+    d.on_tick(ROOT);
+    assert!(d.abi.replied.borrow().iter().all(|(c, _)| *c < 100));
+    d.abi.clock.set(queued_at + 20);
+    d.on_tick(ROOT);
+    let replied: Vec<(u32, u32)> = d
+        .abi
+        .replied
+        .borrow()
+        .iter()
+        .filter(|(c, _)| *c >= 100)
+        .copied()
+        .collect();
+    assert_eq!(
+        replied,
+        vec![(100, 429), (101, 429)],
+        "failed at their deadline, unsent"
+    );
+    assert_eq!(d.abi.dispatched.borrow().len(), 8);
+}
+
+/// The breaker opens on the service failing, not on takes that queued too long, nor once per take
+/// of one failed batch.
+#[test]
+fn takes_that_expire_in_the_queue_and_shares_of_one_failed_batch_do_not_open_the_breaker() {
+    let cfg = slow_batch_config("").replace(r#""failures":10000"#, r#""failures":2"#);
+    let mut d = dispatcher(&cfg);
+    // Eight slow callouts, and two takes queued behind them that wait their whole timeout.
+    let mut id = 20;
+    assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    for _ in 1..8 {
+        id += 1;
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        d.abi.clock.set(d.abi.clock.get() + 5);
+        d.on_tick(ROOT);
+    }
+    for extra in [100, 101] {
+        assert_eq!(start(&mut d, extra, "/api"), PAUSE);
+    }
+    d.abi.clock.set(d.abi.clock.get() + 20);
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.replied.borrow().len(), 2);
+    assert_eq!(
+        d.abi.metric("tollgate.breaker.opened"),
+        0,
+        "queued too long: no news of the service"
+    );
+    // Three more queue; the first callout answers, and they leave as one batch, which fails (a
+    // reset): one failed callout, not three.
+    for extra in [102, 103, 104] {
+        assert_eq!(start(&mut d, extra, "/api"), PAUSE);
+    }
+    allowed_reply(&d);
+    let first = d.abi.dispatched.borrow()[0].0;
+    d.on_http_call_response(first, 1, 1000);
+    let batch = last_token(&d);
+    assert_eq!(d.abi.dispatched.borrow().len(), 9);
+    *d.abi.reply.borrow_mut() = (None, Vec::new());
+    d.on_http_call_response(batch, 0, 0);
+    assert_eq!(
+        d.abi.metric("tollgate.callout_failure.reset"),
+        3,
+        "each take counted"
+    );
+    assert_eq!(d.abi.metric("tollgate.breaker.opened"), 0);
+    // A second failed callout in a row opens it.
+    let second = d.abi.dispatched.borrow()[1].0;
+    d.on_http_call_response(second, 0, 0);
+    assert_eq!(d.abi.metric("tollgate.breaker.opened"), 1);
+    // What the failure mode decided, by cause: two queued too long, four reset, one refused by
+    // the open breaker.
+    assert_eq!(start(&mut d, 200, "/api"), PAUSE);
+    for (cause, n) in [("queued", 2), ("reset", 4), ("breaker", 1), ("timeout", 0)] {
+        assert_eq!(
+            d.abi.metric(&format!("tollgate.failure_mode.{cause}")),
+            n,
+            "{cause}"
+        );
+    }
+}
+
+/// Successes reset the consecutive failures even when their admission saw none, if they were
+/// slow (a tick or more): failures counted while they were out do not stand against a service
+/// that answers. Quick successes after a clean admission still write nothing.
+#[test]
+fn slow_successes_reset_the_failures_counted_while_they_were_out() {
+    let cfg = config("http", "").replace(r#""failures":10000"#, r#""failures":3"#);
+    let cfg = cfg.replace(r#""batch":0"#, r#""batch":0,"timeout_ms":40"#);
+    let mut d = dispatcher(&cfg);
+    // Six requests out at once, all admitted with the breaker clean.
+    let ids: Vec<u32> = (10..16).collect();
+    let mut tokens = Vec::new();
+    for id in &ids {
+        assert_eq!(start(&mut d, *id, "/api"), PAUSE);
+        tokens.push(last_token(&d));
+    }
+    // Failures and slow successes interleave: two failures, a success, two failures, a
+    // success... never three failures in a row.
+    d.abi.clock.set(10);
+    for (i, t) in tokens.iter().enumerate() {
+        if i % 3 == 2 {
+            allowed_reply(&d);
+            d.on_http_call_response(*t, 1, 1000);
+        } else {
+            *d.abi.reply.borrow_mut() = (Some(b"503".to_vec()), Vec::new());
+            d.on_http_call_response(*t, 1, 0);
+        }
+    }
+    assert_eq!(d.abi.metric("tollgate.callout_failure.status"), 4);
+    assert_eq!(
+        d.abi.metric("tollgate.breaker.opened"),
+        0,
+        "successes reset the count"
+    );
 }
 
 #[test]

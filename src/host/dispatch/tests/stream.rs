@@ -1,10 +1,11 @@
 //! The stream of takes (transport `grpc`, `service.stream`) as the dispatcher drives it against
-//! the fake host: one stream per configuration and worker, each batch a message on it, answers
-//! matched in order, a deadline per message on the tick, and what a stream's end, a lost stream
-//! and a removed configuration leave.
+//! the fake host: one stream per configuration and worker, each batch a message on it with its
+//! id, answers matched by id in any order, a deadline per message on the tick (each fails alone),
+//! a stream given up when it falls silent, and what a stream's end, a lost stream and a removed
+//! configuration leave.
 
 use super::*;
-use contract::proto::{put_bytes, put_u64};
+use contract::proto::{put_bytes, put_u64, Field, Reader};
 
 /// A streaming configuration (the default for `grpc`): batches of up to `batch` takes, a 20 ms
 /// timeout, a bearer token, denials not remembered (each request here asks the service).
@@ -17,22 +18,64 @@ fn stream_config(batch: usize, extra: &str) -> String {
     )
 }
 
-/// The next message's answer: one `TakeResponse` per take, allowed or denied in turn (a
-/// `TakeBatchResponse`); its size.
-fn answer(d: &Dispatcher<Fake>, allowed: &[bool]) -> usize {
+/// The `i`-th message sent: its id and the number of takes it carries.
+fn message(d: &Dispatcher<Fake>, i: usize) -> (u64, usize) {
+    let sent = d.abi.stream_sent.borrow()[i].1.clone();
+    let mut r = Reader::new(&sent);
+    let (mut id, mut takes) = (0, 0);
+    while let Some((field, value)) = r.field().unwrap() {
+        match (field, value) {
+            (1, _) => takes += 1,
+            (3, Field::Varint(n)) => id = n,
+            _ => {}
+        }
+    }
+    (id, takes)
+}
+
+/// A `TakeResponse` of one bucket, allowed (granting `granted`) or denied.
+fn take_answer(ok: bool, granted: u64) -> Vec<u8> {
+    let mut bucket = Vec::new();
+    put_u64(&mut bucket, 1, u64::from(ok));
+    put_u64(&mut bucket, 2, 5);
+    put_u64(&mut bucket, 3, if ok { 4 } else { 0 });
+    put_u64(&mut bucket, 4, 1000);
+    put_u64(&mut bucket, 5, if ok { 0 } else { 1000 });
+    put_u64(&mut bucket, 6, granted);
+    let mut take = Vec::new();
+    put_u64(&mut take, 1, u64::from(ok));
+    put_bytes(&mut take, 2, &bucket);
+    take
+}
+
+/// The answer to message `id`: one `TakeResponse` per take, allowed or denied in turn (a
+/// `TakeBatchResponse` with its id), ready to be read; its size.
+fn answer_id(d: &Dispatcher<Fake>, id: u64, allowed: &[bool]) -> usize {
     let mut body = Vec::new();
     for &ok in allowed {
-        let mut bucket = Vec::new();
-        put_u64(&mut bucket, 1, u64::from(ok));
-        put_u64(&mut bucket, 2, 5);
-        put_u64(&mut bucket, 3, if ok { 4 } else { 0 });
-        put_u64(&mut bucket, 4, 1000);
-        put_u64(&mut bucket, 5, if ok { 0 } else { 1000 });
-        let mut take = Vec::new();
-        put_u64(&mut take, 1, u64::from(ok));
-        put_bytes(&mut take, 2, &bucket);
-        put_bytes(&mut body, 1, &take);
+        put_bytes(&mut body, 1, &take_answer(ok, u64::from(ok)));
     }
+    put_u64(&mut body, 2, id);
+    let n = body.len();
+    *d.abi.reply.borrow_mut() = (None, body);
+    n
+}
+
+/// The answer to the `i`-th message sent (see [`answer_id`]).
+fn answer(d: &Dispatcher<Fake>, i: usize, allowed: &[bool]) -> usize {
+    let (id, takes) = message(d, i);
+    assert_eq!(takes, allowed.len(), "message {i} carries {takes} takes");
+    answer_id(d, id, allowed)
+}
+
+/// The answer to the `i`-th message sent: its error (`MessageError { code, message }`).
+fn error_answer(d: &Dispatcher<Fake>, i: usize, code: u64, text: &str) -> usize {
+    let mut error = Vec::new();
+    put_u64(&mut error, 1, code);
+    put_bytes(&mut error, 2, text.as_bytes());
+    let mut body = Vec::new();
+    put_u64(&mut body, 2, message(d, i).0);
+    put_bytes(&mut body, 3, &error);
     let n = body.len();
     *d.abi.reply.borrow_mut() = (None, body);
     n
@@ -51,9 +94,13 @@ fn later(d: &Dispatcher<Fake>, ms: u64) {
 }
 
 #[test]
-fn takes_ride_one_stream_as_messages_answered_in_order() {
+fn takes_ride_one_stream_as_messages_answered_by_their_id() {
     let mut d = dispatcher(&stream_config(8, ""));
-    assert_eq!(d.abi.tick_ms.get(), 5, "a quarter of the 20 ms timeout");
+    assert_eq!(
+        d.abi.tick_ms.get(),
+        5,
+        "an eighth of the 20 ms timeout, at least 5"
+    );
     // A lone request opens the stream, its bearer token in the metadata, and sends at once.
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
     let s = streams(&d);
@@ -64,34 +111,34 @@ fn takes_ride_one_stream_as_messages_answered_in_order() {
     );
     assert_eq!(messages(&d), 1);
     assert!(d.abi.dispatched.borrow().is_empty(), "no call of its own");
+    let (first, _) = message(&d, 0);
+    assert!(first >= 1 << 32, "an id of the VM's own: {first}");
     // Two more while it is in flight: queued.
     for id in [11, 12] {
         assert_eq!(start(&mut d, id, "/api"), PAUSE);
     }
     assert_eq!(messages(&d), 1);
     // The answer resumes the first; the queue leaves as one message on the same stream.
-    let n = answer(&d, &[true]);
+    let n = answer(&d, 0, &[true]);
     d.on_grpc_receive(s[0], n);
     assert_eq!(*d.abi.resumed.borrow(), vec![10]);
     assert_eq!(messages(&d), 2);
     assert_eq!(d.abi.stream_sent.borrow()[1].0, s[0]);
-    let sent = d.abi.stream_sent.borrow()[1].1.clone();
-    let mut r = contract::proto::Reader::new(&sent);
-    let mut takes = 0;
-    while let Some((field, _)) = r.field().unwrap() {
-        takes += usize::from(field == 1);
-    }
+    let (second, takes) = message(&d, 1);
     assert_eq!(takes, 2, "a TakeBatchRequest of the two queued takes");
+    assert_ne!(second, first);
     assert_eq!(d.abi.metric("tollgate.batch.takes"), 3);
-    // Its answer, in order: 11 allowed, 12 denied.
-    let n = answer(&d, &[true, false]);
+    // An answer naming no message of ours (or one answered already) is no one's.
+    for id in [first, 7, second + 1_000] {
+        let n = answer_id(&d, id, &[true, true]);
+        d.on_grpc_receive(s[0], n);
+    }
+    assert_eq!(d.abi.resumed.borrow().len(), 1);
+    // Its answer, by its id: 11 allowed, 12 denied.
+    let n = answer(&d, 1, &[true, false]);
     d.on_grpc_receive(s[0], n);
     assert_eq!(*d.abi.resumed.borrow(), vec![10, 11]);
     assert_eq!(*d.abi.replied.borrow(), vec![(12, 429)]);
-    // An answer with nothing in flight is no one's.
-    let n = answer(&d, &[true]);
-    d.on_grpc_receive(s[0], n);
-    assert_eq!(d.abi.resumed.borrow().len(), 2);
     // One stream all along, and nothing left in the ledger but the stream itself.
     assert_eq!(streams(&d).len(), 1);
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
@@ -99,33 +146,272 @@ fn takes_ride_one_stream_as_messages_answered_in_order() {
 }
 
 #[test]
-fn a_message_past_its_deadline_fails_and_its_stream_is_cancelled() {
+fn answers_in_any_order_reach_their_own_requests() {
+    // No batching: each take its own message, all in flight at once.
+    let mut d = dispatcher(&stream_config(0, ""));
+    for id in 10..16 {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    let s = streams(&d)[0];
+    assert_eq!(messages(&d), 6);
+    // Answered last first, each allowed or denied by its request's parity.
+    for i in [5, 2, 4, 0, 3, 1] {
+        let ok = i % 2 == 0;
+        let n = answer(&d, i, &[ok]);
+        d.on_grpc_receive(s, n);
+        let request = 10 + u32::try_from(i).unwrap();
+        if ok {
+            assert_eq!(d.abi.resumed.borrow().last(), Some(&request));
+        } else {
+            assert_eq!(d.abi.replied.borrow().last(), Some(&(request, 429)));
+        }
+    }
+    assert_eq!(*d.abi.resumed.borrow(), vec![12, 14, 10]);
+    assert_eq!(
+        *d.abi.replied.borrow(),
+        vec![(15, 429), (13, 429), (11, 429)]
+    );
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
+}
+
+#[test]
+fn a_queue_behind_a_slow_message_leaves_as_another_message_after_a_tick() {
+    let mut d = dispatcher(&stream_config(8, ""));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    later(&d, 1);
+    for id in [11, 12] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    later(&d, 3);
+    d.on_tick(ROOT);
+    assert_eq!(messages(&d), 1, "waited 3 ms: behind the first");
+    later(&d, 2);
+    d.on_tick(ROOT);
+    assert_eq!(messages(&d), 2, "a tick: a second message beside the first");
+    assert_eq!(message(&d, 1).1, 2);
+    let s = streams(&d)[0];
+    // The second is answered first: 11 and 12 do not wait for 10's slow answer.
+    let n = answer(&d, 1, &[true, true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12]);
+    let n = answer(&d, 0, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 10]);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
+}
+
+#[test]
+fn a_message_past_its_deadline_fails_alone_and_the_stream_goes_on() {
+    let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    later(&d, 5);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    let s = streams(&d)[0];
+    // 11 is answered at once; 10 is slow.
+    let n = answer(&d, 1, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11]);
+    later(&d, 14);
+    d.on_tick(ROOT);
+    assert!(d.abi.replied.borrow().is_empty(), "not due yet");
+    later(&d, 1);
+    d.on_tick(ROOT);
+    // 10 fails as a timeout, alone: the stream is not cancelled.
+    assert_eq!(*d.abi.replied.borrow(), vec![(10, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 1);
+    assert!(d.abi.cancelled.borrow().is_empty());
+    // The next message goes on the same stream and is answered.
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    assert_eq!(streams(&d), vec![s]);
+    let n = answer(&d, 2, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12]);
+    // 10's answer, late, resumes nothing.
+    let n = answer(&d, 0, &[false]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(d.abi.replied.borrow().len(), 1);
+    assert_eq!(d.pending_callouts(), 0);
+}
+
+#[test]
+fn a_late_grant_goes_back_to_the_service_and_a_late_denial_needs_nothing() {
     let mut d = dispatcher(&stream_config(8, r#","failure_mode":"deny""#));
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
-    // Queued behind it: one at once, one 5 ms later.
+    for id in [11, 12, 13] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    let s = streams(&d)[0];
+    later(&d, 1);
+    let n = answer(&d, 0, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(message(&d, 1).1, 3, "the queue left as one message");
+    // Due 20 ms after the takes queued: it fails alone, the stream answered 19 ms ago.
+    later(&d, 19);
+    d.on_tick(ROOT);
+    assert_eq!(
+        *d.abi.replied.borrow(),
+        vec![(11, 429), (12, 429), (13, 429)]
+    );
+    assert!(d.abi.cancelled.borrow().is_empty());
+    assert_eq!(
+        d.ledger_entries(),
+        2,
+        "the stream, and the message awaited late"
+    );
+    // Its answer comes: 11 granted 1 token, 12 granted 3 (a lease, or a debt repaid), 13 denied.
+    let mut body = Vec::new();
+    for (ok, granted) in [(true, 1), (true, 3), (false, 0)] {
+        put_bytes(&mut body, 1, &take_answer(ok, granted));
+    }
+    put_u64(&mut body, 2, message(&d, 1).0);
+    let n = body.len();
+    *d.abi.reply.borrow_mut() = (None, body);
+    let before = d.abi.dispatched.borrow().len();
+    d.on_grpc_receive(s, n);
+    // No request saw those tokens: one refund gives the 4 back to their bucket.
+    let sent = d.abi.dispatched.borrow()[before..].to_vec();
+    assert_eq!(sent.len(), 1);
+    let refund: serde_json::Value = serde_json::from_slice(&sent[0].1).unwrap();
+    assert_eq!(refund["buckets"].as_array().map(Vec::len), Some(1));
+    assert_eq!(refund["buckets"][0]["key"], "r|k");
+    assert_eq!(refund["buckets"][0]["cost"], 4);
+    assert!(refund["buckets"][0].get("lease").is_none());
+    assert_eq!(d.abi.metric("tollgate.stream.late"), 1);
+    assert_eq!(d.abi.metric("tollgate.stream.returned"), 4);
+    assert!(d.abi.resumed.borrow().len() == 1, "nothing resumed by it");
+    assert_eq!(d.ledger_entries(), 2, "the stream and the refund in flight");
+    // A late denial: counted, nothing sent; and a message awaited late is forgotten with its
+    // stream when that falls silent.
+    let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    later(&d, 5);
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    let s = streams(&d)[0];
+    let n = answer(&d, 1, &[true]);
+    d.on_grpc_receive(s, n);
+    later(&d, 15);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.replied.borrow(), vec![(10, 429)]);
+    let n = answer(&d, 0, &[false]);
+    let before = d.abi.dispatched.borrow().len();
+    d.on_grpc_receive(s, n);
+    assert_eq!(d.abi.dispatched.borrow().len(), before);
+    assert_eq!(d.abi.metric("tollgate.stream.late"), 1);
+    assert_eq!(d.abi.metric("tollgate.stream.returned"), 0);
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    later(&d, 1);
+    assert_eq!(start(&mut d, 13, "/api"), PAUSE);
+    let n = answer(&d, 3, &[true]);
+    later(&d, 9);
+    d.on_grpc_receive(s, n);
+    later(&d, 10);
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.replied.borrow().last(), Some(&(12, 429)));
+    assert_eq!(
+        d.ledger_entries(),
+        2,
+        "the stream, and 12's message awaited late"
+    );
+    later(&d, 20);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.cancelled.borrow(), vec![s], "silent for the timeout");
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
+}
+
+#[test]
+fn timeouts_among_answers_do_not_open_the_breaker() {
+    let cfg = stream_config(0, r#","failure_mode":"deny""#)
+        .replace(r#""failures":10000"#, r#""failures":2"#);
+    let mut d = dispatcher(&cfg);
+    for id in 10..16 {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    let s = streams(&d)[0];
+    // Four answered, slowly (they reset what failed meanwhile); two time out on one tick.
+    later(&d, 10);
+    for i in [1, 3, 4, 5] {
+        let n = answer(&d, i, &[true]);
+        d.on_grpc_receive(s, n);
+    }
+    later(&d, 10);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.replied.borrow(), vec![(10, 429), (12, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 2);
+    assert_eq!(
+        d.abi.metric("tollgate.breaker.opened"),
+        0,
+        "one tick's timeouts: one failure"
+    );
+    // Answers go on; then two timeouts in a row with nothing answered between open it.
+    for id in [20, 21] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        later(&d, 10);
+        let n = answer(&d, messages(&d) - 1, &[true]);
+        d.on_grpc_receive(s, n);
+        later(&d, 10);
+    }
+    for id in [30, 31] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        later(&d, 20);
+        d.on_tick(ROOT);
+    }
+    assert_eq!(d.abi.metric("tollgate.breaker.opened"), 1);
+}
+
+#[test]
+fn an_error_answer_fails_its_message_alone() {
+    let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
+    for id in [10, 11, 12] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    let s = streams(&d)[0];
+    // The service shed 11's message: UNAVAILABLE, as a unary call would have ended.
+    let n = error_answer(&d, 1, 14, "shed: at the take limit");
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.replied.borrow(), vec![(11, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.grpc_status"), 1);
+    // An invalid message: INVALID_ARGUMENT, its own failure.
+    let n = error_answer(&d, 2, 3, "buckets[0].key: empty");
+    d.on_grpc_receive(s, n);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.grpc_status"), 2);
+    // The stream goes on: 10 is answered on it.
+    let n = answer(&d, 0, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10]);
+    assert!(d.abi.cancelled.borrow().is_empty());
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
+}
+
+#[test]
+fn a_stream_that_answers_nothing_for_the_timeout_is_cancelled_and_its_messages_fail() {
+    let mut d = dispatcher(&stream_config(8, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    // Queued behind it, then sent beside it once it waited a tick.
     assert_eq!(start(&mut d, 11, "/api"), PAUSE);
     later(&d, 5);
-    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
+    d.on_tick(ROOT);
+    assert_eq!(messages(&d), 2);
     let old = streams(&d)[0];
     later(&d, 14);
     d.on_tick(ROOT);
     assert!(d.abi.replied.borrow().is_empty(), "not due yet");
     later(&d, 1);
     d.on_tick(ROOT);
-    // The stream is cancelled and its message fails as a timeout; so does the request queued
-    // with it, which has waited its 20 ms too, without being sent.
+    // Nothing heard for 20 ms: the stream is cancelled and both its messages fail as timeouts.
     assert_eq!(*d.abi.cancelled.borrow(), vec![old]);
     assert_eq!(*d.abi.replied.borrow(), vec![(10, 429), (11, 429)]);
     assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 2);
-    // The one queued later left on a new stream, due 20 ms after its take: 5 ms from now.
+    assert_eq!(d.ledger_entries(), 0);
+    // The next take opens a new stream at once (the first stream in a row to answer nothing).
+    assert_eq!(start(&mut d, 12, "/api"), PAUSE);
     let s = streams(&d);
     assert_eq!(s.len(), 2);
-    assert_eq!(messages(&d), 2);
     assert_eq!(d.abi.stream_sent.borrow().last().map(|m| m.0), Some(s[1]));
-    // A late answer on the cancelled stream touches nothing; the new stream's answer resumes 11.
-    let n = answer(&d, &[true]);
+    // An answer on the cancelled stream touches nothing; the new stream's answer resumes 12.
+    let n = answer(&d, 0, &[true]);
     d.on_grpc_receive(old, n);
     assert!(d.abi.resumed.borrow().is_empty());
+    let n = answer(&d, 2, &[true]);
     d.on_grpc_receive(s[1], n);
     assert_eq!(*d.abi.resumed.borrow(), vec![12]);
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
@@ -136,7 +422,7 @@ fn a_stream_that_ends_fails_its_messages_and_is_reopened_with_backoff() {
     let mut d = dispatcher(&stream_config(8, r#","failure_mode":"deny""#));
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
     let first = streams(&d)[0];
-    let n = answer(&d, &[true]);
+    let n = answer(&d, 0, &[true]);
     d.on_grpc_receive(first, n);
     assert_eq!(start(&mut d, 11, "/api"), PAUSE);
     // The service ends the stream (a replica shutting down): Envoy's entry is freed, the
@@ -165,7 +451,7 @@ fn a_stream_that_ends_fails_its_messages_and_is_reopened_with_backoff() {
     // A late close of a stream that is gone is no one's.
     d.on_grpc_close(first, 14);
     assert_eq!(d.pending_callouts(), 1);
-    let n = answer(&d, &[true]);
+    let n = answer(&d, messages(&d) - 1, &[true]);
     d.on_grpc_receive(streams(&d)[3], n);
     assert_eq!(d.abi.resumed.borrow().last(), Some(&15));
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
@@ -176,11 +462,12 @@ fn an_old_stream_is_replaced_when_idle() {
     let mut d = dispatcher(&stream_config(8, ""));
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
     let first = streams(&d)[0];
-    let n = answer(&d, &[true]);
+    let n = answer(&d, 0, &[true]);
     d.on_grpc_receive(first, n);
     later(&d, 29_999);
     assert_eq!(start(&mut d, 11, "/api"), PAUSE);
     assert_eq!(streams(&d).len(), 1, "young enough");
+    let n = answer(&d, 1, &[true]);
     d.on_grpc_receive(first, n);
     later(&d, 1);
     assert_eq!(start(&mut d, 12, "/api"), PAUSE);
@@ -188,6 +475,7 @@ fn an_old_stream_is_replaced_when_idle() {
     assert_eq!(*d.abi.cancelled.borrow(), vec![first]);
     let s = streams(&d);
     assert_eq!(s.len(), 2);
+    let n = answer(&d, 2, &[true]);
     d.on_grpc_receive(s[1], n);
     assert_eq!(*d.abi.resumed.borrow(), vec![10, 11, 12]);
     assert_eq!(d.ledger_entries(), 1);
@@ -240,8 +528,26 @@ fn a_removed_configuration_takes_its_stream_and_fails_its_waiting_requests() {
 }
 
 #[test]
+fn another_configurations_message_id_is_not_ours() {
+    // Two configurations of one VM, each with its stream: an answer on one stream naming the
+    // other's message (a confused service) answers nothing.
+    let cfg = stream_config(0, "");
+    let mut d = dispatcher(&cfg);
+    configure(&mut d, 7, &cfg);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    assert_eq!(start_on(&mut d, 7, 20, "/api"), PAUSE);
+    let s = streams(&d);
+    assert_eq!(s.len(), 2);
+    let n = answer(&d, 1, &[true]);
+    d.on_grpc_receive(s[0], n);
+    assert!(d.abi.resumed.borrow().is_empty());
+    d.on_grpc_receive(s[1], n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![20]);
+}
+
+#[test]
 fn a_traced_take_and_a_configuration_that_does_not_stream_make_calls_of_their_own() {
-    let unary = stream_config(8, "").replace(r#""batch":8"#, r#""batch":8,"stream":false"#);
+    let unary = stream_config(0, "").replace(r#""batch":0"#, r#""batch":0,"stream":false"#);
     let mut d = dispatcher(&unary);
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
     assert_eq!(d.abi.dispatched.borrow().len(), 1);
