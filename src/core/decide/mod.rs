@@ -372,6 +372,12 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
     }
 }
 
+/// The verdict of the fallback shares on `plan` ([`fallback::take_all_as`]'s answer `resp`): what
+/// a request in recovery gets when its shares cannot pay for it (`fallback::attach_debts`).
+pub fn from_shares(cfg: &Config, plan: &Plan, resp: &TakeResponse) -> Verdict {
+    from_answer(cfg, plan, resp, true)
+}
+
 /// The denial of `rule` (its status, body and content type).
 fn reply(rule: &Rule, mut headers: Vec<(String, String)>) -> LocalReply {
     headers.push((
@@ -398,10 +404,17 @@ pub fn resolve<S: CasStore + ?Sized>(
 ) -> Verdict {
     match outcome {
         Outcome::Allowed(resp) | Outcome::Limited(resp) => from_answer(cfg, plan, resp, false),
-        Outcome::Failed(_) => match cfg.failure_mode {
+        Outcome::Failed(cause) => match cfg.failure_mode {
             FailureMode::Fallback => {
-                let resp =
-                    fallback::take_all(store, &fallback::Shares::of(cfg), &plan.request, now_ms);
+                // A request the breaker refused marks its buckets' outage: their recovery
+                // follows it (`fallback::attach_debts`).
+                let how = if *cause == Cause::Breaker {
+                    fallback::Charge::OUTAGE
+                } else {
+                    fallback::Charge::OWE
+                };
+                let shares = fallback::Shares::of(cfg);
+                let resp = fallback::take_all_as(store, &shares, &plan.request, now_ms, how);
                 from_answer(cfg, plan, &resp, true)
             }
             FailureMode::Allow => Verdict {

@@ -18,12 +18,18 @@
 //! the breaker's refusal and a dispatch error included) is settled into the pools before the
 //! verdict.
 //!
+//! After an outage a request may be in recovery ([`Recovery`], `fallback::attach_debts`): its
+//! fallback shares must pay for it as well as the service. They are asked before the callout
+//! (a request they cannot pay is denied on the spot, as in the outage); the breaker's probe and
+//! a request carrying a debt call anyway, and the shares look at the answer.
+//!
 //! `slots`: a request's concurrency slots ([`crate::core::inflight`]) as the flow drives them.
 
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::decide;
 use crate::core::local::breaker::{self, Admission, Event};
+use crate::core::local::bucket;
 use crate::core::local::denials;
 use crate::core::local::fallback;
 use crate::core::local::lease::{self, Count, Local};
@@ -142,9 +148,25 @@ pub enum Phase {
         probe: bool,
         /// The admission saw a clean breaker: a success records nothing.
         clean: bool,
+        /// What the fallback shares have to say about the answer (after an outage).
+        recovery: Recovery,
     },
     /// Decided.
     Done,
+}
+
+/// A request in recovery from an outage (`fallback::attach_debts`): admitted only when the
+/// service admits it and its fallback shares can pay for it too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recovery {
+    /// Not in recovery: the service's answer decides.
+    None,
+    /// The shares paid before the callout: given back unless the service admits it.
+    Prepaid,
+    /// The callout had to go whatever the shares held (the breaker's probe, or a debt to
+    /// repay): an admission stands only if the shares can pay for it after the answer (the
+    /// service charged it either way: stricter, never looser).
+    Check,
 }
 
 /// One request's state.
@@ -227,10 +249,9 @@ impl Flow {
                 return self.conclude(cfg, &plan, &Outcome::Limited(resp), false, host);
             }
         }
-        if seen.debt {
-            // The fallback admitted on credit recently: this callout repays what its buckets owe.
-            fallback::attach_debts(cfg, &mut plan, host.store(), now);
-        }
+        // The fallback admitted on credit recently (or the breaker refused): this callout repays
+        // what its buckets owe, and says whether they are in recovery from an outage.
+        let recovering = seen.debt && fallback::attach_debts(cfg, &mut plan, host.store(), now);
         if admission == Admission::Reject {
             let outcome = settle(
                 cfg,
@@ -242,6 +263,22 @@ impl Flow {
             return self.conclude(cfg, &plan, &outcome, false, host);
         }
         let probe = admission == Admission::Probe;
+        let recovery = match recovering {
+            false => Recovery::None,
+            // The probe must call, and so must a debt to repay: the shares look at the answer.
+            true if probe || !plan.debt.is_empty() => Recovery::Check,
+            true => {
+                let sh = fallback::Shares::of_plan(cfg, &plan, host.store());
+                let spend = fallback::Charge::SPEND;
+                let paid = fallback::take_all_as(host.store(), &sh, &plan.request, now, spend);
+                if !paid.allowed {
+                    // Denied by the shares, as in the outage: no callout.
+                    let verdict = decide::from_shares(cfg, &plan, &paid);
+                    return self.apply(cfg, &plan, verdict, false, host);
+                }
+                Recovery::Prepaid
+            }
+        };
         match host.send(cfg, Callout::Take(&plan)) {
             Ok(token) => {
                 self.phase = Phase::Calling {
@@ -249,6 +286,7 @@ impl Flow {
                     plan,
                     probe,
                     clean,
+                    recovery,
                 };
                 Next::Pause
             }
@@ -260,7 +298,7 @@ impl Flow {
                 self.after_callout(
                     cfg,
                     &plan,
-                    (probe, clean),
+                    (probe, clean, recovery),
                     Outcome::Failed(Cause::Dispatch),
                     false,
                     host,
@@ -323,7 +361,11 @@ impl Flow {
             return;
         }
         let Phase::Calling {
-            plan, probe, clean, ..
+            plan,
+            probe,
+            clean,
+            recovery,
+            ..
         } = std::mem::replace(&mut self.phase, Phase::Done)
         else {
             return;
@@ -334,14 +376,18 @@ impl Flow {
             // of the enforced rules' buckets. Settle this answer, then ask again for those alone,
             // so shadow rules never change what enforced rules count.
             self.record(cfg, probe, clean, true, host);
+            give_back(cfg, &plan, recovery, host);
             settle(cfg, &plan, outcome, &mut self.watched, host);
             self.shadow_counts = shadowed;
             let mut enforced = enforced;
             let now = host.now_ms();
             let (_, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
-            if debt {
-                fallback::attach_debts(cfg, &mut enforced, host.store(), now);
-            }
+            let recovering = debt && fallback::attach_debts(cfg, &mut enforced, host.store(), now);
+            // Asked again whatever the shares hold: they look at the answer.
+            let recovery = match recovering || recovery != Recovery::None {
+                true => Recovery::Check,
+                false => Recovery::None,
+            };
             match host.send(cfg, Callout::Take(&enforced)) {
                 Ok(token) => {
                     self.phase = Phase::Calling {
@@ -349,13 +395,14 @@ impl Flow {
                         plan: enforced,
                         probe: false,
                         clean: false,
+                        recovery,
                     };
                 }
                 Err(_) => {
                     self.after_callout(
                         cfg,
                         &enforced,
-                        (false, false),
+                        (false, false, recovery),
                         Outcome::Failed(Cause::Dispatch),
                         true,
                         host,
@@ -364,7 +411,7 @@ impl Flow {
             }
             return;
         }
-        self.after_callout(cfg, &plan, (probe, clean), outcome, true, host);
+        self.after_callout(cfg, &plan, (probe, clean, recovery), outcome, true, host);
     }
 
     /// Feeds a callout's result to the breaker (nothing to do for a success after a clean
@@ -380,12 +427,14 @@ impl Flow {
         }
     }
 
-    /// A callout ended or could not start: count it, feed the breaker, conclude.
+    /// A callout ended or could not start: count it, feed the breaker, conclude. A request in
+    /// recovery that prepaid its shares and was not admitted gives them back first
+    /// ([`give_back`]), before the answer lowers them or the fallback takes from them.
     fn after_callout<H: Host>(
         &mut self,
         cfg: &Config,
         plan: &Plan,
-        (probe, clean): (bool, bool),
+        (probe, clean, recovery): (bool, bool, Recovery),
         outcome: Outcome,
         paused: bool,
         host: &mut H,
@@ -394,12 +443,42 @@ impl Flow {
         if let Outcome::Failed(cause) = outcome {
             host.count(Metric::Failure(cause));
         }
+        if !matches!(outcome, Outcome::Allowed(_)) {
+            give_back(cfg, plan, recovery, host);
+        }
         self.record(cfg, probe, clean, success, host);
         let outcome = settle(cfg, plan, outcome, &mut self.watched, host);
+        if let (Recovery::Check, Outcome::Allowed(_)) = (recovery, &outcome) {
+            // Admitted by the service (its debts repaid): the shares have the last word.
+            let now = host.now_ms();
+            let sh = fallback::Shares::of_plan(cfg, plan, host.store());
+            let spend = fallback::Charge::SPEND;
+            let paid = fallback::take_all_as(host.store(), &sh, &plan.request, now, spend);
+            if !paid.allowed {
+                // Not admitted: what the service charged for its cost goes back to the global
+                // bucket, where the debts of the proxies not back yet find it (a window's
+                // tokens end with their window: nothing to give back).
+                let back: Vec<crate::core::wire::Bucket> = plan
+                    .request
+                    .buckets
+                    .iter()
+                    .filter(|b| bucket::refundable(b.algorithm.unwrap_or_default()))
+                    .map(|b| crate::core::wire::Bucket {
+                        lease: None,
+                        ..b.clone()
+                    })
+                    .collect();
+                if !back.is_empty() {
+                    refund(cfg, &TakeRequest { buckets: back }, host);
+                }
+                let verdict = decide::from_shares(cfg, plan, &paid);
+                return self.apply(cfg, plan, verdict, paused, host);
+            }
+        }
         self.conclude(cfg, plan, &outcome, paused, host)
     }
 
-    /// Applies the verdict: let through (resuming only if paused) or reply locally.
+    /// Resolves the outcome into a verdict and applies it.
     fn conclude<H: Host>(
         &mut self,
         cfg: &Config,
@@ -410,6 +489,36 @@ impl Flow {
     ) -> Next {
         let now = host.now_ms();
         let verdict = decide::resolve(cfg, plan, outcome, host.store(), now);
+        if matches!(outcome, Outcome::Failed(Cause::Breaker))
+            && cfg.failure_mode == crate::core::config::FailureMode::Fallback
+        {
+            // The breaker refused: this proxy's later requests look at their buckets' shares
+            // for a recovery (`fallback::attach_debts`), also when it admitted nothing on credit.
+            breaker::mark_debt(
+                host.store(),
+                now.saturating_add(fallback::debt_horizon_ms(cfg)),
+            );
+        }
+        if let Outcome::Failed(cause) = outcome {
+            debug!(
+                "no answer from the service ({}): {}",
+                cause.name(),
+                verdict.decision.metric()
+            );
+        }
+        self.apply(cfg, plan, verdict, paused, host)
+    }
+
+    /// Applies the verdict: let through (resuming only if paused) or reply locally.
+    fn apply<H: Host>(
+        &mut self,
+        cfg: &Config,
+        plan: &Plan,
+        verdict: crate::core::wire::plan::Verdict,
+        paused: bool,
+        host: &mut H,
+    ) -> Next {
+        let now = host.now_ms();
         host.count(Metric::Decision(verdict.decision));
         for &(rule, what) in verdict
             .rule_counts
@@ -423,13 +532,6 @@ impl Flow {
             breaker::mark_debt(
                 host.store(),
                 now.saturating_add(fallback::debt_horizon_ms(cfg)),
-            );
-        }
-        if let Outcome::Failed(cause) = outcome {
-            debug!(
-                "no answer from the service ({}): {}",
-                cause.name(),
-                verdict.decision.metric()
             );
         }
         if log::log_enabled!(log::Level::Debug) {
@@ -467,6 +569,15 @@ impl Flow {
                 Next::Pause
             }
         }
+    }
+}
+
+/// What a request in recovery prepaid from its shares ([`Recovery::Prepaid`]) goes back to them:
+/// its callout did not admit it.
+fn give_back<H: Host>(cfg: &Config, plan: &Plan, recovery: Recovery, host: &mut H) {
+    if recovery == Recovery::Prepaid {
+        let sh = fallback::Shares::of_plan(cfg, plan, host.store());
+        fallback::refund_spent(host.store(), &sh, &plan.request, host.now_ms());
     }
 }
 
@@ -1269,5 +1380,129 @@ mod tests {
             Some(8),
             "the probe refills"
         );
+    }
+
+    /// The global bucket as the service keeps it, for tests of a fleet: whole tokens refilled
+    /// at `per_ms`, up to `cap`, and a take with the contract's lease semantics (granted: the
+    /// lease, or what is held, from the cost up).
+    struct Global {
+        level: f64,
+        at: u64,
+        cap: f64,
+        per_ms: f64,
+        /// What each take was granted.
+        grants: Vec<u64>,
+    }
+
+    impl Global {
+        fn answer(&mut self, plan: &Plan, now: u64) -> CalloutResult {
+            self.level = (self.level + (now - self.at) as f64 * self.per_ms).min(self.cap);
+            self.at = now;
+            let b = &plan.request.buckets[0];
+            let cost = b.cost.unwrap_or(1);
+            let whole = self.level.floor() as u64;
+            let g = match whole >= cost {
+                true => b.lease.unwrap_or(cost).min(whole),
+                false => 0,
+            };
+            self.grants.push(g);
+            self.level -= g as f64;
+            granted(g > 0, whole - g, g)
+        }
+
+        /// Tokens given back (`POST /v1/refund`).
+        fn refund(&mut self, back: &[TakeRequest]) {
+            for r in back {
+                self.level += r.buckets.iter().map(|b| b.cost.unwrap_or(1)).sum::<u64>() as f64;
+            }
+        }
+    }
+
+    /// One request through `h` at `now`: answered by `global`, or timed out when it is `None`.
+    /// Its decision.
+    fn one(c: &Config, h: &mut FakeHost, mut global: Option<&mut Global>, now: u64) -> Decision {
+        h.now = now;
+        let mut f = Flow::default();
+        f.on_request_headers(c, &req("/api"), h);
+        if matches!(f.phase, Phase::Calling { .. }) {
+            let plan = h.sent.last().cloned().unwrap();
+            let result = match &mut global {
+                Some(g) => g.answer(&plan, now),
+                None => timed_out(),
+            };
+            f.on_callout_result(c, h.next_token, result, h);
+        }
+        if let Some(g) = global {
+            g.refund(&std::mem::take(&mut h.given_back));
+        }
+        *h.counts.last().unwrap()
+    }
+
+    #[test]
+    fn a_proxy_back_first_does_not_spend_what_the_others_owe() {
+        // Two proxies, one key of capacity 10 refilling 1 a second, drained when the service
+        // stops answering; the breaker opens at the first failure and probes 5 s later.
+        let c = Config::parse(
+            br#"{"service":{"cluster":"svc"},"fallback":{"instances":2},
+                 "rules":[{"name":"r","key":["literal:k"],"capacity":10,"rate":1,"period_ms":1000}],
+                 "breaker":{"failures":1,"open_ms":5000,"max_open_ms":5000}}"#,
+        )
+        .unwrap();
+        let mut g = Global {
+            level: 0.0,
+            at: 0,
+            cap: 10.0,
+            per_ms: 0.001,
+            grants: Vec::new(),
+        };
+        let (mut a, mut b) = (FakeHost::default(), FakeHost::default());
+        let admitted = |h: &FakeHost| {
+            h.counts
+                .iter()
+                .filter(|d| matches!(d, Decision::Allowed | Decision::FallbackAllowed))
+                .count()
+        };
+        // Both asking: the bucket is empty, so are their shares.
+        for h in [&mut a, &mut b] {
+            assert_eq!(one(&c, h, Some(&mut g), 0), Decision::Limited);
+        }
+        // The outage: both fall back, each admitting its share's refill (half a token a second)
+        // on credit: 2 each by 5 s, the 4 tokens the bucket gathers meanwhile (5 by then).
+        for now in (10..5_000).step_by(100) {
+            for h in [&mut a, &mut b] {
+                one(&c, h, None, now);
+            }
+        }
+        assert_eq!((admitted(&a), admitted(&b)), (2, 2));
+        // The service is back. A probes first and repays its 2 (3 granted with its cost); then
+        // A's next requests, then B's probe with its debt.
+        one(&c, &mut a, Some(&mut g), 5_020);
+        assert_eq!(a.sent.last().unwrap().debt, vec![2]);
+        for now in [5_030, 5_040, 5_050] {
+            one(&c, &mut a, Some(&mut g), now);
+        }
+        one(&c, &mut b, Some(&mut g), 5_060);
+        assert_eq!(b.sent.last().unwrap().debt, vec![2]);
+        // Never more than the bucket held and gathered: 5 tokens by 5.06 s. A proxy that spent
+        // the refill B's debt needed, once its own was repaid, had 7 admitted.
+        let total = admitted(&a) + admitted(&b);
+        assert!(total <= 5, "{total} admitted, the bucket had 5");
+        assert_eq!(
+            g.grants.last(),
+            Some(&3),
+            "B repaid its whole debt with its cost"
+        );
+        // A's probe was admitted by the service, not by its share (half a token): denied, and
+        // its cost given back to the bucket for B's debt. A's next requests, in recovery, were
+        // denied by the share without a callout.
+        assert_eq!(a.counts[a.counts.len() - 4], Decision::FallbackLimited);
+        assert_eq!(
+            a.sent.len(),
+            3,
+            "asked at 0, 10 and the probe; then decided locally"
+        );
+        // Past the recovery (`breaker.max_open_ms` after the last refusal) the service decides
+        // alone again.
+        assert_eq!(one(&c, &mut a, Some(&mut g), 11_000), Decision::Allowed);
     }
 }
