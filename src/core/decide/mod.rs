@@ -19,6 +19,7 @@ pub mod headers;
 
 use crate::core::base::store::CasStore;
 use crate::core::config::{Config, FailureMode, Limit, Rule, RuleKind, Transport};
+use crate::core::local::breaker;
 use crate::core::local::fallback;
 use crate::core::local::slots::{self, Want};
 use crate::core::rules::limits::limit_for;
@@ -406,10 +407,16 @@ pub fn resolve<S: CasStore + ?Sized>(
         Outcome::Allowed(resp) | Outcome::Limited(resp) => from_answer(cfg, plan, resp, false),
         Outcome::Failed(cause) => match cfg.failure_mode {
             FailureMode::Fallback => {
-                // A request the breaker refused marks its buckets' outage: their recovery
-                // follows it (`fallback::attach_debts`).
+                // A request the breaker refused puts its buckets in recovery for as long as the
+                // other proxies' breakers may still be open (`fallback::attach_debts`).
                 let how = if *cause == Cause::Breaker {
-                    fallback::Charge::OUTAGE
+                    let entry = store.get(breaker::KEY);
+                    let open = breaker::State::decode(entry.as_ref().map(|(v, _)| v.as_slice()));
+                    fallback::Charge::outage(fallback::recovery_until(
+                        cfg,
+                        now_ms,
+                        open.interval_ms,
+                    ))
                 } else {
                     fallback::Charge::OWE
                 };

@@ -23,8 +23,8 @@
 //! breaker probes on its own schedule): one back first that repaid its debt and then admitted
 //! new requests from the service would spend the tokens the others' debts need, and those
 //! requests would be admitted twice over the window. So a bucket the breaker refused requests
-//! of stays in recovery for [`recovery_ms`] after the last refusal (the longest the other
-//! breakers may still be open): a request of it is admitted only when the service admits it and
+//! of stays in recovery for a while after the last refusal ([`recovery_until`]: as long as the
+//! other breakers may still be open): a request of it is admitted only when the service admits it and
 //! its shares can pay for it too ([`Charge::SPEND`], not owed: the service charged it), as in
 //! the outage. `attach_debts` says when; `crate::core::flow` asks the shares first (no callout
 //! when they cannot pay) or, for the breaker's probe and a debt to repay, after the answer.
@@ -80,10 +80,10 @@ use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 /// each 4 bytes little endian).
 pub const SIZES_KEY: &str = "tollgate.fb.sizes";
 /// Words per share record ([`table`]): level, stamp, debt, last write, the limits written with
-/// (global capacity, rate, period, number of proxies), and when the breaker last refused a
-/// request of the bucket (the outage its recovery follows, [`Charge::OUTAGE`]).
+/// (global capacity, rate, period, number of proxies), and until when the bucket is in recovery
+/// from an outage (the breaker refused requests of it, [`Charge::outage`]).
 const WORDS: usize = 9;
-/// Words of a record written before the outage mark (read as one without it).
+/// Words of a record written before the recovery mark (read as one without it).
 const WORDS_BEFORE_OUTAGE: usize = 8;
 /// Stored bytes per occupied slot.
 pub const SLOT_BYTES: usize = 1 + table::ID_BYTES + 8 * WORDS;
@@ -243,14 +243,14 @@ fn entry<S: CasStore + ?Sized>(
     for &size in sh.previous.iter().filter(|&&n| n > 0 && n != sh.max_keys) {
         let old = slot(key, l, size);
         let bytes = store.get(&old.name);
-        if let Entry::Ours(s, d, _, outage) = decode(
+        if let Entry::Ours(s, d, _, until) = decode(
             id,
             l,
             bytes.as_ref().map(|(v, _)| v.as_slice()),
             now_ms,
             sh.horizon_ms,
         ) {
-            return Entry::Ours(s, d, true, outage);
+            return Entry::Ours(s, d, true, until);
         }
     }
     Entry::Vacant
@@ -380,8 +380,8 @@ enum Entry {
     /// Never used: a bucket starts here full.
     Vacant,
     /// This bucket's share (carried over to the caller's limits), what it still owes, whether
-    /// it was recorded under other limits (then it must be written again), and when the breaker
-    /// last refused a request of it (0: never).
+    /// it was recorded under other limits (then it must be written again), and until when it is
+    /// in recovery from an outage (0: never was).
     Ours(State, u64, bool, u64),
     /// Another bucket's (or unreadable): a newcomer starts empty; `debt` is what the holder owes.
     Other {
@@ -390,7 +390,14 @@ enum Entry {
     },
 }
 
-fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64, outage_ms: u64) -> Vec<u8> {
+fn encode(
+    id: &[u8; 16],
+    l: &Limits,
+    s: State,
+    debt: u64,
+    now_ms: u64,
+    recover_until_ms: u64,
+) -> Vec<u8> {
     let words = [
         s.level,
         s.stamp,
@@ -400,12 +407,12 @@ fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64, outage_ms
         l.rate,
         l.period_ms,
         l.divisor,
-        outage_ms,
+        recover_until_ms,
     ];
     table::encode(table::SHARE, id, &words)
 }
 
-/// The words of a share record: this format's, or one written before the outage mark (its
+/// The words of a share record: this format's, or one written before the recovery mark (its
 /// mark then reads 0, so its share and debt carry over a module upgrade).
 fn share_words(b: &[u8]) -> Option<([u8; table::ID_BYTES], [u64; WORDS])> {
     if let Some(r) = table::decode::<WORDS>(table::SHARE, b) {
@@ -431,7 +438,7 @@ fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_
     let Some((owner, words)) = share_words(b) else {
         return Entry::Other { debt: 0 };
     };
-    let [level, stamp, debt, touched, global, rate, period_ms, divisor, outage_ms] = words;
+    let [level, stamp, debt, touched, global, rate, period_ms, divisor, recover_until_ms] = words;
     let debt = if now_ms.saturating_sub(touched) > horizon_ms {
         0
     } else {
@@ -440,7 +447,7 @@ fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_
     if owner == *id {
         let old = Limits::local(global, rate, period_ms, l.algorithm, divisor);
         let s = bucket::carry(&old, State { level, stamp }, l, now_ms);
-        Entry::Ours(s, debt, old != *l, outage_ms)
+        Entry::Ours(s, debt, old != *l, recover_until_ms)
     } else {
         Entry::Other { debt }
     }
@@ -464,27 +471,31 @@ fn unstored(l: &Limits) -> BucketResult {
 pub struct Charge {
     /// The fallback admits on credit: what it takes is owed to the global bucket.
     pub owe: bool,
-    /// The breaker refused the request (an outage): the share records when, and the bucket is in
-    /// recovery for a while after ([`recovery_ms`]).
-    pub outage: bool,
+    /// The breaker refused the request (an outage): the bucket is in recovery until then at
+    /// least ([`recovery_until`]); 0: no refusal.
+    pub recover_until_ms: u64,
 }
 
 impl Charge {
     /// The fallback's take when a callout failed: owed.
     pub const OWE: Charge = Charge {
         owe: true,
-        outage: false,
-    };
-    /// The fallback's take when the breaker refused the callout: owed, and the outage marked.
-    pub const OUTAGE: Charge = Charge {
-        owe: true,
-        outage: true,
+        recover_until_ms: 0,
     };
     /// A take in recovery, of a request the service charges (or is asked to): not owed.
     pub const SPEND: Charge = Charge {
         owe: false,
-        outage: false,
+        recover_until_ms: 0,
     };
+
+    /// The fallback's take when the breaker refused the callout: owed, and the bucket in
+    /// recovery until `until_ms`.
+    pub fn outage(until_ms: u64) -> Charge {
+        Charge {
+            owe: true,
+            recover_until_ms: until_ms,
+        }
+    }
 }
 
 /// Takes `cost` from one bucket's local share; an admitted cost is added to the bucket's debt.
@@ -512,7 +523,7 @@ fn take_as<S: CasStore + ?Sized>(
 ) -> BucketResult {
     let slot = slot(key, l, sh.max_keys);
     let done = update(store, &slot.name, |cur| {
-        let (state, debt, outage) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
+        let (state, debt, until) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Missing => return Step::Keep(None),
             // The holder owes tokens: it keeps its slot, the newcomer gets nothing.
             Entry::Other { debt } if debt > 0 => return Step::Keep(None),
@@ -527,9 +538,9 @@ fn take_as<S: CasStore + ?Sized>(
         } else {
             debt
         };
-        let outage = if how.outage { now_ms } else { outage };
+        let until = until.max(how.recover_until_ms);
         Step::Write(
-            encode(&slot.id, l, state, debt, now_ms, outage),
+            encode(&slot.id, l, state, debt, now_ms, until),
             Some(result),
         )
     });
@@ -771,17 +782,22 @@ fn enabled(cfg: &Config) -> bool {
     cfg.failure_mode == FailureMode::Fallback
 }
 
-/// How long a bucket the breaker refused stays in recovery after the last refusal: the longest
-/// the other proxies' breakers may still be open once the service answers again (a probe at most
-/// `breaker.max_open_ms` apart), and a callout timeout on either side of it.
-pub fn recovery_ms(cfg: &Config) -> u64 {
-    cfg.breaker
-        .max_open_ms
+/// Until when a bucket the breaker refused at `now_ms` stays in recovery, the breaker's open
+/// interval being `interval_ms`: as long as the other proxies' breakers may still be open once
+/// the service answers again. Their breakers opened with this one's and double on the same
+/// schedule, so each probes within its own interval, at most twice this one's (one doubling
+/// ahead) and never more than `breaker.max_open_ms` apart; and a callout timeout on either side.
+pub fn recovery_until(cfg: &Config, now_ms: u64, interval_ms: u64) -> u64 {
+    let spread = interval_ms
+        .saturating_mul(2)
+        .clamp(cfg.breaker.open_ms, cfg.breaker.max_open_ms);
+    now_ms
+        .saturating_add(spread)
         .saturating_add(cfg.service.timeout_ms.saturating_mul(2))
 }
 
-/// What a bucket's slot says before a callout: what it owes, and when the breaker last refused
-/// a request of it (0: never, or the slot is another bucket's).
+/// What a bucket's slot says before a callout: what it owes, and until when it is in recovery
+/// (0: never was, or the slot is another bucket's).
 fn standing<S: CasStore + ?Sized>(
     store: &S,
     sh: &Shares,
@@ -800,7 +816,7 @@ fn standing<S: CasStore + ?Sized>(
         cur.as_ref().map(|(v, _)| v.as_slice()),
         now_ms,
     ) {
-        Entry::Ours(_, d, _, outage) => (d, outage),
+        Entry::Ours(_, d, _, until) => (d, until),
         _ => (0, 0),
     }
 }
@@ -811,7 +827,7 @@ fn standing<S: CasStore + ?Sized>(
 /// reads one slot per bucket.
 ///
 /// Returns whether the request is **in recovery**: one of its buckets had a request refused by
-/// the breaker within [`recovery_ms`]. The other proxies came through the same outage, each
+/// the breaker recently ([`recovery_until`]). The other proxies came through the same outage, each
 /// admitting its share on credit, and may not be back yet: the tokens the global bucket gathered
 /// meanwhile are what they owe, and a proxy back first that spent them on new requests would leave
 /// their debts unpaid (admitted twice, once on credit and once by the service). So in recovery a
@@ -834,11 +850,10 @@ pub fn attach_debts<S: CasStore + ?Sized>(
     let mut debts = vec![0u64; n];
     let mut any = false;
     let mut recovering = false;
-    let since = now_ms.saturating_sub(recovery_ms(cfg));
     for (i, b) in plan.request.buckets.iter_mut().enumerate() {
         let l = limits_of(b, sh.instances);
-        let (d, outage) = standing(store, &sh, &b.key, &l, now_ms);
-        recovering |= outage > 0 && outage >= since;
+        let (d, until) = standing(store, &sh, &b.key, &l, now_ms);
+        recovering |= now_ms < until;
         if d == 0 {
             continue;
         }
@@ -1489,11 +1504,12 @@ mod tests {
                  "rules":[{"name":"r","key":["literal:k"],"capacity":10,"period_ms":3600000}]}"#,
         )
         .unwrap_or_else(|e| unreachable!("{e}"));
-        assert_eq!(
-            recovery_ms(&cfg),
-            1_040,
-            "max_open_ms and a timeout either side"
-        );
+        // Twice the breaker's interval (within open_ms and max_open_ms) and a timeout on either
+        // side.
+        assert_eq!(recovery_until(&cfg, 0, 100), 240);
+        assert_eq!(recovery_until(&cfg, 0, 400), 840);
+        assert_eq!(recovery_until(&cfg, 0, 1_000), 1_040, "max_open_ms at most");
+        assert_eq!(recovery_until(&cfg, 0, 0), 140, "open_ms at least");
         let s = prepared(10);
         let t = Shares::of(&cfg);
         // No refill to speak of: 10 an hour.
@@ -1517,27 +1533,30 @@ mod tests {
         // A failed callout's take is owed, and starts no recovery.
         assert!(take_all_as(&s, &t, &req, 100, Charge::OWE).allowed);
         assert_eq!(plan(200, &s), (false, vec![1]));
-        // A refusal by the breaker: owed, and the bucket recovers until 1,040 ms after it.
-        assert!(take_all_as(&s, &t, &req, 300, Charge::OUTAGE).allowed);
-        assert_eq!(plan(400, &s), (true, vec![2]));
-        assert_eq!(plan(1_340, &s), (true, vec![2]));
-        assert_eq!(plan(1_341, &s), (false, vec![2]));
+        // A refusal by the breaker (open for 400 ms): owed, and the bucket recovers until
+        // 840 ms after it. A later refusal while the interval is shorter does not cut that.
+        let refused = |now, interval| Charge::outage(recovery_until(&cfg, now, interval));
+        assert!(take_all_as(&s, &t, &req, 300, refused(300, 400)).allowed);
+        assert!(take_all_as(&s, &t, &req, 310, refused(310, 100)).allowed);
+        assert_eq!(plan(400, &s), (true, vec![3]));
+        assert_eq!(plan(1_139, &s), (true, vec![3]));
+        assert_eq!(plan(1_140, &s), (false, vec![3]));
         // A spend in recovery takes from the share without owing it; given back, it is the
         // share's again, and the debt is what it was.
         let l = Limits::local(10, 10, 3_600_000, Algorithm::TokenBucket, 1);
         assert!(take_all_as(&s, &t, &req, 400, Charge::SPEND).allowed);
-        assert_eq!(owed(&s, &t, "k", &l, 400), 2);
+        assert_eq!(owed(&s, &t, "k", &l, 400), 3);
         let left = |s: &FakeStore| {
             (0..20)
                 .filter(|_| take_all_as(s, &t, &req, 400, Charge::SPEND).allowed)
                 .count()
         };
         let probe = s.map.borrow().clone();
-        assert_eq!(left(&s), 7, "10 less 2 on credit and 1 spent");
+        assert_eq!(left(&s), 6, "10 less 3 on credit and 1 spent");
         *s.map.borrow_mut() = probe;
         refund_spent(&s, &t, &req, 400);
-        assert_eq!(owed(&s, &t, "k", &l, 400), 2);
-        assert_eq!(left(&s), 8);
+        assert_eq!(owed(&s, &t, "k", &l, 400), 3);
+        assert_eq!(left(&s), 7);
         // A request of a leasing rule is never in recovery (its pool was charged already).
         let leasing = Config::parse(
             br#"{"service":{"cluster":"c"},"fallback":{"instances":1,"max_keys":10},
