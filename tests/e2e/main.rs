@@ -20,6 +20,7 @@
 //! - [`ledger`]
 //! - [`limit_change`]
 //! - [`limits`]
+//! - [`outage`]
 //! - [`rls`]
 //! - [`rules`]
 //! - [`scale`]
@@ -54,6 +55,7 @@ mod lease;
 mod ledger;
 mod limit_change;
 mod limits;
+mod outage;
 mod rls;
 mod rules;
 mod scale;
