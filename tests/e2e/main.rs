@@ -21,6 +21,7 @@
 //! - [`limit_change`]
 //! - [`limits`]
 //! - [`outage`]
+//! - [`overload`]
 //! - [`rls`]
 //! - [`rules`]
 //! - [`scale`]
@@ -56,6 +57,7 @@ mod ledger;
 mod limit_change;
 mod limits;
 mod outage;
+mod overload;
 mod rls;
 mod rules;
 mod scale;
