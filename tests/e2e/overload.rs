@@ -207,7 +207,7 @@ fn redis_answering_late() {
                 "{tname}: admitted {admitted} > {bound:.1} = {CAPACITY} + {RATE}/s × {elapsed:.2} s + {n}"
             ));
         }
-        if made < 300 {
+        if made < 200 {
             broken.push(format!("{tname}: the load made only {made} takes"));
         }
         if failed * 1000 >= made {
