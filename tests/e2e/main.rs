@@ -20,6 +20,8 @@
 //! - [`ledger`]
 //! - [`limit_change`]
 //! - [`limits`]
+//! - [`outage`]
+//! - [`overload`]
 //! - [`rls`]
 //! - [`rules`]
 //! - [`scale`]
@@ -54,6 +56,8 @@ mod lease;
 mod ledger;
 mod limit_change;
 mod limits;
+mod outage;
+mod overload;
 mod rls;
 mod rules;
 mod scale;

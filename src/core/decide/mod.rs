@@ -19,6 +19,7 @@ pub mod headers;
 
 use crate::core::base::store::CasStore;
 use crate::core::config::{Config, FailureMode, Limit, Rule, RuleKind, Transport};
+use crate::core::local::breaker;
 use crate::core::local::fallback;
 use crate::core::local::slots::{self, Want};
 use crate::core::rules::limits::limit_for;
@@ -377,6 +378,12 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
     }
 }
 
+/// The verdict of the fallback shares on `plan` ([`fallback::take_all_as`]'s answer `resp`): what
+/// a request in recovery gets when its shares cannot pay for it (`fallback::attach_debts`).
+pub fn from_shares(cfg: &Config, plan: &Plan, resp: &TakeResponse) -> Verdict {
+    from_answer(cfg, plan, resp, true)
+}
+
 /// The denial of `rule` (its status, body and content type).
 fn reply(rule: &Rule, mut headers: Vec<(String, String)>) -> LocalReply {
     headers.push((
@@ -403,10 +410,23 @@ pub fn resolve<S: CasStore + ?Sized>(
 ) -> Verdict {
     match outcome {
         Outcome::Allowed(resp) | Outcome::Limited(resp) => from_answer(cfg, plan, resp, false),
-        Outcome::Failed(_) => match cfg.failure_mode {
+        Outcome::Failed(cause) => match cfg.failure_mode {
             FailureMode::Fallback => {
-                let resp =
-                    fallback::take_all(store, &fallback::Shares::of(cfg), &plan.request, now_ms);
+                // A request the breaker refused puts its buckets in recovery for as long as the
+                // other proxies' breakers may still be open (`fallback::attach_debts`).
+                let how = if *cause == Cause::Breaker {
+                    let entry = store.get(breaker::KEY);
+                    let open = breaker::State::decode(entry.as_ref().map(|(v, _)| v.as_slice()));
+                    fallback::Charge::outage(fallback::recovery_until(
+                        cfg,
+                        now_ms,
+                        open.interval_ms,
+                    ))
+                } else {
+                    fallback::Charge::OWE
+                };
+                let shares = fallback::Shares::of(cfg);
+                let resp = fallback::take_all_as(store, &shares, &plan.request, now_ms, how);
                 from_answer(cfg, plan, &resp, true)
             }
             FailureMode::Allow => Verdict {

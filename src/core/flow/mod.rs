@@ -18,6 +18,11 @@
 //! the breaker's refusal and a dispatch error included) is settled into the pools before the
 //! verdict.
 //!
+//! After an outage a request may be in recovery ([`Recovery`], `fallback::attach_debts`): its
+//! fallback shares must pay for it as well as the service. They are asked before the callout
+//! (a request they cannot pay is denied on the spot, as in the outage); the breaker's probe and
+//! a request carrying a debt call anyway, and the shares look at the answer.
+//!
 //! `slots`: a request's concurrency slots ([`crate::core::inflight`]) as the flow drives them.
 
 use crate::core::base::ledger::CalloutId;
@@ -25,6 +30,7 @@ use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::decide;
 use crate::core::local::breaker::{self, Admission, Event};
+use crate::core::local::bucket;
 use crate::core::local::denials;
 use crate::core::local::fallback;
 use crate::core::local::lease::{self, Count, Local};
@@ -143,6 +149,8 @@ struct Report {
     counted: bool,
     /// When the callout ended (ms).
     now: u64,
+    /// What the fallback shares have to say about the answer (after an outage).
+    recovery: Recovery,
 }
 
 /// What to tell the proxy about the current callback.
@@ -173,9 +181,25 @@ pub enum Phase {
         /// ([`crate::core::config::Service::tick_ms`]) is recorded, so that failures counted
         /// meanwhile (by this worker or another) do not stand against a service that answers.
         since_ms: u64,
+        /// What the fallback shares have to say about the answer (after an outage).
+        recovery: Recovery,
     },
     /// Decided.
     Done,
+}
+
+/// A request in recovery from an outage (`fallback::attach_debts`): admitted only when the
+/// service admits it and its fallback shares can pay for it too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recovery {
+    /// Not in recovery: the service's answer decides.
+    None,
+    /// The shares paid before the callout: given back unless the service admits it.
+    Prepaid,
+    /// The callout had to go whatever the shares held (the breaker's probe, or a debt to
+    /// repay): an admission stands only if the shares can pay for it after the answer (the
+    /// service charged it either way: stricter, never looser).
+    Check,
 }
 
 /// One request's state.
@@ -258,10 +282,9 @@ impl Flow {
                 return self.conclude(cfg, &plan, &Outcome::Limited(resp), false, now, host);
             }
         }
-        if seen.debt {
-            // The fallback admitted on credit recently: this callout repays what its buckets owe.
-            fallback::attach_debts(cfg, &mut plan, host.store(), now);
-        }
+        // The fallback admitted on credit recently (or the breaker refused): this callout repays
+        // what its buckets owe, and says whether they are in recovery from an outage.
+        let recovering = seen.debt && fallback::attach_debts(cfg, &mut plan, host.store(), now);
         if admission == Admission::Reject {
             let outcome = settle(
                 cfg,
@@ -274,6 +297,22 @@ impl Flow {
             return self.conclude(cfg, &plan, &outcome, false, now, host);
         }
         let probe = admission == Admission::Probe;
+        let recovery = match recovering {
+            false => Recovery::None,
+            // The probe must call, and so must a debt to repay: the shares look at the answer.
+            true if probe || !plan.debt.is_empty() => Recovery::Check,
+            true => {
+                let sh = fallback::Shares::of_plan(cfg, &plan, host.store());
+                let spend = fallback::Charge::SPEND;
+                let paid = fallback::take_all_as(host.store(), &sh, &plan.request, now, spend);
+                if !paid.allowed {
+                    // Denied by the shares, as in the outage: no callout.
+                    let verdict = decide::from_shares(cfg, &plan, &paid);
+                    return self.apply(cfg, &plan, verdict, false, now, host);
+                }
+                Recovery::Prepaid
+            }
+        };
         match host.send(cfg, Callout::Take(&plan)) {
             Ok(id) => {
                 self.phase = Phase::Calling {
@@ -282,6 +321,7 @@ impl Flow {
                     probe,
                     clean,
                     since_ms: now,
+                    recovery,
                 };
                 Next::Pause
             }
@@ -295,6 +335,7 @@ impl Flow {
                     quiet: clean,
                     counted: true,
                     now,
+                    recovery,
                 };
                 let failed = Outcome::Failed(Cause::Dispatch);
                 self.after_callout(cfg, &plan, report, failed, false, host)
@@ -360,6 +401,7 @@ impl Flow {
             probe,
             clean,
             since_ms,
+            recovery,
             ..
         } = std::mem::replace(&mut self.phase, Phase::Done)
         else {
@@ -382,15 +424,20 @@ impl Flow {
                 quiet,
                 counted,
                 now,
+                recovery,
             };
             self.record(cfg, report, true, host);
+            give_back(cfg, &plan, recovery, host);
             settle(cfg, &plan, outcome, &mut self.watched, now, host);
             self.shadow_counts = shadowed;
             let mut enforced = enforced;
             let (_, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
-            if debt {
-                fallback::attach_debts(cfg, &mut enforced, host.store(), now);
-            }
+            let recovering = debt && fallback::attach_debts(cfg, &mut enforced, host.store(), now);
+            // Asked again whatever the shares hold: they look at the answer.
+            let recovery = match recovering || recovery != Recovery::None {
+                true => Recovery::Check,
+                false => Recovery::None,
+            };
             match host.send(cfg, Callout::Take(&enforced)) {
                 Ok(id) => {
                     self.phase = Phase::Calling {
@@ -399,6 +446,7 @@ impl Flow {
                         probe: false,
                         clean: false,
                         since_ms: now,
+                        recovery,
                     };
                 }
                 Err(_) => {
@@ -407,6 +455,7 @@ impl Flow {
                         quiet: false,
                         counted: true,
                         now,
+                        recovery,
                     };
                     let failed = Outcome::Failed(Cause::Dispatch);
                     self.after_callout(cfg, &enforced, report, failed, true, host);
@@ -419,6 +468,7 @@ impl Flow {
             quiet,
             counted,
             now,
+            recovery,
         };
         self.after_callout(cfg, &plan, report, outcome, true, host);
     }
@@ -439,7 +489,9 @@ impl Flow {
     /// A callout ended or could not start: count it, feed the breaker, conclude. The breaker
     /// hears of a failure only when a callout failed (a take that was never sent, a breaker that
     /// refused, are no news of the service) and only once per failed callout
-    /// ([`Report::counted`]; the probe's always).
+    /// ([`Report::counted`]; the probe's always). A request in recovery that prepaid its shares
+    /// and was not admitted gives them back first ([`give_back`]), before the answer lowers them
+    /// or the fallback takes from them.
     fn after_callout<H: Host>(
         &mut self,
         cfg: &Config,
@@ -459,12 +511,41 @@ impl Flow {
             Outcome::Failed(_) => {}
             _ => self.record(cfg, report, true, host),
         }
+        if !matches!(outcome, Outcome::Allowed(_)) {
+            give_back(cfg, plan, report.recovery, host);
+        }
         let now = report.now;
         let outcome = settle(cfg, plan, outcome, &mut self.watched, now, host);
+        if let (Recovery::Check, Outcome::Allowed(_)) = (report.recovery, &outcome) {
+            // Admitted by the service (its debts repaid): the shares have the last word.
+            let sh = fallback::Shares::of_plan(cfg, plan, host.store());
+            let spend = fallback::Charge::SPEND;
+            let paid = fallback::take_all_as(host.store(), &sh, &plan.request, now, spend);
+            if !paid.allowed {
+                // Not admitted: what the service charged for its cost goes back to the global
+                // bucket, where the debts of the proxies not back yet find it (a window's
+                // tokens end with their window: nothing to give back).
+                let back: Vec<crate::core::wire::Bucket> = plan
+                    .request
+                    .buckets
+                    .iter()
+                    .filter(|b| bucket::refundable(b.algorithm.unwrap_or_default()))
+                    .map(|b| crate::core::wire::Bucket {
+                        lease: None,
+                        ..b.clone()
+                    })
+                    .collect();
+                if !back.is_empty() {
+                    refund(cfg, &TakeRequest { buckets: back }, host);
+                }
+                let verdict = decide::from_shares(cfg, plan, &paid);
+                return self.apply(cfg, plan, verdict, paused, now, host);
+            }
+        }
         self.conclude(cfg, plan, &outcome, paused, now, host)
     }
 
-    /// Applies the verdict at `now`: let through (resuming only if paused) or reply locally.
+    /// Resolves the outcome at `now` into a verdict and applies it.
     fn conclude<H: Host>(
         &mut self,
         cfg: &Config,
@@ -475,6 +556,37 @@ impl Flow {
         host: &mut H,
     ) -> Next {
         let verdict = decide::resolve(cfg, plan, outcome, host.store(), now);
+        if matches!(outcome, Outcome::Failed(Cause::Breaker))
+            && cfg.failure_mode == crate::core::config::FailureMode::Fallback
+        {
+            // The breaker refused: this proxy's later requests look at their buckets' shares
+            // for a recovery (`fallback::attach_debts`), also when it admitted nothing on credit.
+            breaker::mark_debt(
+                host.store(),
+                now.saturating_add(fallback::debt_horizon_ms(cfg)),
+            );
+        }
+        if let Outcome::Failed(cause) = *outcome {
+            host.count(Metric::FailureMode(cause));
+            debug!(
+                "no answer from the service ({}): {}",
+                cause.name(),
+                verdict.decision.metric()
+            );
+        }
+        self.apply(cfg, plan, verdict, paused, now, host)
+    }
+
+    /// Applies the verdict at `now`: let through (resuming only if paused) or reply locally.
+    fn apply<H: Host>(
+        &mut self,
+        cfg: &Config,
+        plan: &Plan,
+        verdict: crate::core::wire::plan::Verdict,
+        paused: bool,
+        now: u64,
+        host: &mut H,
+    ) -> Next {
         host.count(Metric::Decision(verdict.decision));
         for &(rule, what) in verdict
             .rule_counts
@@ -488,14 +600,6 @@ impl Flow {
             breaker::mark_debt(
                 host.store(),
                 now.saturating_add(fallback::debt_horizon_ms(cfg)),
-            );
-        }
-        if let Outcome::Failed(cause) = *outcome {
-            host.count(Metric::FailureMode(cause));
-            debug!(
-                "no answer from the service ({}): {}",
-                cause.name(),
-                verdict.decision.metric()
             );
         }
         if log::log_enabled!(log::Level::Debug) {
@@ -533,6 +637,15 @@ impl Flow {
                 Next::Pause
             }
         }
+    }
+}
+
+/// What a request in recovery prepaid from its shares ([`Recovery::Prepaid`]) goes back to them:
+/// its callout did not admit it.
+fn give_back<H: Host>(cfg: &Config, plan: &Plan, recovery: Recovery, host: &mut H) {
+    if recovery == Recovery::Prepaid {
+        let sh = fallback::Shares::of_plan(cfg, plan, host.store());
+        fallback::refund_spent(host.store(), &sh, &plan.request, host.now_ms());
     }
 }
 
@@ -1477,5 +1590,129 @@ mod tests {
         late_answer(&c, &takes, CalloutResult::Expired, &mut h);
         late_answer(&c, &takes, CalloutResult::Answers(Vec::new()), &mut h);
         assert_eq!((h.late, h.given_back.len()), (vec![0, 0], 0));
+    }
+
+    /// The global bucket as the service keeps it, for tests of a fleet: whole tokens refilled
+    /// at `per_ms`, up to `cap`, and a take with the contract's lease semantics (granted: the
+    /// lease, or what is held, from the cost up).
+    struct Global {
+        level: f64,
+        at: u64,
+        cap: f64,
+        per_ms: f64,
+        /// What each take was granted.
+        grants: Vec<u64>,
+    }
+
+    impl Global {
+        fn answer(&mut self, plan: &Plan, now: u64) -> CalloutResult {
+            self.level = (self.level + (now - self.at) as f64 * self.per_ms).min(self.cap);
+            self.at = now;
+            let b = &plan.request.buckets[0];
+            let cost = b.cost.unwrap_or(1);
+            let whole = self.level.floor() as u64;
+            let g = match whole >= cost {
+                true => b.lease.unwrap_or(cost).min(whole),
+                false => 0,
+            };
+            self.grants.push(g);
+            self.level -= g as f64;
+            granted(g > 0, whole - g, g)
+        }
+
+        /// Tokens given back (`POST /v1/refund`).
+        fn refund(&mut self, back: &[TakeRequest]) {
+            for r in back {
+                self.level += r.buckets.iter().map(|b| b.cost.unwrap_or(1)).sum::<u64>() as f64;
+            }
+        }
+    }
+
+    /// One request through `h` at `now`: answered by `global`, or timed out when it is `None`.
+    /// Its decision.
+    fn one(c: &Config, h: &mut FakeHost, mut global: Option<&mut Global>, now: u64) -> Decision {
+        h.now = now;
+        let mut f = Flow::default();
+        f.on_request_headers(c, &req("/api"), h);
+        if matches!(f.phase, Phase::Calling { .. }) {
+            let plan = h.sent.last().cloned().unwrap();
+            let result = match &mut global {
+                Some(g) => g.answer(&plan, now),
+                None => timed_out(),
+            };
+            f.on_callout_result(c, h.next_id, result, h);
+        }
+        if let Some(g) = global {
+            g.refund(&std::mem::take(&mut h.given_back));
+        }
+        *h.counts.last().unwrap()
+    }
+
+    #[test]
+    fn a_proxy_back_first_does_not_spend_what_the_others_owe() {
+        // Two proxies, one key of capacity 10 refilling 1 a second, drained when the service
+        // stops answering; the breaker opens at the first failure and probes 5 s later.
+        let c = Config::parse(
+            br#"{"service":{"cluster":"svc"},"fallback":{"instances":2},
+                 "rules":[{"name":"r","key":["literal:k"],"capacity":10,"rate":1,"period_ms":1000}],
+                 "breaker":{"failures":1,"open_ms":5000,"max_open_ms":5000}}"#,
+        )
+        .unwrap();
+        let mut g = Global {
+            level: 0.0,
+            at: 0,
+            cap: 10.0,
+            per_ms: 0.001,
+            grants: Vec::new(),
+        };
+        let (mut a, mut b) = (FakeHost::default(), FakeHost::default());
+        let admitted = |h: &FakeHost| {
+            h.counts
+                .iter()
+                .filter(|d| matches!(d, Decision::Allowed | Decision::FallbackAllowed))
+                .count()
+        };
+        // Both asking: the bucket is empty, so are their shares.
+        for h in [&mut a, &mut b] {
+            assert_eq!(one(&c, h, Some(&mut g), 0), Decision::Limited);
+        }
+        // The outage: both fall back, each admitting its share's refill (half a token a second)
+        // on credit: 2 each by 5 s, the 4 tokens the bucket gathers meanwhile (5 by then).
+        for now in (10..5_000).step_by(100) {
+            for h in [&mut a, &mut b] {
+                one(&c, h, None, now);
+            }
+        }
+        assert_eq!((admitted(&a), admitted(&b)), (2, 2));
+        // The service is back. A probes first and repays its 2 (3 granted with its cost); then
+        // A's next requests, then B's probe with its debt.
+        one(&c, &mut a, Some(&mut g), 5_020);
+        assert_eq!(a.sent.last().unwrap().debt, vec![2]);
+        for now in [5_030, 5_040, 5_050] {
+            one(&c, &mut a, Some(&mut g), now);
+        }
+        one(&c, &mut b, Some(&mut g), 5_060);
+        assert_eq!(b.sent.last().unwrap().debt, vec![2]);
+        // Never more than the bucket held and gathered: 5 tokens by 5.06 s. A proxy that spent
+        // the refill B's debt needed, once its own was repaid, had 7 admitted.
+        let total = admitted(&a) + admitted(&b);
+        assert!(total <= 5, "{total} admitted, the bucket had 5");
+        assert_eq!(
+            g.grants.last(),
+            Some(&3),
+            "B repaid its whole debt with its cost"
+        );
+        // A's probe was admitted by the service, not by its share (half a token): denied, and
+        // its cost given back to the bucket for B's debt. A's next requests, in recovery, were
+        // denied by the share without a callout.
+        assert_eq!(a.counts[a.counts.len() - 4], Decision::FallbackLimited);
+        assert_eq!(
+            a.sent.len(),
+            3,
+            "asked at 0, 10 and the probe; then decided locally"
+        );
+        // Past the recovery (`breaker.max_open_ms` after the last refusal) the service decides
+        // alone again.
+        assert_eq!(one(&c, &mut a, Some(&mut g), 11_000), Decision::Allowed);
     }
 }

@@ -17,6 +17,18 @@
 //! any new request, and the fleet does not spend the same refill twice (once locally, once
 //! globally). A timed-out take that Redis applied anyway is charged twice (stricter, never looser).
 //!
+//! **Recovery: no proxy spends what the others owe.** The global bucket gathers the refill of an
+//! outage while every proxy admits its share of that refill on credit, so once the service
+//! answers again the bucket holds what the fleet owes. Proxies come back one by one (each
+//! breaker probes on its own schedule): one back first that repaid its debt and then admitted
+//! new requests from the service would spend the tokens the others' debts need, and those
+//! requests would be admitted twice over the window. So a bucket the breaker refused requests
+//! of stays in recovery for a while after the last refusal ([`recovery_until`]: as long as the
+//! other breakers may still be open): a request of it is admitted only when the service admits it and
+//! its shares can pay for it too ([`Charge::SPEND`], not owed: the service charged it), as in
+//! the outage. `attach_debts` says when; `crate::core::flow` asks the shares first (no callout
+//! when they cannot pay) or, for the breaker's probe and a debt to repay, after the answer.
+//!
 //! **Bounded, and collisions only make it stricter.** A fixed table of `max_keys` slots
 //! (`tollgate.fb.<max_keys>.<n>`), created ahead of use by [`prepare`] (shared data has no "insert if
 //! absent", so a slot first written by two workers at once would lose one write). A bucket lives
@@ -52,7 +64,7 @@
 //!
 //! Layout: the slot scheme ([`slot`], [`slot_in`], [`prepare`]); the record (`Entry`); the
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
-//! ([`take_all`], [`attach_debts`], [`remember`]).
+//! ([`take_all`], [`take_all_as`], [`refund_spent`], [`attach_debts`], [`remember`]).
 
 use crate::core::base::store::{update, CasStore, Step};
 use crate::core::config::{Algorithm, Config, FailureMode};
@@ -67,9 +79,12 @@ use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 /// Shared-data key of the table sizes this Envoy's configurations used, newest first (at most 4,
 /// each 4 bytes little endian).
 pub const SIZES_KEY: &str = "tollgate.fb.sizes";
-/// Words per share record ([`table`]): level, stamp, debt, last write, and the limits written with
-/// (global capacity, rate, period, number of proxies).
-const WORDS: usize = 8;
+/// Words per share record ([`table`]): level, stamp, debt, last write, the limits written with
+/// (global capacity, rate, period, number of proxies), and until when the bucket is in recovery
+/// from an outage (the breaker refused requests of it, [`Charge::outage`]).
+const WORDS: usize = 9;
+/// Words of a record written before the recovery mark (read as one without it).
+const WORDS_BEFORE_OUTAGE: usize = 8;
 /// Stored bytes per occupied slot.
 pub const SLOT_BYTES: usize = 1 + table::ID_BYTES + 8 * WORDS;
 /// The largest debt a callout carries: the contract's bound on `lease`.
@@ -228,14 +243,14 @@ fn entry<S: CasStore + ?Sized>(
     for &size in sh.previous.iter().filter(|&&n| n > 0 && n != sh.max_keys) {
         let old = slot(key, l, size);
         let bytes = store.get(&old.name);
-        if let Entry::Ours(s, d, _) = decode(
+        if let Entry::Ours(s, d, _, until) = decode(
             id,
             l,
             bytes.as_ref().map(|(v, _)| v.as_slice()),
             now_ms,
             sh.horizon_ms,
         ) {
-            return Entry::Ours(s, d, true);
+            return Entry::Ours(s, d, true, until);
         }
     }
     Entry::Vacant
@@ -364,9 +379,10 @@ enum Entry {
     Missing,
     /// Never used: a bucket starts here full.
     Vacant,
-    /// This bucket's share (carried over to the caller's limits), what it still owes, and whether
-    /// it was recorded under other limits (then it must be written again).
-    Ours(State, u64, bool),
+    /// This bucket's share (carried over to the caller's limits), what it still owes, whether
+    /// it was recorded under other limits (then it must be written again), and until when it is
+    /// in recovery from an outage (0: never was).
+    Ours(State, u64, bool, u64),
     /// Another bucket's (or unreadable): a newcomer starts empty; `debt` is what the holder owes.
     Other {
         /// Tokens the holder still owes.
@@ -374,7 +390,14 @@ enum Entry {
     },
 }
 
-fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64) -> Vec<u8> {
+fn encode(
+    id: &[u8; 16],
+    l: &Limits,
+    s: State,
+    debt: u64,
+    now_ms: u64,
+    recover_until_ms: u64,
+) -> Vec<u8> {
     let words = [
         s.level,
         s.stamp,
@@ -384,8 +407,23 @@ fn encode(id: &[u8; 16], l: &Limits, s: State, debt: u64, now_ms: u64) -> Vec<u8
         l.rate,
         l.period_ms,
         l.divisor,
+        recover_until_ms,
     ];
     table::encode(table::SHARE, id, &words)
+}
+
+/// The words of a share record: this format's, or one written before the recovery mark (its
+/// mark then reads 0, so its share and debt carry over a module upgrade).
+fn share_words(b: &[u8]) -> Option<([u8; table::ID_BYTES], [u64; WORDS])> {
+    if let Some(r) = table::decode::<WORDS>(table::SHARE, b) {
+        return Some(r);
+    }
+    let (owner, old) = table::decode::<WORDS_BEFORE_OUTAGE>(table::SHARE, b)?;
+    let mut words = [0u64; WORDS];
+    for (w, o) in words.iter_mut().zip(old) {
+        *w = o;
+    }
+    Some((owner, words))
 }
 
 /// What a slot holds for bucket `id` at `now_ms` under limits `l` (a share recorded under other
@@ -397,10 +435,10 @@ fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_
     if table::is_vacant(b) {
         return Entry::Vacant;
     }
-    let Some((owner, words)) = table::decode::<WORDS>(table::SHARE, b) else {
+    let Some((owner, words)) = share_words(b) else {
         return Entry::Other { debt: 0 };
     };
-    let [level, stamp, debt, touched, global, rate, period_ms, divisor] = words;
+    let [level, stamp, debt, touched, global, rate, period_ms, divisor, recover_until_ms] = words;
     let debt = if now_ms.saturating_sub(touched) > horizon_ms {
         0
     } else {
@@ -409,7 +447,7 @@ fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_
     if owner == *id {
         let old = Limits::local(global, rate, period_ms, l.algorithm, divisor);
         let s = bucket::carry(&old, State { level, stamp }, l, now_ms);
-        Entry::Ours(s, debt, old != *l)
+        Entry::Ours(s, debt, old != *l, recover_until_ms)
     } else {
         Entry::Other { debt }
     }
@@ -428,6 +466,38 @@ fn unstored(l: &Limits) -> BucketResult {
     }
 }
 
+/// How a take from a share counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charge {
+    /// The fallback admits on credit: what it takes is owed to the global bucket.
+    pub owe: bool,
+    /// The breaker refused the request (an outage): the bucket is in recovery until then at
+    /// least ([`recovery_until`]); 0: no refusal.
+    pub recover_until_ms: u64,
+}
+
+impl Charge {
+    /// The fallback's take when a callout failed: owed.
+    pub const OWE: Charge = Charge {
+        owe: true,
+        recover_until_ms: 0,
+    };
+    /// A take in recovery, of a request the service charges (or is asked to): not owed.
+    pub const SPEND: Charge = Charge {
+        owe: false,
+        recover_until_ms: 0,
+    };
+
+    /// The fallback's take when the breaker refused the callout: owed, and the bucket in
+    /// recovery until `until_ms`.
+    pub fn outage(until_ms: u64) -> Charge {
+        Charge {
+            owe: true,
+            recover_until_ms: until_ms,
+        }
+    }
+}
+
 /// Takes `cost` from one bucket's local share; an admitted cost is added to the bucket's debt.
 /// Denied when the charge could not be stored.
 pub fn take<S: CasStore + ?Sized>(
@@ -438,24 +508,41 @@ pub fn take<S: CasStore + ?Sized>(
     now_ms: u64,
     cost: u64,
 ) -> BucketResult {
+    take_as(store, sh, key, l, now_ms, cost, Charge::OWE)
+}
+
+/// [`take`], counted as `how` says.
+fn take_as<S: CasStore + ?Sized>(
+    store: &S,
+    sh: &Shares,
+    key: &str,
+    l: &Limits,
+    now_ms: u64,
+    cost: u64,
+    how: Charge,
+) -> BucketResult {
     let slot = slot(key, l, sh.max_keys);
     let done = update(store, &slot.name, |cur| {
-        let (state, debt) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
+        let (state, debt, until) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Missing => return Step::Keep(None),
             // The holder owes tokens: it keeps its slot, the newcomer gets nothing.
             Entry::Other { debt } if debt > 0 => return Step::Keep(None),
-            Entry::Vacant => (None, 0),
+            Entry::Vacant => (None, 0, 0),
             // Taken over: the newcomer starts empty, never full.
-            Entry::Other { .. } => (Some(bucket::empty(l, now_ms)), 0),
-            Entry::Ours(s, d, _) => (Some(s), d),
+            Entry::Other { .. } => (Some(bucket::empty(l, now_ms)), 0, 0),
+            Entry::Ours(s, d, _, o) => (Some(s), d, o),
         };
         let (state, result) = bucket::take(l, state, now_ms, cost);
-        let debt = if result.allowed {
+        let debt = if result.allowed && how.owe {
             debt.saturating_add(cost)
         } else {
             debt
         };
-        Step::Write(encode(&slot.id, l, state, debt, now_ms), Some(result))
+        let until = until.max(how.recover_until_ms);
+        Step::Write(
+            encode(&slot.id, l, state, debt, now_ms, until),
+            Some(result),
+        )
     });
     match done.value {
         Some(r) if done.stored => r,
@@ -473,16 +560,30 @@ pub fn refund<S: CasStore + ?Sized>(
     now_ms: u64,
     cost: u64,
 ) {
+    refund_as(store, sh, key, l, now_ms, cost, true);
+}
+
+/// [`refund`] of a take that was owed (`owed`) or not ([`Charge::SPEND`]: the debt stays).
+fn refund_as<S: CasStore + ?Sized>(
+    store: &S,
+    sh: &Shares,
+    key: &str,
+    l: &Limits,
+    now_ms: u64,
+    cost: u64,
+    owed: bool,
+) {
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
         match entry(store, sh, key, l, &slot.id, cur, now_ms) {
-            Entry::Ours(s, d, _) => Step::Write(
+            Entry::Ours(s, d, _, outage) => Step::Write(
                 encode(
                     &slot.id,
                     l,
                     bucket::refund(l, s, cost),
-                    d.saturating_sub(cost),
+                    if owed { d.saturating_sub(cost) } else { d },
                     now_ms,
+                    outage,
                 ),
                 (),
             ),
@@ -510,7 +611,7 @@ pub fn owed<S: CasStore + ?Sized>(
         cur.as_ref().map(|(v, _)| v.as_slice()),
         now_ms,
     ) {
-        Entry::Ours(_, d, _) => d,
+        Entry::Ours(_, d, _, _) => d,
         _ => 0,
     }
 }
@@ -530,10 +631,10 @@ pub fn remember_one<S: CasStore + ?Sized>(
 ) {
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
-        let (held, debt, changed) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
+        let (held, debt, changed, outage) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Missing | Entry::Other { debt: 1.. } => return Step::Keep(()),
-            Entry::Vacant | Entry::Other { .. } => (None, 0, false),
-            Entry::Ours(s, d, changed) => (Some(s), d, changed),
+            Entry::Vacant | Entry::Other { .. } => (None, 0, false, 0),
+            Entry::Ours(s, d, changed, o) => (Some(s), d, changed, o),
         };
         let debt_left = debt.saturating_sub(repaid);
         let known = bucket::share(l, remaining, debt_left, now_ms);
@@ -555,7 +656,7 @@ pub fn remember_one<S: CasStore + ?Sized>(
             }
             _ => {}
         }
-        Step::Write(encode(&slot.id, l, next, debt_left, now_ms), ())
+        Step::Write(encode(&slot.id, l, next, debt_left, now_ms, outage), ())
     });
 }
 
@@ -575,9 +676,9 @@ pub fn spend<S: CasStore + ?Sized>(
 ) {
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
-        let (state, debt) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
-            Entry::Ours(s, d, _) => (Some(s), d),
-            Entry::Vacant => (None, 0),
+        let (state, debt, outage) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
+            Entry::Ours(s, d, _, o) => (Some(s), d, o),
+            Entry::Vacant => (None, 0, 0),
             Entry::Missing | Entry::Other { .. } => return Step::Keep(()),
         };
         let held = state.map_or(l.capacity, |s| bucket::available(l, s, now_ms));
@@ -586,7 +687,7 @@ pub fn spend<S: CasStore + ?Sized>(
             return Step::Keep(());
         }
         let (state, _) = bucket::take(l, state, now_ms, drained);
-        Step::Write(encode(&slot.id, l, state, debt, now_ms), ())
+        Step::Write(encode(&slot.id, l, state, debt, now_ms, outage), ())
     });
 }
 
@@ -625,6 +726,18 @@ pub fn take_all<S: CasStore + ?Sized>(
     req: &TakeRequest,
     now_ms: u64,
 ) -> TakeResponse {
+    take_all_as(store, sh, req, now_ms, Charge::OWE)
+}
+
+/// [`take_all`], each take counted as `how` says (a refund of a request that was denied in
+/// the end counts the same way).
+pub fn take_all_as<S: CasStore + ?Sized>(
+    store: &S,
+    sh: &Shares,
+    req: &TakeRequest,
+    now_ms: u64,
+    how: Charge,
+) -> TakeResponse {
     let sh = &sh.learned(store);
     let mut results = Vec::with_capacity(req.buckets.len());
     let mut charged: Vec<(usize, Limits, u64)> = Vec::new();
@@ -632,7 +745,7 @@ pub fn take_all<S: CasStore + ?Sized>(
     for (i, b) in req.buckets.iter().enumerate() {
         let l = limits_of(b, sh.instances);
         let cost = b.cost.unwrap_or(1);
-        let r = take(store, sh, &b.key, &l, now_ms, cost);
+        let r = take_as(store, sh, &b.key, &l, now_ms, cost, how);
         if r.allowed {
             charged.push((i, l, cost));
         } else {
@@ -643,7 +756,7 @@ pub fn take_all<S: CasStore + ?Sized>(
     if !allowed {
         for (i, l, cost) in charged {
             if let Some(b) = req.buckets.get(i) {
-                refund(store, sh, &b.key, &l, now_ms, cost);
+                refund_as(store, sh, &b.key, &l, now_ms, cost, how.owe);
             }
         }
     }
@@ -654,27 +767,93 @@ pub fn take_all<S: CasStore + ?Sized>(
     }
 }
 
+/// Gives back what [`take_all_as`] with [`Charge::SPEND`] took for `req` (its request was not
+/// admitted in the end): the shares get the costs back, the debts are left as they are.
+pub fn refund_spent<S: CasStore + ?Sized>(store: &S, sh: &Shares, req: &TakeRequest, now_ms: u64) {
+    let sh = &sh.learned(store);
+    for b in &req.buckets {
+        let l = limits_of(b, sh.instances);
+        refund_as(store, sh, &b.key, &l, now_ms, b.cost.unwrap_or(1), false);
+    }
+}
+
 /// Whether the fallback shares are in use at all (failure mode `fallback`).
 fn enabled(cfg: &Config) -> bool {
     cfg.failure_mode == FailureMode::Fallback
+}
+
+/// Until when a bucket the breaker refused at `now_ms` stays in recovery, the breaker's open
+/// interval being `interval_ms`: as long as the other proxies' breakers may still be open once
+/// the service answers again. Their breakers opened with this one's and double on the same
+/// schedule, so each probes within its own interval, at most twice this one's (one doubling
+/// ahead) and never more than `breaker.max_open_ms` apart; and a callout timeout on either side.
+pub fn recovery_until(cfg: &Config, now_ms: u64, interval_ms: u64) -> u64 {
+    let spread = interval_ms
+        .saturating_mul(2)
+        .clamp(cfg.breaker.open_ms, cfg.breaker.max_open_ms);
+    now_ms
+        .saturating_add(spread)
+        .saturating_add(cfg.service.timeout_ms.saturating_mul(2))
+}
+
+/// What a bucket's slot says before a callout: what it owes, and until when it is in recovery
+/// (0: never was, or the slot is another bucket's).
+fn standing<S: CasStore + ?Sized>(
+    store: &S,
+    sh: &Shares,
+    key: &str,
+    l: &Limits,
+    now_ms: u64,
+) -> (u64, u64) {
+    let slot = slot(key, l, sh.max_keys);
+    let cur = store.get(&slot.name);
+    match entry(
+        store,
+        sh,
+        key,
+        l,
+        &slot.id,
+        cur.as_ref().map(|(v, _)| v.as_slice()),
+        now_ms,
+    ) {
+        Entry::Ours(_, d, _, until) => (d, until),
+        _ => (0, 0),
+    }
 }
 
 /// Before a callout: every bucket that owes tokens carries its debt as a lease on top of what
 /// it asks (`lease = (lease or cost) + debt`, within the contract's bound), recorded in
 /// `plan.debt`. Call only when debt may exist ([`crate::core::local::breaker`] keeps that flag), since it
 /// reads one slot per bucket.
-pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: &S, now_ms: u64) {
+///
+/// Returns whether the request is **in recovery**: one of its buckets had a request refused by
+/// the breaker recently ([`recovery_until`]). The other proxies came through the same outage, each
+/// admitting its share on credit, and may not be back yet: the tokens the global bucket gathered
+/// meanwhile are what they owe, and a proxy back first that spent them on new requests would leave
+/// their debts unpaid (admitted twice, once on credit and once by the service). So in recovery a
+/// request is admitted only when its buckets' shares can pay for it too ([`Charge::SPEND`]), as
+/// in the outage, while the service charges it: each proxy spends its share of the refill, and
+/// the debts find the rest. Never for a leasing rule's request (its pool was charged already, its
+/// share refills from empty) nor over RLS (no debts).
+pub fn attach_debts<S: CasStore + ?Sized>(
+    cfg: &Config,
+    plan: &mut Plan,
+    store: &S,
+    now_ms: u64,
+) -> bool {
     // An RLS server grants no leases: a debt cannot ride on its callouts (it lapses instead).
     if !enabled(cfg) || plan.rls.is_some() {
-        return;
+        return false;
     }
     let sh = Shares::of_plan(cfg, plan, store);
     let n = plan.request.buckets.len();
     let mut debts = vec![0u64; n];
     let mut any = false;
+    let mut recovering = false;
     for (i, b) in plan.request.buckets.iter_mut().enumerate() {
         let l = limits_of(b, sh.instances);
-        let d = owed(store, &sh, &b.key, &l, now_ms);
+        let (d, until) = standing(store, &sh, &b.key, &l, now_ms);
+        recovering |= now_ms < until;
         if d == 0 {
             continue;
         }
@@ -693,6 +872,13 @@ pub fn attach_debts<S: CasStore + ?Sized>(cfg: &Config, plan: &mut Plan, store: 
     if any {
         plan.debt = debts;
     }
+    let leases = plan.rules.iter().any(|&k| {
+        cfg.rules
+            .get(k)
+            .and_then(|r| r.rate_limit())
+            .is_some_and(|l| l.lease.is_some())
+    });
+    recovering && !leases
 }
 
 /// Applies an answer to the debts its callout carried, debt first: a bucket whose `granted` covers
@@ -1308,6 +1494,108 @@ mod tests {
         assert_eq!(answered(&cfg("")), 225);
         // Leasing: the answer may be stale by all the others leased since; the pool is the budget.
         assert_eq!(answered(&cfg(r#","lease":{"size":100}"#)), 0);
+    }
+
+    #[test]
+    fn a_refusal_by_the_breaker_starts_a_recovery_and_a_spend_is_not_owed() {
+        let cfg = Config::parse(
+            br#"{"service":{"cluster":"c","timeout_ms":20},"fallback":{"instances":1,"max_keys":10},
+                 "breaker":{"open_ms":100,"max_open_ms":1000},
+                 "rules":[{"name":"r","key":["literal:k"],"capacity":10,"period_ms":3600000}]}"#,
+        )
+        .unwrap_or_else(|e| unreachable!("{e}"));
+        // Twice the breaker's interval (within open_ms and max_open_ms) and a timeout on either
+        // side.
+        assert_eq!(recovery_until(&cfg, 0, 100), 240);
+        assert_eq!(recovery_until(&cfg, 0, 400), 840);
+        assert_eq!(recovery_until(&cfg, 0, 1_000), 1_040, "max_open_ms at most");
+        assert_eq!(recovery_until(&cfg, 0, 0), 140, "open_ms at least");
+        let s = prepared(10);
+        let t = Shares::of(&cfg);
+        // No refill to speak of: 10 an hour.
+        let hourly = Bucket {
+            period_ms: 3_600_000,
+            ..bucket("k", 10)
+        };
+        let req = TakeRequest {
+            buckets: vec![hourly],
+        };
+        let plan = |now: u64, s: &FakeStore| {
+            let mut p = Plan {
+                request: req.clone(),
+                rules: vec![0],
+                debt: vec![],
+                rls: None,
+                instances: 0,
+            };
+            (attach_debts(&cfg, &mut p, s, now), p.debt)
+        };
+        // A failed callout's take is owed, and starts no recovery.
+        assert!(take_all_as(&s, &t, &req, 100, Charge::OWE).allowed);
+        assert_eq!(plan(200, &s), (false, vec![1]));
+        // A refusal by the breaker (open for 400 ms): owed, and the bucket recovers until
+        // 840 ms after it. A later refusal while the interval is shorter does not cut that.
+        let refused = |now, interval| Charge::outage(recovery_until(&cfg, now, interval));
+        assert!(take_all_as(&s, &t, &req, 300, refused(300, 400)).allowed);
+        assert!(take_all_as(&s, &t, &req, 310, refused(310, 100)).allowed);
+        assert_eq!(plan(400, &s), (true, vec![3]));
+        assert_eq!(plan(1_139, &s), (true, vec![3]));
+        assert_eq!(plan(1_140, &s), (false, vec![3]));
+        // A spend in recovery takes from the share without owing it; given back, it is the
+        // share's again, and the debt is what it was.
+        let l = Limits::local(10, 10, 3_600_000, Algorithm::TokenBucket, 1);
+        assert!(take_all_as(&s, &t, &req, 400, Charge::SPEND).allowed);
+        assert_eq!(owed(&s, &t, "k", &l, 400), 3);
+        let left = |s: &FakeStore| {
+            (0..20)
+                .filter(|_| take_all_as(s, &t, &req, 400, Charge::SPEND).allowed)
+                .count()
+        };
+        let probe = s.map.borrow().clone();
+        assert_eq!(left(&s), 6, "10 less 3 on credit and 1 spent");
+        *s.map.borrow_mut() = probe;
+        refund_spent(&s, &t, &req, 400);
+        assert_eq!(owed(&s, &t, "k", &l, 400), 3);
+        assert_eq!(left(&s), 7);
+        // A request of a leasing rule is never in recovery (its pool was charged already).
+        let leasing = Config::parse(
+            br#"{"service":{"cluster":"c"},"fallback":{"instances":1,"max_keys":10},
+                 "rules":[{"name":"r","key":["literal:k"],"capacity":10,"period_ms":3600000,"lease":{"size":2}}]}"#,
+        )
+        .unwrap_or_else(|e| unreachable!("{e}"));
+        let mut p = Plan {
+            request: req.clone(),
+            rules: vec![0],
+            debt: vec![],
+            rls: None,
+            instances: 0,
+        };
+        assert!(!attach_debts(&leasing, &mut p, &s, 400));
+    }
+
+    #[test]
+    fn a_record_written_before_the_outage_mark_keeps_its_share_and_debt() {
+        let (s, t) = (prepared(10), sh(10));
+        let l = tb(10);
+        let sl = slot("k", &l, 10);
+        // The earlier format: eight words, 4 tokens held of 10, 3 owed.
+        let held = bucket::share(&l, 4, 0, 0);
+        let words = [held.level, held.stamp, 3, 0, 10, 10, 1000, 1];
+        s.map.borrow_mut().insert(
+            sl.name.clone(),
+            (table::encode(table::SHARE, &sl.id, &words), 1),
+        );
+        assert_eq!(owed(&s, &t, "k", &l, 0), 3);
+        let admitted = (0..10)
+            .filter(|_| take(&s, &t, "k", &l, 0, 1).allowed)
+            .count();
+        assert_eq!(admitted, 4);
+        assert_eq!(owed(&s, &t, "k", &l, 0), 7);
+        assert_eq!(
+            s.map.borrow().get(&sl.name).map(|(v, _)| v.len()),
+            Some(SLOT_BYTES),
+            "written again in this format"
+        );
     }
 
     #[test]

@@ -63,6 +63,8 @@ impl Fleet {
 /// One request as a client saw it. `status` 0: no HTTP response (connection error, timeout).
 #[derive(Clone, Copy, Debug)]
 pub struct Rec {
+    /// The client that sent it (client `k` is connected to Envoy `k % n`).
+    pub client: usize,
     pub start: Instant,
     pub latency: Duration,
     pub status: u16,
@@ -141,6 +143,7 @@ impl Load {
                                 Err(_) => 0,
                             };
                         recs.push(Rec {
+                            client: k,
                             start,
                             latency: start.elapsed(),
                             status,
