@@ -493,6 +493,7 @@ impl Cli {
                 max_takes: self.coalesce,
                 calls: self.coalesce_calls,
                 max_wait: Some(ms(self.redis_timeout_ms)),
+                ..Default::default()
             }),
             instance_ttl_ms: self.instance_ttl_ms,
         })

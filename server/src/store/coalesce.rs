@@ -8,6 +8,14 @@
 //! many takes, and the Redis round trip, the script start and the reply parsing are paid once for
 //! them instead of once each.
 //!
+//! **A slow store costs a take one call, not two.** A take queued behind busy calls would wait for
+//! one of them to return before its own call starts: with a store 30 ms slower than usual, 60 ms,
+//! past a proxy's 50 ms timeout. So when the queue has waited [`CoalesceConfig::slow_after`]
+//! (calls to a healthy Redis return well within it, so this never fires then and nothing changes),
+//! it leaves at once in a call of its own beside the busy ones, up to
+//! [`CoalesceConfig::extra_calls`] such calls at a time; the take that found the queue empty
+//! watches it.
+//!
 //! What each caller sees is what it would see alone:
 //!
 //! * every take is decided independently and atomically, exactly as [`Store::take`] decides it
@@ -46,7 +54,19 @@ pub struct CoalesceConfig {
     /// the store's timeout). `None`: as long as the calls take, each bounded by the store's own
     /// timeout, so at most about twice that.
     pub max_wait: Option<Duration>,
+    /// A queue that waited this long behind busy calls leaves in a call of its own beside them.
+    pub slow_after: Duration,
+    /// Most such calls in flight at once, beyond `calls`.
+    pub extra_calls: usize,
 }
+
+/// [`CoalesceConfig::slow_after`] by default: a call to a healthy Redis on the same network
+/// returns within a millisecond or two, so a queue that waited 5 ms is behind a slow one.
+pub const SLOW_AFTER: Duration = Duration::from_millis(5);
+
+/// [`CoalesceConfig::extra_calls`] by default: with `slow_after` 5 ms, six calls leave a 30 ms
+/// call's worth of queue each 5 ms, so a take waits one slow call, not two.
+pub const EXTRA_CALLS: usize = 6;
 
 impl Default for CoalesceConfig {
     fn default() -> Self {
@@ -54,6 +74,8 @@ impl Default for CoalesceConfig {
             max_takes: MAX_BATCH_TAKES,
             calls: 2,
             max_wait: None,
+            slow_after: SLOW_AFTER,
+            extra_calls: EXTRA_CALLS,
         }
     }
 }
@@ -71,6 +93,8 @@ struct State {
     free: usize,
     /// Takes waiting for a call. Invariant: non-empty only while `free == 0`.
     queue: VecDeque<Job>,
+    /// Calls in flight beside the `calls` ones, for a queue that waited `slow_after`.
+    extra: usize,
 }
 
 struct Inner {
@@ -90,7 +114,7 @@ impl Coalescer {
         let config = CoalesceConfig {
             max_takes: config.max_takes.clamp(1, MAX_BATCH_TAKES),
             calls: config.calls.max(1),
-            max_wait: config.max_wait,
+            ..config
         };
         Coalescer {
             inner: Arc::new(Inner {
@@ -98,6 +122,7 @@ impl Coalescer {
                 state: Mutex::new(State {
                     free: config.calls,
                     queue: VecDeque::new(),
+                    extra: 0,
                 }),
                 config,
             }),
@@ -159,6 +184,37 @@ impl Inner {
         }
     }
 
+    /// The queue waited `slow_after` behind busy calls: it leaves now in a call of its own, if
+    /// fewer than `extra_calls` such calls are in flight (else a call that returns takes it).
+    fn overflow(self: &Arc<Self>) {
+        let batch = {
+            let mut st = self.lock();
+            if st.extra >= self.config.extra_calls {
+                return;
+            }
+            let mut batch = Vec::new();
+            while batch.len() < self.config.max_takes {
+                match st.queue.pop_front() {
+                    Some(job) if job.reply.is_closed() => {}
+                    Some(job) => batch.push(job),
+                    None => break,
+                }
+            }
+            if batch.is_empty() {
+                return;
+            }
+            st.extra += 1;
+            batch
+        };
+        let me = self.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                me.send(batch).await;
+                me.lock().extra -= 1;
+            });
+        }
+    }
+
     /// One store call for `jobs`, each answered on its own.
     async fn send(&self, jobs: Vec<Job>) {
         if let [_] = jobs.as_slice() {
@@ -206,16 +262,18 @@ impl Drop for Slot<'_> {
 
 impl Coalescer {
     /// A call slot for the caller's own call (`None`), or, every call being busy, `takes` queued,
-    /// each with the receiver of its answer.
+    /// each with the receiver of its answer, and whether this caller found the queue empty (and
+    /// so watches it for [`CoalesceConfig::slow_after`]).
     fn slot_or_queue<'a>(
         &self,
         takes: impl Iterator<Item = &'a [BucketSpec]>,
-    ) -> Option<Vec<oneshot::Receiver<Reply>>> {
+    ) -> Option<(Vec<oneshot::Receiver<Reply>>, bool)> {
         let mut st = self.inner.lock();
         if st.free > 0 {
             st.free -= 1;
             return None;
         }
+        let watches = st.queue.is_empty();
         let queued = takes
             .map(|specs| {
                 let (reply, rx) = oneshot::channel();
@@ -226,22 +284,36 @@ impl Coalescer {
                 rx
             })
             .collect();
-        Some(queued)
+        Some((queued, watches))
     }
 
     /// The answers of queued takes, in order, each waited for until `max_wait` from now at most;
     /// the first error is the result.
     async fn answers(
         &self,
-        queued: Vec<oneshot::Receiver<Reply>>,
+        (queued, watches): (Vec<oneshot::Receiver<Reply>>, bool),
     ) -> Result<Vec<TakeResponse>, StoreError> {
         let abandoned = |_| StoreError::Connection("the coalesced call was abandoned".into());
-        let all = async {
+        let answered = async {
             let mut out = Vec::with_capacity(queued.len());
             for rx in queued {
                 out.push(rx.await.unwrap_or_else(|e| Err(abandoned(e)))?);
             }
             Ok(out)
+        };
+        let all = async {
+            if !watches {
+                return answered.await;
+            }
+            tokio::pin!(answered);
+            tokio::select! {
+                biased;
+                r = &mut answered => r,
+                () = tokio::time::sleep(self.inner.config.slow_after) => {
+                    self.inner.overflow();
+                    answered.await
+                }
+            }
         };
         let Some(max_wait) = self.inner.config.max_wait else {
             return all.await;
@@ -435,6 +507,9 @@ mod tests {
             max_takes,
             calls,
             max_wait: Some(Duration::from_secs(5)),
+            // These tests count calls behind slow ones: no call of a queue's own.
+            slow_after: Duration::from_secs(3600),
+            extra_calls: 0,
         }
     }
 
@@ -479,6 +554,71 @@ mod tests {
             singles + batches < 40,
             "{singles} single calls, {batches} batches"
         );
+    }
+
+    /// A store 30 ms slow: a take queued behind a busy call waits `slow_after`, then its own
+    /// call, not the busy one's whole round trip first (it waited 60 ms, a proxy's 50 ms
+    /// timeout passed); still exact.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn behind_a_slow_call_a_queue_leaves_in_a_call_of_its_own() {
+        let store = counting(30, false);
+        let c = Arc::new(Coalescer::new(
+            store.clone(),
+            CoalesceConfig {
+                slow_after: Duration::from_millis(5),
+                extra_calls: 6,
+                ..config(1, 64)
+            },
+        ));
+        let busy = tokio::spawn({
+            let c = c.clone();
+            async move { c.take(&[bucket("shared", 25)]).await }
+        });
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let started = std::time::Instant::now();
+        let tasks: Vec<_> = (0..30)
+            .map(|_| {
+                let c = c.clone();
+                tokio::spawn(async move {
+                    let d = c.take(&[bucket("shared", 25)]).await;
+                    (d, started.elapsed())
+                })
+            })
+            .collect();
+        let mut allowed = usize::from(matches!(busy.await, Ok(Ok(ref d)) if d.allowed));
+        let mut slowest = Duration::ZERO;
+        for t in tasks {
+            match t.await {
+                Ok((Ok(d), took)) => {
+                    allowed += usize::from(d.allowed);
+                    slowest = slowest.max(took);
+                }
+                other => unreachable!("{other:?}"),
+            }
+        }
+        assert_eq!(allowed, 25, "exactly the capacity");
+        // One call (30 ms) after 5 ms of queueing, with room for a loaded machine's timers; two
+        // calls in a row would be 58 ms and more.
+        assert!(
+            slowest < Duration::from_millis(55),
+            "a queued take waited {slowest:?}"
+        );
+        assert!(
+            store.batches.load(Ordering::SeqCst) <= 2,
+            "the queue still left together"
+        );
+        // Behind a quick call nothing of this happens: the queue leaves when it returns.
+        let quick = counting(1, false);
+        let c = Arc::new(Coalescer::new(quick.clone(), config(1, 64)));
+        let tasks: Vec<_> = (0..30)
+            .map(|_| {
+                let c = c.clone();
+                tokio::spawn(async move { c.take(&[bucket("q", 100)]).await })
+            })
+            .collect();
+        for t in tasks {
+            assert!(matches!(t.await, Ok(Ok(_))));
+        }
     }
 
     /// Batches (a stream's messages) behind a busy call share the next calls as single takes
@@ -545,6 +685,8 @@ mod tests {
                 max_takes: 64,
                 calls: 1,
                 max_wait: Some(Duration::from_millis(20)),
+                slow_after: Duration::from_secs(3600),
+                extra_calls: 0,
             },
         ));
         let first = tokio::spawn({

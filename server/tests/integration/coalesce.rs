@@ -37,6 +37,7 @@ fn coalescing(store: impl Store, calls: usize) -> Arc<Coalescer> {
             max_takes: 64,
             calls,
             max_wait: Some(Duration::from_secs(5)),
+            ..Default::default()
         },
     ))
 }
