@@ -242,13 +242,13 @@ fn shed_messages_fail_alone() {
     let service = Service::start_with(&c, &dir, Some(&redis_url), &["--max-in-flight", "1"]);
     // A callout timeout no message on a live stream reaches: a take fails only when it is shed or
     // its stream ended.
-    let fleet = Fleet::start(
-        &c,
-        &dir,
-        N,
-        &plugin(Transport::Grpc, "shed", 1000, N),
-        service.port,
-    );
+    // Sheds are failures the breaker hears of (an overloaded service is one to spare); it is off
+    // here (`failures: 0`), so that the cluster's requests are the streams alone (the fallback's recovery
+    // refunds would be requests on it too) and each shed message is seen failing on its stream.
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&plugin(Transport::Grpc, "shed", 1000, N)).expect("JSON");
+    cfg["breaker"]["failures"] = serde_json::json!(0);
+    let fleet = Fleet::start(&c, &dir, N, &cfg.to_string(), service.port);
     let streams_stat = "cluster.tollgate.upstream_rq_total";
     let streams_before = fleet.stat(streams_stat);
     let load = Load::start(&fleet.ports(), CLIENTS, PAUSE, RUN * 2, (1, 8));
