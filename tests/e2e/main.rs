@@ -3,7 +3,7 @@
 //! A test's name is its file's module and its function: `faults::redis_sigstop` (nextest filters in
 //! `.config/nextest.toml` match them by `binary(e2e)` and that prefix).
 //!
-//! - [`common`]: the harness (`tests/common/`, shared with `tests/deploy.rs` and `tests/image.rs`);
+//! - [`common`]: the harness (`tests/common/`, shared with `tests/deploy/` and `tests/image.rs`);
 //!   [`native_rls`]: Envoy's native ratelimit filter against the service's RLS endpoint.
 //! - [`bad_days`]
 //! - [`buckets`]
