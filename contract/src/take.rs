@@ -22,6 +22,18 @@ pub struct Bucket {
     pub lease: Option<u64>,
 }
 
+impl Bucket {
+    /// Tokens this take costs the bucket: `cost`, or 1 when it is absent.
+    pub fn cost(&self) -> u64 {
+        self.cost.unwrap_or(1)
+    }
+
+    /// Tokens added per period: `rate`, or `capacity` when it is absent.
+    pub fn rate(&self) -> u64 {
+        self.rate.unwrap_or(self.capacity)
+    }
+}
+
 /// A take: charge every bucket, or none.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TakeRequest {

@@ -256,7 +256,7 @@ fn effective<'a>(cfg: &'a Config, plan: &Plan) -> Vec<Cow<'a, Rule>> {
         .filter_map(|(&i, b)| {
             let rule = cfg.rules.get(i)?;
             let l = rule.rate_limit()?;
-            let rate = b.rate.unwrap_or(b.capacity);
+            let rate = b.rate();
             if (b.capacity, rate, b.period_ms) == (l.capacity, l.rate, l.period_ms) {
                 return Some(Cow::Borrowed(rule));
             }

@@ -700,7 +700,7 @@ fn run_chores<H: Host>(
     watched.extend(chores.watch);
     for r in &chores.returns {
         refund(cfg, r, host);
-        let n = r.buckets.iter().map(|b| b.cost.unwrap_or(1)).sum();
+        let n = r.buckets.iter().map(|b| b.cost()).sum();
         host.count(Metric::Lease(Count::Returned, n));
     }
     if chores.refills.is_empty() {
@@ -811,11 +811,7 @@ pub fn late_answer<H: Host>(
             }
             // What this take was charged: its grant (its cost, debt and lease included), or its
             // cost from a service that reports no grant.
-            let n = if r.granted > 0 {
-                r.granted
-            } else {
-                b.cost.unwrap_or(1)
-            };
+            let n = if r.granted > 0 { r.granted } else { b.cost() };
             let same = |o: &crate::core::wire::Bucket| {
                 (&o.key, o.capacity, o.rate, o.period_ms, o.algorithm)
                     == (&b.key, b.capacity, b.rate, b.period_ms, b.algorithm)
@@ -1609,7 +1605,7 @@ mod tests {
             self.level = (self.level + (now - self.at) as f64 * self.per_ms).min(self.cap);
             self.at = now;
             let b = &plan.request.buckets[0];
-            let cost = b.cost.unwrap_or(1);
+            let cost = b.cost();
             let whole = self.level.floor() as u64;
             let g = match whole >= cost {
                 true => b.lease.unwrap_or(cost).min(whole),
@@ -1623,7 +1619,7 @@ mod tests {
         /// Tokens given back (`POST /v1/refund`).
         fn refund(&mut self, back: &[TakeRequest]) {
             for r in back {
-                self.level += r.buckets.iter().map(|b| b.cost.unwrap_or(1)).sum::<u64>() as f64;
+                self.level += r.buckets.iter().map(|b| b.cost()).sum::<u64>() as f64;
             }
         }
     }

@@ -53,7 +53,7 @@ const WORDS: usize = 6;
 fn slot(b: &Bucket, max_keys: u32) -> Slot {
     let l = Limits::local(
         b.capacity,
-        b.rate.unwrap_or(b.capacity),
+        b.rate(),
         b.period_ms,
         b.algorithm.unwrap_or_default(),
         1,
@@ -143,7 +143,7 @@ pub fn remember<S: CasStore + ?Sized>(
         }
         let d = Denial {
             until_ms: now_ms.saturating_add(r.retry_after_ms.min(cap)),
-            cost: b.cost.unwrap_or(1),
+            cost: b.cost(),
             limit: r.limit,
             remaining: r.remaining,
             full_at_ms: now_ms.saturating_add(r.reset_ms),
@@ -212,7 +212,7 @@ pub fn recall<S: CasStore + ?Sized>(
             store
                 .get(&slot.name)
                 .and_then(|(v, _)| Denial::decode(&slot.id, &v))
-                .filter(|d| now_ms < d.until_ms && b.cost.unwrap_or(1) >= d.cost)
+                .filter(|d| now_ms < d.until_ms && b.cost() >= d.cost)
         } else {
             None
         };

@@ -710,7 +710,7 @@ pub fn spend_extras<S: CasStore + ?Sized>(
 fn limits_of(b: &crate::core::wire::Bucket, instances: u64) -> Limits {
     Limits::local(
         b.capacity,
-        b.rate.unwrap_or(b.capacity),
+        b.rate(),
         b.period_ms,
         b.algorithm.unwrap_or_default(),
         instances,
@@ -744,7 +744,7 @@ pub fn take_all_as<S: CasStore + ?Sized>(
     let mut allowed = true;
     for (i, b) in req.buckets.iter().enumerate() {
         let l = limits_of(b, sh.instances);
-        let cost = b.cost.unwrap_or(1);
+        let cost = b.cost();
         let r = take_as(store, sh, &b.key, &l, now_ms, cost, how);
         if r.allowed {
             charged.push((i, l, cost));
@@ -773,7 +773,7 @@ pub fn refund_spent<S: CasStore + ?Sized>(store: &S, sh: &Shares, req: &TakeRequ
     let sh = &sh.learned(store);
     for b in &req.buckets {
         let l = limits_of(b, sh.instances);
-        refund_as(store, sh, &b.key, &l, now_ms, b.cost.unwrap_or(1), false);
+        refund_as(store, sh, &b.key, &l, now_ms, b.cost(), false);
     }
 }
 
@@ -857,7 +857,7 @@ pub fn attach_debts<S: CasStore + ?Sized>(
         if d == 0 {
             continue;
         }
-        let cost = b.cost.unwrap_or(1);
+        let cost = b.cost();
         let base = b.lease.unwrap_or(cost);
         let d = d.min(MAX_LEASE.saturating_sub(base));
         if d == 0 {
@@ -907,7 +907,7 @@ pub fn settle_debts(plan: &Plan, outcome: Outcome) -> (Outcome, Vec<u64>) {
         if debt == 0 {
             continue;
         }
-        let cost = b.cost.unwrap_or(1);
+        let cost = b.cost();
         let paid = if r.granted >= cost.saturating_add(debt) {
             debt
         } else {
@@ -915,7 +915,7 @@ pub fn settle_debts(plan: &Plan, outcome: Outcome) -> (Outcome, Vec<u64>) {
             let paid = r.granted.min(debt);
             // Denied: come back when the rest of the debt and this cost have refilled.
             let need = debt - paid + cost;
-            let rate = b.rate.unwrap_or(b.capacity).max(1);
+            let rate = b.rate().max(1);
             r.allowed = false;
             r.retry_after_ms = u64::try_from(
                 (u128::from(need) * u128::from(b.period_ms)).div_ceil(u128::from(rate)),

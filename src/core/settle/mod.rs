@@ -111,7 +111,7 @@ pub struct Reserved {
 
 impl Reserved {
     fn estimate(&self) -> u64 {
-        self.bucket.cost.unwrap_or(1)
+        self.bucket.cost()
     }
 }
 

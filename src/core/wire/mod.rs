@@ -204,7 +204,7 @@ pub struct RlsRequest {
 pub fn encode_rls(rls: &RlsRequest, req: &TakeRequest) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + 96 * rls.descriptors.len());
     put_bytes(&mut out, 1, rls.domain.as_bytes());
-    let costs: Vec<u64> = req.buckets.iter().map(|b| b.cost.unwrap_or(1)).collect();
+    let costs: Vec<u64> = req.buckets.iter().map(|b| b.cost()).collect();
     let same = costs.windows(2).all(|w| w.first() == w.get(1));
     let mut d = Vec::with_capacity(96);
     let mut e = Vec::with_capacity(64);
@@ -343,7 +343,7 @@ pub fn decode_rls(body: &[u8], req: &TakeRequest) -> Result<TakeResponse, Decode
                 remaining,
                 reset_ms,
                 retry_after_ms: if ok { 0 } else { reset_ms.max(1) },
-                granted: if allowed { b.cost.unwrap_or(1) } else { 0 },
+                granted: if allowed { b.cost() } else { 0 },
             }
         })
         .collect();

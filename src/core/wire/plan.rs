@@ -34,7 +34,7 @@ impl Plan {
     /// it asks for its cost only).
     pub fn own_lease(&self, i: usize) -> Option<u64> {
         let b = self.request.buckets.get(i)?;
-        let cost = b.cost.unwrap_or(1);
+        let cost = b.cost();
         b.lease
             .map(|l| l.saturating_sub(self.debt(i)))
             .filter(|&l| l > cost)

@@ -284,7 +284,7 @@ pub fn local<S: CasStore + ?Sized>(
         let Some(b) = plan.request.buckets.get(*i) else {
             continue;
         };
-        let cost = b.cost.unwrap_or(1);
+        let cost = b.cost();
         let slot = slot(l, &b.key, cfg.fallback.max_keys);
         let sizing = Sizing::new(cfg, *lease, b.capacity);
         let (t, e) = take(store, &slot, &sizing, b.capacity, cost, now_ms);
@@ -387,7 +387,7 @@ pub fn rescue<S: CasStore + ?Sized>(
     let mut results = Vec::with_capacity(lease_buckets.len());
     for (i, l, _) in &lease_buckets {
         let b = plan.request.buckets.get(*i)?;
-        let cost = b.cost.unwrap_or(1);
+        let cost = b.cost();
         let slot = slot(l, &b.key, cfg.fallback.max_keys);
         match spend(store, &slot, l.capacity, cost, now_ms) {
             Some(r) => {
@@ -436,7 +436,7 @@ pub fn settle<S: CasStore + ?Sized>(
         };
         // A lease that only carries a fallback debt is no refill claim.
         let claimed = plan.own_lease(i).is_some();
-        let cost = b.cost.unwrap_or(1);
+        let cost = b.cost();
         let slot = slot(l, &b.key, cfg.fallback.max_keys);
         match outcome {
             Outcome::Allowed(resp) => {
@@ -526,7 +526,7 @@ pub fn refilled<S: CasStore + ?Sized>(
                 Some(r) => deny(
                     store,
                     &slot,
-                    b.cost.unwrap_or(1),
+                    b.cost(),
                     r,
                     true,
                     cfg.service.remember_denials_ms,
