@@ -5,6 +5,8 @@
 //! - [`arithmetic`]: each algorithm's integer arithmetic, the one both sides count with;
 //! - [`bounds`]: the largest values, lists and bodies a valid message holds;
 //! - [`fields`]: the JSON field names;
+//! - [`headers`]: the rate limit headers both sides write (`RateLimit-Policy`, `RateLimit`,
+//!   `Retry-After`);
 //! - [`take`]: a take and its answer (and a batch's), the messages themselves;
 //! - [`json`], [`proto`]: their two encodings, tested on contract/fixtures/cases.json;
 //! - [`slots`]: an acquire and a release of concurrency slots, and their answers;
@@ -17,6 +19,7 @@ pub mod algorithm;
 pub mod arithmetic;
 pub mod bounds;
 pub mod fields;
+pub mod headers;
 pub mod json;
 pub mod proto;
 pub mod settle;

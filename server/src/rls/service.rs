@@ -14,6 +14,7 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use contract::headers;
 use prost_types::Duration as PbDuration;
 use sha2::{Digest, Sha256};
 use tonic::{Request, Response, Status};
@@ -337,29 +338,18 @@ fn headers(statuses: &[DescriptorStatus], limits: &[Option<&Limit>]) -> Vec<Head
     let Some((s, l)) = chosen else {
         return Vec::new();
     };
-    let name: String = if l.name.is_empty() { &l.path } else { &l.name }
-        .chars()
-        .filter(|c| *c != '"' && *c != '\\' && !c.is_control())
-        .collect();
+    let name = if l.name.is_empty() { &l.path } else { &l.name };
     let h = |k: &str, v: String| HeaderValue {
         key: k.to_string(),
         value: v,
     };
     let reset = secs(s);
-    let t = reset.map(|r| format!(";t={r}")).unwrap_or_default();
+    let (mut policy, mut state) = (String::new(), String::new());
+    headers::push_policy(&mut policy, name, l.requests_per_unit, l.window_seconds());
+    headers::push_state(&mut state, name, u64::from(s.limit_remaining), reset);
     let mut out = vec![
-        h(
-            "ratelimit-policy",
-            format!(
-                "\"{name}\";q={};w={}",
-                l.requests_per_unit,
-                l.window_seconds()
-            ),
-        ),
-        h(
-            "ratelimit",
-            format!("\"{name}\";r={}{t}", s.limit_remaining),
-        ),
+        h("ratelimit-policy", policy),
+        h("ratelimit", state),
         h("x-ratelimit-limit", l.requests_per_unit.to_string()),
         h("x-ratelimit-remaining", s.limit_remaining.to_string()),
     ];

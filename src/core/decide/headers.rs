@@ -4,7 +4,8 @@
 //! - `draft`: draft-ietf-httpapi-ratelimit-headers (the structured-field form of drafts 09+):
 //!   `RateLimit-Policy: "per-ip";q=100;w=60` (the policy: quota `q` per window of `w` seconds)
 //!   and `RateLimit: "per-ip";r=99;t=1` (the live state: `r` remaining, `t` seconds until the
-//!   quota is restored), one list member per rule that applied, the member being a quoted string.
+//!   quota is restored), one list member per rule that applied, the member being a quoted string
+//!   (the contract's formatter, [`contract::headers`], which the service's RLS answers use too).
 //!   A token bucket's window is the time it takes to refill from empty,
 //!   `ceil(capacity × period / rate)`.
 //! - `x-ratelimit`: the de-facto `X-RateLimit-Limit`, `-Remaining`, `-Reset` (seconds), for the
@@ -12,15 +13,11 @@
 
 use crate::core::config::{HeaderStyle, Rule, RuleKind};
 use crate::core::wire::BucketResult;
-use std::fmt::Write as _;
-
-fn ceil_secs(ms: u64) -> u64 {
-    ms.div_ceil(1000)
-}
+use contract::headers::{ceil_secs, push_policy, push_state, retry_after_secs};
 
 /// The `retry-after` value for a wait of `ms`.
 pub fn retry_after(ms: u64) -> String {
-    ceil_secs(ms).max(1).to_string()
+    retry_after_secs(ms).to_string()
 }
 
 /// The policy window of a rule, in seconds (at least 1): a concurrency rule's is its deadline.
@@ -35,22 +32,6 @@ pub fn window_secs(rule: &Rule) -> u64 {
         RuleKind::Concurrency(c) => u128::from(c.deadline_ms),
     };
     u64::try_from(ms.div_ceil(1000)).unwrap_or(u64::MAX).max(1)
-}
-
-/// A structured-field string (RFC 8941 §3.3.3): printable ASCII, `"` and `\` escaped.
-fn push_sf_string(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' | '\\' => {
-                out.push('\\');
-                out.push(c);
-            }
-            ' '..='~' => out.push(c),
-            _ => out.push('?'),
-        }
-    }
-    out.push('"');
 }
 
 /// The headers of `styles` for the buckets of a decision, as (lower-case name, value) pairs.
@@ -72,10 +53,13 @@ pub fn rate_limit_headers(
                         policy.push_str(", ");
                         state.push_str(", ");
                     }
-                    push_sf_string(&mut policy, &rule.name);
-                    let _ = write!(policy, ";q={};w={}", r.limit, window_secs(rule));
-                    push_sf_string(&mut state, &rule.name);
-                    let _ = write!(state, ";r={};t={}", r.remaining, ceil_secs(r.reset_ms));
+                    push_policy(&mut policy, &rule.name, r.limit, window_secs(rule));
+                    push_state(
+                        &mut state,
+                        &rule.name,
+                        r.remaining,
+                        Some(ceil_secs(r.reset_ms)),
+                    );
                 }
                 out.push(("ratelimit-policy".to_string(), policy));
                 out.push(("ratelimit".to_string(), state));
@@ -199,7 +183,7 @@ mod tests {
     #[test]
     fn sf_strings_are_escaped() {
         let mut s = String::new();
-        push_sf_string(&mut s, "a\"b\\c\né");
+        contract::headers::push_name(&mut s, "a\"b\\c\né");
         assert_eq!(s, "\"a\\\"b\\\\c??\"");
     }
 }
