@@ -6,8 +6,10 @@
 //!   the filter's callout timeout 50 ms. Three Envoys behind the one service, one per transport
 //!   (the gRPC stream, a unary gRPC call, HTTP), each with its own keys and a third of the load,
 //!   so one slow period covers the three. A take then costs about 30 ms of Redis plus the
-//!   service and Envoy, under the timeout: the targets, per transport, are that fewer than 0.1 %
-//!   of the takes fail, the breaker never opens, no 5xx reaches a client, and the limit holds.
+//!   service and Envoy, under the timeout: the targets are that fewer than 0.1 % of the
+//!   incident's takes fail (the three transports' together, about 1,050; each transport's own
+//!   under 0.5 %, since 0.1 % of its 350 is under one take), the breaker never opens, no 5xx
+//!   reaches a client, and the limit holds.
 //!   Two rules match every request: one that admits everything (so every request is a take the
 //!   service decides, and the failure rate is one of takes), and one with a limit (capacity 100,
 //!   10 a second) whose admissions must stay within `capacity + rate × elapsed + N`. Denials are
@@ -160,6 +162,7 @@ fn redis_answering_late() {
     let bound = CAPACITY as f64 + RATE as f64 * elapsed * 1000.0 / PERIOD_MS as f64 + n as f64;
     let ms = |d: Option<Duration>| d.map_or("–".into(), |d| d.as_millis().to_string());
     let mut broken = Vec::new();
+    let (mut all_failed, mut all_made) = (0, 0);
     for (e, &t) in TRANSPORTS.iter().enumerate() {
         let tname = transport_name(t);
         let during = since(&before[e], &after[e]);
@@ -210,15 +213,25 @@ fn redis_answering_late() {
         if made < 200 {
             broken.push(format!("{tname}: the load made only {made} takes"));
         }
-        if failed * 1000 >= made {
+        // About 350 takes a transport: 0.1 % of one is under a take, so the incident's bound is
+        // checked over the three together (about 1,050 takes: at most one failed), and each
+        // transport's own at 0.5 % (at most one of its takes; before, 19 to 64 % failed).
+        all_failed += failed;
+        all_made += made;
+        if failed * 200 >= made {
             broken.push(format!(
-                "{tname}: {failed} of {made} takes failed ({:.2} %), wanted under 0.1 %",
+                "{tname}: {failed} of {made} takes failed ({:.2} %), wanted under 0.5 %",
                 rate * 100.0
             ));
         }
         if openings > 0 {
             broken.push(format!("{tname}: the breaker opened {openings} times"));
         }
+    }
+    if all_failed * 1000 >= all_made {
+        broken.push(format!(
+            "{all_failed} of the incident's {all_made} takes failed, wanted under 0.1 %"
+        ));
     }
     eprintln!(
         "redis late: {} requests in {elapsed:.2} s, statuses {:?}",
