@@ -5,6 +5,13 @@
 //! through its own prototype, so a wrong parameter list here is silent undefined behaviour. Each
 //! item below names the C declaration it mirrors; keep them in step with that header.
 //!
+//! Where they come from: the header as stored by the code index (a version from the 1.39–1.40
+//! cycle, its ABI string still "v0.1.0"; no copy at the v1.40.0 tag could be read), the list of
+//! hooks from the filter configuration's loader (`filter_config.cc`), and the callbacks' names from
+//! the 1.40.0 binary's dynamic symbols. The 1.40.0 binary's own ABI string is "v0.2.0": Envoy logs
+//! "Dynamic module ABI version v0.2.0 matched" for this module, and every hook and callback below
+//! runs under scripts/bench-instructions.sh (dm-empty, dm-stream).
+//!
 //! - Envoy's objects (`*_envoy_ptr`) and the module's (`*_module_ptr`) are opaque pointers.
 //! - C enums cross as `i32` (the C `int` an enum is): a value Envoy passes that Rust would not
 //!   know can then never be an invalid Rust enum.
