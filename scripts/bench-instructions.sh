@@ -13,6 +13,13 @@
 # and Redis run normally (not counted).
 #   none      no filter
 #   empty     the floor of any wasm filter: bench/empty-filter (proxy-wasm SDK, returns Continue)
+#   dm-empty  the floor of a native filter: bench/dm-probe, an Envoy dynamic module whose hooks all
+#             continue (built here; Envoy finds libdm_probe.so through
+#             ENVOY_DYNAMIC_MODULES_SEARCH_PATH)
+#   dm-stream the same module sending one message per request on its worker's HTTP/2 stream and
+#             waiting for the answer, against bench/stream-probe/server.py (grpcio, installed by
+#             `scripts/tools.sh bench`) instead of the service; the peer's count must show every
+#             request asked
 #   nomatch   Tollgate, its rule matches no request (`path_exact: /never`): the idle path
 #   skip      Tollgate in the chain, switched off for the route (FilterConfig `disabled: true`)
 #   http      Tollgate exact, one callout per request over HTTP (`"batch": 0`; the service's
@@ -64,6 +71,19 @@ if [[ " $VARIANTS " == *" empty "* ]]; then
     --manifest-path bench/empty-filter/Cargo.toml || die "cannot build bench/empty-filter"
   require_files "$EMPTY_WASM"
 fi
+# The native probe (variants dm-*): its own crate outside the workspace, a shared library Envoy
+# loads by name from this folder.
+DM_DIR=$ROOT/target/dm-probe/release
+if [[ " $VARIANTS " == *" dm-"* ]]; then
+  CARGO_TARGET_DIR=$ROOT/target/dm-probe cargo build --quiet --release \
+    --manifest-path bench/dm-probe/Cargo.toml || die "cannot build bench/dm-probe"
+  require_files "$DM_DIR/libdm_probe.so"
+  export ENVOY_DYNAMIC_MODULES_SEARCH_PATH=$DM_DIR
+fi
+PY_GRPC=$ROOT/.tools/py-grpc
+if [[ " $VARIANTS " == *" dm-stream "* ]]; then
+  [ -d "$PY_GRPC/grpc" ] || die "grpcio missing in $PY_GRPC (scripts/tools.sh bench)"
+fi
 rm -rf "$OUT" && mkdir -p "$OUT"
 
 trap stop_started EXIT INT TERM
@@ -102,11 +122,20 @@ for variant in $VARIANTS; do
       --bind 127.0.0.1 --save '' --appendonly no --dir "$OUT"
     start_service "$OUT"
   fi
+  service=$SVC_PORT
+  if [ "$variant" = dm-stream ]; then
+    service=$(free_port)
+    PYTHONPATH=$PY_GRPC python3 bench/stream-probe/server.py "$service" >"$OUT/peer-$variant.log" 2>&1 &
+    peer_pid=$!; PIDS+=("$peer_pid")
+    for _ in $(seq 100); do grep -q ready "$OUT/peer-$variant.log" 2>/dev/null && break; sleep 0.1; done
+  fi
   port=$(free_port); admin=$(free_port)
-  args=(--listen "$port" --admin "$admin" --direct $'hello from the edge\n' --service "$SVC_PORT")
+  args=(--listen "$port" --admin "$admin" --direct $'hello from the edge\n' --service "$service")
   case $variant in
     none) ;;
     empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
+    dm-empty) args+=(--dynamic-module dm_probe --dynamic-module-config empty) ;;
+    dm-stream) args+=(--dynamic-module dm_probe --dynamic-module-config stream) ;;
     nomatch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"match": {"path_exact": "/never"},')") ;;
     skip) args+=(--wasm "$WASM" --plugin-config "$(plugin http '')" --skip-module) ;;
     http) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 0')") ;;
@@ -136,6 +165,15 @@ for variant in $VARIANTS; do
   callgrind_rounds "$variant" "$OUT" "$ROUNDS" "$REQUESTS" python3 scripts/drive.py "$port" "$REQUESTS" "$CLIENTS" "$statuses"
   if [ "$TIER" != envoy ]; then kill "$envoy_pid"; wait "$envoy_pid" 2>/dev/null || true; fi
   if [ "$TIER" = redis ]; then kill "$SVC_PID"; wait "$SVC_PID" 2>/dev/null || true; fi
+  if [ "$variant" = dm-stream ]; then
+    # Every request must have been asked on the stream, or the figure is not the stream's.
+    sleep 2.5 # the peer's next count
+    answered=$(tail -n 1 "$OUT/peer-$variant.log")
+    kill "$peer_pid" 2>/dev/null || true
+    expected=$(( WARMUP + ROUNDS * REQUESTS ))
+    python3 -c "import ast,sys; c=ast.literal_eval(sys.argv[1]); sys.exit(0 if c['stream'] == $expected else 1)" \
+      "$answered" || die "$variant: the peer answered $answered, not $expected stream messages"
+  fi
   say "$variant: ${COUNTS[*]} $TIER instructions per request (median $MEDIAN)"
   printf '%s\t%s\t%s\n' "$variant" "$MEDIAN" "${COUNTS[*]}" >>"$RESULTS"
 done
@@ -146,6 +184,7 @@ counted="Envoy --concurrency 1"
 [ "$TIER" = redis ] && counted="Redis"
 echo "$counted under callgrind, Envoy bare (direct_response), $ROUNDS × $REQUESTS requests from $CLIENTS keep-alive client(s), $(date -u +%Y-%m-%dT%H:%MZ)"
 echo "module: $(stat -c %s "$WASM") bytes"
+if [[ " $VARIANTS " == *" dm-"* ]]; then echo "dynamic module: $(stat -c %s "$DM_DIR/libdm_probe.so") bytes"; fi
 echo
 echo "| path | instructions per request (median) | rounds | vs no filter |"
 echo "|---|---|---|---|"

@@ -4,13 +4,13 @@
 //! the scripts through the `tollgate-envoy-config` binary.
 //!
 //! [`EnvoySpec`] says what the edge listener holds: its HTTP filters (the Tollgate wasm filter with
-//! a plugin configuration, the module without one, Envoy's own `local_ratelimit`, Envoy's own
-//! ratelimit filter calling the service's RLS endpoint, filters from a checked-in file), its routes
-//! (to the upstream cluster, or answered by Envoy itself) and connection manager settings; and the
-//! clusters: the service's (HTTP/2 unless told otherwise, one endpoint per replica) and the
-//! upstream (one or several endpoints, taken in turn). It renders a static bootstrap
-//! ([`EnvoySpec::yaml`]) or, for configuration pushes, a bootstrap that reads the listener from an
-//! LDS file ([`EnvoySpec::lds_bootstrap`], [`EnvoySpec::lds_resource`]).
+//! a plugin configuration, the module without one, a native dynamic module, Envoy's own
+//! `local_ratelimit`, Envoy's own ratelimit filter calling the service's RLS endpoint, filters from
+//! a checked-in file), its routes (to the upstream cluster, or answered by Envoy itself) and
+//! connection manager settings; and the clusters: the service's (HTTP/2 unless told otherwise, one
+//! endpoint per replica) and the upstream (one or several endpoints, taken in turn). It renders a
+//! static bootstrap ([`EnvoySpec::yaml`]) or, for configuration pushes, a bootstrap that reads the
+//! listener from an LDS file ([`EnvoySpec::lds_bootstrap`], [`EnvoySpec::lds_resource`]).
 //!
 //! Every piece is written at column 0 and indented where it is placed, so each is written once.
 
@@ -36,6 +36,9 @@ pub struct EnvoySpec {
     pub failure_policy: Option<String>,
     /// The wasm filter's `fail_open`: a module that cannot load is skipped.
     pub fail_open: bool,
+    /// A native filter: an Envoy dynamic module (`envoy.filters.http.dynamic_modules`), first in
+    /// the chain (where the wasm filter would be).
+    pub dynamic_module: Option<DynamicModule>,
     /// Envoy's own ratelimit filter, after the Tollgate filter if there is one.
     pub native_rls: Option<NativeRls>,
     /// Envoy's own `local_ratelimit` filter (one bucket per Envoy), after the above.
@@ -213,6 +216,42 @@ impl NativeRls {
     }
 }
 
+/// An HTTP filter from an Envoy dynamic module: the shared library `lib<name>.so`, which Envoy
+/// looks for in `$ENVOY_DYNAMIC_MODULES_SEARCH_PATH`, else in its working directory.
+#[derive(Clone, Debug)]
+pub struct DynamicModule {
+    /// `dynamic_module_config.name`: the library's name without `lib` and `.so`.
+    pub name: String,
+    /// `filter_name`: which of the module's filters (the module reads it).
+    pub filter_name: String,
+    /// `filter_config`, passed to the module as the bytes of a `StringValue`; `None`: none.
+    pub filter_config: Option<String>,
+}
+
+impl DynamicModule {
+    /// The filter (a mapping at column 0).
+    fn filter(&self) -> String {
+        let mut config = format!(
+            "dynamic_module_config: {{name: {}}}\nfilter_name: {}\n",
+            quote(&self.name),
+            quote(&self.filter_name)
+        );
+        if let Some(c) = &self.filter_config {
+            let _ = writeln!(
+                config,
+                "filter_config:\n  \"@type\": type.googleapis.com/google.protobuf.StringValue\n  \
+                 value: {}",
+                quote(c)
+            );
+        }
+        format!(
+            "name: envoy.filters.http.dynamic_modules\ntyped_config:\n  \"@type\": \
+             type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n{}",
+            indent(&config, 2)
+        )
+    }
+}
+
 /// Envoy's `local_ratelimit` filter: one token bucket per Envoy, shared by its workers.
 #[derive(Clone, Copy, Debug)]
 pub struct LocalRateLimit {
@@ -233,6 +272,7 @@ impl EnvoySpec {
             bare_module: false,
             failure_policy: None,
             fail_open: false,
+            dynamic_module: None,
             native_rls: None,
             local_ratelimit: None,
             extra_http_filters: Vec::new(),
@@ -445,13 +485,16 @@ impl EnvoySpec {
         out
     }
 
-    /// The edge listener's HTTP filters (a list at column 0): the wasm filter, the native
-    /// ratelimit filter, `local_ratelimit`, the extra filters, the router, in that order (those
-    /// present).
+    /// The edge listener's HTTP filters (a list at column 0): the wasm filter, the dynamic
+    /// module, the native ratelimit filter, `local_ratelimit`, the extra filters, the router, in
+    /// that order (those present).
     pub fn http_filters(&self, wasm: &Path) -> String {
         let mut filters = Vec::new();
         if self.loads_module() {
             filters.push(self.wasm_filter(wasm));
+        }
+        if let Some(m) = &self.dynamic_module {
+            filters.push(m.filter());
         }
         if let Some(rls) = &self.native_rls {
             let metadata = match &rls.token {
@@ -794,5 +837,27 @@ mod tests {
         let clusters = spec.clusters();
         assert!(clusters.contains("port_value: 3") && clusters.contains("port_value: 4"));
         assert!(clusters.contains("http2_protocol_options"));
+    }
+
+    #[test]
+    fn a_dynamic_module_comes_first_with_its_configuration_as_a_string() {
+        let mut spec = EnvoySpec::empty();
+        spec.answer_directly("ok");
+        spec.dynamic_module = Some(DynamicModule {
+            name: "dm_probe".to_string(),
+            filter_name: "probe".to_string(),
+            filter_config: Some("stream".to_string()),
+        });
+        let filters = spec.http_filters(Path::new("m.wasm"));
+        assert_eq!(
+            filters,
+            "- name: envoy.filters.http.dynamic_modules\n  typed_config:\n    \"@type\": \
+             type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n    \
+             dynamic_module_config: {name: dm_probe}\n    filter_name: probe\n    filter_config:\n      \
+             \"@type\": type.googleapis.com/google.protobuf.StringValue\n      value: stream\n\
+             - name: envoy.filters.http.router\n  typed_config: {\"@type\": \
+             type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}\n"
+        );
+        assert!(!spec.loads_module(), "no wasm filter beside it");
     }
 }

@@ -17,6 +17,9 @@
 //! --plugin-config JSON       the Tollgate filter running --wasm with this configuration
 //! --bare-module NAME         --wasm with no plugin configuration, as VM NAME
 //! --failure-policy POLICY    the wasm filter's failure_policy (e.g. FAIL_RELOAD)
+//! --dynamic-module NAME      the filter of the dynamic module libNAME.so (found in
+//!                            $ENVOY_DYNAMIC_MODULES_SEARCH_PATH, else Envoy's working directory)
+//! --dynamic-module-config S  its filter_config, a string
 //! --local-ratelimit M,F,S    Envoy's local_ratelimit: max_tokens M, tokens_per_fill F every S s
 //! --native-rls DOMAIN        Envoy's ratelimit filter calling the service (RLS), with --rate-limits
 //! --rate-limits YAML         the upstream routes' rate_limits (flow YAML)
@@ -40,7 +43,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use tollgate_testkit::envoy::{Action, EnvoySpec, LocalRateLimit, NativeRls, Route};
+use tollgate_testkit::envoy::{Action, DynamicModule, EnvoySpec, LocalRateLimit, NativeRls, Route};
 use tollgate_testkit::envoy_files;
 
 fn main() -> ExitCode {
@@ -107,6 +110,20 @@ fn bootstrap(args: &[String]) -> Result<String, String> {
                 spec.module_name = value()?;
             }
             "--failure-policy" => spec.failure_policy = Some(value()?),
+            "--dynamic-module" => {
+                let name = value()?;
+                spec.dynamic_module = Some(DynamicModule {
+                    filter_name: name.clone(),
+                    name,
+                    filter_config: None,
+                })
+            }
+            "--dynamic-module-config" => {
+                spec.dynamic_module
+                    .as_mut()
+                    .ok_or_else(|| format!("{flag} comes after --dynamic-module"))?
+                    .filter_config = Some(value()?)
+            }
             "--local-ratelimit" => spec.local_ratelimit = Some(local_ratelimit(&value()?)?),
             "--native-rls" => spec.native_rls = Some(NativeRls::new(&value()?, "")),
             "--rate-limits" => rate_limits = Some(value()?),
