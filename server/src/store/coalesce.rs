@@ -140,6 +140,15 @@ impl Inner {
     /// are none, the call slot is given back.
     fn next_batch(&self) -> Vec<Job> {
         let mut st = self.lock();
+        let batch = self.drain(&mut st);
+        if batch.is_empty() {
+            st.free += 1;
+        }
+        batch
+    }
+
+    /// Up to `max_takes` queued takes, oldest first, skipping those nobody waits for any more.
+    fn drain(&self, st: &mut State) -> Vec<Job> {
         let mut batch = Vec::new();
         while batch.len() < self.config.max_takes {
             match st.queue.pop_front() {
@@ -147,9 +156,6 @@ impl Inner {
                 Some(job) => batch.push(job),
                 None => break,
             }
-        }
-        if batch.is_empty() {
-            st.free += 1;
         }
         batch
     }
@@ -192,14 +198,7 @@ impl Inner {
             if st.extra >= self.config.extra_calls {
                 return;
             }
-            let mut batch = Vec::new();
-            while batch.len() < self.config.max_takes {
-                match st.queue.pop_front() {
-                    Some(job) if job.reply.is_closed() => {}
-                    Some(job) => batch.push(job),
-                    None => break,
-                }
-            }
+            let batch = self.drain(&mut st);
             if batch.is_empty() {
                 return;
             }

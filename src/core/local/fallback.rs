@@ -600,20 +600,7 @@ pub fn owed<S: CasStore + ?Sized>(
     l: &Limits,
     now_ms: u64,
 ) -> u64 {
-    let slot = slot(key, l, sh.max_keys);
-    let cur = store.get(&slot.name);
-    match entry(
-        store,
-        sh,
-        key,
-        l,
-        &slot.id,
-        cur.as_ref().map(|(v, _)| v.as_slice()),
-        now_ms,
-    ) {
-        Entry::Ours(_, d, _, _) => d,
-        _ => 0,
-    }
+    standing(store, sh, key, l, now_ms).0
 }
 
 /// Keeps one bucket's share in line with an answer from the service: the share becomes at most
