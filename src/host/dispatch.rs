@@ -21,7 +21,8 @@
 //!   counted, and the displaced entry fails as if reset ([`Ledger::displaced`]), when the
 //!   callback ends.
 //! - The root's tick fails the stream's messages past their deadline (each alone) and gives up a
-//!   silent stream, and sends a batch queue that waited a tick beside the callouts in flight.
+//!   silent stream, and sends a batch queue beside callouts out a tick or more (as a request
+//!   that queues a take does).
 //!
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 
@@ -321,6 +322,10 @@ impl<A: Abi> Dispatcher<A> {
         let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, id);
         let next = f.flow.on_request_headers(&plugin.config, &req, &mut proxy);
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
+        if plugin.config.service.batch > 0 {
+            // A take queued behind callouts out a tick or more leaves now, not on the next tick.
+            self.tend_queue(&plugin);
+        }
         self.end_callback();
         status_code(next)
     }
@@ -907,9 +912,10 @@ impl<A: Abi> Dispatcher<A> {
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
     }
 
-    /// The tick of a batching plugin: takes that waited their whole timeout in the queue fail
-    /// there, unsent; a queue whose oldest take waited a tick leaves beside the callouts in
-    /// flight, while fewer than [`batch::MAX_IN_FLIGHT`] are.
+    /// The batch queue looked at (on the tick, and when a request queued a take): takes that
+    /// waited their whole timeout fail there, unsent; the queue leaves beside the callouts in
+    /// flight when the latest left a tick ago or more, while fewer than
+    /// [`batch::MAX_IN_FLIGHT`] are ([`batch::Queue::due`]).
     fn tend_queue(&mut self, plugin: &Rc<Plugin>) {
         if plugin.queue.borrow().waiting() == 0 {
             return;

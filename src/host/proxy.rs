@@ -133,7 +133,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             why
         })?;
         if batching {
-            self.plugin.queue.borrow_mut().started();
+            self.plugin.queue.borrow_mut().started(self.abi.now_ms());
         }
         let w = waiter(Some(batching));
         Ok(self.open(token, w))
@@ -165,7 +165,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             self.open(token, batch);
         }
         self.plugin.metrics.batched(self.abi, n);
-        self.plugin.queue.borrow_mut().started();
+        self.plugin.queue.borrow_mut().started(now);
         Ok(())
     }
 

@@ -10,11 +10,13 @@
 //!
 //! **A slow store costs a take one call, not two.** A take queued behind busy calls would wait for
 //! one of them to return before its own call starts: with a store 30 ms slower than usual, 60 ms,
-//! past a proxy's 50 ms timeout. So when the queue has waited [`CoalesceConfig::slow_after`]
-//! (calls to a healthy Redis return well within it, so this never fires then and nothing changes),
-//! it leaves at once in a call of its own beside the busy ones, up to
-//! [`CoalesceConfig::extra_calls`] such calls at a time; the take that found the queue empty
-//! watches it.
+//! past a proxy's 50 ms timeout. So once the latest call has been out
+//! [`CoalesceConfig::slow_after`] (calls to a healthy Redis return well within it, so this never
+//! fires then and nothing changes), the queue leaves in a call of its own beside the busy ones, up
+//! to [`CoalesceConfig::extra_calls`] such calls at a time: at once for a take that arrives then,
+//! else when that time comes (the take that found the queue empty watches it). Behind a slow store
+//! a take waits at most `slow_after` for its call, and calls still carry many takes: one extra
+//! call leaves per `slow_after` at most.
 //!
 //! What each caller sees is what it would see alone:
 //!
@@ -36,7 +38,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
@@ -93,8 +95,10 @@ struct State {
     free: usize,
     /// Takes waiting for a call. Invariant: non-empty only while `free == 0`.
     queue: VecDeque<Job>,
-    /// Calls in flight beside the `calls` ones, for a queue that waited `slow_after`.
+    /// Calls in flight beside the `calls` ones, for a queue behind calls out `slow_after`.
     extra: usize,
+    /// When the latest call started.
+    last_start: Instant,
 }
 
 struct Inner {
@@ -123,6 +127,7 @@ impl Coalescer {
                     free: config.calls,
                     queue: VecDeque::new(),
                     extra: 0,
+                    last_start: Instant::now(),
                 }),
                 config,
             }),
@@ -147,7 +152,8 @@ impl Inner {
         batch
     }
 
-    /// Up to `max_takes` queued takes, oldest first, skipping those nobody waits for any more.
+    /// Up to `max_takes` queued takes, oldest first, skipping those nobody waits for any more;
+    /// a call for them starts now.
     fn drain(&self, st: &mut State) -> Vec<Job> {
         let mut batch = Vec::new();
         while batch.len() < self.config.max_takes {
@@ -156,6 +162,9 @@ impl Inner {
                 Some(job) => batch.push(job),
                 None => break,
             }
+        }
+        if !batch.is_empty() {
+            st.last_start = Instant::now();
         }
         batch
     }
@@ -190,7 +199,7 @@ impl Inner {
         }
     }
 
-    /// The queue waited `slow_after` behind busy calls: it leaves now in a call of its own, if
+    /// The latest call has been out `slow_after`: the queue leaves now in a call of its own, if
     /// fewer than `extra_calls` such calls are in flight (else a call that returns takes it).
     fn overflow(self: &Arc<Self>) {
         let batch = {
@@ -261,18 +270,23 @@ impl Drop for Slot<'_> {
 
 impl Coalescer {
     /// A call slot for the caller's own call (`None`), or, every call being busy, `takes` queued,
-    /// each with the receiver of its answer, and whether this caller found the queue empty (and
-    /// so watches it for [`CoalesceConfig::slow_after`]).
+    /// each with the receiver of its answer, and, if this caller found the queue empty, how long
+    /// it watches the queue before it leaves beside the busy calls: until the latest of them has
+    /// been out [`CoalesceConfig::slow_after`] (zero when it has: the queue leaves now).
     fn slot_or_queue<'a>(
         &self,
         takes: impl Iterator<Item = &'a [BucketSpec]>,
-    ) -> Option<(Vec<oneshot::Receiver<Reply>>, bool)> {
+    ) -> Option<(Vec<oneshot::Receiver<Reply>>, Option<Duration>)> {
         let mut st = self.inner.lock();
         if st.free > 0 {
             st.free -= 1;
+            st.last_start = Instant::now();
             return None;
         }
-        let watches = st.queue.is_empty();
+        let watch = st.queue.is_empty().then(|| {
+            let out = st.last_start.elapsed();
+            self.inner.config.slow_after.saturating_sub(out)
+        });
         let queued = takes
             .map(|specs| {
                 let (reply, rx) = oneshot::channel();
@@ -283,14 +297,14 @@ impl Coalescer {
                 rx
             })
             .collect();
-        Some((queued, watches))
+        Some((queued, watch))
     }
 
     /// The answers of queued takes, in order, each waited for until `max_wait` from now at most;
     /// the first error is the result.
     async fn answers(
         &self,
-        (queued, watches): (Vec<oneshot::Receiver<Reply>>, bool),
+        (queued, watch): (Vec<oneshot::Receiver<Reply>>, Option<Duration>),
     ) -> Result<Vec<TakeResponse>, StoreError> {
         let abandoned = |_| StoreError::Connection("the coalesced call was abandoned".into());
         let answered = async {
@@ -301,14 +315,18 @@ impl Coalescer {
             Ok(out)
         };
         let all = async {
-            if !watches {
+            let Some(wait) = watch else {
+                return answered.await;
+            };
+            if wait.is_zero() {
+                self.inner.overflow();
                 return answered.await;
             }
             tokio::pin!(answered);
             tokio::select! {
                 biased;
                 r = &mut answered => r,
-                () = tokio::time::sleep(self.inner.config.slow_after) => {
+                () = tokio::time::sleep(wait) => {
                     self.inner.overflow();
                     answered.await
                 }

@@ -5,13 +5,16 @@
 //! onto the waiting requests. A lone request still calls at once, so light load gets no added
 //! latency.
 //!
-//! **A slow callout holds no one back for long**: when the queue's oldest take has waited a tick
-//! ([`crate::core::config::Service::tick_ms`]: an eighth of `service.timeout_ms`, 5..=50 ms) and
-//! fewer than [`MAX_IN_FLIGHT`] callouts hold the queue back, the queue leaves as another batch
-//! beside them, on the root context's tick ([`Queue::due`]: so within two ticks of its oldest
-//! take's arrival). So a take pays its own round trip once, not the one before it too; and a
-//! take that waited its whole timeout in the queue (every callout slot held) fails there, on the
-//! tick, unsent ([`Queue::expired`]).
+//! **A slow callout holds no one back for long**: when the latest callout of the plugin left a
+//! tick ago or more ([`crate::core::config::Service::tick_ms`]: an eighth of
+//! `service.timeout_ms`, 5..=50 ms; a healthy service answers well within it) and fewer than
+//! [`MAX_IN_FLIGHT`] callouts hold the queue back, the queue leaves as another batch beside them
+//! ([`Queue::due`]), looked at when a take arrives and on the root context's tick. So a take that
+//! arrives behind slow callouts leaves at once, one that arrives just after a callout left waits
+//! at most the rest of that tick (and the timer's lateness), and batches still form: while the
+//! service is slow, at most one leaves per tick besides those an answer lets go. A take pays its
+//! own round trip once, not the one before it too; and a take that waited its whole timeout in
+//! the queue (every callout slot held) fails there, on the tick, unsent ([`Queue::expired`]).
 //!
 //! Queued requests wait under an id the VM's ledger hands out
 //! ([`crate::core::base::ledger::Ledger::reserve`]); the core's [`crate::core::flow::Flow`] does not
@@ -70,6 +73,8 @@ pub struct Queue {
     /// Callouts of this plugin in flight that requests queue behind (single takes, batches and
     /// refills).
     in_flight: u32,
+    /// When the latest of them started (ms).
+    last_sent_ms: u64,
     /// Requests waiting for the next batch, in order.
     waiting: Vec<Queued>,
 }
@@ -81,14 +86,16 @@ impl Queue {
         self.in_flight > 0
     }
 
-    /// Whether the queue should leave now, at `now_ms`: its oldest take has waited `tick_ms` and
-    /// fewer than [`MAX_IN_FLIGHT`] callouts hold it back (or none does).
+    /// Whether the queue should leave now, at `now_ms`: something waits, and no callout holds it
+    /// back, or the callouts that do are slow (the latest left `tick_ms` ago or more) and fewer
+    /// than [`MAX_IN_FLIGHT`].
     pub fn due(&self, now_ms: u64, tick_ms: u64) -> bool {
-        let Some(oldest) = self.waiting.first() else {
+        if self.waiting.is_empty() {
             return false;
-        };
+        }
         self.in_flight == 0
-            || (self.in_flight < MAX_IN_FLIGHT && now_ms.saturating_sub(oldest.since_ms) >= tick_ms)
+            || (self.in_flight < MAX_IN_FLIGHT
+                && now_ms.saturating_sub(self.last_sent_ms) >= tick_ms)
     }
 
     /// The takes that have waited their whole `timeout_ms` by `now_ms`, out of the queue: each
@@ -132,9 +139,10 @@ impl Queue {
         Ok(())
     }
 
-    /// A callout that holds this queue back started.
-    pub fn started(&mut self) {
+    /// A callout that holds this queue back started, at `now_ms`.
+    pub fn started(&mut self, now_ms: u64) {
         self.in_flight = self.in_flight.saturating_add(1);
+        self.last_sent_ms = now_ms;
     }
 
     /// A callout that held this queue back ended (answered, or expired with its root).
@@ -240,7 +248,7 @@ mod tests {
     fn a_lone_request_calls_at_once_then_others_queue_until_it_ends() {
         let mut q = Queue::default();
         assert!(!q.busy(), "nothing in flight: call now");
-        q.started();
+        q.started(0);
         assert!(q.busy());
         q.push(2, CalloutId(1), &take(), 10).unwrap();
         q.push(2, CalloutId(2), &take(), 12).unwrap();
@@ -260,16 +268,32 @@ mod tests {
     }
 
     #[test]
-    fn a_queue_that_waited_a_tick_leaves_beside_the_callouts_in_flight_up_to_a_bound() {
+    fn a_queue_leaves_beside_callouts_out_a_tick_up_to_a_bound() {
         let mut q = Queue::default();
-        q.started();
+        q.started(100);
         assert!(!q.due(100, 5), "nothing waits");
-        q.push(8, CalloutId(1), &take(), 100).unwrap();
-        q.push(8, CalloutId(2), &take(), 103).unwrap();
-        assert!(!q.due(104, 5), "the oldest waited 4 ms");
-        assert!(q.due(105, 5), "a tick");
-        for _ in 1..MAX_IN_FLIGHT {
-            q.started();
+        q.push(8, CalloutId(1), &take(), 101).unwrap();
+        assert!(
+            !q.due(104, 5),
+            "the callout left 4 ms ago: its answer may let the queue go any moment"
+        );
+        assert!(
+            q.due(105, 5),
+            "out a tick: slow, the queue leaves beside it"
+        );
+        let _ = q.drain(64);
+        q.started(105);
+        q.push(8, CalloutId(2), &take(), 106).unwrap();
+        assert!(
+            !q.due(109, 5),
+            "a batch left 4 ms ago: the next waits for its tick"
+        );
+        assert!(q.due(110, 5));
+        // A take arriving long after the callouts in flight left goes at once.
+        q.push(8, CalloutId(3), &take(), 500).unwrap();
+        assert!(q.due(500, 5));
+        for _ in 2..MAX_IN_FLIGHT {
+            q.started(600);
         }
         assert!(
             !q.due(1_000, 5),
@@ -279,14 +303,14 @@ mod tests {
         assert!(q.due(1_000, 5));
         // Nothing in flight (all ended): it leaves at once.
         let mut q = Queue::default();
-        q.push(8, CalloutId(3), &take(), 100).unwrap();
+        q.push(8, CalloutId(4), &take(), 100).unwrap();
         assert!(q.due(100, 5));
     }
 
     #[test]
     fn takes_that_waited_their_timeout_leave_the_queue_unsent() {
         let mut q = Queue::default();
-        q.started();
+        q.started(0);
         q.push(8, CalloutId(1), &take(), 100).unwrap();
         q.push(8, CalloutId(2), &take(), 110).unwrap();
         assert!(q.expired(119, 20).is_empty());
@@ -299,7 +323,7 @@ mod tests {
     #[test]
     fn a_batch_is_bounded_by_the_bytes_of_its_answer_and_of_its_request() {
         let mut q = Queue::default();
-        q.started();
+        q.started(0);
         // 64 takes of 12 buckets: answered whole, about 100 KB, more than the filter reads.
         for i in 0..64 {
             q.push(64, CalloutId(i), &take_of(12, 8), 0).unwrap();

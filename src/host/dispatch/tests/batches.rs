@@ -1,5 +1,5 @@
 //! Takes queued behind a callout in flight, leaving in batches: each gets its own answer, none
-//! waits past its timeout, a queue leaves beside a slow callout after a tick (up to eight in
+//! waits past its timeout, a queue leaves beside a callout out a tick (up to eight in
 //! flight), the byte bounds split a queue, and an abandoned take holds the queue until its answer.
 
 use super::*;
@@ -84,13 +84,13 @@ fn a_queued_request_waits_no_longer_than_its_timeout_in_all() {
     let mut d = dispatcher(&cfg);
     assert_eq!(start(&mut d, 10, "/api"), PAUSE);
     let first = last_token(&d);
-    d.abi.clock.set(5);
+    d.abi.clock.set(4);
     assert_eq!(start(&mut d, 11, "/api"), PAUSE);
-    // 10 ms later the first answer: 11 leaves with the 10 ms it has left.
+    // 11 ms later the first answer: 11 leaves with the 9 ms it has left.
     d.abi.clock.set(15);
     allowed_reply(&d);
     d.on_http_call_response(first, 1, 200);
-    assert_eq!(*d.abi.timeouts.borrow(), vec![20, 10]);
+    assert_eq!(*d.abi.timeouts.borrow(), vec![20, 9]);
     let batch = last_token(&d);
     assert_eq!(start(&mut d, 12, "/api"), PAUSE);
     // The batch times out at Envoy (a 504); 12 has waited its 20 ms by then.
@@ -110,8 +110,9 @@ fn a_queued_request_waits_no_longer_than_its_timeout_in_all() {
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
 }
 
-/// A slow callout holds the queue back for a tick at most: then the queue leaves beside it, so a
-/// take pays its own round trip once; up to 8 callouts in flight, after which the queue waits.
+/// A slow callout holds the queue back for a tick at most: once the latest callout has been out
+/// a tick, the queue leaves beside it (on the tick, or at once when a take arrives), so a take
+/// pays its own round trip once; up to 8 callouts in flight, after which the queue waits.
 #[test]
 fn a_queue_behind_a_slow_callout_leaves_after_a_tick_up_to_eight_in_flight() {
     let mut d = dispatcher(&slow_batch_config(""));
@@ -126,25 +127,49 @@ fn a_queue_behind_a_slow_callout_leaves_after_a_tick_up_to_eight_in_flight() {
     for id in [11, 12] {
         assert_eq!(start(&mut d, id, "/api"), PAUSE);
     }
+    d.abi.clock.set(4);
+    d.on_tick(ROOT);
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        1,
+        "the callout left 4 ms ago: not yet"
+    );
     d.abi.clock.set(5);
     d.on_tick(ROOT);
-    assert_eq!(d.abi.dispatched.borrow().len(), 1, "waited 4 ms: not yet");
-    d.abi.clock.set(6);
-    d.on_tick(ROOT);
-    assert_eq!(d.abi.dispatched.borrow().len(), 2, "a tick: a second batch");
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        2,
+        "out a tick: a second batch"
+    );
     let second = last_token(&d);
     assert_eq!(
         *d.abi.timeouts.borrow(),
-        vec![20, 15],
+        vec![20, 16],
         "due 20 ms after the first take queued"
     );
-    // The second batch is answered first: its requests do not wait for the slow one.
+    // Just after a batch left, a take queues; one arriving a tick after it left takes the queue
+    // along at once, without waiting for the timer.
+    d.abi.clock.set(6);
+    assert_eq!(start(&mut d, 13, "/api"), PAUSE);
+    assert_eq!(d.abi.dispatched.borrow().len(), 2, "queued");
+    d.abi.clock.set(10);
+    assert_eq!(start(&mut d, 14, "/api"), PAUSE);
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        3,
+        "left on arrival, with the one queued"
+    );
+    let third = last_token(&d);
+    // The later batches are answered first: their requests do not wait for the slow one.
     batch_reply(&d, &[(true, 5), (true, 5)]);
     d.on_http_call_response(second, 1, 1000);
     assert_eq!(*d.abi.resumed.borrow(), vec![11, 12]);
+    batch_reply(&d, &[(true, 5), (true, 5)]);
+    d.on_http_call_response(third, 1, 1000);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 13, 14]);
     allowed_reply(&d);
     d.on_http_call_response(slow, 1, 200);
-    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 10]);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 13, 14, 10]);
     assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 0));
     // Eight callouts out: the queue waits for one of them to end.
     let mut id = 20;
@@ -155,22 +180,22 @@ fn a_queue_behind_a_slow_callout_leaves_after_a_tick_up_to_eight_in_flight() {
         d.abi.clock.set(d.abi.clock.get() + 5);
         d.on_tick(ROOT);
     }
-    assert_eq!(d.abi.dispatched.borrow().len(), 2 + 8);
+    assert_eq!(d.abi.dispatched.borrow().len(), 3 + 8);
     id += 1;
     assert_eq!(start(&mut d, id, "/api"), PAUSE);
     d.abi.clock.set(d.abi.clock.get() + 5);
     d.on_tick(ROOT);
     assert_eq!(
         d.abi.dispatched.borrow().len(),
-        10,
+        11,
         "eight in flight: it waits"
     );
-    let oldest = d.abi.dispatched.borrow()[2].0;
+    let oldest = d.abi.dispatched.borrow()[3].0;
     allowed_reply(&d);
     d.on_http_call_response(oldest, 1, 200);
     assert_eq!(
         d.abi.dispatched.borrow().len(),
-        11,
+        12,
         "one ended: the queue left"
     );
 }
