@@ -16,6 +16,7 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
+use std::process::Command;
 
 /// What the generated Envoy configuration contains.
 #[derive(Clone, Debug)]
@@ -547,6 +548,20 @@ typed_config:
                 .to_string(),
         );
         filters.iter().map(|f| item(f)).collect()
+    }
+
+    /// The command line of `envoy` running the bootstrap file `config` as this spec says (its
+    /// workers, log levels and extra arguments; no hot restart).
+    pub fn command(&self, envoy: &Path, config: &Path) -> Command {
+        let mut cmd = Command::new(envoy);
+        cmd.arg("-c")
+            .arg(config)
+            .args(["--concurrency", &self.concurrency.to_string()])
+            .arg("--disable-hot-restart")
+            .args(["--log-level", &self.base_log_level])
+            .args(["--component-log-level", &self.log_level])
+            .args(&self.extra_args);
+        cmd
     }
 
     /// The edge listener runs the wasm filter: with a plugin configuration, or bare.

@@ -7,7 +7,7 @@ use super::process::{free_port, Components, Proc, TempDir, READY_TIMEOUT, START_
 use super::stats::{parse_stats, tollgate_stats, TOLLGATE_STATS};
 use std::collections::BTreeMap;
 use std::fs;
-use std::process::{Command, ExitStatus};
+use std::process::ExitStatus;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -94,14 +94,7 @@ impl Envoy {
             let admin_port = free_port();
             let cfg = dir.path().join(format!("envoy-{port}.yaml"));
             fs::write(&cfg, bootstrap(port, admin_port)).expect("write envoy config");
-            let mut cmd = Command::new(&c.envoy);
-            cmd.arg("-c")
-                .arg(&cfg)
-                .args(["--concurrency", &spec.concurrency.to_string()])
-                .arg("--disable-hot-restart")
-                .args(["--log-level", &spec.base_log_level])
-                .args(["--component-log-level", &spec.log_level])
-                .args(&spec.extra_args);
+            let cmd = spec.command(&c.envoy, &cfg);
             let mut proc = Proc::spawn("envoy", cmd, dir.path().join(format!("envoy-{port}.log")));
             let deadline = Instant::now() + limit;
             loop {

@@ -567,12 +567,16 @@ async fn connections_are_capped_and_idle_ones_closed() {
 /// 1,000 `TakeStream` streams over 8 connections (125 each, within `--http2-max-streams`), each
 /// announcing a message of a million bytes, sending 128 KiB of it at once and then a byte every
 /// 100 ms, and opened again a second after the service ended it, for 6 s. Meanwhile a normal
-/// client asks one message at a time on a stream of its own. With `--stream-buffer-bytes` 16 MiB,
+/// client asks one message at a time on a stream of its own, and a real Envoy with the filter
+/// (two workers, each on its stream; `timeout_ms` 250: the service here is a debug build sharing
+/// two cores with the attack) asks for every request sent to it. With `--stream-buffer-bytes` 16 MiB,
 /// the service's RSS stays within 80 MiB of its baseline: the budget, plus 64 MiB for the 1,000
 /// streams' own state (about 20 KiB each: 18 to 22 MB measured with streams that send a prefix
 /// alone), HTTP/2's windows (1 MiB a connection) and what the allocator keeps of freed buffers.
 /// Without the budget the streams would hold 128 MB of partial messages. Every one of the normal
-/// client's messages is answered, none refused for the bytes other streams hold.
+/// client's messages is answered, none refused for the bytes other streams hold, and every
+/// request through Envoy is decided by the service (allowed, no failed take, nothing decided by
+/// the fallback).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_holding_partial_messages_cannot_bloat_the_service() {
     use common::h2_stream::{self, H2Stream};
@@ -586,6 +590,19 @@ async fn streams_holding_partial_messages_cannot_bloat_the_service() {
     const STREAMS: usize = 1000;
     const ATTACK: Duration = Duration::from_secs(6);
     let svc = ServerProc::start(&["--stream-buffer-bytes", &BUDGET.to_string()]);
+    let plugin = serde_json::json!({
+        "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 250},
+        "rules": [{"name": "all", "key": ["literal:through-envoy"], "capacity": 1_000_000,
+                   "period_ms": 1000}],
+        "failure_mode": "fallback",
+    });
+    let envoy = common::envoy::EnvoyProc::start(&plugin.to_string(), svc.port).await;
+    let web = reqwest::Client::new();
+    let through_envoy = async || {
+        let r = web.get(envoy.url("/")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{:?}", r.headers());
+    };
+    through_envoy().await;
 
     // The normal client: the generated one, its messages sent through a channel.
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<pb::TakeBatchRequest>();
@@ -696,10 +713,15 @@ async fn streams_holding_partial_messages_cannot_bloat_the_service() {
     }
 
     let mut latencies = Vec::new();
+    let allowed_before = envoy.counter("allowed").await;
+    let mut sent_through_envoy = 0;
     while started.elapsed() < ATTACK && !stop.load(Ordering::Relaxed) {
         latencies.push(ask().await);
+        through_envoy().await;
+        sent_through_envoy += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let decided_by_service = envoy.counter("allowed").await - allowed_before;
     let mut endings: Vec<tonic::Code> = Vec::new();
     for h in hostile {
         endings.extend(h.await.unwrap());
@@ -755,6 +777,26 @@ async fn streams_holding_partial_messages_cannot_bloat_the_service() {
             "no {reason} refusal: {refusals:?}"
         );
     }
+    // The proxy beside the attack: each of its requests decided by the service.
+    let mut failures = Vec::new();
+    for c in [
+        "callout_failure.timeout",
+        "callout_failure.grpc_status",
+        "callout_failure.reset",
+        "fallback.allowed",
+        "fallback.limited",
+        "stream.lost",
+    ] {
+        let n = envoy.counter(c).await;
+        if n > 0 {
+            failures.push(format!("{c} {n}"));
+        }
+    }
+    eprintln!(
+        "through Envoy meanwhile: {sent_through_envoy} requests, {decided_by_service} allowed by the service, {failures:?}"
+    );
+    assert_eq!(decided_by_service, sent_through_envoy, "{failures:?}");
+    assert!(failures.is_empty(), "{failures:?}");
     // Still serving.
     assert!(ask().await < Duration::from_secs(1));
 }

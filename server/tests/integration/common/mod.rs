@@ -3,10 +3,11 @@
 //! service started in-process on 127.0.0.1:0 through `run`, and small HTTP/gRPC helpers;
 //! [`binary`]: the real `tollgate-server` binary as a child process; [`gated`]: a store whose
 //! takes wait until the test lets them through; [`h2_stream`]: `TakeStream` streams over bare
-//! HTTP/2, any bytes sent.
+//! HTTP/2, any bytes sent; [`envoy`]: a real Envoy with the filter asking the service.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod binary;
+pub mod envoy;
 pub mod gated;
 pub mod h2_stream;
 
