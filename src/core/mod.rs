@@ -13,6 +13,9 @@
 //! - `decide`: the per-request decision (plan a callout, interpret its result, resolve the
 //!   verdict) and the rate limit headers.
 //! - `inflight`: concurrency limits, a slot per key acquired and released once.
+//! - `outbox`: how each take of a configuration leaves (a call, a message on the stream, the batch
+//!   queue), and what of its traffic waits or is in flight in the worker; the adapter carries it
+//!   out.
 //! - `flow`: the per-request state machine over the `Host` port, on top.
 
 pub mod base;
@@ -21,6 +24,7 @@ pub mod decide;
 pub mod flow;
 pub mod inflight;
 pub mod local;
+pub mod outbox;
 pub mod rules;
 pub mod settle;
 pub mod wire;

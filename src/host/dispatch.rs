@@ -36,11 +36,11 @@ use crate::core::config::{Config, FailureMode, Transport};
 use crate::core::flow::{self, Flow, Leftover, Metric, Next, Phase};
 use crate::core::inflight;
 use crate::core::local::lease;
-use crate::core::settle;
+use crate::core::outbox::Outbox;
 use crate::core::wire::batch::{self, Queued};
 use crate::core::wire::callout;
 use crate::core::wire::plan::CalloutResult;
-use crate::core::wire::stream::{self, Stream};
+use crate::core::wire::stream;
 use crate::core::wire::TakeRequest;
 use contract::bounds::MAX_ANSWER_BYTES;
 use log::{debug, error, info, warn};
@@ -258,10 +258,7 @@ impl<A: Abi> Dispatcher<A> {
             bearer: config.service.token.as_ref().map(|t| format!("Bearer {t}")),
             grpc_service: callout::grpc_service(&config.service.cluster),
             reads: Reads::of(&config),
-            queue: RefCell::new(batch::Queue::default()),
-            stream: RefCell::new(Stream::default()),
-            held: RefCell::new(Vec::new()),
-            settles: RefCell::new(settle::Queue::new(&crate::core::wire::instance::fresh())),
+            outbox: RefCell::new(Outbox::new(&crate::core::wire::instance::fresh())),
             config,
             metrics,
         };
@@ -288,18 +285,23 @@ impl<A: Abi> Dispatcher<A> {
         let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
             return;
         };
-        if plugin.config.service.stream {
+        let chores = plugin.outbox.borrow().chores(&plugin.config);
+        if chores.messages {
             self.expire_messages(&plugin);
         }
-        if plugin.config.service.batch > 0 {
+        if chores.queue {
             self.tend_queue(&plugin);
         }
-        if !plugin.settles.borrow().is_empty() {
+        if chores.settles {
             Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).send_settles();
         }
-        if !plugin.held.borrow().is_empty() {
+        if chores.pools {
             let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-            flow::sweep(&plugin.config, &mut plugin.held.borrow_mut(), &mut proxy);
+            flow::sweep(
+                &plugin.config,
+                &mut plugin.outbox.borrow_mut().pools,
+                &mut proxy,
+            );
         }
         self.end_callback();
     }
@@ -418,8 +420,7 @@ impl<A: Abi> Dispatcher<A> {
             self.report_memory();
         } else if let Some(Some(old)) = self.roots.remove(&id) {
             self.root_ended(&old);
-            self.hand_over_pools(&old);
-            self.hand_over_settlements(&old);
+            self.hand_over(&old);
             self.end_callback();
         }
     }
@@ -439,7 +440,7 @@ impl<A: Abi> Dispatcher<A> {
         match leftover {
             Leftover::Settle(items) => {
                 let dropped = {
-                    let mut q = p.settles.borrow_mut();
+                    let q = &mut p.outbox.borrow_mut().settles;
                     let before = q.given_up;
                     q.push(items, self.abi.now_ms());
                     q.given_up - before
@@ -468,7 +469,7 @@ impl<A: Abi> Dispatcher<A> {
                     }
                     Some(Waiter::Member { context }) if *context == id => {
                         self.ledger.close(callout);
-                        p.queue.borrow_mut().forget(callout);
+                        p.outbox.borrow_mut().queue.forget(callout);
                     }
                     _ => {}
                 }
@@ -492,7 +493,7 @@ impl<A: Abi> Dispatcher<A> {
 
     /// Root context `old` is gone, and Envoy cancelled its callouts silently: each entry ends
     /// here. A request still waiting takes its failure path (as for a reset), a refill's claim
-    /// ends; a settlement attempt needs nothing here ([`Dispatcher::hand_over_settlements`]).
+    /// ends; a settlement attempt needs nothing here ([`Dispatcher::hand_over`]).
     fn root_ended(&mut self, old: &Rc<Plugin>) {
         for (id, waiter) in self.ledger.close_root(old.root) {
             match waiter {
@@ -521,7 +522,7 @@ impl<A: Abi> Dispatcher<A> {
                 | Waiter::Abandoned { .. } => {}
             }
         }
-        *old.queue.borrow_mut() = batch::Queue::default();
+        old.outbox.borrow_mut().root_ended();
     }
 
     /// Another configuration of this worker that calls the same service as `old` (their shared
@@ -549,39 +550,28 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    /// A configuration went away (a push replaced it): the lease pools it filled outlive it
-    /// (their names carry the service, not the configuration), so another configuration of this
-    /// worker calling the same service watches them, and gives their tokens back when they expire.
-    fn hand_over_pools(&mut self, old: &Plugin) {
-        let held = std::mem::take(&mut *old.held.borrow_mut());
-        if held.is_empty() {
+    /// A configuration went away (a push replaced it): what of its outbox must outlive it goes
+    /// to another configuration of this worker that calls the same service (their shared data
+    /// and settlements are the same service's). The lease pools it filled (their names carry the
+    /// service, not the configuration) are watched there, and given back when they expire; its
+    /// settlements not yet delivered are delivered from there, under their ids (the service
+    /// applies each once). With no such configuration the settlements are given up, and counted
+    /// so.
+    fn hand_over(&mut self, old: &Plugin) {
+        let left = old.outbox.borrow_mut().hand_over();
+        if left.pools.is_empty() && left.settles.is_empty() {
             return;
         }
         let Some(heir) = self.heir(old) else {
+            if !left.settles.is_empty() {
+                warn!(
+                    "{} settlement(s) given up: no configuration calls their service any more",
+                    left.settles.len()
+                );
+            }
             return;
         };
-        keep_watching(&heir, held);
-        self.wake(&heir);
-    }
-
-    /// A configuration went away with settlements not yet delivered (queued, or an attempt that
-    /// its end cancelled): the configuration that calls the same service delivers them, under
-    /// their ids (the service applies each once). With no such configuration they are given up,
-    /// and counted so.
-    fn hand_over_settlements(&mut self, old: &Plugin) {
-        let pending = old.settles.borrow_mut().hand_over();
-        if pending.is_empty() {
-            return;
-        }
-        let Some(heir) = self.heir(old) else {
-            warn!(
-                "{} settlement(s) given up: no configuration calls their service any more",
-                pending.len()
-            );
-            return;
-        };
-        let now = self.abi.now_ms();
-        let dropped = heir.settles.borrow_mut().adopt(pending, now);
+        let dropped = heir.outbox.borrow_mut().adopt(left, self.abi.now_ms());
         if dropped > 0 {
             warn!("settlement queue full: {dropped} handed-over settlement(s) dropped");
         }
@@ -629,7 +619,7 @@ impl<A: Abi> Dispatcher<A> {
             debug!("stream {token}: an answer that does not decode");
             return;
         };
-        let message = plugin.stream.borrow_mut().answered(token, id);
+        let message = plugin.outbox.borrow_mut().stream.answered(token, id);
         let Some(message) = message else {
             debug!("stream {token}: answer {id} names no message of it");
             return;
@@ -650,10 +640,12 @@ impl<A: Abi> Dispatcher<A> {
         let _ = self.abi.grpc_cancel(token);
         self.ledger.close(CalloutId::from(token));
         let now = self.abi.now_ms();
-        let failed = plugin
-            .stream
-            .borrow_mut()
-            .ended(token, now, plugin.config.breaker.open_ms);
+        let failed =
+            plugin
+                .outbox
+                .borrow_mut()
+                .stream
+                .ended(token, now, plugin.config.breaker.open_ms);
         if !failed.is_empty() {
             debug!(
                 "stream {token} ended with gRPC status {status} ({}): {} message(s) in flight fail",
@@ -689,11 +681,11 @@ impl<A: Abi> Dispatcher<A> {
     fn expire_messages(&mut self, plugin: &Rc<Plugin>) {
         let now = self.abi.now_ms();
         let cfg = &plugin.config;
-        let expired =
-            plugin
-                .stream
-                .borrow_mut()
-                .expired(now, cfg.service.timeout_ms, cfg.breaker.open_ms);
+        let expired = plugin.outbox.borrow_mut().stream.expired(
+            now,
+            cfg.service.timeout_ms,
+            cfg.breaker.open_ms,
+        );
         let Some(expired) = expired else {
             return;
         };
@@ -788,7 +780,7 @@ impl<A: Abi> Dispatcher<A> {
     fn finish(&mut self, id: CalloutId, waiter: Waiter, read: &mut dyn Read<A>) {
         let gate = waiter.gate().cloned();
         if let Some(p) = &gate {
-            p.queue.borrow_mut().ended();
+            p.outbox.borrow_mut().queue.ended();
         }
         self.answer(id, waiter, read);
         if let Some(p) = gate {
@@ -807,7 +799,7 @@ impl<A: Abi> Dispatcher<A> {
                     let now = self.abi.now_ms();
                     if let Ok(token) = u32::try_from(id.0) {
                         let open_ms = plugin.config.breaker.open_ms;
-                        plugin.stream.borrow_mut().lost(token, now, open_ms);
+                        plugin.outbox.borrow_mut().stream.lost(token, now, open_ms);
                     }
                 }
                 self.finish(id, entry.waiter, &mut Ready(Some(reset())));
@@ -917,16 +909,20 @@ impl<A: Abi> Dispatcher<A> {
     /// flight when the latest left a tick ago or more, while fewer than
     /// [`batch::MAX_IN_FLIGHT`] are ([`batch::Queue::due`]).
     fn tend_queue(&mut self, plugin: &Rc<Plugin>) {
-        if plugin.queue.borrow().waiting() == 0 {
+        if plugin.outbox.borrow().queue.waiting() == 0 {
             return;
         }
         let now = self.abi.now_ms();
         let svc = &plugin.config.service;
-        let expired = plugin.queue.borrow_mut().expired(now, svc.timeout_ms);
+        let expired = plugin
+            .outbox
+            .borrow_mut()
+            .queue
+            .expired(now, svc.timeout_ms);
         for id in expired {
             self.answer_member(id, CalloutResult::Unsent);
         }
-        if plugin.queue.borrow().due(now, svc.tick_ms()) {
+        if plugin.outbox.borrow().queue.due(now, svc.tick_ms()) {
             self.flush(plugin);
         }
     }
@@ -936,11 +932,12 @@ impl<A: Abi> Dispatcher<A> {
     /// would overflow under load).
     fn flush(&mut self, plugin: &Rc<Plugin>) {
         // Each round takes at least one request; a failed dispatch sends none back to the queue.
-        let rounds = plugin.queue.borrow().waiting();
+        let rounds = plugin.outbox.borrow().queue.waiting();
         for _ in 0..rounds {
             let queued = plugin
-                .queue
+                .outbox
                 .borrow_mut()
+                .queue
                 .drain(plugin.config.service.batch.max(1));
             if queued.is_empty() {
                 return;
@@ -1032,12 +1029,8 @@ fn grpc_message(abi: &impl Abi, size: usize) -> CalloutResult {
 
 /// The lease pools a request or a refill deposited into: `plugin`'s timer watches them.
 fn keep_watching(plugin: &Plugin, held: Vec<lease::Held>) {
-    if held.is_empty() {
-        return;
-    }
-    let mut watched = plugin.held.borrow_mut();
-    for h in held {
-        lease::watch(&mut watched, h);
+    if !held.is_empty() {
+        plugin.outbox.borrow_mut().watch(held);
     }
 }
 

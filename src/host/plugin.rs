@@ -1,16 +1,13 @@
-//! What one configuration is to the adapter ([`Plugin`]: its configuration, metric ids, batch
-//! queue, stream, watched lease pools and settlements), and who waits for each callout in the VM's
-//! ledger ([`Waiter`]).
+//! What one configuration is to the adapter ([`Plugin`]: its immutable configuration and what was
+//! derived from it once, beside its runtime state, the core's [`Outbox`]), and who waits for each
+//! callout in the VM's ledger ([`Waiter`]).
 
 use super::metrics::Metrics;
 use super::request::Reads;
 use crate::core::base::ledger::CalloutId;
 use crate::core::config::Config;
-use crate::core::local::lease;
-use crate::core::settle;
-use crate::core::wire::batch;
+use crate::core::outbox::Outbox;
 use crate::core::wire::plan::Plan;
-use crate::core::wire::stream::Stream;
 use crate::core::wire::TakeRequest;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -30,18 +27,12 @@ pub(super) struct Plugin {
     pub(super) grpc_service: Vec<u8>,
     /// What its requests are read for.
     pub(super) reads: Reads,
-    /// Group commit of this plugin's takes (`service.batch`): the requests queued for the next
-    /// batch (each a [`Waiter::Member`] under an id of the VM's own).
-    pub(super) queue: RefCell<batch::Queue>,
-    /// Its stream of takes in this worker (`service.stream`): the open stream's token (a
-    /// [`Waiter::Stream`] in the ledger) and its messages in flight (each a [`Waiter::Batch`]
-    /// under an id of the VM's own, the id the message and its answer carry).
-    pub(super) stream: RefCell<Stream>,
-    /// Lease pools this worker deposited into, looked at on every tick ([`lease::sweep`]).
-    pub(super) held: RefCell<Vec<lease::Held>>,
-    /// Settlements of responses that ended (rules charged by the response), delivered from here
-    /// with bounded retries (an attempt in flight is a [`Waiter::Settle`] in the ledger).
-    pub(super) settles: RefCell<settle::Queue<Vec<settle::Item>>>,
+    /// How its takes leave, and what of its traffic waits or is in flight in this worker: the
+    /// batch queue (queued takes are [`Waiter::Member`]s under ids of the VM's own), the stream
+    /// (its token a [`Waiter::Stream`], each message a [`Waiter::Batch`] under the id the message
+    /// and its answer carry), the lease pools it deposited into, its settlements (an attempt in
+    /// flight a [`Waiter::Settle`]).
+    pub(super) outbox: RefCell<Outbox>,
 }
 
 /// Who waits for a callout's answer: the variant of a ledger entry.

@@ -9,6 +9,7 @@ use crate::core::base::ledger::{CalloutId, Ledger};
 use crate::core::base::store::{CasStore, SetError};
 use crate::core::config::Config;
 use crate::core::flow::{self, Callout, Host, Metric};
+use crate::core::outbox::Leave;
 use crate::core::settle;
 use crate::core::wire::batch;
 use crate::core::wire::callout::{self, CalloutRequest};
@@ -80,9 +81,11 @@ impl<'a, A: Abi> Proxy<'a, A> {
         } else {
             None
         };
-        let batching = cfg.service.batch > 0 && plan.rls.is_none() && trace.is_none();
-        // A traced take goes alone, as a call of its own with the trace in its metadata.
-        let streaming = cfg.service.stream && trace.is_none();
+        let leave = self
+            .plugin
+            .outbox
+            .borrow()
+            .leave(cfg, plan.rls.is_some(), trace.is_some());
         let context = self.context;
         // Its own callout (`gates`: holding the batch queue back), or its place in a batch.
         let waiter = |own: Option<bool>| match (refill, own) {
@@ -98,9 +101,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
             },
             (false, None) => Waiter::Member { context },
         };
-        if batching && self.plugin.queue.borrow().busy() {
+        if leave == Leave::Queue {
             let id = self.ledger.reserve(self.plugin.root, waiter(None));
-            let queued = self.plugin.queue.borrow_mut().push(
+            let queued = self.plugin.outbox.borrow_mut().queue.push(
                 batch::QUEUE_BATCHES * cfg.service.batch,
                 id,
                 &plan.request,
@@ -112,7 +115,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             }
             return Ok(id);
         }
-        if streaming {
+        if leave == Leave::Message {
             // Alone now, it leaves at once: a message of one take on the stream.
             let id = self.ledger.reserve(self.plugin.root, waiter(None));
             let now = self.abi.now_ms();
@@ -132,10 +135,12 @@ impl<'a, A: Abi> Proxy<'a, A> {
             );
             why
         })?;
-        if batching {
-            self.plugin.queue.borrow_mut().started(self.abi.now_ms());
+        let gates = leave == (Leave::Call { gates: true });
+        if gates {
+            let now = self.abi.now_ms();
+            self.plugin.outbox.borrow_mut().queue.started(now);
         }
-        let w = waiter(Some(batching));
+        let w = waiter(Some(gates));
         Ok(self.open(token, w))
     }
 
@@ -165,7 +170,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             self.open(token, batch);
         }
         self.plugin.metrics.batched(self.abi, n);
-        self.plugin.queue.borrow_mut().started(now);
+        self.plugin.outbox.borrow_mut().queue.started(now);
         Ok(())
     }
 
@@ -187,8 +192,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
             // Envoy does not know the stream: nothing more will come of it.
             self.ledger.close(id);
             self.plugin
-                .stream
+                .outbox
                 .borrow_mut()
+                .stream
                 .lost(stream, now, cfg.breaker.open_ms);
             self.ledger.close(CalloutId::from(stream));
             return Err(format!(
@@ -197,8 +203,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
             ));
         }
         self.plugin
-            .stream
+            .outbox
             .borrow_mut()
+            .stream
             .sent(id, deadline_ms, takes.len(), now);
         Ok(())
     }
@@ -207,7 +214,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
     /// its token, or why there is none (backing off after streams that answered nothing, or
     /// Envoy refused to open one).
     fn stream(&mut self, cfg: &Config, now: u64) -> Result<u32, String> {
-        let route = self.plugin.stream.borrow().route(now);
+        let route = self.plugin.outbox.borrow().stream.route(now);
         match route {
             Route::Send(token) => return Ok(token),
             Route::Wait(until) => {
@@ -222,7 +229,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
                     debug!("stream {old} not cancelled: {}", abi::status_name(s));
                 }
                 self.ledger.close(CalloutId::from(old));
-                self.plugin.stream.borrow_mut().retired(old);
+                self.plugin.outbox.borrow_mut().stream.retired(old);
             }
             Route::Open => {}
         }
@@ -236,15 +243,16 @@ impl<'a, A: Abi> Proxy<'a, A> {
             .grpc_stream(&self.plugin.grpc_service, service, method, &metadata)
         {
             Ok(token) => {
-                self.plugin.stream.borrow_mut().opened(token, now);
+                self.plugin.outbox.borrow_mut().stream.opened(token, now);
                 let plugin = self.plugin.clone();
                 self.open(token, Waiter::Stream { plugin });
                 Ok(token)
             }
             Err(status) => {
                 self.plugin
-                    .stream
+                    .outbox
                     .borrow_mut()
+                    .stream
                     .open_failed(now, cfg.breaker.open_ms);
                 Err(format!(
                     "stream to cluster {:?} not opened: {}",
@@ -331,8 +339,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
         let cfg = &plugin.config;
         let now = self.abi.now_ms();
         let due: Vec<(String, Vec<u8>)> = plugin
-            .settles
+            .outbox
             .borrow_mut()
+            .settles
             .due(now)
             .into_iter()
             .map(|p| {
@@ -351,7 +360,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             let attempt = callout::beside(cfg, "settle", body);
             if let Err(why) = self.send_background(cfg, attempt, waiter) {
                 debug!("settlement {id} not dispatched: {why}");
-                let outcome = plugin.settles.borrow_mut().answered(&id, false, now);
+                let outcome = plugin.outbox.borrow_mut().settles.answered(&id, false, now);
                 self.settle_outcome(&id, outcome);
             }
         }
@@ -365,7 +374,8 @@ impl<'a, A: Abi> Proxy<'a, A> {
             CalloutResult::Http { status, .. } => *status,
             _ => None,
         };
-        let mut q = self.plugin.settles.borrow_mut();
+        let mut outbox = self.plugin.outbox.borrow_mut();
+        let q = &mut outbox.settles;
         if matches!(status, Some(200..=299)) {
             // Applied: the tokens it gave back are in the buckets, and a denial remembered of
             // them no longer holds.
@@ -381,7 +391,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             }
             _ => q.answered(id, false, now),
         };
-        drop(q);
+        drop(outbox);
         self.settle_outcome(id, outcome);
     }
 

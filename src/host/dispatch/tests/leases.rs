@@ -48,7 +48,7 @@ fn a_push_hands_the_watched_pools_to_the_new_configuration() {
         "rules":[{"name":"r","key":["literal:k"],"capacity":100,"period_ms":60000,"lease":{"size":4}}]}"#;
     let mut d = dispatcher(cfg);
     let held = |d: &Dispatcher<Fake>, root: u32| match d.roots.get(&root) {
-        Some(Some(p)) => p.held.borrow().len(),
+        Some(Some(p)) => p.outbox.borrow().pools.len(),
         _ => usize::MAX,
     };
     assert_eq!(start(&mut d, 2, "/"), PAUSE);

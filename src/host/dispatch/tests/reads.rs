@@ -130,10 +130,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                     match_headers: Some(names.clone()),
                     request_headers: None,
                 },
-                queue: Default::default(),
-                stream: Default::default(),
-                held: Default::default(),
-                settles: RefCell::new(settle::Queue::new("t")),
+                outbox: RefCell::new(Outbox::new("t")),
             };
             let core = crate::core::decide::decide(&cfg, &full).step;
             let pre = may_match(&fake, &plugin.config, &plugin.reads, &mut Vec::new());
