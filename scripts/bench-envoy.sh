@@ -28,6 +28,9 @@
 #   bare-skip Tollgate in the chain but disabled for the route (a route FilterConfig `disabled: true`,
 #             not in the default VARIANTS): what a route without limits costs
 # The limit is high enough that every request is admitted, so what is measured is the per-request path.
+# LAYOUT: shared (default), every process free to run on every core; production, the limiter tier
+# (Redis, the service) pinned to the last core and the proxy side (wrk, the Envoys, the upstream) to
+# the others, as a deployment runs them on separate machines (taskset; at least two cores).
 # CPU: utime+stime deltas from /proc/<pid>/stat over the measured run, per process (µs of CPU per request).
 # Memory: each variant's VmRSS/VmHWM and Envoy's server.memory_allocated/heap_size after start and after
 # the load. Then key churn: Envoys keyed on x-api-key with fallback.max_keys N (fbkeys-N: service down;
@@ -45,6 +48,7 @@ DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
 VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch grpc-unary grpc-unary-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch}
 ROUNDS=${ROUNDS:-3}
+LAYOUT=${LAYOUT:-shared}
 OUT=${OUT:-$ROOT/bench-out/envoy}
 WASM=$(readlink -f "$WASM")
 
@@ -58,6 +62,21 @@ if [[ " $VARIANTS " == *" empty "* || " $VARIANTS " == *" bare-empty "* ]]; then
   require_files "$EMPTY_WASM"
 fi
 command -v wrk >/dev/null || die "wrk missing (scripts/tools.sh bench)"
+# The cores of each side ("" in the shared layout: no pinning).
+TIER_CPUS="" PROXY_CPUS=""
+case $LAYOUT in
+  shared) ;;
+  production)
+    last=$(($(nproc) - 1))
+    [ "$last" -ge 1 ] || die "LAYOUT=production needs two cores or more"
+    TIER_CPUS=$last PROXY_CPUS=0-$((last - 1))
+    command -v taskset >/dev/null || die "taskset missing (util-linux)" ;;
+  *) die "LAYOUT=$LAYOUT: shared or production" ;;
+esac
+# pin CPUS PID: every thread of PID on CPUS (nothing in the shared layout).
+pin() { [ -z "$1" ] || taskset -a -pc "$1" "$2" >/dev/null; }
+# The load generator, on the proxy side's cores.
+load() { if [ -n "$PROXY_CPUS" ]; then taskset -c "$PROXY_CPUS" wrk "$@"; else wrk "$@"; fi; }
 
 rm -rf "$OUT" && mkdir -p "$OUT"
 LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -79,12 +98,15 @@ descriptors:
     rate_limit: {unit: second, requests_per_unit: 1000000000}
 LIMITS
 start_service "$OUT" --rls-config "$OUT/rls-limits.yaml"
+pin "$TIER_CPUS" "$REDIS_PID"
+pin "$TIER_CPUS" "$SVC_PID"
 
 UP_PORT=$(free_port); UP_ADMIN=$(free_port)
 envoy_config --name upstream --listen "$UP_PORT" --admin "$UP_ADMIN" --stats-flush-s 1 \
   --direct $'hello from the upstream\n' >"$OUT/upstream.yaml"
 "$ENVOY" -c "$OUT/upstream.yaml" --disable-hot-restart --concurrency 1 --log-level warn >"$OUT/upstream.log" 2>&1 &
 UP_PID=$!; PIDS+=($UP_PID)
+pin "$PROXY_CPUS" "$UP_PID"
 wait_for "upstream envoy" "$OUT/upstream.log" $UP_PID curl -fsS "http://127.0.0.1:$UP_ADMIN/ready"
 
 CLOSED_PORT=$(free_port)
@@ -149,6 +171,7 @@ start_envoy() {
   "$ENVOY" -c "$OUT/envoy-$variant.yaml" --disable-hot-restart --concurrency 2 --log-level warn \
     >"$OUT/envoy-$variant.log" 2>&1 &
   EPID[$variant]=$!; EPORT[$variant]=$port; EADMIN[$variant]=$admin; PIDS+=($!)
+  pin "$PROXY_CPUS" "${EPID[$variant]}"
   wait_for "envoy ($variant)" "$OUT/envoy-$variant.log" "${EPID[$variant]}" curl -fsS "http://127.0.0.1:$admin/ready"
   code=$(curl -s -o /dev/null -w '%{http_code}' -H 'x-api-key: first' "http://127.0.0.1:$port/")
   [ "$code" = 200 ] || die "$variant: a first request got $code, not 200"
@@ -176,10 +199,10 @@ done
 measure() {
   local variant=$1 round=$2 epid=${EPID[$1]} port=${EPORT[$1]}
   local out="$OUT/wrk-$variant-$round.txt"
-  wrk -t1 -c"$CONNECTIONS" -d1s "http://127.0.0.1:$port/" >/dev/null 2>&1 || true
+  load -t1 -c"$CONNECTIONS" -d1s "http://127.0.0.1:$port/" >/dev/null 2>&1 || true
   local e0 s0 r0 u0 e1 s1 r1 u1
   e0=$(cpu_ticks "$epid"); s0=$(cpu_ticks $SVC_PID); r0=$(cpu_ticks $REDIS_PID); u0=$(cpu_ticks $UP_PID)
-  wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" --timeout 2s --latency "http://127.0.0.1:$port/" >"$out"
+  load -t1 -c"$CONNECTIONS" -d"${DURATION}s" --timeout 2s --latency "http://127.0.0.1:$port/" >"$out"
   e1=$(cpu_ticks "$epid"); s1=$(cpu_ticks $SVC_PID); r1=$(cpu_ticks $REDIS_PID); u1=$(cpu_ticks $UP_PID)
   local rps p50 p99 total non2xx errors
   rps=$(awk '/^Requests\/sec:/ {print $2}' "$out")
@@ -239,6 +262,10 @@ size=$(stat -c %s "$WASM")
 {
   echo "load average before the run: $LOAD0; after: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "wrk -t1 -c$CONNECTIONS -d${DURATION}s, Envoy --concurrency 2, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), median of $ROUNDS round(s)"
+  case $LAYOUT in
+    shared) echo "layout: shared (every process on every core)" ;;
+    production) echo "layout: production (Redis and the service on CPU $TIER_CPUS; wrk, the Envoys and the upstream on CPU $PROXY_CPUS)" ;;
+  esac
   echo "module: $size bytes"
   echo
   python3 - "$RESULTS" $VARIANTS <<'PY'

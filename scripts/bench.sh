@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make bench`: every benchmark recorded in BENCHMARKS.md, one after the other (never at once: they
-# share the machine's cores). Envoy with Tollgate first, then a fleet's accuracy, then Envoy's
+# share the machine's cores). Envoy with Tollgate first, in both layouts, then a fleet's accuracy, then Envoy's
 # instructions per request (callgrind), the service's and Redis's per take, and a stream message's
 # against a unary call, then the
 # service alone; last, the figures beside the recorded ones (scripts/bench-compare.sh).
@@ -8,6 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rc=0
 bash scripts/bench-envoy.sh || rc=$?
+# The same variants in the production layout (Redis and the service on a core of their own, the
+# proxy side on the other), and both layouts side by side.
+LAYOUT=production KEYS=0 OUT=bench-out/envoy-production bash scripts/bench-envoy.sh || rc=$?
+python3 scripts/bench-layouts.py bench-out/envoy bench-out/envoy-production | tee bench-out/layouts.md || rc=$?
 bash scripts/bench-accuracy.sh || rc=$?
 # The idle path, one exact decision, and a flood's 429 from a remembered denial beside Envoy's own
 # (every variant: run the script alone; each costs a minute or two under valgrind).
