@@ -69,7 +69,7 @@ case $LAYOUT in
   production)
     last=$(($(nproc) - 1))
     [ "$last" -ge 1 ] || die "LAYOUT=production needs two cores or more"
-    TIER_CPUS=$last PROXY_CPUS=0-$((last - 1))
+    TIER_CPUS=$last PROXY_CPUS=0; [ "$last" -eq 1 ] || PROXY_CPUS=0-$((last - 1))
     command -v taskset >/dev/null || die "taskset missing (util-linux)" ;;
   *) die "LAYOUT=$LAYOUT: shared or production" ;;
 esac
