@@ -142,7 +142,7 @@ impl Inner {
     }
 
     /// The next takes to send, oldest first, skipping those nobody waits for any more. When there
-    /// are none, the call slot is given back.
+    /// are none, the call permit is given back.
     fn next_batch(&self) -> Vec<Job> {
         let mut st = self.lock();
         let batch = self.drain(&mut st);
@@ -169,8 +169,8 @@ impl Inner {
         batch
     }
 
-    /// A call slot came back: the queue leaves in a task of its own, which keeps the slot while
-    /// takes keep queueing, so the caller that held the slot is answered without waiting for
+    /// A call permit came back: the queue leaves in a task of its own, which keeps the permit
+    /// while takes keep queueing, so the caller that held the permit is answered without waiting for
     /// others.
     fn release(self: &Arc<Self>) {
         let batch = self.next_batch();
@@ -259,21 +259,21 @@ impl Inner {
     }
 }
 
-/// A call slot held by a caller's own take; handed on when the take ends or is dropped.
-struct Slot<'a>(&'a Arc<Inner>);
+/// A call permit held by a caller's own take; handed on when the take ends or is dropped.
+struct Permit<'a>(&'a Arc<Inner>);
 
-impl Drop for Slot<'_> {
+impl Drop for Permit<'_> {
     fn drop(&mut self) {
         self.0.release();
     }
 }
 
 impl Coalescer {
-    /// A call slot for the caller's own call (`None`), or, every call being busy, `takes` queued,
+    /// A call permit for the caller's own call (`None`), or, every call being busy, `takes` queued,
     /// each with the receiver of its answer, and, if this caller found the queue empty, how long
     /// it watches the queue before it leaves beside the busy calls: until the latest of them has
     /// been out [`CoalesceConfig::slow_after`] (zero when it has: the queue leaves now).
-    fn slot_or_queue<'a>(
+    fn permit_or_queue<'a>(
         &self,
         takes: impl Iterator<Item = &'a [BucketSpec]>,
     ) -> Option<(Vec<oneshot::Receiver<Reply>>, Option<Duration>)> {
@@ -347,8 +347,8 @@ impl Coalescer {
 #[async_trait::async_trait]
 impl Store for Coalescer {
     async fn take(&self, buckets: &[BucketSpec]) -> Result<TakeResponse, StoreError> {
-        let Some(queued) = self.slot_or_queue(std::iter::once(buckets)) else {
-            let _slot = Slot(&self.inner);
+        let Some(queued) = self.permit_or_queue(std::iter::once(buckets)) else {
+            let _permit = Permit(&self.inner);
             return self.inner.store.take(buckets).await;
         };
         let mut answers = self.answers(queued).await?;
@@ -358,8 +358,8 @@ impl Store for Coalescer {
     }
 
     async fn take_batch(&self, takes: &[Vec<BucketSpec>]) -> Result<Vec<TakeResponse>, StoreError> {
-        let Some(queued) = self.slot_or_queue(takes.iter().map(Vec::as_slice)) else {
-            let _slot = Slot(&self.inner);
+        let Some(queued) = self.permit_or_queue(takes.iter().map(Vec::as_slice)) else {
+            let _permit = Permit(&self.inner);
             return self.inner.store.take_batch(takes).await;
         };
         self.answers(queued).await
@@ -714,7 +714,7 @@ mod tests {
         let queued = c.take(&[bucket("t", 5)]).await;
         assert!(matches!(queued, Err(StoreError::Timeout(20))), "{queued:?}");
         assert!(matches!(first.await, Ok(Ok(ref d)) if d.allowed));
-        // The queued take left the queue unsent; the slot is free again.
+        // The queued take left the queue unsent; the permit is free again.
         let d = c.take(&[bucket("t", 5)]).await;
         assert!(
             matches!(d, Ok(ref d) if d.allowed && d.buckets[0].remaining == 3),
