@@ -17,12 +17,14 @@
 //!   - `rules`: rule matching, key building (`rules::keys`), a bucket's limit (`rules::limits`).
 //!   - `wire`: the contract crate's codecs with this VM's instance id and rule names, and Envoy's
 //!     RLS v3 request and response; `plan` (the plain data of a decision), `instance`, `callout`
-//!     (every callout encoded for the adapter), `batch` (group commit).
+//!     (every callout encoded for the adapter), `batch` (group commit), `stream` (a worker's
+//!     stream of takes).
 //!   - `settle`: rules charged by the response: the reservation, what each ending settles, the
 //!     root context's retry queue; `usage`: the usage an LLM response reports.
 //!   - `local`: this Envoy's state in shared data: `table`, `bucket` (local bucket math, one
 //!     module per algorithm), `breaker`, `fallback` (the shares kept in step with the answers),
-//!     `lease` (pools of tokens granted by the service), `props` (tests only).
+//!     `denials` (exact mode's remembered denials), `lease` (pools of tokens granted by the
+//!     service), `slots` (local concurrency slots), `props` (tests only).
 //!   - `decide`: the per-request decision: plan a callout, interpret its result, build the
 //!     verdict; `headers`: `Retry-After`, `RateLimit` / `RateLimit-Policy`, `X-RateLimit-*`.
 //!   - `inflight`: concurrency limits, a slot per key acquired and released once.
