@@ -30,11 +30,12 @@ use tollgate::core::config::rules::{self, Kinds};
 use tollgate::core::config::Config;
 use tollgate_testkit::docs::{self, list_items, with_routes, Block, Kind, MapEntry};
 use tollgate_testkit::envoy::{self, EnvoySpec};
+use tollgate_testkit::plugin::Plugin;
 use tollgate_testkit::process::{closed_port, required_component, workspace_root, TempDir};
 
 /// The plugin configuration a rule is shown in, and the one the generated Envoy configurations run.
 fn with_rule(rule: &str) -> String {
-    format!(r#"{{"service": {{"cluster": "tollgate"}}, "rules": [{rule}]}}"#)
+    Plugin::defaults().rule(rule).json()
 }
 
 // ---------------------------------------------------------------------------------------------

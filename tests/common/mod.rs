@@ -17,7 +17,8 @@
 //! - [`http`]: clients (ureq) through Envoy and to admin endpoints; [`stats`]: admin `/stats` parsing.
 //! - [`stack`]: Redis + service + upstream + Envoy for one plugin configuration, the usual setup.
 //! - [`clock`]: the wall clock and windows (Redis `TIME` is the same clock);
-//! - [`config`]: plugin configurations as JSON, [`Transport`] and `both_transports!`.
+//! - [`config`]: plugin configurations ([`Plugin`], testkit's builder), [`Transport`] and
+//!   `both_transports!`.
 //! - [`push`]: LDS pushes; [`loopback`]: clients by source address; [`faults`]: faults under load.
 #![allow(dead_code)]
 
@@ -40,7 +41,7 @@ pub mod upstream;
 
 // Each test binary uses a part of the harness: the re-exports it leaves unused are not a fault.
 #[allow(unused_imports)]
-pub use config::Transport;
+pub use config::{Plugin, Transport};
 #[allow(unused_imports)]
 pub use envoy::{EnvoySpec, NativeRls};
 #[allow(unused_imports)]

@@ -75,20 +75,19 @@ fn start_fleet(
     Envoy::start_all(c, dir, &specs)
 }
 
-/// A plugin configuration with one rule over one shared key (every request, every Envoy, one bucket).
-fn plugin(key: &str, capacity: u64, rate: u64, period_ms: u64, extra: serde_json::Value) -> String {
-    let mut cfg = serde_json::json!({
-        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 1000},
-        "rules": [{"name": "fleet", "key": [format!("literal:{key}")], "capacity": capacity,
-                   "rate": rate, "period_ms": period_ms}],
-        "response": {"status": 429, "headers": ["x-ratelimit"]},
-    });
-    if let (Some(obj), Some(extra)) = (cfg.as_object_mut(), extra.as_object()) {
-        for (k, v) in extra {
-            obj.insert(k.clone(), v.clone());
-        }
-    }
-    cfg.to_string()
+/// `base` with one rule over one shared key (every request, every Envoy, one bucket).
+fn plugin(key: &str, capacity: u64, rate: u64, period_ms: u64, base: Plugin) -> String {
+    base.rule(
+        serde_json::json!({"name": "fleet", "key": [format!("literal:{key}")],
+                                 "capacity": capacity, "rate": rate, "period_ms": period_ms}),
+    )
+    .response(r#"{"status": 429, "headers": ["x-ratelimit"]}"#)
+    .json()
+}
+
+/// Calls over HTTP, a callout timing out after 1 s.
+fn over_http() -> Plugin {
+    Plugin::new("http", 1000)
 }
 
 /// What a fleet admitted of a load against one key.
@@ -127,7 +126,7 @@ fn one_key_under_load(
         capacity,
         rate,
         period_ms,
-        serde_json::json!({"failure_mode": "deny"}),
+        over_http().failure_mode("deny"),
     );
     let envoys = start_fleet(&c, &dir, n, &cfg, &[service.port], upstream.port);
     let run = Load::run(
@@ -300,7 +299,7 @@ fn fallback_splits_the_limit_across_envoys() {
         CAPACITY,
         RATE,
         PERIOD_MS,
-        serde_json::json!({"failure_mode": "fallback", "fallback": {"instances": N, "max_keys": 100}}),
+        over_http().failure_mode("fallback").fallback(N as u64, 100),
     );
     let envoys = start_fleet(&c, &dir, N, &cfg, &[closed], upstream.port);
 
@@ -374,12 +373,10 @@ fn recovery(victim: Victim) {
         200,
         200,
         1000,
-        serde_json::json!({
-            "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": RECOVERY_TIMEOUT_MS},
-            "failure_mode": "fallback",
-            "fallback": {"instances": N, "max_keys": 100},
-            "breaker": {"failures": 3, "open_ms": 100, "max_open_ms": RECOVERY_MAX_OPEN_MS},
-        }),
+        Plugin::new("http", RECOVERY_TIMEOUT_MS)
+            .failure_mode("fallback")
+            .fallback(N as u64, 100)
+            .breaker(3, 100, RECOVERY_MAX_OPEN_MS),
     );
     let envoys = start_fleet(&c, &dir, N, &cfg, &[service_port], upstream.port);
 
@@ -529,9 +526,7 @@ fn skewed_service_clock_still_one_bucket() {
         PERIOD_MS,
         // Every request asks a replica (no remembered denials): the replicas' clocks are what is
         // tested, and each must decide its share of the denials.
-        serde_json::json!({"failure_mode": "deny",
-            "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 1000,
-                        "remember_denials_ms": 0}}),
+        over_http().remember_denials_ms(0).failure_mode("deny"),
     );
     // One `tollgate` cluster with both replicas, ROUND_ROBIN: consecutive decisions alternate.
     let envoys = start_fleet(
@@ -617,8 +612,10 @@ fn a_replica_shut_down_hands_its_streams_to_the_other() {
         CAPACITY,
         1,
         3_600_000,
-        serde_json::json!({"failure_mode": "deny",
-            "service": {"cluster": "tollgate", "timeout_ms": 1000, "remember_denials_ms": 0}}),
+        Plugin::defaults()
+            .service("timeout_ms", 1000)
+            .remember_denials_ms(0)
+            .failure_mode("deny"),
     );
     let envoys = start_fleet(&c, &dir, N, &cfg, &[a.port, b.port], upstream.port);
     let load = Load::start(

@@ -2,7 +2,9 @@
 //! Envoys in turn), a load of persistent client connections that records every request's start,
 //! latency and status, and a sampler of each Envoy's decision counters over time.
 
-use crate::common::{tollgate_stats_at, Client, Components, Envoy, EnvoySpec, TempDir, Upstream};
+use crate::common::{
+    tollgate_stats_at, Client, Components, Envoy, EnvoySpec, Plugin, TempDir, Transport, Upstream,
+};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::TcpStream;
@@ -16,6 +18,17 @@ use std::time::{Duration, Instant};
 pub struct Fleet {
     pub envoys: Vec<Envoy>,
     pub upstream: Upstream,
+}
+
+/// A fleet's usual plugin configuration before its rules: over `transport`, a callout timing out
+/// after `timeout_ms`, the fallback (one share of `instances`, 100 keys), a breaker opening after 3
+/// failures for 250 ms.
+pub fn with_fallback(transport: Transport, timeout_ms: u64, instances: usize) -> Plugin {
+    transport
+        .plugin(timeout_ms)
+        .failure_mode("fallback")
+        .fallback(instances as u64, 100)
+        .field("breaker", r#"{"failures": 3, "open_ms": 250}"#)
 }
 
 impl Fleet {
