@@ -19,6 +19,8 @@
 //! - [`clock`]: the wall clock and windows (Redis `TIME` is the same clock);
 //! - [`config`]: plugin configurations ([`Plugin`], testkit's builder), [`Transport`] and
 //!   `both_transports!`.
+//! - [`load`]: concurrent clients round-robin over the Envoys, their statuses and rate limit
+//!   headers counted.
 //! - [`push`]: LDS pushes; [`loopback`]: clients by source address; [`faults`]: faults under load.
 #![allow(dead_code)]
 
@@ -30,6 +32,7 @@ pub mod faults;
 pub mod gate;
 pub mod http;
 pub mod llm;
+pub mod load;
 pub mod loopback;
 pub mod process;
 pub mod push;
