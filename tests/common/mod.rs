@@ -19,8 +19,8 @@
 //! - [`clock`]: the wall clock and windows (Redis `TIME` is the same clock);
 //! - [`config`]: plugin configurations ([`Plugin`], testkit's builder), [`Transport`] and
 //!   `both_transports!`.
-//! - [`load`]: concurrent clients round-robin over the Envoys, their statuses and rate limit
-//!   headers counted.
+//! - [`load`]: client threads loading the Envoys, every request recorded: round-robin per request,
+//!   or one connection each (abandoning requests on demand) for the fault matrix.
 //! - [`push`]: LDS pushes; [`loopback`]: clients by source address; [`faults`]: faults under load.
 #![allow(dead_code)]
 

@@ -383,7 +383,7 @@ fn recovery(victim: Victim) {
 
     // 12 clients, each pausing 3 ms between requests: steady load that leaves the machine room to
     // measure the transitions.
-    let load = Load::start(
+    let load = Load::round_robin(
         &envoys,
         12,
         Duration::from_secs(20),
@@ -433,7 +433,7 @@ fn recovery(victim: Victim) {
         .unwrap_or_else(|| panic!("global decisions did not resume within 5 s ({victim:?})"));
     let to_global = global_at.saturating_duration_since(t_back);
     std::thread::sleep(Duration::from_millis(300));
-    let run = load.finish();
+    let run = load.finish().tally();
     let samples = sampler.finish();
     let after = samples.last().copied().unwrap_or(at_back);
 
@@ -619,7 +619,7 @@ fn a_replica_shut_down_hands_its_streams_to_the_other() {
             .failure_mode("deny"),
     );
     let envoys = start_fleet(&c, &dir, N, &cfg, &[a.port, b.port], upstream.port);
-    let load = Load::start(
+    let load = Load::round_robin(
         &envoys,
         16,
         Duration::from_secs(4),
@@ -637,7 +637,7 @@ fn a_replica_shut_down_hands_its_streams_to_the_other() {
     let b_then = metric_sum(&b.metrics(), "tollgate_decisions_total");
     thread::sleep(Duration::from_millis(1000));
     let b_later = metric_sum(&b.metrics(), "tollgate_decisions_total");
-    let run = load.finish();
+    let run = load.finish().tally();
     let gone = a.proc.exited();
     let admitted = upstream.requests();
     let stats = tg_total(&envoys);

@@ -408,7 +408,7 @@ fn a_lease_fleet_admits_what_exact_mode_admits() {
     for mode in ["exact", "lease"] {
         let before = upstream.requests();
         let path = format!("/{mode}");
-        let tally = Load::start_on(
+        let tally = Load::round_robin_on(
             &envoys,
             &path,
             16,
@@ -416,7 +416,8 @@ fn a_lease_fleet_admits_what_exact_mode_admits() {
             u64::MAX,
             Duration::ZERO,
         )
-        .wait();
+        .wait()
+        .tally();
         let elapsed = tally.elapsed;
         let admitted = upstream.requests() - before;
         let ideal = CAPACITY as f64 + RATE as f64 * elapsed.as_secs_f64();
