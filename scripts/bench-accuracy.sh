@@ -54,17 +54,14 @@ declare -A FRONT
 for mode in $MODES; do
   lease=""
   [ "$mode" = lease ] && lease=', "lease": {}'
-  plugin=$(cat <<EOF
-{"service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 200},
- "fallback": {"instances": $FLEET},
- "rules": [{"name": "all", "key": ["literal:accuracy-$mode"],
-            "capacity": $RATE, "rate": $RATE, "period_ms": 1000$lease}]}
-EOF
-)
+  # The plugin configuration, as tollgate-envoy-config's builder writes it.
+  plugin=(--service-field 'transport="grpc"' --service-field timeout_ms=200
+          --field "fallback={\"instances\": $FLEET}"
+          --rule "{\"name\": \"all\", \"key\": [\"literal:accuracy-$mode\"], \"capacity\": $RATE, \"rate\": $RATE, \"period_ms\": 1000$lease}")
   ports=()
   for i in $(seq "$FLEET"); do
     port=$(free_port); admin=$(free_port); ports+=("$port")
-    envoy_config --listen "$port" --admin "$admin" --stats-flush-s 1 --wasm "$WASM" --plugin-config "$plugin" \
+    envoy_config --listen "$port" --admin "$admin" --stats-flush-s 1 --wasm "$WASM" "${plugin[@]}" \
       --service "$SVC_PORT" --upstream "$UP_PORT" >"$OUT/$mode-$i.yaml"
     start "$mode-$i" "$OUT/$mode-$i.yaml" "$OUT/$mode-$i.log" 2 "$admin"
   done

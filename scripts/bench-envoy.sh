@@ -114,17 +114,18 @@ CLOSED_PORT=$(free_port)
 # The Envoy under test. $1 = variant.
 envoy_yaml() {
   local variant=$1 port=$2 admin=$3 svc_port=$SVC_PORT transport=http match="" lease=""
-  local key='"client_ip"' fallback=""
+  local key='"client_ip"'
+  # The plugin configuration's fields beside its rule (tollgate-envoy-config's builder writes it).
   # http, grpc, http-allow: one callout per request (the filter's default batches, "batch": 64).
-  local batch=""
+  local plugin=()
   case $variant in
-    http) batch=', "batch": 0' ;;
-    grpc) transport=grpc; batch=', "batch": 0' ;;
-    http-allow) fallback='"failure_mode": "allow",'; batch=', "batch": 0' ;;
-    http-batch) batch=', "batch": 64' ;;
-    grpc-batch) transport=grpc; batch=', "batch": 64' ;;
-    grpc-unary) transport=grpc; batch=', "batch": 0, "stream": false' ;;
-    grpc-unary-batch) transport=grpc; batch=', "batch": 64, "stream": false' ;;
+    http) plugin+=(--service-field batch=0) ;;
+    grpc) transport=grpc; plugin+=(--service-field batch=0) ;;
+    http-allow) plugin+=(--field 'failure_mode="allow"' --service-field batch=0) ;;
+    http-batch) plugin+=(--service-field batch=64) ;;
+    grpc-batch) transport=grpc; plugin+=(--service-field batch=64) ;;
+    grpc-unary) transport=grpc; plugin+=(--service-field batch=0 --service-field stream=false) ;;
+    grpc-unary-batch) transport=grpc; plugin+=(--service-field batch=64 --service-field stream=false) ;;
     fallback) svc_port=$CLOSED_PORT ;;
     nomatch | bare-nomatch) match='"match": {"path_exact": "/never"},' ;;
     lease) lease=', "lease": {"size": 100}' ;;
@@ -132,7 +133,7 @@ envoy_yaml() {
     # Key churn (memory bound): one bucket per x-api-key, a table of N slots.
     fbkeys-*) svc_port=$CLOSED_PORT ;;&
     leasekeys-*) lease=', "lease": {"size": 100}' ;;&
-    fbkeys-* | leasekeys-*) key='"header:x-api-key"'; fallback="\"fallback\": {\"max_keys\": ${variant#*-}}," ;;
+    fbkeys-* | leasekeys-*) key='"header:x-api-key"'; plugin+=(--field "fallback={\"max_keys\": ${variant#*-}}") ;;
   esac
   local args=(--listen "$port" --admin "$admin" --stats-flush-s 1 --service "$svc_port" --upstream "$UP_PORT")
   case $variant in
@@ -146,13 +147,10 @@ envoy_yaml() {
                        --rls-timeout-ms 100 --rls-allow-on-failure) ;;
     local-rl) args+=(--local-ratelimit 1000000000,1000000000,1) ;;
     empty | bare-empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
-    *) args+=(--wasm "$WASM" --plugin-config "$(cat <<EOF
-{"service": {"cluster": "tollgate", "transport": "$transport", "timeout_ms": 100$batch},
- $fallback "rules": [{"name": "per-ip", $match "key": [$key],
-            "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000$lease}],
- "response": {"headers": ["draft"], "on_allowed": false}}
-EOF
-)") ;;
+    *) args+=(--wasm "$WASM" --service-field "transport=\"$transport\"" --service-field timeout_ms=100
+              "${plugin[@]}"
+              --rule "{\"name\": \"per-ip\", $match \"key\": [$key], \"capacity\": 1000000000, \"rate\": 1000000000, \"period_ms\": 1000$lease}"
+              --field 'response={"headers": ["draft"], "on_allowed": false}') ;;
   esac
   envoy_config "${args[@]}"
 }

@@ -101,8 +101,12 @@ ADMIT_ALL='"key": ["literal:bench"], "capacity": 1000000000, "rate": 1000000000,
 # A callout's timeout of 10 s: the first requests under callgrind wait for V8 to compile the module,
 # and a first callout timed out would be admitted on credit, whose debt then rides on the callouts
 # after it (an empty bucket never repays it, so its denials would not be remembered either).
-plugin() { # $1: transport, $2: extra rule fields, $3: extra service fields, $4: key and limits
-  printf '{"service": {"cluster": "tollgate", "transport": "%s", "timeout_ms": 10000%s}, "rules": [{"name": "all", %s %s}]}' "$1" "${3:-}" "$2" "${4:-$ADMIT_ALL}"
+# The module with the bench's plugin configuration, as tollgate-envoy-config's builder writes it.
+plugin() { # $1: transport, $2: extra rule fields, $3: extra service fields (NAME=JSON ...), $4: key and limits
+  local field
+  PLUGIN=(--wasm "$WASM" --service-field "transport=\"$1\"" --service-field timeout_ms=10000)
+  for field in ${3:-}; do PLUGIN+=(--service-field "$field"); done
+  PLUGIN+=(--rule "{\"name\": \"all\", $2 ${4:-$ADMIT_ALL}}")
 }
 
 RESULTS=$OUT/results.tsv
@@ -136,18 +140,18 @@ for variant in $VARIANTS; do
     empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
     dm-empty) args+=(--dynamic-module dm_probe --dynamic-module-config empty) ;;
     dm-stream) args+=(--dynamic-module dm_probe --dynamic-module-config stream) ;;
-    nomatch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"match": {"path_exact": "/never"},')") ;;
-    skip) args+=(--wasm "$WASM" --plugin-config "$(plugin http '')" --skip-module) ;;
-    http) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 0')") ;;
-    grpc) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 0')") ;;
-    grpc-unary) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 0, "stream": false')") ;;
-    http-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 64')") ;;
-    grpc-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 64')") ;;
-    grpc-unary-batch) args+=(--wasm "$WASM" --plugin-config "$(plugin grpc '' ', "batch": 64, "stream": false')") ;;
-    lease) args+=(--wasm "$WASM" --plugin-config "$(plugin http '"lease": {},')") ;;
+    nomatch) plugin http '"match": {"path_exact": "/never"},'; args+=("${PLUGIN[@]}") ;;
+    skip) plugin http ''; args+=("${PLUGIN[@]}" --skip-module) ;;
+    http) plugin http '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
+    grpc) plugin grpc '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
+    grpc-unary) plugin grpc '' 'batch=0 stream=false'; args+=("${PLUGIN[@]}") ;;
+    http-batch) plugin http '' 'batch=64'; args+=("${PLUGIN[@]}") ;;
+    grpc-batch) plugin grpc '' 'batch=64'; args+=("${PLUGIN[@]}") ;;
+    grpc-unary-batch) plugin grpc '' 'batch=64 stream=false'; args+=("${PLUGIN[@]}") ;;
+    lease) plugin http '"lease": {},'; args+=("${PLUGIN[@]}") ;;
     local-denied) args+=(--local-ratelimit 1,1,3600) ;;
-    denied) args+=(--wasm "$WASM" --plugin-config "$(plugin http '' ', "batch": 0' \
-      '"key": ["literal:denied"], "capacity": 1, "rate": 1, "period_ms": 3600000')") ;;
+    denied) plugin http '' 'batch=0' '"key": ["literal:denied"], "capacity": 1, "rate": 1, "period_ms": 3600000'
+      args+=("${PLUGIN[@]}") ;;
     *) die "unknown variant $variant" ;;
   esac
   envoy_config "${args[@]}" >"$OUT/envoy-$variant.yaml"

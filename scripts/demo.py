@@ -210,18 +210,23 @@ def local_ratelimit_args() -> list[str]:
 def tollgate_args(wasm: str, key: str, service_port: int, service: dict | None = None,
                   rule: dict | None = None) -> list[str]:
     """The Tollgate filter: one global bucket for every request (key `literal:<key>`); `service` and
-    `rule` add to the plugin's `service` and to its rule."""
-    plugin = {
-        "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 250, **(service or {})},
-        "rules": [{"name": "demo", "key": [f"literal:{key}"], "capacity": CAPACITY, "rate": RATE,
-                   "period_ms": PERIOD_S * 1000, **(rule or {})}],
+    `rule` add to the plugin's `service` and to its rule. The generator's builder writes the plugin
+    configuration (testkit/src/plugin.rs)."""
+    args = ["--wasm", wasm]
+    for name, value in {"transport": "grpc", "timeout_ms": 250, **(service or {})}.items():
+        args += ["--service-field", f"{name}={json.dumps(value)}"]
+    rule = {"name": "demo", "key": [f"literal:{key}"], "capacity": CAPACITY, "rate": RATE,
+            "period_ms": PERIOD_S * 1000, **(rule or {})}
+    fields = {
         "failure_mode": "fallback",
         # Four Envoys: each one's fallback bucket holds a quarter of the limit and refills at a quarter rate.
         "fallback": {"instances": N_ENVOYS, "max_keys": 1000},
         "response": {"status": 429, "headers": ["draft"]},
     }
-    return ["--wasm", wasm, "--plugin-config", json.dumps(plugin), "--failure-policy", "FAIL_RELOAD",
-            "--service", str(service_port)]
+    args += ["--rule", json.dumps(rule)]
+    for name, value in fields.items():
+        args += ["--field", f"{name}={json.dumps(value)}"]
+    return args + ["--failure-policy", "FAIL_RELOAD", "--service", str(service_port)]
 
 
 def envoy_config(generator: str, listen: int, args: list[str]) -> str:

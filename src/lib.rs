@@ -17,15 +17,19 @@
 //!   - `rules`: rule matching, key building (`rules::keys`), a bucket's limit (`rules::limits`).
 //!   - `wire`: the contract crate's codecs with this VM's instance id and rule names, and Envoy's
 //!     RLS v3 request and response; `plan` (the plain data of a decision), `instance`, `callout`
-//!     (every callout encoded for the adapter), `batch` (group commit).
+//!     (every callout encoded for the adapter), `batch` (group commit), `stream` (a worker's
+//!     stream of takes).
 //!   - `settle`: rules charged by the response: the reservation, what each ending settles, the
 //!     root context's retry queue; `usage`: the usage an LLM response reports.
 //!   - `local`: this Envoy's state in shared data: `table`, `bucket` (local bucket math, one
 //!     module per algorithm), `breaker`, `fallback` (the shares kept in step with the answers),
-//!     `lease` (pools of tokens granted by the service), `props` (tests only).
+//!     `denials` (exact mode's remembered denials), `lease` (pools of tokens granted by the
+//!     service), `slots` (local concurrency slots), `props` (tests only).
 //!   - `decide`: the per-request decision: plan a callout, interpret its result, build the
 //!     verdict; `headers`: `Retry-After`, `RateLimit` / `RateLimit-Policy`, `X-RateLimit-*`.
 //!   - `inflight`: concurrency limits, a slot per key acquired and released once.
+//!   - `outbox`: how each take of a configuration leaves (a call, a message on the stream, the
+//!     batch queue), and what of its traffic waits or is in flight in a worker.
 //!   - `flow`: the per-request state machine (pause only after a dispatch, resume only if
 //!     paused), over the `Host` port; `slots`: a request's concurrency slots as it drives them.
 //! - `host` (wasm only): the thin adapter, the only module that calls proxy-wasm.

@@ -7,7 +7,11 @@
 //! - every field a rule may hold (the reader's table, `config::rules::RULE_FIELDS`) is documented in
 //!   docs/filter-config.md with the kind of rule it belongs to, and no other;
 //! - every relative link in them resolves (the file, and the heading when it names one);
-//! - every module of the crates, and of the test harnesses, is named in its parent's `//!` map.
+//! - every module of the crates, and of the test harnesses, is named in its parent's `//!` map, a
+//!   map that lists some of a module's modules lists them all, and no `//!` doc names a file that
+//!   is not there;
+//! - every source file of the crates is named in ARCHITECTURE.md's map, and every file that map
+//!   names is there.
 //!
 //! Envoy or the module missing fails the test (`make build`, `make tools`).
 
@@ -24,13 +28,14 @@ use std::path::{Path, PathBuf};
 
 use tollgate::core::config::rules::{self, Kinds};
 use tollgate::core::config::Config;
-use tollgate_testkit::docs::{self, list_items, with_routes, Block, Kind};
+use tollgate_testkit::docs::{self, list_items, with_routes, Block, Kind, MapEntry};
 use tollgate_testkit::envoy::{self, EnvoySpec};
+use tollgate_testkit::plugin::Plugin;
 use tollgate_testkit::process::{closed_port, required_component, workspace_root, TempDir};
 
 /// The plugin configuration a rule is shown in, and the one the generated Envoy configurations run.
 fn with_rule(rule: &str) -> String {
-    format!(r#"{{"service": {{"cluster": "tollgate"}}, "rules": [{rule}]}}"#)
+    Plugin::defaults().rule(rule).json()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -305,7 +310,8 @@ const ROOTS: [&str; 7] = [
     "server/tests/integration/common/mod.rs",
 ];
 
-/// Every source file under these is reached from a root (or is a binary's root itself).
+/// Every source file under these is reached from a root (or is a binary's root itself), and is
+/// named in ARCHITECTURE.md's map.
 const SOURCE_DIRS: [&str; 4] = ["src", "contract/src", "server/src", "testkit/src"];
 
 /// A module file: its module name, its `//!` doc, its child modules declared by `mod x;`, and the
@@ -399,6 +405,44 @@ fn mod_file(path: &Path) -> ModFile {
     }
 }
 
+impl ModFile {
+    /// Its child modules but the unit tests (`tests`), which need no line in a map.
+    fn listed_children(&self) -> impl Iterator<Item = &(String, PathBuf)> {
+        self.children.iter().filter(|(c, _)| c != "tests")
+    }
+}
+
+/// Every module file reached from the roots, each with its ancestors' files (the root first), and
+/// the generated files they paste in.
+struct Trees {
+    modules: Vec<(ModFile, Vec<PathBuf>)>,
+    generated: Vec<PathBuf>,
+}
+
+fn module_trees() -> Trees {
+    let root = workspace_root();
+    let mut trees = Trees {
+        modules: Vec::new(),
+        generated: Vec::new(),
+    };
+    let mut todo: Vec<(PathBuf, Vec<PathBuf>)> =
+        ROOTS.iter().map(|r| (root.join(r), Vec::new())).collect();
+    while let Some((path, ancestors)) = todo.pop() {
+        let m = mod_file(&path);
+        trees.generated.extend(m.included.iter().map(|f| {
+            f.canonicalize()
+                .unwrap_or_else(|e| panic!("{}: include!: {e}", f.display()))
+        }));
+        for (_, file) in &m.children {
+            let mut up = ancestors.clone();
+            up.push(path.clone());
+            todo.push((file.clone(), up));
+        }
+        trees.modules.push((m, ancestors));
+    }
+    trees
+}
+
 /// The code spans of a `//!` doc (`x`, [`x`]).
 fn code_spans(doc: &str) -> Vec<String> {
     doc.split('`')
@@ -426,66 +470,132 @@ fn names(span: &str, child: &str) -> bool {
     })
 }
 
-/// Whether an ancestor's map names `child` of `parent`: as `parent::child`, or in a list item
-/// nested under one that names `parent` (a crate root listing its modules' modules).
-fn ancestor_names(doc: &str, parent: &str, child: &str) -> bool {
-    if code_spans(doc)
-        .iter()
-        .any(|s| s.ends_with(&format!("{parent}::{child}")))
-    {
-        return true;
+/// A list item or a table row of a `//!` map: its text (an item's continuation lines joined to it)
+/// and the items nested under it.
+struct Item {
+    text: String,
+    nested: Vec<Item>,
+}
+
+impl Item {
+    fn spans(&self) -> Vec<String> {
+        code_spans(&self.text)
     }
-    // (indent, text) of each list item, continuation lines joined to their item.
-    let mut items: Vec<(usize, String)> = Vec::new();
+
+    /// Whether this item, or one nested in it, names `child` in an item nested under one that
+    /// names `parent`.
+    fn names_under(&self, parent: &str, child: &str) -> bool {
+        (self.spans().iter().any(|s| names(s, parent))
+            && self.nested.iter().any(|n| n.names_anywhere(child)))
+            || self.nested.iter().any(|n| n.names_under(parent, child))
+    }
+
+    /// Its code spans and those of the items nested in it.
+    fn all_spans(&self) -> Vec<String> {
+        let nested = self.nested.iter().flat_map(Item::all_spans);
+        self.spans().into_iter().chain(nested).collect()
+    }
+
+    fn names_anywhere(&self, child: &str) -> bool {
+        self.spans().iter().any(|s| names(s, child))
+            || self.nested.iter().any(|n| n.names_anywhere(child))
+    }
+}
+
+/// The items of a `//!` doc, nested as its list is; each table row is an item of its own.
+fn map_items(doc: &str) -> Vec<Item> {
+    // (indent, text) of each item, in order.
+    let mut flat: Vec<(usize, String)> = Vec::new();
     for line in doc.lines() {
         let indent = line.len() - line.trim_start().len();
         let t = line.trim_start();
-        if t.starts_with("- ") || t.starts_with("* ") {
-            items.push((indent, t.to_string()));
-        } else if let Some(last) = items.last_mut() {
-            if indent > last.0 && !t.is_empty() {
+        if t.starts_with("- ") || t.starts_with("* ") || t.starts_with('|') {
+            flat.push((indent, t.to_string()));
+        } else if let Some(last) = flat.last_mut() {
+            if indent > last.0 && !t.is_empty() && !last.1.starts_with('|') {
                 last.1.push(' ');
                 last.1.push_str(t);
             }
         }
     }
-    items.iter().enumerate().any(|(i, (indent, text))| {
-        code_spans(text).iter().any(|s| names(s, child))
-            && items[..i]
+    fn nest(flat: &[(usize, String)]) -> Vec<Item> {
+        let mut items = Vec::new();
+        let mut i = 0;
+        while i < flat.len() {
+            let (indent, text) = &flat[i];
+            let end = flat[i + 1..]
                 .iter()
-                .rev()
-                .scan(*indent, |want, (ind, t)| {
-                    if ind < want {
-                        *want = *ind;
-                        Some(Some(t))
-                    } else {
-                        Some(None)
-                    }
-                })
-                .flatten()
-                .any(|t| code_spans(t).iter().any(|s| names(s, parent)))
-    })
+                .position(|(ind, _)| ind <= indent)
+                .map_or(flat.len(), |p| i + 1 + p);
+            items.push(Item {
+                text: text.clone(),
+                nested: nest(&flat[i + 1..end]),
+            });
+            i = end;
+        }
+        items
+    }
+    nest(&flat)
+}
+
+/// Whether an ancestor's map names `child` of `parent`: as `parent::child`, or in a list item
+/// nested under one that names `parent` (a crate root listing its modules' modules).
+fn ancestor_names(doc: &str, parent: &str, child: &str) -> bool {
+    code_spans(doc)
+        .iter()
+        .any(|s| s.ends_with(&format!("{parent}::{child}")))
+        || map_items(doc).iter().any(|i| i.names_under(parent, child))
+}
+
+/// A map that goes into a module (an item naming it names some of its modules, in its text or in
+/// the items nested under it) names all of them: what a map lists of a module is its whole
+/// layout, never a part that a new module silently falls out of.
+fn partial_listings(m: &ModFile) -> Vec<String> {
+    fn walk(items: &[Item], context: &ModFile, file: &Path, out: &mut Vec<String>) {
+        for item in items {
+            let spans = item.spans();
+            let Some(first) = spans.first() else { continue };
+            let Some((name, path)) = context.children.iter().find(|(c, _)| names(first, c)) else {
+                continue;
+            };
+            let subject = mod_file(path);
+            let nested_firsts = item
+                .nested
+                .iter()
+                .filter_map(|n| n.spans().first().cloned());
+            let listed: Vec<String> = spans[1..]
+                .iter()
+                .cloned()
+                .chain(nested_firsts)
+                .filter(|s| subject.children.iter().any(|(c, _)| names(s, c)))
+                .collect();
+            let unlisted: Vec<&str> = subject
+                .listed_children()
+                .filter(|(c, _)| !listed.iter().any(|s| names(s, c)))
+                .map(|(c, _)| c.as_str())
+                .collect();
+            if !listed.is_empty() && !unlisted.is_empty() {
+                out.push(format!(
+                    "{}: the map lists modules of `{name}` but not {unlisted:?}",
+                    rel(file)
+                ));
+            }
+            walk(&item.nested, &subject, file, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&map_items(&m.doc), m, &m.path, &mut out);
+    out
 }
 
 #[test]
 fn every_module_is_named_in_its_parents_map() {
     let root = workspace_root();
+    let trees = module_trees();
     let mut missing = Vec::new();
-    let mut reached: Vec<PathBuf> = Vec::new();
-    // (file, its ancestors' files, root first)
-    let mut todo: Vec<(PathBuf, Vec<PathBuf>)> =
-        ROOTS.iter().map(|r| (root.join(r), Vec::new())).collect();
-    while let Some((path, ancestors)) = todo.pop() {
-        let m = mod_file(&path);
-        reached.push(path.clone());
-        reached.extend(m.included.iter().map(|f| {
-            f.canonicalize()
-                .unwrap_or_else(|e| panic!("{}: include!: {e}", f.display()))
-        }));
-        for (child, file) in &m.children {
-            // A `tests` module needs no line in its parent's map; its own modules do, in its map.
-            let named = child == "tests"
-                || code_spans(&m.doc).iter().any(|s| names(s, child))
+    for (m, ancestors) in &trees.modules {
+        for (child, file) in m.listed_children() {
+            let named = code_spans(&m.doc).iter().any(|s| names(s, child))
                 || ancestors
                     .iter()
                     .any(|a| ancestor_names(&mod_file(a).doc, &m.name, child));
@@ -496,16 +606,20 @@ fn every_module_is_named_in_its_parents_map() {
                     rel(file)
                 ));
             }
-            let mut up = ancestors.clone();
-            up.push(path.clone());
-            todo.push((file.clone(), up));
         }
+        missing.extend(partial_listings(m));
     }
+    let reached: Vec<&PathBuf> = trees
+        .modules
+        .iter()
+        .map(|(m, _)| &m.path)
+        .chain(&trees.generated)
+        .collect();
     let mut orphans = Vec::new();
     for dir in SOURCE_DIRS {
         for file in rust_files(&root.join(dir)) {
             let a_bin_root = file.parent().is_some_and(|p| p.ends_with("src/bin"));
-            if !a_bin_root && !reached.contains(&file) {
+            if !a_bin_root && !reached.contains(&&file) {
                 orphans.push(rel(&file));
             }
         }
@@ -515,6 +629,37 @@ fn every_module_is_named_in_its_parents_map() {
         "modules missing from their parent's map:\n{}\nfiles no module tree reaches: {orphans:?}",
         missing.join("\n")
     );
+}
+
+/// No `//!` map (its list items and table rows) names a file or directory that is not there
+/// (under its module's directory or the one above, at any depth, or relative to a directory
+/// above it).
+#[test]
+fn module_docs_name_only_what_exists() {
+    let root = workspace_root();
+    let tree = all_paths(&root);
+    let mut stale = Vec::new();
+    for (m, _) in &module_trees().modules {
+        let file = rel(&m.path);
+        let dirs: Vec<String> = file
+            .match_indices('/')
+            .map(|(i, _)| file[..=i].to_string())
+            .collect();
+        let (here, above) = dirs
+            .split_last()
+            .map_or(("", &[][..]), |(h, a)| (h.as_str(), a));
+        let spans = map_items(&m.doc)
+            .iter()
+            .flat_map(Item::all_spans)
+            .collect::<Vec<_>>();
+        for w in spans.iter().flat_map(|s| docs::path_words(s)) {
+            let in_parent = above.last().is_some_and(|p| exists_near(&tree, p, &[], &w));
+            if !in_parent && !exists_near(&tree, here, above, &w) {
+                stale.push(format!("{file}: `{w}` does not exist"));
+            }
+        }
+    }
+    assert!(stale.is_empty(), "{}", stale.join("\n"));
 }
 
 /// The map check can fail: a module named nowhere, or named only under another parent, is missing.
@@ -529,6 +674,186 @@ fn the_map_check_finds_what_is_missing() {
     assert!(!ancestor_names(doc, "core", "plan"));
     assert!(names("store/keys.rs", "keys"));
     assert!(names("redis/", "redis") && !names("redis_tls", "redis"));
+    let items = map_items("- `a`: x (`b`)\n  and y\n  - `c`\n| `d` | `e` |\n");
+    assert_eq!(items.len(), 2);
+    assert_eq!(items[0].spans(), ["a", "b"]);
+    assert_eq!(items[0].nested[0].spans(), ["c"]);
+    assert_eq!(items[1].spans(), ["d", "e"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ARCHITECTURE.md's map
+
+/// Every source file of the crates (generated code, pasted in by `include!`, aside) is named in
+/// ARCHITECTURE.md's map: as an entry of its own, or in the text of a directory entry it is under
+/// (`take.rs`, `lease/pool.rs`; a directory's `mod.rs` by its directory, `lease/`).
+#[test]
+fn every_source_file_is_in_the_architecture_map() {
+    let root = workspace_root();
+    let entries = docs::map_entries(&docs::read("ARCHITECTURE.md"));
+    assert!(
+        !entries.is_empty(),
+        "ARCHITECTURE.md: no map under `## The map`"
+    );
+    let generated = module_trees().generated;
+    let mut missing: Vec<String> = SOURCE_DIRS
+        .iter()
+        .flat_map(|d| rust_files(&root.join(d)))
+        .filter(|f| !generated.contains(f))
+        .map(|f| rel(&f))
+        .filter(|f| !in_map(&entries, f))
+        .collect();
+    missing.sort();
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md's map does not name {missing:#?}"
+    );
+}
+
+/// Every entry of ARCHITECTURE.md's map is there, and so is every file or directory its text
+/// names (under the entry's directory at any depth, or relative to an entry above it or to the
+/// root).
+#[test]
+fn the_architecture_map_names_only_what_exists() {
+    let root = workspace_root();
+    let tree = all_paths(&root);
+    let mut stale = Vec::new();
+    for e in docs::map_entries(&docs::read("ARCHITECTURE.md")) {
+        if !tree.contains(&e.path) {
+            stale.push(format!("{}: no such file or directory", e.path));
+        }
+        let here = match e.path.rfind('/') {
+            _ if e.path.ends_with('/') => e.path.as_str(),
+            Some(i) => &e.path[..=i],
+            None => "",
+        };
+        for w in docs::path_words(&e.text) {
+            if !exists_near(&tree, here, &e.ancestors, &w) {
+                stale.push(format!("{}: names {w}, which does not exist", e.path));
+            }
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "ARCHITECTURE.md's map:\n{}",
+        stale.join("\n")
+    );
+}
+
+/// The map checks can fail: a file named nowhere, a directory's `mod.rs` named by its directory,
+/// a word naming what is not there.
+#[test]
+fn the_architecture_map_check_finds_what_is_wrong() {
+    let doc = "# A\n## The map\n\n```\nsrc/                     the filter\n  lib.rs                 \
+               crate doc\n  core/                  pure: lease/ (pool.rs: the pools),\n                         \
+               stream.rs\n```\n";
+    let entries = docs::map_entries(doc);
+    let paths: Vec<&str> = entries.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["src/", "src/lib.rs", "src/core/"]);
+    assert_eq!(entries[2].ancestors, ["src/"]);
+    for named in [
+        "src/lib.rs",
+        "src/core/mod.rs",
+        "src/core/stream.rs",
+        "src/core/lease/mod.rs",
+        "src/core/lease/pool.rs",
+        "src/core/x/stream.rs",
+    ] {
+        assert!(in_map(&entries, named), "{named}");
+    }
+    for unnamed in ["src/core/denials.rs", "src/core/x/mod.rs", "src/main.rs"] {
+        assert!(!in_map(&entries, unnamed), "{unnamed}");
+    }
+    let tree = [
+        "src/",
+        "src/core/",
+        "src/core/lease/",
+        "src/core/lease/pool.rs",
+        "docs/a.md",
+    ]
+    .map(String::from);
+    assert!(exists_near(&tree, "src/core/", &[], "pool.rs"));
+    assert!(exists_near(
+        &tree,
+        "src/core/",
+        &["src/".into()],
+        "docs/a.md"
+    ));
+    assert!(!exists_near(&tree, "src/core/", &[], "stream.rs"));
+    assert!(
+        !exists_near(&tree, "src/", &[], "a.md"),
+        "only under its own directory"
+    );
+}
+
+/// Whether ARCHITECTURE.md's map names `file`: as an entry, or in the text of an entry it is
+/// under (a directory's, or a module file's, `x.rs`, whose modules are in `x/`).
+fn in_map(entries: &[MapEntry], file: &str) -> bool {
+    entries.iter().any(|e| {
+        let (dir, under) = match e.path.strip_suffix(".rs") {
+            Some(module) => (
+                e.path.rfind('/').map_or("", |i| &e.path[..=i]),
+                format!("{module}/"),
+            ),
+            None => (e.path.as_str(), e.path.clone()),
+        };
+        e.path == file
+            || (under.ends_with('/')
+                && file.starts_with(&under)
+                && names_file(&docs::path_words(&e.text), &file[dir.len()..]))
+    })
+}
+
+/// Whether the words of a map entry name the file at `rest`, relative to the entry's directory:
+/// its path or its end (`pool.rs`, `lease/pool.rs`); a `mod.rs` by its directory (`lease/`).
+fn names_file(words: &[String], rest: &str) -> bool {
+    let ends_in = |path: &str, w: &str| path == w || path.ends_with(&format!("/{w}"));
+    match rest.strip_suffix("mod.rs") {
+        Some("") => true,
+        Some(dir) => words.iter().any(|w| {
+            (w.ends_with('/') && ends_in(dir, w)) || (w.contains('/') && ends_in(rest, w))
+        }),
+        None => words.iter().any(|w| ends_in(rest, w)),
+    }
+}
+
+/// Whether `word` names a path of `tree` under `here` at any depth (`pool.rs` in `local/` is
+/// `local/lease/pool.rs`), or relative to one of `above` or to the root.
+fn exists_near(tree: &[String], here: &str, above: &[String], word: &str) -> bool {
+    let under_here = tree.iter().any(|p| {
+        p.strip_prefix(here)
+            .is_some_and(|r| r == word || r.ends_with(&format!("/{word}")))
+    });
+    under_here
+        || above
+            .iter()
+            .map(String::as_str)
+            .chain([""])
+            .any(|a| tree.contains(&format!("{a}{word}")))
+}
+
+/// Every file and directory of the workspace, relative to it (directories ending in `/`), but
+/// build output and hidden ones.
+fn all_paths(root: &Path) -> Vec<String> {
+    fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) {
+        for e in fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let e = e.expect("entry");
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || name == "target" {
+                continue;
+            }
+            let path = format!("{prefix}{name}");
+            if e.path().is_dir() {
+                out.push(format!("{path}/"));
+                walk(&e.path(), &format!("{path}/"), out);
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(root, "", &mut out);
+    out
 }
 
 fn rust_files(dir: &Path) -> Vec<PathBuf> {

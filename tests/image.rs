@@ -504,13 +504,12 @@ fn filter_images_pull_like_istio_and_limit_in_envoy() {
             wasm: pulled,
             ..c.clone()
         };
-        let config = json!({
-            "service": {"cluster": "tollgate", "timeout_ms": 200},
-            "rules": [rule("image-check", &["literal:all"], 1)],
-            "failure_mode": "fallback",
-            "fallback": {"instances": 1, "max_keys": 100},
-        });
-        let mut spec = EnvoySpec::new(Some(config.to_string()), closed_port(), closed_port());
+        let config = Plugin::defaults()
+            .service("timeout_ms", 200)
+            .rule(rule("image-check", &["literal:all"], 1))
+            .failure_mode("fallback")
+            .fallback(1, 100);
+        let mut spec = EnvoySpec::new(Some(config.json()), closed_port(), closed_port());
         spec.answer_directly("direct\n");
         spec.concurrency = 1;
         let envoy = Envoy::start(&envoy_c, &dir, &spec);

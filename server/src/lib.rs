@@ -13,7 +13,7 @@
 //! | module | what |
 //! |---|---|
 //! | [`domain`] | the bottom layer: validated buckets, settlements and slots, the contract's answers under its own names, the contract's bounds, [`domain::InvalidArgument`] |
-//! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`], [`store::coalesce`]; imports only `domain` |
+//! | [`store`] | the [`store::Store`] trait; [`store::memory`], [`store::redis`] (scripts in `store/lua/`), [`store::keys`], [`store::coalesce`], [`store::algorithm`] (one module per algorithm), [`store::slots`] (concurrency slots); imports only `domain` |
 //! | [`metrics`] | Prometheus metrics |
 //! | [`trace`] | OpenTelemetry traces (`--otlp-endpoint`): a span per decision, its parent the call's `traceparent` |
 //! | [`api`] | what every operation shares: [`api::Api`] (store, metrics, auth, readiness, live instances, admission, one store call, the shutdown signal), the strict JSON reader, the gRPC codec and status, the HTTP answer |

@@ -5,11 +5,13 @@
 //! - `base`: hashing, the host's header map format, the CAS store trait, the callout ledger.
 //! - `config`: the plugin configuration (model, reader, a rule's fields), parsed once.
 //! - `rules`: rule matching, key building, a bucket's limit.
-//! - `wire`: what a callout carries: the codecs, the plain data of a decision (`wire::plan`),
-//!   the instance id, every callout's body, batches.
+//! - `wire`: what a callout carries: the codecs, the plain data of a decision (`plan`), the
+//!   instance id (`instance`), every callout's body (`callout`), batches (`batch`), a worker's
+//!   stream of takes (`stream`).
 //! - `settle`: rules charged by the response, and the usage a response reports.
-//! - `local`: this Envoy's state in shared data: tables, bucket math, breaker, fallback shares,
-//!   lease pools.
+//! - `local`: this Envoy's state in shared data: tables (`table`), bucket math (`bucket`), the
+//!   breaker (`breaker`), fallback shares (`fallback`), remembered denials (`denials`), lease
+//!   pools (`lease`), local concurrency slots (`slots`), their property tests (`props`).
 //! - `decide`: the per-request decision (plan a callout, interpret its result, resolve the
 //!   verdict) and the rate limit headers.
 //! - `inflight`: concurrency limits, a slot per key acquired and released once.

@@ -25,6 +25,10 @@
 //!   that queues a take does).
 //!
 //! Nothing here panics: an unknown context id in any callback is a no-op.
+//!
+//! Beside this file, by concern: `configure` (a configuration parsed and prepared, and one a push
+//! replaced handed over), `messages` (the stream's answers, end and deadlines), `batches` (the
+//! batch queue carried out); `tests` (the fake host, and a module per concern).
 
 use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind};
 use super::metrics::{Metrics, SettleCount, VmGauges};

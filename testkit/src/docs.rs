@@ -1,5 +1,7 @@
 //! The documentation as the tests read it (tests/docs.rs, server/tests/integration/docs.rs): README.md and
-//! docs/*.md, their fenced code blocks with the kind each one declares, and their links.
+//! docs/*.md, their fenced code blocks with the kind each one declares, and their links; and
+//! ARCHITECTURE.md's map, as entries ([`map_entries`]) and the paths their text names
+//! ([`path_words`]).
 //!
 //! A fenced block that holds a configuration says so in its info string, after the language, and
 //! the test of that kind's parser checks it:
@@ -451,4 +453,89 @@ pub fn with_routes(bootstrap: &str, excerpt: &str) -> Result<String, String> {
     placed
         .then_some(out)
         .ok_or_else(|| "the generated bootstrap has no `routes:`".to_string())
+}
+
+/// One entry of ARCHITECTURE.md's map (the code block under `## The map`): a path in the first
+/// column, under the directory entry it is indented below, and its text, the rest of its line
+/// and the lines indented under that text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapEntry {
+    /// Relative to the workspace root; a directory's ends with `/`.
+    pub path: String,
+    /// The directory entries it is under, the outermost first.
+    pub ancestors: Vec<String>,
+    pub text: String,
+}
+
+/// A map line whose first text starts at or past this column continues the entry above it.
+const MAP_TEXT_COLUMN: usize = 24;
+
+/// The entries of the map in `doc` (ARCHITECTURE.md's text), in order. An entry line may name
+/// several paths (`json.rs, proto.rs`): each is an entry with the same text.
+pub fn map_entries(doc: &str) -> Vec<MapEntry> {
+    let block = doc
+        .split_once("\n## The map\n")
+        .and_then(|(_, rest)| rest.split_once("```\n"))
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .map_or("", |(block, _)| block);
+    let mut entries: Vec<MapEntry> = Vec::new();
+    let mut dirs: Vec<(usize, String)> = Vec::new();
+    for line in block.lines() {
+        let t = line.trim_start();
+        let indent = line.len() - t.len();
+        let (head, rest) = t.split_once("  ").unwrap_or((t, ""));
+        let paths: Vec<&str> = head.split(", ").collect();
+        let an_entry = indent < MAP_TEXT_COLUMN && paths.iter().all(|p| is_map_path(p));
+        if !an_entry {
+            if let Some(last) = entries.last_mut() {
+                last.text.push('\n');
+                last.text.push_str(t);
+            }
+            continue;
+        }
+        while dirs.last().is_some_and(|(i, _)| *i >= indent) {
+            dirs.pop();
+        }
+        let ancestors: Vec<String> = dirs.iter().map(|(_, d)| d.clone()).collect();
+        let base = ancestors.last().cloned().unwrap_or_default();
+        for p in &paths {
+            entries.push(MapEntry {
+                path: format!("{base}{p}"),
+                ancestors: ancestors.clone(),
+                text: rest.trim().to_string(),
+            });
+        }
+        if let [dir] = paths[..] {
+            if dir.ends_with('/') {
+                dirs.push((indent, format!("{base}{dir}")));
+            }
+        }
+    }
+    entries
+}
+
+fn is_map_path(s: &str) -> bool {
+    !s.is_empty()
+        && (s.contains('.') || s.ends_with('/'))
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-/".contains(c))
+}
+
+/// The file and directory names in `text` (prose of a map): the words ending in `/` or in a
+/// source or document extension (`take.rs`, `lease/`, `docs/rls.md`), without placeholders
+/// (`<name>.rs`) or patterns (`*.lua`).
+pub fn path_words(text: &str) -> Vec<String> {
+    const EXTENSIONS: [&str; 10] = [
+        "rs", "lua", "proto", "md", "json", "yaml", "sh", "py", "toml", "sse",
+    ];
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || "_.-/<>*".contains(c)))
+        .map(|w| w.trim_end_matches('.'))
+        .filter(|w| !w.contains(['<', '>', '*']) && !w.starts_with('/') && !w.contains("//"))
+        .filter(|w| {
+            w.len() > 1 && w.ends_with('/')
+                || w.rsplit_once('.')
+                    .is_some_and(|(stem, ext)| !stem.is_empty() && EXTENSIONS.contains(&ext))
+        })
+        .map(str::to_string)
+        .collect()
 }

@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use crate::envoy::{EnvoySpec, Note, Route};
+use crate::plugin::Plugin;
 
 /// Every checked-in configuration: its path from the repository root and its text.
 pub fn checked_in() -> Vec<(&'static str, String)> {
@@ -25,7 +26,7 @@ pub fn demo() -> String {
     upstream.routes = vec![llm, Route::direct("/", "hello from the upstream\n")];
 
     let mut edge = EnvoySpec::empty();
-    edge.plugin_config = Some(DEMO_PLUGIN.to_string());
+    edge.plugin_config = Some(demo_plugin());
     edge.failure_policy = Some("FAIL_RELOAD".to_string());
     edge.use_remote_address = true;
     edge.service_ports = vec![8081];
@@ -67,7 +68,7 @@ pub fn plain() -> String {
     let mut spec = EnvoySpec::empty();
     spec.listener_name = "ingress".to_string();
     spec.listen_address = "0.0.0.0".to_string();
-    spec.plugin_config = Some(PLAIN_PLUGIN.to_string());
+    spec.plugin_config = Some(plain_plugin());
     spec.fail_open = true;
     spec.use_remote_address = true;
     spec.xff_num_trusted_hops = 1;
@@ -141,35 +142,37 @@ Docker Compose and the like. Paths and host names are the deployment's:
 Run several of these Envoys behind one load balancer: they share every limit through the service.
 Check it with: envoy --mode validate -c deploy/envoy/envoy.yaml (the module must be at the path)."#;
 
-const DEMO_PLUGIN: &str = r#"{
-  "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 50},
-  "trusted_hops": 0,
-  "rules": [
-    {"name": "per-ip", "match": {"not": {"path_prefix": "/v1/"}},
-     "key": ["client_ip"], "capacity": 5, "rate": 1, "period_ms": 1000},
-    {"name": "llm-tokens", "match": {"path_prefix": "/v1/"}, "key": ["header:x-api-key"],
-     "capacity": 10000, "period_ms": 60000,
-     "cost": {"reserve": "max", "max": 4000},
-     "charge": "response"}
-  ],
-  "failure_mode": "fallback",
-  "fallback": {"instances": 1, "max_keys": 10000},
-  "breaker": {"failures": 5, "open_ms": 250, "max_open_ms": 5000},
-  "response": {"status": 429, "headers": ["draft", "x-ratelimit"], "on_allowed": true}
+/// The demo's rules: 5 requests of burst per client IP, and priced LLM tokens under /v1/.
+fn demo_plugin() -> String {
+    Plugin::new("grpc", 50)
+        .field("trusted_hops", 0)
+        .rule(
+            r#"{"name": "per-ip", "match": {"not": {"path_prefix": "/v1/"}},
+ "key": ["client_ip"], "capacity": 5, "rate": 1, "period_ms": 1000}"#,
+        )
+        .rule(
+            r#"{"name": "llm-tokens", "match": {"path_prefix": "/v1/"}, "key": ["header:x-api-key"],
+ "capacity": 10000, "period_ms": 60000,
+ "cost": {"reserve": "max", "max": 4000},
+ "charge": "response"}"#,
+        )
+        .failure_mode("fallback")
+        .fallback(1, 10000)
+        .breaker(5, 250, 5000)
+        .response(r#"{"status": 429, "headers": ["draft", "x-ratelimit"], "on_allowed": true}"#)
+        .json()
 }
-"#;
 
-const PLAIN_PLUGIN: &str = r#"{
-  "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 20},
-  "trusted_hops": 0,
-  "rules": [
-    {"name": "per-ip", "key": ["client_ip"], "capacity": 100, "rate": 100, "period_ms": 60000}
-  ],
-  "failure_mode": "fallback",
-  "fallback": {"instances": 2, "max_keys": 10000},
-  "response": {"status": 429, "headers": ["draft"]}
+/// Plain Envoy's: 100 requests a minute per client IP.
+fn plain_plugin() -> String {
+    Plugin::new("grpc", 20)
+        .field("trusted_hops", 0)
+        .rule(r#"{"name": "per-ip", "key": ["client_ip"], "capacity": 100, "rate": 100, "period_ms": 60000}"#)
+        .failure_mode("fallback")
+        .fallback(2, 10000)
+        .response(r#"{"status": 429, "headers": ["draft"]}"#)
+        .json()
 }
-"#;
 
 const LLM_ANSWER: &str = "{\"object\":\"chat.completion\",\"choices\":[{\"index\":0,\"message\":\
 {\"role\":\"assistant\",\"content\":\"hi\"}}],\"usage\":{\"prompt_tokens\":12,\

@@ -9,6 +9,8 @@
 //! - [`envoy`]: the one generator of Envoy configuration (tests, benchmarks, demo, checked-in
 //!   files), and `envoy --mode validate`; [`envoy_files`]: the checked-in files it writes
 //!   (`make configs`), a test failing when one differs;
+//! - [`plugin`]: the one builder of the filter's plugin configuration (tests, checked-in files,
+//!   and through `tollgate-envoy-config` the demo and the benchmarks);
 //! - [`docs`]: README.md and docs/*.md as the tests read them: code blocks with the kind each
 //!   declares (the convention is there), links and heading anchors;
 //! - [`otlp`]: an OTLP/gRPC trace receiver (OpenTelemetry's generated collector service) that
@@ -26,5 +28,6 @@ pub mod docs;
 pub mod envoy;
 pub mod envoy_files;
 pub mod otlp;
+pub mod plugin;
 pub mod process;
 pub mod redis;

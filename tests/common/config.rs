@@ -1,6 +1,8 @@
-//! Plugin configurations for the end-to-end tests, built as JSON values.
+//! Plugin configurations for the end-to-end tests: rules as JSON values, the whole built by
+//! testkit's one builder ([`Plugin`], re-exported here).
 
 use serde_json::{json, Value};
+pub use tollgate_testkit::plugin::Plugin;
 
 /// A refill so slow that it never matters within a test: one token per hour.
 pub const SLOW_PERIOD_MS: u64 = 3_600_000;
@@ -11,32 +13,23 @@ pub fn rule(name: &str, key: &[&str], capacity: u64) -> Value {
 }
 
 /// A full plugin configuration: `rules` over `transport` with a generous callout timeout (1 s),
-/// then every field of `extra` merged in at top level (`service` fields are merged one level down).
+/// then every field of `extra` set at top level (`service` fields are set one level down).
 pub fn plugin(transport: Transport, rules: Vec<Value>, extra: Value) -> String {
-    let mut cfg = json!({
-        "service": {"cluster": "tollgate", "transport": transport.name(), "timeout_ms": 1000},
-        "rules": rules,
-    });
-    if transport == Transport::GrpcUnary {
-        cfg["service"]["stream"] = json!(false);
-    }
-    if let (Some(obj), Value::Object(extra)) = (cfg.as_object_mut(), extra) {
-        for (k, v) in extra {
-            match (k.as_str(), v) {
-                ("service", Value::Object(s)) => {
-                    if let Some(Value::Object(svc)) = obj.get_mut("service") {
-                        for (sk, sv) in s {
-                            svc.insert(sk, sv);
-                        }
-                    }
-                }
-                (_, v) => {
-                    obj.insert(k, v);
-                }
-            }
+    let p = transport.plugin(1000);
+    with_fields(rules.iter().fold(p, Plugin::rule), extra).json()
+}
+
+/// `p` with every field of `extra` (an object) set at top level, `service`'s one level down.
+pub fn with_fields(p: Plugin, extra: Value) -> Plugin {
+    let Value::Object(extra) = extra else {
+        return p;
+    };
+    extra.into_iter().fold(p, |p, (k, v)| match v {
+        Value::Object(s) if k == "service" => {
+            s.into_iter().fold(p, |p, (sk, sv)| p.service(&sk, sv))
         }
-    }
-    serde_json::to_string_pretty(&cfg).unwrap_or_default()
+        v => p.field(&k, v),
+    })
 }
 
 /// Expands `$name(Transport)`, for each `$name`, into a module `$name` with one test per
@@ -81,7 +74,7 @@ pub enum Transport {
     Http,
     /// gRPC, takes as messages on a stream per worker (`service.stream`, the default).
     Grpc,
-    /// gRPC, a call per take or batch (`"stream": false`; [`plugin`] sets it).
+    /// gRPC, a call per take or batch (`"stream": false`; [`Transport::plugin`] sets it).
     GrpcUnary,
 }
 
@@ -91,6 +84,16 @@ impl Transport {
         match self {
             Transport::Http => "http",
             Transport::Grpc | Transport::GrpcUnary => "grpc",
+        }
+    }
+
+    /// A plugin configuration calling the service over this transport, a callout timing out after
+    /// `timeout_ms` (`"stream": false` for [`Transport::GrpcUnary`]).
+    pub fn plugin(self, timeout_ms: u64) -> Plugin {
+        let p = Plugin::new(self.name(), timeout_ms);
+        match self {
+            Transport::GrpcUnary => p.stream(false),
+            _ => p,
         }
     }
 }

@@ -17,7 +17,10 @@
 //! - [`http`]: clients (ureq) through Envoy and to admin endpoints; [`stats`]: admin `/stats` parsing.
 //! - [`stack`]: Redis + service + upstream + Envoy for one plugin configuration, the usual setup.
 //! - [`clock`]: the wall clock and windows (Redis `TIME` is the same clock);
-//! - [`config`]: plugin configurations as JSON, [`Transport`] and `both_transports!`.
+//! - [`config`]: plugin configurations ([`Plugin`], testkit's builder), [`Transport`] and
+//!   `both_transports!`.
+//! - [`load`]: client threads loading the Envoys, every request recorded: round-robin per request,
+//!   or one connection each (abandoning requests on demand) for the fault matrix.
 //! - [`push`]: LDS pushes; [`loopback`]: clients by source address; [`faults`]: faults under load.
 #![allow(dead_code)]
 
@@ -29,6 +32,7 @@ pub mod faults;
 pub mod gate;
 pub mod http;
 pub mod llm;
+pub mod load;
 pub mod loopback;
 pub mod process;
 pub mod push;
@@ -40,7 +44,7 @@ pub mod upstream;
 
 // Each test binary uses a part of the harness: the re-exports it leaves unused are not a fault.
 #[allow(unused_imports)]
-pub use config::Transport;
+pub use config::{Plugin, Transport};
 #[allow(unused_imports)]
 pub use envoy::{EnvoySpec, NativeRls};
 #[allow(unused_imports)]

@@ -94,17 +94,17 @@ const BACK_MAX: Duration = Duration::from_secs(1);
 /// (for up to its retry time), which would only move that moment later. Remembered denials are
 /// `fleet::a_flood_of_denials_is_answered_locally_and_still_exact`'s subject.
 fn plugin(key: &str) -> String {
-    serde_json::json!({
-        "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": CALLOUT_TIMEOUT_MS,
-                    "remember_denials_ms": 0},
-        "rules": [{"name": "faults", "key": [format!("literal:{key}")], "capacity": CAPACITY,
-                   "rate": RATE, "period_ms": PERIOD_MS}],
-        "failure_mode": "fallback",
-        "fallback": {"instances": N, "max_keys": 100},
-        "breaker": {"failures": 3, "open_ms": 100, "max_open_ms": 400},
-        "response": {"status": 429, "headers": ["x-ratelimit"]},
-    })
-    .to_string()
+    Plugin::new("grpc", CALLOUT_TIMEOUT_MS)
+        .remember_denials_ms(0)
+        .rule(
+            serde_json::json!({"name": "faults", "key": [format!("literal:{key}")],
+                                 "capacity": CAPACITY, "rate": RATE, "period_ms": PERIOD_MS}),
+        )
+        .failure_mode("fallback")
+        .fallback(N as u64, 100)
+        .breaker(3, 100, 400)
+        .response(r#"{"status": 429, "headers": ["x-ratelimit"]}"#)
+        .json()
 }
 
 /// The service on `redis_url` with the short Redis timeout.

@@ -17,7 +17,6 @@ use crate::native_rls as rls;
 
 use common::*;
 use rls::{start_service, LimitsFile};
-use serde_json::json;
 use std::time::Duration;
 
 /// The server's limits: 5 per hour per API key under the rule's descriptor, as the filter's default
@@ -34,16 +33,14 @@ descriptors:
 ";
 
 fn filter_config() -> String {
-    json!({
-        "service": {"cluster": "tollgate", "transport": "rls", "domain": "edge", "timeout_ms": 1000},
-        "rules": [{"name": "per-key", "key": ["header:x-api-key"], "capacity": 5, "rate": 5,
-                   "period_ms": 3_600_000}],
-        "failure_mode": "fallback",
-        "fallback": {"instances": 1, "max_keys": 1000},
-        "breaker": {"failures": 1, "open_ms": 60_000},
-        "response": {"headers": ["x-ratelimit"]}
-    })
-    .to_string()
+    Plugin::new("rls", 1000)
+        .service("domain", r#""edge""#)
+        .rule(r#"{"name": "per-key", "key": ["header:x-api-key"], "capacity": 5, "rate": 5, "period_ms": 3600000}"#)
+        .failure_mode("fallback")
+        .fallback(1, 1000)
+        .field("breaker", r#"{"failures": 1, "open_ms": 60000}"#)
+        .response(r#"{"headers": ["x-ratelimit"]}"#)
+        .json()
 }
 
 #[test]

@@ -12,8 +12,8 @@
 //! - the processes come from the shared harness (`tests/common`): Redis, the service (also under a
 //!   skewed clock, and again on the port it had), N Envoys started at once, the upstream counting per
 //!   Envoy; `start_fleet` builds the fleet's Envoy specs.
-//! - `Load` (concurrent clients, round-robin over the Envoys) and `Sampler` (the fleet's decision
-//!   counters over time), at the end of the file.
+//! - `Sampler` (the fleet's decision counters over time), at the end of the file; the load
+//!   (concurrent clients, round-robin over the Envoys) is the harness's (`common::load`).
 //! - the tests: `global_mode_is_one_bucket_across_envoys`,
 //!   `a_flood_of_denials_is_answered_locally_and_still_exact`, `fallback_splits_the_limit_across_envoys`,
 //!   `service_killed_under_load_falls_back_then_resumes`, `redis_killed_under_load_falls_back_then_resumes`,
@@ -29,9 +29,10 @@
 use crate::common;
 
 use common::faults::redis_ctl::signal;
+use common::load::{Load, Tally};
 use common::*;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -75,20 +76,19 @@ fn start_fleet(
     Envoy::start_all(c, dir, &specs)
 }
 
-/// A plugin configuration with one rule over one shared key (every request, every Envoy, one bucket).
-fn plugin(key: &str, capacity: u64, rate: u64, period_ms: u64, extra: serde_json::Value) -> String {
-    let mut cfg = serde_json::json!({
-        "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 1000},
-        "rules": [{"name": "fleet", "key": [format!("literal:{key}")], "capacity": capacity,
-                   "rate": rate, "period_ms": period_ms}],
-        "response": {"status": 429, "headers": ["x-ratelimit"]},
-    });
-    if let (Some(obj), Some(extra)) = (cfg.as_object_mut(), extra.as_object()) {
-        for (k, v) in extra {
-            obj.insert(k.clone(), v.clone());
-        }
-    }
-    cfg.to_string()
+/// `base` with one rule over one shared key (every request, every Envoy, one bucket).
+fn plugin(key: &str, capacity: u64, rate: u64, period_ms: u64, base: Plugin) -> String {
+    base.rule(
+        serde_json::json!({"name": "fleet", "key": [format!("literal:{key}")],
+                                 "capacity": capacity, "rate": rate, "period_ms": period_ms}),
+    )
+    .response(r#"{"status": 429, "headers": ["x-ratelimit"]}"#)
+    .json()
+}
+
+/// Calls over HTTP, a callout timing out after 1 s.
+fn over_http() -> Plugin {
+    Plugin::new("http", 1000)
 }
 
 /// What a fleet admitted of a load against one key.
@@ -127,7 +127,7 @@ fn one_key_under_load(
         capacity,
         rate,
         period_ms,
-        serde_json::json!({"failure_mode": "deny"}),
+        over_http().failure_mode("deny"),
     );
     let envoys = start_fleet(&c, &dir, n, &cfg, &[service.port], upstream.port);
     let run = Load::run(
@@ -300,7 +300,7 @@ fn fallback_splits_the_limit_across_envoys() {
         CAPACITY,
         RATE,
         PERIOD_MS,
-        serde_json::json!({"failure_mode": "fallback", "fallback": {"instances": N, "max_keys": 100}}),
+        over_http().failure_mode("fallback").fallback(N as u64, 100),
     );
     let envoys = start_fleet(&c, &dir, N, &cfg, &[closed], upstream.port);
 
@@ -374,18 +374,16 @@ fn recovery(victim: Victim) {
         200,
         200,
         1000,
-        serde_json::json!({
-            "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": RECOVERY_TIMEOUT_MS},
-            "failure_mode": "fallback",
-            "fallback": {"instances": N, "max_keys": 100},
-            "breaker": {"failures": 3, "open_ms": 100, "max_open_ms": RECOVERY_MAX_OPEN_MS},
-        }),
+        Plugin::new("http", RECOVERY_TIMEOUT_MS)
+            .failure_mode("fallback")
+            .fallback(N as u64, 100)
+            .breaker(3, 100, RECOVERY_MAX_OPEN_MS),
     );
     let envoys = start_fleet(&c, &dir, N, &cfg, &[service_port], upstream.port);
 
     // 12 clients, each pausing 3 ms between requests: steady load that leaves the machine room to
     // measure the transitions.
-    let load = Load::start(
+    let load = Load::round_robin(
         &envoys,
         12,
         Duration::from_secs(20),
@@ -435,7 +433,7 @@ fn recovery(victim: Victim) {
         .unwrap_or_else(|| panic!("global decisions did not resume within 5 s ({victim:?})"));
     let to_global = global_at.saturating_duration_since(t_back);
     std::thread::sleep(Duration::from_millis(300));
-    let run = load.finish();
+    let run = load.finish().tally();
     let samples = sampler.finish();
     let after = samples.last().copied().unwrap_or(at_back);
 
@@ -529,9 +527,7 @@ fn skewed_service_clock_still_one_bucket() {
         PERIOD_MS,
         // Every request asks a replica (no remembered denials): the replicas' clocks are what is
         // tested, and each must decide its share of the denials.
-        serde_json::json!({"failure_mode": "deny",
-            "service": {"cluster": "tollgate", "transport": "http", "timeout_ms": 1000,
-                        "remember_denials_ms": 0}}),
+        over_http().remember_denials_ms(0).failure_mode("deny"),
     );
     // One `tollgate` cluster with both replicas, ROUND_ROBIN: consecutive decisions alternate.
     let envoys = start_fleet(
@@ -617,11 +613,13 @@ fn a_replica_shut_down_hands_its_streams_to_the_other() {
         CAPACITY,
         1,
         3_600_000,
-        serde_json::json!({"failure_mode": "deny",
-            "service": {"cluster": "tollgate", "timeout_ms": 1000, "remember_denials_ms": 0}}),
+        Plugin::defaults()
+            .service("timeout_ms", 1000)
+            .remember_denials_ms(0)
+            .failure_mode("deny"),
     );
     let envoys = start_fleet(&c, &dir, N, &cfg, &[a.port, b.port], upstream.port);
-    let load = Load::start(
+    let load = Load::round_robin(
         &envoys,
         16,
         Duration::from_secs(4),
@@ -639,7 +637,7 @@ fn a_replica_shut_down_hands_its_streams_to_the_other() {
     let b_then = metric_sum(&b.metrics(), "tollgate_decisions_total");
     thread::sleep(Duration::from_millis(1000));
     let b_later = metric_sum(&b.metrics(), "tollgate_decisions_total");
-    let run = load.finish();
+    let run = load.finish().tally();
     let gone = a.proc.exited();
     let admitted = upstream.requests();
     let stats = tg_total(&envoys);
@@ -762,137 +760,6 @@ fn http_dates_parse() {
 }
 fn stat(stats: &BTreeMap<String, u64>, name: &str) -> u64 {
     stats.get(name).copied().unwrap_or(0)
-}
-
-// --------------------------------------------------------------------------------------------
-// The load: concurrent clients, each sending round-robin over the Envoys
-
-/// What the clients saw.
-#[derive(Debug, Default)]
-pub struct Tally {
-    /// Status -> count; 0 stands for a transport error (no HTTP response).
-    pub statuses: BTreeMap<u16, u64>,
-    /// `Retry-After` of every 429, in seconds.
-    pub retry_after: Vec<u64>,
-    /// `X-RateLimit-Reset` of every response that had one, in seconds.
-    pub reset: Vec<u64>,
-    pub elapsed: Duration,
-}
-
-impl Tally {
-    pub fn count(&self, status: u16) -> u64 {
-        self.statuses.get(&status).copied().unwrap_or(0)
-    }
-    pub fn sent(&self) -> u64 {
-        self.statuses.values().sum()
-    }
-    /// Anything but 200 and 429 (5xx, transport errors).
-    pub fn other(&self) -> u64 {
-        self.sent() - self.count(200) - self.count(429)
-    }
-}
-
-pub struct Load {
-    stop: Arc<AtomicBool>,
-    started: Instant,
-    clients: Vec<JoinHandle<Tally>>,
-}
-
-impl Load {
-    /// Starts `clients` threads; client `c` sends its `j`-th request to Envoy `(c + j) % n`, pausing
-    /// `pause` between requests, until stopped, `max_total` requests were sent in all, or `limit`
-    /// has passed.
-    pub fn start(
-        envoys: &[Envoy],
-        clients: usize,
-        limit: Duration,
-        max_total: u64,
-        pause: Duration,
-    ) -> Load {
-        let ports: Arc<Vec<u16>> = Arc::new(envoys.iter().map(|e| e.port).collect());
-        let stop = Arc::new(AtomicBool::new(false));
-        let sent = Arc::new(AtomicU64::new(0));
-        let started = Instant::now();
-        let deadline = started + limit;
-        let clients = (0..clients)
-            .map(|c| {
-                let (ports, stop, sent) = (ports.clone(), stop.clone(), sent.clone());
-                thread::spawn(move || {
-                    let client = Client::new();
-                    let mut t = Tally::default();
-                    let mut j = 0usize;
-                    while !stop.load(Ordering::SeqCst)
-                        && Instant::now() < deadline
-                        && sent.fetch_add(1, Ordering::SeqCst) < max_total
-                    {
-                        let port = ports[(c + j) % ports.len()];
-                        j += 1;
-                        let url = format!("http://127.0.0.1:{port}/fleet/{c}/{j}");
-                        match client.try_get(&url, &[]) {
-                            Ok(reply) => {
-                                let num = |name: &str| {
-                                    reply
-                                        .header(name)
-                                        .and_then(|v| v.trim().parse::<u64>().ok())
-                                };
-                                if reply.status == 429 {
-                                    if let Some(ra) = num("retry-after") {
-                                        t.retry_after.push(ra);
-                                    }
-                                }
-                                if let Some(r) = num("x-ratelimit-reset") {
-                                    t.reset.push(r);
-                                }
-                                *t.statuses.entry(reply.status).or_default() += 1;
-                            }
-                            Err(_) => *t.statuses.entry(0).or_default() += 1,
-                        }
-                        if !pause.is_zero() {
-                            thread::sleep(pause);
-                        }
-                    }
-                    t
-                })
-            })
-            .collect();
-        Load {
-            stop,
-            started,
-            clients,
-        }
-    }
-
-    /// Runs a load to its end (count or time) and returns the tally.
-    pub fn run(
-        envoys: &[Envoy],
-        clients: usize,
-        limit: Duration,
-        max_total: u64,
-        pause: Duration,
-    ) -> Tally {
-        Load::start(envoys, clients, limit, max_total, pause).join()
-    }
-
-    /// Stops the clients and returns what they saw.
-    pub fn finish(self) -> Tally {
-        self.stop.store(true, Ordering::SeqCst);
-        self.join()
-    }
-
-    fn join(self) -> Tally {
-        let mut all = Tally::default();
-        for h in self.clients {
-            let t = h.join().expect("client thread");
-            for (k, v) in t.statuses {
-                *all.statuses.entry(k).or_default() += v;
-            }
-            all.retry_after.extend(t.retry_after);
-            all.reset.extend(t.reset);
-        }
-        // From before the first request was sent to after the last response arrived.
-        all.elapsed = self.started.elapsed();
-        all
-    }
 }
 
 // --------------------------------------------------------------------------------------------

@@ -35,16 +35,14 @@ fn plugin(max: u64, deadline_ms: u64) -> String {
 }
 
 fn plugin_with(max: u64, deadline_ms: u64, transport: &str) -> String {
-    json!({
-        "service": {"cluster": "tollgate", "transport": transport, "timeout_ms": 1000},
-        "rules": [
-            {"name": "rate", "key": ["literal:all"], "capacity": 1_000_000, "period_ms": 1000},
-            {"name": "slots", "kind": "concurrency", "key": ["literal:all"],
-             "max_in_flight": max, "deadline_ms": deadline_ms,
-             "response": {"headers": ["x-ratelimit"]}}
-        ]
-    })
-    .to_string()
+    Plugin::new(transport, 1000)
+        .rule(r#"{"name": "rate", "key": ["literal:all"], "capacity": 1000000, "period_ms": 1000}"#)
+        .rule(
+            json!({"name": "slots", "kind": "concurrency", "key": ["literal:all"],
+                     "max_in_flight": max, "deadline_ms": deadline_ms,
+                     "response": {"headers": ["x-ratelimit"]}}),
+        )
+        .json()
 }
 
 struct Fleet {

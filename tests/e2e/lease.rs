@@ -34,11 +34,11 @@ use crate::both_transports;
 use crate::common;
 
 use common::config::{plugin, SLOW_PERIOD_MS};
+use common::load::{Load, Tally};
 use common::*;
 use serde_json::json;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -89,54 +89,6 @@ fn decisions_by(service: &Service, outcome: &str) -> u64 {
         "the service's /metrics did not answer:\n{text}"
     );
     total as u64
-}
-
-/// Statuses seen by the load's clients.
-#[derive(Default, Debug)]
-struct Tally {
-    statuses: BTreeMap<u16, u64>,
-}
-
-impl Tally {
-    fn count(&self, s: u16) -> u64 {
-        self.statuses.get(&s).copied().unwrap_or(0)
-    }
-    fn sent(&self) -> u64 {
-        self.statuses.values().sum()
-    }
-}
-
-/// `clients` threads send GETs round-robin over `urls` for `duration` (at most `max` requests
-/// each). Returns the tally and the elapsed time from the first send to the last answer.
-fn load(urls: &[String], clients: usize, duration: Duration, max: u64) -> (Tally, Duration) {
-    let stop = Arc::new(AtomicBool::new(false));
-    let start = Instant::now();
-    let handles: Vec<_> = (0..clients)
-        .map(|k| {
-            let urls = urls.to_vec();
-            let stop = stop.clone();
-            thread::spawn(move || {
-                let client = Client::new();
-                let mut t = Tally::default();
-                let mut i = k;
-                while !stop.load(Ordering::SeqCst) && t.sent() < max {
-                    let r = client.get(&urls[i % urls.len()], &[]);
-                    *t.statuses.entry(r.status).or_default() += 1;
-                    i += 1;
-                }
-                t
-            })
-        })
-        .collect();
-    thread::sleep(duration);
-    stop.store(true, Ordering::SeqCst);
-    let mut all = Tally::default();
-    for h in handles {
-        for (s, n) in h.join().expect("client thread").statuses {
-            *all.statuses.entry(s).or_default() += n;
-        }
-    }
-    (all, start.elapsed())
 }
 
 fn stat(stats: &BTreeMap<String, u64>, name: &str) -> u64 {
@@ -197,11 +149,17 @@ fn fleet_never_exceeds_the_limit(transport: Transport) {
             Envoy::start(&c, &dir, &spec)
         })
         .collect();
-    let urls: Vec<String> = envoys.iter().map(|e| e.url("/")).collect();
     let before = decisions(&service);
     let allowed_before = decisions_by(&service, "allowed");
 
-    let (tally, elapsed) = load(&urls, 12, Duration::from_millis(3250), 200_000);
+    let tally = Load::run(
+        &envoys,
+        12,
+        Duration::from_millis(3250),
+        u64::MAX,
+        Duration::ZERO,
+    );
+    let elapsed = tally.elapsed;
     let admitted = upstream.requests();
     let refill = (RATE as f64 * elapsed.as_secs_f64() * 1000.0 / PERIOD_MS as f64).floor() as u64;
     let limit = CAPACITY + refill;
@@ -448,9 +406,19 @@ fn a_lease_fleet_admits_what_exact_mode_admits() {
     let envoys = Envoy::start_all(&c, &dir, &specs);
     let mut ratios = Vec::new();
     for mode in ["exact", "lease"] {
-        let urls: Vec<String> = envoys.iter().map(|e| e.url(&format!("/{mode}"))).collect();
         let before = upstream.requests();
-        let (tally, elapsed) = load(&urls, 16, Duration::from_secs(SECONDS), u64::MAX);
+        let path = format!("/{mode}");
+        let tally = Load::round_robin_on(
+            &envoys,
+            &path,
+            16,
+            Duration::from_secs(SECONDS),
+            u64::MAX,
+            Duration::ZERO,
+        )
+        .wait()
+        .tally();
+        let elapsed = tally.elapsed;
         let admitted = upstream.requests() - before;
         let ideal = CAPACITY as f64 + RATE as f64 * elapsed.as_secs_f64();
         let ratio = admitted as f64 / ideal;

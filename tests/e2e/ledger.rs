@@ -281,14 +281,13 @@ fn a_timed_out_acquire_leaves_no_slot_behind() {
     let slow = DelayProxy::start(service.port);
     let upstream = Upstream::start_slow(Duration::from_millis(20), Duration::ZERO);
     // 4 slots per key, a 30 s deadline, and a filter that waits 20 ms for an answer.
-    let cfg = json!({
-        "service": {"cluster": "tollgate", "timeout_ms": 20, "batch": 0},
-        "failure_mode": "fallback",
-        "breaker": {"failures": 0},
-        "rules": [{"name": "slots", "kind": "concurrency", "key": ["literal:all"],
-                   "max_in_flight": 4, "deadline_ms": 30_000}]
-    })
-    .to_string();
+    let cfg = Plugin::defaults()
+        .service("timeout_ms", 20)
+        .batch(0)
+        .failure_mode("fallback")
+        .field("breaker", r#"{"failures": 0}"#)
+        .rule(r#"{"name": "slots", "kind": "concurrency", "key": ["literal:all"], "max_in_flight": 4, "deadline_ms": 30000}"#)
+        .json();
     let specs: Vec<EnvoySpec> = (0..2)
         .map(|_| EnvoySpec::new(Some(cfg.clone()), slow.port, upstream.port))
         .collect();

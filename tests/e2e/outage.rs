@@ -103,20 +103,11 @@ impl Fault {
 }
 
 fn plugin(transport: Transport, key: &str) -> String {
-    let mut service = serde_json::json!({"cluster": "tollgate", "transport": transport.name(),
-                                         "timeout_ms": TIMEOUT_MS});
-    if transport == Transport::GrpcUnary {
-        service["stream"] = serde_json::json!(false);
-    }
-    serde_json::json!({
-        "service": service,
-        "rules": [{"name": "outage", "key": [format!("literal:{key}")], "capacity": CAPACITY,
-                   "rate": RATE, "period_ms": PERIOD_MS}],
-        "failure_mode": "fallback",
-        "fallback": {"instances": N, "max_keys": 100},
-        "breaker": {"failures": 3, "open_ms": 250},
-    })
-    .to_string()
+    let rule = serde_json::json!({"name": "outage", "key": [format!("literal:{key}")],
+                                  "capacity": CAPACITY, "rate": RATE, "period_ms": PERIOD_MS});
+    fleet::with_fallback(transport, TIMEOUT_MS, N)
+        .rule(rule)
+        .json()
 }
 
 /// Redis with an append-only file in `dir` (no fsync: what a killed process wrote is in the

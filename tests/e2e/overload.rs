@@ -34,7 +34,7 @@
 use crate::common;
 
 use common::faults::delay::DelayProxy;
-use common::faults::fleet::{Fleet, Load};
+use common::faults::fleet::{with_fallback, Fleet, Load};
 use common::*;
 use std::collections::BTreeMap;
 use std::thread;
@@ -53,24 +53,18 @@ const TIMEOUT_MS: u64 = 50;
 
 /// The two rules (one admitting everything, one limited), over `transport`.
 fn plugin(transport: Transport, key: &str, timeout_ms: u64, instances: usize) -> String {
-    let mut service = serde_json::json!({"cluster": "tollgate", "transport": transport.name(),
-                                         "timeout_ms": timeout_ms, "remember_denials_ms": 0});
-    if transport == Transport::GrpcUnary {
-        service["stream"] = serde_json::json!(false);
-    }
-    serde_json::json!({
-        "service": service,
-        "rules": [
-            {"name": "open", "key": [format!("literal:{key}-open")], "capacity": 1_000_000_000u64,
-             "rate": 1_000_000_000u64, "period_ms": 1000},
-            {"name": "limited", "key": [format!("literal:{key}-limited")], "capacity": CAPACITY,
-             "rate": RATE, "period_ms": PERIOD_MS},
-        ],
-        "failure_mode": "fallback",
-        "fallback": {"instances": instances, "max_keys": 100},
-        "breaker": {"failures": 3, "open_ms": 250},
-    })
-    .to_string()
+    with_fallback(transport, timeout_ms, instances)
+        .remember_denials_ms(0)
+        .rule(
+            serde_json::json!({"name": "open", "key": [format!("literal:{key}-open")],
+                                 "capacity": 1_000_000_000u64, "rate": 1_000_000_000u64,
+                                 "period_ms": 1000}),
+        )
+        .rule(
+            serde_json::json!({"name": "limited", "key": [format!("literal:{key}-limited")],
+                                 "capacity": CAPACITY, "rate": RATE, "period_ms": PERIOD_MS}),
+        )
+        .json()
 }
 
 /// How BENCHMARKS.md names a transport.

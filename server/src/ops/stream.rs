@@ -55,8 +55,9 @@
 //!   holding a permit) of up to 1 MiB, as `TakeBatch` calls; and at most `--stream-max-in-flight`
 //!   small answers per stream waiting to be sent;
 //! - each open stream's own state (HTTP/2's, the task serving it, its answers' encoder), about
-//!   20 KiB: 1,000 streams sending a length prefix alone add 18 to 22 MB (`tests/integration/
-//!   hostile.rs`), and the streams are at most `--max-connections` × `--http2-max-streams`.
+//!   20 KiB: 1,000 streams sending a length prefix alone add 18 to 22 MB
+//!   (`tests/integration/hostile.rs`), and the streams are at most `--max-connections` ×
+//!   `--http2-max-streams`.
 //!
 //! A message has no metadata of its own, so its span (`tollgate.batch`) has no parent
 //! ([`crate::trace`]).

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | `algorithm/` | one module per algorithm behind one trait: its arithmetic (the memory store's, the reference), its Lua, its key tag and script code |
 //! | `memory.rs` | in-process store: one mutex, monotonic clock, idle buckets expire |
-//! | `redis/` | Redis standalone or Cluster: the store (`mod.rs`: slot grouping, refunds), connections and TLS (`conn.rs`), scripts and their arguments (`scripts.rs`), replies (`decode.rs`) |
+//! | `redis/` | Redis standalone, Cluster or Sentinel: the store (`mod.rs`: slot grouping, refunds), where Redis is and TLS (`conn.rs`), the connection (`link.rs`), the master the sentinels name (`sentinel.rs`), scripts and their arguments (`scripts.rs`), the takes as one Redis Functions library (`library.rs`), a reply's integers (`reply.rs`), replies into decisions (`decode.rs`) |
 //! | `coalesce.rs` | a wrapper that sends concurrent takes to the store as one batch call |
 //! | `keys.rs` | Redis key layout and hash slots (pure) |
 //! | `slots.rs` | concurrency slots: the memory store's table (the reference) and the glue of `acquire.lua` / `release.lua` |

@@ -13,7 +13,6 @@ use prost::Message;
 use serde_json::{json, Value};
 use tollgate_server::api::grpc::pb;
 use tollgate_server::domain::{MAX_BATCH_BYTES, MAX_KEY_BYTES};
-use tollgate_server::store::memory::MemoryStore;
 
 const HOUR: u64 = 3_600_000;
 const TOKEN: &str = "s3cret";
@@ -69,7 +68,7 @@ fn one_token(key: &str) -> pb::Bucket {
 
 #[tokio::test]
 async fn batches_answer_in_order_in_both_forms() {
-    let svc = Service::start(Arc::new(MemoryStore::new()), Some(TOKEN)).await;
+    let svc = Service::start(common::memory_store(), Some(TOKEN)).await;
     let client = reqwest::Client::new();
     let (a, b) = (unique("a"), unique("b"));
     // JSON: take 0 and 2 hit one bucket of 1; take 1 is denied by its second bucket only.
@@ -143,7 +142,7 @@ fn oversized_takes() -> Vec<pb::TakeRequest> {
 
 #[tokio::test]
 async fn bad_batches_are_refused_whole() {
-    let store = Arc::new(MemoryStore::new());
+    let store = common::memory_store();
     let svc = Service::start(store.clone(), Some(TOKEN)).await;
     let client = reqwest::Client::new();
     let k = unique("untouched");
@@ -411,7 +410,7 @@ async fn exact_under_concurrent_batches_redis() {
 /// A batch just under 1 MiB, far over a single take's bound, is decided in both forms.
 #[tokio::test]
 async fn a_batch_near_the_bound_is_accepted() {
-    let svc = Service::start(Arc::new(MemoryStore::new()), None).await;
+    let svc = Service::start(common::memory_store(), None).await;
     let takes: Vec<pb::TakeRequest> = (0..64)
         .map(|i| pb::TakeRequest {
             buckets: (0..3)

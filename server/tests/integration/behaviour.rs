@@ -477,32 +477,7 @@ async fn batch_denied_take_charges_nothing(s: Arc<dyn Store>) {
     assert_eq!(d.buckets[0].remaining, 0);
 }
 
-macro_rules! suite {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            use super::*;
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    super::$case(Arc::new(tollgate_server::store::memory::MemoryStore::new())).await;
-                }
-            )*
-        }
-        mod redis {
-            use super::*;
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    let r = common::RedisProc::start();
-                    super::$case(Arc::new(common::redis_store(&r.url(), 500))).await;
-                    drop(r);
-                }
-            )*
-        }
-    };
-}
-
-suite!(
+crate::store_suite!(
     starts_full_and_counts_down,
     all_or_nothing,
     same_key_twice_is_charged_twice,

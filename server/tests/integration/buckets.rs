@@ -11,7 +11,6 @@ use std::sync::Arc;
 use common::{bucket, post_take, redis_store, unique, RedisProc, Service};
 use serde_json::{json, Value};
 use tollgate_server::domain::{Algorithm, BucketSpec, SettleSpec, Settlement, SlotSpec};
-use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::Store;
 use tollgate_server::ServiceConfig;
 
@@ -271,7 +270,7 @@ async fn inspect_and_reset(store: Arc<dyn Store>) {
 
 #[tokio::test]
 async fn memory_inspect_and_reset() {
-    inspect_and_reset(Arc::new(MemoryStore::new())).await;
+    inspect_and_reset(common::memory_store()).await;
 }
 
 #[tokio::test]
@@ -378,7 +377,7 @@ async fn only_the_admin_token_opens_them() {
     let client = reqwest::Client::new();
     let reset_body = json!({ "key": "k" });
 
-    let off = Service::start(Arc::new(MemoryStore::new()), Some(TAKES)).await;
+    let off = Service::start(common::memory_store(), Some(TAKES)).await;
     for token in [None, Some(TAKES), Some(ADMIN)] {
         let ((g, body), p) = statuses(&client, &off, token).await;
         assert_eq!((g, p), (404, 404), "{token:?}");
@@ -387,7 +386,7 @@ async fn only_the_admin_token_opens_them() {
     off.stop().await;
 
     let on = Service::start_with(
-        Arc::new(MemoryStore::new()),
+        common::memory_store(),
         ServiceConfig {
             token: Some(TAKES.into()),
             admin_token: Some(ADMIN.into()),
@@ -498,7 +497,7 @@ async fn over_grpc(store: Arc<dyn Store>) {
     assert_eq!((v.exists, v.remaining), (false, 5), "{v:?}");
     svc.stop().await;
 
-    let off = Service::start(Arc::new(MemoryStore::new()), None).await;
+    let off = Service::start(common::memory_store(), None).await;
     let mut admin = AdminClient::connect(format!("http://{}", off.addr))
         .await
         .expect("connect");
@@ -512,7 +511,7 @@ async fn over_grpc(store: Arc<dyn Store>) {
 
 #[tokio::test]
 async fn memory_over_grpc() {
-    over_grpc(Arc::new(MemoryStore::new())).await;
+    over_grpc(common::memory_store()).await;
 }
 
 #[tokio::test]

@@ -13,7 +13,6 @@ use common::{bucket, post_take, redis_store, unique, RedisProc, Service};
 use tollgate_server::domain::{Algorithm, BucketSpec};
 use tollgate_server::store::coalesce::{CoalesceConfig, Coalescer};
 use tollgate_server::store::keys;
-use tollgate_server::store::redis::{RedisConfig, RedisStore};
 use tollgate_server::store::Store;
 
 const HOUR: u64 = 3_600_000;
@@ -188,14 +187,7 @@ async fn an_outage_fails_every_waiting_take() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_each_slot_exact() {
     let nodes = common::start_cluster(3);
-    let store = RedisStore::new(RedisConfig {
-        url: None,
-        cluster: vec![nodes[0].url()],
-        key_prefix: "test:".into(),
-        timeout: Duration::from_millis(1000),
-        tls: None,
-    })
-    .unwrap();
+    let store = common::cluster_store(&nodes, 1000);
     let store = coalescing(store, 1);
     assert_eq!(store.kind(), "redis-cluster");
     // Eight buckets, spread over the slots; four tasks per bucket, each taking 10 times from it.

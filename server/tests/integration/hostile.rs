@@ -590,13 +590,11 @@ async fn streams_holding_partial_messages_cannot_bloat_the_service() {
     const STREAMS: usize = 1000;
     const ATTACK: Duration = Duration::from_secs(6);
     let svc = ServerProc::start(&["--stream-buffer-bytes", &BUDGET.to_string()]);
-    let plugin = serde_json::json!({
-        "service": {"cluster": "tollgate", "transport": "grpc", "timeout_ms": 250},
-        "rules": [{"name": "all", "key": ["literal:through-envoy"], "capacity": 1_000_000,
-                   "period_ms": 1000}],
-        "failure_mode": "fallback",
-    });
-    let envoy = common::envoy::EnvoyProc::start(&plugin.to_string(), svc.port).await;
+    let plugin = tollgate_testkit::plugin::Plugin::new("grpc", 250)
+        .rule(r#"{"name": "all", "key": ["literal:through-envoy"], "capacity": 1000000, "period_ms": 1000}"#)
+        .failure_mode("fallback")
+        .json();
+    let envoy = common::envoy::EnvoyProc::start(&plugin, svc.port).await;
     let web = reqwest::Client::new();
     let through_envoy = async || {
         let r = web.get(envoy.url("/")).send().await.unwrap();

@@ -153,32 +153,8 @@ async fn an_acquire_that_arrives_after_its_release_takes_nothing(s: Arc<dyn Stor
     assert!(other.allowed, "the slot is free for others: {other:?}");
 }
 
-macro_rules! suite {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
-            use super::*;
-            $(
-                #[tokio::test]
-                async fn $case() {
-                    super::$case(Arc::new(tollgate_server::store::memory::MemoryStore::new())).await;
-                }
-            )*
-        }
-        mod redis {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    let r = common::RedisProc::start();
-                    super::$case(Arc::new(common::redis_store(&r.url(), 500))).await;
-                    drop(r);
-                }
-            )*
-        }
-    };
-}
-
-suite!(
+crate::store_suite!(
+    multi_thread:
     holds_at_most_the_limit_and_release_frees,
     a_named_slot_is_taken_once_and_released_by_its_name,
     an_acquire_that_arrives_after_its_release_takes_nothing,
@@ -205,11 +181,7 @@ async fn redis_sets_carry_a_ttl_and_go_when_empty() {
 
 #[tokio::test]
 async fn json_routes_validate_and_answer() {
-    let svc = common::Service::start(
-        Arc::new(tollgate_server::store::memory::MemoryStore::new()),
-        Some("tok"),
-    )
-    .await;
+    let svc = common::Service::start(common::memory_store(), Some("tok")).await;
     let c = reqwest::Client::new();
     let post = |path: &'static str, body: Value, auth: bool| {
         let mut r = c.post(svc.url(path)).json(&body);
@@ -387,18 +359,8 @@ fn slot_fixtures_agree_in_both_encodings() {
 /// one script per slot, and a denial in one slot gives back what the others took.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_keys_in_several_slots() {
-    use tollgate_server::store::redis::{RedisConfig, RedisStore};
     let nodes = common::start_cluster(3);
-    let store: Arc<dyn Store> = Arc::new(
-        RedisStore::new(RedisConfig {
-            url: None,
-            cluster: vec![nodes[0].url()],
-            key_prefix: "test:".into(),
-            timeout: Duration::from_millis(1000),
-            tls: None,
-        })
-        .unwrap(),
-    );
+    let store: Arc<dyn Store> = Arc::new(common::cluster_store(&nodes, 1000));
     // Keys whose sets hash to different slots.
     let slot_of = |k: &str| {
         tollgate_server::store::keys::slot(&tollgate_server::store::slots::redis_key("test:", k))

@@ -335,17 +335,9 @@ async fn rule_label_is_bounded() {
 #[tokio::test]
 async fn on_a_cluster() {
     use tollgate_server::domain::{Algorithm, BucketSpec};
-    use tollgate_server::store::redis::{RedisConfig, RedisStore};
     use tollgate_server::store::Store;
     let nodes = common::start_cluster(3);
-    let store = RedisStore::new(RedisConfig {
-        url: None,
-        cluster: vec![nodes[0].url()],
-        key_prefix: "test:".into(),
-        timeout: Duration::from_millis(1000),
-        tls: None,
-    })
-    .unwrap();
+    let store = common::cluster_store(&nodes, 1000);
     let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert_eq!(
         store

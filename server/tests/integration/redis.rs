@@ -12,7 +12,7 @@ use serde_json::json;
 use tollgate_server::api::grpc::pb;
 use tollgate_server::domain::{Algorithm, BucketSpec};
 use tollgate_server::store::keys;
-use tollgate_server::store::redis::{RedisConfig, RedisStore};
+use tollgate_server::store::redis::RedisStore;
 use tollgate_server::store::Store;
 
 fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketSpec {
@@ -360,14 +360,7 @@ impl Cluster {
     }
 
     fn store(&self) -> RedisStore {
-        RedisStore::new(RedisConfig {
-            url: None,
-            cluster: vec![self.nodes[0].url()],
-            key_prefix: "test:".into(),
-            timeout: Duration::from_millis(1000),
-            tls: None,
-        })
-        .unwrap()
+        common::cluster_store(&self.nodes, 1000)
     }
 }
 

@@ -13,7 +13,7 @@ use common::binary::ServerProc;
 use common::{bucket, post_take, Service};
 use serde_json::json;
 use tollgate_server::domain::{Algorithm, BucketSpec};
-use tollgate_server::store::redis::{RedisConfig, RedisStore, SentinelConfig};
+use tollgate_server::store::redis::{RedisStore, SentinelConfig};
 use tollgate_server::store::Store;
 use tollgate_testkit::redis::SentinelSetup;
 
@@ -34,13 +34,7 @@ fn store_with(
     timeout_ms: u64,
 ) -> RedisStore {
     RedisStore::with_sentinel(
-        RedisConfig {
-            url: None,
-            cluster: vec![],
-            key_prefix: "test:".into(),
-            timeout: Duration::from_millis(timeout_ms),
-            tls: None,
-        },
+        common::redis_config(None, vec![], timeout_ms),
         &SentinelConfig {
             sentinels,
             master: setup.name.clone(),

@@ -194,11 +194,9 @@ impl Drop for Pki {
 
 fn tls_store(url: &str, tls: Option<RedisTls>, timeout_ms: u64) -> RedisStore {
     RedisStore::new(RedisConfig {
-        url: Some(url.to_string()),
-        cluster: vec![],
         key_prefix: "tls:".into(),
-        timeout: Duration::from_millis(timeout_ms),
         tls,
+        ..common::redis_config(Some(url.to_string()), vec![], timeout_ms)
     })
     .expect("redis store")
 }
@@ -691,12 +689,11 @@ async fn tls_redis_cluster_with_a_private_ca() {
         &nodes,
         &["--tls", "--cacert", &ca, "--cert", &cert, "--key", &key],
     );
+    let cluster = vec![format!("rediss://127.0.0.1:{}", nodes[0].port)];
     let store = RedisStore::new(RedisConfig {
-        url: None,
-        cluster: vec![format!("rediss://127.0.0.1:{}", nodes[0].port)],
         key_prefix: "tls:".into(),
-        timeout: Duration::from_millis(1000),
         tls: Some(pki.mutual()),
+        ..common::redis_config(None, cluster.clone(), 1000)
     })
     .expect("cluster store");
     assert_eq!(store.kind(), "redis-cluster");
@@ -718,11 +715,9 @@ async fn tls_redis_cluster_with_a_private_ca() {
 
     // Without the client certificate the cluster cannot be reached.
     let store = RedisStore::new(RedisConfig {
-        url: None,
-        cluster: vec![format!("rediss://127.0.0.1:{}", nodes[0].port)],
         key_prefix: "tls:".into(),
-        timeout: Duration::from_millis(300),
         tls: Some(pki.ca_only()),
+        ..common::redis_config(None, cluster, 300)
     })
     .expect("cluster store");
     let svc = Service::start(Arc::new(store), None).await;

@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use common::{bucket, post_take, redis_store, unique, RedisProc, Service};
 use serde_json::{json, Value};
-use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::Store;
 
 const HOUR: u64 = 3_600_000;
@@ -102,7 +101,7 @@ async fn refunds_are_taken_again_up_to_the_capacity(store: Arc<dyn Store>) {
 
 #[tokio::test]
 async fn memory_refunds_are_taken_again_up_to_the_capacity() {
-    refunds_are_taken_again_up_to_the_capacity(Arc::new(MemoryStore::new())).await;
+    refunds_are_taken_again_up_to_the_capacity(common::memory_store()).await;
 }
 
 #[tokio::test]

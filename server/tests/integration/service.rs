@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use common::{bucket, pb_bucket, post_take, RedisProc, Service};
 use serde_json::{json, Value};
 use tollgate_server::api::grpc::pb;
-use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::Store;
 
 const CLIENTS: usize = 32;
@@ -134,8 +133,8 @@ async fn exact_with_refill(store: Arc<dyn Store>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_under_concurrency_memory() {
-    exact_without_refill(Arc::new(MemoryStore::new())).await;
-    exact_with_refill(Arc::new(MemoryStore::new())).await;
+    exact_without_refill(common::memory_store()).await;
+    exact_with_refill(common::memory_store()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,7 +146,7 @@ async fn exact_under_concurrency_redis() {
 
 #[tokio::test]
 async fn http1_h2_prior_knowledge_and_grpc_share_one_port() {
-    let svc = Service::start(Arc::new(MemoryStore::new()), None).await;
+    let svc = Service::start(common::memory_store(), None).await;
     let key = common::unique("ports");
     let body = json!({"buckets": [bucket(&key, 3, 3, 3_600_000, 1)]});
     let h1 = reqwest::Client::builder().http1_only().build().unwrap();
@@ -474,7 +473,7 @@ async fn bad_input_is_rejected(store: Arc<dyn Store>, redis: Option<&RedisProc>)
 
 #[tokio::test]
 async fn bad_input_memory() {
-    bad_input_is_rejected(Arc::new(MemoryStore::new()), None).await;
+    bad_input_is_rejected(common::memory_store(), None).await;
 }
 
 #[tokio::test]
@@ -485,7 +484,7 @@ async fn bad_input_redis_writes_nothing() {
 
 #[tokio::test]
 async fn token_is_required_when_configured() {
-    let svc = Service::start(Arc::new(MemoryStore::new()), Some("s3cret")).await;
+    let svc = Service::start(common::memory_store(), Some("s3cret")).await;
     let client = reqwest::Client::new();
     let body = json!({"buckets": [bucket("auth", 5, 5, 1000, 1)]});
     for auth in [

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use common::{bucket, post_take, redis_store, unique, RedisProc, Service};
 use serde_json::{json, Value};
-use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::Store;
 
 const HOUR: u64 = 3_600_000;
@@ -418,7 +417,7 @@ async fn all(store: Arc<dyn Store>) {
 
 #[tokio::test]
 async fn memory_settles() {
-    all(Arc::new(MemoryStore::new())).await;
+    all(common::memory_store()).await;
 }
 
 #[tokio::test]
@@ -471,18 +470,8 @@ async fn redis_fixed_window_refund_in_its_window() {
 async fn redis_cluster_settles_across_slots_once() {
     use tollgate_server::domain::{Algorithm, BucketSpec};
     use tollgate_server::store::keys::{redis_key, slot};
-    use tollgate_server::store::redis::{RedisConfig, RedisStore};
     let nodes = common::start_cluster(3);
-    let store: Arc<dyn Store> = Arc::new(
-        RedisStore::new(RedisConfig {
-            url: None,
-            cluster: vec![nodes[0].url()],
-            key_prefix: "test:".into(),
-            timeout: Duration::from_millis(1000),
-            tls: None,
-        })
-        .unwrap(),
-    );
+    let store: Arc<dyn Store> = Arc::new(common::cluster_store(&nodes, 1000));
     let slot_of = |k: &str| {
         slot(&redis_key(
             "test:",

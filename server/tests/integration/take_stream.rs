@@ -22,7 +22,6 @@ use prost::Message;
 use tokio::sync::mpsc;
 use tollgate_server::api::grpc::pb;
 use tollgate_server::domain::{MAX_BATCH_BYTES, MAX_KEY_BYTES};
-use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::Store;
 use tollgate_server::ServiceConfig;
 use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
@@ -279,7 +278,7 @@ async fn answers_in_order_as_take_batch(store: Arc<dyn Store>) {
 
 #[tokio::test]
 async fn answers_in_order_as_take_batch_memory() {
-    answers_in_order_as_take_batch(Arc::new(MemoryStore::new())).await;
+    answers_in_order_as_take_batch(common::memory_store()).await;
 }
 
 #[tokio::test]
@@ -320,7 +319,7 @@ async fn exact_across_streams(store: Arc<dyn Store>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_across_streams_memory() {
-    exact_across_streams(Arc::new(MemoryStore::new())).await;
+    exact_across_streams(common::memory_store()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -349,7 +348,7 @@ async fn a_later_message_overtakes_a_slow_one(store: Arc<dyn Store>) {
 
 #[tokio::test]
 async fn a_later_message_overtakes_a_slow_one_memory() {
-    a_later_message_overtakes_a_slow_one(Arc::new(MemoryStore::new())).await;
+    a_later_message_overtakes_a_slow_one(common::memory_store()).await;
 }
 
 #[tokio::test]
@@ -408,7 +407,7 @@ async fn an_invalid_message_is_answered_and_the_stream_goes_on(store: Arc<dyn St
 
 #[tokio::test]
 async fn an_invalid_message_is_answered_and_the_stream_goes_on_memory() {
-    an_invalid_message_is_answered_and_the_stream_goes_on(Arc::new(MemoryStore::new())).await;
+    an_invalid_message_is_answered_and_the_stream_goes_on(common::memory_store()).await;
 }
 
 #[tokio::test]
@@ -464,7 +463,7 @@ async fn messages_shed_at_the_take_limit_are_answered(store: Arc<dyn Store>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_shed_at_the_take_limit_are_answered_memory() {
-    messages_shed_at_the_take_limit_are_answered(Arc::new(MemoryStore::new())).await;
+    messages_shed_at_the_take_limit_are_answered(common::memory_store()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -660,7 +659,7 @@ async fn a_message_not_whole_in_time_ends_the_stream() {
         body_timeout: Duration::from_millis(300),
         ..ServiceConfig::default()
     };
-    let svc = Service::start_with(Arc::new(MemoryStore::new()), config).await;
+    let svc = Service::start_with(common::memory_store(), config).await;
     let conn = h2_stream::connect(&svc.addr.to_string()).await;
     let mut s = H2Stream::open(&conn, None).await.unwrap();
     s.send_message(&with_id(1, batch_of(&unique("whole"), 1, 1)));
@@ -707,7 +706,7 @@ async fn the_bytes_held_of_messages_not_yet_whole_are_bounded() {
         body_timeout: Duration::from_secs(10),
         ..ServiceConfig::default()
     };
-    let svc = Service::start_with(Arc::new(MemoryStore::new()), config).await;
+    let svc = Service::start_with(common::memory_store(), config).await;
     let conn = h2_stream::connect(&svc.addr.to_string()).await;
     let begun = |n: usize| {
         let mut b = h2_stream::prefix(1_000_000).to_vec();
@@ -800,7 +799,7 @@ async fn a_bad_message_ends_the_stream(store: Arc<dyn Store>) {
 
 #[tokio::test]
 async fn a_bad_message_ends_the_stream_memory() {
-    a_bad_message_ends_the_stream(Arc::new(MemoryStore::new())).await;
+    a_bad_message_ends_the_stream(common::memory_store()).await;
 }
 
 #[tokio::test]
@@ -812,7 +811,7 @@ async fn a_bad_message_ends_the_stream_redis() {
 /// Without the token, or with a wrong one, the stream is refused UNAUTHENTICATED as it opens.
 #[tokio::test]
 async fn the_token_is_checked_when_the_stream_opens() {
-    let svc = Service::start(Arc::new(MemoryStore::new()), Some(TOKEN)).await;
+    let svc = Service::start(common::memory_store(), Some(TOKEN)).await;
     for token in [None, Some("wrong")] {
         let e = open(&svc, token).await.err().expect("refused");
         assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
@@ -829,7 +828,7 @@ async fn the_token_is_checked_when_the_stream_opens() {
 /// the bound, as a TakeBatch call of it is refused; the message before it stays answered.
 #[tokio::test]
 async fn an_oversized_message_ends_the_stream() {
-    let svc = Service::start(Arc::new(MemoryStore::new()), None).await;
+    let svc = Service::start(common::memory_store(), None).await;
     let takes: Vec<pb::TakeRequest> = (0..64)
         .map(|i| pb::TakeRequest {
             buckets: (0..16)
@@ -914,7 +913,7 @@ async fn a_shed_message_ends_its_stream() {
 /// cut a grace period later).
 #[tokio::test]
 async fn shutdown_ends_an_idle_stream_at_once() {
-    let svc = Service::start(Arc::new(MemoryStore::new()), None).await;
+    let svc = Service::start(common::memory_store(), None).await;
     let mut s = open(&svc, None).await.unwrap();
     assert_eq!(
         allowed(&s.ask(&batch_of(&unique("idle"), 1, 1)).await),
@@ -960,7 +959,7 @@ async fn an_open_stream_keeps_its_connection() {
         idle_timeout: Duration::from_millis(300),
         ..ServiceConfig::default()
     };
-    let svc = Service::start_with(Arc::new(MemoryStore::new()), config).await;
+    let svc = Service::start_with(common::memory_store(), config).await;
     let key = unique("kept");
     let mut s = open(&svc, None).await.unwrap();
     for i in 0..5 {
@@ -976,7 +975,7 @@ async fn an_open_stream_keeps_its_connection() {
 /// generated client, as a proxy's codec would send them).
 #[tokio::test]
 async fn half_close_ends_the_stream_ok_after_its_answers() {
-    let svc = Service::start(Arc::new(MemoryStore::new()), Some(TOKEN)).await;
+    let svc = Service::start(common::memory_store(), Some(TOKEN)).await;
     let key = unique("half");
     let mut g = svc.grpc().await;
     let messages = futures_util::stream::iter(vec![batch_of(&key, 1, 1), batch_of(&key, 1, 1)]);

@@ -15,6 +15,10 @@
 //! --name NAME                the listener's name and stat prefix (edge)
 //! --wasm PATH                the module
 //! --plugin-config JSON       the Tollgate filter running --wasm with this configuration
+//! --rule JSON *              or with one built by testkit's builder (`plugin::Plugin`): a rule,
+//! --service-field NAME=JSON *  a field of its `service` (the `tollgate` cluster's; e.g.
+//!                            transport="grpc", timeout_ms=100),
+//! --field NAME=JSON *        one of its other top-level fields (e.g. failure_mode="deny")
 //! --bare-module NAME         --wasm with no plugin configuration, as VM NAME
 //! --failure-policy POLICY    the wasm filter's failure_policy (e.g. FAIL_RELOAD)
 //! --dynamic-module NAME      the filter of the dynamic module libNAME.so (found in
@@ -45,6 +49,7 @@ use std::process::ExitCode;
 
 use tollgate_testkit::envoy::{Action, DynamicModule, EnvoySpec, LocalRateLimit, NativeRls, Route};
 use tollgate_testkit::envoy_files;
+use tollgate_testkit::plugin::Plugin;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -92,6 +97,7 @@ fn bootstrap(args: &[String]) -> Result<String, String> {
     let (mut listen, mut admin, mut wasm) = (None, 0u16, PathBuf::new());
     let mut rate_limits = None;
     let mut route = Route::upstream("/", None);
+    let mut plugin: Option<Plugin> = None;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || {
@@ -105,6 +111,18 @@ fn bootstrap(args: &[String]) -> Result<String, String> {
             "--name" => spec.listener_name = value()?,
             "--wasm" => wasm = PathBuf::from(value()?),
             "--plugin-config" => spec.plugin_config = Some(value()?),
+            "--rule" => plugin = Some(plugin.unwrap_or_else(Plugin::defaults).rule(value()?)),
+            "--service-field" | "--field" => {
+                let v = value()?;
+                let (name, json) = v
+                    .split_once('=')
+                    .ok_or_else(|| format!("{flag} {v}: expected NAME=JSON"))?;
+                let p = plugin.unwrap_or_else(Plugin::defaults);
+                plugin = Some(match flag.as_str() {
+                    "--field" => p.field(name, json),
+                    _ => p.service(name, json),
+                });
+            }
             "--bare-module" => {
                 spec.bare_module = true;
                 spec.module_name = value()?;
@@ -160,6 +178,14 @@ fn bootstrap(args: &[String]) -> Result<String, String> {
         }
     }
     let listen = listen.ok_or("--listen is required")?;
+    if let Some(p) = plugin {
+        if spec.plugin_config.is_some() {
+            return Err(
+                "--plugin-config and --rule/--service-field/--field exclude each other".into(),
+            );
+        }
+        spec.plugin_config = Some(p.json());
+    }
     match (&mut spec.native_rls, rate_limits) {
         (Some(rls), Some(r)) => rls.rate_limits = r,
         (Some(_), None) => return Err("--native-rls needs --rate-limits".to_string()),

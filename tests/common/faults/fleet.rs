@@ -1,12 +1,12 @@
 //! The fleet under a fault: N Envoys behind an L4 round-robin front (client connections dealt to the
-//! Envoys in turn), a load of persistent client connections that records every request's start,
-//! latency and status, and a sampler of each Envoy's decision counters over time.
+//! Envoys in turn), loaded by persistent client connections that record every request's start,
+//! latency and status (the harness's [`Load::start`]), and a sampler of each Envoy's decision
+//! counters over time.
 
-use crate::common::{tollgate_stats_at, Client, Components, Envoy, EnvoySpec, TempDir, Upstream};
-use std::collections::BTreeMap;
-use std::io::Write;
-use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use crate::common::{
+    tollgate_stats_at, Components, Envoy, EnvoySpec, Plugin, TempDir, Transport, Upstream,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -16,6 +16,17 @@ use std::time::{Duration, Instant};
 pub struct Fleet {
     pub envoys: Vec<Envoy>,
     pub upstream: Upstream,
+}
+
+/// A fleet's usual plugin configuration before its rules: over `transport`, a callout timing out
+/// after `timeout_ms`, the fallback (one share of `instances`, 100 keys), a breaker opening after 3
+/// failures for 250 ms.
+pub fn with_fallback(transport: Transport, timeout_ms: u64, instances: usize) -> Plugin {
+    transport
+        .plugin(timeout_ms)
+        .failure_mode("fallback")
+        .fallback(instances as u64, 100)
+        .field("breaker", r#"{"failures": 3, "open_ms": 250}"#)
 }
 
 impl Fleet {
@@ -57,235 +68,10 @@ impl Fleet {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The load
-
-/// One request as a client saw it. `status` 0: no HTTP response (connection error, timeout).
-#[derive(Clone, Copy, Debug)]
-pub struct Rec {
-    /// The client that sent it (client `k` is connected to Envoy `k % n`).
-    pub client: usize,
-    pub start: Instant,
-    pub latency: Duration,
-    pub status: u16,
-}
-
-/// Client connections, each kept open to one Envoy (connection `k` goes to Envoy `k % n`, as an L4
-/// balancer deals them), each sending a GET, reading the answer, pausing, and again. While
-/// [`Load::set_abandon`] is on, the odd-numbered clients instead open a connection (to the Envoys in
-/// turn), send a request and close the connection `abandon_after` later without reading the answer,
-/// then pause as the others do.
-pub struct Load {
-    stop: Arc<AtomicBool>,
-    abandon: Arc<AtomicBool>,
-    abandoned: Arc<AtomicU64>,
-    pub started: Instant,
-    clients: Vec<JoinHandle<Vec<Rec>>>,
-}
-
-/// What the clients saw.
-pub struct Seen {
-    pub recs: Vec<Rec>,
-    /// Requests sent by abandoning clients (not in `recs`).
-    pub abandoned: u64,
-    pub started: Instant,
-    /// From before the first request to after the last answer.
-    pub elapsed: Duration,
-}
-
-impl Load {
-    /// Starts `clients` connections over `ports`, pausing about `pause` after each answer (drawn
-    /// around it, [`Rng::around`]), for at most
-    /// `limit`. `abandon_after`: the range (ms) of how long an abandoning client waits before it closes.
-    pub fn start(
-        ports: &[u16],
-        clients: usize,
-        pause: Duration,
-        limit: Duration,
-        abandon_after: (u64, u64),
-    ) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let abandon = Arc::new(AtomicBool::new(false));
-        let abandoned = Arc::new(AtomicU64::new(0));
-        let started = Instant::now();
-        let deadline = started + limit;
-        let ports: Arc<Vec<u16>> = Arc::new(ports.to_vec());
-        let clients = (0..clients)
-            .map(|k| {
-                let port = ports[k % ports.len()];
-                let ports = ports.clone();
-                let (stop, abandon, abandoned) = (stop.clone(), abandon.clone(), abandoned.clone());
-                thread::spawn(move || {
-                    let client = Client::new();
-                    let mut recs = Vec::new();
-                    let mut rng =
-                        Rng(0x9e37_79b9_7f4a_7c15
-                            ^ (k as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
-                    let mut j = 0u64;
-                    while !stop.load(Ordering::SeqCst) && Instant::now() < deadline {
-                        j += 1;
-                        let path = format!("/faults/{k}/{j}");
-                        if k % 2 == 1 && abandon.load(Ordering::SeqCst) {
-                            let wait =
-                                abandon_after.0 + rng.below(abandon_after.1 - abandon_after.0 + 1);
-                            // Each abandoned request on a new connection, dealt round-robin.
-                            let to = ports[(k + j as usize) % ports.len()];
-                            if abandon_one(to, &path, Duration::from_millis(wait)) {
-                                abandoned.fetch_add(1, Ordering::SeqCst);
-                            }
-                            thread::sleep(rng.around(pause));
-                            continue;
-                        }
-                        let start = Instant::now();
-                        let status =
-                            match client.try_get(&format!("http://127.0.0.1:{port}{path}"), &[]) {
-                                Ok(r) => r.status,
-                                Err(_) => 0,
-                            };
-                        recs.push(Rec {
-                            client: k,
-                            start,
-                            latency: start.elapsed(),
-                            status,
-                        });
-                        thread::sleep(rng.around(pause));
-                    }
-                    recs
-                })
-            })
-            .collect();
-        Load {
-            stop,
-            abandon,
-            abandoned,
-            started,
-            clients,
-        }
-    }
-
-    /// Turns the abandoning clients on or off.
-    pub fn set_abandon(&self, on: bool) {
-        self.abandon.store(on, Ordering::SeqCst);
-    }
-
-    /// Stops the clients and returns what they saw.
-    pub fn finish(mut self) -> Seen {
-        self.stop.store(true, Ordering::SeqCst);
-        let mut recs = Vec::new();
-        for h in std::mem::take(&mut self.clients) {
-            recs.extend(h.join().expect("client thread"));
-        }
-        Seen {
-            recs,
-            abandoned: self.abandoned.load(Ordering::SeqCst),
-            started: self.started,
-            elapsed: self.started.elapsed(),
-        }
-    }
-}
-
-/// A test that fails half-way stops its clients too.
-impl Drop for Load {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-    }
-}
-
-/// Opens a connection, sends one GET and closes the connection after `wait` without reading: the
-/// request is abandoned while Envoy is still deciding it. True when the request was sent.
-/// (A raw socket: ureq cannot hang up on a request it sent.)
-fn abandon_one(port: u16, path: &str, wait: Duration) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let sent = s
-        .write_all(format!("GET {path} HTTP/1.1\r\nhost: faults\r\n\r\n").as_bytes())
-        .is_ok();
-    thread::sleep(wait);
-    drop(s);
-    sent
-}
-
-/// xorshift64: enough randomness for spreading waits, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
-
-    /// A pause drawn evenly from `pause / 2 ..= 3 × pause / 2` (the same mean): clients that
-    /// all paused exactly `pause` stayed in step, so requests came in waves `pause` apart, and
-    /// a fault that fell just after a wave met no request for up to `pause` (the time to the
-    /// fallback then measured the load, not the limiter).
-    fn around(&mut self, pause: Duration) -> Duration {
-        let us = u64::try_from(pause.as_micros()).unwrap_or(u64::MAX);
-        Duration::from_micros(us / 2 + self.below(us + 1))
-    }
-}
-
-impl Seen {
-    /// Status -> count.
-    pub fn statuses(&self) -> BTreeMap<u16, u64> {
-        let mut m = BTreeMap::new();
-        for r in &self.recs {
-            *m.entry(r.status).or_default() += 1;
-        }
-        m
-    }
-
-    /// Requests answered with anything but 200 or 429 (5xx, other codes, no answer).
-    pub fn bad(&self) -> u64 {
-        self.recs
-            .iter()
-            .filter(|r| r.status != 200 && r.status != 429)
-            .count() as u64
-    }
-
-    /// Answers with `status` to requests started in `[from, to)`.
-    pub fn count_between(&self, status: u16, from: Instant, to: Instant) -> u64 {
-        self.recs
-            .iter()
-            .filter(|r| r.status == status && r.start >= from && r.start < to)
-            .count() as u64
-    }
-
-    /// Answers with `status` to requests started in consecutive windows of `step`, from `from` on.
-    pub fn per_window(&self, status: u16, from: Instant, step: Duration) -> Vec<u64> {
-        let mut v: Vec<u64> = Vec::new();
-        for r in self
-            .recs
-            .iter()
-            .filter(|r| r.status == status && r.start >= from)
-        {
-            let i = (r.start.duration_since(from).as_micros() / step.as_micros().max(1)) as usize;
-            if v.len() <= i {
-                v.resize(i + 1, 0);
-            }
-            v[i] += 1;
-        }
-        v
-    }
-
-    /// The `q`-quantile (0..=1) of the latencies of requests started in `[from, to)`.
-    pub fn latency_quantile(&self, from: Instant, to: Instant, q: f64) -> Option<Duration> {
-        let mut l: Vec<Duration> = self
-            .recs
-            .iter()
-            .filter(|r| r.start >= from && r.start < to)
-            .map(|r| r.latency)
-            .collect();
-        if l.is_empty() {
-            return None;
-        }
-        l.sort();
-        let i = ((l.len() as f64 * q).ceil() as usize).clamp(1, l.len()) - 1;
-        l.get(i).copied()
-    }
-}
+/// The load is the harness's ([`crate::common::load`]): connections pinned to the Envoys here.
+// Each test binary uses a part of the harness: the re-exports it leaves unused are not a fault.
+#[allow(unused_imports)]
+pub use crate::common::load::{Load, Rec, Seen};
 
 // ---------------------------------------------------------------------------------------------
 // The decision counters over time

@@ -4,6 +4,9 @@
 //! [`binary`]: the real `tollgate-server` binary as a child process; [`gated`]: a store whose
 //! takes wait until the test lets them through; [`h2_stream`]: `TakeStream` streams over bare
 //! HTTP/2, any bytes sent; [`envoy`]: a real Envoy with the filter asking the service.
+//! `store_suite!`: a behavioural suite run on every store, each built by the one helper of its
+//! kind ([`memory_store`], [`redis_store`], [`cluster_store`], the last two over
+//! [`redis_config`]).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod binary;
@@ -19,6 +22,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 use tollgate_server::api::grpc::pb;
+use tollgate_server::store::memory::MemoryStore;
 use tollgate_server::store::redis::{RedisConfig, RedisStore};
 use tollgate_server::store::Store;
 use tollgate_server::{run, ServiceConfig};
@@ -171,28 +175,69 @@ impl RedisProc {
     }
 }
 
-/// A Redis store on `url` with a unique prefix.
-pub fn redis_store(url: &str, timeout_ms: u64) -> RedisStore {
-    RedisStore::new(RedisConfig {
-        url: Some(url.to_string()),
-        cluster: vec![],
+/// The memory store, as the service's tests run it.
+pub fn memory_store() -> Arc<dyn Store> {
+    Arc::new(MemoryStore::new())
+}
+
+/// How the tests reach Redis: standalone on `url`, or a Cluster seeded with `cluster`; keys under
+/// `test:`, no TLS, each call bounded by `timeout_ms` (a test that needs TLS or another prefix
+/// sets those fields over this).
+pub fn redis_config(url: Option<String>, cluster: Vec<String>, timeout_ms: u64) -> RedisConfig {
+    RedisConfig {
+        url,
+        cluster,
         key_prefix: "test:".into(),
         timeout: Duration::from_millis(timeout_ms),
         tls: None,
-    })
-    .expect("redis store")
+    }
+}
+
+/// A Redis store on `url` with a unique prefix.
+pub fn redis_store(url: &str, timeout_ms: u64) -> RedisStore {
+    RedisStore::new(redis_config(Some(url.to_string()), vec![], timeout_ms)).expect("redis store")
 }
 
 /// A Redis Cluster store seeded with the first of `nodes` (see [`start_cluster`]).
 pub fn cluster_store(nodes: &[RedisProc], timeout_ms: u64) -> RedisStore {
-    RedisStore::new(RedisConfig {
-        url: None,
-        cluster: vec![nodes[0].url()],
-        key_prefix: "test:".into(),
-        timeout: Duration::from_millis(timeout_ms),
-        tls: None,
-    })
-    .expect("redis cluster store")
+    RedisStore::new(redis_config(None, vec![nodes[0].url()], timeout_ms))
+        .expect("redis cluster store")
+}
+
+/// The behavioural suite over every store: `store_suite!(case, ...)` expands each
+/// `async fn case(s: Arc<dyn Store>)` of the calling module into a test on the memory store
+/// (module `memory`) and one on a Redis of its own (module `redis`, a 500 ms timeout);
+/// `store_suite!(multi_thread: case, ...)` runs the Redis tests on two worker threads.
+#[macro_export]
+macro_rules! store_suite {
+    (@with #[$redis_test:meta] $($case:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case($crate::common::memory_store()).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[$redis_test]
+                async fn $case() {
+                    let r = $crate::common::RedisProc::start();
+                    super::$case(std::sync::Arc::new($crate::common::redis_store(&r.url(), 500))).await;
+                    drop(r);
+                }
+            )*
+        }
+    };
+    (multi_thread: $($case:ident),* $(,)?) => {
+        $crate::store_suite!(
+            @with #[tokio::test(flavor = "multi_thread", worker_threads = 2)] $($case),*
+        );
+    };
+    ($($case:ident),* $(,)?) => {
+        $crate::store_suite!(@with #[tokio::test] $($case),*);
+    };
 }
 
 /// The service running in-process on a free port; stops on drop.
