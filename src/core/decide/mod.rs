@@ -976,7 +976,12 @@ mod tests {
         );
         // fallback: this proxy's share, 4 / 2 instances = 2 local slots, then full.
         let c = slots_cfg("fallback");
-        fallback::prepare_table(&store, crate::core::local::table::SLOTS_TABLE, 8, &[0; 8]);
+        crate::core::local::table::prepare(
+            &store,
+            crate::core::local::table::SLOTS_TABLE,
+            8,
+            &[0; 8],
+        );
         let first = resolve_slots(&c, &wants, &store);
         assert!(
             matches!(first, SlotsVerdict::Local(ref held) if held.len() == 1),

@@ -915,7 +915,7 @@ mod tests {
         fn default() -> Self {
             let store = FakeStore::default();
             crate::core::local::fallback::prepare(&store, 10_000);
-            crate::core::local::fallback::prepare_table(
+            crate::core::local::table::prepare(
                 &store,
                 crate::core::local::table::POOLS_TABLE,
                 10_000,

@@ -38,8 +38,7 @@
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::local::bucket::Limits;
-use crate::core::local::fallback::slot_in;
-use crate::core::local::table::{self, Slot};
+use crate::core::local::table::{self, slot_in, Slot};
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{Bucket, BucketResult, TakeResponse};
 

@@ -62,16 +62,16 @@
 //! the limits: a fleet grown from 4 to 8 proxies halves every share at its next use. While the
 //! service is away N stays what it last said.
 //!
-//! Layout: the slot scheme ([`slot`], [`slot_in`], [`prepare`]); the record (`Entry`); the
+//! Layout: the table ([`slot`], [`prepare`]; the scheme is [`table`]'s); the record (`Entry`); the
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
 //! ([`take_all`], [`take_all_as`], [`refund_spent`], [`attach_debts`], [`remember`]).
 
 use crate::core::base::store::{update, CasStore, Step};
-use crate::core::config::{Algorithm, Config, FailureMode};
+use crate::core::config::{Config, FailureMode};
 use crate::core::local::breaker;
 use crate::core::local::bucket::{self, Limits, State};
+use crate::core::local::table;
 pub use crate::core::local::table::Slot;
-use crate::core::local::table::{self, slot_of};
 use crate::core::settle;
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
@@ -172,56 +172,9 @@ fn table_name(max_keys: u32) -> String {
     format!("{}.{max_keys}", table::SHARES_TABLE)
 }
 
-/// The slot of a fallback bucket (in the table of `max_keys` slots). The identity covers the key
-/// and the algorithm only: the limits are recorded in the slot, and a change carries the share
-/// over. The last slot computed is remembered ([`LAST`]): every answer of a hot bucket asks for
-/// the same one, and a SHA-256 with two formatted names cost Envoy about 9,500 instructions of an
-/// exact request's 326,000.
+/// The slot of a fallback bucket in the table of `max_keys` slots ([`table::share_slot`]).
 pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
-    let alg = alg_byte(l.algorithm);
-    remembered(&LAST, (alg, max_keys), key, || {
-        compute_slot(key, alg, max_keys)
-    })
-}
-
-/// The last slot a memo ([`LAST`], [`LAST_IN`]) computed: the identity it was computed for beside
-/// the key, and the slot.
-type Memo<I> = std::cell::Cell<Option<(I, String, Slot)>>;
-
-/// The slot of `id` and `key`: the one `memo` holds when it was asked for the same last, else
-/// `compute`'s, which it then holds.
-fn remembered<I: PartialEq + 'static>(
-    memo: &'static std::thread::LocalKey<Memo<I>>,
-    id: I,
-    key: &str,
-    compute: impl FnOnce() -> Slot,
-) -> Slot {
-    let mut last = memo.take();
-    let s = match &last {
-        Some((i, k, s)) if *i == id && k == key => s.clone(),
-        _ => {
-            let s = compute();
-            last = Some((id, key.to_string(), s.clone()));
-            s
-        }
-    };
-    memo.set(last);
-    s
-}
-
-/// [`slot`] without the memo: the key and the algorithm's code, hashed into the table.
-fn compute_slot(key: &str, alg: u8, max_keys: u32) -> Slot {
-    let mut material = Vec::with_capacity(key.len() + 2);
-    material.extend_from_slice(key.as_bytes());
-    material.push(0);
-    material.push(alg);
-    slot_of(&table_name(max_keys), &material, max_keys)
-}
-
-thread_local! {
-    /// The last bucket [`slot`] was asked for (algorithm and table size, key) and its slot. One
-    /// per VM, so one per Envoy worker: a memo, which changes no answer (`slot`'s tests).
-    static LAST: Memo<(u8, u32)> = const { std::cell::Cell::new(None) };
+    table::share_slot(&table_name(max_keys), key, l, max_keys)
 }
 
 /// What the bucket `key` holds: its slot in this table, or, when that slot was never written,
@@ -256,57 +209,9 @@ fn entry<S: CasStore + ?Sized>(
     Entry::Vacant
 }
 
-fn alg_byte(a: Algorithm) -> u8 {
-    bucket::code(a)
-}
-
-/// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The identity
-/// covers the key and the global limits (not the number of proxies), like the service's bucket
-/// identity. The lease pools ([`crate::core::local::lease`]) use the same scheme in a table of their
-/// own, and so do the remembered denials. The last slot computed is remembered ([`LAST_IN`]), as
-/// [`slot`]'s is: every request of a flood denied from memory asks for the same one, and its SHA-256
-/// and formatted name were a quarter of such a request's work in the module.
-pub fn slot_in(table: &'static str, key: &str, l: &Limits, max_keys: u32) -> Slot {
-    let id = (
-        table,
-        l.global,
-        l.rate,
-        l.period_ms,
-        alg_byte(l.algorithm),
-        max_keys,
-    );
-    remembered(&LAST_IN, id, key, || {
-        compute_slot_in(table, key, l, max_keys)
-    })
-}
-
-/// The identity [`slot_in`] remembers its last slot under, beside the key.
-type SlotInId = (&'static str, u64, u64, u64, u8, u32);
-
-thread_local! {
-    /// The last bucket [`slot_in`] was asked for and its slot; a memo like [`LAST`].
-    static LAST_IN: Memo<SlotInId> = const { std::cell::Cell::new(None) };
-}
-
-/// [`slot_in`] without the memo.
-fn compute_slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
-    let mut material = Vec::with_capacity(key.len() + 48);
-    material.extend_from_slice(key.as_bytes());
-    material.push(0);
-    for v in [l.global, l.rate, l.period_ms] {
-        material.extend_from_slice(&v.to_le_bytes());
-    }
-    material.push(alg_byte(l.algorithm));
-    slot_of(table, &material, max_keys)
-}
-
-/// The tables are created as [`table::prepare`] does (kept under this name for the callers that
-/// prepare a table of their own).
-pub use crate::core::local::table::prepare as prepare_table;
-
-/// [`prepare_table`] for the fallback table of `max_keys` slots.
+/// [`table::prepare`] for the fallback table of `max_keys` slots.
 pub fn prepare<S: CasStore + ?Sized>(store: &S, max_keys: u32) {
-    prepare_table(store, &table_name(max_keys), max_keys, &table::vacant());
+    table::prepare(store, &table_name(max_keys), max_keys, &table::vacant());
 }
 
 /// Records `max_keys` as the newest fallback table size of this Envoy ([`SIZES_KEY`]); the sizes
@@ -353,7 +258,7 @@ pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
         .any(|r| r.rate_limit().is_some_and(|l| l.lease.is_some()))
     {
         // A lease pool decodes anything that is not one of its own records as an empty pool.
-        prepare_table(
+        table::prepare(
             store,
             table::POOLS_TABLE,
             cfg.fallback.max_keys,
@@ -361,15 +266,6 @@ pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
         );
     }
     previous
-}
-
-/// The prefix of every shared-data name a configuration uses: a digest of the service cluster.
-/// Fallback shares, lease pools and the breaker describe that service's buckets (identified by key
-/// and limits, like the service's own), so a configuration push that keeps the cluster keeps them,
-/// and two plugins calling one service share them; memory stays bounded by the largest table.
-pub fn state_prefix(cfg: &Config) -> String {
-    let digest = crate::core::base::hash::sha256_hex(cfg.service.cluster.as_bytes());
-    format!("{}/", digest.get(..12).unwrap_or(&digest))
 }
 
 /// What a slot holds, as seen by bucket `id`.
@@ -977,6 +873,7 @@ pub fn debt_horizon_ms(cfg: &Config) -> u64 {
 mod tests {
     use super::*;
     use crate::core::base::store::fake::FakeStore;
+    use crate::core::config::Algorithm;
     use crate::core::wire::Bucket;
 
     fn tb(cap: u64) -> Limits {
@@ -1203,58 +1100,6 @@ mod tests {
                  "rules":[{"name":"a","capacity":100,"period_ms":1000}]}"#,
         )
         .unwrap()
-    }
-
-    #[test]
-    fn a_remembered_slot_is_the_one_computed() {
-        let computed = |key: &str, l: &Limits, n: u32| compute_slot(key, alg_byte(l.algorithm), n);
-        let fw = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 1);
-        // Asked again, in turn and after others: the same key with another algorithm or table
-        // size is another slot.
-        for (key, l, n) in [
-            ("a", tb(10), 64),
-            ("a", tb(10), 64),
-            ("a", fw, 64),
-            ("a", tb(10), 128),
-            ("b", tb(10), 64),
-            ("a", tb(10), 64),
-            ("", tb(10), 64),
-        ] {
-            assert_eq!(slot(key, &l, n), computed(key, &l, n), "{key} {n}");
-        }
-        assert_ne!(slot("a", &tb(10), 64), slot("a", &fw, 64));
-    }
-
-    #[test]
-    fn a_remembered_slot_in_a_table_is_the_one_computed() {
-        use crate::core::local::table::{DENIALS_TABLE, POOLS_TABLE};
-        let fw = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 1);
-        let slower = Limits::local(10, 10, 2000, Algorithm::TokenBucket, 1);
-        let shared_by_3 = Limits::local(10, 10, 1000, Algorithm::TokenBucket, 3);
-        // Asked again, in turn and after others: another table, key, limit, algorithm or table
-        // size is another slot; the number of proxies is not part of the identity.
-        for (table, key, l, n) in [
-            (DENIALS_TABLE, "a", tb(10), 64),
-            (DENIALS_TABLE, "a", tb(10), 64),
-            (POOLS_TABLE, "a", tb(10), 64),
-            (DENIALS_TABLE, "a", fw, 64),
-            (DENIALS_TABLE, "a", tb(11), 64),
-            (DENIALS_TABLE, "a", slower, 64),
-            (DENIALS_TABLE, "a", tb(10), 128),
-            (DENIALS_TABLE, "b", tb(10), 64),
-            (DENIALS_TABLE, "a", shared_by_3, 64),
-            (DENIALS_TABLE, "", tb(10), 64),
-        ] {
-            assert_eq!(
-                slot_in(table, key, &l, n),
-                compute_slot_in(table, key, &l, n),
-                "{table} {key} {n}"
-            );
-        }
-        assert_ne!(
-            slot_in(DENIALS_TABLE, "a", &tb(10), 64),
-            slot_in(POOLS_TABLE, "a", &tb(10), 64)
-        );
     }
 
     #[test]
