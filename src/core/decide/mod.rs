@@ -19,8 +19,8 @@ pub mod headers;
 
 use crate::core::base::store::CasStore;
 use crate::core::config::{Config, FailureMode, Limit, Rule, RuleKind, Transport};
-use crate::core::local::breaker;
 use crate::core::local::fallback;
+use crate::core::local::record;
 use crate::core::local::slots::{self, Want};
 use crate::core::rules::limits::limit_for;
 use crate::core::rules::{keys, matches, Request};
@@ -415,8 +415,7 @@ pub fn resolve<S: CasStore + ?Sized>(
                 // A request the breaker refused puts its buckets in recovery for as long as the
                 // other proxies' breakers may still be open (`fallback::attach_debts`).
                 let how = if *cause == Cause::Breaker {
-                    let entry = store.get(breaker::KEY);
-                    let open = breaker::State::decode(entry.as_ref().map(|(v, _)| v.as_slice()));
+                    let open = record::read(store).breaker;
                     fallback::Charge::outage(fallback::recovery_until(
                         cfg,
                         now_ms,

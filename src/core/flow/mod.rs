@@ -34,6 +34,7 @@ use crate::core::local::bucket;
 use crate::core::local::denials;
 use crate::core::local::fallback;
 use crate::core::local::lease::{self, Count, Local};
+use crate::core::local::record;
 use crate::core::rules::Request;
 use crate::core::settle;
 use crate::core::wire::plan::{
@@ -561,7 +562,7 @@ impl Flow {
         {
             // The breaker refused: this proxy's later requests look at their buckets' shares
             // for a recovery (`fallback::attach_debts`), also when it admitted nothing on credit.
-            breaker::mark_debt(
+            record::mark_debt(
                 host.store(),
                 now.saturating_add(fallback::debt_horizon_ms(cfg)),
             );
@@ -597,7 +598,7 @@ impl Flow {
         }
         if verdict.decision == Decision::FallbackAllowed {
             // Admitted on credit: the next callouts must carry the debt until it is repaid.
-            breaker::mark_debt(
+            record::mark_debt(
                 host.store(),
                 now.saturating_add(fallback::debt_horizon_ms(cfg)),
             );
@@ -669,7 +670,7 @@ fn settle<H: Host>(
     if denied_by_service {
         let until = denials::remember(cfg, plan, &outcome, host.store(), now);
         if until > 0 {
-            breaker::mark_denied(host.store(), until);
+            record::mark_denied(host.store(), until);
         }
     }
     let (granted, chores) = lease::settle(cfg, plan, &outcome, host.store(), now);
@@ -706,13 +707,7 @@ fn run_chores<H: Host>(
     if chores.refills.is_empty() {
         return;
     }
-    let open = breaker::State::decode(
-        host.store()
-            .get(breaker::KEY)
-            .as_ref()
-            .map(|(v, _)| v.as_slice()),
-    )
-    .is_open();
+    let open = record::read(host.store()).breaker.is_open();
     for plan in chores.refills {
         if open {
             lease::abandon(cfg, &plan, host.store());

@@ -68,8 +68,8 @@
 
 use crate::core::base::store::{update, CasStore, Step};
 use crate::core::config::{Config, FailureMode};
-use crate::core::local::breaker;
 use crate::core::local::bucket::{self, Limits, State};
+use crate::core::local::record::{self, learned_instances};
 use crate::core::local::table;
 pub use crate::core::local::table::Slot;
 use crate::core::settle;
@@ -131,7 +131,7 @@ impl Shares {
     }
 
     /// These shares split by the number of proxies learned from the answers, when one was
-    /// ([`learn`]; it is stored already floored).
+    /// ([`learn`]; it is stored already floored, in the admission record: [`learned_instances`]).
     pub fn learned<S: CasStore + ?Sized>(self, store: &S) -> Shares {
         match learned_instances(store) {
             Some(n) => Shares {
@@ -143,16 +143,9 @@ impl Shares {
     }
 }
 
-/// The number of proxies last learned from the service's answers, if any. It is kept in the
-/// breaker's entry ([`breaker::State::instances`]), which every request reads at admission.
-pub fn learned_instances<S: CasStore + ?Sized>(store: &S) -> Option<u64> {
-    let (v, _) = store.get(breaker::KEY)?;
-    Some(breaker::State::decode(Some(&v)).instances).filter(|&n| n > 0)
-}
-
 /// Stores `heard` (the live instances an answer reported), floored at `fallback.min_instances`,
 /// as this Envoy's number of proxies; writes only when it changed. `known` is the number the
-/// request's admission read ([`breaker::Seen::instances`], 0 if none): when the floored number is
+/// request's admission read ([`crate::core::local::breaker::Seen::instances`], 0 if none): when the floored number is
 /// that one, nothing is read or written (another worker may have stored a different number since;
 /// the next admission reads it, and the next answer that differs from it writes). Returns that
 /// number, so the caller need not read it back.
@@ -161,8 +154,8 @@ pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64, known: u
     if n == known {
         return n;
     }
-    breaker::rewrite(store, &|s| {
-        (s.instances != n).then_some(breaker::State { instances: n, ..s })
+    record::rewrite(store, &|m| {
+        (m.instances != n).then_some(record::Marks { instances: n, ..m })
     });
     n
 }
@@ -706,7 +699,7 @@ fn standing<S: CasStore + ?Sized>(
 
 /// Before a callout: every bucket that owes tokens carries its debt as a lease on top of what
 /// it asks (`lease = (lease or cost) + debt`, within the contract's bound), recorded in
-/// `plan.debt`. Call only when debt may exist ([`crate::core::local::breaker`] keeps that flag), since it
+/// `plan.debt`. Call only when debt may exist (the admission record keeps that mark: [`record::mark_debt`]), since it
 /// reads one slot per bucket.
 ///
 /// Returns whether the request is **in recovery**: one of its buckets had a request refused by
@@ -1106,29 +1099,41 @@ mod tests {
     fn the_count_lives_in_the_breaker_entry_and_a_known_count_costs_nothing() {
         let cfg = four_proxies();
         let s = prepared(10);
-        let open = breaker::State {
-            failures: 3,
-            open_until_ms: 9_000,
-            interval_ms: 100,
-            debt_until_ms: 7,
-            denied_until_ms: 8,
-            instances: 0,
+        let open = record::Record {
+            breaker: crate::core::local::breaker::State {
+                failures: 3,
+                open_until_ms: 9_000,
+                interval_ms: 100,
+            },
+            marks: record::Marks {
+                debt_until_ms: 7,
+                denied_until_ms: 8,
+                instances: 0,
+            },
         };
-        s.set(breaker::KEY, &open.encode(), None).unwrap();
-        // Learned: written into the breaker's entry, the breaker's own state kept.
+        s.set(record::KEY, &open.encode(), None).unwrap();
+        // Learned: written into the admission record, the breaker's own state kept.
         assert_eq!(learn(&cfg, &s, 5, 0), 5);
-        let stored = breaker::State::decode(s.get(breaker::KEY).map(|(v, _)| v).as_deref());
+        let stored = record::read(&s);
         assert_eq!(
             stored,
-            breaker::State {
-                instances: 5,
+            record::Record {
+                marks: record::Marks {
+                    instances: 5,
+                    ..open.marks
+                },
                 ..open
             }
         );
         assert_eq!(learned_instances(&s), Some(5));
         // A success closing the breaker keeps the count.
-        let (closed, _) = breaker::on_success(stored);
-        assert_eq!(closed.map(|c| c.instances), Some(5));
+        let probe = crate::core::config::Breaker {
+            failures: 3,
+            open_ms: 100,
+            max_open_ms: 1000,
+        };
+        crate::core::local::breaker::record_shared(&s, &probe, 9_000, true, true);
+        assert_eq!(record::read(&s).marks.instances, 5);
         // The number the admission read: nothing is written (that nothing is read either is
         // counted by the dispatcher's `a_steady_exact_request_reads_shared_data_twice`).
         let before = s.map.borrow().clone();

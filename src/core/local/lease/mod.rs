@@ -42,7 +42,7 @@
 use crate::core::base::store::CasStore;
 use crate::core::config::{Config, Lease, RateLimit, Rule};
 use crate::core::local::bucket;
-use crate::core::local::fallback::learned_instances;
+use crate::core::local::record::learned_instances;
 use crate::core::local::table::Slot;
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
