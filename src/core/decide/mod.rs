@@ -19,8 +19,6 @@ pub mod headers;
 
 use crate::core::base::store::CasStore;
 use crate::core::config::{Config, FailureMode, Limit, Rule, RuleKind, Transport};
-use crate::core::local::fallback;
-use crate::core::local::record;
 use crate::core::local::slots::{self, Want};
 use crate::core::rules::limits::limit_for;
 use crate::core::rules::{keys, matches, Request};
@@ -399,36 +397,21 @@ fn reply(rule: &Rule, mut headers: Vec<(String, String)>) -> LocalReply {
 
 /// Turns an outcome into the verdict: the service's answer, or the failure mode. The only place
 /// that applies `failure_mode` and shadow mode (per rule: a denial counts as one only if a rule
-/// that is not in shadow mode denied; the first such rule's response is sent). `store` holds the
-/// fallback buckets; `now_ms` is the host's clock (used by the fallback only).
-pub fn resolve<S: CasStore + ?Sized>(
+/// that is not in shadow mode denied; the first such rule's response is sent). Pure: for a failure
+/// under `failure_mode: fallback`, `shares` is what the fallback shares answered (taken by the
+/// flow's fallback stage, `fallback::on_failure`); without it the failure is denied, as under
+/// `deny`.
+pub fn resolve(
     cfg: &Config,
     plan: &Plan,
     outcome: &Outcome,
-    store: &S,
-    now_ms: u64,
+    shares: Option<&TakeResponse>,
 ) -> Verdict {
     match outcome {
         Outcome::Allowed(resp) | Outcome::Limited(resp) => from_answer(cfg, plan, resp, false),
-        Outcome::Failed(cause) => match cfg.failure_mode {
-            FailureMode::Fallback => {
-                // A request the breaker refused puts its buckets in recovery for as long as the
-                // other proxies' breakers may still be open (`fallback::attach_debts`).
-                let how = if *cause == Cause::Breaker {
-                    let open = record::read(store).breaker;
-                    fallback::Charge::outage(fallback::recovery_until(
-                        cfg,
-                        now_ms,
-                        open.interval_ms,
-                    ))
-                } else {
-                    fallback::Charge::OWE
-                };
-                let shares = fallback::Shares::of(cfg);
-                let resp = fallback::take_all_as(store, &shares, &plan.request, now_ms, how);
-                from_answer(cfg, plan, &resp, true)
-            }
-            FailureMode::Allow => Verdict {
+        Outcome::Failed(_) => match (cfg.failure_mode, shares) {
+            (FailureMode::Fallback, Some(resp)) => from_answer(cfg, plan, resp, true),
+            (FailureMode::Allow, _) => Verdict {
                 action: Action::Allow(Vec::new()),
                 decision: Decision::FailureOpenAllowed,
                 denied_by: Vec::new(),
@@ -438,7 +421,7 @@ pub fn resolve<S: CasStore + ?Sized>(
                     .map(|&r| (r, RuleCount::Allowed))
                     .collect(),
             },
-            FailureMode::Deny => {
+            (FailureMode::Deny | FailureMode::Fallback, _) => {
                 let rules: Vec<(usize, &Rule)> = plan
                     .rules
                     .iter()
@@ -516,6 +499,22 @@ pub fn resolve_slots<S: CasStore + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::local::fallback;
+
+    /// [`super::resolve`] with what the flow's fallback stage takes for a failure.
+    fn resolve<S: CasStore + ?Sized>(
+        c: &Config,
+        p: &Plan,
+        o: &Outcome,
+        store: &S,
+        now: u64,
+    ) -> Verdict {
+        let shares = match o {
+            Outcome::Failed(cause) => fallback::on_failure(c, &p.request, *cause, store, now),
+            _ => None,
+        };
+        super::resolve(c, p, o, shares.as_ref())
+    }
     use crate::core::base::store::fake::FakeStore;
     use crate::core::config::{Config, HeaderStyle};
     use crate::core::wire::decode_proto;

@@ -12,39 +12,40 @@
 //! synchronous failure is decided on the spot, and a stream that was never paused is never
 //! resumed. A reply for another callout (or a second reply) is ignored.
 //!
-//! Lease mode ([`crate::core::local::lease`]) sits in front of the callout: when the pools of every
-//! bucket can pay (or one holds a cached denial) the request is decided on the spot; otherwise the
-//! callout carries `lease` on the buckets this request refills, and its outcome (whatever it is,
-//! the breaker's refusal and a dispatch error included) is settled into the pools before the
-//! verdict.
+//! A request's path reads top to bottom: [`decide::decide`] → the local stages before the call
+//! ([`stages`]: lease pools, breaker, remembered denials, fallback shares; the first that answers
+//! decides) → the callout → [`decide::interpret`] → the stages after the answer (each brings its
+//! state in step, then says what it admits instead) → [`decide::resolve`] (pure) → the verdict
+//! applied. The breaker's refusal and a dispatch error take the same way after the call.
 //!
 //! After an outage a request may be in recovery ([`Recovery`], `fallback::attach_debts`): its
 //! fallback shares must pay for it as well as the service. They are asked before the callout
 //! (a request they cannot pay is denied on the spot, as in the outage); the breaker's probe and
 //! a request carrying a debt call anyway, and the shares look at the answer.
 //!
-//! `slots`: a request's concurrency slots ([`crate::core::inflight`]) as the flow drives them.
+//! `slots`: a request's concurrency slots ([`crate::core::inflight`]) as the flow drives them;
+//! `stages`: the local stages.
 
 use crate::core::base::ledger::CalloutId;
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::decide;
 use crate::core::local::breaker::{self, Admission, Event};
-use crate::core::local::bucket;
 use crate::core::local::denials;
 use crate::core::local::fallback;
-use crate::core::local::lease::{self, Count, Local};
-use crate::core::local::record;
+use crate::core::local::lease::{self, Count};
 use crate::core::rules::Request;
 use crate::core::settle;
 use crate::core::wire::plan::{
     Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step,
 };
-use crate::core::wire::TakeRequest;
+use crate::core::wire::{TakeRequest, TakeResponse};
 use log::debug;
 
 mod slots;
+mod stages;
 pub use slots::{release, Slots};
+use stages::{lease::run_chores, refund, Early};
 
 /// What the state machine needs from the proxy: I/O alone (shared data, the clock, starting a
 /// callout, resuming or answering the request, counting). Whatever a request leaves behind when
@@ -137,7 +138,7 @@ pub enum Leftover {
     },
 }
 
-/// What the end of a request's callout tells the breaker ([`Flow`]'s `record`).
+/// What the end of a request's callout tells the breaker (its stage, `stages::breaker`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Report {
     /// The callout was the breaker's probe.
@@ -259,60 +260,30 @@ impl Flow {
             Step::Callout(plan) => plan,
         };
         let now = host.now_ms();
-        let (local, chores) = lease::local(cfg, &mut plan, host.store(), now);
-        run_chores(cfg, chores, &mut self.watched, host);
-        if let Local::Answer(outcome) = local {
-            let count = match outcome {
-                Outcome::Allowed(_) => Count::Local,
-                _ => Count::LocalLimited,
-            };
-            host.count(Metric::Lease(count, 1));
-            return self.conclude(cfg, &plan, &outcome, false, now, host);
-        }
-        let seen = breaker::admit_seen(host.store(), &cfg.breaker, now);
-        let (admission, clean) = (seen.admission, seen.clean);
-        plan.instances = seen.instances;
-        if seen.denials && admission == Admission::Call {
-            if let Some(resp) = denials::recall(cfg, &plan, host.store(), now) {
-                // The service denied this cost moments ago and could not pay it yet.
-                for (i, b) in resp.buckets.iter().enumerate() {
-                    if let (false, Some(&r)) = (b.allowed, plan.rules.get(i)) {
-                        self.shadow_counts.push((r, RuleCount::LimitedLocally));
-                    }
-                }
-                return self.conclude(cfg, &plan, &Outcome::Limited(resp), false, now, host);
+        let mut cx = stages::Cx::new(cfg, host, now, &mut self.shadow_counts, &mut self.watched);
+        let early = stages::before(&mut cx, &mut plan);
+        let (seen, recovery) = (cx.seen, cx.recovery);
+        match early {
+            Some(Early::Outcome(outcome)) => {
+                return self.conclude(cfg, &plan, &outcome, None, false, host)
             }
-        }
-        // The fallback admitted on credit recently (or the breaker refused): this callout repays
-        // what its buckets owe, and says whether they are in recovery from an outage.
-        let recovering = seen.debt && fallback::attach_debts(cfg, &mut plan, host.store(), now);
-        if admission == Admission::Reject {
-            let outcome = settle(
-                cfg,
-                &plan,
-                Outcome::Failed(Cause::Breaker),
-                &mut self.watched,
-                now,
-                host,
-            );
-            return self.conclude(cfg, &plan, &outcome, false, now, host);
-        }
-        let probe = admission == Admission::Probe;
-        let recovery = match recovering {
-            false => Recovery::None,
-            // The probe must call, and so must a debt to repay: the shares look at the answer.
-            true if probe || !plan.debt.is_empty() => Recovery::Check,
-            true => {
-                let sh = fallback::Shares::of_plan(cfg, &plan, host.store());
-                let spend = fallback::Charge::SPEND;
-                let paid = fallback::take_all_as(host.store(), &sh, &plan.request, now, spend);
-                if !paid.allowed {
-                    // Denied by the shares, as in the outage: no callout.
-                    let verdict = decide::from_shares(cfg, &plan, &paid);
-                    return self.apply(cfg, &plan, verdict, false, now, host);
-                }
-                Recovery::Prepaid
+            Some(Early::Verdict(verdict)) => return self.apply(cfg, &plan, verdict, false, host),
+            Some(Early::Refused(cause)) => {
+                let report = Report {
+                    probe: false,
+                    quiet: false,
+                    counted: false,
+                    now,
+                    recovery,
+                };
+                let failed = Outcome::Failed(cause);
+                return self.after_callout(cfg, &plan, report, failed, false, host);
             }
+            None => {}
+        }
+        let (probe, clean) = match seen {
+            Some(seen) => (seen.admission == Admission::Probe, seen.clean),
+            None => (false, false),
         };
         match host.send(cfg, Callout::Take(&plan)) {
             Ok(id) => {
@@ -427,9 +398,17 @@ impl Flow {
                 now,
                 recovery,
             };
-            self.record(cfg, report, true, host);
-            give_back(cfg, &plan, recovery, host);
-            settle(cfg, &plan, outcome, &mut self.watched, now, host);
+            let denied_by_service = matches!(outcome, Outcome::Limited(_));
+            let mut cx =
+                stages::Cx::new(cfg, host, now, &mut self.shadow_counts, &mut self.watched);
+            cx.report = Some(report);
+            cx.recovery = recovery;
+            cx.denied_by_service = denied_by_service;
+            let outcome = stages::after(&mut cx, &plan, outcome);
+            // Not concluded: the pools may still pay for it, as for any denial (what they admit
+            // is not this request's verdict); the shares' last word waits for the next answer.
+            cx.recovery = Recovery::None;
+            let _ = stages::admit(&mut cx, &plan, outcome);
             self.shadow_counts = shadowed;
             let mut enforced = enforced;
             let (_, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
@@ -474,25 +453,9 @@ impl Flow {
         self.after_callout(cfg, &plan, report, outcome, true, host);
     }
 
-    /// Feeds a callout's result to the breaker (nothing to do for a `quiet` success: quick, after
-    /// a clean admission, so the steady path reads the shared state once).
-    fn record<H: Host>(&self, cfg: &Config, report: Report, success: bool, host: &mut H) {
-        if !breaker::needs_record(report.quiet, success) {
-            return;
-        }
-        let (now, probe) = (report.now, report.probe);
-        let event = breaker::record_shared(host.store(), &cfg.breaker, now, success, probe);
-        if event != Event::None {
-            host.count(Metric::Breaker(event));
-        }
-    }
-
-    /// A callout ended or could not start: count it, feed the breaker, conclude. The breaker
-    /// hears of a failure only when a callout failed (a take that was never sent, a breaker that
-    /// refused, are no news of the service) and only once per failed callout
-    /// ([`Report::counted`]; the probe's always). A request in recovery that prepaid its shares
-    /// and was not admitted gives them back first ([`give_back`]), before the answer lowers them
-    /// or the fallback takes from them.
+    /// A callout ended or could not start (or the breaker refused it): the stages bring their
+    /// state in step with the outcome ([`stages::after`]), then say what they admit instead
+    /// ([`stages::admit`]), and the verdict is resolved.
     fn after_callout<H: Host>(
         &mut self,
         cfg: &Config,
@@ -502,71 +465,32 @@ impl Flow {
         paused: bool,
         host: &mut H,
     ) -> Next {
-        match outcome {
-            Outcome::Failed(cause) if cause.is_callout() => {
-                host.count(Metric::Failure(cause));
-                if report.counted || report.probe {
-                    self.record(cfg, report, false, host);
-                }
-            }
-            Outcome::Failed(_) => {}
-            _ => self.record(cfg, report, true, host),
-        }
-        if !matches!(outcome, Outcome::Allowed(_)) {
-            give_back(cfg, plan, report.recovery, host);
-        }
         let now = report.now;
-        let outcome = settle(cfg, plan, outcome, &mut self.watched, now, host);
-        if let (Recovery::Check, Outcome::Allowed(_)) = (report.recovery, &outcome) {
-            // Admitted by the service (its debts repaid): the shares have the last word.
-            let sh = fallback::Shares::of_plan(cfg, plan, host.store());
-            let spend = fallback::Charge::SPEND;
-            let paid = fallback::take_all_as(host.store(), &sh, &plan.request, now, spend);
-            if !paid.allowed {
-                // Not admitted: what the service charged for its cost goes back to the global
-                // bucket, where the debts of the proxies not back yet find it (a window's
-                // tokens end with their window: nothing to give back).
-                let back: Vec<crate::core::wire::Bucket> = plan
-                    .request
-                    .buckets
-                    .iter()
-                    .filter(|b| bucket::refundable(b.algorithm.unwrap_or_default()))
-                    .map(|b| crate::core::wire::Bucket {
-                        lease: None,
-                        ..b.clone()
-                    })
-                    .collect();
-                if !back.is_empty() {
-                    refund(cfg, &TakeRequest { buckets: back }, host);
-                }
-                let verdict = decide::from_shares(cfg, plan, &paid);
-                return self.apply(cfg, plan, verdict, paused, now, host);
-            }
+        let mut cx = stages::Cx::new(cfg, host, now, &mut self.shadow_counts, &mut self.watched);
+        cx.report = Some(report);
+        cx.recovery = report.recovery;
+        cx.denied_by_service = matches!(outcome, Outcome::Limited(_));
+        let outcome = stages::after(&mut cx, plan, outcome);
+        let admitted = stages::admit(&mut cx, plan, outcome);
+        let shares = cx.shares.take();
+        match admitted {
+            Ok(outcome) => self.conclude(cfg, plan, &outcome, shares.as_ref(), paused, host),
+            Err(verdict) => self.apply(cfg, plan, verdict, paused, host),
         }
-        self.conclude(cfg, plan, &outcome, paused, now, host)
     }
 
-    /// Resolves the outcome at `now` into a verdict and applies it.
+    /// Resolves the outcome into a verdict (`shares`: what the fallback shares answered for a
+    /// failure) and applies it.
     fn conclude<H: Host>(
         &mut self,
         cfg: &Config,
         plan: &Plan,
         outcome: &Outcome,
+        shares: Option<&TakeResponse>,
         paused: bool,
-        now: u64,
         host: &mut H,
     ) -> Next {
-        let verdict = decide::resolve(cfg, plan, outcome, host.store(), now);
-        if matches!(outcome, Outcome::Failed(Cause::Breaker))
-            && cfg.failure_mode == crate::core::config::FailureMode::Fallback
-        {
-            // The breaker refused: this proxy's later requests look at their buckets' shares
-            // for a recovery (`fallback::attach_debts`), also when it admitted nothing on credit.
-            record::mark_debt(
-                host.store(),
-                now.saturating_add(fallback::debt_horizon_ms(cfg)),
-            );
-        }
+        let verdict = decide::resolve(cfg, plan, outcome, shares);
         if let Outcome::Failed(cause) = *outcome {
             host.count(Metric::FailureMode(cause));
             debug!(
@@ -575,17 +499,16 @@ impl Flow {
                 verdict.decision.metric()
             );
         }
-        self.apply(cfg, plan, verdict, paused, now, host)
+        self.apply(cfg, plan, verdict, paused, host)
     }
 
-    /// Applies the verdict at `now`: let through (resuming only if paused) or reply locally.
+    /// Applies the verdict: let through (resuming only if paused) or reply locally.
     fn apply<H: Host>(
         &mut self,
         cfg: &Config,
         plan: &Plan,
         verdict: crate::core::wire::plan::Verdict,
         paused: bool,
-        now: u64,
         host: &mut H,
     ) -> Next {
         host.count(Metric::Decision(verdict.decision));
@@ -595,13 +518,6 @@ impl Flow {
             .chain(std::mem::take(&mut self.shadow_counts).iter())
         {
             host.count(Metric::Rule(rule, what));
-        }
-        if verdict.decision == Decision::FallbackAllowed {
-            // Admitted on credit: the next callouts must carry the debt until it is repaid.
-            record::mark_debt(
-                host.store(),
-                now.saturating_add(fallback::debt_horizon_ms(cfg)),
-            );
         }
         if log::log_enabled!(log::Level::Debug) {
             for i in &verdict.denied_by {
@@ -641,88 +557,6 @@ impl Flow {
     }
 }
 
-/// What a request in recovery prepaid from its shares ([`Recovery::Prepaid`]) goes back to them:
-/// its callout did not admit it.
-fn give_back<H: Host>(cfg: &Config, plan: &Plan, recovery: Recovery, host: &mut H) {
-    if recovery == Recovery::Prepaid {
-        let sh = fallback::Shares::of_plan(cfg, plan, host.store());
-        fallback::refund_spent(host.store(), &sh, &plan.request, host.now_ms());
-    }
-}
-
-/// Settles a callout's outcome (or why none was made) into the lease pools, and counts it. A
-/// denial or failure that the pools can still pay (granted tokens stay good) becomes an admission
-/// from the pools (counted as allowed, not as `lease.local`: it did make a callout); any other
-/// outcome is returned as is.
-fn settle<H: Host>(
-    cfg: &Config,
-    plan: &Plan,
-    outcome: Outcome,
-    watched: &mut Vec<lease::Held>,
-    now: u64,
-    host: &mut H,
-) -> Outcome {
-    // Only the service's own denials are remembered: one `settle_debts` makes of an admission whose
-    // grant fell short of the debt it carried is about the debt, and the next callout repays more.
-    let denied_by_service = matches!(outcome, Outcome::Limited(_));
-    let (outcome, repaid) = fallback::settle_debts(plan, outcome);
-    fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
-    if denied_by_service {
-        let until = denials::remember(cfg, plan, &outcome, host.store(), now);
-        if until > 0 {
-            record::mark_denied(host.store(), until);
-        }
-    }
-    let (granted, chores) = lease::settle(cfg, plan, &outcome, host.store(), now);
-    if granted > 0 {
-        host.count(Metric::Lease(Count::Granted, granted));
-    }
-    run_chores(cfg, chores, watched, host);
-    if !matches!(outcome, Outcome::Allowed(_)) {
-        if let Some(paid) = lease::rescue(cfg, plan, host.store(), now) {
-            return paid;
-        }
-    }
-    outcome
-}
-
-/// Sends what the lease pools left to do: expired tokens back to the service, and background
-/// refills (not while the breaker is open: the requests' own callouts probe it). The pools this
-/// worker deposited into go to `watched`, for the adapter's timer ([`lease::sweep`]).
-fn run_chores<H: Host>(
-    cfg: &Config,
-    chores: lease::Chores,
-    watched: &mut Vec<lease::Held>,
-    host: &mut H,
-) {
-    if chores.dropped > 0 {
-        host.count(Metric::Lease(Count::Expired, chores.dropped));
-    }
-    watched.extend(chores.watch);
-    for r in &chores.returns {
-        refund(cfg, r, host);
-        let n = r.buckets.iter().map(|b| b.cost()).sum();
-        host.count(Metric::Lease(Count::Returned, n));
-    }
-    if chores.refills.is_empty() {
-        return;
-    }
-    let open = record::read(host.store()).breaker.is_open();
-    for plan in chores.refills {
-        if open {
-            lease::abandon(cfg, &plan, host.store());
-            continue;
-        }
-        match host.send(cfg, Callout::Refill(&plan)) {
-            Ok(_) => host.count(Metric::Lease(Count::Refills, 1)),
-            Err(why) => {
-                debug!("background lease refill not dispatched: {why}");
-                lease::abandon(cfg, &plan, host.store());
-            }
-        }
-    }
-}
-
 /// A background lease refill ended with `result`: its grant goes to the pool (or its denial is
 /// cached, or its claim ends), the breaker and the fallback shares learn from it as from any
 /// answer. No request waits for it. The pools this worker deposited into, for the adapter's
@@ -737,7 +571,7 @@ pub fn on_refill_result<H: Host>(
     let counted = !matches!(result, CalloutResult::Shared(_));
     let outcome = decide::interpret(plan, result);
     let now = host.now_ms();
-    // As a request's callout feeds it (`Flow::after_callout`), a success always.
+    // As a request's callout feeds it (the breaker's stage), a success always.
     let feeds = match outcome {
         Outcome::Failed(cause) if cause.is_callout() => {
             host.count(Metric::Failure(cause));
@@ -767,16 +601,6 @@ pub fn on_refill_result<H: Host>(
 /// longer holds.
 pub fn settlement_applied<S: CasStore + ?Sized>(cfg: &Config, items: &[settle::Item], store: &S) {
     denials::forget(cfg, settle::given_back(items), store);
-}
-
-/// Sends `request`'s costs back to the global bucket as unspent tokens, not awaited. A denial this
-/// Envoy remembered of those buckets no longer holds once they are back.
-fn refund<H: Host>(cfg: &Config, request: &TakeRequest, host: &mut H) {
-    if let Err(why) = host.send(cfg, Callout::Refund(request)) {
-        debug!("refund not dispatched: {why}");
-        return;
-    }
-    denials::forget(cfg, &request.buckets, host.store());
 }
 
 /// An answer on the stream, `result`, to a message that failed at its deadline, whose takes were

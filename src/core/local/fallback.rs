@@ -73,7 +73,7 @@ use crate::core::local::record::{self, learned_instances};
 use crate::core::local::table;
 pub use crate::core::local::table::Slot;
 use crate::core::settle;
-use crate::core::wire::plan::{Outcome, Plan};
+use crate::core::wire::plan::{Cause, Outcome, Plan};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
 
 /// Shared-data key of the table sizes this Envoy's configurations used, newest first (at most 4,
@@ -670,6 +670,37 @@ pub fn recovery_until(cfg: &Config, now_ms: u64, interval_ms: u64) -> u64 {
     now_ms
         .saturating_add(spread)
         .saturating_add(cfg.service.timeout_ms.saturating_mul(2))
+}
+
+/// The failure mode's answer when the service could not be asked (`None` unless
+/// `failure_mode: fallback`): every bucket of `req` taken from its share, owed; a request the
+/// breaker refused also puts its buckets in recovery ([`Charge::outage`], for as long as the
+/// other proxies' breakers may still be open). A take admitted on credit, and the breaker's
+/// refusal, mark in the admission record that debts may be outstanding
+/// ([`record::mark_debt`]), so the next callouts look for them ([`attach_debts`]), also when the
+/// refusal admitted nothing on credit.
+pub fn on_failure<S: CasStore + ?Sized>(
+    cfg: &Config,
+    req: &TakeRequest,
+    cause: Cause,
+    store: &S,
+    now_ms: u64,
+) -> Option<TakeResponse> {
+    if !enabled(cfg) {
+        return None;
+    }
+    let refused = cause == Cause::Breaker;
+    let how = if refused {
+        let open = record::read(store).breaker;
+        Charge::outage(recovery_until(cfg, now_ms, open.interval_ms))
+    } else {
+        Charge::OWE
+    };
+    let resp = take_all_as(store, &Shares::of(cfg), req, now_ms, how);
+    if refused || resp.allowed {
+        record::mark_debt(store, now_ms.saturating_add(debt_horizon_ms(cfg)));
+    }
+    Some(resp)
 }
 
 /// What a bucket's slot says before a callout: what it owes, and until when it is in recovery
