@@ -3,10 +3,10 @@
 //!
 //! | stage | before the call | after an answer | when the service did not admit |
 //! |---|---|---|---|
-//! | [`lease::Lease`] | the pools pay, or a cached denial answers | deposits, cached denials, refills | the pools pay for a denial or a failure |
-//! | [`breaker::Breaker`] | reads the admission record (the probe claimed there); open: refused | the callout's success or failure | — |
-//! | [`denials::Denials`] | a remembered denial answers | the service's denials remembered | — |
-//! | [`fallback::Fallback`] | debts attached; in recovery, the shares pay first | debts settled, shares kept in step | in recovery, the shares have the last word; a failure takes from them |
+//! | `lease` ([`lease::Lease`]) | the pools pay, or a cached denial answers | deposits, cached denials, refills | the pools pay for a denial or a failure |
+//! | `breaker` ([`breaker::Breaker`]) | reads the admission record (the probe claimed there); open: refused | the callout's success or failure | — |
+//! | `denials` ([`denials::Denials`]) | a remembered denial answers | the service's denials remembered | — |
+//! | `fallback` ([`fallback::Fallback`]) | debts attached; in recovery, the shares pay first | debts settled, shares kept in step | in recovery, the shares have the last word; a failure takes from them |
 //!
 //! Before the call the stages look in that order, the first answer ending the look; after an
 //! answer they update their state in the reverse order (the fallback learns the number of proxies
