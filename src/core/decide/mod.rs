@@ -376,7 +376,7 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
     }
 }
 
-/// The verdict of the fallback shares on `plan` ([`fallback::take_all_as`]'s answer `resp`): what
+/// The verdict of the fallback shares on `plan` ([`crate::core::local::fallback::take_all_as`]'s answer `resp`): what
 /// a request in recovery gets when its shares cannot pay for it (`fallback::attach_debts`).
 pub fn from_shares(cfg: &Config, plan: &Plan, resp: &TakeResponse) -> Verdict {
     from_answer(cfg, plan, resp, true)

@@ -13,7 +13,7 @@
 //! resumed. A reply for another callout (or a second reply) is ignored.
 //!
 //! A request's path reads top to bottom: [`decide::decide`] → the local stages before the call
-//! ([`stages`]: lease pools, breaker, remembered denials, fallback shares; the first that answers
+//! (`stages`: lease pools, breaker, remembered denials, fallback shares; the first that answers
 //! decides) → the callout → [`decide::interpret`] → the stages after the answer (each brings its
 //! state in step, then says what it admits instead) → [`decide::resolve`] (pure) → the verdict
 //! applied. The breaker's refusal and a dispatch error take the same way after the call.

@@ -19,6 +19,15 @@
 //! The entry keeps the name and layout the breaker's entry had ([`KEY`]), so a configuration
 //! push that loads this module over an earlier one keeps the breaker, the marks and the count.
 //!
+//! **Read once, written when something changed.** A request reads the record once, at
+//! admission (the breaker's stage; a request the lease pools decide reads none). What the stages
+//! change after an answer (the breaker's failure or success, a denial's mark, a new count, a
+//! debt's mark) is written under CAS by the stage that changes it, only when it changes it: a
+//! steady request writes nothing here. The changes are not gathered into one write at the end of
+//! a decision, because later stages of the same decision read them: the lease pools deposit by
+//! the count an answer has just taught, and the pools' refills are not sent while the breaker is
+//! open, as the answer has just left it.
+//!
 //! **Why one per Envoy, not one per bucket.** The breaker and the number of proxies are this
 //! Envoy's, not a bucket's: kept in every bucket's record, a breaker transition or a new count
 //! would rewrite up to `fallback.max_keys` records. The marks are what spares a steady request

@@ -57,10 +57,10 @@
 //!
 //! **N, learned.** The number of proxies a limit is split by starts as `fallback.instances` and then
 //! follows the live instances the service reports in its answers ([`crate::core::wire::instance`]),
-//! never below `fallback.min_instances`. It is kept in shared data ([`N_KEY`]) so every worker of
-//! this Envoy splits by the same N, and a change carries the shares over like any other change of
-//! the limits: a fleet grown from 4 to 8 proxies halves every share at its next use. While the
-//! service is away N stays what it last said.
+//! never below `fallback.min_instances`. It is kept in shared data (the admission record,
+//! [`learned_instances`]) so every worker of this Envoy splits by the same N, and a change carries
+//! the shares over like any other change of the limits: a fleet grown from 4 to 8 proxies halves
+//! every share at its next use. While the service is away N stays what it last said.
 //!
 //! Layout: the table ([`slot`], [`prepare`]; the scheme is [`table`]'s); the record (`Entry`); the
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
