@@ -380,12 +380,7 @@ pub(crate) mod tests {
         let w = plan(&c, &req("/slow", "u"));
         // Not prepared: nothing is held.
         assert_eq!(acquire_local(&c, &w, &s), Err(0));
-        crate::core::local::fallback::prepare_table(
-            &s,
-            crate::core::local::table::SLOTS_TABLE,
-            16,
-            &[0; 8],
-        );
+        crate::core::local::table::prepare(&s, crate::core::local::table::SLOTS_TABLE, 16, &[0; 8]);
         let a = acquire_local(&c, &w, &s).unwrap();
         let b = acquire_local(&c, &w, &s).unwrap();
         assert_eq!(acquire_local(&c, &w, &s), Err(0), "4 / 2 proxies = 2 here");
@@ -399,12 +394,7 @@ pub(crate) mod tests {
         let c = cfg(r#","fallback":{"instances":1,"max_keys":16}"#);
         let s = FakeStore::default();
         let w = plan(&c, &req("/slow", "u"));
-        crate::core::local::fallback::prepare_table(
-            &s,
-            crate::core::local::table::SLOTS_TABLE,
-            16,
-            &[0; 8],
-        );
+        crate::core::local::table::prepare(&s, crate::core::local::table::SLOTS_TABLE, 16, &[0; 8]);
         // The service counted 2 proxies: 4 / 2 = 2 here, not the configured 4 / 1.
         crate::core::local::fallback::learn(&c, &s, 2, 0);
         assert!(acquire_local(&c, &w, &s).is_ok());

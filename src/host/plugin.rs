@@ -18,7 +18,7 @@ pub(super) struct Plugin {
     pub(super) root: u32,
     pub(super) config: Config,
     pub(super) metrics: Metrics,
-    /// Shared-data key prefix ([`crate::core::local::fallback::state_prefix`]: a digest of the service
+    /// Shared-data key prefix ([`crate::core::local::table::state_prefix`]: a digest of the service
     /// cluster), so a configuration push keeps the fallback shares, lease pools and breaker.
     pub(super) prefix: String,
     /// `authorization` value of every callout.

@@ -25,7 +25,7 @@
 //!
 //! The refill, 20 tokens a second, is what makes a short outage count: each of 1 s gives the
 //! fleet 20 tokens on credit, all of which the global bucket gathers too, against a slack of N.
-//! Before the fallback's recovery (`src/core/local/fallback.rs`), the proxies back first spent
+//! Before the fallback's recovery (`src/core/local/fallback/`), the proxies back first spent
 //! what the others owed (and what those still admitted on credit while their breakers stayed
 //! open): the windows ended 4 to 27 tokens over the bound on every transport (the 100 a
 //! minute needs outages of 5 s and runs of 12 s to show the same, a token or two over).

@@ -461,7 +461,7 @@ mod tests {
             acquire_fails: true,
             ..Fake::default()
         };
-        crate::core::local::fallback::prepare_table(
+        crate::core::local::table::prepare(
             &h.store,
             crate::core::local::table::SLOTS_TABLE,
             8,

@@ -1,5 +1,5 @@
-//! The circuit breaker, over a small serialisable state kept in shared data (one entry,
-//! `tollgate.breaker`, updated with CAS), so every worker sees the same breaker.
+//! The circuit breaker, over a small state kept in the admission record in shared data
+//! ([`crate::core::local::record`], updated with CAS), so every worker sees the same breaker.
 //!
 //! Closed: every request calls the service; `failures` consecutive failed callouts open it. A
 //! failed batch (or messages on the stream that failed together) is one failed callout, however
@@ -13,74 +13,13 @@
 //! callout timeout per interval instead of one per request. Failures of callouts that started
 //! before the breaker opened do not extend it: only the probe's result counts while open.
 
-use crate::core::base::store::{update, CasStore, Step};
+use crate::core::base::store::CasStore;
 use crate::core::config::Breaker;
-use crate::core::local::table;
+use crate::core::local::record::{self, Record};
 
-/// Shared-data key of the breaker state.
-pub const KEY: &str = "tollgate.breaker";
-
-/// The breaker state. Closed when `open_until_ms == 0`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct State {
-    /// Consecutive failures while closed.
-    pub failures: u32,
-    /// While open: until when (ms since the epoch).
-    pub open_until_ms: u64,
-    /// Current open interval (doubles after each failed probe).
-    pub interval_ms: u64,
-    /// Until when fallback debts may be outstanding (0: none): while it lasts, callouts carry
-    /// them ([`crate::core::local::fallback::attach_debts`]). Kept here because every request reads
-    /// this entry anyway.
-    pub debt_until_ms: u64,
-    /// Until when a remembered denial may hold (0: none): while it lasts, requests look their
-    /// buckets up in [`crate::core::local::denials`] before calling. Kept here for the same reason.
-    pub denied_until_ms: u64,
-    /// The number of proxies last learned from the service's answers (0: none yet), what the
-    /// fallback splits a limit by ([`crate::core::local::fallback::learn`]). Kept here for the same
-    /// reason: an answer that reports the number its request's admission read writes nothing and
-    /// reads nothing more.
-    pub instances: u64,
-}
-
-impl State {
-    /// Serialised form: a [`table`] record of format [`table::BREAKER`] (no identity), five words;
-    /// the first holds the failures in its low half and the number of proxies (at most
-    /// `u32::MAX`) in its high half.
-    pub fn encode(&self) -> Vec<u8> {
-        let counts = u64::from(self.failures) | (self.instances.min(u64::from(u32::MAX)) << 32);
-        let words = [
-            counts,
-            self.open_until_ms,
-            self.interval_ms,
-            self.debt_until_ms,
-            self.denied_until_ms,
-        ];
-        table::encode(table::BREAKER, &[0; table::ID_BYTES], &words)
-    }
-
-    /// Parses [`State::encode`]'s output; anything else reads as a fresh, closed breaker.
-    pub fn decode(b: Option<&[u8]>) -> State {
-        let Some((_, [counts, open_until_ms, interval_ms, debt_until_ms, denied_until_ms])) =
-            b.and_then(|b| table::decode::<5>(table::BREAKER, b))
-        else {
-            return State::default();
-        };
-        State {
-            failures: (counts & u64::from(u32::MAX)) as u32,
-            open_until_ms,
-            interval_ms,
-            debt_until_ms,
-            denied_until_ms,
-            instances: counts >> 32,
-        }
-    }
-
-    /// Whether the breaker is open (or half-open with a probe in flight).
-    pub fn is_open(&self) -> bool {
-        self.open_until_ms != 0
-    }
-}
+/// The breaker's state, kept in the admission record ([`record`], which also holds what the other
+/// stages mark there). Closed when `open_until_ms == 0`.
+pub use crate::core::local::record::BreakerState as State;
 
 /// May this request call the service?
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,12 +62,7 @@ pub fn admit(cfg: &Breaker, s: State, now_ms: u64) -> (Admission, Option<State>)
 
 /// The state after a successful callout (`None`: nothing to store).
 pub fn on_success(s: State) -> (Option<State>, Event) {
-    let closed = State {
-        debt_until_ms: s.debt_until_ms,
-        denied_until_ms: s.denied_until_ms,
-        instances: s.instances,
-        ..State::default()
-    };
+    let closed = State::default();
     if s.is_open() {
         (Some(closed), Event::Closed)
     } else if s.failures != 0 {
@@ -156,7 +90,6 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             failures: s.failures,
             open_until_ms: now_ms.saturating_add(interval),
             interval_ms: interval,
-            ..s
         };
         return (Some(next), Event::Reopened);
     }
@@ -166,16 +99,12 @@ pub fn on_failure(cfg: &Breaker, s: State, now_ms: u64, probe: bool) -> (Option<
             failures,
             open_until_ms: now_ms.saturating_add(cfg.open_ms),
             interval_ms: cfg.open_ms,
-            ..s
         };
         (Some(next), Event::Opened)
     } else {
         (
             Some(State {
                 failures,
-                debt_until_ms: s.debt_until_ms,
-                denied_until_ms: s.denied_until_ms,
-                instances: s.instances,
                 ..State::default()
             }),
             Event::None,
@@ -202,26 +131,27 @@ pub struct Seen {
     pub admission: Admission,
     /// Whether fallback debts may be outstanding.
     pub debt: bool,
-    /// Whether a remembered denial may hold ([`mark_denied`]).
+    /// Whether a remembered denial may hold ([`record::mark_denied`]).
     pub denials: bool,
     /// Closed with no failures counted: a success of this callout has nothing to record
     /// ([`needs_record`]).
     pub clean: bool,
-    /// The number of proxies learned so far (0: none), [`State::instances`].
+    /// The number of proxies learned so far (0: none), [`record::Marks::instances`].
     pub instances: u64,
 }
 
-/// [`admit_shared`], also saying whether the state was clean.
+/// [`admit_shared`], also saying whether the state was clean: one read of the admission record,
+/// its marks included.
 pub fn admit_seen<S: CasStore + ?Sized>(store: &S, cfg: &Breaker, now_ms: u64) -> Seen {
-    let u = update(store, KEY, |cur| {
-        let s = State::decode(cur);
-        let debt = now_ms < s.debt_until_ms;
-        let denials = now_ms < s.denied_until_ms;
+    let u = record::update_with(store, |r| {
+        let (s, m) = (r.breaker, r.marks);
+        let debt = now_ms < m.debt_until_ms;
+        let denials = now_ms < m.denied_until_ms;
         let clean = !s.is_open() && s.failures == 0;
-        let seen = (debt, denials, clean, s.instances);
+        let seen = (debt, denials, clean, m.instances);
         match admit(cfg, s, now_ms) {
-            (a, Some(next)) => Step::Write(next.encode(), (a, seen)),
-            (a, None) => Step::Keep((a, seen)),
+            (a, Some(next)) => (Some(Record { breaker: next, ..r }), (a, seen)),
+            (a, None) => (None, (a, seen)),
         }
     });
     let (admission, (debt, denials, clean, instances)) = u.value;
@@ -254,40 +184,6 @@ pub fn needs_record(quiet: bool, success: bool) -> bool {
     !(quiet && success)
 }
 
-/// Records that the fallback admitted on credit: debts may be outstanding until `until_ms`.
-/// Written only when it extends the mark by more than a second, so an outage costs about one
-/// write per second here.
-pub fn mark_debt<S: CasStore + ?Sized>(store: &S, until_ms: u64) {
-    rewrite(store, &|s| {
-        (s.debt_until_ms.saturating_add(1000) < until_ms).then_some(State {
-            debt_until_ms: until_ms,
-            ..s
-        })
-    });
-}
-
-/// Records that a denial is remembered until `until_ms` ([`crate::core::local::denials`]). The
-/// mark runs a second past the latest denial it covers, so a flood of denials writes here about
-/// once a second, not once per denial; a mark that runs long only costs a lookup.
-pub fn mark_denied<S: CasStore + ?Sized>(store: &S, until_ms: u64) {
-    rewrite(store, &|s| {
-        (s.denied_until_ms < until_ms).then_some(State {
-            denied_until_ms: until_ms.saturating_add(1000),
-            ..s
-        })
-    });
-}
-
-/// Rewrites the shared state as `change` says (`None`: leaves it as it is), under CAS: the one
-/// read-modify-write of the marks kept in this entry ([`mark_debt`], [`mark_denied`], the learned
-/// number of proxies).
-pub fn rewrite<S: CasStore + ?Sized>(store: &S, change: &dyn Fn(State) -> Option<State>) {
-    update(store, KEY, |cur| match change(State::decode(cur)) {
-        Some(next) => Step::Write(next.encode(), ()),
-        None => Step::Keep(()),
-    });
-}
-
 /// Records a callout's result against the shared state.
 pub fn record_shared<S: CasStore + ?Sized>(
     store: &S,
@@ -299,17 +195,13 @@ pub fn record_shared<S: CasStore + ?Sized>(
     if cfg.failures == 0 {
         return Event::None;
     }
-    let u = update(store, KEY, |cur| {
-        let s = State::decode(cur);
+    let u = record::update_with(store, |r| {
         let (next, event) = if success {
-            on_success(s)
+            on_success(r.breaker)
         } else {
-            on_failure(cfg, s, now_ms, probe)
+            on_failure(cfg, r.breaker, now_ms, probe)
         };
-        match next {
-            Some(n) => Step::Write(n.encode(), event),
-            None => Step::Keep(event),
-        }
+        (next.map(|breaker| Record { breaker, ..r }), event)
     });
     if u.stored {
         u.value
@@ -322,6 +214,7 @@ pub fn record_shared<S: CasStore + ?Sized>(
 mod tests {
     use super::*;
     use crate::core::base::store::fake::FakeStore;
+    use crate::core::local::record::{mark_debt, KEY};
 
     const CFG: Breaker = Breaker {
         failures: 3,
@@ -474,20 +367,5 @@ mod tests {
         }
         s.conflicts.set(crate::core::base::store::MAX_CAS_ATTEMPTS);
         assert_eq!(admit_shared(&s, &CFG, 100).0, Admission::Reject);
-    }
-
-    #[test]
-    fn state_round_trips_and_garbage_is_closed() {
-        let st = State {
-            failures: 7,
-            open_until_ms: u64::MAX,
-            interval_ms: 3,
-            debt_until_ms: 9,
-            denied_until_ms: 11,
-            instances: 13,
-        };
-        assert_eq!(State::decode(Some(&st.encode())), st);
-        assert_eq!(State::decode(Some(&[1, 2, 3])), State::default());
-        assert_eq!(State::decode(None), State::default());
     }
 }

@@ -24,22 +24,21 @@
 //! fallback debt (its `lease` is its cost plus the debt) is remembered for its cost: the service
 //! grants a lease from the cost up, so it denied because the bucket could not pay the cost. A
 //! denial the debt itself caused (the service admitted, its grant fell short of the debt:
-//! `fallback::settle_debts`) is not the service's and is not remembered (`flow`'s `settle`): the
+//! `fallback::settle_debts`) is not the service's and is not remembered (the flow's denials stage): the
 //! next callout repays what it can.
 //! A slot another bucket holds is overwritten; writes are not compare-and-swap, since a lost
 //! write only costs a callout.
 //!
-//! **What it costs.** Nothing while no denial is remembered: the breaker's record, read by every
+//! **What it costs.** Nothing while no denial is remembered: the admission record, read by every
 //! request already, carries the latest time any remembered denial may hold
-//! ([`breaker::mark_denied`]); only while it lasts does a request look its buckets up here.
+//! ([`record::mark_denied`]); only while it lasts does a request look its buckets up here.
 //!
-//! [`breaker::mark_denied`]: crate::core::local::breaker::mark_denied
+//! [`record::mark_denied`]: crate::core::local::record::mark_denied
 
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::local::bucket::Limits;
-use crate::core::local::fallback::slot_in;
-use crate::core::local::table::{self, Slot};
+use crate::core::local::table::{self, slot_in, Slot};
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{Bucket, BucketResult, TakeResponse};
 
@@ -121,7 +120,7 @@ impl Denial {
 
 /// After an answer from the service: every bucket that denied (and may be remembered) is
 /// remembered until `min(retry_after_ms, remember_denials_ms)` from `now_ms`. Returns the latest
-/// time a denial written here holds (0: none), for [`breaker::mark_denied`](crate::core::local::breaker::mark_denied).
+/// time a denial written here holds (0: none), for [`record::mark_denied`](crate::core::local::record::mark_denied).
 pub fn remember<S: CasStore + ?Sized>(
     cfg: &Config,
     plan: &Plan,

@@ -3,7 +3,10 @@
 //!
 //! - `table`: the shared-data tables (slots by a bucket's hashed identity, one record format).
 //! - `bucket`: local bucket math (integer micro-tokens), one module per algorithm.
-//! - `breaker`: the circuit breaker over a serialisable shared state.
+//! - `record`: the admission record, every request's one read at admission: the breaker's
+//!   state and, apart from it, the marks the other stages leave (debts, denials, the number of
+//!   proxies).
+//! - `breaker`: the circuit breaker over its state in the admission record.
 //! - `fallback`: the fallback shares kept in step with the answers, and their debts.
 //! - `denials`: exact mode's remembered denials, answered by every worker without a callout.
 //! - `lease`: lease mode, pools of tokens granted by the service, spent by every worker.
@@ -18,5 +21,6 @@ pub mod fallback;
 pub mod lease;
 #[cfg(test)]
 mod props;
+pub mod record;
 pub mod slots;
 pub mod table;

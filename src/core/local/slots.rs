@@ -52,7 +52,7 @@ pub fn acquire_local<S: CasStore + ?Sized>(
     store_: &S,
 ) -> Result<Vec<String>, usize> {
     let mut taken: Vec<String> = Vec::with_capacity(wants.len());
-    let n = crate::core::local::fallback::learned_instances(store_)
+    let n = crate::core::local::record::learned_instances(store_)
         .unwrap_or(cfg.fallback.instances.max(cfg.fallback.min_instances))
         .max(1);
     for (i, w) in wants.iter().enumerate() {

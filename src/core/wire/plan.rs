@@ -18,7 +18,7 @@ pub struct Plan {
     pub debt: Vec<u64>,
     /// Transport `rls`: the domain and, for bucket `i`, its descriptor's entries.
     pub rls: Option<wire::RlsRequest>,
-    /// The number of proxies the admission read from the breaker's entry (0: none read or none
+    /// The number of proxies the admission read from the admission record (0: none read or none
     /// learned yet): an answer reporting this number has nothing to store
     /// ([`crate::core::local::fallback::learn`]).
     pub instances: u64,

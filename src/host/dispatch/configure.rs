@@ -65,7 +65,7 @@ impl<A: Abi> Dispatcher<A> {
             config.failure_mode,
             if config.shadow { ", shadow mode" } else { "" }
         );
-        let prefix = crate::core::local::fallback::state_prefix(&config);
+        let prefix = crate::core::local::table::state_prefix(&config);
         let shared = Shared {
             abi: &self.abi,
             prefix: &prefix,
@@ -78,7 +78,7 @@ impl<A: Abi> Dispatcher<A> {
             crate::core::local::fallback::prepare_for(&config, &shared);
         if inflight::local_enabled(&config) {
             // The local fallback slots' counters, zero, before any request.
-            crate::core::local::fallback::prepare_table(
+            crate::core::local::table::prepare(
                 &shared,
                 crate::core::local::table::SLOTS_TABLE,
                 config.fallback.max_keys,

@@ -10,7 +10,7 @@
 //!
 //! One pool per (key, rule limits) and proxy, in shared data (so every worker of the proxy spends
 //! it), in a bounded hashed table of its own, `tollgate.lease.<n>`, built with the same slot scheme
-//! as the fallback buckets ([`fallback::slot_in`](crate::core::local::fallback::slot_in)). A pool also remembers:
+//! as the remembered denials ([`table::slot_in`](crate::core::local::table::slot_in)). A pool also remembers:
 //! - a **refill in flight** (until when): one refill at a time per pool, and a claim whose callout
 //!   is lost (its answer never comes) lapses on its own;
 //! - a **denial** (until when, and for which cost): when the service denied a cost because the
@@ -42,7 +42,7 @@
 use crate::core::base::store::CasStore;
 use crate::core::config::{Config, Lease, RateLimit, Rule};
 use crate::core::local::bucket;
-use crate::core::local::fallback::learned_instances;
+use crate::core::local::record::learned_instances;
 use crate::core::local::table::Slot;
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};

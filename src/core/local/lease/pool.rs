@@ -5,7 +5,6 @@
 use crate::core::base::store::{update, CasStore, Step};
 use crate::core::config::{Config, Lease, RateLimit};
 use crate::core::local::bucket::Limits;
-use crate::core::local::fallback;
 use crate::core::local::table::{self, Slot};
 use crate::core::wire::BucketResult;
 
@@ -205,7 +204,7 @@ impl Sizing {
 /// rule's global limits, so a changed limit is another pool.
 pub fn slot(rule: &RateLimit, key: &str, max_keys: u32) -> Slot {
     let l = Limits::local(rule.capacity, rule.rate, rule.period_ms, rule.algorithm, 1);
-    fallback::slot_in(table::POOLS_TABLE, key, &l, max_keys)
+    table::slot_in(table::POOLS_TABLE, key, &l, max_keys)
 }
 
 /// What one pool says about one request's cost.
