@@ -360,8 +360,8 @@ impl<'a, A: Abi> Proxy<'a, A> {
             let attempt = callout::beside(cfg, "settle", body);
             if let Err(why) = self.send_background(cfg, attempt, waiter) {
                 debug!("settlement {id} not dispatched: {why}");
-                let outcome = plugin.outbox.borrow_mut().settles.answered(&id, false, now);
-                self.settle_outcome(&id, outcome);
+                let delivery = plugin.outbox.borrow_mut().settles.answered(&id, false, now);
+                self.settle_delivery(&id, delivery);
             }
         }
     }
@@ -383,7 +383,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
                 flow::settlement_applied(&self.plugin.config, items, self.store());
             }
         }
-        let outcome = match status {
+        let delivery = match status {
             Some(200..=299) => q.answered(id, true, now),
             Some(s @ 400..=499) if s != 408 && s != 429 => {
                 warn!("settlement {id} refused by the service (HTTP {s}): not sent again");
@@ -392,17 +392,17 @@ impl<'a, A: Abi> Proxy<'a, A> {
             _ => q.answered(id, false, now),
         };
         drop(outbox);
-        self.settle_outcome(id, outcome);
+        self.settle_delivery(id, delivery);
     }
 
-    pub(super) fn settle_outcome(&self, id: &str, outcome: settle::Outcome) {
-        match outcome {
-            settle::Outcome::Delivered => self.count_settle(SettleCount::Delivered, 1),
-            settle::Outcome::Retry { at_ms } => {
+    pub(super) fn settle_delivery(&self, id: &str, delivery: settle::Delivery) {
+        match delivery {
+            settle::Delivery::Delivered => self.count_settle(SettleCount::Delivered, 1),
+            settle::Delivery::Retry { at_ms } => {
                 debug!("settlement {id} failed; trying again at {at_ms}");
                 self.count_settle(SettleCount::Retried, 1);
             }
-            settle::Outcome::GaveUp => {
+            settle::Delivery::GaveUp => {
                 warn!("settlement {id} given up: the service never applied it");
                 self.count_settle(SettleCount::GivenUp, 1);
             }

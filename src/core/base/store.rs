@@ -27,7 +27,7 @@ pub trait CasStore {
 }
 
 /// What an update step decides.
-pub enum Step<R> {
+pub enum Change<R> {
     /// Write this value, then return R.
     Write(Vec<u8>, R),
     /// Nothing to write; return R.
@@ -48,7 +48,7 @@ pub struct Updated<R> {
 pub fn update<S, R, F>(store: &S, key: &str, mut f: F) -> Updated<R>
 where
     S: CasStore + ?Sized,
-    F: FnMut(Option<&[u8]>) -> Step<R>,
+    F: FnMut(Option<&[u8]>) -> Change<R>,
 {
     let mut attempt = 0;
     loop {
@@ -59,13 +59,13 @@ where
             None => (None, None),
         };
         match f(cur) {
-            Step::Keep(value) => {
+            Change::Keep(value) => {
                 return Updated {
                     value,
                     stored: true,
                 }
             }
-            Step::Write(bytes, value) => match store.set(key, &bytes, cas) {
+            Change::Write(bytes, value) => match store.set(key, &bytes, cas) {
                 Ok(()) => {
                     return Updated {
                         value,
@@ -133,7 +133,7 @@ mod tests {
     fn incr(store: &FakeStore) -> Updated<u8> {
         update(store, "k", |cur| {
             let n = cur.and_then(|v| v.first().copied()).unwrap_or(0) + 1;
-            Step::Write(vec![n], n)
+            Change::Write(vec![n], n)
         })
     }
 
@@ -172,7 +172,7 @@ mod tests {
     #[test]
     fn keep_does_not_write() {
         let s = FakeStore::default();
-        let u = update(&s, "k", |_| Step::Keep(7));
+        let u = update(&s, "k", |_| Change::Keep(7));
         assert_eq!(
             u,
             Updated {

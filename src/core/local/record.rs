@@ -38,7 +38,7 @@
 //! written without compare-and-swap (a lost write costs a callout) where a share's charge must be
 //! stored.
 
-use crate::core::base::store::{update, CasStore, Step, Updated};
+use crate::core::base::store::{update, CasStore, Change, Updated};
 use crate::core::local::table;
 
 /// Shared-data key of the admission record (the breaker's entry's name, kept).
@@ -143,8 +143,8 @@ where
     F: FnMut(Record) -> (Option<Record>, R),
 {
     update(store, KEY, |cur| match f(Record::decode(cur)) {
-        (Some(next), r) => Step::Write(next.encode(), r),
-        (None, r) => Step::Keep(r),
+        (Some(next), r) => Change::Write(next.encode(), r),
+        (None, r) => Change::Keep(r),
     })
 }
 

@@ -88,8 +88,8 @@ fn add<S: CasStore + ?Sized>(store_: &S, name: &str, up: bool, cap: u64) -> bool
             (Some(_), false) => n.checked_sub(1),
         };
         match next {
-            Some(v) => store::Step::Write(v.to_le_bytes().to_vec(), true),
-            None => store::Step::Keep(false),
+            Some(v) => store::Change::Write(v.to_le_bytes().to_vec(), true),
+            None => store::Change::Keep(false),
         }
     });
     u.stored && u.value

@@ -347,7 +347,7 @@ pub struct Pending<T> {
 
 /// What happened to a settlement after an attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Delivery {
     /// Applied (or already applied before): done.
     Delivered,
     /// Failed; it will be tried again at the given time.
@@ -416,13 +416,13 @@ impl<T: Owed> Queue<T> {
 
     /// The answer to an attempt for `id`: delivered, or failed (retried with a doubling backoff
     /// until [`MAX_ATTEMPTS`]). An unknown id (already settled, or dropped) is `GaveUp`.
-    pub fn answered(&mut self, id: &str, ok: bool, now_ms: u64) -> Outcome {
+    pub fn answered(&mut self, id: &str, ok: bool, now_ms: u64) -> Delivery {
         let Some(i) = self.items.iter().position(|p| p.id == id) else {
-            return Outcome::GaveUp;
+            return Delivery::GaveUp;
         };
         if ok {
             self.items.remove(i);
-            return Outcome::Delivered;
+            return Delivery::Delivered;
         }
         let (attempts, owed) = self
             .items
@@ -430,7 +430,7 @@ impl<T: Owed> Queue<T> {
             .map_or((MAX_ATTEMPTS, false), |p| (p.attempts, p.what.extra() > 0));
         if attempts >= MAX_ATTEMPTS && !owed {
             self.drop_at(i);
-            return Outcome::GaveUp;
+            return Delivery::GaveUp;
         }
         let backoff = (FIRST_BACKOFF_MS << attempts.saturating_sub(1).min(16)).min(MAX_BACKOFF_MS);
         let at_ms = now_ms.saturating_add(backoff);
@@ -438,7 +438,7 @@ impl<T: Owed> Queue<T> {
             p.in_flight = false;
             p.due_ms = at_ms;
         }
-        Outcome::Retry { at_ms }
+        Delivery::Retry { at_ms }
     }
 
     /// What settlement `id` sends, while it is queued.
@@ -448,11 +448,11 @@ impl<T: Owed> Queue<T> {
 
     /// The service refused `id` for good (an invalid settlement: sending it again cannot help):
     /// dropped and counted.
-    pub fn refused(&mut self, id: &str) -> Outcome {
+    pub fn refused(&mut self, id: &str) -> Delivery {
         if let Some(i) = self.items.iter().position(|p| p.id == id) {
             self.drop_at(i);
         }
-        Outcome::GaveUp
+        Delivery::GaveUp
     }
 
     /// Drops item `i`, counting it and the extra tokens it would have charged.
@@ -587,7 +587,7 @@ mod tests {
             vec![c, a.clone(), b],
             "the cancelled attempts are sent again"
         );
-        assert_eq!(heir.answered(&a, true, 11), Outcome::Delivered);
+        assert_eq!(heir.answered(&a, true, 11), Delivery::Delivered);
         assert_eq!(heir.len(), 2);
     }
 
@@ -599,14 +599,14 @@ mod tests {
         assert_eq!(q.due(0).len(), 1);
         // In flight: not handed out twice.
         assert!(q.due(0).is_empty());
-        assert_eq!(q.answered(&id, false, 10), Outcome::Retry { at_ms: 110 });
+        assert_eq!(q.answered(&id, false, 10), Delivery::Retry { at_ms: 110 });
         assert!(q.due(50).is_empty());
         assert_eq!(q.next_due_ms(), Some(110));
         assert_eq!(q.due(110).len(), 1);
-        assert_eq!(q.answered(&id, true, 120), Outcome::Delivered);
+        assert_eq!(q.answered(&id, true, 120), Delivery::Delivered);
         assert!(q.is_empty());
         // A late duplicate answer changes nothing.
-        assert_eq!(q.answered(&id, true, 130), Outcome::GaveUp);
+        assert_eq!(q.answered(&id, true, 130), Delivery::GaveUp);
         assert_eq!(q.given_up, 0);
     }
 
@@ -617,12 +617,12 @@ mod tests {
         for _ in 0..n {
             assert_eq!(q.due(now).len(), 1);
             match q.answered(id, false, now) {
-                Outcome::Retry { at_ms } => {
+                Delivery::Retry { at_ms } => {
                     waits.push(at_ms - now);
                     now = at_ms;
                 }
-                Outcome::GaveUp => break,
-                Outcome::Delivered => unreachable!(),
+                Delivery::GaveUp => break,
+                Delivery::Delivered => unreachable!(),
             }
         }
         waits
@@ -647,7 +647,7 @@ mod tests {
         assert_eq!(waits.len(), 1800);
         assert!(waits.iter().skip(5).all(|&w| w == MAX_BACKOFF_MS));
         assert_eq!(q.len(), 1);
-        assert_eq!(q.answered(&id, true, u64::MAX), Outcome::Delivered);
+        assert_eq!(q.answered(&id, true, u64::MAX), Delivery::Delivered);
         assert_eq!((q.given_up, q.forgiven), (0, 0));
     }
 
@@ -722,7 +722,7 @@ mod tests {
                     pushed.push((q.push(super::S(extra), now), extra));
                     let due: Vec<String> = q.due(now).into_iter().map(|p| p.id.clone()).collect();
                     for id in due {
-                        if q.answered(&id, ok, now) == Outcome::Delivered {
+                        if q.answered(&id, ok, now) == Delivery::Delivered {
                             prop_assert!(!delivered.contains(&id), "{} delivered twice", id);
                             delivered.push(id);
                         }

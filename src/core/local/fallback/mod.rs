@@ -70,7 +70,7 @@
 
 mod debts;
 
-use crate::core::base::store::{update, CasStore, Step};
+use crate::core::base::store::{update, CasStore, Change};
 use crate::core::config::{Config, FailureMode};
 use crate::core::local::bucket::{self, Limits, State};
 use crate::core::local::record::{self, learned_instances};
@@ -224,12 +224,12 @@ pub fn record_size<S: CasStore + ?Sized>(store: &S, max_keys: u32) -> [u32; 3] {
     let sizes = update(store, SIZES_KEY, |cur| {
         let old = cur.map(read).unwrap_or_default();
         if old.first() == Some(&max_keys) {
-            return Step::Keep(old);
+            return Change::Keep(old);
         }
         let mut new = vec![max_keys];
         new.extend(old.into_iter().filter(|&n| n != max_keys).take(3));
         let bytes = new.iter().flat_map(|n| n.to_le_bytes()).collect();
-        Step::Write(bytes, new)
+        Change::Write(bytes, new)
     })
     .value;
     let mut previous = [0u32; 3];
@@ -418,9 +418,9 @@ fn take_as<S: CasStore + ?Sized>(
     let slot = slot(key, l, sh.max_keys);
     let done = update(store, &slot.name, |cur| {
         let (state, debt, until) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
-            Entry::Missing => return Step::Keep(None),
+            Entry::Missing => return Change::Keep(None),
             // The holder owes tokens: it keeps its slot, the newcomer gets nothing.
-            Entry::Other { debt } if debt > 0 => return Step::Keep(None),
+            Entry::Other { debt } if debt > 0 => return Change::Keep(None),
             Entry::Vacant => (None, 0, 0),
             // Taken over: the newcomer starts empty, never full.
             Entry::Other { .. } => (Some(bucket::empty(l, now_ms)), 0, 0),
@@ -433,7 +433,7 @@ fn take_as<S: CasStore + ?Sized>(
             debt
         };
         let until = until.max(how.recover_until_ms);
-        Step::Write(
+        Change::Write(
             encode(&slot.id, l, state, debt, now_ms, until),
             Some(result),
         )
@@ -470,7 +470,7 @@ fn refund_as<S: CasStore + ?Sized>(
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
         match entry(store, sh, key, l, &slot.id, cur, now_ms) {
-            Entry::Ours(s, d, _, outage) => Step::Write(
+            Entry::Ours(s, d, _, outage) => Change::Write(
                 encode(
                     &slot.id,
                     l,
@@ -481,7 +481,7 @@ fn refund_as<S: CasStore + ?Sized>(
                 ),
                 (),
             ),
-            _ => Step::Keep(()),
+            _ => Change::Keep(()),
         }
     });
 }
@@ -513,7 +513,7 @@ pub fn remember_one<S: CasStore + ?Sized>(
     let slot = slot(key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
         let (held, debt, changed, outage) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
-            Entry::Missing | Entry::Other { debt: 1.. } => return Step::Keep(()),
+            Entry::Missing | Entry::Other { debt: 1.. } => return Change::Keep(()),
             Entry::Vacant | Entry::Other { .. } => (None, 0, false, 0),
             Entry::Ours(s, d, changed, o) => (Some(s), d, changed, o),
         };
@@ -528,16 +528,16 @@ pub fn remember_one<S: CasStore + ?Sized>(
                 let drop = bucket::available(l, h, now_ms)
                     .saturating_sub(bucket::available(l, next, now_ms));
                 if drop == 0 {
-                    return Step::Keep(());
+                    return Change::Keep(());
                 }
             }
             // A full share of a bucket not held yet is what a vacant slot means already.
             None if debt_left == 0 && bucket::available(l, next, now_ms) >= l.capacity => {
-                return Step::Keep(());
+                return Change::Keep(());
             }
             _ => {}
         }
-        Step::Write(encode(&slot.id, l, next, debt_left, now_ms, outage), ())
+        Change::Write(encode(&slot.id, l, next, debt_left, now_ms, outage), ())
     });
 }
 
@@ -560,15 +560,15 @@ pub fn spend<S: CasStore + ?Sized>(
         let (state, debt, outage) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Ours(s, d, _, o) => (Some(s), d, o),
             Entry::Vacant => (None, 0, 0),
-            Entry::Missing | Entry::Other { .. } => return Step::Keep(()),
+            Entry::Missing | Entry::Other { .. } => return Change::Keep(()),
         };
         let held = state.map_or(l.capacity, |s| bucket::available(l, s, now_ms));
         let drained = amount.min(held);
         if drained == 0 {
-            return Step::Keep(());
+            return Change::Keep(());
         }
         let (state, _) = bucket::take(l, state, now_ms, drained);
-        Step::Write(encode(&slot.id, l, state, debt, now_ms, outage), ())
+        Change::Write(encode(&slot.id, l, state, debt, now_ms, outage), ())
     });
 }
 

@@ -2,7 +2,7 @@
 //! is done to it ([`take`], [`spend`], [`refund`], [`release`], [`deposit`], [`deny`],
 //! [`reclaim`]), each one compare-and-swap on its slot.
 
-use crate::core::base::store::{update, CasStore, Step};
+use crate::core::base::store::{update, CasStore, Change};
 use crate::core::config::{Config, Lease, RateLimit};
 use crate::core::local::bucket::Limits;
 use crate::core::local::table::{self, Slot};
@@ -263,7 +263,7 @@ pub fn take<S: CasStore + ?Sized>(
                 Take::Ask(Some(want))
             }
         };
-        Step::Write(p.encode(&slot.id), (t, expired))
+        Change::Write(p.encode(&slot.id), (t, expired))
     });
     if done.stored {
         return done.value;
@@ -283,9 +283,9 @@ pub fn refund<S: CasStore + ?Sized>(store: &S, slot: &Slot, cost: u64, now_ms: u
     update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
         Some(mut p) if now_ms < p.expires_ms => {
             p.tokens = p.tokens.saturating_add(cost);
-            Step::Write(p.encode(&slot.id), ())
+            Change::Write(p.encode(&slot.id), ())
         }
-        _ => Step::Keep(()),
+        _ => Change::Keep(()),
     });
 }
 
@@ -301,9 +301,9 @@ pub fn spend<S: CasStore + ?Sized>(
     let done = update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
         Some(mut p) if now_ms < p.expires_ms && p.tokens >= cost => {
             p.tokens -= cost;
-            Step::Write(p.encode(&slot.id), Some(p.result(capacity, now_ms)))
+            Change::Write(p.encode(&slot.id), Some(p.result(capacity, now_ms)))
         }
-        _ => Step::Keep(None),
+        _ => Change::Keep(None),
     });
     done.value.filter(|_| done.stored)
 }
@@ -313,9 +313,9 @@ pub fn release<S: CasStore + ?Sized>(store: &S, slot: &Slot) {
     update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
         Some(mut p) if p.refill_until_ms != 0 => {
             p.refill_until_ms = 0;
-            Step::Write(p.encode(&slot.id), ())
+            Change::Write(p.encode(&slot.id), ())
         }
-        _ => Step::Keep(()),
+        _ => Change::Keep(()),
     });
 }
 
@@ -325,9 +325,9 @@ pub fn reclaim<S: CasStore + ?Sized>(store: &S, slot: &Slot, now_ms: u64) -> u64
     let done = update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
         Some(mut p) if p.tokens > 0 && now_ms >= p.expires_ms => {
             let n = p.expire(now_ms);
-            Step::Write(p.encode(&slot.id), n)
+            Change::Write(p.encode(&slot.id), n)
         }
-        _ => Step::Keep(0),
+        _ => Change::Keep(0),
     });
     if done.stored {
         done.value
@@ -392,7 +392,7 @@ pub fn deposit<S: CasStore + ?Sized>(
         if instances > 0 {
             p.instances = instances;
         }
-        Step::Write(p.encode(&slot.id), dropped)
+        Change::Write(p.encode(&slot.id), dropped)
     });
     if done.stored {
         done.value
@@ -448,7 +448,7 @@ pub fn deny<S: CasStore + ?Sized>(
         }
         p.remaining = answer.remaining;
         p.reset_at_ms = now_ms.saturating_add(answer.reset_ms);
-        Step::Write(p.encode(&slot.id), ())
+        Change::Write(p.encode(&slot.id), ())
     });
 }
 
