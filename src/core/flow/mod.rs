@@ -586,7 +586,7 @@ pub fn on_refill_result<H: Host>(
             host.count(Metric::Breaker(event));
         }
     }
-    let (outcome, repaid) = fallback::settle_debts(plan, outcome);
+    let (outcome, repaid) = fallback::repay_debts(plan, outcome);
     fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
     let (granted, chores) = lease::refilled(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {

@@ -24,7 +24,7 @@
 //! fallback debt (its `lease` is its cost plus the debt) is remembered for its cost: the service
 //! grants a lease from the cost up, so it denied because the bucket could not pay the cost. A
 //! denial the debt itself caused (the service admitted, its grant fell short of the debt:
-//! `fallback::settle_debts`) is not the service's and is not remembered (the flow's denials stage): the
+//! `fallback::repay_debts`) is not the service's and is not remembered (the flow's denials stage): the
 //! next callout repays what it can.
 //! A slot another bucket holds is overwritten; writes are not compare-and-swap, since a lost
 //! write only costs a callout.

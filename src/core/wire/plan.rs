@@ -42,7 +42,7 @@ impl Plan {
 
     /// Of `granted` tokens charged to bucket `i` of an admitted request, those that repaid its debt:
     /// what was charged beyond its cost, up to the debt (a request is admitted only when the grant
-    /// covers its cost and its whole debt, `fallback::settle_debts`; a lease is filled after that).
+    /// covers its cost and its whole debt, `fallback::repay_debts`; a lease is filled after that).
     pub fn repaid(&self, i: usize, granted: u64) -> u64 {
         let cost = self
             .request

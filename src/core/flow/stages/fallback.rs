@@ -50,7 +50,7 @@ impl<H: Host> Stage<H> for Fallback {
             let sh = fallback::Shares::of_plan(cx.cfg, plan, store);
             fallback::refund_spent(store, &sh, &plan.request, cx.host.now_ms());
         }
-        let (outcome, repaid) = fallback::settle_debts(plan, outcome);
+        let (outcome, repaid) = fallback::repay_debts(plan, outcome);
         fallback::remember(cx.cfg, plan, &outcome, &repaid, store, cx.now);
         outcome
     }

@@ -29,7 +29,7 @@ impl<H: Host> Stage<H> for Lease {
     }
 
     fn after(&self, cx: &mut Cx<'_, H>, plan: &Plan, outcome: Outcome) -> Outcome {
-        let (granted, chores) = lease::settle(cx.cfg, plan, &outcome, cx.host.store(), cx.now);
+        let (granted, chores) = lease::apply(cx.cfg, plan, &outcome, cx.host.store(), cx.now);
         if granted > 0 {
             cx.host.count(Metric::Lease(Count::Granted, granted));
         }

@@ -1,5 +1,5 @@
 //! Debts and recovery: what a callout carries of what its buckets owe ([`attach_debts`]), how an
-//! answer settles it ([`settle_debts`]), how long a bucket the breaker refused stays in recovery
+//! answer settles it ([`repay_debts`]), how long a bucket the breaker refused stays in recovery
 //! ([`recovery_until`]), and the failure mode's take from the shares ([`on_failure`]).
 
 use super::MAX_LEASE;
@@ -121,7 +121,7 @@ pub fn attach_debts<S: CasStore + ?Sized>(
 /// fleet already spent on credit come before new requests). Returns the outcome to act on and, per
 /// bucket, the tokens of debt repaid. Buckets of a request denied this way keep what the service
 /// charged them (stricter, never looser).
-pub fn settle_debts(plan: &Plan, outcome: Outcome) -> (Outcome, Vec<u64>) {
+pub fn repay_debts(plan: &Plan, outcome: Outcome) -> (Outcome, Vec<u64>) {
     let mut repaid = vec![0u64; plan.request.buckets.len()];
     let Outcome::Allowed(mut resp) = outcome else {
         return (outcome, repaid);

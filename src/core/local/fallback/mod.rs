@@ -11,7 +11,7 @@
 //! **Debt.** Every token the fallback admits is also recorded as owed (`debt`): the global bucket
 //! never saw it. The next callouts for that bucket carry the debt as a lease (`lease = cost +
 //! debt`, [`attach_debts`]): the service then charges up to `cost + debt` from what the global
-//! bucket holds, debt first ([`settle_debts`]): the request is admitted only when the grant covers
+//! bucket holds, debt first ([`repay_debts`]): the request is admitted only when the grant covers
 //! its cost and the whole debt; otherwise all it was charged repays the debt and it is denied. So
 //! tokens admitted during an outage are charged to the global bucket once it answers again, before
 //! any new request, and the fleet does not spend the same refill twice (once locally, once
@@ -65,7 +65,7 @@
 //! Layout: the table ([`slot`], [`prepare`]; the scheme is [`table`]'s); the record (`Entry`); the
 //! operations on one slot ([`take`], [`refund`], [`remember_one`], [`owed`]); over a request
 //! ([`take_all`], [`take_all_as`], [`refund_spent`], [`remember`]); `debts`: the debts a callout
-//! carries and the recovery after an outage ([`attach_debts`], [`settle_debts`],
+//! carries and the recovery after an outage ([`attach_debts`], [`repay_debts`],
 //! [`recovery_until`], [`on_failure`]); `tests`.
 
 mod debts;
@@ -79,7 +79,7 @@ pub use crate::core::local::table::Slot;
 use crate::core::settle;
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
-pub use debts::{attach_debts, on_failure, recovery_until, settle_debts};
+pub use debts::{attach_debts, on_failure, recovery_until, repay_debts};
 
 /// Shared-data key of the table sizes this Envoy's configurations used, newest first (at most 4,
 /// each 4 bytes little endian).
@@ -689,7 +689,7 @@ fn standing<S: CasStore + ?Sized>(
 }
 
 /// After an answer from the service: every bucket's share follows the answer ([`remember_one`]),
-/// and its debt is reduced by `repaid` (from [`settle_debts`]). Failures change nothing here (the
+/// and its debt is reduced by `repaid` (from [`repay_debts`]). Failures change nothing here (the
 /// failure mode charges the shares).
 pub fn remember<S: CasStore + ?Sized>(
     cfg: &Config,

@@ -35,7 +35,7 @@
 //! stands, as without lease.
 //!
 //! Layout: `pool`: [`Pool`] and its encoding; [`Sizing`]; [`take`], [`spend`], [`refund`], [`release`],
-//! [`deposit`], [`deny`], [`reclaim`] on one pool; [`local`] (before the callout), [`settle`],
+//! [`deposit`], [`deny`], [`reclaim`] on one pool; [`local`] (before the callout), [`apply`],
 //! [`refilled`] and [`rescue`] (after it) over a request's [`Plan`]; [`Chores`], the callouts they
 //! leave to send; [`Count`], the lease metrics; `tests`.
 
@@ -422,7 +422,7 @@ fn expiry(l: &RateLimit, lease: &Lease, answer: &BucketResult, now_ms: u64) -> u
 /// Applies a callout's outcome to the pools of `plan`'s lease rules: an allowed refill deposits
 /// `granted − cost`; a bucket that denied caches its denial; a failure only ends the claims.
 /// Returns the tokens granted to refills, and what the deposits dropped.
-pub fn settle<S: CasStore + ?Sized>(
+pub fn apply<S: CasStore + ?Sized>(
     cfg: &Config,
     plan: &Plan,
     outcome: &Outcome,

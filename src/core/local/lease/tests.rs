@@ -423,7 +423,7 @@ fn local_admits_from_the_pool_and_refills_in_the_background() {
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
     };
-    let (granted, chores) = settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
+    let (granted, chores) = apply(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!((granted, chores.dropped, chores.refills.len()), (8, 0, 0));
     assert_eq!(
         chores.watch.len(),
@@ -582,7 +582,7 @@ fn partial_local_then_callout_refunds_and_claims() {
         buckets: vec![answer(true, 1, 0), answer(true, 4, 0)],
         instances: 0,
     };
-    assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 2).0, 4);
+    assert_eq!(apply(&c, &p, &Outcome::Allowed(resp), &s, 2).0, 4);
     let mut p = plan(&c);
     assert!(matches!(
         local(&c, &mut p, &s, 3).0,
@@ -613,7 +613,7 @@ fn a_cached_denial_denies_the_request_without_a_callout() {
         buckets: vec![answer(true, 0, 0), answer(false, 0, 700)],
         instances: 0,
     };
-    settle(&c, &p, &Outcome::Limited(resp), &s, 0);
+    apply(&c, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c);
     let (l, _) = local(&c, &mut p, &s, 200);
     let Local::Answer(Outcome::Limited(r)) = l else {
@@ -646,7 +646,7 @@ fn a_cached_denial_is_held_no_longer_than_remember_denials_ms() {
         buckets: vec![answer(false, 0, 86_000_000)],
         instances: 0,
     };
-    settle(&c, &p, &Outcome::Limited(resp), &s, 0);
+    apply(&c, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c);
     let (l, _) = local(&c, &mut p, &s, 249);
     let Local::Answer(Outcome::Limited(r)) = l else {
@@ -674,7 +674,7 @@ fn a_cached_denial_is_held_no_longer_than_remember_denials_ms() {
         buckets: vec![answer(false, 0, 700)],
         instances: 0,
     };
-    settle(&c0, &p, &Outcome::Limited(resp), &s, 0);
+    apply(&c0, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c0);
     assert_eq!(local(&c0, &mut p, &s, 0).0, Local::Call);
 }
@@ -685,7 +685,7 @@ fn failure_releases_the_claim_and_keeps_the_pool() {
     let s = FakeStore::default();
     let mut p = plan(&c);
     local(&c, &mut p, &s, 0);
-    settle(
+    apply(
         &c,
         &p,
         &Outcome::Failed(crate::core::wire::plan::Cause::Timeout),
@@ -748,7 +748,7 @@ fn fixed_window_tokens_do_not_outlive_their_window() {
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
     };
-    settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
+    apply(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!(
         pool(&s, &c).expires_ms,
         500,
@@ -769,7 +769,7 @@ fn sliding_window_tokens_do_not_outlive_their_window() {
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
     };
-    settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
+    apply(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!(
         pool(&s, &c).expires_ms,
         100,
@@ -788,6 +788,6 @@ fn granted_beyond_the_lease_is_not_trusted() {
         buckets: vec![answer(true, 1000, 0)],
         instances: 0,
     };
-    assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 0).0, 8);
+    assert_eq!(apply(&c, &p, &Outcome::Allowed(resp), &s, 0).0, 8);
     assert_eq!(pool(&s, &c).tokens, 7);
 }
