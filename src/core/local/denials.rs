@@ -38,7 +38,7 @@
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::local::bucket::Limits;
-use crate::core::local::table::{self, slot_in, Slot};
+use crate::core::local::table::{self, place_in, Place};
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{Bucket, BucketResult, TakeResponse};
 
@@ -49,7 +49,7 @@ const WORDS: usize = 6;
 /// The slot of a request bucket: its key and global limits, like the service's bucket identity.
 /// One table whatever `max_keys` (a push that changes it finds the records it wrote before in
 /// other slots, and each record names its bucket, so it only misses them).
-fn slot(b: &Bucket, max_keys: u32) -> Slot {
+fn slot(b: &Bucket, max_keys: u32) -> Place {
     let l = Limits::local(
         b.capacity,
         b.rate(),
@@ -57,7 +57,7 @@ fn slot(b: &Bucket, max_keys: u32) -> Slot {
         b.algorithm.unwrap_or_default(),
         1,
     );
-    slot_in(table::DENIALS_TABLE, &b.key, &l, max_keys)
+    place_in(table::DENIALS_TABLE, &b.key, &l, max_keys)
 }
 
 /// Whether bucket `i` of `plan` may be remembered and answered from memory.

@@ -1,13 +1,13 @@
-//! The proxy's tables in shared data, in one place: how a bucket finds its slot ([`slot_in`],
-//! [`share_slot`], remembered by a [`Memo`]), how a table is created before any request
+//! The proxy's tables in shared data, in one place: how a bucket finds its place ([`place_in`],
+//! [`share_place`], remembered by a [`Memo`]), how a table is created before any request
 //! ([`prepare`]), the prefix every name of a configuration's state carries ([`state_prefix`]), and
-//! the one record format every slot and the admission record use.
+//! the one record format every place and the admission record use.
 //!
-//! **Slots.** A table `<name>` of `max_keys` entries `<name>.0 .. <name>.<max_keys-1>` is created
+//! **Places.** A table `<name>` of `max_keys` entries `<name>.0 .. <name>.<max_keys-1>` is created
 //! at configuration time ([`prepare`]), so that every later write is a compare-and-swap on an
-//! entry that exists (shared data has no insert-if-absent). A bucket's slot is picked by SHA-256 of
+//! entry that exists (shared data has no insert-if-absent). A bucket's place is picked by SHA-256 of
 //! its identity; the first 16 bytes of the digest are the identity kept in the record, so a bucket
-//! recognises its own record and a colliding one as another's ([`slot_of`]).
+//! recognises its own record and a colliding one as another's ([`place_of`]).
 //!
 //! **Records.** `[format: u8][identity: 16 bytes][words: n × u64 little endian]`. The format byte
 //! says what the record is (and which version of it): a reader that finds another format, or a
@@ -22,7 +22,7 @@ use crate::core::config::Config;
 use crate::core::local::bucket::{self, Limits};
 use std::cell::Cell;
 
-/// A vacant slot (created, never written by a bucket).
+/// A vacant place (created, never written by a bucket).
 pub const VACANT: u8 = 0;
 /// A fallback share ([`crate::core::local::fallback`]).
 pub const SHARE: u8 = 0x11;
@@ -34,7 +34,7 @@ pub const BREAKER: u8 = 0x13;
 pub const DENIAL: u8 = 0x14;
 
 /// Shared-data tables of the fallback shares: one per table size, `tollgate.fb.<max_keys>` (a
-/// bucket's slot depends on the size, so a push that changes it starts a table of its own and
+/// bucket's place depends on the size, so a push that changes it starts a table of its own and
 /// reads what the earlier ones hold, `fallback::Shares::previous`).
 pub const SHARES_TABLE: &str = "tollgate.fb";
 /// The lease pools' table.
@@ -49,56 +49,56 @@ pub const ID_BYTES: usize = 16;
 
 /// One bucket's place in a table.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Slot {
-    /// Shared-data key of the slot.
+pub struct Place {
+    /// Shared-data key of the place.
     pub name: String,
     /// Identity of the bucket (truncated SHA-256 of what identifies it).
     pub id: [u8; ID_BYTES],
 }
 
-/// The slot of identity `material` in `table` of `max_keys` slots.
-pub fn slot_of(table: &str, material: &[u8], max_keys: u32) -> Slot {
+/// The place of identity `material` in `table` of `max_keys` places.
+pub fn place_of(table: &str, material: &[u8], max_keys: u32) -> Place {
     let h = sha256(material);
     let mut id = [0u8; ID_BYTES];
     id.copy_from_slice(h.get(..ID_BYTES).unwrap_or(&[0u8; ID_BYTES]));
     let mut idx = [0u8; 8];
     idx.copy_from_slice(h.get(16..24).unwrap_or(&[0u8; 8]));
     let n = u64::from_le_bytes(idx) % u64::from(max_keys.max(1));
-    Slot {
+    Place {
         name: format!("{table}.{n}"),
         id,
     }
 }
 
-/// The slot of a fallback share of bucket `key` in the table `table` of `max_keys` slots
+/// The place of a fallback share of bucket `key` in the table `table` of `max_keys` places
 /// ([`crate::core::local::fallback`]). The identity covers the key and the algorithm only: the
-/// limits are recorded in the slot, and a change carries the share over. Remembered ([`Memo`]):
+/// limits are recorded in the place, and a change carries the share over. Remembered ([`Memo`]):
 /// every answer of a hot bucket asks for the same one, and a SHA-256 with two formatted names cost
 /// Envoy about 9,500 instructions of an exact request's 326,000.
-pub fn share_slot(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
+pub fn share_place(table: &str, key: &str, l: &Limits, max_keys: u32) -> Place {
     let alg = bucket::code(l.algorithm);
     MEMO.with(|m| {
         m.shares.remembered((alg, max_keys), key, || {
-            compute_share_slot(table, key, alg, max_keys)
+            compute_share_place(table, key, alg, max_keys)
         })
     })
 }
 
-/// [`share_slot`] without the memo: the key and the algorithm's code, hashed into the table.
-fn compute_share_slot(table: &str, key: &str, alg: u8, max_keys: u32) -> Slot {
+/// [`share_place`] without the memo: the key and the algorithm's code, hashed into the table.
+fn compute_share_place(table: &str, key: &str, alg: u8, max_keys: u32) -> Place {
     let mut material = Vec::with_capacity(key.len() + 2);
     material.extend_from_slice(key.as_bytes());
     material.push(0);
     material.push(alg);
-    slot_of(table, &material, max_keys)
+    place_of(table, &material, max_keys)
 }
 
-/// The slot of a bucket in the table `table` of `max_keys` slots (`<table>.<n>`). The identity
+/// The place of a bucket in the table `table` of `max_keys` places (`<table>.<n>`). The identity
 /// covers the key and the global limits (not the number of proxies), like the service's bucket
 /// identity: the lease pools' and the remembered denials' scheme. Remembered ([`Memo`]), as
-/// [`share_slot`]'s is: every request of a flood denied from memory asks for the same one, and its
+/// [`share_place`]'s is: every request of a flood denied from memory asks for the same one, and its
 /// SHA-256 and formatted name were a quarter of such a request's work in the module.
-pub fn slot_in(table: &'static str, key: &str, l: &Limits, max_keys: u32) -> Slot {
+pub fn place_in(table: &'static str, key: &str, l: &Limits, max_keys: u32) -> Place {
     let id = (
         table,
         l.global,
@@ -109,12 +109,12 @@ pub fn slot_in(table: &'static str, key: &str, l: &Limits, max_keys: u32) -> Slo
     );
     MEMO.with(|m| {
         m.tables
-            .remembered(id, key, || compute_slot_in(table, key, l, max_keys))
+            .remembered(id, key, || compute_place_in(table, key, l, max_keys))
     })
 }
 
-/// [`slot_in`] without the memo.
-fn compute_slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
+/// [`place_in`] without the memo.
+fn compute_place_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Place {
     let mut material = Vec::with_capacity(key.len() + 48);
     material.extend_from_slice(key.as_bytes());
     material.push(0);
@@ -122,13 +122,13 @@ fn compute_slot_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Slot {
         material.extend_from_slice(&v.to_le_bytes());
     }
     material.push(bucket::code(l.algorithm));
-    slot_of(table, &material, max_keys)
+    place_of(table, &material, max_keys)
 }
 
-/// The last slot computed, beside what it was computed for (an identity `I` and the key): a memo
-/// of one, which changes no answer (the tests compare it with the slot computed afresh).
+/// The last place computed, beside what it was computed for (an identity `I` and the key): a memo
+/// of one, which changes no answer (the tests compare it with the place computed afresh).
 pub struct Memo<I> {
-    last: Cell<Option<(I, String, Slot)>>,
+    last: Cell<Option<(I, String, Place)>>,
 }
 
 impl<I: PartialEq> Default for Memo<I> {
@@ -145,9 +145,9 @@ impl<I: PartialEq> Memo<I> {
         }
     }
 
-    /// The slot of `id` and `key`: the one held when it was asked for the same last, else
+    /// The place of `id` and `key`: the one held when it was asked for the same last, else
     /// `compute`'s, which is then held.
-    pub fn remembered(&self, id: I, key: &str, compute: impl FnOnce() -> Slot) -> Slot {
+    pub fn remembered(&self, id: I, key: &str, compute: impl FnOnce() -> Place) -> Place {
         let mut last = self.last.take();
         let s = match &last {
             Some((i, k, s)) if *i == id && k == key => s.clone(),
@@ -162,15 +162,15 @@ impl<I: PartialEq> Memo<I> {
     }
 }
 
-/// What [`slot_in`] remembers its last slot under, beside the key: the table, the global limits,
+/// What [`place_in`] remembers its last place under, beside the key: the table, the global limits,
 /// the algorithm's code and the table size.
-type SlotInId = (&'static str, u64, u64, u64, u8, u32);
+type PlaceInId = (&'static str, u64, u64, u64, u8, u32);
 
-/// The memos of this VM's slot lookups: the last share ([`share_slot`]: algorithm and table size)
-/// and the last slot of another table ([`slot_in`]).
+/// The memos of this VM's place lookups: the last share ([`share_place`]: algorithm and table size)
+/// and the last place of another table ([`place_in`]).
 pub struct Memos {
     shares: Memo<(u8, u32)>,
-    tables: Memo<SlotInId>,
+    tables: Memo<PlaceInId>,
 }
 
 thread_local! {
@@ -195,7 +195,7 @@ pub fn state_prefix(cfg: &Config) -> String {
     format!("{}/", digest.get(..12).unwrap_or(&digest))
 }
 
-/// Creates the slots `<table>.0 .. <table>.<max_keys - 1>` that do not exist yet, holding `vacant`,
+/// Creates the places `<table>.0 .. <table>.<max_keys - 1>` that do not exist yet, holding `vacant`,
 /// so that every later write is a CAS on an existing entry. Called at configuration time by every
 /// VM; `<table>.ready` remembers the largest table prepared so later VMs skip the walk. Two VMs
 /// preparing at once both write the same vacant record, which is harmless.
@@ -277,17 +277,17 @@ mod tests {
         assert_eq!(
             decode::<0>(VACANT, &vacant()),
             None,
-            "a vacant slot has no identity"
+            "a vacant place has no identity"
         );
     }
 
     #[test]
-    fn slots_spread_and_identities_differ() {
-        let a = slot_of("t", b"a", 8);
-        let b = slot_of("t", b"b", 8);
+    fn places_spread_and_identities_differ() {
+        let a = place_of("t", b"a", 8);
+        let b = place_of("t", b"b", 8);
         assert_ne!(a.id, b.id);
         assert!(a.name.starts_with("t.") && a.name[2..].parse::<u32>().unwrap() < 8);
-        assert_eq!(slot_of("t", b"a", 8), a, "stable");
+        assert_eq!(place_of("t", b"a", 8), a, "stable");
     }
 
     fn tb(cap: u64) -> Limits {
@@ -301,15 +301,15 @@ mod tests {
     }
 
     #[test]
-    fn a_remembered_slot_is_the_one_computed() {
+    fn a_remembered_place_is_the_one_computed() {
         use crate::core::config::Algorithm;
-        let slot = |key: &str, l: &Limits, n: u32| share_slot("t", key, l, n);
+        let place = |key: &str, l: &Limits, n: u32| share_place("t", key, l, n);
         let computed = |key: &str, l: &Limits, n: u32| {
-            compute_share_slot("t", key, bucket::code(l.algorithm), n)
+            compute_share_place("t", key, bucket::code(l.algorithm), n)
         };
         let fw = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 1);
         // Asked again, in turn and after others: the same key with another algorithm or table
-        // size is another slot.
+        // size is another place.
         for (key, l, n) in [
             ("a", tb(10), 64),
             ("a", tb(10), 64),
@@ -319,19 +319,19 @@ mod tests {
             ("a", tb(10), 64),
             ("", tb(10), 64),
         ] {
-            assert_eq!(slot(key, &l, n), computed(key, &l, n), "{key} {n}");
+            assert_eq!(place(key, &l, n), computed(key, &l, n), "{key} {n}");
         }
-        assert_ne!(slot("a", &tb(10), 64), slot("a", &fw, 64));
+        assert_ne!(place("a", &tb(10), 64), place("a", &fw, 64));
     }
 
     #[test]
-    fn a_remembered_slot_in_a_table_is_the_one_computed() {
+    fn a_remembered_place_in_a_table_is_the_one_computed() {
         use crate::core::config::Algorithm;
         let fw = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 1);
         let slower = Limits::local(10, 10, 2000, Algorithm::TokenBucket, 1);
         let shared_by_3 = Limits::local(10, 10, 1000, Algorithm::TokenBucket, 3);
         // Asked again, in turn and after others: another table, key, limit, algorithm or table
-        // size is another slot; the number of proxies is not part of the identity.
+        // size is another place; the number of proxies is not part of the identity.
         for (table, key, l, n) in [
             (DENIALS_TABLE, "a", tb(10), 64),
             (DENIALS_TABLE, "a", tb(10), 64),
@@ -345,14 +345,14 @@ mod tests {
             (DENIALS_TABLE, "", tb(10), 64),
         ] {
             assert_eq!(
-                slot_in(table, key, &l, n),
-                compute_slot_in(table, key, &l, n),
+                place_in(table, key, &l, n),
+                compute_place_in(table, key, &l, n),
                 "{table} {key} {n}"
             );
         }
         assert_ne!(
-            slot_in(DENIALS_TABLE, "a", &tb(10), 64),
-            slot_in(POOLS_TABLE, "a", &tb(10), 64)
+            place_in(DENIALS_TABLE, "a", &tb(10), 64),
+            place_in(POOLS_TABLE, "a", &tb(10), 64)
         );
     }
 }

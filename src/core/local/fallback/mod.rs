@@ -75,7 +75,7 @@ use crate::core::config::{Config, FailureMode};
 use crate::core::local::bucket::{self, Limits, State};
 use crate::core::local::record::{self, learned_instances};
 use crate::core::local::table;
-pub use crate::core::local::table::Slot;
+pub use crate::core::local::table::Place;
 use crate::core::settle;
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
@@ -170,9 +170,9 @@ fn table_name(max_keys: u32) -> String {
     format!("{}.{max_keys}", table::SHARES_TABLE)
 }
 
-/// The slot of a fallback bucket in the table of `max_keys` slots ([`table::share_slot`]).
-pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Slot {
-    table::share_slot(&table_name(max_keys), key, l, max_keys)
+/// The slot of a fallback bucket in the table of `max_keys` slots ([`table::share_place`]).
+pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Place {
+    table::share_place(&table_name(max_keys), key, l, max_keys)
 }
 
 /// What the bucket `key` holds: its slot in this table, or, when that slot was never written,

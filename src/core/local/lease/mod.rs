@@ -10,7 +10,7 @@
 //!
 //! One pool per (key, rule limits) and proxy, in shared data (so every worker of the proxy spends
 //! it), in a bounded hashed table of its own, `tollgate.lease.<n>`, built with the same slot scheme
-//! as the remembered denials ([`table::slot_in`](crate::core::local::table::slot_in)). A pool also remembers:
+//! as the remembered denials ([`table::place_in`](crate::core::local::table::place_in)). A pool also remembers:
 //! - a **refill in flight** (until when): one refill at a time per pool, and a claim whose callout
 //!   is lost (its answer never comes) lapses on its own;
 //! - a **denial** (until when, and for which cost): when the service denied a cost because the
@@ -43,7 +43,7 @@ use crate::core::base::store::CasStore;
 use crate::core::config::{Config, Lease, RateLimit, Rule};
 use crate::core::local::bucket;
 use crate::core::local::record::learned_instances;
-use crate::core::local::table::Slot;
+use crate::core::local::table::Place;
 use crate::core::wire::plan::{Outcome, Plan};
 use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
 
@@ -121,7 +121,7 @@ pub struct Chores {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
     /// The pool's slot.
-    pub slot: Slot,
+    pub slot: Place,
     /// Its bucket, as sent to the service (`cost` and `lease` cleared).
     pub bucket: Bucket,
     /// When its tokens expire, as of the last look.
@@ -208,7 +208,7 @@ impl Chores {
 
     /// Bucket `i` of `plan` got tokens expiring at `expires_ms` in pool `slot`: watch it (token
     /// buckets only, as for [`Chores::expired`]).
-    fn held(&mut self, plan: &Plan, i: usize, slot: &Slot, expires_ms: u64) {
+    fn held(&mut self, plan: &Plan, i: usize, slot: &Place, expires_ms: u64) {
         if let Some(b) = plan.request.buckets.get(i) {
             if bucket::refundable(b.algorithm.unwrap_or_default()) {
                 self.watch.push(Held {
@@ -277,8 +277,8 @@ pub fn local<S: CasStore + ?Sized>(
     }
     let all_leased = lease_buckets.len() == plan.request.buckets.len();
     let mut results: Vec<Option<BucketResult>> = vec![None; plan.request.buckets.len()];
-    let mut hits: Vec<(Slot, u64)> = Vec::new();
-    let mut claims: Vec<(usize, Slot, u64)> = Vec::new();
+    let mut hits: Vec<(Place, u64)> = Vec::new();
+    let mut claims: Vec<(usize, Place, u64)> = Vec::new();
     let mut denied = false;
     for (i, l, lease) in &lease_buckets {
         let Some(b) = plan.request.buckets.get(*i) else {
@@ -383,7 +383,7 @@ pub fn rescue<S: CasStore + ?Sized>(
     if lease_buckets.is_empty() || lease_buckets.len() != plan.request.buckets.len() {
         return None;
     }
-    let mut paid: Vec<(Slot, u64)> = Vec::new();
+    let mut paid: Vec<(Place, u64)> = Vec::new();
     let mut results = Vec::with_capacity(lease_buckets.len());
     for (i, l, _) in &lease_buckets {
         let b = plan.request.buckets.get(*i)?;

@@ -5,7 +5,7 @@
 use crate::core::base::store::{update, CasStore, Change};
 use crate::core::config::{Config, Lease, RateLimit};
 use crate::core::local::bucket::Limits;
-use crate::core::local::table::{self, Slot};
+use crate::core::local::table::{self, Place};
 use crate::core::wire::BucketResult;
 
 /// Words per pool record ([`table`]).
@@ -202,9 +202,9 @@ impl Sizing {
 
 /// The pool slot of bucket `key` of a rule limited by `rule`. The identity covers the key and the
 /// rule's global limits, so a changed limit is another pool.
-pub fn slot(rule: &RateLimit, key: &str, max_keys: u32) -> Slot {
+pub fn slot(rule: &RateLimit, key: &str, max_keys: u32) -> Place {
     let l = Limits::local(rule.capacity, rule.rate, rule.period_ms, rule.algorithm, 1);
-    table::slot_in(table::POOLS_TABLE, key, &l, max_keys)
+    table::place_in(table::POOLS_TABLE, key, &l, max_keys)
 }
 
 /// What one pool says about one request's cost.
@@ -223,7 +223,7 @@ pub enum Take {
 /// the tokens dropped at expiry (stored: they are gone from the pool).
 pub fn take<S: CasStore + ?Sized>(
     store: &S,
-    slot: &Slot,
+    slot: &Place,
     sizing: &Sizing,
     capacity: u64,
     cost: u64,
@@ -279,7 +279,7 @@ pub fn take<S: CasStore + ?Sized>(
 
 /// Gives back `cost` taken from the pool earlier in the same request (the request went to the
 /// service or was denied after all). Tokens past their expiry are not given back.
-pub fn refund<S: CasStore + ?Sized>(store: &S, slot: &Slot, cost: u64, now_ms: u64) {
+pub fn refund<S: CasStore + ?Sized>(store: &S, slot: &Place, cost: u64, now_ms: u64) {
     update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
         Some(mut p) if now_ms < p.expires_ms => {
             p.tokens = p.tokens.saturating_add(cost);
@@ -293,7 +293,7 @@ pub fn refund<S: CasStore + ?Sized>(store: &S, slot: &Slot, cost: u64, now_ms: u
 /// be asked); `None` when the pool cannot pay.
 pub fn spend<S: CasStore + ?Sized>(
     store: &S,
-    slot: &Slot,
+    slot: &Place,
     capacity: u64,
     cost: u64,
     now_ms: u64,
@@ -309,7 +309,7 @@ pub fn spend<S: CasStore + ?Sized>(
 }
 
 /// Ends a refill claim without a deposit (the callout failed or was not made).
-pub fn release<S: CasStore + ?Sized>(store: &S, slot: &Slot) {
+pub fn release<S: CasStore + ?Sized>(store: &S, slot: &Place) {
     update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
         Some(mut p) if p.refill_until_ms != 0 => {
             p.refill_until_ms = 0;
@@ -321,7 +321,7 @@ pub fn release<S: CasStore + ?Sized>(store: &S, slot: &Slot) {
 
 /// Takes the tokens of an expired pool out of it (stored); how many. They are the caller's to
 /// give back to the service.
-pub fn reclaim<S: CasStore + ?Sized>(store: &S, slot: &Slot, now_ms: u64) -> u64 {
+pub fn reclaim<S: CasStore + ?Sized>(store: &S, slot: &Place, now_ms: u64) -> u64 {
     let done = update(store, &slot.name, |cur| match Pool::decode(&slot.id, cur) {
         Some(mut p) if p.tokens > 0 && now_ms >= p.expires_ms => {
             let n = p.expire(now_ms);
@@ -351,7 +351,7 @@ pub struct Dropped {
 /// the proxies sharing the bucket (`instances`, as learned from the answers; 0: not known).
 pub fn deposit<S: CasStore + ?Sized>(
     store: &S,
-    slot: &Slot,
+    slot: &Place,
     extra: u64,
     answer: &BucketResult,
     now_ms: u64,
@@ -424,7 +424,7 @@ fn evicted_tokens(cur: Option<&[u8]>, now_ms: u64) -> u64 {
 /// again within it), and ends this request's claim if it held one.
 pub fn deny<S: CasStore + ?Sized>(
     store: &S,
-    slot: &Slot,
+    slot: &Place,
     cost: u64,
     answer: &BucketResult,
     claimed: bool,

@@ -72,14 +72,14 @@ fn pool(s: &FakeStore, c: &Config) -> Pool {
     Pool::decode(&sl.id, s.map.borrow().get(&sl.name).map(|e| e.0.as_slice())).unwrap()
 }
 
-fn the_slot() -> Slot {
-    Slot {
+fn the_slot() -> Place {
+    Place {
         name: "tollgate.lease.0".into(),
         id: [7; 16],
     }
 }
 
-fn stored(s: &FakeStore, sl: &Slot) -> Pool {
+fn stored(s: &FakeStore, sl: &Place) -> Pool {
     Pool::decode(&sl.id, s.map.borrow().get(&sl.name).map(|e| e.0.as_slice())).unwrap()
 }
 
@@ -273,7 +273,7 @@ fn watched_pools_give_back_their_expired_tokens_once() {
         watch(
             &mut many,
             Held {
-                slot: Slot {
+                slot: Place {
                     name: format!("tollgate.lease.{i}"),
                     id: [1; 16],
                 },
@@ -395,7 +395,7 @@ fn no_refill_is_claimed_while_a_denial_holds() {
 fn eviction_by_another_key_drops_and_counts() {
     let s = FakeStore::default();
     let a = the_slot();
-    let b = Slot {
+    let b = Place {
         name: a.name.clone(),
         id: [9; 16],
     };
