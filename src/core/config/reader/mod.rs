@@ -11,7 +11,7 @@ mod rule;
 use super::fields::{self, DEFAULT_REMEMBER_DENIALS_MS};
 use super::model::*;
 use super::transports::{self, Feature, TRANSPORTS};
-use obj::{choice_value, err, header_safe, Obj};
+use obj::{err, header_safe, pick_value, Obj};
 use serde_json::Value;
 
 // The document is parsed into a `serde_json::Value` and walked by hand: each object is checked
@@ -265,14 +265,11 @@ fn read_response(r: &Obj<'_>, base: Option<&Response>) -> Result<Response, Confi
         },
         Some(list) => {
             for (i, v) in list.iter().enumerate() {
-                let style = choice_value(
-                    &format!("{}[{i}]", r.path("headers")),
-                    v,
-                    &[
-                        ("draft", HeaderStyle::Draft),
-                        ("x-ratelimit", HeaderStyle::XRateLimit),
-                    ],
-                )?;
+                let at = format!("{}[{i}]", r.path("headers"));
+                let style = match pick_value(&at, v, &["draft", "x-ratelimit"])? {
+                    0 => HeaderStyle::Draft,
+                    _ => HeaderStyle::XRateLimit,
+                };
                 if !headers.contains(&style) {
                     headers.push(style);
                 }

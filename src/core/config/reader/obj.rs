@@ -95,6 +95,7 @@ impl<'a> Obj<'a> {
 
     /// The row of `f` in the table. Every field read by its row is in its section's table (the
     /// reader's tests read every one); a name that is not reads as a text without a default.
+    #[inline(never)]
     fn row(&self, f: &str) -> Field {
         let row = fields::find(self.table, f);
         debug_assert!(row.is_some(), "{f} is not in the table of {}", self.at);
@@ -211,30 +212,25 @@ impl<'a> Obj<'a> {
             Form::Choice(names) => names,
             _ => &[],
         };
-        let given = match (self.get(f), row.default) {
-            (Some(v), _) => v.as_str(),
-            (None, IfAbsent::Text(d)) => Some(d),
-            (None, _) => return err(self.path(f), "missing (required)"),
+        let default = match row.default {
+            IfAbsent::Text(d) => names.iter().position(|n| *n == d),
+            _ => None,
         };
-        match names.iter().position(|n| Some(*n) == given) {
-            Some(i) => Ok(i),
-            None => err(
-                self.path(f),
-                format!("must be one of {}", listed(names, "\"")),
-            ),
-        }
+        self.pick(f, names, default)
     }
 
-    /// One of fixed names, or `default` when absent (a rule's field).
-    pub(super) fn choice_of<T: Copy>(
+    /// The place of a field's value among `names` (a rule's field), `default` when absent
+    /// (`None`: required).
+    pub(super) fn pick(
         &self,
         f: &str,
-        options: &[(&str, T)],
-        default: T,
-    ) -> Result<T, ConfigError> {
-        match self.get(f) {
-            None => Ok(default),
-            Some(v) => choice_value(&self.path(f), v, options),
+        names: &[&str],
+        default: Option<usize>,
+    ) -> Result<usize, ConfigError> {
+        match (self.get(f), default) {
+            (Some(v), _) => pick_value(&self.path(f), v, names),
+            (None, Some(d)) => Ok(d),
+            (None, None) => err(self.path(f), "missing (required)"),
         }
     }
 }
@@ -246,18 +242,12 @@ pub(super) fn int_value(at: &str, v: &Value, lo: u64, hi: u64) -> Result<u64, Co
     }
 }
 
-pub(super) fn choice_value<T: Copy>(
-    at: &str,
-    v: &Value,
-    options: &[(&str, T)],
-) -> Result<T, ConfigError> {
-    if let Some(s) = v.as_str() {
-        if let Some((_, t)) = options.iter().find(|(name, _)| *name == s) {
-            return Ok(*t);
-        }
+/// The place of `v` among `names`.
+pub(super) fn pick_value(at: &str, v: &Value, names: &[&str]) -> Result<usize, ConfigError> {
+    match names.iter().position(|n| Some(*n) == v.as_str()) {
+        Some(i) => Ok(i),
+        None => err(at, format!("must be one of {}", listed(names, "\""))),
     }
-    let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
-    err(at, format!("must be one of {}", listed(&names, "\"")))
 }
 
 /// `names` separated by `, `, each between `quote`s (one loop, not `join`'s code per type).

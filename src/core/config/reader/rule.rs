@@ -73,11 +73,10 @@ pub(super) fn read_rule(
             None => return err(at, "must be a string"),
         }
     }
-    let on_missing = r.choice_of(
-        "on_missing",
-        &[("skip", OnMissing::Skip), ("shared", OnMissing::Shared)],
-        OnMissing::Skip,
-    )?;
+    let on_missing = match r.pick("on_missing", &["skip", "shared"], Some(0))? {
+        0 => OnMissing::Skip,
+        _ => OnMissing::Shared,
+    };
     let mut kind = if concurrency {
         // A concurrency rule (crate::core::inflight) has its own limit and no rate fields.
         let (lo, hi) = DEADLINE_MS;
@@ -133,8 +132,12 @@ fn read_rate(r: &Obj<'_>, raw_key: &[Value], key: &[KeyPart]) -> Result<RateLimi
         }
         Some(v) => Cost::Fixed(int_value(&r.path("cost"), v, 1, MAX_AMOUNT)?),
     };
-    let algorithms: Vec<_> = Algorithm::ALL.iter().map(|&a| (a.name(), a)).collect();
-    let algorithm = r.choice_of("algorithm", &algorithms, Algorithm::default())?;
+    let algorithms: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+    let default = Algorithm::ALL
+        .iter()
+        .position(|a| *a == Algorithm::default());
+    let algorithm = r.pick("algorithm", &algorithms, default)?;
+    let algorithm = Algorithm::ALL.get(algorithm).copied().unwrap_or_default();
     let lease = match r.get("lease") {
         None => None,
         Some(v) => {
@@ -254,7 +257,7 @@ fn read_cost(c: &Obj, capacity: u64) -> Result<Cost, ConfigError> {
 
 /// A rule's `charge` and `usage`: `None` for `"charge": "request"` (the default).
 fn read_charge(r: &Obj) -> Result<Option<Charge>, ConfigError> {
-    let by_response = r.choice_of("charge", &[("request", false), ("response", true)], false)?;
+    let by_response = r.pick("charge", &["request", "response"], Some(0))? == 1;
     if !by_response {
         if r.get("usage").is_some() {
             return err(r.path("usage"), "only with \"charge\": \"response\"");
