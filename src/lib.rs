@@ -13,7 +13,8 @@
 //!   - `base`: SHA-256 (`hash`), the host's header map format (`hostmap`), the CAS storage trait
 //!     (`store`), the VM's one table of callouts in flight (`ledger`).
 //!   - `config`: the plugin configuration, parsed and validated once (`model`, `reader`, and
-//!     `rules`: a rule's fields, once).
+//!     the tables it reads by: `rules`, a rule's fields, `fields`, every other section's,
+//!     `transports`, what each transport carries).
 //!   - `rules`: rule matching, key building (`rules::keys`), a bucket's limit (`rules::limits`).
 //!   - `wire`: the contract crate's codecs with this VM's instance id and rule names, and Envoy's
 //!     RLS v3 request and response; `plan` (the plain data of a decision), `instance`, `callout`

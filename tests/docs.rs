@@ -5,7 +5,8 @@
 //!   a block says which it is in its info string (the convention: testkit's `docs` module), and a
 //!   configuration block that does not say is a failure;
 //! - every field a rule may hold (the reader's table, `config::rules::RULE_FIELDS`) is documented in
-//!   docs/filter-config.md with the kind of rule it belongs to, and no other;
+//!   docs/filter-config.md with the kind of rule it belongs to, and no other; so is every field of
+//!   the sections with a table (`config::fields`), with its default and upper bound;
 //! - every relative link in them resolves (the file, and the heading when it names one);
 //! - every module of the crates, and of the test harnesses, is named in its parent's `//!` map, a
 //!   map that lists some of a module's modules lists them all, and no `//!` doc names a file that
@@ -26,6 +27,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use tollgate::core::config::fields;
 use tollgate::core::config::rules::{self, Kinds};
 use tollgate::core::config::Config;
 use tollgate_testkit::docs::{self, list_items, with_routes, Block, Kind, MapEntry};
@@ -219,6 +221,76 @@ fn every_rule_field_is_documented_with_its_kind() {
         "docs/filter-config.md, \"Concurrency limits\" does not say that a concurrency rule \
          refuses {unnamed:?}"
     );
+}
+
+/// Every field of the top level has a section of docs/filter-config.md, and the tables of
+/// `service`, `fallback`, `breaker`, `response` and `lease` list the fields of the reader's table
+/// for it (`config::fields`), each integer with the default and the upper bound the reader holds
+/// it to.
+#[test]
+fn every_section_field_is_documented_with_its_default_and_bounds() {
+    let doc = docs::read("docs/filter-config.md");
+    for f in fields::ROOT {
+        section(&doc, &format!("## `{}`", f.name));
+    }
+    for (heading, table) in [
+        ("## `service`", fields::SERVICE),
+        ("## `fallback`", fields::FALLBACK),
+        ("## `breaker`", fields::BREAKER),
+        ("## `response`", fields::RESPONSE),
+        ("### Lease mode", fields::LEASE),
+    ] {
+        let text = section(&doc, heading);
+        assert_eq!(
+            sorted(table_fields(text)),
+            sorted(fields::names(table)),
+            "docs/filter-config.md, the table of {heading}: the reader's fields"
+        );
+        for row in table_rows(text) {
+            let Some(f) = fields::find(table, &row[0]) else {
+                continue;
+            };
+            if let (fields::Value::Int(_, hi), default) = (f.value, f.default) {
+                if default == fields::IfAbsent::Nothing {
+                    continue;
+                }
+                assert!(
+                    row[2].contains(&format!("..={hi}")),
+                    "docs/filter-config.md, {heading}: `{}` is at most {hi}, not {:?}",
+                    f.name,
+                    row[2]
+                );
+                if let fields::IfAbsent::Int(d) = default {
+                    assert_eq!(
+                        row[1],
+                        format!("`{d}`"),
+                        "docs/filter-config.md, {heading}: `{}` defaults to {d}",
+                        f.name
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The cells of the first table in `text` (header and separator rows left out), the first
+/// without its backticks.
+fn table_rows(text: &str) -> Vec<Vec<String>> {
+    text.lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .skip(2)
+        .map(|l| {
+            let mut cells: Vec<String> = l
+                .replace("\\|", "\u{0}")
+                .split('|')
+                .skip(1)
+                .map(|c| c.trim().replace('\u{0}', "|"))
+                .collect();
+            cells[0] = cells[0].trim_matches('`').to_string();
+            cells
+        })
+        .collect()
 }
 
 #[test]

@@ -16,7 +16,11 @@
 //     "core", for kubernetes-validate to check.
 //   - anything else: an error (no schema to check it against).
 // With --plugin-configs, each free-form plugin configuration is also written to
-// OUT_DIR/<kind>-<name>-<n>.json, so the real module can be asked whether it accepts it.
+// OUT_DIR/<kind>-<name>-<n>.json: a second reading of where the configuration sits (node's YAML
+// reader, the paths the CRD schemas leave free-form), used only as the oracle that
+// server/tests/integration/check.rs holds `tollgate-server check`'s own reading against. What the
+// project's tests run through the module is found by `tollgate-server check --write-configs`, the
+// one reader of those places (server/src/check.rs, PLACES).
 // Exit status 1 when any document fails.
 import { readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";

@@ -29,6 +29,9 @@
 //! `5`. A wasm `configuration` of another type (a Struct) reaches the module as protobuf bytes,
 //! which it refuses.
 //!
+//! The places are one table, [`PLACES`]; `--write-configs DIR` writes each configuration found
+//! there, so that tests (tests/deploy) run the very bytes through the real module.
+//!
 //! A limits file (`--limits FILE`) is the file `--rls-config` names, or YAML holding Kubernetes
 //! ConfigMaps (`kind: ConfigMap`, e.g. a chart's rendered manifests) whose every `data` entry
 //! named `*.yaml` or `*.yml` is one.
@@ -63,7 +66,22 @@ pub struct CheckArgs {
     /// Repeatable.
     #[arg(long = "limits", value_name = "FILE")]
     pub limits: Vec<PathBuf>,
+
+    /// Also write each plugin configuration found in the --filter files, as the bytes the module
+    /// is handed, to DIR/000.json, DIR/001.json, ... in the order reported.
+    #[arg(long = "write-configs", value_name = "DIR")]
+    pub write_configs: Option<PathBuf>,
 }
+
+/// Where a Kubernetes resource holds the plugin configuration, by its `kind`: a path of fields
+/// (`*`: every item of a list), whose value is the configuration as YAML, handed to the module as
+/// JSON. Any other YAML is searched for Envoy's wasm filter configurations ([`WASM_FILTER`]).
+pub const PLACES: [(&str, &str); 2] = [
+    // Istio hands `pluginConfig` over as JSON.
+    ("WasmPlugin", "spec.pluginConfig"),
+    // Envoy Gateway: each of the policy's wasm extensions.
+    ("EnvoyExtensionPolicy", "spec.wasm.*.config"),
+];
 
 /// What a reader says of one configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -129,27 +147,13 @@ pub fn plugin_configs(text: &[u8], json: bool) -> Result<Vec<PluginConfig>, Stri
     let mut found = Vec::new();
     for (i, doc) in documents(text)?.iter().enumerate() {
         let name = document_name(doc, i);
-        match doc.get("kind").and_then(Yaml::as_str) {
-            Some("WasmPlugin") => {
-                let config = doc.get("spec").and_then(|s| s.get("pluginConfig"));
-                found.push(PluginConfig {
-                    at: format!("{name}: spec.pluginConfig"),
-                    bytes: config.map_or(Ok(Vec::new()), json_bytes),
-                });
+        let kind = doc.get("kind").and_then(Yaml::as_str);
+        match PLACES.iter().find(|(k, _)| Some(*k) == kind) {
+            Some((_, place)) => {
+                let fields: Vec<&str> = place.split('.').collect();
+                at_place(Some(doc), &fields, &mut String::new(), &name, &mut found);
             }
-            Some("EnvoyExtensionPolicy") => {
-                let wasm = doc
-                    .get("spec")
-                    .and_then(|s| s.get("wasm"))
-                    .and_then(Yaml::as_sequence);
-                for (j, w) in wasm.into_iter().flatten().enumerate() {
-                    found.push(PluginConfig {
-                        at: format!("{name}: spec.wasm[{j}].config"),
-                        bytes: w.get("config").map_or(Ok(Vec::new()), json_bytes),
-                    });
-                }
-            }
-            _ => wasm_filters(doc, &mut String::new(), &name, &mut found),
+            None => wasm_filters(doc, &mut String::new(), &name, &mut found),
         }
     }
     Ok(found)
@@ -210,6 +214,41 @@ fn document_name(doc: &Yaml, i: usize) -> String {
         },
         _ => format!("document {}", i + 1),
     }
+}
+
+/// The configurations at `fields` of `v` (at `path`; `None`: absent): `*` enters every item of a
+/// list (none when it is absent or not a list), and an absent configuration is an empty one
+/// (which the module refuses).
+fn at_place(
+    v: Option<&Yaml>,
+    fields: &[&str],
+    path: &mut String,
+    name: &str,
+    found: &mut Vec<PluginConfig>,
+) {
+    let Some((first, rest)) = fields.split_first() else {
+        found.push(PluginConfig {
+            at: format!("{name}: {path}"),
+            bytes: v.map_or(Ok(Vec::new()), json_bytes),
+        });
+        return;
+    };
+    let len = path.len();
+    if *first == "*" {
+        let items = v.and_then(Yaml::as_sequence).into_iter().flatten();
+        for (i, item) in items.enumerate() {
+            path.push_str(&format!("[{i}]"));
+            at_place(Some(item), rest, path, name, found);
+            path.truncate(len);
+        }
+        return;
+    }
+    if !path.is_empty() {
+        path.push('.');
+    }
+    path.push_str(first);
+    at_place(v.and_then(|v| v.get(first)), rest, path, name, found);
+    path.truncate(len);
 }
 
 /// Walks `v` (at `path`) for wasm filter typed configs and takes their `configuration`.
@@ -405,11 +444,38 @@ pub fn run(args: &CheckArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             }
         }
     }
+    if let Some(dir) = &args.write_configs {
+        if let Err(why) = write_configs(dir, &args.filters) {
+            unusable = true;
+            let _ = writeln!(err, "{why}");
+        }
+    }
     if unusable {
         2
     } else {
         u8::from(refused)
     }
+}
+
+/// Writes every plugin configuration of the `filters` files (those the module is handed as JSON)
+/// to `dir/000.json`, `001.json`, ... in the order [`run`] reports them.
+fn write_configs(dir: &Path, filters: &[PathBuf]) -> Result<(), String> {
+    let mut n = 0;
+    for path in filters {
+        let Ok(text) = std::fs::read(path) else {
+            continue;
+        };
+        let json = path
+            .extension()
+            .is_some_and(|x| x.eq_ignore_ascii_case("json"));
+        for config in plugin_configs(&text, json).unwrap_or_default() {
+            let Ok(bytes) = config.bytes else { continue };
+            let file = dir.join(format!("{n:03}.json"));
+            std::fs::write(&file, bytes).map_err(|e| format!("{}: {e}", file.display()))?;
+            n += 1;
+        }
+    }
+    Ok(())
 }
 
 /// `tollgate-server check`, on stdout and stderr.

@@ -91,7 +91,7 @@ fn a_typo_fails_validation() {
         let bad = dir.path().join(Path::new(file).file_name().expect("name"));
         fs::write(&bad, original.replacen(from, to, 1)).expect("write");
         let out = if crd {
-            v.crds(std::slice::from_ref(&bad), None)
+            v.crds(std::slice::from_ref(&bad))
         } else {
             v.core(std::slice::from_ref(&bad))
         };

@@ -11,8 +11,8 @@
 //!   OpenAPI schemas, strict: unknown fields are errors) and deploy/check/crds.mjs (Istio's and
 //!   Envoy Gateway's CRD schemas, from the pinned @kubernetes-models packages), both installed
 //!   into .tools/ by `make images`; [`manifests`], [`envoy_configs`]: what the project ships, found
-//!   by walking the tree; [`plugin_configs_load_in_the_module`]: plugin configurations run by the
-//!   real module; [`service_takes_token`]: whether the real service starts with a token.
+//!   by walking the tree; [`plugin_configs_load_in_the_module`]: plugin configurations, found by
+//!   `tollgate-server check` (the one reader of where they sit), run by the real module; [`service_takes_token`]: whether the real service starts with a token.
 //! - [`common`]: the harness (`tests/common/`, shared with `tests/e2e/` and `tests/image.rs`).
 //! - [`kubernetes`]: all manifests valid; a typo'd field fails each validator; the RLS ConfigMap's
 //!   limits file loaded by the real service.
@@ -100,7 +100,7 @@ impl Validators {
     /// Both validators over `files`, every document checked by one of them: the custom resources
     /// by crds.mjs, every other by kubernetes-validate. Their reports (CRDs, core).
     fn all_valid(&self, files: &[PathBuf]) -> (String, String) {
-        let crds = self.crds(files, None);
+        let crds = self.crds(files);
         let crd_text = text(&crds);
         assert!(crds.status.success(), "CRD validation failed:\n{crd_text}");
         let checked = crd_text.lines().filter(|l| l.starts_with("ok ")).count();
@@ -126,14 +126,11 @@ impl Validators {
         (crd_text, k8s_text)
     }
 
-    /// deploy/check/crds.mjs over `files` (optionally writing the plugin configurations).
-    fn crds(&self, files: &[PathBuf], plugin_configs: Option<&Path>) -> Output {
+    /// deploy/check/crds.mjs over `files`.
+    fn crds(&self, files: &[PathBuf]) -> Output {
         let mut cmd = Command::new("node");
         cmd.arg(workspace_root().join("deploy/check/crds.mjs"))
             .arg(&self.crd_schemas);
-        if let Some(dir) = plugin_configs {
-            cmd.arg("--plugin-configs").arg(dir);
-        }
         cmd.args(files)
             .output()
             .expect("node is required to run deploy/check/crds.mjs")
@@ -219,16 +216,33 @@ fn envoy_configs() -> Vec<PathBuf> {
 
 const CHART: &str = "deploy/helm/tollgate";
 
-/// Every plugin configuration in the WasmPlugins and EnvoyExtensionPolicies of `files`, each run by
-/// the real module in `envoy --mode validate` (a refusal fails the test); the configurations, parsed.
+/// Every plugin configuration in the WasmPlugins and EnvoyExtensionPolicies of `files` (and any
+/// wasm filter's in them), found where `tollgate-server check` finds them (the one reader of those
+/// places, server/src/check.rs) and accepted by it, each run by the real module in
+/// `envoy --mode validate` (a refusal fails the test); the configurations, parsed.
 fn plugin_configs_load_in_the_module(label: &str, files: &[PathBuf]) -> Vec<serde_json::Value> {
     let (envoy, wasm) = envoy_and_module();
-    let v = Validators::get();
+    let server = required("TOLLGATE_SERVER_DYNAMIC", "target/debug/tollgate-server");
     let dir = TempDir::new(label);
     let out_dir = dir.path().join("configs");
     fs::create_dir_all(&out_dir).expect("mkdir");
-    let out = v.crds(files, Some(&out_dir));
-    assert!(out.status.success(), "{}", text(&out));
+    let mut cmd = Command::new(server);
+    cmd.arg("check").arg("--write-configs").arg(&out_dir);
+    for f in files {
+        cmd.arg("--filter").arg(f);
+    }
+    let out = cmd.output().expect("run tollgate-server check");
+    // A manifest without a plugin configuration is reported (exit status 2) and is no failure here;
+    // a refused configuration is.
+    let report = text(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        matches!(out.status.code(), Some(0 | 2))
+            && stderr
+                .lines()
+                .all(|l| l.contains(": no filter configuration in it")),
+        "tollgate-server check:\n{report}"
+    );
     let mut configs: Vec<PathBuf> = fs::read_dir(&out_dir)
         .expect("configs")
         .map(|e| e.expect("entry").path())

@@ -9,12 +9,18 @@
 //!
 //! - `model`: the validated configuration ([`Config`], [`Rule`], ...) and its bounds.
 //! - `rules`: a rule's fields, once: which exist and which kind of rule each belongs to.
-//! - `reader`: [`Config::parse`], the JSON walked by hand, every error naming its field.
+//! - `fields`: the fields of every other section, once: one table per section (name, value and
+//!   bounds, default, meaning).
+//! - `transports`: what each transport carries, once, and the check of a configuration against it.
+//! - `reader`: [`Config::parse`], the JSON walked by hand by the tables, every error naming its
+//!   field.
 
+pub mod fields;
 mod model;
 mod reader;
 pub mod rules;
 #[cfg(test)]
 mod tests;
+pub mod transports;
 
 pub use model::*;
