@@ -14,6 +14,10 @@ pub const MAX_AMOUNT: u64 = 1_000_000_000;
 /// number: (capacity + debt) × 10^6 <= 9e15 < 2^53. Each settle pushes a bucket at most its `used`
 /// (<= [`MAX_AMOUNT`]) deeper.
 pub const MAX_DEBT: u64 = 8 * MAX_AMOUNT;
+/// Upper bound of a bucket's `max_delay_ms` (shaping): one minute. A shaped bucket owes at most
+/// `rate × MAX_DELAY_MS / period_ms` tokens for grants still waiting, and a caller holds a request
+/// at most this long.
+pub const MAX_DELAY_MS: u64 = 60_000;
 /// Upper bound of `period_ms`: one year.
 pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
 /// Room a bucket may take in a request besides its key: the JSON field names, six numbers of at

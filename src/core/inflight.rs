@@ -137,6 +137,7 @@ pub fn released(result: &CalloutResult) -> bool {
 pub fn denial(r: &Rule, c: Concurrency, wait_ms: u64) -> LocalReply {
     let wait_ms = wait_ms.max(1);
     let state = BucketResult {
+        delay_ms: 0,
         allowed: false,
         limit: c.max_in_flight,
         remaining: 0,

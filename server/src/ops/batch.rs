@@ -230,7 +230,7 @@ impl Operation for Batch {
             ]
         });
         for (i, d) in results.iter_mut().enumerate() {
-            api.metrics.decision(d.allowed);
+            api.metrics.decision(d.allowed, d.delay_ms);
             if let Some(r) = rules.get(i) {
                 count_rules(api, d, r);
             }
@@ -260,6 +260,7 @@ mod tests {
 
     fn raw(key: &str) -> RawBucket {
         RawBucket {
+            max_delay_ms: None,
             key: Some(key.to_string()),
             capacity: Some(10),
             rate: None,

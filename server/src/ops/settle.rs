@@ -211,6 +211,7 @@ pub fn raw_from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidArgument
         let algorithm = algorithm_from_pb(i, b.algorithm)?;
         buckets.push(RawSettleBucket {
             bucket: RawBucket {
+                max_delay_ms: None,
                 key: Some(b.key.clone()),
                 capacity: Some(b.capacity),
                 rate: b.rate,

@@ -509,6 +509,7 @@ mod tests {
 
     fn bucket(key: &str, capacity: u64) -> BucketSpec {
         BucketSpec {
+            max_delay_ms: 0,
             key: key.into(),
             capacity,
             rate: 1,

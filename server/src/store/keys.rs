@@ -110,6 +110,7 @@ mod tests {
 
     fn spec(key: &str) -> BucketSpec {
         BucketSpec {
+            max_delay_ms: 0,
             key: key.into(),
             capacity: 10,
             rate: 5,

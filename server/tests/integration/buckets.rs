@@ -64,6 +64,7 @@ fn with_alg(mut b: Value, alg: &str) -> Value {
 
 fn spec(key: &str, capacity: u64, period_ms: u64, algorithm: Algorithm) -> BucketSpec {
     BucketSpec {
+        max_delay_ms: 0,
         key: key.into(),
         capacity,
         rate: capacity,

@@ -19,6 +19,7 @@ const HOUR: u64 = 3_600_000;
 
 fn tb(key: &str, capacity: u64) -> BucketSpec {
     BucketSpec {
+        max_delay_ms: 0,
         key: key.into(),
         capacity,
         rate: 1,

@@ -233,6 +233,7 @@ mod contract_codec {
                             .map(|r| r.0)
                     );
                     Bucket {
+                        max_delay_ms: 0,
                         key: b.key.clone().unwrap(),
                         capacity: b.capacity.unwrap(),
                         rate: b.rate,

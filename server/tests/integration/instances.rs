@@ -359,6 +359,7 @@ async fn on_a_cluster() {
     );
     // Two buckets in different slots, one take: lowered limits carry both over.
     let spec = |key: &str, cap: u64, cost: u64| BucketSpec {
+        max_delay_ms: 0,
         key: key.into(),
         capacity: cap,
         rate: cap,

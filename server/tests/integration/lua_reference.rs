@@ -113,6 +113,7 @@ fn algorithm() -> impl Strategy<Value = Algorithm> {
 
 fn spec(key: &str, a: Algorithm, l: Limits, cost: u64, lease: u64) -> BucketSpec {
     BucketSpec {
+        max_delay_ms: 0,
         key: key.into(),
         capacity: l.capacity,
         rate: l.rate,

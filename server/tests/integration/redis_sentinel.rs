@@ -47,6 +47,7 @@ fn store_with(
 /// A token bucket that never refills during a test: every count stays visible.
 fn hourly(key: &str, capacity: u64) -> BucketSpec {
     BucketSpec {
+        max_delay_ms: 0,
         key: key.into(),
         capacity,
         rate: 1,

@@ -476,6 +476,7 @@ async fn redis_cluster_settles_across_slots_once() {
         slot(&redis_key(
             "test:",
             &BucketSpec {
+                max_delay_ms: 0,
                 key: k.into(),
                 capacity: 1,
                 rate: 1,

@@ -103,6 +103,7 @@ mod tests {
 
     fn res(limit: u64, remaining: u64, reset_ms: u64) -> BucketResult {
         BucketResult {
+            delay_ms: 0,
             allowed: true,
             limit,
             remaining,

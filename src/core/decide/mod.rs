@@ -79,6 +79,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
             } => (capacity, rate, period_ms),
         };
         plan.request.buckets.push(Bucket {
+            max_delay_ms: 0,
             key,
             capacity,
             rate: Some(rate),

@@ -1531,6 +1531,7 @@ mod tests {
         use crate::core::wire::{Bucket, BucketResult, TakeResponse};
         let c = cfg("");
         let bucket = |key: &str, algorithm: Option<Algorithm>| Bucket {
+            max_delay_ms: 0,
             key: key.into(),
             capacity: 10,
             rate: None,
@@ -1541,6 +1542,7 @@ mod tests {
         };
         let take = |buckets: Vec<Bucket>| Some(TakeRequest { buckets });
         let result = |allowed: bool, granted: &[u64]| TakeResponse {
+            delay_ms: 0,
             allowed,
             buckets: granted
                 .iter()

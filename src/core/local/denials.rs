@@ -220,6 +220,7 @@ pub fn recall<S: CasStore + ?Sized>(
             Some(d) => {
                 denied = true;
                 BucketResult {
+                    delay_ms: 0,
                     allowed: false,
                     limit: d.limit,
                     remaining: d.remaining,
@@ -237,6 +238,7 @@ pub fn recall<S: CasStore + ?Sized>(
         });
     }
     denied.then_some(TakeResponse {
+        delay_ms: 0,
         allowed: false,
         buckets,
         instances: 0,
@@ -277,6 +279,7 @@ mod tests {
 
     fn denied(retry_after_ms: u64) -> BucketResult {
         BucketResult {
+            delay_ms: 0,
             allowed: false,
             limit: 10,
             remaining: 0,
@@ -297,6 +300,7 @@ mod tests {
 
     fn limited(buckets: Vec<BucketResult>) -> Outcome {
         Outcome::Limited(TakeResponse {
+            delay_ms: 0,
             allowed: false,
             buckets,
             instances: 0,

@@ -457,6 +457,7 @@ fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_
 /// a period, when the local share has refilled.
 fn unstored(l: &Limits) -> BucketResult {
     BucketResult {
+        delay_ms: 0,
         allowed: false,
         limit: l.capacity,
         remaining: 0,
@@ -748,6 +749,7 @@ pub fn take_all_as<S: CasStore + ?Sized>(
         }
     }
     TakeResponse {
+        delay_ms: 0,
         allowed,
         buckets: results,
         instances: 0,
@@ -1000,6 +1002,7 @@ mod tests {
 
     fn bucket(key: &str, cap: u64) -> Bucket {
         Bucket {
+            max_delay_ms: 0,
             key: key.into(),
             capacity: cap,
             rate: Some(cap),
@@ -1459,6 +1462,7 @@ mod tests {
                 instances: 0,
             };
             let answer = BucketResult {
+                delay_ms: 0,
                 allowed: true,
                 limit: 1000,
                 remaining: 900,
@@ -1467,6 +1471,7 @@ mod tests {
                 granted: 1,
             };
             let outcome = Outcome::Allowed(TakeResponse {
+                delay_ms: 0,
                 allowed: true,
                 buckets: vec![answer],
                 instances: 4,

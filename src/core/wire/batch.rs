@@ -221,6 +221,7 @@ mod tests {
     fn take() -> TakeRequest {
         TakeRequest {
             buckets: vec![Bucket {
+                max_delay_ms: 0,
                 key: "k".into(),
                 capacity: 1,
                 rate: None,
@@ -367,6 +368,7 @@ mod tests {
     #[test]
     fn a_batch_answer_is_split_and_a_failure_shared() {
         let answer = |allowed: bool| TakeResponse {
+            delay_ms: 0,
             allowed,
             buckets: vec![wire::BucketResult {
                 allowed,

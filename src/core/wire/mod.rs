@@ -338,6 +338,7 @@ pub fn decode_rls(body: &[u8], req: &TakeRequest) -> Result<TakeResponse, Decode
             let ok = allowed || code != RLS_OVER_LIMIT;
             let reset_ms = if reset > 0 { reset } else { unit };
             BucketResult {
+                delay_ms: 0,
                 allowed: ok,
                 limit: if limit > 0 { limit } else { b.capacity },
                 remaining,
@@ -348,6 +349,7 @@ pub fn decode_rls(body: &[u8], req: &TakeRequest) -> Result<TakeResponse, Decode
         })
         .collect();
     Ok(TakeResponse {
+        delay_ms: 0,
         allowed,
         buckets,
         instances: 0,
@@ -360,6 +362,7 @@ mod rls_tests {
 
     fn bucket(key: &str, cost: u64) -> Bucket {
         Bucket {
+            max_delay_ms: 0,
             key: key.into(),
             capacity: 10,
             rate: Some(10),
@@ -488,6 +491,7 @@ mod rls_tests {
         assert_eq!(
             ok.buckets[0],
             BucketResult {
+                delay_ms: 0,
                 allowed: true,
                 limit: 100,
                 remaining: 42,

@@ -73,6 +73,7 @@ mod tests {
 
     fn sw(cap: u64, period: u64, cost: u64) -> BucketSpec {
         BucketSpec {
+            max_delay_ms: 0,
             key: "k".into(),
             capacity: cap,
             rate: cap,

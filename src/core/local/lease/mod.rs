@@ -316,6 +316,7 @@ pub fn local<S: CasStore + ?Sized>(
         let buckets = results.into_iter().flatten().collect();
         return (
             Local::Answer(Outcome::Allowed(TakeResponse {
+                delay_ms: 0,
                 allowed: true,
                 buckets,
                 instances: 0,
@@ -354,6 +355,7 @@ pub fn local<S: CasStore + ?Sized>(
             .collect();
         return (
             Local::Answer(Outcome::Limited(TakeResponse {
+                delay_ms: 0,
                 allowed: false,
                 buckets,
                 instances: 0,
@@ -403,6 +405,7 @@ pub fn rescue<S: CasStore + ?Sized>(
         }
     }
     Some(Outcome::Allowed(TakeResponse {
+        delay_ms: 0,
         allowed: true,
         buckets: results,
         instances: 0,
