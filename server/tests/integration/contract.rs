@@ -233,7 +233,6 @@ mod contract_codec {
                             .map(|r| r.0)
                     );
                     Bucket {
-                        max_delay_ms: 0,
                         key: b.key.clone().unwrap(),
                         capacity: b.capacity.unwrap(),
                         rate: b.rate,
@@ -241,6 +240,7 @@ mod contract_codec {
                         cost: b.cost,
                         algorithm: b.algorithm,
                         lease: b.lease,
+                        max_delay_ms: b.max_delay_ms.unwrap_or(0),
                     }
                 })
                 .collect(),
