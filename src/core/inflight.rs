@@ -137,13 +137,13 @@ pub fn released(result: &CalloutResult) -> bool {
 pub fn denial(r: &Rule, c: Concurrency, wait_ms: u64) -> LocalReply {
     let wait_ms = wait_ms.max(1);
     let state = BucketResult {
-        delay_ms: 0,
         allowed: false,
         limit: c.max_in_flight,
         remaining: 0,
         reset_ms: wait_ms,
         retry_after_ms: wait_ms,
         granted: 0,
+        delay_ms: 0,
     };
     let mut headers = vec![("retry-after".to_string(), retry_after(wait_ms))];
     headers.extend(rate_limit_headers(&r.response.headers, &[(r, &state)]));

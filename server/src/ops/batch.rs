@@ -260,7 +260,6 @@ mod tests {
 
     fn raw(key: &str) -> RawBucket {
         RawBucket {
-            max_delay_ms: None,
             key: Some(key.to_string()),
             capacity: Some(10),
             rate: None,
@@ -269,6 +268,7 @@ mod tests {
             algorithm: None,
             lease: None,
             rule: None,
+            max_delay_ms: None,
         }
     }
 

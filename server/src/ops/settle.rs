@@ -211,7 +211,6 @@ pub fn raw_from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidArgument
         let algorithm = algorithm_from_pb(i, b.algorithm)?;
         buckets.push(RawSettleBucket {
             bucket: RawBucket {
-                max_delay_ms: None,
                 key: Some(b.key.clone()),
                 capacity: Some(b.capacity),
                 rate: b.rate,
@@ -220,6 +219,7 @@ pub fn raw_from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidArgument
                 algorithm: Some(algorithm),
                 lease: None,
                 rule: non_empty(&b.rule),
+                max_delay_ms: None,
             },
             estimate: Some(b.estimate),
             used: Some(b.used),

@@ -502,7 +502,6 @@ mod tests {
 
     fn raw(key: &str) -> RawBucket {
         RawBucket {
-            max_delay_ms: None,
             key: Some(key.to_string()),
             capacity: Some(10),
             rate: None,
@@ -511,6 +510,7 @@ mod tests {
             algorithm: None,
             lease: None,
             rule: None,
+            max_delay_ms: None,
         }
     }
 
@@ -534,7 +534,6 @@ mod tests {
         assert_eq!(
             specs,
             vec![BucketSpec {
-                max_delay_ms: 0,
                 key: "k".into(),
                 capacity: 10,
                 rate: 10,
@@ -542,6 +541,7 @@ mod tests {
                 cost: 1,
                 algorithm: Algorithm::TokenBucket,
                 lease: 1,
+                max_delay_ms: 0,
             }]
         );
     }
@@ -601,7 +601,6 @@ mod tests {
     #[test]
     fn accepts_the_bounds() {
         let b = RawBucket {
-            max_delay_ms: None,
             key: Some("k".repeat(4096)),
             capacity: Some(MAX_AMOUNT),
             rate: Some(MAX_AMOUNT),
@@ -610,6 +609,7 @@ mod tests {
             algorithm: Some(Algorithm::FixedWindow),
             lease: Some(MAX_AMOUNT),
             rule: Some("r".repeat(MAX_RULE_BYTES)),
+            max_delay_ms: None,
         };
         assert!(validate(RawTake {
             buckets: Some(vec![b; 16]),
@@ -637,7 +637,6 @@ mod tests {
         assert_eq!(
             raw.buckets,
             Some(vec![RawBucket {
-                max_delay_ms: None,
                 key: Some("a\u{e9}\"".into()),
                 capacity: Some(10),
                 rate: Some(5),
@@ -646,6 +645,7 @@ mod tests {
                 algorithm: Some(Algorithm::FixedWindow),
                 lease: Some(3),
                 rule: Some("api".into()),
+                max_delay_ms: None,
             }])
         );
         assert_eq!(raw.instance.as_deref(), Some("i-1"));

@@ -219,7 +219,6 @@ fn cost(req: &RateLimitRequest, d: &RateLimitDescriptor) -> Option<u64> {
 
 fn raw_bucket(limit: &Limit, key: &str, cost: u64) -> RawBucket {
     RawBucket {
-        max_delay_ms: None,
         key: Some(key.to_string()),
         capacity: Some(limit.capacity),
         rate: Some(limit.requests_per_unit),
@@ -229,6 +228,7 @@ fn raw_bucket(limit: &Limit, key: &str, cost: u64) -> RawBucket {
         algorithm: Some(limit.algorithm),
         lease: None,
         rule: None,
+        max_delay_ms: None,
     }
 }
 

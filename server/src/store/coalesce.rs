@@ -509,7 +509,6 @@ mod tests {
 
     fn bucket(key: &str, capacity: u64) -> BucketSpec {
         BucketSpec {
-            max_delay_ms: 0,
             key: key.into(),
             capacity,
             rate: 1,
@@ -517,6 +516,7 @@ mod tests {
             cost: 1,
             algorithm: Algorithm::TokenBucket,
             lease: 1,
+            max_delay_ms: 0,
         }
     }
 

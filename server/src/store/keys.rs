@@ -110,7 +110,6 @@ mod tests {
 
     fn spec(key: &str) -> BucketSpec {
         BucketSpec {
-            max_delay_ms: 0,
             key: key.into(),
             capacity: 10,
             rate: 5,
@@ -118,6 +117,7 @@ mod tests {
             cost: 1,
             algorithm: Algorithm::TokenBucket,
             lease: 1,
+            max_delay_ms: 0,
         }
     }
 

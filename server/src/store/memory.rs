@@ -463,7 +463,6 @@ mod tests {
 
     fn tb(cap: u64, rate: u64, period: u64, cost: u64) -> BucketSpec {
         BucketSpec {
-            max_delay_ms: 0,
             key: "k".into(),
             capacity: cap,
             rate,
@@ -471,6 +470,7 @@ mod tests {
             cost,
             algorithm: Algorithm::TokenBucket,
             lease: cost,
+            max_delay_ms: 0,
         }
     }
 

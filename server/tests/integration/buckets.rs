@@ -64,7 +64,6 @@ fn with_alg(mut b: Value, alg: &str) -> Value {
 
 fn spec(key: &str, capacity: u64, period_ms: u64, algorithm: Algorithm) -> BucketSpec {
     BucketSpec {
-        max_delay_ms: 0,
         key: key.into(),
         capacity,
         rate: capacity,
@@ -72,6 +71,7 @@ fn spec(key: &str, capacity: u64, period_ms: u64, algorithm: Algorithm) -> Bucke
         cost: 1,
         algorithm,
         lease: 1,
+        max_delay_ms: 0,
     }
 }
 

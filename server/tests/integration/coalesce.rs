@@ -19,7 +19,6 @@ const HOUR: u64 = 3_600_000;
 
 fn tb(key: &str, capacity: u64) -> BucketSpec {
     BucketSpec {
-        max_delay_ms: 0,
         key: key.into(),
         capacity,
         rate: 1,
@@ -27,6 +26,7 @@ fn tb(key: &str, capacity: u64) -> BucketSpec {
         cost: 1,
         algorithm: Algorithm::TokenBucket,
         lease: 1,
+        max_delay_ms: 0,
     }
 }
 

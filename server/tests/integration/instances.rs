@@ -359,7 +359,6 @@ async fn on_a_cluster() {
     );
     // Two buckets in different slots, one take: lowered limits carry both over.
     let spec = |key: &str, cap: u64, cost: u64| BucketSpec {
-        max_delay_ms: 0,
         key: key.into(),
         capacity: cap,
         rate: cap,
@@ -367,6 +366,7 @@ async fn on_a_cluster() {
         cost,
         algorithm: Algorithm::TokenBucket,
         lease: cost,
+        max_delay_ms: 0,
     };
     let d = store
         .take(&[spec("slot-a", 100, 40), spec("slot-b", 10, 4)])

@@ -130,7 +130,6 @@ fn algorithm() -> impl Strategy<Value = Algorithm> {
 
 fn spec(key: &str, a: Algorithm, l: Limits, cost: u64, lease: u64) -> BucketSpec {
     BucketSpec {
-        max_delay_ms: 0,
         key: key.into(),
         capacity: l.capacity,
         rate: l.rate,
@@ -138,6 +137,7 @@ fn spec(key: &str, a: Algorithm, l: Limits, cost: u64, lease: u64) -> BucketSpec
         cost,
         algorithm: a,
         lease: lease.min(MAX_AMOUNT),
+        max_delay_ms: 0,
     }
 }
 

@@ -17,7 +17,6 @@ use tollgate_server::store::Store;
 
 fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketSpec {
     BucketSpec {
-        max_delay_ms: 0,
         key: key.into(),
         capacity,
         rate,
@@ -25,6 +24,7 @@ fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketS
         cost,
         algorithm: Algorithm::TokenBucket,
         lease: cost,
+        max_delay_ms: 0,
     }
 }
 

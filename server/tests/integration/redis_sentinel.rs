@@ -47,7 +47,6 @@ fn store_with(
 /// A token bucket that never refills during a test: every count stays visible.
 fn hourly(key: &str, capacity: u64) -> BucketSpec {
     BucketSpec {
-        max_delay_ms: 0,
         key: key.into(),
         capacity,
         rate: 1,
@@ -55,6 +54,7 @@ fn hourly(key: &str, capacity: u64) -> BucketSpec {
         cost: 1,
         algorithm: Algorithm::TokenBucket,
         lease: 1,
+        max_delay_ms: 0,
     }
 }
 

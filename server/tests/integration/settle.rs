@@ -476,7 +476,6 @@ async fn redis_cluster_settles_across_slots_once() {
         slot(&redis_key(
             "test:",
             &BucketSpec {
-                max_delay_ms: 0,
                 key: k.into(),
                 capacity: 1,
                 rate: 1,
@@ -484,6 +483,7 @@ async fn redis_cluster_settles_across_slots_once() {
                 cost: 1,
                 algorithm: Algorithm::TokenBucket,
                 lease: 1,
+                max_delay_ms: 0,
             },
         ))
     };

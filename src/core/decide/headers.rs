@@ -103,13 +103,13 @@ mod tests {
 
     fn res(limit: u64, remaining: u64, reset_ms: u64) -> BucketResult {
         BucketResult {
-            delay_ms: 0,
             allowed: true,
             limit,
             remaining,
             reset_ms,
             retry_after_ms: 0,
             granted: 1,
+            delay_ms: 0,
         }
     }
 

@@ -79,7 +79,6 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
             } => (capacity, rate, period_ms),
         };
         plan.request.buckets.push(Bucket {
-            max_delay_ms: 0,
             key,
             capacity,
             rate: Some(rate),
@@ -88,6 +87,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
             algorithm: Some(l.algorithm),
             // Set by the lease pools when this request is the one that refills (core::lease).
             lease: None,
+            max_delay_ms: 0,
         });
         plan.rules.push(i);
         if let Some(rls) = &mut plan.rls {

@@ -1531,7 +1531,6 @@ mod tests {
         use crate::core::wire::{Bucket, BucketResult, TakeResponse};
         let c = cfg("");
         let bucket = |key: &str, algorithm: Option<Algorithm>| Bucket {
-            max_delay_ms: 0,
             key: key.into(),
             capacity: 10,
             rate: None,
@@ -1539,10 +1538,10 @@ mod tests {
             cost: Some(2),
             algorithm,
             lease: Some(8),
+            max_delay_ms: 0,
         };
         let take = |buckets: Vec<Bucket>| Some(TakeRequest { buckets });
         let result = |allowed: bool, granted: &[u64]| TakeResponse {
-            delay_ms: 0,
             allowed,
             buckets: granted
                 .iter()
@@ -1553,6 +1552,7 @@ mod tests {
                 })
                 .collect(),
             instances: 0,
+            delay_ms: 0,
         };
         let takes = vec![
             // Granted 8 on a token bucket and 2 on a fixed window (which cannot be given back).

@@ -220,13 +220,13 @@ pub fn recall<S: CasStore + ?Sized>(
             Some(d) => {
                 denied = true;
                 BucketResult {
-                    delay_ms: 0,
                     allowed: false,
                     limit: d.limit,
                     remaining: d.remaining,
                     reset_ms: d.full_at_ms.saturating_sub(now_ms),
                     retry_after_ms: d.retry_at_ms.max(d.until_ms) - now_ms,
                     granted: 0,
+                    delay_ms: 0,
                 }
             }
             None => BucketResult {
@@ -238,10 +238,10 @@ pub fn recall<S: CasStore + ?Sized>(
         });
     }
     denied.then_some(TakeResponse {
-        delay_ms: 0,
         allowed: false,
         buckets,
         instances: 0,
+        delay_ms: 0,
     })
 }
 
@@ -279,13 +279,13 @@ mod tests {
 
     fn denied(retry_after_ms: u64) -> BucketResult {
         BucketResult {
-            delay_ms: 0,
             allowed: false,
             limit: 10,
             remaining: 0,
             reset_ms: 6000,
             retry_after_ms,
             granted: 0,
+            delay_ms: 0,
         }
     }
 
@@ -300,10 +300,10 @@ mod tests {
 
     fn limited(buckets: Vec<BucketResult>) -> Outcome {
         Outcome::Limited(TakeResponse {
-            delay_ms: 0,
             allowed: false,
             buckets,
             instances: 0,
+            delay_ms: 0,
         })
     }
 

@@ -457,13 +457,13 @@ fn decode(id: &[u8; 16], l: &Limits, bytes: Option<&[u8]>, now_ms: u64, horizon_
 /// a period, when the local share has refilled.
 fn unstored(l: &Limits) -> BucketResult {
     BucketResult {
-        delay_ms: 0,
         allowed: false,
         limit: l.capacity,
         remaining: 0,
         reset_ms: l.period_ms,
         retry_after_ms: l.period_ms.max(1),
         granted: 0,
+        delay_ms: 0,
     }
 }
 
@@ -749,10 +749,10 @@ pub fn take_all_as<S: CasStore + ?Sized>(
         }
     }
     TakeResponse {
-        delay_ms: 0,
         allowed,
         buckets: results,
         instances: 0,
+        delay_ms: 0,
     }
 }
 
@@ -1002,7 +1002,6 @@ mod tests {
 
     fn bucket(key: &str, cap: u64) -> Bucket {
         Bucket {
-            max_delay_ms: 0,
             key: key.into(),
             capacity: cap,
             rate: Some(cap),
@@ -1010,6 +1009,7 @@ mod tests {
             cost: Some(1),
             algorithm: Some(Algorithm::TokenBucket),
             lease: None,
+            max_delay_ms: 0,
         }
     }
 
@@ -1462,19 +1462,19 @@ mod tests {
                 instances: 0,
             };
             let answer = BucketResult {
-                delay_ms: 0,
                 allowed: true,
                 limit: 1000,
                 remaining: 900,
                 reset_ms: 0,
                 retry_after_ms: 0,
                 granted: 1,
+                delay_ms: 0,
             };
             let outcome = Outcome::Allowed(TakeResponse {
-                delay_ms: 0,
                 allowed: true,
                 buckets: vec![answer],
                 instances: 4,
+                delay_ms: 0,
             });
             remember(cfg, &plan, &outcome, &[], &s, 0);
             let l = limits_of(&b, 4);

@@ -221,7 +221,6 @@ mod tests {
     fn take() -> TakeRequest {
         TakeRequest {
             buckets: vec![Bucket {
-                max_delay_ms: 0,
                 key: "k".into(),
                 capacity: 1,
                 rate: None,
@@ -229,6 +228,7 @@ mod tests {
                 cost: None,
                 algorithm: None,
                 lease: None,
+                max_delay_ms: 0,
             }],
         }
     }
@@ -368,13 +368,13 @@ mod tests {
     #[test]
     fn a_batch_answer_is_split_and_a_failure_shared() {
         let answer = |allowed: bool| TakeResponse {
-            delay_ms: 0,
             allowed,
             buckets: vec![wire::BucketResult {
                 allowed,
                 ..Default::default()
             }],
             instances: 0,
+            delay_ms: 0,
         };
         let body = br#"{"results":[{"allowed":true,"buckets":[{"allowed":true}]},{"allowed":false,"buckets":[{"allowed":false}]}]}"#;
         let parts = split(

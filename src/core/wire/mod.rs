@@ -338,21 +338,21 @@ pub fn decode_rls(body: &[u8], req: &TakeRequest) -> Result<TakeResponse, Decode
             let ok = allowed || code != RLS_OVER_LIMIT;
             let reset_ms = if reset > 0 { reset } else { unit };
             BucketResult {
-                delay_ms: 0,
                 allowed: ok,
                 limit: if limit > 0 { limit } else { b.capacity },
                 remaining,
                 reset_ms,
                 retry_after_ms: if ok { 0 } else { reset_ms.max(1) },
                 granted: if allowed { b.cost() } else { 0 },
+                delay_ms: 0,
             }
         })
         .collect();
     Ok(TakeResponse {
-        delay_ms: 0,
         allowed,
         buckets,
         instances: 0,
+        delay_ms: 0,
     })
 }
 
@@ -362,7 +362,6 @@ mod rls_tests {
 
     fn bucket(key: &str, cost: u64) -> Bucket {
         Bucket {
-            max_delay_ms: 0,
             key: key.into(),
             capacity: 10,
             rate: Some(10),
@@ -370,6 +369,7 @@ mod rls_tests {
             cost: Some(cost),
             algorithm: None,
             lease: None,
+            max_delay_ms: 0,
         }
     }
 
@@ -491,13 +491,13 @@ mod rls_tests {
         assert_eq!(
             ok.buckets[0],
             BucketResult {
-                delay_ms: 0,
                 allowed: true,
                 limit: 100,
                 remaining: 42,
                 reset_ms: 30_000,
                 retry_after_ms: 0,
-                granted: 1
+                granted: 1,
+                delay_ms: 0,
             }
         );
         let over = decode_rls(

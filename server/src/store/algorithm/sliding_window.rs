@@ -73,7 +73,6 @@ mod tests {
 
     fn sw(cap: u64, period: u64, cost: u64) -> BucketSpec {
         BucketSpec {
-            max_delay_ms: 0,
             key: "k".into(),
             capacity: cap,
             rate: cap,
@@ -81,6 +80,7 @@ mod tests {
             cost,
             algorithm: Algorithm::TokenBucket,
             lease: cost,
+            max_delay_ms: 0,
         }
     }
 

@@ -192,7 +192,6 @@ mod tests {
 
     fn spec(cap: u64) -> BucketSpec {
         BucketSpec {
-            max_delay_ms: 0,
             key: "k".into(),
             capacity: cap,
             rate: cap,
@@ -200,6 +199,7 @@ mod tests {
             cost: 1,
             algorithm: Algorithm::TokenBucket,
             lease: 1,
+            max_delay_ms: 0,
         }
     }
 
@@ -216,25 +216,25 @@ mod tests {
             vec![
                 (
                     BucketResult {
-                        delay_ms: 0,
                         allowed: true,
                         limit: 10,
                         remaining: 9,
                         reset_ms: 100,
                         retry_after_ms: 0,
-                        granted: 1
+                        granted: 1,
+                        delay_ms: 0,
                     },
                     0
                 ),
                 (
                     BucketResult {
-                        delay_ms: 0,
                         allowed: false,
                         limit: 3,
                         remaining: 2,
                         reset_ms: 5,
                         retry_after_ms: 7,
-                        granted: 0
+                        granted: 0,
+                        delay_ms: 0,
                     },
                     42
                 )

@@ -374,7 +374,6 @@ pub async fn get_text(url: String) -> String {
 /// if nothing was ever charged to the key (a refused request charged nothing).
 pub async fn never_charged(store: &dyn Store, key: &str) -> bool {
     let one = tollgate_server::domain::BucketSpec {
-        max_delay_ms: 0,
         key: key.to_string(),
         capacity: 1,
         rate: 1,
@@ -382,6 +381,7 @@ pub async fn never_charged(store: &dyn Store, key: &str) -> bool {
         cost: 1,
         algorithm: tollgate_server::domain::Algorithm::TokenBucket,
         lease: 1,
+        max_delay_ms: 0,
     };
     store.take(&[one]).await.is_ok_and(|d| d.allowed)
 }

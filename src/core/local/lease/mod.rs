@@ -316,10 +316,10 @@ pub fn local<S: CasStore + ?Sized>(
         let buckets = results.into_iter().flatten().collect();
         return (
             Local::Answer(Outcome::Allowed(TakeResponse {
-                delay_ms: 0,
                 allowed: true,
                 buckets,
                 instances: 0,
+                delay_ms: 0,
             })),
             chores,
         );
@@ -355,10 +355,10 @@ pub fn local<S: CasStore + ?Sized>(
             .collect();
         return (
             Local::Answer(Outcome::Limited(TakeResponse {
-                delay_ms: 0,
                 allowed: false,
                 buckets,
                 instances: 0,
+                delay_ms: 0,
             })),
             chores,
         );
@@ -405,10 +405,10 @@ pub fn rescue<S: CasStore + ?Sized>(
         }
     }
     Some(Outcome::Allowed(TakeResponse {
-        delay_ms: 0,
         allowed: true,
         buckets: results,
         instances: 0,
+        delay_ms: 0,
     }))
 }
 

@@ -134,13 +134,13 @@ impl Pool {
     /// What the headers report: the pool plus the global remaining, at most the capacity.
     fn result(&self, capacity: u64, now_ms: u64) -> BucketResult {
         BucketResult {
-            delay_ms: 0,
             allowed: true,
             limit: capacity,
             remaining: self.tokens.saturating_add(self.remaining).min(capacity),
             reset_ms: self.reset_at_ms.saturating_sub(now_ms),
             retry_after_ms: 0,
             granted: 0,
+            delay_ms: 0,
         }
     }
 }

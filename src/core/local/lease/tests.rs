@@ -53,13 +53,13 @@ fn plan(c: &Config) -> Plan {
 
 fn answer(allowed: bool, granted: u64, retry: u64) -> BucketResult {
     BucketResult {
-        delay_ms: 0,
         allowed,
         limit: 100,
         remaining: 50,
         reset_ms: 500,
         retry_after_ms: retry,
         granted,
+        delay_ms: 0,
     }
 }
 
@@ -235,7 +235,6 @@ fn watched_pools_give_back_their_expired_tokens_once() {
     let s = FakeStore::default();
     let sl = the_slot();
     let bucket = Bucket {
-        max_delay_ms: 0,
         key: "r|k".into(),
         capacity: 100,
         rate: None,
@@ -243,6 +242,7 @@ fn watched_pools_give_back_their_expired_tokens_once() {
         cost: None,
         algorithm: None,
         lease: None,
+        max_delay_ms: 0,
     };
     let held = |expires_ms| Held {
         slot: sl.clone(),
@@ -421,10 +421,10 @@ fn local_admits_from_the_pool_and_refills_in_the_background() {
     assert_eq!(local(&c, &mut p, &s, 0).0, Local::Call);
     assert_eq!(p.request.buckets[0].lease, Some(8), "this request refills");
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: true,
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     let (granted, chores) = settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!((granted, chores.dropped, chores.refills.len()), (8, 0, 0));
@@ -458,10 +458,10 @@ fn local_admits_from_the_pool_and_refills_in_the_background() {
     assert_eq!((b.key.as_str(), b.cost, b.lease), ("r|k", None, Some(7)));
     // Its answer fills the pool with everything granted.
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: true,
         buckets: vec![answer(true, 7, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     assert_eq!(refilled(&c, r, &Outcome::Allowed(resp), &s, 3).0, 7);
     assert_eq!((pool(&s, &c).tokens, pool(&s, &c).refill_until_ms), (8, 0));
@@ -491,10 +491,10 @@ fn a_background_refill_denied_or_failed_ends_its_claim() {
     );
     assert_eq!(pool(&s, &c).refill_until_ms, 0);
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: false,
         buckets: vec![answer(false, 0, 300)],
         instances: 0,
+        delay_ms: 0,
     };
     refilled(&c, r, &Outcome::Limited(resp), &s, 2);
     assert_eq!(
@@ -583,10 +583,10 @@ fn partial_local_then_callout_refunds_and_claims() {
     assert_eq!(p.request.buckets[1].lease, Some(4), "bucket b refills");
     // The service grants b 4 (3 to the pool); a's cost was charged at the service.
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: true,
         buckets: vec![answer(true, 1, 0), answer(true, 4, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 2).0, 4);
     let mut p = plan(&c);
@@ -615,10 +615,10 @@ fn a_cached_denial_denies_the_request_without_a_callout() {
     let mut p = plan(&c);
     local(&c, &mut p, &s, 0);
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: false,
         buckets: vec![answer(true, 0, 0), answer(false, 0, 700)],
         instances: 0,
+        delay_ms: 0,
     };
     settle(&c, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c);
@@ -649,10 +649,10 @@ fn a_cached_denial_is_held_no_longer_than_remember_denials_ms() {
     let mut p = plan(&c);
     local(&c, &mut p, &s, 0);
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: false,
         buckets: vec![answer(false, 0, 86_000_000)],
         instances: 0,
+        delay_ms: 0,
     };
     settle(&c, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c);
@@ -678,10 +678,10 @@ fn a_cached_denial_is_held_no_longer_than_remember_denials_ms() {
     let mut p = plan(&c0);
     local(&c0, &mut p, &s, 0);
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: false,
         buckets: vec![answer(false, 0, 700)],
         instances: 0,
+        delay_ms: 0,
     };
     settle(&c0, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c0);
@@ -753,10 +753,10 @@ fn fixed_window_tokens_do_not_outlive_their_window() {
     let mut p = plan(&c);
     local(&c, &mut p, &s, 0);
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: true,
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!(
@@ -775,10 +775,10 @@ fn sliding_window_tokens_do_not_outlive_their_window() {
     let mut p = plan(&c);
     local(&c, &mut p, &s, 0);
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: true,
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     settle(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!(
@@ -795,10 +795,10 @@ fn granted_beyond_the_lease_is_not_trusted() {
     let mut p = plan(&c);
     local(&c, &mut p, &s, 0);
     let resp = TakeResponse {
-        delay_ms: 0,
         allowed: true,
         buckets: vec![answer(true, 1000, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     assert_eq!(settle(&c, &p, &Outcome::Allowed(resp), &s, 0).0, 8);
     assert_eq!(pool(&s, &c).tokens, 7);
