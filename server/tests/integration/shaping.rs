@@ -211,6 +211,21 @@ async fn a_burst_is_shaped_within_the_limit(store: Arc<dyn Store>) {
             "{delays:?}"
         );
     }
+    // Counted: each grant with a delay, and its delay.
+    let metrics = common::get_text(svc.url("/metrics")).await;
+    let value = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.parse::<f64>().ok())
+    };
+    let shaped = delays.len() as f64;
+    assert_eq!(value("tollgate_shaped_total"), Some(shaped), "{metrics}");
+    assert_eq!(
+        value("tollgate_shaped_delay_seconds_count"),
+        Some(shaped),
+        "{metrics}"
+    );
     // Each request sent at its delay: in any window [from, to] of those times, at most
     // capacity + rate × (to − from) requests, plus what the arrival of an answer (up to the
     // burst's length) may have shifted into the window.
