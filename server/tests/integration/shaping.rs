@@ -1,7 +1,7 @@
 //! Shaping (contract/README.md, "Shaping"): a take on a token bucket that cannot pay now but can
 //! within its `max_delay_ms` is granted with the delay until its tokens are there; a longer wait
-//! is refused as without shaping. Over the memory store and real Redis alike: the store's answers
-//! (grants with increasing delays, refusal past the max delay, all or nothing over buckets, a
+//! is refused as without shaping. Over the memory store, real Redis and a Redis Cluster: the store's
+//! answers (grants with increasing delays, refusal past the max delay, all or nothing over buckets, a
 //! refund of a held grant), the service's validation, and a burst of concurrent takes through
 //! the service whose grants, each sent at its delay, stay within the bucket's limit.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -253,3 +253,16 @@ crate::store_suite!(
     without_max_delay_nothing_is_shaped,
     a_burst_is_shaped_within_the_limit,
 );
+
+/// A Redis Cluster: a shaped take over buckets of two slots is decided slot by slot, and a slot
+/// that denies gives back what a shaped charge in the other took, below zero (the two keys of
+/// `a_shaped_take_is_all_or_nothing` fall in different slots but for one chance in 16,384).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster() {
+    let nodes = common::start_cluster(3);
+    let s: Arc<dyn Store> = Arc::new(common::cluster_store(&nodes, 1000));
+    shaped_grants_wait_in_turn_and_no_longer_than_allowed(s.clone()).await;
+    a_shaped_take_is_all_or_nothing(s.clone()).await;
+    a_burst_is_shaped_within_the_limit(s).await;
+    drop(nodes);
+}
