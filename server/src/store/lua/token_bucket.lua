@@ -14,8 +14,8 @@
 --        The TTL (time until full + margin) counts from the level below zero: it covers the debt.
 -- State: HSET fields, all integers formatted exactly:
 --          t  = micro-tokens held (MAX_DEBT_M ..= c * 10^6: below zero while the bucket owes
---               tokens after a settle charged more than it held, see settle.lua, or granted ahead of its
---               refill by shaping)
+--               tokens after a settle charged more than it held, see settle.lua, or after
+--               shaping granted tokens ahead of their refill)
 --          ts = Redis TIME of the last charge, microseconds
 --          f  = refill remainder, in 1/p of a micro-token (0 .. p - 1), so no fraction of a token
 --               is ever lost between charges: the refill is exact, not rounded per call
