@@ -14,6 +14,10 @@ pub const MAX_AMOUNT: u64 = 1_000_000_000;
 /// number: (capacity + debt) × 10^6 <= 9e15 < 2^53. Each settle pushes a bucket at most its `used`
 /// (<= [`MAX_AMOUNT`]) deeper.
 pub const MAX_DEBT: u64 = 8 * MAX_AMOUNT;
+/// Upper bound of a bucket's `max_delay_ms` (shaping): one minute. A shaped bucket owes at most
+/// `rate × MAX_DELAY_MS / period_ms` tokens for grants still waiting, and a caller holds a request
+/// at most this long.
+pub const MAX_DELAY_MS: u64 = 60_000;
 /// Upper bound of `period_ms`: one year.
 pub const MAX_PERIOD_MS: u64 = 31_536_000_000;
 /// Room a bucket may take in a request besides its key: the JSON field names, six numbers of at
@@ -66,11 +70,12 @@ pub const SLOT_DENIED_RETRY_MS: u64 = 1000;
 /// sender keeps the answers it asks for within this ([`batch_answer_bytes`]).
 pub const MAX_ANSWER_BYTES: usize = 64 * 1024;
 /// Most bytes one bucket's result takes in a JSON answer (protobuf needs fewer): its six field
-/// names, five numbers of at most 16 digits, `false`, punctuation (about 130 bytes when compact).
+/// names, five numbers of at most 16 digits, `false`, punctuation (about 130 bytes when compact);
+/// a shaped grant's `delay_ms` (at most [`MAX_DELAY_MS`]) comes only with a `retry_after_ms` of 0.
 pub const BUCKET_ANSWER_BYTES: usize = 160;
-/// Room an answer (or a batch answer) takes besides its buckets: `allowed`, `instances`, the list
-/// brackets and separators.
-pub const ANSWER_OVERHEAD_BYTES: usize = 64;
+/// Room an answer (or a batch answer) takes besides its buckets: `allowed`, `instances`, a shaped
+/// answer's `delay_ms`, the list brackets and separators.
+pub const ANSWER_OVERHEAD_BYTES: usize = 96;
 
 /// The most bytes the answer to a take of `buckets` buckets can take, JSON or protobuf.
 pub const fn take_answer_bytes(buckets: usize) -> usize {
@@ -103,6 +108,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_longest_answers_fit_their_room() {
+        let max = crate::arithmetic::MAX_MS;
+        let denied = format!(
+            r#"{{"allowed":false,"limit":{MAX_AMOUNT},"remaining":{MAX_AMOUNT},"reset_ms":{max},"retry_after_ms":{max},"granted":0}}"#
+        );
+        let shaped = format!(
+            r#"{{"allowed":true,"limit":{MAX_AMOUNT},"remaining":{MAX_AMOUNT},"reset_ms":{max},"retry_after_ms":0,"granted":{MAX_AMOUNT},"delay_ms":{MAX_DELAY_MS}}}"#
+        );
+        for one in [denied, shaped] {
+            assert!(
+                one.len() <= BUCKET_ANSWER_BYTES,
+                "{} bytes: {one}",
+                one.len()
+            );
+        }
+        let outside = format!(
+            r#"{{"allowed":false,"buckets":[],"instances":{MAX_AMOUNT},"delay_ms":{MAX_DELAY_MS}}},"#
+        );
+        assert!(outside.len() <= ANSWER_OVERHEAD_BYTES, "{outside}");
+    }
+
+    #[test]
     fn the_byte_bounds_are_the_readmes() {
         assert_eq!(MAX_TAKE_BYTES, 74_240);
         let readme = include_str!("../README.md");
@@ -111,6 +138,8 @@ mod tests {
             format!("| 1..={MAX_KEY_BYTES} bytes |"),
             format!("`takes`: 1..={MAX_BATCH_TAKES} entries"),
             format!("1..={MAX_SLOT_BYTES} hex digits"),
+            // `max_delay_ms`'s row, the number written with a thousands separator.
+            format!("| 0..={},{:03} |", MAX_DELAY_MS / 1000, MAX_DELAY_MS % 1000),
         ] {
             assert!(readme.contains(&needle), "README.md lacks `{needle}`");
         }

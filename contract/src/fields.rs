@@ -25,9 +25,23 @@ pub const ALGORITHM: &str = "algorithm";
 pub const LEASE: &str = "lease";
 /// The rule a bucket belongs to (metrics only).
 pub const RULE: &str = "rule";
+/// Shaping: the longest a take may wait for its tokens (a bucket).
+pub const MAX_DELAY_MS: &str = "max_delay_ms";
+/// Shaping: how long a granted take waits for its tokens (a bucket result, an answer).
+pub const DELAY_MS: &str = "delay_ms";
 
 /// The fields of a take's bucket, in the order the encoders write them.
-pub const TAKE_BUCKET: [&str; 8] = [KEY, CAPACITY, RATE, PERIOD_MS, COST, ALGORITHM, LEASE, RULE];
+pub const TAKE_BUCKET: [&str; 9] = [
+    KEY,
+    CAPACITY,
+    RATE,
+    PERIOD_MS,
+    COST,
+    ALGORITHM,
+    LEASE,
+    MAX_DELAY_MS,
+    RULE,
+];
 /// The fields of a take.
 pub const TAKE: [&str; 2] = [BUCKETS, INSTANCE];
 /// The fields of a batch of takes.

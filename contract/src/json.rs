@@ -110,6 +110,9 @@ fn push_take(s: &mut String, req: &TakeRequest, sender: &Sender<'_>) {
         if let Some(l) = b.lease {
             push_u64(s, fields::LEASE, l);
         }
+        if b.max_delay_ms > 0 {
+            push_u64(s, fields::MAX_DELAY_MS, b.max_delay_ms);
+        }
         if let Some(r) = (sender.rule)(b) {
             push_name(s, fields::RULE, false);
             push_string(s, r);
@@ -157,6 +160,7 @@ pub fn read_take(v: &Value) -> Result<TakeRequest, DecodeError> {
             cost: opt(b, fields::COST)?,
             algorithm,
             lease: opt(b, fields::LEASE)?,
+            max_delay_ms: opt(b, fields::MAX_DELAY_MS)?.unwrap_or(0),
         });
     }
     Ok(TakeRequest { buckets })
@@ -280,6 +284,7 @@ struct RawAnswer {
     allowed: Scalar,
     buckets: Option<Vec<Got>>,
     instances: Scalar,
+    delay_ms: Scalar,
 }
 
 /// What [`Read`] read. A value of another shape than the one wanted is `Scalar(Other)` (or the
@@ -288,8 +293,8 @@ struct RawAnswer {
 enum Got {
     Scalar(Scalar),
     Answer(RawAnswer),
-    /// A bucket's result: allowed, limit, remaining, reset_ms, retry_after_ms, granted.
-    Bucket([Scalar; 6]),
+    /// A bucket's result: allowed, limit, remaining, reset_ms, retry_after_ms, granted, delay_ms.
+    Bucket([Scalar; 7]),
     Batch(Option<Vec<Got>>),
     List(Vec<Got>),
 }
@@ -316,7 +321,8 @@ impl RawAnswer {
         let list = self.buckets.ok_or_else(|| missing_list(fields::BUCKETS))?;
         let mut buckets = Vec::with_capacity(list.len());
         for b in list {
-            let Got::Bucket([a, limit, remaining, reset_ms, retry_after_ms, granted]) = b else {
+            let Got::Bucket([a, limit, remaining, reset_ms, retry_after_ms, granted, delay_ms]) = b
+            else {
                 return Err(missing_allowed());
             };
             buckets.push(BucketResult {
@@ -326,6 +332,7 @@ impl RawAnswer {
                 reset_ms: reset_ms.unsigned(fields::RESET_MS)?,
                 retry_after_ms: retry_after_ms.unsigned(fields::RETRY_AFTER_MS)?,
                 granted: granted.unsigned(fields::GRANTED)?,
+                delay_ms: delay_ms.unsigned(fields::DELAY_MS)?,
             });
         }
         Ok(TakeResponse {
@@ -333,18 +340,20 @@ impl RawAnswer {
             buckets,
             // A count that is not a number is no count (as protobuf's absent field).
             instances: self.instances.unsigned(fields::INSTANCES).unwrap_or(0),
+            delay_ms: self.delay_ms.unsigned(fields::DELAY_MS)?,
         })
     }
 }
 
 /// The names of a bucket's result, in the order of [`Got::Bucket`].
-const BUCKET_FIELDS: [&str; 6] = [
+const BUCKET_FIELDS: [&str; 7] = [
     fields::ALLOWED,
     fields::LIMIT,
     fields::REMAINING,
     fields::RESET_MS,
     fields::RETRY_AFTER_MS,
     fields::GRANTED,
+    fields::DELAY_MS,
 ];
 
 /// The one visitor of an answer, at every level: it reads every value, those the answer does not
@@ -405,7 +414,7 @@ impl<'de> serde::de::Visitor<'de> for Read {
     }
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Got, A::Error> {
         let mut answer = RawAnswer::default();
-        let mut bucket = [Scalar::Absent; 6];
+        let mut bucket = [Scalar::Absent; 7];
         let mut results = None;
         while let Some(key) = a.next_key::<Key<'de>>()? {
             let key: &str = &key.0;
@@ -415,6 +424,9 @@ impl<'de> serde::de::Visitor<'de> for Read {
                 }
                 Want::Answer if key == fields::INSTANCES => {
                     answer.instances = a.next_value_seed(Read(Want::Scalar))?.scalar();
+                }
+                Want::Answer if key == fields::DELAY_MS => {
+                    answer.delay_ms = a.next_value_seed(Read(Want::Scalar))?.scalar();
                 }
                 Want::Answer if key == fields::BUCKETS => {
                     answer.buckets = a.next_value_seed(Read(Want::List(Element::Bucket)))?.list();
@@ -500,6 +512,7 @@ fn answer(v: &Value) -> Result<TakeResponse, DecodeError> {
             reset_ms: json_u64(b, fields::RESET_MS)?,
             retry_after_ms: json_u64(b, fields::RETRY_AFTER_MS)?,
             granted: json_u64(b, fields::GRANTED)?,
+            delay_ms: json_u64(b, fields::DELAY_MS)?,
         });
     }
     // A count that is not a number is no count (as protobuf's absent field).
@@ -511,5 +524,6 @@ fn answer(v: &Value) -> Result<TakeResponse, DecodeError> {
         allowed,
         buckets,
         instances,
+        delay_ms: json_u64(v, fields::DELAY_MS)?,
     })
 }

@@ -96,6 +96,7 @@ fn take_message(req: &TakeRequest, sender: &Sender<'_>) -> Vec<u8> {
         if let Some(r) = (sender.rule)(bucket) {
             put_bytes(&mut b, 8, r.as_bytes());
         }
+        put_u64(&mut b, 9, bucket.max_delay_ms);
         put_bytes(&mut out, 1, &b);
     }
     out
@@ -186,9 +187,10 @@ fn bucket_result(buf: &[u8]) -> Result<BucketResult, DecodeError> {
                 4 => out.reset_ms = v,
                 5 => out.retry_after_ms = v,
                 6 => out.granted = v,
+                7 => out.delay_ms = v,
                 _ => {}
             }
-        } else if (1..=6).contains(&field) {
+        } else if (1..=7).contains(&field) {
             return Err(DecodeError(format!(
                 "BucketResult field {field}: wrong wire type"
             )));
@@ -206,6 +208,7 @@ pub fn decode_answer(body: &[u8]) -> Result<TakeResponse, DecodeError> {
             (1, Field::Varint(v)) => out.allowed = v != 0,
             (2, Field::Bytes(b)) => out.buckets.push(bucket_result(b)?),
             (3, Field::Varint(n)) => out.instances = n,
+            (4, Field::Varint(n)) => out.delay_ms = n,
             (1 | 2, _) => {
                 return Err(DecodeError(format!(
                     "TakeResponse field {field}: wrong wire type"

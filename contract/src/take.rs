@@ -20,6 +20,10 @@ pub struct Bucket {
     pub algorithm: Option<Algorithm>,
     /// Lease mode: take up to this many tokens at once (`cost..=1e9`); `None` = exactly `cost`.
     pub lease: Option<u64>,
+    /// Shaping (token bucket only): a take this bucket cannot pay now but can within this many
+    /// ms is granted for the moment its tokens will be there (`delay_ms` of its result);
+    /// `0..=`[`crate::bounds::MAX_DELAY_MS`]; 0 = no shaping (not encoded).
+    pub max_delay_ms: u64,
 }
 
 impl Bucket {
@@ -87,6 +91,11 @@ pub struct BucketResult {
     /// Tokens charged to this bucket by this decision: 0 when the request was denied, `cost`
     /// without a lease, `cost..=lease` with one (0 from a service that predates lease mode).
     pub granted: u64,
+    /// Shaping: ms from the decision until this bucket's tokens are there (rounded up, at most its
+    /// `max_delay_ms`); 0 when it could pay at once, when it denied, and from a service that
+    /// predates shaping (not encoded when 0).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_zero"))]
+    pub delay_ms: u64,
 }
 
 /// The answer to a take. With the `serde` feature its serde form is the JSON response body of
@@ -106,6 +115,10 @@ pub struct TakeResponse {
     /// "Instances"); 0 (not encoded) when none is known.
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_zero"))]
     pub instances: u64,
+    /// Shaping: how long the request is held before it goes, the largest `delay_ms` of its
+    /// buckets; 0 (not encoded) when it may go at once or was denied.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_zero"))]
+    pub delay_ms: u64,
 }
 
 /// serde's `skip_serializing_if` for counts that are left out when 0 (here and in `settle`).
@@ -116,18 +129,22 @@ pub(crate) fn is_zero(n: &u64) -> bool {
 
 impl TakeResponse {
     /// The answer from per-bucket results: allowed only if every bucket allowed. A denied take
-    /// charged nothing, so every `granted` is then 0.
+    /// charged nothing, so every `granted` and `delay_ms` is then 0; an allowed one is held for
+    /// the largest of its buckets' delays.
     pub fn from_buckets(mut buckets: Vec<BucketResult>) -> Self {
         let allowed = !buckets.is_empty() && buckets.iter().all(|b| b.allowed);
         if !allowed {
             for b in &mut buckets {
                 b.granted = 0;
+                b.delay_ms = 0;
             }
         }
+        let delay_ms = buckets.iter().map(|b| b.delay_ms).max().unwrap_or(0);
         TakeResponse {
             allowed,
             buckets,
             instances: 0,
+            delay_ms,
         }
     }
 }

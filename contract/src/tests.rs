@@ -59,6 +59,7 @@ fn decode_request_proto(buf: &[u8]) -> TakeRequest {
             cost: None,
             algorithm: None,
             lease: None,
+            max_delay_ms: 0,
         };
         while let Some((f, v)) = br.field().unwrap() {
             match (f, v) {
@@ -71,6 +72,7 @@ fn decode_request_proto(buf: &[u8]) -> TakeRequest {
                     bucket.algorithm = Algorithm::from_code(i32::try_from(x).unwrap())
                 }
                 (7, Field::Varint(x)) => bucket.lease = Some(x),
+                (9, Field::Varint(x)) => bucket.max_delay_ms = x,
                 (8, Field::Bytes(r)) => {
                     assert_eq!(Some(r), rule_of_key(&bucket).map(str::as_bytes))
                 }
@@ -94,9 +96,11 @@ fn encode_answer_proto(resp: &TakeResponse) -> Vec<u8> {
         put_u64(&mut m, 4, b.reset_ms);
         put_u64(&mut m, 5, b.retry_after_ms);
         put_u64(&mut m, 6, b.granted);
+        put_u64(&mut m, 7, b.delay_ms);
         put_bytes(&mut out, 2, &m);
     }
     put_u64(&mut out, 3, resp.instances);
+    put_u64(&mut out, 4, resp.delay_ms);
     out
 }
 
@@ -220,7 +224,7 @@ fn protobuf_answers_that_are_not_answers() {
     }
     // Unknown fields of every wire type are skipped.
     let ok = [
-        0x08, 0x01, 0x20, 0x05, 0x21, 0, 0, 0, 0, 0, 0, 0, 0, 0x2d, 0, 0, 0, 0, 0x32, 0x00,
+        0x08, 0x01, 0x28, 0x05, 0x21, 0, 0, 0, 0, 0, 0, 0, 0, 0x2d, 0, 0, 0, 0, 0x32, 0x00,
     ];
     assert_eq!(
         proto::decode_answer(&ok).unwrap(),
@@ -497,4 +501,38 @@ fn a_stream_answer_with_results_and_an_error_is_refused() {
     let got = proto::decode_stream_answer(&body).unwrap();
     assert_eq!((got.id, got.answer.map_err(|e| e.code)), (1, Err(14)));
     assert!(proto::decode_batch_answer(&body).is_err());
+}
+
+#[test]
+fn shaped_fixtures_carry_max_delay_and_delays() {
+    let find = |name: &str| {
+        cases("cases")
+            .into_iter()
+            .find(|c| c["name"] == name)
+            .unwrap()
+    };
+    let answer = |c: &Value| proto::decode_answer(&hex(c["response_pb_hex"].as_str().unwrap()));
+    let grant = find("shaped_grant");
+    assert_eq!(
+        request_from_json(&grant["request_json"]).buckets[0].max_delay_ms,
+        1000
+    );
+    let a = answer(&grant).unwrap();
+    assert_eq!(
+        (a.allowed, a.delay_ms, a.buckets[0].delay_ms),
+        (true, 300, 300)
+    );
+    let a = answer(&find("shaped_refusal_past_max_delay")).unwrap();
+    assert_eq!(
+        (a.allowed, a.delay_ms, a.buckets[0].retry_after_ms),
+        (false, 0, 1100)
+    );
+    let a = answer(&find("shaped_two_buckets")).unwrap();
+    let delays: Vec<u64> = a.buckets.iter().map(|b| b.delay_ms).collect();
+    assert_eq!((a.delay_ms, delays), (500, vec![200, 500]), "the larger");
+    assert_eq!(
+        a,
+        crate::take::TakeResponse::from_buckets(a.buckets.clone()),
+        "the take's delay is its buckets' largest"
+    );
 }

@@ -39,14 +39,16 @@ struct InBucket {
     cost: Option<Num>,
     fixed_window: Option<bool>,
     lease: Option<Num>,
+    max_delay_ms: Num,
 }
 
 #[derive(Debug, Arbitrary)]
 struct Input {
     request: Vec<InBucket>,
     allowed: bool,
-    answer: Vec<(bool, u64, u64, u64, u64, u64)>,
+    answer: Vec<(bool, u64, u64, u64, u64, u64, u64)>,
     instances: u64,
+    delay_ms: u64,
 }
 
 fuzz_target!(|input: Input| {
@@ -68,6 +70,7 @@ fuzz_target!(|input: Input| {
                     }
                 }),
                 lease: b.lease.as_ref().map(Num::get),
+                max_delay_ms: b.max_delay_ms.get(),
             })
             .collect(),
     };
@@ -99,6 +102,8 @@ fuzz_target!(|input: Input| {
                 lease: b.lease,
                 // The filter sends a bucket's rule name outside this encoder.
                 rule: None,
+                // Absent when 0 (JSON); protobuf reads 0 (below).
+                max_delay_ms: (b.max_delay_ms > 0).then_some(b.max_delay_ms),
             })
             .collect();
         assert_eq!(raw.buckets.as_ref(), Some(&expected));
@@ -106,6 +111,7 @@ fuzz_target!(|input: Input| {
         let mut expected_pb = expected;
         for b in &mut expected_pb {
             b.algorithm.get_or_insert(Algorithm::TokenBucket);
+            b.max_delay_ms.get_or_insert(0);
         }
         assert_eq!(from_pb.buckets.as_ref(), Some(&expected_pb));
     }
@@ -122,18 +128,22 @@ fuzz_target!(|input: Input| {
             .answer
             .iter()
             .map(
-                |&(allowed, limit, remaining, reset_ms, retry_after_ms, granted)| BucketResult {
-                    allowed,
-                    limit,
-                    remaining,
-                    reset_ms,
-                    retry_after_ms,
-                    granted,
+                |&(allowed, limit, remaining, reset_ms, retry_after_ms, granted, delay_ms)| {
+                    BucketResult {
+                        allowed,
+                        limit,
+                        remaining,
+                        reset_ms,
+                        retry_after_ms,
+                        granted,
+                        delay_ms,
+                    }
                 },
             )
             .collect(),
         // The filter reads the count elsewhere; its decoders must accept an answer carrying it.
         instances: input.instances,
+        delay_ms: input.delay_ms,
     };
     // One type on both sides (the contract crate's): the filter reads back what the service wrote.
     let expected = &decision;

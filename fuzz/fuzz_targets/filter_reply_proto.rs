@@ -25,9 +25,11 @@ fuzz_target!(|data: &[u8]| {
                     reset_ms: b.reset_ms,
                     retry_after_ms: b.retry_after_ms,
                     granted: b.granted,
+                    delay_ms: b.delay_ms,
                 })
                 .collect(),
             instances: theirs.instances,
+            delay_ms: theirs.delay_ms,
         };
         assert_eq!(ours, &expected, "prost reads these bytes differently");
     }

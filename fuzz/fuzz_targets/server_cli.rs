@@ -125,6 +125,7 @@ fuzz_target!(|data: &[u8]| {
             cost: 1,
             algorithm: Algorithm::FixedWindow,
             lease: 1,
+            max_delay_ms: 0,
         };
         let key = redis_key(&cli.key_prefix, &spec);
         assert_eq!(slot(&key), slot("{per-ip|203.0.113.7}"), "{key:?}");

@@ -12,7 +12,9 @@
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use tollgate_fuzz::server::{check_store_keys, has_duplicate_fields, reference_take};
-use tollgate_server::domain::{MAX_AMOUNT, MAX_BUCKETS, MAX_KEY_BYTES, MAX_PERIOD_MS};
+use tollgate_server::domain::{
+    Algorithm, MAX_AMOUNT, MAX_BUCKETS, MAX_DELAY_MS, MAX_KEY_BYTES, MAX_PERIOD_MS,
+};
 use tollgate_server::ops::take::{self, RawTake};
 
 fuzz_target!(|data: &[u8]| {
@@ -58,6 +60,9 @@ fuzz_target!(|data: &[u8]| {
         }
         assert!((1..=MAX_PERIOD_MS).contains(&s.period_ms));
         assert!(s.cost <= s.lease);
+        // Shaping: bounded, and on token buckets only.
+        assert!(s.max_delay_ms <= MAX_DELAY_MS);
+        assert!(s.max_delay_ms == 0 || s.algorithm == Algorithm::TokenBucket);
     }
     check_store_keys(&specs);
 

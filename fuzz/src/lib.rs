@@ -41,6 +41,7 @@ pub fn response_json(r: &TakeResponse) -> Vec<u8> {
                 "reset_ms": b.reset_ms,
                 "retry_after_ms": b.retry_after_ms,
                 "granted": b.granted,
+                "delay_ms": b.delay_ms,
             })
         })
         .collect();
@@ -48,6 +49,7 @@ pub fn response_json(r: &TakeResponse) -> Vec<u8> {
         "allowed": r.allowed,
         "buckets": buckets,
         "instances": r.instances,
+        "delay_ms": r.delay_ms,
     }))
     .unwrap_or_default()
 }
@@ -76,6 +78,7 @@ fn bucket_proto(b: &BucketResult) -> Vec<u8> {
     put_u64(&mut m, 4, b.reset_ms);
     put_u64(&mut m, 5, b.retry_after_ms);
     put_u64(&mut m, 6, b.granted);
+    put_u64(&mut m, 7, b.delay_ms);
     m
 }
 
@@ -90,6 +93,7 @@ pub fn response_proto(r: &TakeResponse) -> Vec<u8> {
         out.extend_from_slice(&m);
     }
     put_u64(&mut out, 3, r.instances);
+    put_u64(&mut out, 4, r.delay_ms);
     out
 }
 
@@ -194,7 +198,7 @@ pub mod server {
     }
 
     fn reference_bucket(v: &Value) -> Option<RawBucket> {
-        const KNOWN: [&str; 8] = [
+        const KNOWN: [&str; 9] = [
             "key",
             "capacity",
             "rate",
@@ -203,6 +207,7 @@ pub mod server {
             "algorithm",
             "lease",
             "rule",
+            "max_delay_ms",
         ];
         let b = v.as_object()?;
         if b.keys().any(|k| !KNOWN.contains(&k.as_str())) {
@@ -232,6 +237,7 @@ pub mod server {
             },
             lease: uint("lease")?,
             rule: string(b.get("rule"))?,
+            max_delay_ms: uint("max_delay_ms")?,
         })
     }
 

@@ -9,7 +9,7 @@ use std::fmt;
 
 /// The contract's bounds and algorithms (contract/README.md), from the contract crate.
 pub use contract::bounds::{
-    BUCKET_OVERHEAD_BYTES, MAX_AMOUNT, MAX_BATCH_BYTES, MAX_BATCH_TAKES, MAX_BUCKETS,
+    BUCKET_OVERHEAD_BYTES, MAX_AMOUNT, MAX_BATCH_BYTES, MAX_BATCH_TAKES, MAX_BUCKETS, MAX_DELAY_MS,
     MAX_INSTANCE_BYTES, MAX_KEY_BYTES, MAX_PERIOD_MS, MAX_RULE_BYTES, MAX_SETTLE_ID_BYTES,
     MAX_TAKE_BYTES, SETTLE_ID_TTL_MS,
 };
@@ -33,6 +33,9 @@ pub struct BucketSpec {
     /// Lease mode: take up to this many tokens (cost..=1e9) when the request is allowed, as many as
     /// the bucket holds but never fewer than `cost`. Equal to `cost` when the caller left it out.
     pub lease: u64,
+    /// Shaping (token bucket only): a take whose tokens are there within this many ms is granted
+    /// with that `delay_ms` (contract/README.md, "Shaping"); 0..=[`MAX_DELAY_MS`], 0 = none.
+    pub max_delay_ms: u64,
 }
 
 /// The answer for one bucket, for a take, and for a batch: the contract's messages, whose serde

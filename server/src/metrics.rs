@@ -4,6 +4,8 @@
 //! |---|---|---|
 //! | `tollgate_decisions_total` | `outcome` = allowed, limited | takes answered |
 //! | `tollgate_rule_decisions_total` | `rule` = a rule name the filter sent (at most [`MAX_RULE_LABELS`] distinct, the rest `other`); `outcome` = allowed, limited | per rule named in a take (each rule once per take): `allowed` when the take was, `limited` when that rule's own bucket denied it |
+//! | `tollgate_shaped_total` | | takes granted with a delay (shaping: `delay_ms` > 0), counted in `tollgate_decisions_total{outcome="allowed"}` too |
+//! | `tollgate_shaped_delay_seconds` | | the delay of each shaped grant: how long its caller holds the request (histogram) |
 //! | `tollgate_slots_total` | `outcome` = acquired, limited, released, already_free | concurrency slots (`ops/acquire.rs`, `ops/release.rs`): acquires that took their slots or were denied, releases that found their slot or found it gone (expired at its deadline, or released before) |
 //! | `tollgate_settlements_total` | `outcome` = applied, duplicate | settles (`/v1/settle`, `Settle`): applied, or found already applied (a resent id) |
 //! | `tollgate_live_instances` | | proxy instances of the deployment heard from within the instance TTL (`--instance-ttl-ms`, 90 s by default), as last counted (gauge) |
@@ -98,6 +100,8 @@ struct Call {
 pub struct Metrics {
     registry: Registry,
     decisions: Family<Outcome, Counter>,
+    shaped: Counter,
+    shaped_delay: Histogram,
     store_duration: Histogram,
     batch_takes: Histogram,
     store_errors: Family<Kind, Counter>,
@@ -148,6 +152,21 @@ impl Metrics {
         let mut registry = Registry::with_prefix("tollgate");
         let decisions = Family::<Outcome, Counter>::default();
         registry.register("decisions", "Takes answered, by outcome", decisions.clone());
+        let shaped = Counter::default();
+        registry.register(
+            "shaped",
+            "Takes granted with a delay (shaping)",
+            shaped.clone(),
+        );
+        // 1 ms .. 60 s: contract::bounds::MAX_DELAY_MS is one minute.
+        let shaped_delay = Histogram::new([
+            0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        ]);
+        registry.register(
+            "shaped_delay_seconds",
+            "Delay of each shaped grant: how long its caller holds the request",
+            shaped_delay.clone(),
+        );
         // 50 µs .. ~100 ms: a store round trip on a LAN is well under a millisecond.
         let store_duration = Histogram::new([
             0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -271,6 +290,8 @@ impl Metrics {
             rule_counters: std::sync::Mutex::new(std::collections::HashMap::new()),
             live_instances,
             decisions,
+            shaped,
+            shaped_delay,
             store_duration,
             batch_takes,
             store_errors,
@@ -290,14 +311,18 @@ impl Metrics {
         }
     }
 
-    /// Counts a decision.
-    pub fn decision(&self, allowed: bool) {
+    /// Counts a decision; a grant with a delay (shaping) also counts as shaped, its delay observed.
+    pub fn decision(&self, allowed: bool, delay_ms: u64) {
         let (cell, outcome) = if allowed {
             (&self.allowed, "allowed")
         } else {
             (&self.limited, "limited")
         };
         cached(cell, &self.decisions, Outcome { outcome }).inc();
+        if allowed && delay_ms > 0 {
+            self.shaped.inc();
+            self.shaped_delay.observe(delay_ms as f64 / 1000.0);
+        }
     }
 
     /// Counts a take once per distinct rule among `rules` (each bucket's rule name and whether

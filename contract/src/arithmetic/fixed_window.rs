@@ -81,6 +81,7 @@ impl Window {
             reset_ms,
             retry_after_ms,
             granted,
+            delay_ms: 0,
         }
     }
 

@@ -153,6 +153,7 @@ impl Counts {
             reset_ms: self.reset_ms(l, now_ms),
             retry_after_ms,
             granted,
+            delay_ms: 0,
         }
     }
 

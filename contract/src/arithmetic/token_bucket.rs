@@ -109,22 +109,48 @@ impl Tokens {
     }
 
     /// Takes `cost` (brought up to now by [`Tokens::refill`]) when the bucket holds it: as many
-    /// whole tokens as held up to `lease`, at least `cost`.
+    /// whole tokens as held up to `lease`, at least `cost`. No shaping: [`Tokens::take_shaped`]
+    /// with a `max_delay_ms` of 0.
     pub fn take(&mut self, l: &Limits, cost: u64, lease: u64) -> BucketResult {
+        self.take_shaped(l, cost, lease, 0)
+    }
+
+    /// [`Tokens::take`], shaped (contract/README.md, "Shaping"): a cost the bucket cannot pay now
+    /// but whose tokens refill within `max_delay_ms` is granted now and charged now, the balance
+    /// going below zero by the deficit (at most `rate × max_delay_ms / period_ms`), and answered
+    /// with `delay_ms`, the time until the tokens are there (rounded up, a debt included); a grant
+    /// that waits takes exactly `cost` (no lease). A wait longer than `max_delay_ms` is denied as
+    /// without shaping. Grants are therefore spaced as the refill allows: a take after a delayed
+    /// one waits for its own tokens after the earlier one's.
+    pub fn take_shaped(
+        &mut self,
+        l: &Limits,
+        cost: u64,
+        lease: u64,
+        max_delay_ms: u64,
+    ) -> BucketResult {
         let cost_m = micro(cost);
-        let allowed = cost <= l.capacity && self.held >= cost_m;
-        let mut granted = 0;
-        let retry_after_ms = if allowed {
-            granted = lease.min(self.whole()).max(cost);
-            self.held -= micro(granted);
+        let now = cost <= l.capacity && self.held >= cost_m;
+        // The whole deficit, a debt included; 0 when it can pay now.
+        let wait = if now || cost > l.capacity {
             0
-        } else if cost > l.capacity {
-            // Can never be paid: a full period is the honest "not soon".
-            l.period_ms
         } else {
-            // The whole deficit, a debt included.
             fill_ms(l, gap(self.held, cost_m)).max(1)
         };
+        let allowed = now || (cost <= l.capacity && wait <= max_delay_ms);
+        let (mut granted, mut retry_after_ms, mut delay_ms) = (0, 0, 0);
+        if now {
+            granted = lease.min(self.whole()).max(cost);
+        } else if allowed {
+            granted = cost;
+            delay_ms = wait;
+        } else if cost > l.capacity {
+            // Can never be paid: a full period is the honest "not soon".
+            retry_after_ms = l.period_ms;
+        } else {
+            retry_after_ms = wait;
+        }
+        self.held -= micro(granted);
         BucketResult {
             allowed,
             limit: l.capacity,
@@ -132,10 +158,12 @@ impl Tokens {
             reset_ms: self.reset_ms(l),
             retry_after_ms,
             granted,
+            delay_ms,
         }
     }
 
-    /// Gives back `amount` tokens, capped at the capacity.
+    /// Gives back `amount` tokens, capped at the capacity; on a bucket below zero (a shaped grant
+    /// whose caller left while held, a debt) it lowers what is owed.
     pub fn refund(&mut self, l: &Limits, amount: u64) {
         self.held = (self.held + micro(amount)).min(cap_m(l));
     }
@@ -211,6 +239,41 @@ mod tests {
         );
         t.refill(&l, 400_000);
         assert_eq!((t.whole(), t.debt()), (0, 0));
+    }
+
+    #[test]
+    fn a_shaped_take_waits_for_its_tokens_and_no_longer_than_allowed() {
+        // 10 per second, max delay 1 s: 10 now, 10 more each 100 ms later, then refused.
+        let l = Limits::whole(10, 10, 1000);
+        let mut t = Tokens::full(&l, 0);
+        for _ in 0..10 {
+            let r = t.take_shaped(&l, 1, 1, 1000);
+            assert_eq!((r.allowed, r.delay_ms), (true, 0));
+        }
+        for i in 1..=10 {
+            let r = t.take_shaped(&l, 1, 5, 1000);
+            assert_eq!((r.allowed, r.delay_ms, r.granted), (true, 100 * i, 1));
+            assert_eq!((r.remaining, r.retry_after_ms), (0, 0));
+        }
+        assert_eq!(t.debt(), 10, "at most rate × max delay below zero");
+        let r = t.take_shaped(&l, 1, 1, 1000);
+        assert_eq!((r.allowed, r.delay_ms, r.retry_after_ms), (false, 0, 1100));
+        assert_eq!(t.debt(), 10, "a refusal charges nothing");
+        // The last one held leaves: its token comes back, the next waits as long as it did.
+        t.refund(&l, 1);
+        assert_eq!(t.take_shaped(&l, 1, 1, 1000).delay_ms, 1000);
+        // A cost above capacity is never shaped.
+        assert!(!t.take_shaped(&l, 11, 11, 60_000).allowed);
+    }
+
+    #[test]
+    fn no_shaping_is_the_plain_take() {
+        let l = Limits::whole(2, 1, 1000);
+        let (mut a, mut b) = (Tokens::full(&l, 0), Tokens::full(&l, 0));
+        for _ in 0..4 {
+            assert_eq!(a.take(&l, 1, 1), b.take_shaped(&l, 1, 1, 0));
+        }
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -28,6 +28,11 @@ pub struct Bucket {
     /// (a `rule` label, bounded in cardinality). Empty: not sent.
     #[prost(string, tag = "8")]
     pub rule: ::prost::alloc::string::String,
+    /// Shaping (token bucket only): a take this bucket cannot pay now but can within `max_delay_ms`
+    /// is granted for the moment its tokens will be there, and answered with that `delay_ms`; one
+    /// that would wait longer is denied. 0..=60000; absent or 0: no shaping (denied as today).
+    #[prost(uint64, tag = "9")]
+    pub max_delay_ms: u64,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TakeRequest {
@@ -60,6 +65,11 @@ pub struct BucketResult {
     /// lease, cost..=lease with one. The caller may spend granted - cost later without asking again.
     #[prost(uint64, tag = "6")]
     pub granted: u64,
+    /// Shaping: milliseconds from the decision until this bucket's tokens are there (rounded up,
+    /// at most the bucket's max_delay_ms); the caller holds the request that long. 0 when it could
+    /// pay at once, when denied, and from a service that predates shaping.
+    #[prost(uint64, tag = "7")]
+    pub delay_ms: u64,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TakeResponse {
@@ -73,6 +83,10 @@ pub struct TakeResponse {
     /// their id within the last 10 s); 0 when none is known.
     #[prost(uint64, tag = "3")]
     pub instances: u64,
+    /// Shaping: how long the request is held before it goes, the largest of its buckets' delay_ms;
+    /// 0 when it may go at once, when denied, and from a service that predates shaping.
+    #[prost(uint64, tag = "4")]
+    pub delay_ms: u64,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TakeBatchRequest {

@@ -230,7 +230,7 @@ impl Operation for Batch {
             ]
         });
         for (i, d) in results.iter_mut().enumerate() {
-            api.metrics.decision(d.allowed);
+            api.metrics.decision(d.allowed, d.delay_ms);
             if let Some(r) = rules.get(i) {
                 count_rules(api, d, r);
             }
@@ -268,6 +268,7 @@ mod tests {
             algorithm: None,
             lease: None,
             rule: None,
+            max_delay_ms: None,
         }
     }
 

@@ -219,6 +219,7 @@ pub fn raw_from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidArgument
                 algorithm: Some(algorithm),
                 lease: None,
                 rule: non_empty(&b.rule),
+                max_delay_ms: None,
             },
             estimate: Some(b.estimate),
             used: Some(b.used),

@@ -18,7 +18,7 @@ use crate::api::json::{self, Field, Object};
 use crate::api::{Api, ApiError};
 use crate::domain::{
     check_instance, Algorithm, BucketResult, BucketSpec, InvalidArgument, TakeResponse, MAX_AMOUNT,
-    MAX_BUCKETS, MAX_KEY_BYTES, MAX_PERIOD_MS, MAX_RULE_BYTES, MAX_TAKE_BYTES,
+    MAX_BUCKETS, MAX_DELAY_MS, MAX_KEY_BYTES, MAX_PERIOD_MS, MAX_RULE_BYTES, MAX_TAKE_BYTES,
 };
 
 /// A bucket as decoded from either wire form, before validation. `None` means "absent".
@@ -40,6 +40,8 @@ pub struct RawBucket {
     pub lease: Option<u64>,
     /// `rule`: the name of the rule the bucket belongs to, for metrics only; absent when not sent.
     pub rule: Option<String>,
+    /// `max_delay_ms`: shaping (token buckets only); absent means 0, none.
+    pub max_delay_ms: Option<u64>,
 }
 
 /// A take as decoded from either wire form.
@@ -170,14 +172,33 @@ fn validate_bucket(
             format!("must be at least cost ({cost}), got {lease}"),
         ));
     }
+    let algorithm = b.algorithm.unwrap_or(Algorithm::TokenBucket);
+    let max_delay_ms = b.max_delay_ms.unwrap_or(0);
+    if max_delay_ms > MAX_DELAY_MS {
+        return Err(InvalidArgument::new(
+            f("max_delay_ms"),
+            format!("must be at most {MAX_DELAY_MS}, got {max_delay_ms}"),
+        ));
+    }
+    if max_delay_ms > 0 && algorithm != Algorithm::TokenBucket {
+        return Err(InvalidArgument::new(
+            f("max_delay_ms"),
+            format!(
+                "shaping is for token_bucket only, not {} (a window cannot grant tokens of a \
+                 window to come): leave it out or 0",
+                algorithm.name()
+            ),
+        ));
+    }
     let spec = BucketSpec {
         key,
         capacity,
         rate,
         period_ms,
         cost,
-        algorithm: b.algorithm.unwrap_or(Algorithm::TokenBucket),
+        algorithm,
         lease,
+        max_delay_ms,
     };
     Ok((spec, b.rule))
 }
@@ -202,6 +223,7 @@ impl Object for RawBucket {
             fields::ALGORITHM => self.algorithm = v.algorithm()?,
             fields::LEASE => self.lease = v.uint()?,
             fields::RULE => self.rule = v.string()?,
+            fields::MAX_DELAY_MS => self.max_delay_ms = v.uint()?,
             // FIELDS holds no other name.
             _ => {}
         }
@@ -252,6 +274,8 @@ struct JsonBucket<'a> {
     lease: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     rule: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_delay_ms: Option<u64>,
 }
 
 /// Encodes a request (used by tests and the load generator).
@@ -269,6 +293,7 @@ pub fn encode_json(raw: &RawTake) -> Value {
             algorithm: b.algorithm.map(Algorithm::name),
             lease: b.lease,
             rule: b.rule.as_deref(),
+            max_delay_ms: b.max_delay_ms,
         })
         .collect();
     let mut v = serde_json::json!({ "buckets": buckets });
@@ -325,6 +350,7 @@ pub fn raw_from_pb(req: pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
             algorithm: Some(algorithm),
             lease: b.lease,
             rule: non_empty_owned(b.rule),
+            max_delay_ms: Some(b.max_delay_ms),
         });
     }
     Ok(RawTake {
@@ -349,6 +375,7 @@ pub fn pb_from_raw(raw: &RawTake) -> pb::TakeRequest {
                 algorithm: b.algorithm.unwrap_or_default().code(),
                 lease: b.lease,
                 rule: b.rule.clone().unwrap_or_default(),
+                max_delay_ms: b.max_delay_ms.unwrap_or(0),
             })
             .collect(),
         instance: raw.instance.clone().unwrap_or_default(),
@@ -369,9 +396,11 @@ pub fn pb_from_answer(d: &TakeResponse) -> pb::TakeResponse {
                 reset_ms: b.reset_ms,
                 retry_after_ms: b.retry_after_ms,
                 granted: b.granted,
+                delay_ms: b.delay_ms,
             })
             .collect(),
         instances: d.instances,
+        delay_ms: d.delay_ms,
     }
 }
 
@@ -389,9 +418,11 @@ pub fn answer_from_pb(r: &pb::TakeResponse) -> TakeResponse {
                 reset_ms: b.reset_ms,
                 retry_after_ms: b.retry_after_ms,
                 granted: b.granted,
+                delay_ms: b.delay_ms,
             })
             .collect(),
         instances: r.instances,
+        delay_ms: r.delay_ms,
     }
 }
 
@@ -422,7 +453,7 @@ impl Operation for Take {
             .and_then(validate_take)
             .map_err(|e| invalid("take", e))?;
         let mut d = take_specs(api, &v.specs).await?;
-        api.metrics.decision(d.allowed);
+        api.metrics.decision(d.allowed, d.delay_ms);
         crate::trace::note(|| crate::trace::decision(d.allowed, &v.rules));
         count_rules(api, &d, &v.rules);
         d.instances = api.instances(v.instance.as_deref());
@@ -479,6 +510,7 @@ mod tests {
             algorithm: None,
             lease: None,
             rule: None,
+            max_delay_ms: None,
         }
     }
 
@@ -509,6 +541,7 @@ mod tests {
                 cost: 1,
                 algorithm: Algorithm::TokenBucket,
                 lease: 1,
+                max_delay_ms: 0,
             }]
         );
     }
@@ -576,6 +609,7 @@ mod tests {
             algorithm: Some(Algorithm::FixedWindow),
             lease: Some(MAX_AMOUNT),
             rule: Some("r".repeat(MAX_RULE_BYTES)),
+            max_delay_ms: None,
         };
         assert!(validate(RawTake {
             buckets: Some(vec![b; 16]),
@@ -611,6 +645,7 @@ mod tests {
                 algorithm: Some(Algorithm::FixedWindow),
                 lease: Some(3),
                 rule: Some("api".into()),
+                max_delay_ms: None,
             }])
         );
         assert_eq!(raw.instance.as_deref(), Some("i-1"));

@@ -406,6 +406,20 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, S
             unit.seconds()
         ));
     }
+    // Read only to be refused by name: a plain "unknown field" would not say why.
+    for (name, given) in [
+        ("shape", r.shape.is_some()),
+        ("max_delay", r.max_delay.is_some()),
+        ("max_delay_ms", r.max_delay_ms.is_some()),
+    ] {
+        if given {
+            return Err(format!(
+                "{name}: shaping (holding a request until its tokens are there) needs the \
+                 Tollgate filter; Envoy's rate limit filter cannot hold a request, so an RLS \
+                 limit is never shaped"
+            ));
+        }
+    }
     let charge_response = match r.charge.as_deref() {
         None | Some("request") => false,
         Some("response") => true,
@@ -522,6 +536,13 @@ struct YamlRateLimit {
     burst: Option<u64>,
     #[serde(default)]
     charge: Option<String>,
+    /// Shaping options, refused by name (`limit_of`).
+    #[serde(default)]
+    shape: Option<serde_yaml_ng::Value>,
+    #[serde(default)]
+    max_delay: Option<serde_yaml_ng::Value>,
+    #[serde(default)]
+    max_delay_ms: Option<serde_yaml_ng::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -639,6 +660,9 @@ descriptors:
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, unit_multiplier: 0}\n", "rate_limit.unit_multiplier: must be at least 1"),
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: month, requests_per_unit: 1, unit_multiplier: 13}\n", "rate_limit.unit_multiplier: 13 x 2592000 s"),
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, charge: later}\n", "rate_limit.charge: \"later\""),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, shape: true}\n", "rate_limit.shape: shaping (holding a request until its tokens are there) needs the Tollgate filter"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, max_delay: 1s}\n", "rate_limit.max_delay: shaping"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, max_delay_ms: 500}\n", "rate_limit.max_delay_ms: shaping"),
         ];
         for (text, want) in cases {
             let got = Limits::parse(text).err().unwrap_or_default();

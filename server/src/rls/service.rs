@@ -228,6 +228,7 @@ fn raw_bucket(limit: &Limit, key: &str, cost: u64) -> RawBucket {
         algorithm: Some(limit.algorithm),
         lease: None,
         rule: None,
+        max_delay_ms: None,
     }
 }
 
@@ -508,7 +509,8 @@ impl<D: Decide> RlsService<D> {
             .take_specs(&specs)
             .await
             .map_err(|e| status_of(&e))?;
-        self.api.metrics().decision(d.allowed);
+        // Never shaped: an RLS bucket has no max_delay_ms (config.rs refuses one).
+        self.api.metrics().decision(d.allowed, 0);
         Ok(d)
     }
 
@@ -528,7 +530,7 @@ impl<D: Decide> RlsService<D> {
         // Counted as what it decided, not as the denied take it is.
         self.api
             .metrics()
-            .decision(decided.iter().all(|b| b.allowed));
+            .decision(decided.iter().all(|b| b.allowed), 0);
         Ok(decided)
     }
 

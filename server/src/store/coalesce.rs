@@ -516,6 +516,7 @@ mod tests {
             cost: 1,
             algorithm: Algorithm::TokenBucket,
             lease: 1,
+            max_delay_ms: 0,
         }
     }
 

@@ -117,6 +117,7 @@ mod tests {
             cost: 1,
             algorithm: Algorithm::TokenBucket,
             lease: 1,
+            max_delay_ms: 0,
         }
     }
 

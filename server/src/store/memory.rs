@@ -470,6 +470,7 @@ mod tests {
             cost,
             algorithm: Algorithm::TokenBucket,
             lease: cost,
+            max_delay_ms: 0,
         }
     }
 

@@ -18,6 +18,7 @@ fn tb(key: &str, capacity: u64, rate: u64, period_ms: u64, cost: u64) -> BucketS
         cost,
         algorithm: Algorithm::TokenBucket,
         lease: cost,
+        max_delay_ms: 0,
     }
 }
 

@@ -71,6 +71,7 @@ fn spec(key: &str, capacity: u64, period_ms: u64, algorithm: Algorithm) -> Bucke
         cost: 1,
         algorithm,
         lease: 1,
+        max_delay_ms: 0,
     }
 }
 

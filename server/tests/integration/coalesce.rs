@@ -26,6 +26,7 @@ fn tb(key: &str, capacity: u64) -> BucketSpec {
         cost: 1,
         algorithm: Algorithm::TokenBucket,
         lease: 1,
+        max_delay_ms: 0,
     }
 }
 

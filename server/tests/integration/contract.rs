@@ -240,6 +240,7 @@ mod contract_codec {
                         cost: b.cost,
                         algorithm: b.algorithm,
                         lease: b.lease,
+                        max_delay_ms: b.max_delay_ms.unwrap_or(0),
                     }
                 })
                 .collect(),

@@ -366,6 +366,7 @@ async fn on_a_cluster() {
         cost,
         algorithm: Algorithm::TokenBucket,
         lease: cost,
+        max_delay_ms: 0,
     };
     let d = store
         .take(&[spec("slot-a", 100, 40), spec("slot-b", 10, 4)])

@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use proptest::prelude::*;
-use tollgate_server::domain::{Algorithm, BucketSpec, SettleSpec, MAX_AMOUNT, MAX_PERIOD_MS};
+use tollgate_server::domain::{
+    Algorithm, BucketSpec, SettleSpec, MAX_AMOUNT, MAX_DELAY_MS, MAX_PERIOD_MS,
+};
 use tollgate_server::store::algorithm::State;
 use tollgate_server::store::redis::{
     refund_script_source, settle_script_source, take_script_source,
@@ -48,8 +50,14 @@ struct Limits {
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// A take of `cost` (up to `cost + extra` with a lease) under the first or second limits.
-    Take { second: bool, cost: u64, extra: u64 },
+    /// A take of `cost` (up to `cost + extra` with a lease) under the first or second limits,
+    /// shaped up to `max_delay` ms (token buckets; the windows take it as 0).
+    Take {
+        second: bool,
+        cost: u64,
+        extra: u64,
+        max_delay: u64,
+    },
     /// A refund of the last take's grant (token buckets: the only refunds the service makes
     /// outside a Redis Cluster's undo, and the only ones the memory store gives back).
     Refund,
@@ -85,9 +93,18 @@ fn limits() -> impl Strategy<Value = Limits> {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (any::<bool>(), amount(), prop_oneof![0..=0u64, 0..=10u64]).prop_map(
-            |(second, cost, extra)| Op::Take { second, cost, extra }
-        ),
+        6 => (
+            any::<bool>(),
+            amount(),
+            prop_oneof![0..=0u64, 0..=10u64],
+            prop_oneof![2 => Just(0u64), 1 => 1..=100u64, 1 => 1..=MAX_DELAY_MS],
+        )
+            .prop_map(|(second, cost, extra, max_delay)| Op::Take {
+                second,
+                cost,
+                extra,
+                max_delay,
+            }),
         1 => Just(Op::Refund),
         2 => (
             any::<bool>(),
@@ -120,6 +137,7 @@ fn spec(key: &str, a: Algorithm, l: Limits, cost: u64, lease: u64) -> BucketSpec
         cost,
         algorithm: a,
         lease: lease.min(MAX_AMOUNT),
+        max_delay_ms: 0,
     }
 }
 
@@ -182,10 +200,19 @@ fn run(
                 second: which,
                 cost,
                 extra,
+                max_delay,
             } => {
                 let l = if which { second } else { first };
-                let b = spec(&key, a, l, cost, cost + extra);
-                let (reply, now) = eval(con, &s.take, &[&key], &[], &b, &[b.cost, b.lease]);
+                let b = BucketSpec {
+                    max_delay_ms: if a == Algorithm::TokenBucket {
+                        max_delay
+                    } else {
+                        0
+                    },
+                    ..spec(&key, a, l, cost, cost + extra)
+                };
+                let args = [b.cost, b.lease, b.max_delay_ms];
+                let (reply, now) = eval(con, &s.take, &[&key], &[], &b, &args);
                 let mut state = State::load(&b, r.stored, now);
                 let (d, charged) = state.take(&b, now);
                 if charged {
@@ -198,9 +225,10 @@ fn run(
                     d.reset_ms as i64,
                     d.retry_after_ms as i64,
                     d.granted as i64,
+                    d.delay_ms as i64,
                     state.mark() as i64,
                 ];
-                prop_assert_eq!(&reply[..7], &expect[..], "take {:?} at {} µs", b, now);
+                prop_assert_eq!(&reply[..8], &expect[..], "take {:?} at {} µs", b, now);
                 if d.allowed {
                     (granted, mark) = (d.granted, state.mark());
                 }

@@ -26,5 +26,6 @@ mod redis_tls;
 mod refund;
 mod service;
 mod settle;
+mod shaping;
 mod take_stream;
 mod traces;

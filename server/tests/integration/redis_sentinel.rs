@@ -54,6 +54,7 @@ fn hourly(key: &str, capacity: u64) -> BucketSpec {
         cost: 1,
         algorithm: Algorithm::TokenBucket,
         lease: 1,
+        max_delay_ms: 0,
     }
 }
 

@@ -483,6 +483,7 @@ async fn redis_cluster_settles_across_slots_once() {
                 cost: 1,
                 algorithm: Algorithm::TokenBucket,
                 lease: 1,
+                max_delay_ms: 0,
             },
         ))
     };

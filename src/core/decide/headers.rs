@@ -109,6 +109,7 @@ mod tests {
             reset_ms,
             retry_after_ms: 0,
             granted: 1,
+            delay_ms: 0,
         }
     }
 

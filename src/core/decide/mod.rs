@@ -85,6 +85,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
             algorithm: Some(l.algorithm),
             // Set by the lease pools when this request is the one that refills (core::lease).
             lease: None,
+            max_delay_ms: 0,
         });
         plan.rules.push(i);
         if let Some(rls) = &mut plan.rls {

@@ -654,6 +654,7 @@ fn a_late_answer_gives_back_what_it_granted_to_token_buckets_only() {
         cost: Some(2),
         algorithm,
         lease: Some(8),
+        max_delay_ms: 0,
     };
     let take = |buckets: Vec<Bucket>| Some(TakeRequest { buckets });
     let result = |allowed: bool, granted: &[u64]| TakeResponse {
@@ -667,6 +668,7 @@ fn a_late_answer_gives_back_what_it_granted_to_token_buckets_only() {
             })
             .collect(),
         instances: 0,
+        delay_ms: 0,
     };
     let takes = vec![
         // Granted 8 on a token bucket and 2 on a fixed window (which cannot be given back).

@@ -225,6 +225,7 @@ pub fn recall<S: CasStore + ?Sized>(
                     reset_ms: d.full_at_ms.saturating_sub(now_ms),
                     retry_after_ms: d.retry_at_ms.max(d.until_ms) - now_ms,
                     granted: 0,
+                    delay_ms: 0,
                 }
             }
             None => BucketResult {
@@ -239,6 +240,7 @@ pub fn recall<S: CasStore + ?Sized>(
         allowed: false,
         buckets,
         instances: 0,
+        delay_ms: 0,
     })
 }
 
@@ -282,6 +284,7 @@ mod tests {
             reset_ms: 6000,
             retry_after_ms,
             granted: 0,
+            delay_ms: 0,
         }
     }
 
@@ -299,6 +302,7 @@ mod tests {
             allowed: false,
             buckets,
             instances: 0,
+            delay_ms: 0,
         })
     }
 

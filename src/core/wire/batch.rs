@@ -228,6 +228,7 @@ mod tests {
                 cost: None,
                 algorithm: None,
                 lease: None,
+                max_delay_ms: 0,
             }],
         }
     }
@@ -373,6 +374,7 @@ mod tests {
                 ..Default::default()
             }],
             instances: 0,
+            delay_ms: 0,
         };
         let body = br#"{"results":[{"allowed":true,"buckets":[{"allowed":true}]},{"allowed":false,"buckets":[{"allowed":false}]}]}"#;
         let parts = split(

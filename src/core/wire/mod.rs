@@ -344,6 +344,7 @@ pub fn decode_rls(body: &[u8], req: &TakeRequest) -> Result<TakeResponse, Decode
                 reset_ms,
                 retry_after_ms: if ok { 0 } else { reset_ms.max(1) },
                 granted: if allowed { b.cost() } else { 0 },
+                delay_ms: 0,
             }
         })
         .collect();
@@ -351,6 +352,7 @@ pub fn decode_rls(body: &[u8], req: &TakeRequest) -> Result<TakeResponse, Decode
         allowed,
         buckets,
         instances: 0,
+        delay_ms: 0,
     })
 }
 
@@ -367,6 +369,7 @@ mod rls_tests {
             cost: Some(cost),
             algorithm: None,
             lease: None,
+            max_delay_ms: 0,
         }
     }
 
@@ -493,7 +496,8 @@ mod rls_tests {
                 remaining: 42,
                 reset_ms: 30_000,
                 retry_after_ms: 0,
-                granted: 1
+                granted: 1,
+                delay_ms: 0,
             }
         );
         let over = decode_rls(

@@ -50,7 +50,9 @@ impl Counter for TokenBucket {
     }
 
     fn take(b: &BucketSpec, s: &mut Held, _now: u64) -> (BucketResult, bool) {
-        let d = s.tokens.take(&limits(b), b.cost, b.lease);
+        let d = s
+            .tokens
+            .take_shaped(&limits(b), b.cost, b.lease, b.max_delay_ms);
         (d, d.allowed)
     }
 
@@ -58,7 +60,8 @@ impl Counter for TokenBucket {
         0
     }
 
-    /// Added back, capped at the capacity (the state was refilled up to now by `load`).
+    /// Added back, capped at the capacity (the state was refilled up to now by `load`); below zero
+    /// (a shaped grant whose caller left while held) it lowers what is owed.
     fn refund(b: &BucketSpec, s: &mut Held, amount: u64, _mark: u64) -> bool {
         s.tokens.refund(&limits(b), amount);
         true

@@ -97,8 +97,9 @@ end
 -- caller sent them (an algorithm ignores those it does not use):
 --   load(key, cap, rate, period, now) -> s       the state at `now` (µs), carried over to these
 --                                                 limits when the hash recorded others; s.exists
---   take(s, cap, rate, period, cost, lease)       decides on s, charging it (s.dirty) when allowed:
---     -> allowed, remaining, reset_ms, retry_ms, granted
+--   take(s, cap, rate, period, cost, lease, max_delay)  decides on s, charging it (s.dirty) when
+--     allowed -> allowed, remaining, reset_ms, retry_ms, granted, delay_ms (max_delay: shaping,
+--     0 = none; only the token bucket shapes, the windows ignore it and answer no delay)
 --   mark(s) -> integer                           what a refund of this charge needs (a window)
 --   store(key, s, cap, rate, period)             HSET and PEXPIRE
 --   refund(key, cap, rate, period, amount, mark, now) -> 0 or 1 (given back)

@@ -3,9 +3,9 @@
 -- earlier one charged). Preceded by prelude.lua, every algorithm's file and take_one.lua.
 --
 -- KEYS:  the buckets of take 1, then those of take 2, ... (on a cluster, all of one slot).
--- ARGV:  [1] = T, the number of takes; [2 .. T+1] = the number of buckets of each take; then 6
+-- ARGV:  [1] = T, the number of takes; [2 .. T+1] = the number of buckets of each take; then 7
 --        integers per bucket, in KEYS order, as in take.lua.
--- Reply: the replies of take.lua for each take, one after the other (1 + 6 * n integers for a take
+-- Reply: the replies of take.lua for each take, one after the other (1 + 7 * n integers for a take
 --        of n buckets), packed as take.lua's.
 -- Clock: one Redis TIME read per call, shared by all takes.
 
@@ -17,6 +17,6 @@ for j = 1, t do
   local n = tonumber(ARGV[1 + j])
   take_one(k, a, n, now, out)
   k = k + n
-  a = a + 6 * n
+  a = a + 7 * n
 end
 return packed(out)

@@ -2,13 +2,15 @@
 -- (many). Preceded by prelude.lua and every algorithm's file (see those headers for the state);
 -- it calls each bucket's algorithm through ALGORITHMS (prelude.lua) and knows none of them.
 --
--- take_one(k, a, n, now) decides the n buckets KEYS[k+1 .. k+n], whose 6 integers each start at
--- ARGV[a+1] (algorithm code, capacity, rate, period_ms, cost, lease),
+-- take_one(k, a, n, now) decides the n buckets KEYS[k+1 .. k+n], whose 7 integers each start at
+-- ARGV[a+1] (algorithm code, capacity, rate, period_ms, cost, lease, max_delay_ms),
 -- at the clock reading `now` (µs), and appends to `out`:
---   1 when every bucket could pay and all were charged, 0 when none was charged;
---   then 6 per bucket: allowed (0/1), remaining, reset_ms, retry_after_ms, granted, mark
---   (granted = tokens charged, meaningful only when the take was charged; mark = what a refund of
---   the charge needs: the window index charged, 0 for a token bucket).
+--   1 when every bucket could pay (now, or shaped within its max_delay_ms) and all were charged,
+--   0 when none was charged;
+--   then 7 per bucket: allowed (0/1), remaining, reset_ms, retry_after_ms, granted, delay_ms, mark
+--   (granted = tokens charged, meaningful only when the take was charged; delay_ms = how long a
+--   shaped grant waits for its tokens, 0 if none; mark = what a refund of the charge needs: the
+--   window index charged, 0 for a token bucket).
 --
 -- Two phases: decide every bucket on scratch copies (a key named twice is charged twice, in
 -- order, with the limits it was first named with in this take), then write only if all could
@@ -22,23 +24,26 @@ local function take_one(k, a, n, now, out)
   local all = true
   for i = 1, n do
     local key = KEYS[k + i]
-    local b = a + 6 * (i - 1)
+    local b = a + 7 * (i - 1)
     local alg = ALGORITHMS[tonumber(ARGV[b + 1])]
     local cap, rate, period, cost, lease = tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]),
       tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
+    local max_delay = tonumber(ARGV[b + 7])
     local s = scratch[key]
     if s == nil then
       s = alg.load(key, cap, rate, period, now)
       s.alg, s.cap, s.rate, s.period = alg, cap, rate, period
       scratch[key] = s
     end
-    local allowed, remaining, reset, retry, granted = s.alg.take(s, cap, rate, period, cost, lease)
+    local allowed, remaining, reset, retry, granted, delay =
+      s.alg.take(s, cap, rate, period, cost, lease, max_delay)
     if not allowed then all = false end
     out[#out + 1] = allowed and 1 or 0
     out[#out + 1] = remaining
     out[#out + 1] = reset
     out[#out + 1] = retry
     out[#out + 1] = granted
+    out[#out + 1] = delay or 0
     out[#out + 1] = s.alg.mark(s)
   end
 

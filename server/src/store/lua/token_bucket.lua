@@ -3,11 +3,19 @@
 -- `rate` per `period_ms`, starts full.
 --
 -- KEYS:  the bucket's hash, e.g. `tollgate:tb:{<key>}`: algorithm and key only, not the limits.
--- ARGV:  capacity, rate, period_ms, cost, lease (integers validated by the service: 1..1e9,
---        period <= 1 year, cost <= lease; lease = cost when the caller asked for no lease).
+-- ARGV:  capacity, rate, period_ms, cost, lease, max_delay_ms (integers validated by the service:
+--        1..1e9, period <= 1 year, cost <= lease; lease = cost when the caller asked for no lease;
+--        max_delay_ms 0..=60000, 0 = no shaping).
+-- Shaping: a cost the bucket cannot pay now whose tokens refill within max_delay_ms is charged
+--        now, t going below zero by the deficit (at most rate * max_delay_ms / period_ms tokens),
+--        and answered with delay_ms = the time until they are there (rounded up, as a retry
+--        time); a longer wait is denied as without shaping. Each later take waits for its tokens
+--        after those, so grants are spaced as the refill allows, in the order Redis ran them.
+--        The TTL (time until full + margin) counts from the level below zero: it covers the debt.
 -- State: HSET fields, all integers formatted exactly:
 --          t  = micro-tokens held (MAX_DEBT_M ..= c * 10^6: below zero while the bucket owes
---               tokens after a settle charged more than it held, see settle.lua)
+--               tokens after a settle charged more than it held, see settle.lua, or after
+--               shaping granted tokens ahead of their refill)
 --          ts = Redis TIME of the last charge, microseconds
 --          f  = refill remainder, in 1/p of a micro-token (0 .. p - 1), so no fraction of a token
 --               is ever lost between charges: the refill is exact, not rounded per call
@@ -86,25 +94,33 @@ local function tb_whole(s)
 end
 
 -- Charges the (refilled) state when it can pay `cost`: granted = min(lease, whole tokens held),
--- at least cost. Returns allowed, remaining, reset, retry, granted.
-local function tb_take(s, cap, rate, period, cost, lease)
+-- at least cost; or, shaped, when its tokens are there within max_delay ms: granted = cost, and
+-- delay = the wait (see the header). Returns allowed, remaining, reset, retry, granted, delay.
+local function tb_take(s, cap, rate, period, cost, lease, max_delay)
   local cost_m = cost * MICRO
-  local allowed = cost <= cap and s.t >= cost_m
-  local retry, granted = 0, 0
-  if allowed then
+  local now = cost <= cap and s.t >= cost_m
+  -- The whole deficit, a debt included; 0 when it can pay now.
+  local wait = 0
+  if not now and cost <= cap then wait = ceil_ms(cost_m - s.t, period, rate * MICRO) end
+  local retry, granted, delay = 0, 0, 0
+  if now then
     granted = cost
     if lease > cost then
       local whole = muldivmod(s.t, 1, 0, MICRO)
       granted = math.max(cost, math.min(lease, whole))
     end
-    s.t = s.t - granted * MICRO
-    s.dirty = true
   elseif cost > cap then
     retry = period -- can never be paid; a full period is the honest "not soon"
+  elseif wait <= (max_delay or 0) then
+    granted, delay = cost, wait
   else
-    retry = ceil_ms(cost_m - s.t, period, rate * MICRO)
+    retry = wait
   end
-  return allowed, tb_whole(s), tb_reset_ms(s, cap, rate, period), retry, granted
+  if granted > 0 then
+    s.t = s.t - granted * MICRO
+    s.dirty = true
+  end
+  return granted > 0, tb_whole(s), tb_reset_ms(s, cap, rate, period), retry, granted, delay
 end
 
 local function tb_store(key, s, cap, rate, period)
@@ -117,8 +133,9 @@ local function tb_store(key, s, cap, rate, period)
   redis.call('PEXPIRE', key, fmt(tb_reset_ms(s, cap, rate, period) + TTL_MARGIN_MS))
 end
 
--- Gives `cost` back after a charge that must be undone (Redis Cluster, another slot denied).
--- A missing hash is already full: nothing to give back.
+-- Gives `cost` back after a charge that must be undone (Redis Cluster, another slot denied), a
+-- lease's unspent tokens, or a shaped grant whose caller left while held (then t may be below
+-- zero: the refund lowers what is owed). A missing hash is already full: nothing to give back.
 local function tb_refund(key, cap, rate, period, cost, now)
   local s = tb_load(key, cap, rate, period, now)
   if not s.exists then return 0 end

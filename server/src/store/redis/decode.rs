@@ -49,6 +49,7 @@ pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, S
             reset_ms: num(r[2], "reset_ms")?,
             retry_after_ms: num(r[3], "retry_after_ms")?,
             granted: num(r[4], "granted")?,
+            delay_ms: num(r[5], "delay_ms")?,
         };
         if d.allowed && !(spec.cost..=spec.lease).contains(&d.granted) {
             return Err(StoreError::Protocol(format!(
@@ -56,7 +57,15 @@ pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, S
                 d.granted, spec.cost, spec.lease
             )));
         }
-        buckets.push((d, num(r[5], "mark")?));
+        if d.delay_ms > spec.max_delay_ms || (d.delay_ms > 0 && !d.allowed) {
+            return Err(StoreError::Protocol(format!(
+                "delay_ms {} of a bucket {} with max_delay_ms {}",
+                d.delay_ms,
+                if d.allowed { "allowed" } else { "denied" },
+                spec.max_delay_ms
+            )));
+        }
+        buckets.push((d, num(r[6], "mark")?));
     }
     if charged != buckets.iter().all(|(d, _)| d.allowed) {
         return Err(StoreError::Protocol(
@@ -190,17 +199,17 @@ mod tests {
             cost: 1,
             algorithm: Algorithm::TokenBucket,
             lease: 1,
+            max_delay_ms: 0,
         }
     }
 
     #[test]
     fn decodes_a_reply() {
         let (a, b) = (spec(10), spec(3));
-        let g = decode_take(&[0, 1, 9, 100, 0, 1, 0, 0, 2, 5, 7, 0, 42], &[&a, &b]).unwrap_or_else(
-            |e| {
+        let g = decode_take(&[0, 1, 9, 100, 0, 1, 0, 0, 0, 2, 5, 7, 0, 0, 42], &[&a, &b])
+            .unwrap_or_else(|e| {
                 unreachable!("{e}");
-            },
-        );
+            });
         assert!(!g.charged);
         assert_eq!(
             g.buckets,
@@ -212,7 +221,8 @@ mod tests {
                         remaining: 9,
                         reset_ms: 100,
                         retry_after_ms: 0,
-                        granted: 1
+                        granted: 1,
+                        delay_ms: 0,
                     },
                     0
                 ),
@@ -223,7 +233,8 @@ mod tests {
                         remaining: 2,
                         reset_ms: 5,
                         retry_after_ms: 7,
-                        granted: 0
+                        granted: 0,
+                        delay_ms: 0,
                     },
                     42
                 )
@@ -234,15 +245,28 @@ mod tests {
     #[test]
     fn rejects_bad_replies() {
         let a = spec(10);
-        assert!(decode_take(&[1, 1, 9, 100, 0, 1], &[&a]).is_err());
-        assert!(decode_take(&[1, 1, -9, 100, 0, 1, 0], &[&a]).is_err());
-        assert!(decode_take(&[1, 2, 9, 100, 0, 1, 0], &[&a]).is_err());
-        assert!(decode_take(&[1, 0, 9, 100, 0, 0, 0], &[&a]).is_err());
-        assert!(decode_take(&[0, 1, 9, 100, 0, 1, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 1, 9, 100, 0, 1, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 1, -9, 100, 0, 1, 0, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 2, 9, 100, 0, 1, 0, 0], &[&a]).is_err());
+        assert!(decode_take(&[1, 0, 9, 100, 0, 0, 0, 0], &[&a]).is_err());
+        assert!(decode_take(&[0, 1, 9, 100, 0, 1, 0, 0], &[&a]).is_err());
         assert!(
-            decode_take(&[1, 1, 9, 100, 0, 2, 0], &[&a]).is_err(),
+            decode_take(&[1, 1, 9, 100, 0, 2, 0, 0], &[&a]).is_err(),
             "granted above lease"
         );
-        assert!(decode_take(&[1, 1, 9, 100, 0, 1, 0], &[&a]).is_ok());
+        assert!(
+            decode_take(&[1, 1, 0, 100, 0, 1, 50, 0], &[&a]).is_err(),
+            "a delay beyond max_delay_ms"
+        );
+        let shaped = BucketSpec {
+            max_delay_ms: 50,
+            ..spec(10)
+        };
+        assert!(decode_take(&[1, 1, 0, 100, 0, 1, 50, 0], &[&shaped]).is_ok());
+        assert!(
+            decode_take(&[0, 0, 0, 100, 0, 0, 50, 0], &[&shaped]).is_err(),
+            "a delay on a denial"
+        );
+        assert!(decode_take(&[1, 1, 9, 100, 0, 1, 0, 0], &[&a]).is_ok());
     }
 }

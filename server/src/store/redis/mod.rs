@@ -91,7 +91,7 @@ use self::decode::decode_instances;
 pub use self::decode::{decode_batch, decode_settle, decode_take, GroupReply};
 use self::library::{Function, Library};
 use self::link::Conn;
-use self::scripts::{evalsha, Scripts, PER_BUCKET};
+use self::scripts::{evalsha, Scripts, PER_BUCKET, PER_REFUND};
 pub use self::scripts::{
     refund_script_source, settle_script_source, take_batch_script_source, take_library_source,
     take_script_source,
@@ -237,7 +237,7 @@ impl RedisStore {
         reply: &GroupReply,
     ) -> Result<(), StoreError> {
         let ks: Vec<&str> = group.idx.iter().map(|&i| keys[i].as_str()).collect();
-        let mut args = Vec::with_capacity(PER_BUCKET * group.idx.len());
+        let mut args = Vec::with_capacity(PER_REFUND * group.idx.len());
         for (&i, (d, mark)) in group.idx.iter().zip(&reply.buckets) {
             let b = &specs[i];
             // Give back exactly what was charged: the grant, which is more than cost with a lease.

@@ -154,10 +154,12 @@ pub(super) fn alg_code(a: Algorithm) -> u64 {
 }
 
 /// Integers per bucket in a `take.lua` reply (and per bucket of its ARGV).
-pub(super) const PER_BUCKET: usize = 6;
+pub(super) const PER_BUCKET: usize = 7;
+/// Integers per bucket of `refund.lua`'s ARGV.
+pub(super) const PER_REFUND: usize = 6;
 
 /// One bucket's ARGV in `take.lua` and `take_batch.lua`: algorithm, capacity, rate, period, cost,
-/// lease.
+/// lease, max_delay_ms.
 pub(super) fn take_args(b: &BucketSpec) -> [u64; PER_BUCKET] {
     [
         alg_code(b.algorithm),
@@ -166,6 +168,7 @@ pub(super) fn take_args(b: &BucketSpec) -> [u64; PER_BUCKET] {
         b.period_ms,
         b.cost,
         b.lease,
+        b.max_delay_ms,
     ]
 }
 
@@ -184,7 +187,7 @@ pub(super) fn batch_args(takes: &[&[BucketSpec]]) -> Vec<u64> {
 
 /// One bucket's ARGV in `refund.lua`: algorithm, capacity, rate, period, the tokens to give back
 /// and the mark `take.lua` answered for the charge (the window charged; 0 for token buckets).
-pub(super) fn refund_args(b: &BucketSpec, amount: u64, mark: u64) -> [u64; PER_BUCKET] {
+pub(super) fn refund_args(b: &BucketSpec, amount: u64, mark: u64) -> [u64; PER_REFUND] {
     [
         alg_code(b.algorithm),
         b.capacity,

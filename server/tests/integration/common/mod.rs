@@ -381,6 +381,7 @@ pub async fn never_charged(store: &dyn Store, key: &str) -> bool {
         cost: 1,
         algorithm: tollgate_server::domain::Algorithm::TokenBucket,
         lease: 1,
+        max_delay_ms: 0,
     };
     store.take(&[one]).await.is_ok_and(|d| d.allowed)
 }

@@ -357,6 +357,7 @@ fn unstored(l: &Limits) -> BucketResult {
         reset_ms: l.period_ms,
         retry_after_ms: l.period_ms.max(1),
         granted: 0,
+        delay_ms: 0,
     }
 }
 
@@ -645,6 +646,7 @@ pub fn take_all_as<S: CasStore + ?Sized>(
         allowed,
         buckets: results,
         instances: 0,
+        delay_ms: 0,
     }
 }
 

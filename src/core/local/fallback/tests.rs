@@ -33,6 +33,7 @@ fn bucket(key: &str, cap: u64) -> Bucket {
         cost: Some(1),
         algorithm: Some(Algorithm::TokenBucket),
         lease: None,
+        max_delay_ms: 0,
     }
 }
 
@@ -451,11 +452,13 @@ fn a_leasing_rule_takes_no_share_of_an_answer() {
             reset_ms: 0,
             retry_after_ms: 0,
             granted: 1,
+            delay_ms: 0,
         };
         let outcome = Outcome::Allowed(TakeResponse {
             allowed: true,
             buckets: vec![answer],
             instances: 4,
+            delay_ms: 0,
         });
         remember(cfg, &plan, &outcome, &[], &s, 0);
         let l = limits_of(&b, 4);

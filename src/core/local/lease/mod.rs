@@ -319,6 +319,7 @@ pub fn local<S: CasStore + ?Sized>(
                 allowed: true,
                 buckets,
                 instances: 0,
+                delay_ms: 0,
             })),
             chores,
         );
@@ -357,6 +358,7 @@ pub fn local<S: CasStore + ?Sized>(
                 allowed: false,
                 buckets,
                 instances: 0,
+                delay_ms: 0,
             })),
             chores,
         );
@@ -406,6 +408,7 @@ pub fn rescue<S: CasStore + ?Sized>(
         allowed: true,
         buckets: results,
         instances: 0,
+        delay_ms: 0,
     }))
 }
 

@@ -139,6 +139,7 @@ impl Pool {
             reset_ms: self.reset_at_ms.saturating_sub(now_ms),
             retry_after_ms: 0,
             granted: 0,
+            delay_ms: 0,
         }
     }
 }

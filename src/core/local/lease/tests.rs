@@ -59,6 +59,7 @@ fn answer(allowed: bool, granted: u64, retry: u64) -> BucketResult {
         reset_ms: 500,
         retry_after_ms: retry,
         granted,
+        delay_ms: 0,
     }
 }
 
@@ -241,6 +242,7 @@ fn watched_pools_give_back_their_expired_tokens_once() {
         cost: None,
         algorithm: None,
         lease: None,
+        max_delay_ms: 0,
     };
     let held = |expires_ms| Held {
         slot: sl.clone(),
@@ -422,6 +424,7 @@ fn local_admits_from_the_pool_and_refills_in_the_background() {
         allowed: true,
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     let (granted, chores) = apply(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!((granted, chores.dropped, chores.refills.len()), (8, 0, 0));
@@ -458,6 +461,7 @@ fn local_admits_from_the_pool_and_refills_in_the_background() {
         allowed: true,
         buckets: vec![answer(true, 7, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     assert_eq!(refilled(&c, r, &Outcome::Allowed(resp), &s, 3).0, 7);
     assert_eq!((pool(&s, &c).tokens, pool(&s, &c).refill_until_ms), (8, 0));
@@ -490,6 +494,7 @@ fn a_background_refill_denied_or_failed_ends_its_claim() {
         allowed: false,
         buckets: vec![answer(false, 0, 300)],
         instances: 0,
+        delay_ms: 0,
     };
     refilled(&c, r, &Outcome::Limited(resp), &s, 2);
     assert_eq!(
@@ -581,6 +586,7 @@ fn partial_local_then_callout_refunds_and_claims() {
         allowed: true,
         buckets: vec![answer(true, 1, 0), answer(true, 4, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     assert_eq!(apply(&c, &p, &Outcome::Allowed(resp), &s, 2).0, 4);
     let mut p = plan(&c);
@@ -612,6 +618,7 @@ fn a_cached_denial_denies_the_request_without_a_callout() {
         allowed: false,
         buckets: vec![answer(true, 0, 0), answer(false, 0, 700)],
         instances: 0,
+        delay_ms: 0,
     };
     apply(&c, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c);
@@ -645,6 +652,7 @@ fn a_cached_denial_is_held_no_longer_than_remember_denials_ms() {
         allowed: false,
         buckets: vec![answer(false, 0, 86_000_000)],
         instances: 0,
+        delay_ms: 0,
     };
     apply(&c, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c);
@@ -673,6 +681,7 @@ fn a_cached_denial_is_held_no_longer_than_remember_denials_ms() {
         allowed: false,
         buckets: vec![answer(false, 0, 700)],
         instances: 0,
+        delay_ms: 0,
     };
     apply(&c0, &p, &Outcome::Limited(resp), &s, 0);
     let mut p = plan(&c0);
@@ -747,6 +756,7 @@ fn fixed_window_tokens_do_not_outlive_their_window() {
         allowed: true,
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     apply(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!(
@@ -768,6 +778,7 @@ fn sliding_window_tokens_do_not_outlive_their_window() {
         allowed: true,
         buckets: vec![answer(true, 8, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     apply(&c, &p, &Outcome::Allowed(resp), &s, 0);
     assert_eq!(
@@ -787,6 +798,7 @@ fn granted_beyond_the_lease_is_not_trusted() {
         allowed: true,
         buckets: vec![answer(true, 1000, 0)],
         instances: 0,
+        delay_ms: 0,
     };
     assert_eq!(apply(&c, &p, &Outcome::Allowed(resp), &s, 0).0, 8);
     assert_eq!(pool(&s, &c).tokens, 7);
