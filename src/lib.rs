@@ -22,8 +22,8 @@
 //!     stream of takes).
 //!   - `settle`: rules charged by the response: the reservation, what each ending settles, the
 //!     root context's retry queue; `usage`: the usage an LLM response reports.
-//!   - `local`: this Envoy's state in shared data: `table`, `bucket` (local bucket math, one
-//!     module per algorithm), `breaker`, `fallback` (the shares kept in step with the answers),
+//!   - `local`: this Envoy's state in shared data: `table`, `record` (the admission record),
+//!     `bucket` (local bucket math, one module per algorithm), `breaker`, `fallback` (the shares kept in step with the answers),
 //!     `denials` (exact mode's remembered denials), `lease` (pools of tokens granted by the
 //!     service), `slots` (local concurrency slots), `props` (tests only).
 //!   - `decide`: the per-request decision: plan a callout, interpret its result, build the
@@ -32,7 +32,8 @@
 //!   - `outbox`: how each take of a configuration leaves (a call, a message on the stream, the
 //!     batch queue), and what of its traffic waits or is in flight in a worker.
 //!   - `flow`: the per-request state machine (pause only after a dispatch, resume only if
-//!     paused), over the `Host` port; `slots`: a request's concurrency slots as it drives them.
+//!     paused), over the `Host` port; `stages`: the local stages behind one trait, listed once;
+//!     `slots`: a request's concurrency slots as it drives them.
 //! - `host` (wasm only): the thin adapter, the only module that calls proxy-wasm.
 
 // Tests may unwrap and index: a failing test is the point.

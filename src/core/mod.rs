@@ -9,7 +9,8 @@
 //!   instance id (`instance`), every callout's body (`callout`), batches (`batch`), a worker's
 //!   stream of takes (`stream`).
 //! - `settle`: rules charged by the response, and the usage a response reports.
-//! - `local`: this Envoy's state in shared data: tables (`table`), bucket math (`bucket`), the
+//! - `local`: this Envoy's state in shared data: tables (`table`), the admission record
+//!   (`record`), bucket math (`bucket`), the
 //!   breaker (`breaker`), fallback shares (`fallback`), remembered denials (`denials`), lease
 //!   pools (`lease`), local concurrency slots (`slots`), their property tests (`props`).
 //! - `decide`: the per-request decision (plan a callout, interpret its result, resolve the
