@@ -107,6 +107,9 @@ pub struct Dispatcher<A: Abi> {
     /// Requests held until their time (shaping), whatever their configuration: any root's
     /// timer lets them through.
     held: Held,
+    /// The root whose timer runs every [`flow::HOLD_TICK_MS`] while requests are held (its own
+    /// period again once none is).
+    fast_tick: Option<u32>,
     /// Requests waiting, as last added to `tollgate.callouts.pending` by this VM.
     pending_reported: usize,
     /// The match headers' values of the request being looked at (see [`may_match`]).
@@ -124,6 +127,7 @@ impl<A: Abi> Dispatcher<A> {
             filters: IdMap::default(),
             ledger: Ledger::new(Waiter::is_request),
             held: Held::default(),
+            fast_tick: None,
             pending_reported: 0,
             probe: Vec::new(),
             gauges: None,
@@ -187,6 +191,9 @@ impl<A: Abi> Dispatcher<A> {
     pub fn on_tick(&mut self, id: u32) {
         if !self.held.is_empty() {
             self.release_held();
+            if self.held.is_empty() && self.fast_tick == Some(id) {
+                self.slow_down(id);
+            }
         }
         let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
             self.end_callback();
@@ -328,7 +335,7 @@ impl<A: Abi> Dispatcher<A> {
         } else if let Some(Some(old)) = self.roots.remove(&id) {
             self.root_ended(&old);
             self.hand_over(&old);
-            self.keep_releasing();
+            self.keep_releasing(id);
             self.end_callback();
         }
     }
@@ -583,6 +590,35 @@ impl<A: Abi> Dispatcher<A> {
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
         if let Some(until) = f.flow.held_until() {
             self.held.hold(until, context);
+            if self.fast_tick.is_none() {
+                self.speed_up(plugin.root);
+            }
+        }
+    }
+
+    /// Root `root`'s timer runs every [`flow::HOLD_TICK_MS`], for the held requests.
+    fn speed_up(&mut self, root: u32) {
+        if self.abi.set_effective_context(root).is_err() {
+            return;
+        }
+        match self.abi.set_tick_period(flow::HOLD_TICK_MS) {
+            Ok(()) => self.fast_tick = Some(root),
+            Err(s) => warn!("no timer for the held requests: {}", abi::status_name(s)),
+        }
+    }
+
+    /// No request is held any more: root `root`'s timer runs at its configuration's own period
+    /// again (a second if it asks for none).
+    fn slow_down(&mut self, root: u32) {
+        self.fast_tick = None;
+        let Some(Some(plugin)) = self.roots.get(&root) else {
+            return;
+        };
+        let period = flow::tick_period_ms(&plugin.config).unwrap_or(1000);
+        if self.abi.set_effective_context(root).is_ok() {
+            if let Err(s) = self.abi.set_tick_period(period) {
+                debug!("timer not slowed down: {}", abi::status_name(s));
+            }
         }
     }
 

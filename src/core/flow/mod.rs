@@ -800,8 +800,9 @@ pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
     }
 }
 
-/// The timer's period while a rule shapes: a held request is let through at most this long after
-/// its time (plus the host's own timer lateness).
+/// The timer's period while requests are held (shaping): a held request is let through at most
+/// this long after its time (plus the host's own timer lateness). The adapter runs one root's timer
+/// this fast only while the VM holds a request, so shaping costs nothing while none is held.
 pub const HOLD_TICK_MS: u32 = 5;
 
 /// How often the adapter's timer should call: as often as the stream's messages and the batch
@@ -811,12 +812,6 @@ pub const HOLD_TICK_MS: u32 = 5;
 pub fn tick_period_ms(cfg: &Config) -> Option<u32> {
     let svc = &cfg.service;
     let waits = (svc.stream || svc.batch > 0).then(|| u32::try_from(svc.tick_ms()).unwrap_or(50));
-    // Held requests are let through within a tick of their time.
-    let waits = match (waits, cfg.shapes()) {
-        (Some(w), true) => Some(w.min(HOLD_TICK_MS)),
-        (None, true) => Some(HOLD_TICK_MS),
-        (w, false) => w,
-    };
     match (waits, chores_period_ms(cfg)) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),

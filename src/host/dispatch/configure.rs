@@ -169,19 +169,18 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    /// Requests are held and a root went: another root's timer must let them through in time. A
-    /// configuration that shapes ticks often enough; else the first one is made to.
-    pub(super) fn keep_releasing(&self) {
-        if self.held.is_empty() || self.roots.values().flatten().any(|p| p.config.shapes()) {
+    /// Root `old` went: if its timer was the one letting held requests through, another root's
+    /// takes over.
+    pub(super) fn keep_releasing(&mut self, old: u32) {
+        if self.fast_tick != Some(old) {
             return;
         }
-        let Some(root) = self.roots.values().flatten().next().map(|p| p.root) else {
+        self.fast_tick = None;
+        if self.held.is_empty() {
             return;
-        };
-        if self.abi.set_effective_context(root).is_ok() {
-            if let Err(s) = self.abi.set_tick_period(flow::HOLD_TICK_MS) {
-                warn!("no timer for the held requests: {}", abi::status_name(s));
-            }
+        }
+        if let Some(root) = self.roots.values().flatten().next().map(|p| p.root) {
+            self.speed_up(root);
         }
     }
 

@@ -12,6 +12,13 @@ fn shaped_config() -> String {
     )
 }
 
+/// A dispatcher of [`shaped_config`] whose root context Envoy knows.
+fn shaping() -> Dispatcher<Fake> {
+    let d = dispatcher(&shaped_config());
+    d.abi.known.borrow_mut().push(ROOT);
+    d
+}
+
 /// The next answer: allowed, the tokens there in `delay_ms`.
 fn later_reply(d: &Dispatcher<Fake>, delay_ms: u64) {
     *d.abi.reply.borrow_mut() = (
@@ -39,13 +46,14 @@ fn held_for(d: &mut Dispatcher<Fake>, root: u32, id: u32, delay_ms: u64) {
 
 #[test]
 fn held_requests_go_when_their_time_comes_in_its_order() {
-    let mut d = dispatcher(&shaped_config());
-    assert_eq!(
-        d.abi.tick_ms.get(),
-        flow::HOLD_TICK_MS,
-        "a shaping rule's timer"
-    );
+    let mut d = shaping();
+    assert_eq!(d.abi.tick_ms.get(), 0, "no timer while nothing is held");
     held_for(&mut d, ROOT, 10, 30);
+    assert_eq!(
+        (d.abi.effective.get(), d.abi.tick_ms.get()),
+        (ROOT, flow::HOLD_TICK_MS),
+        "the root's timer runs fast while a request is held"
+    );
     held_for(&mut d, ROOT, 11, 10);
     held_for(&mut d, ROOT, 12, 20);
     assert!(d.abi.resumed.borrow().is_empty(), "all three held");
@@ -59,6 +67,7 @@ fn held_requests_go_when_their_time_comes_in_its_order() {
     d.abi.clock.set(35);
     d.on_tick(ROOT);
     assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 10]);
+    assert_eq!(d.abi.tick_ms.get(), 1000, "none held: the timer slows down");
     assert_eq!(d.abi.metric("tollgate.shape.held"), 0);
     assert_eq!(d.abi.metric("tollgate.shape.held_total"), 3);
     assert!(d.abi.replied.borrow().is_empty());
@@ -66,7 +75,7 @@ fn held_requests_go_when_their_time_comes_in_its_order() {
 
 #[test]
 fn a_held_request_whose_client_leaves_gives_its_tokens_back_and_is_never_resumed() {
-    let mut d = dispatcher(&shaped_config());
+    let mut d = shaping();
     held_for(&mut d, ROOT, 10, 50);
     let sent = d.abi.dispatched.borrow().len();
     disconnect(&mut d, 10);
@@ -82,12 +91,12 @@ fn a_held_request_whose_client_leaves_gives_its_tokens_back_and_is_never_resumed
 
 #[test]
 fn held_requests_outlive_the_configuration_a_push_replaced() {
-    let mut d = dispatcher(&shaped_config());
+    let mut d = shaping();
     held_for(&mut d, ROOT, 10, 40);
     // The push: a configuration that does not shape (its own timer: none), the old root gone.
     const NEW: u32 = 7;
-    d.abi.tick_ms.set(0);
     configure(&mut d, NEW, &config("http", ""));
+    d.abi.tick_ms.set(0);
     d.on_delete(ROOT);
     assert_eq!(
         (d.abi.effective.get(), d.abi.tick_ms.get()),
