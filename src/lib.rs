@@ -34,7 +34,8 @@
 //!     batch queue), and what of its traffic waits or is in flight in a worker.
 //!   - `flow`: the per-request state machine (pause only after a dispatch, resume only if
 //!     paused), over the `Host` port; `stages`: the local stages behind one trait, listed once;
-//!     `slots`: a request's concurrency slots as it drives them.
+//!     `slots`: a request's concurrency slots as it drives them; `background`: what no request
+//!     waits for (a refill's answer, a late answer, the pools' sweep, the timer's period).
 //! - `host` (wasm only): the thin adapter, the only module that calls proxy-wasm.
 
 // Tests may unwrap and index: a failing test is the point.
