@@ -117,6 +117,8 @@ CONFIGS = {
                        "max": 8000, "cut": "reserved"}},
             {"name": "leased", "key": ["literal:k"], "capacity": 10, "period_ms": 1000,
              "lease": {"size": 5, "max_age_ms": 500}},
+            {"name": "shaped", "key": ["literal:s"], "capacity": 10, "period_ms": 1000,
+             "shape": {"max_delay_ms": 1000, "max_held": 64}},
             {"name": "slots", "kind": "concurrency", "match": {"methods": ["POST"]},
              "key": ["header:x-tenant"], "on_missing": "skip", "max_in_flight": 4,
              "deadline_ms": 30000, "shadow": False, "response": {"body": "busy\n"}},

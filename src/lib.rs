@@ -11,7 +11,8 @@
 //! - [`core`]: everything that decides, plain Rust without proxy-wasm, unit-tested natively; in
 //!   layers, each using only those listed before it:
 //!   - `base`: SHA-256 (`hash`), the host's header map format (`hostmap`), the CAS storage trait
-//!     (`store`), the VM's one table of callouts in flight (`ledger`).
+//!     (`store`), the VM's one table of callouts in flight (`ledger`), the VM's requests held
+//!     until their time (`held`, shaping).
 //!   - `config`: the plugin configuration, parsed and validated once (`model`, `reader`, and
 //!     the tables it reads by: `rules`, a rule's fields, `fields`, every other section's,
 //!     `transports`, what each transport carries).

@@ -224,7 +224,7 @@ fn every_rule_field_is_documented_with_its_kind() {
 }
 
 /// Every field of the top level has a section of docs/filter-config.md, and the tables of
-/// `service`, `fallback`, `breaker`, `response` and `lease` list the fields of the reader's table
+/// `service`, `fallback`, `breaker`, `response`, `lease` and `shape` list the fields of the reader's table
 /// for it (`config::fields`), each integer with the default and the upper bound the reader holds
 /// it to.
 #[test]
@@ -239,6 +239,7 @@ fn every_section_field_is_documented_with_its_default_and_bounds() {
         ("## `breaker`", fields::BREAKER),
         ("## `response`", fields::RESPONSE),
         ("### Lease mode", fields::LEASE),
+        ("### Shaping", fields::SHAPE),
     ] {
         let text = section(&doc, heading);
         assert_eq!(

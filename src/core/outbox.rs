@@ -64,6 +64,8 @@ pub struct Outbox {
     pub pools: Vec<lease::Held>,
     /// Settlements of responses that ended (rules charged by the response).
     pub settles: settle::Queue<Vec<settle::Item>>,
+    /// Per rule (by index), requests held or asked to be held (shaping, `shape.max_held`).
+    places: Vec<u32>,
 }
 
 impl Outbox {
@@ -74,6 +76,7 @@ impl Outbox {
             stream: Stream::default(),
             pools: Vec::new(),
             settles: settle::Queue::new(instance),
+            places: Vec::new(),
         }
     }
 
@@ -98,6 +101,27 @@ impl Outbox {
             queue: cfg.service.batch > 0 && self.queue.waiting() > 0,
             settles: !self.settles.is_empty(),
             pools: !self.pools.is_empty(),
+        }
+    }
+
+    /// A place for one more held request of rule `rule`, if it holds fewer than `max`.
+    pub fn place(&mut self, rule: usize, max: u32) -> bool {
+        if self.places.len() <= rule {
+            self.places.resize(rule + 1, 0);
+        }
+        match self.places.get_mut(rule) {
+            Some(n) if *n < max => {
+                *n += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A place of rule `rule` given back.
+    pub fn unplace(&mut self, rule: usize) {
+        if let Some(n) = self.places.get_mut(rule) {
+            *n = n.saturating_sub(1);
         }
     }
 

@@ -35,6 +35,7 @@ use super::metrics::{Metrics, SettleCount, VmGauges};
 use super::plugin::{Plugin, Waiter};
 use super::proxy::{Proxy, Shared};
 use super::request::{may_match, read_request, Reads};
+use crate::core::base::held::Held;
 use crate::core::base::ledger::{CalloutId, IdMap, Ledger};
 use crate::core::config::{Config, FailureMode, Transport};
 use crate::core::flow::{self, Flow, Leftover, Metric, Next, Phase};
@@ -103,6 +104,9 @@ pub struct Dispatcher<A: Abi> {
     filters: IdMap<Filter>,
     /// Every callout of this VM in flight, and who waits for it.
     ledger: Ledger<Waiter>,
+    /// Requests held until their time (shaping), whatever their configuration: any root's
+    /// timer lets them through.
+    held: Held,
     /// Requests waiting, as last added to `tollgate.callouts.pending` by this VM.
     pending_reported: usize,
     /// The match headers' values of the request being looked at (see [`may_match`]).
@@ -119,6 +123,7 @@ impl<A: Abi> Dispatcher<A> {
             roots: IdMap::default(),
             filters: IdMap::default(),
             ledger: Ledger::new(Waiter::is_request),
+            held: Held::default(),
             pending_reported: 0,
             probe: Vec::new(),
             gauges: None,
@@ -175,12 +180,16 @@ impl<A: Abi> Dispatcher<A> {
         true
     }
 
-    /// The root context's timer: the stream's messages past their deadline fail, the batch queue
-    /// leaves if it waited (or fails what waited its whole timeout), settlements due are sent
-    /// again, expired tokens of the lease pools this worker filled go back to the
-    /// service.
+    /// The root context's timer: held requests whose time came go on (any root's timer, for every
+    /// configuration's), the stream's messages past their deadline fail, the batch queue leaves
+    /// if it waited (or fails what waited its whole timeout), settlements due are sent again,
+    /// expired tokens of the lease pools this worker filled go back to the service.
     pub fn on_tick(&mut self, id: u32) {
+        if !self.held.is_empty() {
+            self.release_held();
+        }
         let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
+            self.end_callback();
             return;
         };
         let chores = plugin.outbox.borrow().chores(&plugin.config);
@@ -319,11 +328,15 @@ impl<A: Abi> Dispatcher<A> {
         } else if let Some(Some(old)) = self.roots.remove(&id) {
             self.root_ended(&old);
             self.hand_over(&old);
+            self.keep_releasing();
             self.end_callback();
         }
     }
 
     fn request_ended(&mut self, id: u32, f: &mut Filter, p: &Rc<Plugin>) {
+        if let Some(until) = f.flow.held_until() {
+            self.held.forget(until, id);
+        }
         let left = f.flow.on_end(
             &p.config,
             &mut Proxy::new(&self.abi, p, &mut self.ledger, 0),
@@ -568,6 +581,27 @@ impl<A: Abi> Dispatcher<A> {
         f.flow
             .on_callout_result(&plugin.config, id, result, &mut proxy);
         keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
+        if let Some(until) = f.flow.held_until() {
+            self.held.hold(until, context);
+        }
+    }
+
+    /// The held requests whose time came go on, each as its own context, earliest first.
+    fn release_held(&mut self) {
+        for context in self.held.due(self.abi.now_ms()) {
+            let Some(f) = self.filters.get_mut(&context) else {
+                continue;
+            };
+            let Some(plugin) = f.plugin.clone() else {
+                continue;
+            };
+            if let Err(s) = self.abi.set_effective_context(context) {
+                debug!("held request {context} is gone: {}", abi::status_name(s));
+                continue;
+            }
+            let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, context);
+            f.flow.on_release(&plugin.config, &mut proxy);
+        }
     }
 
     /// Adds the change in waiting requests to `tollgate.callouts.pending`.

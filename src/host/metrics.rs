@@ -3,7 +3,7 @@
 
 use super::abi::{Abi, MetricKind, Status};
 use crate::core::config::Config;
-use crate::core::flow::Metric;
+use crate::core::flow::{Metric, Shaped};
 use crate::core::inflight;
 use crate::core::local::breaker::Event;
 use crate::core::local::lease;
@@ -38,6 +38,8 @@ pub(super) struct Metrics {
     /// answers to messages that had failed at their deadline, and the tokens they granted that
     /// went back to the service.
     late: Option<(u32, u32)>,
+    /// `tollgate.shape.held` (gauge), `held_total`, `full`, `returned` (when a rule shapes).
+    shape: Option<[u32; 4]>,
 }
 
 /// What happens to settlements, counted as `tollgate.settle.<name>`.
@@ -120,7 +122,17 @@ impl Metrics {
             )),
             false => None,
         };
+        let shape = match cfg.shapes() {
+            true => Some([
+                abi.define_metric(MetricKind::Gauge, "tollgate.shape.held")?,
+                abi.define_metric(MetricKind::Counter, "tollgate.shape.held_total")?,
+                abi.define_metric(MetricKind::Counter, "tollgate.shape.full")?,
+                abi.define_metric(MetricKind::Counter, "tollgate.shape.returned")?,
+            ]),
+            false => None,
+        };
         Ok(Metrics {
+            shape,
             inflight,
             settles,
             late,
@@ -196,6 +208,23 @@ impl Metrics {
                 info!("circuit breaker closed: the decision service answers again");
             }
             Metric::Breaker(Event::None) => {}
+            Metric::Shape(what) => {
+                let Some([held, total, full, returned]) = self.shape else {
+                    return;
+                };
+                match what {
+                    Shaped::Held => {
+                        abi.increment_metric(held, 1);
+                        abi.increment_metric(total, 1);
+                    }
+                    Shaped::Let => abi.increment_metric(held, -1),
+                    Shaped::Left { returned: n } => {
+                        abi.increment_metric(held, -1);
+                        add(abi, &[returned], Some(0), n);
+                    }
+                    Shaped::Full => abi.increment_metric(full, 1),
+                }
+            }
         }
     }
 }

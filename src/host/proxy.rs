@@ -492,4 +492,12 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
     fn count(&mut self, metric: Metric) {
         self.plugin.metrics.count(self.abi, metric);
     }
+
+    fn place(&mut self, rule: usize, max: u32) -> bool {
+        self.plugin.outbox.borrow_mut().place(rule, max)
+    }
+
+    fn unplace(&mut self, rule: usize) {
+        self.plugin.outbox.borrow_mut().unplace(rule);
+    }
 }

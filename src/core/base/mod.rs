@@ -4,8 +4,10 @@
 //! - `hostmap`: the host's header map wire format.
 //! - `store`: the CAS storage trait (shared data) and its bounded retry loop.
 //! - `ledger`: the VM's one table of callouts in flight, and who waits for each.
+//! - `held`: the VM's requests held until a moment (shaping), earliest first.
 
 pub mod hash;
+pub mod held;
 pub mod hostmap;
 pub mod ledger;
 pub mod store;

@@ -11,7 +11,10 @@
 //!
 //! The lines are left out of the module (`target_arch = "wasm32"`): only the tests read them.
 
-use super::model::{MAX_AMOUNT, MAX_BATCH_TAKES, MAX_LEASE_AGE_MS, MAX_PERIOD_MS};
+use super::model::{
+    DEFAULT_MAX_HELD, MAX_AMOUNT, MAX_BATCH_TAKES, MAX_DELAY_MS, MAX_HELD, MAX_LEASE_AGE_MS,
+    MAX_PERIOD_MS,
+};
 
 /// One field of a section.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +179,13 @@ pub const COST: &[Field] = &[
 pub const LEASE: &[Field] = &[
     field!("size", Value::Int(1, MAX_AMOUNT), Nothing, "most tokens a proxy holds for a key, at most the capacity (adaptive)"),
     field!("max_age_ms", Value::Int(1, MAX_LEASE_AGE_MS), IfAbsent::Int(1000), "how long granted tokens may be spent"),
+];
+
+/// A rule's `shape` (token buckets only).
+#[rustfmt::skip]
+pub const SHAPE: &[Field] = &[
+    field!("max_delay_ms", Value::Int(1, MAX_DELAY_MS), Required, "the longest a request is held for its token; a take that would wait longer is refused at once"),
+    field!("max_held", Value::Int(1, MAX_HELD), IfAbsent::Int(DEFAULT_MAX_HELD), "the most requests of the rule one worker holds at once; beyond it a take is refused when it cannot pay now"),
 ];
 
 /// A rule's `usage` (with `"charge": "response"`).

@@ -5,7 +5,7 @@ use std::fmt;
 
 /// Largest capacity, rate and cost (the contract's); longest period (one year, in ms); at most
 /// this many rules, one bucket each per request.
-pub use contract::bounds::{MAX_AMOUNT, MAX_BUCKETS, MAX_PERIOD_MS};
+pub use contract::bounds::{MAX_AMOUNT, MAX_BUCKETS, MAX_DELAY_MS, MAX_PERIOD_MS};
 /// Key parts per rule; with [`MAX_PART_BYTES`] this bounds a key well below the contract's 4096
 /// bytes.
 pub const MAX_KEY_PARTS: usize = 8;
@@ -235,7 +235,25 @@ pub struct RateLimit {
     /// `"charge": "response"`: `cost` is an estimate taken at the request, and what the response
     /// reports using is settled when it ends (`None`: the cost is the whole charge).
     pub charge: Option<Charge>,
+    /// `shape`: a take that cannot pay now but can within `max_delay_ms` is granted for then, and
+    /// the request held until it (`None`: refused at once, as every limiter does).
+    pub shape: Option<Shape>,
 }
+
+/// A rule's `shape` (token buckets only): hold a request for its token instead of refusing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// The longest a request is held; a take that would wait longer is refused at once.
+    pub max_delay_ms: u64,
+    /// The most requests of this rule one worker holds (or has asked to hold) at once; beyond
+    /// it a take is asked for unshaped (refused at once when the bucket cannot pay now).
+    pub max_held: u32,
+}
+
+/// Largest `shape.max_held`.
+pub const MAX_HELD: u64 = 65_536;
+/// `shape.max_held` when absent.
+pub const DEFAULT_MAX_HELD: u32 = 1024;
 
 /// The limit of a concurrency rule (`kind: "concurrency"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,6 +288,13 @@ impl Config {
         self.rules
             .iter()
             .any(|r| r.rate_limit().is_some_and(|l| l.charge.is_some()))
+    }
+
+    /// Whether a rule shapes (holds requests for their tokens: the timer releases them).
+    pub fn shapes(&self) -> bool {
+        self.rules
+            .iter()
+            .any(|r| r.rate_limit().is_some_and(|l| l.shape.is_some()))
     }
 }
 
@@ -339,6 +364,7 @@ impl RateLimit {
             tiers: None,
             descriptor: Vec::new(),
             charge: None,
+            shape: None,
         }
     }
 }

@@ -16,7 +16,7 @@ pub enum Kinds {
 }
 
 /// Every field a rule may hold, in the order the reader reads them, with the kind it belongs to.
-pub const RULE_FIELDS: [(&str, Kinds); 20] = [
+pub const RULE_FIELDS: [(&str, Kinds); 21] = [
     ("name", Kinds::Every),
     ("match", Kinds::Every),
     ("key", Kinds::Every),
@@ -27,6 +27,7 @@ pub const RULE_FIELDS: [(&str, Kinds); 20] = [
     ("cost", Kinds::Rate),
     ("algorithm", Kinds::Rate),
     ("lease", Kinds::Rate),
+    ("shape", Kinds::Rate),
     ("overrides", Kinds::Rate),
     ("tiers", Kinds::Rate),
     ("shadow", Kinds::Every),

@@ -444,3 +444,73 @@ fn the_tick_is_an_eighth_of_the_timeout_within_its_bounds() {
         assert_eq!(c.service.tick_ms(), tick, "timeout {timeout}");
     }
 }
+
+#[test]
+fn a_shaping_rule_is_a_token_bucket_asked_over_our_service_with_its_bounds() {
+    let c = parse(&with_rule1(
+        r#"{"name":"b","capacity":5,"period_ms":1000,"shape":{"max_delay_ms":3000}}"#,
+    ))
+    .unwrap();
+    assert_eq!(
+        rate(&c, 1).shape,
+        Some(Shape {
+            max_delay_ms: 3000,
+            max_held: DEFAULT_MAX_HELD
+        })
+    );
+    assert!(c.shapes());
+    let rule = |shape: &str, more: &str| {
+        with_rule1(&format!(
+            r#"{{"name":"b","capacity":5,"period_ms":1000,"shape":{shape}{more}}}"#
+        ))
+    };
+    let cases = [
+        (rule(r#"{"max_held":4}"#, ""), "rules[1].shape.max_delay_ms"),
+        (
+            rule(r#"{"max_delay_ms":0}"#, ""),
+            "rules[1].shape.max_delay_ms",
+        ),
+        (
+            rule(r#"{"max_delay_ms":60001}"#, ""),
+            "rules[1].shape.max_delay_ms",
+        ),
+        (
+            rule(r#"{"max_delay_ms":1,"max_held":0}"#, ""),
+            "rules[1].shape.max_held",
+        ),
+        (
+            rule(r#"{"max_delay_ms":1,"max_held":65537}"#, ""),
+            "rules[1].shape.max_held",
+        ),
+        (
+            rule(r#"{"max_delay_ms":1,"hold":1}"#, ""),
+            "rules[1].shape.hold",
+        ),
+        (
+            rule(r#"{"max_delay_ms":1}"#, r#","algorithm":"fixed_window""#),
+            "rules[1].shape",
+        ),
+        (
+            rule(r#"{"max_delay_ms":1}"#, r#","algorithm":"sliding_window""#),
+            "rules[1].shape",
+        ),
+        (
+            rule(r#"{"max_delay_ms":1}"#, r#","lease":{}"#),
+            "rules[1].shape",
+        ),
+    ];
+    for (json, field) in cases {
+        assert_eq!(error_of(&json).field, field, "{json}");
+    }
+    let rls = r#"{"service":{"cluster":"c","transport":"rls","domain":"d"},
+        "rules":[{"name":"b","capacity":5,"period_ms":1000,"shape":{"max_delay_ms":10}}]}"#;
+    let e = error_of(rls);
+    assert_eq!(e.field, "rules[0].shape");
+    assert!(
+        e.message.contains("not available with transport rls"),
+        "{e}"
+    );
+    let concurrency = r#"{"service":{"cluster":"c"},"rules":[{"name":"b","kind":"concurrency",
+        "max_in_flight":2,"shape":{"max_delay_ms":10}}]}"#;
+    assert_eq!(error_of(concurrency).field, "rules[0].shape");
+}

@@ -65,6 +65,11 @@ pub trait Host {
     fn reply(&mut self, reply: &LocalReply);
     /// Counts `metric`.
     fn count(&mut self, metric: Metric);
+    /// Shaping: a place for one more request of rule `rule` held (or asked to be held) in this
+    /// worker, at most `max`; whether there was one.
+    fn place(&mut self, rule: usize, max: u32) -> bool;
+    /// A place of rule `rule` ([`Host::place`]) given back.
+    fn unplace(&mut self, rule: usize);
 }
 
 /// A callout the flow starts; the variant says where its answer goes.
@@ -111,6 +116,25 @@ pub enum Metric {
         /// Tokens given back.
         returned: u64,
     },
+    /// A held request (shaping).
+    Shape(Shaped),
+}
+
+/// What happens to held requests (shaping), counted as `tollgate.shape.*`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shaped {
+    /// A request granted for later is held (`held_total`; the `held` gauge up).
+    Held,
+    /// A held request was let through at its time (the `held` gauge down).
+    Let,
+    /// A held request's client went away before it was let through (the `held` gauge down); the
+    /// tokens it gave back (`returned`).
+    Left {
+        /// Tokens given back.
+        returned: u64,
+    },
+    /// A take asked for unshaped: its rule had no place left (`full`).
+    Full,
 }
 
 /// What a request leaves behind when its stream ends, for the adapter to carry out.
@@ -185,6 +209,18 @@ pub enum Phase {
         since_ms: u64,
         /// What the fallback shares have to say about the answer (after an outage).
         recovery: Recovery,
+    },
+    /// Granted for later (shaping): paused until `until_ms`, when the adapter's timer lets it
+    /// through ([`Flow::on_release`]).
+    Held {
+        /// When it may go (ms).
+        until_ms: u64,
+        /// When it was granted (ms).
+        since_ms: u64,
+        /// What was asked (its places, and what it gives back if its client leaves first).
+        plan: Plan,
+        /// Headers for the upstream's response.
+        headers: Vec<(String, String)>,
     },
     /// Decided.
     Done,
@@ -318,11 +354,39 @@ impl Flow {
     /// Body or trailers arrived: they wait while the callout is in flight (letting them through
     /// would let Envoy forward the request before the decision).
     pub fn on_request_data(&self) -> Next {
-        if matches!(self.phase, Phase::Calling { .. }) {
+        if matches!(self.phase, Phase::Calling { .. } | Phase::Held { .. }) {
             Next::Pause
         } else {
             Next::Continue
         }
+    }
+
+    /// When a held request may go ([`Phase::Held`]); `None`: it is not held.
+    pub fn held_until(&self) -> Option<u64> {
+        match self.phase {
+            Phase::Held { until_ms, .. } => Some(until_ms),
+            _ => None,
+        }
+    }
+
+    /// A held request's time came: it goes on (its concurrency slots taken first, if it wants
+    /// some), its place given back, and the client told how long it was held.
+    pub fn on_release<H: Host>(&mut self, cfg: &Config, host: &mut H) {
+        let Phase::Held {
+            since_ms,
+            plan,
+            mut headers,
+            ..
+        } = std::mem::replace(&mut self.phase, Phase::Done)
+        else {
+            return;
+        };
+        stages::shape::free_places(&plan, host);
+        host.count(Metric::Shape(Shaped::Let));
+        let held = host.now_ms().saturating_sub(since_ms);
+        headers.push((HELD_HEADER.to_string(), held.to_string()));
+        // Only the service's own admission is held: its estimates were charged.
+        self.go(cfg, &plan, headers, true, true, host);
     }
 
     /// Whether `id` is the callout this request waits for.
@@ -345,9 +409,23 @@ impl Flow {
                 left.push(Leftover::Settle(items));
             }
         }
-        if let Phase::Calling { id, .. } = self.phase {
-            self.phase = Phase::Done;
-            left.push(Leftover::Abandoned { id });
+        match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Calling { id, plan, .. } => {
+                stages::shape::free_places(&plan, host);
+                left.push(Leftover::Abandoned { id });
+            }
+            // Granted for later, never let through: its tokens go back, so those held after it
+            // wait less.
+            Phase::Held { plan, .. } => {
+                stages::shape::free_places(&plan, host);
+                let back = stages::shape::unspent(&plan);
+                if let Some(r) = &back {
+                    refund(cfg, r, host);
+                }
+                let returned = back.map_or(0, |r| r.buckets.iter().map(|b| b.cost()).sum());
+                host.count(Metric::Shape(Shaped::Left { returned }));
+            }
+            phase => self.phase = phase,
         }
         left.extend(self.slots.end(cfg, host));
         left
@@ -491,6 +569,10 @@ impl Flow {
         host: &mut H,
     ) -> Next {
         let verdict = decide::resolve(cfg, plan, outcome, shares);
+        let delay_ms = match outcome {
+            Outcome::Allowed(r) if paused => r.delay_ms,
+            _ => 0,
+        };
         if let Outcome::Failed(cause) = *outcome {
             host.count(Metric::FailureMode(cause));
             debug!(
@@ -499,7 +581,7 @@ impl Flow {
                 verdict.decision.metric()
             );
         }
-        self.apply(cfg, plan, verdict, paused, host)
+        self.hold_or_apply(cfg, plan, verdict, delay_ms, paused, host)
     }
 
     /// Applies the verdict: let through (resuming only if paused) or reply locally.
@@ -508,6 +590,21 @@ impl Flow {
         cfg: &Config,
         plan: &Plan,
         verdict: crate::core::wire::plan::Verdict,
+        paused: bool,
+        host: &mut H,
+    ) -> Next {
+        self.hold_or_apply(cfg, plan, verdict, 0, paused, host)
+    }
+
+    /// Applies the verdict; an admission granted `delay_ms` ahead (shaping, a paused request
+    /// only) is held until then instead ([`Phase::Held`]). A request not held gives back the
+    /// places its shaped buckets took.
+    fn hold_or_apply<H: Host>(
+        &mut self,
+        cfg: &Config,
+        plan: &Plan,
+        verdict: crate::core::wire::plan::Verdict,
+        delay_ms: u64,
         paused: bool,
         host: &mut H,
     ) -> Next {
@@ -531,23 +628,29 @@ impl Flow {
             }
         }
         self.phase = Phase::Done;
+        let held = delay_ms > 0 && matches!(verdict.action, Action::Allow(_));
+        if !held {
+            stages::shape::free_places(plan, host);
+        }
         match verdict.action {
+            Action::Allow(headers) if held => {
+                let now = host.now_ms();
+                host.count(Metric::Shape(Shaped::Held));
+                self.phase = Phase::Held {
+                    until_ms: now.saturating_add(delay_ms),
+                    since_ms: now,
+                    plan: plan.clone(),
+                    headers,
+                };
+                Next::Pause
+            }
             Action::Allow(headers) => {
-                if matches!(
+                // The estimates were charged (by the service, or as fallback debt).
+                let charged = matches!(
                     verdict.decision,
                     Decision::Allowed | Decision::FallbackAllowed
-                ) {
-                    // The estimates were charged (by the service, or as fallback debt).
-                    self.meter = crate::core::settle::reserve(cfg, plan);
-                }
-                self.response_headers = headers;
-                if self.slots.wanted() {
-                    return self.slots.acquire(cfg, paused, host);
-                }
-                if paused {
-                    host.resume();
-                }
-                Next::Continue
+                );
+                self.go(cfg, plan, headers, charged, paused, host)
             }
             Action::Deny(reply) => {
                 host.reply(&reply);
@@ -555,7 +658,35 @@ impl Flow {
             }
         }
     }
+
+    /// An admitted request goes on: what rules charged by the response reserved is metered (if
+    /// the estimates were `charged`), its concurrency slots are taken (if it wants some), and it
+    /// is resumed if paused.
+    fn go<H: Host>(
+        &mut self,
+        cfg: &Config,
+        plan: &Plan,
+        headers: Vec<(String, String)>,
+        charged: bool,
+        paused: bool,
+        host: &mut H,
+    ) -> Next {
+        if charged {
+            self.meter = crate::core::settle::reserve(cfg, plan);
+        }
+        self.response_headers = headers;
+        if self.slots.wanted() {
+            return self.slots.acquire(cfg, paused, host);
+        }
+        if paused {
+            host.resume();
+        }
+        Next::Continue
+    }
 }
+
+/// The header a held request's response carries: how long it was held (ms).
+pub const HELD_HEADER: &str = "x-ratelimit-delay-ms";
 
 /// A background lease refill ended with `result`: its grant goes to the pool (or its denial is
 /// cached, or its claim ends), the breaker and the fallback shares learn from it as from any
@@ -669,6 +800,10 @@ pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
     }
 }
 
+/// The timer's period while a rule shapes: a held request is let through at most this long after
+/// its time (plus the host's own timer lateness).
+pub const HOLD_TICK_MS: u32 = 5;
+
 /// How often the adapter's timer should call: as often as the stream's messages and the batch
 /// queue need their deadlines looked at (`service.stream` or `service.batch`:
 /// [`crate::core::config::Service::tick_ms`]), and at least as often as the settlements and lease
@@ -676,6 +811,12 @@ pub fn sweep<H: Host>(cfg: &Config, held: &mut Vec<lease::Held>, host: &mut H) {
 pub fn tick_period_ms(cfg: &Config) -> Option<u32> {
     let svc = &cfg.service;
     let waits = (svc.stream || svc.batch > 0).then(|| u32::try_from(svc.tick_ms()).unwrap_or(50));
+    // Held requests are let through within a tick of their time.
+    let waits = match (waits, cfg.shapes()) {
+        (Some(w), true) => Some(w.min(HOLD_TICK_MS)),
+        (None, true) => Some(HOLD_TICK_MS),
+        (w, false) => w,
+    };
     match (waits, chores_period_ms(cfg)) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),

@@ -310,6 +310,10 @@ mod tests {
         fn resume(&mut self) {
             self.resumed += 1;
         }
+        fn place(&mut self, _: usize, _: u32) -> bool {
+            true
+        }
+        fn unplace(&mut self, _: usize) {}
         fn reply(&mut self, r: &LocalReply) {
             self.replies.push(r.clone());
         }

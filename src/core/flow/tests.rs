@@ -24,6 +24,8 @@ struct FakeHost {
     slot_counts: Vec<crate::core::inflight::Count>,
     late: Vec<u64>,
     decided_by: Vec<Cause>,
+    places: Vec<u32>,
+    shaped: Vec<Shaped>,
 }
 
 impl Default for FakeHost {
@@ -58,6 +60,8 @@ impl Default for FakeHost {
             slot_counts: Vec::new(),
             late: Vec::new(),
             decided_by: Vec::new(),
+            places: Vec::new(),
+            shaped: Vec::new(),
         }
     }
 }
@@ -113,7 +117,21 @@ impl Host for FakeHost {
             Metric::Lease(c, n) => self.leases.push((c, n)),
             Metric::Slots(c) => self.slot_counts.push(c),
             Metric::Late { returned } => self.late.push(returned),
+            Metric::Shape(s) => self.shaped.push(s),
         }
+    }
+    fn place(&mut self, rule: usize, max: u32) -> bool {
+        if self.places.len() <= rule {
+            self.places.resize(rule + 1, 0);
+        }
+        let free = self.places[rule] < max;
+        if free {
+            self.places[rule] += 1;
+        }
+        free
+    }
+    fn unplace(&mut self, rule: usize) {
+        self.places[rule] -= 1;
     }
 }
 
@@ -828,4 +846,108 @@ fn a_proxy_back_first_does_not_spend_what_the_others_owe() {
     // Past the recovery (`breaker.max_open_ms` after the last refusal) the service decides
     // alone again.
     assert_eq!(one(&c, &mut a, Some(&mut g), 11_000), Decision::Allowed);
+}
+
+fn shaped_cfg(max_held: u32) -> Config {
+    let json = format!(
+        r#"{{"service":{{"cluster":"svc"}},
+             "rules":[{{"name":"r","match":{{"path_prefix":"/api"}},"key":["literal:k"],"capacity":2,"period_ms":1000,
+                        "shape":{{"max_delay_ms":500,"max_held":{max_held}}}}}]}}"#
+    );
+    Config::parse(json.as_bytes()).unwrap()
+}
+
+/// A shaped grant: allowed, its tokens there in `delay_ms`.
+fn later(delay_ms: u64) -> CalloutResult {
+    let body = format!(
+        r#"{{"allowed":true,"buckets":[{{"allowed":true,"limit":2,"remaining":0,"reset_ms":1000,"retry_after_ms":0,"granted":1,"delay_ms":{delay_ms}}}],"delay_ms":{delay_ms}}}"#
+    );
+    CalloutResult::Http {
+        status: Some(200),
+        body: body.into_bytes(),
+    }
+}
+
+#[test]
+fn a_grant_for_later_is_held_until_then_and_told_to_the_client() {
+    let c = shaped_cfg(8);
+    let (mut h, mut f) = (FakeHost::default(), Flow::default());
+    h.now = 1000;
+    assert_eq!(f.on_request_headers(&c, &req("/api"), &mut h), Next::Pause);
+    assert_eq!(
+        h.sent[0].request.buckets[0].max_delay_ms, 500,
+        "the take asks for a grant up to max_delay_ms ahead"
+    );
+    assert_eq!(h.places, vec![1]);
+    f.on_callout_result(&c, h.next_id, later(120), &mut h);
+    assert_eq!(f.held_until(), Some(1120));
+    assert_eq!(h.resumed, 0, "held, not let through");
+    assert_eq!(f.on_request_data(), Next::Pause, "its body waits too");
+    assert_eq!(h.counts, vec![Decision::Allowed]);
+    assert_eq!(h.shaped, vec![Shaped::Held]);
+    h.now = 1125;
+    f.on_release(&c, &mut h);
+    assert_eq!(
+        (h.resumed, h.places[0]),
+        (1, 0),
+        "let through, its place back"
+    );
+    assert!(f
+        .response_headers
+        .contains(&(HELD_HEADER.to_string(), "125".to_string())));
+    assert_eq!(f.on_end(&c, &mut h), vec![]);
+    assert!(
+        h.given_back.is_empty(),
+        "it went through: nothing to give back"
+    );
+}
+
+#[test]
+fn a_held_request_whose_client_leaves_gives_its_tokens_back() {
+    let c = shaped_cfg(8);
+    let (mut h, mut f) = (FakeHost::default(), Flow::default());
+    f.on_request_headers(&c, &req("/api"), &mut h);
+    f.on_callout_result(&c, h.next_id, later(300), &mut h);
+    assert!(f.held_until().is_some());
+    h.now = 100;
+    assert_eq!(f.on_end(&c, &mut h), vec![]);
+    assert_eq!(h.given_back.len(), 1, "its cost refunded");
+    assert_eq!(h.given_back[0].buckets[0].cost, Some(1));
+    assert_eq!(h.given_back[0].buckets[0].max_delay_ms, 0);
+    assert_eq!(h.places[0], 0);
+    assert_eq!(h.shaped, vec![Shaped::Held, Shaped::Left { returned: 1 }]);
+    f.on_release(&c, &mut h);
+    assert_eq!(h.resumed, 0, "a request gone is never resumed");
+}
+
+#[test]
+fn without_a_place_a_take_is_asked_for_unshaped_and_places_come_back_whatever_the_answer() {
+    let c = shaped_cfg(1);
+    let mut h = FakeHost::default();
+    let mut first = Flow::default();
+    first.on_request_headers(&c, &req("/api"), &mut h);
+    let first_id = h.next_id;
+    let mut second = Flow::default();
+    second.on_request_headers(&c, &req("/api"), &mut h);
+    assert_eq!(
+        h.sent[1].request.buckets[0].max_delay_ms, 0,
+        "no place left"
+    );
+    assert_eq!(h.shaped, vec![Shaped::Full]);
+    first.on_callout_result(&c, first_id, answer(true), &mut h);
+    assert_eq!(h.places[0], 0, "an answer for now gives the place back");
+    // A request gone while its take was out gives its place back too.
+    let mut f = Flow::default();
+    f.on_request_headers(&c, &req("/api"), &mut h);
+    assert_eq!(h.places[0], 1);
+    f.on_end(&c, &mut h);
+    assert_eq!(h.places[0], 0);
+    // A failure, a denial: neither holds, and the place comes back.
+    for result in [timed_out(), answer(false)] {
+        let mut f = Flow::default();
+        f.on_request_headers(&c, &req("/api"), &mut h);
+        assert_eq!(h.places[0], 1);
+        f.on_callout_result(&c, h.next_id, result, &mut h);
+        assert_eq!((f.held_until(), h.places[0]), (None, 0));
+    }
 }

@@ -26,6 +26,8 @@
 //! denial the debt itself caused (the service admitted, its grant fell short of the debt:
 //! `fallback::repay_debts`) is not the service's and is not remembered (the flow's denials stage): the
 //! next callout repays what it can.
+//! A bucket of a shaping rule (`shape`) is denied here only until its wait is within the rule's
+//! `max_delay_ms` (the service would grant it for later from then on).
 //! A slot another bucket holds is overwritten; writes are not compare-and-swap, since a lost
 //! write only costs a callout.
 //!
@@ -140,8 +142,19 @@ pub fn remember<S: CasStore + ?Sized>(
         if r.allowed || r.retry_after_ms == 0 || !eligible(cfg, plan, i) {
             continue;
         }
+        // A shaping rule's take is granted once its wait is within `max_delay_ms`: denied here
+        // only until then.
+        let ahead = plan
+            .rules
+            .get(i)
+            .and_then(|&r| cfg.rules.get(r)?.rate_limit()?.shape)
+            .map_or(0, |s| s.max_delay_ms);
+        let wait = r.retry_after_ms.saturating_sub(ahead);
+        if wait == 0 {
+            continue;
+        }
         let d = Denial {
-            until_ms: now_ms.saturating_add(r.retry_after_ms.min(cap)),
+            until_ms: now_ms.saturating_add(wait.min(cap)),
             cost: b.cost(),
             limit: r.limit,
             remaining: r.remaining,

@@ -169,6 +169,22 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
+    /// Requests are held and a root went: another root's timer must let them through in time. A
+    /// configuration that shapes ticks often enough; else the first one is made to.
+    pub(super) fn keep_releasing(&self) {
+        if self.held.is_empty() || self.roots.values().flatten().any(|p| p.config.shapes()) {
+            return;
+        }
+        let Some(root) = self.roots.values().flatten().next().map(|p| p.root) else {
+            return;
+        };
+        if self.abi.set_effective_context(root).is_ok() {
+            if let Err(s) = self.abi.set_tick_period(flow::HOLD_TICK_MS) {
+                warn!("no timer for the held requests: {}", abi::status_name(s));
+            }
+        }
+    }
+
     /// A configuration went away (a push replaced it): what of its outbox must outlive it goes
     /// to another configuration of this worker that calls the same service (their shared data
     /// and settlements are the same service's). The lease pools it filled (their names carry the

@@ -16,6 +16,7 @@
 //! - `leases`: a background lease refill, and the watched pools handed to a pushed configuration.
 //! - `settlements`: a request priced by its response, settled once (and a denied one not at all).
 //! - `configs`: a configuration refused, two in one VM, one removed by a push.
+//! - `held`: requests held for a grant for later (shaping), let through by the timer.
 //! - `stream`: the stream of takes (`service.stream`) against the same fake.
 
 use super::*;
@@ -445,6 +446,7 @@ mod batches;
 mod breaker;
 mod callouts;
 mod configs;
+mod held;
 mod ids;
 mod leases;
 mod reads;

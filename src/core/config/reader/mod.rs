@@ -61,6 +61,7 @@ impl Config {
                 &at,
                 &[
                     (asks(|l| l.lease.is_some()), Feature::Lease, "lease"),
+                    (asks(|l| l.shape.is_some()), Feature::Shape, "shape"),
                     (
                         asks(|l| l.charge.is_some()),
                         Feature::ChargeByResponse,

@@ -183,7 +183,37 @@ fn read_rate(r: &Obj<'_>, raw_key: &[Value], key: &[KeyPart]) -> Result<RateLimi
         tiers,
         descriptor: Vec::new(),
         charge: None,
+        shape: read_shape(r, algorithm)?,
     })
+}
+
+/// A rate rule's `shape`: token buckets only (a window's tokens come back all at once, at its
+/// end: there is no moment a token will be there to grant a take for).
+fn read_shape(r: &Obj<'_>, algorithm: Algorithm) -> Result<Option<Shape>, ConfigError> {
+    let Some(v) = r.get("shape") else {
+        return Ok(None);
+    };
+    let s = Obj::new(Some(v), &r.path("shape"), fields::SHAPE)?;
+    if algorithm != Algorithm::TokenBucket {
+        return err(
+            r.path("shape"),
+            format!(
+                "only for algorithm \"{}\" (a window's tokens all come back at its end)",
+                Algorithm::TokenBucket.name()
+            ),
+        );
+    }
+    if r.get("lease").is_some() {
+        return err(
+            r.path("shape"),
+            "not with `lease` (tokens spent from a pool are there or not: nothing to wait for)",
+        );
+    }
+    let max_held = s.int_within("max_held", Some(u64::from(DEFAULT_MAX_HELD)), 1, MAX_HELD)?;
+    Ok(Some(Shape {
+        max_delay_ms: s.int_within("max_delay_ms", None, 1, MAX_DELAY_MS)?,
+        max_held: u32::try_from(max_held).unwrap_or(u32::MAX),
+    }))
 }
 
 /// A rate rule's `descriptor` and `charge`, read into `l`.

@@ -7,6 +7,7 @@
 //! | `breaker` ([`breaker::Breaker`]) | reads the admission record (the probe claimed there); open: refused | the callout's success or failure | — |
 //! | `denials` ([`denials::Denials`]) | a remembered denial answers | the service's denials remembered | — |
 //! | `fallback` ([`fallback::Fallback`]) | debts attached; in recovery, the shares pay first | debts settled, shares kept in step | in recovery, the shares have the last word; a failure takes from them |
+//! | `shape` ([`shape::Shape`]) | a shaping rule's bucket asks for a grant up to `max_delay_ms` ahead, while the rule has a place to hold one more request | — | — |
 //!
 //! Before the call the stages look in that order, the first answer ending the look; after an
 //! answer they update their state in the reverse order (the fallback learns the number of proxies
@@ -18,6 +19,7 @@ pub(super) mod breaker;
 pub(super) mod denials;
 pub(super) mod fallback;
 pub(super) mod lease;
+pub(super) mod shape;
 
 use super::{Callout, Host, Recovery, Report};
 use crate::core::config::Config;
@@ -103,12 +105,13 @@ pub(super) trait Stage<H: Host> {
 }
 
 /// The local stages, in the order they apply before the call.
-pub(super) fn stages<'s, H: Host + 's>() -> [&'s (dyn Stage<H> + 's); 4] {
+pub(super) fn stages<'s, H: Host + 's>() -> [&'s (dyn Stage<H> + 's); 5] {
     [
         &lease::Lease,
         &breaker::Breaker,
         &denials::Denials,
         &fallback::Fallback,
+        &shape::Shape,
     ]
 }
 

@@ -1,0 +1,100 @@
+//! Requests held for a grant for later (shaping): let through by the timer in the order of their
+//! time, a held request whose client leaves giving its tokens back, and held requests outliving
+//! the configuration a push replaced.
+
+use super::*;
+
+/// A shaping rule over HTTP, every take a callout of its own.
+fn shaped_config() -> String {
+    config("http", "").replace(
+        r#""period_ms":60000}"#,
+        r#""period_ms":60000,"shape":{"max_delay_ms":1000}}"#,
+    )
+}
+
+/// The next answer: allowed, the tokens there in `delay_ms`.
+fn later_reply(d: &Dispatcher<Fake>, delay_ms: u64) {
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        format!(
+            r#"{{"allowed":true,"buckets":[{{"allowed":true,"limit":5,"remaining":0,"reset_ms":1000,"retry_after_ms":0,"granted":1,"delay_ms":{delay_ms}}}],"delay_ms":{delay_ms}}}"#
+        )
+        .into_bytes(),
+    );
+}
+
+/// Request `id` starts under `root` and is granted `delay_ms` ahead.
+fn held_for(d: &mut Dispatcher<Fake>, root: u32, id: u32, delay_ms: u64) {
+    assert_eq!(start_on(d, root, id, "/api"), PAUSE);
+    let body = d.abi.dispatched.borrow().last().unwrap().1.clone();
+    assert!(
+        String::from_utf8(body)
+            .unwrap()
+            .contains(r#""max_delay_ms":1000"#),
+        "the take asks for a grant up to max_delay_ms ahead"
+    );
+    later_reply(d, delay_ms);
+    d.on_http_call_response(last_token(d), 1, 300);
+}
+
+#[test]
+fn held_requests_go_when_their_time_comes_in_its_order() {
+    let mut d = dispatcher(&shaped_config());
+    assert_eq!(
+        d.abi.tick_ms.get(),
+        flow::HOLD_TICK_MS,
+        "a shaping rule's timer"
+    );
+    held_for(&mut d, ROOT, 10, 30);
+    held_for(&mut d, ROOT, 11, 10);
+    held_for(&mut d, ROOT, 12, 20);
+    assert!(d.abi.resumed.borrow().is_empty(), "all three held");
+    assert_eq!(d.abi.metric("tollgate.shape.held"), 3);
+    d.abi.clock.set(9);
+    d.on_tick(ROOT);
+    assert!(d.abi.resumed.borrow().is_empty(), "none before its time");
+    d.abi.clock.set(20);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12]);
+    d.abi.clock.set(35);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11, 12, 10]);
+    assert_eq!(d.abi.metric("tollgate.shape.held"), 0);
+    assert_eq!(d.abi.metric("tollgate.shape.held_total"), 3);
+    assert!(d.abi.replied.borrow().is_empty());
+}
+
+#[test]
+fn a_held_request_whose_client_leaves_gives_its_tokens_back_and_is_never_resumed() {
+    let mut d = dispatcher(&shaped_config());
+    held_for(&mut d, ROOT, 10, 50);
+    let sent = d.abi.dispatched.borrow().len();
+    disconnect(&mut d, 10);
+    let refund = d.abi.dispatched.borrow()[sent].1.clone();
+    let refund: serde_json::Value = serde_json::from_slice(&refund).unwrap();
+    assert_eq!(refund["buckets"][0]["cost"], 1, "its cost goes back");
+    assert_eq!(d.abi.metric("tollgate.shape.returned"), 1);
+    assert_eq!(d.abi.metric("tollgate.shape.held"), 0);
+    d.abi.clock.set(100);
+    d.on_tick(ROOT);
+    assert!(d.abi.resumed.borrow().is_empty());
+}
+
+#[test]
+fn held_requests_outlive_the_configuration_a_push_replaced() {
+    let mut d = dispatcher(&shaped_config());
+    held_for(&mut d, ROOT, 10, 40);
+    // The push: a configuration that does not shape (its own timer: none), the old root gone.
+    const NEW: u32 = 7;
+    d.abi.tick_ms.set(0);
+    configure(&mut d, NEW, &config("http", ""));
+    d.on_delete(ROOT);
+    assert_eq!(
+        (d.abi.effective.get(), d.abi.tick_ms.get()),
+        (NEW, flow::HOLD_TICK_MS),
+        "the remaining root's timer is started for the held request"
+    );
+    d.abi.clock.set(40);
+    d.on_tick(NEW);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10], "let through at its time");
+}
