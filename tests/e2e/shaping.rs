@@ -16,10 +16,11 @@
 //! | `a_fleet_bursting_is_spread_exactly` | 3 Envoys, 150 round-robin clients at 50 + 100 a second: per 100 ms at the upstream within the bucket, nobody refused whose wait was within the bound, the added wait's p99 |
 //!
 //! Each prints a `ROW |` line with what it measured. Timer precision: a held request is let go by
-//! its worker's timer, a few ms after its time on an idle machine and up to ~40 ms on a loaded one
-//! (docs: the field notes on root timers); never before it. So the bound on what reached the
-//! upstream by time t is exact (`capacity + rate × t`, counted from before the first request was
-//! sent) but for one request of rounding, and a 100 ms window's is given 50 ms of the rate as slack.
+//! its worker's timer, within 5 ms of its time on an idle machine and Envoy's timers run up to
+//! ~40 ms late on a loaded one; never before it. So the bound on what reached the upstream by time
+//! t is exact (`capacity + rate × t`, counted from before the first request was sent) but for one
+//! request of rounding, and a 100 ms window's is given 50 ms of the rate as slack (and, for the
+//! requests admitted at once, the time from their take to the upstream).
 
 use crate::common;
 use crate::every_transport;
