@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make bench`: every benchmark recorded in BENCHMARKS.md, one after the other (never at once: they
-# share the machine's cores). Envoy with Tollgate first, in both layouts, then a fleet's accuracy, then Envoy's
+# share the machine's cores). Envoy with Tollgate first, in both layouts, then a fleet's accuracy and a
+# fleet's burst shaped, then Envoy's
 # instructions per request (callgrind), the service's and Redis's per take, and a stream message's
 # against a unary call, then the
 # service alone; last, the figures beside the recorded ones (scripts/bench-compare.sh).
@@ -13,6 +14,8 @@ bash scripts/bench-envoy.sh || rc=$?
 LAYOUT=production KEYS=0 OUT=bench-out/envoy-production bash scripts/bench-envoy.sh || rc=$?
 python3 scripts/bench-layouts.py bench-out/envoy bench-out/envoy-production | tee bench-out/layouts.md || rc=$?
 bash scripts/bench-accuracy.sh || rc=$?
+# A fleet's burst shaped and not: what reaches the upstream per 100 ms, the 429s, the added wait.
+bash scripts/bench-shaping.sh || rc=$?
 # The idle path, one exact decision, and a flood's 429 from a remembered denial beside Envoy's own
 # (every variant: run the script alone; each costs a minute or two under valgrind).
 VARIANTS="none empty nomatch http grpc grpc-unary denied local-denied" bash scripts/bench-instructions.sh || rc=$?

@@ -63,13 +63,17 @@ wait_for "envoy on :10000" "$RUN/envoy.log" "${PIDS[-1]}" curl -fsS http://127.0
 cat <<EOF
 
 Tollgate is running (rule "per-ip": 5 requests burst per client IP, refilling 1 per second;
-rule "llm-tokens" under /v1/: LLM tokens per x-api-key, priced by the response).
+rule "llm-tokens" under /v1/: LLM tokens per x-api-key, priced by the response; rule "shaped" under
+/v1/shaped: 5 a second per client IP, a request beyond it held until its token is there, up to 3 s).
 
   for i in \$(seq 7); do curl -si localhost:10000/ | grep -iE '^(HTTP|ratelimit|x-ratelimit|retry-after)'; done
       five 200s, then 429 with Retry-After, RateLimit-Policy/RateLimit and X-RateLimit-*
   for i in 1 2 3; do curl -si localhost:10000/v1/chat/completions -H 'x-api-key: demo' | grep -i '^x-ratelimit-remaining'; done
       tokens, not requests: 10,000 a minute per API key; each call reserves 4,000 and is settled
       to the 42 the stand-in LLM API reports: 6000, then about 5960, 5920
+  for i in \$(seq 15); do curl -s -o /dev/null -w '%{http_code} after %{time_total} s, held %header{x-ratelimit-delay-ms} ms\n' localhost:10000/v1/shaped & done; wait
+      a burst of 15 curls at 5 a second: all 200, spaced over about 2 s (the first 5 at once,
+      then one every 200 ms, each held as long as x-ratelimit-delay-ms says)
   curl -s 'localhost:9901/stats?filter=wasmcustom'   the filter's counters (Envoy admin)
   curl -s localhost:8081/metrics                     the service's metrics
   curl -s localhost:8081/readyz                      the service sees Redis (redis-cli -p $REDIS_PORT)

@@ -132,6 +132,9 @@ The demo rules: 5 requests of burst per client IP, refilling one token per secon
 `curl -i localhost:10000/` quickly to see five 200s, then 429 with Retry-After and the RateLimit
 headers. And under /v1/, 10,000 tokens a minute per `x-api-key`, priced by what the (stand-in) LLM
 API's response reports using: 4,000 are reserved, the reported usage is settled afterwards.
+Under /v1/shaped, 5 a second per client IP, shaped: a request beyond the burst is held until its
+token is there (up to 3 s, `x-ratelimit-delay-ms` says how long), not refused; 15 curls at once all
+get 200, spread over about 2 s.
 Validate with: .tools/envoy --mode validate -c envoy.yaml"#;
 
 const PLAIN_HEADER: &str = r#"Plain Envoy (no mesh, no gateway controller) in front of an application, with Tollgate: for VMs,
@@ -142,7 +145,8 @@ Docker Compose and the like. Paths and host names are the deployment's:
 Run several of these Envoys behind one load balancer: they share every limit through the service.
 Check it with: envoy --mode validate -c deploy/envoy/envoy.yaml (the module must be at the path)."#;
 
-/// The demo's rules: 5 requests of burst per client IP, and priced LLM tokens under /v1/.
+/// The demo's rules: 5 requests of burst per client IP, priced LLM tokens under /v1/, and a
+/// shaped limit under /v1/shaped (held, not refused, up to 3 s).
 fn demo_plugin() -> String {
     Plugin::new("grpc", 50)
         .field("trusted_hops", 0)
@@ -151,10 +155,15 @@ fn demo_plugin() -> String {
  "key": ["client_ip"], "capacity": 5, "rate": 1, "period_ms": 1000}"#,
         )
         .rule(
-            r#"{"name": "llm-tokens", "match": {"path_prefix": "/v1/"}, "key": ["header:x-api-key"],
+            r#"{"name": "llm-tokens", "match": {"path_prefix": "/v1/", "not": {"path_prefix": "/v1/shaped"}},
+ "key": ["header:x-api-key"],
  "capacity": 10000, "period_ms": 60000,
  "cost": {"reserve": "max", "max": 4000},
  "charge": "response"}"#,
+        )
+        .rule(
+            r#"{"name": "shaped", "match": {"path_prefix": "/v1/shaped"}, "key": ["client_ip"],
+ "capacity": 5, "rate": 5, "period_ms": 1000, "shape": {"max_delay_ms": 3000}}"#,
         )
         .failure_mode("fallback")
         .fallback(1, 10000)

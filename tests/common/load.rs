@@ -29,6 +29,8 @@ pub struct Rec {
     pub retry_after: Option<u64>,
     /// `X-RateLimit-Reset`, in seconds, when the response had one.
     pub reset: Option<u64>,
+    /// `x-ratelimit-delay-ms`: how long the filter held the request (shaping), when it was held.
+    pub held_ms: Option<u64>,
 }
 
 /// Client threads sending until stopped, at their deadline, or at a number of requests in all.
@@ -232,6 +234,7 @@ impl Load {
                                             .then(|| num("retry-after"))
                                             .flatten(),
                                         reset: num("x-ratelimit-reset"),
+                                        held_ms: num("x-ratelimit-delay-ms"),
                                     }
                                 }
                                 Err(_) => Rec {
@@ -241,6 +244,7 @@ impl Load {
                                     status: 0,
                                     retry_after: None,
                                     reset: None,
+                                    held_ms: None,
                                 },
                             };
                         recs.push(rec);

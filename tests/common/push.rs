@@ -18,9 +18,20 @@ pub struct Pushed {
 
 impl Pushed {
     /// Starts Envoy for `spec` with its listener behind LDS; old listeners drain at once.
-    pub fn start(c: &Components, dir: &TempDir, mut spec: EnvoySpec) -> Pushed {
+    pub fn start(c: &Components, dir: &TempDir, spec: EnvoySpec) -> Pushed {
+        Pushed::start_draining(c, dir, spec, 0)
+    }
+
+    /// As [`Pushed::start`], a replaced listener's connections drained for `drain_s` seconds
+    /// (Envoy's `--drain-time-s`) before they are closed: requests in flight on them may end.
+    pub fn start_draining(
+        c: &Components,
+        dir: &TempDir,
+        mut spec: EnvoySpec,
+        drain_s: u32,
+    ) -> Pushed {
         spec.extra_args
-            .extend(["--drain-time-s".into(), "0".into()]);
+            .extend(["--drain-time-s".into(), drain_s.to_string()]);
         let lds_dir = dir.path().join("lds");
         fs::create_dir_all(&lds_dir).expect("lds dir");
         let lds = lds_dir.join("listeners.yaml");

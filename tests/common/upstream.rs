@@ -1,5 +1,5 @@
 //! The upstream: a counting HTTP/1.1 server in the test process, optionally slow (it then counts the
-//! requests it holds).
+//! requests it holds); it records when each request arrived, for tests of a rate over time.
 
 use super::process::accept_on_free_port;
 use std::collections::BTreeMap;
@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A minimal HTTP/1.1 server (keep-alive, a thread per connection) answering 200 "upstream\n" and
 /// recording the head of every request it received (the first 10,000), and optionally counting the
@@ -22,6 +22,8 @@ struct UpstreamState {
     stop: AtomicBool,
     requests: AtomicU64,
     heads: Mutex<Vec<String>>,
+    /// When each request arrived (its head read), with its path: the first 10,000.
+    arrivals: Mutex<Vec<(Instant, String)>>,
     bodies: Mutex<Vec<Vec<u8>>>,
     /// The header (lower case) whose values are counted, and the counts.
     count_by: Option<String>,
@@ -57,6 +59,7 @@ impl Upstream {
             stop: AtomicBool::new(false),
             requests: AtomicU64::new(0),
             heads: Mutex::new(Vec::new()),
+            arrivals: Mutex::new(Vec::new()),
             bodies: Mutex::new(Vec::new()),
             count_by,
             counts: Mutex::new(BTreeMap::new()),
@@ -100,6 +103,16 @@ impl Upstream {
             .unwrap_or_default()
     }
 
+    /// When each request received so far arrived, with its path, in the order they arrived (the
+    /// first 10,000).
+    pub fn arrivals(&self) -> Vec<(Instant, String)> {
+        self.state
+            .arrivals
+            .lock()
+            .map(|a| a.clone())
+            .unwrap_or_default()
+    }
+
     /// Requests received so far per value of the header named in [`Upstream::start_counting_by`].
     pub fn counts(&self) -> BTreeMap<String, u64> {
         self.state
@@ -135,6 +148,7 @@ fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
         else {
             return;
         };
+        let arrived = Instant::now();
         if let Ok(mut b) = st.bodies.lock() {
             if b.len() < 100 {
                 b.push(body);
@@ -148,6 +162,11 @@ fn serve_upstream(mut conn: TcpStream, st: Arc<UpstreamState>) {
             }
         }
         let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+        if let Ok(mut a) = st.arrivals.lock() {
+            if a.len() < 10_000 {
+                a.push((arrived, path.clone()));
+            }
+        }
         if let Ok(mut h) = st.heads.lock() {
             if h.len() < 10_000 {
                 h.push(head);

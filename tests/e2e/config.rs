@@ -137,6 +137,19 @@ fn duplicate_rule_names() {
     );
 }
 
+/// Shaping holds a request until the bucket's tokens are there: a window cannot lend its next
+/// window's tokens, so a window rule with `shape` is refused.
+#[test]
+fn shape_on_a_window() {
+    let rule = r#"{"name": "r", "key": ["client_ip"], "capacity": 5, "period_ms": 1000,
+                   "algorithm": "fixed_window", "shape": {"max_delay_ms": 1000}}"#;
+    refused(
+        "shape",
+        &with(r#"{"cluster": "tollgate"}"#, rule, ""),
+        "rules[0].shape",
+    );
+}
+
 #[test]
 fn not_json() {
     refused("not-json", "service: tollgate", "not valid JSON");

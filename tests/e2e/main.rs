@@ -25,6 +25,7 @@
 //! - [`rls`]
 //! - [`rules`]
 //! - [`scale`]
+//! - [`shaping`]
 //! - [`sliding_window`]
 //! - [`tokens`]
 //! - [`topology`]
@@ -61,6 +62,7 @@ mod overload;
 mod rls;
 mod rules;
 mod scale;
+mod shaping;
 mod sliding_window;
 mod tokens;
 mod topology;
