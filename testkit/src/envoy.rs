@@ -139,6 +139,9 @@ pub struct Route {
     pub skip_module: bool,
     /// A comment above the route.
     pub note: Option<String>,
+    /// The route's `max_stream_duration` in seconds: counted from when the request arrived, a
+    /// filter's pause included (the `timeout` starts only when the router has the request).
+    pub max_stream_duration_s: Option<u32>,
 }
 
 /// What a route does.
@@ -173,6 +176,7 @@ impl Route {
             action,
             response_headers: Vec::new(),
             skip_module: false,
+            max_stream_duration_s: None,
             note: None,
         }
     }
@@ -429,6 +433,9 @@ impl EnvoySpec {
                 let mut fields = format!("cluster: {}", self.upstream_cluster);
                 if let Some(t) = timeout_s {
                     let _ = write!(fields, ", timeout: {t}s");
+                }
+                if let Some(t) = r.max_stream_duration_s {
+                    let _ = write!(fields, ", max_stream_duration: {{max_stream_duration: {t}s}}");
                 }
                 if let Some(rls) = self.native_rls.as_ref().filter(|r| !r.per_route) {
                     let _ = write!(fields, ", rate_limits: {}", rls.rate_limits);

@@ -12,7 +12,7 @@
 //! | `max_held_bounds_what_waits` | `max_held` 3, one worker: 3 held, the rest refused at once (`tollgate.shape.full`) |
 //! | `held_requests_outlive_the_service` | the service stopped (SIGSTOP) while 10 are held: each still goes at its time |
 //! | `held_requests_outlive_a_push` | a new plugin configuration pushed (LDS) while 10 are held: each still goes at its time (the old listener's connections draining, as Envoy does for 5 s here) |
-//! | `the_route_timeout_ends_a_hold` | a hold longer than the route's timeout: Envoy's 504 at the timeout |
+//! | `a_hold_counts_against_the_stream_duration_not_the_route_timeout` | a route's `timeout` starts after the hold (every request answered); its `max_stream_duration` counts the hold (ended at 1 s, tokens back) |
 //! | `a_fleet_bursting_is_spread_exactly` | 3 Envoys, 150 round-robin clients at 50 + 100 a second: per 100 ms at the upstream within the bucket, nobody refused whose wait was within the bound, the added wait's p99 |
 //!
 //! Each prints a `ROW |` line with what it measured. Timer precision: a held request is let go by
@@ -616,10 +616,13 @@ fn held_requests_outlive_the_service() {
     assert!(broken.is_empty(), "{}", broken.join("; "));
 }
 
-/// A route timing out after 1 s, holds of up to 2 s: the requests held past the timeout get
-/// Envoy's 504 at the timeout (not at their time), and never reach the upstream.
+/// Holds of up to 2 s on two routes: one whose `timeout` is 1 s, one whose `max_stream_duration`
+/// is 1 s. Envoy starts a route's `timeout` when the router has the request, after the filter let it
+/// go, so the first route answers every request (a hold never counts against it); a stream's
+/// duration counts from its arrival, so on the second the requests held past 1 s get Envoy's
+/// answer for it at 1 s (not at their time), never reach the upstream, and give their tokens back.
 #[test]
-fn the_route_timeout_ends_a_hold() {
+fn a_hold_counts_against_the_stream_duration_not_the_route_timeout() {
     const LIMIT: (u64, u64, u64) = (5, 5, 1000);
     let cfg = plugin(
         Transport::Grpc,
@@ -632,37 +635,53 @@ fn the_route_timeout_ends_a_hold() {
         json!({}),
     );
     let stack = Stack::start_with("shape-route-timeout", &cfg, |s| {
-        s.routes = vec![common::envoy::Route::upstream("/", Some(1))];
+        let mut bounded = common::envoy::Route::upstream("/bounded", None);
+        bounded.max_stream_duration_s = Some(1);
+        s.routes = vec![bounded, common::envoy::Route::upstream("/", Some(1))];
     });
-    let burst = timed_burst(&stack.url("/timeout"), 15, &[]);
-    let timed_out: Vec<u64> = burst
+    let timeout = timed_burst(&stack.url("/timeout"), 15, &[]);
+    // The bucket back to full (5 a second) before the second burst.
+    std::thread::sleep(Duration::from_millis(3200));
+    let bounded = timed_burst(&stack.url("/bounded"), 15, &[]);
+    let ended: Vec<(u16, u64)> = bounded
         .iter()
-        .filter(|r| r.status() == 504)
-        .map(Timed::ms)
+        .filter(|r| r.status() != 200)
+        .map(|r| (r.status(), r.ms()))
         .collect();
-    let reached = arrivals(&stack.upstream, "/timeout").len();
+    let reached = arrivals(&stack.upstream, "/bounded").len();
+    let returned = stack.envoy.tg("shape.returned");
     eprintln!(
-        "ROW | shaping, holds of up to 2 s behind a 1 s route timeout | {:?}, 504s after {timed_out:?} \
-         ms | {reached} reached the upstream | returned {} |",
-        statuses(&burst),
-        stack.envoy.tg("shape.returned"),
+        "ROW | shaping, holds of up to 2 s | route timeout 1 s: {:?} | max_stream_duration 1 s: {:?}, \
+         ended at {ended:?} ms, {reached} reached the upstream, {returned} tokens returned |",
+        statuses(&timeout),
+        statuses(&bounded),
     );
 
     let mut broken = Vec::new();
-    let ok = burst.iter().filter(|r| r.status() == 200).count();
-    if ok + timed_out.len() != 15 || timed_out.len() < 4 {
+    if statuses(&timeout) != BTreeMap::from([(200, 15)]) {
         broken.push(format!(
-            "200s and at least 4 504s wanted: {:?}",
-            statuses(&burst)
+            "a 1 s route timeout: every request 200 wanted, {:?}",
+            statuses(&timeout)
         ));
     }
-    if timed_out.iter().any(|&ms| !(900..=1400).contains(&ms)) {
+    let ok = bounded.iter().filter(|r| r.status() == 200).count();
+    if ended.len() < 4 || ok + ended.len() != 15 {
         broken.push(format!(
-            "504s at the 1 s timeout wanted, at {timed_out:?} ms"
+            "max_stream_duration 1 s: 200s and at least 4 ended wanted, {:?}",
+            statuses(&bounded)
         ));
+    }
+    if ended.iter().any(|&(_, ms)| !(900..=1500).contains(&ms)) {
+        broken.push(format!("ended at the 1 s duration wanted, at {ended:?} ms"));
     }
     if reached != ok {
         broken.push(format!("{reached} reached the upstream, {ok} answered 200"));
+    }
+    if returned < ended.len() as u64 {
+        broken.push(format!(
+            "{returned} tokens returned for {} requests ended while held",
+            ended.len()
+        ));
     }
     assert!(broken.is_empty(), "{}", broken.join("; "));
 }
