@@ -435,7 +435,10 @@ impl EnvoySpec {
                     let _ = write!(fields, ", timeout: {t}s");
                 }
                 if let Some(t) = r.max_stream_duration_s {
-                    let _ = write!(fields, ", max_stream_duration: {{max_stream_duration: {t}s}}");
+                    let _ = write!(
+                        fields,
+                        ", max_stream_duration: {{max_stream_duration: {t}s}}"
+                    );
                 }
                 if let Some(rls) = self.native_rls.as_ref().filter(|r| !r.per_route) {
                     let _ = write!(fields, ", rate_limits: {}", rls.rate_limits);
