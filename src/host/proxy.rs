@@ -8,7 +8,7 @@ use super::plugin::{Plugin, Waiter};
 use crate::core::base::ledger::{CalloutId, Ledger};
 use crate::core::base::store::{CasStore, SetError};
 use crate::core::config::Config;
-use crate::core::flow::{self, Callout, Host, Metric};
+use crate::core::flow::{self, Callout, Host, Metric, Unsent};
 use crate::core::outbox::Leave;
 use crate::core::settle;
 use crate::core::wire::batch;
@@ -70,7 +70,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
         cfg: &Config,
         plan: &Plan,
         refill: bool,
-    ) -> Result<CalloutId, String> {
+    ) -> Result<CalloutId, Unsent> {
         let plugin = self.plugin.clone();
         // `service.trace`: a sampled request's callout carries its `traceparent`, and goes alone
         // (a batch has no one parent). Read here, so a configuration without it pays nothing.
@@ -111,7 +111,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             );
             if let Err(why) = queued {
                 self.ledger.close(id);
-                return Err(why);
+                return Err(Unsent { why, local: true });
             }
             return Ok(id);
         }
@@ -122,7 +122,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             let deadline = now.saturating_add(cfg.service.timeout_ms);
             if let Err(why) = self.send_batch(cfg, vec![id], &[&plan.request], now, deadline) {
                 self.ledger.close(id);
-                return Err(why);
+                return Err(why.into());
             }
             return Ok(id);
         }
@@ -453,12 +453,13 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
         self.abi.now_ms()
     }
 
-    fn send(&mut self, cfg: &Config, out: Callout<'_>) -> Result<CalloutId, String> {
+    fn send(&mut self, cfg: &Config, out: Callout<'_>) -> Result<CalloutId, Unsent> {
         match out {
             Callout::Take(plan) => self.take(cfg, plan, false),
             Callout::Refill(plan) => self.take(cfg, plan, true),
             Callout::Refund(request) => {
-                self.send_background(cfg, callout::refund(cfg, request), Waiter::Refund)
+                let refund = callout::refund(cfg, request);
+                Ok(self.send_background(cfg, refund, Waiter::Refund)?)
             }
             Callout::Acquire(body) => {
                 let acquire = callout::beside(cfg, "acquire", body);
@@ -469,7 +470,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
             Callout::Release(body) => {
                 let plugin = self.plugin.clone();
                 let release = callout::beside(cfg, "release", body);
-                self.send_background(cfg, release, Waiter::Release { plugin })
+                Ok(self.send_background(cfg, release, Waiter::Release { plugin })?)
             }
         }
     }

@@ -61,7 +61,7 @@ pub trait Host {
     /// Wall-clock time in ms since the epoch.
     fn now_ms(&self) -> u64;
     /// Starts `callout`; its id in the ledger, or why it could not start.
-    fn send(&mut self, cfg: &Config, callout: Callout<'_>) -> Result<CalloutId, String>;
+    fn send(&mut self, cfg: &Config, callout: Callout<'_>) -> Result<CalloutId, Unsent>;
     /// Resumes the paused request.
     fn resume(&mut self);
     /// Sends a local reply (the request ends there).
@@ -73,6 +73,34 @@ pub trait Host {
     fn place(&mut self, rule: usize, max: u32) -> bool;
     /// A place of rule `rule` ([`Host::place`]) given back.
     fn unplace(&mut self, rule: usize);
+}
+
+/// Why a callout did not start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsent {
+    /// What went wrong, for the log.
+    pub why: String,
+    /// A bound of this worker refused it (its batch queue was full): no news of the service,
+    /// so the breaker does not count it, and the failure mode decides with cause `queued`.
+    pub local: bool,
+}
+
+impl From<String> for Unsent {
+    fn from(why: String) -> Unsent {
+        Unsent { why, local: false }
+    }
+}
+
+impl From<&str> for Unsent {
+    fn from(why: &str) -> Unsent {
+        Unsent::from(why.to_string())
+    }
+}
+
+impl std::fmt::Display for Unsent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
 }
 
 /// A callout the flow starts; the variant says where its answer goes.
@@ -344,11 +372,17 @@ impl Flow {
                 let report = Report {
                     probe,
                     quiet: clean,
-                    counted: true,
+                    counted: !why.local,
                     now,
                     recovery,
                 };
-                let failed = Outcome::Failed(Cause::Dispatch);
+                // A full queue is this worker's own bound, not a failure of the service.
+                let cause = if why.local {
+                    Cause::Queued
+                } else {
+                    Cause::Dispatch
+                };
+                let failed = Outcome::Failed(cause);
                 self.after_callout(cfg, &plan, report, failed, false, host)
             }
         }

@@ -291,7 +291,11 @@ mod tests {
         fn now_ms(&self) -> u64 {
             0
         }
-        fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<CalloutId, String> {
+        fn send(
+            &mut self,
+            _: &Config,
+            out: Callout<'_>,
+        ) -> Result<CalloutId, crate::core::flow::Unsent> {
             match out {
                 Callout::Acquire(body) => {
                     self.acquires.push(body);

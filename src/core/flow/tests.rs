@@ -74,7 +74,7 @@ impl Host for FakeHost {
     fn now_ms(&self) -> u64 {
         self.now
     }
-    fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<CalloutId, String> {
+    fn send(&mut self, _: &Config, out: Callout<'_>) -> Result<CalloutId, Unsent> {
         match out {
             Callout::Take(plan) => {
                 self.sent.push(plan.clone());

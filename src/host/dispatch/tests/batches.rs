@@ -309,3 +309,33 @@ fn a_queue_the_byte_bounds_split_leaves_in_several_batches_at_once() {
     }
     assert_eq!(d.abi.metric("tollgate.callout_failure.dispatch"), 0);
 }
+
+/// A burst larger than the batch queue: the takes it cannot hold fail here, decided by the
+/// failure mode with cause `queued`, and never open the breaker (a full queue is this worker's
+/// own bound, no news of the service), however many there are.
+#[test]
+fn a_full_batch_queue_never_opens_the_breaker() {
+    let cfg = config("http", r#","failure_mode":"deny""#)
+        .replace(r#""batch":0"#, r#""batch":2"#)
+        .replace(r#""failures":10000"#, r#""failures":2"#);
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    // A queue of 4 × 2 behind it, then 6 that find it full.
+    for id in 11..25 {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    assert_eq!(
+        d.abi.dispatched.borrow().len(),
+        1,
+        "one callout out, 8 queued"
+    );
+    assert_eq!(d.abi.replied.borrow().len(), 6, "the rest denied here");
+    assert_eq!(d.abi.metric("tollgate.failure_mode.queued"), 6);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.dispatch"), 0);
+    assert_eq!(d.abi.metric("tollgate.breaker.opened"), 0);
+    // The service answers: the next request calls as usual.
+    allowed_reply(&d);
+    d.on_http_call_response(last_token(&d), 1, 200);
+    assert_eq!(start(&mut d, 30, "/api"), PAUSE);
+    assert_eq!(d.abi.metric("tollgate.breaker.opened"), 0);
+}
