@@ -6,9 +6,10 @@
 //!   the filter's callout timeout 50 ms. Three Envoys behind the one service, one per transport
 //!   (the gRPC stream, a unary gRPC call, HTTP), each with its own keys and a third of the load,
 //!   so one slow period covers the three. A take then costs about 30 ms of Redis plus the
-//!   service and Envoy, under the timeout: asserted, that fewer than 10 % of the takes fail
-//!   (0–7 % measured; the aim is 0.1 %, met in some runs: the p99 sits at the timeout), the
-//!   breaker never opens, no 5xx reaches a client, and the limit holds.
+//!   service and Envoy, under the timeout: asserted, that fewer than 2 % of the incident's takes
+//!   fail and fewer than 3 % of each transport's (measured: 0–2 of about 1,100 in a run alone,
+//!   1 of 1,090 inside the whole suite; the aim is 0.1 %, met in most runs), the breaker never
+//!   opens, no 5xx reaches a client, and the limit holds.
 //!   Two rules match every request: one that admits everything (so every request is a take the
 //!   service decides, and the failure rate is one of takes), and one with a limit (capacity 100,
 //!   10 a second) whose admissions must stay within `capacity + rate × elapsed + N`. Denials are
@@ -206,17 +207,19 @@ fn redis_answering_late() {
         if made < 200 {
             broken.push(format!("{tname}: the load made only {made} takes"));
         }
-        // The target is under 0.1 % of the takes; measured on main, 0 to 3 of about 350 a
-        // transport run after run, and up to 7 % inside the whole suite (p99 54 ms against the
-        // 50 ms timeout: a take is the 30 ms delay, a tick in the filter's queue at most, 5 ms in
-        // the service's, and a loaded machine's late timers). What holds every run is asserted:
-        // under 10 % of the incident's takes and of each transport's, the breaker never opening.
-        // Before, 19 to 64 % failed and the breaker opened 5 to 16 times.
+        // The target is under 0.1 % of the takes. Since the queues leave on the age of
+        // the latest call out (the filter's after a tick, the service's after 5 ms), a take pays
+        // the 30 ms delay and one trip (p50 34–36 ms): 0 to 2 of about 1,100 failed in each run
+        // alone (none in 9 of 14), 1 of 1,090 inside the whole suite; what fails is a take that
+        // met both cores busy (the service's own 45 ms Redis timeout, a late timer). Asserted,
+        // with room for a loaded machine: under 2 % of the incident's takes and 3 % of each
+        // transport's, the breaker never opening. Before, 19 to 64 % failed and the breaker
+        // opened 5 to 16 times; with queues that waited a tick of their own, up to 7 %.
         all_failed += failed;
         all_made += made;
-        if failed * 10 >= made {
+        if failed * 100 >= made * 3 {
             broken.push(format!(
-                "{tname}: {failed} of {made} takes failed ({:.2} %), wanted under 10 %",
+                "{tname}: {failed} of {made} takes failed ({:.2} %), wanted under 3 %",
                 rate * 100.0
             ));
         }
@@ -224,9 +227,9 @@ fn redis_answering_late() {
             broken.push(format!("{tname}: the breaker opened {openings} times"));
         }
     }
-    if all_failed * 10 >= all_made {
+    if all_failed * 50 >= all_made {
         broken.push(format!(
-            "{all_failed} of the incident's {all_made} takes failed, wanted under 10 %"
+            "{all_failed} of the incident's {all_made} takes failed, wanted under 2 %"
         ));
     }
     eprintln!(
