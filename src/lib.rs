@@ -11,8 +11,9 @@
 //! - [`core`]: everything that decides, plain Rust without proxy-wasm, unit-tested natively; in
 //!   layers, each using only those listed before it:
 //!   - `base`: SHA-256 (`hash`), the host's header map format (`hostmap`), the CAS storage trait
-//!     (`store`), the VM's one table of callouts in flight (`ledger`), the VM's requests held
-//!     until their time (`held`, shaping).
+//!     (`store`), a place in a shared-data table and the memo of the last ones found (`place`),
+//!     the VM's one table of callouts in flight (`ledger`), the VM's requests held until their
+//!     time (`held`, shaping).
 //!   - `config`: the plugin configuration, parsed and validated once (`model`, `reader`, and
 //!     the tables it reads by: `rules`, a rule's fields, `fields`, every other section's,
 //!     `transports`, what each transport carries).

@@ -1,10 +1,11 @@
 //! What one configuration is to the adapter ([`Plugin`]: its immutable configuration and what was
-//! derived from it once, beside its runtime state, the core's [`Outbox`]), and who waits for each
-//! callout in the VM's ledger ([`Waiter`]).
+//! derived from it once, beside its runtime state: the core's [`Outbox`], the memo of its places),
+//! and who waits for each callout in the VM's ledger ([`Waiter`]).
 
 use super::metrics::Metrics;
 use super::request::Reads;
 use crate::core::base::ledger::CalloutId;
+use crate::core::base::place::Memos;
 use crate::core::config::Config;
 use crate::core::outbox::Outbox;
 use crate::core::wire::plan::Plan;
@@ -33,6 +34,9 @@ pub(super) struct Plugin {
     /// and its answer carry), the lease pools it deposited into, its settlements (an attempt in
     /// flight a [`Waiter::Settle`]).
     pub(super) outbox: RefCell<Outbox>,
+    /// The places last found in its shared-data tables (`core::local::table`), remembered for
+    /// this configuration alone: another configuration of the worker keeps its own.
+    pub(super) memos: Memos,
 }
 
 /// Who waits for a callout's answer: the variant of a ledger entry.

@@ -6,6 +6,7 @@ use super::abi::{self, Abi, HeaderMap};
 use super::metrics::SettleCount;
 use super::plugin::{Plugin, Waiter};
 use crate::core::base::ledger::{CalloutId, Ledger};
+use crate::core::base::place::Memos;
 use crate::core::base::store::{CasStore, SetError};
 use crate::core::config::Config;
 use crate::core::flow::{self, Callout, Host, Metric, Unsent};
@@ -42,10 +43,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
         Proxy {
             abi,
             plugin,
-            shared: Shared {
-                abi,
-                prefix: &plugin.prefix,
-            },
+            shared: Shared::of(abi, plugin),
             ledger,
             context,
         }
@@ -419,9 +417,20 @@ pub(super) struct Shared<'a, A: Abi> {
     pub(super) abi: &'a A,
     /// The plugin's shared-data key prefix.
     pub(super) prefix: &'a str,
+    /// The plugin's memo of the places last found in its tables.
+    pub(super) memos: &'a Memos,
 }
 
-impl<A: Abi> Shared<'_, A> {
+impl<'a, A: Abi> Shared<'a, A> {
+    /// `plugin`'s shared data: its prefix, its memo.
+    pub(super) fn of(abi: &'a A, plugin: &'a Plugin) -> Self {
+        Shared {
+            abi,
+            prefix: &plugin.prefix,
+            memos: &plugin.memos,
+        }
+    }
+
     /// The shared-data key of `key`: the plugin's prefix, then `key` (joined without `format!`,
     /// whose machinery cost every read and write of an exact request more than the join).
     fn name(&self, key: &str) -> String {
@@ -439,6 +448,10 @@ impl<A: Abi> CasStore for Shared<'_, A> {
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError> {
         self.abi.shared_set(&self.name(key), value, cas)
+    }
+
+    fn memos(&self) -> &Memos {
+        self.memos
     }
 }
 

@@ -4,6 +4,12 @@
 //! The only primitive is compare-and-swap: read a value with its version, write it back only if
 //! the version is unchanged. [`update`] wraps that in a bounded retry loop, so concurrent workers
 //! never lose each other's updates, and a storm of conflicts cannot spin forever.
+//!
+//! A store also holds the memo of the places its tables were last asked for
+//! ([`CasStore::memos`]), so the memo is the state of whoever owns the store (a configuration, in
+//! the module), never the thread's.
+
+use super::place::Memos;
 
 /// Attempts of one read-modify-write before giving up.
 pub const MAX_CAS_ATTEMPTS: u32 = 8;
@@ -24,6 +30,9 @@ pub trait CasStore {
     /// Writes `value` if the stored version is still `cas` (`None`: unconditionally, used when the
     /// key did not exist: the host offers no "insert if absent").
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SetError>;
+    /// The memo of the places last found in this store's tables (`core::local::table`): it
+    /// spares a hot bucket its SHA-256 and formatted name, and changes no answer.
+    fn memos(&self) -> &Memos;
 }
 
 /// What an update step decides.
@@ -97,6 +106,7 @@ pub(crate) mod fake {
         /// The next N writes see a concurrent writer bump the version first.
         pub conflicts: Cell<u32>,
         pub writes: Cell<u32>,
+        pub memos: Memos,
     }
 
     impl CasStore for FakeStore {
@@ -121,6 +131,9 @@ pub(crate) mod fake {
             entry.1 += 1;
             self.writes.set(self.writes.get() + 1);
             Ok(())
+        }
+        fn memos(&self) -> &Memos {
+            &self.memos
         }
     }
 }

@@ -37,6 +37,7 @@
 //!
 //! [`record::mark_denied`]: crate::core::local::record::mark_denied
 
+use crate::core::base::place::Memos;
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::local::bucket::Limits;
@@ -51,7 +52,7 @@ const WORDS: usize = 6;
 /// The slot of a request bucket: its key and global limits, like the service's bucket identity.
 /// One table whatever `max_keys` (a push that changes it finds the records it wrote before in
 /// other slots, and each record names its bucket, so it only misses them).
-fn slot(b: &Bucket, max_keys: u32) -> Place {
+fn slot(memos: &Memos, b: &Bucket, max_keys: u32) -> Place {
     let l = Limits::local(
         b.capacity,
         b.rate(),
@@ -59,7 +60,7 @@ fn slot(b: &Bucket, max_keys: u32) -> Place {
         b.algorithm.unwrap_or_default(),
         1,
     );
-    place_in(table::DENIALS_TABLE, &b.key, &l, max_keys)
+    place_in(memos, table::DENIALS_TABLE, &b.key, &l, max_keys)
 }
 
 /// Whether bucket `i` of `plan` may be remembered and answered from memory.
@@ -161,7 +162,7 @@ pub fn remember<S: CasStore + ?Sized>(
             full_at_ms: now_ms.saturating_add(r.reset_ms),
             retry_at_ms: now_ms.saturating_add(r.retry_after_ms),
         };
-        let slot = slot(b, cfg.fallback.max_keys);
+        let slot = slot(store.memos(), b, cfg.fallback.max_keys);
         let known = store
             .get(&slot.name)
             .and_then(|(v, _)| Denial::decode(&slot.id, &v));
@@ -189,7 +190,7 @@ pub fn forget<'a, S: CasStore + ?Sized>(
         return;
     }
     for b in buckets {
-        let slot = slot(b, cfg.fallback.max_keys);
+        let slot = slot(store.memos(), b, cfg.fallback.max_keys);
         let Some(mut d) = store
             .get(&slot.name)
             .and_then(|(v, _)| Denial::decode(&slot.id, &v))
@@ -220,7 +221,7 @@ pub fn recall<S: CasStore + ?Sized>(
     let mut denied = false;
     for (i, b) in plan.request.buckets.iter().enumerate() {
         let held = if eligible(cfg, plan, i) {
-            let slot = slot(b, cfg.fallback.max_keys);
+            let slot = slot(store.memos(), b, cfg.fallback.max_keys);
             store
                 .get(&slot.name)
                 .and_then(|(v, _)| Denial::decode(&slot.id, &v))

@@ -10,6 +10,7 @@
 //! - a lease pool never pays out more tokens than were deposited into it.
 
 use crate::core::base::store::fake::FakeStore;
+use crate::core::base::store::CasStore;
 use crate::core::config::{Algorithm, Lease};
 use crate::core::local::bucket::{Limits, MICRO};
 use crate::core::local::fallback::{self, Shares};
@@ -165,7 +166,7 @@ proptest! {
         crate::core::local::table::prepare(&store, crate::core::local::table::POOLS_TABLE, max_keys, &[0]);
         let rule_l = Limits::local(100, 100, 10_000, Algorithm::TokenBucket, 1);
         let slots: Vec<_> = (0..3)
-            .map(|k| crate::core::local::table::place_in(crate::core::local::table::POOLS_TABLE, &format!("k{k}"), &rule_l, max_keys))
+            .map(|k| crate::core::local::table::place_in(store.memos(), crate::core::local::table::POOLS_TABLE, &format!("k{k}"), &rule_l, max_keys))
             .collect();
         let size = lease::pool::Sizing { lease: Lease { size: Some(20), max_age_ms: 1_000 }, capacity: 100, instances: 1, claim_ms: 50 };
         let mut now = 1_000_000u64;

@@ -1,5 +1,5 @@
 //! The proxy's tables in shared data, in one place: how a bucket finds its place ([`place_in`],
-//! [`share_place`], remembered by a [`Memo`]), how a table is created before any request
+//! [`share_place`], the last one remembered in the store's [`Memos`]), how a table is created before any request
 //! ([`prepare`]), the prefix every name of a configuration's state carries ([`state_prefix`]), and
 //! the one record format every place and the admission record use.
 //!
@@ -17,10 +17,11 @@
 //! fallback: a newcomer starts empty; a lease pool: none; the breaker: closed).
 
 use crate::core::base::hash::sha256;
+use crate::core::base::place::{Memos, PlaceInId};
+pub use crate::core::base::place::{Place, ID_BYTES};
 use crate::core::base::store::CasStore;
 use crate::core::config::Config;
 use crate::core::local::bucket::{self, Limits};
-use std::cell::Cell;
 
 /// A vacant place (created, never written by a bucket).
 pub const VACANT: u8 = 0;
@@ -44,18 +45,6 @@ pub const DENIALS_TABLE: &str = "tollgate.deny";
 /// The local fallback slots' table (concurrency rules; counters, not records).
 pub const SLOTS_TABLE: &str = "tollgate.cc";
 
-/// Length of the identity kept in a record.
-pub const ID_BYTES: usize = 16;
-
-/// One bucket's place in a table.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Place {
-    /// Shared-data key of the place.
-    pub name: String,
-    /// Identity of the bucket (truncated SHA-256 of what identifies it).
-    pub id: [u8; ID_BYTES],
-}
-
 /// The place of identity `material` in `table` of `max_keys` places.
 pub fn place_of(table: &str, material: &[u8], max_keys: u32) -> Place {
     let h = sha256(material);
@@ -72,15 +61,14 @@ pub fn place_of(table: &str, material: &[u8], max_keys: u32) -> Place {
 
 /// The place of a fallback share of bucket `key` in the table `table` of `max_keys` places
 /// ([`crate::core::local::fallback`]). The identity covers the key and the algorithm only: the
-/// limits are recorded in the place, and a change carries the share over. Remembered ([`Memo`]):
-/// every answer of a hot bucket asks for the same one, and a SHA-256 with two formatted names cost
-/// Envoy about 9,500 instructions of an exact request's 326,000.
-pub fn share_place(table: &str, key: &str, l: &Limits, max_keys: u32) -> Place {
+/// limits are recorded in the place, and a change carries the share over. Remembered in `memos`
+/// (the store's, [`CasStore::memos`]): every answer of a hot bucket asks for the same one, and a
+/// SHA-256 with two formatted names cost Envoy about 9,500 instructions of an exact request's
+/// 326,000.
+pub fn share_place(memos: &Memos, table: &str, key: &str, l: &Limits, max_keys: u32) -> Place {
     let alg = bucket::code(l.algorithm);
-    MEMO.with(|m| {
-        m.shares.remembered((alg, max_keys), key, || {
-            compute_share_place(table, key, alg, max_keys)
-        })
+    memos.shares.remembered((alg, max_keys), key, || {
+        compute_share_place(table, key, alg, max_keys)
     })
 }
 
@@ -95,22 +83,27 @@ fn compute_share_place(table: &str, key: &str, alg: u8, max_keys: u32) -> Place 
 
 /// The place of a bucket in the table `table` of `max_keys` places (`<table>.<n>`). The identity
 /// covers the key and the global limits (not the number of proxies), like the service's bucket
-/// identity: the lease pools' and the remembered denials' scheme. Remembered ([`Memo`]), as
+/// identity: the lease pools' and the remembered denials' scheme. Remembered in `memos`, as
 /// [`share_place`]'s is: every request of a flood denied from memory asks for the same one, and its
 /// SHA-256 and formatted name were a quarter of such a request's work in the module.
-pub fn place_in(table: &'static str, key: &str, l: &Limits, max_keys: u32) -> Place {
-    let id = (
+pub fn place_in(memos: &Memos, table: &'static str, key: &str, l: &Limits, max_keys: u32) -> Place {
+    memos
+        .tables
+        .remembered(place_in_id(table, l, max_keys), key, || {
+            compute_place_in(table, key, l, max_keys)
+        })
+}
+
+/// What [`place_in`] remembers its last place under, beside the key.
+fn place_in_id(table: &'static str, l: &Limits, max_keys: u32) -> PlaceInId {
+    (
         table,
         l.global,
         l.rate,
         l.period_ms,
         bucket::code(l.algorithm),
         max_keys,
-    );
-    MEMO.with(|m| {
-        m.tables
-            .remembered(id, key, || compute_place_in(table, key, l, max_keys))
-    })
+    )
 }
 
 /// [`place_in`] without the memo.
@@ -123,66 +116,6 @@ fn compute_place_in(table: &str, key: &str, l: &Limits, max_keys: u32) -> Place 
     }
     material.push(bucket::code(l.algorithm));
     place_of(table, &material, max_keys)
-}
-
-/// The last place computed, beside what it was computed for (an identity `I` and the key): a memo
-/// of one, which changes no answer (the tests compare it with the place computed afresh).
-pub struct Memo<I> {
-    last: Cell<Option<(I, String, Place)>>,
-}
-
-impl<I: PartialEq> Default for Memo<I> {
-    fn default() -> Self {
-        Memo::new()
-    }
-}
-
-impl<I: PartialEq> Memo<I> {
-    /// An empty memo.
-    pub const fn new() -> Self {
-        Memo {
-            last: Cell::new(None),
-        }
-    }
-
-    /// The place of `id` and `key`: the one held when it was asked for the same last, else
-    /// `compute`'s, which is then held.
-    pub fn remembered(&self, id: I, key: &str, compute: impl FnOnce() -> Place) -> Place {
-        let mut last = self.last.take();
-        let s = match &last {
-            Some((i, k, s)) if *i == id && k == key => s.clone(),
-            _ => {
-                let s = compute();
-                last = Some((id, key.to_string(), s.clone()));
-                s
-            }
-        };
-        self.last.set(last);
-        s
-    }
-}
-
-/// What [`place_in`] remembers its last place under, beside the key: the table, the global limits,
-/// the algorithm's code and the table size.
-type PlaceInId = (&'static str, u64, u64, u64, u8, u32);
-
-/// The memos of this VM's place lookups: the last share ([`share_place`]: algorithm and table size)
-/// and the last place of another table ([`place_in`]).
-pub struct Memos {
-    shares: Memo<(u8, u32)>,
-    tables: Memo<PlaceInId>,
-}
-
-thread_local! {
-    /// This VM's memos, so one per Envoy worker. The store the flow hands down (shared data in
-    /// the module) has no room for them, and every caller of the scheme reaches it through that
-    /// store alone; a memo changes no answer.
-    static MEMO: Memos = const {
-        Memos {
-            shares: Memo::new(),
-            tables: Memo::new(),
-        }
-    };
 }
 
 /// The prefix of every shared-data name a configuration uses: a digest of the service cluster.
@@ -303,7 +236,8 @@ mod tests {
     #[test]
     fn a_remembered_place_is_the_one_computed() {
         use crate::core::config::Algorithm;
-        let place = |key: &str, l: &Limits, n: u32| share_place("t", key, l, n);
+        let memos = Memos::default();
+        let place = |key: &str, l: &Limits, n: u32| share_place(&memos, "t", key, l, n);
         let computed = |key: &str, l: &Limits, n: u32| {
             compute_share_place("t", key, bucket::code(l.algorithm), n)
         };
@@ -330,6 +264,7 @@ mod tests {
         let fw = Limits::local(10, 10, 1000, Algorithm::FixedWindow, 1);
         let slower = Limits::local(10, 10, 2000, Algorithm::TokenBucket, 1);
         let shared_by_3 = Limits::local(10, 10, 1000, Algorithm::TokenBucket, 3);
+        let memos = Memos::default();
         // Asked again, in turn and after others: another table, key, limit, algorithm or table
         // size is another place; the number of proxies is not part of the identity.
         for (table, key, l, n) in [
@@ -345,14 +280,40 @@ mod tests {
             (DENIALS_TABLE, "", tb(10), 64),
         ] {
             assert_eq!(
-                place_in(table, key, &l, n),
+                place_in(&memos, table, key, &l, n),
                 compute_place_in(table, key, &l, n),
                 "{table} {key} {n}"
             );
         }
         assert_ne!(
-            place_in(DENIALS_TABLE, "a", &tb(10), 64),
-            place_in(POOLS_TABLE, "a", &tb(10), 64)
+            place_in(&memos, DENIALS_TABLE, "a", &tb(10), 64),
+            place_in(&memos, POOLS_TABLE, "a", &tb(10), 64)
         );
+    }
+
+    #[test]
+    fn two_stores_do_not_share_a_memo() {
+        use crate::core::base::store::fake::FakeStore;
+        use std::cell::Cell;
+        // Two configurations' stores: a place found through one is remembered there alone.
+        let (one, other) = (FakeStore::default(), FakeStore::default());
+        let l = tb(10);
+        let found = place_in(one.memos(), DENIALS_TABLE, "k", &l, 64);
+        let computes = |store: &FakeStore| {
+            let n = Cell::new(0);
+            let place =
+                store
+                    .memos()
+                    .tables
+                    .remembered(place_in_id(DENIALS_TABLE, &l, 64), "k", || {
+                        n.set(n.get() + 1);
+                        compute_place_in(DENIALS_TABLE, "k", &l, 64)
+                    });
+            assert_eq!(place, found);
+            n.get()
+        };
+        assert_eq!(computes(&one), 0, "remembered by the store that found it");
+        assert_eq!(computes(&other), 1, "computed afresh by the other");
+        assert_eq!(computes(&other), 0, "then remembered there too");
     }
 }

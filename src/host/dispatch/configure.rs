@@ -66,9 +66,12 @@ impl<A: Abi> Dispatcher<A> {
             if config.shadow { ", shadow mode" } else { "" }
         );
         let prefix = crate::core::local::table::state_prefix(&config);
+        // Nothing here looks a bucket's place up: a memo of its own, dropped after.
+        let memos = crate::core::base::place::Memos::default();
         let shared = Shared {
             abi: &self.abi,
             prefix: &prefix,
+            memos: &memos,
         };
         // Every slot exists before any request writes one (shared data has no insert-if-absent).
         let mut config = config;
@@ -92,6 +95,7 @@ impl<A: Abi> Dispatcher<A> {
             grpc_service: callout::grpc_service(&config.service.cluster),
             reads: Reads::of(&config),
             outbox: RefCell::new(Outbox::new(&crate::core::wire::instance::fresh())),
+            memos: crate::core::base::place::Memos::default(),
             config,
             metrics,
         };
@@ -120,14 +124,7 @@ impl<A: Abi> Dispatcher<A> {
                     self.answer(id, waiter, &mut Ready(Some(reset())));
                 }
                 Waiter::Refill { plugin, plan, .. } => {
-                    lease::abandon(
-                        &plugin.config,
-                        &plan,
-                        &Shared {
-                            abi: &self.abi,
-                            prefix: &plugin.prefix,
-                        },
-                    );
+                    lease::abandon(&plugin.config, &plan, &Shared::of(&self.abi, &plugin));
                 }
                 // The attempt is sent again by whoever takes over the queue (its in-flight mark is
                 // cleared by the hand-over), under the same id.

@@ -70,6 +70,7 @@
 
 mod debts;
 
+use crate::core::base::place::Memos;
 use crate::core::base::store::{update, CasStore, Change};
 use crate::core::config::{Config, FailureMode};
 use crate::core::local::bucket::{self, Limits, State};
@@ -170,9 +171,10 @@ fn table_name(max_keys: u32) -> String {
     format!("{}.{max_keys}", table::SHARES_TABLE)
 }
 
-/// The slot of a fallback bucket in the table of `max_keys` slots ([`table::share_place`]).
-pub fn slot(key: &str, l: &Limits, max_keys: u32) -> Place {
-    table::share_place(&table_name(max_keys), key, l, max_keys)
+/// The slot of a fallback bucket in the table of `max_keys` slots ([`table::share_place`], last
+/// found in `memos`).
+pub fn slot(memos: &Memos, key: &str, l: &Limits, max_keys: u32) -> Place {
+    table::share_place(memos, &table_name(max_keys), key, l, max_keys)
 }
 
 /// What the bucket `key` holds: its slot in this table, or, when that slot was never written,
@@ -192,7 +194,7 @@ fn entry<S: CasStore + ?Sized>(
         return here;
     }
     for &size in sh.previous.iter().filter(|&&n| n > 0 && n != sh.max_keys) {
-        let old = slot(key, l, size);
+        let old = slot(store.memos(), key, l, size);
         let bytes = store.get(&old.name);
         if let Entry::Ours(s, d, _, until) = decode(
             id,
@@ -416,7 +418,7 @@ fn take_as<S: CasStore + ?Sized>(
     cost: u64,
     how: Charge,
 ) -> BucketResult {
-    let slot = slot(key, l, sh.max_keys);
+    let slot = slot(store.memos(), key, l, sh.max_keys);
     let done = update(store, &slot.name, |cur| {
         let (state, debt, until) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Missing => return Change::Keep(None),
@@ -468,7 +470,7 @@ fn refund_as<S: CasStore + ?Sized>(
     cost: u64,
     owed: bool,
 ) {
-    let slot = slot(key, l, sh.max_keys);
+    let slot = slot(store.memos(), key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
         match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Ours(s, d, _, outage) => Change::Write(
@@ -511,7 +513,7 @@ pub fn remember_one<S: CasStore + ?Sized>(
     remaining: u64,
     repaid: u64,
 ) {
-    let slot = slot(key, l, sh.max_keys);
+    let slot = slot(store.memos(), key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
         let (held, debt, changed, outage) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Missing | Entry::Other { debt: 1.. } => return Change::Keep(()),
@@ -556,7 +558,7 @@ pub fn spend<S: CasStore + ?Sized>(
     now_ms: u64,
     amount: u64,
 ) {
-    let slot = slot(key, l, sh.max_keys);
+    let slot = slot(store.memos(), key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
         let (state, debt, outage) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
             Entry::Ours(s, d, _, o) => (Some(s), d, o),
@@ -674,7 +676,7 @@ fn standing<S: CasStore + ?Sized>(
     l: &Limits,
     now_ms: u64,
 ) -> (u64, u64) {
-    let slot = slot(key, l, sh.max_keys);
+    let slot = slot(store.memos(), key, l, sh.max_keys);
     let cur = store.get(&slot.name);
     match entry(
         store,

@@ -119,9 +119,10 @@ fn a_successor_starts_empty_and_a_debtor_keeps_its_slot() {
 #[test]
 fn a_changed_limit_keeps_the_share() {
     // Limits and the number of proxies are not part of the identity.
-    assert_eq!(slot("k", &tb(1), 9).id, slot("k", &tb(2), 9).id);
+    let m = Memos::default();
+    assert_eq!(slot(&m, "k", &tb(1), 9).id, slot(&m, "k", &tb(2), 9).id);
     let fw = Limits::local(1, 1, 1000, Algorithm::FixedWindow, 1);
-    assert_ne!(slot("k", &tb(1), 9).id, slot("k", &fw, 9).id);
+    assert_ne!(slot(&m, "k", &tb(1), 9).id, slot(&m, "k", &fw, 9).id);
     let (s, t) = (prepared(10), sh(10));
     let per_hour = |cap| Limits::local(cap, cap, 3_600_000, Algorithm::TokenBucket, 1);
     for _ in 0..40 {
@@ -553,7 +554,7 @@ fn a_refusal_by_the_breaker_starts_a_recovery_and_a_spend_is_not_owed() {
 fn a_record_written_before_the_outage_mark_keeps_its_share_and_debt() {
     let (s, t) = (prepared(10), sh(10));
     let l = tb(10);
-    let sl = slot("k", &l, 10);
+    let sl = slot(s.memos(), "k", &l, 10);
     // The earlier format: eight words, 4 tokens held of 10, 3 owed.
     let held = bucket::share(&l, 4, 0, 0);
     let words = [held.level, held.stamp, 3, 0, 10, 10, 1000, 1];
@@ -616,7 +617,7 @@ fn fixed_window_share_counts_the_window() {
 #[test]
 fn garbage_in_a_slot_is_another_bucket() {
     let s = prepared(10);
-    let sl = slot("k", &tb(2), 10);
+    let sl = slot(s.memos(), "k", &tb(2), 10);
     s.map
         .borrow_mut()
         .insert(sl.name.clone(), (vec![1, 2, 3], 7));

@@ -285,7 +285,7 @@ pub fn local<S: CasStore + ?Sized>(
             continue;
         };
         let cost = b.cost();
-        let slot = slot(l, &b.key, cfg.fallback.max_keys);
+        let slot = slot(store.memos(), l, &b.key, cfg.fallback.max_keys);
         let sizing = Sizing::new(cfg, *lease, b.capacity);
         let (t, e) = take(store, &slot, &sizing, b.capacity, cost, now_ms);
         chores.expired(plan, *i, e);
@@ -390,7 +390,7 @@ pub fn rescue<S: CasStore + ?Sized>(
     for (i, l, _) in &lease_buckets {
         let b = plan.request.buckets.get(*i)?;
         let cost = b.cost();
-        let slot = slot(l, &b.key, cfg.fallback.max_keys);
+        let slot = slot(store.memos(), l, &b.key, cfg.fallback.max_keys);
         match spend(store, &slot, l.capacity, cost, now_ms) {
             Some(r) => {
                 results.push(r);
@@ -440,7 +440,7 @@ pub fn apply<S: CasStore + ?Sized>(
         // A lease that only carries a fallback debt is no refill claim.
         let claimed = plan.own_lease(i).is_some();
         let cost = b.cost();
-        let slot = slot(l, &b.key, cfg.fallback.max_keys);
+        let slot = slot(store.memos(), l, &b.key, cfg.fallback.max_keys);
         match outcome {
             Outcome::Allowed(resp) => {
                 let Some(r) = resp.buckets.get(i) else {
@@ -505,7 +505,7 @@ pub fn refilled<S: CasStore + ?Sized>(
     let Some(b) = plan.request.buckets.get(i) else {
         return (0, chores);
     };
-    let slot = slot(l, &b.key, cfg.fallback.max_keys);
+    let slot = slot(store.memos(), l, &b.key, cfg.fallback.max_keys);
     let asked = b.lease.unwrap_or(1);
     match outcome {
         Outcome::Allowed(resp) => {
@@ -550,7 +550,8 @@ pub fn refilled<S: CasStore + ?Sized>(
 pub fn abandon<S: CasStore + ?Sized>(cfg: &Config, plan: &Plan, store: &S) {
     for (i, l, _) in leased(cfg, plan) {
         if let Some(b) = plan.request.buckets.get(i) {
-            release(store, &slot(l, &b.key, cfg.fallback.max_keys));
+            let place = slot(store.memos(), l, &b.key, cfg.fallback.max_keys);
+            release(store, &place);
         }
     }
 }

@@ -2,6 +2,7 @@
 //! is done to it ([`take`], [`spend`], [`refund`], [`release`], [`deposit`], [`deny`],
 //! [`reclaim`]), each one compare-and-swap on its slot.
 
+use crate::core::base::place::Memos;
 use crate::core::base::store::{update, CasStore, Change};
 use crate::core::config::{Config, Lease, RateLimit};
 use crate::core::local::bucket::Limits;
@@ -202,10 +203,10 @@ impl Sizing {
 }
 
 /// The pool slot of bucket `key` of a rule limited by `rule`. The identity covers the key and the
-/// rule's global limits, so a changed limit is another pool.
-pub fn slot(rule: &RateLimit, key: &str, max_keys: u32) -> Place {
+/// rule's global limits, so a changed limit is another pool. Last found in `memos`.
+pub fn slot(memos: &Memos, rule: &RateLimit, key: &str, max_keys: u32) -> Place {
     let l = Limits::local(rule.capacity, rule.rate, rule.period_ms, rule.algorithm, 1);
-    table::place_in(table::POOLS_TABLE, key, &l, max_keys)
+    table::place_in(memos, table::POOLS_TABLE, key, &l, max_keys)
 }
 
 /// What one pool says about one request's cost.

@@ -66,6 +66,7 @@ fn answer(allowed: bool, granted: u64, retry: u64) -> BucketResult {
 fn pool(s: &FakeStore, c: &Config) -> Pool {
     let p = plan(c);
     let sl = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p.request.buckets[0].key,
         c.fallback.max_keys,
@@ -474,6 +475,7 @@ fn a_background_refill_denied_or_failed_ends_its_claim() {
     let s = FakeStore::default();
     let p = plan(&c);
     let sl = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p.request.buckets[0].key,
         c.fallback.max_keys,
@@ -511,6 +513,7 @@ fn expired_token_bucket_tokens_are_given_back_and_fixed_window_ones_are_not() {
     let s = FakeStore::default();
     let p = plan(&c);
     let sl = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p.request.buckets[0].key,
         c.fallback.max_keys,
@@ -531,6 +534,7 @@ fn expired_token_bucket_tokens_are_given_back_and_fixed_window_ones_are_not() {
     let s = FakeStore::default();
     let p = plan(&c);
     let sl = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p.request.buckets[0].key,
         c.fallback.max_keys,
@@ -550,6 +554,7 @@ fn a_rule_without_lease_means_one_callout_and_the_pool_is_refunded() {
     let s = FakeStore::default();
     let p = plan(&c);
     let sl = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p.request.buckets[0].key,
         c.fallback.max_keys,
@@ -571,6 +576,7 @@ fn partial_local_then_callout_refunds_and_claims() {
     let s = FakeStore::default();
     let p0 = plan(&c);
     let sa = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p0.request.buckets[0].key,
         c.fallback.max_keys,
@@ -606,6 +612,7 @@ fn a_cached_denial_denies_the_request_without_a_callout() {
     let s = FakeStore::default();
     let p0 = plan(&c);
     let sa = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p0.request.buckets[0].key,
         c.fallback.max_keys,
@@ -716,6 +723,7 @@ fn rescue_spends_below_the_mark_and_is_all_or_nothing() {
     let s = FakeStore::default();
     let p = plan(&c);
     let sl = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p.request.buckets[0].key,
         c.fallback.max_keys,
@@ -735,6 +743,7 @@ fn rescue_spends_below_the_mark_and_is_all_or_nothing() {
     let s = FakeStore::default();
     let p = plan(&c);
     let sa = slot(
+        s.memos(),
         c.rules[0].rate_limit().unwrap(),
         &p.request.buckets[0].key,
         c.fallback.max_keys,

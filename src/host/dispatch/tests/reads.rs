@@ -131,6 +131,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                     request_headers: None,
                 },
                 outbox: RefCell::new(Outbox::new("t")),
+                memos: Default::default(),
             };
             let core = crate::core::decide::decide(&cfg, &full).step;
             let pre = may_match(&fake, &plugin.config, &plugin.reads, &mut Vec::new());
