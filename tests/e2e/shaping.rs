@@ -616,14 +616,17 @@ fn held_requests_outlive_the_service() {
     assert!(broken.is_empty(), "{}", broken.join("; "));
 }
 
-/// Holds of up to 2 s on two routes: one whose `timeout` is 1 s, one whose `max_stream_duration`
+/// Holds of up to 2.25 s on two routes: one whose `timeout` is 1 s, one whose `max_stream_duration`
 /// is 1 s. Envoy starts a route's `timeout` when the router has the request, after the filter let it
 /// go, so the first route answers every request (a hold never counts against it); a stream's
 /// duration counts from its arrival, so on the second the requests held past 1 s get Envoy's
 /// answer for it at 1 s (not at their time), never reach the upstream, and give their tokens back.
 #[test]
 fn a_hold_counts_against_the_stream_duration_not_the_route_timeout() {
-    const LIMIT: (u64, u64, u64) = (5, 5, 1000);
+    // Held requests are due every 225 ms (4 per 900 ms): at 900 and 1,125 ms, none within 100 ms
+    // of the 1 s duration (at 5 a second one was due at 1,000 ms, and went upstream or ended by a
+    // race between two timers).
+    const LIMIT: (u64, u64, u64) = (5, 4, 900);
     let cfg = plugin(
         Transport::Grpc,
         vec![rule(
@@ -640,7 +643,8 @@ fn a_hold_counts_against_the_stream_duration_not_the_route_timeout() {
         s.routes = vec![bounded, common::envoy::Route::upstream("/", Some(1))];
     });
     let timeout = timed_burst(&stack.url("/timeout"), 15, &[]);
-    // The bucket back to full (5 a second) before the second burst.
+    // The bucket back to full (5 tokens 1,125 ms after the last hold at 2,250 ms) before the
+    // second burst.
     std::thread::sleep(Duration::from_millis(3200));
     let bounded = timed_burst(&stack.url("/bounded"), 15, &[]);
     let ended: Vec<(u16, u64)> = bounded
@@ -651,7 +655,7 @@ fn a_hold_counts_against_the_stream_duration_not_the_route_timeout() {
     let reached = arrivals(&stack.upstream, "/bounded").len();
     let returned = stack.envoy.tg("shape.returned");
     eprintln!(
-        "ROW | shaping, holds of up to 2 s | route timeout 1 s: {:?} | max_stream_duration 1 s: {:?}, \
+        "ROW | shaping, holds of up to 2.25 s | route timeout 1 s: {:?} | max_stream_duration 1 s: {:?}, \
          ended at {ended:?} ms, {reached} reached the upstream, {returned} tokens returned |",
         statuses(&timeout),
         statuses(&bounded),
