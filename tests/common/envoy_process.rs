@@ -142,15 +142,15 @@ impl Envoy {
         }
     }
 
-    /// Lines of Envoy's log that show the module failing: its panic hook's `panic:` line, or a V8
-    /// trap (`Uncaught RuntimeError`, e.g. `unreachable` after a panic with `panic = "abort"`).
+    /// Lines of Envoy's log that show the module failing: its panic hook's `panic:` line, or any
+    /// exception V8 threw out of a call into it (`Uncaught RuntimeError`, e.g. `unreachable` after
+    /// a panic with `panic = "abort"`; `Uncaught RangeError` when the call stack ran out).
     pub fn module_failures(&self) -> Vec<String> {
         self.proc
             .log_text()
             .lines()
             .filter(|l| {
-                (l.contains("wasm log") && l.contains("panic: "))
-                    || l.contains("Uncaught RuntimeError")
+                (l.contains("wasm log") && l.contains("panic: ")) || l.contains("Uncaught ")
             })
             .map(str::to_string)
             .collect()
