@@ -41,10 +41,10 @@ pub fn new_slot_id() -> String {
 /// The body of `POST /v1/acquire` for `wants`, the slots named `slot`, with this VM's instance id
 /// (so that the service counts this proxy among the live ones whatever its callouts are; the
 /// contract's hand-written encoder: serde_json's serializer would add tens of KiB to the module).
-pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
+pub fn encode_acquire(cfg: &Config, instance: Option<&str>, slot: &str, wants: &[Want]) -> Vec<u8> {
     slots::encode_acquire(
         slot,
-        cfg.instance.as_deref(),
+        instance,
         wants.iter().filter_map(|w| {
             let c = cfg.rules.get(w.rule)?.concurrency()?;
             Some(SlotWant {
@@ -57,9 +57,9 @@ pub fn encode_acquire(cfg: &Config, slot: &str, wants: &[Want]) -> Vec<u8> {
 }
 
 /// The body of `POST /v1/release` for the slot `slot` of `keys`, with this VM's instance id
-/// (`cfg.instance`).
-pub fn encode_release(cfg: &Config, slot: &str, keys: &[String]) -> Vec<u8> {
-    slots::encode_release(slot, cfg.instance.as_deref(), keys)
+/// (`instance`).
+pub fn encode_release(instance: Option<&str>, slot: &str, keys: &[String]) -> Vec<u8> {
+    slots::encode_release(slot, instance, keys)
 }
 
 /// What an acquire's callout came back with.
@@ -313,7 +313,7 @@ pub(crate) mod tests {
                 key: "cc|u".into()
             }]
         );
-        let body: Value = serde_json::from_slice(&encode_acquire(&c, "ab", &w)).unwrap();
+        let body: Value = serde_json::from_slice(&encode_acquire(&c, None, "ab", &w)).unwrap();
         assert_eq!(
             body,
             serde_json::json!({"slot":"ab","buckets":[{"key":"cc|u","limit":4,"ttl_ms":5000}]})
@@ -325,7 +325,7 @@ pub(crate) mod tests {
         );
         assert_ne!(id, new_slot_id());
         let body: Value =
-            serde_json::from_slice(&encode_release(&c, "ab", &["cc|u".to_string()])).unwrap();
+            serde_json::from_slice(&encode_release(None, "ab", &["cc|u".to_string()])).unwrap();
         assert_eq!(body, serde_json::json!({"slot":"ab","keys":["cc|u"]}));
     }
 
@@ -427,11 +427,11 @@ pub(crate) mod tests {
         };
         let wants = plan(&c, &r);
         let allowed = case("acquire_allowed");
-        let sent: Value = serde_json::from_slice(&encode_acquire(&c, "", &wants)).unwrap();
+        let sent: Value = serde_json::from_slice(&encode_acquire(&c, None, "", &wants)).unwrap();
         assert_eq!(sent, allowed["request_json"]);
         let named = case("acquire_named");
         let slot = named["request_json"]["slot"].as_str().unwrap();
-        let sent: Value = serde_json::from_slice(&encode_acquire(&c, slot, &wants)).unwrap();
+        let sent: Value = serde_json::from_slice(&encode_acquire(&c, None, slot, &wants)).unwrap();
         assert_eq!(sent, named["request_json"]);
         let body = |case: &Value| CalloutResult::Http {
             status: Some(200),
@@ -448,7 +448,7 @@ pub(crate) mod tests {
         );
         let release = case("release");
         let sent: Value =
-            serde_json::from_slice(&encode_release(&c, &slot, &["reports|acme".to_string()]))
+            serde_json::from_slice(&encode_release(None, &slot, &["reports|acme".to_string()]))
                 .unwrap();
         assert_eq!(sent, release["request_json"]);
         assert!(released(&body(&release)));

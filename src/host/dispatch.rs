@@ -540,7 +540,7 @@ impl<A: Abi> Dispatcher<A> {
                     inflight::Acquired::Failed => slot,
                 };
                 let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
-                let body = inflight::encode_release(&plugin.config, &id, &keys);
+                let body = inflight::encode_release(plugin.applied.instance.as_deref(), &id, &keys);
                 flow::release(&plugin.config, body, &mut proxy);
             }
             Waiter::Settle { plugin, id } => {

@@ -1,12 +1,14 @@
 //! What one configuration is to the adapter ([`Plugin`]: its immutable configuration and what was
-//! derived from it once, beside its runtime state: the core's [`Outbox`], the memo of its places),
-//! and who waits for each callout in the VM's ledger ([`Waiter`]).
+//! derived from it once, beside its runtime state: what applying it learned ([`Applied`]), the
+//! core's [`Outbox`], the memo of its places), and who waits for each callout in the VM's ledger
+//! ([`Waiter`]).
 
 use super::metrics::Metrics;
 use super::request::Reads;
 use crate::core::base::ledger::CalloutId;
 use crate::core::base::place::Memos;
 use crate::core::config::Config;
+use crate::core::flow::Applied;
 use crate::core::outbox::Outbox;
 use crate::core::wire::plan::Plan;
 use crate::core::wire::TakeRequest;
@@ -17,7 +19,11 @@ use std::rc::Rc;
 pub(super) struct Plugin {
     /// Its root context.
     pub(super) root: u32,
+    /// Its configuration, as parsed.
     pub(super) config: Config,
+    /// What applying it learned of this Envoy's shared data (the instance id, the fallback
+    /// tables earlier configurations used), kept apart from the configuration.
+    pub(super) applied: Applied,
     pub(super) metrics: Metrics,
     /// Shared-data key prefix ([`crate::core::local::table::state_prefix`]: a digest of the service
     /// cluster), so a configuration push keeps the fallback shares, lease pools and breaker.

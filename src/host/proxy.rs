@@ -9,7 +9,7 @@ use crate::core::base::ledger::{CalloutId, Ledger};
 use crate::core::base::place::Memos;
 use crate::core::base::store::{CasStore, SetError};
 use crate::core::config::Config;
-use crate::core::flow::{self, Callout, Host, Metric, Unsent};
+use crate::core::flow::{self, Applied, Callout, Host, Metric, Unsent};
 use crate::core::outbox::Leave;
 use crate::core::settle;
 use crate::core::wire::batch;
@@ -125,7 +125,8 @@ impl<'a, A: Abi> Proxy<'a, A> {
             return Ok(id);
         }
         let timeout = cfg.service.timeout_ms;
-        let sent = self.send_within(cfg, callout::take(cfg, plan), timeout, trace.as_deref());
+        let take = callout::take(cfg, self.instance(), plan);
+        let sent = self.send_within(cfg, take, timeout, trace.as_deref());
         let token = sent.map_err(|why| {
             warn!(
                 "callout to cluster {:?} failed to dispatch: {why}",
@@ -162,7 +163,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
         if cfg.service.stream {
             self.send_message(cfg, takes, batch, now, deadline_ms)?;
         } else {
-            let request = callout::batch(cfg, takes);
+            let request = callout::batch(cfg, self.instance(), takes);
             let left = deadline_ms.saturating_sub(now).max(1);
             let token = self.send_within(cfg, request, left, None)?;
             self.open(token, batch);
@@ -185,7 +186,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
         let stream = self.stream(cfg, now)?;
         // Its ledger id is the message's id on the wire, which its answer carries back.
         let id = self.ledger.reserve(self.plugin.root, batch);
-        let message = callout::stream_message(cfg, takes, id);
+        let message = callout::stream_message(self.instance(), takes, id);
         if let Err(status) = self.abi.grpc_send(stream, &message) {
             // Envoy does not know the stream: nothing more will come of it.
             self.ledger.close(id);
@@ -345,7 +346,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
             .map(|p| {
                 (
                     p.id.clone(),
-                    settle::encode(&p.id, cfg.instance.as_deref(), &p.what),
+                    settle::encode(&p.id, plugin.applied.instance.as_deref(), &p.what),
                 )
             })
             .collect();
@@ -410,6 +411,11 @@ impl<'a, A: Abi> Proxy<'a, A> {
     pub(super) fn count_settle(&self, what: SettleCount, n: u64) {
         self.plugin.metrics.settled(self.abi, what, n);
     }
+
+    /// This Envoy's instance id, which every callout carries.
+    fn instance(&self) -> Option<&'a str> {
+        self.plugin.applied.instance.as_deref()
+    }
 }
 
 /// Proxy-wasm shared data: process-wide, shared by every worker's VM of the same `vm_id`.
@@ -471,7 +477,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
             Callout::Take(plan) => self.take(cfg, plan, false),
             Callout::Refill(plan) => self.take(cfg, plan, true),
             Callout::Refund(request) => {
-                let refund = callout::refund(cfg, request);
+                let refund = callout::refund(cfg, self.instance(), request);
                 Ok(self.send_background(cfg, refund, Waiter::Refund)?)
             }
             Callout::Acquire(body) => {
@@ -513,5 +519,9 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
 
     fn unplace(&mut self, rule: usize) {
         self.plugin.outbox.borrow_mut().unplace(rule);
+    }
+
+    fn applied(&self) -> &Applied {
+        &self.plugin.applied
     }
 }

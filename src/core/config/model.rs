@@ -105,10 +105,6 @@ pub struct Config {
     /// A bucket is near its limit when an allowed take leaves at most this share of it, in
     /// thousandths (`tollgate.rule.<name>.near_limit`; from `near_limit`, the used fraction).
     pub near_limit_left_permille: u64,
-    /// This Envoy's instance id, which every callout carries (`crate::core::wire::instance`). Not
-    /// part of the JSON: the adapter adopts it when it takes the configuration; `None` (callouts
-    /// without an id) until then, in native tests and in the checker.
-    pub instance: Option<String>,
 }
 
 /// The decision service. Its `Debug` output never shows the bearer token.
@@ -578,11 +574,6 @@ pub struct Fallback {
     /// How long an unpaid fallback debt matters: the longest time any rule's bucket takes to
     /// fill from empty, clamped to 10 s ..= 1 h (computed here once, read on every answer).
     pub debt_horizon_ms: u64,
-    /// The table sizes earlier configurations of this Envoy used, newest first (0: none): not
-    /// read from the JSON but learned when the configuration is applied
-    /// ([`crate::core::local::fallback::prepare_for`]), so that a share or a debt recorded under another
-    /// `max_keys` is carried over instead of starting afresh.
-    pub previous_max_keys: [u32; 3],
 }
 
 /// Circuit breaker settings.

@@ -51,7 +51,6 @@ fn minimal_config_gets_defaults() {
             max_keys: 10_000,
             // 100 tokens at 100 per minute fill in a minute (+1 ms of rounding up).
             debt_horizon_ms: 60_001,
-            previous_max_keys: [0; 3],
         }
     );
     assert_eq!(

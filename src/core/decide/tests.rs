@@ -15,7 +15,7 @@ fn resolve<S: CasStore + ?Sized>(
     now: u64,
 ) -> Verdict {
     let shares = match o {
-        Outcome::Failed(cause) => fallback::on_failure(c, &p.request, *cause, store, now),
+        Outcome::Failed(cause) => fallback::on_failure(c, [0; 3], &p.request, *cause, store, now),
         _ => None,
     };
     super::resolve(c, p, o, shares.as_ref())

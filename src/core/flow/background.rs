@@ -44,7 +44,8 @@ pub fn on_refill_result<H: Host>(
         }
     }
     let (outcome, repaid) = fallback::repay_debts(plan, outcome);
-    fallback::remember(cfg, plan, &outcome, &repaid, host.store(), now);
+    let previous = host.applied().previous_max_keys;
+    fallback::remember(cfg, previous, plan, &outcome, &repaid, host.store(), now);
     let (granted, chores) = lease::refilled(cfg, plan, &outcome, host.store(), now);
     if granted > 0 {
         host.count(Metric::Lease(Count::Granted, granted));

@@ -51,7 +51,8 @@ pub use slots::{release, Slots};
 use stages::{refund, Early};
 
 /// What the state machine needs from the proxy: I/O alone (shared data, the clock, starting a
-/// callout, resuming or answering the request, counting). Whatever a request leaves behind when
+/// callout, resuming or answering the request, counting), and what applying the configuration
+/// read of shared data ([`Applied`]). Whatever a request leaves behind when
 /// it ends comes back from [`Flow::on_end`] as [`Leftover`] values.
 pub trait Host {
     /// The shared store (fallback buckets, breaker, pools, slots).
@@ -73,6 +74,9 @@ pub trait Host {
     fn place(&mut self, rule: usize, max: u32) -> bool;
     /// A place of rule `rule` ([`Host::place`]) given back.
     fn unplace(&mut self, rule: usize);
+    /// What applying the configuration learned of this Envoy (kept apart from the immutable
+    /// [`Config`]).
+    fn applied(&self) -> &Applied;
 }
 
 /// Why a callout did not start.
@@ -101,6 +105,19 @@ impl std::fmt::Display for Unsent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.why)
     }
+}
+
+/// What the adapter learned of this Envoy's shared data when it applied a configuration: runtime
+/// state beside the immutable [`Config`], never part of it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// This Envoy's instance id, which every callout carries (`crate::core::wire::instance`;
+    /// `None`: callouts without an id, as in native tests).
+    pub instance: Option<String>,
+    /// The fallback table sizes earlier configurations of this Envoy used, newest first (0: none;
+    /// [`crate::core::local::fallback::prepare_for`]), so that a share or a debt recorded under
+    /// another `fallback.max_keys` is carried over instead of starting afresh.
+    pub previous_max_keys: [u32; 3],
 }
 
 /// A callout the flow starts; the variant says where its answer goes.
@@ -442,7 +459,8 @@ impl Flow {
         if let Some(meter) = self.meter.take() {
             let items = meter.finish(cfg);
             if !items.is_empty() {
-                fallback::spend_extras(cfg, host.store(), &items, host.now_ms());
+                let previous = host.applied().previous_max_keys;
+                fallback::spend_extras(cfg, previous, host.store(), &items, host.now_ms());
                 left.push(Leftover::Settle(items));
             }
         }
@@ -464,7 +482,7 @@ impl Flow {
             }
             phase => self.phase = phase,
         }
-        left.extend(self.slots.end(cfg, host));
+        left.extend(self.slots.end(host));
         left
     }
 
@@ -527,7 +545,9 @@ impl Flow {
             self.shadow_counts = shadowed;
             let mut enforced = enforced;
             let (_, debt) = breaker::admit_shared(host.store(), &cfg.breaker, now);
-            let recovering = debt && fallback::attach_debts(cfg, &mut enforced, host.store(), now);
+            let previous = host.applied().previous_max_keys;
+            let recovering =
+                debt && fallback::attach_debts(cfg, previous, &mut enforced, host.store(), now);
             // Asked again whatever the shares hold: they look at the answer.
             let recovery = match recovering || recovery != Recovery::None {
                 true => Recovery::Check,

@@ -82,7 +82,8 @@ impl Slots {
         }
         let probe = admission == Admission::Probe;
         let slot = new_slot_id();
-        match host.send(cfg, Callout::Acquire(encode_acquire(cfg, &slot, &wants))) {
+        let body = encode_acquire(cfg, host.applied().instance.as_deref(), &slot, &wants);
+        match host.send(cfg, Callout::Acquire(body)) {
             Ok(id) => {
                 *self = Slots::Acquiring {
                     id,
@@ -138,7 +139,8 @@ impl Slots {
                 // The service may have taken the slots before the answer was lost (a timeout):
                 // they are released by name, or they would count until their deadline.
                 let keys: Vec<String> = wants.iter().map(|w| w.key.clone()).collect();
-                release(cfg, encode_release(cfg, &slot, &keys), host);
+                let body = encode_release(host.applied().instance.as_deref(), &slot, &keys);
+                release(cfg, body, host);
                 self.failed(cfg, &wants, true, host);
             }
         }
@@ -184,10 +186,11 @@ impl Slots {
     /// The stream ended (however): what it holds goes back, once. Local slots are given back
     /// here; slots held at the service, or asked for by an acquire still in flight, are left to
     /// the adapter.
-    pub fn end<H: Host>(&mut self, cfg: &Config, host: &mut H) -> Option<Leftover> {
+    pub fn end<H: Host>(&mut self, host: &mut H) -> Option<Leftover> {
         match std::mem::replace(self, Slots::Done) {
             Slots::Held { slot, keys } => {
-                Some(Leftover::Release(encode_release(cfg, &slot, &keys)))
+                let body = encode_release(host.applied().instance.as_deref(), &slot, &keys);
+                Some(Leftover::Release(body))
             }
             Slots::Acquiring {
                 id, slot, wants, ..
@@ -264,6 +267,7 @@ mod tests {
 
     use super::*;
     use crate::core::base::store::fake::FakeStore;
+    use crate::core::flow::Applied;
     use crate::core::flow::Flow;
     use crate::core::inflight::tests::{cfg, req};
     use crate::core::inflight::{encode_release, Count};
@@ -274,6 +278,7 @@ mod tests {
     #[derive(Default)]
     struct Fake {
         store: FakeStore,
+        applied: Applied,
         acquire_fails: bool,
         acquires: Vec<Vec<u8>>,
         releases: Vec<Vec<u8>>,
@@ -310,6 +315,9 @@ mod tests {
                 }
                 Callout::Take(_) | Callout::Refill(_) | Callout::Refund(_) => Ok(CalloutId(100)),
             }
+        }
+        fn applied(&self) -> &Applied {
+            &self.applied
         }
         fn resume(&mut self) {
             self.resumed += 1;
@@ -362,7 +370,10 @@ mod tests {
         assert_eq!((h.resumed, h.counts.clone()), (1, vec![Count::Acquired]));
         end(&mut f, &c, &mut h);
         end(&mut f, &c, &mut h);
-        assert_eq!(h.releases, vec![encode_release(&c, "ab", &["cc|u".into()])]);
+        assert_eq!(
+            h.releases,
+            vec![encode_release(None, "ab", &["cc|u".into()])]
+        );
         // No rule matches: no acquire, no pause.
         let (mut h, mut f) = (Fake::default(), Flow::default());
         assert_eq!(
@@ -458,7 +469,10 @@ mod tests {
             let asked: Value = serde_json::from_slice(&h.acquires[0]).unwrap();
             let slot = asked["slot"].as_str().unwrap();
             assert_eq!(slot.len(), 32);
-            assert_eq!(h.releases, vec![encode_release(&c, slot, &["cc|u".into()])]);
+            assert_eq!(
+                h.releases,
+                vec![encode_release(None, slot, &["cc|u".into()])]
+            );
             end(&mut f, &c, &mut h);
             assert_eq!(h.releases.len(), 1, "{mode}: released once");
         }

@@ -26,6 +26,7 @@ struct FakeHost {
     decided_by: Vec<Cause>,
     places: Vec<u32>,
     shaped: Vec<Shaped>,
+    applied: Applied,
 }
 
 impl Default for FakeHost {
@@ -55,6 +56,7 @@ impl Default for FakeHost {
             rule_counts: Vec::new(),
             refills: Vec::new(),
             given_back: Vec::new(),
+            applied: Applied::default(),
             acquires: Vec::new(),
             releases: Vec::new(),
             slot_counts: Vec::new(),
@@ -103,6 +105,9 @@ impl Host for FakeHost {
     }
     fn resume(&mut self) {
         self.resumed += 1;
+    }
+    fn applied(&self) -> &Applied {
+        &self.applied
     }
     fn reply(&mut self, reply: &LocalReply) {
         self.replies.push(reply.clone());

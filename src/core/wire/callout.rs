@@ -62,12 +62,13 @@ pub fn sampled_traceparent(v: &[u8]) -> Option<String> {
 const TOLLGATE: &str = "tollgate.v1.RateLimiter";
 const RLS: &str = "envoy.service.ratelimit.v3.RateLimitService";
 
-/// The callout that carries `plan`'s take (or, transport `rls`, its descriptors).
-pub fn take(cfg: &Config, plan: &Plan) -> CalloutRequest {
+/// The callout that carries `plan`'s take (or, transport `rls`, its descriptors), with this
+/// Envoy's `instance` id.
+pub fn take(cfg: &Config, instance: Option<&str>, plan: &Plan) -> CalloutRequest {
     match (cfg.service.transport, &plan.rls) {
         (Transport::Http, _) => CalloutRequest::Http {
             path: cfg.service.path.clone(),
-            body: wire::encode_json(&plan.request, cfg.instance.as_deref()),
+            body: wire::encode_json(&plan.request, instance),
         },
         (Transport::Grpc | Transport::Rls, Some(rls)) => CalloutRequest::Grpc {
             service: RLS,
@@ -77,22 +78,22 @@ pub fn take(cfg: &Config, plan: &Plan) -> CalloutRequest {
         (Transport::Grpc | Transport::Rls, None) => CalloutRequest::Grpc {
             service: TOLLGATE,
             method: "Take",
-            message: wire::encode_proto(&plan.request, cfg.instance.as_deref()),
+            message: wire::encode_proto(&plan.request, instance),
         },
     }
 }
 
-/// The callout that carries every take of `takes` (group commit).
-pub fn batch(cfg: &Config, takes: &[&TakeRequest]) -> CalloutRequest {
+/// The callout that carries every take of `takes` (group commit), with this Envoy's `instance` id.
+pub fn batch(cfg: &Config, instance: Option<&str>, takes: &[&TakeRequest]) -> CalloutRequest {
     match cfg.service.transport {
         Transport::Grpc => CalloutRequest::Grpc {
             service: TOLLGATE,
             method: "TakeBatch",
-            message: wire::encode_batch_proto(takes, cfg.instance.as_deref()),
+            message: wire::encode_batch_proto(takes, instance),
         },
         Transport::Http | Transport::Rls => CalloutRequest::Http {
             path: format!("{}_batch", cfg.service.path),
-            body: wire::encode_batch_json(takes, cfg.instance.as_deref()),
+            body: wire::encode_batch_json(takes, instance),
         },
     }
 }
@@ -101,9 +102,10 @@ pub fn batch(cfg: &Config, takes: &[&TakeRequest]) -> CalloutRequest {
 pub const STREAM: (&str, &str) = (TOLLGATE, "TakeStream");
 
 /// One message on the stream: the takes of `takes`, as a batch (`TakeBatchRequest`) with its id
-/// `id` (its ledger id), answered by one `TakeBatchResponse` carrying the same id.
-pub fn stream_message(cfg: &Config, takes: &[&TakeRequest], id: CalloutId) -> Vec<u8> {
-    wire::encode_stream_message(takes, cfg.instance.as_deref(), id.0)
+/// `id` (its ledger id), answered by one `TakeBatchResponse` carrying the same id; with this
+/// Envoy's `instance` id.
+pub fn stream_message(instance: Option<&str>, takes: &[&TakeRequest], id: CalloutId) -> Vec<u8> {
+    wire::encode_stream_message(takes, instance, id.0)
 }
 
 /// An operation beside the take (`acquire`, `release`, `refund`, `settle`): `POST <base>/<op>`
@@ -117,13 +119,9 @@ pub fn beside(cfg: &Config, op: &str, body: Vec<u8>) -> CalloutRequest {
     CalloutRequest::Http { path, body }
 }
 
-/// A refund: `request`'s costs go back to their buckets.
-pub fn refund(cfg: &Config, request: &TakeRequest) -> CalloutRequest {
-    beside(
-        cfg,
-        "refund",
-        wire::encode_json(request, cfg.instance.as_deref()),
-    )
+/// A refund: `request`'s costs go back to their buckets, with this Envoy's `instance` id.
+pub fn refund(cfg: &Config, instance: Option<&str>, request: &TakeRequest) -> CalloutRequest {
+    beside(cfg, "refund", wire::encode_json(request, instance))
 }
 
 /// `GrpcService { envoy_grpc: EnvoyGrpc { cluster_name } }`, serialised (both field 1, length
@@ -178,11 +176,11 @@ mod tests {
         assert!(matches!(beside(&c, "acquire", Vec::new()),
             CalloutRequest::Http { path, .. } if path == "/limits_acquire"));
         assert!(
-            matches!(batch(&c, &[]), CalloutRequest::Http { path, .. } if path == "/limits_batch")
+            matches!(batch(&c, None, &[]), CalloutRequest::Http { path, .. } if path == "/limits_batch")
         );
         let c = cfg("grpc", "/v1/take");
         assert!(matches!(
-            batch(&c, &[]),
+            batch(&c, None, &[]),
             CalloutRequest::Grpc {
                 method: "TakeBatch",
                 ..

@@ -73,12 +73,13 @@ impl<A: Abi> Dispatcher<A> {
             prefix: &prefix,
             memos: &memos,
         };
-        // Every slot exists before any request writes one (shared data has no insert-if-absent).
-        let mut config = config;
-        // Every callout of this configuration carries this Envoy's instance id.
-        config.instance = Some(crate::core::wire::instance::adopt(&shared));
-        config.fallback.previous_max_keys =
-            crate::core::local::fallback::prepare_for(&config, &shared);
+        let applied = flow::Applied {
+            // Every callout of this configuration carries this Envoy's instance id.
+            instance: Some(crate::core::wire::instance::adopt(&shared)),
+            // Every slot exists before any request writes one (shared data has no
+            // insert-if-absent).
+            previous_max_keys: crate::core::local::fallback::prepare_for(&config, &shared),
+        };
         if inflight::local_enabled(&config) {
             // The local fallback slots' counters, zero, before any request.
             crate::core::local::table::prepare(
@@ -96,6 +97,7 @@ impl<A: Abi> Dispatcher<A> {
             reads: Reads::of(&config),
             outbox: RefCell::new(Outbox::new(&crate::core::wire::instance::fresh())),
             memos: crate::core::base::place::Memos::default(),
+            applied,
             config,
             metrics,
         };

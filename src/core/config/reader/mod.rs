@@ -114,7 +114,6 @@ impl Config {
             response,
             needs_peer_address,
             near_limit_left_permille,
-            instance: None,
         })
     }
 }
@@ -216,7 +215,6 @@ fn read_fallback(fb: &Obj<'_>, rules: &[Rule]) -> Result<Fallback, ConfigError> 
         min_instances: fb.int("min_instances")?,
         max_keys: fb.int("max_keys")? as u32,
         debt_horizon_ms: fill_ms.clamp(10_000, 3_600_000),
-        previous_max_keys: [0; 3],
     })
 }
 

@@ -22,7 +22,8 @@ impl<H: Host> Stage<H> for Fallback {
     fn before(&self, cx: &mut Cx<'_, H>, plan: &mut Plan) -> Option<Early> {
         let seen = cx.seen?;
         let store = cx.host.store();
-        if !(seen.debt && fallback::attach_debts(cx.cfg, plan, store, cx.now)) {
+        let previous = cx.host.applied().previous_max_keys;
+        if !(seen.debt && fallback::attach_debts(cx.cfg, previous, plan, store, cx.now)) {
             return None;
         }
         // The probe must call, and so must a debt to repay: the shares look at the answer.
@@ -30,7 +31,7 @@ impl<H: Host> Stage<H> for Fallback {
             cx.recovery = Recovery::Check;
             return None;
         }
-        let sh = fallback::Shares::of_plan(cx.cfg, plan, store);
+        let sh = fallback::Shares::of_plan(cx.cfg, previous, plan, store);
         let spend = fallback::Charge::SPEND;
         let paid = fallback::take_all_as(store, &sh, &plan.request, cx.now, spend);
         if !paid.allowed {
@@ -46,21 +47,23 @@ impl<H: Host> Stage<H> for Fallback {
     /// debts the callout carried are settled and every bucket's share follows the answer.
     fn after(&self, cx: &mut Cx<'_, H>, plan: &Plan, outcome: Outcome) -> Outcome {
         let store = cx.host.store();
+        let previous = cx.host.applied().previous_max_keys;
         if cx.recovery == Recovery::Prepaid && !matches!(outcome, Outcome::Allowed(_)) {
-            let sh = fallback::Shares::of_plan(cx.cfg, plan, store);
+            let sh = fallback::Shares::of_plan(cx.cfg, previous, plan, store);
             fallback::refund_spent(store, &sh, &plan.request, cx.host.now_ms());
         }
         let (outcome, repaid) = fallback::repay_debts(plan, outcome);
-        fallback::remember(cx.cfg, plan, &outcome, &repaid, store, cx.now);
+        fallback::remember(cx.cfg, previous, plan, &outcome, &repaid, store, cx.now);
         outcome
     }
 
     fn admit(&self, cx: &mut Cx<'_, H>, plan: &Plan, outcome: Outcome) -> Result<Outcome, Verdict> {
         let store = cx.host.store();
+        let previous = cx.host.applied().previous_max_keys;
         match (&outcome, cx.recovery) {
             (Outcome::Allowed(_), Recovery::Check) => {
                 // Admitted by the service (its debts repaid): the shares have the last word.
-                let sh = fallback::Shares::of_plan(cx.cfg, plan, store);
+                let sh = fallback::Shares::of_plan(cx.cfg, previous, plan, store);
                 let spend = fallback::Charge::SPEND;
                 let paid = fallback::take_all_as(store, &sh, &plan.request, cx.now, spend);
                 if !paid.allowed {
@@ -69,7 +72,8 @@ impl<H: Host> Stage<H> for Fallback {
                 }
             }
             (Outcome::Failed(cause), _) => {
-                cx.shares = fallback::on_failure(cx.cfg, &plan.request, *cause, store, cx.now);
+                let req = &plan.request;
+                cx.shares = fallback::on_failure(cx.cfg, previous, req, *cause, store, cx.now);
             }
             _ => {}
         }

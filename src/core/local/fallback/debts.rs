@@ -33,6 +33,7 @@ pub fn recovery_until(cfg: &Config, now_ms: u64, interval_ms: u64) -> u64 {
 /// refusal admitted nothing on credit.
 pub fn on_failure<S: CasStore + ?Sized>(
     cfg: &Config,
+    previous: [u32; 3],
     req: &TakeRequest,
     cause: Cause,
     store: &S,
@@ -48,7 +49,7 @@ pub fn on_failure<S: CasStore + ?Sized>(
     } else {
         Charge::OWE
     };
-    let resp = take_all_as(store, &Shares::of(cfg), req, now_ms, how);
+    let resp = take_all_as(store, &Shares::of(cfg, previous), req, now_ms, how);
     if refused || resp.allowed {
         record::mark_debt(store, now_ms.saturating_add(debt_horizon_ms(cfg)));
     }
@@ -71,6 +72,7 @@ pub fn on_failure<S: CasStore + ?Sized>(
 /// share refills from empty) nor over RLS (no debts).
 pub fn attach_debts<S: CasStore + ?Sized>(
     cfg: &Config,
+    previous: [u32; 3],
     plan: &mut Plan,
     store: &S,
     now_ms: u64,
@@ -79,7 +81,7 @@ pub fn attach_debts<S: CasStore + ?Sized>(
     if !enabled(cfg) || plan.rls.is_some() {
         return false;
     }
-    let sh = Shares::of_plan(cfg, plan, store);
+    let sh = Shares::of_plan(cfg, previous, plan, store);
     let n = plan.request.buckets.len();
     let mut debts = vec![0u64; n];
     let mut any = false;

@@ -114,24 +114,30 @@ pub struct Shares {
 
 impl Shares {
     /// The shares of a configuration, split by the configured number of proxies (at least the
-    /// floor): what holds until the service reports the live instances.
-    pub fn of(cfg: &Config) -> Shares {
+    /// floor): what holds until the service reports the live instances. `previous`: the table
+    /// sizes earlier configurations used ([`prepare_for`]'s answer when this one was applied).
+    pub fn of(cfg: &Config, previous: [u32; 3]) -> Shares {
         Shares {
             max_keys: cfg.fallback.max_keys,
             instances: cfg.fallback.instances.max(cfg.fallback.min_instances),
             horizon_ms: debt_horizon_ms(cfg),
-            previous: cfg.fallback.previous_max_keys,
+            previous,
         }
     }
 
     /// The shares `plan` is taken in: split by the number of proxies its admission read
     /// ([`Plan::instances`]), or, when it read none, by the one stored now ([`Shares::learned`]).
-    pub fn of_plan<S: CasStore + ?Sized>(cfg: &Config, plan: &Plan, store: &S) -> Shares {
+    pub fn of_plan<S: CasStore + ?Sized>(
+        cfg: &Config,
+        previous: [u32; 3],
+        plan: &Plan,
+        store: &S,
+    ) -> Shares {
         match plan.instances {
-            0 => Shares::of(cfg).learned(store),
+            0 => Shares::of(cfg, previous).learned(store),
             known => Shares {
                 instances: known,
-                ..Shares::of(cfg)
+                ..Shares::of(cfg, previous)
             },
         }
     }
@@ -245,7 +251,7 @@ pub fn record_size<S: CasStore + ?Sized>(store: &S, max_keys: u32) -> [u32; 3] {
 }
 
 /// Creates the tables a configuration uses (fallback shares, lease pools) before any request;
-/// the fallback table sizes earlier configurations used (for `fallback.previous_max_keys`).
+/// the fallback table sizes earlier configurations used (for `flow::Applied::previous_max_keys`).
 pub fn prepare_for<S: CasStore + ?Sized>(cfg: &Config, store: &S) -> [u32; 3] {
     let mut previous = [0; 3];
     if enabled(cfg) {
@@ -579,11 +585,12 @@ pub fn spend<S: CasStore + ?Sized>(
 /// above their `estimate`), in the shares as this proxy splits them now.
 pub fn spend_extras<S: CasStore + ?Sized>(
     cfg: &Config,
+    previous: [u32; 3],
     store: &S,
     items: &[settle::Item],
     now_ms: u64,
 ) {
-    let sh = Shares::of(cfg).learned(store);
+    let sh = Shares::of(cfg, previous).learned(store);
     for i in items.iter().filter(|i| i.used > i.estimate) {
         let l = limits_of(&i.bucket, sh.instances);
         spend(store, &sh, &i.bucket.key, &l, now_ms, i.used - i.estimate);
@@ -697,6 +704,7 @@ fn standing<S: CasStore + ?Sized>(
 /// failure mode charges the shares).
 pub fn remember<S: CasStore + ?Sized>(
     cfg: &Config,
+    previous: [u32; 3],
     plan: &Plan,
     outcome: &Outcome,
     repaid: &[u64],
@@ -713,10 +721,10 @@ pub fn remember<S: CasStore + ?Sized>(
     // The number an answer reported is the one stored; an answer that reports none (an RLS
     // server's) is split as its admission read.
     let sh = match resp.instances {
-        0 => Shares::of_plan(cfg, plan, store),
+        0 => Shares::of_plan(cfg, previous, plan, store),
         heard => Shares {
             instances: learn(cfg, store, heard, plan.instances),
-            ..Shares::of(cfg)
+            ..Shares::of(cfg, previous)
         },
     };
     for (i, (b, r)) in plan.request.buckets.iter().zip(&resp.buckets).enumerate() {

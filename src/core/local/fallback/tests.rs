@@ -52,7 +52,7 @@ fn an_overshoot_drains_the_share_and_is_not_owed_twice() {
         used,
     };
     // Held 100 (never seen: a full share), then a response used 70 beyond its reservation.
-    spend_extras(&cfg, &s, &[item("a", 10, 80), item("b", 50, 20)], 0);
+    spend_extras(&cfg, [0; 3], &s, &[item("a", 10, 80), item("b", 50, 20)], 0);
     let l = tb(100);
     assert!(take(&s, &sh(100), "a", &l, 0, 30).allowed);
     assert!(!take(&s, &sh(100), "a", &l, 0, 1).allowed, "30 were left");
@@ -61,7 +61,7 @@ fn an_overshoot_drains_the_share_and_is_not_owed_twice() {
     // A refund drains nothing.
     assert!(take(&s, &sh(100), "b", &l, 0, 100).allowed);
     // More than it holds empties it, no further.
-    spend_extras(&cfg, &s, &[item("a", 0, 1_000_000)], 500);
+    spend_extras(&cfg, [0; 3], &s, &[item("a", 0, 1_000_000)], 500);
     assert!(!take(&s, &sh(100), "a", &l, 500, 1).allowed);
     assert!(
         take(&s, &sh(100), "a", &l, 510, 1).allowed,
@@ -209,7 +209,7 @@ fn the_split_follows_the_instances_heard() {
     };
     let admitted = |s: &FakeStore| {
         (0..100)
-            .filter(|_| take_all(s, &Shares::of(&cfg), &req, 0).allowed)
+            .filter(|_| take_all(s, &Shares::of(&cfg, [0; 3]), &req, 0).allowed)
             .count()
     };
     // Before any answer: the configured 4, a share of 25.
@@ -309,11 +309,11 @@ fn an_answer_teaches_the_count_it_carries() {
     let eight = answer(&body(8));
     // Another answer decoded before the first is remembered does not speak for it.
     let _five = answer(&body(5));
-    remember(&cfg, &plan, &eight, &[], &s, 0);
+    remember(&cfg, [0; 3], &plan, &eight, &[], &s, 0);
     assert_eq!(learned_instances(&s), Some(8));
     // An answer without a count leaves the learned one.
     let none = Outcome::Allowed(crate::core::wire::decode_json(body(0).as_bytes()).unwrap());
-    remember(&cfg, &plan, &none, &[], &s, 0);
+    remember(&cfg, [0; 3], &plan, &none, &[], &s, 0);
     assert_eq!(learned_instances(&s), Some(8));
 }
 
@@ -461,7 +461,7 @@ fn a_leasing_rule_takes_no_share_of_an_answer() {
             instances: 4,
             delay_ms: 0,
         });
-        remember(cfg, &plan, &outcome, &[], &s, 0);
+        remember(cfg, [0; 3], &plan, &outcome, &[], &s, 0);
         let l = limits_of(&b, 4);
         (0..300)
             .filter(|_| take(&s, &sh(100), "k", &l, 0, 1).allowed)
@@ -488,7 +488,7 @@ fn a_refusal_by_the_breaker_starts_a_recovery_and_a_spend_is_not_owed() {
     assert_eq!(recovery_until(&cfg, 0, 1_000), 1_040, "max_open_ms at most");
     assert_eq!(recovery_until(&cfg, 0, 0), 140, "open_ms at least");
     let s = prepared(10);
-    let t = Shares::of(&cfg);
+    let t = Shares::of(&cfg, [0; 3]);
     // No refill to speak of: 10 an hour.
     let hourly = Bucket {
         period_ms: 3_600_000,
@@ -505,7 +505,7 @@ fn a_refusal_by_the_breaker_starts_a_recovery_and_a_spend_is_not_owed() {
             rls: None,
             instances: 0,
         };
-        (attach_debts(&cfg, &mut p, s, now), p.debt)
+        (attach_debts(&cfg, [0; 3], &mut p, s, now), p.debt)
     };
     // A failed callout's take is owed, and starts no recovery.
     assert!(take_all_as(&s, &t, &req, 100, Charge::OWE).allowed);
@@ -547,7 +547,7 @@ fn a_refusal_by_the_breaker_starts_a_recovery_and_a_spend_is_not_owed() {
         rls: None,
         instances: 0,
     };
-    assert!(!attach_debts(&leasing, &mut p, &s, 400));
+    assert!(!attach_debts(&leasing, [0; 3], &mut p, &s, 400));
 }
 
 #[test]

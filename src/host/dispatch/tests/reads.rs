@@ -132,6 +132,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 },
                 outbox: RefCell::new(Outbox::new("t")),
                 memos: Default::default(),
+                applied: Default::default(),
             };
             let core = crate::core::decide::decide(&cfg, &full).step;
             let pre = may_match(&fake, &plugin.config, &plugin.reads, &mut Vec::new());
