@@ -119,6 +119,11 @@ CONFIGS = {
              "lease": {"size": 5, "max_age_ms": 500}},
             {"name": "shaped", "key": ["literal:s"], "capacity": 10, "period_ms": 1000,
              "shape": {"max_delay_ms": 1000, "max_held": 64}},
+            {"name": "tenant", "key": ["header:x-tenant"], "capacity": 100, "period_ms": 60000,
+             "from_request": {
+                 "capacity": {"metadata": ["envoy.filters.http.ext_authz", "tenant", "limit"],
+                              "min": 10, "max": 100000},
+                 "rate": {"header": "x-tenant-rate", "max": 100000}}},
             {"name": "slots", "kind": "concurrency", "match": {"methods": ["POST"]},
              "key": ["header:x-tenant"], "on_missing": "skip", "max_in_flight": 4,
              "deadline_ms": 30000, "shadow": False, "response": {"body": "busy\n"}},

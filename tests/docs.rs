@@ -224,7 +224,7 @@ fn every_rule_field_is_documented_with_its_kind() {
 }
 
 /// Every field of the top level has a section of docs/filter-config.md, and the tables of
-/// `service`, `fallback`, `breaker`, `response`, `lease` and `shape` list the fields of the reader's table
+/// `service`, `fallback`, `breaker`, `response`, `lease`, `shape` and `from_request`'s numbers list the fields of the reader's table
 /// for it (`config::fields`), each integer with the default and the upper bound the reader holds
 /// it to.
 #[test]
@@ -240,6 +240,7 @@ fn every_section_field_is_documented_with_its_default_and_bounds() {
         ("## `response`", fields::RESPONSE),
         ("### Lease mode", fields::LEASE),
         ("### Shaping", fields::SHAPE),
+        ("### Limits from the request", fields::ATTRIBUTE),
     ] {
         let text = section(&doc, heading);
         assert_eq!(

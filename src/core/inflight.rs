@@ -239,6 +239,7 @@ pub(crate) mod tests {
                 ("x-user".into(), user.as_bytes().to_vec()),
             ],
             peer: None,
+            properties: Vec::new(),
         }
     }
 
@@ -424,6 +425,7 @@ pub(crate) mod tests {
         let r = Request {
             headers: vec![("x-tenant".into(), b"acme".to_vec())],
             peer: None,
+            properties: Vec::new(),
         };
         let wants = plan(&c, &r);
         let allowed = case("acquire_allowed");

@@ -1,6 +1,7 @@
 //! What the adapter reads of a request for the core: first only the headers the rules' match
 //! conditions name (a request no rule matches is passed after that), then what the rules can read
-//! (by name, or the whole header map), and the peer address when a rule needs it.
+//! (by name, or the whole header map), the peer address when a rule needs it, and the dynamic
+//! metadata the rules' `from_request` reads.
 
 use super::abi::{Abi, HeaderMap};
 use crate::core::config::{Config, HeaderMatch};
@@ -15,6 +16,9 @@ pub(super) struct Reads {
     /// `None`: the whole header map is read (a rule needs every value of a header, or reads so
     /// many that one read of the map is cheaper).
     pub(super) request_headers: Option<Vec<String>>,
+    /// The properties the rules' `from_request` read (dynamic metadata), each read once per
+    /// request some rule may match.
+    pub(super) properties: Vec<Vec<String>>,
 }
 
 impl Reads {
@@ -23,6 +27,13 @@ impl Reads {
         Reads {
             match_headers: match_headers(cfg),
             request_headers: request_headers(cfg),
+            properties: {
+                let mut paths = Vec::new();
+                for r in &cfg.rules {
+                    keys::properties_read(r, &mut paths);
+                }
+                paths
+            },
         }
     }
 }
@@ -123,5 +134,17 @@ pub(super) fn read_request(abi: &impl Abi, cfg: &Config, reads: &Reads) -> Reque
     } else {
         None
     };
-    Request { headers, peer }
+    let properties = reads
+        .properties
+        .iter()
+        .filter_map(|path| {
+            let parts: Vec<&str> = path.iter().map(String::as_str).collect();
+            abi.property(&parts).map(|v| (path.clone(), v))
+        })
+        .collect();
+    Request {
+        headers,
+        peer,
+        properties,
+    }
 }

@@ -205,6 +205,22 @@ pub const WEIGHTS: &[Field] = &[
     field!("completion", Value::Int(0, MAX_WEIGHT), IfAbsent::Int(1), "the price of a completion token"),
 ];
 
+/// A rule's `from_request`: which parts of its limit a trusted filter in front sets.
+#[rustfmt::skip]
+pub const FROM_REQUEST: &[Field] = &[
+    field!("capacity", Object, Nothing, "where the bucket's capacity is read (the rule's when absent)"),
+    field!("rate", Object, Nothing, "where its rate is read (the rule's, or the capacity read when the rule has no rate)"),
+];
+
+/// A number read from the request (`from_request.capacity`, `from_request.rate`).
+#[rustfmt::skip]
+pub const ATTRIBUTE: &[Field] = &[
+    field!("header", Text, Nothing, "a request header a trusted filter set (exactly one of header and metadata)"),
+    field!("metadata", List, Nothing, "dynamic metadata: the filter's namespace, then 1..=4 field names into its struct"),
+    field!("min", Value::Int(1, MAX_AMOUNT), IfAbsent::Int(1), "the lowest value used, at most max"),
+    field!("max", Value::Int(1, MAX_AMOUNT), Required, "the highest value used"),
+];
+
 /// A rule's `tiers`.
 #[rustfmt::skip]
 pub const TIERS: &[Field] = &[

@@ -234,6 +234,53 @@ pub struct RateLimit {
     /// `shape`: a take that cannot pay now but can within `max_delay_ms` is granted for then, and
     /// the request held until it (`None`: refused at once, as every limiter does).
     pub shape: Option<Shape>,
+    /// `from_request`: the capacity and rate a trusted filter in front wrote for this request
+    /// (the rule's own when absent), after `overrides` and `tiers` (`None`: the rule's own).
+    pub from_request: Option<FromRequest>,
+}
+
+/// A rule's `from_request`: parts of its limit read from what a trusted filter in front of this
+/// one wrote (an authorization or JWT filter's dynamic metadata, or a header it set), each bounded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FromRequest {
+    /// The bucket's capacity (default: the rule's `capacity`).
+    pub capacity: Option<Attribute>,
+    /// Its rate (default: the rule's `rate`, or the capacity read when the rule left `rate` out).
+    pub rate: Option<Attribute>,
+    /// The rule left `rate` out and `from_request` has no `rate`: the rate is the capacity read.
+    pub rate_follows_capacity: bool,
+}
+
+/// A number read from the request, within `min..=max`: absent or not a number, the rule's own
+/// value (counted `limit_defaulted`); outside the bounds, clamped to them (`limit_clamped`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attribute {
+    /// Where it is read.
+    pub source: Source,
+    /// Lower bound.
+    pub min: u64,
+    /// Upper bound.
+    pub max: u64,
+}
+
+/// Where a number in the request is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A request header's first value (lower-case name), as decimal text.
+    Header(String),
+    /// Envoy's property path (`metadata`, `filter_metadata`, the filter's namespace, then field
+    /// names into its struct): a string of decimal text, or a number.
+    Property(Vec<String>),
+}
+
+impl Source {
+    /// The property path, for a source read as a property.
+    pub fn property(&self) -> Option<&[String]> {
+        match self {
+            Source::Property(p) => Some(p),
+            Source::Header(_) => None,
+        }
+    }
 }
 
 /// A rule's `shape` (token buckets only): hold a request for its token instead of refusing it.
@@ -361,6 +408,7 @@ impl RateLimit {
             descriptor: Vec::new(),
             charge: None,
             shape: None,
+            from_request: None,
         }
     }
 }

@@ -16,7 +16,7 @@ pub enum Kinds {
 }
 
 /// Every field a rule may hold, in the order the reader reads them, with the kind it belongs to.
-pub const RULE_FIELDS: [(&str, Kinds); 21] = [
+pub const RULE_FIELDS: [(&str, Kinds); 22] = [
     ("name", Kinds::Every),
     ("match", Kinds::Every),
     ("key", Kinds::Every),
@@ -30,6 +30,7 @@ pub const RULE_FIELDS: [(&str, Kinds); 21] = [
     ("shape", Kinds::Rate),
     ("overrides", Kinds::Rate),
     ("tiers", Kinds::Rate),
+    ("from_request", Kinds::Rate),
     ("shadow", Kinds::Every),
     ("response", Kinds::Every),
     ("descriptor", Kinds::Rate),

@@ -25,6 +25,8 @@ pub enum Feature {
     Lease,
     /// `shape`: a take granted for a later moment, the request held until then.
     Shape,
+    /// `from_request`: a limit read from the request, sent with the take.
+    FromRequest,
     /// `descriptor`: the rule's RLS descriptor (read by an RLS server; ignored elsewhere).
     Descriptor,
 }
@@ -39,7 +41,7 @@ pub const TRANSPORTS: [(&str, Transport); 3] = [
 /// Per feature: whether `http`, `grpc` and `rls` carry it, and why a transport that does not
 /// cannot (said when more than one carries it; else the refusal names the one that does).
 #[rustfmt::skip]
-const SUPPORT: [(Feature, [bool; 3], &str); 9] = [
+const SUPPORT: [(Feature, [bool; 3], &str); 10] = [
     //                            http   grpc   rls
     (Feature::Stream,           [false, true,  false], "takes stream over grpc only"),
     (Feature::Batch,            [true,  true,  false], "an RLS server takes one request at a time"),
@@ -49,6 +51,7 @@ const SUPPORT: [(Feature, [bool; 3], &str); 9] = [
     (Feature::ChargeByResponse, [true,  true,  false], "\"response\": an RLS server settles nothing"),
     (Feature::Lease,            [true,  true,  false], "an RLS server grants no leases"),
     (Feature::Shape,            [true,  true,  false], "an RLS answer grants nothing for later"),
+    (Feature::FromRequest,      [true,  true,  false], "an RLS server keeps its own limits"),
     (Feature::Descriptor,       [false, false, true],  "only an RLS server reads descriptors"),
 ];
 

@@ -37,6 +37,8 @@ pub struct Matched {
     pub step: Step,
     /// The slots of the matching concurrency rules, taken once the rate rules admitted it.
     pub slots: Vec<Want>,
+    /// Per-rule events of reading the request (a limit read from it clamped, or absent), to count.
+    pub counts: Vec<(usize, RuleCount)>,
 }
 
 /// Plans the callout for `req` and notes the slots it wants: each rule that matches and whose key
@@ -53,6 +55,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
         instances: 0,
     };
     let mut slots = Vec::new();
+    let mut counts = Vec::new();
     for (i, rule) in cfg.rules.iter().enumerate() {
         if !matches(&rule.matcher, req, cfg.trusted_hops) {
             continue;
@@ -67,7 +70,10 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
                 continue;
             }
         };
-        let (capacity, rate, period_ms) = match limit_for(rule, l, req, cfg.trusted_hops) {
+        let mut noted = Vec::new();
+        let limit = limit_for(rule, l, req, cfg.trusted_hops, &mut noted);
+        counts.extend(noted.into_iter().map(|c| (i, c)));
+        let (capacity, rate, period_ms) = match limit {
             // An allow-listed key: this rule takes no bucket for the request.
             Limit::Unlimited => continue,
             Limit::Tokens {
@@ -98,7 +104,11 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
     } else {
         Step::Callout(plan)
     };
-    Matched { step, slots }
+    Matched {
+        step,
+        slots,
+        counts,
+    }
 }
 
 /// When an answer denied only because of rules in shadow mode while other rules of the request

@@ -43,6 +43,7 @@ fn req(path: &str, method: &str, user: Option<&str>) -> Request {
     Request {
         headers,
         peer: Some("10.0.0.7:5555".into()),
+        properties: Vec::new(),
     }
 }
 

@@ -335,6 +335,9 @@ impl Flow {
             return Next::Continue;
         }
         let matched = decide::decide(cfg, req);
+        for (rule, count) in matched.counts {
+            host.count(Metric::Rule(rule, count));
+        }
         self.slots.want(matched.slots);
         let mut plan = match matched.step {
             Step::Continue => {

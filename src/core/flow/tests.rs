@@ -153,6 +153,7 @@ fn req(path: &str) -> Request {
     Request {
         headers: vec![(":path".into(), path.as_bytes().to_vec())],
         peer: None,
+        properties: Vec::new(),
     }
 }
 

@@ -283,6 +283,7 @@ mod tests {
                 ("x-cost".into(), cost.to_string().into_bytes()),
             ],
             peer: None,
+            properties: Vec::new(),
         };
         match decide::decide(c, &req).step {
             Step::Callout(p) => p,

@@ -15,7 +15,8 @@
 
 use crate::core::base::hash::{hex_digit, sha256_hex};
 use crate::core::config::{
-    Cost, HeaderMatch, KeyPart, Match, OnMissing, RateLimit, Rule, MAX_PART_BYTES,
+    Attribute, Cost, HeaderMatch, KeyPart, Match, OnMissing, RateLimit, Rule, Source,
+    MAX_PART_BYTES,
 };
 use crate::core::rules::Request;
 use std::net::{IpAddr, SocketAddr};
@@ -223,8 +224,31 @@ pub fn headers_read(rule: &Rule, trusted_hops: u32, names: &mut Vec<String>) -> 
         if let Some(t) = &l.tiers {
             add(names, &t.header);
         }
+        for a in l.from_request.iter().flat_map(|f| [&f.capacity, &f.rate]) {
+            if let Some(Attribute {
+                source: Source::Header(h),
+                ..
+            }) = a
+            {
+                add(names, h);
+            }
+        }
     }
     true
+}
+
+/// The property paths `rule`'s `from_request` reads (its dynamic metadata), added to `paths`.
+pub fn properties_read(rule: &Rule, paths: &mut Vec<Vec<String>>) {
+    let Some(f) = rule.rate_limit().and_then(|l| l.from_request.as_ref()) else {
+        return;
+    };
+    for a in [&f.capacity, &f.rate].into_iter().flatten() {
+        if let Some(p) = a.source.property() {
+            if !paths.iter().any(|x| x.as_slice() == p) {
+                paths.push(p.to_vec());
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -248,6 +272,7 @@ mod tests {
                 .map(|(n, v)| (n.to_string(), v.to_vec()))
                 .collect(),
             peer: None,
+            properties: Vec::new(),
         }
     }
 

@@ -1,14 +1,23 @@
 //! Which limit a rule's bucket has for one request: the first `overrides` entry whose condition the
 //! key's value meets, else the tier named in the trusted tier header (if the rule has tiers and the
-//! name is configured), else the rule's own limit. `Unlimited` means the rule takes no bucket.
+//! name is configured), else the rule's own limit, with what `from_request` reads in place of its
+//! capacity and rate. `Unlimited` means the rule takes no bucket.
 
-use crate::core::config::{Limit, RateLimit, Rule, ValueMatch};
+use crate::core::config::{Attribute, FromRequest, Limit, RateLimit, Rule, Source, ValueMatch};
 use crate::core::rules::keys::part_value;
 use crate::core::rules::Request;
+use crate::core::wire::plan::RuleCount;
 use std::net::IpAddr;
 
-/// The limit of the bucket of `rule` (a rate rule, limited by `l`) for `req`.
-pub fn limit_for(rule: &Rule, l: &RateLimit, req: &Request, trusted_hops: u32) -> Limit {
+/// The limit of the bucket of `rule` (a rate rule, limited by `l`) for `req`; a number
+/// `from_request` read that was clamped or absent is noted in `noted`.
+pub fn limit_for(
+    rule: &Rule,
+    l: &RateLimit,
+    req: &Request,
+    trusted_hops: u32,
+    noted: &mut Vec<RuleCount>,
+) -> Limit {
     for o in &l.overrides {
         let Some(p) = rule.key.get(o.part) else {
             continue;
@@ -35,11 +44,81 @@ pub fn limit_for(rule: &Rule, l: &RateLimit, req: &Request, trusted_hops: u32) -
             }
         }
     }
+    let (capacity, rate) = match &l.from_request {
+        None => (l.capacity, l.rate),
+        Some(f) => from_request(f, l, req, noted),
+    };
     Limit::Tokens {
-        capacity: l.capacity,
-        rate: l.rate,
+        capacity,
+        rate,
         period_ms: l.period_ms,
     }
+}
+
+/// The capacity and rate of `l` with what `f` reads of `req` in their place.
+fn from_request(
+    f: &FromRequest,
+    l: &RateLimit,
+    req: &Request,
+    noted: &mut Vec<RuleCount>,
+) -> (u64, u64) {
+    let mut read = |a: &Option<Attribute>, own: u64| match a {
+        None => own,
+        Some(a) => {
+            let n = match &a.source {
+                Source::Header(h) => req.header(h).and_then(text),
+                Source::Property(p) => req.property(p).and_then(number),
+            };
+            match n {
+                None => {
+                    noted.push(RuleCount::LimitDefaulted);
+                    own
+                }
+                Some(n) if n < a.min || n > a.max => {
+                    noted.push(RuleCount::LimitClamped);
+                    n.clamp(a.min, a.max)
+                }
+                Some(n) => n,
+            }
+        }
+    };
+    let capacity = read(&f.capacity, l.capacity);
+    let rate = if f.rate_follows_capacity {
+        capacity
+    } else {
+        read(&f.rate, l.rate)
+    };
+    (capacity, rate)
+}
+
+/// A number written as decimal text (a header, or a string in metadata; a fraction rounded
+/// down, a negative number 0). `None`: not a number.
+fn text(raw: &[u8]) -> Option<u64> {
+    let t = std::str::from_utf8(raw).ok()?.trim();
+    if t.is_empty() || t.len() > 32 {
+        return None;
+    }
+    match t.parse::<u64>() {
+        Ok(n) => Some(n),
+        Err(_) => whole(t.parse::<f64>().ok()?),
+    }
+}
+
+/// A number in dynamic metadata: a string of decimal text ([`text`]), or a number, which Envoy
+/// hands over as the 8 bytes of a double in the host's byte order. Eight printable bytes are
+/// text: a double a limit could be (100.0 is `40 59 00 ..`) has bytes outside that range.
+fn number(raw: &[u8]) -> Option<u64> {
+    if raw.iter().all(|b| (0x20..0x7f).contains(b)) {
+        return text(raw);
+    }
+    let bytes: [u8; 8] = raw.try_into().ok()?;
+    whole(f64::from_ne_bytes(bytes))
+}
+
+/// A finite number rounded down to a whole one (negatives 0, beyond `u64` its largest).
+fn whole(f: f64) -> Option<u64> {
+    // `as` saturates: a negative number is 0, a huge one u64::MAX.
+    f.is_finite().then_some(f.floor() as u64)
 }
 
 #[cfg(test)]
@@ -59,6 +138,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
                 .collect(),
             peer: peer.map(str::to_string),
+            properties: Vec::new(),
         }
     }
 
@@ -81,7 +161,7 @@ mod tests {
         );
         let r = &c.rules[0];
         let rl = r.rate_limit().unwrap();
-        let l = |h: &[(&str, &str)]| limit_for(r, rl, &req(h, None), 0);
+        let l = |h: &[(&str, &str)]| limit_for(r, rl, &req(h, None), 0, &mut Vec::new());
         assert_eq!(l(&[("x-key", "vip")]), tokens(1000, 1000, 1000));
         assert_eq!(l(&[("x-key", "test-1")]), Limit::Unlimited);
         assert_eq!(l(&[("x-key", "tx")]), tokens(5, 1, 60_000));
@@ -111,7 +191,7 @@ mod tests {
         );
         let r = &c.rules[0];
         let rl = r.rate_limit().unwrap();
-        let l = |peer: &str| limit_for(r, rl, &req(&[], Some(peer)), 0);
+        let l = |peer: &str| limit_for(r, rl, &req(&[], Some(peer)), 0, &mut Vec::new());
         assert_eq!(l("10.1.2.3:5000"), Limit::Unlimited);
         assert_eq!(l("11.1.2.3:5000"), tokens(10, 10, 1000));
         assert_eq!(l("[2001:db8::7]:80"), tokens(1, 1, 1000));
@@ -245,5 +325,173 @@ mod tests {
         assert!(c.contains(&"192.168.1.7".parse().unwrap()));
         assert!(!c.contains(&"192.168.1.8".parse().unwrap()));
         assert!(crate::core::config::Cidr::parse("1.2.3.4/-1").is_none());
+    }
+
+    const AUTHZ: &str = "envoy.filters.http.ext_authz";
+
+    fn from_request(f: &str, rate: &str) -> Config {
+        cfg(&format!(
+            r#"{{"name":"r","key":["header:x-key"],"capacity":10,{rate}"period_ms":1000,
+                "overrides":[{{"value":"vip","capacity":1000}}],
+                "from_request":{f}}}"#
+        ))
+    }
+
+    /// The request with dynamic metadata `envoy.filters.http.ext_authz.limit` = `v` (if any), and
+    /// headers `h`.
+    fn with_metadata(h: &[(&str, &str)], v: Option<Vec<u8>>) -> Request {
+        let mut r = req(h, None);
+        if let Some(v) = v {
+            let path = ["metadata", "filter_metadata", AUTHZ, "limit"];
+            r.properties
+                .push((path.iter().map(|s| s.to_string()).collect(), v));
+        }
+        r
+    }
+
+    #[test]
+    fn a_limit_from_the_request_is_bounded_and_counted() {
+        let c = from_request(
+            &format!(r#"{{"capacity":{{"metadata":["{AUTHZ}","limit"],"min":5,"max":500}}}}"#),
+            "",
+        );
+        let r = &c.rules[0];
+        let rl = r.rate_limit().unwrap();
+        let l = |h: &[(&str, &str)], v: Option<&[u8]>| {
+            let mut noted = Vec::new();
+            let limit = limit_for(
+                r,
+                rl,
+                &with_metadata(h, v.map(<[u8]>::to_vec)),
+                0,
+                &mut noted,
+            );
+            (limit, noted)
+        };
+        // A string of decimal text (ext_authz's headers to metadata), the rate following it (the
+        // rule has no rate of its own).
+        assert_eq!(l(&[], Some(b"50")), (tokens(50, 50, 1000), vec![]));
+        // A number (a JWT claim, a gRPC authorization server's struct): a double's 8 bytes.
+        assert_eq!(
+            l(&[], Some(&120.0f64.to_ne_bytes())),
+            (tokens(120, 120, 1000), vec![])
+        );
+        assert_eq!(l(&[], Some(b" 7.9 ")), (tokens(7, 7, 1000), vec![]));
+        // Out of bounds: clamped, counted.
+        assert_eq!(
+            l(&[], Some(b"100000")),
+            (tokens(500, 500, 1000), vec![RuleCount::LimitClamped])
+        );
+        assert_eq!(
+            l(&[], Some(&(-3.0f64).to_ne_bytes())),
+            (tokens(5, 5, 1000), vec![RuleCount::LimitClamped])
+        );
+        // Absent, or not a number: the rule's own, counted.
+        for v in [
+            None,
+            Some(&b"lots"[..]),
+            Some(&f64::NAN.to_ne_bytes()),
+            Some(b""),
+        ] {
+            assert_eq!(
+                l(&[], v),
+                (tokens(10, 10, 1000), vec![RuleCount::LimitDefaulted]),
+                "{v:?}"
+            );
+        }
+        // A client's header of the same name is not metadata.
+        assert_eq!(l(&[("limit", "400")], None).0, tokens(10, 10, 1000));
+        // An override still comes first, and reads nothing.
+        assert_eq!(
+            l(&[("x-key", "vip")], Some(b"50")),
+            (tokens(1000, 1000, 1000), vec![])
+        );
+    }
+
+    #[test]
+    fn a_rate_from_a_header_and_the_rules_own_rate_kept() {
+        let c = from_request(
+            r#"{"capacity":{"header":"x-cap","max":100},"rate":{"header":"x-rate","min":2,"max":50}}"#,
+            r#""rate":3,"#,
+        );
+        let r = &c.rules[0];
+        let rl = r.rate_limit().unwrap();
+        let l = |h: &[(&str, &str)]| limit_for(r, rl, &req(h, None), 0, &mut Vec::new());
+        assert_eq!(
+            l(&[("x-cap", "40"), ("x-rate", "20")]),
+            tokens(40, 20, 1000)
+        );
+        assert_eq!(
+            l(&[("x-cap", "40")]),
+            tokens(40, 3, 1000),
+            "the rule's rate"
+        );
+        assert_eq!(l(&[("x-rate", "1")]), tokens(10, 2, 1000));
+        // Only the capacity read: the rule's explicit rate stays.
+        let c = from_request(
+            r#"{"capacity":{"header":"x-cap","max":100}}"#,
+            r#""rate":3,"#,
+        );
+        let r = &c.rules[0];
+        let l = limit_for(
+            r,
+            r.rate_limit().unwrap(),
+            &req(&[("x-cap", "40")], None),
+            0,
+            &mut Vec::new(),
+        );
+        assert_eq!(l, tokens(40, 3, 1000));
+    }
+
+    #[test]
+    fn from_request_is_checked_naming_the_field() {
+        for (f, field) in [
+            (r#"{}"#, "rules[0].from_request"),
+            (
+                r#"{"capacity":{"max":10}}"#,
+                "rules[0].from_request.capacity.header",
+            ),
+            (
+                r#"{"capacity":{"header":"x","metadata":["a","b"],"max":10}}"#,
+                "rules[0].from_request.capacity.header",
+            ),
+            (
+                r#"{"capacity":{"header":"x"}}"#,
+                "rules[0].from_request.capacity.max",
+            ),
+            (
+                r#"{"capacity":{"header":"x","max":10,"min":11}}"#,
+                "rules[0].from_request.capacity.min",
+            ),
+            (
+                r#"{"rate":{"metadata":["only-the-namespace"],"max":10}}"#,
+                "rules[0].from_request.rate.metadata",
+            ),
+            (
+                r#"{"rate":{"metadata":["a",""],"max":10}}"#,
+                "rules[0].from_request.rate.metadata[1]",
+            ),
+            (
+                r#"{"rate":{"metadata":"a.b","max":10}}"#,
+                "rules[0].from_request.rate.metadata",
+            ),
+            (
+                r#"{"cost":{"header":"x","max":10}}"#,
+                "rules[0].from_request.cost",
+            ),
+        ] {
+            let json = format!(
+                r#"{{"service":{{"cluster":"c"}},"rules":[{{"name":"r","capacity":10,"period_ms":1000,"from_request":{f}}}]}}"#
+            );
+            assert_eq!(
+                Config::parse(json.as_bytes()).unwrap_err().field,
+                field,
+                "{f}"
+            );
+        }
+        let rls = r#"{"service":{"cluster":"c","transport":"rls","domain":"d"},"rules":[{"name":"r","capacity":10,"period_ms":1000,"from_request":{"capacity":{"header":"x","max":10}}}]}"#;
+        let e = Config::parse(rls.as_bytes()).unwrap_err();
+        assert_eq!(e.field, "rules[0].from_request");
+        assert!(e.message.contains("rls"), "{e:?}");
     }
 }

@@ -19,6 +19,8 @@ pub struct Request {
     pub headers: Vec<(String, Vec<u8>)>,
     /// The `source.address` property (`ip:port` or `[ipv6]:port`), when read.
     pub peer: Option<String>,
+    /// The properties the rules' `from_request` read (path, value), those present.
+    pub properties: Vec<(Vec<String>, Vec<u8>)>,
 }
 
 impl Request {
@@ -51,6 +53,14 @@ impl Request {
     /// The authority (host).
     pub fn authority(&self) -> Option<&[u8]> {
         self.header(":authority").or_else(|| self.header("host"))
+    }
+
+    /// A property's value, if it was read and present.
+    pub fn property(&self, path: &[String]) -> Option<&[u8]> {
+        self.properties
+            .iter()
+            .find(|(p, _)| p.as_slice() == path)
+            .map(|(_, v)| v.as_slice())
     }
 }
 
@@ -141,6 +151,7 @@ mod tests {
                 .map(|(n, v)| (n.to_string(), v.to_vec()))
                 .collect(),
             peer: None,
+            properties: Vec::new(),
         }
     }
 

@@ -294,16 +294,22 @@ pub enum RuleCount {
     /// This rule's bucket denied the request from a remembered denial, without a callout (also
     /// counted as `limited`).
     LimitedLocally,
+    /// A number `from_request` read was outside its `min..=max` and was clamped to them.
+    LimitClamped,
+    /// A number `from_request` reads was absent or not a number: the rule's own was used.
+    LimitDefaulted,
 }
 
 impl RuleCount {
     /// Every counter, for defining the metrics.
-    pub const ALL: [RuleCount; 5] = [
+    pub const ALL: [RuleCount; 7] = [
         RuleCount::Allowed,
         RuleCount::Limited,
         RuleCount::ShadowLimited,
         RuleCount::NearLimit,
         RuleCount::LimitedLocally,
+        RuleCount::LimitClamped,
+        RuleCount::LimitDefaulted,
     ];
 
     /// The metric name's last part.
@@ -314,6 +320,8 @@ impl RuleCount {
             RuleCount::ShadowLimited => "shadow_limited",
             RuleCount::NearLimit => "near_limit",
             RuleCount::LimitedLocally => "limited_locally",
+            RuleCount::LimitClamped => "limit_clamped",
+            RuleCount::LimitDefaulted => "limit_defaulted",
         }
     }
 

@@ -63,6 +63,11 @@ impl Config {
                     (asks(|l| l.lease.is_some()), Feature::Lease, "lease"),
                     (asks(|l| l.shape.is_some()), Feature::Shape, "shape"),
                     (
+                        asks(|l| l.from_request.is_some()),
+                        Feature::FromRequest,
+                        "from_request",
+                    ),
+                    (
                         asks(|l| l.charge.is_some()),
                         Feature::ChargeByResponse,
                         "charge",

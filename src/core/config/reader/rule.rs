@@ -172,6 +172,7 @@ fn read_rate(r: &Obj<'_>, raw_key: &[Value], key: &[KeyPart]) -> Result<RateLimi
         None => None,
         Some(v) => Some(read_tiers(&r.path("tiers"), v, period_ms)?),
     };
+    let from_request = read_from_request(r)?;
     Ok(RateLimit {
         capacity,
         rate,
@@ -184,7 +185,72 @@ fn read_rate(r: &Obj<'_>, raw_key: &[Value], key: &[KeyPart]) -> Result<RateLimi
         descriptor: Vec::new(),
         charge: None,
         shape: read_shape(r, algorithm)?,
+        from_request,
     })
+}
+
+/// Most field names after the namespace in a `from_request` metadata path.
+const MAX_METADATA_FIELDS: usize = 4;
+
+/// A rate rule's `from_request`: at least one of `capacity` and `rate`.
+fn read_from_request(r: &Obj<'_>) -> Result<Option<FromRequest>, ConfigError> {
+    let Some(v) = r.get("from_request") else {
+        return Ok(None);
+    };
+    let f = Obj::new(Some(v), &r.path("from_request"), fields::FROM_REQUEST)?;
+    let read = |name: &str| match f.get(name) {
+        None => Ok(None),
+        Some(v) => read_attribute(&Obj::new(Some(v), &f.path(name), fields::ATTRIBUTE)?).map(Some),
+    };
+    let capacity = read("capacity")?;
+    let rate = read("rate")?;
+    if capacity.is_none() && rate.is_none() {
+        return err(
+            r.path("from_request"),
+            "must name `capacity`, `rate` or both",
+        );
+    }
+    Ok(Some(FromRequest {
+        rate_follows_capacity: capacity.is_some() && rate.is_none() && r.get("rate").is_none(),
+        capacity,
+        rate,
+    }))
+}
+
+/// A number read from the request: exactly one of `header` (a lower-case name) and `metadata`
+/// (the filter's namespace, then 1..=4 field names into its struct), within `min..=max`.
+fn read_attribute(a: &Obj<'_>) -> Result<Attribute, ConfigError> {
+    let source = match (a.get("header"), a.get("metadata")) {
+        (Some(_), None) => Source::Header(header_name(&a.path("header"), &a.text("header")?)?),
+        (None, Some(Value::Array(parts))) => {
+            if parts.len() < 2 || parts.len() > MAX_METADATA_FIELDS + 1 {
+                return err(
+                    a.path("metadata"),
+                    format!(
+                        "must be the filter's namespace then 1..={MAX_METADATA_FIELDS} field names"
+                    ),
+                );
+            }
+            let mut path = vec!["metadata".to_string(), "filter_metadata".to_string()];
+            for (i, p) in parts.iter().enumerate() {
+                match p.as_str() {
+                    Some(s) if !s.is_empty() && s.len() <= 256 => path.push(s.to_string()),
+                    _ => {
+                        return err(
+                            format!("{}[{i}]", a.path("metadata")),
+                            "must be a string of 1..=256 bytes",
+                        )
+                    }
+                }
+            }
+            Source::Property(path)
+        }
+        (None, Some(_)) => return err(a.path("metadata"), "must be a list of strings"),
+        _ => return err(a.path("header"), "exactly one of `header` and `metadata`"),
+    };
+    let max = a.int_within("max", None, 1, MAX_AMOUNT)?;
+    let min = a.int_within("min", Some(1), 1, max)?;
+    Ok(Attribute { source, min, max })
 }
 
 /// A rate rule's `shape`: token buckets only (a window's tokens come back all at once, at its

@@ -44,6 +44,7 @@ fn plan(c: &Config) -> Plan {
     let req = Request {
         headers: vec![(":path".into(), b"/".to_vec())],
         peer: None,
+        properties: Vec::new(),
     };
     match decide(c, &req).step {
         DecideStep::Callout(p) => p,

@@ -116,6 +116,7 @@ fn the_match_prefilter_agrees_with_the_core() {
             let full = Request {
                 headers: r.iter().map(|(n, v)| (n.to_string(), v.to_vec())).collect(),
                 peer: Some("10.0.0.1:1".into()),
+                properties: Vec::new(),
             };
             let fake = Fake::new("");
             *fake.request.borrow_mut() = full.headers.clone();
@@ -129,6 +130,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 reads: Reads {
                     match_headers: Some(names.clone()),
                     request_headers: None,
+                    properties: Vec::new(),
                 },
                 outbox: RefCell::new(Outbox::new("t")),
                 memos: Default::default(),
