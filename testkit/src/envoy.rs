@@ -47,6 +47,11 @@ pub struct EnvoySpec {
     /// More HTTP filters before the router, each a YAML mapping at column 0 (`name:`,
     /// `typed_config:`), e.g. taken from a checked-in file.
     pub extra_http_filters: Vec<String>,
+    /// HTTP filters first in the chain, before the wasm filter (as `extra_http_filters`), e.g. an
+    /// authorization filter whose dynamic metadata the rules read.
+    pub first_http_filters: Vec<String>,
+    /// More clusters (each a YAML mapping at column 0), e.g. an authorization server's.
+    pub extra_clusters: Vec<String>,
     /// The virtual host's name (`all`).
     pub virtual_host_name: String,
     /// More fields of the virtual host, as YAML at column 0 (e.g. `rate_limits:` from a checked-in
@@ -281,6 +286,8 @@ impl EnvoySpec {
             native_rls: None,
             local_ratelimit: None,
             extra_http_filters: Vec::new(),
+            first_http_filters: Vec::new(),
+            extra_clusters: Vec::new(),
             virtual_host_name: "all".to_string(),
             virtual_host_extra: None,
             routes: vec![Route::upstream("/", None)],
@@ -496,11 +503,11 @@ impl EnvoySpec {
         out
     }
 
-    /// The edge listener's HTTP filters (a list at column 0): the wasm filter, the dynamic
-    /// module, the native ratelimit filter, `local_ratelimit`, the extra filters, the router, in
-    /// that order (those present).
+    /// The edge listener's HTTP filters (a list at column 0): the first filters, the wasm filter,
+    /// the dynamic module, the native ratelimit filter, `local_ratelimit`, the extra filters, the
+    /// router, in that order (those present).
     pub fn http_filters(&self, wasm: &Path) -> String {
-        let mut filters = Vec::new();
+        let mut filters = self.first_http_filters.clone();
         if self.loads_module() {
             filters.push(self.wasm_filter(wasm));
         }
@@ -648,6 +655,9 @@ typed_config:
                 "",
             )));
         }
+        for c in &self.extra_clusters {
+            out.push_str(&item(c));
+        }
         out
     }
 
@@ -669,7 +679,7 @@ const HTTP2: &str = r#"typed_extension_protocol_options:
 
 /// A cluster of `host` (127.0.0.1 and STATIC when `None`, else STRICT_DNS) on `ports`, taken in
 /// turn (a mapping at column 0), followed by `extra` fields.
-fn cluster(
+pub fn cluster(
     name: &str,
     host: Option<&str>,
     ports: &[u16],

@@ -5,6 +5,7 @@
 //!
 //! - [`common`]: the harness (`tests/common/`, shared with `tests/deploy/` and `tests/image.rs`);
 //!   [`native_rls`]: Envoy's native ratelimit filter against the service's RLS endpoint.
+//! - [`authz`]
 //! - [`bad_days`]
 //! - [`buckets`]
 //! - [`callouts`]
@@ -42,6 +43,7 @@ mod common;
 #[path = "../common/rls.rs"]
 mod native_rls;
 
+mod authz;
 mod bad_days;
 mod buckets;
 mod callouts;
