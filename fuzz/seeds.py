@@ -123,7 +123,9 @@ CONFIGS = {
              "from_request": {
                  "capacity": {"metadata": ["envoy.filters.http.ext_authz", "tenant", "limit"],
                               "min": 10, "max": 100000},
-                 "rate": {"header": "x-tenant-rate", "max": 100000}}},
+                 "rate": {"header": "x-tenant-rate", "max": 100000},
+                 "cost": {"metadata": ["envoy.filters.http.jwt_authn", "jwt_payload", "w"],
+                          "max": 50}}},
             {"name": "slots", "kind": "concurrency", "match": {"methods": ["POST"]},
              "key": ["header:x-tenant"], "on_missing": "skip", "max_in_flight": 4,
              "deadline_ms": 30000, "shadow": False, "response": {"body": "busy\n"}},

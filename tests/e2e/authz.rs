@@ -8,7 +8,8 @@
 //!   exactly; a tenant whose number changes mid-run keeps its count (the bucket carried over to the
 //!   new capacity keeping the fraction it held); a number the client sends itself is ignored.
 //! - `a_jwt_claim_sets_the_limit`: Envoy's `jwt_authn` verifies HS256 tokens against a local JWKS
-//!   and puts their claims in metadata (`payload_in_metadata`); the claim `rl` is the limit; a token
+//!   and puts their claims in metadata (`payload_in_metadata`); the claim `rl` is the limit, `w` each
+//!   request's cost; a token
 //!   whose signature does not verify never reaches the limiter's choice of limit.
 // A test reports a failure by panicking; the crate's no-panic lints are for the filter itself.
 #![allow(
@@ -264,7 +265,8 @@ typed_config:
                     "period_ms": 3_600_000,
                     "from_request": {"capacity": {
                         "metadata": ["envoy.filters.http.jwt_authn", "jwt_payload", "rl"],
-                        "max": 6}}}),
+                        "max": 6},
+                        "cost": {"metadata": ["envoy.filters.http.jwt_authn", "jwt_payload", "w"], "max": 3}}}),
         ],
         json!({"failure_mode": "deny"}),
     );
@@ -289,6 +291,16 @@ typed_config:
     let greedy = bearer(500, false);
     let clamped = admitted(&url, "greedy", &[("authorization", &greedy)], 8);
     let none = admitted(&url, "anonymous", &[], 8);
+    // A claim prices each request: 2 tokens of 6.
+    let heavy = format!(
+        "Bearer {}",
+        jwt(
+            &json!({"iss": "tenants", "sub": "h", "rl": 6, "w": 2}),
+            key,
+            false
+        )
+    );
+    let weighted = admitted(&url, "heavy", &[("authorization", &heavy)], 8);
     let forged = bearer(500, true);
     let client = Client::new();
     let forged_statuses: Vec<u16> = (0..3)
@@ -304,19 +316,21 @@ typed_config:
     let clamped_count = envoy.tg("rule.tenant.limit_clamped");
     eprintln!(
         "ROW | limits from a JWT claim | rl 5: {claimed} of 8, rl 500 (max 6): {clamped} of 8 \
-         (limit_clamped {clamped_count}), no token: {none} of 8 (rule 3), forged: {forged_statuses:?} |"
+         (limit_clamped {clamped_count}), no token: {none} of 8 (rule 3), rl 6 at w 2 each: \
+         {weighted} of 8, forged: {forged_statuses:?} |"
     );
     assert_eq!(claimed, 5, "the claim is the limit");
     assert_eq!(clamped, 6, "a claim above max is clamped");
     assert_eq!(clamped_count, 8);
     assert_eq!(none, 3, "no token: the rule's own");
+    assert_eq!(weighted, 3, "the claim is each request's cost");
     assert!(
         forged_statuses.iter().all(|&s| s == 401),
         "a token that does not verify is refused before the limiter: {forged_statuses:?}"
     );
     assert_eq!(
         envoy.tg("rule.tenant.allowed") + envoy.tg("rule.tenant.limited"),
-        24,
+        32,
         "the forged requests never reached the limiter"
     );
 }

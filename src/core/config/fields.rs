@@ -210,9 +210,10 @@ pub const WEIGHTS: &[Field] = &[
 pub const FROM_REQUEST: &[Field] = &[
     field!("capacity", Object, Nothing, "where the bucket's capacity is read (the rule's when absent)"),
     field!("rate", Object, Nothing, "where its rate is read (the rule's, or the capacity read when the rule has no rate)"),
+    field!("cost", Object, Nothing, "where a request's cost is read (the rule's fixed cost when absent)"),
 ];
 
-/// A number read from the request (`from_request.capacity`, `from_request.rate`).
+/// A number read from the request (`from_request.capacity`, `.rate`, `.cost`).
 #[rustfmt::skip]
 pub const ATTRIBUTE: &[Field] = &[
     field!("header", Text, Nothing, "a request header a trusted filter set (exactly one of header and metadata)"),

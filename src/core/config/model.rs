@@ -249,6 +249,8 @@ pub struct FromRequest {
     pub rate: Option<Attribute>,
     /// The rule left `rate` out and `from_request` has no `rate`: the rate is the capacity read.
     pub rate_follows_capacity: bool,
+    /// What a request costs (default: the rule's fixed `cost`).
+    pub cost: Option<Attribute>,
 }
 
 /// A number read from the request, within `min..=max`: absent or not a number, the rule's own

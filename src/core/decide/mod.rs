@@ -20,7 +20,7 @@ pub mod headers;
 use crate::core::base::store::CasStore;
 use crate::core::config::{Config, FailureMode, Limit, Rule, RuleKind, Transport};
 use crate::core::local::slots::{self, Want};
-use crate::core::rules::limits::limit_for;
+use crate::core::rules::limits::{cost_for, limit_for};
 use crate::core::rules::{keys, matches, Request};
 use crate::core::wire::{self, Bucket, BucketResult, TakeRequest, TakeResponse};
 use headers::{rate_limit_headers, retry_after};
@@ -72,7 +72,6 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
         };
         let mut noted = Vec::new();
         let limit = limit_for(rule, l, req, cfg.trusted_hops, &mut noted);
-        counts.extend(noted.into_iter().map(|c| (i, c)));
         let (capacity, rate, period_ms) = match limit {
             // An allow-listed key: this rule takes no bucket for the request.
             Limit::Unlimited => continue,
@@ -87,12 +86,13 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
             capacity,
             rate: Some(rate),
             period_ms,
-            cost: Some(keys::cost(l, req)),
+            cost: Some(cost_for(l, req, &mut noted)),
             algorithm: Some(l.algorithm),
             // Set by the lease pools when this request is the one that refills (core::lease).
             lease: None,
             max_delay_ms: 0,
         });
+        counts.extend(noted.into_iter().map(|c| (i, c)));
         plan.rules.push(i);
         if let Some(rls) = &mut plan.rls {
             rls.descriptors

@@ -224,7 +224,11 @@ pub fn headers_read(rule: &Rule, trusted_hops: u32, names: &mut Vec<String>) -> 
         if let Some(t) = &l.tiers {
             add(names, &t.header);
         }
-        for a in l.from_request.iter().flat_map(|f| [&f.capacity, &f.rate]) {
+        for a in l
+            .from_request
+            .iter()
+            .flat_map(|f| [&f.capacity, &f.rate, &f.cost])
+        {
             if let Some(Attribute {
                 source: Source::Header(h),
                 ..
@@ -242,7 +246,7 @@ pub fn properties_read(rule: &Rule, paths: &mut Vec<Vec<String>>) {
     let Some(f) = rule.rate_limit().and_then(|l| l.from_request.as_ref()) else {
         return;
     };
-    for a in [&f.capacity, &f.rate].into_iter().flatten() {
+    for a in [&f.capacity, &f.rate, &f.cost].into_iter().flatten() {
         if let Some(p) = a.source.property() {
             if !paths.iter().any(|x| x.as_slice() == p) {
                 paths.push(p.to_vec());

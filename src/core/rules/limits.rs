@@ -64,23 +64,7 @@ fn from_request(
 ) -> (u64, u64) {
     let mut read = |a: &Option<Attribute>, own: u64| match a {
         None => own,
-        Some(a) => {
-            let n = match &a.source {
-                Source::Header(h) => req.header(h).and_then(text),
-                Source::Property(p) => req.property(p).and_then(number),
-            };
-            match n {
-                None => {
-                    noted.push(RuleCount::LimitDefaulted);
-                    own
-                }
-                Some(n) if n < a.min || n > a.max => {
-                    noted.push(RuleCount::LimitClamped);
-                    n.clamp(a.min, a.max)
-                }
-                Some(n) => n,
-            }
-        }
+        Some(a) => read_number(a, own, req, noted),
     };
     let capacity = read(&f.capacity, l.capacity);
     let rate = if f.rate_follows_capacity {
@@ -91,17 +75,56 @@ fn from_request(
     (capacity, rate)
 }
 
-/// A number written as decimal text (a header, or a string in metadata; a fraction rounded
-/// down, a negative number 0). `None`: not a number.
+/// What a request costs under `l`: its `from_request.cost` if it has one (the rule's own cost the
+/// default), else [`keys::cost`](crate::core::rules::keys::cost).
+pub fn cost_for(l: &RateLimit, req: &Request, noted: &mut Vec<RuleCount>) -> u64 {
+    let own = crate::core::rules::keys::cost(l, req);
+    match l.from_request.as_ref().and_then(|f| f.cost.as_ref()) {
+        Some(a) => read_number(a, own, req, noted),
+        None => own,
+    }
+}
+
+/// The number `a` names in `req`, within its bounds (clamped, noted); `own` when it is absent or
+/// not a number (noted).
+fn read_number(a: &Attribute, own: u64, req: &Request, noted: &mut Vec<RuleCount>) -> u64 {
+    let n = match &a.source {
+        Source::Header(h) => req.header(h).and_then(text),
+        Source::Property(p) => req.property(p).and_then(number),
+    };
+    match n {
+        None => {
+            noted.push(RuleCount::LimitDefaulted);
+            own
+        }
+        Some(n) if n < a.min || n > a.max => {
+            noted.push(RuleCount::LimitClamped);
+            n.clamp(a.min, a.max)
+        }
+        Some(n) => n,
+    }
+}
+
+/// A number written as decimal text (a header, or a string in metadata): digits, a sign, a
+/// fraction (rounded down); a negative number is 0. `None`: not a number. Read by hand: the
+/// standard float parser would add about 25 KB of tables to the module.
 fn text(raw: &[u8]) -> Option<u64> {
     let t = std::str::from_utf8(raw).ok()?.trim();
-    if t.is_empty() || t.len() > 32 {
+    let (negative, t) = match t.as_bytes().first() {
+        Some(b'-') => (true, t.get(1..)?),
+        Some(b'+') => (false, t.get(1..)?),
+        _ => (false, t),
+    };
+    let (whole, fraction) = t.split_once('.').unwrap_or((t, ""));
+    let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || whole.len() > 20 || !digits(whole) || !digits(fraction) {
         return None;
     }
-    match t.parse::<u64>() {
-        Ok(n) => Some(n),
-        Err(_) => whole(t.parse::<f64>().ok()?),
+    if negative {
+        return Some(0);
     }
+    // Above u64::MAX: the largest, clamped to `max` anyway.
+    Some(whole.parse::<u64>().unwrap_or(u64::MAX))
 }
 
 /// A number in dynamic metadata: a string of decimal text ([`text`]), or a number, which Envoy
@@ -117,8 +140,8 @@ fn number(raw: &[u8]) -> Option<u64> {
 
 /// A finite number rounded down to a whole one (negatives 0, beyond `u64` its largest).
 fn whole(f: f64) -> Option<u64> {
-    // `as` saturates: a negative number is 0, a huge one u64::MAX.
-    f.is_finite().then_some(f.floor() as u64)
+    // `as` rounds toward zero and saturates: a negative number is 0, a huge one u64::MAX.
+    f.is_finite().then_some(f as u64)
 }
 
 #[cfg(test)]
@@ -475,10 +498,6 @@ mod tests {
                 r#"{"rate":{"metadata":"a.b","max":10}}"#,
                 "rules[0].from_request.rate.metadata",
             ),
-            (
-                r#"{"cost":{"header":"x","max":10}}"#,
-                "rules[0].from_request.cost",
-            ),
         ] {
             let json = format!(
                 r#"{{"service":{{"cluster":"c"}},"rules":[{{"name":"r","capacity":10,"period_ms":1000,"from_request":{f}}}]}}"#
@@ -489,9 +508,50 @@ mod tests {
                 "{f}"
             );
         }
+        // The cost read twice, or settled by the response.
+        for (rule, field) in [
+            (
+                r#""cost":{"header":"x-cost"},"from_request":{"cost":{"header":"y","max":9}}"#,
+                "rules[0].from_request.cost",
+            ),
+            (
+                r#""charge":"response","from_request":{"cost":{"header":"y","max":9}}"#,
+                "rules[0].from_request.cost",
+            ),
+        ] {
+            let json = format!(
+                r#"{{"service":{{"cluster":"c"}},"rules":[{{"name":"r","capacity":10,"period_ms":1000,{rule}}}]}}"#
+            );
+            assert_eq!(
+                Config::parse(json.as_bytes()).unwrap_err().field,
+                field,
+                "{rule}"
+            );
+        }
         let rls = r#"{"service":{"cluster":"c","transport":"rls","domain":"d"},"rules":[{"name":"r","capacity":10,"period_ms":1000,"from_request":{"capacity":{"header":"x","max":10}}}]}"#;
         let e = Config::parse(rls.as_bytes()).unwrap_err();
         assert_eq!(e.field, "rules[0].from_request");
         assert!(e.message.contains("rls"), "{e:?}");
+    }
+
+    #[test]
+    fn a_cost_from_the_request_is_bounded_and_counted() {
+        let c = cfg(&format!(
+            r#"{{"name":"r","capacity":100,"period_ms":1000,"cost":2,
+                "from_request":{{"cost":{{"metadata":["{AUTHZ}","limit"],"min":1,"max":50}}}}}}"#
+        ));
+        let rl = c.rules[0].rate_limit().unwrap();
+        let cost = |v: Option<&[u8]>| {
+            let mut noted = Vec::new();
+            let n = cost_for(rl, &with_metadata(&[], v.map(<[u8]>::to_vec)), &mut noted);
+            (n, noted)
+        };
+        assert_eq!(cost(Some(b"7")), (7, vec![]));
+        assert_eq!(cost(Some(b"70")), (50, vec![RuleCount::LimitClamped]));
+        assert_eq!(
+            cost(None),
+            (2, vec![RuleCount::LimitDefaulted]),
+            "the rule's cost"
+        );
     }
 }

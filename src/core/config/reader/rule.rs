@@ -192,7 +192,7 @@ fn read_rate(r: &Obj<'_>, raw_key: &[Value], key: &[KeyPart]) -> Result<RateLimi
 /// Most field names after the namespace in a `from_request` metadata path.
 const MAX_METADATA_FIELDS: usize = 4;
 
-/// A rate rule's `from_request`: at least one of `capacity` and `rate`.
+/// A rate rule's `from_request`: at least one of `capacity`, `rate` and `cost`.
 fn read_from_request(r: &Obj<'_>) -> Result<Option<FromRequest>, ConfigError> {
     let Some(v) = r.get("from_request") else {
         return Ok(None);
@@ -204,16 +204,24 @@ fn read_from_request(r: &Obj<'_>) -> Result<Option<FromRequest>, ConfigError> {
     };
     let capacity = read("capacity")?;
     let rate = read("rate")?;
-    if capacity.is_none() && rate.is_none() {
+    let cost = read("cost")?;
+    if capacity.is_none() && rate.is_none() && cost.is_none() {
         return err(
             r.path("from_request"),
-            "must name `capacity`, `rate` or both",
+            "must name at least one of `capacity`, `rate` and `cost`",
+        );
+    }
+    if cost.is_some() && matches!(r.get("cost"), Some(Value::Object(_))) {
+        return err(
+            f.path("cost"),
+            "not with a `cost` object (that cost is read from a header already)",
         );
     }
     Ok(Some(FromRequest {
         rate_follows_capacity: capacity.is_some() && rate.is_none() && r.get("rate").is_none(),
         capacity,
         rate,
+        cost,
     }))
 }
 
@@ -313,6 +321,12 @@ fn finish_rate(
         }
     };
     l.charge = read_charge(r)?;
+    if l.charge.is_some() && l.from_request.as_ref().is_some_and(|f| f.cost.is_some()) {
+        return err(
+            r.path("from_request.cost"),
+            "not with \"charge\": \"response\" (the response settles what a request costs)",
+        );
+    }
     if l.charge.is_some() && l.lease.is_some() {
         return err(
             r.path("lease"),
