@@ -45,6 +45,8 @@ const load = (rel) => import(pathToFileURL(join(modules, rel)).href);
 const KINDS = {
   "extensions.istio.io/v1alpha1/WasmPlugin": [
     "@kubernetes-models/istio/extensions.istio.io/v1alpha1/WasmPlugin.js", "WasmPlugin", ["spec.pluginConfig"]],
+  "security.istio.io/v1/AuthorizationPolicy": [
+    "@kubernetes-models/istio/security.istio.io/v1/AuthorizationPolicy.js", "AuthorizationPolicy", []],
   "gateway.envoyproxy.io/v1alpha1/EnvoyExtensionPolicy": [
     "@kubernetes-models/envoy-gateway/gateway.envoyproxy.io/v1alpha1/EnvoyExtensionPolicy.js",
     "EnvoyExtensionPolicy", ["spec.wasm.*.config"]],
