@@ -10,11 +10,12 @@
 //! to where a pipeline runs, the limits reader is the service's, and the check then always has the
 //! version of the readers that is deployed.
 //!
-//! The filter's reader reports every refusal of a configuration ([`Config::parse_all`]), as the
-//! module logs them, a line each; the limits reader stops at a file's first error, as the service
-//! does (its schema is serde's derive, which ends at the first error). Every configuration in
-//! every file given is checked, each refusal reported on a line of its own, and a summary, on
-//! stderr, counts the configurations, those refused and their refusals. Exit status: 0 every
+//! Both readers report every refusal ([`Config::parse_all`], [`Limits::parse_all`]), as the
+//! module logs them (a line each) and the service (one line); but a limits file's document that
+//! does not fit the schema (serde's derive, which stops there) is refused by that first error
+//! alone. Every configuration in every file given is checked, each refusal reported on a line of
+//! its own, and a summary, on stderr, counts the configurations, those refused and their
+//! refusals. Exit status: 0 every
 //! configuration is accepted, 1 one is refused, 2 a file cannot be read or holds nothing to check
 //! (and clap's usage errors).
 //!
@@ -131,13 +132,13 @@ pub fn check_plugin(bytes: &[u8]) -> Verdict {
 
 /// The service's verdict on a limits file's text.
 pub fn check_limits(text: &str) -> Verdict {
-    match Limits::parse(text) {
+    match Limits::parse_all(text) {
         Ok(l) => {
             let mut domains = l.domains();
             domains.sort_unstable();
             Verdict::Accepted(format!("domains: {}", domains.join(", ")))
         }
-        Err(e) => Verdict::Refused(vec![e]),
+        Err(all) => Verdict::Refused(all),
     }
 }
 

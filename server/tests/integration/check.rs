@@ -657,8 +657,21 @@ fn every_refusal_of_every_configuration_is_reported() {
          \x20     - {name: r, capacity: 1, period_ms: 1000, match: /api}\n",
     )
     .unwrap();
-    let (p, y) = (plugin.to_str().unwrap(), policy.to_str().unwrap());
-    let (code, out, err) = check(&["--filter", p, "--filter", y]);
+    // A limits file with two mistakes, each in its descriptor.
+    let limits = tmp.path().join("limits.yaml");
+    fs::write(
+        &limits,
+        "domain: d\ndescriptors:\n\
+         \x20 - key: a\n    rate_limit: {unit: minutes, requests_per_unit: 1}\n\
+         \x20 - key: b\n    rate_limit: {unit: second, requests_per_unit: 1, algorithm: leaky}\n",
+    )
+    .unwrap();
+    let (p, y, l) = (
+        plugin.to_str().unwrap(),
+        policy.to_str().unwrap(),
+        limits.to_str().unwrap(),
+    );
+    let (code, out, err) = check(&["--filter", p, "--filter", y, "--limits", l]);
     assert_eq!(code, 1, "{out}{err}");
     let lines: Vec<&str> = out.lines().collect();
     let expected = [
@@ -668,6 +681,8 @@ fn every_refusal_of_every_configuration_is_reported() {
         format!("{y}: EnvoyExtensionPolicy ns/t: spec.wasm[0].config: refused: service.timeout_ms: must be between 1 and 60000"),
         format!("{y}: EnvoyExtensionPolicy ns/t: spec.wasm[0].config: refused: rules[0].capacity: must be between 1 and 1000000000"),
         format!("{y}: EnvoyExtensionPolicy ns/t: spec.wasm[1].config: refused: rules[0].match: must be an object"),
+        format!("{l}: refused: domain \"d\": descriptor d.a (descriptors[0]): rate_limit.unit: \"minutes\""),
+        format!("{l}: refused: domain \"d\": descriptor d.b (descriptors[1]): rate_limit.algorithm: \"leaky\""),
     ];
     assert_eq!(lines.len(), expected.len(), "{out}");
     for (line, start) in lines.iter().zip(&expected) {
@@ -676,7 +691,7 @@ fn every_refusal_of_every_configuration_is_reported() {
             "{line}\nexpected {start}...\n{out}"
         );
     }
-    assert_eq!(err, "check: 3 configurations, 3 refused (6 refusals)\n");
+    assert_eq!(err, "check: 4 configurations, 4 refused (8 refusals)\n");
     // The filter's reader agrees: its first refusal is the first reported.
     let first = Config::parse(&fs::read(&plugin).unwrap()).unwrap_err();
     assert_eq!(first.to_string(), "service: missing (required)");
