@@ -10,10 +10,14 @@
 //! to where a pipeline runs, the limits reader is the service's, and the check then always has the
 //! version of the readers that is deployed.
 //!
-//! Each reader stops at a configuration's first error, as the module and the service do, so one
-//! error is reported per configuration; every configuration in every file given is checked, and
-//! all are reported. Exit status: 0 every configuration is accepted, 1 one is refused, 2 a file
-//! cannot be read or holds nothing to check (and clap's usage errors).
+//! Both readers report every refusal ([`Config::parse_all`], [`Limits::parse_all`]), as the
+//! module logs them (a line each) and the service (one line); but a limits file's document that
+//! does not fit the schema (serde's derive, which stops there) is refused by that first error
+//! alone. Every configuration in every file given is checked, each refusal reported on a line of
+//! its own, and a summary, on stderr, counts the configurations, those refused and their
+//! refusals. Exit status: 0 every
+//! configuration is accepted, 1 one is refused, 2 a file cannot be read or holds nothing to check
+//! (and clap's usage errors).
 //!
 //! Where the filter's configuration is found (`--filter FILE`):
 //!
@@ -42,6 +46,8 @@ use std::process::ExitCode;
 
 use serde_json::Value as Json;
 use serde_yaml_ng::Value as Yaml;
+
+use tollgate::core::config::Config;
 
 use crate::rls::config::Limits;
 
@@ -88,8 +94,9 @@ pub const PLACES: [(&str, &str); 2] = [
 pub enum Verdict {
     /// Accepted; what it holds, for the report (may be empty).
     Accepted(String),
-    /// Refused: the reader's error, field first (`rules[0].capacity: must be ...`).
-    Refused(String),
+    /// Refused: the reader's every refusal (one at least), field first (`rules[0].capacity:
+    /// must be ...`).
+    Refused(Vec<String>),
 }
 
 /// One configuration found in a file, and its verdict.
@@ -115,23 +122,23 @@ pub struct PluginConfig {
 /// The module's verdict on a plugin configuration (the bytes of `proxy_on_configure`).
 pub fn check_plugin(bytes: &[u8]) -> Verdict {
     if bytes.is_empty() {
-        return Verdict::Refused(MISSING.into());
+        return Verdict::Refused(vec![MISSING.into()]);
     }
-    match tollgate::core::config::Config::parse(bytes) {
+    match Config::parse_all(bytes) {
         Ok(_) => Verdict::Accepted(String::new()),
-        Err(e) => Verdict::Refused(e.to_string()),
+        Err(all) => Verdict::Refused(all.iter().map(ToString::to_string).collect()),
     }
 }
 
 /// The service's verdict on a limits file's text.
 pub fn check_limits(text: &str) -> Verdict {
-    match Limits::parse(text) {
+    match Limits::parse_all(text) {
         Ok(l) => {
             let mut domains = l.domains();
             domains.sort_unstable();
             Verdict::Accepted(format!("domains: {}", domains.join(", ")))
         }
-        Err(e) => Verdict::Refused(e),
+        Err(all) => Verdict::Refused(all),
     }
 }
 
@@ -390,7 +397,7 @@ pub fn check_filter_file(path: &Path) -> Result<Vec<Finding>, Unusable> {
             at: c.at,
             verdict: match c.bytes {
                 Ok(b) => check_plugin(&b),
-                Err(why) => Verdict::Refused(why),
+                Err(why) => Verdict::Refused(vec![why]),
             },
         })
         .collect())
@@ -409,51 +416,90 @@ pub fn check_limits_file(path: &Path) -> Result<Vec<Finding>, Unusable> {
         .collect())
 }
 
-/// Checks every file, writes a line per configuration to `out` (and per unusable file to `err`),
-/// and returns the exit status: 0 all accepted, 1 one refused, 2 a file unusable.
+/// Checks every file, writes a line per accepted configuration and per refusal to `out` (and per
+/// unusable file, and the summary, to `err`), and returns the exit status: 0 all accepted, 1 one
+/// refused, 2 a file unusable.
 pub fn run(args: &CheckArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
     let files = args
         .filters
         .iter()
         .map(|p| (p, check_filter_file(p)))
         .chain(args.limits.iter().map(|p| (p, check_limits_file(p))));
-    let (mut refused, mut unusable) = (false, false);
+    let mut count = Count::default();
     for (path, result) in files {
         match result {
             Ok(findings) => {
                 for f in findings {
+                    count.configurations += 1;
                     let at = if f.at.is_empty() {
                         String::new()
                     } else {
                         format!(": {}", f.at)
                     };
-                    let line = match &f.verdict {
-                        Verdict::Accepted(what) if what.is_empty() => "ok".to_string(),
-                        Verdict::Accepted(what) => format!("ok ({what})"),
-                        Verdict::Refused(why) => {
-                            refused = true;
-                            format!("refused: {why}")
+                    match &f.verdict {
+                        Verdict::Accepted(what) if what.is_empty() => {
+                            let _ = writeln!(out, "{}{at}: ok", path.display());
                         }
-                    };
-                    let _ = writeln!(out, "{}{at}: {line}", path.display());
+                        Verdict::Accepted(what) => {
+                            let _ = writeln!(out, "{}{at}: ok ({what})", path.display());
+                        }
+                        Verdict::Refused(all) => {
+                            count.refused += 1;
+                            count.refusals += all.len();
+                            for why in all {
+                                let _ = writeln!(out, "{}{at}: refused: {why}", path.display());
+                            }
+                        }
+                    }
                 }
             }
             Err(Unusable(why)) => {
-                unusable = true;
+                count.unusable += 1;
                 let _ = writeln!(err, "{why}");
             }
         }
     }
     if let Some(dir) = &args.write_configs {
         if let Err(why) = write_configs(dir, &args.filters) {
-            unusable = true;
+            count.unusable += 1;
             let _ = writeln!(err, "{why}");
         }
     }
-    if unusable {
+    let _ = writeln!(err, "{count}");
+    if count.unusable > 0 {
         2
     } else {
-        u8::from(refused)
+        u8::from(count.refused > 0)
+    }
+}
+
+/// What [`run`] checked, for its summary.
+#[derive(Debug, Default)]
+struct Count {
+    /// Configurations checked.
+    configurations: usize,
+    /// Those refused.
+    refused: usize,
+    /// Their refusals.
+    refusals: usize,
+    /// Files that could not be checked (and a `--write-configs` that failed).
+    unusable: usize,
+}
+
+impl std::fmt::Display for Count {
+    /// `check: 3 configurations, 1 refused (4 refusals)` or `check: 3 configurations, none
+    /// refused`, then `; 1 file not checked` when one is.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+        write!(f, "check: {}, ", n(self.configurations, "configuration"))?;
+        match self.refused {
+            0 => write!(f, "none refused")?,
+            r => write!(f, "{r} refused ({})", n(self.refusals, "refusal"))?,
+        }
+        if self.unusable > 0 {
+            write!(f, "; {} not checked", n(self.unusable, "file"))?;
+        }
+        Ok(())
     }
 }
 
@@ -534,11 +580,17 @@ mod tests {
 
     #[test]
     fn an_empty_configuration_is_refused_as_the_module_refuses_it() {
-        assert_eq!(check_plugin(b""), Verdict::Refused(MISSING.into()));
+        assert_eq!(check_plugin(b""), Verdict::Refused(vec![MISSING.into()]));
         let Verdict::Refused(why) = check_plugin(br#"{"rules": []}"#) else {
             unreachable!()
         };
-        assert!(why.starts_with("service"), "{why}");
+        assert_eq!(
+            why,
+            [
+                "service: missing (required)",
+                "rules: must hold between 1 and 16 rules"
+            ]
+        );
     }
 
     #[test]

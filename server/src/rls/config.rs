@@ -197,35 +197,79 @@ pub struct Found {
 }
 
 impl Limits {
-    /// Parses and checks a whole file. The error names the domain and descriptor at fault.
+    /// Parses and checks a whole file: every refusal ([`Limits::parse_all`]) on one line, joined
+    /// by `; `, as the service logs a refused file.
     pub fn parse(text: &str) -> Result<Limits, String> {
+        Limits::parse_all(text).map_err(|all| all.join("; "))
+    }
+
+    /// Parses and checks a whole file: every refusal (at least one), in the file's order, each
+    /// naming the document, domain and descriptor at fault. A document that does not fit the
+    /// schema (an unknown key, a value of the wrong type) is refused by that first error alone:
+    /// the schema is serde's derive, which stops there; the other documents are still read. YAML
+    /// that does not parse ends the reading: the documents after it cannot be found.
+    pub fn parse_all(text: &str) -> Result<Limits, Vec<String>> {
+        // The first document that does not parse, found by reading each as anything at all: the
+        // parser answers its error again for every document asked for after it, without end.
+        let unparsed = serde_yaml_ng::Deserializer::from_str(text)
+            .enumerate()
+            .find_map(|(i, doc)| {
+                serde::de::IgnoredAny::deserialize(doc)
+                    .err()
+                    .map(|e| (i, e))
+            });
+        let readable = unparsed.as_ref().map_or(usize::MAX, |(i, _)| *i);
         let mut limits = Limits::default();
-        for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+        let mut refusals = Vec::new();
+        for (i, doc) in serde_yaml_ng::Deserializer::from_str(text)
+            .take(readable)
+            .enumerate()
+        {
             // Straight from the text (not through a Value), so an error carries its line.
-            let root = Option::<YamlRoot>::deserialize(doc)
-                .map_err(|e| format!("document {}: {e}", i + 1))?;
-            let Some(root) = root else {
-                continue;
+            let root = match Option::<YamlRoot>::deserialize(doc) {
+                Ok(Some(root)) => root,
+                Ok(None) => continue,
+                Err(e) => {
+                    refusals.push(format!("document {}: {e}", i + 1));
+                    continue;
+                }
             };
             if root.domain.is_empty() {
-                return Err(format!("document {}: domain: must not be empty", i + 1));
+                // Its descriptors are named by their domain: checked once it has one.
+                refusals.push(format!("document {}: domain: must not be empty", i + 1));
+                continue;
             }
-            if limits.domains.contains_key(&root.domain) {
-                return Err(format!(
+            let twice = limits.domains.contains_key(&root.domain);
+            if twice {
+                refusals.push(format!(
                     "document {}: domain {:?} appears twice",
                     i + 1,
                     root.domain
                 ));
             }
             let mut node = Node::default();
-            load(&mut node, &root.domain, &root.descriptors)
-                .map_err(|e| format!("domain {:?}: {e}", root.domain))?;
-            limits.domains.insert(root.domain, node);
+            let mut found = Vec::new();
+            load(&mut node, &root.domain, &root.descriptors, &mut found);
+            refusals.extend(
+                found
+                    .into_iter()
+                    .map(|e| format!("domain {:?}: {e}", root.domain)),
+            );
+            if !twice {
+                limits.domains.insert(root.domain, node);
+            }
         }
-        if limits.domains.is_empty() {
-            return Err("no domain: the file holds no document".into());
+        if let Some((i, e)) = unparsed {
+            refusals.push(format!("document {}: {e}", i + 1));
         }
-        Ok(limits)
+        if refusals.is_empty() && limits.domains.is_empty() {
+            refusals.push("no domain: the file holds no document".into());
+        }
+        if refusals.is_empty() {
+            Ok(limits)
+        } else {
+            Err(refusals)
+        }
     }
 
     /// Whether the file has a document for `domain` (a descriptor's own `limit` applies only
@@ -335,31 +379,34 @@ fn wildcard_match(parts: &[String], value: &str) -> bool {
     true
 }
 
-/// Loads `descriptors` under `node`.
-fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result<(), String> {
+/// Loads `descriptors` under `node`, every refusal kept in `refusals`: a descriptor refused is
+/// still walked, its descriptors checked.
+fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor], refusals: &mut Vec<String>) {
     for (i, d) in descriptors.iter().enumerate() {
         let path = format!("{parent}.{}", stat_step(&d.key, &d.value));
-        let at = |m: String| format!("descriptor {path} (descriptors[{i}]): {m}");
+        let at = |m: &str| format!("descriptor {path} (descriptors[{i}]): {m}");
         if d.key.is_empty() {
-            return Err(at("key: must not be empty".into()));
+            refusals.push(at("key: must not be empty"));
         }
         let id = (d.key.clone(), d.value.clone());
         if node.children.contains_key(&id) {
-            return Err(at("appears twice at this level".into()));
+            refusals.push(at("appears twice at this level"));
         }
         if d.share_threshold && !d.value.contains('*') {
-            return Err(at(
-                "share_threshold: needs a wildcard value (with '*')".into()
-            ));
+            refusals.push(at("share_threshold: needs a wildcard value (with '*')"));
         }
         let limit = match &d.rate_limit {
             None => None,
-            Some(r) => {
-                let mut l =
-                    limit_of(r, d.shadow_mode, &path).map_err(|m| at(format!("rate_limit.{m}")))?;
-                l.detailed_metric = d.detailed_metric;
-                Some(Arc::new(l))
-            }
+            Some(r) => match limit_of(r, d.shadow_mode, &path) {
+                Ok(mut l) => {
+                    l.detailed_metric = d.detailed_metric;
+                    Some(Arc::new(l))
+                }
+                Err(all) => {
+                    refusals.extend(all.iter().map(|m| at(&format!("rate_limit.{m}"))));
+                    None
+                }
+            },
         };
         let mut child = Node {
             limit,
@@ -367,7 +414,7 @@ fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result
             value_to_metric: d.value_to_metric,
             ..Node::default()
         };
-        load(&mut child, &path, &d.descriptors)?;
+        load(&mut child, &path, &d.descriptors, refusals);
         if d.value.contains('*') {
             node.wildcards.push(Wildcard {
                 key: d.key.clone(),
@@ -375,36 +422,54 @@ fn load(node: &mut Node, parent: &str, descriptors: &[YamlDescriptor]) -> Result
                 parts: d.value.split('*').map(str::to_string).collect(),
             });
         }
-        node.children.insert(id, child);
+        node.children.entry(id).or_insert(child);
     }
-    Ok(())
 }
 
-fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, String> {
+/// A descriptor's `rate_limit`: the limit, or every refusal of it (each field read whatever the
+/// others' refusals; what depends on a refused one, the window on the unit, `burst` on the
+/// algorithm, is skipped).
+fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, Vec<String>> {
+    let mut refusals: Vec<String> = Vec::new();
     let unit = match (&r.unit, r.unlimited) {
         (Some(u), true) if Unit::parse(u).is_some() => {
-            return Err("unit: must not be given with unlimited: true".into())
+            refusals.push("unit: must not be given with unlimited: true".into());
+            None
         }
-        (_, true) => Unit::Second,
-        (Some(u), false) => Unit::parse(u).ok_or_else(|| {
-            format!("unit: {u:?} is not one of second, minute, hour, day, week, month, year")
-        })?,
-        (None, false) => return Err("unit: is required (or unlimited: true)".into()),
+        (_, true) => Some(Unit::Second),
+        (Some(u), false) => {
+            let unit = Unit::parse(u);
+            if unit.is_none() {
+                refusals.push(format!(
+                    "unit: {u:?} is not one of second, minute, hour, day, week, month, year"
+                ));
+            }
+            unit
+        }
+        (None, false) => {
+            refusals.push("unit: is required (or unlimited: true)".into());
+            None
+        }
     };
     let unit_multiplier = match r.unit_multiplier {
-        None => 1,
-        Some(0) => return Err("unit_multiplier: must be at least 1".into()),
-        Some(m) => u64::from(m),
+        None => Some(1),
+        Some(0) => {
+            refusals.push("unit_multiplier: must be at least 1".into());
+            None
+        }
+        Some(m) => Some(u64::from(m)),
     };
-    let window_ms = unit
-        .seconds()
-        .saturating_mul(unit_multiplier)
-        .saturating_mul(1000);
-    if window_ms > MAX_PERIOD_MS {
-        return Err(format!(
-            "unit_multiplier: {unit_multiplier} x {} s is longer than the longest window (one year)",
-            unit.seconds()
-        ));
+    if let (Some(unit), Some(unit_multiplier)) = (unit, unit_multiplier) {
+        let window_ms = unit
+            .seconds()
+            .saturating_mul(unit_multiplier)
+            .saturating_mul(1000);
+        if window_ms > MAX_PERIOD_MS {
+            refusals.push(format!(
+                "unit_multiplier: {unit_multiplier} x {} s is longer than the longest window (one year)",
+                unit.seconds()
+            ));
+        }
     }
     // Read only to be refused by name: a plain "unknown field" would not say why.
     for (name, given) in [
@@ -413,7 +478,7 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, S
         ("max_delay_ms", r.max_delay_ms.is_some()),
     ] {
         if given {
-            return Err(format!(
+            refusals.push(format!(
                 "{name}: shaping (holding a request until its tokens are there) needs the \
                  Tollgate filter; Envoy's rate limit filter cannot hold a request, so an RLS \
                  limit is never shaped"
@@ -424,58 +489,69 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, S
         None | Some("request") => false,
         Some("response") => true,
         Some(other) => {
-            return Err(format!(
+            refusals.push(format!(
                 "charge: {other:?} is not one of \"request\", \"response\""
-            ))
+            ));
+            false
         }
     };
     let rpu = u64::from(r.requests_per_unit);
     if rpu > MAX_AMOUNT {
-        return Err(format!(
+        refusals.push(format!(
             "requests_per_unit: must be at most {MAX_AMOUNT}, got {rpu}"
         ));
     }
     let algorithm = match r.algorithm.as_deref() {
-        None => Algorithm::TokenBucket,
-        Some(name) => Algorithm::from_name(name).ok_or_else(|| {
-            format!(
-                "algorithm: {name:?} is not one of {}",
-                Algorithm::expected()
-            )
-        })?,
+        None => Some(Algorithm::TokenBucket),
+        Some(name) => {
+            let algorithm = Algorithm::from_name(name);
+            if algorithm.is_none() {
+                refusals.push(format!(
+                    "algorithm: {name:?} is not one of {}",
+                    Algorithm::expected()
+                ));
+            }
+            algorithm
+        }
     };
-    let capacity = match r.burst {
-        None => rpu,
-        Some(_) if algorithm != Algorithm::TokenBucket => {
-            return Err("burst: applies to token_bucket only".into())
+    let capacity = match (r.burst, algorithm) {
+        (None, _) => rpu,
+        // `burst` is for one algorithm: skipped with the algorithm refused.
+        (Some(b), None) => b,
+        (Some(b), Some(a)) if a != Algorithm::TokenBucket => {
+            refusals.push("burst: applies to token_bucket only".into());
+            b
         }
-        Some(b) if b == 0 || b > MAX_AMOUNT => {
-            return Err(format!("burst: must be 1..={MAX_AMOUNT}, got {b}"))
+        (Some(b), _) if b == 0 || b > MAX_AMOUNT => {
+            refusals.push(format!("burst: must be 1..={MAX_AMOUNT}, got {b}"));
+            b
         }
-        Some(b) => b,
+        (Some(b), _) => b,
     };
     for rep in &r.replaces {
         if rep.name.is_empty() {
-            return Err("replaces: an entry has an empty name".into());
-        }
-        if rep.name == r.name {
-            return Err(format!("replaces: names this limit itself ({:?})", r.name));
+            refusals.push("replaces: an entry has an empty name".into());
+        } else if rep.name == r.name {
+            refusals.push(format!("replaces: names this limit itself ({:?})", r.name));
         }
     }
-    Ok(Limit {
-        requests_per_unit: rpu,
-        unit,
-        unit_multiplier,
-        unlimited: r.unlimited,
-        shadow_mode,
-        name: r.name.clone(),
-        replaces: r.replaces.iter().map(|x| x.name.clone()).collect(),
-        algorithm,
-        capacity,
-        path: path.to_string(),
-        detailed_metric: false,
-        charge_response,
-    })
+    match (unit, unit_multiplier, algorithm) {
+        (Some(unit), Some(unit_multiplier), Some(algorithm)) if refusals.is_empty() => Ok(Limit {
+            requests_per_unit: rpu,
+            unit,
+            unit_multiplier,
+            unlimited: r.unlimited,
+            shadow_mode,
+            name: r.name.clone(),
+            replaces: r.replaces.iter().map(|x| x.name.clone()).collect(),
+            algorithm,
+            capacity,
+            path: path.to_string(),
+            detailed_metric: false,
+            charge_response,
+        }),
+        _ => Err(refusals),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -668,6 +744,52 @@ descriptors:
             let got = Limits::parse(text).err().unwrap_or_default();
             assert!(got.contains(want), "{text:?}: {got:?}");
         }
+    }
+
+    #[test]
+    fn every_refusal_is_reported_in_the_files_order() {
+        let text = [
+            "domain: d",
+            "descriptors:",
+            "  - key: a",
+            "    rate_limit: {unit: minutes, requests_per_unit: 1, burst: 0, charge: later}",
+            "  - key: ''",
+            "    descriptors:",
+            "      - {key: b, rate_limit: {unit: second, unit_multiplier: 0}}",
+            "  - key: c",
+            "    rate_limit: {unit: second, requests_per_unit: 1, algorithm: leaky, burst: 5}",
+            "---",
+            "domain: e",
+            "bogus: 1",
+            "---",
+            "domain: d",
+            "---",
+            "domain: [",
+            "---",
+            "domain: f",
+        ]
+        .join("\n");
+        let text = text.as_str();
+        let all = Limits::parse_all(text).err().unwrap_or_default();
+        let want = [
+            "domain \"d\": descriptor d.a (descriptors[0]): rate_limit.unit: \"minutes\"",
+            "domain \"d\": descriptor d.a (descriptors[0]): rate_limit.charge: \"later\"",
+            "domain \"d\": descriptor d.a (descriptors[0]): rate_limit.burst: must be 1..=",
+            "domain \"d\": descriptor d. (descriptors[1]): key: must not be empty",
+            "domain \"d\": descriptor d..b (descriptors[0]): rate_limit.unit_multiplier: must be at least 1",
+            // No complaint of `burst` beside an algorithm that is refused.
+            "domain \"d\": descriptor d.c (descriptors[2]): rate_limit.algorithm: \"leaky\"",
+            "document 2: unknown field `bogus`",
+            "document 3: domain \"d\" appears twice",
+            // YAML that does not parse ends the reading.
+            "document 4: ",
+        ];
+        assert_eq!(all.len(), want.len(), "{all:#?}");
+        for (got, want) in all.iter().zip(want) {
+            assert!(got.starts_with(want), "{got:?} / {want:?}\n{all:#?}");
+        }
+        // The service's one line holds them all.
+        assert_eq!(Limits::parse(text).err(), Some(all.join("; ")));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! real Envoy loading the real module (`envoy --mode validate` runs its `on_configure`); every
 //! limits file shipped (deploy/'s ConfigMap and Helm chart, the docs' `yaml limits` blocks) and copies made wrong
 //! through the checker and the real service started on it. The verdicts must agree, and a refusal
-//! must carry the very error Envoy's log or the service's shows.
+//! must carry the very errors Envoy's log or the service's shows, every one of them.
 //!
 //! Envoy, the module or the CRD schemas (for what Istio hands the module) missing fails the test
 //! (`make build`, `make images`).
@@ -44,32 +44,49 @@ fn check(args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// What one reader said: `None` accepted, `Some(error)` refused.
-type Verdict = Option<String>;
+/// What one reader said: `None` accepted, `Some(errors)` refused, every error it reported.
+type Verdict = Option<Vec<String>>;
 
-/// The checker's verdict on a file holding one configuration, from its one line and exit status.
+/// The checker's verdict on a file holding one configuration, from its lines (one when accepted,
+/// one per refusal when refused), its summary and its exit status.
 fn checker(flag: &str, file: &Path) -> Verdict {
     let (code, out, err) = check(&[flag, file.to_str().expect("UTF-8 path")]);
     let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(
-        lines.len(),
-        1,
-        "one configuration in {}:\n{out}{err}",
-        file.display()
-    );
+    assert!(!lines.is_empty(), "{}:\n{out}{err}", file.display());
     match code {
         0 => {
+            assert_eq!(
+                lines.len(),
+                1,
+                "one configuration in {}:\n{out}",
+                file.display()
+            );
             assert!(
                 lines[0].ends_with(": ok") || lines[0].contains(": ok ("),
                 "{out}"
             );
+            assert_eq!(err, "check: 1 configuration, none refused\n");
             None
         }
         1 => {
-            let (_, why) = lines[0]
-                .split_once(": refused: ")
-                .unwrap_or_else(|| panic!("a refusal line: {out}"));
-            Some(why.to_string())
+            let why: Vec<String> = lines
+                .iter()
+                .map(|l| {
+                    let (_, why) = l
+                        .split_once(": refused: ")
+                        .unwrap_or_else(|| panic!("a refusal line: {out}"));
+                    why.to_string()
+                })
+                .collect();
+            let refusals = match why.len() {
+                1 => "1 refusal".to_string(),
+                n => format!("{n} refusals"),
+            };
+            assert_eq!(
+                err,
+                format!("check: 1 configuration, 1 refused ({refusals})\n")
+            );
+            Some(why)
         }
         _ => panic!("check {}: exit {code}:\n{out}{err}", file.display()),
     }
@@ -79,27 +96,30 @@ fn checker(flag: &str, file: &Path) -> Verdict {
 /// reaches it: the adapter refuses it first).
 fn native(json: &[u8]) -> Verdict {
     if json.is_empty() {
-        return Some("config: missing".into());
+        return Some(vec!["config: missing".into()]);
     }
-    Config::parse(json).err().map(|e| e.to_string())
+    Config::parse_all(json)
+        .err()
+        .map(|all| all.iter().map(ToString::to_string).collect())
 }
 
 /// Envoy's verdict on a bootstrap: validate mode loads the module and configures it; a refusal is
-/// the module's `invalid configuration: ...` line.
+/// the module's `invalid configuration: ...` lines, one per error.
 fn envoy_verdict(envoy_bin: &Path, bootstrap: &Path) -> Verdict {
     match envoy::validate(envoy_bin, bootstrap) {
         Ok(()) => None,
         Err(log) => {
-            let line = log
+            let lines: Vec<String> = log
                 .lines()
-                .find_map(|l| l.split_once("invalid configuration: ").map(|(_, e)| e))
-                .unwrap_or_else(|| {
-                    panic!(
-                        "Envoy refused {} without the module's error:\n{log}",
-                        bootstrap.display()
-                    )
-                });
-            Some(line.trim_end().to_string())
+                .filter_map(|l| l.split_once("invalid configuration: ").map(|(_, e)| e))
+                .map(|e| e.trim_end().to_string())
+                .collect();
+            assert!(
+                !lines.is_empty(),
+                "Envoy refused {} without the module's error:\n{log}",
+                bootstrap.display()
+            );
+            Some(lines)
         }
     }
 }
@@ -400,7 +420,10 @@ fn the_checker_accepts_what_envoy_accepts_and_refuses_what_it_refuses() {
                 c.label
             );
         } else {
-            let config = |v: &Verdict| v.as_deref().is_some_and(|e| e.starts_with("config: "));
+            let config = |v: &Verdict| {
+                v.as_deref()
+                    .is_some_and(|e| e.len() == 1 && e[0].starts_with("config: "))
+            };
             assert!(
                 config(&by_checker) && config(&by_envoy),
                 "{}: both refuse the configuration as a whole",
@@ -416,7 +439,10 @@ fn the_checker_accepts_what_envoy_accepts_and_refuses_what_it_refuses() {
                 c.label
             );
             if let (Some(a), Some(b)) = (&by_checker, &by_module) {
-                assert!(a.starts_with(b.as_str()), "{}: {a} / {b}", c.label);
+                assert_eq!(a.len(), b.len(), "{}: {a:?} / {b:?}", c.label);
+                for (a, b) in a.iter().zip(b) {
+                    assert!(a.starts_with(b.as_str()), "{}: {a} / {b}", c.label);
+                }
             }
         }
         refused += usize::from(by_checker.is_some());
@@ -426,9 +452,9 @@ fn the_checker_accepts_what_envoy_accepts_and_refuses_what_it_refuses() {
     assert!(refused < cases.len(), "all refused");
 }
 
-/// The service's verdict on a limits file: it starts on it (`listening`), or exits with the
-/// reader's error in its log.
-fn service_verdict(dir: &Path, file: &Path) -> Verdict {
+/// The service's verdict on a limits file: it starts on it (`listening`, `None`), or exits with
+/// the reader's error in its log (`Some(log)`).
+fn service_verdict(dir: &Path, file: &Path) -> Option<String> {
     let mut cmd = Command::new(BIN);
     cmd.env_clear()
         .args(["--listen", "127.0.0.1:0", "--rls-config"])
@@ -532,10 +558,12 @@ fn the_checker_accepts_what_the_service_accepts_and_refuses_what_it_refuses() {
         match (&by_checker, &by_service) {
             (None, None) => {}
             (Some(why), Some(log)) => {
-                assert!(
-                    log.contains(why.as_str()),
-                    "{label}: the service's log lacks {why:?}:\n{log}"
-                );
+                for why in why {
+                    assert!(
+                        log.contains(why.as_str()),
+                        "{label}: the service's log lacks {why:?}:\n{log}"
+                    );
+                }
                 refused += 1;
             }
             _ => panic!("{label}: checker {by_checker:?}, service {by_service:?}"),
@@ -569,11 +597,13 @@ fn exit_status_fits_ci() {
         limits.to_str().unwrap(),
     );
 
-    let (code, out, _) = check(&["--filter", g]);
+    let (code, out, err) = check(&["--filter", g]);
     assert_eq!((code, out), (0, format!("{g}: ok\n")));
+    assert_eq!(err, "check: 1 configuration, none refused\n");
 
-    let (code, out, _) = check(&["--filter", b, "--filter", g, "--limits", l]);
+    let (code, out, err) = check(&["--filter", b, "--filter", g, "--limits", l]);
     assert_eq!(code, 1, "{out}");
+    assert_eq!(err, "check: 3 configurations, 2 refused (2 refusals)\n");
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 3, "{out}");
     assert_eq!(
@@ -590,8 +620,79 @@ fn exit_status_fits_ci() {
         err.contains("/nonexistent/plugin.json: cannot read"),
         "{err}"
     );
+    assert!(
+        err.ends_with("check: 1 configuration, none refused; 1 file not checked\n"),
+        "{err}"
+    );
     let (code, _, err) = check(&[]);
     assert_eq!(code, 2, "{err}");
     let limits_as_filter = check(&["--filter", l]);
     assert_eq!(limits_as_filter.0, 2, "{limits_as_filter:?}");
+}
+
+/// Every refusal of every configuration is reported, a line each in document order, not only each
+/// configuration's first; the summary counts them.
+#[test]
+fn every_refusal_of_every_configuration_is_reported() {
+    let tmp = TempDir::new("check-every");
+    // Three mistakes: no `service`, a field no rule has, a shaping rule held up to 0 ms.
+    let plugin = tmp.path().join("plugin.json");
+    fs::write(
+        &plugin,
+        r#"{"rules": [
+            {"name": "a", "key": ["client_ip"], "capacity": 5, "period_ms": 1000},
+            {"name": "b", "capacity": 5, "period_ms": 1000, "colour": "red"},
+            {"name": "c", "capacity": 5, "period_ms": 1000, "shape": {"max_delay_ms": 0}}]}"#,
+    )
+    .unwrap();
+    // An EnvoyExtensionPolicy with two wasm extensions: the first's two mistakes, and the second's
+    // one, each reported under its own configuration.
+    let policy = tmp.path().join("policy.yaml");
+    fs::write(
+        &policy,
+        "kind: EnvoyExtensionPolicy\nmetadata: {name: t, namespace: ns}\nspec:\n  wasm:\n\
+         \x20 - config:\n      service: {cluster: c, timeout_ms: 0}\n      rules:\n\
+         \x20     - {name: r, capacity: 0, period_ms: 1000}\n\
+         \x20 - config:\n      service: {cluster: c}\n      rules:\n\
+         \x20     - {name: r, capacity: 1, period_ms: 1000, match: /api}\n",
+    )
+    .unwrap();
+    // A limits file with two mistakes, each in its descriptor.
+    let limits = tmp.path().join("limits.yaml");
+    fs::write(
+        &limits,
+        "domain: d\ndescriptors:\n\
+         \x20 - key: a\n    rate_limit: {unit: minutes, requests_per_unit: 1}\n\
+         \x20 - key: b\n    rate_limit: {unit: second, requests_per_unit: 1, algorithm: leaky}\n",
+    )
+    .unwrap();
+    let (p, y, l) = (
+        plugin.to_str().unwrap(),
+        policy.to_str().unwrap(),
+        limits.to_str().unwrap(),
+    );
+    let (code, out, err) = check(&["--filter", p, "--filter", y, "--limits", l]);
+    assert_eq!(code, 1, "{out}{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    let expected = [
+        format!("{p}: refused: service: missing (required)"),
+        format!("{p}: refused: rules[1].colour: unknown field (expected one of: "),
+        format!("{p}: refused: rules[2].shape.max_delay_ms: must be between 1 and "),
+        format!("{y}: EnvoyExtensionPolicy ns/t: spec.wasm[0].config: refused: service.timeout_ms: must be between 1 and 60000"),
+        format!("{y}: EnvoyExtensionPolicy ns/t: spec.wasm[0].config: refused: rules[0].capacity: must be between 1 and 1000000000"),
+        format!("{y}: EnvoyExtensionPolicy ns/t: spec.wasm[1].config: refused: rules[0].match: must be an object"),
+        format!("{l}: refused: domain \"d\": descriptor d.a (descriptors[0]): rate_limit.unit: \"minutes\""),
+        format!("{l}: refused: domain \"d\": descriptor d.b (descriptors[1]): rate_limit.algorithm: \"leaky\""),
+    ];
+    assert_eq!(lines.len(), expected.len(), "{out}");
+    for (line, start) in lines.iter().zip(&expected) {
+        assert!(
+            line.starts_with(start.as_str()),
+            "{line}\nexpected {start}...\n{out}"
+        );
+    }
+    assert_eq!(err, "check: 4 configurations, 4 refused (8 refusals)\n");
+    // The filter's reader agrees: its first refusal is the first reported.
+    let first = Config::parse(&fs::read(&plugin).unwrap()).unwrap_err();
+    assert_eq!(first.to_string(), "service: missing (required)");
 }

@@ -257,6 +257,11 @@ fn errors_name_their_field() {
         let e = error_of(&json);
         assert_eq!(e.field, field, "config {json}: got error `{e}`");
         assert!(!e.message.is_empty());
+        // One mistake, one refusal: nothing is refused again for depending on it (the one
+        // configuration with two mistakes, no `service` and no rule, has two).
+        let all = refusals_of(&json);
+        let mistakes = 1 + usize::from(json == r#"{"rules":[]}"#);
+        assert_eq!(all.len(), mistakes, "{json}: {all:#?}");
     }
 }
 
@@ -312,6 +317,134 @@ fn a_reservation_is_a_floored_hint_or_the_rules_max() {
     assert_eq!(
         (rate(&cfg, 0).cost.bound(), rate(&cfg, 1).cost.bound()),
         (4000, 4000)
+    );
+}
+
+/// Every refusal of `s` (`Config::parse_all`), as logged: `field: message`.
+fn refusals_of(s: &str) -> Vec<String> {
+    match Config::parse_all(s.as_bytes()) {
+        Ok(_) => Vec::new(),
+        Err(all) => all.iter().map(ToString::to_string).collect(),
+    }
+}
+
+#[test]
+fn every_refusal_is_reported_with_its_field_in_document_order() {
+    // Three independent mistakes: no `service`, an unknown field in rule 1, and rule 2 shaped with
+    // a longest hold of 0 ms.
+    let json = r#"{"rules":[
+        {"name":"a","capacity":1,"period_ms":1000},
+        {"name":"b","capacity":5,"period_ms":1000,"colour":"red"},
+        {"name":"c","capacity":5,"period_ms":1000,"shape":{"max_delay_ms":0}}]}"#;
+    let all = refusals_of(json);
+    assert_eq!(all.len(), 3, "{all:#?}");
+    assert_eq!(all[0], "service: missing (required)");
+    assert!(
+        all[1].starts_with("rules[1].colour: unknown field (expected one of: name, match,"),
+        "{all:#?}"
+    );
+    assert_eq!(
+        all[2],
+        format!("rules[2].shape.max_delay_ms: must be between 1 and {MAX_DELAY_MS}")
+    );
+    // `parse` answers the first of them.
+    assert_eq!(error_of(json).to_string(), all[0]);
+
+    // The top level in its table's order, whatever order the reader reads it in (it reads
+    // `shadow` and `response` before the rules), the rules by index, a rule's unknown fields
+    // first.
+    let json = r#"{"near_limit":2,"response":{"status":200},"shadow":"yes",
+        "breaker":{"open_ms":0},"fallback":{"instances":0},"failure_mode":"open",
+        "rules":[{"name":"a","capacity":0,"period_ms":0,"burst":1},{"name":"b c","capacity":1,"period_ms":1}],
+        "trusted_hops":17,"service":{"cluster":"","timeout_ms":0},"colour":1}"#;
+    let fields: Vec<String> = refusals_of(json)
+        .iter()
+        .map(|e| e.split(':').next().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "colour",
+            "service.cluster",
+            "service.timeout_ms",
+            "trusted_hops",
+            "rules[0].burst",
+            "rules[0].capacity",
+            "rules[0].period_ms",
+            "rules[1].name",
+            "failure_mode",
+            "fallback.instances",
+            "breaker.open_ms",
+            "shadow",
+            "response.status",
+            "near_limit",
+        ]
+    );
+}
+
+#[test]
+fn what_depends_on_a_refused_value_is_skipped_not_refused_again() {
+    for (json, only) in [
+        // A `match` that is not an object has no conditions to read.
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"match":"/api"}"#), "rules[1].match"),
+        // The kind decides which fields belong to the rule.
+        (with_rule1(r#"{"name":"b","kind":"gauge","max_in_flight":5}"#), "rules[1].kind"),
+        // The transport decides what a rule may ask of it.
+        (
+            r#"{"service":{"cluster":"c","transport":"udp"},"rules":[{"name":"a","capacity":5,"period_ms":1,"lease":{}}]}"#.into(),
+            "service.transport",
+        ),
+        // A shape is for one algorithm.
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"algorithm":"leaky","shape":{"max_delay_ms":10}}"#), "rules[1].algorithm"),
+        // A lease's size is bounded by the capacity, checked against the largest amount then.
+        (with_rule1(r#"{"name":"b","capacity":0,"period_ms":1,"lease":{"size":3}}"#), "rules[1].capacity"),
+        // An override names a part of the key.
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"key":["cookie"],"overrides":[{"value":"x","capacity":9}]}"#), "rules[1].key[0]"),
+        // A cost's `min` is bounded by its `max`.
+        (with_rule1(r#"{"name":"b","capacity":5,"period_ms":1,"cost":{"header":"x","max":0,"min":3}}"#), "rules[1].cost.max"),
+        // The breaker's longest interval is bounded by its first.
+        (
+            r#"{"service":{"cluster":"c"},"breaker":{"open_ms":0,"max_open_ms":1},"rules":[{"name":"a","capacity":1,"period_ms":1}]}"#.into(),
+            "breaker.open_ms",
+        ),
+    ] {
+        let all = refusals_of(&json);
+        assert_eq!(all.len(), 1, "{json}: {all:#?}");
+        assert!(all[0].starts_with(&format!("{only}: ")), "{json}: {all:#?}");
+    }
+}
+
+#[test]
+fn every_rule_and_every_field_a_transport_cannot_carry_is_refused() {
+    // 17 rules are too many, and each is still read; a refused rule does not hide the next.
+    let rule = |i: usize| format!(r#"{{"name":"r{i}","capacity":1,"period_ms":1}}"#);
+    let mut rules: Vec<String> = (0..17).map(rule).collect();
+    rules[3] = r#"{"name":"r3","capacity":0,"period_ms":1}"#.into();
+    rules[9] = r#"{"name":"r9","capacity":1,"period_ms":0}"#.into();
+    let json = format!(
+        r#"{{"service":{{"cluster":"c"}},"rules":[{}]}}"#,
+        rules.join(",")
+    );
+    let fields: Vec<String> = refusals_of(&json)
+        .iter()
+        .map(|e| e.split(':').next().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(fields, ["rules", "rules[3].capacity", "rules[9].period_ms"]);
+    // Over rls, each field it cannot carry, of `service` and of every rule.
+    let json = r#"{"service":{"cluster":"c","transport":"rls","domain":"d","stream":true,"batch":5},
+        "rules":[{"name":"a","capacity":1,"period_ms":1,"lease":{}},{"name":"b","kind":"concurrency","max_in_flight":1}]}"#;
+    let fields: Vec<String> = refusals_of(json)
+        .iter()
+        .map(|e| e.split(':').next().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "service.stream",
+            "service.batch",
+            "rules[0].lease",
+            "rules[1].kind"
+        ]
     );
 }
 

@@ -2,7 +2,8 @@
 //! transport ([`Feature`]), which of `http`, `grpc` and `rls` carries each, and why one does not.
 //! The reader takes the defaults that depend on the transport from it ([`Transport::supports`]),
 //! and refuses what the transport cannot carry ([`check`]: once `service` is read, a rule's kind
-//! before the rule, its lease and charge after it), naming the field and the transport.
+//! before the rule, its lease and charge after it; each field that asks), naming the field and
+//! the transport.
 
 use super::model::{ConfigError, Transport};
 
@@ -74,36 +75,32 @@ impl Transport {
     }
 }
 
-/// Refuses the first of `asked` (whether it is asked, the feature, the field of `at` asking for
-/// it) that `transport` does not carry: "only with transport X" for a feature one transport
-/// carries, else "not available with transport Y (why)".
-pub fn check(
+/// Refuses each of `asked` (whether it is asked, the feature, the field of `at` asking for it)
+/// that `transport` does not carry: "only with transport X" for a feature one transport carries,
+/// else "not available with transport Y (why)".
+pub fn check<'a>(
     transport: Transport,
-    at: &str,
-    asked: &[(bool, Feature, &str)],
-) -> Result<(), ConfigError> {
+    at: &'a str,
+    asked: &'a [(bool, Feature, &'a str)],
+) -> impl Iterator<Item = ConfigError> + 'a {
     let refused = asked
         .iter()
-        .copied()
-        .find(|(asks, feature, _)| *asks && !transport.supports(*feature));
-    let Some((_, feature, field)) = refused else {
-        return Ok(());
-    };
-    let Some((_, by, why)) = SUPPORT.iter().find(|(f, _, _)| *f == feature) else {
-        return Ok(());
-    };
-    let carriers: Vec<&str> = TRANSPORTS
-        .iter()
-        .zip(by)
-        .filter(|(_, carries)| **carries)
-        .map(|((name, _), _)| *name)
-        .collect();
-    let message = match carriers.as_slice() {
-        [only] => format!("only with transport {only}"),
-        _ => format!("not available with transport {} ({why})", transport.name()),
-    };
-    Err(ConfigError {
-        field: format!("{at}.{field}"),
-        message,
+        .filter(move |(asks, feature, _)| *asks && !transport.supports(*feature));
+    refused.filter_map(move |&(_, feature, field)| {
+        let (_, by, why) = SUPPORT.iter().find(|(f, _, _)| *f == feature)?;
+        let carriers: Vec<&str> = TRANSPORTS
+            .iter()
+            .zip(by)
+            .filter(|(_, carries)| **carries)
+            .map(|((name, _), _)| *name)
+            .collect();
+        let message = match carriers.as_slice() {
+            [only] => format!("only with transport {only}"),
+            _ => format!("not available with transport {} ({why})", transport.name()),
+        };
+        Some(ConfigError {
+            field: format!("{at}.{field}"),
+            message,
+        })
     })
 }

@@ -12,10 +12,14 @@ impl<A: Abi> Dispatcher<A> {
             error!("invalid configuration: config: missing (put the JSON in a google.protobuf.StringValue)");
             return false;
         }
-        let config = match Config::parse(&bytes) {
+        let config = match Config::parse_all(&bytes) {
             Ok(c) => c,
-            Err(e) => {
-                error!("invalid configuration: {e}");
+            Err(refusals) => {
+                // Every refusal, a line each, so that one push shows them all; the configuration
+                // is refused as a whole.
+                for e in &refusals {
+                    error!("invalid configuration: {e}");
+                }
                 return false;
             }
         };

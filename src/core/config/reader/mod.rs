@@ -11,53 +11,177 @@ mod rule;
 use super::fields::{self, DEFAULT_REMEMBER_DENIALS_MS};
 use super::model::*;
 use super::transports::{self, Feature, TRANSPORTS};
-use obj::{err, header_safe, pick_value, Obj};
+use obj::{header_safe, pick_value, Obj, Refusals};
 use serde_json::Value;
 
 // The document is parsed into a `serde_json::Value` and walked by hand: each object is checked
 // against its table of known fields, and each value is read with its full path at hand, so every
 // error (unknown field, wrong type, out of range) names the field. A derive with
-// `deny_unknown_fields` plus a path-tracking wrapper did the same for about 60 KiB more module.
+// `deny_unknown_fields` plus a path-tracking wrapper did the same for about 60 KiB more module,
+// and would stop at the first error.
+//
+// Every refusal is kept (`Refusals`) and the walk goes on: a reader answers `None` for a value it
+// refused, and what depends on that value is skipped rather than refused again.
 
 impl Config {
-    /// Parses and validates the plugin configuration (JSON bytes).
+    /// Parses and validates the plugin configuration (JSON bytes): the configuration, or its first
+    /// refusal (in the order of [`Config::parse_all`], which has them all).
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
-        let doc: Value = match serde_json::from_slice(bytes) {
-            Ok(v) => v,
-            Err(e) => return err("config", format!("not valid JSON: {e}")),
-        };
-        let root = Obj::new(Some(&doc), "", fields::ROOT)?;
-        let service = read_service(&root)?;
-        let trusted_hops = root.int("trusted_hops")? as u32;
-        let raw_rules = root.array("rules")?.ok_or_else(|| ConfigError {
-            field: "rules".into(),
-            message: "missing (required)".into(),
-        })?;
-        if raw_rules.is_empty() || raw_rules.len() > MAX_BUCKETS {
-            return err(
-                "rules",
-                format!("must hold between 1 and {MAX_BUCKETS} rules"),
-            );
+        Config::parse_all(bytes).map_err(|all| {
+            all.into_iter().next().unwrap_or_else(|| ConfigError {
+                field: "config".into(),
+                message: "refused".into(),
+            })
+        })
+    }
+
+    /// Parses and validates the plugin configuration (JSON bytes): the configuration, or every
+    /// refusal (at least one), in document order.
+    ///
+    /// Document order is the document's structure: serde_json's objects keep no order (keeping
+    /// the text's would add to the module), so the top-level fields come in their table's order
+    /// (`fields::ROOT`, unknown ones first), a list's items by index, and in each object its
+    /// unknown fields first, then its fields as the reader reads them (a rule's in
+    /// `rules::RULE_FIELDS`' order).
+    pub fn parse_all(bytes: &[u8]) -> Result<Config, Vec<ConfigError>> {
+        let refusals = Refusals::default();
+        let config = read(bytes, &refusals);
+        let all = refusals.into_inner();
+        match config {
+            Some(config) if all.is_empty() => Ok(config),
+            _ => {
+                // The reader reads the global `shadow` and `response` before the rules (each
+                // rule's defaults): each refusal goes back under its section, in the order found
+                // (a few refusals: not worth a sort's code in the module).
+                let mut ordered = Vec::with_capacity(all.len());
+                for s in 0..=fields::ROOT.len() {
+                    ordered.extend(all.iter().filter(|e| section(&e.field) == s).cloned());
+                }
+                Err(ordered)
+            }
         }
-        let shadow = root.boolean("shadow")?;
-        let response = read_response(
-            &Obj::new(root.get("response"), "response", fields::RESPONSE)?,
+    }
+}
+
+/// The place of the top-level field `field` is under in `fields::ROOT`, counted from 1 (0: not
+/// one of them, an unknown field or the document as a whole).
+fn section(field: &str) -> usize {
+    let name = field.split(['.', '[']).next().unwrap_or(field);
+    fields::ROOT
+        .iter()
+        .position(|f| f.name == name)
+        .map_or(0, |i| i + 1)
+}
+
+/// The configuration, every refusal kept in `refusals` (`None`: at least one is).
+fn read(bytes: &[u8], refusals: &Refusals) -> Option<Config> {
+    let doc: Value = match serde_json::from_slice(bytes) {
+        Ok(v) => v,
+        Err(e) => return refusals.refuse("config", format!("not valid JSON: {e}")),
+    };
+    // Not an object: there is nothing more to read.
+    let root = Obj::new(Some(&doc), "", fields::ROOT, refusals)?;
+    let (transport, service) = read_service(&root);
+    let trusted_hops = root.int("trusted_hops").map(|n| n as u32);
+    let shadow = root.boolean("shadow");
+    let response = Obj::new(root.get("response"), "response", fields::RESPONSE, refusals)
+        .and_then(|r| read_response(&r, None));
+    // The rules are read whatever `service`, `shadow` and `response` say: a refused `shadow` or
+    // `response` leaves each rule its own read over the defaults, whose refusals do not depend on
+    // them.
+    let defaults = match &response {
+        Some(r) => r.clone(),
+        None => read_response(
+            &Obj::new(None, "response", fields::RESPONSE, refusals)?,
             None,
-        )?;
-        let mut rules: Vec<Rule> = Vec::with_capacity(raw_rules.len());
-        for (i, r) in raw_rules.iter().enumerate() {
-            let at = format!("rules[{i}]");
-            let concurrency = rule::concurrency(&at, r)?;
-            let transport = service.transport;
-            transports::check(
-                transport,
+        )?,
+    };
+    let rules = read_rules(&root, transport, shadow.unwrap_or(false), &defaults);
+    let failure_mode = root.choice(
+        "failure_mode",
+        &[FailureMode::Fallback, FailureMode::Allow, FailureMode::Deny],
+    );
+    let fallback = Obj::new(root.get("fallback"), "fallback", fields::FALLBACK, refusals)
+        .and_then(|fb| read_fallback(&fb, rules.as_deref().unwrap_or(&[])));
+    let breaker = Obj::new(root.get("breaker"), "breaker", fields::BREAKER, refusals)
+        .and_then(|br| read_breaker(&br));
+    let near_limit_left_permille = match root.get("near_limit") {
+        None => Some(200),
+        Some(v) => match v.as_f64() {
+            Some(f) if (0.0..=1.0).contains(&f) => Some(1000 - (f * 1000.0).round() as u64),
+            _ => root.refuse("near_limit", "must be a number between 0 and 1"),
+        },
+    };
+    let (service, trusted_hops, rules) = (service?, trusted_hops?, rules?);
+    let sends_descriptors = service.transport.supports(Feature::Descriptor);
+    let needs_peer_address = trusted_hops == 0
+        && rules.iter().any(|r| {
+            r.key.contains(&KeyPart::ClientIp)
+                || r.matcher.reads_client_ip()
+                || (sends_descriptors
+                    && r.rate_limit()
+                        .is_some_and(|l| l.descriptor.iter().any(|(_, p)| *p == KeyPart::ClientIp)))
+        });
+    Some(Config {
+        service,
+        trusted_hops,
+        rules,
+        failure_mode: failure_mode?,
+        fallback: fallback?,
+        breaker: breaker?,
+        shadow: shadow?,
+        response: response?,
+        needs_peer_address,
+        near_limit_left_permille: near_limit_left_permille?,
+    })
+}
+
+/// `rules`, each read whatever the others' refusals; a refused rule is left out (its refusals
+/// kept, so the configuration is refused). `None`: the list itself is refused.
+fn read_rules(
+    root: &Obj<'_>,
+    transport: Option<Transport>,
+    shadow: bool,
+    response: &Response,
+) -> Option<Vec<Rule>> {
+    let refusals = root.refusals();
+    let Some(raw_rules) = root.array("rules")? else {
+        return root.refuse("rules", "missing (required)");
+    };
+    let counted = !raw_rules.is_empty() && raw_rules.len() <= MAX_BUCKETS;
+    if !counted {
+        // Too many rules are still read, each: their refusals do not depend on their number.
+        root.refuse::<()>(
+            "rules",
+            format!("must hold between 1 and {MAX_BUCKETS} rules"),
+        );
+    }
+    let mut rules: Vec<Rule> = Vec::with_capacity(raw_rules.len());
+    for (i, r) in raw_rules.iter().enumerate() {
+        let at = format!("rules[{i}]");
+        // A rule whose `kind` is refused is skipped: which of its fields belong to it, and which
+        // of them are required, depends on its kind.
+        let Some(concurrency) = rule::concurrency(&at, r, refusals) else {
+            continue;
+        };
+        // With `service.transport` refused the transport is not known: what a rule asks of it
+        // is not checked.
+        if let Some(t) = transport {
+            carried(
+                refusals,
+                t,
                 &at,
                 &[(concurrency, Feature::Concurrency, "kind")],
-            )?;
-            let rule = rule::read_rule(&at, r, concurrency, shadow, &response)?;
+            );
+        }
+        let Some(rule) = rule::read_rule(&at, r, concurrency, shadow, response, refusals) else {
+            continue;
+        };
+        if let Some(t) = transport {
             let asks = |f: fn(&RateLimit) -> bool| rule.rate_limit().is_some_and(f);
-            transports::check(
-                transport,
+            carried(
+                refusals,
+                t,
                 &at,
                 &[
                     (asks(|l| l.lease.is_some()), Feature::Lease, "lease"),
@@ -73,93 +197,100 @@ impl Config {
                         "charge",
                     ),
                 ],
-            )?;
-            if rules.iter().any(|o| o.name == rule.name) {
-                return err(
-                    format!("{at}.name"),
-                    format!("duplicate rule name {:?}", rule.name),
-                );
-            }
-            rules.push(rule);
+            );
         }
-        let failure_mode = root.choice(
-            "failure_mode",
-            &[FailureMode::Fallback, FailureMode::Allow, FailureMode::Deny],
-        )?;
-        let fallback = read_fallback(
-            &Obj::new(root.get("fallback"), "fallback", fields::FALLBACK)?,
-            &rules,
-        )?;
-        let breaker = read_breaker(&Obj::new(root.get("breaker"), "breaker", fields::BREAKER)?)?;
-        let near_limit_left_permille = match root.get("near_limit") {
-            None => 200,
-            Some(v) => match v.as_f64() {
-                Some(f) if (0.0..=1.0).contains(&f) => 1000 - (f * 1000.0).round() as u64,
-                _ => return err("near_limit", "must be a number between 0 and 1"),
-            },
-        };
-        let sends_descriptors = service.transport.supports(Feature::Descriptor);
-        let needs_peer_address = trusted_hops == 0
-            && rules.iter().any(|r| {
-                r.key.contains(&KeyPart::ClientIp)
-                    || r.matcher.reads_client_ip()
-                    || (sends_descriptors
-                        && r.rate_limit().is_some_and(|l| {
-                            l.descriptor.iter().any(|(_, p)| *p == KeyPart::ClientIp)
-                        }))
-            });
-        Ok(Config {
-            service,
-            trusted_hops,
-            rules,
-            failure_mode,
-            fallback,
-            breaker,
-            shadow,
-            response,
-            needs_peer_address,
-            near_limit_left_permille,
-        })
+        if rules.iter().any(|o| o.name == rule.name) {
+            refusals.refuse::<()>(
+                format!("{at}.name"),
+                format!("duplicate rule name {:?}", rule.name),
+            );
+            continue;
+        }
+        rules.push(rule);
     }
+    counted.then_some(rules)
+}
+
+/// Refuses each of `asked` that `transport` does not carry (`transports::check`); whether it
+/// carries them all.
+fn carried(
+    refusals: &Refusals,
+    transport: Transport,
+    at: &str,
+    asked: &[(bool, Feature, &str)],
+) -> bool {
+    let mut all = true;
+    for e in transports::check(transport, at, asked) {
+        refusals.keep(e);
+        all = false;
+    }
+    all
 }
 
 /// `service`, then what it asks of its transport (`transports::check`); the defaults that depend
-/// on the transport are the transport table's.
-fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
-    let s = Obj::new(Some(root.required("service")?), "service", fields::SERVICE)?;
-    let cluster = s.text("cluster")?;
-    if cluster.is_empty() || !header_safe(&cluster) {
-        return err("service.cluster", "must be a non-empty cluster name");
-    }
-    let authority = s.string("authority")?.unwrap_or_else(|| cluster.clone());
-    if authority.is_empty() || !header_safe(&authority) {
-        return err("service.authority", "must be a non-empty host name");
-    }
-    let transport = s.choice("transport", &TRANSPORTS.map(|(_, t)| t))?;
-    let domain = s.text("domain")?;
-    if transport.supports(Feature::Domain) && (domain.is_empty() || domain.len() > 256) {
-        return err(
-            "service.domain",
-            format!(
-                "required with transport {}: the RLS domain, 1..=256 bytes",
-                transport.name()
-            ),
-        );
-    }
-    let timeout_ms = s.int("timeout_ms")?;
-    let path = s.text("path")?;
-    if !path.starts_with('/') || !header_safe(&path) || path.contains(' ') {
-        return err(
-            "service.path",
-            "must start with '/' and hold no spaces or control characters",
-        );
-    }
-    let token = s.string("token")?;
-    if let Some(t) = &token {
-        if t.is_empty() || t.len() > 4096 || !header_safe(t) {
-            return err("service.token", "must be 1..=4096 printable characters");
+/// on the transport are the transport table's. Each field is read whatever the others' refusals;
+/// with `transport` refused, what depends on it (the defaults it decides, `domain`, and what the
+/// transport must carry) is skipped. The transport is answered apart, for the rules' checks
+/// against it: it may be read when another field of `service` is refused.
+fn read_service(root: &Obj<'_>) -> (Option<Transport>, Option<Service>) {
+    let s = root
+        .required("service")
+        .and_then(|v| Obj::new(Some(v), "service", fields::SERVICE, root.refusals()));
+    let Some(s) = s else {
+        return (None, None);
+    };
+    let transport = s.choice("transport", &TRANSPORTS.map(|(_, t)| t));
+    (
+        transport,
+        transport.and_then(|t| read_service_fields(&s, t)),
+    )
+}
+
+/// The fields of `service` `s` but its transport, `transport`.
+fn read_service_fields(s: &Obj<'_>, transport: Transport) -> Option<Service> {
+    let cluster = match s.text("cluster") {
+        Some(c) if c.is_empty() || !header_safe(&c) => {
+            s.refuse("cluster", "must be a non-empty cluster name")
         }
-    }
+        c => c,
+    };
+    // Absent, the authority is the cluster's name: skipped with the cluster refused.
+    let authority = match s.string("authority")? {
+        Some(a) => Some(a),
+        None => cluster.clone(),
+    };
+    let authority = match authority {
+        Some(a) if a.is_empty() || !header_safe(&a) => {
+            s.refuse("authority", "must be a non-empty host name")
+        }
+        a => a,
+    };
+    let domain = match s.text("domain") {
+        Some(d) if transport.supports(Feature::Domain) && (d.is_empty() || d.len() > 256) => s
+            .refuse(
+                "domain",
+                format!(
+                    "required with transport {}: the RLS domain, 1..=256 bytes",
+                    transport.name()
+                ),
+            ),
+        d => d,
+    };
+    let timeout_ms = s.int("timeout_ms");
+    let path = match s.text("path") {
+        Some(p) if !p.starts_with('/') || !header_safe(&p) || p.contains(' ') => s.refuse(
+            "path",
+            "must start with '/' and hold no spaces or control characters",
+        ),
+        p => p,
+    };
+    let token = match s.string("token") {
+        Some(Some(t)) if t.is_empty() || t.len() > 4096 || !header_safe(&t) => {
+            s.refuse("token", "must be 1..=4096 printable characters")
+        }
+        t => t,
+    };
+    let trace = s.boolean("trace");
     let on = |feature, value| {
         if transport.supports(feature) {
             value
@@ -167,14 +298,18 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             0
         }
     };
-    let batch = s.int_or("batch", on(Feature::Batch, MAX_BATCH_TAKES as u64))? as usize;
-    let stream = s.boolean_or("stream", transport.supports(Feature::Stream))?;
+    let batch = s
+        .int_or("batch", on(Feature::Batch, MAX_BATCH_TAKES as u64))
+        .map(|n| n as usize);
+    let stream = s.boolean_or("stream", transport.supports(Feature::Stream));
     let remember_denials_ms = s.int_or(
         "remember_denials_ms",
         on(Feature::RememberDenials, DEFAULT_REMEMBER_DENIALS_MS),
-    )?;
-    let trace = s.boolean("trace")?;
-    transports::check(
+    );
+    let domain = domain?;
+    let (batch, stream, remember_denials_ms) = (batch?, stream?, remember_denials_ms?);
+    carried(
+        s.refusals(),
         transport,
         "service",
         &[
@@ -187,25 +322,25 @@ fn read_service(root: &Obj<'_>) -> Result<Service, ConfigError> {
             ),
             (!domain.is_empty(), Feature::Domain, "domain"),
         ],
-    )?;
-    Ok(Service {
-        cluster,
-        authority,
+    );
+    Some(Service {
+        cluster: cluster?,
+        authority: authority?,
         transport,
-        timeout_ms,
-        path,
-        token,
+        timeout_ms: timeout_ms?,
+        path: path?,
+        token: token?,
         domain,
         batch,
         stream,
         remember_denials_ms,
-        trace,
+        trace: trace?,
     })
 }
 
 /// `fallback`; a debt lapses after the longest time a rule's bucket takes to fill (within 10 s
 /// and an hour).
-fn read_fallback(fb: &Obj<'_>, rules: &[Rule]) -> Result<Fallback, ConfigError> {
+fn read_fallback(fb: &Obj<'_>, rules: &[Rule]) -> Option<Fallback> {
     let fill_ms = rules
         .iter()
         .filter_map(Rule::rate_limit)
@@ -215,80 +350,94 @@ fn read_fallback(fb: &Obj<'_>, rules: &[Rule]) -> Result<Fallback, ConfigError> 
         })
         .max()
         .unwrap_or(0);
-    Ok(Fallback {
-        instances: fb.int("instances")?,
-        min_instances: fb.int("min_instances")?,
-        max_keys: fb.int("max_keys")? as u32,
+    let instances = fb.int("instances");
+    let min_instances = fb.int("min_instances");
+    let max_keys = fb.int("max_keys");
+    Some(Fallback {
+        instances: instances?,
+        min_instances: min_instances?,
+        max_keys: max_keys? as u32,
         debt_horizon_ms: fill_ms.clamp(10_000, 3_600_000),
     })
 }
 
-/// `breaker`: `max_open_ms` at least `open_ms`, by default 5 s or `open_ms` if longer.
-fn read_breaker(br: &Obj<'_>) -> Result<Breaker, ConfigError> {
-    let failures = br.int("failures")? as u32;
-    let open_ms = br.int("open_ms")?;
-    let max_open_ms = br.int_at_least("max_open_ms", open_ms.max(5_000), open_ms)?;
-    Ok(Breaker {
-        failures,
-        open_ms,
-        max_open_ms,
+/// `breaker`: `max_open_ms` at least `open_ms`, by default 5 s or `open_ms` if longer (skipped
+/// with `open_ms` refused).
+fn read_breaker(br: &Obj<'_>) -> Option<Breaker> {
+    let failures = br.int("failures");
+    let open_ms = br.int("open_ms");
+    let max_open_ms = open_ms.and_then(|o| br.int_at_least("max_open_ms", o.max(5_000), o));
+    Some(Breaker {
+        failures: failures? as u32,
+        open_ms: open_ms?,
+        max_open_ms: max_open_ms?,
     })
 }
 
 /// The denial response: each field given in `r`, else `base`'s (a rule's `response` over the
 /// global one), else the default.
-fn read_response(r: &Obj<'_>, base: Option<&Response>) -> Result<Response, ConfigError> {
+fn read_response(r: &Obj<'_>, base: Option<&Response>) -> Option<Response> {
     let status = match base {
-        Some(b) => r.int_or("status", u64::from(b.status))?,
-        None => r.int("status")?,
-    } as u32;
-    let body = match (r.string("body")?, base) {
-        (Some(b), _) => b,
-        (None, Some(b)) => b.body.clone(),
-        (None, None) => r.text("body")?,
+        Some(b) => r.int_or("status", u64::from(b.status)),
+        None => r.int("status"),
     };
-    if body.len() > 65_536 {
-        return err(r.path("body"), "must be at most 65536 bytes");
-    }
-    let content_type = match (r.string("content_type")?, base) {
-        (Some(c), _) => c,
-        (None, Some(b)) => b.content_type.clone(),
-        (None, None) => r.text("content_type")?,
+    let body = match (r.string("body"), base) {
+        (Some(Some(b)), _) => Some(b),
+        (Some(None), Some(b)) => Some(b.body.clone()),
+        (Some(None), None) => r.text("body"),
+        (None, _) => None,
     };
-    if content_type.is_empty() || !header_safe(&content_type) {
-        return err(
-            r.path("content_type"),
-            "must be a non-empty printable header value",
-        );
-    }
-    let mut headers = Vec::new();
-    match r.array("headers")? {
-        None => match base {
-            Some(b) => headers.clone_from(&b.headers),
-            None => headers.push(HeaderStyle::Draft),
-        },
-        Some(list) => {
+    let body = match body {
+        Some(b) if b.len() > 65_536 => r.refuse("body", "must be at most 65536 bytes"),
+        b => b,
+    };
+    let content_type = match (r.string("content_type"), base) {
+        (Some(Some(c)), _) => Some(c),
+        (Some(None), Some(b)) => Some(b.content_type.clone()),
+        (Some(None), None) => r.text("content_type"),
+        (None, _) => None,
+    };
+    let content_type = match content_type {
+        Some(c) if c.is_empty() || !header_safe(&c) => {
+            r.refuse("content_type", "must be a non-empty printable header value")
+        }
+        c => c,
+    };
+    let headers = match r.array("headers") {
+        None => None,
+        Some(None) => Some(match base {
+            Some(b) => b.headers.clone(),
+            None => vec![HeaderStyle::Draft],
+        }),
+        Some(Some(list)) => {
+            let mut headers = Vec::new();
+            let mut all = true;
             for (i, v) in list.iter().enumerate() {
                 let at = format!("{}[{i}]", r.path("headers"));
-                let style = match pick_value(&at, v, &["draft", "x-ratelimit"])? {
-                    0 => HeaderStyle::Draft,
-                    _ => HeaderStyle::XRateLimit,
+                let style = match pick_value(&at, v, &["draft", "x-ratelimit"], r.refusals()) {
+                    Some(0) => HeaderStyle::Draft,
+                    Some(_) => HeaderStyle::XRateLimit,
+                    None => {
+                        all = false;
+                        continue;
+                    }
                 };
                 if !headers.contains(&style) {
                     headers.push(style);
                 }
             }
+            all.then_some(headers)
         }
-    }
-    let on_allowed = match (r.get("on_allowed"), base) {
-        (None, Some(b)) => b.on_allowed,
-        _ => r.boolean("on_allowed")?,
     };
-    Ok(Response {
-        status,
-        body,
-        content_type,
-        headers,
-        on_allowed,
+    let on_allowed = match (r.get("on_allowed"), base) {
+        (None, Some(b)) => Some(b.on_allowed),
+        _ => r.boolean("on_allowed"),
+    };
+    Some(Response {
+        status: status? as u32,
+        body: body?,
+        content_type: content_type?,
+        headers: headers?,
+        on_allowed: on_allowed?,
     })
 }

@@ -1,28 +1,56 @@
 //! One JSON object being read: its path, its known fields (a section's table, `config::fields`, or
 //! a rule's names, `config::rules`), and its values read with their path at hand, so that every
-//! error names the field.
+//! error names the field; and [`Refusals`], where every reader keeps its errors and goes on.
 
 use super::super::fields::{self, Field, IfAbsent, Value as Form};
 use super::super::model::ConfigError;
 use serde_json::{Map, Value};
+use std::cell::Cell;
 
-pub(super) fn err<T>(
-    field: impl Into<String>,
-    message: impl Into<String>,
-) -> Result<T, ConfigError> {
-    Err(ConfigError {
-        field: field.into(),
-        message: message.into(),
-    })
+/// Every refusal of one reading, in the order the reader finds them. A reader that refuses a
+/// value keeps the refusal here and answers `None` for it; the reader goes on with what does not
+/// depend on that value, and skips what does (it would only be refused again, or for nothing).
+/// A `Cell`: every object read holds it by `&`, and keeping a refusal cannot fail.
+#[derive(Default)]
+pub(super) struct Refusals(Cell<Vec<ConfigError>>);
+
+impl Refusals {
+    /// Keeps `e`.
+    #[inline(never)]
+    pub(super) fn keep(&self, e: ConfigError) {
+        let mut all = self.0.take();
+        all.push(e);
+        self.0.set(all);
+    }
+
+    /// Refuses `field`: `None`, the refusal kept.
+    pub(super) fn refuse<T>(
+        &self,
+        field: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Option<T> {
+        self.keep(ConfigError {
+            field: field.into(),
+            message: message.into(),
+        });
+        None
+    }
+
+    /// The refusals kept.
+    pub(super) fn into_inner(self) -> Vec<ConfigError> {
+        self.0.into_inner()
+    }
 }
 
-/// One JSON object being read, with its path and the table of its fields (empty for a rule,
-/// whose names are checked by [`Obj::named`]).
+/// One JSON object being read, with its path, the table of its fields (empty for a rule, whose
+/// names are checked by [`Obj::named`]) and where its refusals are kept. Each read answers `None`
+/// when it refuses the value (the refusal kept).
 pub(super) struct Obj<'a> {
     at: String,
     /// `None`: the section is absent, every field its default.
     map: Option<&'a Map<String, Value>>,
     table: &'static [Field],
+    refusals: &'a Refusals,
 }
 
 fn join(at: &str, field: &str) -> String {
@@ -39,23 +67,32 @@ impl<'a> Obj<'a> {
         v: Option<&'a Value>,
         at: &str,
         table: &'static [Field],
-    ) -> Result<Obj<'a>, ConfigError> {
+        refusals: &'a Refusals,
+    ) -> Option<Obj<'a>> {
         let mut obj = match v {
-            Some(v) => Obj::named(v, at, &fields::names(table).collect::<Vec<_>>())?,
+            Some(v) => Obj::named(v, at, &fields::names(table).collect::<Vec<_>>(), refusals)?,
             None => Obj {
                 at: at.to_string(),
                 map: None,
                 table,
+                refusals,
             },
         };
         obj.table = table;
-        Ok(obj)
+        Some(obj)
     }
 
-    /// `v` must be an object whose fields are all in `known`.
-    pub(super) fn named(v: &'a Value, at: &str, known: &[&str]) -> Result<Obj<'a>, ConfigError> {
+    /// `v` must be an object whose fields are all in `known`. Not an object: `None` (none of its
+    /// fields can be read). Each unknown field is refused, and the known ones are still read: a
+    /// misspelt field does not make the others wrong.
+    pub(super) fn named(
+        v: &'a Value,
+        at: &str,
+        known: &[&str],
+        refusals: &'a Refusals,
+    ) -> Option<Obj<'a>> {
         let Value::Object(map) = v else {
-            return err(
+            return refusals.refuse(
                 if at.is_empty() { "config" } else { at },
                 "must be an object",
             );
@@ -64,16 +101,17 @@ impl<'a> Obj<'a> {
             if !known.contains(&k.as_str()) {
                 // An empty key still gets a name in the error.
                 let name = if k.is_empty() { "\"\"" } else { k.as_str() };
-                return err(
-                    join(at, name),
-                    format!("unknown field (expected one of: {})", listed(known, "")),
-                );
+                refusals.keep(ConfigError {
+                    field: join(at, name),
+                    message: format!("unknown field (expected one of: {})", listed(known, "")),
+                });
             }
         }
-        Ok(Obj {
+        Some(Obj {
             at: at.to_string(),
             map: Some(map),
             table: &[],
+            refusals,
         })
     }
 
@@ -81,15 +119,25 @@ impl<'a> Obj<'a> {
         join(&self.at, f)
     }
 
+    /// Where this object's refusals are kept.
+    pub(super) fn refusals(&self) -> &'a Refusals {
+        self.refusals
+    }
+
+    /// Refuses field `f`.
+    pub(super) fn refuse<T>(&self, f: &str, message: impl Into<String>) -> Option<T> {
+        self.refusals.refuse(self.path(f), message)
+    }
+
     /// A field's value; JSON `null` counts as absent.
     pub(super) fn get(&self, f: &str) -> Option<&'a Value> {
         self.map.and_then(|m| m.get(f)).filter(|v| !v.is_null())
     }
 
-    pub(super) fn required(&self, f: &str) -> Result<&'a Value, ConfigError> {
+    pub(super) fn required(&self, f: &str) -> Option<&'a Value> {
         match self.get(f) {
-            Some(v) => Ok(v),
-            None => err(self.path(f), "missing (required)"),
+            Some(v) => Some(v),
+            None => self.refuse(f, "missing (required)"),
         }
     }
 
@@ -109,7 +157,7 @@ impl<'a> Obj<'a> {
     }
 
     /// An integer within its row's bounds, its row's default when absent.
-    pub(super) fn int(&self, f: &str) -> Result<u64, ConfigError> {
+    pub(super) fn int(&self, f: &str) -> Option<u64> {
         let default = match self.row(f).default {
             IfAbsent::Int(d) => Some(u64::from(d)),
             _ => None,
@@ -119,13 +167,13 @@ impl<'a> Obj<'a> {
     }
 
     /// An integer within its row's bounds, `default` when absent (a default the reader works out).
-    pub(super) fn int_or(&self, f: &str, default: u64) -> Result<u64, ConfigError> {
+    pub(super) fn int_or(&self, f: &str, default: u64) -> Option<u64> {
         let (lo, hi) = self.bounds(f);
         self.int_within(f, Some(default), lo, hi)
     }
 
     /// An integer from `lo` up to its row's upper bound, `default` when absent.
-    pub(super) fn int_at_least(&self, f: &str, default: u64, lo: u64) -> Result<u64, ConfigError> {
+    pub(super) fn int_at_least(&self, f: &str, default: u64, lo: u64) -> Option<u64> {
         let (_, hi) = self.bounds(f);
         self.int_within(f, Some(default), lo, hi)
     }
@@ -145,26 +193,27 @@ impl<'a> Obj<'a> {
         default: Option<u64>,
         lo: u64,
         hi: u64,
-    ) -> Result<u64, ConfigError> {
+    ) -> Option<u64> {
         let v = match (self.get(f), default) {
             (Some(v), _) => v,
-            (None, Some(d)) => return Ok(d),
-            (None, None) => return err(self.path(f), "missing (required)"),
+            (None, Some(d)) => return Some(d),
+            (None, None) => return self.refuse(f, "missing (required)"),
         };
-        int_value(&self.path(f), v, lo, hi)
+        int_value(&self.path(f), v, lo, hi, self.refusals)
     }
 
-    pub(super) fn string(&self, f: &str) -> Result<Option<String>, ConfigError> {
+    /// A string, `Some(None)` when absent (`None`: refused).
+    pub(super) fn string(&self, f: &str) -> Option<Option<String>> {
         match self.get(f) {
-            None => Ok(None),
-            Some(Value::String(s)) => Ok(Some(s.clone())),
-            Some(_) => err(self.path(f), "must be a string"),
+            None => Some(None),
+            Some(Value::String(s)) => Some(Some(s.clone())),
+            Some(_) => self.refuse(f, "must be a string"),
         }
     }
 
     /// A string, its row's default when absent (empty when it has none).
-    pub(super) fn text(&self, f: &str) -> Result<String, ConfigError> {
-        Ok(match (self.string(f)?, self.row(f).default) {
+    pub(super) fn text(&self, f: &str) -> Option<String> {
+        Some(match (self.string(f)?, self.row(f).default) {
             (Some(s), _) => s,
             (None, IfAbsent::Text(d)) => d.to_string(),
             (None, _) => String::new(),
@@ -172,41 +221,42 @@ impl<'a> Obj<'a> {
     }
 
     /// A boolean, its row's default when absent (`false` when it has none).
-    pub(super) fn boolean(&self, f: &str) -> Result<bool, ConfigError> {
+    pub(super) fn boolean(&self, f: &str) -> Option<bool> {
         let default = matches!(self.row(f).default, IfAbsent::Bool(true));
         self.boolean_or(f, default)
     }
 
     /// A boolean field, `default` when absent.
-    pub(super) fn boolean_or(&self, f: &str, default: bool) -> Result<bool, ConfigError> {
+    pub(super) fn boolean_or(&self, f: &str, default: bool) -> Option<bool> {
         match self.get(f) {
-            None => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(_) => err(self.path(f), "must be true or false"),
+            None => Some(default),
+            Some(Value::Bool(b)) => Some(*b),
+            Some(_) => self.refuse(f, "must be true or false"),
         }
     }
 
-    pub(super) fn array(&self, f: &str) -> Result<Option<&'a Vec<Value>>, ConfigError> {
+    /// A list, `Some(None)` when absent (`None`: refused).
+    pub(super) fn array(&self, f: &str) -> Option<Option<&'a Vec<Value>>> {
         match self.get(f) {
-            None => Ok(None),
-            Some(Value::Array(a)) => Ok(Some(a)),
-            Some(_) => err(self.path(f), "must be a list"),
+            None => Some(None),
+            Some(Value::Array(a)) => Some(Some(a)),
+            Some(_) => self.refuse(f, "must be a list"),
         }
     }
 
     /// One of its row's names, as the value at the same place in `values`; its row's default
     /// when absent.
-    pub(super) fn choice<T: Copy>(&self, f: &str, values: &[T]) -> Result<T, ConfigError> {
+    pub(super) fn choice<T: Copy>(&self, f: &str, values: &[T]) -> Option<T> {
         let i = self.choice_index(f)?;
         debug_assert!(i < values.len(), "{f}: a value for every name");
-        values
-            .get(i)
-            .copied()
-            .map_or_else(|| err(self.path(f), "missing (required)"), Ok)
+        match values.get(i) {
+            Some(v) => Some(*v),
+            None => self.refuse(f, "missing (required)"),
+        }
     }
 
     /// The place of a [`Form::Choice`]'s name among its row's names.
-    fn choice_index(&self, f: &str) -> Result<usize, ConfigError> {
+    fn choice_index(&self, f: &str) -> Option<usize> {
         let row = self.row(f);
         let names = match row.value {
             Form::Choice(names) => names,
@@ -221,32 +271,32 @@ impl<'a> Obj<'a> {
 
     /// The place of a field's value among `names` (a rule's field), `default` when absent
     /// (`None`: required).
-    pub(super) fn pick(
-        &self,
-        f: &str,
-        names: &[&str],
-        default: Option<usize>,
-    ) -> Result<usize, ConfigError> {
+    pub(super) fn pick(&self, f: &str, names: &[&str], default: Option<usize>) -> Option<usize> {
         match (self.get(f), default) {
-            (Some(v), _) => pick_value(&self.path(f), v, names),
-            (None, Some(d)) => Ok(d),
-            (None, None) => err(self.path(f), "missing (required)"),
+            (Some(v), _) => pick_value(&self.path(f), v, names, self.refusals),
+            (None, Some(d)) => Some(d),
+            (None, None) => self.refuse(f, "missing (required)"),
         }
     }
 }
 
-pub(super) fn int_value(at: &str, v: &Value, lo: u64, hi: u64) -> Result<u64, ConfigError> {
+pub(super) fn int_value(at: &str, v: &Value, lo: u64, hi: u64, refusals: &Refusals) -> Option<u64> {
     match v.as_u64() {
-        Some(n) if (lo..=hi).contains(&n) => Ok(n),
-        _ => err(at, format!("must be between {lo} and {hi}")),
+        Some(n) if (lo..=hi).contains(&n) => Some(n),
+        _ => refusals.refuse(at, format!("must be between {lo} and {hi}")),
     }
 }
 
 /// The place of `v` among `names`.
-pub(super) fn pick_value(at: &str, v: &Value, names: &[&str]) -> Result<usize, ConfigError> {
+pub(super) fn pick_value(
+    at: &str,
+    v: &Value,
+    names: &[&str],
+    refusals: &Refusals,
+) -> Option<usize> {
     match names.iter().position(|n| Some(*n) == v.as_str()) {
-        Some(i) => Ok(i),
-        None => err(at, format!("must be one of {}", listed(names, "\""))),
+        Some(i) => Some(i),
+        None => refusals.refuse(at, format!("must be one of {}", listed(names, "\""))),
     }
 }
 
@@ -274,9 +324,9 @@ pub(super) fn is_token_char(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
-pub(super) fn header_name(field: &str, name: &str) -> Result<String, ConfigError> {
+pub(super) fn header_name(field: &str, name: &str, refusals: &Refusals) -> Option<String> {
     if name.is_empty() || name.len() > 256 || !name.bytes().all(is_token_char) {
-        return err(field, "must be a header name (1..=256 token characters)");
+        return refusals.refuse(field, "must be a header name (1..=256 token characters)");
     }
-    Ok(name.to_ascii_lowercase())
+    Some(name.to_ascii_lowercase())
 }
