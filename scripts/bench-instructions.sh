@@ -32,6 +32,8 @@
 #   grpc-batch, grpc-unary-batch  the same over gRPC: batches as messages on the stream, or as
 #             unary calls
 #   lease     Tollgate with an adaptive lease: most requests spend a local pool
+#   lease-metadata  the same, its capacity read from dynamic metadata (`from_request`) that no
+#             filter wrote: the property read, and the rule's own capacity counted as defaulted
 #   denied    Tollgate exact, its bucket empty (capacity 1 an hour): a flood's request, denied from
 #             the remembered denial (one callout a second, `remember_denials_ms`), not by a callout
 #   local-denied  no module: Envoy's own local_ratelimit, its bucket empty: what a 429 costs Envoy
@@ -149,6 +151,8 @@ for variant in $VARIANTS; do
     grpc-batch) plugin grpc '' 'batch=64'; args+=("${PLUGIN[@]}") ;;
     grpc-unary-batch) plugin grpc '' 'batch=64 stream=false'; args+=("${PLUGIN[@]}") ;;
     lease) plugin http '"lease": {},'; args+=("${PLUGIN[@]}") ;;
+    lease-metadata) plugin http '"lease": {}, "from_request": {"capacity": {"metadata": ["envoy.filters.http.ext_authz", "limit"], "max": 1000000000}},'
+      args+=("${PLUGIN[@]}") ;;
     local-denied) args+=(--local-ratelimit 1,1,3600) ;;
     denied) plugin http '' 'batch=0' '"key": ["literal:denied"], "capacity": 1, "rate": 1, "period_ms": 3600000'
       args+=("${PLUGIN[@]}") ;;
