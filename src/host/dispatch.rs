@@ -24,6 +24,11 @@
 //!   silent stream, and sends a batch queue beside callouts out a tick or more (as a request
 //!   that queues a take does).
 //!
+//! - Every resume and local reply goes through [`Paced`]: Envoy runs them after the callback
+//!   returns, one inside another when they call back into the module, so at most a round's worth
+//!   (64) go to it between two callbacks it makes from its event loop; the rest wait, oldest
+//!   first, and the timer runs fast until they are out.
+//!
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 //!
 //! Beside this file, by concern: `configure` (a configuration parsed and prepared, and one a push
