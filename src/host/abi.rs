@@ -165,7 +165,9 @@ pub trait Abi {
     fn set_tick_period(&self, period_ms: u32) -> Result<(), Status>;
     /// Makes `context_id` the current context (a callout reply arrives on the root context).
     fn set_effective_context(&self, context_id: u32) -> Result<(), Status>;
-    /// Resumes the current (paused) request.
+    /// Resumes the current (paused) request. Envoy carries it out once the callback returns
+    /// (as a local reply), and may call into the module from there: the dispatcher paces both
+    /// (`pace.rs`).
     fn resume_request(&self) -> Result<(), Status>;
     /// Answers the current request locally.
     fn send_local_response(

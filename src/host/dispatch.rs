@@ -24,6 +24,11 @@
 //!   silent stream, and sends a batch queue beside callouts out a tick or more (as a request
 //!   that queues a take does).
 //!
+//! - Every resume and local reply goes through [`Paced`]: Envoy runs them after the callback
+//!   returns, one inside another when they call back into the module, so at most a round's worth
+//!   (64) go to it between two callbacks it makes from its event loop; the rest wait, oldest
+//!   first, and the timer runs fast until they are out.
+//!
 //! Nothing here panics: an unknown context id in any callback is a no-op.
 //!
 //! Beside this file, by concern: `configure` (a configuration parsed and prepared, and one a push
@@ -32,6 +37,7 @@
 
 use super::abi::{self, Abi, Buffer, HeaderMap, MetricKind};
 use super::metrics::{Metrics, SettleCount, VmGauges};
+use super::pace::Paced;
 use super::plugin::{Plugin, Waiter};
 use super::proxy::{Proxy, Shared};
 use super::request::{may_match, read_request, Reads};
@@ -97,7 +103,9 @@ struct Filter {
 
 /// Every context of one VM and the callouts they wait for.
 pub struct Dispatcher<A: Abi> {
-    abi: A,
+    /// The host, its resumes and local replies paced ([`Paced`]: never more than a round's
+    /// worth queued in Envoy at once).
+    abi: Paced<A>,
     /// Root contexts and their plugin (`None` until configured).
     roots: IdMap<Option<Rc<Plugin>>>,
     /// Request contexts.
@@ -122,7 +130,7 @@ pub struct Dispatcher<A: Abi> {
 impl<A: Abi> Dispatcher<A> {
     pub fn new(abi: A) -> Self {
         Dispatcher {
-            abi,
+            abi: Paced::new(abi),
             roots: IdMap::default(),
             filters: IdMap::default(),
             ledger: Ledger::new(Waiter::is_request),
@@ -189,38 +197,43 @@ impl<A: Abi> Dispatcher<A> {
     /// if it waited (or fails what waited its whole timeout), settlements due are sent again,
     /// expired tokens of the lease pools this worker filled go back to the service.
     pub fn on_tick(&mut self, id: u32) {
+        self.abi.enter(None, true);
         if !self.held.is_empty() {
             self.release_held();
-            if self.held.is_empty() && self.fast_tick == Some(id) {
-                self.slow_down(id);
-            }
         }
-        let Some(Some(plugin)) = self.roots.get(&id).cloned() else {
-            self.end_callback();
-            return;
-        };
+        if let Some(Some(plugin)) = self.roots.get(&id).cloned() {
+            self.chores(&plugin);
+        }
+        self.end_callback();
+        if self.fast_tick == Some(id) && self.held.is_empty() && self.abi.waiting() == 0 {
+            self.slow_down(id);
+        }
+    }
+
+    /// What a configuration's timer looks at (see [`Dispatcher::on_tick`]).
+    fn chores(&mut self, plugin: &Rc<Plugin>) {
         let chores = plugin.outbox.borrow().chores(&plugin.config);
         if chores.messages {
-            self.expire_messages(&plugin);
+            self.expire_messages(plugin);
         }
         if chores.queue {
-            self.tend_queue(&plugin);
+            self.tend_queue(plugin);
         }
         if chores.settles {
-            Proxy::new(&self.abi, &plugin, &mut self.ledger, 0).send_settles();
+            Proxy::new(&self.abi, plugin, &mut self.ledger, 0).send_settles();
         }
         if chores.pools {
-            let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+            let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, 0);
             flow::sweep(
                 &plugin.config,
                 &mut plugin.outbox.borrow_mut().pools,
                 &mut proxy,
             );
         }
-        self.end_callback();
     }
 
     pub fn on_request_headers(&mut self, id: u32) -> u32 {
+        self.abi.enter(Some(id), true);
         let Some(f) = self.filters.get_mut(&id) else {
             return CONTINUE;
         };
@@ -326,6 +339,8 @@ impl<A: Abi> Dispatcher<A> {
     /// leaves behind goes to its root: a settlement of what it used, the release of its slots, the
     /// answer to a callout still in flight (dropped, or a granted slot given back).
     pub fn on_delete(&mut self, id: u32) {
+        self.abi.enter(None, false);
+        self.abi.forget(id);
         if let Some(mut f) = self.filters.remove(&id) {
             if let Some(p) = f.plugin.clone() {
                 self.request_ended(id, &mut f, &p);
@@ -410,6 +425,8 @@ impl<A: Abi> Dispatcher<A> {
     }
 
     pub fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        // Envoy reports a call that failed while the module ran from its after-call queue.
+        self.abi.enter(None, false);
         self.deliver(
             CalloutId::from(token),
             &mut FromHost(|abi: &A| {
@@ -474,10 +491,13 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    /// What every callback that may start callouts ends with: the entries a token of Envoy's
-    /// displaced from the ledger fail ([`Ledger::displaced`]: a request takes its failure path
-    /// as for a reset, a stream is lost), and `tollgate.callouts.pending` is brought up to date.
+    /// What every callback that may start callouts or answer requests ends with: the entries a
+    /// token of Envoy's displaced from the ledger fail ([`Ledger::displaced`]: a request takes its
+    /// failure path as for a reset, a stream is lost), the answers waiting for a round go out as
+    /// far as this one allows (the timer runs fast while some still wait: [`Paced`]), and
+    /// `tollgate.callouts.pending` is brought up to date.
     fn end_callback(&mut self) {
+        self.abi.enter(None, false);
         if self.ledger.any_displaced() {
             for (id, entry) in self.ledger.displaced() {
                 if let Waiter::Stream { plugin } = &entry.waiter {
@@ -489,6 +509,13 @@ impl<A: Abi> Dispatcher<A> {
                     }
                 }
                 self.finish(id, entry.waiter, &mut Ready(Some(reset())));
+            }
+        }
+        self.abi.send_waiting();
+        if self.abi.waiting() > 0 && self.fast_tick.is_none() {
+            // Rounds come with traffic; the timer brings one when none comes.
+            if let Some(root) = self.roots.values().flatten().next().map(|p| p.root) {
+                self.speed_up(root);
             }
         }
         self.report_pending();

@@ -6,6 +6,8 @@
 //! - `dispatch.rs`: contexts, the VM's ledger of callouts ([`crate::core::base::ledger`]: one entry per
 //!   callout, its variant says who waits), and what each callback does; pure over `abi`.
 //! - `metrics.rs`: the metric ids each configuration defines, and what the core's counts add to.
+//! - `pace.rs`: resumes and local replies paced, so Envoy never nests more than a round of them
+//!   (its after-call queue runs one inside another when they call back into the VM).
 //! - `plugin.rs`: one configuration as the adapter keeps it, and who waits for each callout.
 //! - `proxy.rs`: the core's `Host` port over the ABI, for one context; settlement delivery.
 //! - `request.rs`: what the adapter reads of a request for the core (match headers first).
@@ -14,6 +16,7 @@
 mod abi;
 mod dispatch;
 mod metrics;
+pub(crate) mod pace;
 mod plugin;
 mod proxy;
 mod request;

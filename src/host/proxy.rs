@@ -102,7 +102,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
         if leave == Leave::Queue {
             let id = self.ledger.reserve(self.plugin.root, waiter(None));
             let queued = self.plugin.outbox.borrow_mut().queue.push(
-                batch::QUEUE_BATCHES * cfg.service.batch,
+                batch::queue_bound(cfg),
                 id,
                 &plan.request,
                 self.abi.now_ms(),

@@ -55,10 +55,21 @@ impl Stack {
     /// Starts Envoy whose `tollgate` cluster points at `service_port` (a gate, a closed port ...),
     /// with no service or Redis of its own.
     pub fn start_without_service(label: &str, plugin_config: &str, service_port: u16) -> Stack {
+        Stack::start_without_service_with(label, plugin_config, service_port, |_| {})
+    }
+
+    /// As [`Stack::start_without_service`], with `adjust` applied to the Envoy spec first.
+    pub fn start_without_service_with(
+        label: &str,
+        plugin_config: &str,
+        service_port: u16,
+        adjust: impl FnOnce(&mut EnvoySpec),
+    ) -> Stack {
         let c = Components::get();
         let dir = TempDir::new(label);
         let upstream = Upstream::start();
-        let spec = EnvoySpec::new(Some(plugin_config.to_string()), service_port, upstream.port);
+        let mut spec = EnvoySpec::new(Some(plugin_config.to_string()), service_port, upstream.port);
+        adjust(&mut spec);
         let envoy = Envoy::start(&c, &dir, &spec);
         Stack {
             envoy,

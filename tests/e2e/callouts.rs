@@ -1,6 +1,8 @@
 //! End to end, callouts that end badly for the module's bookkeeping: clients that go away while
 //! their callout is in flight (Envoy deletes the request and never reports the callout to it), and
-//! cluster names Envoy refuses at dispatch. Envoy must stay flat in memory and the module healthy.
+//! cluster names Envoy refuses at dispatch, and hundreds of requests answered by one callback
+//! (`many_answers_at_once_stay_shallow`: Envoy runs the answers one inside another, so they must
+//! reach it a round at a time). Envoy must stay flat in memory and the module healthy.
 //!
 //! `TOLLGATE_DISCONNECTS` sets how many clients disconnect (default 5,000, about 15 s per transport
 //! here; the issue's figure, 100,000, about 2 minutes per transport: `TOLLGATE_DISCONNECTS=100000
@@ -324,4 +326,95 @@ fn cluster_names_envoy_refuses_are_counted_dispatch_failures() {
         assert!(e.proc.exited().is_none(), "{t:?} {name}: Envoy is still up");
     }
     assert_eq!(upstream.requests(), 0);
+}
+
+/// Clients of [`many_answers_at_once_stay_shallow`], at once on one worker.
+const CROWD: usize = 800;
+
+/// Hundreds of requests answered by one callback: the service black-holed, one worker, 800
+/// clients in about 250 ms, `failure_mode: deny`. The first take goes as a message, the others
+/// queue and leave as batches beside it (up to 8 in flight, 256 queued); when the stream has
+/// answered nothing for the timeout, one tick fails every message in flight, and the queue's
+/// takes fail at their own timeouts: hundreds of local replies asked for in one `proxy_on_tick`.
+/// Envoy runs them after the call, one inside another (each reply's `proxy_on_response_headers`
+/// runs the next from its own after-call actions). Before the answers were paced this failed 5
+/// runs of 5: `RangeError: Maximum call stack size exceeded` in `proxy_on_response_headers`, the
+/// VM failed, about 95 clients answered 503 and 256 not at all (400 timed out in all). Now at
+/// most 64 go to Envoy per round (`src/host/pace.rs`): every client gets its 429 within about
+/// 1.2 s (650 to 710 timed out, the rest refused by the full queue), and the module does not
+/// trap (the harness fails the test on any `Uncaught`).
+#[test]
+fn many_answers_at_once_stay_shallow() {
+    let gate = Gate::start(GateMode::BlackHole, 0);
+    let cfg = plugin(
+        Transport::Grpc,
+        vec![rule("one", &["literal:x"], 100)],
+        json!({"failure_mode": "deny", "breaker": {"failures": 0}}),
+    );
+    let s = Stack::start_without_service_with("shallow", &cfg, gate.port, |spec| {
+        spec.concurrency = 1;
+        spec.base_log_level = "warn".to_string();
+        spec.log_level = "wasm:warn".to_string();
+    });
+    let started = Instant::now();
+    let statuses = at_once(s.envoy.port, "/", CROWD);
+    let took = started.elapsed();
+    let stats = s.envoy.tg_all();
+    let get = |k: &str| stats.get(k).copied().unwrap_or(0);
+    eprintln!(
+        "ROW | {CROWD} at once, service black-holed, deny | {statuses:?} in {} ms | {} timed \
+         out, {} refused by the full queue |",
+        took.as_millis(),
+        get("failure_mode.timeout"),
+        get("failure_mode.queued"),
+    );
+    assert_eq!(
+        statuses.get(&429).copied(),
+        Some(CROWD),
+        "every client denied: {statuses:?}"
+    );
+    assert_eq!(get("failure_closed.limited"), CROWD as u64, "{stats:?}");
+    // What makes this test: hundreds failed by the tick that gave the stream up.
+    assert!(get("failure_mode.timeout") >= 300, "{stats:?}");
+    assert!(s.envoy.module_failures().is_empty());
+}
+
+/// `n` clients, each on a connection of its own to `port`, send one GET of `path` together
+/// (connected and written one after another, a pause of 25 ms after every 100: about 250 ms in
+/// all, so the takes leave in several batches); the status each got, counted (0: none within
+/// 10 s of the last one sent).
+fn at_once(port: u16, path: &str, n: usize) -> std::collections::BTreeMap<u16, usize> {
+    use std::io::{Read, Write};
+    let request = format!("GET {path} HTTP/1.1\r\nhost: test\r\n\r\n");
+    let conns: Vec<std::net::TcpStream> = (0..n)
+        .map(|i| {
+            if i % 100 == 99 {
+                thread::sleep(Duration::from_millis(25));
+            }
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+            c.write_all(request.as_bytes()).expect("send");
+            c
+        })
+        .collect();
+    let mut statuses = std::collections::BTreeMap::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for mut c in conns {
+        let left = deadline.saturating_duration_since(Instant::now());
+        c.set_read_timeout(Some(left.max(Duration::from_millis(10))))
+            .expect("timeout");
+        let (mut head, mut chunk) = (Vec::new(), [0u8; 1024]);
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match c.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(k) => head.extend_from_slice(&chunk[..k]),
+            }
+        }
+        let status = String::from_utf8_lossy(&head)
+            .split_whitespace()
+            .nth(1)
+            .and_then(|x| x.parse().ok())
+            .unwrap_or(0);
+        *statuses.entry(status).or_default() += 1;
+    }
+    statuses
 }

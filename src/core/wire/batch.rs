@@ -29,6 +29,7 @@
 //! about 100 KB). What does not fit waits for the next batch.
 
 use crate::core::base::ledger::CalloutId;
+use crate::core::config::Config;
 use crate::core::wire::plan::CalloutResult;
 use crate::core::wire::{self, TakeRequest};
 use contract::bounds::{
@@ -38,8 +39,34 @@ use contract::bounds::{
 
 /// How many batches' worth of requests a queue holds (`4 × service.batch`): more than one, since
 /// Envoy spreads connections over its workers unevenly and a batch's byte bounds may split it; a
-/// full queue is a dispatch failure.
+/// take the full queue refuses is decided by the failure mode (cause `queued`). A configuration
+/// that shapes holds more ([`queue_bound`]).
 pub const QUEUE_BATCHES: usize = 4;
+
+/// The most a queue holds for a shaping configuration: its largest `shape.max_held`, up to this.
+pub const MAX_SHAPED_QUEUE: usize = 4096;
+
+/// The most requests `cfg`'s batch queue holds: [`QUEUE_BATCHES`] × its batch size, or, if more,
+/// its shaping rules' largest `max_held` (at most [`MAX_SHAPED_QUEUE`]), so a burst larger than
+/// four batches can ask for as many grants for later as the rule may hold; with the queue at
+/// four batches, only those plus the batches in flight could ask, and the rest were decided by
+/// the failure mode however many places were left.
+pub fn queue_bound(cfg: &Config) -> usize {
+    let batches = QUEUE_BATCHES * cfg.service.batch;
+    let held = cfg
+        .rules
+        .iter()
+        .filter(|r| !r.shadow)
+        .filter_map(|r| r.rate_limit()?.shape)
+        .map(|s| usize::try_from(s.max_held).unwrap_or(usize::MAX))
+        .max()
+        .unwrap_or(0)
+        .min(MAX_SHAPED_QUEUE);
+    if cfg.service.batch == 0 {
+        return 0;
+    }
+    batches.max(held)
+}
 
 /// A request waiting for the next batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,7 +147,7 @@ impl Queue {
     }
 
     /// Queues `req` under `id` at `now_ms`, unless `max` are waiting already (a plugin's
-    /// bound is [`QUEUE_BATCHES`] × its batch size).
+    /// bound is [`queue_bound`]).
     pub fn push(
         &mut self,
         max: usize,

@@ -6,6 +6,7 @@ use super::*;
 
 impl<A: Abi> Dispatcher<A> {
     pub fn on_configure(&mut self, id: u32, size: usize) -> bool {
+        self.abi.enter(None, false);
         self.sync_log_level();
         let bytes = self.abi.buffer(Buffer::PluginConfiguration, size);
         if bytes.is_empty() {

@@ -9,10 +9,19 @@ impl<A: Abi> Dispatcher<A> {
     /// A gRPC message arrived (`proxy_on_grpc_receive`): an answer on a stream, to the message
     /// whose id it carries, or a unary call's answer.
     pub fn on_grpc_receive(&mut self, token: u32, size: usize) {
-        let Some(plugin) = self.stream_of(token) else {
-            self.on_grpc_response(token, 0, size);
-            return;
-        };
+        // A message is read off the network, never reported from Envoy's after-call queue.
+        self.abi.enter(None, true);
+        match self.stream_of(token) {
+            Some(plugin) => self.receive(&plugin, token, size),
+            None => self.on_grpc_response(token, 0, size),
+        }
+        // Whatever the message was, the round it began is spent on the answers that wait.
+        self.end_callback();
+    }
+
+    /// A message on stream `token` of `plugin`, `size` bytes: the answer to the message whose
+    /// id it carries.
+    fn receive(&mut self, plugin: &Plugin, token: u32, size: usize) {
         // An answer names its message: one that cannot be read names none, and its message (if
         // any) fails at its deadline.
         if size > MAX_ANSWER_BYTES {
@@ -35,6 +44,8 @@ impl<A: Abi> Dispatcher<A> {
     /// A gRPC call or stream ended (`proxy_on_grpc_close`): a unary call's failure, or a stream's
     /// end, which fails every message in flight on it with its status.
     pub fn on_grpc_close(&mut self, token: u32, status: u32) {
+        // Envoy reports a call that failed while the module ran from its after-call queue.
+        self.abi.enter(None, false);
         let Some(plugin) = self.stream_of(token) else {
             self.on_grpc_response(token, status, 0);
             return;

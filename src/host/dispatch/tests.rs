@@ -10,6 +10,7 @@
 //!   `traceparent`) and a refused or failed gRPC callout.
 //! - `reads`: what a request reads from the host (headers, shared data), and the match prefilter
 //!   agreeing with the core.
+//! - `answers`: resumes and local replies paced, a round of them at a time.
 //! - `batches`: takes queued behind a callout leaving in batches: one answer each, deadlines,
 //!   a slow callout, the byte bounds, an abandoned take.
 //! - `breaker`: what opens the breaker and what resets its count of failures.
@@ -442,6 +443,7 @@ fn start_traced(d: &mut Dispatcher<Fake>, id: u32, traceparent: &str) -> u32 {
     d.on_request_headers(id)
 }
 
+mod answers;
 mod batches;
 mod breaker;
 mod callouts;

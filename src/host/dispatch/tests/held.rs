@@ -107,3 +107,29 @@ fn held_requests_outlive_the_configuration_a_push_replaced() {
     d.on_tick(NEW);
     assert_eq!(*d.abi.resumed.borrow(), vec![10], "let through at its time");
 }
+
+/// A shaping configuration's batch queue holds as many as its rule may hold (`max_held`, here
+/// 20), not four batches (8 here): a burst behind a callout in flight asks for a grant for later
+/// for each request the rule has a place for, and only what neither the places nor the queue
+/// hold is decided here (a full queue: the failure mode, cause `queued`).
+#[test]
+fn a_shaping_queue_holds_as_many_as_the_rule_may_hold() {
+    let cfg = config("http", r#","failure_mode":"deny""#)
+        .replace(r#""batch":0"#, r#""batch":2"#)
+        .replace(
+            r#""period_ms":60000}"#,
+            r#""period_ms":60000,"shape":{"max_delay_ms":1000,"max_held":20}}"#,
+        );
+    let mut d = dispatcher(&cfg);
+    d.abi.known.borrow_mut().push(ROOT);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    for id in 11..41 {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    assert_eq!(d.abi.dispatched.borrow().len(), 1, "one callout out");
+    // 20 queued (19 with a place, the 20th asked unshaped), the other 10 denied here.
+    assert_eq!(d.abi.replied.borrow().len(), 10);
+    assert_eq!(d.abi.metric("tollgate.failure_mode.queued"), 10);
+    assert_eq!(d.abi.metric("tollgate.shape.full"), 11);
+    assert_eq!(d.abi.metric("tollgate.breaker.opened"), 0);
+}
