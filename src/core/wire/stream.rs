@@ -50,8 +50,10 @@ pub const FIRST_BACKOFF_MS: u64 = 10;
 pub const MAX_AGE_MS: u64 = 30_000;
 
 /// The most takes of one configuration whose messages failed and are awaited late: as many as a
-/// full batch queue holds ([`super::batch::QUEUE_BATCHES`] batches of the contract's largest),
-/// the memory a worker already sets aside for takes that wait. The oldest are forgotten first.
+/// full batch queue of a configuration without shaping holds ([`super::batch::QUEUE_BATCHES`]
+/// batches of the contract's largest; a shaping configuration's queue may hold more,
+/// `batch::queue_bound`, and its late answers beyond this are not refunded). The oldest are
+/// forgotten first.
 pub const MAX_LATE_TAKES: usize = super::batch::QUEUE_BATCHES * contract::bounds::MAX_BATCH_TAKES;
 
 /// How long a message that failed at its deadline is awaited late: ten timeouts, at least a
