@@ -328,6 +328,14 @@ fn refusals_of(s: &str) -> Vec<String> {
     }
 }
 
+/// The fields [`refusals_of`] names, in its order.
+fn refused_fields(s: &str) -> Vec<String> {
+    refusals_of(s)
+        .iter()
+        .map(|e| e.split(':').next().unwrap_or_default().to_string())
+        .collect()
+}
+
 #[test]
 fn every_refusal_is_reported_with_its_field_in_document_order() {
     // Three independent mistakes: no `service`, an unknown field in rule 1, and rule 2 shaped with
@@ -357,10 +365,7 @@ fn every_refusal_is_reported_with_its_field_in_document_order() {
         "breaker":{"open_ms":0},"fallback":{"instances":0},"failure_mode":"open",
         "rules":[{"name":"a","capacity":0,"period_ms":0,"burst":1},{"name":"b c","capacity":1,"period_ms":1}],
         "trusted_hops":17,"service":{"cluster":"","timeout_ms":0},"colour":1}"#;
-    let fields: Vec<String> = refusals_of(json)
-        .iter()
-        .map(|e| e.split(':').next().unwrap_or_default().to_string())
-        .collect();
+    let fields = refused_fields(json);
     assert_eq!(
         fields,
         [
@@ -433,10 +438,7 @@ fn every_rule_and_every_field_a_transport_cannot_carry_is_refused() {
     // Over rls, each field it cannot carry, of `service` and of every rule.
     let json = r#"{"service":{"cluster":"c","transport":"rls","domain":"d","stream":true,"batch":5},
         "rules":[{"name":"a","capacity":1,"period_ms":1,"lease":{}},{"name":"b","kind":"concurrency","max_in_flight":1}]}"#;
-    let fields: Vec<String> = refusals_of(json)
-        .iter()
-        .map(|e| e.split(':').next().unwrap_or_default().to_string())
-        .collect();
+    let fields = refused_fields(json);
     assert_eq!(
         fields,
         [
