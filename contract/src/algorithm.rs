@@ -15,6 +15,9 @@ pub enum Algorithm {
     /// At most `capacity` tokens within any `period_ms`, estimated from the current window's
     /// count and the previous one's, weighted; `rate` is ignored.
     SlidingWindow,
+    /// At most `capacity` tokens per calendar period (the bucket's `calendar`: a day, a week, a
+    /// month or a year from midnight in a zone); `rate` and `period_ms` are ignored.
+    CalendarWindow,
 }
 
 impl Algorithm {
@@ -23,6 +26,7 @@ impl Algorithm {
         Algorithm::TokenBucket,
         Algorithm::FixedWindow,
         Algorithm::SlidingWindow,
+        Algorithm::CalendarWindow,
     ];
 
     /// The JSON name (`"algorithm"` of a bucket, and of a rule in the filter's configuration).
@@ -31,6 +35,7 @@ impl Algorithm {
             Algorithm::TokenBucket => "token_bucket",
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::CalendarWindow => "calendar_window",
         }
     }
 
@@ -46,6 +51,7 @@ impl Algorithm {
             Algorithm::TokenBucket => 0,
             Algorithm::FixedWindow => 1,
             Algorithm::SlidingWindow => 2,
+            Algorithm::CalendarWindow => 3,
         }
     }
 
@@ -60,6 +66,7 @@ impl Algorithm {
             Algorithm::TokenBucket => "tb",
             Algorithm::FixedWindow => "fw",
             Algorithm::SlidingWindow => "sw",
+            Algorithm::CalendarWindow => "cw",
         }
     }
 
@@ -101,7 +108,7 @@ mod tests {
         assert_eq!(Algorithm::from_code(-1), None);
         assert_eq!(
             Algorithm::expected(),
-            "\"token_bucket\", \"fixed_window\" or \"sliding_window\""
+            "\"token_bucket\", \"fixed_window\", \"sliding_window\" or \"calendar_window\""
         );
     }
 

@@ -29,9 +29,13 @@ pub const RULE: &str = "rule";
 pub const MAX_DELAY_MS: &str = "max_delay_ms";
 /// Shaping: how long a granted take waits for its tokens (a bucket result, an answer).
 pub const DELAY_MS: &str = "delay_ms";
+/// A calendar window's unit (`day`, `week`, `month`, `year`).
+pub const CALENDAR: &str = "calendar";
+/// A calendar window's zone.
+pub const TIME_ZONE: &str = "time_zone";
 
 /// The fields of a take's bucket, in the order the encoders write them.
-pub const TAKE_BUCKET: [&str; 9] = [
+pub const TAKE_BUCKET: [&str; 11] = [
     KEY,
     CAPACITY,
     RATE,
@@ -40,6 +44,8 @@ pub const TAKE_BUCKET: [&str; 9] = [
     ALGORITHM,
     LEASE,
     MAX_DELAY_MS,
+    CALENDAR,
+    TIME_ZONE,
     RULE,
 ];
 /// The fields of a take.
@@ -86,8 +92,8 @@ pub const DUPLICATE: &str = "duplicate";
 /// Tokens a bucket owes after a settle.
 pub const DEBT: &str = "debt";
 /// The fields a settle's bucket may carry.
-pub const SETTLE_BUCKET: [&str; 9] = [
-    KEY, CAPACITY, RATE, PERIOD_MS, ALGORITHM, RULE, ESTIMATE, USED, WINDOW,
+pub const SETTLE_BUCKET: [&str; 11] = [
+    KEY, CAPACITY, RATE, PERIOD_MS, ALGORITHM, RULE, ESTIMATE, USED, WINDOW, CALENDAR, TIME_ZONE,
 ];
 /// The fields of a settle.
 pub const SETTLE: [&str; 2] = [ID, BUCKETS];

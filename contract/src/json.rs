@@ -9,6 +9,7 @@ use std::fmt::Write as _;
 
 use serde_json::Value;
 
+use crate::calendar::{self, Calendar, Unit};
 use crate::fields;
 use crate::take::{Bucket, BucketResult, DecodeError, Sender, TakeRequest, TakeResponse};
 use crate::Algorithm;
@@ -83,6 +84,16 @@ fn push_instance(s: &mut String, sender: &Sender<'_>) {
     }
 }
 
+/// A calendar window's `calendar` and `time_zone` (left out when UTC), after other fields.
+pub(crate) fn push_calendar(s: &mut String, c: &Calendar) {
+    push_name(s, fields::CALENDAR, false);
+    push_string(s, c.unit.name());
+    if c.zone != calendar::UTC {
+        push_name(s, fields::TIME_ZONE, false);
+        push_string(s, &c.zone);
+    }
+}
+
 /// A take's object without its closing brace (the caller may add `instance`).
 fn push_take(s: &mut String, req: &TakeRequest, sender: &Sender<'_>) {
     s.push('{');
@@ -112,6 +123,9 @@ fn push_take(s: &mut String, req: &TakeRequest, sender: &Sender<'_>) {
         }
         if b.max_delay_ms > 0 {
             push_u64(s, fields::MAX_DELAY_MS, b.max_delay_ms);
+        }
+        if let Some(c) = &b.calendar {
+            push_calendar(s, c);
         }
         if let Some(r) = (sender.rule)(b) {
             push_name(s, fields::RULE, false);
@@ -161,6 +175,20 @@ pub fn read_take(v: &Value) -> Result<TakeRequest, DecodeError> {
             algorithm,
             lease: opt(b, fields::LEASE)?,
             max_delay_ms: opt(b, fields::MAX_DELAY_MS)?.unwrap_or(0),
+            calendar: match b.get(fields::CALENDAR) {
+                None => None,
+                Some(u) => Some(Calendar {
+                    unit: u
+                        .as_str()
+                        .and_then(Unit::from_name)
+                        .ok_or_else(|| DecodeError(format!("unknown calendar {u}")))?,
+                    zone: b
+                        .get(fields::TIME_ZONE)
+                        .and_then(Value::as_str)
+                        .unwrap_or(calendar::UTC)
+                        .to_string(),
+                }),
+            },
         });
     }
     Ok(TakeRequest { buckets })
@@ -293,8 +321,9 @@ struct RawAnswer {
 enum Got {
     Scalar(Scalar),
     Answer(RawAnswer),
-    /// A bucket's result: allowed, limit, remaining, reset_ms, retry_after_ms, granted, delay_ms.
-    Bucket([Scalar; 7]),
+    /// A bucket's result: allowed, limit, remaining, reset_ms, retry_after_ms, granted, delay_ms,
+    /// window.
+    Bucket([Scalar; 8]),
     Batch(Option<Vec<Got>>),
     List(Vec<Got>),
 }
@@ -321,7 +350,9 @@ impl RawAnswer {
         let list = self.buckets.ok_or_else(|| missing_list(fields::BUCKETS))?;
         let mut buckets = Vec::with_capacity(list.len());
         for b in list {
-            let Got::Bucket([a, limit, remaining, reset_ms, retry_after_ms, granted, delay_ms]) = b
+            let Got::Bucket(
+                [a, limit, remaining, reset_ms, retry_after_ms, granted, delay_ms, window],
+            ) = b
             else {
                 return Err(missing_allowed());
             };
@@ -333,6 +364,7 @@ impl RawAnswer {
                 retry_after_ms: retry_after_ms.unsigned(fields::RETRY_AFTER_MS)?,
                 granted: granted.unsigned(fields::GRANTED)?,
                 delay_ms: delay_ms.unsigned(fields::DELAY_MS)?,
+                window: window.unsigned(fields::WINDOW)?,
             });
         }
         Ok(TakeResponse {
@@ -346,7 +378,7 @@ impl RawAnswer {
 }
 
 /// The names of a bucket's result, in the order of [`Got::Bucket`].
-const BUCKET_FIELDS: [&str; 7] = [
+const BUCKET_FIELDS: [&str; 8] = [
     fields::ALLOWED,
     fields::LIMIT,
     fields::REMAINING,
@@ -354,6 +386,7 @@ const BUCKET_FIELDS: [&str; 7] = [
     fields::RETRY_AFTER_MS,
     fields::GRANTED,
     fields::DELAY_MS,
+    fields::WINDOW,
 ];
 
 /// The one visitor of an answer, at every level: it reads every value, those the answer does not
@@ -414,7 +447,7 @@ impl<'de> serde::de::Visitor<'de> for Read {
     }
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Got, A::Error> {
         let mut answer = RawAnswer::default();
-        let mut bucket = [Scalar::Absent; 7];
+        let mut bucket = [Scalar::Absent; 8];
         let mut results = None;
         while let Some(key) = a.next_key::<Key<'de>>()? {
             let key: &str = &key.0;
@@ -513,6 +546,7 @@ fn answer(v: &Value) -> Result<TakeResponse, DecodeError> {
             retry_after_ms: json_u64(b, fields::RETRY_AFTER_MS)?,
             granted: json_u64(b, fields::GRANTED)?,
             delay_ms: json_u64(b, fields::DELAY_MS)?,
+            window: json_u64(b, fields::WINDOW)?,
         });
     }
     // A count that is not a number is no count (as protobuf's absent field).

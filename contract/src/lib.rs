@@ -3,6 +3,8 @@
 //!
 //! - [`algorithm`]: how a bucket counts, with its JSON name, protobuf code and store tag;
 //! - [`arithmetic`]: each algorithm's integer arithmetic, the one both sides count with;
+//! - [`calendar`]: calendar periods (day, week, month, year in a zone) and the span a store
+//!   counts a calendar window by;
 //! - [`bounds`]: the largest values, lists and bodies a valid message holds;
 //! - [`fields`]: the JSON field names;
 //! - [`headers`]: the rate limit headers both sides write (`RateLimit-Policy`, `RateLimit`,
@@ -18,6 +20,7 @@
 pub mod algorithm;
 pub mod arithmetic;
 pub mod bounds;
+pub mod calendar;
 pub mod fields;
 pub mod headers;
 pub mod json;

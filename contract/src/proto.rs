@@ -97,6 +97,12 @@ fn take_message(req: &TakeRequest, sender: &Sender<'_>) -> Vec<u8> {
             put_bytes(&mut b, 8, r.as_bytes());
         }
         put_u64(&mut b, 9, bucket.max_delay_ms);
+        if let Some(c) = &bucket.calendar {
+            put_u64(&mut b, 10, c.unit.code());
+            if c.zone != crate::calendar::UTC {
+                put_bytes(&mut b, 11, c.zone.as_bytes());
+            }
+        }
         put_bytes(&mut out, 1, &b);
     }
     out
@@ -188,9 +194,10 @@ fn bucket_result(buf: &[u8]) -> Result<BucketResult, DecodeError> {
                 5 => out.retry_after_ms = v,
                 6 => out.granted = v,
                 7 => out.delay_ms = v,
+                8 => out.window = v,
                 _ => {}
             }
-        } else if (1..=7).contains(&field) {
+        } else if (1..=8).contains(&field) {
             return Err(DecodeError(format!(
                 "BucketResult field {field}: wrong wire type"
             )));

@@ -4,6 +4,7 @@
 //! the `serde` feature (the service's).
 
 use crate::algorithm::Algorithm;
+use crate::calendar::Calendar;
 use crate::fields;
 use crate::json::{push_name, push_string, push_u64};
 
@@ -28,6 +29,8 @@ pub struct SettleBucket<'a> {
     pub used: u64,
     /// The window the estimate was charged in (window algorithms; `None`: not known).
     pub window: Option<u64>,
+    /// A calendar window's period and zone (as [`crate::Bucket::calendar`]).
+    pub calendar: Option<&'a Calendar>,
 }
 
 /// Encodes a settle: `{"id": "...", "buckets": [{"key", "capacity", ..., "estimate", "used"}]}`.
@@ -75,6 +78,9 @@ pub fn encode_settle<'a>(
         push_u64(&mut s, fields::USED, b.used);
         if let Some(w) = b.window {
             push_u64(&mut s, fields::WINDOW, w);
+        }
+        if let Some(c) = b.calendar {
+            crate::json::push_calendar(&mut s, c);
         }
         s.push('}');
     }
@@ -143,6 +149,7 @@ mod tests {
                     estimate: b["estimate"].as_u64().unwrap(),
                     used: b["used"].as_u64().unwrap(),
                     window: b["window"].as_u64(),
+                    calendar: None,
                 })
                 .collect();
             let got = encode_settle(

@@ -1,6 +1,7 @@
 //! A take and its answer (contract/README.md, "Request", "Response", "Batches"): the messages both
 //! sides speak, whatever the encoding ([`crate::json`], [`crate::proto`]).
 
+use crate::calendar::Calendar;
 use crate::Algorithm;
 
 /// One bucket of a take, as a caller sends it. Absent optional fields are not encoded.
@@ -24,6 +25,8 @@ pub struct Bucket {
     /// ms is granted for the moment its tokens will be there (`delay_ms` of its result);
     /// `0..=`[`crate::bounds::MAX_DELAY_MS`]; 0 = no shaping (not encoded).
     pub max_delay_ms: u64,
+    /// A calendar window's period and zone (algorithm `calendar_window`, and only then).
+    pub calendar: Option<Calendar>,
 }
 
 impl Bucket {
@@ -96,6 +99,12 @@ pub struct BucketResult {
     /// predates shaping (not encoded when 0).
     #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_zero"))]
     pub delay_ms: u64,
+    /// The window a window algorithm charged (a fixed or sliding window's index, a calendar
+    /// window's first millisecond): what a settle of this take names as its `window` so that a
+    /// refund finds it. 0 (not encoded) for a token bucket, a denial, and from a service that
+    /// predates it.
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "is_zero"))]
+    pub window: u64,
 }
 
 /// The answer to a take. With the `serde` feature its serde form is the JSON response body of
@@ -137,6 +146,7 @@ impl TakeResponse {
             for b in &mut buckets {
                 b.granted = 0;
                 b.delay_ms = 0;
+                b.window = 0;
             }
         }
         let delay_ms = buckets.iter().map(|b| b.delay_ms).max().unwrap_or(0);

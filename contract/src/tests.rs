@@ -4,6 +4,7 @@
 
 use serde_json::Value;
 
+use crate::calendar::{Calendar, Unit, UTC};
 use crate::proto::{put_bytes, put_u64, Field, Reader};
 use crate::take::{Bucket, Sender, TakeRequest, TakeResponse};
 use crate::{json, proto, Algorithm};
@@ -60,6 +61,7 @@ fn decode_request_proto(buf: &[u8]) -> TakeRequest {
             algorithm: None,
             lease: None,
             max_delay_ms: 0,
+            calendar: None,
         };
         while let Some((f, v)) = br.field().unwrap() {
             match (f, v) {
@@ -73,6 +75,15 @@ fn decode_request_proto(buf: &[u8]) -> TakeRequest {
                 }
                 (7, Field::Varint(x)) => bucket.lease = Some(x),
                 (9, Field::Varint(x)) => bucket.max_delay_ms = x,
+                (10, Field::Varint(x)) => {
+                    bucket.calendar = Some(Calendar {
+                        unit: Unit::from_code(x).unwrap(),
+                        zone: UTC.to_string(),
+                    })
+                }
+                (11, Field::Bytes(z)) => {
+                    bucket.calendar.as_mut().unwrap().zone = String::from_utf8(z.to_vec()).unwrap()
+                }
                 (8, Field::Bytes(r)) => {
                     assert_eq!(Some(r), rule_of_key(&bucket).map(str::as_bytes))
                 }

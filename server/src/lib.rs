@@ -21,6 +21,7 @@
 //! | [`rls`] | Envoy's rate limit service (RLS v3) over [`ops::Decide`], limits from a file reloaded when it changes |
 //! | [`router`] | the one port: JSON routes, health, metrics, and the content-type switch to gRPC |
 //! | [`serve`] | the accept loop: connection cap, header and idle timeouts, HTTP/2 limits |
+//! | [`calendar`] | a calendar window's span from its unit, its zone (a fixed offset, or a named zone of the bundled IANA database) and the service's clock |
 //! | [`check`] | `tollgate-server check`: filter configurations and limits files checked by the module's and the service's own readers (a CI step) |
 //! | [`cli`] | flags and environment variables; reads and checks the `--redis-tls-*` and `--token-file` files |
 //! | `main.rs` | parse flags, set up tracing, bind, build the store, call [`run`] |
@@ -49,6 +50,7 @@
 //!   gets the detail (with Redis passwords redacted by parsing the URL).
 
 pub mod api;
+pub mod calendar;
 pub mod check;
 pub mod cli;
 pub mod domain;

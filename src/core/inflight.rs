@@ -144,6 +144,7 @@ pub fn denial(r: &Rule, c: Concurrency, wait_ms: u64) -> LocalReply {
         retry_after_ms: wait_ms,
         granted: 0,
         delay_ms: 0,
+        window: 0,
     };
     let mut headers = vec![("retry-after".to_string(), retry_after(wait_ms))];
     headers.extend(rate_limit_headers(&r.response.headers, &[(r, &state)]));

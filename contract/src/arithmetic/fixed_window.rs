@@ -63,25 +63,39 @@ impl Window {
     /// to `lease`, at least `cost`.
     pub fn take(&mut self, l: &Limits, now_ms: u64, cost: u64, lease: u64) -> BucketResult {
         let reset_ms = self.reset_ms(l, now_ms);
-        let allowed = self.count.saturating_add(cost) <= l.capacity;
+        self.take_in(l.capacity, cost, lease, reset_ms, l.period_ms)
+    }
+
+    /// Takes `cost` from a window that ends in `reset_ms`, of `capacity` tokens; a cost above
+    /// the capacity is told to retry in `never_ms`. Every window (fixed or calendar) takes so.
+    pub fn take_in(
+        &mut self,
+        capacity: u64,
+        cost: u64,
+        lease: u64,
+        reset_ms: u64,
+        never_ms: u64,
+    ) -> BucketResult {
+        let allowed = self.count.saturating_add(cost) <= capacity;
         let mut granted = 0;
         let retry_after_ms = if allowed {
-            granted = lease.min(l.capacity - self.count).max(cost);
+            granted = lease.min(capacity - self.count).max(cost);
             self.count += granted;
             0
-        } else if cost > l.capacity {
-            l.period_ms
+        } else if cost > capacity {
+            never_ms
         } else {
             reset_ms
         };
         BucketResult {
             allowed,
-            limit: l.capacity,
-            remaining: l.capacity.saturating_sub(self.count),
+            limit: capacity,
+            remaining: capacity.saturating_sub(self.count),
             reset_ms,
             retry_after_ms,
             granted,
             delay_ms: 0,
+            window: if allowed { self.w } else { 0 },
         }
     }
 

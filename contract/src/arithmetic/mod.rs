@@ -12,8 +12,10 @@
 //! |---|---|---|
 //! | [`token_bucket`] | micro-tokens held (below zero while it owes), last update, refill remainder | µs |
 //! | [`fixed_window`] | the window index and its count | ms |
+//! | [`calendar_window`] | the window's first ms and its count (a [`fixed_window::Window`]) | ms |
 //! | [`sliding_window`] | the window index, its count and the previous window's | ms |
 
+pub mod calendar_window;
 pub mod fixed_window;
 pub mod sliding_window;
 pub mod token_bucket;

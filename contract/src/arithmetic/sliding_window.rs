@@ -154,6 +154,7 @@ impl Counts {
             retry_after_ms,
             granted,
             delay_ms: 0,
+            window: if allowed { self.w } else { 0 },
         }
     }
 

@@ -159,6 +159,7 @@ impl Tokens {
             retry_after_ms,
             granted,
             delay_ms,
+            window: 0,
         }
     }
 

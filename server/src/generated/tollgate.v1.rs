@@ -33,6 +33,15 @@ pub struct Bucket {
     /// that would wait longer is denied. 0..=60000; absent or 0: no shaping (denied as today).
     #[prost(uint64, tag = "9")]
     pub max_delay_ms: u64,
+    /// A calendar window's period (algorithm CALENDAR_WINDOW, and only then): the day, the week
+    /// from Monday, the month or the year, each from midnight in `time_zone`.
+    #[prost(enumeration = "CalendarUnit", tag = "10")]
+    pub calendar: i32,
+    /// The zone a calendar window's midnights are in: "UTC" (absent: UTC), a fixed offset ("+05:30",
+    /// "-08:00", at most 14:00 either way) or a name of the IANA time zone database
+    /// ("Europe/Berlin"), 1..=64 bytes. Only with `calendar`.
+    #[prost(string, tag = "11")]
+    pub time_zone: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TakeRequest {
@@ -70,6 +79,11 @@ pub struct BucketResult {
     /// pay at once, when denied, and from a service that predates shaping.
     #[prost(uint64, tag = "7")]
     pub delay_ms: u64,
+    /// The window a window algorithm charged (a fixed or sliding window's index, a calendar window's
+    /// first millisecond), to name in a settle of this take (SettleBucket.window) so that a refund
+    /// finds it. 0 for a token bucket, when denied, and from a service that predates it.
+    #[prost(uint64, tag = "8")]
+    pub window: u64,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct TakeResponse {
@@ -223,9 +237,15 @@ pub struct SettleBucket {
     /// Tokens the response actually used, 0..=1e9.
     #[prost(uint64, tag = "10")]
     pub used: u64,
-    /// Fixed and sliding windows only: the window index the estimate was charged in. Absent: not known.
+    /// Fixed and sliding windows only: the window index the estimate was charged in (a calendar
+    /// window: its first millisecond). Absent: not known.
     #[prost(uint64, optional, tag = "11")]
     pub window: ::core::option::Option<u64>,
+    /// As Bucket.calendar and Bucket.time_zone.
+    #[prost(enumeration = "CalendarUnit", tag = "12")]
+    pub calendar: i32,
+    #[prost(string, tag = "13")]
+    pub time_zone: ::prost::alloc::string::String,
 }
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct SettleRequest {
@@ -268,6 +288,9 @@ pub enum Algorithm {
     /// current window's count plus the previous window's weighted by how much of it is still inside
     /// the sliding window; `rate` is ignored.
     SlidingWindow = 2,
+    /// A calendar window: at most `capacity` tokens per calendar period (the bucket's `calendar`
+    /// and `time_zone`), from midnight to midnight; `rate` and `period_ms` are ignored.
+    CalendarWindow = 3,
 }
 impl Algorithm {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -279,6 +302,7 @@ impl Algorithm {
             Self::TokenBucket => "TOKEN_BUCKET",
             Self::FixedWindow => "FIXED_WINDOW",
             Self::SlidingWindow => "SLIDING_WINDOW",
+            Self::CalendarWindow => "CALENDAR_WINDOW",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -287,6 +311,43 @@ impl Algorithm {
             "TOKEN_BUCKET" => Some(Self::TokenBucket),
             "FIXED_WINDOW" => Some(Self::FixedWindow),
             "SLIDING_WINDOW" => Some(Self::SlidingWindow),
+            "CALENDAR_WINDOW" => Some(Self::CalendarWindow),
+            _ => None,
+        }
+    }
+}
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum CalendarUnit {
+    /// Not a calendar window.
+    CalendarNone = 0,
+    Day = 1,
+    Week = 2,
+    Month = 3,
+    Year = 4,
+}
+impl CalendarUnit {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::CalendarNone => "CALENDAR_NONE",
+            Self::Day => "DAY",
+            Self::Week => "WEEK",
+            Self::Month => "MONTH",
+            Self::Year => "YEAR",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "CALENDAR_NONE" => Some(Self::CalendarNone),
+            "DAY" => Some(Self::Day),
+            "WEEK" => Some(Self::Week),
+            "MONTH" => Some(Self::Month),
+            "YEAR" => Some(Self::Year),
             _ => None,
         }
     }

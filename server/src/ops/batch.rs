@@ -269,6 +269,8 @@ mod tests {
             lease: None,
             rule: None,
             max_delay_ms: None,
+            calendar: None,
+            time_zone: None,
         }
     }
 

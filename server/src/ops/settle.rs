@@ -101,7 +101,7 @@ pub fn validate(raw: RawSettle) -> Result<Settlement, InvalidArgument> {
             if window.is_some() && bucket.algorithm == Algorithm::TokenBucket {
                 return Err(InvalidArgument::new(
                     f("window"),
-                    "applies to fixed_window and sliding_window only",
+                    "applies to the windows only (fixed, sliding, calendar)",
                 ));
             }
             Ok(SettleSpec {
@@ -192,6 +192,8 @@ pub fn encode_json(raw: &RawSettle) -> Value {
                 put("estimate", s.estimate.map(Value::from));
                 put("used", s.used.map(Value::from));
                 put("window", s.window.map(Value::from));
+                put("calendar", b.calendar.as_deref().map(Value::from));
+                put("time_zone", b.time_zone.as_deref().map(Value::from));
                 Value::Object(m)
             })
             .collect();
@@ -220,6 +222,8 @@ pub fn raw_from_pb(req: &pb::SettleRequest) -> Result<RawSettle, InvalidArgument
                 lease: None,
                 rule: non_empty(&b.rule),
                 max_delay_ms: None,
+                calendar: take::calendar_from_pb(b.calendar),
+                time_zone: non_empty(&b.time_zone),
             },
             estimate: Some(b.estimate),
             used: Some(b.used),

@@ -8,6 +8,7 @@ use serde::de::MapAccess;
 use serde::Serialize;
 use serde_json::Value;
 
+use contract::calendar::Unit;
 use contract::fields;
 
 use super::{invalid, GrpcOperation, Operation};
@@ -42,6 +43,11 @@ pub struct RawBucket {
     pub rule: Option<String>,
     /// `max_delay_ms`: shaping (token buckets only); absent means 0, none.
     pub max_delay_ms: Option<u64>,
+    /// `calendar`: a calendar window's unit, by name (required with, and only with, algorithm
+    /// `calendar_window`).
+    pub calendar: Option<String>,
+    /// `time_zone`: a calendar window's zone; absent means UTC.
+    pub time_zone: Option<String>,
 }
 
 /// A take as decoded from either wire form.
@@ -190,7 +196,7 @@ fn validate_bucket(
             ),
         ));
     }
-    let spec = BucketSpec {
+    let mut spec = BucketSpec {
         key,
         capacity,
         rate,
@@ -200,7 +206,62 @@ fn validate_bucket(
         lease,
         max_delay_ms,
     };
+    calendar_span(&mut spec, b.calendar, b.time_zone, &f)?;
     Ok((spec, b.rule))
+}
+
+/// A calendar window's span (the service's clock now), carried in the spec's `rate` and
+/// `period_ms` ([`contract::calendar::Span::pack`]): `calendar` is required with algorithm
+/// `calendar_window` and refused with any other, as is `time_zone` (UTC when absent).
+pub(super) fn calendar_span(
+    spec: &mut BucketSpec,
+    calendar: Option<String>,
+    time_zone: Option<String>,
+    f: &dyn Fn(&str) -> String,
+) -> Result<(), InvalidArgument> {
+    let window = spec.algorithm == Algorithm::CalendarWindow;
+    let unit = match (window, calendar) {
+        (false, None) if time_zone.is_none() => return Ok(()),
+        (false, None) => {
+            return Err(InvalidArgument::new(
+                f(fields::TIME_ZONE),
+                "only with a calendar (algorithm calendar_window)",
+            ))
+        }
+        (false, Some(_)) => {
+            return Err(InvalidArgument::new(
+                f(fields::CALENDAR),
+                format!(
+                    "only with algorithm calendar_window, not {}",
+                    spec.algorithm.name()
+                ),
+            ))
+        }
+        (true, None) => {
+            return Err(InvalidArgument::new(
+                f(fields::CALENDAR),
+                "is required with algorithm calendar_window",
+            ))
+        }
+        (true, Some(u)) => Unit::from_name(&u).ok_or_else(|| {
+            InvalidArgument::new(
+                f(fields::CALENDAR),
+                format!("must be \"day\", \"week\", \"month\" or \"year\", got {u:?}"),
+            )
+        })?,
+    };
+    let zone = time_zone.unwrap_or_else(|| contract::calendar::UTC.to_string());
+    let span = crate::calendar::span(unit, &zone, now_ms())
+        .map_err(|why| InvalidArgument::new(f(fields::TIME_ZONE), why))?;
+    (spec.rate, spec.period_ms) = span.pack();
+    Ok(())
+}
+
+/// The service's clock, in ms since the epoch (a calendar span's; the store counts by its own).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -224,6 +285,8 @@ impl Object for RawBucket {
             fields::LEASE => self.lease = v.uint()?,
             fields::RULE => self.rule = v.string()?,
             fields::MAX_DELAY_MS => self.max_delay_ms = v.uint()?,
+            fields::CALENDAR => self.calendar = v.string()?,
+            fields::TIME_ZONE => self.time_zone = v.string()?,
             // FIELDS holds no other name.
             _ => {}
         }
@@ -276,6 +339,10 @@ struct JsonBucket<'a> {
     rule: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_delay_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    calendar: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    time_zone: Option<&'a str>,
 }
 
 /// Encodes a request (used by tests and the load generator).
@@ -294,6 +361,8 @@ pub fn encode_json(raw: &RawTake) -> Value {
             lease: b.lease,
             rule: b.rule.as_deref(),
             max_delay_ms: b.max_delay_ms,
+            calendar: b.calendar.as_deref(),
+            time_zone: b.time_zone.as_deref(),
         })
         .collect();
     let mut v = serde_json::json!({ "buckets": buckets });
@@ -351,12 +420,30 @@ pub fn raw_from_pb(req: pb::TakeRequest) -> Result<RawTake, InvalidArgument> {
             lease: b.lease,
             rule: non_empty_owned(b.rule),
             max_delay_ms: Some(b.max_delay_ms),
+            calendar: calendar_from_pb(b.calendar),
+            time_zone: non_empty_owned(b.time_zone),
         });
     }
     Ok(RawTake {
         buckets: Some(buckets),
         instance: non_empty_owned(req.instance),
     })
+}
+
+/// A `tollgate.v1.CalendarUnit` as its name (0: none; an unknown code by its number, which
+/// validation refuses).
+pub(super) fn calendar_from_pb(code: i32) -> Option<String> {
+    match u64::try_from(code) {
+        Ok(0) => None,
+        Ok(c) => Some(Unit::from_code(c).map_or_else(|| c.to_string(), |u| u.name().to_string())),
+        Err(_) => Some(code.to_string()),
+    }
+}
+
+/// A calendar unit's name as its `tollgate.v1.CalendarUnit` (0: none or not a unit).
+pub(super) fn calendar_to_pb(name: Option<&str>) -> i32 {
+    name.and_then(Unit::from_name)
+        .map_or(0, |u| i32::try_from(u.code()).unwrap_or(0))
 }
 
 /// Encodes a request as protobuf (tests and the load generator).
@@ -376,6 +463,8 @@ pub fn pb_from_raw(raw: &RawTake) -> pb::TakeRequest {
                 lease: b.lease,
                 rule: b.rule.clone().unwrap_or_default(),
                 max_delay_ms: b.max_delay_ms.unwrap_or(0),
+                calendar: calendar_to_pb(b.calendar.as_deref()),
+                time_zone: b.time_zone.clone().unwrap_or_default(),
             })
             .collect(),
         instance: raw.instance.clone().unwrap_or_default(),
@@ -397,6 +486,7 @@ pub fn pb_from_answer(d: &TakeResponse) -> pb::TakeResponse {
                 retry_after_ms: b.retry_after_ms,
                 granted: b.granted,
                 delay_ms: b.delay_ms,
+                window: b.window,
             })
             .collect(),
         instances: d.instances,
@@ -419,6 +509,7 @@ pub fn answer_from_pb(r: &pb::TakeResponse) -> TakeResponse {
                 retry_after_ms: b.retry_after_ms,
                 granted: b.granted,
                 delay_ms: b.delay_ms,
+                window: b.window,
             })
             .collect(),
         instances: r.instances,
@@ -511,6 +602,8 @@ mod tests {
             lease: None,
             rule: None,
             max_delay_ms: None,
+            calendar: None,
+            time_zone: None,
         }
     }
 
@@ -610,6 +703,8 @@ mod tests {
             lease: Some(MAX_AMOUNT),
             rule: Some("r".repeat(MAX_RULE_BYTES)),
             max_delay_ms: None,
+            calendar: None,
+            time_zone: None,
         };
         assert!(validate(RawTake {
             buckets: Some(vec![b; 16]),
@@ -646,6 +741,8 @@ mod tests {
                 lease: Some(3),
                 rule: Some("api".into()),
                 max_delay_ms: None,
+                calendar: None,
+                time_zone: None,
             }])
         );
         assert_eq!(raw.instance.as_deref(), Some("i-1"));

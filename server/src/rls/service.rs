@@ -229,6 +229,8 @@ fn raw_bucket(limit: &Limit, key: &str, cost: u64) -> RawBucket {
         lease: None,
         rule: None,
         max_delay_ms: None,
+        calendar: None,
+        time_zone: None,
     }
 }
 

@@ -5,8 +5,9 @@
 //! The arithmetic is the contract's ([`contract::arithmetic`], through [`super::algorithm`]: the
 //! reference its Lua is tested against, `server/tests/integration/lua_reference.rs`); this store only keeps the states, the clock and the bounds. A bucket is its algorithm
 //! and key; its state records the limits it was last charged with, and a take with other limits
-//! carries it over as the scripts do. The clock is monotonic (`Instant`); windows are counted from
-//! the store's creation.
+//! carries it over as the scripts do. The clock is monotonic (`Instant`), read from the wall
+//! clock at the store's creation on: windows are counted from the Unix epoch, as Redis's are, and
+//! a calendar window's span (computed on the wall clock) picks the window it means.
 //!
 //! Memory is bounded twice. By expiry: a bucket is dropped once it would be full again (or its
 //! window has ended) plus a margin, like the Redis keys' PEXPIRE, but never kept idle longer than
@@ -109,6 +110,8 @@ impl Inner {
 /// In-memory [`Store`].
 pub struct MemoryStore {
     epoch: Instant,
+    /// The wall clock at `epoch`, in µs since the Unix epoch.
+    epoch_us: u64,
     max_buckets: usize,
     inner: Mutex<Inner>,
     /// Concurrency slots (`acquire` / `release`).
@@ -131,6 +134,9 @@ impl MemoryStore {
     pub fn with_max_buckets(max_buckets: usize) -> Self {
         MemoryStore {
             epoch: Instant::now(),
+            epoch_us: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(0)),
             max_buckets: max_buckets.max(1),
             inner: Mutex::new(Inner {
                 buckets: HashMap::new(),
@@ -162,7 +168,8 @@ impl MemoryStore {
     }
 
     fn now_us(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+        let elapsed = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.epoch_us.saturating_add(elapsed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -174,7 +181,7 @@ impl MemoryStore {
         }
     }
 
-    /// Decides and charges at the given clock reading (µs since the store's epoch).
+    /// Decides and charges at the given clock reading (µs since the Unix epoch).
     fn take_at(&self, specs: &[BucketSpec], now: u64) -> Result<TakeResponse, StoreError> {
         self.take_locked(&mut self.lock(), specs, now)
     }

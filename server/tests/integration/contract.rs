@@ -210,6 +210,7 @@ fn stream_messages_and_answers_agree_with_prost() {
 /// The contract crate's codec (the filter's) against prost and serde on the same fixtures.
 mod contract_codec {
     use super::*;
+    use contract::calendar::{Calendar, Unit};
     use contract::{json as cjson, proto as cproto, Bucket, Sender, TakeRequest};
     use tollgate_server::ops::take::RawTake;
 
@@ -241,6 +242,10 @@ mod contract_codec {
                         algorithm: b.algorithm,
                         lease: b.lease,
                         max_delay_ms: b.max_delay_ms.unwrap_or(0),
+                        calendar: b.calendar.as_deref().map(|u| Calendar {
+                            unit: Unit::from_name(u).unwrap(),
+                            zone: b.time_zone.clone().unwrap_or_else(|| "UTC".into()),
+                        }),
                     }
                 })
                 .collect(),

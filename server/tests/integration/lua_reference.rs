@@ -10,7 +10,7 @@
 use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proptest::prelude::*;
 use tollgate_server::domain::{
@@ -141,6 +141,27 @@ fn spec(key: &str, a: Algorithm, l: Limits, cost: u64, lease: u64) -> BucketSpec
     }
 }
 
+/// A calendar window's limits from generated ones: a span whose boundary is within 20 ms of now
+/// either way (the case's sleeps cross it), windows of 1 to 5 s either side, as the service packs
+/// it into `rate` and `period_ms`.
+fn calendar(l: Limits) -> Limits {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let span = contract::calendar::Span {
+        boundary: now + 20 - l.period_ms % 41,
+        before: (1 + l.period_ms % 5) * 1000,
+        after: (1 + l.rate % 5) * 1000,
+    };
+    let (rate, period_ms) = span.pack();
+    Limits {
+        capacity: l.capacity,
+        rate,
+        period_ms,
+    }
+}
+
 fn code(a: Algorithm) -> u64 {
     tollgate_server::store::algorithm::code(a)
 }
@@ -193,6 +214,11 @@ fn run(
     let case = CASE.fetch_add(1, Ordering::Relaxed);
     let key = format!("ref:{{{case}}}:{}", a.tag());
     let mut r = Reference { stored: None };
+    let (first, second) = if a == Algorithm::CalendarWindow {
+        (calendar(first), calendar(second))
+    } else {
+        (first, second)
+    };
     let (mut granted, mut mark, mut settles) = (0u64, 0u64, 0u64);
     for op in ops {
         match *op {

@@ -12,6 +12,7 @@ mod batch;
 mod behaviour;
 mod binary;
 mod buckets;
+mod calendar;
 mod check;
 mod coalesce;
 mod contract;

@@ -1,6 +1,7 @@
 //! The validated configuration: what a configuration says once it is read, every default
 //! resolved, and the bounds it is held to.
 
+use contract::calendar::Calendar;
 use std::fmt;
 
 /// Largest capacity, rate and cost (the contract's); longest period (one year, in ms); at most
@@ -237,6 +238,9 @@ pub struct RateLimit {
     /// `from_request`: the capacity and rate a trusted filter in front wrote for this request
     /// (the rule's own when absent), after `overrides` and `tiers` (`None`: the rule's own).
     pub from_request: Option<FromRequest>,
+    /// `calendar` and `time_zone` (algorithm `calendar_window`, and only then): the period its
+    /// windows last, from midnight in the zone; `period_ms` is then the unit's longest.
+    pub calendar: Option<Calendar>,
 }
 
 /// A rule's `from_request`: parts of its limit read from what a trusted filter in front of this
@@ -411,6 +415,7 @@ impl RateLimit {
             charge: None,
             shape: None,
             from_request: None,
+            calendar: None,
         }
     }
 }

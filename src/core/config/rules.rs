@@ -16,7 +16,7 @@ pub enum Kinds {
 }
 
 /// Every field a rule may hold, in the order the reader reads them, with the kind it belongs to.
-pub const RULE_FIELDS: [(&str, Kinds); 22] = [
+pub const RULE_FIELDS: [(&str, Kinds); 24] = [
     ("name", Kinds::Every),
     ("match", Kinds::Every),
     ("key", Kinds::Every),
@@ -26,6 +26,8 @@ pub const RULE_FIELDS: [(&str, Kinds); 22] = [
     ("period_ms", Kinds::Rate),
     ("cost", Kinds::Rate),
     ("algorithm", Kinds::Rate),
+    ("calendar", Kinds::Rate),
+    ("time_zone", Kinds::Rate),
     ("lease", Kinds::Rate),
     ("shape", Kinds::Rate),
     ("overrides", Kinds::Rate),

@@ -645,3 +645,81 @@ fn a_shaping_rule_is_a_token_bucket_asked_over_our_service_with_its_bounds() {
         "max_in_flight":2,"shape":{"max_delay_ms":10}}]}"#;
     assert_eq!(error_of(concurrency).field, "rules[0].shape");
 }
+
+#[test]
+fn a_calendar_window_names_its_unit_and_zone_and_no_period() {
+    let c = parse(&with_rule1(
+        r#"{"name":"b","key":["header:x-team"],"capacity":500,"algorithm":"calendar_window","calendar":"month","time_zone":"Europe/Berlin"}"#,
+    ))
+    .unwrap();
+    let l = rate(&c, 1);
+    let cal = l.calendar.as_ref().unwrap();
+    assert_eq!(
+        (cal.unit, cal.zone.as_str()),
+        (contract::calendar::Unit::Month, "Europe/Berlin")
+    );
+    assert_eq!(
+        l.period_ms,
+        31 * 86_400_000,
+        "the longest month, sent and named in the policy"
+    );
+    let utc = parse(&with_rule1(
+        r#"{"name":"b","capacity":5,"algorithm":"calendar_window","calendar":"week"}"#,
+    ))
+    .unwrap();
+    assert_eq!(rate(&utc, 1).calendar.as_ref().unwrap().zone, "UTC");
+    for (rule, field, says) in [
+        (
+            r#"{"name":"b","capacity":5,"algorithm":"calendar_window"}"#,
+            "rules[1].calendar",
+            "missing",
+        ),
+        (
+            r#"{"name":"b","capacity":5,"algorithm":"calendar_window","calendar":"fortnight"}"#,
+            "rules[1].calendar",
+            "must be one of",
+        ),
+        (
+            r#"{"name":"b","capacity":5,"algorithm":"calendar_window","calendar":"day","period_ms":1000}"#,
+            "rules[1].period_ms",
+            "calendar",
+        ),
+        (
+            r#"{"name":"b","capacity":5,"algorithm":"calendar_window","calendar":"day","time_zone":"+15:00"}"#,
+            "rules[1].time_zone",
+            "14:00",
+        ),
+        (
+            r#"{"name":"b","capacity":5,"algorithm":"calendar_window","calendar":"day","time_zone":"Mars/Olympus Mons"}"#,
+            "rules[1].time_zone",
+            "a zone is",
+        ),
+        (
+            r#"{"name":"b","capacity":5,"period_ms":1000,"calendar":"day"}"#,
+            "rules[1].calendar",
+            "only with algorithm \"calendar_window\"",
+        ),
+        (
+            r#"{"name":"b","capacity":5,"period_ms":1000,"algorithm":"fixed_window","time_zone":"UTC"}"#,
+            "rules[1].time_zone",
+            "only with",
+        ),
+        (
+            r#"{"name":"b","capacity":5,"key":["header:x"],"algorithm":"calendar_window","calendar":"day","overrides":[{"value":"v","capacity":9,"period_ms":5}]}"#,
+            "rules[1].overrides[0].period_ms",
+            "the rule's `calendar`",
+        ),
+        (
+            r#"{"name":"b","capacity":5,"algorithm":"calendar_window","calendar":"day","shape":{"max_delay_ms":10}}"#,
+            "rules[1].shape",
+            "only for algorithm",
+        ),
+    ] {
+        let e = error_of(&with_rule1(rule));
+        assert_eq!(e.field, field, "{rule}: {e}");
+        assert!(e.message.contains(says), "{rule}: {e}");
+    }
+    let rls = r#"{"service":{"cluster":"c","transport":"rls","domain":"d"},"rules":[{"name":"a","capacity":5,"algorithm":"calendar_window","calendar":"day"}]}"#;
+    let e = error_of(rls);
+    assert_eq!(e.field, "rules[0].calendar", "{e}");
+}

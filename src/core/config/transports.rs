@@ -28,6 +28,8 @@ pub enum Feature {
     Shape,
     /// `from_request`: a limit read from the request, sent with the take.
     FromRequest,
+    /// `calendar`: a calendar window, whose span the service computes.
+    Calendar,
     /// `descriptor`: the rule's RLS descriptor (read by an RLS server; ignored elsewhere).
     Descriptor,
 }
@@ -42,7 +44,7 @@ pub const TRANSPORTS: [(&str, Transport); 3] = [
 /// Per feature: whether `http`, `grpc` and `rls` carry it, and why a transport that does not
 /// cannot (said when more than one carries it; else the refusal names the one that does).
 #[rustfmt::skip]
-const SUPPORT: [(Feature, [bool; 3], &str); 10] = [
+const SUPPORT: [(Feature, [bool; 3], &str); 11] = [
     //                            http   grpc   rls
     (Feature::Stream,           [false, true,  false], "takes stream over grpc only"),
     (Feature::Batch,            [true,  true,  false], "an RLS server takes one request at a time"),
@@ -53,6 +55,7 @@ const SUPPORT: [(Feature, [bool; 3], &str); 10] = [
     (Feature::Lease,            [true,  true,  false], "an RLS server grants no leases"),
     (Feature::Shape,            [true,  true,  false], "an RLS answer grants nothing for later"),
     (Feature::FromRequest,      [true,  true,  false], "an RLS server keeps its own limits"),
+    (Feature::Calendar,         [true,  true,  false], "an RLS server keeps its own limits (its limits file's `unit`)"),
     (Feature::Descriptor,       [false, false, true],  "only an RLS server reads descriptors"),
 ];
 

@@ -110,6 +110,7 @@ mod tests {
             retry_after_ms: 0,
             granted: 1,
             delay_ms: 0,
+            window: 0,
         }
     }
 

@@ -91,6 +91,7 @@ pub fn decide(cfg: &Config, req: &Request) -> Matched {
             // Set by the lease pools when this request is the one that refills (core::lease).
             lease: None,
             max_delay_ms: 0,
+            calendar: l.calendar.clone(),
         });
         counts.extend(noted.into_iter().map(|c| (i, c)));
         plan.rules.push(i);
@@ -333,8 +334,14 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
             } else {
                 Decision::Allowed
             },
-            denied_by: Vec::new(),
+            denied_by: Box::default(),
             rule_counts,
+            // The fallback's windows are this proxy's count, not the service's.
+            windows: if fallback {
+                Box::default()
+            } else {
+                resp.buckets.iter().map(|b| b.window).collect()
+            },
         };
     }
     let denied_by: Vec<usize> = resp
@@ -362,8 +369,9 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
         return Verdict {
             action: Action::Allow(Vec::new()),
             decision: Decision::ShadowLimited,
-            denied_by,
+            denied_by: denied_by.into(),
             rule_counts,
+            windows: Box::default(),
         };
     };
     let wait = resp
@@ -382,8 +390,9 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
         } else {
             Decision::Limited
         },
-        denied_by,
+        denied_by: denied_by.into(),
         rule_counts,
+        windows: Box::default(),
     }
 }
 
@@ -425,12 +434,13 @@ pub fn resolve(
             (FailureMode::Allow, _) => Verdict {
                 action: Action::Allow(Vec::new()),
                 decision: Decision::FailureOpenAllowed,
-                denied_by: Vec::new(),
+                denied_by: Box::default(),
                 rule_counts: plan
                     .rules
                     .iter()
                     .map(|&r| (r, RuleCount::Allowed))
                     .collect(),
+                windows: Box::default(),
             },
             (FailureMode::Deny | FailureMode::Fallback, _) => {
                 let rules: Vec<(usize, &Rule)> = plan
@@ -449,7 +459,7 @@ pub fn resolve(
                         (*r, c)
                     })
                     .collect();
-                let denied_by = (0..plan.rules.len()).collect();
+                let denied_by: Box<[usize]> = (0..plan.rules.len()).collect();
                 match rules.iter().find(|(_, rule)| !rule.shadow) {
                     // No bucket state to report; ask the client to come back in a second.
                     Some((_, rule)) => Verdict {
@@ -460,12 +470,14 @@ pub fn resolve(
                         decision: Decision::FailureClosedLimited,
                         denied_by,
                         rule_counts,
+                        windows: Box::default(),
                     },
                     None => Verdict {
                         action: Action::Allow(Vec::new()),
                         decision: Decision::ShadowLimited,
                         denied_by,
                         rule_counts,
+                        windows: Box::default(),
                     },
                 }
             }

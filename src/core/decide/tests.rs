@@ -162,7 +162,7 @@ fn limited_answer_becomes_a_denial_with_headers() {
     let o = interpret(&p, http(200, &answer(&[true, false])));
     let v = resolve(&c, &p, &o, &FakeStore::default(), 0);
     assert_eq!(v.decision, Decision::Limited);
-    assert_eq!(v.denied_by, vec![1]);
+    assert_eq!(&*v.denied_by, &[1]);
     let Action::Deny(r) = v.action else {
         panic!("not denied")
     };

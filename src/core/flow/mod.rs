@@ -443,7 +443,7 @@ impl Flow {
         let held = host.now_ms().saturating_sub(since_ms);
         headers.push((HELD_HEADER.to_string(), held.to_string()));
         // Only the service's own admission is held: its estimates were charged.
-        self.go(cfg, &plan, headers, true, true, host);
+        self.go(cfg, &plan, headers, Some(&[]), true, host);
     }
 
     /// Whether `id` is the callout this request waits for.
@@ -710,7 +710,8 @@ impl Flow {
                     verdict.decision,
                     Decision::Allowed | Decision::FallbackAllowed
                 );
-                self.go(cfg, plan, headers, charged, paused, host)
+                let windows = charged.then_some(&*verdict.windows);
+                self.go(cfg, plan, headers, windows, paused, host)
             }
             Action::Deny(reply) => {
                 host.reply(&reply);
@@ -720,19 +721,19 @@ impl Flow {
     }
 
     /// An admitted request goes on: what rules charged by the response reserved is metered (if
-    /// the estimates were `charged`), its concurrency slots are taken (if it wants some), and it
-    /// is resumed if paused.
+    /// the estimates were charged: `charged`, with the windows the service charged them in), its
+    /// concurrency slots are taken (if it wants some), and it is resumed if paused.
     fn go<H: Host>(
         &mut self,
         cfg: &Config,
         plan: &Plan,
         headers: Vec<(String, String)>,
-        charged: bool,
+        charged: Option<&[u64]>,
         paused: bool,
         host: &mut H,
     ) -> Next {
-        if charged {
-            self.meter = crate::core::settle::reserve(cfg, plan);
+        if let Some(windows) = charged {
+            self.meter = crate::core::settle::reserve(cfg, plan, windows);
         }
         self.response_headers = headers;
         if self.slots.wanted() {

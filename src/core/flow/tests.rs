@@ -679,6 +679,7 @@ fn a_late_answer_gives_back_what_it_granted_to_token_buckets_only() {
         algorithm,
         lease: Some(8),
         max_delay_ms: 0,
+        calendar: None,
     };
     let take = |buckets: Vec<Bucket>| Some(TakeRequest { buckets });
     let result = |allowed: bool, granted: &[u64]| TakeResponse {

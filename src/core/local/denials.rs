@@ -240,6 +240,7 @@ pub fn recall<S: CasStore + ?Sized>(
                     retry_after_ms: d.retry_at_ms.max(d.until_ms) - now_ms,
                     granted: 0,
                     delay_ms: 0,
+                    window: 0,
                 }
             }
             None => BucketResult {
@@ -300,6 +301,7 @@ mod tests {
             retry_after_ms,
             granted: 0,
             delay_ms: 0,
+            window: 0,
         }
     }
 
@@ -439,6 +441,7 @@ mod tests {
             rule: "r".into(),
             estimate,
             used,
+            window: None,
         };
         forget(&c, crate::core::settle::given_back(&[item(4, 9)]), &s);
         assert!(recall(&c, &p, &s, 11).is_some(), "an extra charge");

@@ -12,7 +12,7 @@
 use crate::core::base::store::fake::FakeStore;
 use crate::core::base::store::CasStore;
 use crate::core::config::{Algorithm, Lease};
-use crate::core::local::bucket::{Limits, MICRO};
+use crate::core::local::bucket::{calendar_rate, Limits, MICRO};
 use crate::core::local::fallback::{self, Shares};
 use crate::core::local::lease;
 use crate::core::wire::BucketResult;
@@ -71,7 +71,7 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..200),
         max_keys in 1u32..5,
         instances in 1u64..4,
-        algorithm in 0usize..3,
+        algorithm in 0usize..4,
     ) {
         let store = FakeStore::default();
         fallback::prepare(&store, max_keys);
@@ -79,7 +79,12 @@ proptest! {
         let algorithm = Algorithm::ALL[algorithm];
         // 12 per 10 min globally, per proxy 12 / instances: slow enough that a second full
         // start would show.
-        let l = Limits::local(CAP, CAP, PERIOD, algorithm, instances);
+        // A calendar window counts by days from UTC's midnight (its limits' rate word).
+        let day = contract::calendar::Calendar { unit: contract::calendar::Unit::Day, zone: "UTC".into() };
+        let l = match algorithm {
+            Algorithm::CalendarWindow => Limits::local(CAP, calendar_rate(&day), PERIOD, algorithm, instances),
+            _ => Limits::local(CAP, CAP, PERIOD, algorithm, instances),
+        };
         let mut base = 1_000_000u64;
         let mut skew = [0i64; WORKERS];
         let (mut lo, mut hi) = (u64::MAX, 0u64);
@@ -127,6 +132,7 @@ proptest! {
                 // One capacity per window the run touched (a sliding window admits no more than
                 // its capacity in any fixed window either).
                 Algorithm::FixedWindow | Algorithm::SlidingWindow => l.capacity * (span / PERIOD + 2),
+                Algorithm::CalendarWindow => l.capacity * (span / 86_400_000 + 2),
             };
             prop_assert!(n <= bound, "key {key}: admitted {n} > {bound} over {span} ms");
         }
@@ -138,7 +144,7 @@ proptest! {
             let level = u64::from_le_bytes(v[18..26].try_into().unwrap());
             match algorithm {
                 Algorithm::TokenBucket => prop_assert!(level <= l.capacity * MICRO),
-                Algorithm::FixedWindow => prop_assert!(level <= l.capacity),
+                Algorithm::FixedWindow | Algorithm::CalendarWindow => prop_assert!(level <= l.capacity),
                 // Both counts, packed.
                 Algorithm::SlidingWindow => {
                     prop_assert!(level & 0xFFFF_FFFF <= l.capacity && level >> 32 <= l.capacity)

@@ -107,6 +107,9 @@ pub struct Reserved {
     pub rule: usize,
     /// What its rule's usage header reported (lower case name looked up at the response headers).
     pub header_usage: Option<u64>,
+    /// The window the service charged the estimate in (a window algorithm's; `None`: a token
+    /// bucket, or not the service's answer).
+    pub window: Option<u64>,
 }
 
 impl Reserved {
@@ -128,27 +131,30 @@ pub struct Meter {
     ended: bool,
 }
 
-/// The reservation an admitted request made: its buckets whose rule is charged by the response.
-/// `None` when it has none.
-pub fn reserve(cfg: &Config, plan: &Plan) -> Option<Meter> {
+/// The reservation an admitted request made: its buckets whose rule is charged by the response,
+/// each with the window the service charged it in (`windows`, per bucket of the plan: its answer's;
+/// empty when the service did not answer). `None` when it has none.
+pub fn reserve(cfg: &Config, plan: &Plan, windows: &[u64]) -> Option<Meter> {
     let reserved: Vec<Reserved> = plan
         .request
         .buckets
         .iter()
         .zip(&plan.rules)
-        .filter(|(_, &r)| {
+        .enumerate()
+        .filter(|(_, (_, &r))| {
             cfg.rules
                 .get(r)
                 .and_then(Rule::rate_limit)
                 .is_some_and(|l| l.charge.is_some())
         })
-        .map(|(b, &rule)| Reserved {
+        .map(|(i, (b, &rule))| Reserved {
             bucket: Bucket {
                 lease: None,
                 ..b.clone()
             },
             rule,
             header_usage: None,
+            window: windows.get(i).copied().filter(|&w| w > 0),
         })
         .collect();
     (!reserved.is_empty()).then_some(Meter {
@@ -264,6 +270,7 @@ impl Meter {
                 rule: rule.name.clone(),
                 estimate: r.estimate(),
                 used,
+                window: r.window,
             });
         }
         items
@@ -289,6 +296,8 @@ pub struct Item {
     pub rule: String,
     pub estimate: u64,
     pub used: u64,
+    /// The window the estimate was charged in, when the service named it.
+    pub window: Option<u64>,
 }
 
 /// What a queued settlement charges beyond its reservations: such a settlement is owed to the
@@ -325,7 +334,8 @@ pub fn encode(id: &str, instance: Option<&str>, items: &[Item]) -> Vec<u8> {
         rule: &i.rule,
         estimate: i.estimate,
         used: i.used,
-        window: None,
+        window: i.window,
+        calendar: i.bucket.calendar.as_ref(),
     });
     contract::settle::encode_settle(id, instance, buckets)
 }

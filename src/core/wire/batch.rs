@@ -256,6 +256,7 @@ mod tests {
                 algorithm: None,
                 lease: None,
                 max_delay_ms: 0,
+                calendar: None,
             }],
         }
     }

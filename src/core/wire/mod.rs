@@ -345,6 +345,7 @@ pub fn decode_rls(body: &[u8], req: &TakeRequest) -> Result<TakeResponse, Decode
                 retry_after_ms: if ok { 0 } else { reset_ms.max(1) },
                 granted: if allowed { b.cost() } else { 0 },
                 delay_ms: 0,
+                window: 0,
             }
         })
         .collect();
@@ -370,6 +371,7 @@ mod rls_tests {
             algorithm: None,
             lease: None,
             max_delay_ms: 0,
+            calendar: None,
         }
     }
 
@@ -498,6 +500,7 @@ mod rls_tests {
                 retry_after_ms: 0,
                 granted: 1,
                 delay_ms: 0,
+                window: 0,
             }
         );
         let over = decode_rls(

@@ -275,9 +275,13 @@ pub struct Verdict {
     /// What to count.
     pub decision: Decision,
     /// Indices (into the plan's buckets) of the buckets that denied, for the debug log.
-    pub denied_by: Vec<usize>,
+    pub denied_by: Box<[usize]>,
     /// What to count per rule: (index in `Config::rules`, counter).
     pub rule_counts: Vec<(usize, RuleCount)>,
+    /// Per bucket of the plan, the window the service charged it in (its answer's `window`; 0:
+    /// none), which a settle names; empty unless the service admitted the request (a boxed
+    /// slice: the verdict is returned by value through every stage).
+    pub windows: Box<[u64]>,
 }
 
 /// Per-rule counters (`tollgate.rule.<name>.<metric>`).

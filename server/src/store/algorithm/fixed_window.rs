@@ -12,11 +12,11 @@ use contract::take::BucketResult;
 #[derive(Debug)]
 pub struct FixedWindow;
 
-/// A fixed window's state, with the limits it was last charged with.
+/// A fixed window's state, with the limits it was last charged with (a calendar window's too).
 #[derive(Debug, Clone, Copy)]
 pub struct Counted {
-    window: Window,
-    limits: Limits,
+    pub(super) window: Window,
+    pub(super) limits: Limits,
 }
 
 impl Counter for FixedWindow {

@@ -16,7 +16,9 @@
 //! | `token_bucket` | holds up to capacity, refills continuously; may owe tokens after a settle |
 //! | `fixed_window` | at most capacity per window `floor(now / period_ms)` |
 //! | `sliding_window` | the current window's count plus the previous one's, weighted by how much of it the sliding window still covers |
+//! | `calendar_window` | at most capacity per calendar period; `rate` and `period_ms` carry the span the service computed |
 
+pub mod calendar_window;
 pub mod fixed_window;
 pub mod sliding_window;
 pub mod token_bucket;
@@ -168,6 +170,7 @@ algorithms!(
     TokenBucket => token_bucket::TokenBucket,
     FixedWindow => fixed_window::FixedWindow,
     SlidingWindow => sliding_window::SlidingWindow,
+    CalendarWindow => calendar_window::CalendarWindow,
 );
 
 #[cfg(test)]
@@ -185,6 +188,10 @@ mod tests {
                 fixed_window::FixedWindow::LUA,
                 fixed_window::FixedWindow::CODE,
             ),
+            (
+                calendar_window::CalendarWindow::LUA,
+                calendar_window::CalendarWindow::CODE,
+            ),
         ] {
             assert!(lua.contains(&format!("ALGORITHMS[{code}] = {{")), "{code}");
         }
@@ -200,8 +207,8 @@ mod tests {
         let max = contract::bounds::MAX_DEBT;
         for (lua, line) in [
             (
-                fixed_window::FixedWindow::LUA,
-                format!("local FW_MAX_DEBT = {max}\n"),
+                include_str!("../lua/prelude.lua"),
+                format!("local WINDOW_MAX_DEBT = {max}\n"),
             ),
             (
                 sliding_window::SlidingWindow::LUA,

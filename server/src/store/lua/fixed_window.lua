@@ -41,69 +41,23 @@ local function fw_load(key, cap, period, now)
   return { w = w, count = count, reset = (w + 1) * period - now_ms }
 end
 
--- Returns allowed, remaining, reset, retry, granted; when allowed, charges the scratch state
--- granted = min(lease, what the window has left), at least cost.
-local function fw_take(s, cap, period, cost, lease)
-  local allowed = s.count + cost <= cap
-  local retry, granted = 0, 0
-  if allowed then
-    granted = math.max(cost, math.min(lease, cap - s.count))
-    s.count = s.count + granted
-    s.dirty = true
-  elseif cost > cap then
-    retry = period
-  else
-    retry = s.reset
-  end
-  local remaining = cap - s.count
-  if remaining < 0 then remaining = 0 end
-  return allowed, remaining, s.reset, retry, granted
-end
-
 local function fw_store(key, s, cap, period)
   redis.call('HSET', key, 'w', fmt(s.w), 'n', fmt(s.count), 'c', fmt(cap), 'p', fmt(period))
   redis.call('PEXPIRE', key, fmt(s.reset + TTL_MARGIN_MS))
 end
 
--- Gives `cost` back to window `w` (the window that was charged): nothing when the bucket has
--- moved on to another window since, or expired.
-local function fw_refund(key, w, cost)
-  local v = redis.call('HMGET', key, 'w', 'n')
-  local sw, n = tonumber(v[1]), tonumber(v[2])
-  if sw == nil or n == nil or sw ~= w then return 0 end
-  redis.call('HSET', key, 'n', fmt(n - math.min(n, cost)))
-  return 1
-end
-
--- The most a window's count goes past its capacity: contract::bounds::MAX_DEBT.
-local FW_MAX_DEBT = 8000000000
-
--- Settles a reservation (settle.lua) only in the window the estimate was charged in (`window`):
--- a refund lowers its count (not below 0), an extra charge raises it in full (to the capacity
--- plus MAX_DEBT, contract::bounds::MAX_DEBT, at most); a window that has ended is left alone (its tokens ended with it). Without `window`
--- (-1), an extra charge goes to the current window and a refund is dropped (it might give back
--- another window's tokens). Returns remaining, debt (the count above capacity).
+-- Settles a reservation (settle.lua): `window_settle` (prelude.lua) on the window at `now`.
 local function fw_settle(key, cap, rate, period, now, estimate, used, window, apply)
   local s = fw_load(key, cap, period, now)
-  local here
-  if window >= 0 then here = (window == s.w) else here = (used > estimate) end
-  if apply and here then
-    if used < estimate and s.count > 0 then
-      s.count = s.count - math.min(s.count, estimate - used)
-      fw_store(key, s, cap, period)
-    elseif used > estimate then
-      s.count = math.min(cap + FW_MAX_DEBT, s.count + (used - estimate))
-      fw_store(key, s, cap, period)
-    end
-  end
-  return math.max(0, cap - s.count), math.max(0, s.count - cap)
+  return window_settle(s, cap, estimate, used, window, apply,
+    function(st) fw_store(key, st, cap, period) end)
 end
 
 ALGORITHMS[1] = {
   load = function(key, cap, rate, period, now) return fw_load(key, cap, period, now) end,
-  take = function(s, cap, rate, period, cost, lease) return fw_take(s, cap, period, cost, lease) end,
+  take = function(s, cap, rate, period, cost, lease) return window_take(s, cap, cost, lease, period) end,
   mark = function(s) return s.w end,
   store = function(key, s, cap, rate, period) fw_store(key, s, cap, period) end,
-  refund = function(key, cap, rate, period, amount, mark, now) return fw_refund(key, mark, amount) end,
+  refund = function(key, cap, rate, period, amount, mark, now) return window_refund(key, mark, amount) end,
   settle = fw_settle,
 }

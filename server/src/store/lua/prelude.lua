@@ -91,6 +91,63 @@ local function now_us()
   return tonumber(t[1]) * MICRO + tonumber(t[2])
 end
 
+-- Shared by the fixed and the calendar window, whose loaded state is { w (the window counted),
+-- count, reset (ms until it ends) } and whose arithmetic is contract::arithmetic::fixed_window's.
+--
+-- The most a window's count goes past its capacity: contract::bounds::MAX_DEBT.
+local WINDOW_MAX_DEBT = 8000000000
+
+-- Returns allowed, remaining, reset, retry, granted; when allowed, charges the scratch state
+-- granted = min(lease, what the window has left), at least cost. A cost above the capacity is
+-- told to retry in `never` ms (it never fits).
+local function window_take(s, cap, cost, lease, never)
+  local allowed = s.count + cost <= cap
+  local retry, granted = 0, 0
+  if allowed then
+    granted = math.max(cost, math.min(lease, cap - s.count))
+    s.count = s.count + granted
+    s.dirty = true
+  elseif cost > cap then
+    retry = never
+  else
+    retry = s.reset
+  end
+  local remaining = cap - s.count
+  if remaining < 0 then remaining = 0 end
+  return allowed, remaining, s.reset, retry, granted
+end
+
+-- Gives `cost` back to window `w` (the window that was charged): nothing when the bucket has
+-- moved on to another window since, or expired.
+local function window_refund(key, w, cost)
+  local v = redis.call('HMGET', key, 'w', 'n')
+  local sw, n = tonumber(v[1]), tonumber(v[2])
+  if sw == nil or n == nil or sw ~= w then return 0 end
+  redis.call('HSET', key, 'n', fmt(n - math.min(n, cost)))
+  return 1
+end
+
+-- Settles a reservation (settle.lua) on the loaded state `s`, only in the window the estimate was
+-- charged in (`window`): a refund lowers its count (not below 0), an extra charge raises it in
+-- full (to the capacity plus WINDOW_MAX_DEBT at most); a window that has ended is left alone (its
+-- tokens ended with it). Without `window` (-1), an extra charge goes to the current window and a
+-- refund is dropped (it might give back another window's tokens). `store(s)` writes a change.
+-- Returns remaining, debt (the count above capacity).
+local function window_settle(s, cap, estimate, used, window, apply, store)
+  local here
+  if window >= 0 then here = (window == s.w) else here = (used > estimate) end
+  if apply and here then
+    if used < estimate and s.count > 0 then
+      s.count = s.count - math.min(s.count, estimate - used)
+      store(s)
+    elseif used > estimate then
+      s.count = math.min(cap + WINDOW_MAX_DEBT, s.count + (used - estimate))
+      store(s)
+    end
+  end
+  return math.max(0, cap - s.count), math.max(0, s.count - cap)
+end
+
 -- The algorithms, by the code the service sends in ARGV (server/src/store/algorithm/). Each
 -- algorithm's file registers one table here, and the drivers (take_one, refund, settle) call only
 -- these functions, never an algorithm's internals. Every function gets the bucket's limits as the

@@ -50,6 +50,7 @@ pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, S
             retry_after_ms: num(r[3], "retry_after_ms")?,
             granted: num(r[4], "granted")?,
             delay_ms: num(r[5], "delay_ms")?,
+            window: 0,
         };
         if d.allowed && !(spec.cost..=spec.lease).contains(&d.granted) {
             return Err(StoreError::Protocol(format!(
@@ -65,7 +66,13 @@ pub fn decode_take(reply: &[i64], specs: &[&BucketSpec]) -> Result<GroupReply, S
                 spec.max_delay_ms
             )));
         }
-        buckets.push((d, num(r[6], "mark")?));
+        let mark = num(r[6], "mark")?;
+        // A window's mark is the window charged: the take's answer names it for a settle.
+        let mut d = d;
+        if d.allowed && spec.algorithm != crate::domain::Algorithm::TokenBucket {
+            d.window = mark;
+        }
+        buckets.push((d, mark));
     }
     if charged != buckets.iter().all(|(d, _)| d.allowed) {
         return Err(StoreError::Protocol(
@@ -223,6 +230,7 @@ mod tests {
                         retry_after_ms: 0,
                         granted: 1,
                         delay_ms: 0,
+                        window: 0,
                     },
                     0
                 ),
@@ -235,6 +243,7 @@ mod tests {
                         retry_after_ms: 7,
                         granted: 0,
                         delay_ms: 0,
+                        window: 0,
                     },
                     42
                 )

@@ -196,6 +196,11 @@ fn read_rules(
                         Feature::ChargeByResponse,
                         "charge",
                     ),
+                    (
+                        asks(|l| l.calendar.is_some()),
+                        Feature::Calendar,
+                        "calendar",
+                    ),
                 ],
             );
         }

@@ -7,6 +7,7 @@ use super::super::model::*;
 use super::super::rules;
 use super::matcher;
 use super::obj::{header_name, int_value, Obj, Refusals};
+use contract::calendar::{self, Calendar, Unit, Zone};
 use serde_json::Value;
 
 /// Whether rule `at` is a concurrency rule (its `kind`, read before the rest).
@@ -158,7 +159,17 @@ fn read_rate(r: &Obj<'_>, key: Option<(&[Value], &[KeyPart])>) -> Option<RateLim
     // when the capacity is refused: refused then only if no capacity could hold it.
     let cap = capacity.unwrap_or(MAX_AMOUNT);
     let rate = r.int_within("rate", Some(cap), 1, MAX_AMOUNT);
-    let period_ms = r.int_within("period_ms", None, 1, MAX_PERIOD_MS);
+    // A calendar window's period is its calendar's: `period_ms` is refused, and set below.
+    let calendar_window =
+        r.get("algorithm").and_then(Value::as_str) == Some(Algorithm::CalendarWindow.name());
+    let period_ms = match (calendar_window, r.get("period_ms")) {
+        (true, Some(_)) => r.refuse(
+            "period_ms",
+            "a calendar window's period is its `calendar` (day, week, month or year)",
+        ),
+        (true, None) => Some(MAX_PERIOD_MS),
+        (false, _) => r.int_within("period_ms", None, 1, MAX_PERIOD_MS),
+    };
     let cost = match r.get("cost") {
         None => Some(Cost::Fixed(1)),
         Some(v @ Value::Object(_)) => Obj::new(Some(v), &r.path("cost"), fields::COST, refusals)
@@ -188,6 +199,11 @@ fn read_rate(r: &Obj<'_>, key: Option<(&[Value], &[KeyPart])>) -> Option<RateLim
     };
     // A shape is for one algorithm: skipped with the algorithm refused.
     let shape = algorithm.and_then(|a| read_shape(r, a));
+    let calendar = read_calendar(r, calendar_window);
+    let period_ms = match &calendar {
+        Some(Some(c)) => Some(c.unit.nominal_ms()),
+        _ => period_ms,
+    };
     // An override's or a tier's period defaults to the rule's: with it refused, checked against
     // the longest.
     let rule_period_ms = period_ms.unwrap_or(MAX_PERIOD_MS);
@@ -234,7 +250,68 @@ fn read_rate(r: &Obj<'_>, key: Option<(&[Value], &[KeyPart])>) -> Option<RateLim
         charge: None,
         shape: shape?,
         from_request: from_request?,
+        calendar: calendar?,
     })
+}
+
+/// A rate rule's `calendar` and `time_zone`: required with algorithm `calendar_window`
+/// (`calendar_window`), refused with any other; the zone is `UTC` when absent. An override or a
+/// tier of a calendar window names no period of its own.
+fn read_calendar(r: &Obj<'_>, calendar_window: bool) -> Option<Option<Calendar>> {
+    if !calendar_window {
+        for f in ["calendar", "time_zone"] {
+            if r.get(f).is_some() {
+                r.refuse::<()>(
+                    f,
+                    format!(
+                        "only with algorithm \"{}\"",
+                        Algorithm::CalendarWindow.name()
+                    ),
+                );
+            }
+        }
+        return (r.get("calendar").is_none() && r.get("time_zone").is_none()).then_some(None);
+    }
+    let units = Unit::ALL.map(Unit::name);
+    let unit = r
+        .pick("calendar", &units, None)
+        .and_then(|i| Unit::ALL.get(i).copied());
+    let zone = match r.get("time_zone") {
+        None => Some(calendar::UTC.to_string()),
+        Some(Value::String(z)) => match Zone::parse(z) {
+            Ok(_) => Some(z.clone()),
+            Err(why) => r.refuse("time_zone", why),
+        },
+        Some(_) => r.refuse("time_zone", "must be a string"),
+    };
+    let mut own_period = false;
+    if let Some(Value::Array(list)) = r.get("overrides") {
+        for (k, o) in list.iter().enumerate() {
+            if o.get("period_ms").is_some() {
+                own_period = true;
+                r.refuse::<()>(
+                    &format!("overrides[{k}].period_ms"),
+                    "a calendar window's period is the rule's `calendar`",
+                );
+            }
+        }
+    }
+    if let Some(Value::Object(tiers)) = r.get("tiers").and_then(|t| t.get("limits")) {
+        for (name, t) in tiers {
+            if t.get("period_ms").is_some() {
+                own_period = true;
+                r.refuse::<()>(
+                    &format!("tiers.limits.{name}.period_ms"),
+                    "a calendar window's period is the rule's `calendar`",
+                );
+            }
+        }
+    }
+    let calendar = Calendar {
+        unit: unit?,
+        zone: zone?,
+    };
+    (!own_period).then_some(Some(calendar))
 }
 
 /// Most field names after the namespace in a `from_request` metadata path.

@@ -8,14 +8,16 @@ use contract::take::BucketResult;
 
 pub(super) struct FixedWindow;
 
-fn window(s: State) -> Window {
+/// The contract's window of a stored state (the calendar window's too).
+pub(super) fn window(s: State) -> Window {
     Window {
         w: s.stamp,
         count: s.level,
     }
 }
 
-fn state(w: Window) -> State {
+/// The stored state of a window.
+pub(super) fn state(w: Window) -> State {
     State {
         level: w.count,
         stamp: w.w,

@@ -12,9 +12,11 @@
 //! | `token_bucket` | refills continuously | `level` micro-tokens held, `stamp` last update (ms) |
 //! | `fixed_window` | at most capacity per window | `level` tokens used, `stamp` the window index |
 //! | `sliding_window` | the current window's count plus the previous one's, weighted | `level` both counts, `stamp` the window index |
+//! | `calendar_window` | at most capacity per calendar period | `level` tokens used, `stamp` the window's first ms |
 //!
 //! Adding an algorithm: a module with a `Local` and one line in `dispatch!` below.
 
+mod calendar_window;
 mod fixed_window;
 mod sliding_window;
 mod token_bucket;
@@ -22,6 +24,7 @@ mod token_bucket;
 use contract::take::BucketResult;
 use contract::Algorithm;
 
+pub use calendar_window::rate_word as calendar_rate;
 pub use contract::arithmetic::token_bucket::MICRO;
 
 /// The limits of one local bucket.
@@ -31,7 +34,8 @@ pub struct Limits {
     pub capacity: u64,
     /// The global capacity the local one was divided from (part of the bucket's identity).
     pub global: u64,
-    /// Global tokens per period (divided by `divisor` during refill).
+    /// Global tokens per period (divided by `divisor` during refill); a calendar window's
+    /// calendar instead ([`calendar_rate`]).
     pub rate: u64,
     /// Period in ms.
     pub period_ms: u64,
@@ -122,6 +126,7 @@ macro_rules! dispatch {
             Algorithm::TokenBucket => <token_bucket::TokenBucket as Local>::$f($($arg),*),
             Algorithm::FixedWindow => <fixed_window::FixedWindow as Local>::$f($($arg),*),
             Algorithm::SlidingWindow => <sliding_window::SlidingWindow as Local>::$f($($arg),*),
+            Algorithm::CalendarWindow => <calendar_window::CalendarWindow as Local>::$f($($arg),*),
         }
     };
     ($alg:expr, $c:ident) => {
@@ -129,6 +134,7 @@ macro_rules! dispatch {
             Algorithm::TokenBucket => <token_bucket::TokenBucket as Local>::$c,
             Algorithm::FixedWindow => <fixed_window::FixedWindow as Local>::$c,
             Algorithm::SlidingWindow => <sliding_window::SlidingWindow as Local>::$c,
+            Algorithm::CalendarWindow => <calendar_window::CalendarWindow as Local>::$c,
         }
     };
 }

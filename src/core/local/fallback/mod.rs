@@ -366,6 +366,7 @@ fn unstored(l: &Limits) -> BucketResult {
         retry_after_ms: l.period_ms.max(1),
         granted: 0,
         delay_ms: 0,
+        window: 0,
     }
 }
 
@@ -601,7 +602,9 @@ pub fn spend_extras<S: CasStore + ?Sized>(
 fn limits_of(b: &crate::core::wire::Bucket, instances: u64) -> Limits {
     Limits::local(
         b.capacity,
-        b.rate(),
+        b.calendar
+            .as_ref()
+            .map_or_else(|| b.rate(), bucket::calendar_rate),
         b.period_ms,
         b.algorithm.unwrap_or_default(),
         instances,

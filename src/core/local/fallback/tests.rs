@@ -34,6 +34,7 @@ fn bucket(key: &str, cap: u64) -> Bucket {
         algorithm: Some(Algorithm::TokenBucket),
         lease: None,
         max_delay_ms: 0,
+        calendar: None,
     }
 }
 
@@ -50,6 +51,7 @@ fn an_overshoot_drains_the_share_and_is_not_owed_twice() {
         rule: "r".into(),
         estimate,
         used,
+        window: None,
     };
     // Held 100 (never seen: a full share), then a response used 70 beyond its reservation.
     spend_extras(&cfg, [0; 3], &s, &[item("a", 10, 80), item("b", 50, 20)], 0);
@@ -454,6 +456,7 @@ fn a_leasing_rule_takes_no_share_of_an_answer() {
             retry_after_ms: 0,
             granted: 1,
             delay_ms: 0,
+            window: 0,
         };
         let outcome = Outcome::Allowed(TakeResponse {
             allowed: true,

@@ -141,6 +141,7 @@ impl Pool {
             retry_after_ms: 0,
             granted: 0,
             delay_ms: 0,
+            window: 0,
         }
     }
 }
@@ -205,7 +206,11 @@ impl Sizing {
 /// The pool slot of bucket `key` of a rule limited by `rule`. The identity covers the key and the
 /// rule's global limits, so a changed limit is another pool. Last found in `memos`.
 pub fn slot(memos: &Memos, rule: &RateLimit, key: &str, max_keys: u32) -> Place {
-    let l = Limits::local(rule.capacity, rule.rate, rule.period_ms, rule.algorithm, 1);
+    let rate = rule
+        .calendar
+        .as_ref()
+        .map_or(rule.rate, crate::core::local::bucket::calendar_rate);
+    let l = Limits::local(rule.capacity, rate, rule.period_ms, rule.algorithm, 1);
     table::place_in(memos, table::POOLS_TABLE, key, &l, max_keys)
 }
 

@@ -61,6 +61,7 @@ fn answer(allowed: bool, granted: u64, retry: u64) -> BucketResult {
         retry_after_ms: retry,
         granted,
         delay_ms: 0,
+        window: 0,
     }
 }
 
@@ -245,6 +246,7 @@ fn watched_pools_give_back_their_expired_tokens_once() {
         algorithm: None,
         lease: None,
         max_delay_ms: 0,
+        calendar: None,
     };
     let held = |expires_ms| Held {
         slot: sl.clone(),

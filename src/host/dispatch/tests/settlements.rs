@@ -132,3 +132,61 @@ fn a_denied_request_reserves_nothing_and_settles_nothing() {
     assert_eq!(d.abi.dispatched.borrow().len(), n);
     assert_eq!(d.abi.metric("tollgate.settle.sent"), 0);
 }
+
+#[test]
+fn a_calendar_month_settles_in_the_window_the_service_charged() {
+    let cfg = charged_config().replace(
+        r#""period_ms":60000"#,
+        r#""algorithm":"calendar_window","calendar":"month","time_zone":"Europe/Berlin""#,
+    );
+    let mut d = dispatcher(&cfg);
+    // The service charged the estimate in the month starting 2026-11-30 23:00 UTC.
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        br#"{"allowed":true,"buckets":[{"allowed":true,"limit":10000,"remaining":9900,"reset_ms":86400000,"retry_after_ms":0,"granted":100,"window":1796079600000}]}"#.to_vec(),
+    );
+    assert_eq!(start(&mut d, 10, "/v1/chat"), PAUSE);
+    let take = d
+        .abi
+        .dispatched
+        .borrow()
+        .last()
+        .map(|(_, b)| b.clone())
+        .unwrap();
+    let take: serde_json::Value = serde_json::from_slice(&take).unwrap();
+    let b = &take["buckets"][0];
+    assert_eq!(
+        (&b["algorithm"], &b["calendar"], &b["time_zone"]),
+        (
+            &serde_json::json!("calendar_window"),
+            &serde_json::json!("month"),
+            &serde_json::json!("Europe/Berlin")
+        ),
+        "{take}"
+    );
+    d.on_http_call_response(last_token(&d), 1, 1000);
+    let sent_before = d.abi.dispatched.borrow().len();
+    *d.abi.response.borrow_mut() = vec![("x-usage".into(), b"30".to_vec())];
+    assert_eq!(d.on_response_headers(10, true), CONTINUE);
+    d.on_delete(10);
+    let settle = d
+        .abi
+        .dispatched
+        .borrow()
+        .get(sent_before)
+        .map(|(_, b)| b.clone());
+    let v: serde_json::Value = serde_json::from_slice(&settle.expect("a settle")).unwrap();
+    let b = &v["buckets"][0];
+    assert_eq!(
+        (&b["estimate"], &b["used"]),
+        (&serde_json::json!(100), &serde_json::json!(30))
+    );
+    assert_eq!(b["window"], 1_796_079_600_000u64, "the month charged: {v}");
+    assert_eq!(
+        (&b["calendar"], &b["time_zone"]),
+        (
+            &serde_json::json!("month"),
+            &serde_json::json!("Europe/Berlin")
+        )
+    );
+}

@@ -1,0 +1,114 @@
+//! Calendar windows (algorithm `calendar_window`, contract/README.md "Calendar windows"): the span
+//! a take's bucket is counted by, from its unit, its zone and the service's clock. A fixed offset
+//! is the contract's arithmetic ([`Span::fixed`]); a named zone's midnights come from the IANA
+//! database bundled into the binary (jiff): each period starts at the first instant of its first
+//! day (a midnight a daylight-saving change skips starts the day at the change, one it repeats at
+//! the earlier). The store then picks the window of the span by Redis's clock.
+
+use contract::calendar::{civil_from_days, days_from_civil, Span, Unit, Zone};
+use jiff::civil::Date;
+use jiff::tz::TimeZone;
+use jiff::Timestamp;
+
+/// The span of `unit`'s windows in `zone` around `now_ms`, or why the zone is not one.
+pub fn span(unit: Unit, zone: &str, now_ms: u64) -> Result<Span, String> {
+    match Zone::parse(zone)? {
+        Zone::Fixed(minutes) => Ok(Span::fixed(unit, minutes, now_ms)),
+        Zone::Named(name) => {
+            let tz = named(name)?;
+            named_span(unit, &tz, now_ms)
+                .ok_or_else(|| format!("{name}: no span around {now_ms} ms"))
+        }
+    }
+}
+
+/// The zone of the database called `name`.
+pub fn named(name: &str) -> Result<TimeZone, String> {
+    TimeZone::get(name).map_err(|_| format!("{name:?} is not a time zone of the IANA database"))
+}
+
+/// Whether `zone` names a zone this service can count in (UTC, an offset, or a known name).
+pub fn check_zone(zone: &str) -> Result<(), String> {
+    match Zone::parse(zone)? {
+        Zone::Fixed(_) => Ok(()),
+        Zone::Named(name) => named(name).map(|_| ()),
+    }
+}
+
+fn named_span(unit: Unit, tz: &TimeZone, now_ms: u64) -> Option<Span> {
+    let now = Timestamp::from_millisecond(i64::try_from(now_ms).ok()?).ok()?;
+    let local = tz.to_datetime(now).date();
+    let day = days_from_civil(
+        i64::from(local.year()),
+        u32::try_from(local.month()).ok()?,
+        u32::try_from(local.day()).ok()?,
+    );
+    let mut starts = [0u64; 4];
+    for (slot, k) in starts.iter_mut().zip(-1..=2) {
+        let (y, m, d) = civil_from_days(unit.start(day, k));
+        let date = Date::new(
+            i16::try_from(y).ok()?,
+            i8::try_from(m).ok()?,
+            i8::try_from(d).ok()?,
+        )
+        .ok()?;
+        let at = tz.to_ambiguous_timestamp(date.to_datetime(jiff::civil::Time::midnight()));
+        *slot = u64::try_from(at.compatible().ok()?.as_millisecond()).ok()?;
+    }
+    Some(Span::around(starts, now_ms))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use contract::calendar::DAY_MS;
+
+    const DAY: u64 = DAY_MS as u64;
+
+    fn utc(y: i64, m: u32, d: u32) -> u64 {
+        days_from_civil(y, m, d) as u64 * DAY
+    }
+
+    #[test]
+    fn a_month_in_berlin_starts_at_its_midnight_whatever_the_offset() -> Result<(), String> {
+        // 2027-03-10: March began at +01:00 (23:00 UTC on Feb 28), April begins at +02:00
+        // (22:00 UTC on March 31): 31 days less an hour.
+        let s = span(Unit::Month, "Europe/Berlin", utc(2027, 3, 10))?;
+        assert_eq!(s.boundary, utc(2027, 3, 1) - 3_600_000);
+        assert_eq!(s.after, 31 * DAY - 3_600_000);
+        assert_eq!(
+            s.window(utc(2027, 3, 31) + 22 * 3_600_000 - 1).0,
+            s.boundary
+        );
+        let late = span(Unit::Month, "Europe/Berlin", utc(2027, 3, 30))?;
+        assert_eq!(late.boundary, utc(2027, 3, 31) + 22 * 3_600_000);
+        Ok(())
+    }
+
+    #[test]
+    fn a_day_whose_midnight_is_skipped_starts_at_the_change() -> Result<(), String> {
+        // America/Santiago moved its clocks from 24:00 to 01:00 on 2024-09-08 (-04:00 to
+        // -03:00): that day starts at 04:00 UTC and lasts 23 hours.
+        let s = span(
+            Unit::Day,
+            "America/Santiago",
+            utc(2024, 9, 8) + 12 * 3_600_000,
+        )?;
+        let (start, end) = s.window(utc(2024, 9, 8) + 12 * 3_600_000);
+        assert_eq!(start, utc(2024, 9, 8) + 4 * 3_600_000);
+        assert_eq!(end - start, 23 * 3_600_000);
+        Ok(())
+    }
+
+    #[test]
+    fn offsets_and_names_are_checked() -> Result<(), String> {
+        assert_eq!(
+            span(Unit::Week, "+05:30", utc(2026, 12, 6))?,
+            Span::fixed(Unit::Week, 330, utc(2026, 12, 6))
+        );
+        assert!(check_zone("UTC").is_ok() && check_zone("Asia/Kolkata").is_ok());
+        assert!(check_zone("Mars/Olympus").is_err_and(|e| e.contains("IANA")));
+        assert!(check_zone("+15:00").is_err());
+        Ok(())
+    }
+}
