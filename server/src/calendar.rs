@@ -35,6 +35,19 @@ pub fn check_zone(zone: &str) -> Result<(), String> {
     }
 }
 
+/// `ms` since the epoch as RFC 3339 in `zone` (`2026-12-01T00:00:00+01:00`), or why not.
+pub fn format(ms: u64, zone: &str) -> Result<String, String> {
+    let tz = match Zone::parse(zone)? {
+        Zone::Fixed(minutes) => jiff::tz::Offset::from_seconds(minutes * 60)
+            .map(TimeZone::fixed)
+            .map_err(|e| e.to_string())?,
+        Zone::Named(name) => named(name)?,
+    };
+    let at = Timestamp::from_millisecond(i64::try_from(ms).map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    Ok(at.to_zoned(tz).strftime("%Y-%m-%dT%H:%M:%S%:z").to_string())
+}
+
 fn named_span(unit: Unit, tz: &TimeZone, now_ms: u64) -> Option<Span> {
     let now = Timestamp::from_millisecond(i64::try_from(now_ms).ok()?).ok()?;
     let local = tz.to_datetime(now).date();
@@ -109,6 +122,9 @@ mod tests {
         assert!(check_zone("UTC").is_ok() && check_zone("Asia/Kolkata").is_ok());
         assert!(check_zone("Mars/Olympus").is_err_and(|e| e.contains("IANA")));
         assert!(check_zone("+15:00").is_err());
+        let dec1 = utc(2026, 12, 1) - 3_600_000;
+        assert_eq!(format(dec1, "Europe/Berlin")?, "2026-12-01T00:00:00+01:00");
+        assert_eq!(format(dec1, "+05:30")?, "2026-12-01T04:30:00+05:30");
         Ok(())
     }
 }

@@ -125,7 +125,26 @@ pub fn check_plugin(bytes: &[u8]) -> Verdict {
         return Verdict::Refused(vec![MISSING.into()]);
     }
     match Config::parse_all(bytes) {
-        Ok(_) => Verdict::Accepted(String::new()),
+        Ok(cfg) => {
+            // The module reads a zone's name, not whether the database has it: the service does.
+            let unknown: Vec<String> = cfg
+                .rules
+                .iter()
+                .enumerate()
+                .filter_map(|(i, r)| {
+                    let c = r.rate_limit()?.calendar.as_ref()?;
+                    let why = crate::calendar::check_zone(&c.zone).err()?;
+                    Some(format!(
+                        "rules[{i}].time_zone: {why} (the service refuses its takes)"
+                    ))
+                })
+                .collect();
+            if unknown.is_empty() {
+                Verdict::Accepted(String::new())
+            } else {
+                Verdict::Refused(unknown)
+            }
+        }
         Err(all) => Verdict::Refused(all.iter().map(ToString::to_string).collect()),
     }
 }

@@ -159,7 +159,7 @@ pub use contract::settle::{SettleResponse, SettleResult};
 
 /// A rate bucket as it stands, read on the store's clock without changing it (`GET /v1/buckets`,
 /// `ops/buckets.rs`). A bucket that is not stored reads as a new one: full, owing nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct BucketState {
     /// Whether the store holds the bucket (false: never charged, or expired, so full).
     pub exists: bool,
@@ -171,6 +171,22 @@ pub struct BucketState {
     pub used: u64,
     /// Milliseconds until the bucket is full again (a token bucket) or its window ends.
     pub reset_ms: u64,
+    /// A calendar window's period now, on the service's clock (absent for other algorithms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub period: Option<Period>,
+}
+
+/// A calendar window's period: its bounds in ms since the epoch and as RFC 3339 in its zone.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Period {
+    /// Its first millisecond.
+    pub start_ms: u64,
+    /// Its end (the next period's first millisecond).
+    pub end_ms: u64,
+    /// `start_ms` in the window's zone, e.g. `2026-12-01T00:00:00+01:00`.
+    pub start: String,
+    /// `end_ms` likewise.
+    pub end: String,
 }
 
 impl BucketState {
@@ -185,6 +201,7 @@ impl BucketState {
                 .saturating_sub(held.remaining)
                 .saturating_add(held.debt),
             reset_ms,
+            period: None,
         }
     }
 }

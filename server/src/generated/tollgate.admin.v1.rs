@@ -18,6 +18,11 @@ pub struct BucketRef {
     pub rate: u64,
     #[prost(uint64, tag = "6")]
     pub period_ms: u64,
+    /// A calendar window's unit and zone, as in a take (tollgate.v1.CalendarUnit, Bucket.time_zone).
+    #[prost(int32, tag = "7")]
+    pub calendar: i32,
+    #[prost(string, tag = "8")]
+    pub time_zone: ::prost::alloc::string::String,
 }
 /// What GET /v1/buckets answers, both forms in one message: a rate bucket's fields, or a
 /// concurrency key's (`in_flight`, `deadlines_ms`).
@@ -37,6 +42,15 @@ pub struct InspectBucketResponse {
     pub in_flight: u64,
     #[prost(uint64, repeated, tag = "7")]
     pub deadlines_ms: ::prost::alloc::vec::Vec<u64>,
+    /// A calendar window's period now: its bounds in ms since the epoch and as RFC 3339 in its zone.
+    #[prost(uint64, tag = "8")]
+    pub period_start_ms: u64,
+    #[prost(uint64, tag = "9")]
+    pub period_end_ms: u64,
+    #[prost(string, tag = "10")]
+    pub period_start: ::prost::alloc::string::String,
+    #[prost(string, tag = "11")]
+    pub period_end: ::prost::alloc::string::String,
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ResetBucketResponse {

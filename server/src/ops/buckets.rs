@@ -32,20 +32,23 @@ use crate::api::http::answer;
 use crate::api::json::{self, Field, Object};
 use crate::api::{Api, ApiError};
 use crate::domain::{
-    Algorithm, BucketSpec, BucketState, InvalidArgument, ResetTarget, SlotsState, MAX_KEY_BYTES,
+    Algorithm, BucketSpec, BucketState, InvalidArgument, Period, ResetTarget, SlotsState,
+    MAX_KEY_BYTES,
 };
 use contract::fields;
 
 /// The field naming what a key is: `rate` (the default) or `concurrency` (a rule's `kind`).
 pub const KIND: &str = "kind";
 /// Every field of an inspection or a reset.
-pub const FIELDS: [&str; 6] = [
+pub const FIELDS: [&str; 8] = [
     KIND,
     fields::KEY,
     fields::ALGORITHM,
     fields::CAPACITY,
     fields::RATE,
     fields::PERIOD_MS,
+    fields::CALENDAR,
+    fields::TIME_ZONE,
 ];
 /// The largest reset body: a key of [`MAX_KEY_BYTES`] (escaped) and the other fields.
 pub const BODY_BYTES: usize = 6 * MAX_KEY_BYTES + 512;
@@ -80,8 +83,8 @@ impl Object for RawBucketRef {
 /// A validated inspection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Inspect {
-    /// A rate bucket under these limits (cost unused).
-    Bucket(BucketSpec),
+    /// A rate bucket under these limits (cost unused), with a calendar window's zone.
+    Bucket(BucketSpec, Option<String>),
     /// A concurrency key's slots.
     Slots(String),
 }
@@ -165,7 +168,13 @@ pub fn validate_inspect(raw: RawBucketRef) -> Result<Inspect, InvalidArgument> {
     if is_concurrency(&raw)? {
         return slots_key(raw).map(Inspect::Slots);
     }
-    bucket(raw.bucket).map(Inspect::Bucket)
+    let zone = raw.bucket.calendar.is_some().then(|| {
+        raw.bucket
+            .time_zone
+            .clone()
+            .unwrap_or_else(|| contract::calendar::UTC.to_string())
+    });
+    bucket(raw.bucket).map(|b| Inspect::Bucket(b, zone))
 }
 
 /// Validates a reset: a concurrency key, or a rate bucket's algorithm and key (its limits,
@@ -202,15 +211,35 @@ pub fn query_object(query: &str) -> Result<Vec<u8>, InvalidArgument> {
 /// Decides a validated inspection.
 pub async fn inspect(api: &Api, what: &Inspect) -> Result<Inspected, ApiError> {
     match what {
-        Inspect::Bucket(b) => api
-            .store_call("inspect", api.store.inspect(b))
-            .await
-            .map(Inspected::Bucket),
+        Inspect::Bucket(b, zone) => {
+            let mut state = api.store_call("inspect", api.store.inspect(b)).await?;
+            if let Some(zone) = zone {
+                state.period = period(b, zone);
+            }
+            Ok(Inspected::Bucket(state))
+        }
         Inspect::Slots(k) => api
             .store_call("inspect", api.store.inspect_slots(k))
             .await
             .map(Inspected::Slots),
     }
+}
+
+/// A calendar bucket's period now (its span, computed when it was validated, picks it on the
+/// service's clock).
+fn period(b: &BucketSpec, zone: &str) -> Option<Period> {
+    let span = contract::calendar::Span::unpack(b.rate, b.period_ms);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?
+        .as_millis();
+    let (start_ms, end_ms) = span.window(u64::try_from(now).ok()?);
+    Some(Period {
+        start_ms,
+        end_ms,
+        start: crate::calendar::format(start_ms, zone).ok()?,
+        end: crate::calendar::format(end_ms, zone).ok()?,
+    })
 }
 
 /// Applies a validated reset, logged (who reset what is an operator's question later).
@@ -278,6 +307,8 @@ pub fn raw_from_pb(r: &admin_pb::BucketRef) -> Result<RawBucketRef, InvalidArgum
             capacity: nonzero(r.capacity),
             rate: nonzero(r.rate),
             period_ms: nonzero(r.period_ms),
+            calendar: take::calendar_from_pb(r.calendar),
+            time_zone: non_empty(&r.time_zone),
             ..RawBucket::default()
         },
     })
@@ -286,14 +317,21 @@ pub fn raw_from_pb(r: &admin_pb::BucketRef) -> Result<RawBucketRef, InvalidArgum
 /// An inspection's answer in protobuf.
 pub fn inspected_to_pb(i: &Inspected) -> admin_pb::InspectBucketResponse {
     match i {
-        Inspected::Bucket(b) => admin_pb::InspectBucketResponse {
-            exists: b.exists,
-            remaining: b.remaining,
-            debt: b.debt,
-            used: b.used,
-            reset_ms: b.reset_ms,
-            ..Default::default()
-        },
+        Inspected::Bucket(b) => {
+            let p = b.period.clone();
+            admin_pb::InspectBucketResponse {
+                exists: b.exists,
+                remaining: b.remaining,
+                debt: b.debt,
+                used: b.used,
+                reset_ms: b.reset_ms,
+                period_start_ms: p.as_ref().map_or(0, |p| p.start_ms),
+                period_end_ms: p.as_ref().map_or(0, |p| p.end_ms),
+                period_start: p.as_ref().map(|p| p.start.clone()).unwrap_or_default(),
+                period_end: p.map(|p| p.end).unwrap_or_default(),
+                ..Default::default()
+            }
+        }
         Inspected::Slots(s) => admin_pb::InspectBucketResponse {
             in_flight: s.in_flight,
             deadlines_ms: s.deadlines_ms.clone(),
@@ -396,7 +434,7 @@ mod tests {
     fn a_query_reads_as_a_take_would() {
         let ok = raw("key=tenant%3Aa+b&capacity=5&period_ms=1000&algorithm=fixed_window")
             .and_then(validate_inspect);
-        let Ok(Inspect::Bucket(b)) = ok else {
+        let Ok(Inspect::Bucket(b, _)) = ok else {
             unreachable!("{ok:?}")
         };
         assert_eq!(

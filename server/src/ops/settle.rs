@@ -43,7 +43,7 @@ pub struct RawSettleBucket {
     pub estimate: Option<u64>,
     /// `used`: the tokens the response actually used.
     pub used: Option<u64>,
-    /// `window`: the fixed window index the take charged, when the caller knows it.
+    /// `window`: the window the take charged (its answer's `window`), when the caller knows it.
     pub window: Option<u64>,
 }
 

@@ -16,10 +16,15 @@
 //! `rate_limit` with `unit`, `unit_multiplier`, `requests_per_unit`, `unlimited`, `name`,
 //! `replaces`; `shadow_mode`, `quota_mode`, `detailed_metric`, `value_to_metric`,
 //! `share_threshold`, `metadata`), plus Tollgate's own in `rate_limit`: `algorithm`
-//! (`token_bucket`, the default, `fixed_window` or `sliding_window`: the contract's names,
-//! `contract::Algorithm`), `burst` (token bucket: the capacity, default `requests_per_unit`) and
+//! (`token_bucket`, the default, `fixed_window`, `sliding_window` or `calendar_window`: the
+//! contract's names, `contract::Algorithm`), `burst` (token bucket: the capacity, default
+//! `requests_per_unit`), `time_zone` (a calendar window's: UTC, `+HH:MM` or an IANA name) and
 //! `charge` (`request`, the default, or `response`: see [`Limit::charge_response`]). Any other key
 //! is an error, and every error names the domain and the descriptor path.
+//!
+//! `unit: month` keeps upstream's meaning by default, 30 days (a year 365), windows counted from
+//! the Unix epoch; with `algorithm: calendar_window` a `day`, `week`, `month` or `year` is the
+//! calendar's instead, from midnight in `time_zone` ([`Limit::calendar`]).
 //!
 //! The lookup follows envoyproxy/ratelimit's: per request entry, the exact `key`+`value` first,
 //! then the first wildcard value of that key that matches, then the key alone; a limit applies only
@@ -140,6 +145,9 @@ pub struct Limit {
     /// even past the limit, into debt, since the work was done already; the checks deny until
     /// the debt is repaid.
     pub charge_response: bool,
+    /// `algorithm: calendar_window`: the calendar period `unit` names (day, week, month, year)
+    /// and `time_zone` (UTC when absent); the window is then the calendar's, not `unit` seconds.
+    pub calendar: Option<contract::calendar::Calendar>,
 }
 
 impl Limit {
@@ -148,9 +156,12 @@ impl Limit {
         self.unit.seconds().saturating_mul(self.unit_multiplier)
     }
 
-    /// The bucket's period in milliseconds.
+    /// The bucket's period in milliseconds (a calendar window's longest).
     pub fn period_ms(&self) -> u64 {
-        self.window_seconds().saturating_mul(1000)
+        match &self.calendar {
+            Some(c) => c.unit.nominal_ms(),
+            None => self.window_seconds().saturating_mul(1000),
+        }
     }
 }
 
@@ -528,6 +539,7 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, V
         }
         (Some(b), _) => b,
     };
+    let calendar = calendar_of(r, unit, unit_multiplier, algorithm, &mut refusals);
     for rep in &r.replaces {
         if rep.name.is_empty() {
             refusals.push("replaces: an entry has an empty name".into());
@@ -549,9 +561,52 @@ fn limit_of(r: &YamlRateLimit, shadow_mode: bool, path: &str) -> Result<Limit, V
             path: path.to_string(),
             detailed_metric: false,
             charge_response,
+            calendar,
         }),
         _ => Err(refusals),
     }
+}
+
+/// A calendar window's period and zone (`algorithm: calendar_window`): `unit` one of day, week,
+/// month, year, one of them (`unit_multiplier` 1), and `time_zone` a zone this service knows;
+/// `time_zone` is refused with any other algorithm.
+fn calendar_of(
+    r: &YamlRateLimit,
+    unit: Option<Unit>,
+    unit_multiplier: Option<u64>,
+    algorithm: Option<Algorithm>,
+    refusals: &mut Vec<String>,
+) -> Option<contract::calendar::Calendar> {
+    use contract::calendar::{Calendar, Unit as Period};
+    if algorithm != Some(Algorithm::CalendarWindow) {
+        if r.time_zone.is_some() && algorithm.is_some() {
+            refusals.push("time_zone: applies to calendar_window only".into());
+        }
+        return None;
+    }
+    if unit_multiplier.is_some_and(|m| m != 1) {
+        refusals.push("unit_multiplier: a calendar window is one day, week, month or year".into());
+    }
+    let period = match unit? {
+        Unit::Day => Period::Day,
+        Unit::Week => Period::Week,
+        Unit::Month => Period::Month,
+        Unit::Year => Period::Year,
+        other => {
+            refusals.push(format!(
+                "unit: a calendar window is a day, week, month or year, not {other:?}"
+            ));
+            return None;
+        }
+    };
+    let zone = r
+        .time_zone
+        .clone()
+        .unwrap_or_else(|| contract::calendar::UTC.to_string());
+    if let Err(why) = crate::calendar::check_zone(&zone) {
+        refusals.push(format!("time_zone: {why}"));
+    }
+    Some(Calendar { unit: period, zone })
 }
 
 #[derive(Debug, Deserialize)]
@@ -612,6 +667,8 @@ struct YamlRateLimit {
     burst: Option<u64>,
     #[serde(default)]
     charge: Option<String>,
+    #[serde(default)]
+    time_zone: Option<String>,
     /// Shaping options, refused by name (`limit_of`).
     #[serde(default)]
     shape: Option<serde_yaml_ng::Value>,
@@ -739,6 +796,10 @@ descriptors:
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, shape: true}\n", "rate_limit.shape: shaping (holding a request until its tokens are there) needs the Tollgate filter"),
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, max_delay: 1s}\n", "rate_limit.max_delay: shaping"),
             ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, max_delay_ms: 500}\n", "rate_limit.max_delay_ms: shaping"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: hour, requests_per_unit: 1, algorithm: calendar_window}\n", "rate_limit.unit: a calendar window is a day, week, month or year"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: day, unit_multiplier: 2, requests_per_unit: 1, algorithm: calendar_window}\n", "rate_limit.unit_multiplier: a calendar window is one"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: month, requests_per_unit: 1, algorithm: calendar_window, time_zone: Mars/Olympus}\n", "rate_limit.time_zone: \"Mars/Olympus\" is not a time zone"),
+            ("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: month, requests_per_unit: 1, time_zone: UTC}\n", "rate_limit.time_zone: applies to calendar_window only"),
         ];
         for (text, want) in cases {
             let got = Limits::parse(text).err().unwrap_or_default();
@@ -813,6 +874,17 @@ descriptors:
         let resp = find(&l, "d", &[("k", "resp")]).map(|f| f.limit.charge_response);
         assert_eq!(resp, Some(true));
         assert!(l.has_domain("d") && !l.has_domain("e"));
+        // Upstream's month (30 days) stays the default; the calendar's is asked for by name.
+        let cal = Limits::parse(
+            "domain: d\ndescriptors:\n  - {key: k, rate_limit: {unit: month, requests_per_unit: 500, \
+             algorithm: calendar_window, time_zone: Europe/Berlin}}\n",
+        )
+        .unwrap_or_default();
+        let c = find(&cal, "d", &[("k", "x")]).and_then(|f| f.limit.calendar.clone());
+        assert_eq!(
+            c.map(|c| (c.unit, c.zone)),
+            Some((contract::calendar::Unit::Month, "Europe/Berlin".to_string()))
+        );
     }
 
     #[test]

@@ -154,6 +154,7 @@ fn plan(limits: &Limits, req: &RateLimitRequest) -> Result<Vec<Plan>, Status> {
                     path: format!("{}.<override>", req.domain),
                     detailed_metric: true,
                     charge_response: false,
+                    calendar: None,
                 };
                 let entries: Vec<(String, String)> = entries
                     .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -229,8 +230,8 @@ fn raw_bucket(limit: &Limit, key: &str, cost: u64) -> RawBucket {
         lease: None,
         rule: None,
         max_delay_ms: None,
-        calendar: None,
-        time_zone: None,
+        calendar: limit.calendar.as_ref().map(|c| c.unit.name().to_string()),
+        time_zone: limit.calendar.as_ref().map(|c| c.zone.clone()),
     }
 }
 

@@ -520,3 +520,55 @@ async fn redis_over_grpc() {
     let redis = RedisProc::start();
     over_grpc(Arc::new(redis_store(&redis.url(), 1000))).await;
 }
+
+/// A calendar bucket inspected: its count, and its period as RFC 3339 in its zone.
+async fn a_calendar_bucket_shows_its_period(store: Arc<dyn Store>) {
+    let svc = admin_service(store).await;
+    let client = reqwest::Client::new();
+    let key = common::unique("cal-inspect");
+    let b = json!({"key": key, "capacity": 500, "period_ms": 2_678_400_000u64, "cost": 20,
+        "algorithm": "calendar_window", "calendar": "month", "time_zone": "Europe/Berlin"});
+    assert!(allowed(&client, &svc, b).await);
+    let (s, v) = inspect(
+        &client,
+        &svc,
+        &format!(
+            "key={key}&capacity=500&period_ms=2678400000&algorithm=calendar_window\
+             &calendar=month&time_zone=Europe%2FBerlin"
+        ),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["exists"].as_bool(), v["used"].as_u64()),
+        (Some(true), Some(20)),
+        "{v}"
+    );
+    let p = &v["period"];
+    let start = p["start"].as_str().unwrap_or_default();
+    let end = p["end"].as_str().unwrap_or_default();
+    // The 1st at midnight in Berlin, whichever offset it has then.
+    assert!(
+        start.get(7..19) == Some("-01T00:00:00") && end.get(7..19) == Some("-01T00:00:00"),
+        "{v}"
+    );
+    let reset = v["reset_ms"].as_u64().unwrap_or_default();
+    let end_ms = p["end_ms"].as_u64().unwrap_or_default();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!((now + reset).abs_diff(end_ms) < 2_000, "{v}");
+    svc.stop().await;
+}
+
+#[tokio::test]
+async fn memory_a_calendar_bucket_shows_its_period() {
+    a_calendar_bucket_shows_its_period(common::memory_store()).await;
+}
+
+#[tokio::test]
+async fn redis_a_calendar_bucket_shows_its_period() {
+    let redis = RedisProc::start();
+    a_calendar_bucket_shows_its_period(Arc::new(redis_store(&redis.url(), 1000))).await;
+}

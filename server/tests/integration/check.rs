@@ -696,3 +696,43 @@ fn every_refusal_of_every_configuration_is_reported() {
     let first = Config::parse(&fs::read(&plugin).unwrap()).unwrap_err();
     assert_eq!(first.to_string(), "service: missing (required)");
 }
+
+#[test]
+fn a_calendar_in_a_zone_the_database_lacks_is_refused() {
+    let tmp = TempDir::new("check-zone");
+    let plugin = tmp.path().join("plugin.json");
+    fs::write(
+        &plugin,
+        r#"{"service": {"cluster": "c"}, "rules": [
+            {"name": "a", "capacity": 5, "algorithm": "calendar_window", "calendar": "month", "time_zone": "Europe/Berlin"},
+            {"name": "b", "capacity": 5, "algorithm": "calendar_window", "calendar": "day", "time_zone": "Mars/Olympus"}]}"#,
+    )
+    .unwrap();
+    let limits = tmp.path().join("limits.yaml");
+    fs::write(
+        &limits,
+        "domain: d\ndescriptors:\n\
+         \x20 - key: a\n    rate_limit: {unit: month, requests_per_unit: 9, algorithm: calendar_window, time_zone: Asia/Kolkata}\n\
+         \x20 - key: b\n    rate_limit: {unit: week, requests_per_unit: 9, algorithm: calendar_window, time_zone: Moon/Tycho}\n",
+    )
+    .unwrap();
+    let (p, l) = (plugin.to_str().unwrap(), limits.to_str().unwrap());
+    let (code, out, err) = check(&["--filter", p, "--limits", l]);
+    assert_eq!(code, 1, "{out}{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(
+        lines[0].starts_with(&format!(
+            "{p}: refused: rules[1].time_zone: \"Mars/Olympus\" is not a time zone of the IANA database"
+        )),
+        "{out}"
+    );
+    assert!(
+        lines[1].starts_with(&format!(
+            "{l}: refused: domain \"d\": descriptor d.b (descriptors[1]): rate_limit.time_zone: \"Moon/Tycho\""
+        )),
+        "{out}"
+    );
+    // The module itself reads the name and leaves the database to the service.
+    assert!(Config::parse(&fs::read(&plugin).unwrap()).is_ok());
+}
