@@ -881,3 +881,100 @@ fn a_settlement_that_gives_tokens_back_ends_the_denial_this_envoy_remembered() {
     assert_eq!(fourth.status, 200, "{:?}", fourth.header("retry-after"));
     assert_eq!(e.tg("rule.llm.limited_locally"), 0, "{:?}", e.tg_all());
 }
+
+/// A monthly budget (`calendar_window`, a month from midnight in a named zone, `Etc/GMT-1`: an
+/// hour east of UTC all year), priced by the response: what each response used is settled in the
+/// month it was reserved in, a request whose estimate no longer fits is refused until the 1st,
+/// and its `Retry-After` and `RateLimit` reset point at that midnight.
+#[test]
+fn a_monthly_budget_settles_in_its_month_and_resets_on_the_first() {
+    let capacity = 5_000;
+    let mut rule = llm_rule(capacity, 1, 1, hint());
+    let r = rule.as_object_mut().unwrap();
+    r.remove("rate");
+    r.remove("period_ms");
+    r.insert("algorithm".into(), json!("calendar_window"));
+    r.insert("calendar".into(), json!("month"));
+    r.insert("time_zone".into(), json!("Etc/GMT-1"));
+    let cfg = plugin(
+        Transport::Grpc,
+        vec![rule],
+        json!({"service": {"batch": 0}, "response": {"headers": ["x-ratelimit"]}}),
+    );
+    let f = fleet("tokens-monthly", 1, &cfg);
+    let e = &f.envoys[0];
+    let client = Client::new();
+    // How the month stands at the service: a settle of nothing, with the calendar.
+    let standing = || {
+        let body = json!({"id": format!("probe-{}", Instant::now().elapsed().as_nanos()),
+            "buckets": [{"key": "llm|team-m", "capacity": capacity, "period_ms": 2_678_400_000u64,
+                         "algorithm": "calendar_window", "calendar": "month",
+                         "time_zone": "Etc/GMT-1", "estimate": 0, "used": 0}]});
+        let r = client.post(
+            &format!("http://127.0.0.1:{}/v1/settle", f.service.port),
+            &[("content-type", "application/json")],
+            body.to_string().as_bytes(),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: Value = serde_json::from_str(&r.body).unwrap();
+        v["buckets"][0]["remaining"].as_u64().unwrap()
+    };
+
+    // 1,000 reserved, 300 used: 700 come back to this month.
+    let r = ask(
+        &client,
+        e,
+        "team-m",
+        &[("x-max-tokens", "1000"), ("x-llm-usage", "300")],
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    delivered(e, 1);
+    assert_eq!(
+        standing(),
+        4_700,
+        "the unused 700 back in the month charged"
+    );
+    // 4,000 reserved and used: 700 left, and a request reserving 1,000 no longer fits.
+    let r = ask(
+        &client,
+        e,
+        "team-m",
+        &[("x-max-tokens", "4000"), ("x-llm-usage", "4000")],
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(standing(), 700);
+    let asked = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let r = ask(&client, e, "team-m", &[("x-max-tokens", "1000")]);
+    assert_eq!(r.status, 429, "{}", r.body);
+    // The 1st of next month at midnight, an hour east of UTC.
+    let span = contract::calendar::Span::fixed(contract::calendar::Unit::Month, 60, asked);
+    let first = span.window(asked).1;
+    let want = (first - asked).div_ceil(1000);
+    let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!(
+        retry.abs_diff(want) <= 2,
+        "Retry-After {retry} s, the 1st is {want} s away"
+    );
+    let reset: u64 = r
+        .header("x-ratelimit-reset")
+        .unwrap_or_else(|| panic!("a reset header: {:?}", r.headers))
+        .parse()
+        .unwrap();
+    assert!(
+        reset.abs_diff(want) <= 2,
+        "reset {reset} s, the 1st is {want} s away"
+    );
+    // A request that fits the 700 left goes.
+    let r = ask(
+        &client,
+        e,
+        "team-m",
+        &[("x-max-tokens", "700"), ("x-llm-usage", "700")],
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    all_settled(&f);
+    assert_eq!(standing(), 0);
+}
