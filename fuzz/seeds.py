@@ -99,6 +99,7 @@ CONFIGS = {
     # `the_fuzz_seeds_reach_every_rule_field`, checks that the accepted seeds reach them all).
     "every-rule-field.json": json.dumps({
         "service": {"cluster": "c"},
+        "model": {"body": True, "max_body_bytes": 4096},
         "rules": [
             {"name": "rate", "kind": "rate",
              "match": {"path_prefix": "/api", "not": {"client_ip": ["10.0.0.0/8"]}},
@@ -126,10 +127,11 @@ CONFIGS = {
                  "rate": {"header": "x-tenant-rate", "max": 100000},
                  "cost": {"metadata": ["envoy.filters.http.jwt_authn", "jwt_payload", "w"],
                           "max": 50}}},
-            {"name": "monthly", "key": ["header:x-team"], "capacity": 500000,
+            {"name": "monthly", "key": ["header:x-team", "model"], "capacity": 500000,
              "algorithm": "calendar_window", "calendar": "month", "time_zone": "Europe/Berlin",
              "cost": {"reserve": "max", "max": 8000}, "charge": "response",
-             "usage": {"header": "x-tokens"}},
+             "usage": {"header": "x-tokens",
+                       "prices": {"gpt-4o": {"prompt": 25, "completion": 100}}}},
             {"name": "slots", "kind": "concurrency", "match": {"methods": ["POST"]},
              "key": ["header:x-tenant"], "on_missing": "skip", "max_in_flight": 4,
              "deadline_ms": 30000, "shadow": False, "response": {"body": "busy\n"}},

@@ -17,7 +17,8 @@
 //!   - `config`: the plugin configuration, parsed and validated once (`model`, `reader`, and
 //!     the tables it reads by: `rules`, a rule's fields, `fields`, every other section's,
 //!     `transports`, what each transport carries).
-//!   - `rules`: rule matching, key building (`rules::keys`), a bucket's limit (`rules::limits`).
+//!   - `rules`: rule matching, key building (`rules::keys`), a bucket's limit (`rules::limits`),
+//!     the model a JSON body asks for (`rules::model`).
 //!   - `wire`: the contract crate's codecs with this VM's instance id and rule names, and Envoy's
 //!     RLS v3 request and response; `plan` (the plain data of a decision), `instance`, `callout`
 //!     (every callout encoded for the adapter), `batch` (group commit), `stream` (a worker's

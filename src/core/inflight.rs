@@ -241,6 +241,7 @@ pub(crate) mod tests {
             ],
             peer: None,
             properties: Vec::new(),
+            ..Default::default()
         }
     }
 
@@ -427,6 +428,7 @@ pub(crate) mod tests {
             headers: vec![("x-tenant".into(), b"acme".to_vec())],
             peer: None,
             properties: Vec::new(),
+            ..Default::default()
         };
         let wants = plan(&c, &r);
         let allowed = case("acquire_allowed");

@@ -82,6 +82,7 @@ pub enum MetricKind {
 /// Buffers the adapter reads (the ABI's `BufferType` numbering).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Buffer {
+    HttpRequestBody = 0,
     HttpResponseBody = 1,
     HttpCallResponseBody = 4,
     GrpcReceive = 5,
@@ -105,8 +106,8 @@ pub trait Abi {
     fn memory_bytes(&self) -> u64;
     /// Wall-clock time, ms since the epoch (0 if the host refuses).
     fn now_ms(&self) -> u64;
-    /// Bytes `0..size` of a buffer (empty if absent or refused).
-    fn buffer(&self, which: Buffer, size: usize) -> Vec<u8>;
+    /// Bytes `start..start + size` of a buffer (empty if absent or refused).
+    fn buffer(&self, which: Buffer, start: usize, size: usize) -> Vec<u8>;
     /// The first value of one header of a map; `None` when absent.
     fn header(&self, map: HeaderMap, name: &str) -> Option<Vec<u8>>;
     /// A whole header map; `None` if the host refused or sent garbage.

@@ -48,6 +48,7 @@ use crate::core::flow::{self, Flow, Leftover, Metric, Next, Phase};
 use crate::core::inflight;
 use crate::core::local::lease;
 use crate::core::outbox::Outbox;
+use crate::core::rules::Request;
 use crate::core::wire::batch::{self, Queued};
 use crate::core::wire::callout;
 use crate::core::wire::plan::CalloutResult;
@@ -232,7 +233,7 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
-    pub fn on_request_headers(&mut self, id: u32) -> u32 {
+    pub fn on_request_headers(&mut self, id: u32, end_of_stream: bool) -> u32 {
         self.abi.enter(Some(id), true);
         let Some(f) = self.filters.get_mut(&id) else {
             return CONTINUE;
@@ -247,24 +248,59 @@ impl<A: Abi> Dispatcher<A> {
             f.flow.phase = Phase::Done;
             return CONTINUE;
         }
-        let req = read_request(&self.abi, &plugin.config, &plugin.reads);
-        let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, id);
-        let next = f.flow.on_request_headers(&plugin.config, &req, &mut proxy);
-        keep_watching(&plugin, std::mem::take(&mut f.flow.watched));
+        let mut req = read_request(&self.abi, &plugin.config, &plugin.reads);
+        req.end_of_stream = end_of_stream;
+        let status = self.decide_request(id, &plugin, &req);
+        let reading = self
+            .filters
+            .get(&id)
+            .is_some_and(|f| f.flow.body_read().is_some());
+        if reading {
+            // The proxy-wasm host turns a paused header phase into "stop everything", which
+            // would hold the body from the module too: the headers go on, and the body is held
+            // (buffered by Envoy) until the model is read and the request decided.
+            return CONTINUE;
+        }
+        status
+    }
+
+    /// The request (its model read, if it was waited for) decided: the flow's step, its
+    /// watched pools kept, the queue tended.
+    fn decide_request(&mut self, id: u32, plugin: &Rc<Plugin>, req: &Request) -> u32 {
+        let Some(f) = self.filters.get_mut(&id) else {
+            return CONTINUE;
+        };
+        let mut proxy = Proxy::new(&self.abi, plugin, &mut self.ledger, id);
+        let next = f.flow.on_request_headers(&plugin.config, req, &mut proxy);
+        keep_watching(plugin, std::mem::take(&mut f.flow.watched));
         if plugin.config.service.batch > 0 {
             // A take queued behind callouts out a tick or more leaves now, not on the next tick.
-            self.tend_queue(&plugin);
+            self.tend_queue(plugin);
         }
         self.end_callback();
         status_code(next)
     }
 
-    /// Body or trailers: held while the callout is in flight.
-    pub fn on_request_data(&mut self, id: u32) -> u32 {
-        match self.filters.get(&id) {
-            Some(f) => status_code(f.flow.on_request_data()),
-            None => CONTINUE,
-        }
+    /// A piece of the request body (`size`: all of it buffered so far; `None` at the trailers),
+    /// `end_of_stream` when it is the last: read for the model while the request waits for it
+    /// (then decided once it is known), else held while the callout is in flight.
+    pub fn on_request_body(&mut self, id: u32, size: Option<usize>, end_of_stream: bool) -> u32 {
+        let Some(f) = self.filters.get_mut(&id) else {
+            return CONTINUE;
+        };
+        let (Some(seen), Some(plugin)) = (f.flow.body_read(), f.plugin.clone()) else {
+            return status_code(f.flow.on_request_data());
+        };
+        self.abi.enter(Some(id), true);
+        let chunk = match size {
+            Some(n) if n > seen => self.abi.buffer(Buffer::HttpRequestBody, seen, n - seen),
+            _ => Vec::new(),
+        };
+        let Some(req) = f.flow.on_body_for_model(&chunk, end_of_stream) else {
+            self.end_callback();
+            return PAUSE;
+        };
+        self.decide_request(id, &plugin, &req)
     }
 
     pub fn on_response_headers(&mut self, id: u32, end_of_stream: bool) -> u32 {
@@ -317,7 +353,7 @@ impl<A: Abi> Dispatcher<A> {
             return CONTINUE;
         };
         if meter.wants_body() {
-            let chunk = self.abi.buffer(Buffer::HttpResponseBody, size);
+            let chunk = self.abi.buffer(Buffer::HttpResponseBody, 0, size);
             meter.on_body(&chunk, end_of_stream);
         }
         CONTINUE
@@ -443,7 +479,7 @@ impl<A: Abi> Dispatcher<A> {
                 if body_size > MAX_ANSWER_BYTES {
                     return CalloutResult::TooLarge { size: body_size };
                 }
-                let body = abi.buffer(Buffer::HttpCallResponseBody, body_size);
+                let body = abi.buffer(Buffer::HttpCallResponseBody, 0, body_size);
                 CalloutResult::Http { status, body }
             }),
         );
@@ -714,7 +750,7 @@ fn grpc_message(abi: &impl Abi, size: usize) -> CalloutResult {
     CalloutResult::Grpc {
         status: 0,
         message: None,
-        body: abi.buffer(Buffer::GrpcReceive, size),
+        body: abi.buffer(Buffer::GrpcReceive, 0, size),
     }
 }
 

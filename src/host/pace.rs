@@ -169,8 +169,8 @@ impl<A: Abi> Abi for Paced<A> {
     fn now_ms(&self) -> u64 {
         self.inner.now_ms()
     }
-    fn buffer(&self, which: abi::Buffer, size: usize) -> Vec<u8> {
-        self.inner.buffer(which, size)
+    fn buffer(&self, which: abi::Buffer, start: usize, size: usize) -> Vec<u8> {
+        self.inner.buffer(which, start, size)
     }
     fn header(&self, map: abi::HeaderMap, name: &str) -> Option<Vec<u8>> {
         self.inner.header(map, name)

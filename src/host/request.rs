@@ -4,7 +4,7 @@
 //! metadata the rules' `from_request` reads.
 
 use super::abi::{Abi, HeaderMap};
-use crate::core::config::{Config, HeaderMatch};
+use crate::core::config::{Config, HeaderMatch, ModelSource};
 use crate::core::rules::{keys, matches_headers, Headers, Request};
 
 /// What a configuration's requests are read for, worked out once when it loads.
@@ -142,9 +142,19 @@ pub(super) fn read_request(abi: &impl Abi, cfg: &Config, reads: &Reads) -> Reque
             abi.property(&parts).map(|v| (path.clone(), v))
         })
         .collect();
+    // A header a gateway set; the body's model is read by the flow, before the request is decided.
+    let model = match &cfg.model {
+        Some(ModelSource::Header(name)) => abi
+            .header(HeaderMap::Request, name)
+            .and_then(|v| String::from_utf8(v).ok())
+            .filter(|m| !m.is_empty()),
+        _ => None,
+    };
     Request {
         headers,
         peer,
         properties,
+        model,
+        end_of_stream: false,
     }
 }

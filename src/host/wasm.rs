@@ -202,9 +202,9 @@ impl Abi for Envoy {
         }
     }
 
-    fn buffer(&self, which: Buffer, size: usize) -> Vec<u8> {
+    fn buffer(&self, which: Buffer, start: usize, size: usize) -> Vec<u8> {
         // SAFETY: plain host call with out-pointers to `fetch`'s locals.
-        fetch(|d, s| unsafe { proxy_get_buffer_bytes(which as u32, 0, size, d, s) })
+        fetch(|d, s| unsafe { proxy_get_buffer_bytes(which as u32, start, size, d, s) })
             .unwrap_or_default()
     }
 
@@ -531,19 +531,27 @@ pub extern "C" fn proxy_on_configure(context_id: u32, configuration_size: u32) -
     }))
 }
 
+/// `end_of_stream`: no body follows. A pause here is turned by the host (proxy-wasm-cpp-host,
+/// `convertVmCallResultToFilterHeadersStatus`) into Envoy's `StopAllIterationAndWatermark`: the
+/// body is then held from the module too, so a request that waits for its body's model lets its
+/// headers go on ([`Dispatcher::on_request_headers`]).
 #[no_mangle]
-pub extern "C" fn proxy_on_request_headers(context_id: u32, _headers: u32, _eos: u32) -> u32 {
-    with(CONTINUE, |d| d.on_request_headers(context_id))
+pub extern "C" fn proxy_on_request_headers(context_id: u32, _headers: u32, eos: u32) -> u32 {
+    with(CONTINUE, |d| d.on_request_headers(context_id, eos != 0))
 }
 
+/// `body_size`: the body buffered so far, all of it when the previous call paused (Envoy adds
+/// each piece to the buffered body before the call; a pause is `StopIterationAndBuffer`).
 #[no_mangle]
-pub extern "C" fn proxy_on_request_body(context_id: u32, _size: u32, _eos: u32) -> u32 {
-    with(CONTINUE, |d| d.on_request_data(context_id))
+pub extern "C" fn proxy_on_request_body(context_id: u32, body_size: u32, eos: u32) -> u32 {
+    with(CONTINUE, |d| {
+        d.on_request_body(context_id, Some(size(body_size)), eos != 0)
+    })
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(context_id: u32, _trailers: u32) -> u32 {
-    with(CONTINUE, |d| d.on_request_data(context_id))
+    with(CONTINUE, |d| d.on_request_body(context_id, None, true))
 }
 
 #[no_mangle]

@@ -21,6 +21,7 @@
 //! - [`ledger`]
 //! - [`limit_change`]
 //! - [`limits`]
+//! - [`models`]
 //! - [`outage`]
 //! - [`overload`]
 //! - [`rls`]
@@ -59,6 +60,7 @@ mod lease;
 mod ledger;
 mod limit_change;
 mod limits;
+mod models;
 mod outage;
 mod overload;
 mod rls;

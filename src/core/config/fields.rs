@@ -12,8 +12,8 @@
 //! The lines are left out of the module (`target_arch = "wasm32"`): only the tests read them.
 
 use super::model::{
-    DEFAULT_MAX_HELD, MAX_AMOUNT, MAX_BATCH_TAKES, MAX_DELAY_MS, MAX_HELD, MAX_LEASE_AGE_MS,
-    MAX_PERIOD_MS,
+    DEFAULT_MAX_HELD, DEFAULT_MODEL_BODY_BYTES, MAX_AMOUNT, MAX_BATCH_TAKES, MAX_DELAY_MS,
+    MAX_HELD, MAX_LEASE_AGE_MS, MAX_MODEL_BODY_BYTES, MAX_PERIOD_MS,
 };
 
 /// One field of a section.
@@ -98,6 +98,15 @@ pub const ROOT: &[Field] = &[
     field!("shadow", Bool, IfAbsent::Bool(false), "evaluate and count, never deny"),
     field!("response", Object, Derived, "the denial"),
     field!("near_limit", Fraction, Derived, "the used share of a bucket counted as near its limit (0.8)"),
+    field!("model", Object, Nothing, "where a request's model is read: a header, or its JSON body"),
+];
+
+/// `model`: where the model a request asks for is read (the key part `model`, `usage.prices`).
+#[rustfmt::skip]
+pub const MODEL: &[Field] = &[
+    field!("header", Text, Nothing, "a request header a gateway set (lower case)"),
+    field!("body", Bool, IfAbsent::Bool(false), "the JSON body's top-level `model`, read as the body arrives"),
+    field!("max_body_bytes", Value::Int(1, MAX_MODEL_BODY_BYTES), IfAbsent::Int(DEFAULT_MODEL_BODY_BYTES as u32), "the most of the body read for it"),
 ];
 
 /// `service`.
@@ -194,6 +203,7 @@ pub const USAGE: &[Field] = &[
     field!("header", Text, Nothing, "a response header reporting the usage"),
     field!("body", Bool, IfAbsent::Bool(true), "read the usage an LLM response body reports"),
     field!("weights", Object, Nothing, "the price of a token of each kind"),
+    field!("prices", Object, Nothing, "per model (the request's `model`), the price of a token of each kind, as `weights`"),
     field!("max", Value::Int(1, MAX_AMOUNT), IfAbsent::Int(MAX_AMOUNT as u32), "the most a response is charged"),
     field!("cut", Choice(&["bound", "reserved"]), IfAbsent::Text("bound"), "what a response cut off is charged"),
 ];

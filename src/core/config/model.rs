@@ -106,7 +106,26 @@ pub struct Config {
     /// A bucket is near its limit when an allowed take leaves at most this share of it, in
     /// thousandths (`tollgate.rule.<name>.near_limit`; from `near_limit`, the used fraction).
     pub near_limit_left_permille: u64,
+    /// Where a request's model is read (`model`), when some rule keys or prices by it.
+    pub model: Option<ModelSource>,
 }
+
+/// Where the model a request asks for is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    /// A request header a gateway in front set (lower case).
+    Header(String),
+    /// The JSON body's top-level `model`, read as the body arrives, at most this many bytes of it:
+    /// the request waits for it before it is decided.
+    Body(usize),
+}
+
+/// Default and largest `model.max_body_bytes`.
+pub const DEFAULT_MODEL_BODY_BYTES: u64 = 65_536;
+/// The most of a request body read for its model (1 MiB): Envoy holds the body meanwhile.
+pub const MAX_MODEL_BODY_BYTES: u64 = 1_048_576;
+/// Most models `usage.prices` names.
+pub const MAX_PRICES: usize = 64;
 
 /// The decision service. Its `Debug` output never shows the bearer token.
 #[derive(Clone, PartialEq, Eq)]
@@ -356,10 +375,23 @@ pub struct Charge {
     pub body: bool,
     /// Price of prompt and completion tokens; `None`: `total_tokens` (or their sum).
     pub weights: Option<Weights>,
+    /// Per model (the request's), the price of its prompt and completion tokens; a model not
+    /// named here is priced by `weights`.
+    pub prices: Vec<(String, Weights)>,
     /// Most tokens one response is charged.
     pub max: u64,
     /// What a response cut off before its end is charged (`usage.cut`).
     pub cut: Cut,
+}
+
+impl Charge {
+    /// The prices of `model`'s tokens: its own in `prices`, else `weights`.
+    pub fn weights_for(&self, model: Option<&str>) -> Option<Weights> {
+        model
+            .and_then(|m| self.prices.iter().find(|(name, _)| name == m))
+            .map(|(_, w)| *w)
+            .or(self.weights)
+    }
 }
 
 /// What a response cut off before it ended (client gone, upstream reset) is charged: LLM APIs
@@ -583,6 +615,8 @@ pub enum KeyPart {
     Method,
     /// The request authority (host).
     Authority,
+    /// The model the request asks for (the configuration's `model`).
+    Model,
 }
 
 /// What a request costs.

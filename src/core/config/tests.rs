@@ -723,3 +723,98 @@ fn a_calendar_window_names_its_unit_and_zone_and_no_period() {
     let e = error_of(rls);
     assert_eq!(e.field, "rules[0].calendar", "{e}");
 }
+
+#[test]
+fn the_model_is_read_from_a_header_or_the_body_and_keys_and_prices_by_it() {
+    let with = |model: &str, rule: &str| {
+        format!(r#"{{"service":{{"cluster":"c"}},{model}"rules":[{rule}]}}"#)
+    };
+    let keyed = r#"{"name":"m","key":["header:x-team","model"],"capacity":5,"period_ms":1000}"#;
+    let c = parse(&with(r#""model":{"body":true},"#, keyed)).unwrap();
+    assert_eq!(c.model, Some(ModelSource::Body(65_536)));
+    assert_eq!(c.rules[0].key[1], KeyPart::Model);
+    let c = parse(&with(
+        r#""model":{"body":true,"max_body_bytes":4096},"#,
+        keyed,
+    ))
+    .unwrap();
+    assert_eq!(c.model, Some(ModelSource::Body(4096)));
+    let c = parse(&with(r#""model":{"header":"x-ai-model"},"#, keyed)).unwrap();
+    assert_eq!(c.model, Some(ModelSource::Header("x-ai-model".into())));
+    let priced = r#"{"name":"p","key":["header:x-team"],"capacity":100000,"period_ms":60000,
+        "cost":{"reserve":"max","max":4000},"charge":"response",
+        "usage":{"weights":{"prompt":2,"completion":8},
+                 "prices":{"gpt-4o":{"prompt":5,"completion":15},"gpt-4o-mini":{"completion":4}}}}"#;
+    let c = parse(&with(r#""model":{"body":true},"#, priced)).unwrap();
+    let charge = rate(&c, 0).charge.clone().unwrap();
+    let w = |m: Option<&str>| charge.weights_for(m).map(|w| (w.prompt, w.completion));
+    assert_eq!(w(Some("gpt-4o")), Some((5, 15)));
+    assert_eq!(
+        w(Some("gpt-4o-mini")),
+        Some((1, 4)),
+        "a price left out is 1"
+    );
+    assert_eq!(
+        w(Some("other")),
+        Some((2, 8)),
+        "a model not named: `weights`"
+    );
+    assert_eq!(w(None), Some((2, 8)));
+    for (json, field, says) in [
+        (with("", keyed), "rules[0].key[1]", "the top-level `model`"),
+        (
+            with("", priced),
+            "rules[0].usage.prices",
+            "the top-level `model`",
+        ),
+        (with(r#""model":{},"#, keyed), "model.header", "exactly one"),
+        (
+            with(r#""model":{"header":"x-m","body":true},"#, keyed),
+            "model.header",
+            "exactly one",
+        ),
+        (
+            with(r#""model":{"header":"x-m","max_body_bytes":10},"#, keyed),
+            "model.max_body_bytes",
+            "only with",
+        ),
+        (
+            with(r#""model":{"body":true,"max_body_bytes":0},"#, keyed),
+            "model.max_body_bytes",
+            "between",
+        ),
+        (
+            with(r#""model":{"body":true,"max_body_bytes":1048577},"#, keyed),
+            "model.max_body_bytes",
+            "between",
+        ),
+        (
+            with(r#""model":{"header":"X-Bad Name"},"#, keyed),
+            "model.header",
+            "",
+        ),
+        (
+            with(
+                r#""model":{"body":true},"#,
+                &priced.replace(
+                    r#""gpt-4o":{"prompt":5,"completion":15}"#,
+                    r#""gpt-4o":{"prompt":-1}"#,
+                ),
+            ),
+            "rules[0].usage.prices.gpt-4o.prompt",
+            "between",
+        ),
+        (
+            with(
+                r#""model":{"body":true},"#,
+                &priced.replace(r#""prices":{"#, r#""prices":{"":{},"#),
+            ),
+            "rules[0].usage.prices.",
+            "1..=128",
+        ),
+    ] {
+        let e = error_of(&json);
+        assert_eq!(e.field, field, "{json}: {e}");
+        assert!(e.message.contains(says), "{json}: {e}");
+    }
+}

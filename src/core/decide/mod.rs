@@ -18,7 +18,7 @@
 pub mod headers;
 
 use crate::core::base::store::CasStore;
-use crate::core::config::{Config, FailureMode, Limit, Rule, RuleKind, Transport};
+use crate::core::config::{Config, FailureMode, KeyPart, Limit, Rule, RuleKind, Transport};
 use crate::core::local::slots::{self, Want};
 use crate::core::rules::limits::{cost_for, limit_for};
 use crate::core::rules::{keys, matches, Request};
@@ -39,6 +39,19 @@ pub struct Matched {
     pub slots: Vec<Want>,
     /// Per-rule events of reading the request (a limit read from it clamped, or absent), to count.
     pub counts: Vec<(usize, RuleCount)>,
+}
+
+/// Whether a rule `req` matches reads the request's model: keyed by it (its key or its RLS
+/// descriptor), or priced by it (`usage.prices`).
+pub fn reads_model(cfg: &Config, req: &Request) -> bool {
+    cfg.rules.iter().any(|rule| {
+        let by_key = rule.key.contains(&KeyPart::Model);
+        let by_rate = rule.rate_limit().is_some_and(|l| {
+            l.descriptor.iter().any(|(_, p)| *p == KeyPart::Model)
+                || l.charge.as_ref().is_some_and(|c| !c.prices.is_empty())
+        });
+        (by_key || by_rate) && matches(&rule.matcher, req, cfg.trusted_hops)
+    })
 }
 
 /// Plans the callout for `req` and notes the slots it wants: each rule that matches and whose key

@@ -44,6 +44,7 @@ fn req(path: &str, method: &str, user: Option<&str>) -> Request {
         headers,
         peer: Some("10.0.0.7:5555".into()),
         properties: Vec::new(),
+        ..Default::default()
     }
 }
 

@@ -29,11 +29,12 @@
 
 use crate::core::base::ledger::CalloutId;
 use crate::core::base::store::CasStore;
-use crate::core::config::Config;
+use crate::core::config::{Config, ModelSource};
 use crate::core::decide;
 use crate::core::local::breaker::{self, Admission, Event};
 use crate::core::local::fallback;
 use crate::core::local::lease::{self, Count};
+use crate::core::rules::model::{Found, ModelScan};
 use crate::core::rules::Request;
 use crate::core::wire::plan::{
     Action, CalloutResult, Cause, Decision, LocalReply, Outcome, Plan, RuleCount, Step,
@@ -241,6 +242,15 @@ pub enum Next {
 pub enum Phase {
     /// Headers not seen yet.
     Idle,
+    /// The request waits for its body's model ([`ModelSource::Body`]): read as the body arrives,
+    /// the body held by Envoy meanwhile; decided once it is found or known absent. The request as
+    /// its headers were read is kept (the host gives no headers after their phase).
+    Reading {
+        /// The body's scan.
+        scan: ModelScan,
+        /// The request, its model not read yet.
+        req: Box<Request>,
+    },
     /// Paused, waiting for callout `id`; `probe` if it is the breaker's probe.
     Calling {
         /// Its callout's id in the ledger.
@@ -308,6 +318,8 @@ pub struct Flow {
     /// Lease pools this request's work deposited into: the adapter's timer watches them
     /// ([`lease::sweep`]), and takes them from here after each call.
     pub watched: Vec<lease::Held>,
+    /// The model the request asked for, once read (prices by the model: [`Flow::go`]).
+    pub model: Option<String>,
 }
 
 impl Default for Flow {
@@ -319,6 +331,7 @@ impl Default for Flow {
             slots: Slots::None,
             meter: None,
             watched: Vec::new(),
+            model: None,
         }
     }
 }
@@ -334,6 +347,18 @@ impl Flow {
         if self.phase != Phase::Idle {
             return Next::Continue;
         }
+        if let (Some(ModelSource::Body(max)), None, false) =
+            (&cfg.model, &req.model, req.end_of_stream)
+        {
+            if decide::reads_model(cfg, req) {
+                self.phase = Phase::Reading {
+                    scan: ModelScan::new(*max),
+                    req: Box::new(req.clone()),
+                };
+                return Next::Pause;
+            }
+        }
+        self.model.clone_from(&req.model);
         let matched = decide::decide(cfg, req);
         for (rule, count) in matched.counts {
             host.count(Metric::Rule(rule, count));
@@ -411,11 +436,43 @@ impl Flow {
     /// Body or trailers arrived: they wait while the callout is in flight (letting them through
     /// would let Envoy forward the request before the decision).
     pub fn on_request_data(&self) -> Next {
-        if matches!(self.phase, Phase::Calling { .. } | Phase::Held { .. }) {
+        if matches!(
+            self.phase,
+            Phase::Calling { .. } | Phase::Held { .. } | Phase::Reading { .. }
+        ) {
             Next::Pause
         } else {
             Next::Continue
         }
+    }
+
+    /// The body bytes read for the model so far (`None`: not reading it).
+    pub fn body_read(&self) -> Option<usize> {
+        match &self.phase {
+            Phase::Reading { scan, .. } => Some(scan.seen()),
+            _ => None,
+        }
+    }
+
+    /// The next piece of the body while its model is read (`end`: the body ended): once the scan
+    /// is over, the request as its headers were read, its model set (`None` when absent), to be
+    /// decided ([`Flow::on_request_headers`]); `None` while the scan goes on.
+    pub fn on_body_for_model(&mut self, chunk: &[u8], end: bool) -> Option<Request> {
+        let Phase::Reading { scan, .. } = &mut self.phase else {
+            return None;
+        };
+        let model = match scan.feed(chunk, end) {
+            Found::Reading => return None,
+            Found::Model(m) => Some(m.clone()),
+            Found::Absent => None,
+        };
+        let Phase::Reading { req, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else {
+            return None;
+        };
+        let mut req = *req;
+        req.model = model;
+        req.end_of_stream = true;
+        Some(req)
     }
 
     /// When a held request may go ([`Phase::Held`]); `None`: it is not held.
@@ -733,7 +790,7 @@ impl Flow {
         host: &mut H,
     ) -> Next {
         if let Some(windows) = charged {
-            self.meter = crate::core::settle::reserve(cfg, plan, windows);
+            self.meter = crate::core::settle::reserve(cfg, plan, windows, self.model.as_deref());
         }
         self.response_headers = headers;
         if self.slots.wanted() {

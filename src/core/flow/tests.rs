@@ -154,6 +154,7 @@ fn req(path: &str) -> Request {
         headers: vec![(":path".into(), path.as_bytes().to_vec())],
         peer: None,
         properties: Vec::new(),
+        ..Default::default()
     }
 }
 

@@ -285,6 +285,7 @@ mod tests {
             ],
             peer: None,
             properties: Vec::new(),
+            ..Default::default()
         };
         match decide::decide(c, &req).step {
             Step::Callout(p) => p,

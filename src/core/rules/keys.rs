@@ -83,6 +83,7 @@ pub fn part_value(part: &KeyPart, req: &Request, trusted_hops: u32) -> Option<Ve
         KeyPart::Path => Some(req.path().to_vec()),
         KeyPart::Method => Some(req.method().to_vec()),
         KeyPart::Authority => req.authority().map(<[u8]>::to_vec),
+        KeyPart::Model => req.model.as_ref().map(|m| m.as_bytes().to_vec()),
     }
 }
 
@@ -185,6 +186,8 @@ pub fn headers_read(rule: &Rule, trusted_hops: u32, names: &mut Vec<String>) -> 
                 add(names, ":authority");
                 add(names, "host");
             }
+            // Read where the configuration's `model` says, by the adapter.
+            KeyPart::Model => {}
         }
         true
     }
@@ -277,6 +280,7 @@ mod tests {
                 .collect(),
             peer: None,
             properties: Vec::new(),
+            ..Default::default()
         }
     }
 

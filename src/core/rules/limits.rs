@@ -162,6 +162,7 @@ mod tests {
                 .collect(),
             peer: peer.map(str::to_string),
             properties: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -1,9 +1,11 @@
 //! Rules: which rules a request matches ([`matches()`]) and the request view they read ([`Request`]).
 //! Key building lives in [`keys`]; the limit a rule's bucket gets for one request (overrides,
-//! tiers, the rule's own) in [`limits`].
+//! tiers, the rule's own) in [`limits`]; the model a request's JSON body asks for, read as the body
+//! arrives, in [`model`].
 
 pub mod keys;
 pub mod limits;
+pub mod model;
 
 use crate::core::config::{HeaderMatch, Match, PathMatch};
 use std::net::IpAddr;
@@ -13,7 +15,7 @@ use std::net::IpAddr;
 ///
 /// Header values are bytes, not strings: a hostile client can send any octet, and the filter must
 /// neither fail on nor confuse them.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Request {
     /// Header (name, value) pairs; names are lower case as Envoy delivers them.
     pub headers: Vec<(String, Vec<u8>)>,
@@ -21,6 +23,11 @@ pub struct Request {
     pub peer: Option<String>,
     /// The properties the rules' `from_request` read (path, value), those present.
     pub properties: Vec<(Vec<String>, Vec<u8>)>,
+    /// The model the request asks for (the configuration's `model`: a header's value, or the
+    /// JSON body's top-level `model` once it was read); `None` when absent.
+    pub model: Option<String>,
+    /// No body follows the headers.
+    pub end_of_stream: bool,
 }
 
 impl Request {
@@ -152,6 +159,7 @@ mod tests {
                 .collect(),
             peer: None,
             properties: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -129,12 +129,15 @@ pub struct Meter {
     reader: Option<UsageReader>,
     /// The response ended as it should (end of stream seen).
     ended: bool,
+    /// The model the request asked for: its prices in `usage.prices`.
+    model: Option<String>,
 }
 
 /// The reservation an admitted request made: its buckets whose rule is charged by the response,
 /// each with the window the service charged it in (`windows`, per bucket of the plan: its answer's;
-/// empty when the service did not answer). `None` when it has none.
-pub fn reserve(cfg: &Config, plan: &Plan, windows: &[u64]) -> Option<Meter> {
+/// empty when the service did not answer), and the model the request asked for (its prices).
+/// `None` when it has none.
+pub fn reserve(cfg: &Config, plan: &Plan, windows: &[u64], model: Option<&str>) -> Option<Meter> {
     let reserved: Vec<Reserved> = plan
         .request
         .buckets
@@ -161,6 +164,7 @@ pub fn reserve(cfg: &Config, plan: &Plan, windows: &[u64]) -> Option<Meter> {
         reserved,
         reader: None,
         ended: false,
+        model: model.map(str::to_string),
     })
 }
 
@@ -259,7 +263,10 @@ impl Meter {
             // A usage header came before the body: the count was final, however the body ended.
             let (seen, ending) = match r.header_usage {
                 Some(u) => (Some(u), Ending::Complete),
-                None => (body.and_then(|u| u.tokens(c.weights)), ending),
+                None => (
+                    body.and_then(|u| u.tokens(c.weights_for(self.model.as_deref()))),
+                    ending,
+                ),
             };
             let used = charged(r.estimate(), l.cost.bound(), seen, ending, c.cut, c.max);
             if amount(r.estimate(), used) == Amount::Stands {

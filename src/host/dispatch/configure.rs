@@ -8,7 +8,7 @@ impl<A: Abi> Dispatcher<A> {
     pub fn on_configure(&mut self, id: u32, size: usize) -> bool {
         self.abi.enter(None, false);
         self.sync_log_level();
-        let bytes = self.abi.buffer(Buffer::PluginConfiguration, size);
+        let bytes = self.abi.buffer(Buffer::PluginConfiguration, 0, size);
         if bytes.is_empty() {
             error!("invalid configuration: config: missing (put the JSON in a google.protobuf.StringValue)");
             return false;

@@ -28,7 +28,7 @@ impl<A: Abi> Dispatcher<A> {
             debug!("stream {token}: an answer of {size} bytes, larger than any valid one");
             return;
         }
-        let body = self.abi.buffer(Buffer::GrpcReceive, size);
+        let body = self.abi.buffer(Buffer::GrpcReceive, 0, size);
         let Some((id, result)) = stream::read_answer(&body) else {
             debug!("stream {token}: an answer that does not decode");
             return;

@@ -11,6 +11,8 @@
 //! - `reads`: what a request reads from the host (headers, shared data), and the match prefilter
 //!   agreeing with the core.
 //! - `answers`: resumes and local replies paced, a round of them at a time.
+//! - `models`: a request that waits for its body's model: keyed and priced by it, no model when
+//!   the body ends, closes or passes its bound without one.
 //! - `batches`: takes queued behind a callout leaving in batches: one answer each, deadlines,
 //!   a slow callout, the byte bounds, an abandoned take.
 //! - `breaker`: what opens the breaker and what resets its count of failures.
@@ -74,6 +76,8 @@ struct Fake {
     /// The upstream response's headers and the body piece being reported.
     response: RefCell<Vec<(String, Vec<u8>)>>,
     response_body: RefCell<Vec<u8>>,
+    /// The request body buffered so far.
+    request_body: RefCell<Vec<u8>>,
     /// Milliseconds added to the clock.
     clock: Cell<u64>,
 }
@@ -121,13 +125,15 @@ impl Abi for Fake {
     fn now_ms(&self) -> u64 {
         1_000 + self.clock.get()
     }
-    fn buffer(&self, which: Buffer, size: usize) -> Vec<u8> {
+    fn buffer(&self, which: Buffer, start: usize, size: usize) -> Vec<u8> {
+        let range = |body: &[u8]| {
+            let end = start.saturating_add(size).min(body.len());
+            body.get(start.min(end)..end).unwrap_or_default().to_vec()
+        };
         match which {
             Buffer::PluginConfiguration => self.config.borrow().clone(),
-            Buffer::HttpResponseBody => {
-                let body = self.response_body.borrow();
-                body.get(..size).unwrap_or(&body).to_vec()
-            }
+            Buffer::HttpResponseBody => range(&self.response_body.borrow()),
+            Buffer::HttpRequestBody => range(&self.request_body.borrow()),
             _ => {
                 let body = self.reply.borrow().1.clone();
                 body.get(..size).map(<[u8]>::to_vec).unwrap_or(body)
@@ -339,7 +345,7 @@ fn start_on(d: &mut Dispatcher<Fake>, root: u32, id: u32, path: &str) -> u32 {
     d.abi.set_request(path);
     // Envoy calls into the module as the request's context.
     d.abi.effective.set(id);
-    d.on_request_headers(id)
+    d.on_request_headers(id, false)
 }
 
 /// A second root context (another configuration of the same VM: a second listener, or a push)
@@ -362,6 +368,12 @@ fn allowed_reply(d: &Dispatcher<Fake>) {
         Some(b"200".to_vec()),
         br#"{"allowed":true,"buckets":[{"allowed":true,"limit":5,"remaining":4,"reset_ms":1000,"retry_after_ms":0}]}"#.to_vec(),
     );
+}
+
+/// The body of the last call sent, as JSON.
+fn last_sent(d: &Dispatcher<Fake>) -> serde_json::Value {
+    let body = d.abi.dispatched.borrow().last().map(|(_, b)| b.clone());
+    serde_json::from_slice(&body.expect("a call was sent")).expect("a JSON body")
 }
 
 fn last_token(d: &Dispatcher<Fake>) -> u32 {
@@ -440,7 +452,7 @@ fn start_traced(d: &mut Dispatcher<Fake>, id: u32, traceparent: &str) -> u32 {
         .request
         .borrow_mut()
         .push(("traceparent".into(), traceparent.as_bytes().to_vec()));
-    d.on_request_headers(id)
+    d.on_request_headers(id, false)
 }
 
 mod answers;
@@ -451,6 +463,7 @@ mod configs;
 mod held;
 mod ids;
 mod leases;
+mod models;
 mod reads;
 mod settlements;
 mod stream;

@@ -139,11 +139,12 @@ pub(super) fn parse_key_part(at: &str, p: &str, refusals: &Refusals) -> Option<K
         "client_ip" => Some(KeyPart::ClientIp),
         "path" => Some(KeyPart::Path),
         "method" => Some(KeyPart::Method),
+        "model" => Some(KeyPart::Model),
         "authority" => Some(KeyPart::Authority),
         _ => refusals.refuse(
             at,
             format!(
-                "unknown key part {p:?} (expected literal:<text>, header:<name>, client_ip, path, method or authority)"
+                "unknown key part {p:?} (expected literal:<text>, header:<name>, client_ip, path, method, authority or model)"
             ),
         ),
     }

@@ -112,6 +112,7 @@ fn read(bytes: &[u8], refusals: &Refusals) -> Option<Config> {
             _ => root.refuse("near_limit", "must be a number between 0 and 1"),
         },
     };
+    let model = read_model(&root, rules.as_deref());
     let (service, trusted_hops, rules) = (service?, trusted_hops?, rules?);
     let sends_descriptors = service.transport.supports(Feature::Descriptor);
     let needs_peer_address = trusted_hops == 0
@@ -133,7 +134,63 @@ fn read(bytes: &[u8], refusals: &Refusals) -> Option<Config> {
         response: response?,
         needs_peer_address,
         near_limit_left_permille: near_limit_left_permille?,
+        model: model?,
     })
+}
+
+/// `model`: exactly one of `header` and `body: true`; `max_body_bytes` only with `body`. Every
+/// rule that keys or prices by the model needs it (each refused at its field without it).
+fn read_model(root: &Obj<'_>, rules: Option<&[Rule]>) -> Option<Option<ModelSource>> {
+    let refusals = root.refusals();
+    let source = match root.get("model") {
+        None => None,
+        Some(v) => {
+            let m = Obj::new(Some(v), "model", fields::MODEL, refusals)?;
+            let header = match m.string("header") {
+                None => None,
+                Some(None) => Some(None),
+                Some(Some(h)) => obj::header_name(&m.path("header"), &h, refusals).map(Some),
+            };
+            let body = m.boolean("body");
+            let max = m.int("max_body_bytes");
+            match (header?, body?, max?) {
+                (Some(h), false, _) if m.get("max_body_bytes").is_none() => {
+                    Some(ModelSource::Header(h))
+                }
+                (None, true, max) => Some(ModelSource::Body(
+                    usize::try_from(max).unwrap_or(usize::MAX),
+                )),
+                (Some(_), false, _) => {
+                    return m.refuse("max_body_bytes", "only with \"body\": true")
+                }
+                _ => return m.refuse("header", "exactly one of `header` and `\"body\": true`"),
+            }
+        }
+    };
+    if source.is_none() {
+        let mut asked = false;
+        for (i, r) in rules.unwrap_or(&[]).iter().enumerate() {
+            if let Some(k) = r.key.iter().position(|p| *p == KeyPart::Model) {
+                asked = true;
+                refusals.refuse::<()>(
+                    format!("rules[{i}].key[{k}]"),
+                    "the model is read where the top-level `model` says: it is missing",
+                );
+            }
+            let prices = r.rate_limit().and_then(|l| l.charge.as_ref());
+            if prices.is_some_and(|c| !c.prices.is_empty()) {
+                asked = true;
+                refusals.refuse::<()>(
+                    format!("rules[{i}].usage.prices"),
+                    "the model is read where the top-level `model` says: it is missing",
+                );
+            }
+        }
+        if asked {
+            return None;
+        }
+    }
+    Some(source)
 }
 
 /// `rules`, each read whatever the others' refusals; a refused rule is left out (its refusals

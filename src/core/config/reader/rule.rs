@@ -7,6 +7,7 @@ use super::super::model::*;
 use super::super::rules;
 use super::matcher;
 use super::obj::{header_name, int_value, Obj, Refusals};
+use crate::core::rules::model::MAX_MODEL_BYTES;
 use contract::calendar::{self, Calendar, Unit, Zone};
 use serde_json::Value;
 
@@ -575,12 +576,43 @@ fn read_charge(r: &Obj) -> Option<Option<Charge>> {
             })
         }
     };
+    let prices = match u.get("prices") {
+        None => Some(Vec::new()),
+        Some(Value::Object(map)) if map.len() <= MAX_PRICES => {
+            let mut read = Vec::with_capacity(map.len());
+            for (model, v) in map {
+                let at = format!("{}.{model}", u.path("prices"));
+                if model.is_empty() || model.len() > MAX_MODEL_BYTES {
+                    r.refusals().refuse::<()>(
+                        &at,
+                        format!("a model's name is 1..={MAX_MODEL_BYTES} bytes"),
+                    );
+                    continue;
+                }
+                let w = Obj::new(Some(v), &at, fields::WEIGHTS, r.refusals()).and_then(|w| {
+                    let prompt = w.int("prompt");
+                    let completion = w.int("completion");
+                    Some(Weights {
+                        prompt: prompt?,
+                        completion: completion?,
+                    })
+                });
+                read.extend(w.map(|w| (model.clone(), w)));
+            }
+            (read.len() == map.len()).then_some(read)
+        }
+        Some(_) => u.refuse(
+            "prices",
+            format!("must be an object of at most {MAX_PRICES} model names → prices"),
+        ),
+    };
     let max = u.int("max");
     let cut = u.choice("cut", &[Cut::Bound, Cut::Reserved]);
     Some(Some(Charge {
         header: header?,
         body: body?,
         weights: weights?,
+        prices: prices?,
         max: max?,
         cut: cut?,
     }))
@@ -598,6 +630,7 @@ fn default_descriptor(name: &str, key: &[KeyPart]) -> Vec<(String, KeyPart)> {
             KeyPart::ClientIp => "remote_address".to_string(),
             KeyPart::Path => "path".to_string(),
             KeyPart::Method => "method".to_string(),
+            KeyPart::Model => "model".to_string(),
             KeyPart::Authority => "authority".to_string(),
         };
         d.push((k, p.clone()));

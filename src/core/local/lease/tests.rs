@@ -45,6 +45,7 @@ fn plan(c: &Config) -> Plan {
         headers: vec![(":path".into(), b"/".to_vec())],
         peer: None,
         properties: Vec::new(),
+        ..Default::default()
     };
     match decide(c, &req).step {
         DecideStep::Callout(p) => p,

@@ -83,7 +83,7 @@ fn every_callout_of_every_configuration_carries_this_envoys_one_id() {
     d.on_context_create(20, 2);
     d.abi.known.borrow_mut().push(20);
     d.abi.set_request("/v1/chat");
-    assert_eq!(d.on_request_headers(20), PAUSE);
+    assert_eq!(d.on_request_headers(20, false), PAUSE);
     let take = d.abi.dispatched.borrow().last().unwrap().1.clone();
     assert_eq!(id_of(&take), first, "the second configuration's take");
     d.on_http_call_response(last_token(&d), 1, 200);

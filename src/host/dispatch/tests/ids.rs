@@ -192,7 +192,7 @@ proptest::proptest! {
                         ("x-id".into(), id.to_string().into_bytes()),
                     ];
                     d.abi.effective.set(id);
-                    proptest::prop_assert_eq!(d.on_request_headers(id), PAUSE);
+                    proptest::prop_assert_eq!(d.on_request_headers(id, false), PAUSE);
                     waiting.push(id);
                 }
                 Step::Start => {}
@@ -282,8 +282,8 @@ fn bookkeeping_stays_bounded_by_live_requests() {
 fn unknown_contexts_and_tokens_are_no_ops() {
     let cfg = config("http", "");
     let mut d = dispatcher(&cfg);
-    assert_eq!(d.on_request_headers(42), CONTINUE);
-    assert_eq!(d.on_request_data(42), CONTINUE);
+    assert_eq!(d.on_request_headers(42, false), CONTINUE);
+    assert_eq!(d.on_request_body(42, Some(0), false), CONTINUE);
     assert_eq!(d.on_response_headers(42, false), CONTINUE);
     assert_eq!(d.on_response_body(42, 10, true), CONTINUE);
     assert_eq!(d.on_response_trailers(42), CONTINUE);
@@ -292,7 +292,7 @@ fn unknown_contexts_and_tokens_are_no_ops() {
     d.on_grpc_response(9, 0, 10);
     // A request whose root was never configured passes untouched.
     d.on_context_create(50, 49);
-    assert_eq!(d.on_request_headers(50), CONTINUE);
+    assert_eq!(d.on_request_headers(50, false), CONTINUE);
     // A root that is deleted while its requests live on: they keep their plugin.
     assert_eq!(start(&mut d, 51, "/api"), PAUSE);
     d.on_delete(ROOT);

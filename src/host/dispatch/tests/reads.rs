@@ -13,7 +13,7 @@ fn a_request_no_rule_matches_reads_only_the_match_headers() {
     assert_eq!(start(&mut d, 5, "/other"), CONTINUE);
     assert_eq!(d.abi.full_reads.get(), 0, "the header map is not read");
     assert_eq!(d.abi.header_reads.get(), 1, ":path only");
-    assert_eq!(d.on_request_data(5), CONTINUE);
+    assert_eq!(d.on_request_body(5, Some(0), false), CONTINUE);
     assert!(d.abi.dispatched.borrow().is_empty());
     assert_eq!(start(&mut d, 6, "/api/v1"), PAUSE);
     assert_eq!(d.abi.full_reads.get(), 0, "the rule reads :path alone");
@@ -22,7 +22,11 @@ fn a_request_no_rule_matches_reads_only_the_match_headers() {
         3,
         ":path to match, :path for the request"
     );
-    assert_eq!(d.on_request_data(6), PAUSE, "body waits for the decision");
+    assert_eq!(
+        d.on_request_body(6, Some(0), false),
+        PAUSE,
+        "body waits for the decision"
+    );
 }
 
 #[test]
@@ -73,7 +77,7 @@ fn a_matching_request_reads_the_headers_its_rules_read_and_no_more() {
         ];
         d.on_context_create(7, ROOT);
         d.abi.known.borrow_mut().push(7);
-        assert_eq!(d.on_request_headers(7), PAUSE, "{cfg}");
+        assert_eq!(d.on_request_headers(7, false), PAUSE, "{cfg}");
         assert_eq!(
             (d.abi.full_reads.get(), d.abi.header_reads.get()),
             (full, by_name),
@@ -117,6 +121,7 @@ fn the_match_prefilter_agrees_with_the_core() {
                 headers: r.iter().map(|(n, v)| (n.to_string(), v.to_vec())).collect(),
                 peer: Some("10.0.0.1:1".into()),
                 properties: Vec::new(),
+                ..Default::default()
             };
             let fake = Fake::new("");
             *fake.request.borrow_mut() = full.headers.clone();

@@ -38,15 +38,7 @@ fn a_response_priced_request_settles_what_its_response_reported_once() {
     assert_eq!(d.abi.dispatched.borrow().len(), n, "not before its backoff");
     d.abi.clock.set(100);
     d.on_tick(ROOT);
-    let again = d
-        .abi
-        .dispatched
-        .borrow()
-        .last()
-        .map(|(_, b)| b.clone())
-        .unwrap();
-    let again: serde_json::Value = serde_json::from_slice(&again).unwrap();
-    assert_eq!(again, v, "the same settlement, same id");
+    assert_eq!(last_sent(&d), v, "the same settlement, same id");
     *d.abi.reply.borrow_mut() = (
         Some(b"200".to_vec()),
         br#"{"duplicate":false,"buckets":[{"remaining":9970}]}"#.to_vec(),
@@ -146,14 +138,7 @@ fn a_calendar_month_settles_in_the_window_the_service_charged() {
         br#"{"allowed":true,"buckets":[{"allowed":true,"limit":10000,"remaining":9900,"reset_ms":86400000,"retry_after_ms":0,"granted":100,"window":1796079600000}]}"#.to_vec(),
     );
     assert_eq!(start(&mut d, 10, "/v1/chat"), PAUSE);
-    let take = d
-        .abi
-        .dispatched
-        .borrow()
-        .last()
-        .map(|(_, b)| b.clone())
-        .unwrap();
-    let take: serde_json::Value = serde_json::from_slice(&take).unwrap();
+    let take = last_sent(&d);
     let b = &take["buckets"][0];
     assert_eq!(
         (&b["algorithm"], &b["calendar"], &b["time_zone"]),
