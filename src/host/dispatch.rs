@@ -428,21 +428,42 @@ impl<A: Abi> Dispatcher<A> {
             // A take with a callout of its own: its answer is the root's now (it still holds the
             // batch queue back until it arrives). A take in a batch: it leaves the queue (if it
             // is still there), and its share of the batch's answer is no one's.
-            Leftover::Abandoned { id: callout } => {
-                match self.ledger.get(callout).map(|e| &e.waiter) {
-                    Some(Waiter::Take { context, gates, .. }) if *context == id => {
-                        let gates = *gates;
-                        let plugin = p.clone();
-                        self.ledger
-                            .replace(callout, Waiter::Abandoned { plugin, gates });
-                    }
-                    Some(Waiter::Member { context }) if *context == id => {
-                        self.ledger.close(callout);
-                        p.outbox.borrow_mut().queue.forget(callout);
-                    }
-                    _ => {}
+            Leftover::Abandoned {
+                id: callout,
+                shaped,
+            } => match self.ledger.get(callout).map(|e| &e.waiter) {
+                Some(Waiter::Take { context, gates, .. }) if *context == id => {
+                    let gates = *gates;
+                    let plugin = p.clone();
+                    self.ledger.replace(
+                        callout,
+                        Waiter::Abandoned {
+                            plugin,
+                            gates,
+                            shaped,
+                        },
+                    );
                 }
-            }
+                Some(Waiter::Member { context }) if *context == id => {
+                    // Still queued: it leaves the queue, and no answer comes. Sent: its share of
+                    // the batch's answer is no one's, but a grant for later goes back.
+                    let queued = p.outbox.borrow_mut().queue.forget(callout);
+                    if queued || shaped.is_none() {
+                        self.ledger.close(callout);
+                    } else {
+                        let plugin = p.clone();
+                        self.ledger.replace(
+                            callout,
+                            Waiter::Abandoned {
+                                plugin,
+                                gates: false,
+                                shaped,
+                            },
+                        );
+                    }
+                }
+                _ => {}
+            },
             Leftover::Orphan {
                 id: callout,
                 slot,
@@ -614,6 +635,15 @@ impl<A: Abi> Dispatcher<A> {
                 let result = read.read(&self.abi);
                 let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
                 flow::late_answer(&plugin.config, &takes, result, &mut proxy);
+            }
+            Waiter::Abandoned {
+                plugin,
+                shaped: Some(plan),
+                ..
+            } => {
+                let result = read.read(&self.abi);
+                let mut proxy = Proxy::new(&self.abi, &plugin, &mut self.ledger, 0);
+                flow::abandoned_answer(&plugin.config, &plan, result, &mut proxy);
             }
             // A stream's answers go to its messages ([`Dispatcher::on_grpc_receive`]).
             Waiter::Refund | Waiter::Abandoned { .. } | Waiter::Stream { .. } => {}

@@ -222,6 +222,7 @@ impl Metrics {
                         abi.increment_metric(held, -1);
                         add(abi, &[returned], Some(0), n);
                     }
+                    Shaped::Returned(n) => add(abi, &[returned], Some(0), n),
                     Shaped::Full => abi.increment_metric(full, 1),
                 }
             }

@@ -94,9 +94,14 @@ pub(super) enum Waiter {
     },
     /// An attempt to deliver settlement `id`.
     Settle { plugin: Rc<Plugin>, id: String },
-    /// The take of a request that went away: its answer is dropped (it still holds the batch
-    /// queue back until it arrives).
-    Abandoned { plugin: Rc<Plugin>, gates: bool },
+    /// The take of a request that went away (it still holds the batch queue back until its
+    /// answer arrives): the answer is dropped, unless the take shaped (`shaped`: what it asked),
+    /// when a grant for later goes back ([`crate::core::flow::abandoned_answer`]).
+    Abandoned {
+        plugin: Rc<Plugin>,
+        gates: bool,
+        shaped: Option<Box<crate::core::wire::plan::Plan>>,
+    },
 }
 
 impl Waiter {
@@ -124,6 +129,7 @@ impl Waiter {
             | Waiter::Abandoned {
                 plugin,
                 gates: true,
+                ..
             }
             | Waiter::Batch { plugin, .. } => Some(plugin),
             _ => None,

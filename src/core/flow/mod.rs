@@ -182,6 +182,9 @@ pub enum Shaped {
         /// Tokens given back.
         returned: u64,
     },
+    /// A grant for later whose client went away before its answer came (it was never held):
+    /// the tokens it gave back (`returned`).
+    Returned(u64),
     /// A take asked for unshaped: its rule had no place left (`full`).
     Full,
 }
@@ -198,6 +201,9 @@ pub enum Leftover {
     Abandoned {
         /// Its callout's id in the ledger.
         id: CalloutId,
+        /// What it asked, when a bucket of it shapes: a grant for later that its answer brings
+        /// goes back ([`abandoned_answer`]).
+        shaped: Option<Box<Plan>>,
     },
     /// The acquire in flight under `id`: unless its answer is a denial (nothing taken), the
     /// slots go back at once, by the name this proxy gave them.
@@ -209,6 +215,25 @@ pub enum Leftover {
         /// The keys asked for.
         keys: Vec<String>,
     },
+}
+
+/// The answer, `result`, to the take of a request that went away while it was in flight
+/// (`plan`: what it asked, a bucket of it shaping): a grant for later (shaping's `delay_ms`)
+/// was not yet due, so its tokens go back, as a held request's do when its client leaves; a grant
+/// for now was spent (as any admitted request whose client left), a denial took nothing.
+pub fn abandoned_answer<H: Host>(cfg: &Config, plan: &Plan, result: CalloutResult, host: &mut H) {
+    let Outcome::Allowed(resp) = decide::interpret(plan, result) else {
+        return;
+    };
+    if resp.delay_ms == 0 {
+        return;
+    }
+    let back = stages::shape::unspent(plan);
+    if let Some(r) = &back {
+        refund(cfg, r, host);
+    }
+    let returned = back.map_or(0, |r| r.buckets.iter().map(|b| b.cost()).sum());
+    host.count(Metric::Shape(Shaped::Returned(returned)));
 }
 
 /// What the end of a request's callout tells the breaker (its stage, `stages::breaker`).
@@ -527,7 +552,11 @@ impl Flow {
         match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Calling { id, plan, .. } => {
                 stages::shape::free_places(&plan, host);
-                left.push(Leftover::Abandoned { id });
+                let shapes = plan.request.buckets.iter().any(|b| b.max_delay_ms > 0);
+                left.push(Leftover::Abandoned {
+                    id,
+                    shaped: shapes.then(|| Box::new(plan)),
+                });
             }
             // Granted for later, never let through: its tokens go back, so those held after it
             // wait less.

@@ -203,8 +203,10 @@ impl Queue {
     }
 
     /// A queued request went away before its batch left: it leaves the queue.
-    pub fn forget(&mut self, id: CalloutId) {
+    pub fn forget(&mut self, id: CalloutId) -> bool {
+        let before = self.waiting.len();
         self.waiting.retain(|q| q.id != id);
+        self.waiting.len() < before
     }
 
     /// Requests waiting.

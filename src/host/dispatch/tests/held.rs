@@ -133,3 +133,65 @@ fn a_shaping_queue_holds_as_many_as_the_rule_may_hold() {
     assert_eq!(d.abi.metric("tollgate.shape.full"), 11);
     assert_eq!(d.abi.metric("tollgate.breaker.opened"), 0);
 }
+
+#[test]
+fn a_client_gone_before_its_answer_gives_back_a_grant_for_later() {
+    let mut d = shaping();
+    // Gone while its take is in flight; the answer then grants it 300 ms ahead: not yet due, the
+    // tokens go back.
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let token = last_token(&d);
+    disconnect(&mut d, 10);
+    let sent = d.abi.dispatched.borrow().len();
+    later_reply(&d, 300);
+    d.on_http_call_response(token, 1, 300);
+    assert_eq!(d.abi.dispatched.borrow().len(), sent + 1, "a refund");
+    let refund = last_sent(&d);
+    assert_eq!(refund["buckets"][0]["cost"], 1, "its cost goes back");
+    assert_eq!(d.abi.metric("tollgate.shape.returned"), 1);
+    assert!(d.abi.resumed.borrow().is_empty() && d.abi.replied.borrow().is_empty());
+    // Granted for now: spent as any admitted request whose client left; nothing goes back.
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    let token = last_token(&d);
+    disconnect(&mut d, 11);
+    let calls = d.abi.dispatched.borrow().len();
+    later_reply(&d, 0);
+    d.on_http_call_response(token, 1, 300);
+    assert_eq!(d.abi.dispatched.borrow().len(), calls, "no refund");
+}
+
+#[test]
+fn a_client_gone_before_its_batch_s_answer_gives_back_a_grant_for_later() {
+    let cfg = shaped_config().replace(r#""batch":0"#, r#""batch":8"#);
+    let mut d = dispatcher(&cfg);
+    d.abi.known.borrow_mut().push(ROOT);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let first = last_token(&d);
+    for id in [11, 12] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    allowed_reply(&d);
+    d.on_http_call_response(first, 1, 200);
+    let batch = last_token(&d);
+    let sent = d.abi.dispatched.borrow().len();
+    // 12 leaves with the batch in flight; the batch grants it (and 11) 200 ms ahead.
+    disconnect(&mut d, 12);
+    let later = r#"{"allowed":true,"buckets":[{"allowed":true,"limit":5,"remaining":0,"reset_ms":1000,"retry_after_ms":0,"granted":1,"delay_ms":200}],"delay_ms":200}"#;
+    *d.abi.reply.borrow_mut() = (
+        Some(b"200".to_vec()),
+        format!(r#"{{"results":[{later},{later}]}}"#).into_bytes(),
+    );
+    d.on_http_call_response(batch, 1, 400);
+    assert_eq!(d.abi.dispatched.borrow().len(), sent + 1, "12's refund");
+    assert_eq!(last_sent(&d)["buckets"][0]["cost"], 1);
+    assert_eq!(d.abi.metric("tollgate.shape.returned"), 1);
+    assert_eq!(
+        d.abi.metric("tollgate.shape.held"),
+        1,
+        "11 is held, 12 never was"
+    );
+    // 11 goes at its time.
+    d.abi.clock.set(300);
+    d.on_tick(ROOT);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10, 11]);
+}
