@@ -66,7 +66,8 @@ fn named_span(unit: Unit, tz: &TimeZone, now_ms: u64) -> Option<Span> {
         )
         .ok()?;
         let at = tz.to_ambiguous_timestamp(date.to_datetime(jiff::civil::Time::midnight()));
-        *slot = u64::try_from(at.compatible().ok()?.as_millisecond()).ok()?;
+        // Before the epoch (a period of 1970 east of UTC): 0, as `Span::fixed` clamps.
+        *slot = u64::try_from(at.compatible().ok()?.as_millisecond().max(0)).ok()?;
     }
     Some(Span::around(starts, now_ms))
 }
@@ -111,6 +112,64 @@ mod tests {
         assert_eq!(start, utc(2024, 9, 8) + 4 * 3_600_000);
         assert_eq!(end - start, 23 * 3_600_000);
         Ok(())
+    }
+
+    /// The period of `t` in `zone` by jiff's own calendar (its dates, month and year ends, the
+    /// weekday), the reference the contract's arithmetic is held to.
+    fn reference(unit: Unit, zone: &str, t: u64) -> Result<(u64, u64), String> {
+        use jiff::ToSpan;
+        let e = |x: jiff::Error| x.to_string();
+        let tz = match Zone::parse(zone)? {
+            Zone::Fixed(m) => TimeZone::fixed(jiff::tz::Offset::from_seconds(m * 60).map_err(e)?),
+            Zone::Named(name) => named(name)?,
+        };
+        let t_ms = i64::try_from(t).map_err(|x| x.to_string())?;
+        let d = Timestamp::from_millisecond(t_ms)
+            .map_err(e)?
+            .to_zoned(tz.clone())
+            .date();
+        let (start, next) = match unit {
+            Unit::Day => (d, d.tomorrow().map_err(e)?),
+            Unit::Week => {
+                let back = i64::from(d.weekday().to_monday_zero_offset());
+                let monday = d.checked_sub(back.days()).map_err(e)?;
+                (monday, monday.checked_add(7.days()).map_err(e)?)
+            }
+            Unit::Month => (d.first_of_month(), d.last_of_month().tomorrow().map_err(e)?),
+            Unit::Year => (d.first_of_year(), d.last_of_year().tomorrow().map_err(e)?),
+        };
+        let at = |d: Date| -> Result<u64, String> {
+            let ms = d
+                .to_zoned(tz.clone())
+                .map_err(e)?
+                .timestamp()
+                .as_millisecond();
+            u64::try_from(ms).map_err(|x| x.to_string())
+        };
+        Ok((at(start)?, at(next)?))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        /// Every unit in fixed offsets and in zones with daylight saving (Santiago's and Lord Howe's
+        /// half hour among them), over 1972..2100, leap years and month ends included (1970's
+        /// periods east of UTC start before the epoch, which the spans clamp to 0).
+        #[test]
+        fn periods_are_the_reference_calendar_s(
+            t in 63_072_000_000u64..4_102_444_800_000,
+            unit in proptest::sample::select(Unit::ALL.to_vec()),
+            zone in proptest::sample::select(vec![
+                "UTC", "+05:30", "-08:00", "+14:00", "-12:00", "+05:45",
+                "Europe/Berlin", "America/New_York", "America/Santiago",
+                "Australia/Lord_Howe", "Asia/Kathmandu", "Pacific/Apia", "Africa/Casablanca",
+            ]),
+        ) {
+            let fail = proptest::test_runner::TestCaseError::fail;
+            let got = span(unit, zone, t).map_err(fail)?.window(t);
+            let want = reference(unit, zone, t).map_err(fail)?;
+            proptest::prop_assert_eq!(got, want, "{:?} in {} at {}", unit, zone, t);
+        }
     }
 
     #[test]

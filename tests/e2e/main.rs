@@ -8,6 +8,7 @@
 //! - [`authz`]
 //! - [`bad_days`]
 //! - [`buckets`]
+//! - [`calendar`]
 //! - [`callouts`]
 //! - [`concurrency`]
 //! - [`config`]
@@ -47,6 +48,7 @@ mod native_rls;
 mod authz;
 mod bad_days;
 mod buckets;
+mod calendar;
 mod callouts;
 mod concurrency;
 mod config;
