@@ -34,6 +34,10 @@
 #   lease     Tollgate with an adaptive lease: most requests spend a local pool
 #   lease-metadata  the same, its capacity read from dynamic metadata (`from_request`) that no
 #             filter wrote: the property read, and the rule's own capacity counted as defaulted
+#   grpc-post as grpc, each request a POST with a small JSON body (an LLM request's shape) that no
+#             rule reads
+#   grpc-model  the same, its bucket keyed by the body's `model` (`"model": {"body": true}`): the
+#             headers go on, the body is held and scanned, the take sent once the model is read
 #   denied    Tollgate exact, its bucket empty (capacity 1 an hour): a flood's request, denied from
 #             the remembered denial (one callout a second, `remember_denials_ms`), not by a callout
 #   local-denied  no module: Envoy's own local_ratelimit, its bucket empty: what a 429 costs Envoy
@@ -147,6 +151,9 @@ for variant in $VARIANTS; do
     http) plugin http '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
     grpc) plugin grpc '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
     grpc-unary) plugin grpc '' 'batch=0 stream=false'; args+=("${PLUGIN[@]}") ;;
+    grpc-post) plugin grpc '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
+    grpc-model) plugin grpc '' 'batch=0' '"key": ["model"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000'
+      args+=("${PLUGIN[@]}" --field 'model={"body": true}') ;;
     http-batch) plugin http '' 'batch=64'; args+=("${PLUGIN[@]}") ;;
     grpc-batch) plugin grpc '' 'batch=64'; args+=("${PLUGIN[@]}") ;;
     grpc-unary-batch) plugin grpc '' 'batch=64 stream=false'; args+=("${PLUGIN[@]}") ;;
@@ -169,6 +176,10 @@ for variant in $VARIANTS; do
   fi
   statuses=200
   case $variant in denied | local-denied) statuses=200,429 ;; esac
+  unset DRIVE_BODY
+  case $variant in grpc-post | grpc-model)
+    export DRIVE_BODY='{"model":"gpt-4o-mini","messages":[{"role":"user","content":"How many tokens is this?"}],"max_tokens":64}' ;;
+  esac
   python3 scripts/drive.py "$port" "$WARMUP" "$CLIENTS" "$statuses" || die "$variant: warm-up failed"
   callgrind_rounds "$variant" "$OUT" "$ROUNDS" "$REQUESTS" python3 scripts/drive.py "$port" "$REQUESTS" "$CLIENTS" "$statuses"
   if [ "$TIER" != envoy ]; then kill "$envoy_pid"; wait "$envoy_pid" 2>/dev/null || true; fi

@@ -62,6 +62,8 @@ use std::rc::Rc;
 pub const CONTINUE: u32 = 0;
 /// A stream callback's answer: stop (`StopIteration` / `StopIterationAndBuffer`).
 pub const PAUSE: u32 = 1;
+/// A body callback's answer: hold the body under flow control (`StopIterationAndWatermark`).
+pub const HOLD_BODY: u32 = 2;
 
 fn status_code(next: Next) -> u32 {
     match next {
@@ -284,12 +286,21 @@ impl<A: Abi> Dispatcher<A> {
     /// A piece of the request body (`size`: all of it buffered so far; `None` at the trailers),
     /// `end_of_stream` when it is the last: read for the model while the request waits for it
     /// (then decided once it is known), else held while the callout is in flight.
+    ///
+    /// Bytes read for the model are buffered (`StopIterationAndBuffer`: the next call sees all of
+    /// them); a body only held, once the request is decided and waits for its answer, is held
+    /// under Envoy's flow control (`StopIterationAndWatermark`), not buffered, so a large body is
+    /// slowed, never refused for its size (413) while it waits. Trailers stop with `StopIteration`.
     pub fn on_request_body(&mut self, id: u32, size: Option<usize>, end_of_stream: bool) -> u32 {
+        let hold = if size.is_some() { HOLD_BODY } else { PAUSE };
         let Some(f) = self.filters.get_mut(&id) else {
             return CONTINUE;
         };
         let (Some(seen), Some(plugin)) = (f.flow.body_read(), f.plugin.clone()) else {
-            return status_code(f.flow.on_request_data());
+            return match f.flow.on_request_data() {
+                Next::Continue => CONTINUE,
+                Next::Pause => hold,
+            };
         };
         self.abi.enter(Some(id), true);
         let chunk = match size {
@@ -300,7 +311,10 @@ impl<A: Abi> Dispatcher<A> {
             self.end_callback();
             return PAUSE;
         };
-        self.decide_request(id, &plugin, &req)
+        match self.decide_request(id, &plugin, &req) {
+            PAUSE => hold,
+            status => status,
+        }
     }
 
     pub fn on_response_headers(&mut self, id: u32, end_of_stream: bool) -> u32 {

@@ -32,6 +32,11 @@ impl Reads {
                 for r in &cfg.rules {
                     keys::properties_read(r, &mut paths);
                 }
+                if let Some(ModelSource::Metadata(p)) = &cfg.model {
+                    if !paths.contains(p) {
+                        paths.push(p.clone());
+                    }
+                }
                 paths
             },
         }
@@ -134,7 +139,7 @@ pub(super) fn read_request(abi: &impl Abi, cfg: &Config, reads: &Reads) -> Reque
     } else {
         None
     };
-    let properties = reads
+    let properties: Vec<(Vec<String>, Vec<u8>)> = reads
         .properties
         .iter()
         .filter_map(|path| {
@@ -142,14 +147,18 @@ pub(super) fn read_request(abi: &impl Abi, cfg: &Config, reads: &Reads) -> Reque
             abi.property(&parts).map(|v| (path.clone(), v))
         })
         .collect();
-    // A header a gateway set; the body's model is read by the flow, before the request is decided.
+    // A header a gateway set, or metadata a filter in front wrote; the body's model is read by
+    // the flow, before the request is decided.
     let model = match &cfg.model {
-        Some(ModelSource::Header(name)) => abi
-            .header(HeaderMap::Request, name)
-            .and_then(|v| String::from_utf8(v).ok())
-            .filter(|m| !m.is_empty()),
+        Some(ModelSource::Header(name)) => abi.header(HeaderMap::Request, name),
+        Some(ModelSource::Metadata(path)) => properties
+            .iter()
+            .find(|(p, _)| p == path)
+            .map(|(_, v)| v.clone()),
         _ => None,
-    };
+    }
+    .and_then(|v| String::from_utf8(v).ok())
+    .filter(|m| !m.is_empty() && m.len() <= crate::core::rules::model::MAX_MODEL_BYTES);
     Request {
         headers,
         peer,

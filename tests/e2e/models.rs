@@ -119,19 +119,73 @@ fn limits_and_prices_follow_the_model_in_the_body() {
     assert_eq!(ask(&client, &envoy, "t1", &late), 200);
     // Not JSON: no model either.
     assert_eq!(ask(&client, &envoy, "t1", "model=big"), 200);
+    // 10 MB, its model at the end: past the bound, no model; the body, held while the take is
+    // in flight (under flow control, never buffered whole), reaches the upstream whole.
+    let huge = format!(r#"{{"pad":"{}","model":"big"}}"#, "x".repeat(10 << 20));
+    assert_eq!(ask(&client, &envoy, "t1", &huge), 200);
 
     // The budget: each response reported 25 prompt and 75 completion tokens. Two "big" ones at
-    // 3 and 10 (825 each); two "small" ones and the two without a model at 1 and 1 (100 each).
+    // 3 and 10 (825 each); two "small" ones and the three without a model at 1 and 1 (100 each).
     assert!(
         common::eventually(Duration::from_secs(10), || {
-            envoy.tg("settle.delivered") >= 6
+            envoy.tg("settle.delivered") >= 7
         }),
         "settlements: {:?}",
         envoy.tg_all()
     );
-    assert_eq!(spent(&client, &service, "t1"), 2 * 825 + 4 * 100);
-    // The two refused requests never reached the upstream as requests: it answered the six
+    assert_eq!(spent(&client, &service, "t1"), 2 * 825 + 5 * 100);
+    // The two refused requests never reached the upstream as requests: it answered the seven
     // admitted ones only (their headers went on before the decision; the body, held, did not).
-    assert_eq!(llm.served().len(), 6, "{:?}", llm.served());
+    assert_eq!(llm.served().len(), 7, "{:?}", llm.served());
+    drop(envoy);
+}
+
+/// The model read by Envoy's own `json_to_metadata` filter in front (it holds the headers until it
+/// has parsed the body) and Tollgate reading it from the dynamic metadata at the headers: nothing
+/// reaches the router before the decision, and a route that answers at its headers is limited too.
+#[test]
+fn the_model_from_metadata_is_read_before_anything_goes_on() {
+    let c = Components::get();
+    let dir = TempDir::new("models-metadata");
+    let redis = Redis::start(&c, &dir);
+    let service = Service::start(&c, &dir, Some(&redis.url()));
+    let llm = Llm::start();
+    let cfg = plugin(
+        Transport::Grpc,
+        vec![
+            json!({"name": "per-model", "key": ["header:x-team", "model"],
+                    "capacity": 2, "period_ms": 60_000, "algorithm": "fixed_window"}),
+        ],
+        json!({"model": {"metadata": ["envoy.filters.http.json_to_metadata", "model"]},
+               "service": {"batch": 0}}),
+    );
+    let mut spec = EnvoySpec::new(Some(cfg), service.port, llm.port);
+    spec.first_http_filters = vec![r#"name: envoy.filters.http.json_to_metadata
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata
+  request_rules:
+    rules:
+    - selectors: [{key: model}]
+      on_present: {metadata_namespace: envoy.filters.http.json_to_metadata, key: model, type: STRING}
+"#
+    .to_string()];
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let client = Client::new();
+    let big = r#"{"messages":[],"model":"big"}"#;
+    let small = r#"{"model":"small"}"#;
+    for (body, want) in [
+        (big, 200),
+        (big, 200),
+        (big, 429),
+        (small, 200),
+        (small, 200),
+        (small, 429),
+    ] {
+        assert_eq!(ask(&client, &envoy, "t1", body), want, "{body}");
+    }
+    // Another team: its own buckets.
+    assert_eq!(ask(&client, &envoy, "t2", big), 200);
+    // The upstream answered the five admitted requests only.
+    assert_eq!(llm.served().len(), 5, "{:?}", llm.served());
     drop(envoy);
 }

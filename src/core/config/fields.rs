@@ -105,6 +105,7 @@ pub const ROOT: &[Field] = &[
 #[rustfmt::skip]
 pub const MODEL: &[Field] = &[
     field!("header", Text, Nothing, "a request header a gateway set (lower case)"),
+    field!("metadata", List, Nothing, "dynamic metadata a filter in front wrote: its namespace, then 1..=4 field names"),
     field!("body", Bool, IfAbsent::Bool(false), "the JSON body's top-level `model`, read as the body arrives"),
     field!("max_body_bytes", Value::Int(1, MAX_MODEL_BODY_BYTES), IfAbsent::Int(DEFAULT_MODEL_BODY_BYTES as u32), "the most of the body read for it"),
 ];

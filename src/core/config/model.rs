@@ -115,6 +115,9 @@ pub struct Config {
 pub enum ModelSource {
     /// A request header a gateway in front set (lower case).
     Header(String),
+    /// Dynamic metadata a filter in front wrote (Envoy's `json_to_metadata` reading the body,
+    /// an AI gateway's filter): the host property path, read at the request's headers.
+    Metadata(Vec<String>),
     /// The JSON body's top-level `model`, read as the body arrives, at most this many bytes of it:
     /// the request waits for it before it is decided.
     Body(usize),

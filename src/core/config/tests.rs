@@ -741,6 +741,20 @@ fn the_model_is_read_from_a_header_or_the_body_and_keys_and_prices_by_it() {
     assert_eq!(c.model, Some(ModelSource::Body(4096)));
     let c = parse(&with(r#""model":{"header":"x-ai-model"},"#, keyed)).unwrap();
     assert_eq!(c.model, Some(ModelSource::Header("x-ai-model".into())));
+    let c = parse(&with(
+        r#""model":{"metadata":["envoy.filters.http.json_to_metadata","model"]},"#,
+        keyed,
+    ))
+    .unwrap();
+    assert_eq!(
+        c.model,
+        Some(ModelSource::Metadata(vec![
+            "metadata".into(),
+            "filter_metadata".into(),
+            "envoy.filters.http.json_to_metadata".into(),
+            "model".into()
+        ]))
+    );
     let priced = r#"{"name":"p","key":["header:x-team"],"capacity":100000,"period_ms":60000,
         "cost":{"reserve":"max","max":4000},"charge":"response",
         "usage":{"weights":{"prompt":2,"completion":8},
@@ -768,6 +782,24 @@ fn the_model_is_read_from_a_header_or_the_body_and_keys_and_prices_by_it() {
             "the top-level `model`",
         ),
         (with(r#""model":{},"#, keyed), "model.header", "exactly one"),
+        (
+            with(r#""model":{"header":"x-m","metadata":["ns","m"]},"#, keyed),
+            "model.header",
+            "exactly one",
+        ),
+        (
+            with(r#""model":{"metadata":["ns"]},"#, keyed),
+            "model.metadata",
+            "namespace then",
+        ),
+        (
+            with(
+                r#""model":{"metadata":["ns","m"],"max_body_bytes":10},"#,
+                keyed,
+            ),
+            "model.max_body_bytes",
+            "only with",
+        ),
         (
             with(r#""model":{"header":"x-m","body":true},"#, keyed),
             "model.header",

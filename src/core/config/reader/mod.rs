@@ -153,17 +153,25 @@ fn read_model(root: &Obj<'_>, rules: Option<&[Rule]>) -> Option<Option<ModelSour
             };
             let body = m.boolean("body");
             let max = m.int("max_body_bytes");
-            match (header?, body?, max?) {
-                (Some(h), false, _) if m.get("max_body_bytes").is_none() => {
-                    Some(ModelSource::Header(h))
-                }
-                (None, true, max) => Some(ModelSource::Body(
-                    usize::try_from(max).unwrap_or(usize::MAX),
-                )),
-                (Some(_), false, _) => {
+            let metadata = match m.get("metadata") {
+                None => Some(None),
+                Some(_) => rule::metadata_path(&m).map(Some),
+            };
+            match (header?, body?, max?, metadata?) {
+                (_, false, _, _) if m.get("max_body_bytes").is_some() => {
                     return m.refuse("max_body_bytes", "only with \"body\": true")
                 }
-                _ => return m.refuse("header", "exactly one of `header` and `\"body\": true`"),
+                (Some(h), false, _, None) => Some(ModelSource::Header(h)),
+                (None, false, _, Some(path)) => Some(ModelSource::Metadata(path)),
+                (None, true, max, None) => Some(ModelSource::Body(
+                    usize::try_from(max).unwrap_or(usize::MAX),
+                )),
+                _ => {
+                    return m.refuse(
+                        "header",
+                        "exactly one of `header`, `metadata` and `\"body\": true`",
+                    )
+                }
             }
         }
     };

@@ -367,6 +367,33 @@ fn read_from_request(r: &Obj<'_>) -> Option<Option<FromRequest>> {
 
 /// A number read from the request: exactly one of `header` (a lower-case name) and `metadata`
 /// (the filter's namespace, then 1..=4 field names into its struct), within `min..=max`.
+/// `o`'s `metadata`: the filter's namespace, then 1..=[`MAX_METADATA_FIELDS`] field names, as the
+/// host property path of that dynamic metadata (`metadata.filter_metadata.<namespace>.<fields>`).
+pub(super) fn metadata_path(o: &Obj<'_>) -> Option<Vec<String>> {
+    let Some(Value::Array(parts)) = o.get("metadata") else {
+        return o.refuse("metadata", "must be a list of strings");
+    };
+    if parts.len() < 2 || parts.len() > MAX_METADATA_FIELDS + 1 {
+        return o.refuse(
+            "metadata",
+            format!("must be the filter's namespace then 1..={MAX_METADATA_FIELDS} field names"),
+        );
+    }
+    let mut path = vec!["metadata".to_string(), "filter_metadata".to_string()];
+    for (i, p) in parts.iter().enumerate() {
+        match p.as_str() {
+            Some(s) if !s.is_empty() && s.len() <= 256 => path.push(s.to_string()),
+            _ => {
+                return o.refusals().refuse(
+                    format!("{}[{i}]", o.path("metadata")),
+                    "must be a string of 1..=256 bytes",
+                )
+            }
+        }
+    }
+    Some(path)
+}
+
 fn read_attribute(a: &Obj<'_>) -> Option<Attribute> {
     let source = match (a.get("header"), a.get("metadata")) {
         (Some(_), None) => Source::Header(header_name(
@@ -374,30 +401,7 @@ fn read_attribute(a: &Obj<'_>) -> Option<Attribute> {
             &a.text("header")?,
             a.refusals(),
         )?),
-        (None, Some(Value::Array(parts))) => {
-            if parts.len() < 2 || parts.len() > MAX_METADATA_FIELDS + 1 {
-                return a.refuse(
-                    "metadata",
-                    format!(
-                        "must be the filter's namespace then 1..={MAX_METADATA_FIELDS} field names"
-                    ),
-                );
-            }
-            let mut path = vec!["metadata".to_string(), "filter_metadata".to_string()];
-            for (i, p) in parts.iter().enumerate() {
-                match p.as_str() {
-                    Some(s) if !s.is_empty() && s.len() <= 256 => path.push(s.to_string()),
-                    _ => {
-                        return a.refusals().refuse(
-                            format!("{}[{i}]", a.path("metadata")),
-                            "must be a string of 1..=256 bytes",
-                        )
-                    }
-                }
-            }
-            Source::Property(path)
-        }
-        (None, Some(_)) => return a.refuse("metadata", "must be a list of strings"),
+        (None, Some(_)) => Source::Property(metadata_path(a)?),
         _ => return a.refuse("header", "exactly one of `header` and `metadata`"),
     };
     let max = a.int_within("max", None, 1, MAX_AMOUNT)?;

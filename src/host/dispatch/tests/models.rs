@@ -62,10 +62,11 @@ fn the_take_waits_for_the_body_s_model_and_is_keyed_by_it() {
     );
     assert_eq!(statuses, vec![PAUSE, PAUSE]);
     assert!(d.abi.dispatched.borrow().is_empty());
-    // The value's closing quote: the request is decided, its body still held for the callout.
+    // The value's closing quote: the request is decided, its body held under flow control (not
+    // buffered) for the callout, and so is what follows.
     assert_eq!(
         body_in(&mut d, 10, &[br#"all","stream":true}"#], false),
-        vec![PAUSE]
+        vec![HOLD_BODY]
     );
     assert_eq!(d.abi.dispatched.borrow().len(), 1);
     assert_eq!(take_key(&d), "llm|t|small");

@@ -24,7 +24,7 @@ fn a_request_no_rule_matches_reads_only_the_match_headers() {
     );
     assert_eq!(
         d.on_request_body(6, Some(0), false),
-        PAUSE,
+        HOLD_BODY,
         "body waits for the decision"
     );
 }
