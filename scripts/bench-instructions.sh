@@ -38,6 +38,10 @@
 #             rule reads
 #   grpc-model  the same, its bucket keyed by the body's `model` (`"model": {"body": true}`): the
 #             headers go on, the body is held and scanned, the take sent once the model is read
+#             (on this direct-response route the route answers at the headers, before the take)
+#   grpc-post-upstream, grpc-model-upstream  the same two forwarded to an upstream
+#             (bench/upstream/server.py, not counted) instead of answered by the route: the body's
+#             model read before the take, as in production
 #   denied    Tollgate exact, its bucket empty (capacity 1 an hour): a flood's request, denied from
 #             the remembered denial (one callout a second, `remember_denials_ms`), not by a callout
 #   local-denied  no module: Envoy's own local_ratelimit, its bucket empty: what a 429 costs Envoy
@@ -141,6 +145,13 @@ for variant in $VARIANTS; do
   fi
   port=$(free_port); admin=$(free_port)
   args=(--listen "$port" --admin "$admin" --direct $'hello from the edge\n' --service "$service")
+  case $variant in *-upstream)
+    up=$(free_port)
+    python3 bench/upstream/server.py "$up" >"$OUT/upstream-$variant.log" 2>&1 &
+    PIDS+=("$!")
+    for _ in $(seq 100); do grep -q ready "$OUT/upstream-$variant.log" 2>/dev/null && break; sleep 0.1; done
+    args=(--listen "$port" --admin "$admin" --upstream "$up" --service "$service") ;;
+  esac
   case $variant in
     none) ;;
     empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
@@ -151,8 +162,9 @@ for variant in $VARIANTS; do
     http) plugin http '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
     grpc) plugin grpc '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
     grpc-unary) plugin grpc '' 'batch=0 stream=false'; args+=("${PLUGIN[@]}") ;;
-    grpc-post) plugin grpc '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
-    grpc-model) plugin grpc '' 'batch=0' '"key": ["model"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000'
+    grpc-post | grpc-post-upstream) plugin grpc '' 'batch=0'; args+=("${PLUGIN[@]}") ;;
+    grpc-model | grpc-model-upstream)
+      plugin grpc '' 'batch=0' '"key": ["model"], "capacity": 1000000000, "rate": 1000000000, "period_ms": 1000'
       args+=("${PLUGIN[@]}" --field 'model={"body": true}') ;;
     http-batch) plugin http '' 'batch=64'; args+=("${PLUGIN[@]}") ;;
     grpc-batch) plugin grpc '' 'batch=64'; args+=("${PLUGIN[@]}") ;;
@@ -177,7 +189,7 @@ for variant in $VARIANTS; do
   statuses=200
   case $variant in denied | local-denied) statuses=200,429 ;; esac
   unset DRIVE_BODY
-  case $variant in grpc-post | grpc-model)
+  case $variant in grpc-post* | grpc-model*)
     export DRIVE_BODY='{"model":"gpt-4o-mini","messages":[{"role":"user","content":"How many tokens is this?"}],"max_tokens":64}' ;;
   esac
   python3 scripts/drive.py "$port" "$WARMUP" "$CLIENTS" "$statuses" || die "$variant: warm-up failed"
