@@ -65,7 +65,7 @@ fn a_monthly_quota_resets_at_the_first_and_not_before() {
     assert_eq!(r.status, 429, "the month is spent");
     let left_ms = boundary_real - now_ms();
     assert!(
-        left_ms > 500,
+        left_ms > 1_500,
         "the test reached the boundary too early ({left_ms} ms left)"
     );
     let retry: i64 = r.header("retry-after").unwrap().parse().unwrap();
@@ -73,9 +73,10 @@ fn a_monthly_quota_resets_at_the_first_and_not_before() {
         (retry * 1000 - left_ms).abs() <= 1_500,
         "Retry-After {retry} s, the 1st is {left_ms} ms away"
     );
-    // Half a second before the 1st: still this month's, still spent.
+    // A second before the 1st (room for a loaded machine's delay before the store decides):
+    // still this month's, still spent.
     thread::sleep(Duration::from_millis(
-        (boundary_real - now_ms() - 500).max(0) as u64,
+        (boundary_real - now_ms() - 1_000).max(0) as u64,
     ));
     assert_eq!(get().status, 429, "not before the 1st");
     // Past it: the new month starts at zero.
