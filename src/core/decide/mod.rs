@@ -349,8 +349,9 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
             },
             denied_by: Box::default(),
             rule_counts,
-            // The fallback's windows are this proxy's count, not the service's.
-            windows: if fallback {
+            // The fallback's windows are this proxy's count, not the service's; a token bucket
+            // has none (no allocation on the path most admissions take).
+            windows: if fallback || resp.buckets.iter().all(|b| b.window == 0) {
                 Box::default()
             } else {
                 resp.buckets.iter().map(|b| b.window).collect()
