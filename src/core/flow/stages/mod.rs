@@ -6,8 +6,8 @@
 //! | `lease` ([`lease::Lease`]) | the pools pay, or a cached denial answers | deposits, cached denials, refills | the pools pay for a denial or a failure |
 //! | `breaker` ([`breaker::Breaker`]) | reads the admission record (the probe claimed there); open: refused | the callout's success or failure | — |
 //! | `denials` ([`denials::Denials`]) | a remembered denial answers | the service's denials remembered | — |
+//! | `shape` ([`shape::Shape`]) | a shaping rule's bucket asks for a grant up to `max_delay_ms` ahead, while the rule has a place to hold one more request | — | a take the full batch queue refused is refused when a shaping rule had no place for it |
 //! | `fallback` ([`fallback::Fallback`]) | debts attached; in recovery, the shares pay first | debts settled, shares kept in step | in recovery, the shares have the last word; a failure takes from them |
-//! | `shape` ([`shape::Shape`]) | a shaping rule's bucket asks for a grant up to `max_delay_ms` ahead, while the rule has a place to hold one more request | — | — |
 //!
 //! Before the call the stages look in that order, the first answer ending the look; after an
 //! answer they update their state in the reverse order (the fallback learns the number of proxies
@@ -110,8 +110,8 @@ pub(super) fn stages<'s, H: Host + 's>() -> [&'s (dyn Stage<H> + 's); 5] {
         &lease::Lease,
         &breaker::Breaker,
         &denials::Denials,
-        &fallback::Fallback,
         &shape::Shape,
+        &fallback::Fallback,
     ]
 }
 

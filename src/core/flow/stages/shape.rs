@@ -8,11 +8,17 @@
 //! but a delayed grant), is let through, or goes away ([`free_places`]). A shadow rule never
 //! shapes (it never holds a request back). What the other stages admit in the service's place
 //! (the pools, the fallback shares) is never held: those answers are now or never.
+//!
+//! A request a shaping rule had no place for, whose take then found the batch queue full
+//! (`Cause::Queued`: this worker's own bound, the service still answering), is refused here,
+//! before the fallback shares could admit it: this worker is holding or asking for `max_held` of
+//! the rule's requests already, granted by the service up to `max_delay_ms` ahead, so the
+//! bucket's refill is spoken for, and a share of it admitted locally would be admitted twice.
 
 use super::{Cx, Early, Stage};
 use crate::core::flow::{Host, Metric, Shaped};
-use crate::core::wire::plan::{Outcome, Plan, Verdict};
-use crate::core::wire::{Bucket, TakeRequest};
+use crate::core::wire::plan::{Cause, Outcome, Plan, RuleCount, Verdict};
+use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
 
 /// Shaping.
 pub(in crate::core::flow) struct Shape;
@@ -39,8 +45,49 @@ impl<H: Host> Stage<H> for Shape {
         outcome
     }
 
-    fn admit(&self, _: &mut Cx<'_, H>, _: &Plan, outcome: Outcome) -> Result<Outcome, Verdict> {
-        Ok(outcome)
+    /// A full queue refuses what a shaping rule had no place for (the module's doc); anything
+    /// else goes on.
+    fn admit(&self, cx: &mut Cx<'_, H>, plan: &Plan, outcome: Outcome) -> Result<Outcome, Verdict> {
+        if !matches!(outcome, Outcome::Failed(Cause::Queued)) {
+            return Ok(outcome);
+        }
+        let mut denied = false;
+        let mut buckets = Vec::with_capacity(plan.request.buckets.len());
+        for (b, &rule) in plan.request.buckets.iter().zip(&plan.rules) {
+            let full = match cx.cfg.rules.get(rule).filter(|r| !r.shadow) {
+                Some(r) => r
+                    .rate_limit()
+                    .and_then(|l| l.shape)
+                    .filter(|_| b.max_delay_ms == 0),
+                None => None,
+            };
+            buckets.push(match full {
+                Some(shape) => {
+                    denied = true;
+                    cx.counts.push((rule, RuleCount::LimitedLocally));
+                    // The longest the service grants ahead: the bucket's refill is spoken for at
+                    // most that far.
+                    BucketResult {
+                        allowed: false,
+                        limit: b.capacity,
+                        remaining: 0,
+                        reset_ms: shape.max_delay_ms,
+                        retry_after_ms: shape.max_delay_ms,
+                        ..BucketResult::default()
+                    }
+                }
+                None => BucketResult {
+                    allowed: true,
+                    limit: b.capacity,
+                    remaining: b.capacity,
+                    ..BucketResult::default()
+                },
+            });
+        }
+        if !denied {
+            return Ok(outcome);
+        }
+        Ok(Outcome::Limited(TakeResponse::from_buckets(buckets)))
     }
 }
 

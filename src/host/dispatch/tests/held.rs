@@ -111,7 +111,8 @@ fn held_requests_outlive_the_configuration_a_push_replaced() {
 /// A shaping configuration's batch queue holds as many as its rule may hold (`max_held`, here
 /// 20), not four batches (8 here): a burst behind a callout in flight asks for a grant for later
 /// for each request the rule has a place for, and only what neither the places nor the queue
-/// hold is decided here (a full queue: the failure mode, cause `queued`).
+/// hold is decided here: refused at once (the rule has no place for it and the queue no room),
+/// never by the failure mode.
 #[test]
 fn a_shaping_queue_holds_as_many_as_the_rule_may_hold() {
     let cfg = config("http", r#","failure_mode":"deny""#)
@@ -127,11 +128,55 @@ fn a_shaping_queue_holds_as_many_as_the_rule_may_hold() {
         assert_eq!(start(&mut d, id, "/api"), PAUSE);
     }
     assert_eq!(d.abi.dispatched.borrow().len(), 1, "one callout out");
-    // 20 queued (19 with a place, the 20th asked unshaped), the other 10 denied here.
+    // 20 queued (19 with a place, the 20th asked unshaped), the other 10 refused here.
     assert_eq!(d.abi.replied.borrow().len(), 10);
-    assert_eq!(d.abi.metric("tollgate.failure_mode.queued"), 10);
+    assert_eq!(d.abi.metric("tollgate.failure_mode.queued"), 0);
     assert_eq!(d.abi.metric("tollgate.shape.full"), 11);
     assert_eq!(d.abi.metric("tollgate.breaker.opened"), 0);
+}
+
+/// Beyond its places, with the queue full, a shaping rule's request is refused with the longest
+/// the service grants ahead as its `Retry-After`; the fallback shares (the failure mode by
+/// default) neither admit it nor lose a token to it: the service is granting the bucket's refill
+/// to the requests queued and held. A full queue that a rule with places left meets is still the
+/// failure mode's.
+#[test]
+fn beyond_its_places_a_full_queue_refuses_instead_of_the_fallback() {
+    let cfg = config("http", "").replace(r#""batch":0"#, r#""batch":2"#).replace(
+        r#""period_ms":60000}"#,
+        r#""period_ms":60000,"shape":{"max_delay_ms":3000,"max_held":4}},
+           {"name":"plain","match":{"path_prefix":"/plain"},"key":["literal:p"],"capacity":5,"period_ms":60000}"#,
+    );
+    let mut d = dispatcher(&cfg);
+    d.abi.known.borrow_mut().push(ROOT);
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    // The rule's 4 places go to the first 4; the queue holds four batches (8, more than the
+    // largest max_held); then 4 find it full.
+    for id in 11..23 {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    assert_eq!(d.abi.replied.borrow().len(), 4);
+    assert!(d
+        .abi
+        .replied
+        .borrow()
+        .iter()
+        .all(|&(_, status)| status == 429));
+    assert!(d
+        .abi
+        .retry_after
+        .borrow()
+        .iter()
+        .all(|r| r.as_deref() == Some("3")));
+    assert_eq!(d.abi.metric("tollgate.fallback.allowed"), 0);
+    assert_eq!(d.abi.metric("tollgate.fallback.limited"), 0);
+    assert_eq!(d.abi.metric("tollgate.failure_mode.queued"), 0);
+    assert_eq!(d.abi.metric("tollgate.rule.r.limited_locally"), 4);
+    assert_eq!(d.abi.metric("tollgate.rule.r.limited"), 4);
+    // The queue is full for the unshaped rule too: its share decides, as for any full queue.
+    assert_eq!(start(&mut d, 23, "/plain"), CONTINUE);
+    assert_eq!(d.abi.metric("tollgate.fallback.allowed"), 1);
+    assert_eq!(d.abi.metric("tollgate.failure_mode.queued"), 1);
 }
 
 #[test]
