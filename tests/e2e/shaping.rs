@@ -930,7 +930,10 @@ fn ten_thousand_at_once_are_answered_within_bounds() {
 }
 
 /// The service stopped (SIGSTOP) once the burst's 10 are held: they were granted, so each still
-/// goes at its time, and no client sees a 5xx.
+/// goes at its time, and no client sees a 5xx. New requests meanwhile (8, one every 150 ms from
+/// the stop) take the fallback once their callout times out (1 s): the share is empty until the
+/// grants ahead are due, so the held and the new together stay within the one bucket (before,
+/// the share refilled from the last answer on: 5 more by the time they were decided).
 #[test]
 fn held_requests_outlive_the_service() {
     const LIMIT: (u64, u64, u64) = (5, 5, 1000);
@@ -950,22 +953,40 @@ fn held_requests_outlive_the_service() {
         let held = eventually(Duration::from_secs(2), || stack.envoy.tg("shape.held") >= 9);
         signal(pid, "STOP");
         let stopped = Instant::now();
+        let late: Vec<_> = (0..8)
+            .map(|i| {
+                let url = stack.url("/after-stop");
+                s.spawn(move || {
+                    thread::sleep(Duration::from_millis(150 * i));
+                    Timed {
+                        latency: Duration::ZERO,
+                        reply: Client::new().try_get(&url, &[]).ok(),
+                    }
+                })
+            })
+            .collect();
         let burst = burst.join().expect("burst");
+        let late: Vec<Timed> = late.into_iter().map(|h| h.join().expect("late")).collect();
         signal(pid, "CONT");
-        (held, stopped, burst)
+        (held, stopped, burst, late)
     });
-    let (held, stopped_at, burst) = stopped;
+    let (held, stopped_at, burst, late) = stopped;
     let arrived = arrivals(&stack.upstream, "/outlive");
     let after_stop = arrived.iter().filter(|&&a| a > stopped_at).count();
+    // The held and the new together, against the one bucket.
+    let mut all = arrivals(&stack.upstream, "/after-stop");
+    all.extend(&arrived);
+    all.sort();
     let span = match (arrived.first(), arrived.last()) {
         (Some(&a), Some(&b)) => b.duration_since(a).as_millis() as u64,
         _ => 0,
     };
     eprintln!(
         "ROW | shaping, the service SIGSTOPped {} ms into a held burst | {:?}, {after_stop} reached \
-         the upstream after the stop, arrivals over {span} ms |",
+         the upstream after the stop, arrivals over {span} ms | requests after the stop {:?} |",
         ms_since(t0, stopped_at),
         statuses(&burst),
+        statuses(&late),
     );
 
     let mut broken = Vec::new();
@@ -978,13 +999,19 @@ fn held_requests_outlive_the_service() {
     if statuses(&burst) != BTreeMap::from([(200, 15)]) {
         broken.push(format!("every request 200 wanted: {:?}", statuses(&burst)));
     }
+    if statuses(&late).keys().any(|&c| c != 200 && c != 429) {
+        broken.push(format!(
+            "requests after the stop: 200 or 429 wanted, {:?}",
+            statuses(&late)
+        ));
+    }
     if after_stop < 8 {
         broken.push(format!(
             "{after_stop} held requests went after the stop, wanted 9 or 10"
         ));
     }
     broken.extend(
-        over_the_bucket(&arrived, t0, LIMIT, 1)
+        over_the_bucket(&all, t0, LIMIT, 1)
             .into_iter()
             .map(|e| format!("faster than the bucket: {e}")),
     );

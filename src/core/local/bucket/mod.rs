@@ -182,6 +182,18 @@ pub fn empty(l: &Limits, now_ms: u64) -> State {
     share(l, 0, 0, now_ms)
 }
 
+/// A token bucket the service granted ahead of its refill (shaping): nothing held until
+/// `zero_at_ms`, when the global balance is back at zero, and refilling from then on. No other
+/// algorithm is granted ahead: theirs is [`empty`] at `now_ms`.
+pub fn empty_until(l: &Limits, now_ms: u64, zero_at_ms: u64) -> State {
+    match l.algorithm {
+        Algorithm::TokenBucket => {
+            <token_bucket::TokenBucket as Local>::holding(l, 0, zero_at_ms.max(now_ms))
+        }
+        _ => empty(l, now_ms),
+    }
+}
+
 /// This proxy's share, at `now_ms`, of a global bucket that an answer reported holding
 /// `remaining` whole tokens, less `debt` tokens this proxy admitted on its own and still owes:
 /// `remaining / divisor − debt` tokens (a window: the count that leaves that many). Never more

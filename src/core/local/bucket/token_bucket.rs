@@ -64,9 +64,10 @@ impl Local for TokenBucket {
         p.level / MICRO
     }
 
-    /// Compared in micro-tokens, not whole tokens.
+    /// Compared in micro-tokens, not whole tokens; of two that hold as many, the one stamped
+    /// later (a share empty until the service's grants ahead are due starts refilling later).
     fn holds_no_more(_: &Limits, a: State, b: State, _now_ms: u64) -> bool {
-        a.level <= b.level
+        a.level < b.level || (a.level == b.level && a.stamp >= b.stamp)
     }
 
     fn refund(l: &Limits, s: State, cost: u64) -> State {

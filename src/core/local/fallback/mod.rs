@@ -72,14 +72,14 @@ mod debts;
 
 use crate::core::base::place::Memos;
 use crate::core::base::store::{update, CasStore, Change};
-use crate::core::config::{Config, FailureMode};
+use crate::core::config::{Algorithm, Config, FailureMode};
 use crate::core::local::bucket::{self, Limits, State};
 use crate::core::local::record::{self, learned_instances};
 use crate::core::local::table;
 pub use crate::core::local::table::Place;
 use crate::core::settle;
 use crate::core::wire::plan::{Outcome, Plan};
-use crate::core::wire::{BucketResult, TakeRequest, TakeResponse};
+use crate::core::wire::{Bucket, BucketResult, TakeRequest, TakeResponse};
 pub use debts::{attach_debts, on_failure, recovery_until, repay_debts};
 
 /// Shared-data key of the table sizes this Envoy's configurations used, newest first (at most 4,
@@ -507,19 +507,74 @@ pub fn owed<S: CasStore + ?Sized>(
     standing(store, sh, key, l, now_ms).0
 }
 
+/// What an answer reported of one bucket, for its share ([`remember_one`]): the whole tokens
+/// left and, when the global balance is below zero (shaping: the service granted takes ahead of
+/// the refill, this one's or others'), how long until it is back at zero: the refill is spoken
+/// for until then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reported {
+    /// Whole tokens left (0 when below zero).
+    pub remaining: u64,
+    /// Ms from the answer until the balance is back at zero (0: not below zero by a token).
+    pub owed_ms: u64,
+}
+
+impl From<u64> for Reported {
+    /// `remaining` tokens left, nothing owed.
+    fn from(remaining: u64) -> Self {
+        Reported {
+            remaining,
+            owed_ms: 0,
+        }
+    }
+}
+
+impl Reported {
+    /// What `r`, the answer for `b`, reports: a grant for later is due when the balance is back
+    /// at zero (its `delay_ms`); a token bucket's denial at zero left could pay its cost after
+    /// `retry_after_ms`, so its balance is back at zero the cost's refill earlier (counted when it
+    /// is a token or more below zero; a cost above the capacity is never paid: nothing known).
+    pub fn of(b: &Bucket, r: &BucketResult) -> Self {
+        let owed_ms = match b.algorithm.unwrap_or_default() {
+            _ if r.allowed => r.delay_ms,
+            Algorithm::TokenBucket if r.remaining == 0 && b.cost() <= b.capacity => {
+                let per = |tokens: u64| {
+                    let ms =
+                        u128::from(tokens) * u128::from(b.period_ms) / u128::from(b.rate().max(1));
+                    u64::try_from(ms).unwrap_or(u64::MAX)
+                };
+                let owed = r.retry_after_ms.saturating_sub(per(b.cost()));
+                if owed >= per(1) {
+                    owed
+                } else {
+                    0
+                }
+            }
+            _ => 0,
+        };
+        Reported {
+            remaining: r.remaining,
+            owed_ms,
+        }
+    }
+}
+
 /// Keeps one bucket's share in line with an answer from the service: the share becomes at most
-/// `remaining / N − debt` (after `repaid` tokens of the debt were charged by this answer), and is
-/// never raised by an answer (refill does that). Writes only when the share drops by a token or
-/// more, or the debt changed, so a steady bucket costs one read per answer.
+/// `remaining / N − debt` (after `repaid` tokens of the debt were charged by this answer), or
+/// nothing until the balance is back at zero when the answer says it is below ([`Reported`]),
+/// and is never raised by an answer (refill does that). Writes only when the share drops by a
+/// token or more, starts refilling later, or the debt changed, so a steady bucket costs one read
+/// per answer.
 pub fn remember_one<S: CasStore + ?Sized>(
     store: &S,
     sh: &Shares,
     key: &str,
     l: &Limits,
     now_ms: u64,
-    remaining: u64,
+    reported: impl Into<Reported>,
     repaid: u64,
 ) {
+    let reported = reported.into();
     let slot = slot(store.memos(), key, l, sh.max_keys);
     update(store, &slot.name, |cur| {
         let (held, debt, changed, outage) = match entry(store, sh, key, l, &slot.id, cur, now_ms) {
@@ -528,7 +583,10 @@ pub fn remember_one<S: CasStore + ?Sized>(
             Entry::Ours(s, d, changed, o) => (Some(s), d, changed, o),
         };
         let debt_left = debt.saturating_sub(repaid);
-        let known = bucket::share(l, remaining, debt_left, now_ms);
+        let known = match reported.owed_ms {
+            0 => bucket::share(l, reported.remaining, debt_left, now_ms),
+            ms => bucket::empty_until(l, now_ms, now_ms.saturating_add(ms)),
+        };
         let next = match held {
             Some(h) => bucket::stricter(l, h, known, now_ms),
             None => known,
@@ -537,7 +595,10 @@ pub fn remember_one<S: CasStore + ?Sized>(
             Some(h) if debt_left == debt && !changed => {
                 let drop = bucket::available(l, h, now_ms)
                     .saturating_sub(bucket::available(l, next, now_ms));
-                if drop == 0 {
+                // Refilling from later: what a grant ahead of the refill leaves.
+                let later =
+                    bucket::project(l, next, now_ms).stamp > bucket::project(l, h, now_ms).stamp;
+                if drop == 0 && !later {
                     return Change::Keep(());
                 }
             }
@@ -741,8 +802,11 @@ pub fn remember<S: CasStore + ?Sized>(
             .get(i)
             .and_then(|&k| cfg.rules.get(k)?.rate_limit())
             .is_some_and(|l| l.lease.is_some());
-        let remaining = if leases { 0 } else { r.remaining };
-        remember_one(store, &sh, &b.key, &l, now_ms, remaining, paid);
+        let mut reported = Reported::of(b, r);
+        if leases {
+            reported.remaining = 0;
+        }
+        remember_one(store, &sh, &b.key, &l, now_ms, reported, paid);
     }
 }
 

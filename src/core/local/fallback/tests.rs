@@ -642,3 +642,74 @@ fn prepare_walks_once() {
     prepare(&s, 20);
     assert_eq!(s.writes.get(), writes + 21);
 }
+
+#[test]
+fn a_balance_below_zero_is_read_from_the_answer() {
+    // 5 a second: a token every 200 ms.
+    let b = Bucket {
+        capacity: 5,
+        rate: Some(5),
+        ..bucket("k", 5)
+    };
+    let answer = |allowed, remaining, retry_after_ms, delay_ms| BucketResult {
+        allowed,
+        limit: 5,
+        remaining,
+        retry_after_ms,
+        delay_ms,
+        ..BucketResult::default()
+    };
+    let owed = |r: BucketResult| Reported::of(&b, &r).owed_ms;
+    assert_eq!(owed(answer(true, 0, 0, 1400)), 1400, "a grant ahead");
+    assert_eq!(owed(answer(true, 3, 0, 0)), 0);
+    // Denied at zero left: payable in 1.4 s, so back at zero 200 ms earlier.
+    assert_eq!(owed(answer(false, 0, 1400, 0)), 1200);
+    // Less than a token below zero (or above it): nothing counted.
+    assert_eq!(owed(answer(false, 0, 350, 0)), 0);
+    assert_eq!(owed(answer(false, 2, 1400, 0)), 0);
+    let window = Bucket {
+        algorithm: Some(Algorithm::FixedWindow),
+        ..b.clone()
+    };
+    assert_eq!(Reported::of(&window, &answer(false, 0, 1400, 0)).owed_ms, 0);
+}
+
+#[test]
+fn a_share_owed_ahead_refills_from_when_it_is_due_and_is_written_once() {
+    let (s, t) = (prepared(10), sh(10));
+    let l = Limits::local(5, 5, 1000, Algorithm::TokenBucket, 1);
+    let ahead = Reported {
+        remaining: 0,
+        owed_ms: 2000,
+    };
+    remember_one(&s, &t, "k", &l, 1_000, ahead, 0);
+    let writes = s.writes.get();
+    // The same balance reported again (due at the same moment): nothing to write.
+    let again = Reported {
+        remaining: 0,
+        owed_ms: 1500,
+    };
+    remember_one(&s, &t, "k", &l, 1_500, again, 0);
+    assert_eq!(s.writes.get(), writes);
+    assert!(!take(&s, &t, "k", &l, 2_900, 1).allowed, "owed until 3 s");
+    assert!(
+        take(&s, &t, "k", &l, 3_250, 1).allowed,
+        "a token 200 ms after"
+    );
+    assert!(!take(&s, &t, "k", &l, 3_250, 1).allowed);
+    // A later due moment is stricter, and written.
+    remember_one(
+        &s,
+        &t,
+        "k",
+        &l,
+        3_300,
+        Reported {
+            remaining: 0,
+            owed_ms: 1000,
+        },
+        0,
+    );
+    assert!(!take(&s, &t, "k", &l, 4_250, 1).allowed);
+    assert!(take(&s, &t, "k", &l, 4_500, 1).allowed);
+}

@@ -240,3 +240,54 @@ fn a_client_gone_before_its_batch_s_answer_gives_back_a_grant_for_later() {
     d.on_tick(ROOT);
     assert_eq!(*d.abi.resumed.borrow(), vec![10, 11]);
 }
+
+/// A grant ahead of the refill speaks for the bucket's refill until it is due: a request whose
+/// take fails in the meantime is refused by the fallback share, which starts refilling only then
+/// (it used to refill from the answer on, admitting beside the held request).
+#[test]
+fn a_grant_ahead_leaves_the_fallback_share_empty_until_it_is_due() {
+    let cfg = config("http", "").replace(
+        r#""period_ms":60000}"#,
+        r#""period_ms":1000,"shape":{"max_delay_ms":3000}}"#,
+    );
+    let mut d = dispatcher(&cfg);
+    d.abi.known.borrow_mut().push(ROOT);
+    // Capacity 5 at 5 a second, the bucket owing: this request's token is there in 2 s.
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    later_reply(&d, 2000);
+    d.on_http_call_response(last_token(&d), 1, 300);
+    assert_eq!(d.abi.metric("tollgate.shape.held"), 1);
+    let fail = |d: &mut Dispatcher<Fake>, id: u32| {
+        assert_eq!(start(d, id, "/api"), PAUSE);
+        *d.abi.reply.borrow_mut() = (Some(b"503".to_vec()), Vec::new());
+        d.on_http_call_response(last_token(d), 0, 0);
+    };
+    d.abi.clock.set(1500);
+    fail(&mut d, 11);
+    assert_eq!(
+        (
+            d.abi.metric("tollgate.fallback.limited"),
+            d.abi.metric("tollgate.fallback.allowed")
+        ),
+        (1, 0),
+        "1.5 s after the answer, the share still empty"
+    );
+    d.abi.clock.set(2000);
+    d.on_tick(ROOT);
+    assert_eq!(
+        *d.abi.resumed.borrow(),
+        vec![10],
+        "the held request at its time"
+    );
+    // 250 ms after it was due: one token's refill (200 ms), and no more.
+    d.abi.clock.set(2250);
+    fail(&mut d, 12);
+    fail(&mut d, 13);
+    assert_eq!(
+        (
+            d.abi.metric("tollgate.fallback.limited"),
+            d.abi.metric("tollgate.fallback.allowed")
+        ),
+        (2, 1)
+    );
+}
