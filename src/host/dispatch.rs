@@ -250,7 +250,7 @@ impl<A: Abi> Dispatcher<A> {
             f.flow.phase = Phase::Done;
             return CONTINUE;
         }
-        let mut req = read_request(&self.abi, &plugin.config, &plugin.reads);
+        let mut req = read_request(&self.abi, &plugin.config, &plugin.reads, &mut self.probe);
         req.end_of_stream = end_of_stream;
         let status = self.decide_request(id, &plugin, &req);
         let reading = self

@@ -125,11 +125,31 @@ fn request_headers(cfg: &Config) -> Option<Vec<String>> {
 
 /// What the core reads of a request: the headers its rules can read (by name, or the whole map),
 /// and the peer address when a rule needs it.
-pub(super) fn read_request(abi: &impl Abi, cfg: &Config, reads: &Reads) -> Request {
+///
+/// `probed` holds what [`may_match`] read (the match headers' values, in their order): those are
+/// taken from it rather than asked of the host again (a header read is a host call that calls
+/// back into the module to copy the value: on a request that matches, reading `:path` twice was
+/// one such round trip too many).
+pub(super) fn read_request(
+    abi: &impl Abi,
+    cfg: &Config,
+    reads: &Reads,
+    probed: &mut [Option<Vec<u8>>],
+) -> Request {
     let headers = match &reads.request_headers {
         Some(names) => names
             .iter()
-            .filter_map(|n| abi.header(HeaderMap::Request, n).map(|v| (n.clone(), v)))
+            .filter_map(|n| {
+                let at = reads
+                    .match_headers
+                    .as_ref()
+                    .and_then(|m| m.iter().position(|x| x == n));
+                let value = match at.and_then(|i| probed.get_mut(i)) {
+                    Some(read) => read.take(),
+                    None => abi.header(HeaderMap::Request, n),
+                };
+                value.map(|v| (n.clone(), v))
+            })
             .collect(),
         None => abi.headers(HeaderMap::Request).unwrap_or_default(),
     };

@@ -1,5 +1,5 @@
 //! What a request reads from the host: only the match headers when no rule matches, the headers
-//! its rules read and no more, shared data twice for a steady exact request; and the match
+//! its rules read and no more (each once: a match header is not read again for the request), shared data twice for a steady exact request; and the match
 //! prefilter agreeing with the core's decision.
 
 use super::*;
@@ -19,8 +19,8 @@ fn a_request_no_rule_matches_reads_only_the_match_headers() {
     assert_eq!(d.abi.full_reads.get(), 0, "the rule reads :path alone");
     assert_eq!(
         d.abi.header_reads.get(),
-        3,
-        ":path to match, :path for the request"
+        2,
+        "the first request's :path, then this one's: read to match, kept for the request"
     );
     assert_eq!(
         d.on_request_body(6, Some(0), false),
