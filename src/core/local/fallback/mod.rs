@@ -174,13 +174,13 @@ pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64, known: u
 
 /// The fallback table of `max_keys` slots.
 fn table_name(max_keys: u32) -> String {
-    format!("{}.{max_keys}", table::SHARES_TABLE)
+    table::shares_table(max_keys)
 }
 
 /// The slot of a fallback bucket in the table of `max_keys` slots ([`table::share_place`], last
 /// found in `memos`).
 pub fn slot(memos: &Memos, key: &str, l: &Limits, max_keys: u32) -> Place {
-    table::share_place(memos, &table_name(max_keys), key, l, max_keys)
+    table::share_place(memos, key, l, max_keys)
 }
 
 /// What the bucket `key` holds: its slot in this table, or, when that slot was never written,
