@@ -14,6 +14,9 @@
 #   http-batch, grpc-batch, grpc-unary-batch  as http / grpc / grpc-unary with group commit
 #             (service.batch 64): requests behind a worker's callout (or message) in flight leave
 #             together in one batch; grpc-batch is the filter's default configuration
+#   grpc-mt, grpc-batch-mt  as grpc / grpc-batch against a second service run as before it sized its
+#             runtime (production layout only: started on every core with `--runtime multi-thread`,
+#             then pinned; grpc-batch-mt joins the default variants there)
 #   native-rls  no Tollgate module: Envoy's own ratelimit filter (RLS v3) against tollgate-server's
 #             RLS endpoint (--rls-config), descriptor remote_address
 #   fallback  Tollgate with the service down (closed port): breaker open, local buckets only
@@ -46,6 +49,7 @@ ROOT=$PWD
 . scripts/lib.sh
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
+VARIANTS_GIVEN=${VARIANTS+yes}
 VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch grpc-unary grpc-unary-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch}
 ROUNDS=${ROUNDS:-3}
 LAYOUT=${LAYOUT:-shared}
@@ -70,7 +74,9 @@ case $LAYOUT in
     last=$(($(nproc) - 1))
     [ "$last" -ge 1 ] || die "LAYOUT=production needs two cores or more"
     TIER_CPUS=$last PROXY_CPUS=0; [ "$last" -eq 1 ] || PROXY_CPUS=0-$((last - 1))
-    command -v taskset >/dev/null || die "taskset missing (util-linux)" ;;
+    command -v taskset >/dev/null || die "taskset missing (util-linux)"
+    # The service as it was run before it sized its runtime, for comparison in the same run.
+    [ -n "$VARIANTS_GIVEN" ] || VARIANTS="$VARIANTS grpc-batch-mt" ;;
   *) die "LAYOUT=$LAYOUT: shared or production" ;;
 esac
 # pin CPUS PID: every thread of PID on CPUS (nothing in the shared layout).
@@ -97,7 +103,17 @@ descriptors:
   - key: remote_address
     rate_limit: {unit: second, requests_per_unit: 1000000000}
 LIMITS
-start_service "$OUT" --rls-config "$OUT/rls-limits.yaml"
+# In the production layout the service starts on the tier's core, so it sizes its runtime to it
+# (one core: one thread, `--runtime auto`), as a replica given one core does. Variants ending in
+# -mt ask a second one on the same Redis, run as before that: started on every core (a worker
+# thread per core, `--runtime multi-thread`), then pinned to the tier's core.
+SVC_MT_PORT="" SVC_MT_PID=""
+if [ -n "$TIER_CPUS" ]; then
+  SVC_LOG=service-mt.log start_service "$OUT" --rls-config "$OUT/rls-limits.yaml" --runtime multi-thread
+  SVC_MT_PORT=$SVC_PORT SVC_MT_PID=$SVC_PID
+  pin "$TIER_CPUS" "$SVC_MT_PID"
+fi
+SVC_CPUS=$TIER_CPUS start_service "$OUT" --rls-config "$OUT/rls-limits.yaml"
 pin "$TIER_CPUS" "$REDIS_PID"
 pin "$TIER_CPUS" "$SVC_PID"
 
@@ -126,6 +142,10 @@ envoy_yaml() {
     grpc-batch) transport=grpc; plugin+=(--service-field batch=64) ;;
     grpc-unary) transport=grpc; plugin+=(--service-field batch=0 --service-field stream=false) ;;
     grpc-unary-batch) transport=grpc; plugin+=(--service-field batch=64 --service-field stream=false) ;;
+    grpc-mt | grpc-batch-mt)
+      [ -n "$SVC_MT_PORT" ] || die "$variant: the production layout's variant"
+      transport=grpc svc_port=$SVC_MT_PORT
+      if [ "$variant" = grpc-mt ]; then plugin+=(--service-field batch=0); else plugin+=(--service-field batch=64); fi ;;
     fallback) svc_port=$CLOSED_PORT ;;
     nomatch | bare-nomatch) match='"match": {"path_exact": "/never"},' ;;
     lease) lease=', "lease": {"size": 100}' ;;
@@ -195,13 +215,14 @@ for variant in $VARIANTS; do
 done
 
 measure() {
-  local variant=$1 round=$2 epid=${EPID[$1]} port=${EPORT[$1]}
+  local variant=$1 round=$2 epid=${EPID[$1]} port=${EPORT[$1]} spid=$SVC_PID
   local out="$OUT/wrk-$variant-$round.txt"
+  case $variant in *-mt) spid=$SVC_MT_PID ;; esac
   load -t1 -c"$CONNECTIONS" -d1s "http://127.0.0.1:$port/" >/dev/null 2>&1 || true
   local e0 s0 r0 u0 e1 s1 r1 u1
-  e0=$(cpu_ticks "$epid"); s0=$(cpu_ticks $SVC_PID); r0=$(cpu_ticks $REDIS_PID); u0=$(cpu_ticks $UP_PID)
+  e0=$(cpu_ticks "$epid"); s0=$(cpu_ticks "$spid"); r0=$(cpu_ticks $REDIS_PID); u0=$(cpu_ticks $UP_PID)
   load -t1 -c"$CONNECTIONS" -d"${DURATION}s" --timeout 2s --latency "http://127.0.0.1:$port/" >"$out"
-  e1=$(cpu_ticks "$epid"); s1=$(cpu_ticks $SVC_PID); r1=$(cpu_ticks $REDIS_PID); u1=$(cpu_ticks $UP_PID)
+  e1=$(cpu_ticks "$epid"); s1=$(cpu_ticks "$spid"); r1=$(cpu_ticks $REDIS_PID); u1=$(cpu_ticks $UP_PID)
   local rps p50 p99 total non2xx errors
   rps=$(awk '/^Requests\/sec:/ {print $2}' "$out")
   p50=$(to_ms "$(awk '$1 == "50%" {print $2}' "$out")")

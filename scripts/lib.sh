@@ -65,14 +65,18 @@ start_redis() {
 }
 
 # start_service DIR [ARG...]: tollgate-server on a free port over start_redis's Redis, with more
-# arguments ARG, its log in DIR; sets SVC_PORT and SVC_PID.
+# arguments ARG, its log in DIR; sets SVC_PORT and SVC_PID. With SVC_CPUS set, it starts on those
+# CPUs (taskset), so that it sizes its runtime to them as a deployment's replica would;
+# SVC_LOG names its log (service.log).
 start_service() {
   local dir=$1; shift
+  local wrap=()
+  [ -z "${SVC_CPUS:-}" ] || wrap=(taskset -c "$SVC_CPUS")
   SVC_PORT=$(free_port)
-  "$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
-    "$@" >"$dir/service.log" 2>&1 &
+  "${wrap[@]}" "$SERVER" --listen "127.0.0.1:$SVC_PORT" --redis-url "redis://127.0.0.1:$REDIS_PORT" --log-format text \
+    "$@" >"$dir/${SVC_LOG:-service.log}" 2>&1 &
   SVC_PID=$!; PIDS+=("$SVC_PID")
-  wait_for tollgate-server "$dir/service.log" "$SVC_PID" curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
+  wait_for tollgate-server "$dir/${SVC_LOG:-service.log}" "$SVC_PID" curl -fsS "http://127.0.0.1:$SVC_PORT/healthz"
 }
 
 # proc_mem PID: "VmRSS VmHWM" of a running process, in kB (from /proc/PID/status; "0 0" when gone).

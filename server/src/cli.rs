@@ -133,6 +133,33 @@ pub fn check_token(token: &str) -> Result<(), WeakToken> {
     Ok(())
 }
 
+/// The async runtime's kind (`--runtime`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Runtime {
+    /// One thread when the process may run on one CPU (its affinity or its cgroup's quota, or
+    /// `--worker-threads 1`), else a thread per CPU.
+    Auto,
+    /// Every task on the main thread: no handing work between threads.
+    CurrentThread,
+    /// A pool of worker threads (`--worker-threads`, one per CPU by default).
+    MultiThread,
+}
+
+impl Runtime {
+    /// Whether the service runs on one thread, given `--worker-threads` (0: one per CPU) and the
+    /// CPUs the process may run on.
+    pub fn one_thread(self, worker_threads: usize, cpus: usize) -> bool {
+        match self {
+            Runtime::CurrentThread => true,
+            Runtime::MultiThread => false,
+            Runtime::Auto => match worker_threads {
+                0 => cpus <= 1,
+                n => n == 1,
+            },
+        }
+    }
+}
+
 /// Log line format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
@@ -330,9 +357,17 @@ pub struct Cli {
     #[arg(long, env = "TOLLGATE_RLS_HEADERS")]
     pub rls_headers: bool,
 
-    /// Tokio worker threads (0 = one per CPU).
+    /// Tokio worker threads (0 = one per CPU the process may run on: its affinity, its cgroup's
+    /// CPU quota).
     #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 0)]
     pub worker_threads: usize,
+
+    /// The runtime: `auto` runs every task on one thread when the process has one CPU (or
+    /// --worker-threads 1), a pool of worker threads otherwise; `current-thread` or
+    /// `multi-thread` choose. On one core a pool only hands work between threads that take turns
+    /// on it (BENCHMARKS.md, "The service on one core").
+    #[arg(long, env = "TOLLGATE_RUNTIME", value_enum, default_value_t = Runtime::Auto)]
+    pub runtime: Runtime,
 
     /// Redis only: most takes one coalesced store call carries (at most 64). Takes that arrive
     /// while --coalesce-calls store calls are in flight wait and then leave together as one batch
@@ -434,6 +469,7 @@ impl std::fmt::Debug for Cli {
             .field("rls_config_poll_ms", &self.rls_config_poll_ms)
             .field("rls_headers", &self.rls_headers)
             .field("worker_threads", &self.worker_threads)
+            .field("runtime", &self.runtime)
             .field("coalesce", &self.coalesce)
             .field("coalesce_calls", &self.coalesce_calls)
             .field("instance_ttl_ms", &self.instance_ttl_ms)
@@ -641,6 +677,30 @@ mod tests {
     fn cli(args: &[&str]) -> Cli {
         Cli::try_parse_from(std::iter::once("tollgate-server").chain(args.iter().copied()))
             .unwrap_or_else(|e| unreachable!("{e}"))
+    }
+
+    /// `auto` is one thread on one CPU or with one worker thread asked for; the others choose.
+    #[test]
+    fn the_runtime_fits_the_cpus() {
+        assert_eq!(cli(&[]).runtime, Runtime::Auto);
+        for (runtime, workers, cpus, one) in [
+            (Runtime::Auto, 0, 1, true),
+            (Runtime::Auto, 0, 2, false),
+            (Runtime::Auto, 1, 8, true),
+            (Runtime::Auto, 4, 1, false),
+            (Runtime::CurrentThread, 0, 8, true),
+            (Runtime::MultiThread, 0, 1, false),
+        ] {
+            assert_eq!(
+                runtime.one_thread(workers, cpus),
+                one,
+                "{runtime:?} {workers} {cpus}"
+            );
+        }
+        assert_eq!(
+            cli(&["--runtime", "current-thread"]).runtime,
+            Runtime::CurrentThread
+        );
     }
 
     /// Tokens that pass [`check_token`]: 32 bytes and more, none a placeholder.

@@ -38,11 +38,28 @@ fn main() -> ExitCode {
         LogFormat::Json => registry().with(layer.json().with_filter(targets)).init(),
         LogFormat::Text => registry().with(layer.with_filter(targets)).init(),
     }
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    // The CPUs this process may run on (its affinity, its cgroup's quota): tokio's own default.
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let one_thread = cli.runtime.one_thread(cli.worker_threads, cpus);
+    let mut rt = if one_thread {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut rt = tokio::runtime::Builder::new_multi_thread();
+        if cli.worker_threads > 0 {
+            rt.worker_threads(cli.worker_threads);
+        }
+        rt
+    };
     rt.enable_all();
-    if cli.worker_threads > 0 {
-        rt.worker_threads(cli.worker_threads);
-    }
+    tracing::info!(
+        runtime = if one_thread {
+            "current-thread"
+        } else {
+            "multi-thread"
+        },
+        cpus,
+        "runtime"
+    );
     let rt = match rt.build() {
         Ok(rt) => rt,
         Err(e) => {

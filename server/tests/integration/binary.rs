@@ -41,6 +41,8 @@ fn help_documents_every_flag_and_env_var() {
         "TOLLGATE_TOKEN",
         "--log-format",
         "TOLLGATE_LOG_FORMAT",
+        "--runtime",
+        "TOLLGATE_RUNTIME",
         "--token-file",
         "TOLLGATE_TOKEN_FILE",
         "--max-in-flight",

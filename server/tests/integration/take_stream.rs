@@ -992,3 +992,48 @@ async fn half_close_ends_the_stream_ok_after_its_answers() {
     metrics_reach(&svc, "tollgate_streams_open 0").await;
     svc.stop().await;
 }
+
+/// The binary on one thread (`--runtime current-thread`, what `auto` picks on one CPU): takes as
+/// messages on a stream, in batches, and as JSON are all decided, each bucket exactly (capacity 2:
+/// the third take of a key is denied).
+#[tokio::test]
+async fn the_binary_on_one_thread_decides_every_transport() {
+    use common::binary::ServerProc;
+    let svc = ServerProc::start(&["--runtime", "current-thread"]);
+    assert!(
+        svc.logs().contains(r#""runtime":"current-thread""#),
+        "{}",
+        svc.logs()
+    );
+    let conn = h2_stream::connect(&svc.addr()).await;
+    let mut s = H2Stream::open(&conn, None).await.unwrap();
+    let key = unique("one-thread");
+    s.send_message(&with_id(1, batch_of(&key, 2, 3)));
+    let a = tokio::time::timeout(Duration::from_secs(5), s.next()).await;
+    assert_eq!(
+        verdict(&a.unwrap().unwrap().unwrap()),
+        (1, Ok(vec![true, true, false]))
+    );
+    let client = reqwest::Client::new();
+    let body =
+        serde_json::json!({"buckets": [{"key": key, "capacity": 2, "rate": 1, "period_ms": HOUR}]});
+    let r: serde_json::Value = client
+        .post(svc.url("/v1/take"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        r["allowed"], false,
+        "the stream's takes spent the bucket: {r}"
+    );
+    let auto = ServerProc::start(&["--worker-threads", "1"]);
+    assert!(
+        auto.logs().contains(r#""runtime":"current-thread""#),
+        "auto with one worker thread: {}",
+        auto.logs()
+    );
+}
