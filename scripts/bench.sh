@@ -27,6 +27,8 @@ TIER=service VARIANTS="http grpc grpc-unary" bash scripts/bench-instructions.sh 
 TIER=redis VARIANTS=http bash scripts/bench-instructions.sh || rc=$?
 # A decision asked over a unary gRPC call against one message on a per-worker stream.
 bash scripts/bench-stream.sh || rc=$?
+# Redis's and the service's CPU per take as a message carries 1, 4, 16 and 64 takes.
+bash scripts/bench-redis-batch.sh || rc=$?
 if [ -f scripts/bench-service.sh ]; then
   bash scripts/bench-service.sh || rc=$?
 fi

@@ -18,7 +18,7 @@ use tollgate_server::domain::{
 };
 use tollgate_server::store::algorithm::State;
 use tollgate_server::store::redis::{
-    refund_script_source, settle_script_source, take_script_source,
+    refund_script_source, settle_script_source, take_batch_script_source, take_script_source,
 };
 
 /// A script's source with its clock reporting the time it read: the reply (a take's packed reply
@@ -347,5 +347,124 @@ fn the_scripts_answer_as_the_contracts_arithmetic() {
         ops in proptest::collection::vec(op(), 1..32),
     )| {
         run(&mut con.borrow_mut(), &scripts, a, (first, second), &ops)?;
+    });
+}
+
+/// One bucket of a take in a batch: which of the case's keys, under which of its two limits, its
+/// cost and how far ahead it may be granted (token buckets).
+#[derive(Debug, Clone)]
+struct Named {
+    key: usize,
+    second: bool,
+    cost: u64,
+    max_delay: u64,
+}
+
+/// A take of a batch: up to 3 buckets, distinct keys.
+fn batch_take() -> impl Strategy<Value = Vec<Named>> {
+    proptest::collection::vec(
+        (
+            0..3usize,
+            prop_oneof![3 => Just(false), 1 => Just(true)],
+            1..=4u64,
+            prop_oneof![2 => Just(0u64), 1 => 1..=2_000u64],
+        )
+            .prop_map(|(key, second, cost, max_delay)| Named {
+                key,
+                second,
+                cost,
+                max_delay,
+            }),
+        1..=3,
+    )
+    .prop_map(|mut v| {
+        v.sort_by_key(|n| n.key);
+        v.dedup_by_key(|n| n.key);
+        v
+    })
+}
+
+/// A batch (`take_batch.lua`, one call) answers every take as the contract's arithmetic answers
+/// the same takes one after another at the call's clock, each all-or-nothing: the script keeps a
+/// bucket's state across the takes of its call and writes it once, which must change nothing of
+/// what each take sees (a key taken again, under other limits, by a take some bucket of which
+/// refuses).
+#[test]
+fn a_batch_answers_as_its_takes_one_after_another() {
+    let redis = common::RedisProc::start();
+    let con = std::cell::RefCell::new(redis.conn());
+    let script = reporting(&take_batch_script_source(None));
+    let config = ProptestConfig {
+        cases: 128,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    proptest!(config, |(
+        algs in proptest::collection::vec(
+            proptest::sample::select(vec![Algorithm::TokenBucket, Algorithm::FixedWindow]), 3),
+        first in proptest::collection::vec((1..=12u64, 1..=12u64, 1..=2_000u64), 3),
+        second in proptest::collection::vec((1..=12u64, 1..=12u64, 1..=2_000u64), 3),
+        takes in proptest::collection::vec(batch_take(), 1..=24),
+        rounds in 1..=3usize,
+    )| {
+        static CASE: AtomicU64 = AtomicU64::new(0);
+        let case = CASE.fetch_add(1, Ordering::Relaxed);
+        let keys: Vec<String> = (0..3).map(|k| format!("batch:{{{case}}}:{k}")).collect();
+        let mut stored: Vec<Option<State>> = vec![None; 3];
+        let spec_of = |n: &Named| {
+            let (capacity, rate, period_ms) = if n.second { second[n.key] } else { first[n.key] };
+            let a = algs[n.key];
+            BucketSpec {
+                max_delay_ms: if a == Algorithm::TokenBucket { n.max_delay } else { 0 },
+                ..spec(&keys[n.key], a, Limits { capacity, rate, period_ms }, n.cost, n.cost)
+            }
+        };
+        // The same batch again: the second call starts from what the first one wrote.
+        for _ in 0..rounds {
+            let mut call = script.prepare_invoke();
+            let mut args: Vec<u64> = vec![takes.len() as u64];
+            args.extend(takes.iter().map(|t| t.len() as u64));
+            for t in &takes {
+                for n in t {
+                    let b = spec_of(n);
+                    call.key(&b.key);
+                    args.extend([code(b.algorithm), b.capacity, b.rate, b.period_ms, b.cost,
+                                 b.lease, b.max_delay_ms]);
+                }
+            }
+            call.arg(&args);
+            let mut reply: Vec<i64> = call.invoke(&mut *con.borrow_mut()).unwrap();
+            let now = reply.pop().and_then(|t| u64::try_from(t).ok()).unwrap();
+            let mut expect: Vec<i64> = Vec::new();
+            for t in &takes {
+                let mut states = Vec::new();
+                let mut rows = Vec::new();
+                let mut all = true;
+                for n in t {
+                    let b = spec_of(n);
+                    let mut state = State::load(&b, stored[n.key], now);
+                    let (d, charged) = state.take(&b, now);
+                    all &= charged;
+                    rows.extend([
+                        i64::from(d.allowed),
+                        d.remaining as i64,
+                        d.reset_ms as i64,
+                        d.retry_after_ms as i64,
+                        d.granted as i64,
+                        d.delay_ms as i64,
+                        state.mark() as i64,
+                    ]);
+                    states.push((n.key, state));
+                }
+                if all {
+                    for (k, state) in states {
+                        stored[k] = Some(state);
+                    }
+                }
+                expect.push(i64::from(all));
+                expect.extend(rows);
+            }
+            prop_assert_eq!(&reply, &expect, "batch {:?} at {} µs", takes, now);
+        }
     });
 }

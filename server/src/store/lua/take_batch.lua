@@ -9,14 +9,19 @@
 --        of n buckets), packed as take.lua's.
 -- Clock: one Redis TIME read per call, shared by all takes.
 
+-- Each bucket is read once and written once per call however many takes name it (take_one's
+-- `batch`).
+
 local t = tonumber(ARGV[1])
 local now = now_us()
 local out = {}
+local batch = {}
 local k, a = 0, 1 + t
 for j = 1, t do
   local n = tonumber(ARGV[1 + j])
-  take_one(k, a, n, now, out)
+  take_one(k, a, n, now, out, batch)
   k = k + n
   a = a + 7 * n
 end
+flush_batch(batch)
 return packed(out)

@@ -16,8 +16,22 @@
 -- order, with the limits it was first named with in this take), then write only if all could
 -- pay. A denied take writes nothing. A take decided after
 -- another in the same call reads what that one wrote.
+--
+-- `batch` (take_batch.lua's; nil for take.lua): the states the call's earlier takes left, by key.
+-- A take then starts from the state there (a copy: it is charged only if the whole take can pay)
+-- instead of reading Redis again, and leaves its charged states there instead of writing them;
+-- flush_batch writes each once when the call ends. So a batch of takes of one hot bucket reads
+-- and writes it once, not once per take. A key named with other limits than the state there was
+-- left with is written first and read again (its state carried over to the new limits, as
+-- across calls).
 
-local function take_one(k, a, n, now, out)
+local function copied(c)
+  local s = {}
+  for f, v in pairs(c) do s[f] = v end
+  return s
+end
+
+local function take_one(k, a, n, now, out, batch)
   local scratch = {}
   local head = #out + 1
   out[head] = 1
@@ -31,8 +45,17 @@ local function take_one(k, a, n, now, out)
     local max_delay = tonumber(ARGV[b + 7])
     local s = scratch[key]
     if s == nil then
-      s = alg.load(key, cap, rate, period, now)
-      s.alg, s.cap, s.rate, s.period = alg, cap, rate, period
+      local c = batch and batch[key]
+      if c ~= nil and c.alg == alg and c.cap == cap and c.rate == rate and c.period == period then
+        s = copied(c)
+      else
+        if c ~= nil then
+          if c.dirty then c.alg.store(key, c, c.cap, c.rate, c.period) end
+          batch[key] = nil
+        end
+        s = alg.load(key, cap, rate, period, now)
+        s.alg, s.cap, s.rate, s.period = alg, cap, rate, period
+      end
       scratch[key] = s
     end
     local allowed, remaining, reset, retry, granted, delay =
@@ -49,12 +72,23 @@ local function take_one(k, a, n, now, out)
 
   if all then
     for skey, s in pairs(scratch) do
-      if s.dirty then s.alg.store(skey, s, s.cap, s.rate, s.period) end
+      if batch then
+        batch[skey] = s
+      elseif s.dirty then
+        s.alg.store(skey, s, s.cap, s.rate, s.period)
+      end
     end
   else
     out[head] = 0
   end
   return out
+end
+
+-- Writes what the takes of a call left in `batch` (take_one's), each charged state once.
+local function flush_batch(batch)
+  for key, s in pairs(batch) do
+    if s.dirty then s.alg.store(key, s, s.cap, s.rate, s.period) end
+  end
 end
 
 -- The reply of a take call: the integers of `out` as one string of 8-byte little-endian signed
