@@ -562,3 +562,32 @@ fn a_traced_take_and_a_configuration_that_does_not_stream_make_calls_of_their_ow
     assert_eq!(start(&mut d, 11, "/api"), PAUSE);
     assert_eq!(streams(&d).len(), 1, "an untraced one on the stream");
 }
+
+/// Steady exact requests on the stream, one after another: each sends one message and is
+/// resumed by its answer, and nothing is left behind (no callout pending, no context, nothing
+/// queued). Also the driver of a native profile of the module's own work on this path
+/// (BENCHMARKS.md): `TOLLGATE_PROFILE_REQUESTS=20000 valgrind --tool=callgrind <the lib test
+/// binary> --exact host::dispatch::tests::stream::steady_exact_requests_leave_nothing_behind`.
+#[test]
+fn steady_exact_requests_leave_nothing_behind() {
+    let n: u32 = std::env::var("TOLLGATE_PROFILE_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let mut d = dispatcher(&stream_config(64, ""));
+    for id in 10..10 + n {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+        let i = d.abi.stream_sent.borrow().len() - 1;
+        assert_eq!(i, (id - 10) as usize, "one message per request");
+        let size = answer(&d, i, &[true]);
+        let token = d.abi.stream_sent.borrow()[i].0;
+        d.on_grpc_receive(token, size);
+        assert_eq!(d.abi.resumed.borrow().last(), Some(&id));
+        d.on_response_headers(id, false);
+        disconnect(&mut d, id);
+    }
+    assert_eq!(d.abi.resumed.borrow().len(), n as usize);
+    assert_eq!(d.pending_callouts(), 0);
+    assert_eq!(d.live_requests(), 0);
+    assert_eq!(d.abi.metric("tollgate.allowed"), i64::from(n));
+}
