@@ -13,11 +13,11 @@
 
 use crate::core::config::{HeaderStyle, Rule, RuleKind};
 use crate::core::wire::BucketResult;
-use contract::headers::{ceil_secs, push_policy, push_state, retry_after_secs};
+use contract::headers::{ceil_secs, push_policy, push_state, retry_after_secs, u64_string};
 
 /// The `retry-after` value for a wait of `ms`.
 pub fn retry_after(ms: u64) -> String {
-    retry_after_secs(ms).to_string()
+    u64_string(retry_after_secs(ms))
 }
 
 /// The policy window of a rule, in seconds (at least 1): a concurrency rule's is its deadline.
@@ -71,11 +71,11 @@ pub fn rate_limit_headers(
                         .then(b.1.reset_ms.cmp(&a.1.reset_ms))
                 });
                 if let Some((_, r)) = tightest {
-                    out.push(("x-ratelimit-limit".to_string(), r.limit.to_string()));
-                    out.push(("x-ratelimit-remaining".to_string(), r.remaining.to_string()));
+                    out.push(("x-ratelimit-limit".to_string(), u64_string(r.limit)));
+                    out.push(("x-ratelimit-remaining".to_string(), u64_string(r.remaining)));
                     out.push((
                         "x-ratelimit-reset".to_string(),
-                        ceil_secs(r.reset_ms).to_string(),
+                        u64_string(ceil_secs(r.reset_ms)),
                     ));
                 }
             }

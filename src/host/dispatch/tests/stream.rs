@@ -591,3 +591,39 @@ fn steady_exact_requests_leave_nothing_behind() {
     assert_eq!(d.live_requests(), 0);
     assert_eq!(d.abi.metric("tollgate.allowed"), i64::from(n));
 }
+
+/// A flood after one denial: every request is answered 429 from the remembered denial, with its
+/// `Retry-After`, and none asks the service. Also the driver of the native profile of that path
+/// (`TOLLGATE_PROFILE_REQUESTS`, as [`steady_exact_requests_leave_nothing_behind`]).
+#[test]
+fn a_flood_after_a_denial_is_answered_from_memory() {
+    let n: u32 = std::env::var("TOLLGATE_PROFILE_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let cfg = stream_config(64, "").replace(r#","remember_denials_ms":0"#, "");
+    let mut d = dispatcher(&cfg);
+    assert_eq!(start(&mut d, 9, "/api"), PAUSE);
+    let size = answer(&d, 0, &[false]);
+    let token = d.abi.stream_sent.borrow()[0].0;
+    d.on_grpc_receive(token, size);
+    for id in 10..10 + n {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE, "answered locally");
+        d.on_response_headers(id, false);
+        disconnect(&mut d, id);
+    }
+    assert_eq!(
+        d.abi.stream_sent.borrow().len(),
+        1,
+        "one message: the first"
+    );
+    let replied = d.abi.replied.borrow();
+    assert_eq!(replied.len(), n as usize + 1);
+    assert!(replied.iter().all(|&(_, status)| status == 429));
+    assert!(d
+        .abi
+        .retry_after
+        .borrow()
+        .iter()
+        .all(|r| r.as_deref() == Some("1")));
+}
