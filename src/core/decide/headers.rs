@@ -39,15 +39,17 @@ pub fn rate_limit_headers(
     styles: &[HeaderStyle],
     items: &[(&Rule, &BucketResult)],
 ) -> Vec<(String, String)> {
-    let mut out = Vec::new();
     if items.is_empty() {
-        return out;
+        return Vec::new();
     }
+    let mut out = Vec::with_capacity(3);
     for style in styles {
         match style {
             HeaderStyle::Draft => {
-                let mut policy = String::new();
-                let mut state = String::new();
+                // A member is the quoted name and about 20 bytes of parameters.
+                let size = items.iter().map(|(r, _)| r.name.len() + 24).sum();
+                let mut policy = String::with_capacity(size);
+                let mut state = String::with_capacity(size);
                 for (i, (rule, r)) in items.iter().enumerate() {
                     if i > 0 {
                         policy.push_str(", ");

@@ -18,7 +18,9 @@
 pub mod headers;
 
 use crate::core::base::store::CasStore;
-use crate::core::config::{Config, FailureMode, KeyPart, Limit, Rule, RuleKind, Transport};
+use crate::core::config::{
+    Config, FailureMode, HeaderStyle, KeyPart, Limit, Rule, RuleKind, Transport,
+};
 use crate::core::local::slots::{self, Want};
 use crate::core::rules::limits::{cost_for, limit_for};
 use crate::core::rules::{keys, matches, Request};
@@ -300,16 +302,23 @@ fn headers_for(
     its: &[(&Rule, &BucketResult)],
     allowed: bool,
 ) -> Vec<(String, String)> {
-    let mut styles = cfg.response.headers.clone();
-    for (r, _) in its {
-        for st in &r.response.headers {
-            if !styles.contains(st) {
-                styles.push(*st);
-            }
+    // The styles in the order they are first named (at most two: no allocation for the list).
+    let mut styles: [Option<HeaderStyle>; 2] = [None; 2];
+    let named = cfg
+        .response
+        .headers
+        .iter()
+        .chain(its.iter().flat_map(|(r, _)| r.response.headers.iter()));
+    for st in named {
+        if styles.contains(&Some(*st)) {
+            continue;
+        }
+        if let Some(free) = styles.iter_mut().find(|s| s.is_none()) {
+            *free = Some(*st);
         }
     }
-    let mut out = Vec::new();
-    for style in styles {
+    let mut out = Vec::with_capacity(5);
+    for style in styles.into_iter().flatten() {
         let chosen: Vec<(&Rule, &BucketResult)> = its
             .iter()
             .filter(|(r, _)| {
@@ -395,7 +404,9 @@ fn from_answer(cfg: &Config, plan: &Plan, resp: &TakeResponse, fallback: bool) -
         .map(|b| b.retry_after_ms)
         .max()
         .unwrap_or(0);
-    let mut headers = vec![("retry-after".to_string(), retry_after(wait))];
+    // retry-after, up to five rate limit headers, content-type: one allocation for the list.
+    let mut headers = Vec::with_capacity(7);
+    headers.push(("retry-after".to_string(), retry_after(wait)));
     headers.extend(headers_for(cfg, &its, false));
     Verdict {
         action: Action::Deny(reply(denier, headers)),
