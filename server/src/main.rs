@@ -20,6 +20,37 @@ use tracing_subscriber::{registry, Layer};
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+#[cfg(all(target_arch = "x86_64", any(test, target_env = "musl")))]
+mod copy;
+
+/// The static build's `memcpy` ([`copy`]): linked before musl's, it takes its place (and
+/// `memmove`'s forward copies, which musl makes through it).
+///
+/// # Safety
+/// As C's `memcpy`: `src` readable and `dst` writable for `n` bytes, the ranges disjoint.
+#[cfg(all(target_env = "musl", target_arch = "x86_64"))]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn memcpy(dst: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+    // SAFETY: the caller's promise, as for libc's.
+    unsafe { copy::copy(dst, src, n) };
+    dst
+}
+
+/// musl's `memmove` copies forward through `__memcpy_fwd`, which its `memcpy` object defines
+/// beside `memcpy`: defined here too, that object is not linked at all. [`copy`] is a correct
+/// forward copy for a destination below an overlapping source (the short copies read everything
+/// before writing; `rep movsb` copies forward byte by byte).
+///
+/// # Safety
+/// `src` readable and `dst` writable for `n` bytes, `dst` not inside `src + 1 .. src + n`.
+#[cfg(all(target_env = "musl", target_arch = "x86_64"))]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn __memcpy_fwd(dst: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+    // SAFETY: the caller's promise (memmove's forward case).
+    unsafe { copy::copy(dst, src, n) };
+    dst
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Some(Command::Check(args)) = &cli.command {
