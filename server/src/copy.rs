@@ -85,7 +85,10 @@ mod tests {
                     want[d_off..d_off + n].copy_from_slice(&src[so..so + n]);
                     // SAFETY: both ranges in bounds (offsets + n <= 308 < 320), separate buffers.
                     unsafe { copy(dst.as_mut_ptr().add(d_off), src.as_ptr().add(so), n) };
-                    assert_eq!(dst, want, "n {n}, source offset {so}, destination offset {d_off}");
+                    assert_eq!(
+                        dst, want,
+                        "n {n}, source offset {so}, destination offset {d_off}"
+                    );
                 }
             }
         }
