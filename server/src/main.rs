@@ -1,5 +1,7 @@
 //! The `tollgate-server` binary: flags, tracing, bind, store, [`tollgate_server::run`]; or
 //! `tollgate-server check` ([`tollgate_server::check`]).
+//!
+//! - `copy`: the static (musl) build's `memcpy`, linked in place of musl's.
 
 use std::process::ExitCode;
 use std::sync::Arc;
