@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proptest::prelude::*;
 use tollgate_server::domain::{
-    Algorithm, BucketSpec, SettleSpec, MAX_AMOUNT, MAX_DELAY_MS, MAX_PERIOD_MS,
+    Algorithm, BucketResult, BucketSpec, SettleSpec, MAX_AMOUNT, MAX_DELAY_MS, MAX_PERIOD_MS,
 };
 use tollgate_server::store::algorithm::State;
 use tollgate_server::store::redis::{
@@ -197,6 +197,19 @@ fn eval<T: redis::ToRedisArgs>(
     (reply, now)
 }
 
+/// The 7 integers a take script replies for one bucket, as the reference decided it.
+fn row(d: &BucketResult, state: &State) -> [i64; 7] {
+    [
+        i64::from(d.allowed),
+        d.remaining as i64,
+        d.reset_ms as i64,
+        d.retry_after_ms as i64,
+        d.granted as i64,
+        d.delay_ms as i64,
+        state.mark() as i64,
+    ]
+}
+
 /// The reference's bucket: its state as the memory store keeps it (none before the first write).
 struct Reference {
     stored: Option<State>,
@@ -244,16 +257,8 @@ fn run(
                 if charged {
                     r.stored = Some(state);
                 }
-                let expect = [
-                    i64::from(d.allowed),
-                    i64::from(d.allowed),
-                    d.remaining as i64,
-                    d.reset_ms as i64,
-                    d.retry_after_ms as i64,
-                    d.granted as i64,
-                    d.delay_ms as i64,
-                    state.mark() as i64,
-                ];
+                let mut expect = vec![i64::from(d.allowed)];
+                expect.extend(row(&d, &state));
                 prop_assert_eq!(&reply[..8], &expect[..], "take {:?} at {} µs", b, now);
                 if d.allowed {
                     (granted, mark) = (d.granted, state.mark());
@@ -445,15 +450,7 @@ fn a_batch_answers_as_its_takes_one_after_another() {
                     let mut state = State::load(&b, stored[n.key], now);
                     let (d, charged) = state.take(&b, now);
                     all &= charged;
-                    rows.extend([
-                        i64::from(d.allowed),
-                        d.remaining as i64,
-                        d.reset_ms as i64,
-                        d.retry_after_ms as i64,
-                        d.granted as i64,
-                        d.delay_ms as i64,
-                        state.mark() as i64,
-                    ]);
+                    rows.extend(row(&d, &state));
                     states.push((n.key, state));
                 }
                 if all {
