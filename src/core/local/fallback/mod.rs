@@ -172,11 +172,6 @@ pub fn learn<S: CasStore + ?Sized>(cfg: &Config, store: &S, heard: u64, known: u
     n
 }
 
-/// The fallback table of `max_keys` slots.
-fn table_name(max_keys: u32) -> String {
-    table::shares_table(max_keys)
-}
-
 /// The slot of a fallback bucket in the table of `max_keys` slots ([`table::share_place`], last
 /// found in `memos`).
 pub fn slot(memos: &Memos, key: &str, l: &Limits, max_keys: u32) -> Place {
@@ -217,7 +212,12 @@ fn entry<S: CasStore + ?Sized>(
 
 /// [`table::prepare`] for the fallback table of `max_keys` slots.
 pub fn prepare<S: CasStore + ?Sized>(store: &S, max_keys: u32) {
-    table::prepare(store, &table_name(max_keys), max_keys, &table::vacant());
+    table::prepare(
+        store,
+        &table::shares_table(max_keys),
+        max_keys,
+        &table::vacant(),
+    );
 }
 
 /// Records `max_keys` as the newest fallback table size of this Envoy ([`SIZES_KEY`]); the sizes
