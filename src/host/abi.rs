@@ -155,6 +155,11 @@ pub trait Abi {
         method: &str,
         metadata: &[(&str, &str)],
     ) -> Result<u32, Status>;
+    /// The requests (context ids) the next callout or stream message is for, each waiting for
+    /// its answer, and the message's id on the stream (`message`): a host whose callouts belong
+    /// to a request (the native build's) makes it on one of them, so it lives as long as someone
+    /// waits for it. Nothing to do for proxy-wasm, whose callouts belong to the root.
+    fn callout_for(&self, _contexts: &[u32], _message: Option<u64>) {}
     /// Sends one message on stream `token`.
     fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status>;
     /// Resets stream `token` (or cancels a unary call): no callback follows, and Envoy forgets

@@ -235,6 +235,9 @@ impl<A: Abi> Abi for Paced<A> {
         self.inner
             .grpc_stream(service, service_name, method, metadata)
     }
+    fn callout_for(&self, contexts: &[u32], message: Option<u64>) {
+        self.inner.callout_for(contexts, message)
+    }
     fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status> {
         self.inner.grpc_send(token, message)
     }

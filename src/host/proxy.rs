@@ -126,6 +126,9 @@ impl<'a, A: Abi> Proxy<'a, A> {
         }
         let timeout = cfg.service.timeout_ms;
         let take = callout::take(cfg, self.instance(), plan);
+        if !refill {
+            self.abi.callout_for(&[context], None);
+        }
         let sent = self.send_within(cfg, take, timeout, trace.as_deref());
         let token = sent.map_err(|why| {
             warn!(
@@ -156,15 +159,23 @@ impl<'a, A: Abi> Proxy<'a, A> {
         deadline_ms: u64,
     ) -> Result<(), String> {
         let n = members.len();
+        let waiting: Vec<u32> = members
+            .iter()
+            .filter_map(|id| match self.ledger.get(*id)?.waiter {
+                Waiter::Member { context } => Some(context),
+                _ => None,
+            })
+            .collect();
         let batch = Waiter::Batch {
             plugin: self.plugin.clone(),
             members,
         };
         if cfg.service.stream {
-            self.send_message(cfg, takes, batch, now, deadline_ms)?;
+            self.send_message(cfg, takes, batch, &waiting, now, deadline_ms)?;
         } else {
             let request = callout::batch(cfg, self.instance(), takes);
             let left = deadline_ms.saturating_sub(now).max(1);
+            self.abi.callout_for(&waiting, None);
             let token = self.send_within(cfg, request, left, None)?;
             self.open(token, batch);
         }
@@ -174,12 +185,14 @@ impl<'a, A: Abi> Proxy<'a, A> {
     }
 
     /// Sends `takes` as one message on the plugin's stream (opening one if need be) at `now`, due
-    /// by `deadline_ms`; `batch` waits for its answer under an id of the VM's own, the message's.
+    /// by `deadline_ms`; `batch` waits for its answer under an id of the VM's own, the message's,
+    /// as do the requests `waiting`.
     fn send_message(
         &mut self,
         cfg: &Config,
         takes: &[&TakeRequest],
         batch: Waiter,
+        waiting: &[u32],
         now: u64,
         deadline_ms: u64,
     ) -> Result<(), String> {
@@ -187,6 +200,7 @@ impl<'a, A: Abi> Proxy<'a, A> {
         // Its ledger id is the message's id on the wire, which its answer carries back.
         let id = self.ledger.reserve(self.plugin.root, batch);
         let message = callout::stream_message(self.instance(), takes, id);
+        self.abi.callout_for(waiting, Some(id.0));
         if let Err(status) = self.abi.grpc_send(stream, &message) {
             // Envoy does not know the stream: nothing more will come of it.
             self.ledger.close(id);
@@ -482,6 +496,7 @@ impl<'a, A: Abi> Host for Proxy<'a, A> {
             }
             Callout::Acquire(body) => {
                 let acquire = callout::beside(cfg, "acquire", body);
+                self.abi.callout_for(&[self.context], None);
                 let token = self.send_within(cfg, acquire, cfg.service.timeout_ms, None)?;
                 let context = self.context;
                 Ok(self.open(token, Waiter::Acquire { context }))

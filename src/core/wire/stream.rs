@@ -227,6 +227,30 @@ impl Stream {
         });
     }
 
+    /// Message `id` of stream `token` will never be answered and no request waits for it (a host
+    /// whose calls end with the request that made them saw that request go): it leaves the
+    /// stream's bookkeeping without counting as an answer, nor as a failure.
+    pub fn forget(&mut self, token: u32, id: CalloutId) -> bool {
+        let Some(o) = self.open.as_mut().filter(|o| o.token == token) else {
+            return false;
+        };
+        if let Some(i) = o.in_flight.iter().position(|f| f.id == id) {
+            o.in_flight.remove(i);
+            return true;
+        }
+        match self
+            .late
+            .iter()
+            .position(|l| l.id == id && l.stream == token)
+        {
+            Some(i) => {
+                self.late.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// An answer carrying `id` (0: none) arrived on stream `token`: the message it answers, in
     /// flight or awaited late (its ledger entry says which), or `None` for an answer that names
     /// no message of this stream (another stream's, another configuration's, one forgotten, or

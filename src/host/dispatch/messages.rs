@@ -41,6 +41,20 @@ impl<A: Abi> Dispatcher<A> {
         self.deliver(message, &mut Ready(Some(result)));
     }
 
+    /// Message `id` of stream `token` was cancelled with the request that carried it and no
+    /// request waits for it (the native build's calls end with their request): it leaves the
+    /// stream and the ledger as a message nobody waits for would, counted as nothing.
+    #[cfg(any(test, feature = "dynamic-module"))]
+    pub fn on_message_abandoned(&mut self, token: u32, id: CalloutId) {
+        self.abi.enter(None, false);
+        let Some(plugin) = self.stream_of(token) else {
+            return;
+        };
+        if plugin.outbox.borrow_mut().stream.forget(token, id) {
+            self.deliver(id, &mut Ready(Some(CalloutResult::DispatchError)));
+        }
+    }
+
     /// A gRPC call or stream ended (`proxy_on_grpc_close`): a unary call's failure, or a stream's
     /// end, which fails every message in flight on it with its status.
     pub fn on_grpc_close(&mut self, token: u32, status: u32) {

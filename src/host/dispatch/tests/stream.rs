@@ -627,3 +627,34 @@ fn a_flood_after_a_denial_is_answered_from_memory() {
         .iter()
         .all(|r| r.as_deref() == Some("1")));
 }
+
+/// The native build's calls end with the request that made them: a message whose request went
+/// is cancelled with it, and the adapter says so. It leaves the stream and the ledger as if
+/// nobody waited for it: no timeout at its deadline, no silent stream given up, the next request
+/// on the same stream.
+#[test]
+fn a_message_abandoned_with_its_request_fails_nothing_at_its_deadline() {
+    let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
+    assert_eq!(start(&mut d, 10, "/api"), PAUSE);
+    let s = streams(&d)[0];
+    let (id, takes) = message(&d, 0);
+    assert_eq!(takes, 1);
+    d.on_delete(10);
+    d.on_message_abandoned(s, CalloutId(id));
+    assert_eq!(d.ledger_entries(), 1, "the stream only");
+    // Past its deadline and the stream's silence: nothing fails, nothing is cancelled.
+    later(&d, 100);
+    d.on_tick(ROOT);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.timeout"), 0);
+    assert!(d.abi.cancelled.borrow().is_empty());
+    assert!(d.abi.replied.borrow().is_empty());
+    assert_eq!(start(&mut d, 11, "/api"), PAUSE);
+    assert_eq!(streams(&d), vec![s]);
+    let n = answer(&d, 1, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![11]);
+    // A message nobody knows, or another stream's, changes nothing.
+    d.on_message_abandoned(s, CalloutId(id));
+    d.on_message_abandoned(s + 1, CalloutId(id));
+    assert_eq!(d.ledger_entries(), 1);
+}
