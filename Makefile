@@ -16,6 +16,7 @@ WASM_FEATURES := --enable-bulk-memory --enable-sign-ext --enable-mutable-globals
 # The service is built once, static (musl; mimalloc is its allocator, so musl's malloc is not in the
 # way): the same binary runs here, in the tests and benchmarks, and in its OCI image.
 MUSL_TARGET := x86_64-unknown-linux-musl
+NATIVE_OUT := target/native-release/libtollgate.so
 SERVER_OUT := target/$(MUSL_TARGET)/release/tollgate-server
 
 export TOLLGATE_ENVOY ?= $(CURDIR)/.tools/envoy
@@ -44,7 +45,7 @@ BUILD_JOBS := $(shell nproc)
 # that is running or loading dist/NAME (an Envoy, a test) never sees a half-written file.
 publish = mkdir -p $(DIST) && cp $(1) $(DIST)/.$(2).tmp && mv -f $(DIST)/.$(2).tmp $(DIST)/$(2)
 
-.PHONY: help tools images build wasm server server-static envoy-config protos configs run test nextest test-binaries test-artifacts unit e2e bench demo flood image lint fmt clean fuzz soak
+.PHONY: help tools images build wasm native server server-static envoy-config protos configs run test nextest test-binaries test-artifacts unit e2e bench demo flood image lint fmt clean fuzz soak
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -64,6 +65,13 @@ wasm:
 	  $(WASM_OPT) -O3 --converge $(WASM_FEATURES) $(WASM_OUT) -o $(WASM_OPT_OUT); }
 	@$(call publish,$(WASM_OPT_OUT),tollgate.wasm)
 	@ls -l $(DIST)/tollgate.wasm | awk '{printf "dist/tollgate.wasm: %d bytes\n", $$5}'
+
+# The filter's native build: an Envoy dynamic module (a shared library loaded by
+# envoy.filters.http.dynamic_modules), the same core behind Envoy's dynamic module ABI.
+native:
+	$(CARGO) build --locked --profile native-release --features dynamic-module -p tollgate
+	@$(call publish,$(NATIVE_OUT),libtollgate.so)
+	@ls -l $(DIST)/libtollgate.so | awk '{printf "dist/libtollgate.so: %d bytes\n", $$5}'
 
 server:
 	$(CARGO) build --locked --release --target $(MUSL_TARGET) -p tollgate-server

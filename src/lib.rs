@@ -54,5 +54,5 @@
 pub mod core;
 
 // The adapter runs in the module; its dispatcher is also unit-tested natively against a fake host.
-#[cfg(any(target_family = "wasm", test))]
+#[cfg(any(target_family = "wasm", test, feature = "dynamic-module"))]
 mod host;

@@ -12,10 +12,14 @@
 //! - `proxy.rs`: the core's `Host` port over the ABI, for one context; settlement delivery.
 //! - `request.rs`: what the adapter reads of a request for the core (match headers first).
 //! - `wasm.rs` (wasm only): the imports, the `proxy_on_*` exports, allocator, logger, panic hook.
+//! - `native/` (the `dynamic-module` feature): the same dispatcher behind Envoy's dynamic module
+//!   ABI instead (its own map in `native/mod.rs`).
 
 mod abi;
 mod dispatch;
 mod metrics;
+#[cfg(any(test, feature = "dynamic-module"))]
+mod native;
 pub(crate) mod pace;
 mod plugin;
 mod proxy;

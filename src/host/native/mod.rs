@@ -1,0 +1,39 @@
+//! The native adapter: the same dispatcher and core as the wasm build, loaded by Envoy as a
+//! dynamic module (`envoy.filters.http.dynamic_modules`, a shared library speaking a plain C ABI)
+//! instead of a proxy-wasm VM. Built with `--features dynamic-module` (`make native`:
+//! `dist/libtollgate.so`).
+//!
+//! What proxy-wasm gives the wasm build and this adapter gives itself, over Envoy 1.40's ABI:
+//!
+//! - **A VM per worker**: one [`super::dispatch::Dispatcher`] per worker thread (thread-local),
+//!   its root context per filter configuration made on the worker's first request under it.
+//! - **Callouts** (`worker.rs`): every callout is a one-shot HTTP callout owned by a request of
+//!   the worker (the one being served, else one still waiting), on the worker's own async client.
+//!   Envoy 1.40 keeps the callouts and streams a *configuration* owns in maps without a lock,
+//!   touched from each worker that uses them (`filter_config.cc`), so a stream per worker would
+//!   race with two workers; a request's callouts are its worker's alone. A callout whose request
+//!   is destroyed first is cancelled by Envoy without a word: the adapter reports it failed.
+//! - **gRPC** (`grpc.rs`): framing and status over those callouts (the ABI has no gRPC client).
+//!   The stream transport keeps its messages, ids and deadlines: each message goes out as its
+//!   own call on the stream's method and its answer comes back to the stream.
+//! - **Shared data** (`shared.rs`): one map in the process's memory, with proxy-wasm's versions.
+//! - **The timer** (`timer.rs`): the ABI has no timer for an HTTP filter; a thread of the module
+//!   posts a worker's tick through a waiting request's scheduler when it is due, and every
+//!   callback runs the ticks that are due first.
+//! - **Answers** (resume, local reply): carried out when the callback returns, as Envoy's wasm
+//!   host does, so a local reply's own hooks find the dispatcher free.
+//! - **Metrics**: defined when Envoy creates the configuration (the only time the ABI allows),
+//!   under the names the wasm build uses; the filter's `metrics_namespace` is `wasmcustom`.
+//!
+//! `ffi.rs` holds the bindings; `exports.rs` the hooks Envoy calls.
+
+#[cfg(feature = "dynamic-module")]
+mod exports;
+#[cfg(feature = "dynamic-module")]
+mod ffi;
+pub(crate) mod grpc;
+pub(crate) mod shared;
+#[cfg(feature = "dynamic-module")]
+mod timer;
+#[cfg(feature = "dynamic-module")]
+mod worker;
