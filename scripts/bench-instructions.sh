@@ -45,6 +45,9 @@
 #   denied    Tollgate exact, its bucket empty (capacity 1 an hour): a flood's request, denied from
 #             the remembered denial (one callout a second, `remember_denials_ms`), not by a callout
 #   local-denied  no module: Envoy's own local_ratelimit, its bucket empty: what a 429 costs Envoy
+#   native-X  variant X (nomatch, skip, http, grpc, grpc-unary, the batches, lease, denied, ...)
+#             with the filter's native build (`make native`: dist/libtollgate.so, an Envoy dynamic
+#             module) in the wasm module's place, the same plugin configuration
 #
 # TIER=service counts the decision service instead, TIER=redis Redis (variants http, grpc,
 # grpc-unary and http-batch only): that process under callgrind (the service with --worker-threads 1, all its
@@ -82,13 +85,21 @@ if [[ " $VARIANTS " == *" empty "* ]]; then
   require_files "$EMPTY_WASM"
 fi
 # The native probe (variants dm-*): its own crate outside the workspace, a shared library Envoy
-# loads by name from this folder.
+# loads by name; and the filter's native build (variants native-*). Envoy looks for both in one
+# folder of links.
 DM_DIR=$ROOT/target/dm-probe/release
+MODULES=$ROOT/target/bench-modules
+mkdir -p "$MODULES"
+export ENVOY_DYNAMIC_MODULES_SEARCH_PATH=$MODULES
 if [[ " $VARIANTS " == *" dm-"* ]]; then
   CARGO_TARGET_DIR=$ROOT/target/dm-probe cargo build --quiet --release \
     --manifest-path bench/dm-probe/Cargo.toml || die "cannot build bench/dm-probe"
   require_files "$DM_DIR/libdm_probe.so"
-  export ENVOY_DYNAMIC_MODULES_SEARCH_PATH=$DM_DIR
+  ln -sf "$DM_DIR/libdm_probe.so" "$MODULES/libdm_probe.so"
+fi
+if [[ " $VARIANTS " == *" native-"* ]]; then
+  require_files "$NATIVE"
+  ln -sf "$(readlink -f "$NATIVE")" "$MODULES/libtollgate.so"
 fi
 PY_GRPC=$ROOT/.tools/py-grpc
 if [[ " $VARIANTS " == *" dm-stream "* ]]; then
@@ -152,7 +163,12 @@ for variant in $VARIANTS; do
     for _ in $(seq 100); do grep -q ready "$OUT/upstream-$variant.log" 2>/dev/null && break; sleep 0.1; done
     args=(--listen "$port" --admin "$admin" --upstream "$up" --service "$service") ;;
   esac
-  case $variant in
+  base_variant=$variant
+  case $variant in native-*)
+    base_variant=${variant#native-}
+    args+=(--native "$MODULES/libtollgate.so") ;;
+  esac
+  case $base_variant in
     none) ;;
     empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
     dm-empty) args+=(--dynamic-module dm_probe --dynamic-module-config empty) ;;
@@ -187,9 +203,9 @@ for variant in $VARIANTS; do
     callgrind_envoy "$variant" "$OUT" "$admin"
   fi
   statuses=200
-  case $variant in denied | local-denied) statuses=200,429 ;; esac
+  case $base_variant in denied | local-denied) statuses=200,429 ;; esac
   unset DRIVE_BODY
-  case $variant in grpc-post* | grpc-model*)
+  case $base_variant in grpc-post* | grpc-model*)
     export DRIVE_BODY='{"model":"gpt-4o-mini","messages":[{"role":"user","content":"How many tokens is this?"}],"max_tokens":64}' ;;
   esac
   python3 scripts/drive.py "$port" "$WARMUP" "$CLIENTS" "$statuses" || die "$variant: warm-up failed"
@@ -216,6 +232,7 @@ counted="Envoy --concurrency 1"
 echo "$counted under callgrind, Envoy bare (direct_response), $ROUNDS × $REQUESTS requests from $CLIENTS keep-alive client(s), $(date -u +%Y-%m-%dT%H:%MZ)"
 echo "module: $(stat -c %s "$WASM") bytes"
 if [[ " $VARIANTS " == *" dm-"* ]]; then echo "dynamic module: $(stat -c %s "$DM_DIR/libdm_probe.so") bytes"; fi
+if [[ " $VARIANTS " == *" native-"* ]]; then echo "native module: $(stat -c %s "$(readlink -f "$NATIVE")") bytes"; fi
 echo
 echo "| path | instructions per request (median) | rounds | vs no filter |"
 echo "|---|---|---|---|"

@@ -17,6 +17,8 @@ REDIS_SERVER=${TOLLGATE_REDIS_SERVER:-$ROOT/.tools/redis-server}
 REDIS_CLI=${TOLLGATE_REDIS_CLI:-$ROOT/.tools/redis-cli}
 SERVER=${TOLLGATE_SERVER:-$ROOT/dist/tollgate-server}
 WASM=${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}
+# The filter's native build (`make native`): an Envoy dynamic module.
+NATIVE=${TOLLGATE_NATIVE:-$ROOT/dist/libtollgate.so}
 ENVOY_CONFIG=${TOLLGATE_ENVOY_CONFIG:-$ROOT/target/debug/tollgate-envoy-config}
 
 SCRIPT_NAME=$(basename "$0" .sh)

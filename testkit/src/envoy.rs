@@ -15,7 +15,7 @@
 //! Every piece is written at column 0 and indented where it is placed, so each is written once.
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// What the generated Envoy configuration contains.
@@ -40,6 +40,11 @@ pub struct EnvoySpec {
     /// A native filter: an Envoy dynamic module (`envoy.filters.http.dynamic_modules`), first in
     /// the chain (where the wasm filter would be).
     pub dynamic_module: Option<DynamicModule>,
+    /// The Tollgate filter as its native build, the dynamic module at this path
+    /// (`.../libtollgate.so`), in the wasm module's place with the same plugin configuration.
+    /// `None`: the wasm build. [`EnvoySpec::empty`] takes it from the environment
+    /// ([`native_from_env`]), so a whole suite runs against either build.
+    pub native: Option<PathBuf>,
     /// Envoy's own ratelimit filter, after the Tollgate filter if there is one.
     pub native_rls: Option<NativeRls>,
     /// Envoy's own `local_ratelimit` filter (one bucket per Envoy), after the above.
@@ -226,6 +231,20 @@ impl NativeRls {
     }
 }
 
+/// The native build the environment asks for: `TOLLGATE_FILTER_BUILD=native` runs the Tollgate
+/// filter as the dynamic module `TOLLGATE_NATIVE` (default `dist/libtollgate.so` under the
+/// workspace); anything else (or nothing), the wasm module.
+pub fn native_from_env() -> Option<PathBuf> {
+    if std::env::var("TOLLGATE_FILTER_BUILD").ok().as_deref() != Some("native") {
+        return None;
+    }
+    Some(
+        std::env::var_os("TOLLGATE_NATIVE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| crate::process::workspace_root().join("dist/libtollgate.so")),
+    )
+}
+
 /// An HTTP filter from an Envoy dynamic module: the shared library `lib<name>.so`, which Envoy
 /// looks for in `$ENVOY_DYNAMIC_MODULES_SEARCH_PATH`, else in its working directory.
 #[derive(Clone, Debug)]
@@ -283,6 +302,7 @@ impl EnvoySpec {
             failure_policy: None,
             fail_open: false,
             dynamic_module: None,
+            native: native_from_env(),
             native_rls: None,
             local_ratelimit: None,
             extra_http_filters: Vec::new(),
@@ -309,7 +329,7 @@ impl EnvoySpec {
             extra_listeners: Vec::new(),
             notes: Vec::new(),
             concurrency: 2,
-            log_level: "wasm:debug".to_string(),
+            log_level: "wasm:debug,dynamic_modules:debug".to_string(),
             base_log_level: "info".to_string(),
             extra_args: Vec::new(),
         }
@@ -486,9 +506,11 @@ impl EnvoySpec {
             out.push_str("typed_per_filter_config:\n");
         }
         if r.skip_module {
-            out.push_str(
-                "  envoy.filters.http.wasm:\n    \"@type\": \
-                 type.googleapis.com/envoy.config.route.v3.FilterConfig\n    disabled: true\n",
+            let _ = write!(
+                out,
+                "  {}:\n    \"@type\": type.googleapis.com/envoy.config.route.v3.FilterConfig\n    \
+                 disabled: true\n",
+                self.filter_name()
             );
         }
         if let Some(rls) = per_route {
@@ -578,6 +600,9 @@ typed_config:
             .args(["--log-level", &self.base_log_level])
             .args(["--component-log-level", &self.log_level])
             .args(&self.extra_args);
+        if let Some(dir) = self.native.as_deref().and_then(Path::parent) {
+            cmd.env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", dir);
+        }
         cmd
     }
 
@@ -586,8 +611,49 @@ typed_config:
         self.plugin_config.is_some() || self.bare_module
     }
 
-    /// The wasm filter running `wasm`, with the plugin configuration if there is one.
+    /// The Tollgate filter's name in the chain (what a route's per-filter configuration names).
+    pub fn filter_name(&self) -> &'static str {
+        if self.native.is_some() {
+            "tollgate"
+        } else {
+            "envoy.filters.http.wasm"
+        }
+    }
+
+    /// The Tollgate filter as the dynamic module `library`, with the plugin configuration as its
+    /// filter configuration and its metrics under the wasm build's names (`wasmcustom.`).
+    fn native_filter(&self, library: &Path) -> String {
+        let name = library
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .and_then(|s| s.strip_prefix("lib"))
+            .unwrap_or("tollgate");
+        let mut config = format!(
+            "dynamic_module_config: {{name: {}, metrics_namespace: wasmcustom}}\nfilter_name: tollgate\n",
+            quote(name)
+        );
+        if let Some(json) = &self.plugin_config {
+            let _ = write!(
+                config,
+                "{note}filter_config:\n  \"@type\": type.googleapis.com/google.protobuf.StringValue\n  \
+                 value: |\n{json}",
+                note = self.note(Note::Configuration),
+                json = indent(json, 4),
+            );
+        }
+        format!(
+            "name: tollgate\ntyped_config:\n  \"@type\": \
+             type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter\n{}",
+            indent(&config, 2)
+        )
+    }
+
+    /// The wasm filter running `wasm`, with the plugin configuration if there is one (or the
+    /// native build, if the spec says so).
     fn wasm_filter(&self, wasm: &Path) -> String {
+        if let Some(library) = &self.native {
+            return self.native_filter(library);
+        }
         let mut config = format!(
             "name: {name}\nvm_config:\n  vm_id: {name}\n  runtime: envoy.wasm.runtime.v8\n  \
              code: {{local: {{filename: {wasm}}}}}\n",

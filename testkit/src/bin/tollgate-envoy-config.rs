@@ -14,6 +14,9 @@
 //! --admin PORT               the admin port (default 0: any; see Envoy's --admin-address-path)
 //! --name NAME                the listener's name and stat prefix (edge)
 //! --wasm PATH                the module
+//! --native PATH              the filter's native build instead (an Envoy dynamic module,
+//!                            .../libtollgate.so; Envoy finds it through
+//!                            $ENVOY_DYNAMIC_MODULES_SEARCH_PATH, which must name its folder)
 //! --plugin-config JSON       the Tollgate filter running --wasm with this configuration
 //! --rule JSON *              or with one built by testkit's builder (`plugin::Plugin`): a rule,
 //! --service-field NAME=JSON *  a field of its `service` (the `tollgate` cluster's; e.g.
@@ -110,6 +113,7 @@ fn bootstrap(args: &[String]) -> Result<String, String> {
             "--admin" => admin = number(flag, &value()?)?,
             "--name" => spec.listener_name = value()?,
             "--wasm" => wasm = PathBuf::from(value()?),
+            "--native" => spec.native = Some(PathBuf::from(value()?)),
             "--plugin-config" => spec.plugin_config = Some(value()?),
             "--rule" => plugin = Some(plugin.unwrap_or_else(Plugin::defaults).rule(value()?)),
             "--service-field" | "--field" => {
