@@ -310,7 +310,10 @@ fn shed_messages_fail_alone() {
     if shed == 0 {
         broken.push("the service shed nothing: the test did not test".to_string());
     }
-    if streams > workers {
+    // The native build sends each message as its own call (src/host/native/calls.rs): the
+    // service counts one stream per message there, and a shed message can end no stream.
+    let native = tollgate_testkit::envoy::native_from_env().is_some();
+    if streams > workers && !native {
         broken.push(format!(
             "{streams} streams opened by {workers} workers: a shed message ended its stream"
         ));

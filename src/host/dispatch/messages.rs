@@ -55,6 +55,33 @@ impl<A: Abi> Dispatcher<A> {
         }
     }
 
+    /// Message `id` of stream `token` failed alone with gRPC `status` (the native build sends
+    /// each message as its own call, whose end is that message's): as an error answer carrying
+    /// its id would, it fails that message only, and the stream goes on.
+    #[cfg(any(test, feature = "dynamic-module"))]
+    pub fn on_message_failed(
+        &mut self,
+        token: u32,
+        id: CalloutId,
+        status: u32,
+        message: Option<String>,
+    ) {
+        self.abi.enter(None, true);
+        let Some(plugin) = self.stream_of(token) else {
+            return;
+        };
+        let found = plugin.outbox.borrow_mut().stream.answered(token, id.0);
+        let Some(m) = found else {
+            return;
+        };
+        let failed = CalloutResult::Grpc {
+            status: if status == 0 { 2 } else { status },
+            message,
+            body: Vec::new(),
+        };
+        self.deliver(m, &mut Ready(Some(failed)));
+    }
+
     /// A gRPC call or stream ended (`proxy_on_grpc_close`): a unary call's failure, or a stream's
     /// end, which fails every message in flight on it with its status.
     pub fn on_grpc_close(&mut self, token: u32, status: u32) {

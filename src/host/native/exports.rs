@@ -6,6 +6,7 @@
 //! A request's module pointer is its context id (never 0): nothing is allocated per request.
 #![allow(clippy::missing_safety_doc)]
 
+use super::calls;
 use super::ffi::*;
 use super::worker::{self, Done, Host, ModuleConfig, Native, HOST};
 use crate::core::config::Config;
@@ -30,6 +31,7 @@ fn with<R>(default: R, f: impl FnOnce(&mut Dispatcher<Native>, &Host) -> R) -> R
             let d = d.get_or_insert_with(|| Dispatcher::new(Native));
             HOST.with(|h| {
                 h.prune(d);
+                h.collect(d);
                 h.ticks(d);
                 f(d, h)
             })
@@ -119,7 +121,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
                 .is_ok()
     });
     match defined {
-        Some(c) => Arc::into_raw(Arc::new(c)).cast(),
+        Some(c) => {
+            c.schedule_on_main();
+            Arc::into_raw(Arc::new(c)).cast()
+        }
         None => {
             error!("could not define metrics");
             null()
@@ -159,7 +164,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
 
 /// `..._request_headers_status envoy_dynamic_module_on_http_filter_request_headers(
 /// filter_envoy_ptr, filter_module_ptr, bool end_of_stream)`. A pause is Envoy's
-/// `StopAllIterationAndWatermark`, as Envoy's wasm host makes of it: the body waits too.
+/// `StopAllIterationAndWatermark`, as Envoy's wasm host makes of it: the body waits too; a request
+/// answered locally in the hook stops (`StopIteration`, after Envoy sent the reply).
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     _filter: FilterEnvoy,
@@ -167,20 +173,22 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> i32 {
     let id = ctx(module);
-    let status = with(CONTINUE, |d, h| {
+    with(CONTINUE as i32, |d, h| {
         h.enter(id);
         let s = d.on_request_headers(id, end_of_stream);
         if s == CONTINUE || h.take_resume(id) {
-            return CONTINUE;
+            return CONTINUE as i32;
+        }
+        if h.replies(id) {
+            return STOP_ITERATION;
         }
         h.waits(id);
-        s
-    });
-    if status == PAUSE {
-        HEADERS_STOP_ALL
-    } else {
-        status as i32
-    }
+        if s == PAUSE {
+            HEADERS_STOP_ALL
+        } else {
+            s as i32
+        }
+    })
 }
 
 /// `..._request_body_status envoy_dynamic_module_on_http_filter_request_body(filter_envoy_ptr,
@@ -195,7 +203,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     let id = ctx(module);
     with(CONTINUE, |d, h| {
         h.enter(id);
-        let size = worker::body_size(filter, true);
+        let size = super::abi::body_size(filter, true);
         let s = d.on_request_body(id, Some(size), end_of_stream);
         if s != CONTINUE {
             h.waits(id);
@@ -249,7 +257,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     let id = ctx(module);
     with(CONTINUE, |d, h| {
         h.enter(id);
-        let size = worker::body_size(filter, false);
+        let size = super::abi::body_size(filter, false);
         d.on_response_body(id, size, end_of_stream)
     }) as i32
 }
@@ -269,16 +277,20 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
 }
 
 /// `void envoy_dynamic_module_on_http_filter_stream_complete(filter_envoy_ptr,
-/// filter_module_ptr)`: the destroy hook that follows does the work.
+/// filter_module_ptr)`: the request is over. From here Envoy's filter must not be resumed nor
+/// answered (its callbacks are going), so the request leaves the worker now; its callouts, which
+/// Envoy cancels when it destroys the filter, go again on another request or end here.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     _filter: FilterEnvoy,
-    _module: FilterModule,
+    module: FilterModule,
 ) {
+    let id = ctx(module);
+    with((), |d, h| h.close(d, id));
 }
 
-/// `void envoy_dynamic_module_on_http_filter_destroy(filter_module_ptr)`: the request is gone;
-/// Envoy cancels its callouts without a word (they fail here).
+/// `void envoy_dynamic_module_on_http_filter_destroy(filter_module_ptr)`: a request that never
+/// completed (its stream was never started) leaves here; one that did is already gone.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: FilterModule) {
     let id = ctx(module);
@@ -324,6 +336,45 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
         w.ran();
     }
     with((), |_, _| ());
+}
+
+/// `void envoy_dynamic_module_on_http_filter_config_scheduled(filter_config_envoy_ptr,
+/// filter_config_ptr, uint64_t event_id)`: on the main thread, woken by a worker with callouts no
+/// request carries.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _envoy: ConfigEnvoy,
+    _config: ConfigModule,
+    _event_id: u64,
+) {
+    calls::send_queued();
+}
+
+/// `void envoy_dynamic_module_on_http_filter_config_http_callout_done(filter_config_envoy_ptr,
+/// filter_config_ptr, uint64_t callout_id, envoy_dynamic_module_type_http_callout_result result,
+/// envoy_dynamic_module_type_envoy_http_header* headers, size_t headers_size,
+/// envoy_dynamic_module_type_envoy_buffer* body_chunks, size_t body_chunks_size)`: on the main
+/// thread; the answer goes to the worker whose callout it was.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout_done(
+    envoy: ConfigEnvoy,
+    _config: ConfigModule,
+    callout_id: u64,
+    result: i32,
+    headers: *mut EnvoyHeader,
+    headers_size: usize,
+    body_chunks: *mut EnvoyBuffer,
+    body_chunks_size: usize,
+) {
+    // SAFETY: Envoy's arrays of that many items, valid for the call (null when it failed).
+    let done = unsafe {
+        Done {
+            result,
+            headers: worker::slice(headers, headers_size),
+            chunks: worker::slice(body_chunks, body_chunks_size),
+        }
+    };
+    calls::main_done(envoy, callout_id, done);
 }
 
 // The request's own streams (never opened) and the downstream's watermarks: nothing to do.

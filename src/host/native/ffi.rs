@@ -27,6 +27,9 @@ pub type FilterModule = *const c_void;
 /// `envoy_dynamic_module_type_http_filter_scheduler_module_ptr` (`void*`): Envoy allocates it, the
 /// module deletes it.
 pub type Scheduler = *mut c_void;
+/// `envoy_dynamic_module_type_http_filter_config_scheduler_module_ptr` (`void*`): the same for a
+/// configuration's scheduler, whose events run on the main thread.
+pub type ConfigScheduler = *mut c_void;
 
 /// `envoy_dynamic_module_type_envoy_buffer`: bytes Envoy owns.
 #[repr(C)]
@@ -147,6 +150,8 @@ pub const CALLOUT_TOO_LARGE: i32 = 2;
 pub const METRICS_SUCCESS: i32 = 0;
 /// `envoy_dynamic_module_type_attribute_id`: `source.address` (24).
 pub const ATTRIBUTE_SOURCE_ADDRESS: i32 = 24;
+/// `..._on_http_filter_request_headers_status_StopIteration`: after a local reply.
+pub const STOP_ITERATION: i32 = 1;
 /// `..._on_http_filter_request_headers_status_StopAllIterationAndWatermark`: what Envoy's wasm
 /// host makes of a proxy-wasm pause in request headers, so the body waits for the module too.
 pub const HEADERS_STOP_ALL: i32 = 4;
@@ -342,4 +347,42 @@ extern "C" {
 
     /// `void envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler_module_ptr)`.
     pub fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: Scheduler);
+
+    /// `envoy_dynamic_module_type_http_filter_config_scheduler_module_ptr
+    /// envoy_dynamic_module_callback_http_filter_config_scheduler_new(filter_config_envoy_ptr)`:
+    /// its events run `on_http_filter_config_scheduled` on the main thread.
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_new(
+        config: ConfigEnvoy,
+    ) -> ConfigScheduler;
+
+    /// `void envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+    /// scheduler_module_ptr, uint64_t event_id)`: from any thread; posts to the main thread.
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_commit(
+        scheduler: ConfigScheduler,
+        event_id: u64,
+    );
+
+    /// `void envoy_dynamic_module_callback_http_filter_config_scheduler_delete(
+    /// scheduler_module_ptr)`.
+    pub fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(
+        scheduler: ConfigScheduler,
+    );
+
+    /// `envoy_dynamic_module_type_http_callout_init_result
+    /// envoy_dynamic_module_callback_http_filter_config_http_callout(filter_config_envoy_ptr,
+    /// uint64_t* callout_id_out, envoy_dynamic_module_type_module_buffer cluster_name,
+    /// envoy_dynamic_module_type_module_http_header* headers, size_t headers_size,
+    /// envoy_dynamic_module_type_module_buffer body, uint64_t timeout_milliseconds)`: a callout
+    /// the configuration owns, on the calling thread's async client; its answer comes to
+    /// `on_http_filter_config_http_callout_done` on that thread. Envoy 1.40 keeps these in a map
+    /// without a lock: made from the main thread only.
+    pub fn envoy_dynamic_module_callback_http_filter_config_http_callout(
+        config: ConfigEnvoy,
+        callout_id_out: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *mut ModuleHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        timeout_ms: u64,
+    ) -> i32;
 }

@@ -154,6 +154,26 @@ pub fn unary_answer<'a>(
     }
 }
 
+/// Whether a response is Envoy's own for a call that never reached the service (its router
+/// found no connection: `upstream connect error ...`, `no healthy upstream`), which may go again.
+/// A gRPC request gets that answer as gRPC: `grpc-status: 14` and the text as `grpc-message`.
+pub fn unconnected(headers: &[(Vec<u8>, Vec<u8>)], body: &[u8]) -> bool {
+    let header = |name: &[u8]| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_slice())
+    };
+    let envoys = |text: &[u8]| {
+        text.starts_with(b"upstream connect error") || text.starts_with(b"no healthy upstream")
+    };
+    match header(b"grpc-status") {
+        Some(b"14") => header(b"grpc-message").is_some_and(envoys),
+        Some(_) => false,
+        None => header(b":status") == Some(b"503") && envoys(body),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,5 +234,33 @@ mod tests {
             (status::UNAVAILABLE, Vec::new())
         );
         assert_eq!(unary_answer(ok, b"\0\0\0"), (status::UNKNOWN, Vec::new()));
+    }
+
+    #[test]
+    fn only_envoys_own_connect_failures_go_again() {
+        let h = |status: &[u8]| vec![(b":status".to_vec(), status.to_vec())];
+        assert!(unconnected(
+            &h(b"503"),
+            b"upstream connect error or disconnect/reset before headers. reset reason: connection failure"
+        ));
+        assert!(unconnected(&h(b"503"), b"no healthy upstream"));
+        assert!(!unconnected(
+            &h(b"503"),
+            br#"{"error":"redis unavailable"}"#
+        ));
+        assert!(!unconnected(&h(b"200"), b"upstream connect error"));
+        let grpc = |status: &[u8], message: &[u8]| {
+            vec![
+                (b":status".to_vec(), b"200".to_vec()),
+                (b"grpc-status".to_vec(), status.to_vec()),
+                (b"grpc-message".to_vec(), message.to_vec()),
+            ]
+        };
+        assert!(unconnected(
+            &grpc(b"14", b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure"),
+            b""
+        ));
+        assert!(!unconnected(&grpc(b"14", b"shed: at the take limit"), b""));
+        assert!(!unconnected(&grpc(b"8", b"no healthy upstream"), b""));
     }
 }

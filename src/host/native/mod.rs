@@ -28,6 +28,10 @@
 //! `ffi.rs` holds the bindings; `exports.rs` the hooks Envoy calls.
 
 #[cfg(feature = "dynamic-module")]
+mod abi;
+#[cfg(feature = "dynamic-module")]
+mod calls;
+#[cfg(feature = "dynamic-module")]
 mod exports;
 #[cfg(feature = "dynamic-module")]
 mod ffi;

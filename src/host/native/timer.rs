@@ -6,6 +6,7 @@
 //! and commits that worker's scheduler. A worker with no request waiting has nothing held and
 //! nothing in flight for a request: its ticks run at the start of its next callback.
 
+use super::calls::Landed;
 use super::ffi;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Once, PoisonError, Weak};
@@ -33,12 +34,14 @@ struct Slot {
     committed: bool,
 }
 
-/// One worker's next tick, shared with the timer thread.
+/// One worker's next tick, shared with the timer thread, and the answers the main thread hands it.
 #[derive(Default)]
 pub struct Wake {
     /// When the next tick is due, ms since the epoch (0: none).
     due_ms: AtomicU64,
     slot: Mutex<Slot>,
+    /// Callouts the main thread made for this worker that ended (`calls.rs`).
+    inbox: Mutex<Vec<Landed>>,
 }
 
 struct Timer {
@@ -98,8 +101,8 @@ impl Wake {
         ring();
     }
 
-    /// Request `owner` is destroyed: its scheduler goes with it.
-    pub fn release(&self, owner: u32) {
+    /// Request `owner` is over: its scheduler goes with it (true if it had the worker's).
+    pub fn release(&self, owner: u32) -> bool {
         let mut slot = self.slot.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.scheduler != 0 && slot.owner == owner {
             // SAFETY: Envoy made this scheduler and it was not deleted (the slot held it); the
@@ -110,7 +113,24 @@ impl Wake {
                 )
             };
             *slot = Slot::default();
+            return true;
         }
+        false
+    }
+
+    /// A callout the main thread made for this worker ended (on the main thread): the worker
+    /// reads it at its next callback, which its timer posts now if a request waits.
+    pub fn land(&self, landed: Landed) {
+        self.inbox
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(landed);
+        self.publish(now_ms());
+    }
+
+    /// What the main thread handed over since the last look (on the worker).
+    pub fn landed(&self) -> Vec<Landed> {
+        std::mem::take(&mut *self.inbox.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The posted tick runs.

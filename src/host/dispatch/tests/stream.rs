@@ -658,3 +658,31 @@ fn a_message_abandoned_with_its_request_fails_nothing_at_its_deadline() {
     d.on_message_abandoned(s + 1, CalloutId(id));
     assert_eq!(d.ledger_entries(), 1);
 }
+
+/// The native build's stream sends each message as its own call: a call that fails fails its
+/// message alone, as an error answer would, and the stream goes on.
+#[test]
+fn a_message_whose_call_failed_fails_alone() {
+    let mut d = dispatcher(&stream_config(0, r#","failure_mode":"deny""#));
+    for id in [10, 11] {
+        assert_eq!(start(&mut d, id, "/api"), PAUSE);
+    }
+    let s = streams(&d)[0];
+    let (id, _) = message(&d, 1);
+    d.on_message_failed(
+        s,
+        CalloutId(id),
+        14,
+        Some("shed: at the take limit".to_string()),
+    );
+    assert_eq!(*d.abi.replied.borrow(), vec![(11, 429)]);
+    assert_eq!(d.abi.metric("tollgate.callout_failure.grpc_status"), 1);
+    assert!(d.abi.cancelled.borrow().is_empty());
+    // Said twice, or of a message nobody knows: nothing more.
+    d.on_message_failed(s, CalloutId(id), 14, None);
+    assert_eq!(d.abi.replied.borrow().len(), 1);
+    let n = answer(&d, 0, &[true]);
+    d.on_grpc_receive(s, n);
+    assert_eq!(*d.abi.resumed.borrow(), vec![10]);
+    assert_eq!((d.pending_callouts(), d.ledger_entries()), (0, 1));
+}
