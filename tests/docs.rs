@@ -110,6 +110,15 @@ fn envoy_configurations_validate() {
         "dist/tollgate.wasm",
         ": run `make build`. Envoy's validate mode loads the module.",
     );
+    // The native build's block (docs/deploy.md, 3g) loads the real dynamic module too.
+    let native = required_component(
+        "TOLLGATE_NATIVE",
+        "dist/libtollgate.so",
+        ": run `make native`. Envoy's validate mode loads the native build's block with it.",
+    );
+    if let Some(folder) = native.parent() {
+        std::env::set_var("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", folder);
+    }
     let dir = TempDir::new("docs-envoy");
     let mut checked = 0;
     for (i, b) in docs::all_blocks().iter().enumerate() {

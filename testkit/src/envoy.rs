@@ -629,7 +629,7 @@ typed_config:
             .and_then(|s| s.strip_prefix("lib"))
             .unwrap_or("tollgate");
         let mut config = format!(
-            "dynamic_module_config: {{name: {}, metrics_namespace: wasmcustom}}\nfilter_name: tollgate\n",
+            "dynamic_module_config: {{name: {}, do_not_close: true, metrics_namespace: wasmcustom}}\nfilter_name: tollgate\n",
             quote(name)
         );
         if let Some(json) = &self.plugin_config {

@@ -365,7 +365,7 @@ fn standalone(label: &str) -> Standalone {
 /// Redis stopped with SIGSTOP: the service's connection hangs (no RST); its Redis timeout turns each
 /// take into a 503.
 #[test]
-fn redis_sigstop() {
+pub(crate) fn redis_sigstop() {
     let _serial = serial();
     stopped_for_the_outage("redis-sigstop", "Redis SIGSTOP", |s| s.redis.proc.pid());
 }
@@ -498,7 +498,7 @@ fn service_sigstop() {
 /// The service killed (SIGKILL: connections reset, then refused), and started again on its port. The
 /// fault ends when the new process answers `/healthz`.
 #[test]
-fn service_killed_and_restarted() {
+pub(crate) fn service_killed_and_restarted() {
     let _serial = serial();
     let mut s = standalone("service-restart");
     let port = s.service.port;
@@ -559,7 +559,7 @@ fn service_slow() {
 /// healthy (no panic, no trap: checked when the Envoys stop) and the well-behaved clients see only 200
 /// and 429.
 #[test]
-fn clients_disconnect_mid_callout() {
+pub(crate) fn clients_disconnect_mid_callout() {
     let _serial = serial();
     let c = Components::get();
     let dir = TempDir::new("disconnects");

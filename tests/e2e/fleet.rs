@@ -152,7 +152,7 @@ fn one_key_under_load(
 /// Global mode through three Envoys hit round-robin by 16 concurrent clients: what reaches the upstream
 /// is exactly the capacity plus the tokens refilled while the test ran.
 #[test]
-fn global_mode_is_one_bucket_across_envoys() {
+pub(crate) fn global_mode_is_one_bucket_across_envoys() {
     let _serial = serial();
     const N: usize = 3;
     const CAPACITY: u64 = 150;
@@ -224,7 +224,7 @@ fn global_mode_is_one_bucket_across_envoys() {
 /// most `service.remember_denials_ms`, 1 s by default), so most 429s are answered without a
 /// callout, while what reaches the upstream stays the ideal count to within one token.
 #[test]
-fn a_flood_of_denials_is_answered_locally_and_still_exact() {
+pub(crate) fn a_flood_of_denials_is_answered_locally_and_still_exact() {
     let _serial = serial();
     const N: usize = 4;
     const CAPACITY: u64 = 100;
@@ -481,7 +481,7 @@ fn service_killed_under_load_falls_back_then_resumes() {
 
 /// Redis is killed while clients keep sending (the service stays up and answers 503), then restarted.
 #[test]
-fn redis_killed_under_load_falls_back_then_resumes() {
+pub(crate) fn redis_killed_under_load_falls_back_then_resumes() {
     let _serial = serial();
     recovery(Victim::Redis);
 }
@@ -598,7 +598,7 @@ fn skewed_service_clock_still_one_bucket() {
 /// other). No client sees a 5xx, the limit holds (failing closed: a failed take is never an
 /// admission), the other replica decides everything after, and few takes fail on the way.
 #[test]
-fn a_replica_shut_down_hands_its_streams_to_the_other() {
+pub(crate) fn a_replica_shut_down_hands_its_streams_to_the_other() {
     let _serial = serial();
     const N: usize = 2;
     const CAPACITY: u64 = 400;

@@ -375,7 +375,7 @@ fn an_adaptive_pool_follows_the_rate(transport: Transport) {
 /// pass above it; exact mode is the reference, and the lease fleet, which holds tokens in four
 /// pools and gives back what it does not spend, must reach 0.98 of it.
 #[test]
-fn a_lease_fleet_admits_what_exact_mode_admits() {
+pub(crate) fn a_lease_fleet_admits_what_exact_mode_admits() {
     let _serial = serial();
     const N: usize = 4;
     const CAPACITY: u64 = 200;

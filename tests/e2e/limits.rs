@@ -45,7 +45,7 @@ fn header_u64(r: &Reply, name: &str) -> u64 {
 
 /// Capacity 3: exactly three 200s, then 429s with Retry-After, both header families on every
 /// response (on_allowed), the configured body; the upstream sees the three admitted requests only.
-fn limit_enforced_with_headers(t: Transport) {
+pub(crate) fn limit_enforced_with_headers(t: Transport) {
     let cfg = plugin(
         t,
         vec![rule("per-ip", &["client_ip"], 3)],

@@ -23,6 +23,7 @@
 //! - [`limit_change`]
 //! - [`limits`]
 //! - [`models`]
+//! - [`native`]: scenarios of the others run against the native build too
 //! - [`outage`]
 //! - [`overload`]
 //! - [`rls`]
@@ -63,6 +64,7 @@ mod ledger;
 mod limit_change;
 mod limits;
 mod models;
+mod native;
 mod outage;
 mod overload;
 mod rls;

@@ -107,7 +107,7 @@ const TRANSPORTS: [Transport; 3] = [Transport::Grpc, Transport::GrpcUnary, Trans
 /// Redis answering 30 ms late for 5 s, under load: three Envoys behind one service, one per
 /// transport (each its own keys), so one run of the delay covers the three.
 #[test]
-fn redis_answering_late() {
+pub(crate) fn redis_answering_late() {
     const DELAY: Duration = Duration::from_millis(30);
     const SLOW: Duration = Duration::from_secs(5);
     let n = TRANSPORTS.len();

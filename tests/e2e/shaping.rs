@@ -1098,7 +1098,7 @@ fn a_hold_counts_against_the_stream_duration_not_the_route_timeout() {
 /// 3 Envoys behind round-robin clients (150, each pausing 300 ms after an answer, for 4 s),
 /// one bucket of 50 refilling 100 a second, shaped up to 1 s. Demand stays well above the rate.
 #[test]
-fn a_fleet_bursting_is_spread_exactly() {
+pub(crate) fn a_fleet_bursting_is_spread_exactly() {
     const N: usize = 3;
     const CLIENTS: usize = 150;
     const LIMIT: (u64, u64, u64) = (50, 100, 1000);

@@ -217,21 +217,56 @@ impl Abi for Native {
         })
     }
 
+    /// `source.address`, and dynamic metadata a namespace's top-level field
+    /// (`metadata.filter_metadata.<ns>.<key>`: a string as its bytes, a number as proxy-wasm gives
+    /// it, 8 bytes of a double). The ABI reads no deeper field: a longer path reads nothing.
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        if path != ["source", "address"] {
-            return None;
-        }
         HOST.with(|h| {
             let f = h.current_filter()?;
-            let mut value = EnvoyBuffer::EMPTY;
-            // SAFETY: a live request's pointer in one of its callbacks; copied at once.
-            unsafe {
-                ffi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
-                    f,
-                    ffi::ATTRIBUTE_SOURCE_ADDRESS,
-                    &mut value,
-                )
-                .then(|| value.bytes().to_vec())
+            match path {
+                ["source", "address"] => {
+                    let mut value = EnvoyBuffer::EMPTY;
+                    // SAFETY: a live request's pointer in one of its callbacks; copied at once.
+                    unsafe {
+                        ffi::envoy_dynamic_module_callback_http_filter_get_attribute_string(
+                            f,
+                            ffi::ATTRIBUTE_SOURCE_ADDRESS,
+                            &mut value,
+                        )
+                        .then(|| value.bytes().to_vec())
+                    }
+                }
+                ["metadata", "filter_metadata", ns, key] => {
+                    let (ns, key) = (
+                        ModuleBuffer::of(ns.as_bytes()),
+                        ModuleBuffer::of(key.as_bytes()),
+                    );
+                    let mut value = EnvoyBuffer::EMPTY;
+                    let mut number = 0f64;
+                    // SAFETY: as above.
+                    unsafe {
+                        if ffi::envoy_dynamic_module_callback_http_get_metadata_string(
+                            f,
+                            ffi::METADATA_DYNAMIC,
+                            ns,
+                            key,
+                            &mut value,
+                        ) {
+                            Some(value.bytes().to_vec())
+                        } else if ffi::envoy_dynamic_module_callback_http_get_metadata_number(
+                            f,
+                            ffi::METADATA_DYNAMIC,
+                            ns,
+                            key,
+                            &mut number,
+                        ) {
+                            Some(number.to_ne_bytes().to_vec())
+                        } else {
+                            None
+                        }
+                    }
+                }
+                _ => None,
             }
         })
     }

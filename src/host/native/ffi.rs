@@ -148,6 +148,8 @@ pub const CALLOUT_SUCCESS: i32 = 0;
 pub const CALLOUT_TOO_LARGE: i32 = 2;
 /// `envoy_dynamic_module_type_metrics_result_Success`.
 pub const METRICS_SUCCESS: i32 = 0;
+/// `envoy_dynamic_module_type_metadata_source_Dynamic`: the stream's dynamic metadata.
+pub const METADATA_DYNAMIC: i32 = 0;
 /// `envoy_dynamic_module_type_attribute_id`: `source.address` (24).
 pub const ATTRIBUTE_SOURCE_ADDRESS: i32 = 24;
 /// `..._on_http_filter_request_headers_status_StopIteration`: after a local reply.
@@ -385,4 +387,28 @@ extern "C" {
         body: ModuleBuffer,
         timeout_ms: u64,
     ) -> i32;
+
+    /// `bool envoy_dynamic_module_callback_http_get_metadata_string(filter_envoy_ptr,
+    /// envoy_dynamic_module_type_metadata_source metadata_source,
+    /// envoy_dynamic_module_type_module_buffer ns, envoy_dynamic_module_type_module_buffer key,
+    /// envoy_dynamic_module_type_envoy_buffer* result)`: a string value of metadata `ns`'s `key`.
+    pub fn envoy_dynamic_module_callback_http_get_metadata_string(
+        filter: FilterEnvoy,
+        source: i32,
+        ns: ModuleBuffer,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
+    ) -> bool;
+
+    /// `bool envoy_dynamic_module_callback_http_get_metadata_number(filter_envoy_ptr,
+    /// envoy_dynamic_module_type_metadata_source metadata_source,
+    /// envoy_dynamic_module_type_module_buffer ns, envoy_dynamic_module_type_module_buffer key,
+    /// double* result)`: a number value of metadata `ns`'s `key`.
+    pub fn envoy_dynamic_module_callback_http_get_metadata_number(
+        filter: FilterEnvoy,
+        source: i32,
+        ns: ModuleBuffer,
+        key: ModuleBuffer,
+        result: *mut f64,
+    ) -> bool;
 }

@@ -7,25 +7,29 @@
 //!
 //! - **A VM per worker**: one [`super::dispatch::Dispatcher`] per worker thread (thread-local),
 //!   its root context per filter configuration made on the worker's first request under it.
-//! - **Callouts** (`worker.rs`): every callout is a one-shot HTTP callout owned by a request of
-//!   the worker (the one being served, else one still waiting), on the worker's own async client.
-//!   Envoy 1.40 keeps the callouts and streams a *configuration* owns in maps without a lock,
-//!   touched from each worker that uses them (`filter_config.cc`), so a stream per worker would
-//!   race with two workers; a request's callouts are its worker's alone. A callout whose request
-//!   is destroyed first is cancelled by Envoy without a word: the adapter reports it failed.
+//! - **Callouts** (`calls.rs`): a callout some request waits for is a one-shot HTTP callout of
+//!   that request, on the worker's own async client; one no request waits for (a release, a
+//!   refund, a settlement, a refill) goes out from the main thread as the configuration's. Envoy
+//!   1.40 keeps a configuration's callouts in a map without a lock (`filter_config.cc`), so no
+//!   worker may make one, and a request's callouts end with it: Envoy cancels them without a
+//!   word when the request ends first, and the adapter sends them again on another request that
+//!   waits for them, or ends them itself.
 //! - **gRPC** (`grpc.rs`): framing and status over those callouts (the ABI has no gRPC client).
 //!   The stream transport keeps its messages, ids and deadlines: each message goes out as its
 //!   own call on the stream's method and its answer comes back to the stream.
 //! - **Shared data** (`shared.rs`): one map in the process's memory, with proxy-wasm's versions.
 //! - **The timer** (`timer.rs`): the ABI has no timer for an HTTP filter; a thread of the module
 //!   posts a worker's tick through a waiting request's scheduler when it is due, and every
-//!   callback runs the ticks that are due first.
+//!   callback runs the ticks that are due first. A worker with no request in flight has no
+//!   scheduler: its background work (a lease's unspent tokens given back, a settlement retried,
+//!   the answers of its main-thread callouts read) waits for its next request.
 //! - **Answers** (resume, local reply): carried out when the callback returns, as Envoy's wasm
 //!   host does, so a local reply's own hooks find the dispatcher free.
 //! - **Metrics**: defined when Envoy creates the configuration (the only time the ABI allows),
 //!   under the names the wasm build uses; the filter's `metrics_namespace` is `wasmcustom`.
 //!
-//! `ffi.rs` holds the bindings; `exports.rs` the hooks Envoy calls.
+//! `ffi.rs` holds the bindings; `exports.rs` the hooks Envoy calls; `worker.rs` a worker's
+//! contexts; `abi.rs` the dispatcher's host calls over them.
 
 #[cfg(feature = "dynamic-module")]
 mod abi;
