@@ -30,6 +30,10 @@
 #             itself (direct_response), no upstream hop; their ratios are against bare-none
 #   bare-skip Tollgate in the chain but disabled for the route (a route FilterConfig `disabled: true`,
 #             not in the default VARIANTS): what a route without limits costs
+#   native-X  variant X (grpc-batch, nomatch, lease-adaptive, ...) with the filter's native build
+#             (`make native`: dist/libtollgate.so, an Envoy dynamic module) in the wasm module's
+#             place, the same plugin configuration; native-grpc-batch, native-nomatch,
+#             native-lease-adaptive and native-bare-nomatch join the default variants
 # The limit is high enough that every request is admitted, so what is measured is the per-request path.
 # LAYOUT: shared (default), every process free to run on every core; production, the limiter tier
 # (Redis, the service) pinned to the last core and the proxy side (wrk, the Envoys, the upstream) to
@@ -50,13 +54,21 @@ ROOT=$PWD
 DURATION=${DURATION:-5}
 CONNECTIONS=${CONNECTIONS:-16}
 VARIANTS_GIVEN=${VARIANTS+yes}
-VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch grpc-unary grpc-unary-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch}
+VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch grpc-unary grpc-unary-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch native-grpc-batch native-nomatch native-lease-adaptive native-bare-nomatch}
 ROUNDS=${ROUNDS:-3}
 LAYOUT=${LAYOUT:-shared}
 OUT=${OUT:-$ROOT/bench-out/envoy}
 WASM=$(readlink -f "$WASM")
 
 require_files "$ENVOY" "$REDIS_SERVER" "$REDIS_CLI" "$SERVER" "$WASM" "$ENVOY_CONFIG"
+# The native build's Envoys find dist/libtollgate.so through the search path.
+uses_native=
+for v in $VARIANTS; do case $v in native-rls) ;; native-*) uses_native=yes ;; esac; done
+if [ -n "$uses_native" ]; then
+  require_files "$NATIVE"
+  NATIVE=$(readlink -f "$NATIVE")
+  export ENVOY_DYNAMIC_MODULES_SEARCH_PATH=${NATIVE%/*}
+fi
 # The empty filter (variants empty, bare-empty): built here, its own crate outside the workspace.
 EMPTY_WASM=$ROOT/target/empty-filter/wasm32-wasip1/release/empty_filter.wasm
 if [[ " $VARIANTS " == *" empty "* || " $VARIANTS " == *" bare-empty "* ]]; then
@@ -134,6 +146,13 @@ envoy_yaml() {
   # The plugin configuration's fields beside its rule (tollgate-envoy-config's builder writes it).
   # http, grpc, http-allow: one callout per request (the filter's default batches, "batch": 64).
   local plugin=()
+  # native-X: variant X with the filter's native build (dist/libtollgate.so) in the wasm
+  # module's place (native-rls is Envoy's own ratelimit filter, not one of them).
+  local native=()
+  case $variant in
+    native-rls) ;;
+    native-*) variant=${variant#native-}; native=(--native "$NATIVE") ;;
+  esac
   case $variant in
     http) plugin+=(--service-field batch=0) ;;
     grpc) transport=grpc; plugin+=(--service-field batch=0) ;;
@@ -167,7 +186,7 @@ envoy_yaml() {
                        --rls-timeout-ms 100 --rls-allow-on-failure) ;;
     local-rl) args+=(--local-ratelimit 1000000000,1000000000,1) ;;
     empty | bare-empty) args+=(--wasm "$EMPTY_WASM" --bare-module empty) ;;
-    *) args+=(--wasm "$WASM" --service-field "transport=\"$transport\"" --service-field timeout_ms=100
+    *) args+=(--wasm "$WASM" "${native[@]}" --service-field "transport=\"$transport\"" --service-field timeout_ms=100
               "${plugin[@]}"
               --rule "{\"name\": \"per-ip\", $match \"key\": [$key], \"capacity\": 1000000000, \"rate\": 1000000000, \"period_ms\": 1000$lease}"
               --field 'response={"headers": ["draft"], "on_allowed": false}') ;;
@@ -286,6 +305,7 @@ size=$(stat -c %s "$WASM")
     production) echo "layout: production (Redis and the service on CPU $TIER_CPUS; wrk, the Envoys and the upstream on CPU $PROXY_CPUS)" ;;
   esac
   echo "module: $size bytes"
+  [ -n "$uses_native" ] && echo "native module: $(stat -c %s "$NATIVE") bytes"
   echo
   python3 - "$RESULTS" $VARIANTS <<'PY'
 import statistics, sys
@@ -303,7 +323,8 @@ for v in variants:
         continue
     per = []
     for rnd, r in sorted(by[v].items()):
-        base = by.get("bare-none" if v.startswith("bare-") else "none", {}).get(rnd)
+        bare = v.startswith("bare-") or v.startswith("native-bare-")
+        base = by.get("bare-none" if bare else "none", {}).get(rnd)
         if base and float(base[1]) > 0:
             per.append(float(r[1]) / float(base[1]))
     ratio = f"{statistics.median(per):.2f}" if per else "-"

@@ -20,8 +20,8 @@
 use super::ffi::{self, EnvoyBuffer, EnvoyHeader, FilterEnvoy, ModuleBuffer, ModuleHeader};
 use super::grpc::{self, status};
 use super::timer::Wake;
-use super::worker::{Host, Live, ModuleConfig, Native};
-use crate::core::base::ledger::CalloutId;
+use super::worker::{carry_key, Host, Live, ModuleConfig, Native};
+use crate::core::base::ledger::{CalloutId, IdMap};
 use crate::host::abi::{self, Status};
 use crate::host::dispatch::Dispatcher;
 use std::cell::RefCell;
@@ -180,7 +180,7 @@ pub(super) fn grpc_headers<'a>(
 /// The first of `members` that still waits on this worker (or is the one being served, whose
 /// callback is about to make it wait).
 fn waiting_member(
-    filters: &HashMap<u32, Live>,
+    filters: &IdMap<Live>,
     members: &[u32],
     current: u32,
 ) -> Option<(u32, FilterEnvoy)> {
@@ -275,7 +275,9 @@ impl Host {
                         _ => INTERNAL_FAILURE,
                     });
                 }
-                self.by_callout.borrow_mut().insert((ctx, id), token);
+                self.by_callout
+                    .borrow_mut()
+                    .insert(carry_key(ctx, id), token);
                 Carrier::Request { ctx, id }
             }
             None => {
@@ -304,7 +306,7 @@ impl Host {
             return false;
         };
         if let Carrier::Request { ctx, id } = o.carrier {
-            self.by_callout.borrow_mut().remove(&(ctx, id));
+            self.by_callout.borrow_mut().remove(&carry_key(ctx, id));
         }
         true
     }
@@ -326,7 +328,7 @@ impl Host {
         };
         for (token, o) in carried {
             if let Carrier::Request { ctx, id } = o.carrier {
-                self.by_callout.borrow_mut().remove(&(ctx, id));
+                self.by_callout.borrow_mut().remove(&carry_key(ctx, id));
             }
             let (kind, message) = (o.kind, o.message);
             let again = waiting_member(&self.filters.borrow(), &o.members, 0).is_some();
@@ -351,7 +353,7 @@ impl Host {
 
     /// A callout request `ctx` carried is answered.
     pub fn answered(&self, d: &mut Dispatcher<Native>, ctx: u32, id: u64, done: Done<'_>) {
-        let Some(token) = self.by_callout.borrow_mut().remove(&(ctx, id)) else {
+        let Some(token) = self.by_callout.borrow_mut().remove(&carry_key(ctx, id)) else {
             return;
         };
         let ok = done.result == ffi::CALLOUT_SUCCESS;

@@ -7,10 +7,12 @@ pub use super::calls::Done;
 use super::calls::{Owned, Reply, Stream};
 use super::ffi::{self, FilterEnvoy, ModuleBuffer, ModuleHeader};
 use super::timer::{now_ms, Wake};
+use crate::core::base::ledger::{IdHasher, IdMap};
 use crate::host::abi::MetricKind;
 use crate::host::dispatch::Dispatcher;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -147,6 +149,12 @@ pub struct Root {
     pub(super) due_ms: u64,
 }
 
+/// The key of a callout a request carries: its context id and Envoy's id for the callout there
+/// (a request's callouts are counted from 1, far below 2^32).
+pub(super) fn carry_key(ctx: u32, id: u64) -> u64 {
+    (u64::from(ctx) << 32) ^ id
+}
+
 /// A request on this worker.
 pub(super) struct Live {
     pub(super) envoy: FilterEnvoy,
@@ -170,7 +178,7 @@ pub struct Host {
     /// The dispatcher was told the VM started.
     started: Cell<bool>,
     pub roots: RefCell<Vec<Root>>,
-    pub(super) filters: RefCell<HashMap<u32, Live>>,
+    pub(super) filters: RefCell<IdMap<Live>>,
     /// The request the host acts on (0: a root's callback).
     pub(super) current: Cell<u32>,
     /// The root of a root's callback (its tick, its configuration).
@@ -180,11 +188,11 @@ pub struct Host {
     pub(super) next_token: Cell<u32>,
     /// The requests the next callout is for, and its message id (`Abi::callout_for`).
     pub(super) hint: RefCell<(Vec<u32>, Option<u64>)>,
-    /// Callouts carried by a request: (its context, Envoy's id) -> token.
-    pub(super) by_callout: RefCell<HashMap<(u32, u64), u32>>,
+    /// Callouts carried by a request: ([`carry_key`] of its context and Envoy's id) -> token.
+    pub(super) by_callout: RefCell<HashMap<u64, u32, BuildHasherDefault<IdHasher>>>,
     /// Every callout in flight, by token.
-    pub(super) by_token: RefCell<HashMap<u32, Owned>>,
-    pub(super) streams: RefCell<HashMap<u32, Stream>>,
+    pub(super) by_token: RefCell<IdMap<Owned>>,
+    pub(super) streams: RefCell<IdMap<Stream>>,
     pub(super) reply: RefCell<Reply>,
     pub(super) answers: RefCell<VecDeque<(u32, Answer)>>,
     draining: Cell<bool>,
@@ -197,15 +205,15 @@ impl Host {
             next_context: Cell::new(1),
             started: Cell::new(false),
             roots: RefCell::new(Vec::new()),
-            filters: RefCell::new(HashMap::new()),
+            filters: RefCell::new(IdMap::default()),
             current: Cell::new(0),
             current_root: Cell::new(0),
             configuring: RefCell::new(None),
             next_token: Cell::new(1),
             hint: RefCell::new((Vec::new(), None)),
-            by_callout: RefCell::new(HashMap::new()),
-            by_token: RefCell::new(HashMap::new()),
-            streams: RefCell::new(HashMap::new()),
+            by_callout: RefCell::new(HashMap::default()),
+            by_token: RefCell::new(IdMap::default()),
+            streams: RefCell::new(IdMap::default()),
             reply: RefCell::new(Reply::default()),
             answers: RefCell::new(VecDeque::new()),
             draining: Cell::new(false),
