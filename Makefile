@@ -90,7 +90,7 @@ protos: ## Write the service's protobuf and gRPC code (server/src/generated/) fr
 configs: envoy-config ## Write the checked-in Envoy configurations (envoy.yaml, deploy/envoy/) from testkit/src/envoy_files.rs
 	$(TOLLGATE_ENVOY_CONFIG) checked-in --write $(CURDIR)
 
-image: images wasm server-static ## OCI images (filter: compat + Wasm artifact; static service) in dist/images/
+image: images wasm server-static native ## OCI images (filter: compat + Wasm artifact; native build; static service) in dist/images/
 	@bash scripts/image.sh $(DIST)/images
 
 run: build ## Start Redis, the service, Envoy with the filter and a demo upstream (Ctrl-C stops all)

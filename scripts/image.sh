@@ -5,6 +5,10 @@
 #                               `COPY plugin.wasm ./`): one tar+gzip layer holding plugin.wasm
 #   OUT/tollgate-filter         the filter as a Wasm OCI artifact: config and two layers typed
 #                               application/vnd.module.wasm.{config.v1+json,content.layer.v1+wasm}
+#   OUT/tollgate-native         the filter's native build (an Envoy 1.40 dynamic module), as
+#                               images/native.Dockerfile makes it: one layer holding
+#                               libtollgate.so at the root (an image volume, or a COPY into an
+#                               Envoy 1.40 image); the Envoy version it fits is in its annotations
 #   OUT/tollgate-server         the service as images/server.Dockerfile makes it: static binary,
 #                               /etc/passwd, uid 65532, port 8081, no shell
 #   OUT/digests.txt             "<name> <manifest digest> <manifest size>" per image: the digest is
@@ -18,7 +22,8 @@
 # gzip without name or time, compact JSON), so two builds of the same inputs give the same digests.
 #
 #   scripts/image.sh [OUT]      OUT defaults to dist/images
-# Inputs (env): TOLLGATE_WASM (dist/tollgate.wasm), TOLLGATE_SERVER_STATIC
+# Inputs (env): TOLLGATE_WASM (dist/tollgate.wasm), TOLLGATE_NATIVE (dist/libtollgate.so),
+# TOLLGATE_SERVER_STATIC
 # (dist/tollgate-server-static, a static musl build), SOURCE_DATE_EPOCH (default: the HEAD commit
 # time, or 0 outside git), TOLLGATE_IMAGE_TAG (default: the workspace version).
 set -euo pipefail
@@ -26,10 +31,14 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${1:-$ROOT/dist/images}"
 WASM="${TOLLGATE_WASM:-$ROOT/dist/tollgate.wasm}"
 SERVER="${TOLLGATE_SERVER_STATIC:-$ROOT/dist/tollgate-server-static}"
+NATIVE="${TOLLGATE_NATIVE:-$ROOT/dist/libtollgate.so}"
+# The Envoy the native build is built against and tested with (its dynamic module ABI, v0.2.0).
+NATIVE_ENVOY=1.40.0
 
 die() { printf 'image: %s\n' "$*" >&2; exit 1; }
 [ -f "$WASM" ] || die "missing $WASM (make wasm)"
 [ -f "$SERVER" ] || die "missing $SERVER (make image builds it with the musl target)"
+[ -f "$NATIVE" ] || die "missing $NATIVE (make native)"
 [ "$(head -c 4 "$WASM" | od -An -tx1 | tr -d ' ')" = 0061736d ] || die "$WASM is not a wasm module"
 # A dynamically linked binary would not start in an image without libc.
 if LC_ALL=C readelf -l "$SERVER" 2>/dev/null | grep -q 'Requesting program interpreter'; then
@@ -129,7 +138,23 @@ printf '{"schemaVersion":2,"mediaType":"%s","config":%s,"layers":[%s,%s],"annota
   "$MT_MANIFEST" "$CONFIG" "$CONFIG_LAYER" "$WASM_LAYER" "$ANNOTATIONS" > "$WORK/artifact-manifest.json"
 finish "$L" tollgate-filter "$WORK/artifact-manifest.json"
 
-# 3. The service: static binary, passwd/group for uid 65532, nothing else (no shell, no libc).
+# 3. The native build: FROM scratch, COPY libtollgate.so ./ (for an image volume mounted where
+# ENVOY_DYNAMIC_MODULES_SEARCH_PATH points, or a COPY into an Envoy image of the version it fits).
+L="$OUT/tollgate-native"
+new_layout "$L"
+mkdir -p "$WORK/native-root"
+install -m 0644 "$NATIVE" "$WORK/native-root/libtollgate.so"
+tar_layer "$WORK/native-root" "$WORK/native.tar" "$WORK/native.tar.gz"
+add_blob "$L" "$WORK/native.tar.gz"
+LAYER="$(descriptor "$MT_LAYER")"
+printf '{"created":"%s","architecture":"amd64","os":"linux","config":{"Labels":{"org.opencontainers.image.version":"%s","io.tollgate.envoy-version":"%s"}},"rootfs":{"type":"layers","diff_ids":["%s"]},"history":[{"created":"%s","created_by":"COPY libtollgate.so ./"}]}' \
+  "$CREATED" "$TAG" "$NATIVE_ENVOY" "$DIFF_ID" "$CREATED" > "$WORK/native-config.json"
+add_blob "$L" "$WORK/native-config.json"
+printf '{"schemaVersion":2,"mediaType":"%s","config":%s,"layers":[%s],"annotations":{%s,"io.tollgate.envoy-version":"%s"}}' \
+  "$MT_MANIFEST" "$(descriptor "$MT_CONFIG")" "$LAYER" "$ANNOTATIONS" "$NATIVE_ENVOY" > "$WORK/native-manifest.json"
+finish "$L" tollgate-native "$WORK/native-manifest.json"
+
+# 4. The service: static binary, passwd/group for uid 65532, nothing else (no shell, no libc).
 L="$OUT/tollgate-server"
 new_layout "$L"
 R="$WORK/server-root"

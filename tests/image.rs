@@ -1,5 +1,5 @@
-//! The OCI images, end to end: `scripts/image.sh` builds them from the real `dist/tollgate.wasm` and
-//! the static service binary, a real registry (Debian's `docker-registry` on 127.0.0.1) receives them
+//! The OCI images, end to end: `scripts/image.sh` builds them from the real `dist/tollgate.wasm`,
+//! `dist/libtollgate.so` and the static service binary, a real registry (Debian's `docker-registry` on 127.0.0.1) receives them
 //! from `skopeo copy`, and they are pulled back over the registry HTTP API the way Istio's agent
 //! pulls a `WasmPlugin` (`pkg/wasm/imagefetcher.go`): manifest, classification by media types, one
 //! blob. What was pulled then runs: the module in real Envoy, the binary as a process.
@@ -10,6 +10,7 @@
 //!   [`Registry::blob`] (HTTP API, digests checked like go-containerregistry does)
 //! - [`extract_wasm`]: Istio's agent's three accepted forms, in its order
 //! - tests: reproducible digests; both filter forms pulled, byte-identical and limiting in Envoy;
+//!   the native build's image pulled, byte-identical, labelled with its Envoy and limiting in it;
 //!   the service image static, non-root, shell-less and running.
 //!
 //! Every tool is required: a missing one fails the test (`make images` installs them).
@@ -87,6 +88,10 @@ fn static_server() -> PathBuf {
     required("TOLLGATE_SERVER_STATIC", "dist/tollgate-server-static")
 }
 
+fn native_library() -> PathBuf {
+    required("TOLLGATE_NATIVE", "dist/libtollgate.so")
+}
+
 /// The module, and Envoy to run it (the other harness components are not used here).
 fn components() -> Components {
     let wasm = required("TOLLGATE_WASM", "dist/tollgate.wasm");
@@ -107,6 +112,7 @@ fn build_images(out: &Path, epoch: u64) -> Vec<(String, String, u64)> {
         .arg(out)
         .env("TOLLGATE_WASM", &c.wasm)
         .env("TOLLGATE_SERVER_STATIC", static_server())
+        .env("TOLLGATE_NATIVE", native_library())
         .env("SOURCE_DATE_EPOCH", epoch.to_string())
         .env("TOLLGATE_IMAGE_TAG", TAG);
     run(cmd);
@@ -123,7 +129,7 @@ fn build_images(out: &Path, epoch: u64) -> Vec<(String, String, u64)> {
             )
         })
         .collect();
-    assert_eq!(rows.len(), 3, "three images in {text}");
+    assert_eq!(rows.len(), 4, "four images in {text}");
     rows
 }
 
@@ -413,6 +419,7 @@ fn images_are_reproducible() {
     for name in [
         "tollgate-filter-compat",
         "tollgate-filter",
+        "tollgate-native",
         "tollgate-server",
     ] {
         assert_ne!(
@@ -542,6 +549,77 @@ fn filter_images_pull_like_istio_and_limit_in_envoy() {
         m["layers"][1]["mediaType"], MT_OCI_LAYER,
         "the artifact must not parse as compat"
     );
+}
+
+/// The native build's image: pulled back, one layer holding exactly `libtollgate.so`,
+/// byte-identical to dist/libtollgate.so, the Envoy version it fits in its annotations and
+/// labels; and the library as pulled limits in real Envoy (capacity 1, the service unreachable:
+/// 200, then 429).
+#[test]
+fn native_image_carries_the_library_that_limits_in_envoy() {
+    let c = components();
+    let want = fs::read(native_library()).expect("read the native build");
+    let dir = TempDir::new("image-native");
+    let layouts = dir.path().join("layouts");
+    let digests = build_images(&layouts, 1_700_000_000);
+    let reg = Registry::start(&dir);
+    let name = "tollgate-native";
+    let pushed = push(&dir, &layouts, &reg, name);
+    assert_eq!(
+        pushed,
+        digest_of(&digests, name),
+        "skopeo kept the manifest"
+    );
+    let m = pull_manifest(&dir, &reg, name, &pushed);
+    assert_eq!(
+        m["annotations"]["io.tollgate.envoy-version"], "1.40.0",
+        "the Envoy it fits: {m}"
+    );
+    let cfg: Value =
+        serde_json::from_slice(&reg.blob(&dir, name, &m["config"])).expect("image config");
+    assert_eq!(
+        cfg["config"]["Labels"]["io.tollgate.envoy-version"], "1.40.0",
+        "labelled as images/native.Dockerfile does: {cfg}"
+    );
+    let layers = m["layers"].as_array().expect("layers");
+    assert_eq!(layers.len(), 1, "one layer: {m}");
+    let blob = reg.blob(&dir, name, &layers[0]);
+    let (entries, root) = untar(&dir, &blob, "native-check");
+    assert_eq!(
+        entries,
+        vec!["libtollgate.so"],
+        "what COPY libtollgate.so ./ makes"
+    );
+    let library = root.join("libtollgate.so");
+    assert!(
+        fs::read(&library).expect("read pulled library") == want,
+        "the pulled library differs from dist/libtollgate.so"
+    );
+
+    // The library as pulled, in real Envoy, in the wasm module's place.
+    let config = Plugin::defaults()
+        .service("timeout_ms", 200)
+        .rule(rule("image-check", &["literal:all"], 1))
+        .failure_mode("fallback")
+        .fallback(1, 100);
+    let mut spec = EnvoySpec::new(Some(config.json()), closed_port(), closed_port());
+    spec.native = Some(library);
+    spec.answer_directly("direct\n");
+    spec.concurrency = 1;
+    let envoy = Envoy::start(&c, &dir, &spec);
+    let client = Client::new();
+    let first = client.get(&envoy.url("/"), &[]);
+    let second = client.get(&envoy.url("/"), &[]);
+    assert_eq!(
+        (first.status, second.status),
+        (200, 429),
+        "one allowed, one limited: {first:?} {second:?}"
+    );
+    assert!(
+        second.header("retry-after").is_some(),
+        "Retry-After on the 429: {second:?}"
+    );
+    eprintln!("{name}: {pushed}, {} bytes, Envoy 200 then 429", want.len());
 }
 
 /// The service image: pulled back, a config that runs as uid 65532 and serves 8081, one layer with
