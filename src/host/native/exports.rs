@@ -23,23 +23,30 @@ thread_local! {
     static DISPATCHER: RefCell<Option<Dispatcher<Native>>> = const { RefCell::new(None) };
 }
 
-/// Runs `f` on the worker's dispatcher after the ticks that are due, then carries out the answers
-/// asked for; `default` if the dispatcher is busy (a hook Envoy ran from inside a callback).
+/// Runs `f` on the worker's dispatcher, then carries out the answers asked for; `default` if the
+/// dispatcher is busy (a hook Envoy ran from inside a callback).
 fn with<R>(default: R, f: impl FnOnce(&mut Dispatcher<Native>, &Host) -> R) -> R {
     let r = DISPATCHER.with(|cell| match cell.try_borrow_mut() {
         Ok(mut d) => {
             let d = d.get_or_insert_with(|| Dispatcher::new(Native));
-            HOST.with(|h| {
-                h.prune(d);
-                h.collect(d);
-                h.ticks(d);
-                f(d, h)
-            })
+            HOST.with(|h| f(d, h))
         }
         Err(_) => default,
     });
     HOST.with(Host::finish);
     r
+}
+
+/// As [`with`], after the worker's housekeeping: roots of destroyed configurations go, the
+/// answers the main thread handed over are read, the ticks that are due run. Done where a
+/// worker's time passes: each new request, and the timer's event.
+fn with_housekeeping<R>(default: R, f: impl FnOnce(&mut Dispatcher<Native>, &Host) -> R) -> R {
+    with(default, |d, h| {
+        h.prune(d);
+        h.collect(d);
+        h.ticks(d);
+        f(d, h)
+    })
 }
 
 fn ctx(module: FilterModule) -> u32 {
@@ -153,7 +160,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         Arc::increment_strong_count(config.cast::<ModuleConfig>());
         Arc::from_raw(config.cast::<ModuleConfig>())
     };
-    let id = with(0, |d, h| {
+    let id = with_housekeeping(0, |d, h| {
         let root = h.root(d, &config);
         h.open(d, root, filter)
     });
@@ -294,7 +301,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: FilterModule) {
     let id = ctx(module);
-    with((), |d, h| h.close(d, id));
+    if HOST.with(|h| h.is_open(id)) {
+        with((), |d, h| h.close(d, id));
+    }
 }
 
 /// `void envoy_dynamic_module_on_http_filter_http_callout_done(filter_envoy_ptr,
@@ -335,7 +344,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     if let Some(w) = HOST.with(|h| h.wake.borrow().clone()) {
         w.ran();
     }
-    with((), |_, _| ());
+    with_housekeeping((), |_, _| ());
 }
 
 /// `void envoy_dynamic_module_on_http_filter_config_scheduled(filter_config_envoy_ptr,

@@ -334,6 +334,11 @@ impl Host {
         ctx
     }
 
+    /// Whether request `ctx` is still on this worker.
+    pub fn is_open(&self, ctx: u32) -> bool {
+        self.filters.borrow().contains_key(&ctx)
+    }
+
     /// Request `ctx` waits (its callback did not let it go on).
     pub fn waits(&self, ctx: u32) {
         let envoy = match self.filters.borrow_mut().get_mut(&ctx) {
