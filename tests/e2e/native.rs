@@ -59,3 +59,51 @@ on_native! {
     limits_limit_enforced_with_headers_grpc_unary => crate::limits::limit_enforced_with_headers(Transport::GrpcUnary),
     config_unknown_field => crate::config::unknown_field(),
 }
+
+/// How the native build carries the stream of takes (`src/host/native/stream.rs`): with one
+/// worker, one HTTP/2 stream to the service, every take a message on it (the service cluster sees
+/// one request); with two, each message its own call (Envoy 1.40's map of a configuration's
+/// streams has no lock). Either way every take is answered on it: 12 requests, capacity 10, 10
+/// admitted.
+#[test]
+fn one_worker_keeps_one_stream_and_two_send_each_message_alone() {
+    native();
+    for workers in [1, 2] {
+        let cfg = crate::common::config::plugin(
+            Transport::Grpc,
+            vec![crate::common::config::rule(
+                "one-stream",
+                &["literal:k"],
+                10,
+            )],
+            serde_json::json!({}),
+        );
+        let s =
+            crate::common::Stack::start_with(&format!("native-stream-{workers}"), &cfg, |spec| {
+                spec.concurrency = workers;
+            });
+        let statuses: Vec<u16> = (0..12)
+            .map(|_| s.client.get(&s.url("/"), &[]).status)
+            .collect();
+        let admitted = statuses.iter().filter(|st| **st == 200).count();
+        assert_eq!(admitted, 10, "{workers} worker(s): {statuses:?}");
+        assert_eq!(
+            statuses.iter().filter(|st| **st == 429).count(),
+            2,
+            "{statuses:?}"
+        );
+        let calls = s.envoy.stats("cluster.tollgate.upstream_rq_total");
+        let calls = calls
+            .get("cluster.tollgate.upstream_rq_total")
+            .copied()
+            .unwrap_or(0);
+        if workers == 1 {
+            assert_eq!(calls, 1, "one stream for 12 takes");
+        } else {
+            // A call per message (a remembered denial may answer the last request here).
+            assert!(calls >= 10, "a call per message: {calls}");
+        }
+        assert_eq!(s.envoy.tg("callout_failure.timeout"), 0);
+        eprintln!("{workers} worker(s): {calls} call(s) to the service for 12 takes, statuses {statuses:?}");
+    }
+}

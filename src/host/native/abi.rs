@@ -414,17 +414,23 @@ impl Abi for Native {
         metadata: &[(&str, &str)],
     ) -> Result<u32, Status> {
         let cluster = grpc::cluster_of(service).ok_or(abi::BAD_ARGUMENT)?;
+        let path = format!("/{service_name}/{method}");
+        let metadata: Vec<(String, String)> = metadata
+            .iter()
+            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+            .collect();
         HOST.with(|h| {
+            // One worker: one stream on Envoy. Several: a message per call (`stream.rs`).
+            if let Some(config) = h.config().filter(|c| c.single_worker) {
+                return h.open_stream(config, &cluster, &path, &metadata);
+            }
             let token = h.token();
             h.streams.borrow_mut().insert(
                 token,
                 Stream {
                     cluster,
-                    path: format!("/{service_name}/{method}"),
-                    metadata: metadata
-                        .iter()
-                        .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
-                        .collect(),
+                    path,
+                    metadata,
                 },
             );
             Ok(token)
@@ -442,6 +448,9 @@ impl Abi for Native {
 
     fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status> {
         HOST.with(|h| {
+            if h.is_real(token) {
+                return h.send_on(token, message);
+            }
             let (cluster, path, metadata) = {
                 let streams = h.streams.borrow();
                 let s = streams.get(&token).ok_or(abi::NOT_FOUND)?;
@@ -461,7 +470,7 @@ impl Abi for Native {
 
     fn grpc_cancel(&self, token: u32) -> Result<(), Status> {
         HOST.with(|h| {
-            if h.streams.borrow_mut().remove(&token).is_some() {
+            if h.streams.borrow_mut().remove(&token).is_some() || h.reset_stream(token) {
                 return Ok(());
             }
             if h.cancel(token) {

@@ -8,6 +8,7 @@
 
 use super::calls;
 use super::ffi::*;
+use super::grpc;
 use super::worker::{self, Done, Host, ModuleConfig, Native, HOST};
 use crate::core::config::Config;
 use crate::host::abi::{Abi, Level, MetricKind};
@@ -384,6 +385,103 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_callout
         }
     };
     calls::main_done(envoy, callout_id, done);
+}
+
+/// The gRPC status and message in a stream's headers or trailers, if they carry one.
+fn said(headers: &[EnvoyHeader]) -> Option<(u32, Option<String>)> {
+    let pairs: Vec<(&[u8], &[u8])> = headers
+        .iter()
+        // SAFETY: Envoy's headers, valid for the hook.
+        .map(|h| unsafe { h.pair() })
+        .collect();
+    let code = pairs
+        .iter()
+        .find(|(k, _)| *k == b"grpc-status")
+        .map(|_| grpc::status_of(pairs.iter().copied()))?;
+    let message = pairs
+        .iter()
+        .find(|(k, _)| *k == b"grpc-message")
+        .map(|(_, v)| String::from_utf8_lossy(v).into_owned());
+    code.map(|c| (c, message))
+}
+
+/// `void envoy_dynamic_module_on_http_filter_config_http_stream_headers(filter_config_envoy_ptr,
+/// filter_config_ptr, uint64_t stream_id, envoy_dynamic_module_type_envoy_http_header* headers,
+/// size_t headers_size, bool end_stream)`: on the worker that opened the stream (`stream.rs`).
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_headers(
+    envoy: ConfigEnvoy,
+    _config: ConfigModule,
+    stream_id: u64,
+    headers: *mut EnvoyHeader,
+    headers_size: usize,
+    _end_stream: bool,
+) {
+    // SAFETY: Envoy's array of that many headers, valid for the call.
+    let status = said(unsafe { worker::slice(headers, headers_size) });
+    HOST.with(|h| h.stream_status(envoy, stream_id, status));
+}
+
+/// `void envoy_dynamic_module_on_http_filter_config_http_stream_data(filter_config_envoy_ptr,
+/// filter_config_ptr, uint64_t stream_id, const envoy_dynamic_module_type_envoy_buffer* data,
+/// size_t data_count, bool end_stream)`.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_data(
+    envoy: ConfigEnvoy,
+    _config: ConfigModule,
+    stream_id: u64,
+    data: *const EnvoyBuffer,
+    data_count: usize,
+    _end_stream: bool,
+) {
+    // SAFETY: Envoy's array of that many buffers, valid for the call.
+    let chunks = unsafe { worker::slice(data, data_count) };
+    with((), |d, h| {
+        for c in chunks {
+            // SAFETY: Envoy's buffer, valid for the call.
+            h.stream_data(d, envoy, stream_id, unsafe { c.bytes() });
+        }
+    });
+}
+
+/// `void envoy_dynamic_module_on_http_filter_config_http_stream_trailers(filter_config_envoy_ptr,
+/// filter_config_ptr, uint64_t stream_id, envoy_dynamic_module_type_envoy_http_header* trailers,
+/// size_t trailers_size)`.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_trailers(
+    envoy: ConfigEnvoy,
+    _config: ConfigModule,
+    stream_id: u64,
+    trailers: *mut EnvoyHeader,
+    trailers_size: usize,
+) {
+    // SAFETY: Envoy's array of that many trailers, valid for the call.
+    let status = said(unsafe { worker::slice(trailers, trailers_size) });
+    HOST.with(|h| h.stream_status(envoy, stream_id, status));
+}
+
+/// `void envoy_dynamic_module_on_http_filter_config_http_stream_complete(filter_config_envoy_ptr,
+/// filter_config_ptr, uint64_t stream_id)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_complete(
+    envoy: ConfigEnvoy,
+    _config: ConfigModule,
+    stream_id: u64,
+) {
+    with((), |d, h| h.stream_end(d, envoy, stream_id, false));
+}
+
+/// `void envoy_dynamic_module_on_http_filter_config_http_stream_reset(filter_config_envoy_ptr,
+/// filter_config_ptr, uint64_t stream_id, envoy_dynamic_module_type_http_stream_reset_reason
+/// reason)`.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_config_http_stream_reset(
+    envoy: ConfigEnvoy,
+    _config: ConfigModule,
+    stream_id: u64,
+    _reason: i32,
+) {
+    with((), |d, h| h.stream_end(d, envoy, stream_id, true));
 }
 
 // The request's own streams (never opened) and the downstream's watermarks: nothing to do.

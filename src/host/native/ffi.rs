@@ -411,4 +411,45 @@ extern "C" {
         key: ModuleBuffer,
         result: *mut f64,
     ) -> bool;
+
+    /// `uint32_t envoy_dynamic_module_callback_get_concurrency(void)`: the number of worker
+    /// threads; on the main thread only.
+    pub fn envoy_dynamic_module_callback_get_concurrency() -> u32;
+
+    /// `envoy_dynamic_module_type_http_callout_init_result
+    /// envoy_dynamic_module_callback_http_filter_config_start_http_stream(filter_config_envoy_ptr,
+    /// uint64_t* stream_id_out, envoy_dynamic_module_type_module_buffer cluster_name,
+    /// envoy_dynamic_module_type_module_http_header* headers, size_t headers_size,
+    /// envoy_dynamic_module_type_module_buffer body, bool end_stream, uint64_t
+    /// timeout_milliseconds)`: a stream the configuration owns, on the calling thread's async
+    /// client; its events come to the `on_http_filter_config_http_stream_*` hooks on that thread.
+    /// Needs `:method`, `:path` and `host`; a timeout of 0 is none. Envoy 1.40 keeps these in a map
+    /// without a lock: made only when one worker runs (`stream.rs`).
+    pub fn envoy_dynamic_module_callback_http_filter_config_start_http_stream(
+        config: ConfigEnvoy,
+        stream_id_out: *mut u64,
+        cluster: ModuleBuffer,
+        headers: *mut ModuleHeader,
+        headers_size: usize,
+        body: ModuleBuffer,
+        end_stream: bool,
+        timeout_ms: u64,
+    ) -> i32;
+
+    /// `bool envoy_dynamic_module_callback_http_filter_config_stream_send_data(
+    /// filter_config_envoy_ptr, uint64_t stream_id, envoy_dynamic_module_type_module_buffer data,
+    /// bool end_stream)`: false when the stream is gone.
+    pub fn envoy_dynamic_module_callback_http_filter_config_stream_send_data(
+        config: ConfigEnvoy,
+        stream_id: u64,
+        data: ModuleBuffer,
+        end_stream: bool,
+    ) -> bool;
+
+    /// `void envoy_dynamic_module_callback_http_filter_config_reset_http_stream(
+    /// filter_config_envoy_ptr, uint64_t stream_id)`: ends in the reset hook.
+    pub fn envoy_dynamic_module_callback_http_filter_config_reset_http_stream(
+        config: ConfigEnvoy,
+        stream_id: u64,
+    );
 }

@@ -15,8 +15,10 @@
 //!   word when the request ends first, and the adapter sends them again on another request that
 //!   waits for them, or ends them itself.
 //! - **gRPC** (`grpc.rs`): framing and status over those callouts (the ABI has no gRPC client).
-//!   The stream transport keeps its messages, ids and deadlines: each message goes out as its
-//!   own call on the stream's method and its answer comes back to the stream.
+//!   The stream transport keeps its messages, ids and deadlines: with one worker, on one HTTP/2
+//!   stream per worker as the wasm build (`stream.rs`); with several, each message as its own call
+//!   on the stream's method, its answer back to the stream (Envoy 1.40's streams of a
+//!   configuration share a map without a lock).
 //! - **Shared data** (`shared.rs`): one map in the process's memory, with proxy-wasm's versions.
 //! - **The timer** (`timer.rs`): the ABI has no timer for an HTTP filter; a thread of the module
 //!   posts a worker's tick through a waiting request's scheduler when it is due, and every
@@ -41,6 +43,8 @@ mod exports;
 mod ffi;
 pub(crate) mod grpc;
 pub(crate) mod shared;
+#[cfg(feature = "dynamic-module")]
+mod stream;
 #[cfg(feature = "dynamic-module")]
 mod timer;
 #[cfg(feature = "dynamic-module")]

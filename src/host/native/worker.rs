@@ -6,6 +6,7 @@ pub use super::abi::Native;
 pub use super::calls::Done;
 use super::calls::{Owned, Reply, Stream};
 use super::ffi::{self, FilterEnvoy, ModuleBuffer, ModuleHeader};
+use super::stream::Real;
 use super::timer::{now_ms, Wake};
 use crate::core::base::ledger::{IdHasher, IdMap};
 use crate::host::abi::MetricKind;
@@ -32,6 +33,8 @@ pub struct ModuleConfig {
     pub(super) names: HashMap<String, u32>,
     /// Cleared when Envoy destroys the configuration: its metrics are not touched after.
     pub(super) alive: AtomicBool,
+    /// Envoy runs one worker: the stream of takes is one stream on it (`stream.rs`).
+    pub(super) single_worker: bool,
     /// Its scheduler (`0`: none), whose events run on the main thread: it wakes the main thread
     /// for the callouts no request carries (`calls.rs`). Deleted under the lock.
     scheduler: Mutex<usize>,
@@ -52,6 +55,8 @@ impl ModuleConfig {
             metrics: Vec::new(),
             names: HashMap::new(),
             alive: AtomicBool::new(true),
+            // SAFETY: a plain call, on the main thread (configurations are made there).
+            single_worker: unsafe { ffi::envoy_dynamic_module_callback_get_concurrency() } == 1,
             scheduler: Mutex::new(0),
         }
     }
@@ -193,6 +198,8 @@ pub struct Host {
     /// Every callout in flight, by token.
     pub(super) by_token: RefCell<IdMap<Owned>>,
     pub(super) streams: RefCell<IdMap<Stream>>,
+    /// Streams open on Envoy, when one worker runs (`stream.rs`).
+    pub(super) real: RefCell<IdMap<Real>>,
     pub(super) reply: RefCell<Reply>,
     pub(super) answers: RefCell<VecDeque<(u32, Answer)>>,
     draining: Cell<bool>,
@@ -214,6 +221,7 @@ impl Host {
             by_callout: RefCell::new(HashMap::default()),
             by_token: RefCell::new(IdMap::default()),
             streams: RefCell::new(IdMap::default()),
+            real: RefCell::new(IdMap::default()),
             reply: RefCell::new(Reply::default()),
             answers: RefCell::new(VecDeque::new()),
             draining: Cell::new(false),
