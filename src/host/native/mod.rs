@@ -31,7 +31,8 @@
 //!   under the names the wasm build uses; the filter's `metrics_namespace` is `wasmcustom`.
 //!
 //! `ffi.rs` holds the bindings; `exports.rs` the hooks Envoy calls; `worker.rs` a worker's
-//! contexts; `abi.rs` the dispatcher's host calls over them.
+//! contexts; `abi.rs` the dispatcher's host calls over them; `calls.rs` its callouts and
+//! `stream.rs` its one stream.
 
 #[cfg(feature = "dynamic-module")]
 mod abi;
