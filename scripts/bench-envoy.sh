@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Envoy with Tollgate, side by side in one run on 127.0.0.1 (BENCHMARKS.md, "Envoy with Tollgate").
 #
-# Each variant is a fresh Envoy (--concurrency 2) whose edge listener routes to the same trivial upstream
+# Each variant is a fresh Envoy (--concurrency 2, or ENVOY_CONCURRENCY) whose edge listener routes to the same trivial upstream
 # (a second Envoy, --concurrency 1, direct_response). Load: wrk -t1 -c16 -d${DURATION}s after a 1 s warm-up.
 #   none      no rate limit filter
 #   http      Tollgate, JSON over HTTP/2 to tollgate-server, Redis Lua bucket, one callout per request
@@ -56,6 +56,9 @@ CONNECTIONS=${CONNECTIONS:-16}
 VARIANTS_GIVEN=${VARIANTS+yes}
 VARIANTS=${VARIANTS:-none local-rl http http-allow http-batch grpc grpc-batch grpc-unary grpc-unary-batch native-rls fallback empty nomatch lease lease-adaptive bare-none bare-empty bare-nomatch native-grpc-batch native-nomatch native-lease-adaptive native-bare-nomatch}
 ROUNDS=${ROUNDS:-3}
+# Workers of each Envoy under test (2: one per core of the machine; the production layout gives the
+# proxy side one core, where ENVOY_CONCURRENCY=1 is what a deployment sized to it would run).
+ENVOY_CONCURRENCY=${ENVOY_CONCURRENCY:-2}
 LAYOUT=${LAYOUT:-shared}
 OUT=${OUT:-$ROOT/bench-out/envoy}
 WASM=$(readlink -f "$WASM")
@@ -205,7 +208,7 @@ start_envoy() {
   local variant=$1 port admin code
   port=$(free_port); admin=$(free_port)
   envoy_yaml "$variant" "$port" "$admin" >"$OUT/envoy-$variant.yaml"
-  "$ENVOY" -c "$OUT/envoy-$variant.yaml" --disable-hot-restart --concurrency 2 --log-level warn \
+  "$ENVOY" -c "$OUT/envoy-$variant.yaml" --disable-hot-restart --concurrency "$ENVOY_CONCURRENCY" --log-level warn \
     >"$OUT/envoy-$variant.log" 2>&1 &
   EPID[$variant]=$!; EPORT[$variant]=$port; EADMIN[$variant]=$admin; PIDS+=($!)
   pin "$PROXY_CPUS" "${EPID[$variant]}"
@@ -299,7 +302,7 @@ fi
 size=$(stat -c %s "$WASM")
 {
   echo "load average before the run: $LOAD0; after: $(cut -d' ' -f1-3 /proc/loadavg)"
-  echo "wrk -t1 -c$CONNECTIONS -d${DURATION}s, Envoy --concurrency 2, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), median of $ROUNDS round(s)"
+  echo "wrk -t1 -c$CONNECTIONS -d${DURATION}s, Envoy --concurrency $ENVOY_CONCURRENCY, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ), median of $ROUNDS round(s)"
   case $LAYOUT in
     shared) echo "layout: shared (every process on every core)" ;;
     production) echo "layout: production (Redis and the service on CPU $TIER_CPUS; wrk, the Envoys and the upstream on CPU $PROXY_CPUS)" ;;
