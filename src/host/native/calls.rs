@@ -367,10 +367,11 @@ impl Host {
 
     /// The main thread's callouts that ended, handed to this worker.
     pub fn collect(&self, d: &mut Dispatcher<Native>) {
-        let Some(wake) = self.wake.borrow().clone() else {
-            return;
+        let landed = match self.wake.borrow().as_ref() {
+            Some(wake) => wake.landed(),
+            None => return,
         };
-        for l in wake.landed() {
+        for l in landed {
             self.ended(d, l.token, l.result, l.headers, l.body);
         }
     }

@@ -30,7 +30,11 @@ fn with<R>(default: R, f: impl FnOnce(&mut Dispatcher<Native>, &Host) -> R) -> R
     let r = DISPATCHER.with(|cell| match cell.try_borrow_mut() {
         Ok(mut d) => {
             let d = d.get_or_insert_with(|| Dispatcher::new(Native));
-            HOST.with(|h| f(d, h))
+            // What the main thread's callouts answered is read at the first callback after.
+            HOST.with(|h| {
+                h.collect(d);
+                f(d, h)
+            })
         }
         Err(_) => default,
     });
@@ -38,13 +42,12 @@ fn with<R>(default: R, f: impl FnOnce(&mut Dispatcher<Native>, &Host) -> R) -> R
     r
 }
 
-/// As [`with`], after the worker's housekeeping: roots of destroyed configurations go, the
-/// answers the main thread handed over are read, the ticks that are due run. Done where a
+/// As [`with`], after the worker's housekeeping: roots of destroyed configurations go, the ticks
+/// that are due run. Done where a
 /// worker's time passes: each new request, and the timer's event.
 fn with_housekeeping<R>(default: R, f: impl FnOnce(&mut Dispatcher<Native>, &Host) -> R) -> R {
     with(default, |d, h| {
         h.prune(d);
-        h.collect(d);
         h.ticks(d);
         f(d, h)
     })

@@ -8,7 +8,7 @@
 
 use super::calls::Landed;
 use super::ffi;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Once, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -42,6 +42,8 @@ pub struct Wake {
     slot: Mutex<Slot>,
     /// Callouts the main thread made for this worker that ended (`calls.rs`).
     inbox: Mutex<Vec<Landed>>,
+    /// Something waits in `inbox` (looked at in every callback, the lock only taken then).
+    landed: AtomicBool,
 }
 
 struct Timer {
@@ -125,11 +127,15 @@ impl Wake {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push(landed);
+        self.landed.store(true, Ordering::Release);
         self.publish(now_ms());
     }
 
     /// What the main thread handed over since the last look (on the worker).
     pub fn landed(&self) -> Vec<Landed> {
+        if !self.landed.swap(false, Ordering::Acquire) {
+            return Vec::new();
+        }
         std::mem::take(&mut *self.inbox.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
