@@ -398,6 +398,38 @@ fn untar(dir: &TempDir, blob: &[u8], label: &str) -> (Vec<String>, PathBuf) {
     (names, out)
 }
 
+/// The filter `c` names (or `adjust` puts in its place) limits in real Envoy: capacity 1, the
+/// service unreachable, so the fallback bucket answers 200, then 429 with `Retry-After`.
+fn one_allowed_one_limited(
+    c: &Components,
+    dir: &TempDir,
+    name: &str,
+    adjust: impl FnOnce(&mut EnvoySpec),
+) {
+    let config = Plugin::defaults()
+        .service("timeout_ms", 200)
+        .rule(rule("image-check", &["literal:all"], 1))
+        .failure_mode("fallback")
+        .fallback(1, 100);
+    let mut spec = EnvoySpec::new(Some(config.json()), closed_port(), closed_port());
+    spec.answer_directly("direct\n");
+    spec.concurrency = 1;
+    adjust(&mut spec);
+    let envoy = Envoy::start(c, dir, &spec);
+    let client = Client::new();
+    let first = client.get(&envoy.url("/"), &[]);
+    let second = client.get(&envoy.url("/"), &[]);
+    assert_eq!(
+        (first.status, second.status),
+        (200, 429),
+        "{name}: one allowed, one limited: {first:?} {second:?}"
+    );
+    assert!(
+        second.header("retry-after").is_some(),
+        "{name}: Retry-After on the 429: {second:?}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tests
 
@@ -511,27 +543,7 @@ fn filter_images_pull_like_istio_and_limit_in_envoy() {
             wasm: pulled,
             ..c.clone()
         };
-        let config = Plugin::defaults()
-            .service("timeout_ms", 200)
-            .rule(rule("image-check", &["literal:all"], 1))
-            .failure_mode("fallback")
-            .fallback(1, 100);
-        let mut spec = EnvoySpec::new(Some(config.json()), closed_port(), closed_port());
-        spec.answer_directly("direct\n");
-        spec.concurrency = 1;
-        let envoy = Envoy::start(&envoy_c, &dir, &spec);
-        let client = Client::new();
-        let first = client.get(&envoy.url("/"), &[]);
-        let second = client.get(&envoy.url("/"), &[]);
-        assert_eq!(
-            (first.status, second.status),
-            (200, 429),
-            "{name}: one allowed, one limited: {first:?} {second:?}"
-        );
-        assert!(
-            second.header("retry-after").is_some(),
-            "Retry-After on the 429: {second:?}"
-        );
+        one_allowed_one_limited(&envoy_c, &dir, name, |_| {});
         eprintln!(
             "{name}: {pushed} pulled as {found:?}, {} bytes, Envoy 200 then 429",
             module.len()
@@ -597,28 +609,7 @@ fn native_image_carries_the_library_that_limits_in_envoy() {
     );
 
     // The library as pulled, in real Envoy, in the wasm module's place.
-    let config = Plugin::defaults()
-        .service("timeout_ms", 200)
-        .rule(rule("image-check", &["literal:all"], 1))
-        .failure_mode("fallback")
-        .fallback(1, 100);
-    let mut spec = EnvoySpec::new(Some(config.json()), closed_port(), closed_port());
-    spec.native = Some(library);
-    spec.answer_directly("direct\n");
-    spec.concurrency = 1;
-    let envoy = Envoy::start(&c, &dir, &spec);
-    let client = Client::new();
-    let first = client.get(&envoy.url("/"), &[]);
-    let second = client.get(&envoy.url("/"), &[]);
-    assert_eq!(
-        (first.status, second.status),
-        (200, 429),
-        "one allowed, one limited: {first:?} {second:?}"
-    );
-    assert!(
-        second.header("retry-after").is_some(),
-        "Retry-After on the 429: {second:?}"
-    );
+    one_allowed_one_limited(&c, &dir, name, |spec| spec.native = Some(library));
     eprintln!("{name}: {pushed}, {} bytes, Envoy 200 then 429", want.len());
 }
 

@@ -60,6 +60,18 @@ impl Level {
         }
     }
 
+    /// The level of a `log` record (for the loggers of the wasm and the native build).
+    #[cfg(any(target_family = "wasm", feature = "dynamic-module"))]
+    pub fn of_record(level: log::Level) -> Level {
+        match level {
+            log::Level::Error => Level::Error,
+            log::Level::Warn => Level::Warn,
+            log::Level::Info => Level::Info,
+            log::Level::Debug => Level::Debug,
+            log::Level::Trace => Level::Trace,
+        }
+    }
+
     /// The `log` crate's filter that lets exactly this level and above through.
     pub fn filter(self) -> log::LevelFilter {
         match self {

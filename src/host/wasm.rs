@@ -451,13 +451,7 @@ impl log::Log for Logger {
     }
 
     fn log(&self, record: &log::Record) {
-        let level = match record.level() {
-            log::Level::Error => Level::Error,
-            log::Level::Warn => Level::Warn,
-            log::Level::Info => Level::Info,
-            log::Level::Debug => Level::Debug,
-            log::Level::Trace => Level::Trace,
-        };
+        let level = Level::of_record(record.level());
         log_to_host(level, &record.args().to_string());
     }
 

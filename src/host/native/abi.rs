@@ -390,10 +390,7 @@ impl Abi for Native {
     ) -> Result<u32, Status> {
         let cluster = grpc::cluster_of(service).ok_or(abi::BAD_ARGUMENT)?;
         let path = format!("/{service_name}/{method}");
-        let metadata: Vec<(String, String)> = metadata
-            .iter()
-            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
-            .collect();
+        let metadata = calls::owned_pairs(metadata);
         let headers = calls::grpc_headers(&path, &cluster, &metadata);
         HOST.with(|h| {
             h.call(
@@ -415,10 +412,7 @@ impl Abi for Native {
     ) -> Result<u32, Status> {
         let cluster = grpc::cluster_of(service).ok_or(abi::BAD_ARGUMENT)?;
         let path = format!("/{service_name}/{method}");
-        let metadata: Vec<(String, String)> = metadata
-            .iter()
-            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
-            .collect();
+        let metadata = calls::owned_pairs(metadata);
         HOST.with(|h| {
             // One worker: one stream on Envoy. Several: a message per call (`stream.rs`).
             if let Some(config) = h.config().filter(|c| c.single_worker) {

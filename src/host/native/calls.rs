@@ -160,6 +160,24 @@ pub(super) fn pairs(headers: &[(Vec<u8>, Vec<u8>)]) -> impl Iterator<Item = (&[u
     headers.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))
 }
 
+/// Headers as the ABI takes them: pointers into `headers`, which must outlive the call.
+pub(super) fn module_headers<K: AsRef<[u8]>, V: AsRef<[u8]>>(
+    headers: &[(K, V)],
+) -> Vec<ModuleHeader> {
+    headers
+        .iter()
+        .map(|(k, v)| ModuleHeader::of(k.as_ref(), v.as_ref()))
+        .collect()
+}
+
+/// Metadata as owned pairs.
+pub(super) fn owned_pairs(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
+        .collect()
+}
+
 /// The gRPC request headers of a call on `path`.
 pub(super) fn grpc_headers<'a>(
     path: &'a str,
@@ -215,10 +233,7 @@ impl Host {
     ) -> Result<u32, Status> {
         let (members, message) = std::mem::take(&mut *self.hint.borrow_mut());
         let config = self.config().ok_or(INTERNAL_FAILURE)?;
-        let mut headers: Vec<(String, String)> = headers
-            .iter()
-            .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
-            .collect();
+        let mut headers = owned_pairs(headers);
         if !headers
             .iter()
             .any(|(k, _)| k == ":authority" || k == "host")
@@ -251,11 +266,7 @@ impl Host {
         let r = &owned.request;
         owned.carrier = match member {
             Some((ctx, envoy)) => {
-                let mut hs: Vec<ModuleHeader> = r
-                    .headers
-                    .iter()
-                    .map(|(k, v)| ModuleHeader::of(k.as_bytes(), v.as_bytes()))
-                    .collect();
+                let mut hs = module_headers(&r.headers);
                 let mut id = 0u64;
                 // SAFETY: a live request's pointer on its worker; every buffer outlives the call.
                 let init = unsafe {
@@ -489,11 +500,7 @@ pub fn send_queued() {
         let Some(envoy) = r.config.envoy_alive() else {
             continue;
         };
-        let mut hs: Vec<ModuleHeader> = r
-            .headers
-            .iter()
-            .map(|(k, v)| ModuleHeader::of(k.as_bytes(), v.as_bytes()))
-            .collect();
+        let mut hs = module_headers(&r.headers);
         let mut id = 0u64;
         // SAFETY: a live configuration's object, on the main thread (the only one that makes
         // its callouts); every buffer outlives the call.

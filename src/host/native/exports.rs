@@ -66,13 +66,7 @@ impl log::Log for Logger {
     }
 
     fn log(&self, record: &log::Record) {
-        let level = match record.level() {
-            log::Level::Error => Level::Error,
-            log::Level::Warn => Level::Warn,
-            log::Level::Info => Level::Info,
-            log::Level::Debug => Level::Debug,
-            log::Level::Trace => Level::Trace,
-        };
+        let level = Level::of_record(record.level());
         let message = format!("tollgate: {}", record.args());
         // SAFETY: a plain call with a buffer that outlives it.
         unsafe {

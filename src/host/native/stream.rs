@@ -37,10 +37,7 @@ impl Host {
     ) -> Result<u32, Status> {
         let envoy = config.envoy_alive().ok_or(abi::NOT_FOUND)?;
         let headers = super::calls::grpc_headers(path, cluster, metadata);
-        let mut hs: Vec<ModuleHeader> = headers
-            .iter()
-            .map(|(k, v)| ModuleHeader::of(k.as_bytes(), v.as_bytes()))
-            .collect();
+        let mut hs = super::calls::module_headers(&headers);
         hs.push(ModuleHeader::of(b"host", cluster.as_bytes()));
         let mut id = 0u64;
         // SAFETY: a live configuration's object, on the one worker (the only thread that touches

@@ -5,7 +5,7 @@
 pub use super::abi::Native;
 pub use super::calls::Done;
 use super::calls::{Owned, Reply, Stream};
-use super::ffi::{self, FilterEnvoy, ModuleBuffer, ModuleHeader};
+use super::ffi::{self, FilterEnvoy, ModuleBuffer};
 use super::stream::Real;
 use super::timer::{now_ms, Wake};
 use crate::core::base::ledger::{IdHasher, IdMap};
@@ -438,10 +438,7 @@ impl Host {
                     headers,
                     body,
                 } => {
-                    let mut hs: Vec<ModuleHeader> = headers
-                        .iter()
-                        .map(|(k, v)| ModuleHeader::of(k.as_bytes(), v.as_bytes()))
-                        .collect();
+                    let mut hs = super::calls::module_headers(&headers);
                     // SAFETY: a live request's pointer; the headers and body outlive the call.
                     unsafe {
                         ffi::envoy_dynamic_module_callback_http_send_response(
