@@ -94,6 +94,17 @@ impl Upstream {
         self.state.max_in_flight.load(Ordering::SeqCst)
     }
 
+    /// Requests that came through the Envoy listening on `port` (their `host` header is the one the
+    /// client gave it, `127.0.0.1:<port>`): a port this upstream was given after another test's
+    /// upstream let it go may still receive that test's requests.
+    pub fn requests_through(&self, port: u16) -> usize {
+        let host = format!("host: 127.0.0.1:{port}\r\n");
+        self.heads()
+            .iter()
+            .filter(|h| h.to_ascii_lowercase().contains(&host))
+            .count()
+    }
+
     /// The request heads received so far (request line and headers).
     pub fn heads(&self) -> Vec<String> {
         self.state

@@ -646,7 +646,7 @@ fn what_never_passes_has_no_retry_after() {
     let r = client.get(&envoy.url("/x"), &[("x-bucket", "three"), ("x-cost", "1")]);
     assert_eq!(r.status, 429);
     assert_eq!(r.header("retry-after"), Some("20"), "{r:?}");
-    assert_eq!(upstream.requests(), 1);
+    assert_eq!(upstream.requests_through(envoy.port), 1);
 }
 
 /// Envoy Gateway's and Envoy AI Gateway's response-cost pattern, through the native filter: a
