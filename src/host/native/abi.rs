@@ -3,10 +3,10 @@
 //! data in process memory, metrics by the ids their configuration was given, answers carried out
 //! when the callback returns.
 
-use super::calls::{self, Kind, Stream, MESSAGE_TIMEOUT_MS};
 use super::ffi::{self, EnvoyBuffer, EnvoyHeader, FilterEnvoy, ModuleBuffer};
 use super::grpc;
 use super::shared::Store;
+use super::state::{self, Kind, Native, Stream, MESSAGE_TIMEOUT_MS};
 use super::timer::now_ms;
 use super::worker::{Answer, DEFINING, HOST};
 use crate::core::base::store::SetError;
@@ -71,9 +71,6 @@ fn range(bytes: &[u8], start: usize, size: usize) -> Vec<u8> {
         .map(<[u8]>::to_vec)
         .unwrap_or_default()
 }
-
-/// The dispatcher's host calls over Envoy's dynamic module callbacks, on this worker's state.
-pub struct Native;
 
 impl Abi for Native {
     fn log_level(&self) -> Option<Level> {
@@ -390,8 +387,8 @@ impl Abi for Native {
     ) -> Result<u32, Status> {
         let cluster = grpc::cluster_of(service).ok_or(abi::BAD_ARGUMENT)?;
         let path = format!("/{service_name}/{method}");
-        let metadata = calls::owned_pairs(metadata);
-        let headers = calls::grpc_headers(&path, &cluster, &metadata);
+        let metadata = state::owned_pairs(metadata);
+        let headers = state::grpc_headers(&path, &cluster, &metadata);
         HOST.with(|h| {
             h.call(
                 &cluster,
@@ -412,7 +409,7 @@ impl Abi for Native {
     ) -> Result<u32, Status> {
         let cluster = grpc::cluster_of(service).ok_or(abi::BAD_ARGUMENT)?;
         let path = format!("/{service_name}/{method}");
-        let metadata = calls::owned_pairs(metadata);
+        let metadata = state::owned_pairs(metadata);
         HOST.with(|h| {
             // One worker: one stream on Envoy. Several: a message per call (`stream.rs`).
             if let Some(config) = h.config().filter(|c| c.single_worker) {
@@ -450,7 +447,7 @@ impl Abi for Native {
                 let s = streams.get(&token).ok_or(abi::NOT_FOUND)?;
                 (s.cluster.clone(), s.path.clone(), s.metadata.clone())
             };
-            let headers = calls::grpc_headers(&path, &cluster, &metadata);
+            let headers = state::grpc_headers(&path, &cluster, &metadata);
             h.call(
                 &cluster,
                 &headers,

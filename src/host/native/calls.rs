@@ -17,10 +17,13 @@
 //! healthy upstream`: it never reached the service) goes again, twice at most, as a stream that
 //! lost its connection would be opened again.
 
-use super::ffi::{self, EnvoyBuffer, EnvoyHeader, FilterEnvoy, ModuleBuffer, ModuleHeader};
+use super::ffi::{self, EnvoyBuffer, EnvoyHeader, FilterEnvoy, ModuleBuffer};
 use super::grpc::{self, status};
+use super::state::{
+    module_headers, owned_pairs, Carrier, Done, Kind, Landed, Native, Owned, Request,
+};
 use super::timer::Wake;
-use super::worker::{carry_key, Host, Live, ModuleConfig, Native};
+use super::worker::{carry_key, Host, Live};
 use crate::core::base::ledger::{CalloutId, IdMap};
 use crate::host::abi::{self, Status};
 use crate::host::dispatch::Dispatcher;
@@ -28,87 +31,11 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// A stream message's call: long enough never to end before the core's own deadline for it.
-pub(super) const MESSAGE_TIMEOUT_MS: u64 = 60_000;
-
 /// `WasmResult::InternalFailure`, for a callout Envoy would not start.
 const INTERNAL_FAILURE: Status = 10;
 
 /// How many times a call Envoy could not connect goes again.
 const CONNECT_RETRIES: u8 = 2;
-
-/// What a callout's answer is for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kind {
-    Http,
-    Unary,
-    /// A message of the stream with this token.
-    Message(u32),
-}
-
-/// Who carries a callout now.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Carrier {
-    /// Request `ctx`'s filter, under Envoy's id `id` there.
-    Request { ctx: u32, id: u64 },
-    /// The main thread.
-    Main,
-}
-
-/// A callout in flight.
-pub(super) struct Owned {
-    carrier: Carrier,
-    kind: Kind,
-    /// The requests waiting for its answer (none: a callout no request waits for).
-    members: Vec<u32>,
-    /// A stream message's id.
-    message: Option<u64>,
-    /// What it sends (again, if it must).
-    request: Arc<Request>,
-    /// Times it went again for want of a connection.
-    retries: u8,
-}
-
-/// A callout as sent.
-pub(super) struct Request {
-    config: Arc<ModuleConfig>,
-    cluster: String,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-    timeout_ms: u64,
-}
-
-/// A stream: where its messages go.
-pub(super) struct Stream {
-    pub(super) cluster: String,
-    pub(super) path: String,
-    pub(super) metadata: Vec<(String, String)>,
-}
-
-/// A callout's answer, while the dispatcher reads it.
-#[derive(Default)]
-pub(super) struct Reply {
-    pub(super) headers: Vec<(Vec<u8>, Vec<u8>)>,
-    pub(super) body: Vec<u8>,
-    pub(super) message: Vec<u8>,
-    pub(super) grpc_message: Option<String>,
-}
-
-/// A callout's end as Envoy reports it: its result (`envoy_dynamic_module_type_http_callout_result`)
-/// and the response's headers and body, Envoy's, valid for the hook that reports it.
-pub struct Done<'a> {
-    pub result: i32,
-    pub headers: &'a [EnvoyHeader],
-    pub chunks: &'a [EnvoyBuffer],
-}
-
-/// A main-thread callout's end, copied for its worker.
-pub struct Landed {
-    token: u32,
-    result: i32,
-    headers: Vec<(Vec<u8>, Vec<u8>)>,
-    body: Vec<u8>,
-}
 
 /// A callout a worker hands the main thread.
 struct Outgoing {
@@ -158,41 +85,6 @@ fn failure_status(result: i32) -> u32 {
 
 pub(super) fn pairs(headers: &[(Vec<u8>, Vec<u8>)]) -> impl Iterator<Item = (&[u8], &[u8])> {
     headers.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))
-}
-
-/// Headers as the ABI takes them: pointers into `headers`, which must outlive the call.
-pub(super) fn module_headers<K: AsRef<[u8]>, V: AsRef<[u8]>>(
-    headers: &[(K, V)],
-) -> Vec<ModuleHeader> {
-    headers
-        .iter()
-        .map(|(k, v)| ModuleHeader::of(k.as_ref(), v.as_ref()))
-        .collect()
-}
-
-/// Metadata as owned pairs.
-pub(super) fn owned_pairs(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-    pairs
-        .iter()
-        .map(|(k, v)| ((*k).to_string(), (*v).to_string()))
-        .collect()
-}
-
-/// The gRPC request headers of a call on `path`.
-pub(super) fn grpc_headers<'a>(
-    path: &'a str,
-    cluster: &'a str,
-    metadata: &'a [(String, String)],
-) -> Vec<(&'a str, &'a str)> {
-    let mut headers = vec![
-        (":method", "POST"),
-        (":path", path),
-        (":authority", cluster),
-        ("content-type", "application/grpc"),
-        ("te", "trailers"),
-    ];
-    headers.extend(metadata.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-    headers
 }
 
 /// The first of `members` that still waits on this worker (or is the one being served, whose

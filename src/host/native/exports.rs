@@ -7,9 +7,11 @@
 #![allow(clippy::missing_safety_doc)]
 
 use super::calls;
+use super::config::ModuleConfig;
 use super::ffi::*;
 use super::grpc;
-use super::worker::{self, Done, Host, ModuleConfig, Native, HOST};
+use super::state::{Done, Native};
+use super::worker::{self, Host, HOST};
 use crate::core::config::Config;
 use crate::host::abi::{Abi, Level, MetricKind};
 use crate::host::dispatch::{Dispatcher, CONTINUE, PAUSE};

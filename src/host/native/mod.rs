@@ -32,18 +32,23 @@
 //!
 //! `ffi.rs` holds the bindings; `exports.rs` the hooks Envoy calls; `worker.rs` a worker's
 //! contexts; `abi.rs` the dispatcher's host calls over them; `calls.rs` its callouts and
-//! `stream.rs` its one stream.
+//! `stream.rs` its one stream; below them, `config.rs` a configuration as Envoy made it and
+//! `state.rs` the data they share.
 
 #[cfg(feature = "dynamic-module")]
 mod abi;
 #[cfg(feature = "dynamic-module")]
 mod calls;
 #[cfg(feature = "dynamic-module")]
+mod config;
+#[cfg(feature = "dynamic-module")]
 mod exports;
 #[cfg(feature = "dynamic-module")]
 mod ffi;
 pub(crate) mod grpc;
 pub(crate) mod shared;
+#[cfg(feature = "dynamic-module")]
+mod state;
 #[cfg(feature = "dynamic-module")]
 mod stream;
 #[cfg(feature = "dynamic-module")]

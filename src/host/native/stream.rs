@@ -10,21 +10,14 @@
 //! (a trailers-only answer) or the trailers, then its end or its reset, which the dispatcher hears
 //! as proxy-wasm's `on_grpc_close`.
 
+use super::config::ModuleConfig;
 use super::ffi::{self, ModuleBuffer, ModuleHeader};
 use super::grpc::{self, status, Deframer};
-use super::worker::{Host, ModuleConfig, Native};
+use super::state::{self, Native, Real};
+use super::worker::Host;
 use crate::host::abi::{self, Status};
 use crate::host::dispatch::Dispatcher;
 use std::sync::Arc;
-
-/// An open stream: its configuration, Envoy's id, what is read off it so far.
-pub(super) struct Real {
-    config: Arc<ModuleConfig>,
-    id: u64,
-    deframer: Deframer,
-    /// The gRPC status its headers or trailers carried, and its message.
-    status: Option<(u32, Option<String>)>,
-}
 
 impl Host {
     /// Opens the stream to `cluster`'s `path` for the current configuration: its token.
@@ -36,8 +29,8 @@ impl Host {
         metadata: &[(String, String)],
     ) -> Result<u32, Status> {
         let envoy = config.envoy_alive().ok_or(abi::NOT_FOUND)?;
-        let headers = super::calls::grpc_headers(path, cluster, metadata);
-        let mut hs = super::calls::module_headers(&headers);
+        let headers = state::grpc_headers(path, cluster, metadata);
+        let mut hs = state::module_headers(&headers);
         hs.push(ModuleHeader::of(b"host", cluster.as_bytes()));
         let mut id = 0u64;
         // SAFETY: a live configuration's object, on the one worker (the only thread that touches

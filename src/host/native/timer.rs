@@ -6,8 +6,8 @@
 //! and commits that worker's scheduler. A worker with no request waiting has nothing held and
 //! nothing in flight for a request: its ticks run at the start of its next callback.
 
-use super::calls::Landed;
 use super::ffi;
+use super::state::Landed;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Once, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
