@@ -87,6 +87,45 @@ pub(super) fn pairs(headers: &[(Vec<u8>, Vec<u8>)]) -> impl Iterator<Item = (&[u
     headers.iter().map(|(k, v)| (k.as_slice(), v.as_slice()))
 }
 
+/// The ABI's one-shot callout, a filter's or a configuration's (the same parameters: its owner,
+/// the id out, the cluster, the headers, the body, the timeout).
+type Callout = unsafe extern "C" fn(
+    *mut std::ffi::c_void,
+    *mut u64,
+    ModuleBuffer,
+    *mut ffi::ModuleHeader,
+    usize,
+    ModuleBuffer,
+    u64,
+) -> i32;
+
+/// `r` sent through `callout` on `owner`: Envoy's id for it, or its init result.
+///
+/// # Safety
+/// `owner` must be what `callout` takes, live, on the thread allowed to use it.
+unsafe fn start(callout: Callout, owner: *mut std::ffi::c_void, r: &Request) -> Result<u64, i32> {
+    let mut hs = module_headers(&r.headers);
+    let mut id = 0u64;
+    // SAFETY: the caller's promise for `owner`; every buffer outlives the call. A timeout of 0
+    // would end a configuration's callout at once: 1 ms at least.
+    let init = unsafe {
+        callout(
+            owner,
+            &mut id,
+            ModuleBuffer::of(r.cluster.as_bytes()),
+            hs.as_mut_ptr(),
+            hs.len(),
+            ModuleBuffer::of(&r.body),
+            r.timeout_ms.max(1),
+        )
+    };
+    if init == ffi::CALLOUT_INIT_SUCCESS {
+        Ok(id)
+    } else {
+        Err(init)
+    }
+}
+
 /// The first of `members` that still waits on this worker (or is the one being served, whose
 /// callback is about to make it wait).
 fn waiting_member(
@@ -158,26 +197,18 @@ impl Host {
         let r = &owned.request;
         owned.carrier = match member {
             Some((ctx, envoy)) => {
-                let mut hs = module_headers(&r.headers);
-                let mut id = 0u64;
-                // SAFETY: a live request's pointer on its worker; every buffer outlives the call.
-                let init = unsafe {
-                    ffi::envoy_dynamic_module_callback_http_filter_http_callout(
+                // SAFETY: a live request's pointer, on its worker.
+                let id = unsafe {
+                    start(
+                        ffi::envoy_dynamic_module_callback_http_filter_http_callout,
                         envoy,
-                        &mut id,
-                        ModuleBuffer::of(r.cluster.as_bytes()),
-                        hs.as_mut_ptr(),
-                        hs.len(),
-                        ModuleBuffer::of(&r.body),
-                        r.timeout_ms,
+                        r,
                     )
-                };
-                if init != ffi::CALLOUT_INIT_SUCCESS {
-                    return Err(match init {
-                        2 => abi::BAD_ARGUMENT,
-                        _ => INTERNAL_FAILURE,
-                    });
                 }
+                .map_err(|init| match init {
+                    2 => abi::BAD_ARGUMENT,
+                    _ => INTERNAL_FAILURE,
+                })?;
                 self.by_callout
                     .borrow_mut()
                     .insert(carry_key(ctx, id), token);
@@ -392,22 +423,16 @@ pub fn send_queued() {
         let Some(envoy) = r.config.envoy_alive() else {
             continue;
         };
-        let mut hs = module_headers(&r.headers);
-        let mut id = 0u64;
         // SAFETY: a live configuration's object, on the main thread (the only one that makes
-        // its callouts); every buffer outlives the call.
-        let init = unsafe {
-            ffi::envoy_dynamic_module_callback_http_filter_config_http_callout(
+        // its callouts).
+        let started = unsafe {
+            start(
+                ffi::envoy_dynamic_module_callback_http_filter_config_http_callout,
                 envoy,
-                &mut id,
-                ModuleBuffer::of(r.cluster.as_bytes()),
-                hs.as_mut_ptr(),
-                hs.len(),
-                ModuleBuffer::of(&r.body),
-                r.timeout_ms.max(1),
+                r,
             )
         };
-        if init == ffi::CALLOUT_INIT_SUCCESS {
+        if let Ok(id) = started {
             SENT.with(|s| {
                 s.borrow_mut()
                     .insert((envoy as usize, id), (out.wake.clone(), out.token))

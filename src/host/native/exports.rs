@@ -59,6 +59,27 @@ fn ctx(module: FilterModule) -> u32 {
     u32::try_from(module as usize).unwrap_or(0)
 }
 
+/// A request's hook: `f` runs as request `module`'s callback (the host acting on it); its status
+/// as Envoy takes it (the dispatcher's and Envoy's numbering agree: Continue 0, then the stops).
+fn on_request(
+    module: FilterModule,
+    f: impl FnOnce(&mut Dispatcher<Native>, &Host, u32) -> u32,
+) -> i32 {
+    let id = ctx(module);
+    with(CONTINUE, |d, h| {
+        h.enter(id);
+        f(d, h, id)
+    }) as i32
+}
+
+/// A request callback's status: the request waits unless it goes on.
+fn waits_unless_continued(h: &Host, id: u32, status: u32) -> u32 {
+    if status != CONTINUE {
+        h.waits(id);
+    }
+    status
+}
+
 /// Log records go to Envoy's `dynamic_modules` logger.
 struct Logger;
 
@@ -156,10 +177,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     filter: FilterEnvoy,
 ) -> FilterModule {
     // SAFETY: `config_new`'s pointer; Envoy keeps the configuration alive while its filters are.
-    let config = unsafe {
-        Arc::increment_strong_count(config.cast::<ModuleConfig>());
-        Arc::from_raw(config.cast::<ModuleConfig>())
-    };
+    // Borrowed, not owned: the count is touched only when a worker keeps it (its first request).
+    let config =
+        std::mem::ManuallyDrop::new(unsafe { Arc::from_raw(config.cast::<ModuleConfig>()) });
     let id = with_housekeeping(0, |d, h| {
         let root = h.root(d, &config);
         h.open(d, root, filter)
@@ -207,16 +227,10 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     module: FilterModule,
     end_of_stream: bool,
 ) -> i32 {
-    let id = ctx(module);
-    with(CONTINUE, |d, h| {
-        h.enter(id);
+    on_request(module, |d, h, id| {
         let size = super::abi::body_size(filter, true);
-        let s = d.on_request_body(id, Some(size), end_of_stream);
-        if s != CONTINUE {
-            h.waits(id);
-        }
-        s
-    }) as i32
+        waits_unless_continued(h, id, d.on_request_body(id, Some(size), end_of_stream))
+    })
 }
 
 /// `..._request_trailers_status envoy_dynamic_module_on_http_filter_request_trailers(
@@ -226,16 +240,13 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
     _filter: FilterEnvoy,
     module: FilterModule,
 ) -> i32 {
-    let id = ctx(module);
-    with(CONTINUE, |d, h| {
-        h.enter(id);
-        let s = d.on_request_body(id, None, true);
-        if s != CONTINUE {
-            h.waits(id);
-            return PAUSE;
+    // Trailers have one stop (StopIteration, 1), whatever stop the dispatcher said.
+    on_request(module, |d, h, id| {
+        match waits_unless_continued(h, id, d.on_request_body(id, None, true)) {
+            CONTINUE => CONTINUE,
+            _ => PAUSE,
         }
-        CONTINUE
-    }) as i32
+    })
 }
 
 /// `..._response_headers_status envoy_dynamic_module_on_http_filter_response_headers(
@@ -246,11 +257,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     module: FilterModule,
     end_of_stream: bool,
 ) -> i32 {
-    let id = ctx(module);
-    with(CONTINUE, |d, h| {
-        h.enter(id);
-        d.on_response_headers(id, end_of_stream)
-    }) as i32
+    on_request(module, |d, _, id| d.on_response_headers(id, end_of_stream))
 }
 
 /// `..._response_body_status envoy_dynamic_module_on_http_filter_response_body(filter_envoy_ptr,
@@ -261,12 +268,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     module: FilterModule,
     end_of_stream: bool,
 ) -> i32 {
-    let id = ctx(module);
-    with(CONTINUE, |d, h| {
-        h.enter(id);
-        let size = super::abi::body_size(filter, false);
-        d.on_response_body(id, size, end_of_stream)
-    }) as i32
+    on_request(module, |d, _, id| {
+        d.on_response_body(id, super::abi::body_size(filter, false), end_of_stream)
+    })
 }
 
 /// `..._response_trailers_status envoy_dynamic_module_on_http_filter_response_trailers(
@@ -276,11 +280,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
     _filter: FilterEnvoy,
     module: FilterModule,
 ) -> i32 {
-    let id = ctx(module);
-    with(CONTINUE, |d, h| {
-        h.enter(id);
-        d.on_response_trailers(id)
-    }) as i32
+    on_request(module, |d, _, id| d.on_response_trailers(id))
 }
 
 /// `void envoy_dynamic_module_on_http_filter_stream_complete(filter_envoy_ptr,
